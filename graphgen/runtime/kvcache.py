@@ -1,0 +1,302 @@
+"""Paged KV cache, block allocator with pins, and pool (de)serialisation of one block.
+
+Layout: per layer a tuple of tensors, one per component in the order of ``component_shapes``
+(``(k, v)`` for qwen3_dense, ``(ckv, kpe)`` for deepseek_v3), each ``[num_blocks, block_size, *rest]``.
+A *staging* area (what ``kv_save`` copies into) has the same per-layer structure with the number of
+saved blocks instead of ``num_blocks``.
+
+Pool value of one block = for each layer in order, for each component in order, the raw bytes of
+``tensor[block]`` (C order). Its meaning depends on dtype, shapes, component order and layer count,
+all captured by `layout_version`, which belongs in the pool key (``pool.block_keys(layout=...)``):
+a layout change then never reads stale bytes. A value of the wrong size is rejected loudly.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "OutOfBlocks", "BlockAllocator", "PagedKVCache", "layout_version", "slot_mapping",
+    "make_staging", "block_nbytes", "pack_block", "unpack_block_into",
+]
+
+LAYOUT_FORMAT = "kv1"   # bump when the byte order of a packed block changes
+
+
+class OutOfBlocks(RuntimeError):
+    """The allocator cannot satisfy a request."""
+
+    def __init__(self, requested: int, free: int, pinned_released: int, total: int):
+        self.requested, self.free, self.pinned_released, self.total = \
+            requested, free, pinned_released, total
+        super().__init__(
+            f"out of KV blocks: requested {requested}, free {free}, freed but pinned by an "
+            f"in-flight save {pinned_released}, total {total}")
+
+
+class BlockAllocator:
+    """Hands out block ids with reference counts and pins. Thread-safe.
+
+    * ``alloc(n)`` -> n ids, each with refcount 1. ``share(ids)`` adds a reference (prefix sharing),
+      ``free(ids)`` drops one.
+    * ``pin(ids)`` / ``unpin(ids)``: a block whose save is in flight is pinned. A block returns to the
+      free list only when its refcount AND its pin count are both zero, so a freed-but-pinned block is
+      never reused while its save may still read it — and freeing never waits for the save.
+    Freed blocks are reused in FIFO order (oldest freed first), which keeps reuse deterministic.
+    """
+
+    def __init__(self, num_blocks: int):
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._lock = threading.Lock()
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._pins = [0] * num_blocks
+
+    def _check(self, ids: Iterable[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids out of range [0, {self.num_blocks}): {bad}")
+        return ids
+
+    def alloc(self, n: int) -> list[int]:
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"alloc needs an int >= 0, got {n!r}")
+        with self._lock:
+            if n > len(self._free):
+                raise OutOfBlocks(n, len(self._free), self._pinned_released(), self.num_blocks)
+            ids = [self._free.popleft() for _ in range(n)]
+            for i in ids:
+                assert self._ref[i] == 0 and self._pins[i] == 0, i
+                self._ref[i] = 1
+            return ids
+
+    def share(self, ids: Iterable[int]) -> None:
+        ids = self._check(ids)
+        with self._lock:
+            dead = [i for i in ids if self._ref[i] == 0]
+            if dead:
+                raise ValueError(f"share of blocks that are not allocated: {dead}")
+            for i in ids:
+                self._ref[i] += 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        ids = self._check(ids)
+        with self._lock:
+            # validate everything first: a bad call must not half-apply
+            need: dict[int, int] = {}
+            for i in ids:
+                need[i] = need.get(i, 0) + 1
+            bad = sorted(i for i, c in need.items() if self._ref[i] < c)
+            if bad:
+                raise ValueError(f"free of blocks that are not allocated (double free?): {bad}")
+            for i in ids:
+                self._ref[i] -= 1
+                self._maybe_release(i)
+
+    def pin(self, ids: Iterable[int]) -> None:
+        ids = self._check(ids)
+        with self._lock:
+            dead = sorted({i for i in ids if self._ref[i] == 0 and self._pins[i] == 0})
+            if dead:
+                # pinning a free block protects nothing: it is already reusable
+                raise ValueError(f"pin of blocks that are not allocated: {dead}")
+            for i in ids:
+                self._pins[i] += 1
+
+    def unpin(self, ids: Iterable[int]) -> None:
+        ids = self._check(ids)
+        with self._lock:
+            need: dict[int, int] = {}
+            for i in ids:
+                need[i] = need.get(i, 0) + 1
+            bad = sorted(i for i, c in need.items() if self._pins[i] < c)
+            if bad:
+                raise ValueError(f"unpin of blocks that are not pinned: {bad}")
+            for i in ids:
+                self._pins[i] -= 1
+                self._maybe_release(i)
+
+    def _maybe_release(self, i: int) -> None:
+        if self._ref[i] == 0 and self._pins[i] == 0:
+            self._free.append(i)
+
+    def _pinned_released(self) -> int:
+        return sum(1 for r, p in zip(self._ref, self._pins) if r == 0 and p > 0)
+
+    def is_pinned(self, block_id: int) -> bool:
+        with self._lock:
+            return self._pins[block_id] > 0
+
+    def refcount(self, block_id: int) -> int:
+        with self._lock:
+            return self._ref[block_id]
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(total=self.num_blocks, free=len(self._free),
+                        allocated=sum(1 for r in self._ref if r > 0),
+                        pinned=sum(1 for p in self._pins if p > 0),
+                        pinned_released=self._pinned_released())
+
+
+# ------------------------------------------------------------------------------------- layout
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _norm_shapes(component_shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    if not component_shapes:
+        raise ValueError("component_shapes is empty")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in component_shapes.items():
+        shape = tuple(int(s) for s in shape)
+        if not shape or any(s <= 0 for s in shape):
+            raise ValueError(f"component {name!r}: shape must be non-empty and positive, got {shape}")
+        out[name] = shape
+    sizes = {s[0] for s in out.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"all components must share block_size (first dim), got {out}")
+    return out
+
+
+def layout_version(component_shapes: Mapping[str, Sequence[int]], num_layers: int,
+                   dtype: torch.dtype) -> str:
+    """Readable layout id for pool keys, e.g. ``kv1:float32:L2:k=16x2x8:v=16x2x8``."""
+    shapes = _norm_shapes(component_shapes)
+    comps = ":".join(f"{n}={'x'.join(map(str, s))}" for n, s in shapes.items())
+    return f"{LAYOUT_FORMAT}:{_dtype_name(dtype)}:L{int(num_layers)}:{comps}"
+
+
+def slot_mapping(block_table: Sequence[int] | torch.Tensor, start: int, end: int,
+                 block_size: int) -> torch.Tensor:
+    """Flat cache slots (``block * block_size + offset``) of token positions ``[start, end)``."""
+    table = torch.as_tensor(block_table, dtype=torch.long).reshape(-1)
+    if not 0 <= start <= end:
+        raise ValueError(f"need 0 <= start <= end, got start={start} end={end}")
+    if end > table.numel() * block_size:
+        raise ValueError(f"positions up to {end} need {math.ceil(end / block_size)} blocks, "
+                         f"block table has {table.numel()}")
+    pos = torch.arange(start, end, dtype=torch.long)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def make_staging(component_shapes: Mapping[str, Sequence[int]], num_layers: int,
+                 num_save_blocks: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer a tuple ``[num_save_blocks, *shape]`` per component (same order as the cache)."""
+    shapes = _norm_shapes(component_shapes)
+    return [tuple(torch.zeros((num_save_blocks, *s), dtype=dtype, device=device)
+                  for s in shapes.values()) for _ in range(num_layers)]
+
+
+class PagedKVCache:
+    """``num_layers`` x (one tensor per component ``[num_blocks, *component_shape]``)."""
+
+    def __init__(self, num_layers: int, component_shapes: Mapping[str, Sequence[int]],
+                 num_blocks: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        self.component_shapes = _norm_shapes(component_shapes)
+        self.component_names = tuple(self.component_shapes)
+        self.num_layers = int(num_layers)
+        self.num_blocks = int(num_blocks)
+        self.dtype = dtype
+        self.block_size = next(iter(self.component_shapes.values()))[0]
+        self.layout = layout_version(self.component_shapes, self.num_layers, dtype)
+        self._layers: list[tuple[torch.Tensor, ...]] = [
+            tuple(torch.zeros((self.num_blocks, *s), dtype=dtype, device=device)
+                  for s in self.component_shapes.values()) for _ in range(self.num_layers)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        return self._layers[i]
+
+    __getitem__ = layer
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers and components (= size of its pool value)."""
+        return block_nbytes(self._layers)
+
+    def slot_mapping(self, block_table: Sequence[int] | torch.Tensor, start: int, end: int,
+                     block_size: int | None = None) -> torch.Tensor:
+        if block_size is not None and block_size != self.block_size:
+            raise ValueError(f"block_size {block_size} != cache block_size {self.block_size}")
+        return slot_mapping(block_table, start, end, self.block_size)
+
+    def make_staging(self, num_save_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+        return make_staging(self.component_shapes, self.num_layers, num_save_blocks, self.dtype,
+                            self._layers[0][0].device if self._layers else None)
+
+    def __repr__(self) -> str:
+        return f"PagedKVCache({self.layout}, num_blocks={self.num_blocks})"
+
+
+# ------------------------------------------------------------------------- pool serialisation
+
+def _components(layers: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    flat = [t for layer in layers for t in layer]
+    if not flat:
+        raise ValueError("no KV tensors to (de)serialise")
+    dtypes = {t.dtype for t in flat}
+    if len(dtypes) != 1:
+        raise ValueError(f"all KV components must share one dtype, got {sorted(map(str, dtypes))}")
+    return flat
+
+
+def block_nbytes(layers: Sequence[Sequence[torch.Tensor]]) -> int:
+    """Bytes of one block of ``layers`` (a cache or a staging area)."""
+    return sum(math.prod(t.shape[1:]) * t.element_size() for t in _components(layers))
+
+
+def pack_block(layers: Sequence[Sequence[torch.Tensor]], index: int) -> bytes:
+    """Bytes of block ``index`` of a cache (``PagedKVCache`` or its list of layers) or of a staging
+    area (then ``index`` is the position in the staging, not a cache block id)."""
+    flat = _components(layers)
+    out = torch.empty(block_nbytes(layers), dtype=torch.uint8)
+    off = 0
+    for t in flat:
+        if not 0 <= index < t.shape[0]:
+            raise IndexError(f"block {index} out of range for a tensor of {t.shape[0]} blocks")
+        n = math.prod(t.shape[1:]) * t.element_size()
+        out[off:off + n].view(t.dtype).view(t.shape[1:]).copy_(t[index])   # also device -> host
+        off += n
+    return out.numpy().tobytes()
+
+
+def unpack_block_into(cache: Sequence[Sequence[torch.Tensor]], block_id: int,
+                      data: bytes | bytearray | memoryview) -> None:
+    """Write a pooled block's bytes into block ``block_id`` of ``cache`` (all layers/components)."""
+    flat = _components(cache)
+    expected = block_nbytes(cache)
+    if len(data) != expected:
+        layout = getattr(cache, "layout", None)
+        raise ValueError(
+            f"pool value has {len(data)} bytes, one block of this cache needs {expected}"
+            + (f" (layout {layout})" if layout else "") + ": stale or foreign layout")
+    # bytearray: torch.frombuffer wants a writable buffer; this is the one host copy of the load
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else \
+        torch.empty(0, dtype=torch.uint8)
+    off = 0
+    for t in flat:
+        if not 0 <= block_id < t.shape[0]:
+            raise IndexError(f"block {block_id} out of range for a tensor of {t.shape[0]} blocks")
+        n = math.prod(t.shape[1:]) * t.element_size()
+        t[block_id].copy_(buf[off:off + n].view(t.dtype).view(t.shape[1:]))
+        off += n
