@@ -1,0 +1,85 @@
+"""Compile a generated NPU module's forward with torchair (or, for CPU tests, with the stand-in).
+
+``compile_module(module_or_path, mode)`` wraps ``forward`` in
+``torch.compile(backend=torchair.get_npu_backend(compiler_config=cfg), fullgraph=True)`` with
+``cfg.mode = mode``; ``cache_dir`` routes through ``torchair.inference.cache_compile``.
+Without torch_npu/torchair it raises ``NpuUnavailable`` with one sentence.  ``use_standin=True``
+compiles with ``graphgen.npu.standin`` on CPU instead (graph structure only, never NPU behaviour).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+MODES = ("max-autotune", "reduce-overhead")
+
+
+class NpuUnavailable(RuntimeError):
+    """torch_npu / torchair cannot be imported here (no Ascend CANN toolkit)."""
+
+
+def _import_torchair(use_standin: bool) -> ModuleType:
+    if use_standin:
+        from graphgen.npu import standin
+
+        if not standin.install():
+            raise NpuUnavailable("use_standin=True was requested but torch_npu is installed; "
+                                 "use the real torchair instead of the CPU stand-in.")
+        return importlib.import_module("torchair")
+    try:
+        importlib.import_module("torch_npu")  # torchair needs torch_npu's ops and the NPU device
+        torchair = importlib.import_module("torchair")
+    except Exception as e:  # ImportError, OSError (missing libascendcl.so / libhccl.so), ...
+        raise NpuUnavailable(f"torch_npu/torchair cannot be imported ({type(e).__name__}: {e}); "
+                             f"NPU compilation needs an Ascend machine with CANN installed.") from None
+    from graphgen.npu import standin
+
+    if standin.is_standin(torchair):
+        raise NpuUnavailable("the imported torchair is graphgen's CPU stand-in, not the real one.")
+    return torchair
+
+
+def _load(module_path_or_obj: Any) -> Any:
+    if isinstance(module_path_or_obj, (str, Path)):
+        p = Path(module_path_or_obj)
+        spec = importlib.util.spec_from_file_location(p.stem, p)
+        if spec is None or spec.loader is None:
+            raise FileNotFoundError(f"cannot load module from {p}")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    return module_path_or_obj
+
+
+def compile_module(module_path_or_obj: Any, mode: str, cache_dir: str | None = None, *,
+                   use_standin: bool = False, dynamic: bool = False):
+    """Return ``(target, backend)`` where ``target.forward`` is the compiled forward.
+
+    ``module_path_or_obj``: a path to a generated ``npu/<mode>/<variant>.py`` (the module must define
+    ``Model``, an ``nn.Module`` class taking no arguments, or ``model``, an instance), or any
+    object with a ``forward`` method.  ``backend`` is the torchair backend (with the stand-in it
+    exposes ``.graphs``, the captured post-AOT graphs).
+    """
+    import torch
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    torchair = _import_torchair(use_standin)
+    obj = _load(module_path_or_obj)
+    if isinstance(obj, ModuleType):
+        target = getattr(obj, "model", None) or getattr(obj, "Model")()
+    else:
+        target = obj
+    cfg = torchair.CompilerConfig()
+    cfg.mode = mode
+    backend = torchair.get_npu_backend(compiler_config=cfg)
+    if cache_dir is not None:
+        # cache_compile takes the bound method and handles compilation (and its backend) itself.
+        target.forward = torchair.inference.cache_compile(target.forward, config=cfg, dynamic=dynamic,
+                                                          cache_dir=str(cache_dir))
+    else:
+        target.forward = torch.compile(target.forward, backend=backend, fullgraph=True, dynamic=dynamic)
+    return target, backend

@@ -1,0 +1,420 @@
+"""CPU STAND-IN for torchair / torch_npu -- proves graph structure only, never NPU behaviour.
+
+``install()`` (and nothing else in this module) makes NPU-targeted generated code traceable on
+a CPU-only machine:
+
+* registers the ``air::`` operator schemas torchair defines (scope_enter/exit, record, wait,
+  wait_tensor, tagged_event_record/wait, record_tagged_stream[_]) with no-op CPU kernels and
+  meta kernels;
+* registers the ``npu::`` kernels the NPU templates use, with their REAL schemas taken from
+  ``manifest.json`` (extracted from the torch-npu 2.14.0 wheel), small CPU reference kernels and
+  meta kernels.  Mutable ops (``npu_scatter_nd_update_``, ``npu_scatter_pa_kv_cache``) get a
+  Functionalize kernel that rewrites them to their functional twin, which is what torch_npu's
+  generated C++ functionalization does (the yaml declares the twins, and torchair's GE
+  converters are registered on the functional names, e.g.
+  ``torchair/_ge_concrete_graph/ge_converter/custom/npu_scatter_pa_kv_cache.py``);
+* puts fake ``torchair`` and ``torch_npu`` modules into ``sys.modules``.
+
+It does nothing when ``torch_npu`` is installed (registering the same ``air``/``npu`` ops a
+second time would fail, and the real thing should be used).  Nothing here runs on an NPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.fx.node import has_side_effect
+
+STANDIN_LABEL = "<graphgen CPU stand-in: proves graph structure only, not NPU behaviour>"
+_MANIFEST = Path(__file__).with_name("manifest.json")
+
+# air:: ops torchair defines (all of them are registered so generated code may use any).
+AIR_OPS = ("scope_enter", "scope_exit", "record", "wait", "wait_tensor", "tagged_event_record",
+           "tagged_event_wait", "record_tagged_stream", "record_tagged_stream_")
+# torchair marks these with has_side_effect so DCE keeps them (ops/_record_wait.py, scope/_scope.py,
+# ops/_tagged_event.py); record is not marked: its output feeds a wait.
+_AIR_SIDE_EFFECT = ("scope_enter", "scope_exit", "wait", "tagged_event_record", "tagged_event_wait",
+                    "record_tagged_stream")
+# npu:: kernels a Qwen3 dense layer and a DeepSeek MLA(+MoE) layer lowering uses; the KV write and
+# the save both go through npu_scatter_nd_update_ (see docs/npu-research.md).
+NPU_OPS = ("npu_scatter_nd_update", "npu_scatter_nd_update_", "npu_scatter_pa_kv_cache",
+           "npu_scatter_pa_kv_cache_functional", "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu",
+           "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_fused_infer_attention_score")
+
+_state: dict[str, Any] = {"installed": False, "libs": []}
+
+
+def torch_npu_available() -> bool:
+    """Is the REAL torch_npu installed?  (Our own stand-in in sys.modules does not count.)"""
+    mod = sys.modules.get("torch_npu")
+    if mod is not None:
+        return not is_standin(mod)
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ValueError, ImportError):
+        return False
+
+
+def _schema(manifest: dict, key: str) -> str:
+    return manifest["op_schemas"][key]["schema"]
+
+
+# --------------------------------------------------------------------------- CPU reference kernels
+def _scatter_nd_update(self, indices, updates):
+    out = self.clone()
+    out[tuple(indices.long().unbind(-1))] = updates.to(out.dtype)
+    return out
+
+
+def _scatter_nd_update_(self, indices, updates):
+    self[tuple(indices.long().unbind(-1))] = updates.to(self.dtype)
+    return self
+
+
+def _pa_write(cache, src, slots):
+    # cache_mode='Norm' layout: cache[num_blocks, block_size, ...], slot = block * block_size + offset
+    flat = cache.view(-1, *cache.shape[2:])
+    flat[slots.long()] = src.reshape(src.shape[0], *cache.shape[2:]).to(cache.dtype)
+
+
+def _scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
+                         compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
+    _pa_write(key_cache, key, slot_mapping)
+    _pa_write(value_cache, value, slot_mapping)
+
+
+def _scatter_pa_kv_cache_functional(key, value, key_cache, value_cache, slot_mapping, **kw):
+    k, v = key_cache.clone(), value_cache.clone()
+    _scatter_pa_kv_cache(key, value, k, v, slot_mapping, **kw)
+    return k, v
+
+
+def _rms_norm(x, gamma, epsilon=1e-6):
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    return (x.float() * rstd).to(x.dtype) * gamma, rstd
+
+
+def _add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    x = x1 + x2
+    y, rstd = _rms_norm(x, gamma, epsilon)
+    return y, rstd, x
+
+
+def _swiglu(x, dim=-1):
+    a, b = x.chunk(2, dim=dim)
+    return torch.nn.functional.silu(a) * b
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _interleave_rope(x, cos, sin):
+    x2 = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos + x2 * sin
+
+
+def _fia(query, key, value, **kw):
+    # Shape-only: the stand-in proves graph structure; attention numerics are the CPU runtime's job.
+    return torch.zeros_like(query), torch.zeros(query.shape[:-1] + (1,), dtype=torch.float32)
+
+
+def _fia_meta(query, key, value, **kw):
+    return torch.empty_like(query), query.new_empty(query.shape[:-1] + (1,), dtype=torch.float32)
+
+
+_CPU_KERNELS: dict[str, Callable] = {
+    "npu_scatter_nd_update": _scatter_nd_update,
+    "npu_scatter_nd_update_": _scatter_nd_update_,
+    "npu_scatter_pa_kv_cache": _scatter_pa_kv_cache,
+    "npu_scatter_pa_kv_cache_functional": _scatter_pa_kv_cache_functional,
+    "npu_rms_norm": _rms_norm,
+    "npu_add_rms_norm": _add_rms_norm,
+    "npu_swiglu": _swiglu,
+    "npu_apply_rotary_pos_emb": _apply_rotary_pos_emb,
+    "npu_interleave_rope": _interleave_rope,
+    "npu_fused_infer_attention_score": _fia,
+}
+# Meta kernels: the CPU reference kernels are shape-faithful, so most run on meta tensors as-is.
+_META_KERNELS: dict[str, Callable] = {
+    "npu_scatter_nd_update": lambda s, i, u: torch.empty_like(s),
+    "npu_scatter_nd_update_": lambda s, i, u: s,
+    "npu_scatter_pa_kv_cache": lambda *a, **k: None,
+    "npu_scatter_pa_kv_cache_functional": lambda key, value, kc, vc, sm, **k: (torch.empty_like(kc),
+                                                                              torch.empty_like(vc)),
+    "npu_fused_infer_attention_score": _fia_meta,
+}
+
+
+def _functionalize_via(functional_name: str, mutated: tuple[int, ...]):
+    """Functionalize kernel: call the functional twin, then replace the mutated inputs' values.
+
+    Mirrors what torchgen-generated functionalization does for native mutable ops; without it
+    AOT would try auto_functionalize, which rejects ``-> Tensor(a!)`` returns.
+    """
+    def kernel(*args, **kwargs):
+        for i in mutated:
+            torch._sync(args[i])
+        unwrap = lambda t: torch._from_functional_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        raw_args = [unwrap(a) for a in args]
+        raw_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+            out = getattr(torch.ops.npu, functional_name)(*raw_args, **raw_kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, new in zip(mutated, outs):
+            torch._functionalize_replace(args[i], new)
+            torch._functionalize_commit_update(args[i])
+            torch._functionalize_sync(args[i])
+        return args[mutated[0]] if not isinstance(out, (tuple, list)) else None
+    return kernel
+
+
+def _register_ops(manifest: dict) -> None:
+    if not hasattr(torch.ops.air, "scope_enter"):
+        air = torch.library.Library("air", "FRAGMENT")  # noqa: TOR901
+        _state["libs"].append(air)
+        for name in AIR_OPS:
+            air.define(_schema(manifest, f"air::{name}"))
+        noop = lambda *a, **k: None  # noqa: E731
+        for name in AIR_OPS:
+            if name == "record":
+                air.impl(name, lambda *, device=None: torch.empty(0, device=device), "CompositeExplicitAutograd")
+                air.impl(name, lambda *, device=None: torch.empty(0, device="meta"), "Meta")
+            elif name == "wait_tensor":
+                # max-autotune only on NPU; here an identity so graphs using it still trace.
+                air.impl(name, lambda self, dependency: self.clone(), "CompositeExplicitAutograd")
+            else:
+                air.impl(name, noop, "CompositeExplicitAutograd")
+        # record_tagged_stream_ does not really mutate; torchair routes its functionalization to the
+        # non-mutating twin the same way (torchair/ops/_tagged_event.py).
+        air.impl("record_tagged_stream_",
+                 lambda input, tag: torch.ops.air.record_tagged_stream(torch._from_functional_tensor(input), tag),
+                 "Functionalize")
+        for name in _AIR_SIDE_EFFECT:
+            has_side_effect(getattr(torch.ops.air, name).default)
+    if not hasattr(torch.ops.npu, "npu_scatter_nd_update"):
+        npu = torch.library.Library("npu", "FRAGMENT")  # noqa: TOR901
+        _state["libs"].append(npu)
+        for name in NPU_OPS:
+            npu.define(_schema(manifest, f"npu::{name}"))
+            npu.impl(name, _CPU_KERNELS[name], "CompositeExplicitAutograd")
+            npu.impl(name, _META_KERNELS.get(name, _CPU_KERNELS[name]), "Meta")
+        npu.impl("npu_scatter_nd_update_", _functionalize_via("npu_scatter_nd_update", (0,)), "Functionalize")
+        npu.impl("npu_scatter_pa_kv_cache",
+                 _functionalize_via("npu_scatter_pa_kv_cache_functional", (2, 3)), "Functionalize")
+        # the pa kv cache write returns nothing: keep it from being dead-code eliminated when traced eagerly
+        has_side_effect(torch.ops.npu.npu_scatter_pa_kv_cache.default)
+
+
+# --------------------------------------------------------------------------- fake torchair
+class _Scope:
+    """Context manager emitting air.scope_enter / air.scope_exit, as torchair.scope does."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def __enter__(self):
+        return torch.ops.air.scope_enter(self.keys, self.values)
+
+    def __exit__(self, *exc):
+        torch.ops.air.scope_exit()
+        return False
+
+
+def _npu_stream_switch(stream_tag: str, stream_priority: int = 0, enable_inner_parallel: bool = True):
+    return _Scope(["_user_stream_label", "_user_stream_priority", "_enable_inner_parallel"],
+                  [stream_tag, str(stream_priority), str(enable_inner_parallel)])
+
+
+def _npu_wait_tensor(self, dependency):
+    return torch.ops.air.wait_tensor(self, dependency)
+
+
+def _record():
+    return torch.ops.air.record()
+
+
+def _wait(tensors: list):
+    if not tensors:
+        raise ValueError("torchair.ops.wait() requires at least one tensor input")
+    return torch.ops.air.wait(tensors)
+
+
+@dataclass(frozen=True)
+class StandinTaggedEvent:
+    """Stand-in for the torch.npu.Event that torchair.ops.npu_create_tagged_event returns."""
+    tag: str
+
+
+_TAGS: dict[str, StandinTaggedEvent] = {}
+
+
+def _npu_create_tagged_event(tag: str):
+    if tag in _TAGS:  # torchair raises the same error for a reused tag
+        raise ValueError(f"tagged event tag {tag} is already in use")
+    _TAGS[tag] = StandinTaggedEvent(tag)
+    return _TAGS[tag]
+
+
+def _npu_tagged_event_record(event):
+    return torch.ops.air.tagged_event_record(event.tag)
+
+
+def _npu_tagged_event_wait(event):
+    return torch.ops.air.tagged_event_wait(event.tag)
+
+
+def _npu_record_tagged_stream(input, tagged_stream: str):
+    return torch.ops.air.record_tagged_stream_(input, tagged_stream)
+
+
+class _Option:
+    def __init__(self, default, choices):
+        self.value, self.choices = default, choices
+
+
+class CompilerConfig:
+    """Stand-in: only ``mode`` (and a ``debug`` namespace) -- the options graphgen sets."""
+
+    def __init__(self):
+        object.__setattr__(self, "mode", _Option("max-autotune", ["max-autotune", "reduce-overhead", "npugraph_ex"]))
+        object.__setattr__(self, "debug", types.SimpleNamespace(graph_dump=types.SimpleNamespace(type=None)))
+
+    def __setattr__(self, name, value):
+        # torchair's config objects accept `cfg.mode = "reduce-overhead"` and validate it.
+        if name == "mode":
+            if value not in self.mode.choices:
+                raise ValueError(f"mode must be one of {self.mode.choices}, got {value!r}")
+            self.mode.value = value
+        else:
+            object.__setattr__(self, name, value)
+
+
+@dataclass
+class CapturedGraph:
+    """One compiled graph: the raw post-AOT forward and the graph after the modelled torchair passes."""
+    mode: str
+    raw: torch.fx.GraphModule        # exactly what AOT autograd handed to the compiler
+    gm: torch.fx.GraphModule         # after modelled torchair re-inplacing (what would be lowered)
+    example_inputs: list
+    reinplaced: list = field(default_factory=list)
+
+    def placeholder_for(self, tensor: torch.Tensor, graph: str = "gm") -> str:
+        """Name of the graph input that receives ``tensor`` (matched by identity/storage)."""
+        g = getattr(self, graph)
+        phs = [n for n in g.graph.nodes if n.op == "placeholder"]
+        for n, ex in zip(phs, self.example_inputs):
+            if ex is tensor or (isinstance(ex, torch.Tensor) and ex.data_ptr() == tensor.data_ptr()
+                                and ex.shape == tensor.shape):
+                return n.name
+        raise KeyError("tensor is not an input of this graph")
+
+
+class StandinBackend:
+    """torch.compile backend: AOT autograd as torchair calls it, then the modelled re-inplace.
+
+    torchair (npu_fx_compiler.py::_compile_graph_with_aot) calls ``aot_module_simplified`` with
+    ``keep_inference_input_mutations=True`` (experimental_config default), so graph-input writes
+    come back as trailing ``aten.copy_`` nodes.  Both graphs are captured for inspection.
+    """
+
+    def __init__(self, compiler_config=None, custom_decompositions=None):
+        self.config = compiler_config or CompilerConfig()
+        self.decompositions = dict(custom_decompositions or {})
+        self.graphs: list[CapturedGraph] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from graphgen.npu.aotcheck import model_torchair_reinplace
+
+        mode = self.config.mode.value
+
+        def fw_compiler(aot_gm: torch.fx.GraphModule, inputs):
+            raw = copy.deepcopy(aot_gm)
+            done = model_torchair_reinplace(aot_gm, mode)
+            self.graphs.append(CapturedGraph(mode, raw, aot_gm, list(example_inputs), done))
+            return aot_gm.forward
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
+                                     inference_compiler=fw_compiler, keep_inference_input_mutations=True,
+                                     decompositions=self.decompositions)
+
+
+def _get_npu_backend(*, compiler_config=None, custom_decompositions=None):
+    return StandinBackend(compiler_config, custom_decompositions)
+
+
+def _cache_compile(func, *, config=None, dynamic=True, cache_dir=None, global_rank=None, tp_rank=None,
+                   pp_rank=None, **kwargs):
+    # Pass-through: the stand-in has no disk cache.
+    return func
+
+
+def _build_modules() -> dict[str, types.ModuleType]:
+    def mod(name, doc, **attrs):
+        m = types.ModuleType(name, doc)
+        m.__file__ = STANDIN_LABEL
+        m.__graphgen_standin__ = True
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        return m
+
+    doc = "CPU STAND-IN for torchair (graphgen.npu.standin): proves graph structure only, not NPU behaviour."
+    scope = mod("torchair.scope", doc, npu_stream_switch=_npu_stream_switch, npu_wait_tensor=_npu_wait_tensor)
+    ops = mod("torchair.ops", doc, record=_record, wait=_wait, npu_create_tagged_event=_npu_create_tagged_event,
+              npu_tagged_event_record=_npu_tagged_event_record, npu_tagged_event_wait=_npu_tagged_event_wait,
+              npu_record_tagged_stream=_npu_record_tagged_stream)
+    inference = mod("torchair.inference", doc, cache_compile=_cache_compile)
+    torchair = mod("torchair", doc, scope=scope, ops=ops, inference=inference, CompilerConfig=CompilerConfig,
+                   get_npu_backend=_get_npu_backend)
+    tn_doc = "CPU STAND-IN for torch_npu (graphgen.npu.standin): torch_npu.<op> -> torch.ops.npu.<op>."
+    torch_npu = mod("torch_npu", tn_doc, **{n: getattr(torch.ops.npu, n) for n in NPU_OPS})
+    return {"torchair": torchair, "torchair.scope": scope, "torchair.ops": ops,
+            "torchair.inference": inference, "torch_npu": torch_npu}
+
+
+def install() -> bool:
+    """Install the stand-in; returns False (and does nothing) when torch_npu is installed."""
+    if torch_npu_available():
+        return False
+    if _state["installed"]:
+        return True
+    manifest = json.loads(_MANIFEST.read_text())
+    _register_ops(manifest)
+    mods = _build_modules()
+    for name, m in mods.items():
+        existing = sys.modules.get(name)
+        if existing is not None and not getattr(existing, "__graphgen_standin__", False):
+            raise RuntimeError(f"a real {name} module is already imported; refusing to shadow it")
+        sys.modules[name] = m
+    _state["installed"] = True
+    return True
+
+
+def is_standin(module) -> bool:
+    return bool(getattr(module, "__graphgen_standin__", False))
+
+
+@contextlib.contextmanager
+def fresh_tags():
+    """Tagged-event tags are process-global (as in torchair); tests use this to start clean."""
+    saved = dict(_TAGS)
+    _TAGS.clear()
+    try:
+        yield
+    finally:
+        _TAGS.clear()
+        _TAGS.update(saved)
