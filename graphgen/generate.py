@@ -1,0 +1,182 @@
+"""Spec files -> the files under ``generated/`` (the build path: torch-free, deterministic).
+
+For each spec and variant: the golden graph ``<model>/<variant>.graph``, and per enabled target
+``<model>/cpu/<variant>.py`` and ``<model>/npu/<mode>/<variant>.py``. Files are written atomically
+(temp file + rename) and only when their bytes change; files under the output folder that no spec
+produces are removed (only inside the given models' folders when specs are named explicitly).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+from .ir.text import print_graph
+from .lower.render import render
+from .passes.manager import run_pipeline
+from .spec.loader import load_specs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SPEC_DIR = Path("specs")
+DEFAULT_OUT = Path("generated")
+IGNORED_PARTS = ("__pycache__",)
+
+
+def default_spec_paths(spec_dir: Path = DEFAULT_SPEC_DIR) -> list[Path]:
+    return sorted(spec_dir.glob("*.yaml"))
+
+
+def display_path(path: Path) -> str:
+    """Stable, machine-independent name of a spec file for headers (never an absolute path)."""
+    p = Path(path).resolve()
+    for base in (Path.cwd().resolve(), REPO_ROOT):
+        try:
+            return p.relative_to(base).as_posix()
+        except ValueError:
+            continue
+    return p.name
+
+
+def mode_dir(mode: str) -> str:
+    return mode.replace("-", "_")
+
+
+def spec_outputs(spec, spec_file: str) -> dict[str, str]:
+    """Relative path -> file text for one spec (every variant, every enabled target)."""
+    files: dict[str, str] = {}
+    for variant in spec.variants:
+        graph = run_pipeline(spec, variant, spec_file=spec_file)
+        files[f"{spec.name}/{variant}.graph"] = print_graph(graph)
+        if spec.targets.cpu is not None:
+            files[f"{spec.name}/cpu/{variant}.py"] = render("cpu/variant.py.j2", graph)
+        if spec.targets.npu is not None:
+            npu = spec.targets.npu
+            for mode in npu.compile_modes:
+                files[f"{spec.name}/npu/{mode_dir(mode)}/{variant}.py"] = render(
+                    "npu/variant.py.j2", graph, mode=mode, stream_tag=npu.save_stream_tag,
+                    stream_priority=npu.save_stream_priority, spec=spec)
+    return files
+
+
+def build_outputs(spec_paths: Iterable[Path]) -> tuple[dict[str, str], list[str]]:
+    """All outputs of the given specs (raises SpecError / PassError) and the model names."""
+    spec_paths = list(spec_paths)
+    specs = load_specs(spec_paths)
+    files: dict[str, str] = {}
+    for path, spec in zip(spec_paths, specs):
+        files.update(spec_outputs(spec, display_path(path)))
+    return files, [s.name for s in specs]
+
+
+def write_atomic(path: Path, text: str) -> bool:
+    """Write ``text`` to ``path`` if it differs; atomic (temp file in the same folder + rename)."""
+    data = text.encode("utf-8")
+    try:
+        if path.read_bytes() == data:
+            return False
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return True
+
+
+def existing_files(out: Path, models: Optional[list[str]] = None) -> set[str]:
+    roots = [out / m for m in models] if models is not None else [out]
+    found = set()
+    for root in roots:
+        if not root.exists():
+            continue
+        for p in root.rglob("*"):
+            if p.is_file() and not any(part in IGNORED_PARTS for part in p.parts):
+                found.add(p.relative_to(out).as_posix())
+    return found
+
+
+@dataclass
+class Report:
+    written: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+def generate(spec_paths=None, out: Path = DEFAULT_OUT, *, dry_run: bool = False) -> Report:
+    explicit = spec_paths is not None
+    spec_paths = [Path(p) for p in spec_paths] if explicit else default_spec_paths()
+    files, models = build_outputs(spec_paths)  # everything is computed before anything is written
+    out = Path(out)
+    report = Report()
+    for rel in sorted(files):
+        target = out / rel
+        changed = not target.exists() or target.read_bytes() != files[rel].encode("utf-8")
+        if changed and not dry_run:
+            write_atomic(target, files[rel])
+        (report.written if changed else report.unchanged).append(rel)
+    for rel in sorted(existing_files(out, models if explicit else None) - set(files)):
+        report.removed.append(rel)
+        if not dry_run:
+            (out / rel).unlink()
+    if not dry_run:
+        _prune_empty_dirs(out)
+    return report
+
+
+def _prune_empty_dirs(out: Path) -> None:
+    if not out.exists():
+        return
+    for d in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+
+
+@dataclass
+class CheckResult:
+    stale: list[str] = field(default_factory=list)  # differ or missing
+    orphans: list[str] = field(default_factory=list)
+    diff: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.stale and not self.orphans
+
+
+def check(spec_paths=None, out: Path = DEFAULT_OUT, extra: Optional[dict[Path, str]] = None) -> CheckResult:
+    """Compare what would be generated with what is on disk (nothing is written).
+
+    ``extra`` maps further files (e.g. ``specs/schema.json``) to their expected text.
+    """
+    explicit = spec_paths is not None
+    spec_paths = [Path(p) for p in spec_paths] if explicit else default_spec_paths()
+    files, models = build_outputs(spec_paths)
+    out = Path(out)
+    res = CheckResult()
+    diffs = []
+    expected = {out / rel: text for rel, text in files.items()}
+    expected.update(extra or {})
+    for path in sorted(expected):
+        want = expected[path]
+        try:
+            have = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            have = None
+        if have != want:
+            res.stale.append(path.as_posix())
+            diffs.append("".join(difflib.unified_diff(
+                (have or "").splitlines(keepends=True), want.splitlines(keepends=True),
+                fromfile=f"a/{path.as_posix()}" if have is not None else "/dev/null",
+                tofile=f"b/{path.as_posix()}")))
+    for rel in sorted(existing_files(out, models if explicit else None) - set(files)):
+        res.orphans.append((out / rel).as_posix())
+    res.diff = "".join(diffs)
+    return res

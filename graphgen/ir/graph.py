@@ -1,0 +1,155 @@
+"""The graph IR: nodes with stable ids, a stream each, and the names they read and write.
+
+A :class:`Graph` is an ordered list of :class:`Node` (the *issue order*: the order a host would
+enqueue the work; per stream it is that stream's program order) plus declarations of streams,
+names and events. Edges are never hand-wired: :meth:`Graph.to_networkx` derives them
+
+- **data edges** from *values* (SSA activations: one writer; readers depend on it),
+- **program order** between consecutive nodes of the same stream,
+- **event edges** from each ``record`` of an event to every ``wait`` on it.
+
+*Buffers* (``kv_cache.Lxx``, ``pool_staging.Lxx``) are mutable memory shared by streams; accessing
+one creates no edge, so cross-stream accesses are ordered only by program order and events — which
+is exactly what the verifier checks. *Inputs* (``input_ids``, ``slot_mapping``…) are written by the
+host before the graph starts and are readable from any stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import networkx as nx
+
+NAME_KINDS = ("input", "value", "kv_cache", "pool_staging")
+BUFFER_KINDS = ("kv_cache", "pool_staging")
+SYNC_OPS = ("record", "wait")
+
+
+@dataclass
+class Node:
+    id: str
+    op: str
+    stream: str
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    attrs: dict[str, Any] = field(default_factory=dict)
+    layer: Optional[int] = None
+
+    @property
+    def event(self) -> Optional[str]:
+        return self.attrs.get("event") if self.op in SYNC_OPS else None
+
+
+class IRError(Exception):
+    """A structural problem in a graph (unknown stream/name, duplicate id, ...)."""
+
+
+@dataclass
+class Graph:
+    name: str  # "<model>.<variant>"
+    meta: dict[str, Any] = field(default_factory=dict)
+    streams: list[str] = field(default_factory=lambda: ["main"])
+    names: dict[str, str] = field(default_factory=dict)  # name -> kind
+    events: dict[str, tuple[str, str]] = field(default_factory=dict)  # event -> (from stream, to stream)
+    nodes: list[Node] = field(default_factory=list)
+
+    # ---- construction -------------------------------------------------------------------------
+    def declare(self, name: str, kind: str) -> str:
+        if kind not in NAME_KINDS:
+            raise IRError(f"unknown kind {kind!r} for {name!r}")
+        old = self.names.get(name)
+        if old is not None and old != kind:
+            raise IRError(f"{name!r} declared as {old} and as {kind}")
+        self.names[name] = kind
+        return name
+
+    def add_stream(self, stream: str) -> None:
+        if stream not in self.streams:
+            self.streams.append(stream)
+
+    def add(self, node: Node, *, after: Optional[str] = None, before: Optional[str] = None) -> Node:
+        """Append ``node`` (or insert it right after/before the node with the given id)."""
+        if any(n.id == node.id for n in self.nodes):
+            raise IRError(f"duplicate node id {node.id!r}")
+        for name in (*node.reads, *node.writes):
+            if name not in self.names:
+                raise IRError(f"node {node.id!r} uses undeclared name {name!r}")
+        if node.stream not in self.streams:
+            raise IRError(f"node {node.id!r} is on undeclared stream {node.stream!r}")
+        if after is not None:
+            self.nodes.insert(self.index(after) + 1, node)
+        elif before is not None:
+            self.nodes.insert(self.index(before), node)
+        else:
+            self.nodes.append(node)
+        return node
+
+    def index(self, node_id: str) -> int:
+        for i, n in enumerate(self.nodes):
+            if n.id == node_id:
+                return i
+        raise IRError(f"no node {node_id!r}")
+
+    def node(self, node_id: str) -> Node:
+        return self.nodes[self.index(node_id)]
+
+    def on_stream(self, stream: str) -> list[Node]:
+        return [n for n in self.nodes if n.stream == stream]
+
+    def buffers(self) -> list[str]:
+        return [n for n, k in self.names.items() if k in BUFFER_KINDS]
+
+    def copy(self) -> "Graph":
+        return Graph(
+            name=self.name,
+            meta=dict(self.meta),
+            streams=list(self.streams),
+            names=dict(self.names),
+            events=dict(self.events),
+            nodes=[Node(n.id, n.op, n.stream, n.reads, n.writes, dict(n.attrs), n.layer) for n in self.nodes],
+        )
+
+    # ---- derived structure ----------------------------------------------------------------------
+    def to_networkx(self) -> nx.DiGraph:
+        """Happens-before graph: data edges ∪ per-stream program order ∪ record→wait edges.
+
+        Edge attribute ``kind`` is ``data``, ``program`` or ``event``.
+        """
+        g = nx.DiGraph()
+        for i, n in enumerate(self.nodes):
+            g.add_node(n.id, index=i, stream=n.stream, op=n.op)
+        last_on_stream: dict[str, str] = {}
+        writer_of: dict[str, str] = {}
+        records: dict[str, list[str]] = {}
+        waits: dict[str, list[str]] = {}
+        for n in self.nodes:
+            prev = last_on_stream.get(n.stream)
+            if prev is not None:
+                g.add_edge(prev, n.id, kind="program")
+            last_on_stream[n.stream] = n.id
+            for r in n.reads:
+                if self.names.get(r) == "value" and r in writer_of:
+                    g.add_edge(writer_of[r], n.id, kind="data", name=r)
+            for w in n.writes:
+                if self.names.get(w) == "value":
+                    writer_of[w] = n.id
+            if n.op == "record":
+                records.setdefault(n.event, []).append(n.id)
+            elif n.op == "wait":
+                waits.setdefault(n.event, []).append(n.id)
+        for ev, recs in records.items():
+            for r in recs:
+                for w in waits.get(ev, ()):
+                    g.add_edge(r, w, kind="event", event=ev)
+        return g
+
+
+def layer_tag(layer: int, num_layers: int) -> str:
+    """``L03``: zero-padded so ids sort in layer order for any model size."""
+    width = max(2, len(str(num_layers - 1)))
+    return f"L{layer:0{width}d}"
+
+
+def iter_values(graph: Graph) -> Iterable[str]:
+    return (n for n, k in graph.names.items() if k == "value")
