@@ -4,13 +4,20 @@ A spec file (``specs/<model>.yaml``) parses into a :class:`ModelSpec`. Every fie
 documentation in ``metadata["doc"]``; the strict loader (``loader.py``) and the JSON Schema
 (``schema.py``) are both derived from these definitions, so the three cannot drift apart.
 
-Names that end up in generated code (model and variant names) must be Python identifiers: a spec
-is code input, and nothing from it is pasted into a template unchecked.
+Names that end up in generated code (model and variant names, the NPU save-stream tag) must be
+Python identifiers: a spec is code input, and nothing from it is pasted into a template unchecked.
+
+``metadata`` keys read by the loader and the schema: ``doc`` (description), ``minimum`` /
+``exclusive_minimum`` (numeric bounds), ``identifier`` (the string must pass :func:`is_identifier`),
+``nullable=False`` (an Optional field that may be omitted but not written as ``null``), ``min_items`` /
+``unique`` (list rules; the loader reports them through ``compat.py`` with the fix).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import keyword
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -24,6 +31,15 @@ CompileMode = Literal["max-autotune", "reduce-overhead"]
 # Marker type for strings that must be Python identifiers (they become names in generated code).
 Identifier = str
 
+# ASCII only, and no leading double underscore (dunder names have meaning to Python itself).
+IDENTIFIER_PATTERN = r"^(?!__)[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def is_identifier(name) -> bool:
+    """True for a name that is safe to use as a Python identifier in generated code."""
+    return (isinstance(name, str) and re.fullmatch(IDENTIFIER_PATTERN, name) is not None
+            and not keyword.iskeyword(name))
+
 
 def doc(text: str, **extra) -> dict:
     return {"doc": text, **extra}
@@ -34,12 +50,12 @@ class RopeScaling:
     """YaRN RoPE scaling, as in DeepSeek-V3's ``rope_scaling`` (``type: yarn``)."""
 
     type: Literal["yarn"] = field(metadata=doc("Scaling kind; only 'yarn' is implemented."))
-    factor: float = field(metadata=doc("Context extension factor (DeepSeek-V3: 40)."))
-    original_max_position_embeddings: int = field(metadata=doc("Pre-extension context (4096)."))
-    beta_fast: float = field(default=32.0, metadata=doc("YaRN beta_fast."))
-    beta_slow: float = field(default=1.0, metadata=doc("YaRN beta_slow."))
-    mscale: float = field(default=1.0, metadata=doc("YaRN mscale."))
-    mscale_all_dim: float = field(default=0.0, metadata=doc("YaRN mscale_all_dim."))
+    factor: float = field(metadata=doc("Context extension factor (DeepSeek-V3: 40).", minimum=1.0))
+    original_max_position_embeddings: int = field(metadata=doc("Pre-extension context (4096).", minimum=1))
+    beta_fast: float = field(default=32.0, metadata=doc("YaRN beta_fast.", exclusive_minimum=0))
+    beta_slow: float = field(default=1.0, metadata=doc("YaRN beta_slow.", exclusive_minimum=0))
+    mscale: float = field(default=1.0, metadata=doc("YaRN mscale.", minimum=0))
+    mscale_all_dim: float = field(default=0.0, metadata=doc("YaRN mscale_all_dim.", minimum=0))
 
 
 @dataclass(frozen=True)
@@ -53,10 +69,10 @@ class Qwen3Dims:
     num_attention_heads: int = field(metadata=doc("Query heads.", minimum=1))
     num_key_value_heads: int = field(metadata=doc("KV heads (GQA); divides num_attention_heads.", minimum=1))
     head_dim: int = field(metadata=doc("Per-head dimension (even: RoPE rotates halves).", minimum=2))
-    rope_theta: float = field(default=1000000.0, metadata=doc("RoPE base."))
-    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon."))
+    rope_theta: float = field(default=1000000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
+    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon.", exclusive_minimum=0))
     tie_word_embeddings: bool = field(default=False, metadata=doc("LM head shares the embedding."))
-    max_position_embeddings: int = field(default=40960, metadata=doc("Longest supported context."))
+    max_position_embeddings: int = field(default=40960, metadata=doc("Longest supported context.", minimum=1))
 
 
 @dataclass(frozen=True)
@@ -80,14 +96,15 @@ class DeepseekV3Dims:
     n_group: int = field(metadata=doc("Expert groups for grouped top-k routing.", minimum=1))
     topk_group: int = field(metadata=doc("Groups kept per token.", minimum=1))
     first_k_dense_replace: int = field(metadata=doc("Leading layers with a dense MLP instead of MoE.", minimum=0))
-    routed_scaling_factor: float = field(default=1.0, metadata=doc("Scale of the routed experts' output."))
+    routed_scaling_factor: float = field(default=1.0, metadata=doc("Scale of the routed experts' output.",
+                                                                  exclusive_minimum=0))
     norm_topk_prob: bool = field(default=True, metadata=doc("Renormalise the top-k routing weights."))
-    rope_theta: float = field(default=10000.0, metadata=doc("RoPE base."))
+    rope_theta: float = field(default=10000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
     rope_interleave: bool = field(default=True, metadata=doc("RoPE on interleaved pairs (DeepSeek layout)."))
     rope_scaling: Optional[RopeScaling] = field(default=None, metadata=doc("YaRN scaling, or null."))
-    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon."))
+    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon.", exclusive_minimum=0))
     tie_word_embeddings: bool = field(default=False, metadata=doc("LM head shares the embedding."))
-    max_position_embeddings: int = field(default=163840, metadata=doc("Longest supported context."))
+    max_position_embeddings: int = field(default=163840, metadata=doc("Longest supported context.", minimum=1))
 
 
 DIMS_BY_FAMILY = {"qwen3_dense": Qwen3Dims, "deepseek_v3": DeepseekV3Dims}
@@ -148,31 +165,38 @@ class NpuTarget:
     compile_modes: tuple[CompileMode, ...] = field(
         default=("max-autotune",),
         metadata=doc("torchair CompilerConfig modes to generate: max-autotune (GE graph, "
-                     "record/wait ops) and/or reduce-overhead (aclgraph, tagged events)."),
+                     "record/wait ops) and/or reduce-overhead (aclgraph, tagged events).",
+                     min_items=1, unique=True),
     )
     save_stream_tag: Identifier = field(
-        default="kv_save", metadata=doc("Tag of the save stream in npu_stream_switch."))
+        default="kv_save", metadata=doc("Tag of the save stream in npu_stream_switch.", identifier=True))
     save_stream_priority: int = field(
         default=0, metadata=doc("Priority passed to npu_stream_switch for the save stream."))
 
 
 @dataclass(frozen=True)
 class Targets:
-    cpu: Optional[CpuTarget] = field(default=None, metadata=doc("Generate the CPU target ({} to enable)."))
-    npu: Optional[NpuTarget] = field(default=None, metadata=doc("Generate the NPU (torchair) target."))
+    """Code generation targets; at least one must be enabled. Omit a key to disable that target."""
+
+    cpu: Optional[CpuTarget] = field(
+        default=None, metadata=doc("Generate the CPU target (write cpu: {} to enable).", nullable=False))
+    npu: Optional[NpuTarget] = field(
+        default=None, metadata=doc("Generate the NPU (torchair) target (npu: {} for defaults).", nullable=False))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """A model and the graph variants to generate for it."""
 
-    name: Identifier = field(metadata=doc("Model name; a Python identifier (it names generated code)."))
+    name: Identifier = field(metadata=doc("Model name; a Python identifier (it names generated code).",
+                                          identifier=True))
     family: Family = field(metadata=doc("Model family: qwen3_dense or deepseek_v3."))
     dims: object = field(metadata=doc("Family dimensions (see Qwen3Dims / DeepseekV3Dims)."))
     variants: dict = field(metadata=doc("Graph variants by name (names are Python identifiers)."))
     kv_cache: KVCacheLayout = field(default_factory=KVCacheLayout, metadata=doc("KV-cache layout."))
     mempool: Mempool = field(default_factory=Mempool, metadata=doc("Pool write mode and granularity."))
-    features: tuple[str, ...] = field(default=(), metadata=doc("Enabled features (see the compatibility matrix)."))
+    features: tuple[str, ...] = field(default=(), metadata=doc("Enabled features (see the compatibility matrix).",
+                                                                     unique=True))
     targets: Targets = field(default_factory=lambda: Targets(cpu=CpuTarget()), metadata=doc("Targets to lower to."))
     description: str = field(default="", metadata=doc("Free text for humans."))
 

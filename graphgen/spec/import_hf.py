@@ -1,0 +1,289 @@
+"""Import a Hugging Face ``config.json`` as a graphgen spec.
+
+``spec_from_hf_config(config, name)`` maps a config dict to a :class:`ModelSpec`;
+``import_hf(hf_dir, out_path)`` reads ``<hf_dir>/config.json`` and writes a readable YAML spec
+with the three standard variants (``decode``, ``mempool_prefill``, ``splitfuse``), async pool
+writes with ``prefix_cache``, and the cpu + npu targets.
+
+Supported: ``model_type`` ``qwen3`` and ``deepseek_v3``, in both the transformers 4 layout
+(``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the transformers 5 one
+(``rope_parameters``, ``dtype``). Anything graphgen would not reproduce exactly (another model
+type, a missing field, Qwen3 with RoPE scaling, DeepSeek routing other than ``noaux_tc`` +
+``sigmoid``, quantized checkpoints, ...) is a :class:`SpecError` naming the config file, the field
+and why -- never silently dropped. Torch-free: the config is read with ``json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from . import model as m
+from .compat import check_compat
+from .errors import Diagnostic, SpecError
+from .loader import dump_spec_yaml, parse_spec_text
+
+# Fields a config may omit, with the value transformers assumes then (Qwen3Config /
+# DeepseekV3Config defaults) -- not graphgen's own defaults, which differ for rope_theta.
+_HF_DEFAULTS = {
+    "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 32768,
+              "rope_theta": 10000.0},
+    "deepseek_v3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+                    "rope_theta": 10000.0, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                    "norm_topk_prob": True, "rope_interleave": True},
+}
+_FAMILY = {"qwen3": "qwen3_dense", "deepseek_v3": "deepseek_v3"}
+# Config values graphgen implements; any other value is an error (absent = the transformers default,
+# which is the accepted value).
+_MUST_BE = {
+    "qwen3": {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+    "deepseek_v3": {"hidden_act": "silu", "attention_bias": False, "topk_method": "noaux_tc",
+                    "scoring_func": "sigmoid", "moe_layer_freq": 1},
+}
+_YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class _Report:
+    def __init__(self, source: str, text: str | None):
+        self.source = source
+        self.lines = text.splitlines() if text else []
+        self.diags: list[Diagnostic] = []
+        self.notes: list[str] = []
+
+    def where(self, key: str) -> tuple[int, int]:
+        """Line/column of ``"key":`` in the config text (1:1 when unknown or absent)."""
+        needle = f'"{key}"'
+        for i, line in enumerate(self.lines):
+            col = line.find(needle)
+            if col >= 0 and line[col + len(needle):].lstrip().startswith(":"):
+                return i + 1, col + 1
+        return 1, 1
+
+    def error(self, key: str, message: str, fix: str) -> None:
+        self.diags.append(Diagnostic(self.source, *self.where(key), f"{key}: {message}", fix))
+
+
+def _typed(cfg: dict, key: str, tp, rep: _Report, *, default=dataclasses.MISSING, model_type=""):
+    if key not in cfg or cfg[key] is None:
+        if default is not dataclasses.MISSING:
+            return default
+        rep.error(key, f"missing (a {model_type} config needs it)", f"add \"{key}\" to the config")
+        return dataclasses.MISSING
+    value = cfg[key]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)) or (
+            tp is float and not math.isfinite(value)):
+        kind = {int: "an integer", float: "a finite number", bool: "true or false"}[tp]
+        rep.error(key, f"expected {kind}, got {value!r}", f"write {kind} (unquoted JSON)")
+        return dataclasses.MISSING
+    return value
+
+
+def _rope(cfg: dict, model_type: str, rep: _Report):
+    """(rope_theta, RopeScaling|None) from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    if isinstance(cfg.get("rope_parameters"), dict):
+        key, params = "rope_parameters", dict(cfg["rope_parameters"])
+        theta = _typed(params, "rope_theta", float, rep, default=_HF_DEFAULTS[model_type]["rope_theta"])
+    else:
+        theta = _typed(cfg, "rope_theta", float, rep, default=_HF_DEFAULTS[model_type]["rope_theta"])
+        key, params = "rope_scaling", cfg.get("rope_scaling")
+        if params is None:
+            return theta, None
+        if not isinstance(params, dict):
+            rep.error(key, f"expected an object or null, got {params!r}", "fix the config")
+            return theta, dataclasses.MISSING
+        params = dict(params)
+    kind = params.pop("rope_type", None) or params.get("type") or "default"
+    params.pop("type", None)
+    params.pop("rope_theta", None)
+    if kind == "default" and not params:
+        return theta, None
+    if model_type == "qwen3":
+        rep.error(key, f"Qwen3 with RoPE scaling ({kind}) is not implemented (feature 'yarn')",
+                  "use a config without rope scaling (graphgen reproduces unscaled Qwen3 only)")
+        return theta, dataclasses.MISSING
+    if kind != "yarn":
+        rep.error(key, f"RoPE scaling type '{kind}' is not implemented (only yarn)", "use yarn or no scaling")
+        return theta, dataclasses.MISSING
+    extra = sorted(set(params) - _YARN_KEYS)
+    if params.get("truncate", True) is True and "truncate" in extra:
+        extra.remove("truncate")  # truncate: true is the YaRN default DeepSeek uses
+    if extra:
+        rep.error(key, f"YaRN parameter(s) {', '.join(extra)} are not implemented",
+                  f"remove {', '.join(extra)} (graphgen implements {', '.join(sorted(_YARN_KEYS))})")
+        return theta, dataclasses.MISSING
+    kwargs, failed = {"type": "yarn"}, False
+    for f in dataclasses.fields(m.RopeScaling):
+        if f.name == "type":
+            continue
+        if f.default is dataclasses.MISSING and params.get(f.name) is None:
+            rep.error(key, f"YaRN needs '{f.name}'", f"add \"{f.name}\" to {key}")
+            failed = True
+            continue
+        tp = int if f.name == "original_max_position_embeddings" else float
+        value = _typed(params, f.name, tp, rep, default=f.default)
+        if value is dataclasses.MISSING:
+            failed = True
+        else:
+            kwargs[f.name] = value
+    return theta, (dataclasses.MISSING if failed else m.RopeScaling(**kwargs))
+
+
+def _dims(cfg: dict, model_type: str, rep: _Report):
+    cls = m.DIMS_BY_FAMILY[_FAMILY[model_type]]
+    hints = {f.name: f for f in dataclasses.fields(cls)}
+    theta, scaling = _rope(cfg, model_type, rep)
+    kwargs, failed = {}, theta is dataclasses.MISSING or scaling is dataclasses.MISSING
+    for name, f in hints.items():
+        if name == "rope_theta":
+            kwargs[name] = theta
+            continue
+        if name == "rope_scaling":
+            kwargs[name] = scaling
+            continue
+        tp = {"int": int, "float": float, "bool": bool}[f.type if isinstance(f.type, str) else f.type.__name__]
+        default = _HF_DEFAULTS[model_type].get(name, dataclasses.MISSING)
+        if name == "q_lora_rank" and name in cfg and cfg[name] is None:
+            rep.error(name, "null (uncompressed queries, DeepSeek-V2-Lite style) is not implemented",
+                      "use a config with q_lora_rank set")
+            failed = True
+            continue
+        value = _typed(cfg, name, tp, rep, default=default, model_type=model_type)
+        if value is dataclasses.MISSING:
+            failed = True
+            continue
+        bound = f.metadata.get("minimum")
+        if bound is not None and value < bound:
+            rep.error(name, f"must be >= {bound}, got {value}", "fix the config")
+            failed = True
+            continue
+        kwargs[name] = value
+    return None if failed else cls(**kwargs)
+
+
+def _checks(cfg: dict, model_type: str, rep: _Report) -> None:
+    for key, want in _MUST_BE[model_type].items():
+        if key in cfg and cfg[key] is not None and cfg[key] != want:
+            rep.error(key, f"{cfg[key]!r} is not implemented (graphgen reproduces {want!r})",
+                      f"only configs with \"{key}\": {json.dumps(want)} can be imported")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(
+            cfg["quantization_config"], dict) else "?"
+        rep.error("quantization_config", f"quantized checkpoints ({method}) are not implemented: "
+                  "graphgen's weights are unquantized", "dequantize the checkpoint (e.g. to bfloat16) and "
+                  "drop quantization_config")
+    if model_type == "qwen3":
+        types_ = cfg.get("layer_types")
+        if isinstance(types_, list) and any(t != "full_attention" for t in types_):
+            rep.error("layer_types", "sliding-window layers are not implemented", "use full attention layers only")
+    if model_type == "deepseek_v3":
+        mtp = cfg.get("num_nextn_predict_layers") or 0
+        if isinstance(mtp, int) and mtp > 0:
+            rep.notes.append(f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {mtp}) stay off: "
+                             "MTP is not implemented yet.")
+
+
+def _kv_dtype(cfg: dict, rep: _Report) -> str | None:
+    key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    value = cfg.get(key)
+    if value is None:
+        rep.notes.append("The config names no dtype: the KV cache is float32 (what transformers loads).")
+        return "float32"
+    if value not in _DTYPES:
+        rep.error(key, f"{value!r} has no KV-cache dtype in graphgen", f"use one of: {', '.join(_DTYPES)}")
+        return None
+    return _DTYPES[value]
+
+
+def _standard_spec(name, family, dims, dtype, description, block_size, compile_modes) -> m.ModelSpec:
+    return m.ModelSpec(
+        name=name, family=family, dims=dims, description=description,
+        variants={
+            "decode": m.Variant(phase="decode"),
+            "mempool_prefill": m.Variant(phase="prefill", history=False),
+            "splitfuse": m.Variant(phase="prefill", history=True),
+        },
+        kv_cache=m.KVCacheLayout(block_size=block_size, dtype=dtype),
+        mempool=m.Mempool(write="async", granularity="forward"),
+        features=("prefix_cache",),
+        targets=m.Targets(cpu=m.CpuTarget(), npu=m.NpuTarget(compile_modes=tuple(compile_modes))),
+    )
+
+
+def _convert(config, name: str, source: str, text: str | None, *, block_size=128,
+             compile_modes=("max-autotune",)):
+    rep = _Report(source, text)
+    if not isinstance(config, dict):
+        raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
+    model_type = config.get("model_type")
+    if model_type not in _FAMILY:
+        rep.error("model_type", f"{model_type!r} is not supported" if model_type else "missing",
+                  f"graphgen imports model_type {' or '.join(_FAMILY)}")
+        raise SpecError(rep.diags)
+    if not m.is_identifier(name):
+        rep.diags.append(Diagnostic(source, 1, 1, f"spec name {name!r} is not a Python identifier",
+                                    "pass name= with letters, digits and underscores, e.g. my_model"))
+    _checks(config, model_type, rep)
+    dims = _dims(config, model_type, rep)
+    dtype = _kv_dtype(config, rep)
+    if rep.diags:
+        raise SpecError(rep.diags)
+    family = _FAMILY[model_type]
+    spec = _standard_spec(name, family, dims, dtype,
+                          f"Imported from a Hugging Face {model_type} config.", block_size, compile_modes)
+    # Shape rules (heads divide, even RoPE dims, expert groups, ...): dims keep HF's names, so
+    # each problem names the config field.
+    for where, message, fix in check_compat(spec):
+        field_name = where.split(".")[-1] if where.startswith("dims.") else "model_type"
+        rep.error(field_name, message, fix)
+    if rep.diags:
+        raise SpecError(rep.diags)
+    return spec, rep.notes
+
+
+def spec_from_hf_config(config: dict, name: str, *, source: str = "config.json") -> m.ModelSpec:
+    """The standard spec of a Hugging Face config dict; :class:`SpecError` if it is unsupported."""
+    return _convert(config, name, source, None)[0]
+
+
+def _default_name(hf_dir: Path) -> str:
+    base = re.sub(r"[^0-9A-Za-z_]+", "_", hf_dir.resolve().name).strip("_").lower() or "model"
+    return base if m.is_identifier(base) else f"m_{base}"
+
+
+def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 128,
+              compile_modes=("max-autotune",)) -> m.ModelSpec:
+    """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it."""
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    source = hf_dir / "config.json"
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecError([Diagnostic(str(source), 1, 1, f"cannot read config: {e.strerror}",
+                                    "point at a Hugging Face model directory")]) from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError([Diagnostic(str(source), e.lineno, e.colno, f"invalid JSON: {e.msg}",
+                                    "fix the JSON syntax")]) from None
+    spec, notes = _convert(config, name or _default_name(hf_dir), str(source), text,
+                           block_size=block_size, compile_modes=compile_modes)
+    header = "\n".join([f"Imported from {hf_dir.name}/config.json (model_type {config['model_type']}) "
+                        "by graphgen.spec.import_hf.", *notes])
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    repo = Path(__file__).resolve().parents[2]
+    rel = None
+    if out_path.resolve().is_relative_to(repo):  # editors find the schema only inside the checkout
+        rel = os.path.relpath(repo / "specs" / "schema.json", out_path.resolve().parent).replace(os.sep, "/")
+    text_out = dump_spec_yaml(spec, header=header, schema=rel)
+    if parse_spec_text(text_out, str(out_path)) != spec:  # the dump contract; never expected to fire
+        raise AssertionError("dumped spec does not parse back equal")
+    out_path.write_text(text_out, encoding="utf-8")
+    return spec

@@ -1,0 +1,229 @@
+"""JSON Schema of the spec format, derived from the dataclasses in ``model.py``.
+
+Field docs become descriptions, ``Literal`` becomes ``enum``, defaults and bounds come from the
+field definitions, every object is closed (``additionalProperties: false``) and ``dims`` is chosen
+by ``family`` (``if``/``then``). ``specs/schema.json`` is ``schema_text()`` checked in; editors use
+it through the ``# yaml-language-server: $schema=schema.json`` line of each spec.
+
+The schema is the editor-side contract; the loader is stricter where JSON Schema cannot say it
+(compatibility matrix, shape rules, exact int vs float) and is what graphgen itself runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import keyword
+import types
+import typing
+from typing import Literal, get_args, get_origin
+
+from . import model as m
+from .compat import ACCEPTED_FEATURES
+
+DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def _plain(x):
+    """A default value as JSON data (dataclasses -> objects, tuples -> arrays)."""
+    if dataclasses.is_dataclass(x):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)
+                if not (getattr(x, f.name) is None and f.default is None)}
+    if isinstance(x, tuple):
+        return [_plain(i) for i in x]
+    return x
+
+
+def _identifier() -> dict:
+    return {"type": "string", "pattern": m.IDENTIFIER_PATTERN, "not": {"enum": sorted(keyword.kwlist)}}
+
+
+class _Builder:
+    def __init__(self):
+        self.defs: dict[str, dict] = {}
+
+    def ref(self, cls) -> dict:
+        name = cls.__name__
+        if name not in self.defs:
+            self.defs[name] = {}  # placeholder: a dataclass may (indirectly) refer to itself
+            self.defs[name] = self.dataclass(cls)
+        return {"$ref": f"#/$defs/{name}"}
+
+    def dataclass(self, cls) -> dict:
+        hints = typing.get_type_hints(cls, globalns=vars(m))
+        props, required = {}, []
+        for f in dataclasses.fields(cls):
+            props[f.name] = self.field(cls, f, hints[f.name])
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                required.append(f.name)
+        out = {"type": "object", "description": inspect.cleandoc(cls.__doc__ or ""),
+               "properties": props, "additionalProperties": False}
+        if required:
+            out["required"] = required
+        if cls is m.Targets:
+            out["minProperties"] = 1  # at least one target (null is not allowed for either)
+        return out
+
+    def field(self, cls, f, tp) -> dict:
+        meta = dict(f.metadata)
+        if cls is m.ModelSpec and f.name == "dims":
+            schema = {"type": "object"}  # the family's dims class, chosen at the root by if/then
+        elif cls is m.ModelSpec and f.name == "variants":
+            schema = {"type": "object", "minProperties": 1, "propertyNames": _identifier(),
+                      "additionalProperties": self.ref(m.Variant)}
+        elif cls is m.ModelSpec and f.name == "features":
+            schema = {"type": "array", "items": {"type": "string", "enum": list(ACCEPTED_FEATURES)}}
+        else:
+            schema = self.type(tp, meta)
+        if schema.get("type") == "array":
+            if meta.get("min_items"):
+                schema["minItems"] = meta["min_items"]
+            if meta.get("unique"):
+                schema["uniqueItems"] = True
+        if "$ref" in schema:
+            schema = {"allOf": [schema]}  # keep siblings (description, default) next to a plain $ref
+        schema["description"] = meta.get("doc", "")
+        if f.default is not dataclasses.MISSING:
+            schema["default"] = _plain(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            schema["default"] = _plain(f.default_factory())
+        return schema
+
+    def type(self, tp, meta) -> dict:
+        origin = get_origin(tp)
+        if origin in (typing.Union, types.UnionType):
+            (inner,) = [a for a in get_args(tp) if a is not type(None)]
+            schema = self.type(inner, meta)
+            if meta.get("nullable", True):
+                return {"anyOf": [schema, {"type": "null"}]}
+            return schema
+        if origin is Literal:
+            return {"type": "string", "enum": list(get_args(tp))}
+        if origin is tuple:
+            (item,) = [a for a in get_args(tp) if a is not Ellipsis]
+            return {"type": "array", "items": self.type(item, {})}
+        if dataclasses.is_dataclass(tp):
+            return self.ref(tp)
+        if meta.get("identifier"):
+            return _identifier()
+        base = {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]
+        schema = {"type": base}
+        if tp in (int, float):
+            if "minimum" in meta:
+                schema["minimum"] = meta["minimum"]
+            if "exclusive_minimum" in meta:
+                schema["exclusiveMinimum"] = meta["exclusive_minimum"]
+        return schema
+
+
+def spec_json_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of a spec file; deterministic."""
+    b = _Builder()
+    root = b.dataclass(m.ModelSpec)
+    for family, cls in m.DIMS_BY_FAMILY.items():
+        root.setdefault("allOf", []).append({
+            "if": {"properties": {"family": {"const": family}}, "required": ["family"]},
+            "then": {"properties": {"dims": b.ref(cls)}},
+        })
+    return {"$schema": DIALECT, "title": "graphgen model spec", **root, "$defs": dict(sorted(b.defs.items()))}
+
+
+def schema_text() -> str:
+    """``spec_json_schema()`` as the text of ``specs/schema.json`` (sorted keys, indent 2)."""
+    return json.dumps(spec_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+# ---------------------------------------------------------------- docs/spec.md tables
+
+DOC_BEGIN = "<!-- BEGIN GENERATED by graphgen.spec.schema.markdown_tables(); do not edit by hand -->"
+DOC_END = "<!-- END GENERATED -->"
+
+# Order in the reference: the document's own nesting, top to bottom.
+_DOC_CLASSES = (m.ModelSpec, m.Qwen3Dims, m.DeepseekV3Dims, m.RopeScaling, m.KVCacheLayout, m.Mempool,
+                m.Variant, m.Targets, m.CpuTarget, m.NpuTarget)
+
+
+def _md_type(tp, meta) -> str:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in get_args(tp) if a is not type(None)]
+        return _md_type(inner, meta) + (" or null" if meta.get("nullable", True) else "")
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in get_args(tp))
+    if origin is tuple:
+        (item,) = [a for a in get_args(tp) if a is not Ellipsis]
+        return f"list of {_md_type(item, {})}"
+    if dataclasses.is_dataclass(tp):
+        return f"[{tp.__name__}](#{tp.__name__.lower()})"
+    if meta.get("identifier"):
+        return "identifier"
+    text = {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]
+    if "minimum" in meta:
+        text += f" ≥ {meta['minimum']}"
+    if "exclusive_minimum" in meta:
+        text += f" > {meta['exclusive_minimum']}"
+    return text
+
+
+def _md_default(f) -> str:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return "**required**"
+    value = _plain(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+    return "absent" if value is None else f"`{json.dumps(value)}`"
+
+
+def markdown_tables() -> str:
+    """The field tables and the compatibility matrix of ``docs/spec.md`` (between DOC_BEGIN/END)."""
+    from .compat import MATRIX
+
+    out = [DOC_BEGIN, ""]
+    for cls in _DOC_CLASSES:
+        hints = typing.get_type_hints(cls, globalns=vars(m))
+        out += [f"### {cls.__name__}", "", inspect.cleandoc(cls.__doc__ or ""), ""]
+        fields = dataclasses.fields(cls)
+        if not fields:
+            out += ["No keys: write `{}`.", ""]
+            continue
+        out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in fields:
+            if cls is m.ModelSpec and f.name == "dims":
+                tp = "[Qwen3Dims](#qwen3dims) or [DeepseekV3Dims](#deepseekv3dims), by `family`"
+            elif cls is m.ModelSpec and f.name == "variants":
+                tp = "mapping: identifier → [Variant](#variant)"
+            elif cls is m.ModelSpec and f.name == "features":
+                tp = "list of features (see the matrix)"
+            else:
+                tp = _md_type(hints[f.name], dict(f.metadata))
+            doc_text = f.metadata.get("doc", "").replace("|", "\\|")
+            out.append(f"| `{f.name}` | {tp} | {_md_default(f)} | {doc_text} |")
+        out.append("")
+    out += ["### Compatibility matrix", "",
+            "| subject | status | families | combines with `mempool.write` | required by `mempool.write` | note |",
+            "|---|---|---|---|---|---|"]
+    for r in MATRIX:
+        subject = f"`mempool.write: {r.subject[6:]}`" if not r.is_feature else f"`{r.subject}`"
+        out.append(f"| {subject} | {r.status} | {', '.join(r.families)} | {', '.join(r.writes)} | "
+                   f"{', '.join(r.required_by) or '—'} | {r.note} |")
+    out += ["", DOC_END]
+    return "\n".join(out) + "\n"
+
+
+def _write_files() -> None:
+    """Refresh specs/schema.json and the generated part of docs/spec.md in this checkout."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    (repo / "specs" / "schema.json").write_text(schema_text())
+    doc = repo / "docs" / "spec.md"
+    text = doc.read_text()
+    start, end = text.index(DOC_BEGIN), text.index(DOC_END) + len(DOC_END) + 1
+    doc.write_text(text[:start] + markdown_tables() + text[end:])
+
+
+if __name__ == "__main__":  # python -m graphgen.spec.schema --write-doc
+    import sys
+
+    if sys.argv[1:] != ["--write-doc"]:
+        sys.exit("usage: python -m graphgen.spec.schema --write-doc")
+    _write_files()
