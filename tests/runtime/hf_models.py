@@ -1,0 +1,97 @@
+"""Tiny random Hugging Face reference models for the runtime tests.
+
+Dims use Hugging Face config names (the same dicts ``write_random_hf_checkpoint`` takes).
+transformers' own init (std 0.02, unit norms, zero routing bias) gives near-constant logits that
+would hide mistakes at ``atol=1e-4``, so every weight is re-drawn at O(1)-activation scales.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+QWEN3_DIMS = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=512)
+
+DSV3_DIMS = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 vocab_size=256, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                 n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                 routed_scaling_factor=1.5, norm_topk_prob=False, rope_theta=10000.0, rope_interleave=True,
+                 rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=512)
+
+# grouped routing (8 experts in 4 groups, 2 groups kept) and YaRN with mscale != mscale_all_dim,
+# so both the cos/sin attention factor and the softmax mscale^2 differ from 1. theta=100 with an
+# original context of 64 puts YaRN's ramp inside the 4 rotary frequencies (correction dims -0.99
+# and 2.02), so the blend and its floor/ceil truncation show in the logits of short prompts.
+DSV3_GROUPED_YARN_DIMS = dict(
+    DSV3_DIMS, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, num_hidden_layers=3,
+    routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=100.0, max_position_embeddings=256,
+    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+                      beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8))
+
+
+def hf_config(family: str, dims: dict):
+    from transformers import DeepseekV3Config, Qwen3Config
+
+    d = dict(dims)
+    if family == "qwen3_dense":
+        return Qwen3Config(**d)
+    if family == "deepseek_v3":
+        d["num_key_value_heads"] = d["num_attention_heads"]
+        scaling = d.pop("rope_scaling", None)
+        rope = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+        if scaling:
+            rope = {**scaling, "rope_type": scaling["type"], "rope_theta": rope["rope_theta"]}
+        return DeepseekV3Config(rope_parameters=rope, **d)
+    raise ValueError(family)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw all weights: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2), routing bias
+    ~ N(0, 0.1^2) (large enough to change some expert choices), embeddings N(0, 0.5^2)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point():
+            continue
+        if name.endswith("e_score_correction_bias"):
+            new = 0.1 * torch.randn(t.shape, generator=g)
+        elif t.dim() == 1:
+            new = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+        elif name.endswith("embed_tokens.weight"):
+            new = 0.5 * torch.randn(t.shape, generator=g)
+        else:
+            new = torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5
+        t.copy_(new.to(t.dtype))
+
+
+def build_hf_model(family: str, dims: dict, out_dir: str, seed: int = 0):
+    """Build a random float32 HF model, save_pretrained it to ``out_dir``; returns (model, out_dir)."""
+    from transformers import DeepseekV3ForCausalLM, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cls = Qwen3ForCausalLM if family == "qwen3_dense" else DeepseekV3ForCausalLM
+    config = hf_config(family, dims)
+    config._attn_implementation = "eager"
+    model = cls(config).to(torch.float32).eval()
+    randomize_(model, seed)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return model, out_dir
+
+
+def load_hf_model(family: str, hf_dir: str, **kw):
+    from transformers import DeepseekV3ForCausalLM, Qwen3ForCausalLM
+
+    cls = Qwen3ForCausalLM if family == "qwen3_dense" else DeepseekV3ForCausalLM
+    return cls.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32,
+                               attn_implementation="eager", **kw)
+
+
+@torch.no_grad()
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits at the last position of one unpadded prompt (full forward, no cache)."""
+    return model(input_ids=torch.tensor([ids])).logits[0, -1].float()

@@ -1,0 +1,315 @@
+"""The CPU reference ops, composed into a full forward over a paged KV cache, against Hugging Face
+transformers in float32: prefill, splitfuse (history in the cache) and decode logits at atol=1e-4.
+Also the checkpoint loader/writer against transformers' save_pretrained/from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from graphgen.runtime import ops as rt  # noqa: E402
+from graphgen.runtime.weights import (WeightsError, load_hf_weights,  # noqa: E402
+                                      write_random_hf_checkpoint)
+
+try:  # tests/runtime may or may not be a package
+    from . import hf_models as hfm
+except ImportError:
+    import hf_models as hfm
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+
+
+# ---------------------------------------------------------------------------------------------
+# a minimal paged runner built only from rt.* ops (what generated code does, without the graph)
+# ---------------------------------------------------------------------------------------------
+
+class PagedRunner:
+    def __init__(self, family: str, dims: dict, weights: dict, seed: int = 0):
+        self.family, self.d, self.w = family, dict(dims), weights
+        shapes = rt.kv_cache_shapes(family, self.d, NUM_BLOCKS, BLOCK_SIZE)
+        self.kv = [tuple(torch.full(s, float("nan")) for s in shapes.values())
+                   for _ in range(self.d["num_hidden_layers"])]  # NaN: reading an unwritten slot shows
+        # hand out blocks in a scrambled order so a block-table indexing mistake cannot pass
+        self.free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """batch: (seq_id, new token ids) per sequence; returns the last-token logits [B, V]."""
+        ids, pos, slots, seq_lens, q_lens = [], [], [], [], []
+        for sid, new in batch:
+            start = self.lens.get(sid, 0)
+            table = self.tables.setdefault(sid, [])
+            for p in range(start, start + len(new)):
+                if p // BLOCK_SIZE >= len(table):
+                    table.append(self.free.pop())
+                slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+                pos.append(p)
+            ids += new
+            self.lens[sid] = start + len(new)
+            seq_lens.append(self.lens[sid])
+            q_lens.append(len(new))
+        width = max(len(self.tables[sid]) for sid, _ in batch) + 1  # +1: padded, never read
+        bt = torch.tensor([self.tables[sid] + [0] * (width - len(self.tables[sid])) for sid, _ in batch])
+        meta = dict(block_tables=bt, seq_lens=torch.tensor(seq_lens), query_lens=torch.tensor(q_lens))
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        return self.forward(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), meta, last)
+
+    def forward(self, ids, pos, slots, meta, logits_indices):
+        d, w = self.d, self.w
+        eps = d["rms_norm_eps"]
+        x = rt.embedding(w["model.embed_tokens.weight"], ids)
+        if self.family == "qwen3_dense":
+            cos, sin = rt.rope_cos_sin(pos, rot_dim=d["head_dim"], theta=d["rope_theta"], scaling=None)
+        else:
+            cos, sin = rt.rope_cos_sin(pos, rot_dim=d["qk_rope_head_dim"], theta=d["rope_theta"],
+                                       scaling=d.get("rope_scaling"))
+        for i in range(d["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            h = rt.rms_norm(x, w[p + "input_layernorm.weight"], eps)
+            if self.family == "qwen3_dense":
+                a = p + "self_attn."
+                q, k, v = rt.qwen3_attn_prolog(
+                    h, w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"],
+                    w[a + "q_norm.weight"], w[a + "k_norm.weight"], cos, sin,
+                    num_heads=d["num_attention_heads"], num_kv_heads=d["num_key_value_heads"],
+                    head_dim=d["head_dim"], eps=eps)
+                rt.kv_write(self.kv[i], (k, v), slots)
+                o = rt.paged_attention(q, self.kv[i], **meta, scale=d["head_dim"] ** -0.5)
+                x = rt.o_proj_residual(o, w[a + "o_proj.weight"], x)
+                h = rt.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+                m = p + "mlp."
+                x = rt.swiglu_mlp_residual(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"],
+                                           w[m + "down_proj.weight"], x)
+            else:
+                x = self._deepseek_layer(i, x, h, cos, sin, slots, meta)
+        return rt.lm_head(x, w["model.norm.weight"], eps, w["lm_head.weight"], logits_indices)
+
+    def _deepseek_layer(self, i, x, h, cos, sin, slots, meta):
+        d, w, eps = self.d, self.w, self.d["rms_norm_eps"]
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        n, r, v = d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
+        # the latent norms use transformers' RMSNorm default eps (1e-6), not rms_norm_eps
+        q_nope, q_pe, c_kv, k_pe = rt.mla_prolog(
+            h, w[a + "q_a_proj.weight"], w[a + "q_a_layernorm.weight"], w[a + "q_b_proj.weight"],
+            w[a + "kv_a_proj_with_mqa.weight"], w[a + "kv_a_layernorm.weight"], cos, sin,
+            num_heads=d["num_attention_heads"], qk_nope_head_dim=n, qk_rope_head_dim=r,
+            kv_lora_rank=d["kv_lora_rank"], eps=1e-6, interleave=d["rope_interleave"])
+        rt.kv_write(self.kv[i], (c_kv, k_pe), slots)
+        o = rt.mla_attention(q_nope, q_pe, self.kv[i], w[a + "kv_b_proj.weight"], **meta,
+                             num_heads=d["num_attention_heads"], qk_nope_head_dim=n, v_head_dim=v,
+                             scale=rt.mla_softmax_scale(n + r, d.get("rope_scaling")))
+        x = rt.o_proj_residual(o, w[a + "o_proj.weight"], x)
+        h = rt.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        m = p + "mlp."
+        if i < d["first_k_dense_replace"]:
+            return rt.swiglu_mlp_residual(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"],
+                                          w[m + "down_proj.weight"], x)
+        shared = [w.get(m + f"shared_experts.{k}_proj.weight") for k in ("gate", "up", "down")]
+        return rt.moe_residual(
+            h, w[m + "gate.weight"], w[m + "gate.e_score_correction_bias"], w[m + "experts.gate_proj.weight"],
+            w[m + "experts.up_proj.weight"], w[m + "experts.down_proj.weight"], *shared, x,
+            top_k=d["num_experts_per_tok"], n_group=d["n_group"], topk_group=d["topk_group"],
+            routed_scaling_factor=d["routed_scaling_factor"], norm_topk_prob=d["norm_topk_prob"])
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = (ours - ref).abs().max().item()
+    assert err <= ATOL, f"{what}: max |ours - HF| = {err:.3g} > {ATOL}"
+
+
+CASES = {
+    "qwen3": ("qwen3_dense", hfm.QWEN3_DIMS),
+    "dsv3": ("deepseek_v3", hfm.DSV3_DIMS),
+    "dsv3_grouped_yarn": ("deepseek_v3", hfm.DSV3_GROUPED_YARN_DIMS),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    torch.manual_seed(0)
+    family, dims = CASES[request.param]
+    model, hf_dir = hfm.build_hf_model(family, dims, str(tmp_path_factory.mktemp(request.param)), seed=1)
+    return family, dims, model, load_hf_weights(hf_dir)
+
+
+def _prompts(vocab: int, lens: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def test_prefill_batched_prompts(case):
+    family, dims, model, weights = case
+    runner = PagedRunner(family, dims, weights)
+    prompts = _prompts(dims["vocab_size"], [7, 13], seed=2)  # different lengths, not block multiples
+    logits = runner.step([(0, prompts[0]), (1, prompts[1])])
+    for b, ids in enumerate(prompts):
+        ref = hfm.hf_last_logits(model, ids)
+        assert ref.std() > 0.1, "degenerate reference logits would make the comparison vacuous"
+        _close(logits[b], ref, f"{family} prefill seq {b}")
+
+
+def test_splitfuse_with_cached_prefix(case):
+    family, dims, model, weights = case
+    runner = PagedRunner(family, dims, weights, seed=3)
+    full, other = _prompts(dims["vocab_size"], [14, 5], seed=4)
+    runner.step([(0, full[:6])])  # prefix KV comes from an earlier prefill (ends mid-block)
+    # the rest of seq 0 attends to its cached prefix; seq 1 is a fresh prompt in the same batch
+    logits = runner.step([(0, full[6:]), (1, other)])
+    _close(logits[0], hfm.hf_last_logits(model, full), f"{family} splitfuse (history)")
+    _close(logits[1], hfm.hf_last_logits(model, other), f"{family} splitfuse (no history)")
+
+
+def test_greedy_decode_steps(case):
+    family, dims, model, weights = case
+    runner = PagedRunner(family, dims, weights, seed=5)
+    seqs = _prompts(dims["vocab_size"], [5, 9], seed=6)
+    logits = runner.step([(0, seqs[0]), (1, seqs[1])])
+    for step in range(3):
+        # feed HF's greedy token to both sides, so a near-tie cannot make the two paths diverge
+        nxt = [int(hfm.hf_last_logits(model, s).argmax()) for s in seqs]
+        seqs = [s + [t] for s, t in zip(seqs, nxt)]
+        logits = runner.step([(0, [nxt[0]]), (1, [nxt[1]])])
+        for b in range(2):
+            _close(logits[b], hfm.hf_last_logits(model, seqs[b]), f"{family} decode step {step} seq {b}")
+
+
+# ---------------------------------------------------------------------------------------------
+# op-level checks that the model tests do not pin down on their own
+# ---------------------------------------------------------------------------------------------
+
+def test_moe_routing_matches_hf_router():
+    """Grouped noaux_tc routing vs transformers' router on scores with many group contests."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                           topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(std=0.3)
+    x = torch.randn(64, 16)
+    _, ref_w, ref_idx = router(x)
+    idx, w = rt._route(x, router.weight, router.e_score_correction_bias, top_k=4, n_group=4,
+                       topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    order_ref, order = ref_idx.sort(-1), idx.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, order_ref.indices))
+
+
+def test_kv_save_and_cache_shapes():
+    shapes = rt.kv_cache_shapes("deepseek_v3", hfm.DSV3_DIMS, 6, 4)
+    assert list(shapes) == ["ckv", "kpe"] and shapes["ckv"] == (6, 4, 16) and shapes["kpe"] == (6, 4, 8)
+    shapes = rt.kv_cache_shapes("qwen3_dense", hfm.QWEN3_DIMS, 6, 4)
+    assert list(shapes) == ["k", "v"] and shapes["k"] == (6, 4, 2, 16)
+    cache = tuple(torch.randn(s) for s in shapes.values())
+    staging = tuple(torch.zeros(3, *s[1:]) for s in shapes.values())
+    rt.kv_save(cache, torch.tensor([5, 1]), staging)
+    for c, s in zip(cache, staging):
+        assert torch.equal(s[0], c[5]) and torch.equal(s[1], c[1]) and not s[2].any()
+
+
+def test_kv_write_rejects_out_of_range_slot():
+    cache = (torch.zeros(2, 4, 3),)
+    with pytest.raises((IndexError, RuntimeError)):
+        rt.kv_write(cache, (torch.ones(1, 3),), torch.tensor([-1]))  # must not wrap to the last slot
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: our writer loads in transformers; our loader reads transformers' output
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3_tied", "dsv3_grouped_yarn", "dsv3_no_interleave"])
+def test_random_checkpoint_loads_in_transformers(name, tmp_path):
+    torch.manual_seed(0)
+    family, dims = {"qwen3_tied": ("qwen3_dense", dict(hfm.QWEN3_DIMS, tie_word_embeddings=True)),
+                    "dsv3_grouped_yarn": ("deepseek_v3", hfm.DSV3_GROUPED_YARN_DIMS),
+                    "dsv3_no_interleave": ("deepseek_v3", dict(hfm.DSV3_DIMS, rope_interleave=False))}[name]
+    write_random_hf_checkpoint(str(tmp_path), family, dims, seed=7)
+    model, info = hfm.load_hf_model(family, str(tmp_path), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    if family == "deepseek_v3":  # transformers read our config fields as we meant them
+        want = "yarn" if dims["rope_scaling"] else "default"
+        assert model.config.rope_parameters["rope_type"] == want
+        assert model.config.rope_interleave == dims["rope_interleave"]
+        assert model.config.n_group == dims["n_group"] and model.config.topk_group == dims["topk_group"]
+    weights = load_hf_weights(str(tmp_path))
+    if dims["tie_word_embeddings"]:
+        assert weights["lm_head.weight"] is weights["model.embed_tokens.weight"]
+    # same logits through transformers and through our ops: the config says what the weights mean
+    runner = PagedRunner(family, dims, weights)
+    prompt = _prompts(dims["vocab_size"], [9], seed=8)[0]
+    ref = hfm.hf_last_logits(model, prompt)
+    assert ref.std() > 0.1, "random init should give non-degenerate logits"
+    _close(runner.step([(0, prompt)])[0], ref, f"{name} random checkpoint")
+
+
+def test_loader_stacks_experts_from_save_pretrained(case):
+    family, dims, model, weights = case
+    if family != "deepseek_v3":
+        assert weights["lm_head.weight"].shape == (dims["vocab_size"], dims["hidden_size"])
+        return
+    assert not any(".experts.0." in k for k in weights)  # per-expert keys dropped
+    L, E, I, H = dims["first_k_dense_replace"], dims["n_routed_experts"], dims["moe_intermediate_size"], dims["hidden_size"]
+    experts = model.model.layers[L].mlp.experts  # transformers fuses gate|up in memory
+    gate_up = experts.gate_up_proj.detach()
+    assert torch.equal(weights[f"model.layers.{L}.mlp.experts.gate_proj.weight"], gate_up[:, :I])
+    assert torch.equal(weights[f"model.layers.{L}.mlp.experts.up_proj.weight"], gate_up[:, I:])
+    assert weights[f"model.layers.{L}.mlp.experts.down_proj.weight"].shape == (E, H, I)
+    assert torch.equal(weights[f"model.layers.{L}.mlp.experts.down_proj.weight"], experts.down_proj.detach())
+
+
+def _rewrite(tmp_path, mutate) -> str:
+    from safetensors.torch import load_file, save_file
+
+    src = write_random_hf_checkpoint(str(tmp_path / "src"), "deepseek_v3", hfm.DSV3_DIMS, seed=9)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    mutate(tensors)
+    save_file(tensors, os.path.join(src, "model.safetensors"))
+    return src
+
+
+def test_loader_names_missing_key(tmp_path):
+    key = "model.layers.1.mlp.experts.2.up_proj.weight"
+    hf_dir = _rewrite(tmp_path, lambda t: t.pop(key))
+    with pytest.raises(WeightsError, match="missing") as e:
+        load_hf_weights(hf_dir)
+    assert key in str(e.value)
+
+
+def test_loader_names_wrong_shape(tmp_path):
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    hf_dir = _rewrite(tmp_path, lambda t: t.__setitem__(key, t[key][:-1].clone()))
+    with pytest.raises(WeightsError, match="shape") as e:
+        load_hf_weights(hf_dir)
+    assert key in str(e.value)
+
+
+def test_loader_reads_sharded_checkpoint(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = write_random_hf_checkpoint(str(tmp_path), "qwen3_dense", hfm.QWEN3_DIMS, seed=10)
+    whole = load_hf_weights(src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    os.remove(os.path.join(src, "model.safetensors"))
+    keys = sorted(tensors)
+    weight_map = {}
+    for n, part in enumerate((keys[::2], keys[1::2])):
+        fname = f"model-{n + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(src, fname))
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    sharded = load_hf_weights(src)
+    assert sorted(sharded) == sorted(whole)
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
