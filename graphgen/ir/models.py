@@ -117,6 +117,10 @@ def _scaling_attr(rs):
             "mscale_all_dim": rs.mscale_all_dim}
 
 
+# transformers builds q_a_layernorm / kv_a_layernorm with its default eps, not rms_norm_eps.
+MLA_NORM_EPS = 1e-6
+
+
 def build_deepseek_v3(g: Graph, dims, mode: str) -> None:
     n = dims.num_hidden_layers
     eps = dims.rms_norm_eps
@@ -134,7 +138,8 @@ def build_deepseek_v3(g: Graph, dims, mode: str) -> None:
                           "w_q_b": f"{a}.q_b_proj.weight", "w_kv_a": f"{a}.kv_a_proj_with_mqa.weight",
                           "w_kv_a_norm": f"{a}.kv_a_layernorm.weight", "num_heads": dims.num_attention_heads,
                           "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
-                          "kv_lora_rank": dims.kv_lora_rank, "eps": eps, "interleave": dims.rope_interleave}))
+                          "kv_lora_rank": dims.kv_lora_rank, "eps": MLA_NORM_EPS,
+                          "interleave": dims.rope_interleave}))
         cache = _kv_cache(g, tag)
         g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(c_kv, k_pe, "slot_mapping"), writes=(cache,), layer=i))
         o = g.declare(f"o.{tag}", "value")

@@ -1,0 +1,117 @@
+"""Executing generated CPU modules: loading them, and the ``rt`` object they call.
+
+Generated code calls ``rt.<op>(...)`` for every IR node, ``rt.record``/``rt.wait`` for events and
+``rt.launch(stream, fn)`` to start a non-main stream's program. :class:`CpuRuntime` forwards ops to
+:mod:`graphgen.runtime.ops`, runs ``kv_save`` on a worker thread, and applies fault injection
+(delays) where the hooks belong: before each KV write (forward stream) and inside each save.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import ops as _ops
+from .faults import Faults
+from .streams import InlineStream, Job, Stream
+
+
+class CpuRuntime:
+    def __init__(self, faults: Optional[Faults] = None, event_timeout: Optional[float] = 120.0):
+        self.faults = faults or Faults()
+        self.event_timeout = event_timeout
+        self.streams = {"main": InlineStream("main"), "kv_save": Stream("kv_save")}
+        self._jobs = threading.local()
+
+    # -- streams and events ----------------------------------------------------------------------
+    def launch(self, stream: str, fn: Callable[[], None]) -> Job:
+        job = self.streams[stream].launch(fn)
+        self.launched.append(job)
+        return job
+
+    @property
+    def launched(self) -> list:
+        """Jobs launched by the graph currently running on this thread (reset per step)."""
+        if not hasattr(self._jobs, "list"):
+            self._jobs.list = []
+        return self._jobs.list
+
+    def take_launched(self) -> list:
+        jobs, self._jobs.list = self.launched, []
+        return jobs
+
+    def record(self, ev) -> None:
+        ev.record()
+
+    def wait(self, ev) -> None:
+        ev.wait(self.event_timeout)
+
+    # -- ops with fault hooks --------------------------------------------------------------------
+    def kv_write(self, cache, values, slot_mapping) -> None:
+        self.faults.forward_sleep()  # "delay the forward stream": the KV lands late
+        _ops.kv_write(cache, values, slot_mapping)
+
+    def kv_save(self, cache, block_ids, staging) -> None:
+        self.faults.save_sleep()  # "delay the save stream"
+        _ops.kv_save(cache, block_ids, staging)
+
+    def kv_save_layers(self, kv, layers, block_ids, staging) -> None:
+        """The bulk (forward-granularity) save: every listed layer, in order."""
+        for i in layers:
+            self.kv_save(kv[i], block_ids, staging[i])
+
+    def __getattr__(self, name: str):
+        # Every other op is the reference op itself.
+        try:
+            return getattr(_ops, name)
+        except AttributeError:
+            raise AttributeError(f"generated code called rt.{name}, which graphgen.runtime.ops lacks") from None
+
+    def close(self) -> None:
+        self.streams["kv_save"].close()
+
+
+def load_module(source: str, filename: str, name: str) -> types.ModuleType:
+    """Execute generated source as a module without writing bytecode next to generated/."""
+    mod = types.ModuleType(name)
+    mod.__file__ = filename
+    exec(compile(source, filename, "exec"), mod.__dict__)
+    return mod
+
+
+def load_cpu_modules(spec, spec_file: str, *, generated_dir: Optional[Path] = None,
+                     source_hook: Optional[Callable[[str, str], str]] = None) -> dict[str, types.ModuleType]:
+    """The CPU module of every variant of ``spec``, generated in memory (fast, torch-free).
+
+    When ``generated/`` holds the identical file, its path is used as the module's filename so
+    tracebacks point at the checked-in code. ``source_hook(variant, source) -> source`` exists for
+    tests that mutate generated code on purpose (e.g. drop a wait to show the event matters).
+    """
+    from ..generate import spec_outputs
+
+    files = spec_outputs(_cpu_only(spec), spec_file)
+    mods = {}
+    for variant in spec.variants:
+        rel = f"{spec.name}/cpu/{variant}.py"
+        source = files[rel]
+        filename = f"<graphgen:{rel}>"
+        if generated_dir is not None:
+            on_disk = Path(generated_dir) / rel
+            if on_disk.exists() and on_disk.read_text(encoding="utf-8") == source:
+                filename = str(on_disk)
+        if source_hook is not None:
+            mutated = source_hook(variant, source)
+            if mutated != source:
+                source, filename = mutated, f"<graphgen:{rel} (mutated by a test)>"
+        mods[variant] = load_module(source, filename, f"graphgen_generated.{spec.name}.{variant}")
+    return mods
+
+
+def _cpu_only(spec):
+    import dataclasses
+
+    from ..spec.model import CpuTarget, Targets
+
+    return dataclasses.replace(spec, targets=Targets(cpu=CpuTarget()))
