@@ -198,10 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_runtime_commands(sub) -> None:
     """Commands that need the runtime (torch) import it lazily inside their handlers."""
-    try:
-        from . import cli_runtime
-    except ImportError:  # pragma: no cover - runtime commands not built yet
-        return
+    from . import cli_runtime
+
     cli_runtime.add_commands(sub)
 
 
