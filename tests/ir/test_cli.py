@@ -1,0 +1,98 @@
+"""CLI behaviour: check (stale/orphan/exit codes/fix command), generate (atomic, only changed), dump."""
+
+import os
+import shutil
+
+import pytest
+
+from conftest import REPO, run_cli
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A scratch project with one tiny spec and its generated files."""
+    (tmp_path / "specs").mkdir()
+    shutil.copy(REPO / "specs" / "tiny_qwen3.yaml", tmp_path / "specs" / "tiny_qwen3.yaml")
+    res = run_cli("generate", "--spec", "specs/tiny_qwen3.yaml", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    return tmp_path
+
+
+ARGS = ("--spec", "specs/tiny_qwen3.yaml")
+
+
+def test_check_clean_then_stale_with_diff_and_fix_command(project):
+    assert run_cli("check", *ARGS, cwd=project).returncode == 0
+    g = project / "generated" / "tiny_qwen3" / "decode.graph"
+    g.write_text(g.read_text().replace("eps=1e-06", "eps=1e-05", 1))
+    res = run_cli("check", *ARGS, cwd=project)
+    assert res.returncode == 1
+    assert "--- a/generated/tiny_qwen3/decode.graph" in res.stdout and "+++ b/generated/tiny_qwen3/decode.graph" in res.stdout
+    assert "-node L00.attn_norm" in res.stdout and "eps=1e-05" in res.stdout
+    assert "graphgen generate --spec specs/tiny_qwen3.yaml" in res.stderr
+    assert run_cli("generate", *ARGS, cwd=project).returncode == 0
+    assert run_cli("check", *ARGS, cwd=project).returncode == 0
+
+
+def test_check_flags_orphans_and_generate_removes_them(project):
+    orphan = project / "generated" / "tiny_qwen3" / "cpu" / "old_variant.py"
+    orphan.write_text("# left over\n")
+    res = run_cli("check", *ARGS, cwd=project)
+    assert res.returncode == 1 and "orphan (no spec produces it): generated/tiny_qwen3/cpu/old_variant.py" in res.stderr
+    res = run_cli("generate", *ARGS, cwd=project)
+    assert "removed generated/tiny_qwen3/cpu/old_variant.py" in res.stdout
+    assert not orphan.exists()
+
+
+def test_check_flags_missing_file(project):
+    (project / "generated" / "tiny_qwen3" / "splitfuse.graph").unlink()
+    res = run_cli("check", *ARGS, cwd=project)
+    assert res.returncode == 1 and "stale: generated/tiny_qwen3/splitfuse.graph" in res.stderr
+
+
+def test_generate_writes_only_changed_files(project):
+    files = sorted((project / "generated").rglob("*.*"))
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in files}
+    changed = project / "generated" / "tiny_qwen3" / "decode.graph"
+    changed.write_text("tampered\n")
+    res = run_cli("generate", *ARGS, cwd=project)
+    assert res.stdout.strip().splitlines() == ["wrote generated/tiny_qwen3/decode.graph"]
+    for p in files:
+        if p != changed:
+            assert (p.stat().st_mtime_ns, p.stat().st_ino) == before[p], p
+
+
+def test_dry_run_writes_nothing(project):
+    target = project / "generated" / "tiny_qwen3" / "decode.graph"
+    target.unlink()
+    res = run_cli("generate", *ARGS, "--dry-run", cwd=project)
+    assert res.returncode == 0 and "would write generated/tiny_qwen3/decode.graph" in res.stdout
+    assert not target.exists()
+
+
+def test_no_temp_files_left_behind(project):
+    leftovers = [p for p in (project / "generated").rglob("*") if p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_dump_after_each_pass_and_dot(project):
+    res = run_cli("dump", "specs/tiny_qwen3.yaml", "mempool_prefill_layer", "--after", "insert_kv_save", cwd=project)
+    assert res.returncode == 0
+    assert "node L00.kv_save kv_save kv_save" in res.stdout and " record " not in res.stdout
+    res = run_cli("dump", "specs/tiny_qwen3.yaml", "mempool_prefill_layer", cwd=project)
+    assert "node L00.kv_write.record main record event=ev.L00.kv_write" in res.stdout
+    res = run_cli("dump", "specs/tiny_qwen3.yaml", "mempool_prefill_layer", "--format", "dot", cwd=project)
+    assert res.stdout.startswith('digraph "tiny_qwen3.mempool_prefill_layer"')
+    assert '"L00.kv_write.record" -> "L00.kv_save.wait" [color=red' in res.stdout
+    res = run_cli("dump", "specs/tiny_qwen3.yaml", "nope", cwd=project)
+    assert res.returncode == 2 and "no variant 'nope'" in res.stderr
+
+
+def test_validate(project):
+    res = run_cli("validate", "specs/tiny_qwen3.yaml", cwd=project)
+    assert res.returncode == 0 and "specs/tiny_qwen3.yaml: ok (qwen3_dense, 2 layers" in res.stdout
+
+
+def test_schema_command_matches_file():
+    res = run_cli("schema")
+    assert res.returncode == 0 and res.stdout == (REPO / "specs" / "schema.json").read_text()
