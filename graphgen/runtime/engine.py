@@ -117,7 +117,8 @@ class Engine:
         self.host_stream = Stream("host")  # commits saved blocks to the pool
         self._pending: list[_PendingSave] = []
         self._gen = 0
-        self.stats = {"puts": 0, "put_failures": 0, "save_failures": 0, "hit_blocks": 0, "loaded_blocks": 0}
+        self.stats = {"puts": 0, "put_failures": 0, "save_failures": 0, "hit_blocks": 0, "loaded_blocks": 0,
+                      "pool_errors": 0}
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -232,16 +233,26 @@ class Engine:
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
         keys = self._keys(prompt)[:max_blocks]
-        run = self.pool.leading_run(keys)
+        try:
+            run = self.pool.leading_run(keys)
+        except Exception as e:  # a pool that is down costs a recompute, never the request
+            log.warning("pool lookup failed, recomputing: %s", e)
+            self.stats["pool_errors"] += 1
+            return
         if run == 0:
             return
         self._ensure_blocks(s, len(prompt))
         loaded = 0
         for i in range(run):
-            data = self.pool.get(keys[i])
-            if data is None:  # evicted since the lookup: recompute from here
+            try:
+                data = self.pool.get(keys[i])
+                if data is None:  # evicted since the lookup: recompute from here
+                    break
+                unpack_block_into(self.cache, s.table[i], data)
+            except Exception as e:  # unreachable pool or a foreign/corrupt value: recompute from here
+                log.warning("pool load of block %d failed, recomputing from there: %s", i, e)
+                self.stats["pool_errors"] += 1
                 break
-            unpack_block_into(self.cache, s.table[i], data)
             loaded += 1
         s.hit_blocks = loaded
         s.cached = loaded * self.block_size
@@ -342,7 +353,12 @@ class Engine:
     def _host_job(self, mod, ev, save_job, staging, keys, block_ids):
         def commit():
             for j, key in enumerate(keys):
-                if self.pool.put(key, pack_block(staging, j)):
+                try:
+                    ok = self.pool.put(key, pack_block(staging, j))
+                except Exception as e:  # a pool that is down: the block is simply not saved
+                    log.warning("pool put failed: %s", e)
+                    ok = False
+                if ok:
                     self.stats["puts"] += 1
                 else:
                     self.stats["put_failures"] += 1  # not visible; a later request recomputes it
@@ -385,8 +401,22 @@ def _check_config(spec, hf_dir: Path) -> None:
     if not cfg_path.exists():
         raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face checkpoint folder)")
     cfg = json.loads(cfg_path.read_text())
-    wrong = [(k, cfg.get(k), getattr(spec.dims, k)) for k in ("num_hidden_layers", "hidden_size", "vocab_size")
-             if k in cfg and cfg[k] != getattr(spec.dims, k)]
+    from .weights import WeightsError, family_of_config
+
+    try:
+        family = family_of_config(cfg)
+    except WeightsError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
+    if family != spec.family:
+        raise ValueError(f"{cfg_path} does not match spec {spec.name} (model_type {cfg.get('model_type')!r} is "
+                         f"family {family}, the spec is {spec.family}); create a matching spec with: "
+                         f"graphgen import-hf {hf_dir} --out specs/NAME.yaml")
+    # Every dim the config states must agree (same family => same field names). Not compared:
+    # max_position_embeddings (a context limit, not a weight or numeric property) and the RoPE
+    # fields, which transformers 5 nests under rope_parameters.
+    skip = {"max_position_embeddings", "rope_theta", "rope_scaling"}
+    wrong = [(k, cfg[k], v) for k, v in _dims_dict(spec).items()
+             if k not in skip and cfg.get(k) is not None and cfg[k] != v]
     if wrong:
         desc = ", ".join(f"{k}: checkpoint {a} vs spec {b}" for k, a, b in wrong)
         raise ValueError(f"{cfg_path} does not match spec {spec.name} ({desc}); "
