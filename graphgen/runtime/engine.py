@@ -276,12 +276,12 @@ class Engine:
             qlens.append(n - start)
             slens.append(n)
             if saves:
+                new_full = range(s.hit_blocks, n // self.block_size)  # the new full blocks
                 keys = self._keys(s.prompt)
-                for j in range(s.hit_blocks, n // self.block_size):  # the new full blocks
-                    save_ids.append(s.table[j])
-                    save_keys.append(keys[j])
+                save_ids.extend(s.table[j] for j in new_full)
+                save_keys.extend(keys[j] for j in new_full)
+                s.result.saved_blocks = len(new_full)
             s.result.variant = variant
-            s.result.saved_blocks = len(save_keys) - sum(x.result.saved_blocks for x in seqs if x is not s)
         b = self._inputs(seqs, ids, pos, slots, qlens, slens, save_ids)
         logits = self._run(variant, b, save_ids, save_keys, sync_commit=(self.write == "sync"))
         now = time.perf_counter()
