@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -42,33 +43,60 @@ def _import_torchair(use_standin: bool) -> ModuleType:
     return torchair
 
 
+def load_module(path: str | Path, source: str | None = None, name: str | None = None) -> ModuleType:
+    """Import a generated NPU module from ``path`` (or from ``source``, reported as ``path``).
+
+    The module is registered in ``sys.modules`` under a unique name: Dynamo resolves a traced
+    function's globals through its module's name.  Loading a reduce-overhead module creates its
+    tagged events, and torchair rejects a tag used twice in one process: load each such module once.
+    """
+    p = Path(path)
+    name = name or f"graphgen_npu_{p.parent.name}_{p.stem}_{len(sys.modules)}"
+    mod = ModuleType(name)
+    mod.__file__ = str(p)
+    sys.modules[name] = mod
+    try:
+        code = compile(source if source is not None else p.read_text(), str(p), "exec")
+        exec(code, mod.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
 def _load(module_path_or_obj: Any) -> Any:
     if isinstance(module_path_or_obj, (str, Path)):
-        p = Path(module_path_or_obj)
-        spec = importlib.util.spec_from_file_location(p.stem, p)
-        if spec is None or spec.loader is None:
-            raise FileNotFoundError(f"cannot load module from {p}")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+        return load_module(module_path_or_obj)
     return module_path_or_obj
 
 
-def compile_module(module_path_or_obj: Any, mode: str, cache_dir: str | None = None, *,
+def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: str | None = None, *,
                    use_standin: bool = False, dynamic: bool = False):
     """Return ``(target, backend)`` where ``target.forward`` is the compiled forward.
 
-    ``module_path_or_obj``: a path to a generated ``npu/<mode>/<variant>.py`` (the module must define
-    ``Model``, an ``nn.Module`` class taking no arguments, or ``model``, an instance), or any
-    object with a ``forward`` method.  ``backend`` is the torchair backend (with the stand-in it
-    exposes ``.graphs``, the captured post-AOT graphs).
+    ``module_path_or_obj``: a path to a generated ``npu/<mode_dir>/<variant>.py`` (the module defines
+    ``Model``, an ``nn.Module`` class taking no arguments, or ``model``, an instance), a loaded module,
+    or any object with a ``forward`` method.  ``mode``: ``"max-autotune"`` or ``"reduce-overhead"``;
+    ``None`` takes the module's ``COMPILE_MODE``; a mode other than the module's ``COMPILE_MODE`` is
+    refused (the events in the module are spelled for that mode).  ``backend`` is the torchair
+    backend (with the stand-in it exposes ``.graphs``, the captured post-AOT graphs).
+    The torchair/stand-in import happens before the module is loaded (its top level imports them).
     """
     import torch
 
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     torchair = _import_torchair(use_standin)
     obj = _load(module_path_or_obj)
+    own = getattr(obj, "COMPILE_MODE", None) if isinstance(obj, ModuleType) else None
+    if mode is None:
+        if own is None:
+            raise ValueError("mode=None needs a generated module defining COMPILE_MODE")
+        mode = own
+    elif own is not None and own != mode:
+        raise ValueError(f"module was generated for compile mode {own!r}, not {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(obj, ModuleType):
         target = getattr(obj, "model", None) or getattr(obj, "Model")()
     else:

@@ -47,7 +47,9 @@ _AIR_SIDE_EFFECT = ("scope_enter", "scope_exit", "wait", "tagged_event_record", 
 # the save both go through npu_scatter_nd_update_ (see docs/npu-research.md).
 NPU_OPS = ("npu_scatter_nd_update", "npu_scatter_nd_update_", "npu_scatter_pa_kv_cache",
            "npu_scatter_pa_kv_cache_functional", "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu",
-           "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_fused_infer_attention_score")
+           "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_fused_infer_attention_score",
+           # DeepSeek-V3 MoE (real schemas from the manifest; CPU kernels are OUR reading of the docs)
+           "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing")
 
 _state: dict[str, Any] = {"installed": False, "libs": []}
 
@@ -136,7 +138,90 @@ def _fia_meta(query, key, value, **kw):
     return torch.empty_like(query), query.new_empty(query.shape[:-1] + (1,), dtype=torch.float32)
 
 
+# MoE kernels.  Semantics are our reading of the torch_npu docs / vllm-ascend usage, never checked
+# against the NPU kernels; they exist so the DeepSeek graph traces and its shapes/wiring are exercised.
+def _moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                      group_select_mode=0, renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+                      eps=1e-20):
+    # norm_type 1: sigmoid scores; selection uses scores + bias, grouped: keep the k_group groups with the
+    # best group score (group_select_mode 1: sum of the group's top-2; 0: its max); weights are the
+    # unbiased scores of the chosen experts, times routed_scaling_factor (no renormalisation modelled).
+    scores = torch.sigmoid(x.float()) if norm_type == 1 else torch.softmax(x.float(), dim=-1)
+    sel = scores if bias is None else scores + bias.float()
+    t, e = sel.shape
+    if group_count > 1:
+        grouped = sel.view(t, group_count, e // group_count)
+        gs = grouped.topk(2, dim=-1).values.sum(-1) if group_select_mode == 1 else grouped.max(-1).values
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(k_group, dim=-1).indices, 1.0)
+        sel = sel.masked_fill(keep.repeat_interleave(e // group_count, dim=1) == 0, float("-inf"))
+    ids = sel.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids) * routed_scaling_factor
+    return weights.to(x.dtype), ids.to(torch.int32), scores.to(x.dtype)
+
+
+def _moe_gating_top_k_meta(x, k, **kw):
+    t, e = x.shape
+    return x.new_empty(t, k), x.new_empty(t, k, dtype=torch.int32), x.new_empty(t, e)
+
+
+def _moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                         expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                         quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+    # Rows of x permuted so each expert's rows are contiguous (stable by expert id); expanded_row_idx[i]
+    # is the permuted position of flattened (token, k) pair i; expert_tokens = rows per expert
+    # (expert_tokens_num_type 1: counts; 0: cumulative).
+    t, k = expert_idx.shape
+    flat = expert_idx.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    expanded_x = x.index_select(0, order // k)
+    row_idx = torch.empty_like(order)
+    row_idx[order] = torch.arange(order.numel())
+    n = expert_num if expert_num > 0 else int(flat.max()) + 1
+    counts = torch.bincount(flat, minlength=n)[:n]
+    tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
+    return expanded_x, row_idx.to(torch.int32), tokens.to(torch.int64), x.new_empty(0, dtype=torch.float32)
+
+
+def _moe_init_routing_v2_meta(x, expert_idx, *, expert_num=-1, **kw):
+    tk = expert_idx.numel()
+    return (x.new_empty(tk, x.shape[-1]), x.new_empty(tk, dtype=torch.int32),
+            x.new_empty(expert_num, dtype=torch.int64), x.new_empty(0, dtype=torch.float32))
+
+
+def _grouped_matmul(x, weight, *, group_list=None, group_list_type=0, split_item=0, **kw):
+    # One x [M, K] split into row groups (group_list: counts if group_list_type 1, else cumulative ends),
+    # group g multiplied by weight[0][g] ([E, K, N]); split_item 2/3: a single concatenated output.
+    xs, w = x[0], weight[0]
+    counts = group_list.long() if group_list_type == 1 else torch.diff(group_list.long(), prepend=group_list.new_zeros(1))
+    outs = [xi @ w[g] for g, xi in enumerate(torch.split(xs, counts.tolist(), dim=0))]
+    return [torch.cat(outs, dim=0) if outs else xs.new_empty(0, w.shape[-1])]
+
+
+def _grouped_matmul_meta(x, weight, **kw):
+    return [x[0].new_empty(x[0].shape[0], weight[0].shape[-1])]
+
+
+def _moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                          export_for_source_row, drop_pad_mode=0, k=1):
+    # out[t] = skip1[t] + skip2[t] + sum_j scales[t, j] * rows[expanded_src_to_dst_row[t*K + j]]
+    t, kk = scales.shape
+    rows = expanded_permuted_rows.index_select(0, expanded_src_to_dst_row.long()).view(t, kk, -1)
+    out = (rows * scales.unsqueeze(-1).to(rows.dtype)).sum(1)
+    for extra in (skip1, skip2):
+        if extra is not None:
+            out = out + extra
+    return out
+
+
+def _moe_finalize_routing_meta(expanded_permuted_rows, skip1, skip2, bias, scales, *a, **kw):
+    return expanded_permuted_rows.new_empty(scales.shape[0], expanded_permuted_rows.shape[-1])
+
+
 _CPU_KERNELS: dict[str, Callable] = {
+    "npu_moe_gating_top_k": _moe_gating_top_k,
+    "npu_moe_init_routing_v2": _moe_init_routing_v2,
+    "npu_grouped_matmul": _grouped_matmul,
+    "npu_moe_finalize_routing": _moe_finalize_routing,
     "npu_scatter_nd_update": _scatter_nd_update,
     "npu_scatter_nd_update_": _scatter_nd_update_,
     "npu_scatter_pa_kv_cache": _scatter_pa_kv_cache,
@@ -156,6 +241,10 @@ _META_KERNELS: dict[str, Callable] = {
     "npu_scatter_pa_kv_cache_functional": lambda key, value, kc, vc, sm, **k: (torch.empty_like(kc),
                                                                               torch.empty_like(vc)),
     "npu_fused_infer_attention_score": _fia_meta,
+    "npu_moe_gating_top_k": _moe_gating_top_k_meta,
+    "npu_moe_init_routing_v2": _moe_init_routing_v2_meta,
+    "npu_grouped_matmul": _grouped_matmul_meta,
+    "npu_moe_finalize_routing": _moe_finalize_routing_meta,
 }
 
 

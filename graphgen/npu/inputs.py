@@ -1,0 +1,162 @@
+"""Host-side inputs of generated NPU modules: step inputs, RoPE tables, KV/staging buffers, tiny weights.
+
+Pure torch; no torch_npu needed (tensors are created on ``device``, default CPU).  The field names
+and layouts are the contract stated in every generated ``npu/<mode>/<variant>.py`` (``STEP_FIELDS``,
+``KV_SHAPES``, ``ROPE``); nothing here was run on an NPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+# sparse_mode=3 takes a compressed 2048x2048 causal mask (True = masked) whatever the sequence lengths.
+MASK_SIZE = 2048
+ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"  # same key the NPU templates read
+
+
+@dataclass
+class NpuStepInputs:
+    input_ids: torch.Tensor          # [T] int64
+    positions: torch.Tensor          # [T] int64
+    kv_index: torch.Tensor           # [T, 2] int64: (slot // block_size, slot % block_size)
+    block_tables: torch.Tensor       # [B, M] int32
+    actual_seq_lengths: list         # cumulative query lengths (TND layout), len B
+    actual_seq_lengths_kv: list      # seq_lens (history + new tokens), len B
+    atten_mask: Optional[torch.Tensor]  # [2048, 2048] bool causal mask (prefill/splitfuse), else None
+    logits_indices: torch.Tensor     # [B] int64
+    save_block_ids: Optional[torch.Tensor] = None  # [S] int64 blocks to save
+    save_rows: Optional[torch.Tensor] = None       # [S, 1] int64 = arange(S): staging rows written
+
+
+def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
+                    block_size: int, save_block_ids=None, decode: bool = False, device=None) -> NpuStepInputs:
+    """NPU step inputs from the CPU runtime's (design.md) host quantities."""
+    dev = device or torch.device("cpu")
+    slots = torch.as_tensor(slot_mapping, dtype=torch.int64)
+    ql = [int(x) for x in torch.as_tensor(query_lens).tolist()]
+    cum = [sum(ql[:i + 1]) for i in range(len(ql))]
+    save = None if save_block_ids is None else torch.as_tensor(save_block_ids, dtype=torch.int64)
+    return NpuStepInputs(
+        input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(dev),
+        positions=torch.as_tensor(positions, dtype=torch.int64).to(dev),
+        kv_index=torch.stack((slots // block_size, slots % block_size), dim=-1).to(dev),
+        block_tables=torch.as_tensor(block_tables, dtype=torch.int32).to(dev),
+        actual_seq_lengths=cum,
+        actual_seq_lengths_kv=[int(x) for x in torch.as_tensor(seq_lens).tolist()],
+        atten_mask=None if decode else torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool), 1).to(dev),
+        logits_indices=torch.as_tensor(logits_indices, dtype=torch.int64).to(dev),
+        save_block_ids=None if save is None else save.to(dev),
+        save_rows=None if save is None else torch.arange(save.numel(), dtype=torch.int64).view(-1, 1).to(dev),
+    )
+
+
+def rope_cache(rope: dict, max_positions: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``[max_positions, 2 * rot_dim]`` = cat(cos, sin), laid out as the CPU reference (cat(freqs, freqs))."""
+    pos = torch.arange(max_positions)
+    if rope.get("scaling") is None:
+        rot, theta = int(rope["rot_dim"]), float(rope["theta"])
+        inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
+        freqs = pos.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+    else:  # YaRN etc.: the CPU reference op owns those formulas
+        from graphgen.runtime.ops import rope_cos_sin
+
+        cos, sin = rope_cos_sin(pos, rot_dim=rope["rot_dim"], theta=rope["theta"], scaling=rope["scaling"])
+    return torch.cat((cos, sin), dim=-1).to(device=device, dtype=dtype)
+
+
+def kv_buffers(module, num_layers: int, num_blocks: int, staging_rows: int = 0, device=None):
+    """(kv, staging) per the generated module's KV_SHAPES / KV_DTYPE; staging is () when staging_rows == 0."""
+    dtype = getattr(torch, module.KV_DTYPE)
+    kv = [tuple(torch.zeros(num_blocks, *s, dtype=dtype, device=device) for s in module.KV_SHAPES)
+          for _ in range(num_layers)]
+    staging = [tuple(torch.zeros(staging_rows, *s, dtype=dtype, device=device) for s in module.KV_SHAPES)
+               for _ in range(num_layers)] if staging_rows else []
+    return kv, staging
+
+
+def random_weights(spec, seed: int = 0, scale: float = 0.05, rope: Optional[dict] = None,
+                   max_positions: int = 64) -> dict[str, torch.Tensor]:
+    """Small random weights keyed by checkpoint name (experts stacked, as the CPU loader does), plus the
+    RoPE table under ROPE_CACHE_KEY when ``rope`` (a generated module's ROPE) is given.  Tiny specs only."""
+    d = spec.dims
+    g = torch.Generator().manual_seed(seed)
+    H, V = d.hidden_size, d.vocab_size
+    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+                                "lm_head.weight": (V, H)}
+
+    def mlp(p, inter):
+        shapes.update({f"{p}.gate_proj.weight": (inter, H), f"{p}.up_proj.weight": (inter, H),
+                       f"{p}.down_proj.weight": (H, inter)})
+
+    for i in range(d.num_hidden_layers):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        shapes.update({f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,)})
+        if spec.family == "qwen3_dense":
+            Hq, Hkv, D = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+            shapes.update({f"{a}.q_proj.weight": (Hq * D, H), f"{a}.k_proj.weight": (Hkv * D, H),
+                           f"{a}.v_proj.weight": (Hkv * D, H), f"{a}.o_proj.weight": (H, Hq * D),
+                           f"{a}.q_norm.weight": (D,), f"{a}.k_norm.weight": (D,)})
+            mlp(f"{p}.mlp", d.intermediate_size)
+        elif spec.family == "deepseek_v3":
+            Hq, n, r, v, R = d.num_attention_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+            shapes.update({f"{a}.q_a_proj.weight": (d.q_lora_rank, H), f"{a}.q_a_layernorm.weight": (d.q_lora_rank,),
+                           f"{a}.q_b_proj.weight": (Hq * (n + r), d.q_lora_rank),
+                           f"{a}.kv_a_proj_with_mqa.weight": (R + r, H), f"{a}.kv_a_layernorm.weight": (R,),
+                           f"{a}.kv_b_proj.weight": (Hq * (n + v), R), f"{a}.o_proj.weight": (H, Hq * v)})
+            if i < d.first_k_dense_replace:
+                mlp(f"{p}.mlp", d.intermediate_size)
+            else:
+                E, I = d.n_routed_experts, d.moe_intermediate_size
+                shapes.update({f"{p}.mlp.gate.weight": (E, H), f"{p}.mlp.gate.e_score_correction_bias": (E,),
+                               f"{p}.mlp.experts.gate_proj.weight": (E, I, H),
+                               f"{p}.mlp.experts.up_proj.weight": (E, I, H),
+                               f"{p}.mlp.experts.down_proj.weight": (E, H, I)})
+                if d.n_shared_experts:
+                    mlp(f"{p}.mlp.shared_experts", I * d.n_shared_experts)
+        else:
+            raise ValueError(f"unknown family {spec.family!r}")
+    W = {}
+    for k, s in shapes.items():
+        if len(s) == 1 and not k.endswith("bias"):  # norm gains around 1
+            W[k] = 1.0 + 0.1 * torch.randn(s, generator=g)
+        else:
+            W[k] = torch.randn(s, generator=g) * scale
+    if rope is not None:
+        W[ROPE_CACHE_KEY] = rope_cache(rope, max_positions)
+    return W
+
+
+def tiny_step(module, spec, seqs: Sequence[tuple[int, int]], num_blocks: int, seed: int = 0):
+    """Step inputs for sequences given as (history_len, new_tokens): blocks assigned in order.
+
+    Shapes only matter for structure tests; the save (saving variants) gathers every block the step uses."""
+    g = torch.Generator().manual_seed(seed)
+    bs = spec.kv_cache.block_size
+    decode = module.META["phase"] == "decode"
+    ids, pos, slots, tables, seq_lens, qlens, logit_idx = [], [], [], [], [], [], []
+    next_block, t = 0, 0
+    max_blocks = max((h + q + bs - 1) // bs for h, q in seqs)
+    for hist, q in seqs:
+        n = (hist + q + bs - 1) // bs
+        table = list(range(next_block, next_block + n))
+        next_block += n
+        for p in range(hist, hist + q):
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        ids += torch.randint(0, spec.dims.vocab_size, (q,), generator=g).tolist()
+        tables.append(table + [0] * (max_blocks - n))
+        seq_lens.append(hist + q)
+        qlens.append(q)
+        t += q
+        logit_idx.append(t - 1)
+    if next_block > num_blocks:
+        raise ValueError("num_blocks too small for these sequences")
+    saves = module.META.get("saves")
+    b = npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                        query_lens=qlens, logits_indices=logit_idx, block_size=bs,
+                        save_block_ids=list(range(next_block)) if saves else None, decode=decode)
+    return b

@@ -1,0 +1,291 @@
+"""Generated NPU modules: API conformance, compile-mode rules, and post-AOT structure on the CPU STAND-IN.
+
+Nothing here runs on an NPU.  (a)/(b) read the generated source against the torch-npu 2.14.0
+manifest; (c)/(d) compile the tiny specs' modules with graphgen's CPU stand-in of torchair, which
+proves FX graph structure (order, stream scopes, in-place writes after the modelled torchair
+re-inplace) -- not NPU behaviour, numerics or speed.  Modules are rendered from the specs in
+memory, so the tests follow the templates, not whatever sits in generated/.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from graphgen.generate import build_outputs, default_spec_paths
+from graphgen.npu.conformance import check_module_source
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ("tiny_qwen3", "tiny_deepseek_v3")
+TAGGED = ("npu_create_tagged_event", "npu_tagged_event_record", "npu_tagged_event_wait")
+
+
+def _render_all() -> dict[str, str]:
+    files, _ = build_outputs(default_spec_paths(ROOT / "specs"))
+    return {rel: text for rel, text in files.items() if "/npu/" in rel}
+
+
+NPU = _render_all()
+NPU_NAMES = sorted(NPU)
+
+
+def _calls(src: str) -> list[str]:
+    """Dotted names of every call in the module."""
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Call):
+            parts, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                out.append(".".join([f.id, *reversed(parts)]))
+    return out
+
+
+def test_every_npu_spec_has_modules_for_every_variant_and_mode():
+    from graphgen.spec.loader import load_specs
+
+    paths = default_spec_paths(ROOT / "specs")
+    expected = set()
+    for spec in load_specs(paths):
+        if spec.targets.npu is None:
+            continue
+        for mode in spec.targets.npu.compile_modes:
+            for v in spec.variants:
+                expected.add(f"{spec.name}/npu/{mode.replace('-', '_')}/{v}.py")
+    assert expected and expected == set(NPU)
+    assert {n.split("/")[0] for n in NPU} >= set(TINY)
+
+
+# ------------------------------------------------------------------------------------ (a) conformance
+@pytest.mark.parametrize("name", NPU_NAMES)
+def test_conformance(name):
+    src = NPU[name]
+    assert check_module_source(src, filename=name) == []
+    calls = _calls(src)
+    # the lowering really goes through torchair/torch_npu (an empty module would pass vacuously)
+    assert any(c.startswith("torch_npu.npu_fused_infer_attention_score") for c in calls)
+    assert sum(c == "torch_npu.npu_scatter_nd_update_" for c in calls) >= 2
+    assert "NEVER RUN ON AN NPU" in ast.get_docstring(ast.parse(src))
+
+
+# ------------------------------------------------------------------------------------ (b) mode rules
+@pytest.mark.parametrize("name", NPU_NAMES)
+def test_mode_rules(name):
+    src = NPU[name]
+    mode = re.search(r"^COMPILE_MODE = '([^']+)'", src, re.M).group(1)
+    assert name.split("/")[2] == mode.replace("-", "_")
+    calls = _calls(src)
+    has_events = "torchair.scope.npu_stream_switch" in calls  # saving variants: a save stream with events
+    if mode == "max-autotune":
+        assert not [c for c in calls if c.split(".")[-1] in TAGGED], "tagged events raise in max-autotune"
+        if has_events:
+            assert "torchair.ops.record" in calls and "torchair.ops.wait" in calls
+    else:
+        assert "torchair.scope.npu_wait_tensor" not in calls, "npu_wait_tensor raises in reduce-overhead"
+        if has_events:
+            assert "torchair.ops.npu_tagged_event_record" in calls and "torchair.ops.npu_tagged_event_wait" in calls
+            # created at module level: outside forward (the compiled region)
+            fwd = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+            assert "npu_create_tagged_event" not in ast.unparse(fwd)
+
+
+def test_only_npu_modules_import_torchair():
+    files, _ = build_outputs(default_spec_paths(ROOT / "specs"))
+    for rel, text in files.items():
+        if rel.endswith(".py") and "/npu/" not in rel:
+            assert "torchair" not in text and "torch_npu" not in text, rel
+    for rel, text in NPU.items():
+        assert re.search(r"^import torchair$", text, re.M) and re.search(r"^import torch_npu$", text, re.M), rel
+
+
+def test_tagged_event_tags_unique_across_all_modules():
+    tags: dict[str, str] = {}
+    for name, src in NPU.items():
+        model, _, _, variant = name[:-3].split("/")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("npu_create_tagged_event"):
+                (kw,) = [k for k in node.keywords if k.arg == "tag"]
+                tag = ast.literal_eval(kw.value)
+                assert tag.startswith(f"graphgen.{model}.{variant}."), tag
+                assert tag not in tags, f"{tag} in {name} and {tags[tag]}"
+                tags[tag] = name
+    assert tags  # the reduce-overhead modules of the tiny specs do create events
+
+
+# ------------------------------------------------------------------------------------ (c) post-AOT on the stand-in
+torch = pytest.importorskip("torch")
+from graphgen.npu import aotcheck, standin  # noqa: E402
+
+needs_standin = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
+SEQS = {  # (history, new tokens) per sequence: splitfuse has history, decode one token each
+    (True, False): [(0, 5), (0, 3)], (True, True): [(4, 3), (2, 2)], (False, False): [(5, 1), (2, 1)],
+    (False, True): [(5, 1), (2, 1)]}
+NUM_BLOCKS = 8
+
+
+def _spec(model):
+    from graphgen.spec.loader import load_specs
+
+    return load_specs([ROOT / "specs" / f"{model}.yaml"])[0]
+
+
+def _run(name, src=None):
+    """Load (fresh tags), compile with the stand-in, run once; returns (module, captured graph, kv, staging, b)."""
+    from graphgen.npu.compile import compile_module, load_module
+    from graphgen.npu.inputs import kv_buffers, random_weights, tiny_step
+
+    standin.install()
+    spec = _spec(name.split("/")[0])
+    with standin.fresh_tags():
+        mod = load_module(ROOT / "generated" / name, NPU[name] if src is None else src)
+        target, backend = compile_module(mod, mod.COMPILE_MODE, use_standin=True)
+    meta = mod.META
+    b = tiny_step(mod, spec, SEQS[(meta["phase"] == "prefill", bool(meta["history"]))], NUM_BLOCKS)
+    kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, NUM_BLOCKS, staging_rows=NUM_BLOCKS if meta["saves"] else 0)
+    W = random_weights(spec, rope=mod.ROPE)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = target.forward(W, b, kv, staging)
+    assert logits.shape == (len(b.actual_seq_lengths), spec.dims.vocab_size)
+    assert len(backend.graphs) == 1  # fullgraph: one compiled graph per step
+    return mod, backend.graphs[0], kv, staging, b
+
+
+def _problems(cg, kv, staging):
+    caches = [cg.placeholder_for(t) for layer in kv for t in layer]
+    stagings = [cg.placeholder_for(t) for layer in staging for t in layer]
+    return aotcheck.check_kv_save_graph(cg.gm, caches, stagings), caches
+
+
+TINY_NAMES = [n for n in NPU_NAMES if n.split("/")[0] in TINY]
+
+
+@needs_standin
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_post_aot_structure(name):
+    mod, cg, kv, staging, b = _run(name)
+    problems, caches = _problems(cg, kv, staging)
+    if mod.META["saves"]:
+        # write -> record -> (save stream) wait -> gather into staging, all in place and in scope
+        assert problems == [], "\n".join(problems)
+        # the raw post-AOT graph has the functionalisation epilogue; the modelled re-inplace removed it
+        raw = aotcheck.check_kv_save_graph(cg.raw, caches, [cg.placeholder_for(t) for l in staging for t in l])
+        assert any("after the final scope_exit" in p for p in raw)
+    else:
+        # no save: no stream scope, and every cache component is written in place (no copy_ epilogue)
+        assert "air.scope_enter" not in cg.gm.code
+        roots = aotcheck.alias_roots(cg.gm)
+        written = {ph.name for n in cg.gm.graph.nodes for ph in aotcheck.writes_of(n, roots)}
+        assert set(caches) <= written
+    assert "aten.copy_" not in cg.gm.code
+    # the stand-in's scatter kernels are exact: the step's K/V landed at its slots and, when saving,
+    # staging holds exactly the saved blocks of the written cache (so the save read after the write)
+    blk, off = b.kv_index.unbind(-1)
+    for layer in kv:
+        for comp in layer:
+            assert comp[blk, off].abs().sum(-1).gt(0).all()
+    for layer_kv, layer_st in zip(kv, staging):
+        for comp, st in zip(layer_kv, layer_st):
+            assert torch.equal(st[:b.save_block_ids.numel()], comp.index_select(0, b.save_block_ids))
+
+
+# ------------------------------------------------------------------------------------ (d) mutations must fail
+MUT = "tiny_qwen3/npu/{}/mempool_prefill_layer.py"
+
+
+def _lines_tagged(src, node_id):
+    return [i for i, l in enumerate(src.splitlines()) if l.rstrip().endswith(f"# {node_id}")]
+
+
+def _drop(src, node_id):
+    lines = src.splitlines()
+    (i,) = _lines_tagged(src, node_id)
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    lines[i] = " " * indent + "pass"  # keep the with-block non-empty
+    return "\n".join(lines) + "\n"
+
+
+def _move_after(src, line_idx, after_idx, indent=None):
+    lines = src.splitlines()
+    line = lines[line_idx]
+    if indent is not None:
+        line = " " * indent + line.lstrip()
+    lines.insert(after_idx + 1, line)
+    del lines[line_idx if line_idx < after_idx else line_idx + 1]
+    return "\n".join(lines) + "\n"
+
+
+@needs_standin
+@pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
+def test_mutation_drop_wait_fails_aotcheck(mode):
+    name = MUT.format(mode)
+    src = _drop(NPU[name], "L00.kv_save.wait")
+    assert src != NPU[name]
+    _, cg, kv, staging, _ = _run(name, src)
+    problems, _ = _problems(cg, kv, staging)
+    assert any("is not ordered after write" in p for p in problems), problems
+
+
+@needs_standin
+@pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
+def test_mutation_kv_write_after_record_fails_aotcheck(mode):
+    name = MUT.format(mode)
+    src = NPU[name]
+    w = _lines_tagged(src, "L00.kv_write")[0]
+    (rec,) = _lines_tagged(src, "L00.kv_write.record")
+    mutated = _move_after(src, w, rec)
+    _, cg, kv, staging, _ = _run(name, mutated)
+    problems, _ = _problems(cg, kv, staging)
+    assert any("is not ordered after write" in p for p in problems), problems
+
+
+@needs_standin
+def test_mutation_kv_write_into_save_scope_fails_aotcheck():
+    name = MUT.format("reduce_overhead")
+    src = NPU[name]
+    w = _lines_tagged(src, "L00.kv_write")[0]
+    (wait,) = _lines_tagged(src, "L00.kv_save.wait")
+    _, cg, kv, staging, _ = _run(name, _move_after(src, w, wait, indent=8))
+    problems, _ = _problems(cg, kv, staging)
+    assert any("inside a stream scope" in p for p in problems), problems
+
+
+@needs_standin
+def test_mutation_save_out_of_scope_fails_aotcheck():
+    name = MUT.format("max_autotune")
+    src = NPU[name]
+    save = _lines_tagged(src, "L00.kv_save")[0]
+    attn = _lines_tagged(src, "L00.attn")[0]  # first main-stream line after the with-block
+    _, cg, kv, staging, _ = _run(name, _move_after(src, save, attn - 1, indent=4))
+    problems, _ = _problems(cg, kv, staging)
+    assert any("is not on stream 'kv_save'" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("old, new, needle", [
+    ("torchair.ops.record()", "torchair.ops.record_event()", "not in the torchair API manifest"),
+    ("torchair.scope.npu_stream_switch(", "torchair.scope.npu_stream_switched(", "not in the torchair API manifest"),
+    ("torch_npu.npu_scatter_nd_update_(", "torch_npu.npu_scatter_nd_updat_(", "not a torch_npu op"),
+    ("input_layout=", "layout=", "unknown keyword argument 'layout'"),
+    ("torchair.ops.wait([", "torchair.ops.wait(tensor=[", "unknown keyword argument 'tensor'"),
+])
+def test_mutation_renamed_call_fails_conformance(old, new, needle):
+    src = NPU[MUT.format("max_autotune")]
+    head, body = src.split("\ndef forward(", 1)  # mutate code, not the docstring that names the calls
+    assert old in body
+    problems = check_module_source(head + "\ndef forward(" + body.replace(old, new, 1))
+    assert any(needle in p for p in problems), problems
+
+
+def test_mutation_tagged_event_in_max_autotune_breaks_mode_rule():
+    # the rule test must be able to fail: a reduce-overhead body pasted into a max-autotune module
+    src = NPU[MUT.format("reduce_overhead")].replace("COMPILE_MODE = 'reduce-overhead'", "COMPILE_MODE = 'max-autotune'")
+    with pytest.raises(AssertionError):
+        NPU["__mutant__/npu/max_autotune/x.py"] = src
+        try:
+            test_mode_rules("__mutant__/npu/max_autotune/x.py")
+        finally:
+            del NPU["__mutant__/npu/max_autotune/x.py"]
