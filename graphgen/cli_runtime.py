@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, _err
+from .cli import EXIT_INVALID, EXIT_OK, EXIT_STALE, EXIT_UNAVAILABLE, _err
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -92,15 +92,26 @@ def cmd_compile(args) -> int:
     if not path.exists():
         _err(f"{path}: not generated; run: graphgen generate")
         return EXIT_INVALID
+    if args.standin:
+        from .npu.structure import trace_and_check
+
+        report = trace_and_check(path, spec)
+        if not report.ok:
+            _err(f"{path}: post-AOT structure check failed:")
+            for p in report.problems:
+                _err(f"  - {p}")
+            return EXIT_STALE
+        print(f"{path}: traced on CPU with the torchair stand-in in mode {mode}; post-AOT structure ok "
+              f"(graph structure only — this is not an NPU build and nothing ran on an NPU)")
+        return EXIT_OK
     from .npu.compile import NpuUnavailable, compile_module
 
     try:
-        compile_module(path, mode, cache_dir=args.cache_dir, use_standin=args.standin)
+        compile_module(path, mode, cache_dir=args.cache_dir)
     except NpuUnavailable as e:
         _err(f"graphgen compile: {e}")
         return EXIT_UNAVAILABLE
-    what = "traced with the CPU stand-in (graph structure only, not an NPU build)" if args.standin else "compiled"
-    print(f"{path}: {what} in mode {mode}")
+    print(f"{path}: wrapped for torchair in mode {mode} (graphs compile on the first call)")
     return EXIT_OK
 
 
