@@ -192,19 +192,23 @@ class Engine:
     def _run_group(self, prompts, max_new_tokens) -> list[RequestResult]:
         t0 = time.perf_counter()
         seqs = [_Seq(RequestResult(prompt=list(p)), t0) for p in prompts]
-        for s in seqs:
-            self._lookup_and_load(s)
-        for history in (False, True):
-            part = [s for s in seqs if (s.hit_blocks > 0) == history]
-            if part:
-                self._prefill(part, history)
-        active = [s for s in seqs if len(s.result.tokens) < max_new_tokens]
-        while active:
-            self._decode(active)
-            active = [s for s in active if len(s.result.tokens) < max_new_tokens]
-        for s in seqs:
-            self.alloc.free(s.table)  # pinned blocks stay out of the free list until committed
-            s.table = []
+        try:
+            for s in seqs:
+                self._lookup_and_load(s)
+            for history in (False, True):
+                part = [s for s in seqs if (s.hit_blocks > 0) == history]
+                if part:
+                    self._prefill(part, history)
+            active = [s for s in seqs if len(s.result.tokens) < max_new_tokens]
+            while active:
+                self._decode(active)
+                active = [s for s in active if len(s.result.tokens) < max_new_tokens]
+        finally:
+            # also on failure (e.g. OutOfBlocks for the 2nd sequence of a batch): blocks taken
+            # by the group must not leak, or the engine stays short of blocks for good
+            for s in seqs:
+                self.alloc.free(s.table)  # pinned blocks stay out of the free list until committed
+                s.table = []
         self._reap()
         return [s.result for s in seqs]
 
