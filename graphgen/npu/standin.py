@@ -480,10 +480,13 @@ def install() -> bool:
     if torch_npu_available():
         return False
     if _state["installed"]:
+        if _state.get("modules"):
+            sys.modules.update(_state["modules"])  # re-insert after uninstall(); ops stay registered
         return True
     manifest = json.loads(_MANIFEST.read_text())
     _register_ops(manifest)
     mods = _build_modules()
+    _state["modules"] = mods
     for name, m in mods.items():
         existing = sys.modules.get(name)
         if existing is not None and not getattr(existing, "__graphgen_standin__", False):
@@ -491,6 +494,16 @@ def install() -> bool:
         sys.modules[name] = m
     _state["installed"] = True
     return True
+
+
+def uninstall() -> None:
+    """Remove the fake ``torchair``/``torch_npu`` modules from ``sys.modules`` (the registered ops stay).
+
+    Other libraries probe ``importlib.util.find_spec("torch_npu")`` (transformers does): a stand-in
+    left in ``sys.modules`` would make them fail or, worse, believe an NPU is present."""
+    for name, m in (_state.get("modules") or {}).items():
+        if sys.modules.get(name) is m:
+            del sys.modules[name]
 
 
 def is_standin(module) -> bool:

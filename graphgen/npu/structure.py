@@ -47,8 +47,11 @@ def trace_and_check(module_path: str | Path, spec) -> StructureReport:
                              staging_rows=NUM_BLOCKS if meta["saves"] else 0)
     W = random_weights(spec, rope=mod.ROPE)
     torch._dynamo.reset()
-    with torch.no_grad():
-        target.forward(W, b, kv, staging)
+    try:
+        with torch.no_grad():
+            target.forward(W, b, kv, staging)
+    finally:
+        standin.uninstall()
     cg = backend.graphs[-1]
     caches = [cg.placeholder_for(t) for layer in kv for t in layer]
     stagings = [cg.placeholder_for(t) for layer in staging for t in layer]
