@@ -269,11 +269,23 @@ def test_base_specs_are_valid():
 
 
 @pytest.mark.parametrize("case_id,text,expected", CASES, ids=[c[0] for c in CASES])
-def test_malformed_spec(tmp_path, case_id, text, expected):
+def test_malformed_spec(tmp_path, capsys, case_id, text, expected):
     path = tmp_path / f"{case_id}.yaml"
     path.write_text(text)
     with pytest.raises(SpecError) as info:
         load_spec(path)
+    # `graphgen generate` refuses with exit 2, prints the same errors, and writes (or removes) nothing.
+    from graphgen.cli import main
+
+    out = tmp_path / "out"
+    (out / "keep").mkdir(parents=True)
+    (out / "keep" / "old.graph").write_text("previous output\n")
+    capsys.readouterr()
+    assert main(["generate", "--spec", str(path), "--out", str(out)]) == 2
+    stderr = capsys.readouterr().err
+    assert str(info.value) in stderr and "nothing was written" in stderr
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["keep", "keep/old.graph"]
+    assert (out / "keep" / "old.graph").read_text() == "previous output\n"
     diags = info.value.diagnostics
     rendered = str(info.value)
     assert len(diags) == len(expected), rendered
@@ -347,14 +359,9 @@ def test_empty_and_unreadable_files(tmp_path):
 # ---------------------------------------------------------------- nothing is written on error
 
 def _generate_or_load(spec_paths, out_dir: Path) -> None:
-    """Generate through ``graphgen.generate.generate`` once that module exists; until then the
-    loader is the whole front end, so loading is what must refuse."""
-    if importlib.util.find_spec("graphgen.generate") is not None:
-        from graphgen.generate import generate
+    from graphgen.generate import generate
 
-        generate(spec_paths, out_dir)
-    else:
-        load_specs(spec_paths)
+    generate(spec_paths, out_dir)
 
 
 def _assert_nothing_written(tmp_path: Path, spec_path: Path) -> None:
