@@ -7,7 +7,6 @@ and must equal the line the loader reports exactly.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
