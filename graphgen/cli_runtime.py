@@ -29,10 +29,11 @@ def _usage(msg: str) -> int:
 
 
 def cmd_run(args) -> int:
+    prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
     from .runtime.engine import Engine
     from .runtime.faults import Faults
+    from .runtime.kvcache import OutOfBlocks
 
-    prompts = [_prompt_ids(p) for p in args.prompt_ids]
     try:
         faults = Faults.parse(args.faults) if args.faults else None
     except ValueError as e:
@@ -49,8 +50,9 @@ def cmd_run(args) -> int:
     with engine:
         try:
             results = engine.generate(prompts, args.max_new_tokens, batch=args.batch)
-        except ValueError as e:
-            return _usage(str(e))
+        except (ValueError, OutOfBlocks) as e:
+            hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
+            return _usage(f"{e}{hint}")
         engine.drain()
         for r in results:
             if args.json:
@@ -67,7 +69,7 @@ def cmd_run(args) -> int:
 def cmd_import_hf(args) -> int:
     from .spec.import_hf import import_hf
 
-    spec = import_hf(args.hf_dir, args.out, name=args.name)
+    spec = import_hf(args.hf_dir, args.out, name=args.name, block_size=args.block_size)
     print(f"wrote {args.out} ({spec.family}, {spec.dims.num_hidden_layers} layers, variants: "
           f"{', '.join(spec.variants)})")
     return EXIT_OK
@@ -136,6 +138,7 @@ def add_commands(sub) -> None:
     i.add_argument("hf_dir")
     i.add_argument("--out", required=True, help="spec file to write, e.g. specs/my_model.yaml")
     i.add_argument("--name", help="model name (default: from the folder name)")
+    i.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (default: 128)")
     i.set_defaults(func=cmd_import_hf)
 
     c = sub.add_parser("compile", help="compile a generated NPU module with torchair (needs torch_npu)")
