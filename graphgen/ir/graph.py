@@ -26,7 +26,7 @@ BUFFER_KINDS = ("kv_cache", "pool_staging")
 SYNC_OPS = ("record", "wait")
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: list.index() on nodes stays a fast C-level scan
 class Node:
     id: str
     op: str
@@ -53,6 +53,10 @@ class Graph:
     names: dict[str, str] = field(default_factory=dict)  # name -> kind
     events: dict[str, tuple[str, str]] = field(default_factory=dict)  # event -> (from stream, to stream)
     nodes: list[Node] = field(default_factory=list)
+    _by_id: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_id = {n.id: n for n in self.nodes}
 
     # ---- construction -------------------------------------------------------------------------
     def declare(self, name: str, kind: str) -> str:
@@ -68,31 +72,52 @@ class Graph:
         if stream not in self.streams:
             self.streams.append(stream)
 
-    def add(self, node: Node, *, after: Optional[str] = None, before: Optional[str] = None) -> Node:
-        """Append ``node`` (or insert it right after/before the node with the given id)."""
-        if any(n.id == node.id for n in self.nodes):
+    def _admit(self, node: Node) -> None:
+        if node.id in self._by_id:
             raise IRError(f"duplicate node id {node.id!r}")
         for name in (*node.reads, *node.writes):
             if name not in self.names:
                 raise IRError(f"node {node.id!r} uses undeclared name {name!r}")
         if node.stream not in self.streams:
             raise IRError(f"node {node.id!r} is on undeclared stream {node.stream!r}")
+
+    def splice(self, *, before: Optional[dict[str, list[Node]]] = None,
+               after: Optional[dict[str, list[Node]]] = None) -> None:
+        """Insert many nodes right before/after existing ones in one linear pass (passes use this:
+        one positional insert per node would make them quadratic in the number of layers)."""
+        before, after = before or {}, after or {}
+        for anchor in (*before, *after):
+            self.node(anchor)
+        for n in (*(x for xs in before.values() for x in xs), *(x for xs in after.values() for x in xs)):
+            self._admit(n)
+            self._by_id[n.id] = n
+        out: list[Node] = []
+        for n in self.nodes:
+            out.extend(before.get(n.id, ()))
+            out.append(n)
+            out.extend(after.get(n.id, ()))
+        self.nodes = out
+
+    def add(self, node: Node, *, after: Optional[str] = None, before: Optional[str] = None) -> Node:
+        """Append ``node`` (or insert it right after/before the node with the given id)."""
+        self._admit(node)
         if after is not None:
             self.nodes.insert(self.index(after) + 1, node)
         elif before is not None:
             self.nodes.insert(self.index(before), node)
         else:
             self.nodes.append(node)
+        self._by_id[node.id] = node
         return node
 
     def index(self, node_id: str) -> int:
-        for i, n in enumerate(self.nodes):
-            if n.id == node_id:
-                return i
-        raise IRError(f"no node {node_id!r}")
+        return self.nodes.index(self.node(node_id))
 
     def node(self, node_id: str) -> Node:
-        return self.nodes[self.index(node_id)]
+        try:
+            return self._by_id[node_id]
+        except KeyError:
+            raise IRError(f"no node {node_id!r}") from None
 
     def on_stream(self, stream: str) -> list[Node]:
         return [n for n in self.nodes if n.stream == stream]

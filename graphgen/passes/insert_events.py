@@ -28,7 +28,9 @@ class InsertEvents(Pass):
             pos[n.id] = counters[n.stream]
         accesses: dict[str, list[tuple[str, str, bool]]] = {}  # buffer -> [(node id, stream, is_write)]
         covered: dict[tuple[str, str], int] = {}  # (src stream, dst stream) -> position already waited for
-        for c in list(graph.nodes):
+        records_after: dict[str, list[Node]] = {}
+        waits_before: dict[str, list[Node]] = {}
+        for c in graph.nodes:
             need: dict[str, str] = {}
             for name, is_write in [(r, False) for r in c.reads] + [(w, True) for w in c.writes]:
                 if graph.names.get(name) not in BUFFER_KINDS:
@@ -44,12 +46,13 @@ class InsertEvents(Pass):
                 event = f"ev.{pid}"
                 if event not in graph.events:
                     graph.events[event] = (s, c.stream)
-                    graph.add(Node(f"{pid}.record", "record", s, attrs={"event": event}), after=pid)
+                    records_after.setdefault(pid, []).append(Node(f"{pid}.record", "record", s, attrs={"event": event}))
                 elif graph.events[event][1] != c.stream:
                     raise ValueError(f"event {event} would be waited on by two streams")
                 wid = f"{c.id}.wait" if len(need) == 1 else f"{c.id}.wait.{s}"
-                graph.add(Node(wid, "wait", c.stream, attrs={"event": event}), before=c.id)
+                waits_before.setdefault(c.id, []).append(Node(wid, "wait", c.stream, attrs={"event": event}))
                 covered[(s, c.stream)] = pos[pid]
             for name, is_write in [(r, False) for r in c.reads] + [(w, True) for w in c.writes]:
                 if graph.names.get(name) in BUFFER_KINDS:
                     accesses.setdefault(name, []).append((c.id, c.stream, is_write))
+        graph.splice(before=waits_before, after=records_after)

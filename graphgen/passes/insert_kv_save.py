@@ -42,9 +42,9 @@ class InsertKvSave(Pass):
         staging = [graph.declare(f"pool_staging.{t}", "pool_staging") for t in tags]
         caches = [f"kv_cache.{t}" for t in tags]
         if gran == "layer":
-            for i, t in enumerate(tags):
-                graph.add(Node(f"{t}.kv_save", "kv_save", stream, reads=(caches[i], "save_block_ids"),
-                               writes=(staging[i],), layer=i), after=f"{t}.kv_write")
+            graph.splice(after={f"{t}.kv_write": [Node(f"{t}.kv_save", "kv_save", stream, layer=i,
+                                                         reads=(caches[i], "save_block_ids"), writes=(staging[i],))]
+                                for i, t in enumerate(tags)})
         else:
             graph.add(Node("save.kv_save", "kv_save", stream, reads=(*caches, "save_block_ids"),
                            writes=tuple(staging)), after=f"{tags[-1]}.kv_write")
