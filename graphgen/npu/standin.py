@@ -1,4 +1,4 @@
-"""CPU STAND-IN for torchair / torch_npu -- proves graph structure only, never NPU behaviour.
+"""CPU STAND-IN for torchair / torch_npu -- graph structure and lowering wiring on CPU, never NPU behaviour.
 
 ``install()`` (and nothing else in this module) makes NPU-targeted generated code traceable on
 a CPU-only machine:
@@ -8,7 +8,13 @@ a CPU-only machine:
   meta kernels;
 * registers the ``npu::`` kernels the NPU templates use, with their REAL schemas taken from
   ``manifest.json`` (extracted from the torch-npu 2.14.0 wheel), small CPU reference kernels and
-  meta kernels.  Mutable ops (``npu_scatter_nd_update_``, ``npu_scatter_pa_kv_cache``) get a
+  meta kernels.  Where a kernel's documented semantics are unambiguous (scatter_nd_update,
+  rms_norm, swiglu, apply_rotary_pos_emb "half"/BSND, interleave_rope, and the paged TND form of
+  fused_infer_attention_score that the templates use), the CPU kernel computes them in plain torch,
+  so an NPU module's outputs can be compared with the CPU target's on the same weights: a WIRING
+  check of the lowering (slot mappings, block tables, cache layouts, argument meaning), never an
+  NPU result -- hardware limits (dtypes, head_dim 64/128, block_size multiples of 16) are not
+  modelled, and a kernel feature outside what the templates use raises NotImplementedError;  Mutable ops (``npu_scatter_nd_update_``, ``npu_scatter_pa_kv_cache``) get a
   Functionalize kernel that rewrites them to their functional twin, which is what torch_npu's
   generated C++ functionalization does (the yaml declares the twins, and torchair's GE
   converters are registered on the functional names, e.g.
@@ -33,7 +39,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.node import has_side_effect
 
-STANDIN_LABEL = "<graphgen CPU stand-in: proves graph structure only, not NPU behaviour>"
+STANDIN_LABEL = "<graphgen CPU stand-in: graph structure and wiring checks only, not NPU behaviour>"
 _MANIFEST = Path(__file__).with_name("manifest.json")
 
 # air:: ops torchair defines (all of them are registered so generated code may use any).
@@ -70,14 +76,25 @@ def _schema(manifest: dict, key: str) -> str:
 
 
 # --------------------------------------------------------------------------- CPU reference kernels
+def _nd_index(self, indices):
+    # "indices中的索引数据不支持越界": reject what torch indexing would silently wrap (negatives) or
+    # what the kernel does not define, so a miswired kv_index fails loudly instead of landing elsewhere.
+    idx = indices.long()
+    a = idx.shape[-1]
+    bounds = torch.tensor(self.shape[:a], dtype=torch.long, device=idx.device)
+    if idx.numel() and ((idx < 0).any() or (idx >= bounds).any()):
+        raise IndexError(f"npu_scatter_nd_update: index out of range for input of shape {tuple(self.shape)}")
+    return tuple(idx.unbind(-1))
+
+
 def _scatter_nd_update(self, indices, updates):
     out = self.clone()
-    out[tuple(indices.long().unbind(-1))] = updates.to(out.dtype)
+    out[_nd_index(self, indices)] = updates.to(out.dtype)
     return out
 
 
 def _scatter_nd_update_(self, indices, updates):
-    self[tuple(indices.long().unbind(-1))] = updates.to(self.dtype)
+    self[_nd_index(self, indices)] = updates.to(self.dtype)
     return self
 
 
@@ -121,21 +138,151 @@ def _rotate_half(x):
 
 
 def _apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    # Documented: rotary_mode "half" is x * cos + rotate_half(x) * sin; BSND: q [B,S,N,D], cos [B,S,1,D].
+    if layout != "BSND" or rotary_mode != "half":
+        raise NotImplementedError(f"stand-in npu_apply_rotary_pos_emb models layout BSND, rotary_mode half only "
+                                  f"(got {layout!r}, {rotary_mode!r})")
+    if query.dim() != 4 or cos.dim() != 4 or cos.shape[2] != 1 or cos.shape[:2] != query.shape[:2]:
+        raise ValueError(f"npu_apply_rotary_pos_emb BSND: query {tuple(query.shape)}, cos {tuple(cos.shape)}")
     return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
 def _interleave_rope(x, cos, sin):
-    x2 = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    return x * cos + x2 * sin
+    # Documented formula (torch_npu.npu_interleave_rope / aclnnInterleaveRope): x is [B, N, S, D],
+    #   q = reshape(x, [B, N, S, D//2, 2]).transpose(-1, -2).reshape([B, N, S, D])   (de-interleave)
+    #   y = q * cos + RotateHalf(q) * sin
+    # so the output comes out DE-interleaved, as transformers' DeepSeek RoPE produces and caches.
+    if x.dim() != 4 or cos.dim() != 4 or cos.shape[1] != 1:
+        raise ValueError(f"npu_interleave_rope: x must be [B,N,S,D] and cos [B,1,S,D]; got {tuple(x.shape)}, "
+                         f"{tuple(cos.shape)}")
+    b, n, s, d = x.shape
+    q = x.reshape(b, n, s, d // 2, 2).transpose(-1, -2).reshape(b, n, s, d)
+    return q * cos + _rotate_half(q) * sin
+
+
+_MASK_SIZE = 2048
+# fused_infer_attention_score features the templates never use: a non-default value is refused rather
+# than silently ignored (the stand-in would then compute something the kernel does not).
+_FIA_UNMODELLED = ("pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
+                   "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
+                   "value_antiquant_scale", "value_antiquant_offset", "query_padding_size", "kv_padding_size",
+                   "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len", "key_rope_antiquant_scale")
+
+
+def _fia_dims(query, key, value, kw):
+    n = int(kw.get("num_heads", 1))
+    nkv = int(kw.get("num_key_value_heads", 0)) or n  # 0: as many kv heads as query heads
+    if kw.get("input_layout", "BSH") != "TND" or kw.get("block_table") is None:
+        raise NotImplementedError("stand-in npu_fused_infer_attention_score models input_layout='TND' with "
+                                  "page attention (block_table, block_size) only")
+    if key.dim() != 3 or value.dim() != 3:
+        raise NotImplementedError("stand-in page attention models the (blocknum, blocksize, H) cache layout only")
+    if query.dim() != 3 or query.shape[1] != n or n % nkv:
+        raise ValueError(f"TND query must be [T, num_heads={n}, D] with num_heads a multiple of "
+                         f"num_key_value_heads={nkv}; got {tuple(query.shape)}")
+    if key.shape[-1] % nkv or value.shape[-1] % nkv:
+        raise ValueError(f"cache H ({key.shape[-1]}, {value.shape[-1]}) is not a multiple of num_key_value_heads {nkv}")
+    return n, nkv, key.shape[-1] // nkv, value.shape[-1] // nkv
 
 
 def _fia(query, key, value, **kw):
-    # Shape-only: the stand-in proves graph structure; attention numerics are the CPU runtime's job.
-    return torch.zeros_like(query), torch.zeros(query.shape[:-1] + (1,), dtype=torch.float32)
+    """The paged TND form of npu_fused_infer_attention_score, as the torch-npu docs describe it.
+
+    * ``actual_seq_lengths``: CUMULATIVE query lengths (TND; its length is the batch B);
+      ``actual_seq_lengths_kv``: per-sequence KV lengths (page attention), len B.
+    * ``key``/``value``: paged caches ``[blocknum, block_size, KV_N * D]``; sequence b's position p is
+      at ``block_table[b, p // block_size]``, offset ``p % block_size``; ``block_table`` [B, M] int32.
+    * ``num_key_value_heads`` (GQA): query head h reads kv head ``h // (num_heads / num_key_value_heads)``.
+    * ``sparse_mode=3`` (rightDownCausal, compressed 2048x2048 lower-triangular mask): query i of a
+      sequence with q_len queries and kv_len keys sees key j iff ``j <= kv_len - q_len + i``;
+      ``sparse_mode=0`` without a mask: every query sees all kv_len keys (decode).
+    * MLA: ``query_rope``/``key_rope`` add a rope part, scores = scale * (q.k + q_rope.k_rope); the
+      absorbed form passes the latent cache as both key and value.
+    Returns (attention_out [T, N, D_v], softmax_lse) -- lse is the documented [1] zero tensor for
+    softmax_lse_flag=False.  Plain torch, float32 softmax; written from the docs, not from the runtime.
+    """
+    for name in _FIA_UNMODELLED:
+        if kw.get(name) is not None:
+            raise NotImplementedError(f"stand-in npu_fused_infer_attention_score does not model {name}")
+    if kw.get("softmax_lse_flag", False):
+        raise NotImplementedError("stand-in npu_fused_infer_attention_score does not model softmax_lse_flag=True")
+    n, nkv, dk, dv = _fia_dims(query, key, value, kw)
+    q_rope, k_rope = kw.get("query_rope"), kw.get("key_rope")
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("query_rope and key_rope must be given together")
+    if query.shape[-1] != dk:
+        raise ValueError(f"query D {query.shape[-1]} != key D {dk}")
+    table = kw["block_table"]
+    if table.dtype != torch.int32 or table.dim() != 2:
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
+    bs = int(kw.get("block_size", 0))
+    if bs != key.shape[1]:
+        raise ValueError(f"block_size {bs} != the cache's block size {key.shape[1]}")
+    cum = [int(x) for x in (kw.get("actual_seq_lengths") or [])]
+    kv_lens = [int(x) for x in (kw.get("actual_seq_lengths_kv") or [])]
+    nb = len(cum)
+    if nb == 0 or len(kv_lens) != nb or table.shape[0] != nb:
+        raise ValueError(f"TND needs actual_seq_lengths (len B) and actual_seq_lengths_kv (len B) matching "
+                         f"block_table's B: {len(cum)}, {len(kv_lens)}, {table.shape[0]}")
+    if cum[-1] > query.shape[0] or any(b < a for a, b in zip([0] + cum, cum)):
+        raise ValueError(f"actual_seq_lengths must be non-decreasing cumulative lengths <= T, got {cum}")
+    mode, mask = int(kw.get("sparse_mode", 0)), kw.get("atten_mask")
+    if mode == 3:
+        if mask is None or mask.reshape(-1, mask.shape[-1]).shape != (_MASK_SIZE, _MASK_SIZE):
+            raise ValueError("sparse_mode=3 needs the compressed 2048x2048 atten_mask")
+        if not torch.equal(mask.reshape(_MASK_SIZE, _MASK_SIZE).bool(),
+                           torch.triu(torch.ones(_MASK_SIZE, _MASK_SIZE, dtype=torch.bool, device=mask.device), 1)):
+            raise ValueError("sparse_mode=3: atten_mask must be the causal mask (True above the diagonal)")
+    elif mode == 0:
+        if mask is not None:
+            raise NotImplementedError("stand-in models sparse_mode=0 without atten_mask only")
+    else:
+        raise NotImplementedError(f"stand-in models sparse_mode 0 and 3 only, got {mode}")
+    scale = float(kw.get("scale", 1.0))
+    rep = n // nkv
+    nblocks = key.shape[0]
+    out = query.new_zeros(query.shape[0], n, dv)
+    start = 0
+    for b in range(nb):
+        end, kv_len = cum[b], kv_lens[b]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        if kv_len < (q_len if mode == 3 else 1):
+            raise ValueError(f"sequence {b}: actual_seq_lengths_kv {kv_len} too short for {q_len} queries")
+        need = (kv_len + bs - 1) // bs
+        if need > table.shape[1]:
+            raise ValueError(f"sequence {b}: {need} blocks needed, block_table has {table.shape[1]} columns")
+        ids = table[b, :need].long()
+        if (ids < 0).any() or (ids >= nblocks).any():
+            raise IndexError(f"sequence {b}: block id out of range [0, {nblocks}): {ids.tolist()}")
+
+        def gather(cache, heads, d):
+            return cache.index_select(0, ids).reshape(need * bs, heads, d)[:kv_len].float()
+
+        k = gather(key, nkv, dk).repeat_interleave(rep, dim=1)      # [S, N, D]
+        v = gather(value, nkv, dv).repeat_interleave(rep, dim=1)    # [S, N, Dv]
+        q = query[start:end].float()                                # [q, N, D]
+        scores = torch.einsum("qnd,snd->nqs", q, k)
+        if q_rope is not None:
+            kr = gather(k_rope, nkv, k_rope.shape[-1] // nkv).repeat_interleave(rep, dim=1)
+            scores = scores + torch.einsum("qnd,snd->nqs", q_rope[start:end].float(), kr)
+        scores = scores * scale
+        if mode == 3:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("nqs,snd->qnd", probs, v).to(out.dtype)
+        start = end
+    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
 
 
 def _fia_meta(query, key, value, **kw):
-    return torch.empty_like(query), query.new_empty(query.shape[:-1] + (1,), dtype=torch.float32)
+    n = int(kw.get("num_heads", 1))
+    nkv = int(kw.get("num_key_value_heads", 0)) or n
+    dv = value.shape[-1] // nkv if value.dim() == 3 else value.shape[-1]
+    return query.new_empty(query.shape[0], n, dv), query.new_empty(1, dtype=torch.float32)
 
 
 # MoE kernels.  Semantics are our reading of the torch_npu docs / vllm-ascend usage, never checked
@@ -461,7 +608,7 @@ def _build_modules() -> dict[str, types.ModuleType]:
             setattr(m, k, v)
         return m
 
-    doc = "CPU STAND-IN for torchair (graphgen.npu.standin): proves graph structure only, not NPU behaviour."
+    doc = "CPU STAND-IN for torchair (graphgen.npu.standin): graph structure and wiring checks only, not NPU behaviour."
     scope = mod("torchair.scope", doc, npu_stream_switch=_npu_stream_switch, npu_wait_tensor=_npu_wait_tensor)
     ops = mod("torchair.ops", doc, record=_record, wait=_wait, npu_create_tagged_event=_npu_create_tagged_event,
               npu_tagged_event_record=_npu_tagged_event_record, npu_tagged_event_wait=_npu_tagged_event_wait,
