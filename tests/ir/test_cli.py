@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, run_cli
+from ir_util import REPO, run_cli
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, golden_files, run_cli
+from ir_util import REPO, golden_files, run_cli
 from graphgen.ir.text import parse_graph, print_graph
 
 GOLDEN = golden_files()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import REPO
+from ir_util import REPO
 from graphgen.passes.base import Pass, PassError
 from graphgen.passes.manager import PASS_NAMES, PIPELINE, run_pipeline
 from graphgen.passes.verify import check

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from conftest import REPO, golden_files, run_cli
+from ir_util import REPO, golden_files, run_cli
 from graphgen.ir.graph import Graph, Node
 from graphgen.ir.text import parse_graph
 from graphgen.passes.manager import run_pipeline

@@ -1,9 +1,10 @@
+"""Helpers shared by the IR/CLI tests (a plain module, not a conftest: test folders share no conftest name)."""
+
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,11 +15,6 @@ def run_cli(*args, cwd=REPO, env_extra=None):
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "graphgen.cli", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture
-def cli():
-    return run_cli
 
 
 def golden_files():
