@@ -46,6 +46,8 @@ def _swiglu_mlp(x, w_gate, w_up, w_down):
 def _interleaved_rope(x, cos, sin):
     """DeepSeek's interleaved RoPE on x [T, N, r]: npu_interleave_rope takes [B, N, S, D], cos/sin [B, 1, S, D]."""
     t, n, r = x.shape
+    # The kernel rejects non-contiguous inputs (torch-npu docs); x, cos and sin arrive as split/chunk views.
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     return torch_npu.npu_interleave_rope(x.view(t, n, 1, r), cos.view(t, 1, 1, r), sin.view(t, 1, 1, r)).view(t, n, r)
 
 
