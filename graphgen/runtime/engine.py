@@ -11,6 +11,7 @@ but they are not reused until the commit is done, and the step never waits for t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -78,13 +79,6 @@ class _Seq:
         return self.result.prompt
 
 
-@dataclass
-class _PendingSave:
-    job: Optional[Job]
-    keys: list[str]
-    block_ids: list[int]
-
-
 class Engine:
     """Runs a spec's generated CPU graphs. See :meth:`from_spec`."""
 
@@ -103,8 +97,7 @@ class Engine:
         self.prefix_cache = "prefix_cache" in spec.features
         self.modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook)
         self.events = {v: EventSet(m.EVENTS, default_timeout=event_timeout) for v, m in self.modules.items()}
-        dims = _dims_dict(spec)
-        shapes = ops.kv_cache_shapes(spec.family, dims, num_blocks, self.block_size)
+        shapes = ops.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), num_blocks, self.block_size)
         self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},
                                   num_blocks, self.dtype)
         self.alloc = BlockAllocator(num_blocks)
@@ -115,7 +108,7 @@ class Engine:
         self.pool: PoolBackend = self.faults.wrap_pool(pool) if self.faults.active else pool
         self.rt = CpuRuntime(self.faults, event_timeout=event_timeout)
         self.host_stream = Stream("host")  # commits saved blocks to the pool
-        self._pending: list[_PendingSave] = []
+        self._pending: list[Job] = []  # host commits in flight, oldest first
         self._gen = 0
         self.stats = {"puts": 0, "put_failures": 0, "save_failures": 0, "hit_blocks": 0, "loaded_blocks": 0,
                       "pool_errors": 0}
@@ -223,7 +216,7 @@ class Engine:
                 # Only when memory is exhausted: wait for the oldest in-flight save to release its pins.
                 if not self._pending:
                     raise
-                self._pending[0].job.wait() if self._pending[0].job else None
+                self._pending[0].wait()
                 self._reap()
 
     def _ensure_blocks(self, s: _Seq, num_tokens: int) -> None:
@@ -351,7 +344,7 @@ class Engine:
             if sync_commit:
                 host()
             else:
-                self._pending.append(_PendingSave(self.host_stream.launch(host), save_keys, save_ids))
+                self._pending.append(self.host_stream.launch(host))
         return logits
 
     def _host_job(self, mod, ev, save_job, staging, keys, block_ids):
@@ -381,21 +374,12 @@ class Engine:
 
     def _reap(self) -> None:
         keep = []
-        for p in self._pending:
-            if p.job is not None and p.job.done():
-                exc = p.job.exception()
-                if exc is not None:
-                    log.warning("pool commit failed: %s", exc)
-            else:
-                keep.append(p)
+        for job in self._pending:
+            if not job.done():
+                keep.append(job)
+            elif job.exception() is not None:
+                log.warning("pool commit failed: %s", job.exception())
         self._pending = keep
-
-
-def _dims_dict(spec) -> dict:
-    import dataclasses
-
-    d = dataclasses.asdict(spec.dims)
-    return d
 
 
 def _check_config(spec, hf_dir: Path) -> None:
@@ -419,7 +403,7 @@ def _check_config(spec, hf_dir: Path) -> None:
     # max_position_embeddings (a context limit, not a weight or numeric property) and the RoPE
     # fields, which transformers 5 nests under rope_parameters.
     skip = {"max_position_embeddings", "rope_theta", "rope_scaling"}
-    wrong = [(k, cfg[k], v) for k, v in _dims_dict(spec).items()
+    wrong = [(k, cfg[k], v) for k, v in dataclasses.asdict(spec.dims).items()
              if k not in skip and cfg.get(k) is not None and cfg[k] != v]
     if wrong:
         desc = ", ".join(f"{k}: checkpoint {a} vs spec {b}" for k, a, b in wrong)
