@@ -8,7 +8,6 @@ Generated code calls ``rt.<op>(...)`` for every IR node, ``rt.record``/``rt.wait
 
 from __future__ import annotations
 
-import threading
 import types
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,23 +22,16 @@ class CpuRuntime:
         self.faults = faults or Faults()
         self.event_timeout = event_timeout
         self.streams = {"main": InlineStream("main"), "kv_save": Stream("kv_save")}
-        self._jobs = threading.local()
+        self._launched: list[Job] = []  # jobs the running graph launched (graphs run on one thread)
 
     # -- streams and events ----------------------------------------------------------------------
     def launch(self, stream: str, fn: Callable[[], None]) -> Job:
         job = self.streams[stream].launch(fn)
-        self.launched.append(job)
+        self._launched.append(job)
         return job
 
-    @property
-    def launched(self) -> list:
-        """Jobs launched by the graph currently running on this thread (reset per step)."""
-        if not hasattr(self._jobs, "list"):
-            self._jobs.list = []
-        return self._jobs.list
-
-    def take_launched(self) -> list:
-        jobs, self._jobs.list = self.launched, []
+    def take_launched(self) -> list[Job]:
+        jobs, self._launched = self._launched, []
         return jobs
 
     def record(self, ev) -> None:
