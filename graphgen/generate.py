@@ -119,9 +119,10 @@ def generate(spec_paths=None, out: Path = DEFAULT_OUT, *, dry_run: bool = False)
     report = Report()
     for rel in sorted(files):
         target = out / rel
-        changed = not target.exists() or target.read_bytes() != files[rel].encode("utf-8")
-        if changed and not dry_run:
-            write_atomic(target, files[rel])
+        if dry_run:
+            changed = not target.exists() or target.read_bytes() != files[rel].encode("utf-8")
+        else:
+            changed = write_atomic(target, files[rel])
         (report.written if changed else report.unchanged).append(rel)
     for rel in sorted(existing_files(out, models if explicit else None) - set(files)):
         report.removed.append(rel)
