@@ -147,9 +147,12 @@ class Engine:
 
     # ---- public API --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, *,
-                 batch: bool = False) -> list[RequestResult]:
-        """Greedy generation. ``batch=False``: prompts run one after another (a repeated prompt hits
-        the blocks its predecessor saved); ``batch=True``: prefills grouped by variant, decode together."""
+                 batch: bool = False, settle: bool = True) -> list[RequestResult]:
+        """Greedy generation. ``batch=False``: prompts run one after another; with ``settle`` (default)
+        each prompt's saves are committed before the next prompt looks up the pool, so a repeated
+        prompt deterministically hits (its own TTFT clock starts after that wait; an async save still
+        never delays the first token of the prompt that made it). ``batch=True``: prefills grouped by
+        variant, decode together."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         for p in prompts:
@@ -159,13 +162,17 @@ class Engine:
                 raise ValueError(f"prompt token ids must be ints in [0, {self.spec.dims.vocab_size})")
         groups = [list(prompts)] if batch else [[p] for p in prompts]
         results = []
-        for group in groups:
+        for i, group in enumerate(groups):
+            if i and settle:
+                self.drain()
             results.extend(self._run_group(group, max_new_tokens))
         return results
 
     def drain(self, timeout: Optional[float] = None) -> None:
-        """Wait until every pending save has been committed to the pool (or failed)."""
-        self.host_stream.synchronize(timeout)
+        """Wait until every pending save has been committed to the pool (or failed; failures are
+        logged and counted, never raised: a save that did not land only costs a later recompute)."""
+        for job in list(self._pending):
+            job.wait(timeout)
         self._reap()
 
     def close(self) -> None:
