@@ -2,13 +2,14 @@
 
 This proves graph *structure* only (event order, stream scopes, in-place KV/staging writes after
 torchair-style re-inplacing) — never NPU behaviour: the stand-in's kernels are not Ascend kernels.
-Used by ``graphgen compile --target npu --standin`` and usable from tests.
+Used by ``graphgen compile --target npu --standin`` and by tests/npu.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 # (history, new tokens) per sequence for a representative step of each kind of variant.
 SAMPLE_SEQS = {("prefill", False): [(0, 5), (0, 3)], ("prefill", True): [(4, 3), (2, 2)],
@@ -17,12 +18,63 @@ NUM_BLOCKS = 8
 
 
 @dataclass
+class Traced:
+    """One step of a module run through the stand-in: the module, its captured graph and buffers."""
+
+    module: Any
+    graph: Any  # standin's captured graph: .gm (after modelled re-inplace), .raw, .placeholder_for()
+    n_graphs: int
+    logits: Any
+    kv: list
+    staging: list
+    inputs: Any
+
+    def problems(self) -> list[str]:
+        """Post-AOT KV-save structure problems (empty when the graph saves nothing)."""
+        from . import aotcheck
+
+        problems = []
+        if self.module.META["saves"]:
+            caches = [self.graph.placeholder_for(t) for layer in self.kv for t in layer]
+            stagings = [self.graph.placeholder_for(t) for layer in self.staging for t in layer]
+            problems = aotcheck.check_kv_save_graph(self.graph.gm, caches, stagings)
+        if "aten.copy_" in self.graph.gm.code:
+            problems.append("a write into a graph input survived as aten.copy_ (functionalisation epilogue)")
+        return problems
+
+
+def trace(module_path: str | Path, spec, source: Optional[str] = None) -> Traced:
+    """Load (with fresh tagged-event tags), compile with the stand-in, run one sample step."""
+    import torch
+
+    from . import standin
+    from .compile import compile_module, load_module
+    from .inputs import kv_buffers, random_weights, tiny_step
+
+    if not standin.install():
+        raise RuntimeError("torch_npu is installed: use the real torchair, not the CPU stand-in")
+    try:
+        with standin.fresh_tags():
+            mod = load_module(Path(module_path), source)
+            target, backend = compile_module(mod, mod.COMPILE_MODE, use_standin=True)
+        meta = mod.META
+        b = tiny_step(mod, spec, SAMPLE_SEQS[(meta["phase"], bool(meta["history"]))], NUM_BLOCKS)
+        kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, NUM_BLOCKS,
+                                 staging_rows=NUM_BLOCKS if meta["saves"] else 0)
+        W = random_weights(spec, rope=mod.ROPE)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            logits = target.forward(W, b, kv, staging)
+    finally:
+        standin.uninstall()
+    return Traced(mod, backend.graphs[-1], len(backend.graphs), logits, kv, staging, b)
+
+
+@dataclass
 class StructureReport:
     module: str
     mode: str
-    saves: bool
     problems: list[str]
-    graph_code: str
 
     @property
     def ok(self) -> bool:
@@ -30,32 +82,5 @@ class StructureReport:
 
 
 def trace_and_check(module_path: str | Path, spec) -> StructureReport:
-    import torch
-
-    from . import aotcheck, standin
-    from .compile import compile_module, load_module
-    from .inputs import kv_buffers, random_weights, tiny_step
-
-    if not standin.install():
-        raise RuntimeError("torch_npu is installed: use the real torchair, not the CPU stand-in")
-    with standin.fresh_tags():
-        mod = load_module(Path(module_path))
-        target, backend = compile_module(mod, mod.COMPILE_MODE, use_standin=True)
-    meta = mod.META
-    b = tiny_step(mod, spec, SAMPLE_SEQS[(meta["phase"], bool(meta["history"]))], NUM_BLOCKS)
-    kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, NUM_BLOCKS,
-                             staging_rows=NUM_BLOCKS if meta["saves"] else 0)
-    W = random_weights(spec, rope=mod.ROPE)
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            target.forward(W, b, kv, staging)
-    finally:
-        standin.uninstall()
-    cg = backend.graphs[-1]
-    caches = [cg.placeholder_for(t) for layer in kv for t in layer]
-    stagings = [cg.placeholder_for(t) for layer in staging for t in layer]
-    problems = aotcheck.check_kv_save_graph(cg.gm, caches, stagings) if meta["saves"] else []
-    if "aten.copy_" in cg.gm.code:
-        problems.append("a write into a graph input survived as aten.copy_ (functionalisation epilogue)")
-    return StructureReport(str(module_path), mod.COMPILE_MODE, bool(meta["saves"]), problems, cg.gm.code)
+    t = trace(module_path, spec)
+    return StructureReport(str(module_path), t.module.COMPILE_MODE, t.problems())

@@ -121,12 +121,6 @@ torch = pytest.importorskip("torch")
 from graphgen.npu import aotcheck, standin  # noqa: E402
 
 needs_standin = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
-SEQS = {  # (history, new tokens) per sequence: splitfuse has history, decode one token each
-    (True, False): [(0, 5), (0, 3)], (True, True): [(4, 3), (2, 2)], (False, False): [(5, 1), (2, 1)],
-    (False, True): [(5, 1), (2, 1)]}
-NUM_BLOCKS = 8
-
-
 def _spec(model):
     from graphgen.spec.loader import load_specs
 
@@ -134,25 +128,14 @@ def _spec(model):
 
 
 def _run(name, src=None):
-    """Load (fresh tags), compile with the stand-in, run once; returns (module, captured graph, kv, staging, b)."""
-    from graphgen.npu.compile import compile_module, load_module
-    from graphgen.npu.inputs import kv_buffers, random_weights, tiny_step
+    """Compile with the stand-in and run one step; returns (module, captured graph, kv, staging, b)."""
+    from graphgen.npu.structure import trace
 
-    standin.install()
     spec = _spec(name.split("/")[0])
-    with standin.fresh_tags():
-        mod = load_module(ROOT / "generated" / name, NPU[name] if src is None else src)
-        target, backend = compile_module(mod, mod.COMPILE_MODE, use_standin=True)
-    meta = mod.META
-    b = tiny_step(mod, spec, SEQS[(meta["phase"] == "prefill", bool(meta["history"]))], NUM_BLOCKS)
-    kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, NUM_BLOCKS, staging_rows=NUM_BLOCKS if meta["saves"] else 0)
-    W = random_weights(spec, rope=mod.ROPE)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        logits = target.forward(W, b, kv, staging)
-    assert logits.shape == (len(b.actual_seq_lengths), spec.dims.vocab_size)
-    assert len(backend.graphs) == 1  # fullgraph: one compiled graph per step
-    return mod, backend.graphs[0], kv, staging, b
+    t = trace(ROOT / "generated" / name, spec, NPU[name] if src is None else src)
+    assert t.logits.shape == (len(t.inputs.actual_seq_lengths), spec.dims.vocab_size)
+    assert t.n_graphs == 1  # fullgraph: one compiled graph per step
+    return t.module, t.graph, t.kv, t.staging, t.inputs
 
 
 def _problems(cg, kv, staging):
