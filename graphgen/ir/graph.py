@@ -17,7 +17,7 @@ host before the graph starts and are readable from any stream.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import networkx as nx
 
@@ -122,9 +122,6 @@ class Graph:
     def on_stream(self, stream: str) -> list[Node]:
         return [n for n in self.nodes if n.stream == stream]
 
-    def buffers(self) -> list[str]:
-        return [n for n, k in self.names.items() if k in BUFFER_KINDS]
-
     def copy(self) -> "Graph":
         return Graph(
             name=self.name,
@@ -175,6 +172,3 @@ def layer_tag(layer: int, num_layers: int) -> str:
     width = max(2, len(str(num_layers - 1)))
     return f"L{layer:0{width}d}"
 
-
-def iter_values(graph: Graph) -> Iterable[str]:
-    return (n for n, k in graph.names.items() if k == "value")

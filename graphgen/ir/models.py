@@ -18,8 +18,6 @@ STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_le
                "logits_indices")
 SAVE_INPUTS = ("save_block_ids",)
 
-# KV-cache components per family, in the order ops receive them.
-KV_COMPONENTS = {"qwen3_dense": ("k", "v"), "deepseek_v3": ("ckv", "kpe")}
 
 
 def attention_mode(phase: str, history: bool) -> str:
