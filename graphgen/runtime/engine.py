@@ -73,6 +73,7 @@ class _Seq:
     table: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose KV is in the cache
     hit_blocks: int = 0
+    keys: Optional[list[str]] = None  # pool keys of the prompt's full blocks, hashed once
 
     @property
     def prompt(self) -> list[int]:
@@ -212,8 +213,10 @@ class Engine:
         self._reap()
         return [s.result for s in seqs]
 
-    def _keys(self, tokens: list[int]) -> list[str]:
-        return block_keys(tokens, self.block_size, model=self.spec.name, layout=self.cache.layout)
+    def _keys(self, s: _Seq) -> list[str]:
+        if s.keys is None:
+            s.keys = block_keys(s.prompt, self.block_size, model=self.spec.name, layout=self.cache.layout)
+        return s.keys
 
     def _alloc(self, n: int) -> list[int]:
         while True:
@@ -236,7 +239,7 @@ class Engine:
         max_blocks = (len(prompt) - 1) // self.block_size
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
-        keys = self._keys(prompt)[:max_blocks]
+        keys = self._keys(s)[:max_blocks]
         try:
             run = self.pool.leading_run(keys)
         except Exception as e:  # a pool that is down costs a recompute, never the request
@@ -281,7 +284,7 @@ class Engine:
             slens.append(n)
             if saves:
                 new_full = range(s.hit_blocks, n // self.block_size)  # the new full blocks
-                keys = self._keys(s.prompt)
+                keys = self._keys(s)
                 save_ids.extend(s.table[j] for j in new_full)
                 save_keys.extend(keys[j] for j in new_full)
                 s.result.saved_blocks = len(new_full)
