@@ -68,8 +68,8 @@ def shipped_specs() -> list[Path]:
 
 def cpu_only_copies(specs: list[Path], folder: Path) -> list[Path]:
     """The shipped specs with the npu target removed, written as YAML under ``folder``."""
-    from graphgen.spec.loader import dump_spec_yaml, load_spec
-    from graphgen.spec.model import CpuTarget, Targets
+    from graphgen.modelspec.loader import dump_spec_yaml, load_spec
+    from graphgen.modelspec.model import CpuTarget, Targets
 
     out = []
     for p in specs:
@@ -154,7 +154,7 @@ def scaled_spec(base, layers: int):
 def bench_scaling(reps: int, sizes: list[int], profile: bool, min_s: float = 0.2) -> None:
     from graphgen.passes import verify
     from graphgen.passes.manager import PASS_NAMES, run_pipeline
-    from graphgen.spec.loader import load_spec
+    from graphgen.modelspec.loader import load_spec
 
     variant = "mempool_prefill_layer"
     bases = {"qwen3_dense": load_spec(REPO / "specs/tiny_qwen3.yaml"),

@@ -58,8 +58,8 @@ import torch  # noqa: E402
 from graphgen.runtime.engine import Engine  # noqa: E402
 from graphgen.runtime.faults import Faults  # noqa: E402
 from graphgen.runtime.weights import load_hf_weights, write_random_hf_checkpoint  # noqa: E402
-from graphgen.spec.loader import load_spec  # noqa: E402
-from graphgen.spec.model import KVCacheLayout  # noqa: E402
+from graphgen.modelspec.loader import load_spec  # noqa: E402
+from graphgen.modelspec.model import KVCacheLayout  # noqa: E402
 
 CONFIGS = [("off", "forward"), ("sync", "forward"), ("sync", "layer"), ("async", "forward"), ("async", "layer")]
 

@@ -40,7 +40,7 @@ def _schema_extra(args) -> dict:
     """specs/schema.json is checked with the generated files when the default specs are used."""
     if args.spec:
         return {}
-    from .spec.schema import schema_text
+    from .modelspec.schema import schema_text
 
     return {Path("specs") / "schema.json": schema_text()}
 
@@ -56,7 +56,7 @@ def cmd_generate(args) -> int:
         print(f"{'would remove' if args.dry_run else 'removed'} {Path(args.out) / rel}")
     if not args.spec and not args.dry_run:
         from .generate import write_atomic
-        from .spec.schema import schema_text
+        from .modelspec.schema import schema_text
 
         if write_atomic(Path("specs") / "schema.json", schema_text()):
             print("wrote specs/schema.json")
@@ -84,7 +84,7 @@ def cmd_check(args) -> int:
 
 def cmd_validate(args) -> int:
     from .passes.manager import run_pipeline
-    from .spec.loader import load_specs
+    from .modelspec.loader import load_specs
 
     specs = load_specs([Path(p) for p in args.specs])
     for path, spec in zip(args.specs, specs):
@@ -97,7 +97,7 @@ def cmd_validate(args) -> int:
 def cmd_dump(args) -> int:
     from .ir.text import print_graph
     from .passes.manager import run_pipeline
-    from .spec.loader import load_spec
+    from .modelspec.loader import load_spec
 
     spec = load_spec(args.spec)
     if args.variant not in spec.variants:
@@ -148,7 +148,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from .spec.schema import schema_text
+    from .modelspec.schema import schema_text
 
     sys.stdout.write(schema_text())
     return EXIT_OK
@@ -205,7 +205,7 @@ def _add_runtime_commands(sub) -> None:
 
 def main(argv=None) -> int:
     from .passes.base import PassError
-    from .spec.errors import SpecError
+    from .modelspec.errors import SpecError
 
     args = build_parser().parse_args(argv)
     try:

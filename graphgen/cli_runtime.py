@@ -67,7 +67,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_import_hf(args) -> int:
-    from .spec.import_hf import import_hf
+    from .modelspec.import_hf import import_hf
 
     spec = import_hf(args.hf_dir, args.out, name=args.name, block_size=args.block_size)
     print(f"wrote {args.out} ({spec.family}, {spec.dims.num_hidden_layers} layers, variants: "
@@ -77,7 +77,7 @@ def cmd_import_hf(args) -> int:
 
 def cmd_compile(args) -> int:
     from .generate import mode_dir
-    from .spec.loader import load_spec
+    from .modelspec.loader import load_spec
 
     spec = load_spec(args.spec)
     if spec.targets.npu is None:

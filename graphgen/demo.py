@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     from .runtime.engine import Engine
     from .runtime.faults import Faults
     from .runtime.weights import write_random_hf_checkpoint
-    from .spec.loader import load_spec
+    from .modelspec.loader import load_spec
 
     spec = load_spec(args.spec)
     ckpt = Path(args.workdir) / spec.name

@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 from .ir.text import print_graph
 from .lower.render import render
 from .passes.manager import run_pipeline
-from .spec.loader import load_specs
+from .modelspec.loader import load_specs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SPEC_DIR = Path("specs")

@@ -21,6 +21,13 @@ from typing import Any, Optional
 
 import networkx as nx
 
+from .ops import opdef
+
+# Stream names: the forward stream, the save stream (async writes) and the host (pool commit).
+MAIN_STREAM = "main"
+SAVE_STREAM = "kv_save"
+HOST_STREAM = "host"
+
 NAME_KINDS = ("input", "value", "kv_cache", "pool_staging")
 BUFFER_KINDS = ("kv_cache", "pool_staging")
 SYNC_OPS = ("record", "wait")
@@ -40,6 +47,18 @@ class Node:
     def event(self) -> Optional[str]:
         return self.attrs.get("event") if self.op in SYNC_OPS else None
 
+    def input(self, role: str):
+        """The name(s) read in ``role`` (see :mod:`graphgen.ir.ops`); a tuple for a variadic role."""
+        return self._bound("inputs", self.reads)[role]
+
+    def output(self, role: str):
+        """The name(s) written in ``role``; a tuple for a variadic role."""
+        return self._bound("outputs", self.writes)[role]
+
+    def _bound(self, side: str, names: tuple[str, ...]) -> dict:
+        bound = opdef(self.op).bind(tuple(names), side)
+        return bound
+
 
 class IRError(Exception):
     """A structural problem in a graph (unknown stream/name, duplicate id, ...)."""
@@ -49,7 +68,7 @@ class IRError(Exception):
 class Graph:
     name: str  # "<model>.<variant>"
     meta: dict[str, Any] = field(default_factory=dict)
-    streams: list[str] = field(default_factory=lambda: ["main"])
+    streams: list[str] = field(default_factory=lambda: [MAIN_STREAM])
     names: dict[str, str] = field(default_factory=dict)  # name -> kind
     events: dict[str, tuple[str, str]] = field(default_factory=dict)  # event -> (from stream, to stream)
     nodes: list[Node] = field(default_factory=list)

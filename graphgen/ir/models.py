@@ -65,10 +65,12 @@ def _kv_cache(g: Graph, tag: str) -> str:
     return g.declare(f"kv_cache.{tag}", "kv_cache")
 
 
-def build_qwen3(g: Graph, dims, mode: str) -> None:
+def build_qwen3(g: Graph, dims, mode: str, *, block_size: int, kv_dtype: str) -> None:
     n = dims.num_hidden_layers
     eps = dims.rms_norm_eps
     _common_head(g, dims.head_dim, dims.rope_theta, None)
+    width = dims.num_key_value_heads * dims.head_dim
+    kv_layout = {"components": ("k", "v"), "widths": (width, width), "block_size": block_size, "kv_dtype": kv_dtype}
     h = "h.embed"
     for i in range(n):
         tag, p = layer_tag(i, n), _p(i)
@@ -80,11 +82,13 @@ def build_qwen3(g: Graph, dims, mode: str) -> None:
                           "w_k_norm": f"{p}.self_attn.k_norm.weight", "num_heads": dims.num_attention_heads,
                           "num_kv_heads": dims.num_key_value_heads, "head_dim": dims.head_dim, "eps": eps}))
         cache = _kv_cache(g, tag)
-        g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(k, v, "slot_mapping"), writes=(cache,), layer=i))
+        g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(k, v, "slot_mapping"), writes=(cache,), layer=i,
+                   attrs=kv_layout))
         o = g.declare(f"o.{tag}", "value")
         g.add(Node(f"{tag}.attn", "paged_attention", "main",
                    reads=(q, cache, "block_tables", "seq_lens", "query_lens"), writes=(o,), layer=i,
-                   attrs={"mode": mode, "scale": dims.head_dim ** -0.5}))
+                   attrs={"mode": mode, "scale": dims.head_dim ** -0.5, "num_heads": dims.num_attention_heads,
+                          "num_kv_heads": dims.num_key_value_heads, "head_dim": dims.head_dim, **kv_layout}))
         h_attn = g.declare(f"h.{tag}.attn", "value")
         g.add(Node(f"{tag}.o_proj", "o_proj_residual", "main", reads=(o, h), writes=(h_attn,), layer=i,
                    attrs={"w_o": f"{p}.self_attn.o_proj.weight"}))
@@ -119,11 +123,13 @@ def _scaling_attr(rs):
 MLA_NORM_EPS = 1e-6
 
 
-def build_deepseek_v3(g: Graph, dims, mode: str) -> None:
+def build_deepseek_v3(g: Graph, dims, mode: str, *, block_size: int, kv_dtype: str) -> None:
     n = dims.num_hidden_layers
     eps = dims.rms_norm_eps
     _common_head(g, dims.qk_rope_head_dim, dims.rope_theta, _scaling_attr(dims.rope_scaling))
     scale = mla_softmax_scale(dims)
+    kv_layout = {"components": ("ckv", "kpe"), "widths": (dims.kv_lora_rank, dims.qk_rope_head_dim),
+                 "block_size": block_size, "kv_dtype": kv_dtype}
     h = "h.embed"
     for i in range(n):
         tag, p = layer_tag(i, n), _p(i)
@@ -139,13 +145,15 @@ def build_deepseek_v3(g: Graph, dims, mode: str) -> None:
                           "kv_lora_rank": dims.kv_lora_rank, "eps": MLA_NORM_EPS,
                           "interleave": dims.rope_interleave}))
         cache = _kv_cache(g, tag)
-        g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(c_kv, k_pe, "slot_mapping"), writes=(cache,), layer=i))
+        g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(c_kv, k_pe, "slot_mapping"), writes=(cache,), layer=i,
+                   attrs=kv_layout))
         o = g.declare(f"o.{tag}", "value")
         g.add(Node(f"{tag}.attn", "mla_attention", "main",
                    reads=(q_nope, q_pe, cache, "block_tables", "seq_lens", "query_lens"), writes=(o,), layer=i,
                    attrs={"mode": mode, "scale": scale, "w_kv_b": f"{a}.kv_b_proj.weight",
                           "num_heads": dims.num_attention_heads, "qk_nope_head_dim": dims.qk_nope_head_dim,
-                          "v_head_dim": dims.v_head_dim}))
+                          "v_head_dim": dims.v_head_dim, "kv_lora_rank": dims.kv_lora_rank,
+                          "qk_rope_head_dim": dims.qk_rope_head_dim, **kv_layout}))
         h_attn = g.declare(f"h.{tag}.attn", "value")
         g.add(Node(f"{tag}.o_proj", "o_proj_residual", "main", reads=(o, h), writes=(h_attn,), layer=i,
                    attrs={"w_o": f"{a}.o_proj.weight"}))

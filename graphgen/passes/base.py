@@ -9,7 +9,7 @@ from ..ir.graph import Graph
 
 @dataclass(frozen=True)
 class PassContext:
-    spec: object  # graphgen.spec.model.ModelSpec
+    spec: object  # graphgen.modelspec.model.ModelSpec
     variant_name: str
     spec_file: str = ""
 

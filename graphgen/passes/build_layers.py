@@ -30,4 +30,5 @@ class BuildLayers(Pass):
             "block_size": spec.kv_cache.block_size,
             "kv_dtype": spec.kv_cache.dtype,
         })
-        BUILDERS[spec.family](graph, spec.dims, attention_mode(v.phase, v.history))
+        BUILDERS[spec.family](graph, spec.dims, attention_mode(v.phase, v.history),
+                              block_size=spec.kv_cache.block_size, kv_dtype=spec.kv_cache.dtype)

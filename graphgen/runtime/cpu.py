@@ -104,6 +104,6 @@ def load_cpu_modules(spec, spec_file: str, *, generated_dir: Optional[Path] = No
 def _cpu_only(spec):
     import dataclasses
 
-    from ..spec.model import CpuTarget, Targets
+    from ..modelspec.model import CpuTarget, Targets
 
     return dataclasses.replace(spec, targets=Targets(cpu=CpuTarget()))

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..spec.model import ModelSpec
+from ..modelspec.model import ModelSpec
 from . import ops
 from .cpu import CpuRuntime, load_cpu_modules
 from .faults import Faults
@@ -123,7 +123,7 @@ class Engine:
         ``write`` / ``granularity`` override the spec's mempool settings for this run (the code for the
         overridden spec is generated on the fly)."""
         from ..generate import display_path
-        from ..spec.loader import load_spec
+        from ..modelspec.loader import load_spec
 
         spec = load_spec(spec_path)
         if write is not None or granularity is not None:

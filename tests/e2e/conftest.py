@@ -19,7 +19,7 @@ except ImportError:
 
 import torch  # noqa: E402
 
-from graphgen.spec.loader import load_spec  # noqa: E402
+from graphgen.modelspec.loader import load_spec  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

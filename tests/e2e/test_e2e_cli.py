@@ -18,7 +18,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.spec.loader import load_spec
+from graphgen.modelspec.loader import load_spec
 
 N_NEW = 3
 

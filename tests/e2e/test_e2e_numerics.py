@@ -14,7 +14,7 @@ except ImportError:
     import e2e_util as u
 
 from graphgen.runtime.engine import Engine
-from graphgen.spec.loader import load_spec
+from graphgen.modelspec.loader import load_spec
 
 N_NEW = 4
 

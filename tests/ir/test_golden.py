@@ -13,7 +13,7 @@ GOLDEN = golden_files()
 
 def test_there_are_golden_graphs_for_every_spec_and_variant():
     from graphgen.generate import default_spec_paths
-    from graphgen.spec.loader import load_specs
+    from graphgen.modelspec.loader import load_specs
 
     specs = load_specs(default_spec_paths(REPO / "specs"))
     expected = {REPO / "generated" / s.name / f"{v}.graph" for s in specs for v in s.variants}

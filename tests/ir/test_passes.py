@@ -6,7 +6,7 @@ from ir_util import REPO
 from graphgen.passes.base import Pass, PassError
 from graphgen.passes.manager import PASS_NAMES, PIPELINE, run_pipeline
 from graphgen.passes.verify import check
-from graphgen.spec.loader import load_spec
+from graphgen.modelspec.loader import load_spec
 
 SPECS = ["tiny_qwen3", "tiny_deepseek_v3"]
 

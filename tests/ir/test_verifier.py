@@ -9,7 +9,7 @@ from graphgen.ir.graph import Graph, Node
 from graphgen.ir.text import parse_graph
 from graphgen.passes.manager import run_pipeline
 from graphgen.passes.verify import check
-from graphgen.spec.loader import load_spec
+from graphgen.modelspec.loader import load_spec
 
 SYNC_LINE = re.compile(r"^node \S+ \S+ (record|wait) ")
 

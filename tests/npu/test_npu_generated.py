@@ -46,7 +46,7 @@ def _calls(src: str) -> list[str]:
 
 
 def test_every_npu_spec_has_modules_for_every_variant_and_mode():
-    from graphgen.spec.loader import load_specs
+    from graphgen.modelspec.loader import load_specs
 
     paths = default_spec_paths(ROOT / "specs")
     expected = set()
@@ -122,7 +122,7 @@ from graphgen.npu import aotcheck, standin  # noqa: E402
 
 needs_standin = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 def _spec(model):
-    from graphgen.spec.loader import load_specs
+    from graphgen.modelspec.loader import load_specs
 
     return load_specs([ROOT / "specs" / f"{model}.yaml"])[0]
 

@@ -56,7 +56,7 @@ STEPS["splitfuse_layer"] = STEPS["splitfuse"]
 def _model(model: str):
     """(spec, rendered files) -- rendered in memory so the check follows the templates."""
     from graphgen.generate import spec_outputs
-    from graphgen.spec.loader import load_spec
+    from graphgen.modelspec.loader import load_spec
 
     base = "tiny_deepseek_v3" if model == "tiny_deepseek_v3_dense" else model
     spec = load_spec(ROOT / "specs" / f"{base}.yaml")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from graphgen.spec import model as m
-from graphgen.spec.errors import SpecError
-from graphgen.spec.import_hf import import_hf, spec_from_hf_config
-from graphgen.spec.loader import load_spec, parse_spec_text
+from graphgen.modelspec import model as m
+from graphgen.modelspec.errors import SpecError
+from graphgen.modelspec.import_hf import import_hf, spec_from_hf_config
+from graphgen.modelspec.loader import load_spec, parse_spec_text
 
 REPO = Path(__file__).resolve().parents[2]
 transformers = pytest.importorskip("transformers")

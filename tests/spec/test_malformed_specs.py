@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from graphgen.spec.loader import load_spec, load_specs, parse_spec_text
-from graphgen.spec.errors import SpecError
+from graphgen.modelspec.loader import load_spec, load_specs, parse_spec_text
+from graphgen.modelspec.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from graphgen.spec.schema import DOC_BEGIN, DOC_END, markdown_tables
+from graphgen.modelspec.schema import DOC_BEGIN, DOC_END, markdown_tables
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "spec.md"
 
@@ -15,7 +15,7 @@ def test_spec_doc_tables_in_sync():
     start = text.index(DOC_BEGIN)
     end = text.index(DOC_END) + len(DOC_END) + 1
     assert text[start:end] == markdown_tables(), (
-        "docs/spec.md is stale: rerun python -m graphgen.spec.schema --write-doc")
+        "docs/spec.md is stale: rerun python -m graphgen.modelspec.schema --write-doc")
 
 
 def test_spec_doc_example_is_a_shipped_spec():

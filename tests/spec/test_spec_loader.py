@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from graphgen.spec import model as m
-from graphgen.spec.compat import MATRIX, check_compat
-from graphgen.spec.errors import SpecError
-from graphgen.spec.loader import dump_spec, dump_spec_yaml, load_spec, load_specs, load_yaml_data, parse_spec_text
+from graphgen.modelspec import model as m
+from graphgen.modelspec.compat import MATRIX, check_compat
+from graphgen.modelspec.errors import SpecError
+from graphgen.modelspec.loader import dump_spec, dump_spec_yaml, load_spec, load_specs, load_yaml_data, parse_spec_text
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "specs").glob("*.yaml"))
@@ -145,7 +145,7 @@ def test_dump_quotes_strings_that_would_change_type():
 
 
 def test_matrix_rows_are_consistent():
-    from graphgen.spec.compat import FAMILIES, STATUSES, WRITE_MODES
+    from graphgen.modelspec.compat import FAMILIES, STATUSES, WRITE_MODES
 
     assert len({r.subject for r in MATRIX}) == len(MATRIX)
     for r in MATRIX:
@@ -160,7 +160,7 @@ def test_spec_package_imports_no_heavy_modules():
     import subprocess
     import sys
 
-    code = ("import sys, graphgen.spec.loader, graphgen.spec.schema, graphgen.spec.import_hf; "
+    code = ("import sys, graphgen.modelspec.loader, graphgen.modelspec.schema, graphgen.modelspec.import_hf; "
             "print(sorted(m for m in ('torch', 'jsonschema', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"

@@ -10,10 +10,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from graphgen.spec import model as m
-from graphgen.spec.errors import SpecError
-from graphgen.spec.loader import load_yaml_data, parse_spec_text
-from graphgen.spec.schema import schema_text, spec_json_schema
+from graphgen.modelspec import model as m
+from graphgen.modelspec.errors import SpecError
+from graphgen.modelspec.loader import load_yaml_data, parse_spec_text
+from graphgen.modelspec.schema import schema_text, spec_json_schema
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "specs").glob("*.yaml"))
@@ -28,7 +28,7 @@ def validator():
 
 def test_schema_on_disk_is_current():
     assert (REPO / "specs" / "schema.json").read_text() == schema_text(), \
-        "regenerate: python -c 'from graphgen.spec.schema import schema_text; print(schema_text(), end=\"\")' > specs/schema.json"
+        "regenerate: python -c 'from graphgen.modelspec.schema import schema_text; print(schema_text(), end=\"\")' > specs/schema.json"
 
 
 def test_schema_is_deterministic():

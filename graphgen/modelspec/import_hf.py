@@ -276,7 +276,7 @@ def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 12
     spec, notes = _convert(config, name or _default_name(hf_dir), str(source), text,
                            block_size=block_size, compile_modes=compile_modes)
     header = "\n".join([f"Imported from {hf_dir.name}/config.json (model_type {config['model_type']}) "
-                        "by graphgen.spec.import_hf.", *notes])
+                        "by graphgen.modelspec.import_hf.", *notes])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parents[2]
     rel = None
