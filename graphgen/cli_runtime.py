@@ -76,7 +76,7 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from .generate import mode_dir
+    from .lower.compile import mode_dir
     from .modelspec.loader import load_spec
 
     spec = load_spec(args.spec)

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from .ir.text import print_graph
-from .lower.render import render
+from .lower.compile import display_path, mode_dir, module_path, render_graph
 from .passes.manager import run_pipeline
 from .modelspec.loader import load_specs
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SPEC_DIR = Path("specs")
 DEFAULT_OUT = Path("generated")
 IGNORED_PARTS = ("__pycache__",)
@@ -30,21 +29,6 @@ def default_spec_paths(spec_dir: Path = DEFAULT_SPEC_DIR) -> list[Path]:
     return sorted(spec_dir.glob("*.yaml"))
 
 
-def display_path(path: Path) -> str:
-    """Stable, machine-independent name of a spec file for headers (never an absolute path)."""
-    p = Path(path).resolve()
-    for base in (Path.cwd().resolve(), REPO_ROOT):
-        try:
-            return p.relative_to(base).as_posix()
-        except ValueError:
-            continue
-    return p.name
-
-
-def mode_dir(mode: str) -> str:
-    return mode.replace("-", "_")
-
-
 def spec_outputs(spec, spec_file: str) -> dict[str, str]:
     """Relative path -> file text for one spec (every variant, every enabled target)."""
     files: dict[str, str] = {}
@@ -52,13 +36,10 @@ def spec_outputs(spec, spec_file: str) -> dict[str, str]:
         graph = run_pipeline(spec, variant, spec_file=spec_file)
         files[f"{spec.name}/{variant}.graph"] = print_graph(graph)
         if spec.targets.cpu is not None:
-            files[f"{spec.name}/cpu/{variant}.py"] = render("cpu/variant.py.j2", graph)
+            files[module_path(spec.name, variant, "cpu")] = render_graph(graph, "cpu")
         if spec.targets.npu is not None:
-            npu = spec.targets.npu
-            for mode in npu.compile_modes:
-                files[f"{spec.name}/npu/{mode_dir(mode)}/{variant}.py"] = render(
-                    "npu/variant.py.j2", graph, mode=mode, stream_tag=npu.save_stream_tag,
-                    stream_priority=npu.save_stream_priority, spec=spec)
+            for mode in spec.targets.npu.compile_modes:
+                files[module_path(spec.name, variant, "npu", mode)] = render_graph(graph, "npu", mode=mode, spec=spec)
     return files
 
 

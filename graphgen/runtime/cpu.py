@@ -75,19 +75,18 @@ def load_module(source: str, filename: str, name: str) -> types.ModuleType:
 
 def load_cpu_modules(spec, spec_file: str, *, generated_dir: Optional[Path] = None,
                      source_hook: Optional[Callable[[str, str], str]] = None) -> dict[str, types.ModuleType]:
-    """The CPU module of every variant of ``spec``, generated in memory (fast, torch-free).
+    """The CPU module of every variant of ``spec``, compiled in memory (fast, torch-free).
 
     When ``generated/`` holds the identical file, its path is used as the module's filename so
     tracebacks point at the checked-in code. ``source_hook(variant, source) -> source`` exists for
     tests that mutate generated code on purpose (e.g. drop a wait to show the event matters).
     """
-    from ..generate import spec_outputs
+    from ..lower.compile import compile_variant, module_path
 
-    files = spec_outputs(_cpu_only(spec), spec_file)
     mods = {}
     for variant in spec.variants:
-        rel = f"{spec.name}/cpu/{variant}.py"
-        source = files[rel]
+        rel = module_path(spec.name, variant, "cpu")
+        source = compile_variant(spec, variant, "cpu", spec_file=spec_file)
         filename = f"<graphgen:{rel}>"
         if generated_dir is not None:
             on_disk = Path(generated_dir) / rel
@@ -99,11 +98,3 @@ def load_cpu_modules(spec, spec_file: str, *, generated_dir: Optional[Path] = No
                 source, filename = mutated, f"<graphgen:{rel} (mutated by a test)>"
         mods[variant] = load_module(source, filename, f"graphgen_generated.{spec.name}.{variant}")
     return mods
-
-
-def _cpu_only(spec):
-    import dataclasses
-
-    from ..modelspec.model import CpuTarget, Targets
-
-    return dataclasses.replace(spec, targets=Targets(cpu=CpuTarget()))

@@ -122,7 +122,7 @@ class Engine:
 
         ``write`` / ``granularity`` override the spec's mempool settings for this run (the code for the
         overridden spec is generated on the fly)."""
-        from ..generate import display_path
+        from ..lower.compile import display_path
         from ..modelspec.loader import load_spec
 
         spec = load_spec(spec_path)
