@@ -1,0 +1,102 @@
+"""A pool client process driven by JSON lines on stdin (tests only; replies are ``@@{json}`` lines on
+stdout, anything else there is Mooncake's own output). Values are derived from (seed, key), so
+large values never cross the pipe: a reply carries their SHA-256."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+
+from graphgen.runtime.pool_mooncake import MooncakeOptions, MooncakePool
+
+
+def value_of(seed: int, key: str, size: int) -> bytes:
+    rnd = random.Random(int.from_bytes(hashlib.sha256(f"{seed}|{key}".encode()).digest()[:8], "little"))
+    return rnd.randbytes(size)
+
+
+def sha(b):
+    return None if b is None else hashlib.sha256(b).hexdigest()
+
+
+def kv_cache(blocks: int, seed: int):
+    import torch
+    from graphgen.runtime.kvcache import PagedKVCache
+    cache = PagedKVCache(2, {"k": (16, 2, 16), "v": (16, 2, 16)}, blocks, torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    for layer in cache:
+        for t in layer:
+            t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def reply(**kw):
+    sys.stdout.write("@@" + json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    pool = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        t0 = time.monotonic()
+        if op == "open":
+            pool = MooncakePool(cmd["master"], MooncakeOptions(**cmd.get("opts", {})))
+            reply(ok=True)
+        elif op == "put":
+            vals = [value_of(cmd["seed"], k, cmd["size"]) for k in cmd["keys"]]
+            if cmd.get("many"):
+                ok = pool.put_many(list(zip(cmd["keys"], vals)))
+            else:
+                ok = []
+                for k, v in zip(cmd["keys"], vals):
+                    ok.append(pool.put(k, v))
+                    if cmd.get("progress"):
+                        reply(progress=len(ok))
+            reply(ok=ok, sha=[sha(v) for v in vals], dt=time.monotonic() - t0)
+        elif op == "put_kv":
+            from graphgen.runtime.kvcache import pack_block
+            cache = kv_cache(len(cmd["keys"]), cmd["seed"])
+            vals = [pack_block(cache, i) for i in range(len(cmd["keys"]))]
+            reply(ok=[pool.put(k, v) for k, v in zip(cmd["keys"], vals)], sha=[sha(v) for v in vals])
+        elif op == "get_kv":
+            import torch
+            from graphgen.runtime.kvcache import pack_block, unpack_block_into
+            vals = pool.get_many(cmd["keys"])
+            cache = kv_cache(len(vals), 0)
+            for layer in cache:
+                for t in layer:
+                    t.zero_()
+            out = []
+            for i, v in enumerate(vals):
+                if v is None:
+                    out.append(None)
+                else:
+                    unpack_block_into(cache, i, v)
+                    out.append(sha(pack_block(cache, i)))
+            reply(sha=out)
+        elif op == "get":
+            vals = pool.get_many(cmd["keys"]) if cmd.get("many") else [pool.get(k) for k in cmd["keys"]]
+            reply(sha=[sha(v) for v in vals], dt=time.monotonic() - t0)
+        elif op == "leading_run":
+            reply(n=pool.leading_run(cmd["keys"]), dt=time.monotonic() - t0)
+        elif op == "raw_put":
+            # bypasses the header: what a foreign writer, a bug or a damaged transfer could leave
+            rc = pool._store.put(cmd["key"], base64.b64decode(cmd["b64"]))
+            reply(rc=rc)
+        elif op == "stats":
+            reply(stats=pool.stats())
+        elif op == "exit":
+            reply(ok=True)
+            os._exit(0)     # Mooncake's close waits for a master that may be gone
+        else:
+            reply(error=f"unknown op {op}")
+
+
+if __name__ == "__main__":
+    main()
