@@ -1,0 +1,74 @@
+"""MooncakePool parts that need no master: pool URLs, options, the value codec, and a master that
+is not there (the pool must not raise, must fail fast after the first probe, and log once)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from graphgen.runtime.mooncake_server import find_master_binary
+from graphgen.runtime.pool import HostPool
+from graphgen.runtime.pool_codec import HEADER, check_value, decode_value, encode_value, parse_size
+from graphgen.runtime.pool_mooncake import MooncakeOptions, MooncakePool, make_pool
+
+
+def test_make_pool_urls():
+    assert isinstance(make_pool("host", capacity_bytes=1024), HostPool)
+    with pytest.raises(ValueError, match="expected 'host'.*mooncake://HOST:PORT"):
+        make_pool("redis://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="bad pool URL"):
+        make_pool("mooncake://127.0.0.1")
+    with pytest.raises(ValueError, match="unknown mooncake pool option 'segmnt'"):
+        make_pool("mooncake://127.0.0.1:1?segmnt=1GiB")
+    with pytest.raises(ValueError, match=">= 16 MiB"):
+        make_pool("mooncake://127.0.0.1:1?segment=1MiB")
+    o = MooncakeOptions.from_query("segment=64MiB&buffer=2MiB&protocol=tcp&max_backoff=2")
+    assert (o.segment_bytes, o.buffer_bytes, o.max_backoff_s) == (64 << 20, 2 << 20, 2.0)
+    assert parse_size("1GiB") == parse_size("1GB") == 1 << 30 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+
+
+def test_codec_accepts_only_the_exact_value_of_its_key():
+    key = "m@kv1:float32@r0of1@" + "ab" * 32
+    payload = os.urandom(1000)
+    value = encode_value(key, payload)
+    assert len(value) == HEADER.size + len(payload) and decode_value(key, value) == payload
+    assert check_value(key.replace("ab", "cd", 1), value) == "key"
+    assert check_value(key, value, layout="bf16") == "fingerprint"
+    assert check_value(key, value[:-1]) == "truncated"
+    assert check_value(key, value[:20]) == "truncated"
+    assert check_value(key, b"x" * 100) == "magic"
+    for pos in (HEADER.size, len(value) - 1, 10, 30):      # payload and header bit flips
+        bad = bytearray(value)
+        bad[pos] ^= 0x40
+        assert check_value(key, bytes(bad)) is not None, pos
+
+
+def test_absent_master_costs_misses_not_errors_raised(caplog):
+    caplog.set_level(logging.WARNING, logger="graphgen.runtime.pool_mooncake")
+    t = time.monotonic()
+    pool = make_pool("mooncake://127.0.0.1:1?max_backoff=1")   # nothing listens on port 1
+    assert pool.put("k", b"v") is False
+    assert pool.get("k") is None
+    assert pool.leading_run(["k", "l"]) == 0 and not pool.contains("k")
+    assert pool.put_many([("a", b"1"), ("b", b"2")]) == [False, False]
+    assert time.monotonic() - t < 5
+    s = pool.stats()
+    assert s["down"] and s["down_events"] == 1 and s["setups"] == 0
+    assert s["put_failures"] == 3 and s["get_failures"] == 1 and s["lookup_failures"] == 2
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1                                   # logged once, not per block
+
+
+def test_value_larger_than_the_buffer_is_refused():
+    pool = MooncakePool("127.0.0.1:1", MooncakeOptions(buffer_bytes=1024))
+    assert pool.put("k", b"x" * 2000) is False
+    assert pool.stats()["too_large"] == 1
+
+
+def test_master_binary_ships_with_the_wheel():
+    path = find_master_binary()
+    assert os.access(path, os.X_OK), path
