@@ -96,3 +96,47 @@ def test_validate(project):
 def test_schema_command_matches_file():
     res = run_cli("schema")
     assert res.returncode == 0 and res.stdout == (REPO / "specs" / "schema.json").read_text()
+
+
+COMMANDS = ("generate", "check", "validate", "dump", "verify", "schema", "import-hf", "run", "compile")
+
+
+@pytest.mark.parametrize("module", ["graphgen", "graphgen.cli"])
+def test_python_dash_m_lists_every_command(module):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: graphgen ")
+    listed = res.stdout.split("{", 1)[1].split("}", 1)[0].split(",")
+    assert sorted(listed) == sorted(COMMANDS)
+
+
+def test_build_commands_never_import_torch(project):
+    """Every build command (import-hf included) runs in one process that must end without torch."""
+    import json
+    import subprocess
+    import sys
+
+    hf = project / "hf_tiny"
+    hf.mkdir()
+    hf.joinpath("config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "head_dim": 16,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000, "vocab_size": 256, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "attention_bias": False}))
+    calls = [["check", *ARGS], ["validate", ARGS[1]], ["dump", ARGS[1], "decode"],
+             ["dump", ARGS[1], "decode", "--format", "dot"], ["verify", "generated/tiny_qwen3/decode.graph"],
+             ["schema"], ["import-hf", str(hf), "--out", "specs/imported.yaml"]]
+    code = ("import contextlib, io, json, sys; from graphgen.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rcs = [main(a) for a in json.loads(sys.argv[1])]\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_npu', 'transformers'))\n"
+            "print(rcs, bad)")
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=project, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"{[0] * len(calls)} []", res.stderr
+    assert (project / "specs" / "imported.yaml").is_file()

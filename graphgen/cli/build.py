@@ -1,26 +1,14 @@
-"""The ``graphgen`` command line.
+"""The build commands: ``generate``, ``check``, ``validate``, ``dump``, ``verify``, ``schema``, ``import-hf``.
 
-Exit codes (all commands):
-  0  success (``check``: generated/ is up to date)
-  1  ``check``: generated/ is stale or has orphans (a diff and the fix command are printed);
-     ``verify``: the graph has races or event errors
-  2  invalid input: a spec error, a failed pass, an unreadable or unparsable file, bad arguments
-  3  ``compile``: the target's toolchain is not available here (e.g. no torch_npu)
-
-Build commands (generate, check, validate, dump, verify, schema) never import torch.
+None of them imports torch (tests check it): the build path needs only networkx, jinja2 and PyYAML.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_STALE, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 1, 2, 3
-
-
-def _err(msg: str) -> None:
-    print(msg, file=sys.stderr)
+from .common import EXIT_INVALID, EXIT_OK, EXIT_STALE, err
 
 
 def _spec_args(args) -> list[Path] | None:
@@ -40,13 +28,13 @@ def _schema_extra(args) -> dict:
     """specs/schema.json is checked with the generated files when the default specs are used."""
     if args.spec:
         return {}
-    from .modelspec.schema import schema_text
+    from ..modelspec.schema import schema_text
 
     return {Path("specs") / "schema.json": schema_text()}
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate
+    from ..generate import generate
 
     report = generate(_spec_args(args), Path(args.out), dry_run=args.dry_run)
     verb = "would write" if args.dry_run else "wrote"
@@ -55,18 +43,18 @@ def cmd_generate(args) -> int:
     for rel in report.removed:
         print(f"{'would remove' if args.dry_run else 'removed'} {Path(args.out) / rel}")
     if not args.spec and not args.dry_run:
-        from .generate import write_atomic
-        from .modelspec.schema import schema_text
+        from ..generate import write_atomic
+        from ..modelspec.schema import schema_text
 
         if write_atomic(Path("specs") / "schema.json", schema_text()):
             print("wrote specs/schema.json")
-    _err(f"graphgen: {len(report.written)} {'to write' if args.dry_run else 'written'}, "
-         f"{len(report.unchanged)} unchanged, {len(report.removed)} {'to remove' if args.dry_run else 'removed'}")
+    err(f"graphgen: {len(report.written)} {'to write' if args.dry_run else 'written'}, "
+        f"{len(report.unchanged)} unchanged, {len(report.removed)} {'to remove' if args.dry_run else 'removed'}")
     return EXIT_OK
 
 
 def cmd_check(args) -> int:
-    from .generate import check
+    from ..generate import check
 
     res = check(_spec_args(args), Path(args.out), extra=_schema_extra(args))
     if res.ok:
@@ -75,16 +63,16 @@ def cmd_check(args) -> int:
     if res.diff:
         sys.stdout.write(res.diff)
     for p in res.stale:
-        _err(f"stale: {p}")
+        err(f"stale: {p}")
     for p in res.orphans:
-        _err(f"orphan (no spec produces it): {p}")
-    _err(f"graphgen check: {len(res.stale)} stale, {len(res.orphans)} orphan file(s). Fix with:\n    {_fix_command(args)}")
+        err(f"orphan (no spec produces it): {p}")
+    err(f"graphgen check: {len(res.stale)} stale, {len(res.orphans)} orphan file(s). Fix with:\n    {_fix_command(args)}")
     return EXIT_STALE
 
 
 def cmd_validate(args) -> int:
-    from .passes.manager import run_pipeline
-    from .modelspec.loader import load_specs
+    from ..modelspec.loader import load_specs
+    from ..passes.manager import run_pipeline
 
     specs = load_specs([Path(p) for p in args.specs])
     for path, spec in zip(args.specs, specs):
@@ -95,13 +83,13 @@ def cmd_validate(args) -> int:
 
 
 def cmd_dump(args) -> int:
-    from .ir.text import print_graph
-    from .passes.manager import run_pipeline
-    from .modelspec.loader import load_spec
+    from ..ir.text import print_graph
+    from ..modelspec.loader import load_spec
+    from ..passes.manager import run_pipeline
 
     spec = load_spec(args.spec)
     if args.variant not in spec.variants:
-        _err(f"{args.spec}: no variant '{args.variant}'; variants: {', '.join(spec.variants)}")
+        err(f"{args.spec}: no variant '{args.variant}'; variants: {', '.join(spec.variants)}")
         return EXIT_INVALID
     graph = run_pipeline(spec, args.variant, spec_file=args.spec, until=args.after)
     sys.stdout.write(print_graph(graph) if args.format == "text" else _to_dot(graph))
@@ -109,8 +97,10 @@ def cmd_dump(args) -> int:
 
 
 def _to_dot(graph) -> str:
+    from ..ir.graph import HOST_STREAM, MAIN_STREAM, SAVE_STREAM
+
     hb = graph.to_networkx()
-    colors = {"main": "lightblue", "kv_save": "orange", "host": "lightgrey"}
+    colors = {MAIN_STREAM: "lightblue", SAVE_STREAM: "orange", HOST_STREAM: "lightgrey"}
     lines = [f'digraph "{graph.name}" {{', "  rankdir=TB; node [shape=box, style=filled];"]
     for n in graph.nodes:
         lines.append(f'  "{n.id}" [label="{n.id}\\n{n.op}", fillcolor="{colors.get(n.stream, "white")}"];')
@@ -123,24 +113,24 @@ def _to_dot(graph) -> str:
 
 
 def cmd_verify(args) -> int:
-    from .ir.text import ParseError, parse_graph
-    from .passes.verify import check as verify_graph
+    from ..ir.text import ParseError, parse_graph
+    from ..passes.verify import check as verify_graph
 
     status = EXIT_OK
     for f in args.files:
         try:
             graph = parse_graph(Path(f).read_text(encoding="utf-8"), f)
         except OSError as e:
-            _err(f"{f}: cannot read: {e.strerror}")
+            err(f"{f}: cannot read: {e.strerror}")
             return EXIT_INVALID
         except ParseError as e:
-            _err(f"error: {e}")
+            err(f"error: {e}")
             return EXIT_INVALID
         problems = verify_graph(graph)
         if problems:
-            _err(f"{f}: {len(problems)} problem(s) in {graph.name}:")
+            err(f"{f}: {len(problems)} problem(s) in {graph.name}:")
             for p in problems:
-                _err(f"  - {p}")
+                err(f"  - {p}")
             status = EXIT_STALE
         else:
             print(f"{f}: ok ({len(graph.nodes)} nodes, {len(graph.events)} events, race-free)")
@@ -148,77 +138,56 @@ def cmd_verify(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from .modelspec.schema import schema_text
+    from ..modelspec.schema import schema_text
 
     sys.stdout.write(schema_text())
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graphgen", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit codes: 0 ok; 1 stale (check) or races (verify); "
-                                       "2 invalid spec/graph/arguments; 3 toolchain unavailable.")
-    sub = p.add_subparsers(dest="command", required=True)
+def cmd_import_hf(args) -> int:
+    from ..modelspec.import_hf import import_hf
 
+    spec = import_hf(args.hf_dir, args.out, name=args.name, block_size=args.block_size)
+    print(f"wrote {args.out} ({spec.family}, {spec.dims.num_hidden_layers} layers, variants: "
+          f"{', '.join(spec.variants)})")
+    return EXIT_OK
+
+
+def register(sub) -> None:
     g = sub.add_parser("generate", help="write generated/ from the specs (atomic, only changed files)")
     g.add_argument("--spec", action="append", help="spec file (repeatable; default: specs/*.yaml)")
     g.add_argument("--out", default="generated", help="output folder (default: generated)")
     g.add_argument("--dry-run", action="store_true", help="print what would change, write nothing")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(handler=cmd_generate)
 
     c = sub.add_parser("check", help="exit 1 with a diff if generated/ is stale or has orphans")
     c.add_argument("--spec", action="append", help="spec file (repeatable; default: specs/*.yaml)")
     c.add_argument("--out", default="generated")
-    c.set_defaults(func=cmd_check)
+    c.set_defaults(handler=cmd_check)
 
     v = sub.add_parser("validate", help="load, check and build every variant of the given specs")
     v.add_argument("specs", nargs="+")
-    v.set_defaults(func=cmd_validate)
+    v.set_defaults(handler=cmd_validate)
 
-    from .passes.manager import PASS_NAMES
+    from ..passes.manager import PASS_NAMES
 
     d = sub.add_parser("dump", help="print a variant's graph (optionally after a given pass)")
     d.add_argument("spec")
     d.add_argument("variant")
     d.add_argument("--after", choices=PASS_NAMES, help="stop after this pass (default: all)")
     d.add_argument("--format", choices=("text", "dot"), default="text")
-    d.set_defaults(func=cmd_dump)
+    d.set_defaults(handler=cmd_dump)
 
     vf = sub.add_parser("verify", help="parse and verify golden graph files (e.g. hand-edited)")
     vf.add_argument("files", nargs="+")
-    vf.set_defaults(func=cmd_verify)
+    vf.set_defaults(handler=cmd_verify)
 
     s = sub.add_parser("schema", help="print the JSON Schema of the spec format")
-    s.set_defaults(func=cmd_schema)
+    s.set_defaults(handler=cmd_schema)
 
-    _add_runtime_commands(sub)
-    return p
-
-
-def _add_runtime_commands(sub) -> None:
-    """Commands that need the runtime (torch) import it lazily inside their handlers."""
-    from . import cli_runtime
-
-    cli_runtime.add_commands(sub)
-
-
-def main(argv=None) -> int:
-    from .passes.base import PassError
-    from .modelspec.errors import SpecError
-
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except SpecError as e:
-        _err(str(e))
-        _err(f"graphgen: {len(e.diagnostics)} error(s); nothing was written")
-        return EXIT_INVALID
-    except PassError as e:
-        _err(f"error: {e}")
-        _err("graphgen: nothing was written")
-        return EXIT_INVALID
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    i = sub.add_parser("import-hf", help="write a spec from a Hugging Face config.json (Qwen3, DeepSeek-V3)")
+    i.add_argument("hf_dir")
+    i.add_argument("--out", required=True, help="spec file to write, e.g. specs/my_model.yaml")
+    i.add_argument("--name", help="model name (default: from the folder name)")
+    i.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (default: 128)")
+    i.set_defaults(handler=cmd_import_hf)

@@ -1,0 +1,82 @@
+"""``graphgen run``: prompts through the generated CPU graphs, an engine and a pool.
+
+torch is imported inside the handler only, after the arguments are checked, so bad arguments fail
+fast and building the parser stays torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import EXIT_INVALID, EXIT_OK, err, usage_error
+
+
+def _usage(msg: str) -> int:
+    return usage_error("run", msg)
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise SystemExit(_usage(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3"))
+    if not ids:
+        raise SystemExit(_usage("--prompt-ids: empty prompt"))
+    return ids
+
+
+def cmd_run(args) -> int:
+    prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
+    from ..runtime.engine import Engine
+    from ..runtime.faults import Faults
+    from ..runtime.kvcache import OutOfBlocks
+
+    try:
+        faults = Faults.parse(args.faults) if args.faults else None
+    except ValueError as e:
+        return _usage(f"--faults: {e}")
+    weights = Path(args.weights)
+    if not weights.is_dir():
+        return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
+    try:
+        engine = Engine.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
+                                  pool=args.pool, faults=faults, collect_logits=args.logits,
+                                  num_blocks=args.num_blocks)
+    except (ValueError, FileNotFoundError) as e:
+        return _usage(str(e))
+    with engine:
+        try:
+            results = engine.generate(prompts, args.max_new_tokens, batch=args.batch)
+        except (ValueError, OutOfBlocks) as e:
+            hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
+            return _usage(f"{e}{hint}")
+        engine.drain()
+        for r in results:
+            if args.json:
+                print(json.dumps(r.to_json(with_logits=args.logits)))
+            else:
+                print(f"prompt[{len(r.prompt)}] -> {r.tokens}  (hit {r.hit_tokens} tokens, {r.variant}, "
+                      f"TTFT {r.ttft_ms:.1f} ms)")
+        if not args.json:
+            err(f"pool: {engine.stats['puts']} blocks committed, {engine.stats['put_failures']} put failures, "
+                f"{engine.stats['hit_blocks']} blocks hit")
+    return EXIT_OK
+
+
+def register(sub) -> None:
+    r = sub.add_parser("run", help="run prompts through the generated CPU graphs, an engine and a pool")
+    r.add_argument("--spec", required=True)
+    r.add_argument("--weights", required=True, help="Hugging Face checkpoint folder (config.json + safetensors)")
+    r.add_argument("--prompt-ids", action="append", required=True, metavar="IDS",
+                   help="comma-separated token ids; repeat for several prompts (run in order, one pool)")
+    r.add_argument("--max-new-tokens", type=int, default=16)
+    r.add_argument("--write", choices=("off", "sync", "async"), help="override mempool.write")
+    r.add_argument("--granularity", choices=("forward", "layer"), help="override mempool.granularity")
+    r.add_argument("--pool", default="host", choices=("host",), help="pool backend (default: embedded host pool)")
+    r.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
+    r.add_argument("--batch", action="store_true", help="batch the prompts instead of running them in order")
+    r.add_argument("--faults", help="fault injection, e.g. save_delay=0.05,put_fail=0.5,seed=1 (docs/runtime.md)")
+    r.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    r.add_argument("--logits", action="store_true", help="with --json: the first generated position's logits")
+    r.set_defaults(handler=cmd_run)
