@@ -2,8 +2,10 @@
 
 Generated code calls ``rt.<op>(...)`` for every IR node, ``rt.record``/``rt.wait`` for events and
 ``rt.launch(stream, fn)`` to start a non-main stream's program. :class:`CpuRuntime` forwards ops to
-:mod:`graphgen.runtime.ops`, runs ``kv_save`` on a worker thread, and applies fault injection
-(delays) where the hooks belong: before each KV write (forward stream) and inside each save.
+:mod:`graphgen.runtime.ops`, runs the save stream's program on a worker thread (the main stream is
+the caller's thread: its ops simply run), and applies fault injection (delays) where the hooks
+belong: before each KV write (forward stream) and inside each save. The model runner gives each
+step a view of it (`graphgen.runtime.runner.StepRuntime`) that keeps what the step launched.
 """
 
 from __future__ import annotations
@@ -12,21 +14,33 @@ import types
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..ir.graph import SAVE_STREAM
 from . import ops as _ops
 from .faults import Faults
-from .streams import InlineStream, Job, Stream
+from .streams import Job, Stream
 
 
 class CpuRuntime:
     def __init__(self, faults: Optional[Faults] = None, event_timeout: Optional[float] = 120.0):
         self.faults = faults or Faults()
         self.event_timeout = event_timeout
-        self.streams = {"main": InlineStream("main"), "kv_save": Stream("kv_save")}
-        self._launched: list[Job] = []  # jobs the running graph launched (graphs run on one thread)
+        self.streams = {SAVE_STREAM: Stream(SAVE_STREAM)}  # worker-thread streams, by IR stream name
+        self._launched: list[Job] = []  # see launch()
 
     # -- streams and events ----------------------------------------------------------------------
+    def start(self, stream: str, fn: Callable[[], None]) -> Job:
+        """Queue ``fn`` on ``stream``'s worker thread."""
+        try:
+            s = self.streams[stream]
+        except KeyError:
+            raise ValueError(f"generated code launched on stream {stream!r}; the CPU runtime has "
+                             f"{sorted(self.streams)} (the main stream is the caller's thread)") from None
+        return s.launch(fn)
+
     def launch(self, stream: str, fn: Callable[[], None]) -> Job:
-        job = self.streams[stream].launch(fn)
+        """``rt.launch`` for a module run by hand (tests): `start`, and keep the job for
+        `take_launched`. The runner does not come here: its `StepRuntime` keeps each step's jobs."""
+        job = self.start(stream, fn)
         self._launched.append(job)
         return job
 
@@ -62,7 +76,8 @@ class CpuRuntime:
             raise AttributeError(f"generated code called rt.{name}, which graphgen.runtime.ops lacks") from None
 
     def close(self) -> None:
-        self.streams["kv_save"].close()
+        for s in self.streams.values():
+            s.close()
 
 
 def load_module(source: str, filename: str, name: str) -> types.ModuleType:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
+from collections import Counter, deque
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -87,18 +87,7 @@ class BlockAllocator:
                 self._ref[i] += 1
 
     def free(self, ids: Iterable[int]) -> None:
-        ids = self._check(ids)
-        with self._lock:
-            # validate everything first: a bad call must not half-apply
-            need: dict[int, int] = {}
-            for i in ids:
-                need[i] = need.get(i, 0) + 1
-            bad = sorted(i for i, c in need.items() if self._ref[i] < c)
-            if bad:
-                raise ValueError(f"free of blocks that are not allocated (double free?): {bad}")
-            for i in ids:
-                self._ref[i] -= 1
-                self._maybe_release(i)
+        self._drop(ids, self._ref, "free of blocks that are not allocated (double free?)")
 
     def pin(self, ids: Iterable[int]) -> None:
         ids = self._check(ids)
@@ -111,16 +100,18 @@ class BlockAllocator:
                 self._pins[i] += 1
 
     def unpin(self, ids: Iterable[int]) -> None:
+        self._drop(ids, self._pins, "unpin of blocks that are not pinned")
+
+    def _drop(self, ids: Iterable[int], counts: list[int], what: str) -> None:
+        """Decrement ``counts`` (refcounts or pins) once per id, releasing blocks that reach zero on
+        both. Everything is validated first: a bad call must not half-apply."""
         ids = self._check(ids)
         with self._lock:
-            need: dict[int, int] = {}
-            for i in ids:
-                need[i] = need.get(i, 0) + 1
-            bad = sorted(i for i, c in need.items() if self._pins[i] < c)
+            bad = sorted(i for i, c in Counter(ids).items() if counts[i] < c)
             if bad:
-                raise ValueError(f"unpin of blocks that are not pinned: {bad}")
+                raise ValueError(f"{what}: {bad}")
             for i in ids:
-                self._pins[i] -= 1
+                counts[i] -= 1
                 self._maybe_release(i)
 
     def _maybe_release(self, i: int) -> None:

@@ -16,6 +16,19 @@ on one rank (see `graphgen.runtime.kvcache.pack_block`). The contract every back
 
 All methods are thread-safe. A hit reported by ``contains``/``leading_run`` may still be evicted
 before ``get``: callers must treat a None from ``get`` as a miss and recompute.
+
+What the caller (`graphgen.runtime.connector.KVConnector`) guarantees a backend, and expects:
+
+* ``put`` is called only after the save that filled the value completed (its event was recorded),
+  from the connector's host stream (one thread); lookups and gets come from the engine's thread.
+* Any exception from any method is treated like an ordinary failure — a lookup or get that raises
+  is a miss from there on, a put that raises is a failed put — counted, logged, and paid for with a
+  recompute, never with the request. A backend for a remote store may therefore raise on a lost
+  connection instead of catching it.
+* A value the cache cannot take (wrong size: a foreign or truncated block) is rejected by the
+  loader (`kvcache.unpack_block_into`) and recomputed; a backend that can detect corruption itself
+  (a checksum) should return None from ``get`` instead.
+* Nothing else: no pins, events, staging or layouts cross this interface.
 """
 from __future__ import annotations
 
@@ -24,9 +37,9 @@ import hashlib
 import struct
 import threading
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["PoolBackend", "HostPool", "block_keys", "KEY_SEP"]
+__all__ = ["PoolBackend", "HostPool", "block_keys", "count_leading", "KEY_SEP"]
 
 
 class PoolBackend(abc.ABC):
@@ -43,15 +56,20 @@ class PoolBackend(abc.ABC):
 
     def leading_run(self, keys: Sequence[str]) -> int:
         """Default: probe one by one. Backends with a batch existence query should override."""
-        n = 0
-        for k in keys:
-            if not self.contains(k):
-                break
-            n += 1
-        return n
+        return count_leading(keys, self.contains)
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+
+def count_leading(keys: Iterable[str], present: Callable[[str], bool]) -> int:
+    """How many of the leading ``keys`` are ``present``, stopping at the first miss."""
+    n = 0
+    for k in keys:
+        if not present(k):
+            break
+        n += 1
+    return n
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -136,12 +154,7 @@ class HostPool(PoolBackend):
         # one lock for the whole run: a consistent snapshot, not interleaved with puts/evictions
         keys = [self._check_key(k) for k in keys]
         with self._lock:
-            n = 0
-            for k in keys:
-                if not self._lookup(k):
-                    break
-                n += 1
-            return n
+            return count_leading(keys, self._lookup)
 
     def keys(self) -> list[str]:
         """Keys from least to most recently used (for tests and debugging)."""

@@ -1,7 +1,7 @@
 """Host-side streams and events for the CPU target.
 
-The CPU lowering models a device with several streams: ``main`` runs on the caller's thread
-(`InlineStream`), ``kv_save`` is a worker thread (`Stream`) that executes launched callables in FIFO
+The CPU lowering models a device with several streams: ``main`` is the caller's thread (its ops
+simply run), ``kv_save`` is a worker thread (`Stream`) that executes launched callables in FIFO
 order, exactly like work queued on a device stream. Cross-stream ordering is expressed only with
 events.
 
@@ -11,8 +11,8 @@ generation ``>= n`` happened, so a wait for step *n* can never be satisfied by s
 and an event never has to be "reset" between steps (a reset is exactly where such bugs hide).
 
 Generated code does not handle generations: it receives a view bound to the step,
-``ev = events.bind(gen)``, and writes ``rt.record(ev["ev.kv_ready.L00"])`` /
-``rt.wait(ev["ev.kv_ready.L00"])`` (``record``/``wait`` below, or the same methods on the handle).
+``ev = events.bind(gen)``, and writes ``rt.record(ev["ev.L00.kv_write"])`` /
+``rt.wait(ev["ev.L00.kv_write"])`` (the runtime calls the handle's ``record``/``wait``).
 Event names are explicit and unique per graph (prior-art defect 3: events matched by position).
 
 Jobs (`Job`) track completion from the moment they are *queued*, not from when the worker picks them
@@ -28,8 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 __all__ = [
     "Event", "EventTimeout", "EventAborted", "EventSet", "BoundEvents", "BoundEvent",
-    "record", "wait",
-    "Job", "JobTimeout", "StreamError", "Stream", "InlineStream",
+    "Job", "JobTimeout", "Stream",
 ]
 
 
@@ -85,17 +84,6 @@ class Event:
                 self._abort_reason = reason
             self._cond.notify_all()
 
-    def is_recorded(self, gen: int) -> bool:
-        gen = self._check_gen(gen)
-        with self._cond:
-            return self._recorded >= gen
-
-    @property
-    def last_recorded(self) -> int:
-        """Highest recorded generation, -1 if never recorded."""
-        with self._cond:
-            return self._recorded
-
     def wait(self, gen: int, timeout: float | None = None) -> None:
         """Block until generation ``gen`` (or later) is recorded.
 
@@ -118,7 +106,7 @@ class Event:
                 f"(last recorded generation: {self._recorded})")
 
     def __repr__(self) -> str:
-        return f"Event({self.name!r}, last_recorded={self.last_recorded})"
+        return f"Event({self.name!r}, last_recorded={self._recorded})"
 
 
 class BoundEvent:
@@ -141,21 +129,8 @@ class BoundEvent:
     def wait(self, timeout: float | None = None) -> None:
         self.event.wait(self.gen, self.timeout if timeout is None else timeout)
 
-    def is_recorded(self) -> bool:
-        return self.event.is_recorded(self.gen)
-
     def __repr__(self) -> str:
         return f"BoundEvent({self.event.name!r}, gen={self.gen})"
-
-
-def record(ev: BoundEvent) -> None:
-    """``rt.record(ev[name])`` in generated code."""
-    ev.record()
-
-
-def wait(ev: BoundEvent, timeout: float | None = None) -> None:
-    """``rt.wait(ev[name])`` in generated code; raises on timeout or abort, never returns early."""
-    ev.wait(timeout)
 
 
 class EventSet:
@@ -235,11 +210,7 @@ class BoundEvents(Mapping[str, BoundEvent]):
 # --------------------------------------------------------------------------------------------- jobs
 
 class JobTimeout(TimeoutError):
-    """`Job.wait`/`Job.result`/`Stream.synchronize` timed out."""
-
-
-class StreamError(RuntimeError):
-    """A job on a stream failed; raised by `Stream.synchronize` (the job's exception is the cause)."""
+    """`Job.wait`/`Job.result`/`Job.exception` timed out."""
 
 
 _QUEUED, _RUNNING, _DONE = "queued", "running", "done"
@@ -253,8 +224,7 @@ class Job:
     exception; ``exception()`` returns it (or None).
     """
 
-    __slots__ = ("name", "_fn", "_args", "_kwargs", "_state", "_finished", "_value", "_exc",
-                 "_observed")
+    __slots__ = ("name", "_fn", "_args", "_kwargs", "_state", "_finished", "_value", "_exc")
 
     def __init__(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict):
         self.name = name
@@ -263,7 +233,6 @@ class Job:
         self._finished = threading.Event()   # blocking, not polled
         self._value: Any = None
         self._exc: BaseException | None = None
-        self._observed = False               # result()/exception() was called after it finished
 
     def _run(self) -> None:
         self._state = _RUNNING
@@ -289,12 +258,10 @@ class Job:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self.wait(timeout)
-        self._observed = True
         return self._exc
 
     def result(self, timeout: float | None = None) -> Any:
         self.wait(timeout)
-        self._observed = True
         if self._exc is not None:
             raise self._exc
         return self._value
@@ -303,55 +270,20 @@ class Job:
         return f"Job({self.name!r}, {self._state}{', failed' if self._exc else ''})"
 
 
-class _StreamBase:
-    name: str
+class Stream:
+    """A worker thread executing launched callables one at a time in FIFO order, like work queued on
+    a device stream (the CPU target's save stream and the engine's host/commit stream).
+
+    The thread is a daemon blocked on a queue when idle (costs nothing). A job that raises does not
+    stop the worker: its exception is kept in the `Job`. ``close()`` lets queued jobs finish, then
+    stops the thread; launching on a closed stream raises RuntimeError.
+    """
 
     def __init__(self, name: str):
         self.name = name
         self._lock = threading.Lock()
-        self._last: Job | None = None
-        self._failed: list[Job] = []        # failed since the last synchronize()
         self._closed = False
         self._seq = 0
-
-    def _new_job(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Job:
-        if not callable(fn):
-            raise TypeError(f"stream {self.name!r}: launch() needs a callable, got {fn!r}")
-        self._seq += 1
-        return Job(f"{self.name}#{self._seq}:{getattr(fn, '__name__', type(fn).__name__)}",
-                   fn, args, kwargs)
-
-    def _run_job(self, job: Job) -> None:
-        job._run()
-        if job._exc is not None:
-            with self._lock:
-                self._failed.append(job)
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Wait for every job launched so far; then raise `StreamError` if any of them failed since
-        the previous synchronize and nobody looked at it through ``result()``/``exception()`` (so a
-        failure is never lost, and never reported twice)."""
-        with self._lock:
-            last = self._last
-        if last is not None:
-            last.wait(timeout)   # FIFO: the last job done => all earlier ones done
-        with self._lock:
-            failed, self._failed = [j for j in self._failed if not j._observed], []
-        if failed:
-            names = ", ".join(j.name for j in failed)
-            raise StreamError(f"stream {self.name!r}: {len(failed)} job(s) failed: {names}") \
-                from failed[0]._exc
-
-
-class Stream(_StreamBase):
-    """A worker thread executing launched callables one at a time in FIFO order.
-
-    The thread is a daemon blocked on a queue when idle (costs nothing). ``close()`` lets queued jobs
-    finish, then stops the thread; launching on a closed stream raises RuntimeError.
-    """
-
-    def __init__(self, name: str):
-        super().__init__(name)
         self._q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._worker, name=f"stream-{name}", daemon=True)
         self._thread.start()
@@ -361,14 +293,17 @@ class Stream(_StreamBase):
             job = self._q.get()
             if job is None:   # close() sentinel, queued after every job launched before it
                 return
-            self._run_job(job)
+            job._run()
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Job:
-        with self._lock:   # job creation, enqueue and _last update are one step: FIFO == launch order
+        if not callable(fn):
+            raise TypeError(f"stream {self.name!r}: launch() needs a callable, got {fn!r}")
+        with self._lock:   # job creation and enqueue are one step: FIFO == launch order
             if self._closed:
                 raise RuntimeError(f"stream {self.name!r} is closed")
-            job = self._new_job(fn, args, kwargs)
-            self._last = job
+            self._seq += 1
+            job = Job(f"{self.name}#{self._seq}:{getattr(fn, '__name__', type(fn).__name__)}",
+                      fn, args, kwargs)
             self._q.put(job)
         return job
 
@@ -393,36 +328,3 @@ class Stream(_StreamBase):
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r}{', closed' if self._closed else ''})"
-
-
-class InlineStream(_StreamBase):
-    """The ``main`` stream: runs launched callables immediately on the caller's thread.
-
-    Same interface and semantics as `Stream` (exceptions are captured in the job and surface through
-    ``result()`` or ``synchronize()``), so code written against one works with the other.
-    """
-
-    def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Job:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"stream {self.name!r} is closed")
-            job = self._new_job(fn, args, kwargs)
-            self._last = job
-        self._run_job(job)
-        return job
-
-    def close(self, timeout: float | None = None) -> None:
-        self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> "InlineStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"InlineStream({self.name!r})"

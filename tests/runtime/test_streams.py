@@ -4,10 +4,16 @@ import time
 
 import pytest
 
-from graphgen.runtime import streams as rt
-from graphgen.runtime.streams import (
-    Event, EventAborted, EventSet, EventTimeout, InlineStream, Job, JobTimeout, Stream, StreamError,
-)
+from graphgen.runtime.streams import Event, EventAborted, EventSet, EventTimeout, Job, JobTimeout, Stream
+
+
+def recorded(event, gen: int) -> bool:
+    """Whether generation ``gen`` of ``event`` is recorded: a wait that must not block."""
+    try:
+        event.wait(gen, timeout=0)
+        return True
+    except EventTimeout:
+        return False
 
 
 @pytest.fixture
@@ -20,14 +26,14 @@ def stream():
 # ----------------------------------------------------------------------------------------- events
 
 def test_wait_returns_after_record_of_same_or_later_generation():
-    e = Event("ev.kv_ready.L00")
-    assert not e.is_recorded(0)
+    e = Event("ev.L00.kv_write")
+    assert not recorded(e, 0)
     e.record(0)
     e.wait(0, timeout=0)          # already recorded: no blocking
-    assert e.is_recorded(0) and not e.is_recorded(1)
+    assert recorded(e, 0) and not recorded(e, 1)
     e.record(3)                   # a later record also satisfies earlier generations
     e.wait(2, timeout=0)
-    assert e.last_recorded == 3
+    assert recorded(e, 3) and not recorded(e, 4)
 
 
 def test_stale_record_does_not_release_newer_wait():
@@ -94,12 +100,12 @@ def test_abort_releases_only_aborted_generations():
 def test_event_set_bind_and_unknown_names():
     evs = EventSet(["ev.kv_ready.L00", "ev.kv_ready.L01"], default_timeout=0.05)
     ev = evs.bind(7)
-    rt.record(ev["ev.kv_ready.L00"])
-    rt.wait(ev["ev.kv_ready.L00"])
-    assert evs["ev.kv_ready.L00"].is_recorded(7)
-    assert not evs["ev.kv_ready.L01"].is_recorded(7)
+    ev["ev.kv_ready.L00"].record()
+    ev["ev.kv_ready.L00"].wait()
+    assert recorded(evs["ev.kv_ready.L00"], 7)
+    assert not recorded(evs["ev.kv_ready.L01"], 7)
     with pytest.raises(EventTimeout):      # default_timeout applies to bound waits
-        rt.wait(ev["ev.kv_ready.L01"])
+        ev["ev.kv_ready.L01"].wait()
     with pytest.raises(KeyError,
                        match=r"ev.kv_ready.L0\b.*known events.*ev.kv_ready.L00.*ev.kv_ready.L01"):
         ev["ev.kv_ready.L0"]
@@ -113,7 +119,7 @@ def test_event_set_bound_to_next_step_is_not_satisfied_by_previous_step():
     evs.bind(0)["ev.a"].record()
     with pytest.raises(EventTimeout):
         evs.bind(1)["ev.a"].wait(timeout=0.02)
-    assert not evs.bind(1)["ev.a"].is_recorded()
+    assert not recorded(evs["ev.a"], 1)
 
 
 def test_event_set_rejects_duplicate_names():
@@ -125,7 +131,7 @@ def test_event_sets_are_independent():
     # two graphs with the same event names must not share state (prior-art defect 3)
     a, b = EventSet(["ev.x"]), EventSet(["ev.x"])
     a.bind(0)["ev.x"].record()
-    assert not b["ev.x"].is_recorded(0)
+    assert not recorded(b["ev.x"], 0)
 
 
 def test_cross_thread_record_wait_pipeline(stream):
@@ -170,7 +176,7 @@ def test_job_queued_behind_slow_job_is_not_done(stream):
 def test_fifo_order(stream):
     out = []
     jobs = [stream.launch(out.append, i) for i in range(50)]
-    stream.synchronize(timeout=2)
+    jobs[-1].wait(timeout=2)
     assert out == list(range(50))
     assert all(j.done() for j in jobs)
 
@@ -185,25 +191,10 @@ def test_exception_propagates_and_stream_survives(stream):
         j.result(timeout=2)
     assert isinstance(j.exception(), KeyError)
     assert ok.result(timeout=2) == 42                  # the worker kept running
-    stream.synchronize(timeout=2)                      # already observed via result(): no re-raise
-    unseen = stream.launch(boom)
-    with pytest.raises(StreamError, match="1 job") as ei:
-        stream.synchronize(timeout=2)                  # an unobserved failure is not lost
-    assert isinstance(ei.value.__cause__, KeyError) and unseen.done()
-    stream.synchronize(timeout=2)                      # reported once
 
 
 def test_jobs_run_on_the_worker_thread(stream):
     assert stream.launch(threading.current_thread).result(2) is not threading.current_thread()
-
-
-def test_synchronize_waits_for_all_and_times_out(stream):
-    gate = threading.Event()
-    stream.launch(gate.wait, 2)
-    with pytest.raises(JobTimeout):
-        stream.synchronize(timeout=0.02)
-    gate.set()
-    stream.synchronize(timeout=2)
 
 
 def test_close_drains_then_refuses():
@@ -221,24 +212,6 @@ def test_close_drains_then_refuses():
 
 def test_worker_thread_is_daemon(stream):
     assert stream._thread.daemon
-
-
-def test_inline_stream_same_interface():
-    s = InlineStream("main")
-    j = s.launch(threading.current_thread)
-    assert j.done() and j.result() is threading.current_thread()
-    bad = s.launch(lambda: 1 / 0)
-    assert bad.done()
-    with pytest.raises(ZeroDivisionError):
-        bad.result()
-    s.synchronize()                                    # observed already
-    s.launch(lambda: 1 / 0)
-    with pytest.raises(StreamError):
-        s.synchronize()
-    s.synchronize()
-    s.close()
-    with pytest.raises(RuntimeError):
-        s.launch(print)
 
 
 def test_launch_rejects_non_callable(stream):

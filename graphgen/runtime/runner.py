@@ -1,0 +1,93 @@
+"""The model runner: runs one generated module for one step and hands back what it started.
+
+Per step it binds the module's events to a fresh generation (so a wait of this step can never be
+satisfied by an earlier step's record), runs ``mod.run`` on the CPU runtime, and returns
+`StepHandles`: the logits, the save program the module launched (a `Job` on the save stream) and
+the save's event bound to this step (``HOST_EVENT``: what a commit must wait for). Nothing is
+recovered afterwards from shared state: the module's launches go through a per-step view of the
+runtime (`StepRuntime`) that keeps them.
+
+If the forward raises, the step's events are aborted (the save program, blocked on an event the
+forward will never record, is released with `EventAborted`), its launched jobs are waited for, and
+the error propagates.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from ..ir.graph import SAVE_STREAM
+from .cpu import CpuRuntime
+from .streams import BoundEvent, EventSet, Job
+
+__all__ = ["StepHandles", "StepRuntime", "CpuModelRunner"]
+
+
+@dataclass(frozen=True)
+class StepHandles:
+    """What one step started. ``save_job``/``save_done`` are None when the module saves nothing."""
+
+    logits: torch.Tensor
+    save_job: Optional[Job] = None
+    save_done: Optional[BoundEvent] = None
+
+
+class StepRuntime:
+    """``rt`` as one step's module sees it: every op and event call goes to the shared runtime;
+    ``launch`` also keeps the job, per stream, for the runner to return."""
+
+    __slots__ = ("_rt", "launched")
+
+    def __init__(self, rt: CpuRuntime):
+        self._rt = rt
+        self.launched: dict[str, Job] = {}
+
+    def launch(self, stream: str, fn: Callable[[], None]) -> Job:
+        if stream in self.launched:  # one program per stream per step: a second one is a codegen bug
+            raise RuntimeError(f"the step launched a second program on stream {stream!r}")
+        job = self._rt.start(stream, fn)
+        self.launched[stream] = job
+        return job
+
+    def __getattr__(self, name: str):
+        return getattr(self._rt, name)
+
+
+class CpuModelRunner:
+    """Runs the generated CPU modules of one spec (``modules``: variant -> module)."""
+
+    def __init__(self, modules: Mapping[str, types.ModuleType], weights: Mapping, cache, rt: CpuRuntime, *,
+                 event_timeout: Optional[float] = 120.0):
+        self.modules = dict(modules)
+        self.W = weights
+        self.cache = cache
+        self.rt = rt
+        self.events = {v: EventSet(m.EVENTS, default_timeout=event_timeout) for v, m in self.modules.items()}
+        self._gen = 0  # step counter: the generation every event of a step is bound to
+
+    def saves(self, variant: str) -> bool:
+        """Whether the variant's module has a save program (then it takes a staging area)."""
+        return self.modules[variant].HOST_EVENT is not None
+
+    def execute(self, variant: str, inputs, staging=None) -> StepHandles:
+        mod = self.modules[variant]
+        if (staging is None) != (mod.HOST_EVENT is None):
+            raise ValueError(f"{variant}: a staging area is needed exactly when the module saves "
+                             f"(HOST_EVENT={mod.HOST_EVENT!r}, staging given: {staging is not None})")
+        self._gen += 1
+        ev = self.events[variant].bind(self._gen)
+        rt = StepRuntime(self.rt)
+        try:
+            with torch.inference_mode():
+                logits = mod.run(rt, self.W, inputs, self.cache, staging, ev)
+        except BaseException:
+            ev.abort("the forward failed")
+            for job in rt.launched.values():
+                job.wait()
+            raise
+        return StepHandles(logits, rt.launched.get(SAVE_STREAM),
+                           ev[mod.HOST_EVENT] if mod.HOST_EVENT is not None else None)

@@ -1,0 +1,196 @@
+"""The KV connector on its own: load from the pool, the save handoff and its ordering, pins, and a
+pool that is down. The 'save program' here is a job on a real save stream that fills the staging
+and records the save's event, as a generated module's does; what is pooled is compared to
+``pack_block`` of that staging (the format's own definition, tested in test_kvcache.py)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from graphgen.runtime.connector import KVConnector
+from graphgen.runtime.kvcache import BlockAllocator, PagedKVCache, pack_block
+from graphgen.runtime.pool import HostPool, PoolBackend
+from graphgen.runtime.streams import EventSet, Stream
+
+SHAPES = {"k": (4, 2, 3), "v": (4, 2, 3)}
+
+
+class TimedPool(HostPool):
+    def __init__(self):
+        super().__init__(1 << 20)
+        self.put_at: list[float] = []
+
+    def put(self, key, value):
+        self.put_at.append(time.perf_counter())
+        return super().put(key, value)
+
+
+class DownPool(PoolBackend):
+    """A pool whose every call raises (a remote store that went away)."""
+
+    def put(self, key, value):
+        raise ConnectionError("pool down")
+
+    def get(self, key):
+        raise ConnectionError("pool down")
+
+    def contains(self, key):
+        raise ConnectionError("pool down")
+
+    def stats(self):
+        raise ConnectionError("pool down")
+
+
+@pytest.fixture
+def parts():
+    cache = PagedKVCache(2, SHAPES, 8, torch.float32)
+    alloc = BlockAllocator(8)
+    save_stream = Stream("kv_save")
+    yield cache, alloc, save_stream
+    save_stream.close(timeout=2)
+
+
+def make(pool, cache, alloc, write="async"):
+    return KVConnector(pool, cache, alloc, model="m", write=write)
+
+
+def fill(staging, seed):
+    for layer in staging:
+        for t in layer:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def launch_save(stream, staging, ev, gate=None, record=True):
+    """A save program: wait for the gate (a slow save), fill staging, record the save's event."""
+    def program():
+        if gate is not None:
+            assert gate.wait(5)
+        fill(staging, 3)
+        if record:
+            ev.record()
+    return stream.launch(program)
+
+
+def test_put_only_after_the_save_event_and_pins_held_until_the_commit(parts):
+    cache, alloc, save_stream = parts
+    pool = TimedPool()
+    conn = make(pool, cache, alloc)
+    ids = alloc.alloc(2)
+    keys = conn.block_keys(list(range(9)))[:2]
+    save = conn.prepare_save(ids, keys)
+    assert all(alloc.is_pinned(i) for i in ids)
+    ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]
+    gate = threading.Event()
+    job = launch_save(save_stream, save.staging, ev, gate, record=False)
+    conn.handoff(save, job, ev)             # async: returns at once
+    alloc.free(ids)                         # the request finished: the blocks must stay out of reuse
+    gate.set()
+    job.wait(5)
+    time.sleep(0.05)                        # the save job is done, but its event is not recorded yet
+    assert len(pool) == 0 and all(alloc.is_pinned(i) for i in ids) and alloc.num_free == 6
+    recorded_at = time.perf_counter()
+    ev.record()
+    conn.drain(5)
+    assert min(pool.put_at) >= recorded_at  # the event, not the job's end, opens the commit
+    assert [pool.get(k) for k in keys] == [pack_block(save.staging, 0), pack_block(save.staging, 1)]
+    assert not any(alloc.is_pinned(i) for i in ids) and alloc.num_free == 8
+    assert conn.stats["puts"] == 2 and conn.pending == 0
+    conn.close()
+
+
+def test_sync_commits_before_handoff_returns(parts):
+    cache, alloc, save_stream = parts
+    pool = HostPool(1 << 20)
+    conn = make(pool, cache, alloc, write="sync")
+    ids = alloc.alloc(1)
+    save = conn.prepare_save(ids, conn.block_keys(range(4)))
+    ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]
+    conn.handoff(save, launch_save(save_stream, save.staging, ev), ev)
+    assert len(pool) == 1 and not alloc.is_pinned(ids[0]) and conn.pending == 0
+    conn.close()
+
+
+def test_failed_save_commits_nothing_and_releases_pins(parts):
+    cache, alloc, save_stream = parts
+    pool = HostPool(1 << 20)
+    conn = make(pool, cache, alloc)
+    ids = alloc.alloc(1)
+    save = conn.prepare_save(ids, conn.block_keys(range(4)))
+    ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]
+    job = save_stream.launch(lambda: 1 / 0)          # never records the event
+    conn.handoff(save, job, ev)
+    conn.drain(5)                                    # does not hang on the unrecorded event
+    assert len(pool) == 0 and conn.stats["save_failures"] == 1 and not alloc.is_pinned(ids[0])
+    conn.close()
+
+
+def test_cancel_releases_pins(parts):
+    cache, alloc, _ = parts
+    conn = make(HostPool(1 << 20), cache, alloc)
+    ids = alloc.alloc(2)
+    conn.cancel(conn.prepare_save(ids, ["a", "b"]))
+    alloc.free(ids)
+    assert alloc.num_free == 8
+    with pytest.raises(ValueError, match="2 save blocks but 1 keys"):
+        conn.prepare_save(ids[:2], ["a"])
+    conn.close()
+
+
+def test_lookup_and_load_the_leading_run(parts):
+    cache, alloc, _ = parts
+    pool = HostPool(1 << 20)
+    conn = make(pool, cache, alloc)
+    src = PagedKVCache(2, SHAPES, 3, torch.float32)
+    fill(src, 5)
+    keys = conn.block_keys(range(12))
+    pool.put(keys[0], pack_block(src, 0))
+    pool.put(keys[2], pack_block(src, 2))            # a gap at block 1
+    assert conn.lookup(keys) == 1
+    assert conn.load(keys[:1], [6]) == 1
+    assert pack_block(cache, 6) == pack_block(src, 0)
+    pool.put(keys[1], b"short")                      # a foreign/truncated value: recomputed
+    assert conn.load(keys, [5, 6, 7]) == 1 and conn.stats["pool_errors"] == 1
+    assert conn.load(["absent", keys[0]], [5, 6]) == 0   # evicted since the lookup: stops there
+    assert conn.stats["hit_blocks"] == 2
+    conn.close()
+
+
+def test_a_pool_that_is_down_costs_a_recompute_never_a_request(parts):
+    cache, alloc, save_stream = parts
+    conn = make(DownPool(), cache, alloc)
+    keys = conn.block_keys(range(8))
+    assert conn.lookup(keys) == 0 and conn.load(keys, [0, 1]) == 0
+    ids = alloc.alloc(2)
+    save = conn.prepare_save(ids, keys)
+    ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]
+    conn.handoff(save, launch_save(save_stream, save.staging, ev), ev)
+    conn.drain(5)
+    assert conn.stats["pool_errors"] == 2 and conn.stats["put_failures"] == 2 and conn.stats["puts"] == 0
+    assert not any(alloc.is_pinned(i) for i in ids)
+    assert conn.pool_stats() == {"error": "pool down"}    # stats for logs never raise either
+    conn.close()
+
+
+def test_wait_oldest_releases_the_oldest_commit(parts):
+    cache, alloc, save_stream = parts
+    conn = make(HostPool(1 << 20), cache, alloc)
+    assert conn.wait_oldest() is False               # nothing in flight: nothing to wait for
+    ids = alloc.alloc(1)
+    save = conn.prepare_save(ids, conn.block_keys(range(4)))
+    ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]
+    gate = threading.Event()
+    conn.handoff(save, launch_save(save_stream, save.staging, ev, gate), ev)
+    alloc.free(ids)
+    assert alloc.num_free == 7
+    threading.Timer(0.05, gate.set).start()
+    assert conn.wait_oldest() is True and alloc.num_free == 8 and conn.pending == 0
+    conn.close()
+
+
+def test_write_mode_is_checked(parts):
+    cache, alloc, _ = parts
+    with pytest.raises(ValueError, match="write must be one of"):
+        make(HostPool(1), cache, alloc, write="later")
