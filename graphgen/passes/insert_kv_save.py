@@ -27,11 +27,11 @@ class InsertKvSave(Pass):
         spec, v = ctx.spec, ctx.variant
         saves = spec.variant_saves(v)
         gran = spec.variant_granularity(v)
-        graph.meta.update({"saves": saves, "write": spec.mempool.write if saves else "off",
+        graph.meta.update({"saves": saves, "write": spec.pool.write if saves else "off",
                            "granularity": gran if saves else "none"})
         if not saves:
             return
-        write = spec.mempool.write
+        write = spec.pool.write
         stream = "kv_save" if write == "async" else "main"
         graph.add_stream(stream)
         graph.add_stream("host")

@@ -94,7 +94,7 @@ class Engine:
         self.W = {k: v.to(self.dtype) for k, v in weights.items()}
         self.block_size = spec.kv_cache.block_size
         self.collect_logits = collect_logits
-        self.write = spec.mempool.write
+        self.write = spec.pool.write
         self.prefix_cache = "prefix_cache" in spec.features
         self.modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook)
         self.events = {v: EventSet(m.EVENTS, default_timeout=event_timeout) for v, m in self.modules.items()}
@@ -139,7 +139,7 @@ class Engine:
 
     # ---- variants ---------------------------------------------------------------------------------
     def variant_for(self, phase: str, history: bool) -> Optional[str]:
-        gran = self.spec.mempool.granularity
+        gran = self.spec.pool.granularity
         matches = [n for n, v in self.spec.variants.items() if v.phase == phase and (v.history == history or phase == "decode")]
         for n in matches:
             if self.spec.variant_granularity(self.spec.variants[n]) == gran:
