@@ -45,6 +45,8 @@ class Family:
     kv_components: Callable[[Any], tuple]  # dims -> ((name, per-token shape), ...)
     dims_rules: Callable[[Any], Iterable[Rule]]
     hf_config: Callable[[Any, str], dict]  # (dims, dtype name) -> config.json dict
+    # Checkpoint keys (by suffix) kept in float32 whatever the load dtype, as transformers keeps them.
+    fp32_suffixes: tuple[str, ...] = ()
     hf_checks: Callable[[dict], Iterable[tuple[str, str, str]]] = lambda cfg: ()  # (key, message, fix)
     hf_notes: Callable[[dict], Iterable[str]] = lambda cfg: ()
 

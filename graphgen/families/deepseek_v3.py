@@ -264,4 +264,6 @@ FAMILY = Family(
     dims_rules=dims_rules,
     hf_config=hf_config,
     hf_notes=hf_notes,
+    # the router is precision-sensitive: transformers keeps it in float32 too
+    fp32_suffixes=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
 )
