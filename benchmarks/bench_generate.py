@@ -167,7 +167,7 @@ def bench_scaling(reps: int, sizes: list[int], profile: bool, min_s: float = 0.2
     for r in range(reps):
         for f, n in cells[r % len(cells):] + cells[:r % len(cells)]:
             spec = scaled_spec(bases[f], n)
-            assert spec.variants[variant].granularity == "layer" and spec.mempool.write == "async"
+            assert spec.variants[variant].granularity == "layer" and spec.pool.write == "async"
             inner: dict = {}
             spent = 0.0
             while True:  # small sizes: repeat within the round until ~min_s is spent (timeit-style)

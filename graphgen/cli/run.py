@@ -71,8 +71,8 @@ def register(sub) -> None:
     r.add_argument("--prompt-ids", action="append", required=True, metavar="IDS",
                    help="comma-separated token ids; repeat for several prompts (run in order, one pool)")
     r.add_argument("--max-new-tokens", type=int, default=16)
-    r.add_argument("--write", choices=("off", "sync", "async"), help="override mempool.write")
-    r.add_argument("--granularity", choices=("forward", "layer"), help="override mempool.granularity")
+    r.add_argument("--write", choices=("off", "sync", "async"), help="override pool.write")
+    r.add_argument("--granularity", choices=("forward", "layer"), help="override pool.granularity")
     r.add_argument("--pool", default="host", choices=("host",), help="pool backend (default: embedded host pool)")
     r.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
     r.add_argument("--batch", action="store_true", help="batch the prompts instead of running them in order")

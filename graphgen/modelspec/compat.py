@@ -16,9 +16,10 @@ import difflib
 from dataclasses import dataclass
 from typing import get_args
 
-from .model import Family, WriteMode
+from ..families import FAMILIES as _FAMILY_REGISTRY
+from .model import FamilyName, WriteMode
 
-FAMILIES: tuple[str, ...] = get_args(Family)
+FAMILIES: tuple[str, ...] = get_args(FamilyName)
 WRITE_MODES: tuple[str, ...] = get_args(WriteMode)
 
 STATUSES = ("implemented", "graph_neutral", "not_implemented")
@@ -29,8 +30,8 @@ class Row:
     """One row of the matrix.
 
     ``subject`` is a feature name (listed under ``features:``) or ``write:<mode>`` (a
-    ``mempool.write`` value). A spec uses the subject only if its family is in ``families`` and its
-    ``mempool.write`` is in ``writes``; a feature is required when the write mode is in ``required_by``.
+    ``pool.write`` value). A spec uses the subject only if its family is in ``families`` and its
+    ``pool.write`` is in ``writes``; a feature is required when the write mode is in ``required_by``.
     """
 
     subject: str
@@ -97,10 +98,10 @@ def check_compat(spec):
 
 
 def _matrix_rules(spec):
-    feats, mempool, family = _get(spec, "features"), _get(spec, "mempool"), _get(spec, "family")
+    feats, pool, family = _get(spec, "features"), _get(spec, "pool"), _get(spec, "family")
     if feats is _MISSING:
         return
-    write = mempool.write if mempool is not _MISSING else None
+    write = pool.write if pool is not _MISSING else None
     seen = set()
     for i, f in enumerate(feats):
         where = f"features[{i}]"
@@ -118,8 +119,8 @@ def _matrix_rules(spec):
             yield (where, f"feature '{f}' does not apply to family {family} (only {', '.join(row.families)})",
                    f"remove '{f}' from features")
         elif write is not None and write not in row.writes:
-            yield (where, f"mempool.write: {write} does not combine with '{f}'",
-                   f"remove '{f}' or set mempool.write: {row.writes[-1]}")
+            yield (where, f"pool.write: {write} does not combine with '{f}'",
+                   f"remove '{f}' or set pool.write: {row.writes[-1]}")
         elif row.status == "not_implemented":
             yield where, f"feature '{f}' is not implemented yet ({row.note})", f"remove '{f}' from features"
     if write is None:
@@ -127,59 +128,26 @@ def _matrix_rules(spec):
     mode = ROWS[f"write:{write}"]
     if family is not _MISSING and family not in mode.families:
         ok = [m.subject[6:] for m in MATRIX if not m.is_feature and family in m.families]
-        yield ("mempool.write", f"mempool.write: {write} is not supported for family {family}",
-               f"use mempool.write: {' or '.join(ok)}")
+        yield ("pool.write", f"pool.write: {write} is not supported for family {family}",
+               f"use pool.write: {' or '.join(ok)}")
     for row in MATRIX:
         if row.is_feature and write in row.required_by and row.subject not in seen:
-            yield ("mempool.write", f"mempool.write: {write} needs the '{row.subject}' feature",
-                   f"add {row.subject} to features, or set mempool.write: off")
+            yield ("pool.write", f"pool.write: {write} needs the '{row.subject}' feature",
+                   f"add {row.subject} to features, or set pool.write: off")
 
 
 def _dims_rules(spec):
     family, d = _get(spec, "family"), _get(spec, "dims")
     if family is _MISSING or d is _MISSING:
         return
-    if family == "qwen3_dense":
-        if d.num_attention_heads % d.num_key_value_heads:
-            yield ("dims.num_key_value_heads",
-                   f"num_key_value_heads ({d.num_key_value_heads}) must divide num_attention_heads "
-                   f"({d.num_attention_heads})", "pick a divisor of num_attention_heads")
-        if d.head_dim % 2:
-            yield "dims.head_dim", f"head_dim ({d.head_dim}) must be even for RoPE", "use an even head_dim"
-        return
-    if d.num_experts_per_tok > d.n_routed_experts:
-        yield ("dims.num_experts_per_tok",
-               f"num_experts_per_tok ({d.num_experts_per_tok}) exceeds n_routed_experts ({d.n_routed_experts})",
-               "choose at most n_routed_experts")
-    if d.n_routed_experts % d.n_group:
-        yield ("dims.n_group", f"n_group ({d.n_group}) must divide n_routed_experts ({d.n_routed_experts})",
-               "pick a divisor of n_routed_experts")
-    elif d.n_routed_experts // d.n_group < 2:
-        # The router scores a group by the sum of its two best experts (noaux_tc).
-        yield ("dims.n_group", f"n_group ({d.n_group}) leaves fewer than 2 experts per group "
-               f"({d.n_routed_experts} routed experts)", "use n_group <= n_routed_experts / 2")
-    if d.topk_group > d.n_group:
-        yield "dims.topk_group", f"topk_group ({d.topk_group}) exceeds n_group ({d.n_group})", "use topk_group <= n_group"
-    elif not d.n_routed_experts % d.n_group and d.num_experts_per_tok <= d.n_routed_experts:
-        kept = d.topk_group * (d.n_routed_experts // d.n_group)
-        if d.num_experts_per_tok > kept:
-            # Experts outside the kept groups are masked out; top-k must fit in what is left.
-            yield ("dims.num_experts_per_tok",
-                   f"num_experts_per_tok ({d.num_experts_per_tok}) exceeds the {kept} experts in the "
-                   f"topk_group ({d.topk_group}) groups kept per token", "raise topk_group or lower num_experts_per_tok")
-    if d.first_k_dense_replace > d.num_hidden_layers:
-        yield ("dims.first_k_dense_replace",
-               f"first_k_dense_replace ({d.first_k_dense_replace}) exceeds num_hidden_layers ({d.num_hidden_layers})",
-               "use at most num_hidden_layers")
-    if d.qk_rope_head_dim % 2:
-        yield "dims.qk_rope_head_dim", f"qk_rope_head_dim ({d.qk_rope_head_dim}) must be even for RoPE", "use an even value"
+    yield from _FAMILY_REGISTRY[family].dims_rules(d)
 
 
 def _variant_rules(spec):
-    variants, mempool, feats = _get(spec, "variants"), _get(spec, "mempool"), _get(spec, "features")
+    variants, pool, feats = _get(spec, "variants"), _get(spec, "pool"), _get(spec, "features")
     if variants is _MISSING:
         return
-    write = mempool.write if mempool is not _MISSING else None
+    write = pool.write if pool is not _MISSING else None
     for name, v in variants.items():
         if v.phase == "decode" and v.history:
             yield (f"variants.{name}.history", f"variant {name}: 'history' applies to prefill only "
@@ -188,15 +156,15 @@ def _variant_rules(spec):
             yield (f"variants.{name}.save", f"variant {name}: decode graphs never save KV "
                    "(only a prefill's full blocks go to the pool)", "remove save from the decode variant")
         if v.save and write == "off":
-            yield (f"variants.{name}.save", f"variant {name}: save: true but mempool.write is off",
-                   "set mempool.write: sync or async, or drop save")
+            yield (f"variants.{name}.save", f"variant {name}: save: true but pool.write is off",
+                   "set pool.write: sync or async, or drop save")
         if v.history and feats is not _MISSING and "prefix_cache" not in feats:
             yield (f"variants.{name}.history", f"variant {name}: history KV comes from the pool, "
                    "which needs the 'prefix_cache' feature", "add prefix_cache to features")
         saves = write not in (None, "off") and v.phase == "prefill" and v.save is not False
         if v.granularity is not None and write is not None and not saves:
             why = "decode graphs never save" if v.phase == "decode" else (
-                "mempool.write is off" if write == "off" else "save is false")
+                "pool.write is off" if write == "off" else "save is false")
             yield (f"variants.{name}.granularity", f"variant {name}: granularity has no effect ({why})",
                    "remove granularity from this variant")
 

@@ -20,30 +20,18 @@ import json
 import math
 import os
 import re
+import typing
 from pathlib import Path
 
 from . import model as m
 from .compat import check_compat
 from .errors import Diagnostic, SpecError
-from .loader import dump_spec_yaml, parse_spec_text
+from ..families import BY_HF_MODEL_TYPE
+from .dump import dump_spec_yaml
+from .loader import parse_spec_text
 
-# Fields a config may omit, with the value transformers assumes then (Qwen3Config /
-# DeepseekV3Config defaults) -- not graphgen's own defaults, which differ for rope_theta.
-_HF_DEFAULTS = {
-    "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 32768,
-              "rope_theta": 10000.0},
-    "deepseek_v3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 4096,
-                    "rope_theta": 10000.0, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-                    "norm_topk_prob": True, "rope_interleave": True},
-}
-_FAMILY = {"qwen3": "qwen3_dense", "deepseek_v3": "deepseek_v3"}
-# Config values graphgen implements; any other value is an error (absent = the transformers default,
-# which is the accepted value).
-_MUST_BE = {
-    "qwen3": {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
-    "deepseek_v3": {"hidden_act": "silu", "attention_bias": False, "topk_method": "noaux_tc",
-                    "scoring_func": "sigmoid", "moe_layer_freq": 1},
-}
+# What each family reads from a config (model_type, the defaults transformers assumes for omitted
+# fields, the values graphgen reproduces) is declared by the family (graphgen/families).
 _YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -85,14 +73,14 @@ def _typed(cfg: dict, key: str, tp, rep: _Report, *, default=dataclasses.MISSING
     return value
 
 
-def _rope(cfg: dict, model_type: str, rep: _Report):
+def _rope(cfg: dict, fam, rep: _Report):
     """(rope_theta, RopeScaling|None) from ``rope_parameters`` (transformers 5) or
     ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
     if isinstance(cfg.get("rope_parameters"), dict):
         key, params = "rope_parameters", dict(cfg["rope_parameters"])
-        theta = _typed(params, "rope_theta", float, rep, default=_HF_DEFAULTS[model_type]["rope_theta"])
+        theta = _typed(params, "rope_theta", float, rep, default=fam.hf_defaults["rope_theta"])
     else:
-        theta = _typed(cfg, "rope_theta", float, rep, default=_HF_DEFAULTS[model_type]["rope_theta"])
+        theta = _typed(cfg, "rope_theta", float, rep, default=fam.hf_defaults["rope_theta"])
         key, params = "rope_scaling", cfg.get("rope_scaling")
         if params is None:
             return theta, None
@@ -105,9 +93,9 @@ def _rope(cfg: dict, model_type: str, rep: _Report):
     params.pop("rope_theta", None)
     if kind == "default" and not params:
         return theta, None
-    if model_type == "qwen3":
-        rep.error(key, f"Qwen3 with RoPE scaling ({kind}) is not implemented (feature 'yarn')",
-                  "use a config without rope scaling (graphgen reproduces unscaled Qwen3 only)")
+    if not fam.rope_scaling:
+        rep.error(key, f"{fam.label} with RoPE scaling ({kind}) is not implemented (feature 'yarn')",
+                  f"use a config without rope scaling (graphgen reproduces unscaled {fam.label} only)")
         return theta, dataclasses.MISSING
     if kind != "yarn":
         rep.error(key, f"RoPE scaling type '{kind}' is not implemented (only yarn)", "use yarn or no scaling")
@@ -136,26 +124,28 @@ def _rope(cfg: dict, model_type: str, rep: _Report):
     return theta, (dataclasses.MISSING if failed else m.RopeScaling(**kwargs))
 
 
-def _dims(cfg: dict, model_type: str, rep: _Report):
-    cls = m.DIMS_BY_FAMILY[_FAMILY[model_type]]
-    hints = {f.name: f for f in dataclasses.fields(cls)}
-    theta, scaling = _rope(cfg, model_type, rep)
+def _dims(cfg: dict, fam, rep: _Report):
+    cls = fam.dims_cls
+    hints = typing.get_type_hints(cls)
+    theta, scaling = _rope(cfg, fam, rep)
     kwargs, failed = {}, theta is dataclasses.MISSING or scaling is dataclasses.MISSING
-    for name, f in hints.items():
+    for f in dataclasses.fields(cls):
+        name = f.name
         if name == "rope_theta":
             kwargs[name] = theta
             continue
         if name == "rope_scaling":
             kwargs[name] = scaling
             continue
-        tp = {"int": int, "float": float, "bool": bool}[f.type if isinstance(f.type, str) else f.type.__name__]
-        default = _HF_DEFAULTS[model_type].get(name, dataclasses.MISSING)
-        if name == "q_lora_rank" and name in cfg and cfg[name] is None:
-            rep.error(name, "null (uncompressed queries, DeepSeek-V2-Lite style) is not implemented",
-                      "use a config with q_lora_rank set")
-            failed = True
+        tp, nullable = hints[name], False
+        if typing.get_origin(tp) is typing.Union:  # Optional[int]: null has a meaning (q_lora_rank)
+            (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+            nullable = True
+        if nullable and name in cfg and cfg[name] is None:
+            kwargs[name] = None
             continue
-        value = _typed(cfg, name, tp, rep, default=default, model_type=model_type)
+        default = fam.hf_defaults.get(name, dataclasses.MISSING)
+        value = _typed(cfg, name, tp, rep, default=default, model_type=fam.hf_model_type)
         if value is dataclasses.MISSING:
             failed = True
             continue
@@ -168,8 +158,8 @@ def _dims(cfg: dict, model_type: str, rep: _Report):
     return None if failed else cls(**kwargs)
 
 
-def _checks(cfg: dict, model_type: str, rep: _Report) -> None:
-    for key, want in _MUST_BE[model_type].items():
+def _checks(cfg: dict, fam, rep: _Report) -> None:
+    for key, want in fam.hf_must_be.items():
         if key in cfg and cfg[key] is not None and cfg[key] != want:
             rep.error(key, f"{cfg[key]!r} is not implemented (graphgen reproduces {want!r})",
                       f"only configs with \"{key}\": {json.dumps(want)} can be imported")
@@ -179,15 +169,9 @@ def _checks(cfg: dict, model_type: str, rep: _Report) -> None:
         rep.error("quantization_config", f"quantized checkpoints ({method}) are not implemented: "
                   "graphgen's weights are unquantized", "dequantize the checkpoint (e.g. to bfloat16) and "
                   "drop quantization_config")
-    if model_type == "qwen3":
-        types_ = cfg.get("layer_types")
-        if isinstance(types_, list) and any(t != "full_attention" for t in types_):
-            rep.error("layer_types", "sliding-window layers are not implemented", "use full attention layers only")
-    if model_type == "deepseek_v3":
-        mtp = cfg.get("num_nextn_predict_layers") or 0
-        if isinstance(mtp, int) and mtp > 0:
-            rep.notes.append(f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {mtp}) stay off: "
-                             "MTP is not implemented yet.")
+    for key, message, fix in fam.hf_checks(cfg):
+        rep.error(key, message, fix)
+    rep.notes.extend(fam.hf_notes(cfg))
 
 
 def _kv_dtype(cfg: dict, rep: _Report) -> str | None:
@@ -211,7 +195,7 @@ def _standard_spec(name, family, dims, dtype, description, block_size, compile_m
             "splitfuse": m.Variant(phase="prefill", history=True),
         },
         kv_cache=m.KVCacheLayout(block_size=block_size, dtype=dtype),
-        mempool=m.Mempool(write="async", granularity="forward"),
+        pool=m.PoolWrite(write="async", granularity="forward"),
         features=("prefix_cache",),
         targets=m.Targets(cpu=m.CpuTarget(), npu=m.NpuTarget(compile_modes=tuple(compile_modes))),
     )
@@ -223,20 +207,20 @@ def _convert(config, name: str, source: str, text: str | None, *, block_size=128
     if not isinstance(config, dict):
         raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
     model_type = config.get("model_type")
-    if model_type not in _FAMILY:
+    if model_type not in BY_HF_MODEL_TYPE:
         rep.error("model_type", f"{model_type!r} is not supported" if model_type else "missing",
-                  f"graphgen imports model_type {' or '.join(_FAMILY)}")
+                  f"graphgen imports model_type {' or '.join(BY_HF_MODEL_TYPE)}")
         raise SpecError(rep.diags)
+    fam = BY_HF_MODEL_TYPE[model_type]
     if not m.is_identifier(name):
         rep.diags.append(Diagnostic(source, 1, 1, f"spec name {name!r} is not a Python identifier",
                                     "pass name= with letters, digits and underscores, e.g. my_model"))
-    _checks(config, model_type, rep)
-    dims = _dims(config, model_type, rep)
+    _checks(config, fam, rep)
+    dims = _dims(config, fam, rep)
     dtype = _kv_dtype(config, rep)
     if rep.diags:
         raise SpecError(rep.diags)
-    family = _FAMILY[model_type]
-    spec = _standard_spec(name, family, dims, dtype,
+    spec = _standard_spec(name, fam.name, dims, dtype,
                           f"Imported from a Hugging Face {model_type} config.", block_size, compile_modes)
     # Shape rules (heads divide, even RoPE dims, expert groups, ...): dims keep HF's names, so
     # each problem names the config field.

@@ -1,17 +1,16 @@
-"""Strict spec loading: YAML (with line numbers) -> :class:`ModelSpec`.
+"""Strict spec loading: positioned YAML (``yamlpos.py``) -> :class:`ModelSpec`.
 
 Contract:
 - every problem of a file is collected and reported at once (:class:`SpecError`), each with
   ``file:line:col``, what is wrong and how to fix it; the position is the offending key or value,
   and for a missing key the key of the mapping that lacks it;
-- unknown keys get a did-you-mean, duplicate keys are errors (plain YAML keeps the last silently),
-  types are exact (no string "2" for an int), names that reach generated code are identifiers;
-- scalars are read with the YAML 1.2 core schema (what editors and the JSON Schema tooling use):
-  ``off``/``yes`` are strings, not booleans, and ``1e6`` is a number; YAML tags other than the
-  core ones (``!!python/...``, ``!!timestamp``, custom ``!tags``) are errors;
+- unknown keys get a did-you-mean, duplicate keys are errors, types are exact (no string "2" for
+  an int), names that reach generated code are identifiers;
+- parsing is driven by the types of the spec dataclasses: ``dims`` (a union of the families' dims
+  classes) is parsed as the class of the spec's ``family``, ``variants`` (``dict[str, Variant]``)
+  as a mapping with identifier keys;
 - the compatibility matrix (``compat.py``) runs on the parsed spec, as far as it parsed;
-- ``dump_spec`` writes a spec back to plain data and ``dump_spec_yaml`` to YAML text, and
-  ``parse(dump(spec)) == spec``.
+- dumping is ``dump.py`` (``parse(dump(spec)) == spec``).
 
 No torch and no jsonschema here: this runs on every ``graphgen`` command.
 """
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import re
 import types
@@ -28,192 +26,11 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-import yaml
-
 from . import model as m
+from ..families import FAMILIES
+from .dump import dump_spec, dump_spec_yaml  # noqa: F401 (callers that load and dump import both here)
 from .errors import Diagnostic, SpecError
-
-_MISSING = object()
-_TAG = "tag:yaml.org,2002:"
-
-
-# ---------------------------------------------------------------- YAML 1.2 core scalar resolution
-
-class _Resolver(yaml.resolver.BaseResolver):
-    """Implicit tags of the YAML 1.2 core schema (PyYAML implements 1.1: ``off`` -> False)."""
-
-
-_CORE = {
-    "null": (re.compile(r"^(?:~|null|Null|NULL|)$"), list("~nN") + [""]),
-    "bool": (re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")),
-    "int": (re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")),
-    "float": (re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-                         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+.0123456789")),
-}
-for _kind, (_regexp, _first) in _CORE.items():
-    _Resolver.add_implicit_resolver(_TAG + _kind, _regexp, _first)
-
-
-class _Composer(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
-                _Resolver):
-    def __init__(self, stream):
-        yaml.reader.Reader.__init__(self, stream)
-        yaml.scanner.Scanner.__init__(self)
-        yaml.parser.Parser.__init__(self)
-        yaml.composer.Composer.__init__(self)
-        _Resolver.__init__(self)
-
-
-def _scalar(node: yaml.ScalarNode):
-    """(value, None) or (None, error text) for a scalar node."""
-    tag, text = node.tag, node.value
-    kind = tag[len(_TAG):] if tag.startswith(_TAG) else None
-    if kind == "str":
-        return text, None
-    if kind in _CORE and not _CORE[kind][0].match(text):
-        return None, f"{text!r} is not a valid !!{kind}"
-    if kind == "null":
-        return None, None
-    if kind == "bool":
-        return text.lower() == "true", None
-    if kind == "int":
-        if text.startswith(("0o", "0x")):
-            return int(text[2:], 8 if text[1] == "o" else 16), None
-        return int(text, 10), None
-    if kind == "float":
-        low = text.lower()
-        if low.endswith(".inf"):
-            return (-math.inf if low.startswith("-") else math.inf), None
-        if low == ".nan":
-            return math.nan, None
-        return float(text), None
-    return None, f"unsupported YAML tag {tag}"
-
-
-# ---------------------------------------------------------------- positioned tree
-
-class _Node:
-    """A YAML value with its position (1-based line/col)."""
-
-    __slots__ = ("value", "line", "col", "key_pos")
-
-    def __init__(self, value, line, col, key_pos=None):
-        self.value = value
-        self.line = line
-        self.col = col
-        self.key_pos = key_pos or {}  # for mappings: key -> (line, col) of the key
-
-    @property
-    def pos(self) -> tuple[int, int]:
-        return self.line, self.col
-
-
-class _Ctx:
-    def __init__(self, file: str):
-        self.file = file
-        self.diags: list[Diagnostic] = []
-
-    def error(self, where, message: str, fix: str = "") -> None:
-        line, col = where if isinstance(where, tuple) else (where.line, where.col)
-        self.diags.append(Diagnostic(self.file, line, col, message, fix))
-
-
-def _pos(mark) -> tuple[int, int]:
-    return mark.line + 1, mark.column + 1
-
-
-def _compose(text: str, ctx: _Ctx):
-    loader = _Composer(text)
-    try:
-        root = loader.get_single_node()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        ctx.error(_pos(mark) if mark else (1, 1), f"invalid YAML: {e.problem or e.context}",
-                  "fix the YAML syntax at this position")
-        return None
-    except yaml.YAMLError as e:  # e.g. a NUL byte: reader errors carry no mark
-        ctx.error((1, 1), f"invalid YAML: {e}", "save the spec as plain UTF-8 text")
-        return None
-    finally:
-        loader.dispose()
-    if root is None:
-        ctx.error((1, 1), "the spec file is empty", "start from specs/tiny_qwen3.yaml")
-        return None
-    return _convert(root, ctx, {})
-
-
-def _convert(node, ctx: _Ctx, memo: dict) -> _Node:
-    # Aliases reuse nodes: memoising by identity keeps conversion linear (no "billion laughs") and
-    # makes recursive anchors terminate (the container is registered before its children).
-    if id(node) in memo:
-        return memo[id(node)]
-    line, col = _pos(node.start_mark)
-    if isinstance(node, yaml.MappingNode):
-        out = _Node({}, line, col, {})
-        memo[id(node)] = out
-        for knode, vnode in node.value:
-            kpos = _pos(knode.start_mark)
-            if not isinstance(knode, yaml.ScalarNode):
-                ctx.error(kpos, "a key must be a plain name, not a list or mapping", "write name: value")
-                continue
-            key = knode.value
-            if key == "<<" and knode.style is None:
-                ctx.error(kpos, "YAML merge keys ('<<') are not supported", "write the keys out in full")
-                continue
-            if key in out.value:
-                ctx.error(kpos, f"duplicate key '{key}' (first defined on line {out.key_pos[key][0]})",
-                          "remove one of the two entries")
-                continue
-            if isinstance(vnode, yaml.ScalarNode) and vnode.value == "" and vnode.style is None \
-                    and vnode.tag == _TAG + "null":
-                value = _Node(None, *kpos)  # an empty value: point at its key, not the next line
-            else:
-                value = _convert(vnode, ctx, memo)
-            out.value[key] = value
-            out.key_pos[key] = kpos
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        out = _Node([], line, col)
-        memo[id(node)] = out
-        out.value.extend(_convert(v, ctx, memo) for v in node.value)
-        return out
-    value, problem = _scalar(node)
-    if problem:
-        ctx.error((line, col), f"{problem}", "write a plain value (string, number, true/false or null)")
-        value = _MISSING
-    out = _Node(value, line, col)
-    memo[id(node)] = out
-    return out
-
-
-def _plain(node: _Node, memo=None):
-    # Shared (aliased) nodes become shared objects, as in PyYAML: no exponential expansion.
-    memo = {} if memo is None else memo
-    if id(node) in memo:
-        return memo[id(node)]
-    if isinstance(node.value, dict):
-        out = memo[id(node)] = {}
-        out.update((k, _plain(v, memo)) for k, v in node.value.items())
-        return out
-    if isinstance(node.value, list):
-        out = memo[id(node)] = []
-        out.extend(_plain(v, memo) for v in node.value)
-        return out
-    return None if node.value is _MISSING else node.value
-
-
-def load_yaml_data(text: str, file: str = "<spec>"):
-    """The spec text as plain data, read exactly as the loader reads it (YAML 1.2 core scalars).
-
-    For tools that need the raw document (e.g. validating it against ``specs/schema.json``).
-    Raises :class:`SpecError` on YAML errors.
-    """
-    ctx = _Ctx(file)
-    root = _compose(text, ctx)
-    if ctx.diags:
-        raise SpecError(ctx.diags)
-    return _plain(root)
-
+from .yamlpos import MISSING as _MISSING, Ctx as _Ctx, Node as _Node, compose as _compose, load_yaml_data  # noqa: F401
 
 # ---------------------------------------------------------------- typed parsing
 
@@ -251,7 +68,7 @@ def _example(tp) -> str:
 
 
 def _hints(cls):
-    return typing.get_type_hints(cls, globalns=vars(m))
+    return typing.get_type_hints(cls)
 
 
 def _describe(value) -> str:
@@ -298,6 +115,8 @@ def _parse_value(tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) > 1:  # one class per family (``dims``): the spec's family chooses
+            return _parse_dims(ctx.family, node, ctx, key_pos)
         if node.value is None:
             if meta.get("nullable", True):
                 return None
@@ -315,6 +134,8 @@ def _parse_value(tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
                       f"{hint}use one of: {', '.join(map(str, choices))}")
             return _MISSING
         return node.value
+    if origin is dict:
+        return _parse_mapping(get_args(tp)[1], node, ctx, path, meta, key_pos)
     if origin is tuple:
         (item,) = [a for a in get_args(tp) if a is not Ellipsis]
         if not isinstance(node.value, list):
@@ -356,11 +177,20 @@ def _parse_value(tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
 def _unknown_keys(cls, node: _Node, ctx: _Ctx, path: str, *, foreign=None) -> set[str]:
     """Report keys ``cls`` lacks; returns the field names an unknown key was taken for (typos)."""
     allowed = [f.name for f in dataclasses.fields(cls)]
+    renamed = {f.metadata["renamed_from"]: f.name for f in dataclasses.fields(cls) if "renamed_from" in f.metadata}
     meant = set()
     for key in node.value:
         if key in allowed:
             continue
         where = f"'{path}'" if path else "the spec"
+        if key in renamed:
+            new = renamed[key]
+            if new in node.value:
+                fix = f"remove '{key}:' and keep '{new}:'"
+            else:
+                fix = f"rename '{key}:' to '{new}:' (same settings)"
+            ctx.error(node.key_pos[key], f"'{key}' was renamed to '{new}'", fix)
+            continue
         if foreign and key in foreign[1]:
             ctx.error(node.key_pos[key], f"unknown key '{key}' in {where}: it is a {foreign[0]} dim, "
                       f"not a {foreign[2]} one", f"remove it, or set family: {foreign[0]}")
@@ -375,7 +205,7 @@ def _unknown_keys(cls, node: _Node, ctx: _Ctx, path: str, *, foreign=None) -> se
     return meant
 
 
-def _parse_fields(cls, node: _Node, ctx: _Ctx, path: str, key_pos, *, family=None, foreign=None):
+def _parse_fields(cls, node: _Node, ctx: _Ctx, path: str, key_pos, *, foreign=None):
     """(kwargs of the fields that parsed, failed?) -- or (None, True) if ``node`` is no mapping."""
     if not isinstance(node.value, dict):
         ctx.error(node, f"{path or 'the spec'}: expected a mapping (key: value lines), got "
@@ -388,7 +218,10 @@ def _parse_fields(cls, node: _Node, ctx: _Ctx, path: str, key_pos, *, family=Non
     failed = False
     for f in fields:
         sub = f"{path}.{f.name}" if path else f.name
-        if f.name not in node.value:
+        name = f.name
+        if name not in node.value and f.metadata.get("renamed_from") in node.value:
+            name = f.metadata["renamed_from"]  # reported above; parsed so later checks see its settings
+        if name not in node.value:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 failed = True
                 if f.name not in meant:  # a misspelt key already says 'did you mean'
@@ -396,14 +229,9 @@ def _parse_fields(cls, node: _Node, ctx: _Ctx, path: str, key_pos, *, family=Non
                     ctx.error(key_pos, f"missing required key '{sub}'",
                               f"add '{f.name}: {_example(hints[f.name])}' {where} ({f.metadata.get('doc', '')})")
             continue
-        vnode = node.value[f.name]
-        vkey = node.key_pos[f.name]
-        if cls is m.ModelSpec and f.name == "dims":
-            value = _parse_dims(family, vnode, ctx, vkey)
-        elif cls is m.ModelSpec and f.name == "variants":
-            value = _parse_variants(vnode, ctx, vkey)
-        else:
-            value = _parse_value(hints[f.name], vnode, ctx, sub, dict(f.metadata), vkey)
+        vnode = node.value[name]
+        vkey = node.key_pos[name]
+        value = _parse_value(hints[f.name], vnode, ctx, sub, dict(f.metadata), vkey)
         if value is _MISSING:
             failed = True
         else:
@@ -417,16 +245,17 @@ def _parse_dataclass(cls, node: _Node, ctx: _Ctx, path: str, key_pos, **kw):
 
 
 def _parse_dims(family, node: _Node, ctx: _Ctx, key_pos):
-    cls = m.DIMS_BY_FAMILY.get(family) if isinstance(family, str) else None
+    cls = FAMILIES[family].dims_cls if isinstance(family, str) and family in FAMILIES else None
     if cls is None:  # the family itself is wrong (reported there): dims cannot be judged
         return _MISSING
     if not isinstance(node.value, dict):
         return _parse_dataclass(cls, node, ctx, "dims", key_pos)
     own = {f.name for f in dataclasses.fields(cls)}
     keys = set(node.value)
-    for other, ocls in m.DIMS_BY_FAMILY.items():
+    for other, ofam in FAMILIES.items():
         if other == family:
             continue
+        ocls = ofam.dims_cls
         theirs = {f.name for f in dataclasses.fields(ocls)}
         only_theirs = sorted((keys - own) & theirs)
         if only_theirs and keys <= theirs:
@@ -442,19 +271,21 @@ def _parse_dims(family, node: _Node, ctx: _Ctx, key_pos):
     return _parse_dataclass(cls, node, ctx, "dims", key_pos)
 
 
-def _parse_variants(node: _Node, ctx: _Ctx, key_pos):
+def _parse_mapping(item_tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
+    """A non-empty ``name -> item`` mapping whose names are identifiers (they name generated code)."""
+    what = meta.get("key_name", "name")
     if not isinstance(node.value, dict) or not node.value:
         ctx.error(node if node.value is not None else key_pos,
-                  "variants: expected a non-empty mapping of variant name -> settings",
-                  "e.g. variants: {decode: {phase: decode}}")
+                  f"{path}: expected a non-empty mapping of {what} -> settings",
+                  f"e.g. {meta['example']}" if "example" in meta else f"write {path}: {{name: {{...}}}}")
         return _MISSING
     out, failed = {}, False
     for name, vnode in node.value.items():
         kpos = node.key_pos[name]
-        if not _check_identifier(name, kpos, ctx, "variant name"):
+        if not _check_identifier(name, kpos, ctx, what):
             failed = True
             continue
-        v = _parse_dataclass(m.Variant, vnode, ctx, f"variants.{name}", kpos)
+        v = _parse_value(item_tp, vnode, ctx, f"{path}.{name}", {}, kpos)
         if v is _MISSING:
             failed = True
         else:
@@ -470,10 +301,9 @@ def _parse(text: str, file: str):
     root = _compose(text, ctx)
     spec = _MISSING
     if root is not None:
-        family = None
         if isinstance(root.value, dict) and "family" in root.value:
-            family = root.value["family"].value
-        kwargs, failed = _parse_fields(m.ModelSpec, root, ctx, "", root.pos, family=family)
+            ctx.family = root.value["family"].value  # chooses the dims class
+        kwargs, failed = _parse_fields(m.ModelSpec, root, ctx, "", root.pos)
         if kwargs is not None:
             if not failed:
                 spec = m.ModelSpec(**kwargs)
@@ -482,8 +312,8 @@ def _parse(text: str, file: str):
             partial = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING
                                 else f.default)
                        for f in dataclasses.fields(m.ModelSpec)
-                       if f.name not in root.value and (f.default is not dataclasses.MISSING
-                                                        or f.default_factory is not dataclasses.MISSING)}
+                       if f.name not in root.value and f.metadata.get("renamed_from") not in root.value
+                       and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
             partial.update(kwargs)
             for where, message, fix in check_compat(types.SimpleNamespace(**partial)):
                 ctx.error(_locate(root, where), message, fix)
@@ -560,94 +390,3 @@ def load_specs(paths) -> list[m.ModelSpec]:
     if diags:
         raise SpecError(diags)
     return [spec for _, spec, _ in loaded]
-
-
-# ---------------------------------------------------------------- dumping
-
-# Top-level keys in reading order (identity first, then shape, then behaviour).
-_TOP_ORDER = ("name", "family", "description", "dims", "kv_cache", "mempool", "features", "variants", "targets")
-
-
-def dump_spec(spec) -> dict:
-    """Plain data (YAML-ready) that parses back to an equal spec.
-
-    Optional fields left at their ``None`` default are omitted (absent means the default).
-    """
-
-    def conv(x):
-        if dataclasses.is_dataclass(x):
-            out = {}
-            for f in dataclasses.fields(x):
-                value = getattr(x, f.name)
-                if value is None and f.default is None:
-                    continue
-                out[f.name] = conv(value)
-            return out
-        if isinstance(x, tuple):
-            return [conv(i) for i in x]
-        if isinstance(x, dict):
-            return {k: conv(v) for k, v in x.items()}
-        return x
-
-    data = conv(spec)
-    return {k: data[k] for k in (*_TOP_ORDER, *data) if k in data} if isinstance(spec, m.ModelSpec) else data
-
-
-def _reads_as_string(text: str) -> bool:
-    """True if ``text`` written plain after ``key: `` reads back as itself, both here (YAML 1.2)
-    and with PyYAML's YAML 1.1 safe_load (where ``off`` is a boolean)."""
-    doc = f"k: {text}\n"
-    try:
-        ours = load_yaml_data(doc)
-        theirs = yaml.safe_load(doc)
-    except (SpecError, yaml.YAMLError):
-        return False
-    return ours == {"k": text} and theirs == {"k": text}
-
-
-def _scalar_text(x) -> str:
-    if x is None:
-        return "null"
-    if isinstance(x, bool):
-        return "true" if x else "false"
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        if math.isnan(x):
-            return ".nan"
-        if math.isinf(x):
-            return ".inf" if x > 0 else "-.inf"
-        text = repr(x)
-        if "e" in text and "." not in text.split("e")[0]:
-            text = text.replace("e", ".0e")  # 1e-06 -> 1.0e-06: a float in YAML 1.1 readers too
-        return text
-    if isinstance(x, str):
-        if x and x == x.strip() and "\n" not in x and x.isprintable() and _reads_as_string(x):
-            return x
-        return json.dumps(x)  # a JSON string is a valid YAML double-quoted scalar
-    raise TypeError(f"cannot dump {type(x).__name__}")
-
-
-def _emit(data, indent: int, lines: list[str]) -> None:
-    pad = "  " * indent
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            lines.append(f"{pad}{key}:")
-            _emit(value, indent + 1, lines)
-        elif isinstance(value, dict):
-            lines.append(f"{pad}{key}: {{}}")
-        elif isinstance(value, list):
-            lines.append(f"{pad}{key}: [{', '.join(_scalar_text(v) for v in value)}]")
-        else:
-            lines.append(f"{pad}{key}: {_scalar_text(value)}")
-
-
-def dump_spec_yaml(spec, *, header: str = "", schema: str | None = None) -> str:
-    """Readable YAML for a spec (block mappings, flow lists), optionally with a
-    ``yaml-language-server`` schema line and ``header`` as comment lines."""
-    lines = []
-    if schema:
-        lines.append(f"# yaml-language-server: $schema={schema}")
-    lines += [f"# {line}".rstrip() for line in header.splitlines()]
-    _emit(dump_spec(spec), 0, lines)
-    return "\n".join(lines) + "\n"

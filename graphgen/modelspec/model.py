@@ -9,8 +9,13 @@ Python identifiers: a spec is code input, and nothing from it is pasted into a t
 
 ``metadata`` keys read by the loader and the schema: ``doc`` (description), ``minimum`` /
 ``exclusive_minimum`` (numeric bounds), ``identifier`` (the string must pass :func:`is_identifier`),
+``renamed_from`` (the key's old name: a spec still using it gets the rename as its fix),
 ``nullable=False`` (an Optional field that may be omitted but not written as ``null``), ``min_items`` /
-``unique`` (list rules; the loader reports them through ``compat.py`` with the fix).
+``unique`` (list rules; the loader reports them through ``compat.py`` with the fix), ``by_family``
+(a union of dims classes, the one of the spec's ``family`` applies), ``key_name`` / ``example`` (a
+``dict[str, ...]`` field: what its keys name, and an example for the fix of an empty mapping).
+
+The family dims classes live with their families (``graphgen/families``) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-Family = Literal["qwen3_dense", "deepseek_v3"]
+from ..families import FAMILIES, Dims, DeepseekV3Dims, Qwen3Dims, RopeScaling  # noqa: F401 (re-exported)
+from .fields import doc
+
+# The family names, from the one registry (graphgen/families).
+FamilyName = Literal[tuple(FAMILIES)]
 WriteMode = Literal["off", "sync", "async"]
 Granularity = Literal["forward", "layer"]
 Phase = Literal["prefill", "decode"]
@@ -41,75 +50,6 @@ def is_identifier(name) -> bool:
             and not keyword.iskeyword(name))
 
 
-def doc(text: str, **extra) -> dict:
-    return {"doc": text, **extra}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """YaRN RoPE scaling, as in DeepSeek-V3's ``rope_scaling`` (``type: yarn``)."""
-
-    type: Literal["yarn"] = field(metadata=doc("Scaling kind; only 'yarn' is implemented."))
-    factor: float = field(metadata=doc("Context extension factor (DeepSeek-V3: 40).", minimum=1.0))
-    original_max_position_embeddings: int = field(metadata=doc("Pre-extension context (4096).", minimum=1))
-    beta_fast: float = field(default=32.0, metadata=doc("YaRN beta_fast.", exclusive_minimum=0))
-    beta_slow: float = field(default=1.0, metadata=doc("YaRN beta_slow.", exclusive_minimum=0))
-    mscale: float = field(default=1.0, metadata=doc("YaRN mscale.", minimum=0))
-    mscale_all_dim: float = field(default=0.0, metadata=doc("YaRN mscale_all_dim.", minimum=0))
-
-
-@dataclass(frozen=True)
-class Qwen3Dims:
-    """Dimensions of a Qwen3 dense model (names as in Hugging Face ``Qwen3Config``)."""
-
-    num_hidden_layers: int = field(metadata=doc("Decoder layers.", minimum=1))
-    hidden_size: int = field(metadata=doc("Model width.", minimum=1))
-    intermediate_size: int = field(metadata=doc("SwiGLU MLP width.", minimum=1))
-    vocab_size: int = field(metadata=doc("Vocabulary size.", minimum=1))
-    num_attention_heads: int = field(metadata=doc("Query heads.", minimum=1))
-    num_key_value_heads: int = field(metadata=doc("KV heads (GQA); divides num_attention_heads.", minimum=1))
-    head_dim: int = field(metadata=doc("Per-head dimension (even: RoPE rotates halves).", minimum=2))
-    rope_theta: float = field(default=1000000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
-    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon.", exclusive_minimum=0))
-    tie_word_embeddings: bool = field(default=False, metadata=doc("LM head shares the embedding."))
-    max_position_embeddings: int = field(default=40960, metadata=doc("Longest supported context.", minimum=1))
-
-
-@dataclass(frozen=True)
-class DeepseekV3Dims:
-    """Dimensions of a DeepSeek-V3 model: MLA attention, MoE with dense first layers."""
-
-    num_hidden_layers: int = field(metadata=doc("Decoder layers (MTP layer not included).", minimum=1))
-    hidden_size: int = field(metadata=doc("Model width.", minimum=1))
-    intermediate_size: int = field(metadata=doc("MLP width of the dense layers.", minimum=1))
-    moe_intermediate_size: int = field(metadata=doc("Width of each routed/shared expert.", minimum=1))
-    vocab_size: int = field(metadata=doc("Vocabulary size.", minimum=1))
-    num_attention_heads: int = field(metadata=doc("Attention heads.", minimum=1))
-    q_lora_rank: int = field(metadata=doc("Rank of the query compression.", minimum=1))
-    kv_lora_rank: int = field(metadata=doc("Rank of the compressed KV latent (what the cache holds).", minimum=1))
-    qk_nope_head_dim: int = field(metadata=doc("Per-head query/key dims without RoPE.", minimum=1))
-    qk_rope_head_dim: int = field(metadata=doc("Per-head query/key dims with RoPE (even).", minimum=2))
-    v_head_dim: int = field(metadata=doc("Per-head value dims.", minimum=1))
-    n_routed_experts: int = field(metadata=doc("Routed experts per MoE layer.", minimum=1))
-    num_experts_per_tok: int = field(metadata=doc("Routed experts chosen per token (top-k).", minimum=1))
-    n_shared_experts: int = field(metadata=doc("Shared experts per MoE layer.", minimum=0))
-    n_group: int = field(metadata=doc("Expert groups for grouped top-k routing.", minimum=1))
-    topk_group: int = field(metadata=doc("Groups kept per token.", minimum=1))
-    first_k_dense_replace: int = field(metadata=doc("Leading layers with a dense MLP instead of MoE.", minimum=0))
-    routed_scaling_factor: float = field(default=1.0, metadata=doc("Scale of the routed experts' output.",
-                                                                  exclusive_minimum=0))
-    norm_topk_prob: bool = field(default=True, metadata=doc("Renormalise the top-k routing weights."))
-    rope_theta: float = field(default=10000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
-    rope_interleave: bool = field(default=True, metadata=doc("RoPE on interleaved pairs (DeepSeek layout)."))
-    rope_scaling: Optional[RopeScaling] = field(default=None, metadata=doc("YaRN scaling, or null."))
-    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon.", exclusive_minimum=0))
-    tie_word_embeddings: bool = field(default=False, metadata=doc("LM head shares the embedding."))
-    max_position_embeddings: int = field(default=163840, metadata=doc("Longest supported context.", minimum=1))
-
-
-DIMS_BY_FAMILY = {"qwen3_dense": Qwen3Dims, "deepseek_v3": DeepseekV3Dims}
-
-
 @dataclass(frozen=True)
 class KVCacheLayout:
     """Paged KV-cache layout."""
@@ -119,7 +59,7 @@ class KVCacheLayout:
 
 
 @dataclass(frozen=True)
-class Mempool:
+class PoolWrite:
     """How KV is written to the KV-cache pool."""
 
     write: WriteMode = field(
@@ -147,10 +87,10 @@ class Variant:
     save: Optional[bool] = field(
         default=None,
         metadata=doc("Save this graph's new full KV blocks to the pool. Default: true for prefill when "
-                     "mempool.write is not off; decode graphs never save."),
+                     "pool.write is not off; decode graphs never save."),
     )
     granularity: Optional[Granularity] = field(
-        default=None, metadata=doc("Overrides mempool.granularity for this variant."))
+        default=None, metadata=doc("Overrides pool.granularity for this variant."))
 
 
 @dataclass(frozen=True)
@@ -190,11 +130,14 @@ class ModelSpec:
 
     name: Identifier = field(metadata=doc("Model name; a Python identifier (it names generated code).",
                                           identifier=True))
-    family: Family = field(metadata=doc("Model family: qwen3_dense or deepseek_v3."))
-    dims: object = field(metadata=doc("Family dimensions (see Qwen3Dims / DeepseekV3Dims)."))
-    variants: dict = field(metadata=doc("Graph variants by name (names are Python identifiers)."))
+    family: FamilyName = field(metadata=doc(f"Model family: {' or '.join(FAMILIES)}."))
+    dims: Dims = field(metadata=doc("Family dimensions (the family's dims class).", by_family=True))
+    variants: dict[str, Variant] = field(metadata=doc(
+        "Graph variants by name (names are Python identifiers).", key_name="variant name",
+        example="variants: {decode: {phase: decode}}"))
     kv_cache: KVCacheLayout = field(default_factory=KVCacheLayout, metadata=doc("KV-cache layout."))
-    mempool: Mempool = field(default_factory=Mempool, metadata=doc("Pool write mode and granularity."))
+    pool: PoolWrite = field(default_factory=PoolWrite, metadata=doc("Pool write mode and granularity.",
+                                                                                renamed_from="mempool"))
     features: tuple[str, ...] = field(default=(), metadata=doc("Enabled features (see the compatibility matrix).",
                                                                      unique=True))
     targets: Targets = field(default_factory=lambda: Targets(cpu=CpuTarget()), metadata=doc("Targets to lower to."))
@@ -202,10 +145,10 @@ class ModelSpec:
 
     # ---- derived facts used by the IR builder and the runtime ----
     def variant_granularity(self, v: Variant) -> Granularity:
-        return v.granularity or self.mempool.granularity
+        return v.granularity or self.pool.granularity
 
     def variant_saves(self, v: Variant) -> bool:
-        if v.phase == "decode" or self.mempool.write == "off":
+        if v.phase == "decode" or self.pool.write == "off":
             return False
         return True if v.save is None else v.save
 
@@ -213,11 +156,11 @@ class ModelSpec:
         """The same model with the pool write mode and/or granularity forced (run-time override)."""
         spec = self
         if write is not None:
-            spec = dataclasses.replace(spec, mempool=dataclasses.replace(spec.mempool, write=write))
+            spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, write=write))
         if granularity is not None:
             spec = dataclasses.replace(
                 spec,
-                mempool=dataclasses.replace(spec.mempool, granularity=granularity),
+                pool=dataclasses.replace(spec.pool, granularity=granularity),
                 variants={n: dataclasses.replace(v, granularity=None) for n, v in spec.variants.items()},
             )
         return spec

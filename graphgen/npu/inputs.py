@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..families import FAMILIES
+
 # sparse_mode=3 takes a compressed 2048x2048 causal mask (True = masked) whatever the sequence lengths.
 MASK_SIZE = 2048
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"  # same key the NPU templates read
@@ -82,43 +84,9 @@ def random_weights(spec, seed: int = 0, scale: float = 0.05, rope: Optional[dict
                    max_positions: int = 64) -> dict[str, torch.Tensor]:
     """Small random weights keyed by checkpoint name (experts stacked, as the CPU loader does), plus the
     RoPE table under ROPE_CACHE_KEY when ``rope`` (a generated module's ROPE) is given.  Tiny specs only."""
-    d = spec.dims
     g = torch.Generator().manual_seed(seed)
-    H, V = d.hidden_size, d.vocab_size
-    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
-                                "lm_head.weight": (V, H)}
-
-    def mlp(p, inter):
-        shapes.update({f"{p}.gate_proj.weight": (inter, H), f"{p}.up_proj.weight": (inter, H),
-                       f"{p}.down_proj.weight": (H, inter)})
-
-    for i in range(d.num_hidden_layers):
-        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
-        shapes.update({f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,)})
-        if spec.family == "qwen3_dense":
-            Hq, Hkv, D = d.num_attention_heads, d.num_key_value_heads, d.head_dim
-            shapes.update({f"{a}.q_proj.weight": (Hq * D, H), f"{a}.k_proj.weight": (Hkv * D, H),
-                           f"{a}.v_proj.weight": (Hkv * D, H), f"{a}.o_proj.weight": (H, Hq * D),
-                           f"{a}.q_norm.weight": (D,), f"{a}.k_norm.weight": (D,)})
-            mlp(f"{p}.mlp", d.intermediate_size)
-        elif spec.family == "deepseek_v3":
-            Hq, n, r, v, R = d.num_attention_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
-            shapes.update({f"{a}.q_a_proj.weight": (d.q_lora_rank, H), f"{a}.q_a_layernorm.weight": (d.q_lora_rank,),
-                           f"{a}.q_b_proj.weight": (Hq * (n + r), d.q_lora_rank),
-                           f"{a}.kv_a_proj_with_mqa.weight": (R + r, H), f"{a}.kv_a_layernorm.weight": (R,),
-                           f"{a}.kv_b_proj.weight": (Hq * (n + v), R), f"{a}.o_proj.weight": (H, Hq * v)})
-            if i < d.first_k_dense_replace:
-                mlp(f"{p}.mlp", d.intermediate_size)
-            else:
-                E, I = d.n_routed_experts, d.moe_intermediate_size
-                shapes.update({f"{p}.mlp.gate.weight": (E, H), f"{p}.mlp.gate.e_score_correction_bias": (E,),
-                               f"{p}.mlp.experts.gate_proj.weight": (E, I, H),
-                               f"{p}.mlp.experts.up_proj.weight": (E, I, H),
-                               f"{p}.mlp.experts.down_proj.weight": (E, H, I)})
-                if d.n_shared_experts:
-                    mlp(f"{p}.mlp.shared_experts", I * d.n_shared_experts)
-        else:
-            raise ValueError(f"unknown family {spec.family!r}")
+    # the family's checkpoint layout, experts stacked; zero-size weights (n_shared_experts: 0) are absent
+    shapes = {k: s for k, s in FAMILIES[spec.family].checkpoint_layout(spec.dims, stacked=True).items() if 0 not in s}
     W = {}
     for k, s in shapes.items():
         if len(s) == 1 and not k.endswith("bias"):  # norm gains around 1

@@ -8,7 +8,8 @@ ensures:  the whole forward on stream ``main`` (embedding, RoPE tables, per laye
 
 from __future__ import annotations
 
-from ..ir.models import BUILDERS, attention_mode
+from ..families import FAMILIES
+from ..ir.models import attention_mode
 from .base import Pass
 
 
@@ -30,5 +31,5 @@ class BuildLayers(Pass):
             "block_size": spec.kv_cache.block_size,
             "kv_dtype": spec.kv_cache.dtype,
         })
-        BUILDERS[spec.family](graph, spec.dims, attention_mode(v.phase, v.history),
-                              block_size=spec.kv_cache.block_size, kv_dtype=spec.kv_cache.dtype)
+        FAMILIES[spec.family].build(graph, spec.dims, attention_mode(v.phase, v.history),
+                                     block_size=spec.kv_cache.block_size, kv_dtype=spec.kv_cache.dtype)

@@ -1,7 +1,7 @@
 """Pass 2 — insert the KV save.
 
 requires: the forward built (one ``Lxx.kv_write`` per layer, on ``main``).
-ensures:  if the variant saves (prefill and mempool.write != off):
+ensures:  if the variant saves (prefill and pool.write != off):
           - ``sync``: the save runs on ``main``; ``async``: on the ``kv_save`` stream;
           - granularity ``layer``: one ``Lxx.kv_save`` per layer (reads ``kv_cache.Lxx``, writes
             ``pool_staging.Lxx``), issued right after that layer's KV write, so it can start as soon
@@ -27,11 +27,11 @@ class InsertKvSave(Pass):
         spec, v = ctx.spec, ctx.variant
         saves = spec.variant_saves(v)
         gran = spec.variant_granularity(v)
-        graph.meta.update({"saves": saves, "write": spec.mempool.write if saves else "off",
+        graph.meta.update({"saves": saves, "write": spec.pool.write if saves else "off",
                            "granularity": gran if saves else "none"})
         if not saves:
             return
-        write = spec.mempool.write
+        write = spec.pool.write
         stream = "kv_save" if write == "async" else "main"
         graph.add_stream(stream)
         graph.add_stream("host")

@@ -47,7 +47,7 @@ class Engine:
         self.dtype = getattr(torch, spec.kv_cache.dtype)
         self.block_size = spec.kv_cache.block_size
         self.collect_logits = collect_logits
-        self.write = spec.mempool.write
+        self.write = spec.pool.write
         if isinstance(pool, str):
             if pool != "host":
                 raise ValueError(f"unknown pool backend {pool!r}; available: host (or pass a PoolBackend)")
@@ -69,7 +69,7 @@ class Engine:
                   pool: Union[str, PoolBackend] = "host", **kwargs) -> "Engine":
         """``weights``: a Hugging Face checkpoint folder (safetensors) or a dict of tensors.
 
-        ``write`` / ``granularity`` override the spec's mempool settings for this run (the code for the
+        ``write`` / ``granularity`` override the spec's pool settings for this run (the code for the
         overridden spec is generated on the fly)."""
         from ..lower.compile import display_path
         from ..modelspec.loader import load_spec

@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 __all__ = [
     "embedding", "rms_norm", "rope_cos_sin", "qwen3_attn_prolog", "kv_write", "paged_attention",
     "o_proj_residual", "swiglu_mlp_residual", "mla_prolog", "mla_attention", "moe_residual",
-    "lm_head", "kv_save", "mla_softmax_scale", "kv_cache_shapes",
+    "lm_head", "kv_save", "kv_cache_shapes",
 ]
 
 
@@ -364,26 +364,12 @@ def kv_save(cache: Sequence[Tensor], block_ids: Tensor, staging: Sequence[Tensor
 # helpers for generated code and the engine
 # --------------------------------------------------------------------------------------------
 
-def mla_softmax_scale(qk_head_dim: int, rope_scaling: Optional[dict]) -> float:
-    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN (as transformers)."""
-    scale = qk_head_dim ** -0.5
-    rope_scaling = _as_dict(rope_scaling)
-    if _rope_type(rope_scaling) != "default":
-        mscale_all_dim = rope_scaling.get("mscale_all_dim", 0)
-        if mscale_all_dim:
-            m = _yarn_mscale(float(rope_scaling["factor"]), mscale_all_dim)
-            scale = scale * m * m
-    return scale
+def kv_cache_shapes(family: str, dims, num_blocks: int, block_size: int) -> dict[str, tuple]:
+    """Component name -> shape ``[num_blocks, block_size, *per-token shape]``, in the order of the
+    tuples given to kv_write/paged_attention; the components are the family's (graphgen/families)."""
+    from ..families import FAMILIES
 
-
-def kv_cache_shapes(family: str, dims: dict, num_blocks: int, block_size: int) -> dict[str, tuple]:
-    """Component name -> shape, in the order of the tuples given to kv_write/paged_attention."""
-    dims = _as_dict(dims)
-    if family == "qwen3_dense":
-        head_dim = dims.get("head_dim") or dims["hidden_size"] // dims["num_attention_heads"]
-        shape = (num_blocks, block_size, dims["num_key_value_heads"], head_dim)
-        return {"k": shape, "v": shape}
-    if family == "deepseek_v3":
-        return {"ckv": (num_blocks, block_size, dims["kv_lora_rank"]),
-                "kpe": (num_blocks, block_size, dims["qk_rope_head_dim"])}
-    raise ValueError(f"unknown model family {family!r} (expected qwen3_dense or deepseek_v3)")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r} (expected {' or '.join(FAMILIES)})")
+    fam = FAMILIES[family]
+    return {name: (num_blocks, block_size, *shape) for name, shape in fam.kv_components(fam.dims_of(dims))}

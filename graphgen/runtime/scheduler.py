@@ -149,7 +149,7 @@ class Scheduler:
 
     # ---- variants ---------------------------------------------------------------------------
     def variant_for(self, phase: str, history: bool) -> Optional[str]:
-        gran = self.spec.mempool.granularity
+        gran = self.spec.pool.granularity
         matches = [n for n, v in self.spec.variants.items()
                    if v.phase == phase and (v.history == history or phase == "decode")]
         for n in matches:

@@ -55,7 +55,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     ~ N(0, 0.1^2) (large enough to change some expert choices), embeddings N(0, 0.5^2)."""
     g = torch.Generator().manual_seed(seed)
     for name, t in model.state_dict().items():
-        if not t.is_floating_point():
+        if not t.is_floating_point() or not t.numel():  # empty: n_shared_experts 0
             continue
         if name.endswith("e_score_correction_bias"):
             new = 0.1 * torch.randn(t.shape, generator=g)

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
 from graphgen.runtime import ops as rt  # noqa: E402
 from graphgen.runtime.weights import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
@@ -106,7 +107,7 @@ class PagedRunner:
         rt.kv_write(self.kv[i], (c_kv, k_pe), slots)
         o = rt.mla_attention(q_nope, q_pe, self.kv[i], w[a + "kv_b_proj.weight"], **meta,
                              num_heads=d["num_attention_heads"], qk_nope_head_dim=n, v_head_dim=v,
-                             scale=rt.mla_softmax_scale(n + r, d.get("rope_scaling")))
+                             scale=mla_softmax_scale(FAMILIES["deepseek_v3"].dims_of(d)))
         x = rt.o_proj_residual(o, w[a + "o_proj.weight"], x)
         h = rt.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."

@@ -38,7 +38,7 @@ dims:
 kv_cache:
   block_size: 4
   dtype: float32
-mempool:
+pool:
   write: async
   granularity: forward
 features: [prefix_cache]
@@ -83,7 +83,7 @@ dims:
 kv_cache:
   block_size: 4
   dtype: float32
-mempool:
+pool:
   write: async
 features: [prefix_cache]
 variants:
@@ -109,6 +109,17 @@ def edit(base: str, *pairs: tuple[str, str]) -> str:
 # (id, spec text, [(tag, message part, fix part), ...]) -- one entry per expected diagnostic, and
 # no other diagnostic may appear.
 CASES = [
+    # the key's old name: one error with the rename as the fix, and its settings still checked
+    ("old_mempool_key", edit(BASE_QWEN, ("pool:\n  write: async\n  granularity: forward\n",
+                                         "mempool:  # a\n  write: async\n  granularity: forward\n")),
+     [("a", "'mempool' was renamed to 'pool'", "rename 'mempool:' to 'pool:' (same settings)")]),
+    ("old_mempool_key_bad_value", edit(BASE_QWEN, ("pool:\n  write: async\n",
+                                                   "mempool:  # a\n  write: asink  # b\n")),
+     [("a", "'mempool' was renamed to 'pool'", "rename 'mempool:' to 'pool:'"),
+      ("b", "pool.write: the string 'asink' is not one of off, sync, async", "did you mean 'async'?")]),
+    ("old_and_new_pool_key", edit(BASE_QWEN, ("features: [prefix_cache]\n",
+                                              "features: [prefix_cache]\nmempool: {}  # a\n")),
+     [("a", "'mempool' was renamed to 'pool'", "remove 'mempool:' and keep 'pool:'")]),
     ("typo_top_key", edit(BASE_QWEN, ("variants:\n", "variant:  # a\n")),
      [("a", "unknown key 'variant' in the spec", "did you mean 'variants'?")]),
     ("typo_dims_key", edit(BASE_QWEN, ("  hidden_size: 64\n", "  hiden_size: 64  # a\n")),
@@ -159,13 +170,13 @@ CASES = [
                                     ("  write: async\n", "  write: async  # b\n"),
                                     ("    history: true\n", "    history: true  # c\n")),
      [("a", "unknown feature 'prefix_cach'", "did you mean 'prefix_cache'?"),
-      ("b", "mempool.write: async needs the 'prefix_cache' feature", "add prefix_cache to features"),
+      ("b", "pool.write: async needs the 'prefix_cache' feature", "add prefix_cache to features"),
       ("c", "variant splitfuse: history KV comes from the pool", "add prefix_cache to features")]),
     ("not_implemented_feature", edit(BASE_QWEN, ("features: [prefix_cache]\n",
                                                  "features: [prefix_cache, context_parallel]  # a\n")),
      [("a", "feature 'context_parallel' is not implemented yet", "remove 'context_parallel' from features")]),
     ("async_excludes", edit(BASE_QWEN, ("features: [prefix_cache]\n", "features: [prefix_cache, micro_batch]  # a\n")),
-     [("a", "mempool.write: async does not combine with 'micro_batch'", "set mempool.write: sync")]),
+     [("a", "pool.write: async does not combine with 'micro_batch'", "set pool.write: sync")]),
     ("family_only_feature", edit(BASE_QWEN, ("features: [prefix_cache]\n", "features: [prefix_cache, mtp]  # a\n")),
      [("a", "feature 'mtp' does not apply to family qwen3_dense", "remove 'mtp' from features")]),
     ("duplicate_feature", edit(BASE_QWEN, ("features: [prefix_cache]\n",
@@ -174,12 +185,12 @@ CASES = [
     ("sync_without_prefix_cache", edit(BASE_QWEN, ("  write: async\n", "  write: sync  # a\n"),
                                        ("features: [prefix_cache]\n", "features: []\n"),
                                        ("    history: true\n", "    history: true  # b\n")),
-     [("a", "mempool.write: sync needs the 'prefix_cache' feature", "or set mempool.write: off"),
+     [("a", "pool.write: sync needs the 'prefix_cache' feature", "or set pool.write: off"),
       ("b", "variant splitfuse: history KV comes from the pool", "add prefix_cache to features")]),
     ("off_is_a_string", edit(BASE_QWEN, ("  write: async\n", "  write: off\n"),
                              ("  mempool_prefill:\n    phase: prefill\n",
                               "  mempool_prefill:\n    phase: prefill\n    save: true  # a\n")),
-     [("a", "variant mempool_prefill: save: true but mempool.write is off", "set mempool.write: sync or async")]),
+     [("a", "variant mempool_prefill: save: true but pool.write is off", "set pool.write: sync or async")]),
     ("decode_history", edit(BASE_QWEN, ("    phase: decode\n", "    phase: decode\n    history: true  # a\n")),
      [("a", "variant decode: 'history' applies to prefill only", "remove history from the decode variant")]),
     ("decode_save", edit(BASE_QWEN, ("    phase: decode\n", "    phase: decode\n    save: true  # a\n")),

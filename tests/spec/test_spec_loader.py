@@ -42,7 +42,7 @@ def test_shipped_spec_standard_variants(path):
     assert v["decode"].phase == "decode"
     assert (v["mempool_prefill"].phase, v["mempool_prefill"].history) == ("prefill", False)
     assert (v["splitfuse"].phase, v["splitfuse"].history) == ("prefill", True)
-    assert spec.mempool.write == "async" and "prefix_cache" in spec.features
+    assert spec.pool.write == "async" and "prefix_cache" in spec.features
     assert spec.targets.cpu is not None and spec.targets.npu is not None
     assert spec.variant_saves(v["mempool_prefill"]) and not spec.variant_saves(v["decode"])
 
@@ -84,7 +84,7 @@ def test_write_off_and_exponent_floats_parse():
     assert parse_spec_text(text).dims.rope_theta == 1e6
     # 'off' is the string (YAML 1.1 would read it as false and reject a valid spec).
     text = base.replace("  write: async", "  write: off").replace("    granularity: layer\n", "")
-    assert parse_spec_text(text).mempool.write == "off"
+    assert parse_spec_text(text).pool.write == "off"
 
 
 def test_alias_bomb_is_fast_and_recursive_anchor_terminates():
@@ -122,7 +122,7 @@ def test_one_bad_field_does_not_hide_compat_errors():
 def test_with_overrides_still_valid():
     spec = load_spec(REPO / "specs" / "tiny_qwen3.yaml")
     forced = spec.with_overrides(write="sync", granularity="layer")
-    assert forced.mempool == m.Mempool(write="sync", granularity="layer")
+    assert forced.pool == m.PoolWrite(write="sync", granularity="layer")
     assert all(forced.variant_granularity(v) == "layer" for v in forced.variants.values())
 
 

@@ -45,7 +45,7 @@ def test_shipped_specs_validate(validator, path):
 
 def test_every_field_is_described():
     schema = spec_json_schema()
-    for cls in (m.ModelSpec, m.Qwen3Dims, m.DeepseekV3Dims, m.RopeScaling, m.KVCacheLayout, m.Mempool,
+    for cls in (m.ModelSpec, m.Qwen3Dims, m.DeepseekV3Dims, m.RopeScaling, m.KVCacheLayout, m.PoolWrite,
                 m.Variant, m.Targets, m.NpuTarget):
         node = schema if cls is m.ModelSpec else schema["$defs"][cls.__name__]
         assert node["additionalProperties"] is False

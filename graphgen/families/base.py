@@ -1,0 +1,134 @@
+"""What a model family is: one frozen :class:`Family` object per family, registered in ``FAMILIES``.
+
+A family module (``qwen3_dense.py``, ``deepseek_v3.py``) holds everything graphgen knows about that
+architecture, and nothing outside ``graphgen/families/`` branches on a family name:
+
+- ``dims_cls``: the spec's ``dims`` dataclass (Hugging Face config names), and ``dims_rules``: the
+  shape rules the spec loader reports (``(where, message, fix)`` triples);
+- ``hf_*``: the Hugging Face ``model_type``, architecture class, the defaults transformers assumes
+  for omitted config fields, the config values graphgen reproduces, and the config writer;
+- ``build``: the forward as IR nodes (shared node helpers are in ``graphgen.ir.models``);
+- ``checkpoint_layout``: checkpoint key -> shape, the one layout the weight loader, the random
+  checkpoint writer and the NPU inputs use. A zero-size shape is a weight the model does not have
+  but transformers still writes (an empty ``nn.Linear``); consumers accept it absent or empty and
+  never hand it to generated code;
+- ``kv_components``: the KV cache's components and their per-token shapes.
+
+Pure Python, no torch: the build path imports this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+Rule = tuple[str, str, str]  # (spec path, message, fix)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    label: str  # how people write the architecture's name, for messages
+    dims_cls: type
+    hf_model_type: str
+    hf_arch: str
+    # Values transformers assumes when a config omits a field (not graphgen's own dims defaults).
+    hf_defaults: Mapping[str, Any]
+    # Config values graphgen implements; any other value is refused by import-hf.
+    hf_must_be: Mapping[str, Any]
+    # Whether the family accepts YaRN rope scaling (in dims.rope_scaling).
+    rope_scaling: bool
+    build: Callable[..., None]  # (graph, dims, mode, *, block_size, kv_dtype)
+    checkpoint_layout: Callable[..., dict]  # (dims, *, stacked=False) -> {key: shape}
+    kv_components: Callable[[Any], tuple]  # dims -> ((name, per-token shape), ...)
+    dims_rules: Callable[[Any], Iterable[Rule]]
+    hf_config: Callable[[Any, str], dict]  # (dims, dtype name) -> config.json dict
+    # Checkpoint keys (by suffix) kept in float32 whatever the load dtype, as transformers keeps them.
+    fp32_suffixes: tuple[str, ...] = ()
+    hf_checks: Callable[[dict], Iterable[tuple[str, str, str]]] = lambda cfg: ()  # (key, message, fix)
+    hf_notes: Callable[[dict], Iterable[str]] = lambda cfg: ()
+
+    def kv_widths(self, dims) -> tuple[int, ...]:
+        """Elements per token of each KV component (what the IR's kv_write/attention nodes carry)."""
+        return tuple(math.prod(shape) for _, shape in self.kv_components(dims))
+
+    def kv_layout_attrs(self, dims, block_size: int, kv_dtype: str) -> dict:
+        """The KV-layout attributes of kv_write and attention nodes."""
+        return {"components": tuple(n for n, _ in self.kv_components(dims)), "widths": self.kv_widths(dims),
+                "block_size": block_size, "kv_dtype": kv_dtype}
+
+    def dims_of(self, dims) -> Any:
+        """``dims`` as this family's dims dataclass (a dims object, or a mapping such as a config.json
+        or ``dataclasses.asdict`` output; keys the class lacks are ignored, absent ones take the
+        Hugging Face default, then the dims default)."""
+        if isinstance(dims, self.dims_cls):
+            return dims
+        if dataclasses.is_dataclass(dims):
+            dims = dataclasses.asdict(dims)
+        kwargs = {}
+        for f in dataclasses.fields(self.dims_cls):
+            if f.name in dims and (dims[f.name] is not None or _nullable(f)):
+                kwargs[f.name] = dims[f.name]
+            elif f.name in self.hf_defaults:
+                kwargs[f.name] = self.hf_defaults[f.name]
+            elif f.name in _DERIVED:
+                value = _DERIVED[f.name](dims)
+                if value is not None:
+                    kwargs[f.name] = value
+        return self.dims_cls(**_nested(self.dims_cls, kwargs))
+
+
+def _nullable(f) -> bool:
+    return "Optional" in str(f.type) or "None" in str(f.type)
+
+
+# Fields Hugging Face configs may leave implicit, derived as transformers derives them.
+_DERIVED: dict[str, Callable[[Mapping], Optional[Any]]] = {
+    "head_dim": lambda d: (d["hidden_size"] // d["num_attention_heads"]
+                           if "hidden_size" in d and "num_attention_heads" in d else None),
+}
+
+
+def _nested(cls, kwargs: dict) -> dict:
+    """Mapping values of dataclass-typed fields (e.g. ``rope_scaling``) as those dataclasses."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = dict(kwargs)
+    for name, value in kwargs.items():
+        if isinstance(value, Mapping):
+            for tp in (hints[name], *typing.get_args(hints[name])):
+                if dataclasses.is_dataclass(tp):
+                    names = {f.name for f in dataclasses.fields(tp)}
+                    out[name] = tp(**{k: v for k, v in value.items() if k in names})
+                    break
+    return out
+
+
+def mlp_layout(out: dict, prefix: str, hidden: int, inter: int) -> None:
+    """The three SwiGLU projections of a Hugging Face MLP block."""
+    out[f"{prefix}.gate_proj.weight"] = (inter, hidden)
+    out[f"{prefix}.up_proj.weight"] = (inter, hidden)
+    out[f"{prefix}.down_proj.weight"] = (hidden, inter)
+
+
+def common_layout(d) -> dict:
+    """Embedding, final norm and LM head (``lm_head.weight`` listed even when tied)."""
+    H, V = d.hidden_size, d.vocab_size
+    return {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+
+
+def hf_config_base(family: Family, dims, dtype: str, keys: Iterable[str]) -> dict:
+    """The config.json fields every family writes, plus ``keys`` of ``dims``."""
+    d = dataclasses.asdict(dims)
+    cfg = {
+        "architectures": [family.hf_arch], "model_type": family.hf_model_type, "dtype": dtype,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(d["rope_theta"])},
+    }
+    cfg.update({k: d[k] for k in keys})
+    return cfg
