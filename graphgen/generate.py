@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from .ir.text import print_graph
-from .lower.compile import display_path, mode_dir, module_path, render_graph
+from .lower.compile import display_path, module_path, npu_options, render_graph
 from .passes.manager import run_pipeline
 from .modelspec.loader import load_specs
 
@@ -39,7 +39,8 @@ def spec_outputs(spec, spec_file: str) -> dict[str, str]:
             files[module_path(spec.name, variant, "cpu")] = render_graph(graph, "cpu")
         if spec.targets.npu is not None:
             for mode in spec.targets.npu.compile_modes:
-                files[module_path(spec.name, variant, "npu", mode)] = render_graph(graph, "npu", mode=mode, spec=spec)
+                files[module_path(spec.name, variant, "npu", mode)] = render_graph(
+                    graph, "npu", npu_options(spec.targets.npu, mode))
     return files
 
 
