@@ -111,8 +111,14 @@ class Graph:
         before, after = before or {}, after or {}
         for anchor in (*before, *after):
             self.node(anchor)
-        for n in (*(x for xs in before.values() for x in xs), *(x for xs in after.values() for x in xs)):
+        new = [*(x for xs in before.values() for x in xs), *(x for xs in after.values() for x in xs)]
+        ids: set[str] = set()
+        for n in new:  # admit all before changing anything: a rejected node leaves the graph as it was
             self._admit(n)
+            if n.id in ids:
+                raise IRError(f"duplicate node id {n.id!r}")
+            ids.add(n.id)
+        for n in new:
             self._by_id[n.id] = n
         out: list[Node] = []
         for n in self.nodes:
