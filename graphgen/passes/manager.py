@@ -24,6 +24,7 @@ BUILD = "build"
 PIPELINE = (InsertKvSave(), InsertEvents(), Verify())
 PASS_NAMES = (BUILD, *(p.name for p in PIPELINE))  # the stages on_pass reports, in order
 ALIASES = {"build_layers": BUILD}  # the builder's name when it was a pass
+AFTER_CHOICES = (*PASS_NAMES, *ALIASES)  # what ``until`` (``graphgen dump --after``) accepts
 
 
 def schema_problems(graph: Graph) -> list[str]:
