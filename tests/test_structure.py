@@ -30,9 +30,7 @@ MAX_LINES = 450
 KNOWN_OVERSIZE = {
     "graphgen/npu/standin.py": "split into kernels / op registration / fake torchair (issue 7, item 6)",
 }
-KNOWN_SPEC_IN_LOWER = {
-    "graphgen/lower/compile.py": "render_graph still takes the spec for the NPU template (issue 7, items 2-3)",
-}
+KNOWN_SPEC_IN_LOWER: dict[str, str] = {}
 # compile_variant is the one entry from a spec to source (issue 7, item 4): it hands the spec to the
 # pass pipeline, which builds the graph; what it renders must be the graph alone.
 SPEC_ENTRY_POINTS = {("graphgen/lower/compile.py", "compile_variant")}

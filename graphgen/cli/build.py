@@ -169,12 +169,12 @@ def register(sub) -> None:
     v.add_argument("specs", nargs="+")
     v.set_defaults(handler=cmd_validate)
 
-    from ..passes.manager import PASS_NAMES
+    from ..passes.manager import AFTER_CHOICES
 
     d = sub.add_parser("dump", help="print a variant's graph (optionally after a given pass)")
     d.add_argument("spec")
     d.add_argument("variant")
-    d.add_argument("--after", choices=PASS_NAMES, help="stop after this pass (default: all)")
+    d.add_argument("--after", choices=AFTER_CHOICES, help="stop after this pass (default: all)")
     d.add_argument("--format", choices=("text", "dot"), default="text")
     d.set_defaults(handler=cmd_dump)
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import networkx as nx
 
-from .ops import opdef
+from .ops import check_node, opdef
 
 # Stream names: the forward stream, the save stream (async writes) and the host (pool commit).
 MAIN_STREAM = "main"
@@ -56,8 +56,7 @@ class Node:
         return self._bound("outputs", self.writes)[role]
 
     def _bound(self, side: str, names: tuple[str, ...]) -> dict:
-        bound = opdef(self.op).bind(tuple(names), side)
-        return bound
+        return opdef(self.op).bind(tuple(names), side)
 
 
 class IRError(Exception):
@@ -99,6 +98,11 @@ class Graph:
                 raise IRError(f"node {node.id!r} uses undeclared name {name!r}")
         if node.stream not in self.streams:
             raise IRError(f"node {node.id!r} is on undeclared stream {node.stream!r}")
+        # Only nodes that match their op's schema enter a graph (O(operands + attrs) per node), so
+        # lowering can bind operands by role; the verifier re-checks graphs edited by other means.
+        problems = check_node(node, self.names)
+        if problems:
+            raise IRError("; ".join(problems))
 
     def splice(self, *, before: Optional[dict[str, list[Node]]] = None,
                after: Optional[dict[str, list[Node]]] = None) -> None:
@@ -107,8 +111,14 @@ class Graph:
         before, after = before or {}, after or {}
         for anchor in (*before, *after):
             self.node(anchor)
-        for n in (*(x for xs in before.values() for x in xs), *(x for xs in after.values() for x in xs)):
+        new = [*(x for xs in before.values() for x in xs), *(x for xs in after.values() for x in xs)]
+        ids: set[str] = set()
+        for n in new:  # admit all before changing anything: a rejected node leaves the graph as it was
             self._admit(n)
+            if n.id in ids:
+                raise IRError(f"duplicate node id {n.id!r}")
+            ids.add(n.id)
+        for n in new:
             self._by_id[n.id] = n
         out: list[Node] = []
         for n in self.nodes:

@@ -1,7 +1,8 @@
 """The one entry from a spec to target source: run the pass pipeline on one variant and render it.
 
 Used by the file writer (``graphgen.generate``) and by the runtimes, which need a module's source
-and nothing else: no golden text, no file paths, no spec surgery.
+and nothing else: no golden text, no file paths, no spec surgery. Rendering (:func:`render_graph`)
+takes the graph alone, plus the NPU target's options (:class:`~graphgen.lower.npu.NpuOptions`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..passes.manager import run_pipeline
-from .render import render
+from .cpu import render_cpu
+from .npu import NpuOptions, render_npu
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("cpu", "npu")
@@ -39,25 +41,32 @@ def module_path(spec_name: str, variant: str, target: str, mode: Optional[str] =
     return f"{spec_name}/npu/{mode_dir(mode)}/{variant}.py"
 
 
-def render_graph(graph, target: str, *, mode: Optional[str] = None, spec=None) -> str:
-    """Source of one verified graph for ``target`` (``mode``: the NPU compile mode)."""
+def npu_options(npu_target, mode: str) -> NpuOptions:
+    """The NPU lowering options for one compile mode of a spec's ``targets.npu`` section."""
+    return NpuOptions(mode=mode, save_stream_tag=npu_target.save_stream_tag,
+                      save_stream_priority=npu_target.save_stream_priority)
+
+
+def render_graph(graph, target: str, options: Optional[NpuOptions] = None) -> str:
+    """Source of one verified graph for ``target`` (``options``: required for the NPU target)."""
     if target == "cpu":
-        return render("cpu/variant.py.j2", graph)
+        return render_cpu(graph)
     if target == "npu":
-        npu = spec.targets.npu
-        return render("npu/variant.py.j2", graph, mode=mode, stream_tag=npu.save_stream_tag,
-                      stream_priority=npu.save_stream_priority, spec=spec)
+        if options is None:
+            raise ValueError("the npu target needs NpuOptions (compile mode, save stream)")
+        return render_npu(graph, options)
     raise ValueError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
 
 
 def compile_variant(spec, variant: str, target: str = "cpu", *, mode: Optional[str] = None,
-                    spec_file: str = "") -> str:
+                    spec_file: str = "", check: bool = True) -> str:
     """Source of one variant for one target: pipeline + render, nothing written."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
+    options = None
     if target == "npu":
         if spec.targets.npu is None:
             raise ValueError(f"spec {spec.name} does not declare the npu target")
-        mode = mode or spec.targets.npu.compile_modes[0]
-    graph = run_pipeline(spec, variant, spec_file=spec_file)
-    return render_graph(graph, target, mode=mode, spec=spec)
+        options = npu_options(spec.targets.npu, mode or spec.targets.npu.compile_modes[0])
+    graph = run_pipeline(spec, variant, spec_file=spec_file, check=check)
+    return render_graph(graph, target, options)

@@ -1,8 +1,10 @@
-"""Lowering: render a verified graph into target code with jinja2 templates (``templates/``).
+"""Lowering infrastructure: how IR names and attribute values are spelled in generated Python, and the
+jinja2 frame a target's lines are put into (``templates/<target>/variant.py.j2``).
 
-The IR decides *what* runs on which stream and where every record/wait sits; templates decide
-only how one node is spelled on a target. ``ref`` maps IR names to target expressions; templates
-run with ``StrictUndefined`` so a missing attribute is an error, never an empty string.
+The IR decides *what* runs on which stream and where every record/wait sits; a target's emitters
+(:mod:`graphgen.lower.cpu`, :mod:`graphgen.lower.npu`) decide how one node is spelled; the templates
+hold only the file frame (header, constants, function signatures) with the bodies as slots. They run
+with ``StrictUndefined``, so a missing slot is an error, never an empty string.
 """
 
 from __future__ import annotations
@@ -10,17 +12,20 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from typing import Callable
 
 import jinja2
 
-from ..ir.graph import Graph
+from ..ir.graph import Graph, Node
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 _TAG = re.compile(r"^(kv_cache|pool_staging)\.L(\d+)$")
 
+Emitter = Callable[[Node, object], list[str]]
 
-def _fail(message: str):
-    raise jinja2.TemplateError(message)
+
+class LoweringError(ValueError):
+    """A node a target cannot spell (unknown op, unknown attention mode, unknown compile mode)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,17 +38,20 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
-    env.filters["py"] = _py
-    env.globals["fail"] = _fail
+    env.filters["py"] = py
     return env
 
 
-def _py(value) -> str:
+def render_frame(template: str, **slots) -> str:
+    return environment().get_template(template).render(**slots)
+
+
+def py(value) -> str:
     """A Python literal for an attribute value (deterministic: dict keys sorted)."""
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_py(value[k])}" for k in sorted(value)) + "}"
+        return "{" + ", ".join(f"{k!r}: {py(value[k])}" for k in sorted(value)) + "}"
     if isinstance(value, (list, tuple)):
-        inner = ", ".join(_py(v) for v in value)
+        inner = ", ".join(py(v) for v in value)
         return f"({inner},)" if len(value) == 1 else f"({inner})"
     return repr(value)
 
@@ -55,36 +63,43 @@ def layer_of(name: str) -> int:
     return int(m.group(2))
 
 
-def make_ref(graph: Graph, inputs_obj: str = "b"):
-    """IR name -> expression in generated Python code."""
+def layer_list(names) -> str:
+    """``range(n)`` when the names are layers 0..n-1 in order, else an explicit tuple."""
+    layers = [layer_of(n) for n in names]
+    if layers == list(range(len(layers))):
+        return f"range({len(layers)})"
+    return py(tuple(layers))
 
-    def ref(name: str) -> str:
-        kind = graph.names[name]
+
+class Names:
+    """IR name -> expression in generated Python: inputs are fields of the step inputs ``b``, KV
+    caches ``kv[L]``, pool staging ``staging[L]``, values local variables."""
+
+    def __init__(self, graph: Graph, inputs_obj: str = "b"):
+        self.kinds, self.inputs_obj = graph.names, inputs_obj
+
+    def __call__(self, name: str) -> str:
+        kind = self.kinds[name]
         if kind == "input":
-            return f"{inputs_obj}.{name}"
+            return f"{self.inputs_obj}.{name}"
         if kind == "kv_cache":
             return f"kv[{layer_of(name)}]"
         if kind == "pool_staging":
             return f"staging[{layer_of(name)}]"
         return name.replace(".", "_")
 
-    return ref
+    def all(self, names) -> str:
+        return ", ".join(map(self, names))
 
 
-def layer_list(names) -> str:
-    """``range(n)`` when the names are layers 0..n-1 in order, else an explicit tuple."""
-    layers = [layer_of(n) for n in names]
-    if layers == list(range(len(layers))):
-        return f"range({len(layers)})"
-    return _py(tuple(layers))
+def weight(node: Node, attr: str) -> str:
+    """``W['<checkpoint key>']`` for a weight attribute, ``None`` where an optional weight is absent."""
+    key = node.attrs.get(attr)
+    return "None" if key is None else f"W[{key!r}]"
 
 
-def render(template: str, graph: Graph, **extra) -> str:
-    env = environment()
-    streams = {s: graph.on_stream(s) for s in graph.streams}
-    host_event = next((n.attrs["event"] for n in streams.get("host", ()) if n.op == "wait"), None)
-    ref = make_ref(graph)
-    return env.get_template(template).render(
-        g=graph, meta=graph.meta, streams=streams, ref=ref, refs=lambda names: ", ".join(map(ref, names)),
-        layer_list=layer_list,
-        events=list(graph.events), host_event=host_event, **extra)
+def emit_with(table: dict[str, Emitter], target: str, node: Node, ctx) -> list[str]:
+    fn = table.get(node.op)
+    if fn is None:
+        raise LoweringError(f"no {target} lowering for op '{node.op}' (node {node.id})")
+    return fn(node, ctx)

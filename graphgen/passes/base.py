@@ -1,4 +1,9 @@
-"""Pass infrastructure: a pass is a small class with a contract (requires → run → ensures)."""
+"""Pass infrastructure: a pass is a small class with an executable contract (requires → run → ensures).
+
+``requires(graph, ctx)`` and ``ensures(graph, ctx)`` return the list of violated conditions (empty
+when the contract holds). The pass manager runs them around ``run`` in checked mode
+(``run_pipeline(..., check=True)``, what tests use) and skips them otherwise.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +24,26 @@ class PassContext:
 
 
 class Pass:
-    """Base class. Subclasses set ``name`` and implement ``run``; the docstring is the contract."""
+    """Base class. Subclasses set ``name``, implement ``run`` and state their contract as code."""
 
     name = "pass"
 
+    def requires(self, graph: Graph, ctx: PassContext) -> list[str]:
+        return []
+
     def run(self, graph: Graph, ctx: PassContext) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def ensures(self, graph: Graph, ctx: PassContext) -> list[str]:
+        return []
+
+
+class ContractError(Exception):
+    """A pass's precondition (``requires``) or postcondition (``ensures``) does not hold."""
+
+    def __init__(self, which: str, problems: list[str]):
+        self.which, self.problems = which, problems
+        super().__init__(f"{which} violated:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class PassError(Exception):

@@ -1,6 +1,6 @@
-"""Pass 3 — insert record/wait events where streams share a buffer.
+"""Pass 2 — insert record/wait events where streams share a buffer.
 
-requires: every node placed on its stream; cross-stream accesses to buffers not yet ordered.
+requires: every node placed on its stream; no record/wait node and no event yet.
 ensures:  for every access ``c`` to a buffer that conflicts (one of the two writes) with earlier
           accesses from another stream ``s``, the *latest* such access ``p`` on ``s`` gets a
           ``record`` right after it (event ``ev.<p>``) and ``c`` a ``wait`` on that event right before
@@ -8,17 +8,48 @@ ensures:  for every access ``c`` to a buffer that conflicts (one of the two writ
           event per boundary enough). Event names derive from the producing node's id, so they are
           unique per graph and never positional (the seed's ring-of-events defect). With layer
           granularity this yields one record/wait per layer boundary; with forward granularity one
-          for the bulk save; plus one save→host event for the pool commit.
+          for the bulk save; plus one save→host event for the pool commit. Checked: the graph
+          verifies clean, every event is recorded once, right after the node it is named after, and
+          every wait sits right before the node whose id it carries.
 """
 
 from __future__ import annotations
 
-from ..ir.graph import BUFFER_KINDS, Node
+from ..ir.graph import BUFFER_KINDS, SYNC_OPS, Node
 from .base import Pass
+from .verify import check
 
 
 class InsertEvents(Pass):
     name = "insert_events"
+
+    def requires(self, graph, ctx) -> list[str]:
+        problems = [f"node {n.id} is on undeclared stream {n.stream}" for n in graph.nodes
+                    if n.stream not in graph.streams]
+        problems += [f"node {n.id} ({n.op}) exists before events are inserted" for n in graph.nodes
+                     if n.op in SYNC_OPS]
+        if graph.events:
+            problems.append(f"events declared before events are inserted: {', '.join(graph.events)}")
+        return problems
+
+    def ensures(self, graph, ctx) -> list[str]:
+        problems = check(graph)
+        nodes = graph.nodes
+        recorded: dict[str, int] = {}
+        for i, n in enumerate(nodes):
+            if n.op == "record":
+                recorded[n.event] = recorded.get(n.event, 0) + 1
+                producer = n.event[len("ev."):]
+                if n.id != f"{producer}.record" or i == 0 or nodes[i - 1].id != producer:
+                    problems.append(f"record {n.id} of {n.event} is not right after {producer}")
+            elif n.op == "wait":
+                j = i
+                while j < len(nodes) and nodes[j].op == "wait":  # several waits may guard one node
+                    j += 1
+                if j == len(nodes) or not n.id.startswith(f"{nodes[j].id}.wait") or nodes[j].stream != n.stream:
+                    problems.append(f"wait {n.id} is not right before the node it guards")
+        problems += [f"event {ev} is recorded {k} times" for ev, k in recorded.items() if k != 1]
+        return problems
 
     def run(self, graph, ctx) -> None:
         pos: dict[str, int] = {}

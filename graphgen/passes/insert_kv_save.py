@@ -1,6 +1,7 @@
-"""Pass 2 — insert the KV save.
+"""Pass 1 — insert the KV save.
 
-requires: the forward built (one ``Lxx.kv_write`` per layer, on ``main``).
+requires: the forward as the builder makes it (:mod:`graphgen.ir.build`): every node on ``main``,
+          one ``Lxx.kv_write`` per layer writing ``kv_cache.Lxx``, no save, no events, race-free.
 ensures:  if the variant saves (prefill and pool.write != off):
           - ``sync``: the save runs on ``main``; ``async``: on the ``kv_save`` stream;
           - granularity ``layer``: one ``Lxx.kv_save`` per layer (reads ``kv_cache.Lxx``, writes
@@ -9,19 +10,41 @@ ensures:  if the variant saves (prefill and pool.write != off):
             issued after the last layer's KV write (the seed's non-layered mode);
           - ``host.pool_put`` on the ``host`` stream reads every ``pool_staging.Lxx``: the host commits
             the blocks to the pool only after the save has completed.
-          No events are inserted here: without pass 3 the async graph is racy, and ``verify`` says so.
+          No events are inserted here: without pass 2 the async graph is racy (only racy), and the
+          sync one races only between the save and the host commit; ``verify`` says so.
           Otherwise the graph is unchanged; meta records write mode, granularity and ``saves``.
 """
 
 from __future__ import annotations
 
-from ..ir.graph import Node, layer_tag
+from ..ir.graph import HOST_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Graph, Node, layer_tag
 from ..ir.models import SAVE_INPUTS
 from .base import Pass
+from .verify import check
+
+
+def _tags(graph: Graph) -> list[str]:
+    n = graph.meta["layers"]
+    return [layer_tag(i, n) for i in range(n)]
 
 
 class InsertKvSave(Pass):
     name = "insert_kv_save"
+
+    def requires(self, graph, ctx) -> list[str]:
+        problems = [f"node {n.id} is on stream {n.stream}, the builder puts everything on {MAIN_STREAM}"
+                    for n in graph.nodes if n.stream != MAIN_STREAM]
+        problems += [f"node {n.id} ({n.op}) exists before the save is inserted"
+                     for n in graph.nodes if n.op in (*SYNC_OPS, "kv_save", "pool_put")]
+        if graph.events:
+            problems.append(f"events declared before the save is inserted: {', '.join(graph.events)}")
+        writes = {n.id: n for n in graph.nodes if n.op == "kv_write"}
+        for t in _tags(graph):
+            w = writes.pop(f"{t}.kv_write", None)
+            if w is None or w.output("cache") != f"kv_cache.{t}":
+                problems.append(f"layer {t} has no {t}.kv_write writing kv_cache.{t}")
+        problems += [f"kv_write {nid} belongs to no layer" for nid in writes]
+        return problems + check(graph)
 
     def run(self, graph, ctx) -> None:
         spec, v = ctx.spec, ctx.variant
@@ -31,14 +54,12 @@ class InsertKvSave(Pass):
                            "granularity": gran if saves else "none"})
         if not saves:
             return
-        write = spec.pool.write
-        stream = "kv_save" if write == "async" else "main"
+        stream = SAVE_STREAM if spec.pool.write == "async" else MAIN_STREAM
         graph.add_stream(stream)
-        graph.add_stream("host")
+        graph.add_stream(HOST_STREAM)
         for name in SAVE_INPUTS:
             graph.declare(name, "input")
-        n = spec.dims.num_hidden_layers
-        tags = [layer_tag(i, n) for i in range(n)]
+        tags = _tags(graph)
         staging = [graph.declare(f"pool_staging.{t}", "pool_staging") for t in tags]
         caches = [f"kv_cache.{t}" for t in tags]
         if gran == "layer":
@@ -48,4 +69,35 @@ class InsertKvSave(Pass):
         else:
             graph.add(Node("save.kv_save", "kv_save", stream, reads=(*caches, "save_block_ids"),
                            writes=tuple(staging)), after=f"{tags[-1]}.kv_write")
-        graph.add(Node("host.pool_put", "pool_put", "host", reads=tuple(staging)))
+        graph.add(Node("host.pool_put", "pool_put", HOST_STREAM, reads=tuple(staging)))
+
+    def ensures(self, graph, ctx) -> list[str]:
+        m = graph.meta
+        problems = [f"node {n.id} ({n.op}) inserted: this pass adds no events" for n in graph.nodes if n.op in SYNC_OPS]
+        saves = [n for n in graph.nodes if n.op == "kv_save"]
+        puts = [n for n in graph.nodes if n.op == "pool_put"]
+        races = check(graph)
+        if not m.get("saves"):
+            if saves or puts or graph.streams != [MAIN_STREAM]:
+                problems.append("a variant that saves nothing got a save, a pool commit or another stream")
+            return problems + races
+        stream = SAVE_STREAM if m["write"] == "async" else MAIN_STREAM
+        tags = _tags(graph)
+        index = {n.id: i for i, n in enumerate(graph.nodes)}
+        groups = [[t] for t in tags] if m["granularity"] == "layer" else [tags]
+        if len(saves) != len(groups):
+            problems.append(f"{len(saves)} kv_save node(s), expected {len(groups)} ({m['granularity']} granularity)")
+        for node, group in zip(saves, groups):
+            want = (tuple(f"kv_cache.{t}" for t in group), tuple(f"pool_staging.{t}" for t in group))
+            if node.stream != stream or (node.input("caches"), node.output("staging")) != want:
+                problems.append(f"{node.id} on {node.stream} saves {node.input('caches')} into "
+                                f"{node.output('staging')}; expected {want[0]} into {want[1]} on {stream}")
+            if index[node.id] != index[f"{group[-1]}.kv_write"] + 1:
+                problems.append(f"{node.id} is not issued right after {group[-1]}.kv_write")
+        if len(puts) != 1 or puts[0].stream != HOST_STREAM or \
+                puts[0].input("staging") != tuple(f"pool_staging.{t}" for t in tags):
+            problems.append(f"expected one pool_put on {HOST_STREAM} reading every layer's pool staging")
+        if stream == SAVE_STREAM and not races:
+            problems.append("the async save is already ordered: no race for insert_events to fix")
+        prefix = "race on" if stream == SAVE_STREAM else "race on pool_staging"
+        return problems + [f"unexpected problem: {p}" for p in races if not p.startswith(prefix)]

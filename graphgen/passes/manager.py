@@ -1,37 +1,59 @@
-"""The pass pipeline: one explicit list, the same for every variant.
+"""The pass pipeline: the builder, then one explicit list of passes, the same for every variant.
 
-    build_layers -> insert_kv_save -> insert_events -> verify
+    build -> insert_kv_save -> insert_events -> verify
 
-``run_pipeline`` can stop after any pass (``graphgen dump --after PASS``), re-verify structure
-after every pass (tests), and reports a failure with the pass's name and the passes before it.
+``run_pipeline`` can stop after any stage (``graphgen dump --after STAGE``; ``build_layers`` is kept
+as another name of ``build``), and reports a failure with the pass's name and the stages before it.
+In checked mode (``check=True``, the default; tests run it) every pass's ``requires`` runs before it
+and its ``ensures`` after it, and every node is re-checked against its op schema after each stage.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+from ..ir.build import build_graph
 from ..ir.graph import Graph
-from .base import PassContext, PassError
-from .build_layers import BuildLayers
+from ..ir.ops import check_node
+from .base import ContractError, PassContext, PassError
 from .insert_events import InsertEvents
 from .insert_kv_save import InsertKvSave
 from .verify import Verify
 
-PIPELINE = (BuildLayers(), InsertKvSave(), InsertEvents(), Verify())
-PASS_NAMES = tuple(p.name for p in PIPELINE)
+BUILD = "build"
+PIPELINE = (InsertKvSave(), InsertEvents(), Verify())
+PASS_NAMES = (BUILD, *(p.name for p in PIPELINE))  # the stages on_pass reports, in order
+ALIASES = {"build_layers": BUILD}  # the builder's name when it was a pass
+AFTER_CHOICES = (*PASS_NAMES, *ALIASES)  # what ``until`` (``graphgen dump --after``) accepts
+
+
+def schema_problems(graph: Graph) -> list[str]:
+    return [p for n in graph.nodes for p in check_node(n, graph.names)]
 
 
 def run_pipeline(spec, variant_name: str, *, spec_file: str = "", until: Optional[str] = None,
-                 on_pass: Optional[Callable[[str, Graph], None]] = None) -> Graph:
-    """Build the verified graph of one variant (or the graph after pass ``until``)."""
+                 on_pass: Optional[Callable[[str, Graph], None]] = None, check: bool = True) -> Graph:
+    """Build the verified graph of one variant (or the graph after stage ``until``)."""
+    until = ALIASES.get(until, until)
     if until is not None and until not in PASS_NAMES:
         raise ValueError(f"unknown pass {until!r}; passes: {', '.join(PASS_NAMES)}")
     ctx = PassContext(spec=spec, variant_name=variant_name, spec_file=spec_file)
-    graph = Graph(name=f"{spec.name}.{variant_name}")
-    done: list[str] = []
+    try:
+        graph = build_graph(spec, variant_name, spec_file)
+    except Exception as e:
+        raise PassError(BUILD, [], f"{spec.name}.{variant_name}", e) from e
+    done = [BUILD]
+    if on_pass is not None:
+        on_pass(BUILD, graph)
+    if until == BUILD:
+        return graph
     for p in PIPELINE:
         try:
+            if check:
+                _contract("requires", p.requires(graph, ctx))
             p.run(graph, ctx)
+            if check:
+                _contract("ensures", p.ensures(graph, ctx) + schema_problems(graph))
         except Exception as e:  # name the pass; keep the cause
             raise PassError(p.name, done, graph.name, e) from e
         done.append(p.name)
@@ -40,3 +62,8 @@ def run_pipeline(spec, variant_name: str, *, spec_file: str = "", until: Optiona
         if p.name == until:
             break
     return graph
+
+
+def _contract(which: str, problems: list[str]) -> None:
+    if problems:
+        raise ContractError(which, problems)

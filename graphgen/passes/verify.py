@@ -1,7 +1,10 @@
-"""Pass 4 — verify: prove the schedule has no race, and that every event is used correctly.
+"""Pass 3 — verify: prove the schedule has no race, and that every event is used correctly.
 
 requires: any graph (also one parsed from a hand-edited golden file).
 ensures:  raises :class:`VerificationError` listing *every* problem found:
+  - schemas: every node against its op's schema (:func:`graphgen.ir.ops.check_node`: arity,
+    operand kinds, required and unknown attributes) — a graph built through ``Graph.add`` cannot
+    fail this, one edited by other means can;
   - structure: unknown streams, events declared with other streams than the nodes using them,
     sync nodes without an event, values written twice, values read on another stream than the one
     that wrote them (values cannot cross streams; use a buffer and an event), values read before
@@ -23,6 +26,7 @@ from __future__ import annotations
 import networkx as nx
 
 from ..ir.graph import BUFFER_KINDS, Graph
+from ..ir.ops import check_node
 from .base import Pass
 
 
@@ -40,6 +44,7 @@ def check(graph: Graph) -> list[str]:
     records: dict[str, list[str]] = {}
     waits: dict[str, list[str]] = {}
     for n in graph.nodes:
+        problems.extend(check_node(n, graph.names))
         if n.stream not in streams:
             problems.append(f"node {n.id} is on undeclared stream '{n.stream}'")
         for r in n.reads:

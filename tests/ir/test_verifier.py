@@ -100,7 +100,13 @@ def test_misspelt_wait_event_is_caught():
 def _two_streams():
     g = Graph(name="t.cyc", streams=["main", "kv_save"])
     g.declare("buf", "kv_cache")
+    g.declare("ids", "input")
     return g
+
+
+def _save(nid, stream, cache="buf", staging="st"):
+    """A schema-valid kv_save: reads a KV-cache buffer, writes a pool-staging buffer."""
+    return Node(nid, "kv_save", stream, reads=(cache, "ids"), writes=(staging,))
 
 
 def test_cycle_is_reported_as_deadlock():
@@ -116,9 +122,10 @@ def test_cycle_is_reported_as_deadlock():
 
 def test_write_write_race_and_ordered_version():
     g = _two_streams()
-    g.add(Node("a", "kv_write", "main", writes=("buf",)))
-    g.add(Node("b", "kv_write", "kv_save", writes=("buf",)))
-    assert any("race on buf: a (main, write) and b (kv_save, write)" in p for p in check(g))
+    g.declare("st", "pool_staging")
+    g.add(_save("a", "main"))
+    g.add(_save("b", "kv_save"))
+    assert any("race on st: a (main, write) and b (kv_save, write)" in p for p in check(g))
     g.events = {"ev.a": ("main", "kv_save")}
     g.add(Node("a.record", "record", "main", attrs={"event": "ev.a"}), after="a")
     g.add(Node("b.wait", "wait", "kv_save", attrs={"event": "ev.a"}), before="b")
@@ -127,16 +134,19 @@ def test_write_write_race_and_ordered_version():
 
 def test_reads_from_two_streams_do_not_race():
     g = _two_streams()
-    g.add(Node("a", "attn", "main", reads=("buf",)))
-    g.add(Node("b", "kv_save", "kv_save", reads=("buf",)))
+    g.declare("st0", "pool_staging")
+    g.declare("st1", "pool_staging")
+    g.add(_save("a", "main", staging="st0"))
+    g.add(_save("b", "kv_save", staging="st1"))
     assert check(g) == []
 
 
 def test_values_cannot_cross_streams():
     g = _two_streams()
     g.declare("x", "value")
-    g.add(Node("a", "op", "main", writes=("x",)))
-    g.add(Node("b", "op", "kv_save", reads=("x",)))
+    g.declare("y", "value")
+    g.add(Node("a", "embedding", "main", reads=("ids",), writes=("x",), attrs={"w_embed": "e"}))
+    g.add(Node("b", "rms_norm", "kv_save", reads=("x",), writes=("y",), attrs={"w_norm": "n", "eps": 1e-6}))
     assert any("value x crosses streams" in p for p in check(g))
 
 

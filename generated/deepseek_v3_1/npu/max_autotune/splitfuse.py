@@ -55,10 +55,8 @@ def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, n
                 qk_rope_head_dim, kv_lora_rank, eps, interleave):
     """MLA projections -> q_nope [T,H,n], q_pe [T,H,r] (roped), c_kv [T,R] (normed latent), k_pe [T,r] (roped)."""
     t = x.shape[0]
-    if w_q_a is None:  # uncompressed queries (q_lora_rank null): w_q_b is q_proj
-        q = F.linear(x, w_q_b)
-    else:
-        q = F.linear(torch_npu.npu_rms_norm(F.linear(x, w_q_a), w_q_a_norm, eps)[0], w_q_b)
+    # w_q_a None: uncompressed queries (q_lora_rank null), w_q_b is then the plain q projection.
+    q = F.linear(x if w_q_a is None else torch_npu.npu_rms_norm(F.linear(x, w_q_a), w_q_a_norm, eps)[0], w_q_b)
     q_nope, q_pe = q.view(t, num_heads, qk_nope_head_dim + qk_rope_head_dim).split(
         [qk_nope_head_dim, qk_rope_head_dim], dim=-1)
     c_kv, k_pe = F.linear(x, w_kv_a).split([kv_lora_rank, qk_rope_head_dim], dim=-1)

@@ -1,0 +1,35 @@
+"""The builder: one variant of a spec -> the forward graph on stream ``main`` (no save, no events).
+
+Not a pass: it starts from nothing. Its output is what the first pass, ``insert_kv_save``, requires
+(that pass's ``requires`` checks it): the whole forward on ``main`` (embedding, RoPE tables, per
+layer: norms, attention or MLA, one ``Lxx.kv_write`` into ``kv_cache.Lxx``, MLP or MoE; then the LM
+head); the attention op's ``mode`` is prefill, splitfuse (history from the pool) or decode.
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from ..families import FAMILIES
+from .graph import Graph
+from .models import attention_mode
+
+
+def build_graph(spec, variant_name: str, spec_file: str = "") -> Graph:
+    """The forward graph of ``spec``'s variant ``variant_name`` (meta records what it was built from)."""
+    v = spec.variants[variant_name]
+    graph = Graph(name=f"{spec.name}.{variant_name}")
+    graph.meta.update({
+        "spec": spec_file or f"{spec.name}.yaml",
+        "model": spec.name,
+        "variant": variant_name,
+        "family": spec.family,
+        "phase": v.phase,
+        "history": v.history,
+        "layers": spec.dims.num_hidden_layers,
+        "block_size": spec.kv_cache.block_size,
+        "kv_dtype": spec.kv_cache.dtype,
+    })
+    mode = attention_mode(v.phase, v.history)
+    FAMILIES[spec.family].build(graph, spec.dims, mode, block_size=spec.kv_cache.block_size,
+                                 kv_dtype=spec.kv_cache.dtype)
+    return graph

@@ -1,0 +1,159 @@
+"""CPU target: each IR op as one line of Python calling graphgen's runtime ops through ``rt``.
+
+``EMIT`` maps an op to its emitter, ``emitter(node, ctx) -> list of code lines`` (no indentation, no
+trailing ``# <node id>``: :func:`render_cpu` adds both). Operands are taken by role
+(``node.input("cache")``), never by position. Save-stream work runs in a nested function launched
+first (``rt.launch``), so that only its waits order it after the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.graph import HOST_STREAM, MAIN_STREAM, Graph, Node
+from .render import Emitter, Names, emit_with, layer_list, py, render_frame, weight
+
+
+@dataclass(frozen=True)
+class CpuCtx:
+    ref: Names
+
+
+def _out(n: Node, ctx: CpuCtx) -> str:
+    return ctx.ref.all(n.writes)
+
+
+def _call(n: Node, ctx: CpuCtx, fn: str, *args: str) -> list[str]:
+    return [f"{_out(n, ctx)} = rt.{fn}({', '.join(args)})"]
+
+
+def _record(n, ctx):
+    return [f"rt.record(ev[{n.attrs['event']!r}])"]
+
+
+def _wait(n, ctx):
+    return [f"rt.wait(ev[{n.attrs['event']!r}])"]
+
+
+def _embedding(n, ctx):
+    return _call(n, ctx, "embedding", weight(n, "w_embed"), ctx.ref(n.input("input_ids")))
+
+
+def _rope_cos_sin(n, ctx):
+    a = n.attrs
+    return _call(n, ctx, "rope_cos_sin", ctx.ref(n.input("positions")), f"rot_dim={py(a['rot_dim'])}",
+                 f"theta={py(a['theta'])}", f"scaling={py(a['scaling'])}")
+
+
+def _rms_norm(n, ctx):
+    return _call(n, ctx, "rms_norm", ctx.ref(n.input("x")), weight(n, "w_norm"), py(n.attrs["eps"]))
+
+
+def _qwen3_attn_prolog(n, ctx):
+    a, r = n.attrs, ctx.ref
+    return _call(n, ctx, "qwen3_attn_prolog", r(n.input("x")), *(weight(n, w) for w in
+                 ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm")), r(n.input("cos")), r(n.input("sin")),
+                 f"num_heads={a['num_heads']}", f"num_kv_heads={a['num_kv_heads']}", f"head_dim={a['head_dim']}",
+                 f"eps={py(a['eps'])}")
+
+
+def _kv_write(n, ctx):
+    r = ctx.ref
+    return [f"rt.kv_write({r(n.output('cache'))}, ({r.all(n.input('parts'))}), {r(n.input('slot_mapping'))})"]
+
+
+def _paged_attention(n, ctx):
+    r = ctx.ref
+    return _call(n, ctx, "paged_attention", *(r(n.input(x)) for x in
+                 ("q", "cache", "block_tables", "seq_lens", "query_lens")), f"scale={py(n.attrs['scale'])}")
+
+
+def _mla_prolog(n, ctx):
+    a, r = n.attrs, ctx.ref
+    return _call(n, ctx, "mla_prolog", r(n.input("x")), *(weight(n, w) for w in
+                 ("w_q_a", "w_q_a_norm", "w_q_b", "w_kv_a", "w_kv_a_norm")), r(n.input("cos")), r(n.input("sin")),
+                 f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
+                 f"qk_rope_head_dim={a['qk_rope_head_dim']}", f"kv_lora_rank={a['kv_lora_rank']}",
+                 f"eps={py(a['eps'])}", f"interleave={py(a['interleave'])}")
+
+
+def _mla_attention(n, ctx):
+    a, r = n.attrs, ctx.ref
+    return _call(n, ctx, "mla_attention", r(n.input("q_nope")), r(n.input("q_pe")), r(n.input("cache")),
+                 weight(n, "w_kv_b"), *(r(n.input(x)) for x in ("block_tables", "seq_lens", "query_lens")),
+                 f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
+                 f"v_head_dim={a['v_head_dim']}", f"scale={py(a['scale'])}")
+
+
+def _o_proj_residual(n, ctx):
+    return _call(n, ctx, "o_proj_residual", ctx.ref(n.input("attn")), weight(n, "w_o"), ctx.ref(n.input("residual")))
+
+
+def _swiglu_mlp_residual(n, ctx):
+    return _call(n, ctx, "swiglu_mlp_residual", ctx.ref(n.input("x")), weight(n, "w_gate"), weight(n, "w_up"),
+                 weight(n, "w_down"), ctx.ref(n.input("residual")))
+
+
+MOE_WEIGHTS = ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gate",
+               "w_shared_up", "w_shared_down")
+
+
+def moe_kwargs(a: dict) -> list[str]:
+    return [f"top_k={a['top_k']}", f"n_group={a['n_group']}", f"topk_group={a['topk_group']}",
+            f"routed_scaling_factor={py(a['routed_scaling_factor'])}", f"norm_topk_prob={py(a['norm_topk_prob'])}"]
+
+
+def _moe_residual(n, ctx):
+    return _call(n, ctx, "moe_residual", ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS),
+                 ctx.ref(n.input("residual")), *moe_kwargs(n.attrs))
+
+
+def _lm_head(n, ctx):
+    return _call(n, ctx, "lm_head", ctx.ref(n.input("h")), weight(n, "w_norm"), py(n.attrs["eps"]),
+                 weight(n, "w_head"), ctx.ref(n.input("logits_indices")))
+
+
+def _kv_save(n, ctx):
+    r, caches, staging = ctx.ref, n.input("caches"), n.output("staging")
+    if len(caches) == 1:  # one layer's save (layer granularity)
+        return [f"rt.kv_save({r(caches[0])}, {r(n.input('block_ids'))}, {r(staging[0])})"]
+    return [f"rt.kv_save_layers(kv, {layer_list(caches)}, {r(n.input('block_ids'))}, staging)"]
+
+
+def _pool_put(n, ctx):
+    return ["commit()"]
+
+
+EMIT: dict[str, Emitter] = {
+    "record": _record, "wait": _wait, "embedding": _embedding, "rope_cos_sin": _rope_cos_sin,
+    "rms_norm": _rms_norm, "qwen3_attn_prolog": _qwen3_attn_prolog, "kv_write": _kv_write,
+    "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
+    "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
+    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "pool_put": _pool_put,
+}
+
+
+def emit(node: Node, ctx: CpuCtx) -> list[str]:
+    return emit_with(EMIT, "CPU", node, ctx)
+
+
+def _lines(nodes, ctx: CpuCtx, indent: str) -> list[str]:
+    return [f"{indent}{line}  # {n.id}" for n in nodes for line in emit(n, ctx)]
+
+
+def render_cpu(graph: Graph) -> str:
+    ctx = CpuCtx(Names(graph))
+    by_stream = {s: graph.on_stream(s) for s in graph.streams}
+    side = [s for s in graph.streams if s not in (MAIN_STREAM, HOST_STREAM)]
+    run_body: list[str] = []
+    for s in side:
+        run_body += ["", f"    def {s}_stream():", *_lines(by_stream[s], ctx, "        "), "",
+                     f"    rt.launch({s!r}, {s}_stream)", ""]
+    run_body += _lines(by_stream[MAIN_STREAM], ctx, "    ")
+    host_body = _lines(by_stream.get(HOST_STREAM, ()), ctx, "    ") or ["    pass  # this graph saves nothing"]
+    host_event = next((n.event for n in by_stream.get(HOST_STREAM, ()) if n.op == "wait"), None)
+    streams_note = "".join(f"; {s} runs on a worker thread, launched\nfirst so that only its waits order it "
+                           f"after the forward" for s in side)
+    return render_frame("cpu/variant.py.j2", graph=graph, meta=graph.meta, streams_note=streams_note,
+                        events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body),
+                        host_body="\n".join(host_body))

@@ -1,0 +1,267 @@
+"""Ascend NPU target (torchair): each IR op as torch_npu / torchair calls, in a standalone module.
+
+``EMIT`` maps an op to its emitter, ``emitter(node, ctx) -> list of code lines`` (no indentation, no
+node-id tag: :func:`render_npu` adds both). Operands are taken by role, never by position, and every
+number comes from node attributes: lowering never sees the spec. Events are spelled per compile mode:
+
+- max-autotune:    ``torchair.ops.record()`` / ``torchair.ops.wait([...])`` (tagged events raise there);
+- reduce-overhead: module-level tagged events, ``npu_tagged_event_record`` / ``_wait``
+  (``npu_wait_tensor`` raises there).
+
+KV write and save follow docs/npu-research.md: ``npu_scatter_nd_update_`` into whole graph inputs,
+so torchair's re-inplace turns the functionalised write back into an in-place write at its position.
+Multi-kernel ops call helpers from :mod:`graphgen.lower.npu_helpers`, copied verbatim into the module.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..ir.graph import HOST_STREAM, MAIN_STREAM, Graph, Node
+from .cpu import MOE_WEIGHTS, moe_kwargs
+from .render import Emitter, LoweringError, Names, emit_with, py, render_frame, weight
+
+COMPILE_MODES = ("max-autotune", "reduce-overhead")
+HELPERS_FILE = Path(__file__).with_name("npu_helpers.py")
+_CALL = re.compile(r"\b(_[A-Za-z]\w*)\(")
+
+
+@dataclass(frozen=True)
+class NpuOptions:
+    """What the NPU target needs beyond the graph: the compile mode and the save stream's tag/priority."""
+
+    mode: str
+    save_stream_tag: str = "kv_save"
+    save_stream_priority: int = 0
+
+    def __post_init__(self):
+        if self.mode not in COMPILE_MODES:
+            raise LoweringError(f"no NPU event lowering for compile mode '{self.mode}'; modes: {', '.join(COMPILE_MODES)}")
+
+
+@dataclass(frozen=True)
+class NpuCtx:
+    ref: Names
+    mode: str
+    events: dict  # event -> (from stream, to stream)
+    components: dict  # kv_cache name -> its component names (from the kv_write that fills it)
+
+
+def evname(event: str) -> str:
+    """Python name of an event: ``ev.L00.kv_write`` -> ``ev_L00_kv_write``."""
+    base = event[3:] if event.startswith("ev.") else event
+    return "ev_" + base.replace(".", "_").replace("-", "_")
+
+
+def _record(n, ctx):
+    ev = n.event
+    if ctx.events[ev][1] == HOST_STREAM:
+        return [f"# {ev} ({n.stream} -> host) is no in-graph event: the host commits after the graph completes "
+                f"(see host())"]
+    if ctx.mode == "max-autotune":
+        return [f"{evname(ev)} = torchair.ops.record()"]
+    return [f"torchair.ops.npu_tagged_event_record({evname(ev)})"]
+
+
+def _wait(n, ctx):
+    if ctx.mode == "max-autotune":
+        return [f"torchair.ops.wait([{evname(n.event)}])"]
+    return [f"torchair.ops.npu_tagged_event_wait({evname(n.event)})"]
+
+
+def _out(n, ctx) -> str:
+    return ctx.ref.all(n.writes)
+
+
+def _embedding(n, ctx):
+    return [f"{_out(n, ctx)} = F.embedding({ctx.ref(n.input('input_ids'))}, {weight(n, 'w_embed')})"]
+
+
+def _rope_cos_sin(n, ctx):
+    return [f"{_out(n, ctx)} = W[ROPE_CACHE_KEY].index_select(0, {ctx.ref(n.input('positions'))}).chunk(2, dim=-1)"]
+
+
+def _rms_norm(n, ctx):
+    return [f"{_out(n, ctx)} = torch_npu.npu_rms_norm({ctx.ref(n.input('x'))}, {weight(n, 'w_norm')}, "
+            f"{py(n.attrs['eps'])})[0]"]
+
+
+def _qwen3_attn_prolog(n, ctx):
+    a, r = n.attrs, ctx.ref
+    args = [r(n.input("x")), *(weight(n, w) for w in ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm")),
+            r(n.input("cos")), r(n.input("sin")), f"num_heads={a['num_heads']}", f"num_kv_heads={a['num_kv_heads']}",
+            f"head_dim={a['head_dim']}", f"eps={py(a['eps'])}"]
+    return [f"{_out(n, ctx)} = _qwen3_attn_prolog({', '.join(args)})"]
+
+
+def _kv_write(n, ctx):
+    cache = ctx.ref(n.output("cache"))
+    return [f"torch_npu.npu_scatter_nd_update_({cache}[{i}], b.kv_index, {p}.reshape({p}.shape[0], -1))"
+            for i, p in enumerate(map(ctx.ref, n.input("parts")))]
+
+
+def _sparse_mode(n) -> int:
+    """0: decode (no mask); 3: prefill/splitfuse with the compressed causal mask ``b.atten_mask``."""
+    mode = n.attrs["mode"]
+    if mode not in ("prefill", "splitfuse", "decode"):
+        raise LoweringError(f"unknown attention mode '{mode}' (node {n.id})")
+    return 0 if mode == "decode" else 3
+
+
+def _mask(sparse: int) -> str:
+    return "None" if sparse == 0 else "b.atten_mask"
+
+
+def _paged_attention(n, ctx):
+    a, r, sparse = n.attrs, ctx.ref, _sparse_mode(n)
+    cache = r(n.input("cache"))
+    return [f"{_out(n, ctx)} = torch_npu.npu_fused_infer_attention_score({r(n.input('q'))}, {cache}[0], {cache}[1], "
+            f"atten_mask={_mask(sparse)}, actual_seq_lengths=b.actual_seq_lengths, "
+            f"actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table={r(n.input('block_tables'))}, "
+            f"num_heads={a['num_heads']}, num_key_value_heads={a['num_kv_heads']}, scale={py(a['scale'])}, "
+            f"input_layout=\"TND\", sparse_mode={sparse}, block_size={a['block_size']})[0]"]
+
+
+def _mla_prolog(n, ctx):
+    a, r = n.attrs, ctx.ref
+    args = [r(n.input("x")), *(weight(n, w) for w in ("w_q_a", "w_q_a_norm", "w_q_b", "w_kv_a", "w_kv_a_norm")),
+            r(n.input("cos")), r(n.input("sin")), f"num_heads={a['num_heads']}",
+            f"qk_nope_head_dim={a['qk_nope_head_dim']}", f"qk_rope_head_dim={a['qk_rope_head_dim']}",
+            f"kv_lora_rank={a['kv_lora_rank']}", f"eps={py(a['eps'])}", f"interleave={py(a['interleave'])}"]
+    return [f"{_out(n, ctx)} = _mla_prolog({', '.join(args)})"]
+
+
+def _mla_attention(n, ctx):
+    a, r, sparse = n.attrs, ctx.ref, _sparse_mode(n)
+    args = [r(n.input("q_nope")), r(n.input("q_pe")), r(n.input("cache")), weight(n, "w_kv_b"),
+            r(n.input("block_tables")), "b.actual_seq_lengths", "b.actual_seq_lengths_kv", _mask(sparse),
+            f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
+            f"v_head_dim={a['v_head_dim']}", f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
+            f"sparse_mode={sparse}", f"block_size={a['block_size']}"]
+    return [f"{_out(n, ctx)} = _mla_attention({', '.join(args)})"]
+
+
+def _o_proj_residual(n, ctx):
+    x = ctx.ref(n.input("attn"))
+    return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + F.linear({x}.reshape({x}.shape[0], -1), "
+            f"{weight(n, 'w_o')})"]
+
+
+def _swiglu_mlp_residual(n, ctx):
+    return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + _swiglu_mlp({ctx.ref(n.input('x'))}, "
+            f"{weight(n, 'w_gate')}, {weight(n, 'w_up')}, {weight(n, 'w_down')})"]
+
+
+def _moe_residual(n, ctx):
+    args = [ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS), ctx.ref(n.input("residual")),
+            *moe_kwargs(n.attrs), f"num_experts={n.attrs['num_experts']}"]
+    return [f"{_out(n, ctx)} = _moe_residual({', '.join(args)})"]
+
+
+def _lm_head(n, ctx):
+    return [f"{_out(n, ctx)} = F.linear(torch_npu.npu_rms_norm({ctx.ref(n.input('h'))}.index_select(0, "
+            f"{ctx.ref(n.input('logits_indices'))}), {weight(n, 'w_norm')}, {py(n.attrs['eps'])})[0], "
+            f"{weight(n, 'w_head')})"]
+
+
+def _kv_save(n, ctx):
+    """Copy each listed layer's cache components (as many as its kv_write fills) into its staging."""
+    r, ids = ctx.ref, ctx.ref(n.input("block_ids"))
+    return [f"torch_npu.npu_scatter_nd_update_({r(s)}[{i}], b.save_rows, {r(c)}[{i}].index_select(0, {ids}))"
+            for c, s in zip(n.input("caches"), n.output("staging")) for i in range(len(ctx.components[c]))]
+
+
+EMIT: dict[str, Emitter] = {
+    "record": _record, "wait": _wait, "embedding": _embedding, "rope_cos_sin": _rope_cos_sin,
+    "rms_norm": _rms_norm, "qwen3_attn_prolog": _qwen3_attn_prolog, "kv_write": _kv_write,
+    "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
+    "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
+    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save,
+}
+
+# Host-stream nodes are not part of the compiled graph: host() runs them after forward returned.
+HOST_EMIT: dict[str, Emitter] = {
+    "wait": lambda n, ctx: [f"wait_graph()  # {n.id} ({n.event})"],
+    "pool_put": lambda n, ctx: [f"commit()  # {n.id}"],
+}
+
+
+def emit(node: Node, ctx: NpuCtx) -> list[str]:
+    return emit_with(EMIT, "NPU", node, ctx)
+
+
+@functools.lru_cache(maxsize=None)
+def helper_sources() -> dict[str, tuple[str, frozenset]]:
+    """Helper name -> (its exact source, the other helpers it calls), in file order; torch-free (ast)."""
+    text = HELPERS_FILE.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    defs = [f for f in ast.parse(text).body if isinstance(f, ast.FunctionDef)]
+    names = {f.name for f in defs}
+    return {f.name: ("\n".join(lines[f.lineno - 1:f.end_lineno]),
+                     frozenset(x.id for x in ast.walk(f) if isinstance(x, ast.Name) and x.id in names))
+            for f in defs}
+
+
+def helpers_for(code_lines) -> list[str]:
+    """Sources of the helpers the code calls, with the helpers those call, in file order."""
+    helpers = helper_sources()
+    todo = [m for line in code_lines for m in _CALL.findall(line) if m in helpers]
+    need: set[str] = set()
+    while todo:
+        h = todo.pop()
+        if h not in need:
+            need.add(h)
+            todo.extend(helpers[h][1])
+    return [src for name, (src, _) in helpers.items() if name in need]
+
+
+def _kv_layout(graph: Graph) -> dict:
+    layouts = {(n.attrs["components"], n.attrs["widths"], n.attrs["block_size"], n.attrs["kv_dtype"])
+               for n in graph.nodes if n.op == "kv_write"}
+    if len(layouts) != 1:
+        raise LoweringError(f"{graph.name}: the NPU module needs one KV layout for every layer, found {len(layouts)}")
+    comps, widths, bs, dtype = layouts.pop()
+    return {"kv_components": comps, "kv_shapes": tuple((bs, w) for w in widths), "kv_dtype": dtype}
+
+
+EVENTS_DOC = {
+    "max-autotune": "Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.",
+    "reduce-overhead": "Events: tagged events created once at import (outside the compiled region; tags are "
+                       "process-unique),\nrecorded/waited in forward with npu_tagged_event_record / "
+                       "npu_tagged_event_wait.",
+}
+
+
+def render_npu(graph: Graph, options: NpuOptions) -> str:
+    ctx = NpuCtx(Names(graph), options.mode, graph.events,
+                 {n.output("cache"): n.attrs["components"] for n in graph.nodes if n.op == "kv_write"})
+    tag, prio = py(options.save_stream_tag), py(options.save_stream_priority)
+    body: list[str] = []
+    prev = None
+    for n in graph.nodes:
+        if n.stream == HOST_STREAM:
+            continue
+        side = n.stream != MAIN_STREAM
+        if side and prev != n.stream:
+            body.append(f"    with torchair.scope.npu_stream_switch({tag}, {prio}):  # stream {n.stream} (SAVE_STREAM)")
+        prev = n.stream
+        ind = "        " if side else "    "
+        body += [f"{ind}{line} [{n.id}]" if line.startswith("#") else f"{ind}{line}  # {n.id}"
+                 for line in emit(n, ctx)]
+    host = [f"    {line}" for n in graph.on_stream(HOST_STREAM) for line in emit_with(HOST_EMIT, "NPU host", n, ctx)]
+    tagged = ""
+    if options.mode == "reduce-overhead":
+        tagged = "\n# Tagged events: created here, eagerly, once per process (torchair rejects a reused tag).\n" + "".join(
+            f"{evname(ev)} = torchair.ops.npu_create_tagged_event("
+            f"tag={py('graphgen.' + graph.meta['model'] + '.' + graph.meta['variant'] + '.' + ev)})  # {s} -> {d}\n"
+            for ev, (s, d) in graph.events.items() if d != HOST_STREAM)
+    rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
+    return render_frame(
+        "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
+        save_stream=f"({tag}, {prio})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
+        helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),
+        host_body="\n".join(host) or "    pass  # this graph saves nothing")

@@ -1,0 +1,101 @@
+"""Python helpers that generated NPU modules call for the multi-kernel ops.
+
+This is a real module (linted, unit-tested under graphgen's NPU stand-in), and :mod:`graphgen.lower.npu`
+copies each helper a graph needs *verbatim* (its exact source, found with ``ast``, never imported on the
+build path) into the generated module, which stays standalone. So every helper must use only the
+module-level names a generated module has (``torch``, ``F``, ``torch_npu``) and the other helpers here.
+Keep two blank lines between helpers: generated modules separate them the same way.
+"""
+import torch
+import torch.nn.functional as F
+import torch_npu
+
+
+def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
+    """q/k/v projections, per-head RMSNorm of q and k, then half-rotation RoPE (layout BSND, B=1, S=T)."""
+    t = x.shape[0]
+    q = torch_npu.npu_rms_norm(F.linear(x, w_q).view(t, num_heads, head_dim), w_q_norm, eps)[0]
+    k = torch_npu.npu_rms_norm(F.linear(x, w_k).view(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
+    v = F.linear(x, w_v).view(t, num_kv_heads, head_dim)
+    q, k = torch_npu.npu_apply_rotary_pos_emb(q.unsqueeze(0), k.unsqueeze(0), cos.view(1, t, 1, head_dim),
+                                              sin.view(1, t, 1, head_dim), layout="BSND", rotary_mode="half")
+    return q.squeeze(0), k.squeeze(0), v
+
+
+def _swiglu_mlp(x, w_gate, w_up, w_down):
+    """down(silu(gate(x)) * up(x)); npu_swiglu takes [gate | up] concatenated on the last dim."""
+    return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
+
+
+def _interleaved_rope(x, cos, sin):
+    """DeepSeek's interleaved RoPE on x [T, N, r]: npu_interleave_rope takes [B, N, S, D], cos/sin [B, 1, S, D]."""
+    t, n, r = x.shape
+    # The kernel rejects non-contiguous inputs (torch-npu docs); x, cos and sin arrive as split/chunk views.
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    return torch_npu.npu_interleave_rope(x.view(t, n, 1, r), cos.view(t, 1, 1, r), sin.view(t, 1, 1, r)).view(t, n, r)
+
+
+def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, num_heads, qk_nope_head_dim,
+                qk_rope_head_dim, kv_lora_rank, eps, interleave):
+    """MLA projections -> q_nope [T,H,n], q_pe [T,H,r] (roped), c_kv [T,R] (normed latent), k_pe [T,r] (roped)."""
+    t = x.shape[0]
+    # w_q_a None: uncompressed queries (q_lora_rank null), w_q_b is then the plain q projection.
+    q = F.linear(x if w_q_a is None else torch_npu.npu_rms_norm(F.linear(x, w_q_a), w_q_a_norm, eps)[0], w_q_b)
+    q_nope, q_pe = q.view(t, num_heads, qk_nope_head_dim + qk_rope_head_dim).split(
+        [qk_nope_head_dim, qk_rope_head_dim], dim=-1)
+    c_kv, k_pe = F.linear(x, w_kv_a).split([kv_lora_rank, qk_rope_head_dim], dim=-1)
+    c_kv = torch_npu.npu_rms_norm(c_kv, w_kv_a_norm, eps)[0]
+    if interleave:
+        q_pe = _interleaved_rope(q_pe, cos, sin)
+        k_pe = _interleaved_rope(k_pe.reshape(t, 1, qk_rope_head_dim), cos, sin).view(t, qk_rope_head_dim)
+    else:
+        q_pe, k_pe = torch_npu.npu_apply_rotary_pos_emb(
+            q_pe.unsqueeze(0), k_pe.reshape(1, t, 1, qk_rope_head_dim), cos.view(1, t, 1, qk_rope_head_dim),
+            sin.view(1, t, 1, qk_rope_head_dim), layout="BSND", rotary_mode="half")
+        q_pe, k_pe = q_pe.squeeze(0), k_pe.view(t, qk_rope_head_dim)
+    return q_nope.contiguous(), q_pe.contiguous(), c_kv.contiguous(), k_pe.contiguous()
+
+
+def _mla_attention(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
+                   *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, sparse_mode, block_size):
+    """Absorbed MLA: q_nope . W_uk -> attention over the latent cache (ckv, with q_pe/kpe as the rope
+    part) -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns [T, H, v_head_dim]."""
+    w = w_kv_b.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = w.split([qk_nope_head_dim, v_head_dim], dim=1)
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    o_lat = torch_npu.npu_fused_infer_attention_score(
+        q_lat, cache[0], cache[0], query_rope=q_pe, key_rope=cache[1], atten_mask=atten_mask,
+        actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv, block_table=block_table,
+        num_heads=num_heads, num_key_value_heads=1, scale=scale, input_layout="TND", sparse_mode=sparse_mode,
+        block_size=block_size)[0]
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+
+def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, residual, *,
+                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
+    """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
+
+    The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
+    happen here so the result does not depend on whether the kernel renormalises internally.
+    """
+    t = x.shape[0]
+    weights, ids, _ = torch_npu.npu_moe_gating_top_k(
+        F.linear(x.float(), w_router.float()), top_k, bias=w_bias.float(), k_group=topk_group, group_count=n_group,
+        group_select_mode=1, renorm=0, norm_type=1, routed_scaling_factor=1.0, eps=1e-20)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = (weights * routed_scaling_factor).to(x.dtype)
+    rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
+        x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
+        expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
+    gate = torch_npu.npu_grouped_matmul([rows], [w_gate.transpose(1, 2)], group_list=tokens_per_expert,
+                                        group_list_type=1, group_type=0, split_item=2)[0]
+    up = torch_npu.npu_grouped_matmul([rows], [w_up.transpose(1, 2)], group_list=tokens_per_expert,
+                                      group_list_type=1, group_type=0, split_item=2)[0]
+    act = torch_npu.npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
+    down = torch_npu.npu_grouped_matmul([act], [w_down.transpose(1, 2)], group_list=tokens_per_expert,
+                                        group_list_type=1, group_type=0, split_item=2)[0]
+    shared = None if w_shared_gate is None else _swiglu_mlp(x, w_shared_gate, w_shared_up, w_shared_down)
+    # residual + shared + sum_k weight_k * expert_k(x), unpermuted by row_idx
+    return torch_npu.npu_moe_finalize_routing(down, residual, shared, None, weights, row_idx, ids.int(),
+                                              drop_pad_mode=2)
