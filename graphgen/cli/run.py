@@ -61,6 +61,11 @@ def cmd_run(args) -> int:
         if not args.json:
             err(f"pool: {engine.stats['puts']} blocks committed, {engine.stats['put_failures']} put failures, "
                 f"{engine.stats['hit_blocks']} blocks hit")
+    ps = engine.connector.pool_stats()
+    if "master" in ps:  # a Mooncake pool (stderr, also with --json): each failure cost a recompute
+        err(f"mooncake pool {ps['master']}: {ps['errors']} errors, {ps['put_failures']} put failures, "
+            f"{ps['rejected']} rejected values, {ps.get('segment_full', 0)} segment full"
+            + (f", down ({ps['last_error']})" if ps.get("down") else ""))
     return EXIT_OK
 
 
@@ -73,7 +78,9 @@ def register(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=16)
     r.add_argument("--write", choices=("off", "sync", "async"), help="override pool.write")
     r.add_argument("--granularity", choices=("forward", "layer"), help="override pool.granularity")
-    r.add_argument("--pool", default="host", choices=("host",), help="pool backend (default: embedded host pool)")
+    r.add_argument("--pool", default="host", metavar="URL",
+                   help="pool backend: host (default, the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
+                        "(a Mooncake master, shared by processes; docs/mooncake.md)")
     r.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
     r.add_argument("--batch", action="store_true", help="batch the prompts instead of running them in order")
     r.add_argument("--faults", help="fault injection, e.g. save_delay=0.05,put_fail=0.5,seed=1 (docs/runtime.md)")

@@ -25,7 +25,7 @@ from .connector import KVConnector
 from .cpu import CpuRuntime, load_cpu_modules
 from .faults import Faults
 from .kvcache import BlockAllocator, PagedKVCache
-from .pool import HostPool, PoolBackend
+from .pool import PoolBackend
 from .runner import CpuModelRunner
 from .scheduler import Request, RequestResult, Scheduler, StepInputs, StepOutput
 
@@ -48,10 +48,10 @@ class Engine:
         self.block_size = spec.kv_cache.block_size
         self.collect_logits = collect_logits
         self.write = spec.pool.write
-        if isinstance(pool, str):
-            if pool != "host":
-                raise ValueError(f"unknown pool backend {pool!r}; available: host (or pass a PoolBackend)")
-            pool = HostPool(pool_capacity_bytes)
+        if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
+            from .pool_mooncake import make_pool
+
+            pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
         self.pool: PoolBackend = self.faults.wrap_pool(pool) if self.faults.active else pool
         shapes = ops.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), num_blocks, self.block_size)
         self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},

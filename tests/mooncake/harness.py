@@ -19,6 +19,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+ENGINE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_worker.py")
 SERVER = "graphgen.runtime.mooncake_server"
 
 
@@ -122,6 +123,18 @@ class Namespace:
         self.procs.append(w)
         assert w.call(op="open", master=master, opts=opts, timeout=30)["ok"]
         return w
+
+    def engine(self, pool: str, name="engine", **opts) -> Worker:
+        """An engine process on ``pool`` (a URL); ``opts``: spec, weights, write, granularity, faults."""
+        w = Worker(self.argv(sys.executable, ENGINE_WORKER), stdin=True, log=self._log(name))
+        self.procs.append(w)
+        assert w.call(op="open", pool=pool, timeout=60, **opts)["ok"]
+        return w
+
+    def run(self, *args, timeout: float = 90.0) -> subprocess.CompletedProcess:
+        """``graphgen ARGS`` (the CLI, as a user runs it) inside the namespace."""
+        return subprocess.run(self.argv(sys.executable, "-m", "graphgen", *args), env=_env(),
+                              capture_output=True, text=True, timeout=timeout)
 
     def close(self):
         for p in reversed(self.procs):

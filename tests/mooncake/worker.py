@@ -83,6 +83,21 @@ def main():
         elif op == "get":
             vals = pool.get_many(cmd["keys"]) if cmd.get("many") else [pool.get(k) for k in cmd["keys"]]
             reply(sha=[sha(v) for v in vals], dt=time.monotonic() - t0)
+        elif op == "fill":
+            # fill the segment: per size (largest first), put batches until the store refuses one;
+            # every stored value is read back at once (a read takes a lease, which blocks eviction)
+            stored, failed, n = 0, 0, 0
+            for size in cmd["sizes"]:
+                for _ in range(200):
+                    ks = [f"fill@{n + j}" for j in range(16)]
+                    n += 16
+                    ok = pool.put_many([(k, value_of(0, k, size)) for k in ks])
+                    pool.get_many([k for k, o in zip(ks, ok) if o])
+                    stored += ok.count(True)
+                    if not all(ok):
+                        failed += ok.count(False)
+                        break
+            reply(stored=stored, failed=failed, stats=pool.stats())
         elif op == "leading_run":
             reply(n=pool.leading_run(cmd["keys"]), dt=time.monotonic() - t0)
         elif op == "raw_put":

@@ -1,0 +1,71 @@
+"""An engine process driven by JSON lines on stdin (tests only; replies are ``@@{json}`` lines on
+stdout, anything else there is Mooncake's own output): one ``Engine`` on a pool URL, so two of
+these are two instances sharing (or not) a Mooncake master."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+
+
+def reply(**kw):
+    sys.stdout.write("@@" + json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+class _CountWarnings(logging.Handler):
+    """Counts warnings per logger so a test can check "logged once" (they still reach stderr)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.by_logger: dict[str, int] = {}
+        self.count_lock = threading.Lock()
+
+    def emit(self, record):
+        with self.count_lock:
+            self.by_logger[record.name] = self.by_logger.get(record.name, 0) + 1
+
+
+def main():
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1)      # a hung test can ask where it hangs
+    import torch
+    torch.set_num_threads(1)
+    from graphgen.runtime.engine import Engine
+    from graphgen.runtime.faults import Faults
+
+    warnings = _CountWarnings()
+    logging.getLogger().addHandler(warnings)
+    logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
+    eng = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "open":
+            faults = Faults.parse(cmd["faults"]) if cmd.get("faults") else None
+            eng = Engine.from_spec(cmd["spec"], cmd["weights"], pool=cmd["pool"], write=cmd.get("write"),
+                                   granularity=cmd.get("granularity"), faults=faults, num_blocks=64)
+            reply(ok=True)
+        elif op == "gen":
+            res = eng.generate(cmd["prompts"], cmd.get("n", 4), settle=cmd.get("settle", True))
+            if cmd.get("drain", True):
+                eng.drain()
+            reply(tokens=[r.tokens for r in res], hit=[r.hit_tokens for r in res],
+                  variant=[r.variant for r in res])
+        elif op == "drain":
+            eng.drain()
+            reply(ok=True)
+        elif op == "stats":
+            reply(engine=eng.stats, pool=eng.connector.pool_stats(), warnings=warnings.by_logger)
+        elif op == "exit":
+            reply(ok=True)
+            os._exit(0)     # Mooncake's close waits for a master that may be gone
+        else:
+            reply(error=f"unknown op {op}")
+
+
+if __name__ == "__main__":
+    main()
