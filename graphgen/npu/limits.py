@@ -6,17 +6,17 @@ source -- the torch-npu 2.14.0 wheel's kernel docs (``torch_npu/_op_plugin_docs.
 the wheel has no docstring, the hiascend page.  The CPU stand-in checks every row of an op before its
 kernel runs (``graphgen.npu.oplib``), and ``check_spec_limits`` checks a spec declaring the NPU target
 against the same rows.  Rows come from reading the docs; no row was confirmed on hardware.
+Torch-free at import (``graphgen validate`` is on the torch-free build path): dtypes are compared by
+name and tensors recognised by their ``dtype``/``shape`` attributes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import torch
-
 DOCS = "torch_npu/_op_plugin_docs.py"
 FIA = "npu_fused_infer_attention_score"
-HALF = (torch.float16, torch.bfloat16)
+HALF = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class KernelLimitError(ValueError):
 
 def value(x) -> int:
     """An int argument's value without installing a Dynamo guard (a SymInt's hint)."""
-    if isinstance(x, torch.SymInt) and x.node.hint is not None:
+    if type(x).__name__ == "SymInt" and x.node.hint is not None:
         return int(x.node.hint)
     return int(x)
 
@@ -58,8 +58,12 @@ def _ints(xs) -> list[int]:
     return [value(x) for x in (xs or [])]
 
 
-def _dtype(t) -> Optional[torch.dtype]:
-    return t.dtype if isinstance(t, torch.Tensor) else None
+def _tensor(t) -> bool:
+    return hasattr(t, "dtype") and hasattr(t, "shape")
+
+
+def _dtype(t) -> Optional[str]:
+    return str(t.dtype).removeprefix("torch.") if _tensor(t) else None
 
 
 def _query_lens(c: Call) -> list[int]:
@@ -80,7 +84,7 @@ def _multi_token(c: Call) -> bool:
 
 
 def _last(t) -> Optional[int]:
-    return t.shape[-1] if isinstance(t, torch.Tensor) else None
+    return t.shape[-1] if _tensor(t) else None
 
 
 def _moe_e(c: Call) -> int:
@@ -91,7 +95,7 @@ LIMITS: tuple[Limit, ...] = (
     # ------------------------------------------------------------------ fused_infer_attention_score
     Limit("fia.dtype", FIA, "query/key/value must be float16, bfloat16 or int8 (never float32)",
           f"{DOCS}:8065-8071",
-          lambda c: any(_dtype(c.args.get(n)) not in (*HALF, torch.int8) for n in ("query", "key", "value"))),
+          lambda c: any(_dtype(c.args.get(n)) not in (*HALF, "int8") for n in ("query", "key", "value"))),
     Limit("fia.pa.block_size", FIA, "page attention with query S > 1 needs block_size >= 128 and a multiple of 128",
           f"{DOCS}:8219",
           lambda c: _paged(c) and not _mla(c) and _multi_token(c)
@@ -99,8 +103,8 @@ LIMITS: tuple[Limit, ...] = (
     Limit("fia.sparse3.mask", FIA, "sparse_mode=3 needs the compressed 2048x2048 atten_mask (bool/int8/uint8)",
           f"{DOCS}:8081",
           lambda c: value(c.get("sparse_mode", 0)) == 3 and (
-              not isinstance(c.get("atten_mask"), torch.Tensor) or tuple(c.get("atten_mask").shape[-2:]) != (2048, 2048)
-              or c.get("atten_mask").dtype not in (torch.bool, torch.int8, torch.uint8))),
+              not _tensor(c.get("atten_mask")) or tuple(c.get("atten_mask").shape[-2:]) != (2048, 2048)
+              or _dtype(c.get("atten_mask")) not in ("bool", "int8", "uint8"))),
     Limit("fia.mla.query_len", FIA, "with query_rope (absorbed MLA) each sequence's query length must be 1..16",
           f"{DOCS}:8174-8176; v2 {DOCS}:8697-8699,8724",
           lambda c: _mla(c) and any(q > 16 for q in _query_lens(c))),
@@ -138,10 +142,10 @@ LIMITS: tuple[Limit, ...] = (
     Limit("rms_norm.gamma_dtype", "npu_rms_norm", "gamma's dtype must equal x's (float16/bfloat16/float32)",
           f"{DOCS}:3439",
           lambda c: _dtype(c.args.get("gamma")) != _dtype(c.args.get("x"))
-          or _dtype(c.args.get("x")) not in (*HALF, torch.float32)),
+          or _dtype(c.args.get("x")) not in (*HALF, "float32")),
     Limit("scatter_nd_update.indices", "npu_scatter_nd_update", "indices must be int32/int64 and at least 2-D",
           f"{DOCS}:6875-6900",
-          lambda c: _dtype(c.args.get("indices")) not in (torch.int32, torch.int64) or c.args["indices"].dim() < 2),
+          lambda c: _dtype(c.args.get("indices")) not in ("int32", "int64") or c.args["indices"].dim() < 2),
     Limit("scatter_nd_update.updates_shape", "npu_scatter_nd_update",
           "updates.shape must be indices.shape[:-1] + input.shape[indices.shape[-1]:]", f"{DOCS}:6875-6900",
           lambda c: tuple(c.args["updates"].shape) != tuple(c.args["indices"].shape[:-1])
@@ -149,7 +153,7 @@ LIMITS: tuple[Limit, ...] = (
     # ------------------------------------------------------------------ MoE
     Limit("moe_gating.bias_dtype", "npu_moe_gating_top_k", "x is float16/bfloat16/float32 and bias has x's dtype",
           f"{DOCS}:10816-10850",
-          lambda c: _dtype(c.args.get("x")) not in (*HALF, torch.float32)
+          lambda c: _dtype(c.args.get("x")) not in (*HALF, "float32")
           or (c.get("bias") is not None and _dtype(c.get("bias")) != _dtype(c.args.get("x")))),
     Limit("moe_gating.groups", "npu_moe_gating_top_k",
           "the expert count must divide into group_count groups and 1 <= k <= experts/group_count*k_group",
@@ -170,14 +174,14 @@ for _row in LIMITS:
 BY_KEY: dict[str, Limit] = {r.key: r for r in LIMITS}
 
 
-def violations(call: Call) -> list[Limit]:
-    """Rows of ``call.op`` that the call violates."""
-    return [row for row in BY_OP.get(call.op, ()) if row.violated(call)]
+def violations(call: Call, only=None) -> list[Limit]:
+    """Rows of ``call.op`` that the call violates (only the rows keyed in ``only`` when given)."""
+    return [row for row in BY_OP.get(call.op, ()) if (only is None or row.key in only) and row.violated(call)]
 
 
-def check_call(call: Call) -> None:
+def check_call(call: Call, only=None) -> None:
     """Raise :class:`KernelLimitError` naming every violated limit and its source."""
-    bad = violations(call)
+    bad = violations(call, only)
     if bad:
         lines = "; ".join(f"[{r.key}] {r.text} ({r.source})" for r in bad)
         raise KernelLimitError(f"torch_npu.{call.op}: call outside the documented kernel limits: {lines}")

@@ -37,7 +37,7 @@ NPU_OPS = ("npu_scatter_nd_update", "npu_scatter_nd_update_", "npu_scatter_pa_kv
 
 # Process-wide registration state (torch.library registrations cannot be undone cheaply, so they are
 # made once); also the limits switch and the compile mode the stand-in backend is tracing.
-_state: dict[str, Any] = {"installed": False, "libs": [], "enforce": True, "mode": None}
+_state: dict[str, Any] = {"installed": False, "libs": [], "enforce": True, "only": None, "mode": None}
 
 
 def _schema(manifest: dict, key: str) -> str:
@@ -45,14 +45,15 @@ def _schema(manifest: dict, key: str) -> str:
 
 
 @contextlib.contextmanager
-def enforce_limits(on: bool):
-    """Check (True, the default) or skip (False) the documented kernel limits inside the block."""
-    saved = _state["enforce"]
-    _state["enforce"] = on
+def enforce_limits(on: bool, only: Optional[set] = None):
+    """Check (True, the default) or skip (False) the documented kernel limits inside the block;
+    ``only``: check just these row keys (to show one row catches a call that breaks several)."""
+    saved = _state["enforce"], _state["only"]
+    _state["enforce"], _state["only"] = on, (set(only) if only is not None else None)
     try:
         yield
     finally:
-        _state["enforce"] = saved
+        _state["enforce"], _state["only"] = saved
 
 
 @contextlib.contextmanager
@@ -79,7 +80,7 @@ def _checked(op: str, kernel: Callable) -> Callable:
         if _state["enforce"] and limits.BY_OP.get(limit_op):
             bound = sig.bind_partial(*args, **kwargs).arguments
             extra = bound.pop("kw", None) or bound.pop("kwargs", None) or {}
-            limits.check_call(limits.Call(limit_op, {**bound, **extra}, _state["mode"]))
+            limits.check_call(limits.Call(limit_op, {**bound, **extra}, _state["mode"]), _state["only"])
         return kernel(*args, **kwargs)
     return run
 
