@@ -16,6 +16,45 @@ from types import ModuleType
 from typing import Any
 
 MODES = ("max-autotune", "reduce-overhead")
+# GE runs a graph with dynamic shapes single-stream unless this is set (torchair docs,
+# docs/zh/ascend_ir/features/advanced/multi_stream.md): with dynamic=True the length lists become
+# SymInt graph inputs, so it is set to keep the KV-save stream overlapped even if GE counts them.
+MULTI_STREAM_ENV = ("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM", "1")
+
+
+def mark_all_static(*trees) -> None:
+    """``torch._dynamo.mark_static`` on every dim of every tensor in ``trees`` (dicts, lists, tuples,
+    dataclasses): with ``dynamic=True`` only the Python ints (the length lists) stay symbolic, every
+    tensor shape is static, a new bucket compiles a new graph and nothing else does."""
+    import dataclasses
+
+    import torch
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            torch._dynamo.mark_static(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+    for t in trees:
+        walk(t)
+
+
+class StaticShapeForward:
+    """The compiled forward, called with every input tensor marked static first (see mark_all_static)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        mark_all_static(*args)
+        return self.compiled(*args)
 
 
 class NpuUnavailable(RuntimeError):
@@ -71,7 +110,7 @@ def _load(module_path_or_obj: Any) -> Any:
 
 
 def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: str | None = None, *,
-                   use_standin: bool = False, dynamic: bool = False):
+                   use_standin: bool = False, dynamic: bool = False, buckets: int | None = None):
     """Return ``(target, backend)`` where ``target.forward`` is the compiled forward.
 
     ``module_path_or_obj``: a path to a generated ``npu/<mode_dir>/<variant>.py`` (the module defines
@@ -101,6 +140,12 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
         target = getattr(obj, "model", None) or getattr(obj, "Model")()
     else:
         target = obj
+    if buckets is not None:
+        import os
+
+        dynamic = True
+        os.environ.setdefault(*MULTI_STREAM_ENV)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 1)
     cfg = torchair.CompilerConfig()
     cfg.mode = mode
     backend = torchair.get_npu_backend(compiler_config=cfg)
@@ -110,4 +155,6 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
                                                           cache_dir=str(cache_dir))
     else:
         target.forward = torch.compile(target.forward, backend=backend, fullgraph=True, dynamic=dynamic)
+    if buckets is not None:
+        target.forward = StaticShapeForward(target.forward)
     return target, backend

@@ -33,8 +33,18 @@ class NpuStepInputs:
 
 
 def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
-                    block_size: int, save_block_ids=None, decode: bool = False, device=None) -> NpuStepInputs:
-    """NPU step inputs from the CPU runtime's (design.md) host quantities."""
+                    block_size: int, save_block_ids=None, decode: bool = False, device=None,
+                    pad: Optional["StepPadding"] = None) -> NpuStepInputs:
+    """NPU step inputs from the CPU runtime's (design.md) host quantities.
+
+    ``pad`` (a :class:`StepPadding`) pads the step to a shape bucket so every tensor has a static
+    shape per bucket (graphgen.npu.bucketing): padding sequences are appended whose tokens write and
+    read only the reserved ``pad.pad_block``; block tables get ``pad.max_blocks`` columns (filled with
+    the pad block), saves ``pad.save_rows`` rows (the pad block repeated)."""
+    if pad is not None:
+        (input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
+         save_block_ids) = pad.apply(input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens,
+                                     logits_indices, save_block_ids, block_size)
     dev = device or torch.device("cpu")
     slots = torch.as_tensor(slot_mapping, dtype=torch.int64)
     ql = [int(x) for x in torch.as_tensor(query_lens).tolist()]
@@ -52,6 +62,51 @@ def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_len
         save_block_ids=None if save is None else save.to(dev),
         save_rows=None if save is None else torch.arange(save.numel(), dtype=torch.int64).view(-1, 1).to(dev),
     )
+
+
+@dataclass(frozen=True)
+class StepPadding:
+    """Pad one step to a bucket: ``batch`` sequences, ``tokens`` tokens, ``max_blocks`` table columns.
+
+    Padding sequences (``batch - B`` of them, at least one token each; the first takes the surplus
+    tokens) have no history: kv_len = q_len, every table entry and every slot in ``pad_block``, a block
+    the caller reserves and never hands to a real sequence.  So padding never touches a real block,
+    keeps ``actual_seq_lengths_kv >= q_len`` (sparse_mode 3) and stays inside the kernels' limits."""
+
+    batch: int
+    tokens: int
+    max_blocks: int
+    pad_block: int
+    save_rows: int = 0
+
+    def apply(self, ids, pos, slots, tables, seq_lens, qlens, logit_idx, save, bs):
+        ids, pos, slots = list(ids), list(pos), list(slots)
+        tables = [list(t) + [self.pad_block] * (self.max_blocks - len(t)) for t in tables]
+        seq_lens, qlens, logit_idx = list(seq_lens), [int(q) for q in qlens], list(logit_idx)
+        n_pad_seqs, n_pad_tokens = self.batch - len(qlens), self.tokens - len(ids)
+        if n_pad_seqs < 0 or any(len(t) > self.max_blocks for t in tables):
+            raise ValueError(f"step does not fit the bucket (batch {len(qlens)} > {self.batch} or a table is "
+                             f"longer than {self.max_blocks} blocks)")
+        if (n_pad_seqs == 0) != (n_pad_tokens == 0) or n_pad_tokens < n_pad_seqs:
+            raise ValueError(f"bucket (batch {self.batch}, tokens {self.tokens}) cannot pad a step of "
+                             f"{len(qlens)} sequences / {len(ids)} tokens: each padding sequence needs a token")
+        for i in range(n_pad_seqs):
+            q = n_pad_tokens - (n_pad_seqs - 1) if i == 0 else 1
+            if (q + bs - 1) // bs > self.max_blocks:
+                raise ValueError(f"padding sequence of {q} tokens needs more than {self.max_blocks} blocks")
+            ids += [0] * q
+            pos += list(range(q))
+            slots += [self.pad_block * bs + p % bs for p in range(q)]
+            tables.append([self.pad_block] * self.max_blocks)
+            seq_lens.append(q)
+            qlens.append(q)
+            logit_idx.append(len(ids) - 1)
+        if save is not None:
+            save = list(save)
+            if len(save) > self.save_rows:
+                raise ValueError(f"{len(save)} blocks to save > {self.save_rows} staging rows")
+            save += [self.pad_block] * (self.save_rows - len(save))
+        return ids, pos, slots, tables, seq_lens, qlens, logit_idx, save
 
 
 def rope_cache(rope: dict, max_positions: int, device=None, dtype=torch.float32) -> torch.Tensor:

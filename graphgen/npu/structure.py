@@ -43,8 +43,13 @@ class Traced:
         return problems
 
 
-def trace(module_path: str | Path, spec, source: Optional[str] = None) -> Traced:
-    """Load (with fresh tagged-event tags), compile with the stand-in, run one sample step."""
+def trace(module_path: str | Path, spec, source: Optional[str] = None, *, check_limits: bool = False) -> Traced:
+    """Load (with fresh tagged-event tags), compile with the stand-in, run one sample step.
+
+    ``check_limits``: enforce the documented kernel limits (``graphgen.npu.limits``).  Off by default
+    because this is a STRUCTURE check and the tiny test specs (float32, block size 4, head_dim 16) are
+    outside the hardware envelope by construction; ``graphgen.npu.bucketing.run_standin_loop`` and the
+    limits tests trace with them on."""
     import torch
 
     from . import standin
@@ -54,7 +59,7 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None) -> Traced
     if not standin.install():
         raise RuntimeError("torch_npu is installed: use the real torchair, not the CPU stand-in")
     try:
-        with standin.fresh_tags():
+        with standin.enforce_limits(check_limits), standin.fresh_tags():
             mod = load_module(Path(module_path), source)
             target, backend = compile_module(mod, mod.COMPILE_MODE, use_standin=True)
         meta = mod.META
@@ -63,7 +68,7 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None) -> Traced
                                  staging_rows=NUM_BLOCKS if meta["saves"] else 0)
         W = random_weights(spec, rope=mod.ROPE)
         torch._dynamo.reset()
-        with torch.no_grad():
+        with torch.no_grad(), standin.enforce_limits(check_limits):
             logits = target.forward(W, b, kv, staging)
     finally:
         standin.uninstall()

@@ -1,0 +1,89 @@
+"""Compile once per shape bucket (audit risk 1), on the CPU stand-in with the kernel limits ENFORCED.
+
+Uses a hardware-shaped tiny Qwen3 (tests/npu/data/hw_tiny_qwen3.yaml: bf16, head_dim 128, block 128),
+generated in memory.  Counts Dynamo/AOT graphs -- what each GE compile / aclgraph capture would cost on
+an NPU; says nothing about GE itself.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from graphgen.modelspec.loader import load_spec  # noqa: E402
+from graphgen.npu import standin  # noqa: E402
+from graphgen.npu.bucketing import Buckets, LoopResult, bucketed_step, report, run_standin_loop  # noqa: E402
+
+pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
+SPEC = load_spec(Path(__file__).parent / "data/hw_tiny_qwen3.yaml")
+
+
+def _setup(variant, buckets):
+    from graphgen.lower.compile import compile_variant
+    from graphgen.npu.compile import compile_module, load_module
+    from graphgen.npu.inputs import ROPE_CACHE_KEY, kv_buffers, random_weights, rope_cache
+
+    assert standin.install()
+    mod = load_module(Path(f"hw/{variant}.py"), compile_variant(SPEC, variant, "npu", mode="max-autotune"))
+    W = {k: t.to(torch.bfloat16) for k, t in random_weights(SPEC).items()}
+    W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, 512, dtype=torch.bfloat16)
+    kv, staging = kv_buffers(mod, SPEC.dims.num_hidden_layers, 9, staging_rows=buckets.save_rows if mod.META["saves"] else 0)
+    return mod, W, kv, staging, compile_module, load_module
+
+
+def test_decode_loop_with_growing_lengths_compiles_once_per_bucket():
+    """Appendix C of the audit, adapted: 12 decode steps, growing lengths, batch 2 -> one bucket, one graph;
+    then batch 3 and 1 -> two more buckets, two more graphs.  No FailOnRecompileLimitHit."""
+    bk = Buckets()
+    mod, W, kv, staging, compile_module, _ = _setup("decode", bk)
+    torch._dynamo.reset()
+    target, backend = compile_module(mod, use_standin=True, buckets=bk.count("decode"))
+    hist = [5, 130]
+    with torch.no_grad():
+        for step in range(12):
+            b, _ = bucketed_step(mod, SPEC, bk, [(h, 1) for h in hist], seed=step)
+            target.forward(W, b, kv, staging)
+            hist = [h + 1 for h in hist]
+        assert len(backend.graphs) == 1
+        for seqs in ([(7, 1), (8, 1), (9, 1)], [(3, 1)]):
+            target.forward(W, bucketed_step(mod, SPEC, bk, seqs)[0], kv, staging)
+    assert len(backend.graphs) == 3
+
+
+def test_negative_control_the_old_strategy_recompiles_every_step():
+    """compile_module without buckets (dynamic=False, lists guarded by value): a new graph per decode step."""
+    bk = Buckets()
+    mod, W, kv, staging, compile_module, _ = _setup("decode", bk)
+    torch._dynamo.reset()
+    target, backend = compile_module(mod, use_standin=True)
+    hist = [5, 130]
+    with torch.no_grad():
+        for step in range(3):
+            target.forward(W, bucketed_step(mod, SPEC, bk, [(h, 1) for h in hist], seed=step)[0], kv, staging)
+            hist = [h + 1 for h in hist]
+    assert len(backend.graphs) == 3
+
+
+def test_prefill_of_varying_lengths_in_one_bucket_compiles_once():
+    bk = Buckets()
+    mod, W, kv, staging, compile_module, _ = _setup("mempool_prefill", bk)
+    torch._dynamo.reset()
+    target, backend = compile_module(mod, use_standin=True, buckets=bk.count("prefill"))
+    with torch.no_grad():
+        for seqs in ([(0, 20)], [(0, 33), (0, 7)], [(0, 1), (0, 50)], [(0, 60)]):
+            target.forward(W, bucketed_step(mod, SPEC, bk, seqs)[0], kv, staging)
+    assert len(backend.graphs) == 1  # all <= 64 tokens with padding: bucket 64
+
+
+def test_mixed_loop_never_compiles_more_graphs_than_buckets():
+    results = run_standin_loop(SPEC, ["decode", "splitfuse"], steps=10)
+    assert {(r.variant, r.mode) for r in results} == {("decode", "max-autotune"), ("splitfuse", "max-autotune")}
+    assert all(1 <= r.compilations <= r.buckets for r in results), results
+    lines = []
+    assert report(results, lines.append) == 0 and "nothing ran on an NPU" in lines[-1]
+
+
+def test_report_exits_1_when_a_variant_compiled_more_graphs_than_buckets():
+    assert report([LoopResult("decode", "max-autotune", 24, 5, 4)], lambda s: None) == 1

@@ -1,0 +1,169 @@
+"""The kernels' documented limits (graphgen.npu.limits) as the CPU stand-in enforces them.
+
+Each row: a conforming call runs, the same call with ONE argument moved outside the row's limit raises
+KernelLimitError naming that row and its source.  The calls go through torch.ops.npu (the registered
+stand-in ops), so this proves the table is wired into the kernels, not just that the predicates work.
+The limits are the docs' words as we read them; nothing here shows the real kernels enforce them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from graphgen.npu import limits, oplib, standin  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
+BF = torch.bfloat16
+MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _installed():
+    assert standin.install()
+
+
+def fia_gqa(q_lens=(2, 1), bs=128, dtype=BF, d=128, mode=3):
+    t = sum(q_lens)
+    cum = [sum(q_lens[:i + 1]) for i in range(len(q_lens))]
+    return ("npu_fused_infer_attention_score",
+            (torch.randn(t, 4, d, dtype=dtype), torch.randn(4, bs, 2 * d, dtype=dtype), torch.randn(4, bs, 2 * d, dtype=dtype)),
+            dict(atten_mask=MASK if mode == 3 else None, actual_seq_lengths=cum, actual_seq_lengths_kv=[q + 3 for q in q_lens],
+                 block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)[:len(q_lens)], num_heads=4,
+                 num_key_value_heads=2, scale=0.1, input_layout="TND", sparse_mode=mode, block_size=bs))
+
+
+def fia_mla(q_lens=(1, 1), heads=32, d=512, rope=64, bs=128):
+    t = sum(q_lens)
+    cum = [sum(q_lens[:i + 1]) for i in range(len(q_lens))]
+    ckv = torch.randn(4, bs, d, dtype=BF)
+    multi = any(q > 1 for q in q_lens)
+    return ("npu_fused_infer_attention_score", (torch.randn(t, heads, d, dtype=BF), ckv, ckv),
+            dict(query_rope=torch.randn(t, heads, rope, dtype=BF), key_rope=torch.randn(4, bs, rope, dtype=BF),
+                 atten_mask=MASK if multi else None, actual_seq_lengths=cum,
+                 actual_seq_lengths_kv=[q + 2 for q in q_lens],
+                 block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)[:len(q_lens)], num_heads=heads,
+                 num_key_value_heads=1, scale=0.1, input_layout="TND", sparse_mode=3 if multi else 0, block_size=bs))
+
+
+def rope(d=128, cos_dtype=BF):
+    return ("npu_apply_rotary_pos_emb", (torch.randn(1, 3, 4, d, dtype=BF), torch.randn(1, 3, 2, d, dtype=BF),
+                                         torch.randn(1, 3, 1, d, dtype=cos_dtype), torch.randn(1, 3, 1, d, dtype=cos_dtype)),
+            dict(layout="BSND", rotary_mode="half"))
+
+
+def irope(d=64, dtype=BF, cos_dtype=BF):
+    return ("npu_interleave_rope", (torch.randn(3, 2, 1, d, dtype=dtype), torch.randn(3, 1, 1, d, dtype=cos_dtype),
+                                    torch.randn(3, 1, 1, d, dtype=cos_dtype)), {})
+
+
+def rms(gamma_dtype=BF):
+    return ("npu_rms_norm", (torch.randn(3, 8, dtype=BF), torch.ones(8, dtype=gamma_dtype), 1e-6), {})
+
+
+def scatter(idx_dtype=torch.int64, rows=3):
+    return ("npu_scatter_nd_update", (torch.zeros(4, 8, 6, dtype=BF), torch.tensor([[0, 1], [2, 3], [3, 7]], dtype=idx_dtype),
+                                      torch.randn(rows, 6, dtype=BF)), {})
+
+
+def gating(bias_dtype=torch.float32, k=8, groups=8, k_group=4):
+    return ("npu_moe_gating_top_k", (torch.randn(3, 256), k),
+            dict(bias=torch.randn(256, dtype=bias_dtype), k_group=k_group, group_count=groups, group_select_mode=1,
+                 renorm=0, norm_type=1, routed_scaling_factor=1.0, eps=1e-20))
+
+
+def finalize(mode=2):
+    rows = torch.randn(6, 8)
+    return ("npu_moe_finalize_routing", (rows, torch.randn(3, 8), None, None, torch.rand(3, 2),
+                                         torch.arange(6, dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32), mode), {})
+
+
+def _call(c, mode=None):
+    op, args, kw = c
+    with oplib.tracing_mode(mode):
+        return getattr(torch.ops.npu, op)(*args, **kw)
+
+
+# row key -> (conforming call, violating call[, compile mode])
+CASES = {
+    "fia.dtype": (fia_gqa(), fia_gqa(dtype=torch.float32)),
+    "fia.pa.block_size": (fia_gqa(), fia_gqa(bs=64)),
+    "fia.sparse3.mask": (fia_gqa(), fia_gqa()[:2] + ({**fia_gqa()[2], "atten_mask": MASK[:1024, :1024]},)),
+    "fia.mla.query_len": (fia_mla(q_lens=(16, 1)), fia_mla(q_lens=(17, 1))),
+    "fia.mla.num_heads": (fia_mla(), fia_mla(heads=16)),
+    "fia.mla.latent_dim": (fia_mla(), fia_mla(d=256)),
+    "fia.mla.rope_dim": (fia_mla(), fia_mla(rope=32)),
+    "fia.mla.block_size": (fia_mla(bs=16), fia_mla(bs=64)),
+    "fia.tnd.reduce_overhead": ((fia_mla(), "reduce-overhead"), (fia_gqa(), "reduce-overhead")),
+    "rope.head_dim": (rope(), rope(d=32)),
+    "rope.same_dtype": (rope(), rope(cos_dtype=torch.float32)),
+    "interleave_rope.dim": (irope(), irope(d=32)),
+    "interleave_rope.dtype": (irope(), irope(cos_dtype=torch.float32)),
+    "rms_norm.gamma_dtype": (rms(), rms(gamma_dtype=torch.float32)),
+    "scatter_nd_update.indices": (scatter(), scatter(idx_dtype=torch.int16)),
+    "scatter_nd_update.updates_shape": (scatter(), scatter(rows=2)),
+    "moe_gating.bias_dtype": (gating(), gating(bias_dtype=BF)),
+    "moe_gating.groups": (gating(), gating(groups=7)),
+    "moe_gating.k_max": (gating(k=32, k_group=8), gating(k=33, k_group=8)),
+    "moe_finalize.drop_pad_mode": (finalize(0), finalize(1)),
+}
+
+
+def test_every_row_has_a_case():
+    assert set(CASES) == {r.key for r in limits.LIMITS}
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_row_rejects_the_violating_call_and_passes_the_conforming_one(key):
+    good, bad = CASES[key]
+    good, gmode = good if isinstance(good[1], str) else (good, None)
+    bad, bmode = bad if isinstance(bad[1], str) else (bad, None)
+    _call(good, gmode)
+    row = limits.BY_KEY[key]
+    with pytest.raises(limits.KernelLimitError) as e:
+        _call(bad, bmode)
+    assert f"[{key}]" in str(e.value) and row.source in str(e.value)
+
+
+def test_limits_checked_on_meta_tensors_too():
+    """The check runs while Dynamo/AOT trace (fake/meta tensors), not only when the CPU kernel runs."""
+    op, args, kw = rope(d=32)
+    with pytest.raises(limits.KernelLimitError, match="rope.head_dim"):
+        torch.ops.npu.npu_apply_rotary_pos_emb(*(a.to("meta") for a in args), **kw)
+
+
+def test_enforce_limits_off_is_explicit():
+    with oplib.enforce_limits(False):
+        _call(rope(d=32))
+    with pytest.raises(limits.KernelLimitError):
+        _call(rope(d=32))
+
+
+def test_old_absorbed_mla_prefill_with_more_than_16_tokens_is_rejected_by_the_standin():
+    """The generated tiny_deepseek_v3 prefill (absorbed MLA through FIA for every phase) with a 20-token
+    prompt fails under the stand-in, naming the MLA query-length limit: the stand-in would have caught
+    the old lowering.  The tiny spec breaks other rows first (float32, RoPE D, heads), so only the query-length
+row is enforced here: that row alone catches it."""
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.npu.compile import compile_module, load_module
+    from graphgen.npu.inputs import kv_buffers, random_weights, tiny_step
+
+    spec = load_spec(ROOT / "specs/tiny_deepseek_v3.yaml")
+    with standin.fresh_tags():
+        mod = load_module(ROOT / "generated/tiny_deepseek_v3/npu/max_autotune/mempool_prefill.py")
+        target, _ = compile_module(mod, use_standin=True)
+    b = tiny_step(mod, spec, [(0, 20)], num_blocks=8)
+    kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, 8, staging_rows=8)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as e, torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
+        target.forward(random_weights(spec, rope=mod.ROPE), b, kv, staging)
+    msg = str(e.value)
+    assert "[fia.mla.query_len]" in msg and "_op_plugin_docs.py:8174-8176" in msg, msg
+    # control: 16 tokens is inside the limit and the same module runs
+    b = tiny_step(mod, spec, [(0, 16)], num_blocks=8)
+    torch._dynamo.reset()
+    with torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
+        target.forward(random_weights(spec, rope=mod.ROPE), b, kv, staging)

@@ -1,0 +1,63 @@
+"""check_spec_limits: a spec declaring the NPU target is checked against the kernels' documented limits.
+
+Each case edits ONE field of a shipped full-size spec (which passes: the control) and loads the text
+with the real spec loader; the check must report that field, the limit row and its wheel-doc source.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from graphgen.modelspec.loader import parse_spec_text
+from graphgen.npu.limits import BY_KEY
+from graphgen.npu.speclimits import check_spec_limits
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN = (ROOT / "specs/qwen3_32b.yaml").read_text()
+DSV3 = (ROOT / "specs/deepseek_v3_1.yaml").read_text()
+
+
+def _edit(text: str, key: str, new: str) -> str:
+    out, n = re.subn(rf"(?m)^(\s*{re.escape(key)}:)\s*\S.*$", rf"\1 {new}", text, count=1)
+    assert n == 1, key
+    return out
+
+
+def test_full_size_specs_are_inside_the_documented_limits():
+    assert check_spec_limits(parse_spec_text(QWEN, "qwen3_32b.yaml")) == []
+    assert check_spec_limits(parse_spec_text(DSV3, "deepseek_v3_1.yaml")) == []
+
+
+CASES = [  # (base, key, new value, field path, limit row)
+    ("qwen", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
+    ("dsv3", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
+    ("qwen", "block_size", "64", "kv_cache.block_size", "fia.pa.block_size"),
+    ("qwen", "block_size", "192", "kv_cache.block_size", "fia.pa.block_size"),
+    ("dsv3", "block_size", "64", "kv_cache.block_size", "fia.mla.block_size"),
+    ("qwen", "head_dim", "96", "dims.head_dim", "rope.head_dim"),
+    ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "interleave_rope.dim"),
+    ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
+    ("dsv3", "kv_lora_rank", "256", "dims.kv_lora_rank", "fia.mla.latent_dim"),
+    ("dsv3", "num_attention_heads", "16", "dims.num_attention_heads", "fia.mla.num_heads"),
+    ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
+     "fia.tnd.reduce_overhead"),
+    ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
+]
+
+
+@pytest.mark.parametrize("base,key,new,path,row", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[4]}" for c in CASES])
+def test_spec_outside_a_limit_is_reported(base, key, new, path, row):
+    text = _edit(QWEN if base == "qwen" else DSV3, key, new)
+    spec = parse_spec_text(text, f"{base}.yaml")
+    found = check_spec_limits(spec)
+    hits = [f for f in found if f[0] == path and f"[{row}]" in f[1]]
+    assert hits, found
+    assert hits[0][2] == BY_KEY[row].source and new.split(",")[0].strip("[") in hits[0][1]
+
+
+def test_spec_without_the_npu_target_is_not_checked():
+    text = QWEN.replace("  npu:\n    compile_modes: [max-autotune]\n", "")
+    assert "npu:" not in text.split("targets:")[1]
+    assert check_spec_limits(parse_spec_text(_edit(text, "dtype", "float32"), "q.yaml")) == []
