@@ -66,7 +66,10 @@ def helpers():
         pytest.skip("real torch_npu installed; stand-in not used")
     standin.install()
     sys.modules.pop("graphgen.lower.npu_helpers", None)
-    yield importlib.import_module("graphgen.lower.npu_helpers")
+    # These tests compare the helpers' algebra with the runtime ops at small float32 shapes, which the
+    # documented kernel limits reject (head dim 16, fp32); the limits have their own tests (tests/npu).
+    with standin.enforce_limits(False):
+        yield importlib.import_module("graphgen.lower.npu_helpers")
     sys.modules.pop("graphgen.lower.npu_helpers", None)
     standin.uninstall()
 
