@@ -124,15 +124,18 @@ def test_pinned_blocks_of_a_finished_request_are_not_handed_out():
     assert a.table == [] and alloc.num_free == 2
     b = req(2, 8, max_new=1)
     s.add(b)
-    s.schedule()
+    bstep = s.schedule()
     assert not set(b.table) & set(held)
     c = req(3, 4, max_new=1)
     s.add(c)
-    with pytest.raises(OutOfBlocks):        # nothing pending to reclaim: the error is real
-        s.schedule()
+    assert s.schedule() is None             # b holds the free blocks, a's are pinned: c waits
+    assert c in s.prefill and c.table == [] and not c.finished
+    s.update(bstep, answer(bstep))          # b finishes: its blocks (not a's) come back
+    cstep = s.schedule()
+    assert cstep.requests == (c,) and not set(c.table) & set(held)
     s.abort_all()
     alloc.unpin(held)
-    assert alloc.num_free == 4              # b's and c's blocks came back with the abort
+    assert alloc.num_free == 4              # c's blocks came back with the abort, a's with the unpin
 
 
 def test_out_of_blocks_asks_reclaim_before_failing():
