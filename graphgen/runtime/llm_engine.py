@@ -55,7 +55,8 @@ class LLMEngine:
     ``sample_fn(logits_rows, requests) -> token ids`` (default: `greedy`; a request's ``params`` is
     what ``add_request`` was given). ``eos_token_id``: a stop token for every request (unless its
     params say ``ignore_eos``). ``timeline``: a list to append ``(what, step_no, t_start, t_end)``
-    spans to (``"schedule"`` on the caller's thread, ``"forward"`` where the forward runs)."""
+    spans to (``"schedule"`` on the caller's thread, ``"forward"`` where the forward runs; with async
+    scheduling ``"launch"``, an instant: the step queued on the forward thread)."""
 
     def __init__(self, scheduler, connector, runner, *, vocab_size: int, async_scheduling: bool = False,
                  sample_fn: Optional[SampleFn] = None, eos_token_id: Optional[int] = None,
@@ -179,6 +180,7 @@ class LLMEngine:
         if self._forward is None:
             self._forward = Stream("forward")
         save = self._prepare_save(step)
+        self._span("launch", sid, time.perf_counter())
         self._inflight = (step, save, self._forward.launch(self._execute, step, save, sid))
 
     def _wait(self, save, job: Job):
