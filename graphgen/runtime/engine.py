@@ -6,9 +6,10 @@
 * `CpuModelRunner` (``runner.py``): binds events, runs one generated module, returns
   `StepHandles` (logits, save job, save event).
 
-One step: ``schedule()`` -> ``prepare_save`` (pin, staging) -> ``execute`` -> ``handoff`` (commit
-after the save's event: inline for sync, on the host stream for async) -> ``update`` with the
-sampled tokens. See docs/runtime.md.
+One step (`LLMEngine.step`, ``llm_engine.py``): ``schedule()`` -> ``prepare_save`` (pin, staging)
+-> ``execute`` -> ``handoff`` (commit after the save's event: inline for sync, on the host stream
+for async) -> ``update`` with the sampled tokens. ``generate`` is a loop over that step API
+(``Engine.llm``); a server drives ``Engine.llm`` directly. See docs/runtime.md.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from .connector import KVConnector
 from .cpu import CpuRuntime, load_cpu_modules
 from .faults import Faults
 from .kvcache import BlockAllocator, PagedKVCache
+from .llm_engine import LLMEngine
 from .pool import PoolBackend
+from .request import RequestResult, StepInputs
 from .runner import CpuModelRunner
-from .scheduler import Request, RequestResult, Scheduler, StepInputs, StepOutput
+from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Scheduler
 
 __all__ = ["Engine", "RequestResult", "StepInputs", "DEFAULT_POOL_BYTES"]
 
@@ -41,7 +44,8 @@ class Engine:
                  pool_capacity_bytes: int = DEFAULT_POOL_BYTES, num_blocks: int = 512,
                  faults: Optional[Faults] = None, generated_dir: Optional[Path] = Path("generated"),
                  source_hook: Optional[Callable[[str, str], str]] = None, collect_logits: bool = False,
-                 event_timeout: float = 120.0):
+                 event_timeout: float = 120.0, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False):
         self.spec = spec
         self.faults = faults or Faults()
         self.dtype = getattr(torch, spec.kv_cache.dtype)
@@ -62,7 +66,10 @@ class Engine:
         weights = {k: v.to(self.dtype) for k, v in weights.items()}
         self.runner = CpuModelRunner(modules, weights, self.cache, self.rt, event_timeout=event_timeout)
         self.connector = KVConnector(self.pool, self.cache, self.alloc, model=spec.name, write=self.write)
-        self.scheduler = Scheduler(spec, self.alloc, self.connector, reclaim=self.connector.wait_oldest)
+        self.scheduler = Scheduler(spec, self.alloc, self.connector, reclaim=self.connector.wait_oldest,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.llm = LLMEngine(self.scheduler, self.connector, self.runner, vocab_size=spec.dims.vocab_size,
+                             async_scheduling=async_scheduling, collect_logits=collect_logits)
 
     @classmethod
     def from_spec(cls, spec_path, weights=None, *, write: Optional[str] = None, granularity: Optional[str] = None,
@@ -97,11 +104,15 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, *,
                  batch: bool = False, settle: bool = True) -> list[RequestResult]:
-        """Greedy generation. ``batch=False``: prompts run one after another; with ``settle`` (default)
-        each prompt's saves are committed before the next prompt looks up the pool, so a repeated
-        prompt deterministically hits (its own TTFT clock starts after that wait; an async save still
-        never delays the first token of the prompt that made it). ``batch=True``: prefills grouped by
-        variant, decode together."""
+        """Greedy generation (a loop over ``self.llm``'s step API). ``batch=False``: prompts run one
+        after another; with ``settle`` (default) each prompt's saves are committed before the next
+        prompt looks up the pool, so a repeated prompt deterministically hits (its own TTFT clock
+        starts after that wait; an async save still never delays the first token of the prompt
+        that made it). ``batch=True``: all prompts at once, continuously batched (prefills grouped
+        by variant, decodes together, within ``max_num_seqs`` / ``max_num_batched_tokens``; when
+        blocks run out the newest request is preempted and recomputed later). A prompt that cannot
+        fit in the cache even alone raises `OutOfBlocks` (every request's blocks are given back).
+        Not to be mixed with requests added to ``self.llm`` directly."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         for p in prompts:
@@ -114,35 +125,18 @@ class Engine:
         for i, group in enumerate(groups):
             if i and settle:
                 self.drain()
-            reqs = [Request(RequestResult(prompt=list(p)), max_new_tokens) for p in group]
-            for r in reqs:
-                self.scheduler.add(r)
-            self._run_until_idle()
+            reqs = [self.llm.add_request(None, list(p), max_tokens=max_new_tokens) for p in group]
+            while self.llm.has_work():
+                self.llm.step()
+                failed = next((r for r in reqs if r.finish_reason == "error"), None)
+                if failed is not None:
+                    # e.g. OutOfBlocks: a prompt longer than the cache. Blocks taken must not leak,
+                    # or the engine stays short of blocks for good (pinned ones come back with
+                    # their commit)
+                    self.llm.abort_all()
+                    raise failed.error
             results.extend(r.result for r in reqs)
         return results
-
-    def _run_until_idle(self) -> None:
-        try:
-            while (step := self.scheduler.schedule()) is not None:
-                save = self.connector.prepare_save(step.save_block_ids, step.save_keys) if step.saves else None
-                try:
-                    handles = self.runner.execute(step.variant, step.inputs, save.staging if save else None)
-                except BaseException:
-                    if save is not None:
-                        self.connector.cancel(save)
-                    raise
-                if save is not None:
-                    self.connector.handoff(save, handles.save_job, handles.save_done)
-                logits = handles.logits
-                self.scheduler.update(step, StepOutput(tuple(logits.argmax(-1).tolist()),
-                                                       logits if self.collect_logits else None))
-        except BaseException:
-            # e.g. OutOfBlocks for the 2nd request of a batch: blocks taken must not leak, or the
-            # engine stays short of blocks for good (pinned ones come back when their commit lands)
-            self.scheduler.abort_all()
-            raise
-        finally:
-            self.connector.reap()
 
     def drain(self, timeout: Optional[float] = None) -> None:
         """Wait until every pending save has been committed to the pool (or failed; failures are
@@ -151,6 +145,7 @@ class Engine:
 
     def close(self) -> None:
         try:
+            self.llm.close()
             self.connector.close()
         finally:
             self.rt.close()

@@ -13,17 +13,21 @@ from graphgen.runtime.engine import Engine
 from graphgen.runtime.kvcache import OutOfBlocks
 
 
-def test_out_of_blocks_in_a_batch_does_not_leak_blocks(qwen):
-    # 4 blocks: each 9-token prompt needs 3, so the batch's second prompt cannot be placed. The
-    # first prompt's blocks must go back to the allocator, or the engine is short of blocks for good.
-    a, b = [1] * 9, [2] * 9
+def test_a_batch_larger_than_the_cache_waits_and_one_that_never_fits_does_not_leak(qwen):
+    # 4 blocks: each 9-token prompt needs 3, so the batch's second prompt cannot be placed while the
+    # first runs: it waits for the first one's blocks (continuous batching), then runs. A prompt
+    # that needs more blocks than the cache has fails with OutOfBlocks, and every block taken goes
+    # back to the allocator, or the engine is short of blocks for good.
+    a, b, huge = [1] * 9, [2] * 9, [3] * 17
     with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="off") as fresh:
-        want = fresh.generate([a], 2)[0].tokens
+        want = [r.tokens for r in fresh.generate([a, b], 2)]
     with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="off", num_blocks=4) as eng:
-        with pytest.raises(OutOfBlocks):
-            eng.generate([a, b], 2, batch=True)
+        assert [r.tokens for r in eng.generate([a, b], 2, batch=True)] == want
         assert eng.alloc.num_free == 4
-        assert eng.generate([a], 2)[0].tokens == want
+        with pytest.raises(OutOfBlocks):
+            eng.generate([a, huge], 2, batch=True)
+        assert eng.alloc.num_free == 4
+        assert eng.generate([a], 2)[0].tokens == want[0]
 
 
 def test_weights_of_another_family_are_refused_before_running(dsv3):

@@ -124,15 +124,18 @@ def test_pinned_blocks_of_a_finished_request_are_not_handed_out():
     assert a.table == [] and alloc.num_free == 2
     b = req(2, 8, max_new=1)
     s.add(b)
-    s.schedule()
+    bstep = s.schedule()
     assert not set(b.table) & set(held)
     c = req(3, 4, max_new=1)
     s.add(c)
-    with pytest.raises(OutOfBlocks):        # nothing pending to reclaim: the error is real
-        s.schedule()
+    assert s.schedule() is None             # b holds the free blocks, a's are pinned: c waits
+    assert c in s.prefill and c.table == [] and not c.finished
+    s.update(bstep, answer(bstep))          # b finishes: its blocks (not a's) come back
+    cstep = s.schedule()
+    assert cstep.requests == (c,) and not set(c.table) & set(held)
     s.abort_all()
     alloc.unpin(held)
-    assert alloc.num_free == 4              # b's and c's blocks came back with the abort
+    assert alloc.num_free == 4              # c's blocks came back with the abort, a's with the unpin
 
 
 def test_out_of_blocks_asks_reclaim_before_failing():
@@ -174,3 +177,69 @@ def test_collected_logits_rows_go_to_their_request():
     logits = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 3)
     s.update(step, StepOutput((2, 2), logits))
     assert a.result.step_logits[0].tolist() == [0, 1, 2] and b.result.step_logits[0].tolist() == [3, 4, 5]
+
+
+def test_prefill_takes_the_oldest_variant_within_the_token_budget():
+    alloc = BlockAllocator(64)
+    s = Scheduler(SPEC, alloc, FakePrefix({2: 1}), max_num_batched_tokens=12)
+    a, warm, b, c = req(1, 5), req(2, 9), req(3, 6), req(4, 6)
+    for r in (a, warm, b, c):
+        s.add(r)
+    first = s.schedule()                    # a (5) + b (6) fit 12; c would make 17; warm is splitfuse
+    assert (first.variant, first.requests) == ("mempool_prefill", (a, b))
+    second = s.schedule()                   # the oldest admitted left is warm: its variant next
+    assert (second.variant, second.requests) == ("splitfuse", (warm,))
+    third = s.schedule()
+    assert third.requests == (c,) and third.num_tokens == 6
+
+
+def test_max_num_seqs_bounds_admission():
+    s = Scheduler(SPEC, BlockAllocator(64), FakePrefix(), max_num_seqs=2)
+    rs = [req(i, 5) for i in range(1, 5)]
+    for r in rs:
+        s.add(r)
+    assert s.schedule().requests == tuple(rs[:2]) and list(s.waiting) == rs[2:]
+
+
+def test_decode_out_of_blocks_preempts_the_newest_and_it_resumes_with_its_tokens():
+    s, alloc = sched(num_blocks=4)
+    old, new = req(1, 4, max_new=6), req(2, 4, max_new=6)   # one full block each
+    s.add(old)
+    s.add(new)
+    s.update(p := s.schedule(), StepOutput((11, 22)))
+    assert alloc.num_free == 2
+    s.update(d := s.schedule(), StepOutput((12, 23)))       # position 4: a 2nd block each
+    assert d.requests == (old, new) and alloc.num_free == 0
+    s.update(d := s.schedule(), StepOutput((13, 24)))
+    s.update(d := s.schedule(), StepOutput((14, 25)))
+    s.update(d := s.schedule(), StepOutput((15, 26)))       # positions 5..7: still the 2nd block
+    d = s.schedule()                                        # position 8: a 3rd block for old
+    assert d.requests == (old,) and list(s.waiting) == [new] and new.table == []
+    assert new.result.preemptions == 1 and new.tokens == [22, 23, 24, 25, 26] and new.cached == 0
+    s.update(d, StepOutput((16,)))
+    assert old.finished and old.finish_reason == "length" and old.tokens == [11, 12, 13, 14, 15, 16]
+    resume = s.schedule()                                   # prompt + generated tokens, recomputed
+    assert resume.phase == "prefill" and resume.requests == (new,)
+    assert resume.inputs.input_ids.tolist() == new.prompt + [22, 23, 24, 25, 26]
+    s.update(resume, StepOutput((27,)))
+    assert new.finished and new.tokens == [22, 23, 24, 25, 26, 27] and alloc.num_free == 4
+
+
+def test_a_step_scheduled_ahead_gets_its_tokens_and_loses_finished_rows_in_finalize():
+    s, alloc = sched()
+    a, b = req(1, 5, max_new=4), req(2, 6, max_new=4)
+    s.add(a)
+    s.add(b)
+    pre = s.schedule()
+    ahead = s.schedule()                    # decode prepared before the prefill's tokens exist
+    assert ahead.phase == "decode" and ahead.pending_rows == (0, 1)
+    assert ahead.inputs.input_ids.tolist() == [-1, -1] and ahead.inputs.positions.tolist() == [5, 6]
+    assert s.schedule() is None             # nothing more can be prepared: tokens are pending
+    s.update(pre, StepOutput((7, 8)))
+    s.abort(a)                              # a's blocks are still written by `ahead`: kept
+    assert a.table and a in s.deferred
+    ready = s.finalize(ahead)
+    assert ready.requests == (b,) and ready.inputs.input_ids.tolist() == [8]
+    assert ready.inputs.positions.tolist() == [6] and ready.inputs.logits_indices.tolist() == [0]
+    assert ready.inputs.block_tables.tolist() == [b.table + [0] * (ready.inputs.block_tables.shape[1] - len(b.table))]
+    assert a.table == [] and not s.deferred
