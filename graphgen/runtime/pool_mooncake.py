@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import parse_qsl, urlsplit
 
 from .pool import HostPool, PoolBackend
-from .pool_codec import HEADER, check_value, encode_header, parse_size
+from .pool_codec import HEADER, check_value, copy_with_checksum, parse_size, write_header
 
 __all__ = ["MooncakeOptions", "MooncakePool", "make_pool"]
 
@@ -93,6 +93,13 @@ class MooncakeOptions:
 
 
 # ---------------------------------------------------------------------------------- the pool
+
+_ALIGN = 64                # values start on cache lines in the registered buffers
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
 
 class _Arena:
     """A pinned (registered) host buffer with its own lock."""
@@ -268,19 +275,22 @@ class MooncakePool(PoolBackend):
             if todo:
                 self._count("put_failures", len(todo))
             return ok
+        layout = self.options.layout
         with arena.lock:
             while todo:
                 off, batch, ptrs, sizes = 0, [], [], []
                 while todo:
                     key, value = items[todo[0]]
-                    n = HEADER.size + len(value)
+                    payload = memoryview(value).cast("B")
+                    n = HEADER.size + len(payload)
                     if off + n > arena.size:
                         break
-                    arena.view[off:off + HEADER.size] = encode_header(key, value,
-                                                                      self.options.layout)
-                    arena.view[off + HEADER.size:off + n] = value
+                    # one copy into the registered buffer, the checksum over it (still in cache),
+                    # the header packed in place: no intermediate bytes
+                    csum = copy_with_checksum(arena.view[off + HEADER.size:off + n], payload)
+                    write_header(arena.view, off, key, len(payload), csum, layout)
                     batch.append(todo.pop(0)); ptrs.append(arena.ptr + off); sizes.append(n)
-                    off += n
+                    off = _align(off + n)
                 try:
                     rcs = store.batch_put_from([items[i][0] for i in batch], ptrs, sizes)
                 except Exception as e:   # noqa: BLE001
@@ -306,22 +316,61 @@ class MooncakePool(PoolBackend):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of ``keys`` (None: absent, rejected or failed) with ``batch_get_into`` into the
         registered get buffer, in slots of the largest value size seen (one key alone when none
-        was seen yet or a value outgrew its slot)."""
+        was seen yet or a value outgrew its slot); validated in place, copied out once."""
         out: list[bytes | None] = [None] * len(keys)
+
+        def take(i: int, payload: memoryview) -> bool:
+            out[i] = bytes(payload)
+            return True
+        self._fetch(keys, take)
+        return out
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Any]) -> list[bool]:
+        """``get_many`` without the ``bytes`` it returns: each value lands in the registered get
+        buffer, is validated there, and its payload is copied once into ``dests[i]`` (a writable
+        buffer of exactly the payload's size; another size is a miss, counted as rejected
+        ``size``) or handed to ``dests[i]`` when it is a callable (a writable memoryview into the
+        registered buffer, valid only during the call; True unless it raises or returns False)."""
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
+        ok = [False] * len(keys)
+
+        def take(i: int, payload: memoryview) -> bool:
+            dest = dests[i]
+            if callable(dest):
+                try:
+                    ok[i] = dest(payload) is not False
+                except Exception as e:   # noqa: BLE001 - the caller's unpack: a miss, not ours
+                    log.warning("mooncake pool get_into: destination of %r raised: %s", keys[i], e)
+                return ok[i]
+            target = memoryview(dest).cast("B")
+            if len(target) != len(payload):
+                self._reject("size")
+                return False
+            target[:] = payload
+            ok[i] = True
+            return True
+        self._fetch(keys, take)
+        return ok
+
+    def _fetch(self, keys: Sequence[str], take: Callable[[int, memoryview], bool]) -> None:
+        """``batch_get_into`` the registered get buffer, validate each value in place and call
+        ``take(i, payload_view)`` for the intact ones (under the buffer's lock)."""
         self._count("gets", len(keys))
         store = self._available() if keys else None
         if store is None:
             if keys:
                 self._count("get_failures", len(keys))
-            return out
+            return
         arena = self._get
+        layout = self.options.layout
         todo = list(range(len(keys)))
         with arena.lock:
             while todo:
                 slot = self._slot or arena.size
-                per = max(1, arena.size // slot) if slot <= arena.size else 1
+                per = max(1, arena.size // _align(slot)) if slot <= arena.size else 1
                 batch, todo = todo[:per], todo[per:]
-                slot = arena.size // len(batch)
+                slot = arena.size // len(batch) // _ALIGN * _ALIGN
                 try:
                     rcs = store.batch_get_into([keys[i] for i in batch],
                                                [arena.ptr + j * slot for j in range(len(batch))],
@@ -331,11 +380,11 @@ class MooncakePool(PoolBackend):
                 for j, (i, rc) in enumerate(zip(batch, rcs)):
                     if isinstance(rc, int) and rc >= 0:
                         value = arena.view[j * slot:j * slot + rc]
-                        reason = check_value(keys[i], value, self.options.layout)
+                        reason = check_value(keys[i], value, layout)
                         if reason is None:
-                            out[i] = bytes(value[HEADER.size:])
-                            self._count("get_hits")
                             self._slot = max(self._slot, rc)
+                            if take(i, value[HEADER.size:]):
+                                self._count("get_hits")
                         else:
                             self._reject(reason)
                     elif rc == E_NOT_FOUND:
@@ -348,7 +397,6 @@ class MooncakePool(PoolBackend):
                 if any(not isinstance(rc, int) or rc <= E_RPC for rc in rcs):
                     self._count("get_failures", len(todo))
                     break
-        return out
 
     def contains(self, key: str) -> bool:
         return self.leading_run([key]) == 1
