@@ -5,10 +5,9 @@
 *global segments* that clients contribute; an engine contributes none by default
 (``segment_bytes=0``) so its blocks outlive it in the segment that ``mooncake_server`` holds.
 
-Every value is ``header + payload``. The header (``pool_codec``) carries a magic, the layout
-version of this format, the payload size, a layout fingerprint, a digest of the key and a CRC-32 of
-the payload: a foreign, truncated or corrupt value is rejected — ``get`` answers None, a miss, and
-the engine recomputes the block — and counted in ``stats()["rejected"]``.
+Every value is ``header + payload`` (``pool_codec``): a foreign, truncated or corrupt value is
+rejected — a miss, recomputed — and counted in ``stats()["rejected"]``. ``get_into`` reads values
+into the caller's memory (or hands a view of the registered buffer to a callable): no ``bytes``.
 
 Failure behaviour (the ``PoolBackend`` contract): nothing here raises for a store failure. A put
 that fails returns False (``put_failures``; ``segment_full`` for Mooncake's -200), a get that fails
