@@ -130,19 +130,14 @@ class MooncakePool(PoolBackend):
             raise ValueError(f"master must be HOST:PORT, got {master!r}")
         self.master = master
         self._addr = (host, int(port))
-        self.options = options or MooncakeOptions()
-        self._factory = store_factory
+        self.options, self._factory = options or MooncakeOptions(), store_factory
         self._lock = threading.Lock()          # state + counters
         self._setup_lock = threading.Lock()
         self._c = dict.fromkeys(self._COUNTERS, 0)
         self._reject_reasons: dict[str, int] = {}
         self._store: Any = None
-        self._down = False
-        self._retry_at = 0.0
-        self._backoff = 0.5
-        self._last_error = ""
-        self._put = _Arena(self.options.buffer_bytes)
-        self._get = _Arena(self.options.buffer_bytes)
+        self._down, self._retry_at, self._backoff, self._last_error = False, 0.0, 0.5, ""
+        self._put, self._get = _Arena(self.options.buffer_bytes), _Arena(self.options.buffer_bytes)
         self._slot = 0                         # largest value seen: get_many's slot size
         self._ensure_store()
 
@@ -317,19 +312,13 @@ class MooncakePool(PoolBackend):
         registered get buffer, in slots of the largest value size seen (one key alone when none
         was seen yet or a value outgrew its slot); validated in place, copied out once."""
         out: list[bytes | None] = [None] * len(keys)
-
-        def take(i: int, payload: memoryview) -> bool:
-            out[i] = bytes(payload)
-            return True
-        self._fetch(keys, take)
+        self._fetch(keys, lambda i, payload: out.__setitem__(i, bytes(payload)) or True)
         return out
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Any]) -> list[bool]:
-        """``get_many`` without the ``bytes`` it returns: each value lands in the registered get
-        buffer, is validated there, and its payload is copied once into ``dests[i]`` (a writable
-        buffer of exactly the payload's size; another size is a miss, counted as rejected
-        ``size``) or handed to ``dests[i]`` when it is a callable (a writable memoryview into the
-        registered buffer, valid only during the call; True unless it raises or returns False)."""
+        """``get_many`` without ``bytes``: validated in the registered buffer, then copied once into
+        ``dests[i]`` (another size: a miss, rejected ``size``) or handed to a callable ``dests[i]``
+        (a view valid during the call). Contract: ``PoolBackend.get_into``."""
         if len(dests) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
         ok = [False] * len(keys)
