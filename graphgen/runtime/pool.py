@@ -13,6 +13,12 @@ on one rank (see `graphgen.runtime.kvcache.pack_block`). The contract every back
 * ``leading_run(keys) -> int``: how many of the leading keys are present, stopping at the first miss
   (a prefix hit is only usable as a contiguous run from block 0).
 * ``stats() -> dict``: counters for logs/benchmarks; keys are backend-specific.
+* optional ``get_into(keys, dests) -> list[bool]``: values straight into the caller's memory, for a
+  backend whose ``get`` would otherwise materialise a ``bytes`` per value (the default loops over
+  ``get`` and copies). ``dests[i]`` is a writable buffer of exactly the value's size, or a callable
+  given a memoryview of the value (valid only during the call; False from it means not taken).
+  One bool per key: True only when the whole value was written / taken; a miss, a size mismatch or
+  a callable that raised is False.
 
 All methods are thread-safe. A hit reported by ``contains``/``leading_run`` may still be evicted
 before ``get``: callers must treat a None from ``get`` as a miss and recompute.
@@ -60,6 +66,30 @@ class PoolBackend(abc.ABC):
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Any]) -> list[bool]:
+        """Default: ``get`` each key and copy it into its destination (see the module docstring);
+        a backend that can read into its own registered memory overrides this."""
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
+        ok = []
+        for key, dest in zip(keys, dests):
+            value = self.get(key)
+            if value is None:
+                ok.append(False)
+            elif callable(dest):
+                try:
+                    ok.append(dest(memoryview(value)) is not False)
+                except Exception:   # noqa: BLE001 - the caller's unpack failing is a miss
+                    ok.append(False)
+            else:
+                target = memoryview(dest).cast("B")
+                if len(target) != len(value):
+                    ok.append(False)
+                else:
+                    target[:] = value
+                    ok.append(True)
+        return ok
 
 
 def count_leading(keys: Iterable[str], present: Callable[[str], bool]) -> int:

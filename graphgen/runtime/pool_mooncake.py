@@ -5,10 +5,9 @@
 *global segments* that clients contribute; an engine contributes none by default
 (``segment_bytes=0``) so its blocks outlive it in the segment that ``mooncake_server`` holds.
 
-Every value is ``header + payload``. The header (``pool_codec``) carries a magic, the layout
-version of this format, the payload size, a layout fingerprint, a digest of the key and a CRC-32 of
-the payload: a foreign, truncated or corrupt value is rejected — ``get`` answers None, a miss, and
-the engine recomputes the block — and counted in ``stats()["rejected"]``.
+Every value is ``header + payload`` (``pool_codec``): a foreign, truncated or corrupt value is
+rejected — a miss, recomputed — and counted in ``stats()["rejected"]``. ``get_into`` reads values
+into the caller's memory (or hands a view of the registered buffer to a callable): no ``bytes``.
 
 Failure behaviour (the ``PoolBackend`` contract): nothing here raises for a store failure. A put
 that fails returns False (``put_failures``; ``segment_full`` for Mooncake's -200), a get that fails
@@ -31,7 +30,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import parse_qsl, urlsplit
 
 from .pool import HostPool, PoolBackend
-from .pool_codec import HEADER, check_value, encode_header, parse_size
+from .pool_codec import HEADER, check_value, copy_with_checksum, parse_size, write_header
 
 __all__ = ["MooncakeOptions", "MooncakePool", "make_pool"]
 
@@ -94,6 +93,13 @@ class MooncakeOptions:
 
 # ---------------------------------------------------------------------------------- the pool
 
+_ALIGN = 64                # values start on cache lines in the registered buffers
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 class _Arena:
     """A pinned (registered) host buffer with its own lock."""
 
@@ -124,19 +130,14 @@ class MooncakePool(PoolBackend):
             raise ValueError(f"master must be HOST:PORT, got {master!r}")
         self.master = master
         self._addr = (host, int(port))
-        self.options = options or MooncakeOptions()
-        self._factory = store_factory
+        self.options, self._factory = options or MooncakeOptions(), store_factory
         self._lock = threading.Lock()          # state + counters
         self._setup_lock = threading.Lock()
         self._c = dict.fromkeys(self._COUNTERS, 0)
         self._reject_reasons: dict[str, int] = {}
         self._store: Any = None
-        self._down = False
-        self._retry_at = 0.0
-        self._backoff = 0.5
-        self._last_error = ""
-        self._put = _Arena(self.options.buffer_bytes)
-        self._get = _Arena(self.options.buffer_bytes)
+        self._down, self._retry_at, self._backoff, self._last_error = False, 0.0, 0.5, ""
+        self._put, self._get = _Arena(self.options.buffer_bytes), _Arena(self.options.buffer_bytes)
         self._slot = 0                         # largest value seen: get_many's slot size
         self._ensure_store()
 
@@ -268,19 +269,22 @@ class MooncakePool(PoolBackend):
             if todo:
                 self._count("put_failures", len(todo))
             return ok
+        layout = self.options.layout
         with arena.lock:
             while todo:
                 off, batch, ptrs, sizes = 0, [], [], []
                 while todo:
                     key, value = items[todo[0]]
-                    n = HEADER.size + len(value)
+                    payload = memoryview(value).cast("B")
+                    n = HEADER.size + len(payload)
                     if off + n > arena.size:
                         break
-                    arena.view[off:off + HEADER.size] = encode_header(key, value,
-                                                                      self.options.layout)
-                    arena.view[off + HEADER.size:off + n] = value
+                    # one copy into the registered buffer, the checksum over it (still in cache),
+                    # the header packed in place: no intermediate bytes
+                    csum = copy_with_checksum(arena.view[off + HEADER.size:off + n], payload)
+                    write_header(arena.view, off, key, len(payload), csum, layout)
                     batch.append(todo.pop(0)); ptrs.append(arena.ptr + off); sizes.append(n)
-                    off += n
+                    off = _align(off + n)
                 try:
                     rcs = store.batch_put_from([items[i][0] for i in batch], ptrs, sizes)
                 except Exception as e:   # noqa: BLE001
@@ -306,22 +310,55 @@ class MooncakePool(PoolBackend):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of ``keys`` (None: absent, rejected or failed) with ``batch_get_into`` into the
         registered get buffer, in slots of the largest value size seen (one key alone when none
-        was seen yet or a value outgrew its slot)."""
+        was seen yet or a value outgrew its slot); validated in place, copied out once."""
         out: list[bytes | None] = [None] * len(keys)
+        self._fetch(keys, lambda i, payload: out.__setitem__(i, bytes(payload)) or True)
+        return out
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Any]) -> list[bool]:
+        """``get_many`` without ``bytes``: validated in the registered buffer, then copied once into
+        ``dests[i]`` (another size: a miss, rejected ``size``) or handed to a callable ``dests[i]``
+        (a view valid during the call). Contract: ``PoolBackend.get_into``."""
+        if len(dests) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
+        ok = [False] * len(keys)
+
+        def take(i: int, payload: memoryview) -> bool:
+            dest = dests[i]
+            if callable(dest):
+                try:
+                    ok[i] = dest(payload) is not False
+                except Exception as e:   # noqa: BLE001 - the caller's unpack: a miss, not ours
+                    log.warning("mooncake pool get_into: destination of %r raised: %s", keys[i], e)
+                return ok[i]
+            target = memoryview(dest).cast("B")
+            if len(target) != len(payload):
+                self._reject("size")
+                return False
+            target[:] = payload
+            ok[i] = True
+            return True
+        self._fetch(keys, take)
+        return ok
+
+    def _fetch(self, keys: Sequence[str], take: Callable[[int, memoryview], bool]) -> None:
+        """``batch_get_into`` the registered get buffer, validate each value in place and call
+        ``take(i, payload_view)`` for the intact ones (under the buffer's lock)."""
         self._count("gets", len(keys))
         store = self._available() if keys else None
         if store is None:
             if keys:
                 self._count("get_failures", len(keys))
-            return out
+            return
         arena = self._get
+        layout = self.options.layout
         todo = list(range(len(keys)))
         with arena.lock:
             while todo:
                 slot = self._slot or arena.size
-                per = max(1, arena.size // slot) if slot <= arena.size else 1
+                per = max(1, arena.size // _align(slot)) if slot <= arena.size else 1
                 batch, todo = todo[:per], todo[per:]
-                slot = arena.size // len(batch)
+                slot = arena.size // len(batch) // _ALIGN * _ALIGN
                 try:
                     rcs = store.batch_get_into([keys[i] for i in batch],
                                                [arena.ptr + j * slot for j in range(len(batch))],
@@ -331,11 +368,11 @@ class MooncakePool(PoolBackend):
                 for j, (i, rc) in enumerate(zip(batch, rcs)):
                     if isinstance(rc, int) and rc >= 0:
                         value = arena.view[j * slot:j * slot + rc]
-                        reason = check_value(keys[i], value, self.options.layout)
+                        reason = check_value(keys[i], value, layout)
                         if reason is None:
-                            out[i] = bytes(value[HEADER.size:])
-                            self._count("get_hits")
                             self._slot = max(self._slot, rc)
+                            if take(i, value[HEADER.size:]):
+                                self._count("get_hits")
                         else:
                             self._reject(reason)
                     elif rc == E_NOT_FOUND:
@@ -348,7 +385,6 @@ class MooncakePool(PoolBackend):
                 if any(not isinstance(rc, int) or rc <= E_RPC for rc in rcs):
                     self._count("get_failures", len(todo))
                     break
-        return out
 
     def contains(self, key: str) -> bool:
         return self.leading_run([key]) == 1

@@ -30,8 +30,10 @@ def test_round_trip_of_kv_blocks_between_processes(ns):
     got = reader.call(op="get_kv", keys=ks)
     assert got["sha"] == put["sha"]         # unpacked into another cache and packed again: same bytes
     assert len(set(put["sha"])) == 4
+    # get_into: unpacked straight from the registered buffer by a callable, no bytes in between
+    assert reader.call(op="get_kv", keys=ks, into=True)["sha"] == put["sha"]
     s = reader.call(op="stats")["stats"]
-    assert s["get_hits"] == 4 and s["rejected"] == 0 and s["errors"] == 0
+    assert s["get_hits"] == 8 and s["rejected"] == 0 and s["errors"] == 0
 
 
 def test_leading_run_stops_at_the_first_missing_key(ns):
@@ -80,6 +82,12 @@ def test_foreign_truncated_and_corrupt_values_are_rejected(ns):
     assert s["rejected"] == 6
     assert s["reject_reasons"] == {"fingerprint": 1, "truncated": 1, "checksum": 2, "magic": 1,
                                    "key": 1}
+    # the zero-copy read path applies the same checks; a destination of another size is a miss
+    into = r.call(op="get_into", keys=ks, size=len(payload))
+    assert into["ok"] == [True] + [False] * 6 and into["sha"][0] == got[0]
+    assert r.call(op="get_into", keys=ks[:1], size=len(payload) - 8)["ok"] == [False]
+    s = r.call(op="stats")["stats"]
+    assert s["rejected"] == 13 and s["reject_reasons"]["size"] == 1 and s["get_hits"] == 2
     # present for the existence check (the engine then finds the value unusable and recomputes)
     assert r.call(op="leading_run", keys=ks)["n"] == 7
 

@@ -10,7 +10,8 @@ import pytest
 
 from graphgen.runtime.mooncake_server import find_master_binary
 from graphgen.runtime.pool import HostPool
-from graphgen.runtime.pool_codec import HEADER, check_value, decode_value, encode_value, parse_size
+from graphgen.runtime.pool_codec import (HEADER, check_value, decode_value, encode_value, parse_size,
+                                         copy_with_checksum, payload_checksum)
 from graphgen.runtime.pool_mooncake import MooncakeOptions, MooncakePool, make_pool
 
 
@@ -45,6 +46,50 @@ def test_codec_accepts_only_the_exact_value_of_its_key():
         bad = bytearray(value)
         bad[pos] ^= 0x40
         assert check_value(key, bytes(bad)) is not None, pos
+
+
+def test_payload_checksum_covers_every_byte_and_position():
+    """Every byte of the payload, the zero-padded tail word included, and word order count."""
+    payload = bytearray(os.urandom(8 * 37 + 5))
+    base = payload_checksum(payload)
+    assert base == payload_checksum(bytes(payload)) == payload_checksum(memoryview(payload))
+    for pos in range(len(payload)):
+        for bit in (0, 7):                                  # low and top bit of every byte
+            payload[pos] ^= 1 << bit
+            assert payload_checksum(payload) != base, (pos, bit)
+            payload[pos] ^= 1 << bit
+    swapped = payload[8:16] + payload[:8] + payload[16:]    # two words exchanged
+    assert payload[:8] != payload[8:16] and payload_checksum(swapped) != base
+    assert payload_checksum(payload[:-1]) != base           # the tail word is padded, not dropped
+    assert payload_checksum(b"") == 0
+    big = os.urandom((1 << 20) + 13)                        # several copy chunks and a tail
+    dst = bytearray(len(big))
+    assert copy_with_checksum(dst, big) == payload_checksum(big) and dst == big
+
+
+def test_codec_rejects_format_1_values():
+    """A value of the previous format (48-byte header, CRC-32 of the payload) is not read as this
+    one: its version field says 1."""
+    key = "m@kv1:float32@r0of1@" + "ab" * 32
+    value = bytearray(encode_value(key, os.urandom(256)))
+    value[4:6] = (1).to_bytes(2, "little")
+    value[6:8] = (48).to_bytes(2, "little")
+    assert check_value(key, bytes(value)) == "version"
+
+
+def test_default_get_into_copies_or_hands_over():
+    pool = HostPool(1 << 20)
+    assert pool.put("a", b"x" * 16) and pool.put("b", b"y" * 8)
+    dests = [bytearray(16), bytearray(16), bytearray(16)]
+    assert pool.get_into(["a", "b", "gone"], dests) == [True, False, False]   # b: wrong size
+    assert bytes(dests[0]) == b"x" * 16 and bytes(dests[1]) == bytes(16)
+    seen = []
+    assert pool.get_into(["b", "a"], [lambda mv: seen.append(bytes(mv)), lambda mv: False]) \
+        == [True, False]
+    assert seen == [b"y" * 8]
+    assert pool.get_into(["a"], [lambda mv: 1 / 0]) == [False]
+    with pytest.raises(ValueError, match="destinations"):
+        pool.get_into(["a"], [])
 
 
 def test_absent_master_costs_misses_not_errors_raised(caplog):

@@ -67,11 +67,17 @@ def main():
         elif op == "get_kv":
             import torch
             from graphgen.runtime.kvcache import pack_block, unpack_block_into
-            vals = pool.get_many(cmd["keys"])
-            cache = kv_cache(len(vals), 0)
+            cache = kv_cache(len(cmd["keys"]), 0)
             for layer in cache:
                 for t in layer:
                     t.zero_()
+            if cmd.get("into"):     # unpacked straight from the registered buffer, no bytes
+                def unpack_to(i):
+                    return lambda payload: unpack_block_into(cache, i, payload)
+                ok = pool.get_into(cmd["keys"], [unpack_to(i) for i in range(len(cmd["keys"]))])
+                reply(sha=[sha(pack_block(cache, i)) if o else None for i, o in enumerate(ok)])
+                continue
+            vals = pool.get_many(cmd["keys"])
             out = []
             for i, v in enumerate(vals):
                 if v is None:
@@ -83,6 +89,10 @@ def main():
         elif op == "get":
             vals = pool.get_many(cmd["keys"]) if cmd.get("many") else [pool.get(k) for k in cmd["keys"]]
             reply(sha=[sha(v) for v in vals], dt=time.monotonic() - t0)
+        elif op == "get_into":     # into caller-owned buffers of cmd["size"] bytes
+            dests = [bytearray(cmd["size"]) for _ in cmd["keys"]]
+            ok = pool.get_into(cmd["keys"], dests)
+            reply(ok=ok, sha=[sha(bytes(d)) if o else None for d, o in zip(dests, ok)])
         elif op == "fill":
             # fill the segment: per size (largest first), put batches until the store refuses one;
             # every stored value is read back at once (a read takes a lease, which blocks eviction)
