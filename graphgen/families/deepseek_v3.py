@@ -162,7 +162,7 @@ MLA_NORM_EPS = 1e-6
 def build(g: Graph, dims: DeepseekV3Dims, mode: str, *, block_size: int, kv_dtype: str) -> None:
     n = dims.num_hidden_layers
     eps = dims.rms_norm_eps
-    common_head(g, dims.qk_rope_head_dim, dims.rope_theta, _scaling_attr(dims.rope_scaling))
+    common_head(g, dims.qk_rope_head_dim, dims.rope_theta, _scaling_attr(dims.rope_scaling), kv_dtype)
     scale = mla_softmax_scale(dims)
     kv_layout = FAMILY.kv_layout_attrs(dims, block_size, kv_dtype)
     compressed_q = dims.q_lora_rank is not None

@@ -61,7 +61,7 @@ def checkpoint_layout(d: Qwen3Dims, *, stacked: bool = False) -> dict[str, tuple
 def build(g: Graph, dims: Qwen3Dims, mode: str, *, block_size: int, kv_dtype: str) -> None:
     n = dims.num_hidden_layers
     eps = dims.rms_norm_eps
-    common_head(g, dims.head_dim, dims.rope_theta, None)
+    common_head(g, dims.head_dim, dims.rope_theta, None, kv_dtype)
     kv_layout = FAMILY.kv_layout_attrs(dims, block_size, kv_dtype)
     h = "h.embed"
     for i in range(n):

@@ -33,15 +33,15 @@ def kv_cache_name(tag: str) -> str:
     return f"kv_cache.{tag}"
 
 
-def common_head(g: Graph, rot_dim: int, theta: float, scaling) -> None:
-    """Step inputs, the token embedding and the RoPE tables."""
+def common_head(g: Graph, rot_dim: int, theta: float, scaling, dtype: str) -> None:
+    """Step inputs, the token embedding and the RoPE tables (``dtype``: the model/KV dtype they are used in)."""
     for name in STEP_INPUTS:
         g.declare(name, "input")
     g.add(Node("embed", "embedding", "main", reads=("input_ids",), writes=(g.declare("h.embed", "value"),),
                attrs={"w_embed": "model.embed_tokens.weight"}))
     g.add(Node("rope", "rope_cos_sin", "main", reads=("positions",),
                writes=(g.declare("cos", "value"), g.declare("sin", "value")),
-               attrs={"rot_dim": rot_dim, "theta": float(theta), "scaling": scaling}))
+               attrs={"rot_dim": rot_dim, "theta": float(theta), "scaling": scaling, "dtype": dtype}))
 
 
 def tail(g: Graph, h: str, eps: float, tied: bool) -> None:

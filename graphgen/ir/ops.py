@@ -78,8 +78,10 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
     _op("record", attrs=("event",), doc="Record `event` on this node's stream after the work before it."),
     _op("wait", attrs=("event",), doc="Make this stream wait until `event` is recorded."),
     _op("embedding", ("input_ids:input",), ("h",), ("w_embed",), doc="Token embedding lookup."),
-    _op("rope_cos_sin", ("positions:input",), ("cos", "sin"), ("rot_dim", "theta", "scaling"),
-        doc="RoPE cos/sin tables for the step's positions (scaling: YaRN parameters or None)."),
+    _op("rope_cos_sin", ("positions:input",), ("cos", "sin"), ("rot_dim", "theta", "scaling", "dtype"),
+        doc="RoPE cos/sin tables for the step's positions (scaling: YaRN parameters or None). dtype: the "
+            "model/KV dtype the tables are consumed in (the NPU RoPE kernels require cos/sin in q/k's dtype; "
+            "the CPU target computes them in float32 and casts like transformers)."),
     _op("rms_norm", ("x",), ("y",), ("w_norm", "eps")),
     _op("qwen3_attn_prolog", ("x", "cos", "sin"), ("q", "k", "v"),
         ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm", "num_heads", "num_kv_heads", "head_dim", "eps"),

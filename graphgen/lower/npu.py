@@ -82,7 +82,11 @@ def _embedding(n, ctx):
 
 
 def _rope_cos_sin(n, ctx):
-    return [f"{_out(n, ctx)} = W[ROPE_CACHE_KEY].index_select(0, {ctx.ref(n.input('positions'))}).chunk(2, dim=-1)"]
+    # Both RoPE kernels require cos/sin in q/k's dtype (npu_apply_rotary_pos_emb: _op_plugin_docs.py:15821;
+    # npu_interleave_rope: cos/sin dtype = x dtype): the table is used in the node's dtype, whatever the
+    # dtype it was built in (a no-op cast when the host built it in that dtype).
+    return [f"{_out(n, ctx)} = W[ROPE_CACHE_KEY].index_select(0, {ctx.ref(n.input('positions'))})"
+            f".to(torch.{n.attrs['dtype']}).chunk(2, dim=-1)"]
 
 
 def _rms_norm(n, ctx):
@@ -136,13 +140,28 @@ def _mla_prolog(n, ctx):
 
 
 def _mla_attention(n, ctx):
-    a, r, sparse = n.attrs, ctx.ref, _sparse_mode(n)
-    args = [r(n.input("q_nope")), r(n.input("q_pe")), r(n.input("cache")), weight(n, "w_kv_b"),
-            r(n.input("block_tables")), "b.actual_seq_lengths", "b.actual_seq_lengths_kv", _mask(sparse),
-            f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
-            f"v_head_dim={a['v_head_dim']}", f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
-            f"sparse_mode={sparse}", f"block_size={a['block_size']}"]
-    return [f"{_out(n, ctx)} = _mla_attention({', '.join(args)})"]
+    """MLA by phase (the KV cache always holds the compressed latent): decode -> absorbed FIA over the
+    paged latent (documented for 1-16 query tokens per sequence); prefill/splitfuse -> un-absorbed
+    (kv_b_proj up-projection, non-paged TND FIA, Q_D = K_D = qk_nope + qk_rope, V_D = v_head_dim);
+    splitfuse gathers the history latent through the block table.  See docs/npu.md, "MLA by phase"."""
+    a, r, mode = n.attrs, ctx.ref, n.attrs["mode"]
+    _sparse_mode(n)  # rejects an unknown mode
+    heads = [f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
+             f"v_head_dim={a['v_head_dim']}"]
+    q_nope, q_pe, cache = r(n.input("q_nope")), r(n.input("q_pe")), r(n.input("cache"))
+    if mode == "decode":
+        args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), r(n.input("block_tables")), "b.actual_seq_lengths",
+                "b.actual_seq_lengths_kv", *heads, f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
+                f"block_size={a['block_size']}"]
+        return [f"{_out(n, ctx)} = _mla_attention_absorbed({', '.join(args)})"]
+    if mode == "prefill":
+        args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), "b.kv_index", "b.actual_seq_lengths", "b.atten_mask",
+                *heads, f"scale={py(a['scale'])}"]
+        return [f"{_out(n, ctx)} = _mla_prefill({', '.join(args)})"]
+    args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), r(n.input("block_tables")), "b.actual_seq_lengths",
+            "b.actual_seq_lengths_kv", "b.atten_mask", *heads, f"scale={py(a['scale'])}",
+            f"block_size={a['block_size']}"]
+    return [f"{_out(n, ctx)} = _mla_splitfuse({', '.join(args)})"]
 
 
 def _o_proj_residual(n, ctx):

@@ -56,19 +56,75 @@ def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, n
     return q_nope.contiguous(), q_pe.contiguous(), c_kv.contiguous(), k_pe.contiguous()
 
 
-def _mla_attention(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
-                   *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, sparse_mode, block_size):
-    """Absorbed MLA: q_nope . W_uk -> attention over the latent cache (ckv, with q_pe/kpe as the rope
-    part) -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns [T, H, v_head_dim]."""
+def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv,
+                            *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, block_size):
+    """DECODE ONLY. Absorbed MLA: q_nope . W_uk -> attention over the paged latent cache (ckv as key and
+    value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns
+    [T, H, v_head_dim].  The kernel's documented envelope with query_rope (torch-npu 2.14.0
+    _op_plugin_docs.py:8174-8176, v2 :8697-8703/:8722-8724): 1-16 query tokens per sequence, sparse_mode 0
+    without a mask for one token, query N in 32/64/128, D = 512, key N = 1, page attention with block size
+    16 or 128 -- a decode step (one token per sequence) sits inside it, a prefill chunk does not."""
     w = w_kv_b.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w.split([qk_nope_head_dim, v_head_dim], dim=1)
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
     o_lat = torch_npu.npu_fused_infer_attention_score(
-        q_lat, cache[0], cache[0], query_rope=q_pe, key_rope=cache[1], atten_mask=atten_mask,
+        q_lat, cache[0], cache[0], query_rope=q_pe, key_rope=cache[1], atten_mask=None,
         actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv, block_table=block_table,
-        num_heads=num_heads, num_key_value_heads=1, scale=scale, input_layout="TND", sparse_mode=sparse_mode,
+        num_heads=num_heads, num_key_value_heads=1, scale=scale, input_layout="TND", sparse_mode=0,
         block_size=block_size)[0]
     return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+
+def _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cumulative_kv_lengths, atten_mask, *,
+                    num_heads, qk_nope_head_dim, v_head_dim, scale):
+    """PREFILL/SPLITFUSE. Un-absorbed MLA over the latent rows ``c_kv`` [S, R] / ``k_pe`` [S, r] of every
+    sequence's keys (history + new, sequences concatenated): kv_b_proj up-projects them to per-head
+    K_nope [S, H, n] and V [S, H, v]; K = [K_nope | k_pe broadcast over heads], Q = [q_nope | q_pe].
+    Then non-paged TND fused_infer_attention_score, causal sparse_mode=3: documented for Q_D = K_D = 192
+    with V_D = 128/192, Q_N = K_N = V_N, bfloat16 only, actual_seq_lengths AND actual_seq_lengths_kv both
+    cumulative, no page attention, not in reduce-overhead (torch-npu 2.14.0 _op_plugin_docs.py:8730-8737;
+    op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md, "query的d不等于512").  This is
+    the form vllm-ascend uses for prefill (FIA / npu_ring_mla on decompressed K/V)."""
+    s = c_kv.shape[0]
+    kv = F.linear(c_kv, w_kv_b).view(s, num_heads, qk_nope_head_dim + v_head_dim)
+    k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
+    k = torch.cat((k_nope, k_pe.view(s, 1, -1).expand(s, num_heads, k_pe.shape[-1])), dim=-1)
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    return torch_npu.npu_fused_infer_attention_score(
+        q, k.contiguous(), v.contiguous(), atten_mask=atten_mask, actual_seq_lengths=actual_seq_lengths,
+        actual_seq_lengths_kv=cumulative_kv_lengths, num_heads=num_heads, num_key_value_heads=num_heads,
+        scale=scale, input_layout="TND", sparse_mode=3)[0]
+
+
+def _mla_prefill(q_nope, q_pe, cache, w_kv_b, kv_index, actual_seq_lengths, atten_mask, *, num_heads,
+                 qk_nope_head_dim, v_head_dim, scale):
+    """No history: the keys are exactly the step's new tokens, read back from the rows the KV write just
+    filled (kv_index), in token order; so the KV lengths equal the query lengths."""
+    blk, off = kv_index[:, 0], kv_index[:, 1]
+    return _mla_unabsorbed(q_nope, q_pe, cache[0][blk, off], cache[1][blk, off], w_kv_b, actual_seq_lengths,
+                           actual_seq_lengths, atten_mask, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
+                           v_head_dim=v_head_dim, scale=scale)
+
+
+def _paged_rows(cache_part, block_table, seq_lens, block_size):
+    """Each sequence's first seq_len rows of a paged cache part [NB, BS, W], gathered through its block
+    table row and concatenated: [sum(seq_lens), W] (the non-paged TND key order)."""
+    idx = []
+    for i, n in enumerate(seq_lens):
+        p = torch.arange(n, device=block_table.device)
+        idx.append(block_table[i].long().index_select(0, p // block_size) * block_size + p % block_size)
+    return cache_part.reshape(-1, cache_part.shape[-1]).index_select(0, torch.cat(idx))
+
+
+def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
+                   *, num_heads, qk_nope_head_dim, v_head_dim, scale, block_size):
+    """History from the pool: gather every sequence's latent (history + the new tokens just written) from
+    the paged cache through its block table, then un-absorbed attention (KV lengths made cumulative)."""
+    cum_kv = [sum(actual_seq_lengths_kv[:i + 1]) for i in range(len(actual_seq_lengths_kv))]
+    c_kv = _paged_rows(cache[0], block_table, actual_seq_lengths_kv, block_size)
+    k_pe = _paged_rows(cache[1], block_table, actual_seq_lengths_kv, block_size)
+    return _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cum_kv, atten_mask,
+                           num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale)
 
 
 def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, residual, *,

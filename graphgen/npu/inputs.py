@@ -137,8 +137,10 @@ def kv_buffers(module, num_layers: int, num_blocks: int, staging_rows: int = 0, 
 
 def random_weights(spec, seed: int = 0, scale: float = 0.05, rope: Optional[dict] = None,
                    max_positions: int = 64) -> dict[str, torch.Tensor]:
-    """Small random weights keyed by checkpoint name (experts stacked, as the CPU loader does), plus the
-    RoPE table under ROPE_CACHE_KEY when ``rope`` (a generated module's ROPE) is given.  Tiny specs only."""
+    """Small random weights keyed by checkpoint name (experts stacked, as the CPU loader does), in the
+    spec's dtype as a checkpoint of that dtype loads (the family's float32 keys -- MoE routers -- stay
+    float32, as transformers keeps them), plus the RoPE table under ROPE_CACHE_KEY in the dtype the
+    module's ROPE declares when ``rope`` (a generated module's ROPE) is given.  Tiny specs only."""
     g = torch.Generator().manual_seed(seed)
     # the family's checkpoint layout, experts stacked; zero-size weights (n_shared_experts: 0) are absent
     shapes = {k: s for k, s in FAMILIES[spec.family].checkpoint_layout(spec.dims, stacked=True).items() if 0 not in s}
@@ -148,8 +150,10 @@ def random_weights(spec, seed: int = 0, scale: float = 0.05, rope: Optional[dict
             W[k] = 1.0 + 0.1 * torch.randn(s, generator=g)
         else:
             W[k] = torch.randn(s, generator=g) * scale
+    dtype, keep = getattr(torch, spec.kv_cache.dtype), FAMILIES[spec.family].fp32_suffixes
+    W = {k: (w if k.endswith(keep) else w.to(dtype)) for k, w in W.items()}
     if rope is not None:
-        W[ROPE_CACHE_KEY] = rope_cache(rope, max_positions)
+        W[ROPE_CACHE_KEY] = rope_cache(rope, max_positions, dtype=getattr(torch, rope.get("dtype", "float32")))
     return W
 
 

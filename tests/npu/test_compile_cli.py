@@ -17,7 +17,7 @@ def _compile(*args):
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
 def test_without_torch_npu_compile_fails_with_one_sentence_and_exit_3():
-    res = _compile("--spec", "specs/tiny_qwen3.yaml", "--variant", "decode")
+    res = _compile("--spec", "specs/tiny_qwen3_npu.yaml", "--variant", "decode")
     assert res.returncode == 3
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in res.stderr
@@ -25,8 +25,8 @@ def test_without_torch_npu_compile_fails_with_one_sentence_and_exit_3():
 
 
 def test_standin_trace_reports_structure_only():
-    res = _compile("--spec", "specs/tiny_deepseek_v3.yaml", "--variant", "mempool_prefill_layer",
-                   "--mode", "reduce-overhead", "--standin")
+    res = _compile("--spec", "specs/tiny_qwen3_npu.yaml", "--variant", "mempool_prefill_layer",
+                   "--mode", "max-autotune", "--standin")
     assert res.returncode == 0, res.stderr
     assert "post-AOT structure ok" in res.stdout and "nothing ran on an NPU" in res.stdout
 
@@ -43,10 +43,10 @@ def test_standin_check_catches_a_dropped_wait(tmp_path, monkeypatch):
     from graphgen.npu.structure import trace_and_check
     from graphgen.modelspec.loader import load_spec
 
-    src = (REPO / "generated/tiny_qwen3/npu/max_autotune/mempool_prefill_layer.py").read_text()
+    src = (REPO / "generated/tiny_qwen3_npu/npu/max_autotune/mempool_prefill_layer.py").read_text()
     lines = [l for l in src.splitlines(keepends=True) if "# L01.kv_save.wait" not in l]
     assert len(lines) == len(src.splitlines()) - 1
     bad = tmp_path / "mempool_prefill_layer.py"
     bad.write_text("".join(lines))
-    report = trace_and_check(bad, load_spec(REPO / "specs/tiny_qwen3.yaml"))
+    report = trace_and_check(bad, load_spec(REPO / "specs/tiny_qwen3_npu.yaml"))
     assert not report.ok and any("wait" in p for p in report.problems), report.problems

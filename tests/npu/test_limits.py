@@ -143,27 +143,32 @@ def test_enforce_limits_off_is_explicit():
 
 
 def test_old_absorbed_mla_prefill_with_more_than_16_tokens_is_rejected_by_the_standin():
-    """The generated tiny_deepseek_v3 prefill (absorbed MLA through FIA for every phase) with a 20-token
-    prompt fails under the stand-in, naming the MLA query-length limit: the stand-in would have caught
-    the old lowering.  The tiny spec breaks other rows first (float32, RoPE D, heads), so only the query-length
-row is enforced here: that row alone catches it."""
-    from graphgen.modelspec.loader import load_spec
-    from graphgen.npu.compile import compile_module, load_module
-    from graphgen.npu.inputs import kv_buffers, random_weights, tiny_step
+    """The old lowering ran every MLA phase through the absorbed form (``_mla_attention_absorbed``, now
+    decode only).  That helper fed a 20-token prefill chunk fails under the stand-in naming the MLA
+    query-length limit (the stand-in would have caught the old lowering); 16 tokens runs.  Shapes are the
+    hardware-shaped tiny DeepSeek's (32 heads, latent 512, rope 64, block 128, bf16)."""
+    import importlib
+    import sys
 
-    spec = load_spec(ROOT / "specs/tiny_deepseek_v3.yaml")
-    with standin.fresh_tags():
-        mod = load_module(ROOT / "generated/tiny_deepseek_v3/npu/max_autotune/mempool_prefill.py")
-        target, _ = compile_module(mod, use_standin=True)
-    b = tiny_step(mod, spec, [(0, 20)], num_blocks=8)
-    kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, 8, staging_rows=8)
-    torch._dynamo.reset()
-    with pytest.raises(Exception) as e, torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
-        target.forward(random_weights(spec, rope=mod.ROPE), b, kv, staging)
-    msg = str(e.value)
-    assert "[fia.mla.query_len]" in msg and "_op_plugin_docs.py:8174-8176" in msg, msg
-    # control: 16 tokens is inside the limit and the same module runs
-    b = tiny_step(mod, spec, [(0, 16)], num_blocks=8)
-    torch._dynamo.reset()
-    with torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
-        target.forward(random_weights(spec, rope=mod.ROPE), b, kv, staging)
+    sys.modules.pop("graphgen.lower.npu_helpers", None)  # its torch_npu import must bind the stand-in
+    helpers = importlib.import_module("graphgen.lower.npu_helpers")
+    try:
+        n, nope, v, r, rope, bs = 32, 128, 128, 512, 64, 128
+        bf = torch.bfloat16
+        cache = (torch.zeros(2, bs, r, dtype=bf), torch.zeros(2, bs, rope, dtype=bf))
+        w_kv_b = torch.zeros(n * (nope + v), r, dtype=bf)
+
+        def run(t):
+            return helpers._mla_attention_absorbed(
+                torch.zeros(t, n, nope, dtype=bf), torch.zeros(t, n, rope, dtype=bf), cache, w_kv_b,
+                torch.tensor([[0]], dtype=torch.int32), [t], [t], num_heads=n, qk_nope_head_dim=nope,
+                v_head_dim=v, kv_lora_rank=r, scale=1.0, block_size=bs)
+
+        with pytest.raises(Exception) as e, torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
+            run(20)
+        msg = str(e.value)
+        assert "[fia.mla.query_len]" in msg and "_op_plugin_docs.py:8174-8176" in msg, msg
+        with torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
+            assert run(16).shape == (16, n, v)
+    finally:
+        sys.modules.pop("graphgen.lower.npu_helpers", None)

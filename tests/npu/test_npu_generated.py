@@ -18,7 +18,7 @@ from graphgen.generate import build_outputs, default_spec_paths
 from graphgen.npu.conformance import check_module_source
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ("tiny_qwen3", "tiny_deepseek_v3")
+TINY = ("tiny_qwen3_npu", "tiny_deepseek_v3_npu")  # the hardware-shaped specs (bf16, head_dim 128, block 128)
 TAGGED = ("npu_create_tagged_event", "npu_tagged_event_record", "npu_tagged_event_wait")
 
 
@@ -27,8 +27,24 @@ def _render_all() -> dict[str, str]:
     return {rel: text for rel, text in files.items() if "/npu/" in rel}
 
 
+def _render_reduce_overhead() -> dict[str, str]:
+    """reduce-overhead renders of the tiny Qwen3's saving variants, in memory only.  No spec ships
+    them: its TND attention (D != 512) is documented unsupported in reduce-overhead
+    (_op_plugin_docs.py:8737).  They exercise the mode's EVENT lowering (tagged events), which does
+    not depend on the attention call: structure tests only."""
+    from graphgen.lower.compile import compile_variant
+    from graphgen.modelspec.loader import load_spec
+
+    spec = load_spec(ROOT / "specs" / "tiny_qwen3_npu.yaml")
+    return {f"{spec.name}/npu/reduce_overhead/{v}.py": compile_variant(spec, v, "npu", mode="reduce-overhead",
+                                                                        spec_file="specs/tiny_qwen3_npu.yaml")
+            for v in ("mempool_prefill_layer", "splitfuse")}
+
+
 NPU = _render_all()
 NPU_NAMES = sorted(NPU)
+RO = _render_reduce_overhead()
+ALL = {**NPU, **RO}
 
 
 def _calls(src: str) -> list[str]:
@@ -73,9 +89,9 @@ def test_conformance(name):
 
 
 # ------------------------------------------------------------------------------------ (b) mode rules
-@pytest.mark.parametrize("name", NPU_NAMES)
+@pytest.mark.parametrize("name", NPU_NAMES + sorted(RO))
 def test_mode_rules(name):
-    src = NPU[name]
+    src = ALL[name]
     mode = re.search(r"^COMPILE_MODE = '([^']+)'", src, re.M).group(1)
     assert name.split("/")[2] == mode.replace("-", "_")
     calls = _calls(src)
@@ -102,9 +118,15 @@ def test_only_npu_modules_import_torchair():
         assert re.search(r"^import torchair$", text, re.M) and re.search(r"^import torch_npu$", text, re.M), rel
 
 
+def test_no_shipped_module_uses_reduce_overhead():
+    """Every shipped NPU module is max-autotune: the attention calls the specs need (TND, D != 512) are
+    documented unsupported in reduce-overhead (_op_plugin_docs.py:8737)."""
+    assert NPU and all("/npu/max_autotune/" in n for n in NPU)
+
+
 def test_tagged_event_tags_unique_across_all_modules():
     tags: dict[str, str] = {}
-    for name, src in NPU.items():
+    for name, src in {**NPU, **RO}.items():
         model, _, _, variant = name[:-3].split("/")
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("npu_create_tagged_event"):
@@ -113,7 +135,7 @@ def test_tagged_event_tags_unique_across_all_modules():
                 assert tag.startswith(f"graphgen.{model}.{variant}."), tag
                 assert tag not in tags, f"{tag} in {name} and {tags[tag]}"
                 tags[tag] = name
-    assert tags  # the reduce-overhead modules of the tiny specs do create events
+    assert tags  # the reduce-overhead renders do create events
 
 
 # ------------------------------------------------------------------------------------ (c) post-AOT on the stand-in
@@ -141,7 +163,7 @@ def _run(name, src=None):
     from graphgen.npu.structure import trace
 
     spec = _spec(name.split("/")[0])
-    t = trace(ROOT / "generated" / name, spec, NPU[name] if src is None else src)
+    t = trace(ROOT / "generated" / name, spec, ALL[name] if src is None else src)
     assert t.logits.shape == (len(t.inputs.actual_seq_lengths), spec.dims.vocab_size)
     assert t.n_graphs == 1  # fullgraph: one compiled graph per step
     return t.module, t.graph, t.kv, t.staging, t.inputs
@@ -157,7 +179,7 @@ TINY_NAMES = [n for n in NPU_NAMES if n.split("/")[0] in TINY]
 
 
 @needs_standin
-@pytest.mark.parametrize("name", TINY_NAMES)
+@pytest.mark.parametrize("name", TINY_NAMES + sorted(RO))
 def test_post_aot_structure(name):
     mod, cg, kv, staging, b = _run(name)
     problems, caches = _problems(cg, kv, staging)
@@ -186,7 +208,8 @@ def test_post_aot_structure(name):
 
 
 # ------------------------------------------------------------------------------------ (d) mutations must fail
-MUT = "tiny_qwen3/npu/{}/mempool_prefill_layer.py"
+MUT = "tiny_qwen3_npu/npu/{}/mempool_prefill_layer.py"
+
 
 
 def _lines_tagged(src, node_id):
@@ -215,8 +238,8 @@ def _move_after(src, line_idx, after_idx, indent=None):
 @pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
 def test_mutation_drop_wait_fails_aotcheck(mode):
     name = MUT.format(mode)
-    src = _drop(NPU[name], "L00.kv_save.wait")
-    assert src != NPU[name]
+    src = _drop(ALL[name], "L00.kv_save.wait")
+    assert src != ALL[name]
     _, cg, kv, staging, _ = _run(name, src)
     problems, _ = _problems(cg, kv, staging)
     assert any("is not ordered after write" in p for p in problems), problems
@@ -226,7 +249,7 @@ def test_mutation_drop_wait_fails_aotcheck(mode):
 @pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
 def test_mutation_kv_write_after_record_fails_aotcheck(mode):
     name = MUT.format(mode)
-    src = NPU[name]
+    src = ALL[name]
     w = _lines_tagged(src, "L00.kv_write")[0]
     (rec,) = _lines_tagged(src, "L00.kv_write.record")
     mutated = _move_after(src, w, rec)
@@ -238,7 +261,7 @@ def test_mutation_kv_write_after_record_fails_aotcheck(mode):
 @needs_standin
 def test_mutation_kv_write_into_save_scope_fails_aotcheck():
     name = MUT.format("reduce_overhead")
-    src = NPU[name]
+    src = ALL[name]
     w = _lines_tagged(src, "L00.kv_write")[0]
     (wait,) = _lines_tagged(src, "L00.kv_save.wait")
     _, cg, kv, staging, _ = _run(name, _move_after(src, w, wait, indent=8))
@@ -249,7 +272,7 @@ def test_mutation_kv_write_into_save_scope_fails_aotcheck():
 @needs_standin
 def test_mutation_save_out_of_scope_fails_aotcheck():
     name = MUT.format("max_autotune")
-    src = NPU[name]
+    src = ALL[name]
     save = _lines_tagged(src, "L00.kv_save")[0]
     attn = _lines_tagged(src, "L00.attn")[0]  # first main-stream line after the with-block
     _, cg, kv, staging, _ = _run(name, _move_after(src, save, attn - 1, indent=4))
@@ -265,7 +288,7 @@ def test_mutation_save_out_of_scope_fails_aotcheck():
     ("torchair.ops.wait([", "torchair.ops.wait(tensor=[", "unknown keyword argument 'tensor'"),
 ])
 def test_mutation_renamed_call_fails_conformance(old, new, needle):
-    src = NPU[MUT.format("max_autotune")]
+    src = ALL[MUT.format("max_autotune")]
     head, body = src.split("\ndef forward(", 1)  # mutate code, not the docstring that names the calls
     assert old in body
     problems = check_module_source(head + "\ndef forward(" + body.replace(old, new, 1))
@@ -274,10 +297,85 @@ def test_mutation_renamed_call_fails_conformance(old, new, needle):
 
 def test_mutation_tagged_event_in_max_autotune_breaks_mode_rule():
     # the rule test must be able to fail: a reduce-overhead body pasted into a max-autotune module
-    src = NPU[MUT.format("reduce_overhead")].replace("COMPILE_MODE = 'reduce-overhead'", "COMPILE_MODE = 'max-autotune'")
+    src = ALL[MUT.format("reduce_overhead")].replace("COMPILE_MODE = 'reduce-overhead'", "COMPILE_MODE = 'max-autotune'")
     with pytest.raises(AssertionError):
-        NPU["__mutant__/npu/max_autotune/x.py"] = src
+        ALL["__mutant__/npu/max_autotune/x.py"] = src
         try:
             test_mode_rules("__mutant__/npu/max_autotune/x.py")
         finally:
-            del NPU["__mutant__/npu/max_autotune/x.py"]
+            del ALL["__mutant__/npu/max_autotune/x.py"]
+
+
+# ------------------------------------------------------------------------------------ (e) MLA by phase
+DSV3 = "tiny_deepseek_v3_npu/npu/max_autotune/{}.py"
+FULL_DSV3 = "deepseek_v3_1/npu/max_autotune/{}.py"
+
+
+def _fia_calls(src):
+    return [c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Call)
+            and ast.unparse(c.func) == "torch_npu.npu_fused_infer_attention_score"]
+
+
+@pytest.mark.parametrize("name", [f.format(v) for f in (DSV3, FULL_DSV3)
+                                  for v in ("mempool_prefill", "splitfuse", "mempool_prefill_layer", "splitfuse_layer")
+                                  if f.format(v) in NPU])
+def test_deepseek_prefill_and_splitfuse_have_no_absorbed_mla(name):
+    """Absorbed MLA (FIA with query_rope) is documented for 1-16 query tokens per sequence only: no
+    prefill/splitfuse module may contain it; its attention is the un-absorbed TND form, Q/K D = 192."""
+    src = NPU[name]
+    calls = _fia_calls(src)
+    assert calls, "the module must still call fused_infer_attention_score"
+    for c in calls:
+        kws = {k.arg: ast.unparse(k.value) for k in c.keywords}
+        assert "query_rope" not in kws and "key_rope" not in kws and "block_table" not in kws, ast.unparse(c)
+        assert kws["input_layout"] == "'TND'" and kws["sparse_mode"] == "3"
+    assert "_mla_attention_absorbed" not in src
+
+
+@pytest.mark.parametrize("fmt", [DSV3, FULL_DSV3])
+def test_deepseek_decode_keeps_absorbed_mla_and_splitfuse_gathers_history(fmt):
+    decode, prefill, splitfuse = (NPU[fmt.format(v)] for v in ("decode", "mempool_prefill", "splitfuse"))
+    (call,) = _fia_calls(decode)
+    kws = {k.arg: ast.unparse(k.value) for k in call.keywords}
+    assert {"query_rope", "key_rope", "block_table"} <= set(kws) and kws["sparse_mode"] == "0"
+    assert "_mla_unabsorbed" not in decode
+    # the history gather (block table -> latent rows) is what makes splitfuse differ from prefill
+    assert "_paged_rows(" in splitfuse and "_paged_rows(" not in prefill
+    assert "= _mla_splitfuse(" in splitfuse and "= _mla_prefill(" in prefill
+
+
+@needs_standin
+def test_standin_rejects_the_old_absorbed_prefill():
+    """The old lowering ran prefill chunks through the absorbed form: the stand-in now refuses a
+    query_rope call with more than 16 query tokens in a sequence (it would have caught it)."""
+    standin.install()
+    t, n, bs = 40, 32, 128
+    q = torch.zeros(t, n, 512, dtype=torch.bfloat16)
+    ckv = torch.zeros(2, bs, 512, dtype=torch.bfloat16)
+    kpe = torch.zeros(2, bs, 64, dtype=torch.bfloat16)
+    kw = dict(query_rope=torch.zeros(t, n, 64, dtype=torch.bfloat16), key_rope=kpe, actual_seq_lengths=[t],
+              actual_seq_lengths_kv=[t], block_table=torch.tensor([[0]], dtype=torch.int32), num_heads=n,
+              num_key_value_heads=1, scale=1.0, input_layout="TND", sparse_mode=3, block_size=bs,
+              atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+    with pytest.raises(ValueError, match="1-16"):
+        torch.ops.npu.npu_fused_infer_attention_score(q, ckv, ckv, **kw)
+    kw.update(query_rope=kw["query_rope"][:16], actual_seq_lengths=[16], actual_seq_lengths_kv=[16])
+    out, _ = torch.ops.npu.npu_fused_infer_attention_score(q[:16], ckv, ckv, **kw)  # 16 is inside the envelope
+    assert out.shape == (16, n, 512)
+
+
+@needs_standin
+def test_standin_unabsorbed_form_enforces_its_documented_envelope():
+    standin.install()
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+    kw = dict(atten_mask=mask, actual_seq_lengths=[3], actual_seq_lengths_kv=[5], num_heads=4, num_key_value_heads=4,
+              scale=1.0, input_layout="TND", sparse_mode=3)
+    q, k, v = (torch.randn(s, 4, d).bfloat16() for s, d in ((3, 192), (5, 192), (5, 128)))
+    out, _ = torch.ops.npu.npu_fused_infer_attention_score(q, k, v, **kw)
+    assert out.shape == (3, 4, 128)
+    with pytest.raises(ValueError, match="bfloat16"):
+        torch.ops.npu.npu_fused_infer_attention_score(q.float(), k.float(), v.float(), **kw)
+    with pytest.raises(ValueError, match="192"):
+        torch.ops.npu.npu_fused_infer_attention_score(q[..., :128], k[..., :128], v, **kw)
+    with pytest.raises(ValueError, match="equal"):
+        torch.ops.npu.npu_fused_infer_attention_score(q, k, v, **{**kw, "num_key_value_heads": 1})

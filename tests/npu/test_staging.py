@@ -1,11 +1,11 @@
 """Overlapping steps with delayed commits: each step's pooled blocks are its own (audit risk 4).
 
-The generated tiny_qwen3 mempool_prefill (NPU, max-autotune) runs EAGERLY through the CPU stand-in
+The generated tiny_qwen3_npu mempool_prefill (NPU, max-autotune; bf16, block size 128) runs EAGERLY through the CPU stand-in
 (sequential CPU execution, no real streams): step N+1 is launched before step N's commit runs (the
 commit thread is held until then), which is the overlap an async engine creates.  The pool must hold,
 under step N's keys, exactly the cache blocks step N wrote.  Negative control: one staging buffer
-reused by every step (the old contract) fails the same check.  Limits are off: the tiny spec is
-float32 (this checks the commit contract, not the kernels).
+reused by every step (the old contract) fails the same check.  The documented kernel limits stay on:
+the hardware-shaped spec is inside them.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from graphgen.npu.staging import Committer, StagingExhausted, StagingRing  # noq
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
-STEPS, NB = 4, 16
+STEPS, NB = 4, 8
 
 
 class _OneReusedStaging(StagingRing):
@@ -41,21 +41,21 @@ def _run(ring_size: int, single_reused: bool):
     from graphgen.npu.inputs import kv_buffers, random_weights, tiny_step
 
     assert standin.install()
-    spec = load_spec(ROOT / "specs/tiny_qwen3.yaml")
-    mod = load_module(ROOT / "generated/tiny_qwen3/npu/max_autotune/mempool_prefill.py")
+    spec = load_spec(ROOT / "specs/tiny_qwen3_npu.yaml")
+    mod = load_module(ROOT / "generated/tiny_qwen3_npu/npu/max_autotune/mempool_prefill.py")
     W = random_weights(spec, rope=mod.ROPE)
     kv, _ = kv_buffers(mod, spec.dims.num_hidden_layers, NB)
-    sets = [kv_buffers(mod, spec.dims.num_hidden_layers, NB, staging_rows=4)[1] for _ in range(ring_size)]
+    sets = [kv_buffers(mod, spec.dims.num_hidden_layers, NB, staging_rows=2)[1] for _ in range(ring_size)]
     ring = _OneReusedStaging(sets) if single_reused else StagingRing(sets)
     committer = Committer(ring)
     pool, expected, gates = {}, {}, []
-    with standin.enforce_limits(False), torch.no_grad():
+    with torch.no_grad():
         for step in range(STEPS):
-            b = tiny_step(mod, spec, [(0, 7)], NB, seed=step)     # 2 blocks, new content every step
-            blocks = [2 * step, 2 * step + 1]
-            b.kv_index[:, 0] += 2 * step                           # this step's own blocks
+            b = tiny_step(mod, spec, [(0, 7)], NB, seed=step)     # 1 block (of 128), new content every step
+            blocks = [step]
+            b.kv_index[:, 0] += step                               # this step's own block
             b.save_block_ids = torch.tensor(blocks)
-            b.save_rows = torch.arange(2).view(-1, 1)
+            b.save_rows = torch.arange(1).view(-1, 1)
             while ring.in_flight > 2:   # the engine's bound: at most 2 commits in flight at a launch
                 time.sleep(0.001)
             idx, staging = ring.acquire()
@@ -65,7 +65,7 @@ def _run(ring_size: int, single_reused: bool):
             gates.append(gate)
 
             def commit(st, step=step):
-                pool[step] = [st[L][c][:2].clone() for L in range(len(st)) for c in range(len(st[L]))]
+                pool[step] = [st[L][c][:1].clone() for L in range(len(st)) for c in range(len(st[L]))]
             committer.submit(gate.wait, idx, commit)
             if step:                 # step N's commit may run only after step N+1 was launched
                 gates[step - 1].set()

@@ -43,7 +43,9 @@ def test_shipped_spec_standard_variants(path):
     assert (v["mempool_prefill"].phase, v["mempool_prefill"].history) == ("prefill", False)
     assert (v["splitfuse"].phase, v["splitfuse"].history) == ("prefill", True)
     assert spec.pool.write == "async" and "prefix_cache" in spec.features
-    assert spec.targets.cpu is not None and spec.targets.npu is not None
+    assert spec.targets.cpu is not None
+    # the float32 tiny specs are outside the NPU kernels' limits: every other shipped spec targets the NPU
+    assert (spec.targets.npu is None) == (spec.name in ("tiny_qwen3", "tiny_deepseek_v3"))
     assert spec.variant_saves(v["mempool_prefill"]) and not spec.variant_saves(v["decode"])
 
 

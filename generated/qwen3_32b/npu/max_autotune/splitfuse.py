@@ -29,7 +29,7 @@ KV_SHAPES = ((128, 1024), (128, 1024))
 KV_DTYPE = 'bfloat16'
 # RoPE tables: W[ROPE_CACHE_KEY] is [max_positions, 2 * rot_dim] = cat(cos, sin) built on the host with
 # graphgen.npu.inputs.rope_cache(ROPE, max_positions) (same tables as the CPU reference).
-ROPE = {'rot_dim': 128, 'scaling': None, 'theta': 1000000.0}
+ROPE = {'dtype': 'bfloat16', 'rot_dim': 128, 'scaling': None, 'theta': 1000000.0}
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
@@ -58,7 +58,7 @@ def forward(W, b, kv, staging=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
     kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
     h_embed = F.embedding(b.input_ids, W['model.embed_tokens.weight'])  # embed
-    cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).chunk(2, dim=-1)  # rope
+    cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope
     x_L00_attn_norm = torch_npu.npu_rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)[0]  # L00.attn_norm
     q_L00, k_L00, v_L00 = _qwen3_attn_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_proj.weight'], W['model.layers.0.self_attn.k_proj.weight'], W['model.layers.0.self_attn.v_proj.weight'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=64, num_kv_heads=8, head_dim=128, eps=1e-06)  # L00.qkv
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, k_L00.reshape(k_L00.shape[0], -1))  # L00.kv_write
