@@ -128,9 +128,6 @@ def _fia_dims(query, key, value, kw):
 # op-plugin docs "当query的d不等于512时"): Q_D = K_D = 192, V_D 128/192, Q_N = K_N = V_N, bfloat16
 # only, both length lists cumulative, sparse_mode 0 or 3 with the 2048x2048 causal mask.  The absorbed
 # form (query_rope) keeps its 1-16 query tokens per sequence (:8174-8176, v2 :8722-8724).
-MLA_ABSORBED_MAX_QUERY = 16
-NON_PAGED_QK_D = 192
-NON_PAGED_V_D = (128, 192)
 MAX_SEQUENCES = 4096
 
 
@@ -141,33 +138,14 @@ def _lengths(cum) -> list[int]:
     return [b - a for a, b in zip([0] + cum, cum)]
 
 
-def _check_absorbed_query_len(query, kw) -> None:
-    q_lens = _lengths(kw.get("actual_seq_lengths"))
-    longest = max(q_lens)
-    if longest > MLA_ABSORBED_MAX_QUERY:
-        raise ValueError(f"npu_fused_infer_attention_score with query_rope (absorbed MLA): {longest} query tokens "
-                         f"in one sequence; documented for 1-{MLA_ABSORBED_MAX_QUERY} (_op_plugin_docs.py:8174-8176)")
-
-
 def _non_paged_tnd(query, key, value, **kw):
     if kw.get("query_rope") is not None or kw.get("key_rope") is not None:
         raise NotImplementedError("stand-in models non-paged TND without query_rope/key_rope only")
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         raise ValueError(f"non-paged TND: query/key/value must be [T, N, D]; got {tuple(query.shape)}, "
                          f"{tuple(key.shape)}, {tuple(value.shape)}")
+    # dtype, head dims and head counts: limits.py rows fia.dense.* (checked before this kernel runs)
     n = int(kw.get("num_heads", 1))
-    nkv = int(kw.get("num_key_value_heads", 0)) or n
-    if not (query.shape[1] == key.shape[1] == value.shape[1] == n == nkv):
-        raise ValueError(f"non-paged TND (query D != 512): Q_N, K_N, V_N must be equal (num_heads={n}, "
-                         f"num_key_value_heads={nkv}, shapes {tuple(query.shape)}, {tuple(key.shape)}, "
-                         f"{tuple(value.shape)}) (_op_plugin_docs.py:8730)")
-    if query.shape[-1] != NON_PAGED_QK_D or key.shape[-1] != NON_PAGED_QK_D or value.shape[-1] not in NON_PAGED_V_D:
-        raise ValueError(f"non-paged TND without query_rope: Q_D = K_D = {NON_PAGED_QK_D} and V_D in {NON_PAGED_V_D} "
-                         f"are documented; got {query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]} "
-                         f"(_op_plugin_docs.py:8730)")
-    if not (query.dtype == key.dtype == value.dtype == torch.bfloat16):
-        raise ValueError(f"non-paged TND (query D != 512): bfloat16 only, got {query.dtype}, {key.dtype}, "
-                         f"{value.dtype} (_op_plugin_docs.py:8730)")
     q_lens, kv_lens = _lengths(kw.get("actual_seq_lengths")), _lengths(kw.get("actual_seq_lengths_kv"))
     if len(q_lens) != len(kv_lens) or len(q_lens) > MAX_SEQUENCES:
         raise ValueError(f"actual_seq_lengths/_kv: {len(q_lens)} and {len(kv_lens)} sequences (equal, <= 4096)")
@@ -200,8 +178,6 @@ def _non_paged_tnd(query, key, value, **kw):
 def _fia(query, key, value, **kw):
     if kw.get("input_layout", "BSH") == "TND" and kw.get("block_table") is None:
         return _non_paged_tnd(query, key, value, **kw)
-    if kw.get("query_rope") is not None:
-        _check_absorbed_query_len(query, kw)
     return _fia_paged(query, key, value, **kw)
 
 
@@ -301,8 +277,6 @@ def _fia_paged(query, key, value, **kw):
 def _fia_meta(query, key, value, **kw):
     if kw.get("input_layout", "BSH") == "TND" and kw.get("block_table") is None:
         return query.new_empty(query.shape[0], query.shape[1], value.shape[-1]), query.new_empty(1, dtype=torch.float32)
-    if kw.get("query_rope") is not None:
-        _check_absorbed_query_len(query, kw)
     return _fia_paged_meta(query, key, value, **kw)
 
 

@@ -79,6 +79,12 @@ def _paged(c: Call) -> bool:
     return c.get("block_table") is not None
 
 
+def _dense_tnd(c: Call) -> bool:
+    """The non-paged TND form without query_rope whose query D is not 512."""
+    return (c.get("input_layout", "BSH") == "TND" and not _paged(c) and not _mla(c)
+            and _last(c.args.get("query")) != 512)
+
+
 def _multi_token(c: Call) -> bool:
     return c.get("input_layout", "BSH") == "TND" and any(q > 1 for q in _query_lens(c))
 
@@ -124,6 +130,19 @@ LIMITS: tuple[Limit, ...] = (
           f"v2 {DOCS}:8737",
           lambda c: c.mode == "reduce-overhead" and c.get("input_layout", "BSH") == "TND"
           and _last(c.args.get("query")) != 512),
+    # non-paged TND without query_rope, D != 512 (DeepSeek prefill/splitfuse on up-projected K/V)
+    Limit("fia.dense.dtype", FIA, "TND without page attention and query D != 512: query/key/value bfloat16 only",
+          f"v2 {DOCS}:8730",
+          lambda c: _dense_tnd(c) and any(_dtype(c.args.get(n)) != "bfloat16" for n in ("query", "key", "value"))),
+    Limit("fia.dense.head_dims", FIA, "TND without page attention and query D != 512: Q_D = K_D = 192, V_D 128 or 192",
+          f"v2 {DOCS}:8730",
+          lambda c: _dense_tnd(c) and (_last(c.args.get("query")) != 192 or _last(c.args.get("key")) != 192
+                                        or _last(c.args.get("value")) not in (128, 192))),
+    Limit("fia.dense.heads", FIA, "TND without page attention and query D != 512: query, key and value head counts equal",
+          f"v2 {DOCS}:8730",
+          lambda c: _dense_tnd(c) and len({c.args["query"].shape[1], c.args["key"].shape[1], c.args["value"].shape[1],
+                                             value(c.get("num_heads", 1)),
+                                             value(c.get("num_key_value_heads", 0)) or value(c.get("num_heads", 1))}) != 1),
     # ------------------------------------------------------------------ RoPE
     Limit("rope.head_dim", "npu_apply_rotary_pos_emb", "on Atlas A2/A3 the head dim D must be 64 or 128",
           f"{DOCS}:15790-15802",

@@ -49,6 +49,15 @@ def fia_mla(q_lens=(1, 1), heads=32, d=512, rope=64, bs=128):
                  num_key_value_heads=1, scale=0.1, input_layout="TND", sparse_mode=3 if multi else 0, block_size=bs))
 
 
+def fia_dense(dtype=BF, qk=192, v=128, kv_heads=4):
+    """The non-paged TND form (DeepSeek prefill/splitfuse on up-projected K/V)."""
+    return ("npu_fused_infer_attention_score",
+            (torch.randn(3, 4, qk, dtype=dtype), torch.randn(5, kv_heads, qk, dtype=dtype),
+             torch.randn(5, kv_heads, v, dtype=dtype)),
+            dict(atten_mask=MASK, actual_seq_lengths=[3], actual_seq_lengths_kv=[5], num_heads=4,
+                 num_key_value_heads=kv_heads, scale=0.1, input_layout="TND", sparse_mode=3))
+
+
 def rope(d=128, cos_dtype=BF):
     return ("npu_apply_rotary_pos_emb", (torch.randn(1, 3, 4, d, dtype=BF), torch.randn(1, 3, 2, d, dtype=BF),
                                          torch.randn(1, 3, 1, d, dtype=cos_dtype), torch.randn(1, 3, 1, d, dtype=cos_dtype)),
@@ -98,6 +107,9 @@ CASES = {
     "fia.mla.rope_dim": (fia_mla(), fia_mla(rope=32)),
     "fia.mla.block_size": (fia_mla(bs=16), fia_mla(bs=64)),
     "fia.tnd.reduce_overhead": ((fia_mla(), "reduce-overhead"), (fia_gqa(), "reduce-overhead")),
+    "fia.dense.dtype": (fia_dense(), fia_dense(dtype=torch.float16)),
+    "fia.dense.head_dims": (fia_dense(), fia_dense(qk=128)),
+    "fia.dense.heads": (fia_dense(), fia_dense(kv_heads=2)),
     "rope.head_dim": (rope(), rope(d=32)),
     "rope.same_dtype": (rope(), rope(cos_dtype=torch.float32)),
     "interleave_rope.dim": (irope(), irope(d=32)),
