@@ -79,6 +79,7 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
     phase = module.META["phase"]
     ids, pos, slots, tables, seq_lens, qlens, logit_idx = [], [], [], [], [], [], []
     next_block = PAD_BLOCK + 1
+    saves = []
     for hist, q in seqs:
         n = (hist + q + bs - 1) // bs
         table = list(range(next_block, next_block + n))
@@ -90,7 +91,9 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
         seq_lens.append(hist + q)
         qlens.append(q)
         logit_idx.append(len(ids) - 1)
-    saves = list(range(PAD_BLOCK + 1, next_block)) if module.META.get("saves") else None
+        # as the scheduler saves: the blocks this step fills entirely (<= q // bs per sequence)
+        saves += table[-(-hist // bs):(hist + q) // bs]
+    saves = saves[:buckets.save_rows] if module.META.get("saves") else None
     return npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                            query_lens=qlens, logits_indices=logit_idx, block_size=bs, save_block_ids=saves,
                            decode=phase == "decode", pad=buckets.padding(phase, len(seqs), len(ids))), next_block
