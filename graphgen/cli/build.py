@@ -74,11 +74,22 @@ def cmd_validate(args) -> int:
     from ..modelspec.loader import load_specs
     from ..passes.manager import run_pipeline
 
+    from ..modelspec.errors import SpecError
+    from ..modelspec.npu_limits import limit_diagnostics
+
     specs = load_specs([Path(p) for p in args.specs])
+    limits = []  # a spec declaring the NPU target must stay inside the kernels' documented limits
     for path, spec in zip(args.specs, specs):
         for v in spec.variants:
             run_pipeline(spec, v, spec_file=path)
-        print(f"{path}: ok ({spec.family}, {spec.dims.num_hidden_layers} layers, variants: {', '.join(spec.variants)})")
+        found = limit_diagnostics(path, spec)
+        limits += found
+        if not found:
+            npu = " (NPU kernel limits ok)" if spec.targets.npu is not None else ""
+            print(f"{path}: ok ({spec.family}, {spec.dims.num_hidden_layers} layers, variants: "
+                  f"{', '.join(spec.variants)}){npu}")
+    if limits:
+        raise SpecError(limits)
     return EXIT_OK
 
 

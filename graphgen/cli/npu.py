@@ -20,11 +20,16 @@ def cmd_compile(args) -> int:
         err(f"{args.spec}: the spec has no npu target; add `npu: {{}}` under targets")
         return EXIT_INVALID
     mode = args.mode or spec.targets.npu.compile_modes[0]
-    if mode not in spec.targets.npu.compile_modes:
+    if mode not in spec.targets.npu.compile_modes:  # also with --steps: only generated modes run
         err(f"{args.spec}: compile mode {mode} is not generated; modes: {', '.join(spec.targets.npu.compile_modes)}")
         return EXIT_INVALID
-    if args.variant not in spec.variants:
+    if args.variant is not None and args.variant not in spec.variants:
         err(f"{args.spec}: no variant '{args.variant}'; variants: {', '.join(spec.variants)}")
+        return EXIT_INVALID
+    if args.steps is not None:
+        return _steps(args, spec)
+    if args.variant is None:
+        err("graphgen compile: error: --variant is required (all variants only with --standin --steps N)")
         return EXIT_INVALID
     path = Path(args.out) / spec.name / "npu" / mode_dir(mode) / f"{args.variant}.py"
     if not path.exists():
@@ -53,14 +58,59 @@ def cmd_compile(args) -> int:
     return EXIT_OK
 
 
+def _steps(args, spec) -> int:
+    """``--steps N``: a mixed loop of N steps per variant and mode through the stand-in, padded to the
+    spec's buckets; prints the graphs compiled against the bucket count (exit 1 when more)."""
+    if args.steps < 1:
+        err("graphgen compile: error: --steps must be >= 1")
+        return EXIT_INVALID
+    if not args.standin:
+        from ..npu.compile import NpuUnavailable, _import_torchair
+
+        try:
+            _import_torchair(False)
+        except NpuUnavailable as e:
+            err(f"graphgen compile: {e}")
+            return EXIT_UNAVAILABLE
+        err("graphgen compile: error: --steps counts compilations through the CPU stand-in: add --standin "
+            "(on an NPU, graphgen run --target npu drives the compiled graphs)")
+        return EXIT_INVALID
+    from ..modelspec.errors import SpecError
+    from ..modelspec.npu_limits import limit_diagnostics
+    from ..npu.bucketing import report, run_standin_loop
+    from ..npu.limits import KernelLimitError
+
+    found = limit_diagnostics(args.spec, spec)  # the stand-in would reject the first traced call anyway
+    if found:
+        raise SpecError(found)
+    variants = [args.variant] if args.variant else list(spec.variants)
+    modes = [args.mode] if args.mode else list(spec.targets.npu.compile_modes)
+    print(f"{args.spec}: {args.steps} mixed steps per variant and mode through the CPU stand-in "
+          f"(kernel limits enforced)")
+    try:
+        results = run_standin_loop(spec, variants, modes, args.steps)
+    except Exception as e:  # Dynamo wraps a stand-in kernel's KernelLimitError raised while tracing
+        cause = e
+        while cause is not None and not isinstance(cause, KernelLimitError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        err(f"{args.spec}: a kernel call is outside its documented limits: {cause}")
+        return EXIT_INVALID
+    return report(results)
+
+
 def register(sub) -> None:
     c = sub.add_parser("compile", help="compile a generated NPU module with torchair (needs torch_npu)")
     c.add_argument("--target", choices=("npu",), required=True)
     c.add_argument("--spec", required=True)
-    c.add_argument("--variant", required=True)
+    c.add_argument("--variant", help="variant to compile (with --steps: default all variants)")
     c.add_argument("--mode", choices=("max-autotune", "reduce-overhead"))
     c.add_argument("--cache-dir", help="torchair.inference.cache_compile folder")
     c.add_argument("--out", default="generated", help="where the generated modules are")
     c.add_argument("--standin", action="store_true",
                    help="trace on CPU with the torchair stand-in (structure check only; never an NPU result)")
+    c.add_argument("--steps", type=int, metavar="N",
+                   help="with --standin: run N mixed steps per variant and mode padded to the spec's shape "
+                        "buckets and print the graphs compiled per variant and mode (exit 1: more than buckets)")
     c.set_defaults(handler=cmd_compile)

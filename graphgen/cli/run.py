@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import EXIT_INVALID, EXIT_OK, err, usage_error
+from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
 def _usage(msg: str) -> int:
@@ -39,10 +39,22 @@ def cmd_run(args) -> int:
     weights = Path(args.weights)
     if not weights.is_dir():
         return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
+    engine_cls, target_kw = Engine, {}
+    if getattr(args, "target", "cpu") == "npu":  # the NPU model runner (graphgen/npu/runner.py)
+        from ..npu.runner import NpuEngine
+
+        engine_cls, target_kw = NpuEngine, {"standin": args.standin}
+    elif getattr(args, "standin", False):
+        return _usage("--standin applies to --target npu only")
+    from ..npu.compile import NpuUnavailable
+
     try:
-        engine = Engine.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
-                                  pool=args.pool, faults=faults, collect_logits=args.logits,
-                                  num_blocks=args.num_blocks)
+        engine = engine_cls.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
+                                      pool=args.pool, faults=faults, collect_logits=args.logits,
+                                      num_blocks=args.num_blocks, **target_kw)
+    except NpuUnavailable as e:
+        err(f"graphgen run: {e}")
+        return EXIT_UNAVAILABLE
     except (ValueError, FileNotFoundError) as e:
         return _usage(str(e))
     with engine:
@@ -86,4 +98,9 @@ def register(sub) -> None:
     r.add_argument("--faults", help="fault injection, e.g. save_delay=0.05,put_fail=0.5,seed=1 (docs/runtime.md)")
     r.add_argument("--json", action="store_true", help="one JSON object per prompt")
     r.add_argument("--logits", action="store_true", help="with --json: the first generated position's logits")
+    r.add_argument("--target", choices=("cpu", "npu"), default="cpu",
+                   help="cpu (default): the generated CPU graphs; npu: the NPU model runner (needs torch_npu, "
+                        "or --standin)")
+    r.add_argument("--standin", action="store_true",
+                   help="with --target npu: run the NPU graphs on CPU through the torchair stand-in (never an NPU result)")
     r.set_defaults(handler=cmd_run)

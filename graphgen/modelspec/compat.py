@@ -182,3 +182,35 @@ def _target_rules(spec):
         for i, mode in enumerate(modes):
             if mode in modes[:i]:
                 yield f"targets.npu.compile_modes[{i}]", f"compile mode '{mode}' is listed twice", "remove the duplicate"
+        yield from _npu_rules(spec, targets.npu)
+
+
+def _npu_rules(spec, npu):
+    """The NPU target's shape buckets (graphgen.npu.bucketing pads every step to one of them)."""
+    for name in ("decode_batch_buckets", "prefill_token_buckets"):
+        values = getattr(npu, name)
+        if not values:
+            yield f"targets.npu.{name}", f"{name} is empty", f"list at least one size, e.g. {name}: [1, 2, 4, 8]"
+        for i in range(1, len(values)):
+            if values[i] == values[i - 1] or values[i] in values[:i]:
+                yield (f"targets.npu.{name}[{i}]", f"{name}: {values[i]} is listed twice",
+                       "remove the duplicate (each bucket is one compiled graph)")
+            elif values[i] < values[i - 1]:
+                yield (f"targets.npu.{name}[{i}]", f"{name} must be ascending: {values[i]} after {values[i - 1]}",
+                       f"write them in ascending order: {sorted(set(values))}")
+    if npu.prefill_token_buckets and npu.prefill_token_buckets[0] < npu.prefill_seqs + 1:
+        yield ("targets.npu.prefill_token_buckets[0]",
+               f"prefill bucket {npu.prefill_token_buckets[0]} is smaller than prefill_seqs + 1 = "
+               f"{npu.prefill_seqs + 1} (every sequence of the padded batch needs a token)",
+               f"use a smallest bucket of at least {npu.prefill_seqs + 1}, or lower prefill_seqs")
+    if npu.max_model_len is None:
+        return
+    kv = _get(spec, "kv_cache")
+    if kv is not _MISSING and npu.max_model_len < kv.block_size:
+        yield ("targets.npu.max_model_len", f"max_model_len {npu.max_model_len} is shorter than one block "
+               f"({kv.block_size} tokens)", f"use max_model_len >= {kv.block_size}")
+    d = _get(spec, "dims")
+    limit = getattr(d, "max_position_embeddings", None) if d is not _MISSING else None
+    if limit is not None and npu.max_model_len > limit:
+        yield ("targets.npu.max_model_len", f"max_model_len {npu.max_model_len} exceeds the model's "
+               f"max_position_embeddings ({limit})", f"use max_model_len <= {limit}")

@@ -112,6 +112,34 @@ class NpuTarget:
         default="kv_save", metadata=doc("Tag of the save stream in npu_stream_switch.", identifier=True))
     save_stream_priority: int = field(
         default=0, metadata=doc("Priority passed to npu_stream_switch for the save stream."))
+    # ---- step shapes (graphgen.npu.bucketing): every step is padded to one of these buckets, so
+    # each variant compiles one graph per bucket (docs/npu.md); rules checked in compat._npu_rules
+    dtype: Literal["bfloat16", "float16"] = field(
+        default="bfloat16",
+        metadata=doc("Weights/activations dtype on the NPU (the kernels take float16 or bfloat16; "
+                     "RoPE tables are built in it)."))
+    decode_batch_buckets: tuple[int, ...] = field(
+        default=(1, 2, 4, 8),
+        metadata=doc("Decode batch sizes a step is padded to (ascending, unique); the last one is the "
+                     "largest decode batch.", minimum=1, min_items=1, unique=True))
+    prefill_token_buckets: tuple[int, ...] = field(
+        default=(128, 256, 512, 1024),
+        metadata=doc("Token counts a prefill/splitfuse step is padded to (ascending, unique; the "
+                     "smallest at least prefill_seqs + 1: one padding sequence takes the surplus).",
+                     minimum=1, min_items=1, unique=True))
+    prefill_seqs: int = field(
+        default=2, metadata=doc("Sequences per prefill/splitfuse step at most (the graph's batch is "
+                                "prefill_seqs + 1).", minimum=1))
+    max_model_len: Optional[int] = field(
+        default=None, metadata=doc("Longest sequence (prompt + generated tokens); block tables have "
+                                   "ceil(max_model_len / block_size) columns. Default: "
+                                   "dims.max_position_embeddings, at most 4096.", minimum=1, nullable=False))
+    save_rows: Optional[int] = field(
+        default=None, metadata=doc("Blocks one step saves at most (staging rows). Default: the largest "
+                                   "prefill bucket / block_size.", minimum=1, nullable=False))
+    staging_buffers: int = field(
+        default=3, metadata=doc("Persistent staging buffers (graphgen.npu.staging.StagingRing): at least "
+                                "the commits in flight + 1.", minimum=1))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ PAD_BLOCK = 0  # reserved: padding tokens write and read only this block
 
 @dataclass(frozen=True)
 class Buckets:
-    """The shape buckets of one model (proposed NpuTarget fields: see docs/npu.md)."""
+    """The shape buckets of one model (``Buckets.from_spec``: the spec's NpuTarget fields)."""
 
     decode_batch: tuple[int, ...] = (1, 2, 4, 8)
     prefill_tokens: tuple[int, ...] = (64, 128, 256, 512)
@@ -27,17 +27,29 @@ class Buckets:
     max_blocks: int = 4            # block-table columns = longest context / block_size
     save_rows: int = 8             # staging rows = blocks saved per step at most
 
+    @classmethod
+    def from_spec(cls, spec) -> "Buckets":
+        """The buckets the spec's NPU target declares (docs/spec.md, NpuTarget)."""
+        npu = spec.targets.npu
+        if npu is None:
+            raise ValueError(f"spec {spec.name} has no NPU target")
+        bs = spec.kv_cache.block_size
+        max_len = max_model_len(spec)
+        return cls(decode_batch=tuple(npu.decode_batch_buckets), prefill_tokens=tuple(npu.prefill_token_buckets),
+                   prefill_seqs=npu.prefill_seqs, max_blocks=-(-max_len // bs),
+                   save_rows=npu.save_rows or max(1, npu.prefill_token_buckets[-1] // bs))
+
     def count(self, phase: str) -> int:
         return len(self.decode_batch) if phase == "decode" else len(self.prefill_tokens)
 
-    def padding(self, phase: str, n_seqs: int, n_tokens: int):
+    def padding(self, phase: str, n_seqs: int, n_tokens: int, pad_block: int = PAD_BLOCK):
         from .inputs import StepPadding
 
         if phase == "decode":
             b = next((x for x in self.decode_batch if x >= n_seqs), None)
             if b is None:
                 raise ValueError(f"decode batch {n_seqs} exceeds the largest bucket {self.decode_batch[-1]}")
-            return StepPadding(b, b, self.max_blocks, PAD_BLOCK, self.save_rows)
+            return StepPadding(b, b, self.max_blocks, pad_block, self.save_rows)
         if n_seqs > self.prefill_seqs:
             raise ValueError(f"{n_seqs} prefill sequences > prefill_seqs {self.prefill_seqs}")
         batch = self.prefill_seqs + 1
@@ -45,7 +57,15 @@ class Buckets:
         t = next((x for x in self.prefill_tokens if x >= need), None)
         if t is None:
             raise ValueError(f"{n_tokens} prefill tokens exceed the largest bucket {self.prefill_tokens[-1]}")
-        return StepPadding(batch, t, self.max_blocks, PAD_BLOCK, self.save_rows)
+        return StepPadding(batch, t, self.max_blocks, pad_block, self.save_rows)
+
+
+def max_model_len(spec) -> int:
+    """``targets.npu.max_model_len``, or the model's max_position_embeddings capped at 4096."""
+    npu = spec.targets.npu
+    if npu is not None and npu.max_model_len is not None:
+        return npu.max_model_len
+    return min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
 
 
 def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0):
@@ -59,6 +79,7 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
     phase = module.META["phase"]
     ids, pos, slots, tables, seq_lens, qlens, logit_idx = [], [], [], [], [], [], []
     next_block = PAD_BLOCK + 1
+    saves = []
     for hist, q in seqs:
         n = (hist + q + bs - 1) // bs
         table = list(range(next_block, next_block + n))
@@ -70,7 +91,9 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
         seq_lens.append(hist + q)
         qlens.append(q)
         logit_idx.append(len(ids) - 1)
-    saves = list(range(PAD_BLOCK + 1, next_block)) if module.META.get("saves") else None
+        # as the scheduler saves: the blocks this step fills entirely (<= q // bs per sequence)
+        saves += table[-(-hist // bs):(hist + q) // bs]
+    saves = saves[:buckets.save_rows] if module.META.get("saves") else None
     return npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                            query_lens=qlens, logits_indices=logit_idx, block_size=bs, save_block_ids=saves,
                            decode=phase == "decode", pad=buckets.padding(phase, len(seqs), len(ids))), next_block
@@ -121,14 +144,15 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     """Run ``steps`` mixed steps per (variant, mode) through the CPU stand-in; count compiled graphs.
 
     ``sources``: {(variant, mode): module source} (default: generated in memory from the spec).
-    Weights and the RoPE table are cast to the KV dtype (the NPU kernels take one dtype)."""
+    ``buckets``: default ``Buckets.from_spec(spec)``.  Weights and the RoPE table are cast to the KV
+    dtype (the NPU kernels take one dtype)."""
     import torch
 
     from . import standin
     from .compile import compile_module, load_module
     from .inputs import ROPE_CACHE_KEY, kv_buffers, random_weights, rope_cache
 
-    buckets = buckets or Buckets()
+    buckets = buckets or Buckets.from_spec(spec)
     variants = list(variants or spec.variants)
     modes = list(modes or spec.targets.npu.compile_modes)
     dtype = getattr(torch, spec.kv_cache.dtype)
