@@ -49,6 +49,10 @@ class Family:
     fp32_suffixes: tuple[str, ...] = ()
     hf_checks: Callable[[dict], Iterable[tuple[str, str, str]]] = lambda cfg: ()  # (key, message, fix)
     hf_notes: Callable[[dict], Iterable[str]] = lambda cfg: ()
+    # The attention kind ("gqa": per-head K/V cache; "mla": compressed latent cache) and whether any
+    # layer is MoE: what target checks (e.g. the NPU kernels' documented limits) key on.
+    attention: str = "gqa"
+    has_moe: Callable[[Any], bool] = lambda dims: False
 
     def kv_widths(self, dims) -> tuple[int, ...]:
         """Elements per token of each KV component (what the IR's kv_write/attention nodes carry)."""

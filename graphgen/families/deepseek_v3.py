@@ -266,4 +266,6 @@ FAMILY = Family(
     hf_notes=hf_notes,
     # the router is precision-sensitive: transformers keeps it in float32 too
     fp32_suffixes=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
+    attention="mla",
+    has_moe=lambda d: d.first_k_dense_replace < d.num_hidden_layers,
 )

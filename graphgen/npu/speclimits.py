@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..families import FAMILIES
 from .limits import BY_KEY
 
 
@@ -24,16 +25,16 @@ class SpecCheck:
     got: Callable[[object], object] = field(compare=False)     # the offending value, for the message
 
 
-def _qwen(s) -> bool:
-    return s.family == "qwen3_dense"
+def _gqa(s) -> bool:
+    return FAMILIES[s.family].attention == "gqa"
 
 
 def _mla(s) -> bool:
-    return s.family == "deepseek_v3"
+    return FAMILIES[s.family].attention == "mla"
 
 
 def _moe(s) -> bool:
-    return _mla(s) and s.dims.first_k_dense_replace < s.dims.num_hidden_layers
+    return FAMILIES[s.family].has_moe(s.dims)
 
 
 def _multi_token(s) -> bool:
@@ -55,11 +56,11 @@ CHECKS: tuple[SpecCheck, ...] = (
               lambda s: s.kv_cache.dtype),
     SpecCheck("fia.dtype", "targets.npu.dtype", lambda s: getattr(s.targets.npu, "dtype", None) is not None,
               lambda s: _model_dtype(s) not in ("float16", "bfloat16"), _model_dtype),
-    SpecCheck("fia.pa.block_size", "kv_cache.block_size", lambda s: _qwen(s) and _multi_token(s),
+    SpecCheck("fia.pa.block_size", "kv_cache.block_size", lambda s: _gqa(s) and _multi_token(s),
               lambda s: s.kv_cache.block_size < 128 or s.kv_cache.block_size % 128, lambda s: s.kv_cache.block_size),
     SpecCheck("fia.mla.block_size", "kv_cache.block_size", _mla,
               lambda s: s.kv_cache.block_size not in (16, 128), lambda s: s.kv_cache.block_size),
-    SpecCheck("rope.head_dim", "dims.head_dim", _qwen, lambda s: s.dims.head_dim not in (64, 128),
+    SpecCheck("rope.head_dim", "dims.head_dim", _gqa, lambda s: s.dims.head_dim not in (64, 128),
               lambda s: s.dims.head_dim),
     SpecCheck("interleave_rope.dim", "dims.qk_rope_head_dim", _mla, lambda s: s.dims.qk_rope_head_dim != 64,
               lambda s: s.dims.qk_rope_head_dim),
@@ -69,7 +70,7 @@ CHECKS: tuple[SpecCheck, ...] = (
               lambda s: s.dims.kv_lora_rank),
     SpecCheck("fia.mla.num_heads", "dims.num_attention_heads", _mla,
               lambda s: s.dims.num_attention_heads not in (32, 64, 128), lambda s: s.dims.num_attention_heads),
-    SpecCheck("fia.tnd.reduce_overhead", "targets.npu.compile_modes", _qwen,
+    SpecCheck("fia.tnd.reduce_overhead", "targets.npu.compile_modes", _gqa,
               lambda s: "reduce-overhead" in s.targets.npu.compile_modes, lambda s: list(s.targets.npu.compile_modes)),
     SpecCheck("moe_gating.groups", "dims.n_group", _moe,
               lambda s: s.dims.n_routed_experts % s.dims.n_group
