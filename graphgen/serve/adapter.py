@@ -143,7 +143,8 @@ class SequentialEngineAdapter:
         self.engine._reap()
         s = self.engine.stats
         return EngineStats(running=len(self._running), waiting=len(self._waiting),
-                           saves_pending=len(self.engine._pending), prefix_hit_tokens=self._totals["hit"],
+                           saves_pending=len(self.engine._pending),
+                           free_blocks=self.engine.alloc.num_free, prefix_hit_tokens=self._totals["hit"],
                            prompt_tokens=self._totals["prompt"], generation_tokens=self._totals["gen"],
                            puts=s["puts"], put_failures=s["put_failures"], save_failures=s["save_failures"],
                            pool_errors=s["pool_errors"])

@@ -55,6 +55,7 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     saves_pending: int = 0  # host commits in flight
+    free_blocks: int = 0  # device KV blocks free for new requests (pinned ones are not)
     prefix_hit_tokens: int = 0  # totals from here on
     prompt_tokens: int = 0
     generation_tokens: int = 0

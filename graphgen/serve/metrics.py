@@ -20,7 +20,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 # (metric name, EngineStats field, help) — gauges, then totals
 _GAUGES = (("graphgen_num_requests_running", "running", "Requests being generated."),
            ("graphgen_num_requests_waiting", "waiting", "Requests queued for their prefill."),
-           ("graphgen_kv_saves_pending", "saves_pending", "Host commits of saved KV still in flight."))
+           ("graphgen_kv_saves_pending", "saves_pending", "Host commits of saved KV still in flight."),
+           ("graphgen_kv_blocks_free", "free_blocks", "Device KV blocks free (pinned blocks are not)."))
 _TOTALS = (("graphgen_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens loaded from the KV pool."),
            ("graphgen_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled."),
            ("graphgen_generation_tokens", "generation_tokens", "Tokens generated."),
