@@ -15,6 +15,12 @@ Track names the runtime uses (constants below, so writers and readers agree):
 - ``server`` — HTTP-side events (``request`` spans from arrival to the last token).
 
 ``NULL`` is a recorder that records nothing, so call sites need no ``if trace:``.
+
+:class:`StepObserver` is what the runtime reports to when one is attached (``Engine.observe``): the
+model runner (forward spans, save copies, save done), the KV connector (commits) and the step
+engine (scheduling). It turns those reports into trace spans and ``(name, seconds)`` timing samples
+(``save``: forward start -> the step's KV in staging; ``commit``: the save's event seen -> every
+block put). With no observer attached the runtime pays one ``is None`` test per report.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import os
 import tempfile
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Optional
 
-__all__ = ["TraceRecorder", "NULL", "TRACK_SCHEDULER", "TRACK_FORWARD", "TRACK_SAVE", "TRACK_HOST",
+__all__ = ["TraceRecorder", "NULL", "StepObserver", "TRACK_SCHEDULER", "TRACK_FORWARD", "TRACK_SAVE", "TRACK_HOST",
            "TRACK_SERVER"]
 
 TRACK_SCHEDULER = "scheduler"
@@ -138,3 +145,42 @@ class TraceRecorder:
 
 
 NULL = TraceRecorder(None)
+
+
+class StepObserver:
+    """The runtime's reports -> trace spans (``trace``) and timing samples (kept when ``keep_timings``;
+    bounded: the oldest samples go first). Called from the forward, save and host threads."""
+
+    def __init__(self, trace: TraceRecorder = NULL, *, keep_timings: bool = False, max_timings: int = 100_000):
+        self.trace = trace
+        self._timings: Optional[deque] = deque(maxlen=max_timings) if keep_timings else None
+
+    def forward(self, variant: str, start: float, end: float, *, tokens: int, seqs: int, step: int) -> None:
+        self.trace.complete(TRACK_FORWARD, f"forward:{variant}", start, end, tokens=tokens, seqs=seqs, step=step)
+
+    def save_copy(self, start: float, end: float, *, blocks: int, layers: int = 1) -> None:
+        self.trace.complete(TRACK_SAVE, "kv_save", start, end, blocks=blocks, layers=layers)
+
+    def save_done(self, forward_start: float, end: float, *, step: int) -> None:
+        """The step's save program finished: its KV is in staging."""
+        if self._timings is not None:
+            self._timings.append(("save", end - forward_start))
+
+    def commit(self, start: float, end: float, *, blocks: int, puts: int) -> None:
+        self.trace.complete(TRACK_HOST, "commit", start, end, blocks=blocks, puts=puts)
+        if self._timings is not None:
+            self._timings.append(("commit", end - start))
+
+    def step(self, what: str, step_no: int, start: float, end: float) -> None:
+        """The step engine's spans: ``schedule`` (and ``launch`` instants with async scheduling);
+        its ``forward`` spans are the runner's (with the variant) and are not repeated here."""
+        if what == "schedule":
+            self.trace.complete(TRACK_SCHEDULER, "schedule", start, end, step=step_no)
+        elif what == "launch":
+            self.trace.complete(TRACK_SCHEDULER, "launch", start, end, step=step_no)
+
+    def take_timings(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        while self._timings:
+            out.append(self._timings.popleft())
+        return out

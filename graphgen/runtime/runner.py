@@ -14,6 +14,7 @@ the error propagates.
 
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -38,20 +39,47 @@ class StepHandles:
 
 class StepRuntime:
     """``rt`` as one step's module sees it: every op and event call goes to the shared runtime;
-    ``launch`` also keeps the job, per stream, for the runner to return."""
+    ``launch`` also keeps the job, per stream, for the runner to return. With an ``observer`` (see
+    `graphgen.trace.StepObserver`) the save copies and the end of the save program are reported."""
 
-    __slots__ = ("_rt", "launched")
+    __slots__ = ("_rt", "launched", "_obs", "_t0", "_step")
 
-    def __init__(self, rt: CpuRuntime):
+    def __init__(self, rt: CpuRuntime, observer=None, forward_start: float = 0.0, step: int = 0):
         self._rt = rt
         self.launched: dict[str, Job] = {}
+        self._obs, self._t0, self._step = observer, forward_start, step
 
     def launch(self, stream: str, fn: Callable[[], None]) -> Job:
         if stream in self.launched:  # one program per stream per step: a second one is a codegen bug
             raise RuntimeError(f"the step launched a second program on stream {stream!r}")
+        if self._obs is not None and stream == SAVE_STREAM:
+            fn = self._timed_save(fn)
         job = self._rt.start(stream, fn)
         self.launched[stream] = job
         return job
+
+    def _timed_save(self, fn: Callable[[], None]) -> Callable[[], None]:
+        obs, t0, step = self._obs, self._t0, self._step
+
+        def save_program():
+            fn()  # a failed save reports nothing: it commits nothing either
+            obs.save_done(t0, time.perf_counter(), step=step)
+        return save_program
+
+    # the save copies, timed when observed (kv_save_layers is the bulk form of kv_save)
+    def kv_save(self, cache, block_ids, staging) -> None:
+        if self._obs is None:
+            return self._rt.kv_save(cache, block_ids, staging)
+        t = time.perf_counter()
+        self._rt.kv_save(cache, block_ids, staging)
+        self._obs.save_copy(t, time.perf_counter(), blocks=len(block_ids))
+
+    def kv_save_layers(self, kv, layers, block_ids, staging) -> None:
+        if self._obs is None:
+            return self._rt.kv_save_layers(kv, layers, block_ids, staging)
+        t = time.perf_counter()
+        self._rt.kv_save_layers(kv, layers, block_ids, staging)
+        self._obs.save_copy(t, time.perf_counter(), blocks=len(block_ids), layers=len(layers))
 
     def __getattr__(self, name: str):
         return getattr(self._rt, name)
@@ -68,6 +96,7 @@ class CpuModelRunner:
         self.rt = rt
         self.events = {v: EventSet(m.EVENTS, default_timeout=event_timeout) for v, m in self.modules.items()}
         self._gen = 0  # step counter: the generation every event of a step is bound to
+        self.observer = None  # a graphgen.trace.StepObserver: forward spans, save copies, save done
 
     def saves(self, variant: str) -> bool:
         """Whether the variant's module has a save program (then it takes a staging area)."""
@@ -80,7 +109,9 @@ class CpuModelRunner:
                              f"(HOST_EVENT={mod.HOST_EVENT!r}, staging given: {staging is not None})")
         self._gen += 1
         ev = self.events[variant].bind(self._gen)
-        rt = StepRuntime(self.rt)
+        obs = self.observer
+        t0 = time.perf_counter()
+        rt = StepRuntime(self.rt, obs, t0, self._gen)
         try:
             with torch.inference_mode():
                 logits = mod.run(rt, self.W, inputs, self.cache, staging, ev)
@@ -89,5 +120,8 @@ class CpuModelRunner:
             for job in rt.launched.values():
                 job.wait()
             raise
+        if obs is not None:
+            obs.forward(variant, t0, time.perf_counter(), tokens=int(inputs.input_ids.numel()),
+                        seqs=int(inputs.seq_lens.numel()), step=self._gen)
         return StepHandles(logits, rt.launched.get(SAVE_STREAM),
                            ev[mod.HOST_EVENT] if mod.HOST_EVENT is not None else None)

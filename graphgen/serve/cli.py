@@ -26,9 +26,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on stdout)")
     p.add_argument("--write", choices=("off", "sync", "async"), default=None, help="override mempool.write")
     p.add_argument("--granularity", choices=("forward", "layer"), default=None, help="override mempool.granularity")
-    p.add_argument("--pool", default="host", help="pool backend (host: the embedded pool)")
+    p.add_argument("--pool", default="host", metavar="URL",
+                   help="pool backend: host (the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
+                        "(a Mooncake master shared by processes; docs/mooncake.md)")
     p.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests generating at once")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests admitted or running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens of one step (a prompt must fit: no chunked prefill)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="prepare step N+1 while step N runs (default on; tokens are identical either way)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the spec's name)")
     p.add_argument("--faults", default=None, help="fault injection, e.g. save_delay=0.05 (see docs/runtime.md)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace-event JSON on exit")
@@ -41,7 +47,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(handler=cmd_serve)
     return p
 
 
@@ -71,6 +77,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.max_num_seqs < 1:
         return _err("--max-num-seqs must be >= 1")
+    if args.max_num_batched_tokens < 1:
+        return _err("--max-num-batched-tokens must be >= 1")
     weights = Path(args.weights)
     if not weights.is_dir():
         return _err(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
@@ -79,7 +87,7 @@ def cmd_serve(args) -> int:
     from ..runtime.engine import Engine
     from ..runtime.faults import Faults
     from ..trace import NULL, TraceRecorder
-    from .adapter import SequentialEngineAdapter
+    from .adapter import LLMEngineAdapter
     from .app import create_app
 
     if args.torch_threads:
@@ -90,14 +98,15 @@ def cmd_serve(args) -> int:
         return _err(f"--faults: {e}")
     try:
         engine = Engine.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
-                                  pool=args.pool, faults=faults, num_blocks=args.num_blocks)
+                                  pool=args.pool, faults=faults, num_blocks=args.num_blocks,
+                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  async_scheduling=args.async_scheduling)
     except (ValueError, FileNotFoundError) as e:
         return _err(str(e))
     tokenizer = load_tokenizer(weights)
     trace = TraceRecorder(args.trace, process_name="graphgen serve") if args.trace else NULL
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    adapter = SequentialEngineAdapter(engine, max_num_seqs=args.max_num_seqs, eos_token_id=eos, trace=trace,
-                                      model_name=args.served_model_name)
+    adapter = LLMEngineAdapter(engine, eos_token_id=eos, trace=trace, model_name=args.served_model_name)
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout)
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout)
 

@@ -18,8 +18,8 @@ Threading: every method is called from ONE thread, the server's engine-loop thre
 stops (stop token ids, EOS, ``max_tokens``) are the engine's; stop *strings* are the server's (it
 has the text) — it aborts the request when one appears.
 
-Today :class:`graphgen.serve.adapter.SequentialEngineAdapter` implements this on top of
-``runtime.engine.Engine``; the continuous-batching scheduler will implement it next.
+:class:`graphgen.serve.adapter.LLMEngineAdapter` implements this on the runtime's step API
+(``runtime.llm_engine.LLMEngine``: continuous batching, async scheduling).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class EngineStats:
     put_failures: int = 0
     save_failures: int = 0
     pool_errors: int = 0
+    preemptions: int = 0  # requests whose blocks were taken back (recomputed later)
     extra: dict = field(default_factory=dict)
 
 
