@@ -29,7 +29,7 @@ from .engine_api import EngineStats, RequestOutput
 log = logging.getLogger("graphgen.serve")
 
 # LLMEngine.stats() keys the server shows besides EngineStats' own fields
-_EXTRA = ("steps", "preemptions", "hit_blocks", "loaded_blocks")
+_EXTRA = ("hit_blocks", "loaded_blocks")
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class LLMEngineAdapter:
                            free_blocks=s["free_blocks"], prefix_hit_tokens=s["prefix_hit_tokens"],
                            prompt_tokens=s["prompt_tokens"], generation_tokens=s["generation_tokens"],
                            puts=s["puts"], put_failures=s["put_failures"], save_failures=s["save_failures"],
-                           pool_errors=s["pool_errors"], preemptions=s["preemptions"],
+                           pool_errors=s["pool_errors"], preemptions=s["preemptions"], steps=s["steps"],
                            extra={k: s[k] for k in _EXTRA if k in s})
 
     def take_timings(self) -> list[tuple[str, float]]:

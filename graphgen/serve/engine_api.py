@@ -64,6 +64,7 @@ class EngineStats:
     save_failures: int = 0
     pool_errors: int = 0
     preemptions: int = 0  # requests whose blocks were taken back (recomputed later)
+    steps: int = 0  # engine steps run (fewer than tokens generated when requests are batched)
     extra: dict = field(default_factory=dict)
 
 

@@ -29,6 +29,7 @@ _TOTALS = (("graphgen_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tok
            ("graphgen_pool_put_failures", "put_failures", "KV blocks the pool refused or failed to store."),
            ("graphgen_kv_save_failures", "save_failures", "Saves that failed (nothing committed)."),
            ("graphgen_pool_errors", "pool_errors", "Pool lookups/loads that raised (recomputed)."),
+           ("graphgen_engine_steps", "steps", "Engine steps (one generated graph each)."),
            ("graphgen_preemptions", "preemptions", "Requests preempted (blocks taken back, recomputed later)."))
 
 

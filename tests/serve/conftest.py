@@ -37,8 +37,11 @@ def ckpt(tmp_path_factory):
 
 
 class Server:
-    def __init__(self, ckpt, *extra, trace=None):
-        args = [sys.executable, "-m", "graphgen.serve", "--spec", str(SPEC), "--weights", str(ckpt),
+    def __init__(self, ckpt, *extra, trace=None, cli=False):
+        """``cli``: start it as ``python -m graphgen serve`` (the CLI's subcommand) instead of
+        ``python -m graphgen.serve`` (the module alone); the same code behind both."""
+        entry = ["-m", "graphgen", "serve"] if cli else ["-m", "graphgen.serve"]
+        args = [sys.executable, *entry, "--spec", str(SPEC), "--weights", str(ckpt),
                 "--port", "0", "--torch-threads", "1", *extra]
         if trace:
             args += ["--trace", str(trace)]
