@@ -13,9 +13,9 @@ TTFT is measured by the client: request sent -> first SSE token chunk. Inter-tok
 between later chunks. Reported: p50/p90/p99 TTFT, median ITL, output tokens/s, and per
 concurrency the async/sync and async/off ratios of TTFT p50 (and p90).
 
-Note: the server behind this benchmark runs requests through ``SequentialEngineAdapter`` (no
-continuous batching yet: batch size 1 per step), so concurrency adds queueing, not batching; the
-numbers that matter for the issue's goals come once the scheduler backs the serving interface.
+The server batches continuously (``--max-num-seqs``) with async scheduling on (its default). At the
+end each server's ``/metrics`` gives the mean forward time of a step and the mean save latency
+(forward start -> the step's KV staged), so the cost of the slow save is shown next to the forward.
 
 Usage (repo root):
     .venv/bin/python benchmarks/bench_serve.py --quick        # smoke: < 2 min on 2 cores
@@ -73,6 +73,18 @@ class ServerProc:
             self.proc.kill()
             raise RuntimeError(f"server {cfg.name} did not start")
         self.port = int(line.strip().rsplit(":", 1)[-1])
+
+    def scrape(self) -> dict:
+        """{sample name: value} of the server's /metrics (label-free samples only)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -176,6 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="", help="comma-separated subset of names (default: all)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="time bound per load run")
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--no-async-scheduling", action="store_true", help="serve without async scheduling")
     ap.add_argument("--quick", action="store_true", help="smoke: concurrency 1,8, few requests, 4 configs, 1 round")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -203,7 +216,8 @@ def main(argv=None) -> int:
     servers = {}
     try:
         for c in configs:
-            servers[c.name] = ServerProc(c, args.spec, str(ckpt), ["--max-num-seqs", str(args.max_num_seqs)])
+            servers[c.name] = ServerProc(c, args.spec, str(ckpt), ["--max-num-seqs", str(args.max_num_seqs)]
+                                         + (["--no-async-scheduling"] if args.no_async_scheduling else []))
         agg = {(c.name, k): {"ttft": [], "itl": [], "tokens": 0, "wall": 0.0, "errors": 0} for c in configs for k in conc}
         for rnd in range(args.rounds):
             for k in conc:
@@ -217,6 +231,17 @@ def main(argv=None) -> int:
                     a["tokens"] += sum(x[2] for x in r["results"])
                     a["wall"] += r["wall_s"]
                     a["errors"] += len(r["errors"])
+        costs = {}
+        for n, srv in servers.items():
+            m = srv.scrape()
+
+            def mean(h):
+                return 1e3 * m.get(h + "_sum", 0.0) / m[h + "_count"] if m.get(h + "_count") else float("nan")
+            costs[n] = {"forward_ms": mean("graphgen_forward_latency_seconds"),
+                        "save_ms": mean("graphgen_kv_save_latency_seconds"),
+                        "commit_ms": mean("graphgen_kv_commit_latency_seconds"),
+                        "steps": m.get("graphgen_engine_steps_total", 0), "preemptions": m.get("graphgen_preemptions_total", 0),
+                        "hit_tokens": m.get("graphgen_prefix_cache_hit_tokens_total", 0)}
     finally:
         rcs = {n: s.stop() for n, s in servers.items()}
         if tmp is not None:
@@ -248,9 +273,13 @@ def main(argv=None) -> int:
             ratios.append(line)
             print("  " + ", ".join(f"{key}={v[0]:.3f}/{v[1]:.3f}" if isinstance(v, list) else f"{key}={v}"
                                    for key, v in line.items()))
+    print("\nper server (means over the whole run): forward per step, save (forward start -> staged), commit")
+    for n, c in costs.items():
+        print(f"  {n:12s} forward {c['forward_ms']:.2f} ms, save {c['save_ms']:.2f} ms, commit {c['commit_ms']:.2f} ms, "
+              f"{int(c['steps'])} steps, {int(c['preemptions'])} preemptions, {int(c['hit_tokens'])} hit tokens")
     print(f"\nserver exit codes: {rcs}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios, "exit_codes": rcs,
+        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios, "exit_codes": rcs, "costs": costs,
                                                "args": vars(args)}, indent=2) + "\n")
     bad = any(r["errors"] for r in rows) or any(rc != 0 for rc in rcs.values())
     return 1 if bad else 0

@@ -19,7 +19,7 @@ Track names the runtime uses (constants below, so writers and readers agree):
 :class:`StepObserver` is what the runtime reports to when one is attached (``Engine.observe``): the
 model runner (forward spans, save copies, save done), the KV connector (commits) and the step
 engine (scheduling). It turns those reports into trace spans and ``(name, seconds)`` timing samples
-(``save``: forward start -> the step's KV in staging; ``commit``: the save's event seen -> every
+(``forward``: one step's graph; ``save``: forward start -> the step's KV in staging; ``commit``: the save's event seen -> every
 block put). With no observer attached the runtime pays one ``is None`` test per report.
 """
 
@@ -157,6 +157,8 @@ class StepObserver:
 
     def forward(self, variant: str, start: float, end: float, *, tokens: int, seqs: int, step: int) -> None:
         self.trace.complete(TRACK_FORWARD, f"forward:{variant}", start, end, tokens=tokens, seqs=seqs, step=step)
+        if self._timings is not None:
+            self._timings.append(("forward", end - start))
 
     def save_copy(self, start: float, end: float, *, blocks: int, layers: int = 1) -> None:
         self.trace.complete(TRACK_SAVE, "kv_save", start, end, blocks=blocks, layers=layers)

@@ -40,31 +40,28 @@ class StepHandles:
 class StepRuntime:
     """``rt`` as one step's module sees it: every op and event call goes to the shared runtime;
     ``launch`` also keeps the job, per stream, for the runner to return. With an ``observer`` (see
-    `graphgen.trace.StepObserver`) the save copies and the end of the save program are reported."""
+    `graphgen.trace.StepObserver`) the save copies and the record of the step's host event (its KV
+    is staged; on the save stream for ``write: async``, inline on main for ``sync``) are reported."""
 
-    __slots__ = ("_rt", "launched", "_obs", "_t0", "_step")
+    __slots__ = ("_rt", "launched", "_obs", "_t0", "_step", "_host")
 
-    def __init__(self, rt: CpuRuntime, observer=None, forward_start: float = 0.0, step: int = 0):
+    def __init__(self, rt: CpuRuntime, observer=None, forward_start: float = 0.0, step: int = 0,
+                 host_event: Optional[str] = None):
         self._rt = rt
         self.launched: dict[str, Job] = {}
-        self._obs, self._t0, self._step = observer, forward_start, step
+        self._obs, self._t0, self._step, self._host = observer, forward_start, step, host_event
 
     def launch(self, stream: str, fn: Callable[[], None]) -> Job:
         if stream in self.launched:  # one program per stream per step: a second one is a codegen bug
             raise RuntimeError(f"the step launched a second program on stream {stream!r}")
-        if self._obs is not None and stream == SAVE_STREAM:
-            fn = self._timed_save(fn)
         job = self._rt.start(stream, fn)
         self.launched[stream] = job
         return job
 
-    def _timed_save(self, fn: Callable[[], None]) -> Callable[[], None]:
-        obs, t0, step = self._obs, self._t0, self._step
-
-        def save_program():
-            fn()  # a failed save reports nothing: it commits nothing either
-            obs.save_done(t0, time.perf_counter(), step=step)
-        return save_program
+    def record(self, ev) -> None:
+        self._rt.record(ev)
+        if self._obs is not None and ev.name == self._host:  # the step's KV is staged (either write mode)
+            self._obs.save_done(self._t0, time.perf_counter(), step=self._step)
 
     # the save copies, timed when observed (kv_save_layers is the bulk form of kv_save)
     def kv_save(self, cache, block_ids, staging) -> None:
@@ -111,7 +108,7 @@ class CpuModelRunner:
         ev = self.events[variant].bind(self._gen)
         obs = self.observer
         t0 = time.perf_counter()
-        rt = StepRuntime(self.rt, obs, t0, self._gen)
+        rt = StepRuntime(self.rt, obs, t0, self._gen, mod.HOST_EVENT)
         try:
             with torch.inference_mode():
                 logits = mod.run(rt, self.W, inputs, self.cache, staging, ev)

@@ -34,9 +34,10 @@ __all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "T
 # "stop": a stop token/string; "length": max_tokens; "abort": aborted (client gone, shutdown);
 # "error": the engine could not run it (e.g. out of KV blocks with nothing to wait for).
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# save: forward start -> the step's saved KV is in staging (the host event);
+# forward: one step's generated graph (any phase); save: forward start -> the step's saved KV is in
+# staging (the host event);
 # commit: host event -> every block of the step put into the pool.
-TIMING_NAMES = ("save", "commit")
+TIMING_NAMES = ("forward", "save", "commit")
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("graphgen_e2e_request_latency_seconds", "Request arrival to its last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.forward = Histogram("graphgen_forward_latency_seconds", "One engine step's forward (generated graph).",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
         self.save = Histogram("graphgen_kv_save_latency_seconds", "Forward start to the step's KV saved to staging.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.commit = Histogram("graphgen_kv_commit_latency_seconds", "KV saved to staging to every block in the pool.",
@@ -74,7 +76,7 @@ class ServerMetrics:
         self._stats.snapshot = stats  # one reference swap: a scrape sees one whole snapshot
 
     def observe_timing(self, name: str, seconds: float) -> None:
-        {"save": self.save, "commit": self.commit}[name].observe(seconds)
+        {"forward": self.forward, "save": self.save, "commit": self.commit}[name].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
