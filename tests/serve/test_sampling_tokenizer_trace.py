@@ -107,3 +107,27 @@ def test_trace_recorder_writes_chrome_json_from_many_threads(tmp_path):
     assert [e["ph"] for e in ev if e["name"] == "commit"] == ["B", "E"]
     tr.complete("forward", "late", 0.0, 1.0)  # after close: ignored, file unchanged
     assert json.loads(path.read_text()) == doc
+
+
+def test_render_trace_draws_one_lane_per_track(tmp_path):
+    """scripts/render_trace.py on a small recorded trace: a PNG comes out, and the lanes it would draw
+    are exactly the tracks that have spans, in the recorder's order."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")  # the docs extra, installed by ./dev
+    path = Path(__file__).resolve().parents[2] / "scripts" / "render_trace.py"
+    spec = importlib.util.spec_from_file_location("render_trace", path)
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    rec = TraceRecorder(str(tmp_path / "t.json"))
+    rec.complete("forward", "forward:decode", 1.0, 1.010)
+    rec.complete("save", "kv_save", 1.002, 1.006)
+    rec.complete("host", "commit", 1.011, 1.012)
+    rec.close()
+    doc = json.loads((tmp_path / "t.json").read_text())
+    tracks, spans = rt.load_spans(doc)
+    assert tracks == ["forward", "save", "host"] and len(spans) == 3
+    out = tmp_path / "t.png"
+    rt.render(doc, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
