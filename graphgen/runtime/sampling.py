@@ -28,6 +28,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()  # stop strings (matched on detokenized text; the match is cut off)
     stop_token_ids: tuple[int, ...] = ()  # the token is emitted, then the request stops
+    ignore_eos: bool = False  # the tokenizer's EOS does not stop the request (load generators use it)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -82,7 +83,8 @@ class StopChecker:
 
     def __init__(self, params: SamplingParams, eos_token_id: Optional[int] = None):
         self.params = params
-        self.stop_ids = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
+        eos = {eos_token_id} if eos_token_id is not None and not params.ignore_eos else set()
+        self.stop_ids = set(params.stop_token_ids) | eos
 
     def check(self, tokens: Sequence[int]) -> Optional[str]:
         """The finish reason (``"stop"`` / ``"length"``) when the request must stop after ``tokens``."""

@@ -34,11 +34,12 @@ _EXTRA = ("hit_blocks", "loaded_blocks")
 
 @dataclass(frozen=True)
 class _Params:
-    """What the engine reads (``max_tokens``, ``stop_token_ids``) and what ``sample_fn`` reads back
+    """What the engine reads (``max_tokens``, ``stop_token_ids``, ``ignore_eos``) and what ``sample_fn`` reads back
     (the request's own sampler)."""
 
     max_tokens: int
     stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
     sampler: Sampler
 
 
@@ -79,7 +80,8 @@ class LLMEngineAdapter:
         prompt = [int(t) for t in prompt_ids]
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds {self.max_model_len}")
-        self.llm.add_request(req_id, prompt, _Params(params.max_tokens, tuple(params.stop_token_ids), Sampler(params)))
+        self.llm.add_request(req_id, prompt, _Params(params.max_tokens, tuple(params.stop_token_ids), params.ignore_eos,
+                                                    Sampler(params)))
 
     def abort(self, req_id: str) -> None:
         self.llm.abort(req_id)

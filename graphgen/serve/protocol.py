@@ -118,12 +118,13 @@ def _common(body: dict, ctx: Context) -> tuple[SamplingParams, bool, bool, str]:
     stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
                     "a list of integers", [])
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)  # vLLM's extension
     opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = bool(opts.get("include_usage", False))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, seed=seed, stop=tuple(s for s in stop if s),
-                                stop_token_ids=tuple(stop_ids))
+                                stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(str(e), param=field, code="invalid_value") from None
@@ -172,6 +173,13 @@ def parse_chat(body: dict, ctx: Context) -> Parsed:
         raise ApiError("'messages' must be a non-empty list", param="messages", code="invalid_type")
     clean = []
     for i, m in enumerate(msgs):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):  # content parts: text only
+            parts = m["content"]
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
+                       for x in parts):
+                raise ApiError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                               f"supported", param=f"messages[{i}].content", code="unsupported_value")
+            m = dict(m, content="".join(x["text"] for x in parts))
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'",
                            param=f"messages[{i}]", code="invalid_type")

@@ -131,3 +131,9 @@ def test_render_trace_draws_one_lane_per_track(tmp_path):
     out = tmp_path / "t.png"
     rt.render(doc, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ignore_eos_drops_only_the_eos_stop():
+    assert StopChecker(SamplingParams(max_tokens=9), eos_token_id=7).check([1, 7]) == "stop"
+    assert StopChecker(SamplingParams(max_tokens=9, ignore_eos=True), eos_token_id=7).check([1, 7]) is None
+    assert StopChecker(SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=(7,)), 7).check([7]) == "stop"

@@ -252,3 +252,18 @@ def test_16_concurrent_requests_equal_single_runs(server, engine):
         got = list(ex.map(one, prompts, timeout=120))
     assert got == want
     assert h.metric(server.base, "graphgen_engine_steps_total") - steps0 < 16 * 5
+
+
+def test_chat_content_parts_are_joined_text_and_other_parts_are_400(server):
+    """OpenAI's content-parts form (what load generators such as guidellm send): text parts equal the
+    plain string; an image part is refused with a 400."""
+    plain = [{"role": "user", "content": "hi there"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+    a = h.post(server.base, "/v1/chat/completions", {"messages": plain, "max_tokens": 3, "temperature": 0})
+    b = h.post(server.base, "/v1/chat/completions", {"messages": parts, "max_tokens": 3, "temperature": 0,
+                                                     "ignore_eos": True, "max_completion_tokens": 3})
+    assert a[0] == b[0] == 200
+    assert a[1]["choices"][0]["token_ids"] == b[1]["choices"][0]["token_ids"]
+    img = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    status, resp = h.post(server.base, "/v1/chat/completions", {"messages": img})
+    assert status == 400 and resp["error"]["code"] == "unsupported_value"
