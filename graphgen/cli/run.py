@@ -6,6 +6,7 @@ fast and building the parser stays torch-free.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -28,9 +29,10 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_run(args) -> int:
     prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
+    if args.max_num_seqs < 1:
+        return _usage("--max-num-seqs must be >= 1")
     from ..runtime.engine import Engine
     from ..runtime.faults import Faults
-    from ..runtime.kvcache import OutOfBlocks
 
     try:
         faults = Faults.parse(args.faults) if args.faults else None
@@ -51,12 +53,29 @@ def cmd_run(args) -> int:
     try:
         engine = engine_cls.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
                                       pool=args.pool, faults=faults, collect_logits=args.logits,
-                                      num_blocks=args.num_blocks, **target_kw)
+                                      num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                                      async_scheduling=args.async_scheduling, **target_kw)
     except NpuUnavailable as e:
         err(f"graphgen run: {e}")
         return EXIT_UNAVAILABLE
     except (ValueError, FileNotFoundError) as e:
         return _usage(str(e))
+    trace = None
+    if args.trace:
+        from ..trace import StepObserver, TraceRecorder
+
+        trace = TraceRecorder(args.trace, process_name="graphgen run")
+        engine.observe(StepObserver(trace))
+    try:
+        return _generate(engine, prompts, args)
+    finally:
+        if trace is not None:
+            trace.close()  # after the engine closed: every commit is in it
+
+
+def _generate(engine, prompts, args) -> int:
+    from ..runtime.kvcache import OutOfBlocks
+
     with engine:
         try:
             results = engine.generate(prompts, args.max_new_tokens, batch=args.batch)
@@ -95,6 +114,10 @@ def register(sub) -> None:
                         "(a Mooncake master, shared by processes; docs/mooncake.md)")
     r.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
     r.add_argument("--batch", action="store_true", help="batch the prompts instead of running them in order")
+    r.add_argument("--max-num-seqs", type=int, default=256, help="requests admitted or running at once (--batch)")
+    r.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="prepare step N+1 while step N runs (tokens are identical either way)")
+    r.add_argument("--trace", metavar="FILE", help="write a Chrome trace-event JSON (Perfetto) of the run")
     r.add_argument("--faults", help="fault injection, e.g. save_delay=0.05,put_fail=0.5,seed=1 (docs/runtime.md)")
     r.add_argument("--json", action="store_true", help="one JSON object per prompt")
     r.add_argument("--logits", action="store_true", help="with --json: the first generated position's logits")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -63,6 +64,7 @@ class KVConnector:
         self.host_stream = Stream(HOST_STREAM)  # async commits, in step order
         self._pending: deque[Job] = deque()    # async commits in flight, oldest first
         self._lock = threading.Lock()          # stats are bumped from the host stream too
+        self.observer = None                   # a graphgen.trace.StepObserver: commit spans and latency
         self.stats = {"puts": 0, "put_failures": 0, "save_failures": 0, "hit_blocks": 0,
                       "loaded_blocks": 0, "pool_errors": 0}
 
@@ -142,13 +144,19 @@ class KVConnector:
                 log.warning("KV save failed; its blocks are not committed: %s", err)
                 return
             save_done.wait()  # visibility rule: a block is put only after its save's event
+            obs = self.observer
+            t0 = time.perf_counter() if obs is not None else 0.0
+            puts = 0
             for j, key in enumerate(save.keys):
                 try:
                     ok = self.pool.put(key, pack_block(save.staging, j))
                 except Exception as e:
                     log.warning("pool put failed: %s", e)
                     ok = False
+                puts += bool(ok)
                 self._count("puts" if ok else "put_failures")  # a failed block is recomputed later
+            if obs is not None:
+                obs.commit(t0, time.perf_counter(), blocks=len(save.keys), puts=puts)
         finally:
             if save.block_ids:
                 self.alloc.unpin(save.block_ids)

@@ -98,6 +98,11 @@ class Engine:
         """``puts``, ``put_failures``, ``save_failures``, ``hit_blocks``, ``loaded_blocks``, ``pool_errors``."""
         return self.connector.stats
 
+    def observe(self, observer) -> None:
+        """Attach a `graphgen.trace.StepObserver` (None detaches): the runner reports forward spans,
+        save copies and save ends, the connector commits, the step engine its scheduling."""
+        self.runner.observer = self.connector.observer = self.llm.observer = observer
+
     @property
     def modules(self) -> dict:
         return self.runner.modules

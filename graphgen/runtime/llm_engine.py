@@ -68,6 +68,7 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.collect_logits = collect_logits
         self.timeline = timeline
+        self.observer = None  # a graphgen.trace.StepObserver: scheduling spans (Engine.observe sets it)
         self._requests: dict[Any, Request] = {}
         self._inflight: Optional[tuple[ScheduledStep, Any, Job]] = None  # (step, save, forward job)
         self._forward: Optional[Stream] = None
@@ -213,6 +214,8 @@ class LLMEngine:
     def _span(self, what: str, sid: int, t0: float) -> None:
         if self.timeline is not None:  # list.append: safe from the forward thread too
             self.timeline.append((what, sid, t0, time.perf_counter()))
+        if self.observer is not None:
+            self.observer.step(what, sid, t0, time.perf_counter())
 
     def abort_all(self) -> None:
         """Wait for the forward in flight (its save is handed off), then drop every request and its

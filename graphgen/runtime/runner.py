@@ -14,6 +14,7 @@ the error propagates.
 
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -38,13 +39,17 @@ class StepHandles:
 
 class StepRuntime:
     """``rt`` as one step's module sees it: every op and event call goes to the shared runtime;
-    ``launch`` also keeps the job, per stream, for the runner to return."""
+    ``launch`` also keeps the job, per stream, for the runner to return. With an ``observer`` (see
+    `graphgen.trace.StepObserver`) the save copies and the record of the step's host event (its KV
+    is staged; on the save stream for ``write: async``, inline on main for ``sync``) are reported."""
 
-    __slots__ = ("_rt", "launched")
+    __slots__ = ("_rt", "launched", "_obs", "_t0", "_step", "_host")
 
-    def __init__(self, rt: CpuRuntime):
+    def __init__(self, rt: CpuRuntime, observer=None, forward_start: float = 0.0, step: int = 0,
+                 host_event: Optional[str] = None):
         self._rt = rt
         self.launched: dict[str, Job] = {}
+        self._obs, self._t0, self._step, self._host = observer, forward_start, step, host_event
 
     def launch(self, stream: str, fn: Callable[[], None]) -> Job:
         if stream in self.launched:  # one program per stream per step: a second one is a codegen bug
@@ -52,6 +57,26 @@ class StepRuntime:
         job = self._rt.start(stream, fn)
         self.launched[stream] = job
         return job
+
+    def record(self, ev) -> None:
+        self._rt.record(ev)
+        if self._obs is not None and ev.name == self._host:  # the step's KV is staged (either write mode)
+            self._obs.save_done(self._t0, time.perf_counter(), step=self._step)
+
+    # the save copies, timed when observed (kv_save_layers is the bulk form of kv_save)
+    def kv_save(self, cache, block_ids, staging) -> None:
+        if self._obs is None:
+            return self._rt.kv_save(cache, block_ids, staging)
+        t = time.perf_counter()
+        self._rt.kv_save(cache, block_ids, staging)
+        self._obs.save_copy(t, time.perf_counter(), blocks=len(block_ids))
+
+    def kv_save_layers(self, kv, layers, block_ids, staging) -> None:
+        if self._obs is None:
+            return self._rt.kv_save_layers(kv, layers, block_ids, staging)
+        t = time.perf_counter()
+        self._rt.kv_save_layers(kv, layers, block_ids, staging)
+        self._obs.save_copy(t, time.perf_counter(), blocks=len(block_ids), layers=len(layers))
 
     def __getattr__(self, name: str):
         return getattr(self._rt, name)
@@ -68,6 +93,7 @@ class CpuModelRunner:
         self.rt = rt
         self.events = {v: EventSet(m.EVENTS, default_timeout=event_timeout) for v, m in self.modules.items()}
         self._gen = 0  # step counter: the generation every event of a step is bound to
+        self.observer = None  # a graphgen.trace.StepObserver: forward spans, save copies, save done
 
     def saves(self, variant: str) -> bool:
         """Whether the variant's module has a save program (then it takes a staging area)."""
@@ -80,7 +106,9 @@ class CpuModelRunner:
                              f"(HOST_EVENT={mod.HOST_EVENT!r}, staging given: {staging is not None})")
         self._gen += 1
         ev = self.events[variant].bind(self._gen)
-        rt = StepRuntime(self.rt)
+        obs = self.observer
+        t0 = time.perf_counter()
+        rt = StepRuntime(self.rt, obs, t0, self._gen, mod.HOST_EVENT)
         try:
             with torch.inference_mode():
                 logits = mod.run(rt, self.W, inputs, self.cache, staging, ev)
@@ -89,5 +117,8 @@ class CpuModelRunner:
             for job in rt.launched.values():
                 job.wait()
             raise
+        if obs is not None:
+            obs.forward(variant, t0, time.perf_counter(), tokens=int(inputs.input_ids.numel()),
+                        seqs=int(inputs.seq_lens.numel()), step=self._gen)
         return StepHandles(logits, rt.launched.get(SAVE_STREAM),
                            ev[mod.HOST_EVENT] if mod.HOST_EVENT is not None else None)

@@ -11,6 +11,7 @@ transformers can load, without importing transformers (demo and benchmarks run w
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -147,8 +148,10 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32) -> dict[str
 # --------------------------------------------------------------------------------------------
 
 def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int = 0,
-                               dtype: torch.dtype = torch.float32) -> str:
+                               dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> str:
     """Write ``config.json`` + ``model.safetensors`` with random weights; returns ``out_dir``.
+    With ``tokenizer`` (and the ``tokenizers`` package installed) also a byte-level BPE tokenizer of
+    exactly ``vocab_size`` tokens (``runtime.tokenizer.write_tokenizer``), so text prompts work.
 
     Scales keep activations and logits O(1): matrices ~ N(0, (1/sqrt(fan_in))^2) clipped to
     std 0.02..0.1, norms ~ 1 + N(0, 0.05^2), embeddings std 0.1 (normed right after), and a small
@@ -185,4 +188,8 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer and importlib.util.find_spec("tokenizers") is not None:
+        from .tokenizer import write_tokenizer
+
+        write_tokenizer(out_dir, cfg["vocab_size"])
     return out_dir

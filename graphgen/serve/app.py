@@ -1,0 +1,223 @@
+"""The FastAPI app: OpenAI-compatible routes over an :class:`EngineLoop`.
+
+``create_app(engine, tokenizer=...)`` returns an app whose lifespan starts the engine loop and, on
+shutdown (uvicorn's answer to SIGTERM, after it stopped accepting and let open requests finish),
+stops it: running requests get ``drain_timeout_s`` to finish, the rest are aborted, pending saves
+are committed, the trace is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..runtime.sampling import find_stop, holdback
+from ..trace import NULL, TraceRecorder
+from .engine_api import RequestOutput, ServingEngine
+from .loop import EngineLoop
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import SSE_DONE, ApiError, Context, Parsed, parse_chat, parse_completion, parse_json, sse, usage
+
+log = logging.getLogger("graphgen.serve")
+DISCONNECT_POLL_S = 0.25
+
+
+class _Choice:
+    """One prompt's output: its tokens, and the text already sent (stop strings held back)."""
+
+    def __init__(self, index: int, prompt_len: int, stops, tokenizer):
+        self.index, self.prompt_len, self.stops, self.tok = index, prompt_len, stops, tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.finish_reason: Optional[str] = None
+        self.cached = 0
+        self.error: Optional[str] = None
+
+    def feed(self, o: RequestOutput) -> tuple[str, list[int], bool]:
+        """Returns (new text, new token ids, stopped by a stop string)."""
+        self.tokens.extend(o.new_token_ids)
+        self.cached = max(self.cached, o.num_cached_tokens)
+        stopped = False
+        if self.tok is not None:
+            text = self.tok.decode(self.tokens)
+            cut = find_stop(text, self.stops) if self.stops else -1
+            if cut >= 0:
+                text, stopped = text[:cut], True
+            upto = len(text) if (stopped or o.finished) else len(text) - holdback(text, self.stops)
+            self.text = text
+        else:
+            upto = 0
+        delta = self.text[self.sent:max(self.sent, upto)]
+        self.sent = max(self.sent, upto)
+        if stopped:
+            self.finish_reason = "stop"
+        elif o.finished:
+            self.finish_reason = o.finish_reason
+            self.error = o.error
+        return delta, list(o.new_token_ids), stopped
+
+
+def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = NULL,
+               drain_timeout_s: float = 30.0) -> FastAPI:
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, metrics, trace)
+    ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer)
+    ids = itertools.count()
+    state = {"accepting": False}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        state["accepting"] = True
+        try:
+            yield
+        finally:
+            state["accepting"] = False
+            await asyncio.to_thread(loop.stop, drain_timeout_s)
+            trace.close()
+
+    app = FastAPI(title="graphgen", lifespan=lifespan)
+    app.state.loop, app.state.metrics = loop, metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        metrics.bad_requests.inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.get("/health")
+    async def health():
+        if loop.alive and state["accepting"]:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "graphgen", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        parsed = parse_completion(parse_json(await request.body()), ctx)
+        return await _serve(request, parsed, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        parsed = parse_chat(parse_json(await request.body()), ctx)
+        return await _serve(request, parsed, chat=True)
+
+    async def _serve(request: Request, parsed: Parsed, chat: bool):
+        if not state["accepting"] or not loop.alive:
+            raise ApiError("the server is shutting down", status=503, type="server_error", code="unavailable")
+        aio = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        base = f"{'chatcmpl' if chat else 'cmpl'}-{os.getpid():x}{next(ids):06x}"
+        rids = [f"{base}-{i}" for i in range(len(parsed.prompts))]
+        choices = {rid: _Choice(i, len(p), parsed.params.stop, tokenizer)
+                   for i, (rid, p) in enumerate(zip(rids, parsed.prompts))}
+
+        def on_output(o: RequestOutput):
+            aio.call_soon_threadsafe(q.put_nowait, o)
+
+        for rid, p in zip(rids, parsed.prompts):
+            loop.submit(rid, p, parsed.params, on_output)
+        created = int(time.time())
+        if parsed.stream:
+            return StreamingResponse(_stream(q, base, rids, choices, parsed, chat, created),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(request, q, base, rids, choices, parsed, chat, created)
+
+    def _usage(choices) -> dict:
+        cs = list(choices.values())
+        return usage(sum(c.prompt_len for c in cs), sum(len(c.tokens) for c in cs), sum(c.cached for c in cs))
+
+    def _take(o: RequestOutput, choices, open_ids: set):
+        """Feed one output; returns (choice, delta, new ids, finished now) or None if stale."""
+        if o.req_id not in open_ids:
+            return None  # e.g. the abort that follows a stop-string cut
+        c = choices[o.req_id]
+        delta, new_ids, stopped = c.feed(o)
+        if stopped:
+            loop.abort(o.req_id)
+        done = stopped or o.finished
+        if done:
+            open_ids.discard(o.req_id)
+        return c, delta, new_ids, done
+
+    async def _collect(request, q, base, rids, choices, parsed, chat, created):
+        open_ids = set(rids)
+        try:
+            while open_ids:
+                try:
+                    o = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                _take(o, choices, open_ids)
+        finally:
+            for rid in open_ids:  # client gone (or cancelled): free the engine's work
+                loop.abort(rid)
+        errs = [c for c in choices.values() if c.finish_reason in ("error", "abort")]
+        if errs:
+            e = errs[0]
+            raise ApiError(f"the request could not be completed: {e.error or e.finish_reason}", status=503,
+                           type="server_error", code=e.finish_reason)
+        out = []
+        for c in sorted(choices.values(), key=lambda c: c.index):
+            if chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "finish_reason": c.finish_reason, "logprobs": None, "token_ids": c.tokens})
+            else:
+                out.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None,
+                            "token_ids": c.tokens})
+        return {"id": base, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": parsed.model, "choices": out, "usage": _usage(choices)}
+
+    async def _stream(q, base, rids, choices, parsed, chat, created):
+        open_ids = set(rids)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        first = set(rids)
+        try:
+            while open_ids:
+                got = _take(await q.get(), choices, open_ids)
+                if got is None:
+                    continue
+                c, delta, new_ids, done = got
+                if c.finish_reason in ("error", "abort") and c.error:
+                    yield sse({"error": {"message": f"the request could not be completed: {c.error}",
+                                         "type": "server_error", "param": None, "code": c.finish_reason}})
+                if not (delta or new_ids or done):
+                    continue
+                if chat:
+                    d = {"content": delta}
+                    if c.index is not None and rids[c.index] in first:
+                        d["role"] = "assistant"
+                        first.discard(rids[c.index])
+                    ch = {"index": c.index, "delta": d, "finish_reason": c.finish_reason if done else None,
+                          "logprobs": None, "token_ids": new_ids}
+                else:
+                    ch = {"index": c.index, "text": delta, "finish_reason": c.finish_reason if done else None,
+                          "logprobs": None, "token_ids": new_ids}
+                yield sse({"id": base, "object": obj, "created": created, "model": parsed.model, "choices": [ch]})
+            if parsed.include_usage:
+                yield sse({"id": base, "object": obj, "created": created, "model": parsed.model, "choices": [],
+                           "usage": _usage(choices)})
+            yield SSE_DONE
+        finally:
+            for rid in open_ids:  # the client went away mid-stream: abort (frees its blocks)
+                loop.abort(rid)
+
+    return app

@@ -1,0 +1,89 @@
+"""The one interface between the HTTP server and an engine: requests in, per-step token deltas out.
+
+The server never touches engine internals; it talks to a :class:`ServingEngine`:
+
+- ``add_request(req_id, prompt_ids, params)`` — queue a request (prompt already validated: ids in
+  ``[0, vocab_size)``, ``len(prompt) + params.max_tokens <= max_model_len``).
+- ``abort(req_id)`` — drop it (waiting or running); its blocks are freed (blocks with a save in
+  flight return to the free list once their commit lands). Unknown / finished ids are ignored.
+- ``step()`` — run one engine step; returns one :class:`RequestOutput` per request that produced
+  a token or finished during the step.
+- ``has_work()`` — anything waiting or running.
+- ``stats()`` — an :class:`EngineStats` snapshot (gauges and monotonically increasing totals).
+- ``take_timings()`` — latency samples measured since the last call, ``(name, seconds)`` with
+  ``name`` in ``TIMING_NAMES``, for the histograms of ``/metrics``.
+- ``shutdown()`` — abort what is left, commit every pending save, release the engine.
+
+Threading: every method is called from ONE thread, the server's engine-loop thread. Token-level
+stops (stop token ids, EOS, ``max_tokens``) are the engine's; stop *strings* are the server's (it
+has the text) — it aborts the request when one appears.
+
+:class:`graphgen.serve.adapter.LLMEngineAdapter` implements this on the runtime's step API
+(``runtime.llm_engine.LLMEngine``: continuous batching, async scheduling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
+
+from ..runtime.sampling import SamplingParams
+
+__all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "TIMING_NAMES", "FINISH_REASONS"]
+
+# "stop": a stop token/string; "length": max_tokens; "abort": aborted (client gone, shutdown);
+# "error": the engine could not run it (e.g. out of KV blocks with nothing to wait for).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# forward: one step's generated graph (any phase); save: forward start -> the step's saved KV is in
+# staging (the host event);
+# commit: host event -> every block of the step put into the pool.
+TIMING_NAMES = ("forward", "save", "commit")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: Optional[str] = None  # one of FINISH_REASONS when finished
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the pool (prefix hit)
+    num_prompt_tokens: int = 0
+    error: Optional[str] = None  # with finish_reason "error": why
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    saves_pending: int = 0  # host commits in flight
+    free_blocks: int = 0  # device KV blocks free for new requests (pinned ones are not)
+    prefix_hit_tokens: int = 0  # totals from here on
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    save_failures: int = 0
+    pool_errors: int = 0
+    preemptions: int = 0  # requests whose blocks were taken back (recomputed later)
+    steps: int = 0  # engine steps run (fewer than tokens generated when requests are batched)
+    extra: dict = field(default_factory=dict)
+
+
+class ServingEngine(Protocol):
+    model_name: str
+    vocab_size: int
+    max_model_len: int  # prompt + generated tokens, at most
+
+    def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None: ...
+
+    def abort(self, req_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_work(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def take_timings(self) -> list[tuple[str, float]]: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,176 @@
+"""The engine-loop thread: the only thread that calls the :class:`ServingEngine`.
+
+HTTP handlers (asyncio) hand it requests and aborts through a thread-safe inbox; it runs engine
+steps while there is work and hands every :class:`RequestOutput` to the request's callback (which
+the server turns into an ``asyncio.Queue`` put on its event loop). It also times TTFT and
+inter-token latency (from the request's arrival at the server) and refreshes the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from ..runtime.sampling import SamplingParams
+from ..trace import NULL, TRACK_SERVER, TraceRecorder
+from .engine_api import RequestOutput, ServingEngine
+from .metrics import ServerMetrics
+
+log = logging.getLogger("graphgen.serve")
+
+
+@dataclass
+class _Track:
+    on_output: Callable[[RequestOutput], None]
+    arrived: float
+    last: Optional[float] = None
+    tokens: int = field(default=0)
+
+
+class EngineLoop:
+    def __init__(self, engine: ServingEngine, metrics: ServerMetrics, trace: TraceRecorder = NULL,
+                 idle_poll_s: float = 0.05):
+        self.engine = engine
+        self.metrics = metrics
+        self.trace = trace
+        self.idle_poll_s = idle_poll_s
+        self._inbox: queue.Queue = queue.Queue()
+        self._tracks: dict[str, _Track] = {}
+        self._stop_deadline: Optional[float] = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error: Optional[BaseException] = None
+
+    # ---- called from any thread ------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None]) -> None:
+        self._inbox.put(("add", req_id, list(prompt_ids), params, on_output, time.perf_counter()))
+
+    def abort(self, req_id: str) -> None:
+        self._inbox.put(("abort", req_id))
+
+    def stop(self, drain_timeout_s: float = 30.0, join_timeout_s: float = 120.0) -> None:
+        """Let running requests finish for up to ``drain_timeout_s``, abort the rest, commit every
+        pending save (``engine.shutdown``), and end the thread."""
+        self._inbox.put(("stop", time.perf_counter() + drain_timeout_s))
+        self._thread.join(join_timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._take_inbox(block=not self.engine.has_work())
+                if self._stop_deadline is not None:
+                    if not self.engine.has_work():
+                        break
+                    if time.perf_counter() > self._stop_deadline:
+                        for rid in list(self._tracks):
+                            self._abort(rid)
+                        break
+                if self.engine.has_work():
+                    self._step()
+                self._refresh()
+        except BaseException as e:  # never expected: fail what is in flight, keep the reason
+            log.exception("engine loop died")
+            self.error = e
+            for rid in list(self._tracks):
+                self._finish(rid, RequestOutput(rid, (), True, "error", error=f"engine loop died: {e}"))
+        finally:
+            try:
+                self.engine.shutdown()
+            finally:
+                self._refresh()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, on_output, arrived = cmd
+            if self._stop_deadline is not None:
+                on_output(RequestOutput(rid, (), True, "abort", error="server is shutting down"))
+                return
+            try:
+                self.engine.add_request(rid, ids, params)
+            except ValueError as e:  # the server validates first; this is the engine's own check
+                on_output(RequestOutput(rid, (), True, "error", num_prompt_tokens=len(ids), error=str(e)))
+                return
+            self._tracks[rid] = _Track(on_output, arrived)
+        elif kind == "abort":
+            self._abort(cmd[1])
+        elif kind == "stop":
+            self._stop_deadline = cmd[1]
+
+    def _abort(self, rid: str) -> None:
+        if rid in self._tracks:
+            self.engine.abort(rid)
+            self._finish(rid, RequestOutput(rid, (), True, "abort"))
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # a failed step fails its requests, not the server
+            log.exception("engine step failed")
+            for rid in list(self._tracks):
+                self.engine.abort(rid)
+                self._finish(rid, RequestOutput(rid, (), True, "error", error=f"engine step failed: {e}"))
+            return
+        now = time.perf_counter()
+        for o in outs:
+            t = self._tracks.get(o.req_id)
+            if t is None:
+                continue
+            for _ in o.new_token_ids:
+                if t.last is None:
+                    self.metrics.ttft.observe(now - t.arrived)
+                else:
+                    self.metrics.itl.observe(now - t.last)
+                t.last = now
+                t.tokens += 1
+            if o.finished:
+                self._finish(o.req_id, o)
+            else:
+                self._send(t, o)
+
+    def _finish(self, rid: str, o: RequestOutput) -> None:
+        t = self._tracks.pop(rid, None)
+        if t is None:
+            return
+        now = time.perf_counter()
+        self.metrics.requests.labels(finish_reason=o.finish_reason or "unknown").inc()
+        self.metrics.e2e.observe(now - t.arrived)
+        self.trace.complete(TRACK_SERVER, "request", t.arrived, now, req=rid, tokens=t.tokens,
+                            finish_reason=o.finish_reason)
+        self._send(t, o)
+
+    @staticmethod
+    def _send(t: _Track, o: RequestOutput) -> None:
+        try:
+            t.on_output(o)
+        except Exception:  # the client's event loop is gone: nothing to tell
+            log.debug("dropping output for %s", o.req_id, exc_info=True)
+
+    def _refresh(self) -> None:
+        self.metrics.update_stats(self.engine.stats())
+        for name, sec in self.engine.take_timings():
+            self.metrics.observe_timing(name, sec)

@@ -1,0 +1,205 @@
+"""OpenAI request parsing and validation: user input becomes a :class:`Parsed` or an :class:`ApiError`.
+
+Every rule here answers bad input with a 400 naming the field (``param``), the way OpenAI's API does;
+unknown fields are ignored. Unsupported features are refused, not silently dropped: ``n``/``best_of``
+other than 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, non-zero penalties, tools.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..runtime.sampling import SamplingParams
+
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 status: int = 400, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Parsed:
+    prompts: tuple[tuple[int, ...], ...]  # one engine request per prompt
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    model: str
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _get(body, name, check, what, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not check(v):
+        raise ApiError(f"'{name}' must be {what}, got {json.dumps(v)[:80]}", param=name, code="invalid_type")
+    return v
+
+
+class Context:
+    """What validation needs to know about the model and the tokenizer."""
+
+    def __init__(self, model_name: str, vocab_size: int, max_model_len: int, tokenizer=None):
+        self.model_name, self.vocab_size, self.max_model_len, self.tokenizer = model_name, vocab_size, max_model_len, tokenizer
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(f"'{param}' is text but the checkpoint folder has no tokenizer: send token ids",
+                           param=param, code="no_tokenizer")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _common(body: dict, ctx: Context) -> tuple[SamplingParams, bool, bool, str]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("'model' must be a string", param="model", code="invalid_type")
+    if model not in (None, ctx.model_name):
+        raise ApiError(f"the model '{model}' does not exist; this server serves '{ctx.model_name}'",
+                       param="model", code="model_not_found", status=404)
+    for name in ("n", "best_of"):
+        if _get(body, name, _is_int, "an integer", 1) != 1:
+            raise ApiError(f"'{name}' other than 1 is not supported", param=name, code="unsupported_value")
+    for name in ("logprobs", "top_logprobs", "suffix", "tools", "functions", "response_format"):
+        if body.get(name) not in (None, False):
+            raise ApiError(f"'{name}' is not supported", param=name, code="unsupported_value")
+    if body.get("echo") not in (None, False):
+        raise ApiError("'echo' is not supported", param="echo", code="unsupported_value")
+    if body.get("logit_bias") not in (None, {}):
+        raise ApiError("'logit_bias' is not supported", param="logit_bias", code="unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, _is_num, "a number", 0) != 0:
+            raise ApiError(f"non-zero '{name}' is not supported", param=name, code="unsupported_value")
+    if "max_completion_tokens" in body and body.get("max_tokens") is None:
+        body = dict(body, max_tokens=body["max_completion_tokens"])
+    max_tokens = _get(body, "max_tokens", _is_int, "an integer", 16)
+    if max_tokens <= 0:
+        raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens", code="invalid_value")
+    temperature = _get(body, "temperature", _is_num, "a number", 1.0)
+    top_p = _get(body, "top_p", _is_num, "a number", 1.0)
+    top_k = _get(body, "top_k", _is_int, "an integer", 0)
+    seed = _get(body, "seed", _is_int, "an integer", None)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP:
+        raise ApiError(f"'stop' takes at most {MAX_STOP} strings", param="stop", code="invalid_value")
+    if stop and ctx.tokenizer is None:
+        raise ApiError("'stop' strings need a tokenizer in the checkpoint folder", param="stop", code="no_tokenizer")
+    stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+                    "a list of integers", [])
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)  # vLLM's extension
+    opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    include_usage = bool(opts.get("include_usage", False))
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                top_k=top_k, seed=seed, stop=tuple(s for s in stop if s),
+                                stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise ApiError(str(e), param=field, code="invalid_value") from None
+    return params, stream, include_usage, ctx.model_name
+
+
+def _check_ids(ids: list, ctx: Context, param: str, max_tokens: int) -> tuple[int, ...]:
+    if not ids:
+        raise ApiError(f"'{param}' is empty", param=param, code="invalid_value")
+    bad = [t for t in ids if not _is_int(t) or t < 0 or t >= ctx.vocab_size]
+    if bad:
+        raise ApiError(f"'{param}' has token ids outside [0, {ctx.vocab_size}): {bad[:5]}", param=param,
+                       code="invalid_token_id")
+    if len(ids) + max_tokens > ctx.max_model_len:
+        raise ApiError(f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
+                       f"{len(ids)} and max_tokens asks for {max_tokens}", param=param, code="context_length_exceeded")
+    return tuple(ids)
+
+
+def parse_completion(body: dict, ctx: Context) -> Parsed:
+    params, stream, include_usage, model = _common(body, ctx)
+    p = body.get("prompt")
+    if isinstance(p, str):
+        raw = [ctx.encode(p, "prompt")]
+    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        raw = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        raw = [ctx.encode(x, "prompt") for x in p]
+    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+        raw = p
+    else:
+        raise ApiError("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+                       param="prompt", code="invalid_type")
+    prompts = tuple(_check_ids(ids, ctx, "prompt", params.max_tokens) for ids in raw)
+    return Parsed(prompts, params, stream, include_usage, model)
+
+
+def parse_chat(body: dict, ctx: Context) -> Parsed:
+    params, stream, include_usage, model = _common(body, ctx)
+    tok = ctx.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ApiError("chat completions need a tokenizer with a chat template in the checkpoint folder",
+                       param="messages", code="no_chat_template")
+    msgs = body.get("messages")
+    if not (isinstance(msgs, list) and msgs):
+        raise ApiError("'messages' must be a non-empty list", param="messages", code="invalid_type")
+    clean = []
+    for i, m in enumerate(msgs):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):  # content parts: text only
+            parts = m["content"]
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
+                       for x in parts):
+                raise ApiError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                               f"supported", param=f"messages[{i}].content", code="unsupported_value")
+            m = dict(m, content="".join(x["text"] for x in parts))
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'",
+                           param=f"messages[{i}]", code="invalid_type")
+        if m["role"] not in ("system", "user", "assistant", "developer"):
+            raise ApiError(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant, developer",
+                           param=f"messages[{i}].role", code="invalid_value")
+        clean.append({"role": m["role"], "content": m["content"]})
+    text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    ids = list(tok.encode(text, add_special_tokens=False))
+    return Parsed((_check_ids(ids, ctx, "messages", params.max_tokens),), params, stream, include_usage, model)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
