@@ -74,12 +74,20 @@ def cmd_validate(args) -> int:
     from ..modelspec.loader import load_specs
     from ..passes.manager import run_pipeline
 
+    from ..passes.memory import memory_problems, rank_memory
+
     specs = load_specs([Path(p) for p in args.specs])
+    status = EXIT_OK
     for path, spec in zip(args.specs, specs):
-        for v in spec.variants:
-            run_pipeline(spec, v, spec_file=path)
-        print(f"{path}: ok ({spec.family}, {spec.dims.num_hidden_layers} layers, variants: {', '.join(spec.variants)})")
-    return EXIT_OK
+        graphs = [run_pipeline(spec, v, spec_file=path) for v in spec.variants]
+        mem = rank_memory(spec, graphs)
+        problems = memory_problems(spec, mem)
+        for p in problems:
+            err(f"{path}: error: {p}")
+        status = EXIT_INVALID if problems else status
+        print(f"{path}: {'ok' if not problems else 'does not fit'} ({spec.family}, {spec.dims.num_hidden_layers} "
+              f"layers, variants: {', '.join(spec.variants)}); {mem.text()}")
+    return status
 
 
 def cmd_dump(args) -> int:

@@ -28,6 +28,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_run(args) -> int:
     prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
+    from ..runtime.distributed import RankFailure
     from ..runtime.engine import Engine
     from ..runtime.faults import Faults
     from ..runtime.kvcache import OutOfBlocks
@@ -36,21 +37,30 @@ def cmd_run(args) -> int:
         faults = Faults.parse(args.faults) if args.faults else None
     except ValueError as e:
         return _usage(f"--faults: {e}")
+    for flag in ("tp", "ep"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            return _usage(f"--{flag} must be >= 1")
     weights = Path(args.weights)
     if not weights.is_dir():
         return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
     try:
         engine = Engine.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
                                   pool=args.pool, faults=faults, collect_logits=args.logits,
-                                  num_blocks=args.num_blocks)
+                                  num_blocks=args.num_blocks, tp=args.tp, ep=args.ep)
     except (ValueError, FileNotFoundError) as e:
         return _usage(str(e))
+    except RankFailure as e:
+        err(f"graphgen run: {e}")
+        return EXIT_INVALID
     with engine:
         try:
             results = engine.generate(prompts, args.max_new_tokens, batch=args.batch)
         except (ValueError, OutOfBlocks) as e:
             hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
             return _usage(f"{e}{hint}")
+        except RankFailure as e:
+            err(f"graphgen run: {e}")
+            return EXIT_INVALID
         engine.drain()
         for r in results:
             if args.json:
@@ -73,6 +83,8 @@ def register(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=16)
     r.add_argument("--write", choices=("off", "sync", "async"), help="override pool.write")
     r.add_argument("--granularity", choices=("forward", "layer"), help="override pool.granularity")
+    r.add_argument("--tp", type=int, help="override parallel.tp: tensor-parallel ranks (one process each)")
+    r.add_argument("--ep", type=int, help="override parallel.ep: expert-parallel ranks (1 or tp)")
     r.add_argument("--pool", default="host", choices=("host",), help="pool backend (default: embedded host pool)")
     r.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
     r.add_argument("--batch", action="store_true", help="batch the prompts instead of running them in order")

@@ -95,6 +95,7 @@ def check_compat(spec):
     yield from _dims_rules(spec)
     yield from _variant_rules(spec)
     yield from _target_rules(spec)
+    yield from _parallel_rules(spec)
 
 
 def _matrix_rules(spec):
@@ -182,3 +183,12 @@ def _target_rules(spec):
         for i, mode in enumerate(modes):
             if mode in modes[:i]:
                 yield f"targets.npu.compile_modes[{i}]", f"compile mode '{mode}' is listed twice", "remove the duplicate"
+
+
+def _parallel_rules(spec):
+    family, d, par = _get(spec, "family"), _get(spec, "dims"), _get(spec, "parallel")
+    if family is _MISSING or d is _MISSING or par is _MISSING:
+        return
+    from ..families.parallel import parallel_rules
+
+    yield from parallel_rules(family, d, par.tp, par.ep)
