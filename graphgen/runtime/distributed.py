@@ -15,11 +15,11 @@ dead peer fails too). Nothing listens on anything but 127.0.0.1 (``GLOO_SOCKET_I
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import socket
 import time
-import traceback
 from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -59,63 +59,17 @@ def _serve_pool(capacity: int, address, authkey: bytes, ready) -> None:  # pragm
     server.serve_forever()
 
 
-def _connect_pool(address, authkey: bytes):
+def connect_pool(address, authkey: bytes):
     _PoolManager.register("pool")
     m = _PoolManager(address=address, authkey=authkey)
     m.connect()
     return m.pool()
 
 
-def _rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
-    """One rank: join the group, load this rank's weights, build its engine, serve commands."""
-    try:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(cfg["threads"])
-        spec = cfg["spec"]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                                world_size=spec.parallel.tp, timeout=datetime.timedelta(seconds=cfg["timeout"]))
-        from .ops_parallel import rank_weights
-        from .rank import RankEngine, graph_weight_names
-
-        weights = cfg["weights"]
-        if not isinstance(weights, dict):
-            from .weights import load_hf_weights
-
-            weights = load_hf_weights(weights)
-        mine = rank_weights(weights, graph_weight_names(spec, cfg["spec_file"]), rank, spec.parallel.tp)
-        del weights
-        pool = _connect_pool(cfg["pool_address"], cfg["authkey"])
-        engine = RankEngine(spec, mine, rank=rank, spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
-                            **cfg["engine_kwargs"])
-        conn.send(("ok", None))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    with engine:
-        while True:
-            cmd, args = conn.recv()
-            try:
-                if cmd == "close":
-                    break
-                if cmd == "generate":
-                    out = engine.generate(*args[0], **args[1])
-                elif cmd == "drain":
-                    out = engine.drain(*args)
-                elif cmd == "stats":
-                    skipped = getattr(engine.pool, "skipped_puts", 0)  # counted as puts by the connector
-                    out = {**engine.stats, "puts": engine.stats["puts"] - skipped, "skipped_puts": skipped}
-                else:
-                    raise ValueError(f"unknown rank command {cmd!r}")
-                conn.send(("ok", out if rank == 0 or cmd == "stats" else None))
-            except BaseException as e:
-                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    conn.send(("ok", None))
-    dist.destroy_process_group()
+def _start_rank(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
+    # The rank's code is reached by module name, as ``python -m`` would: the facade (imported by
+    # engine.from_spec) does not import the engine it starts in other processes.
+    importlib.import_module("graphgen.runtime.rank").rank_main(rank, cfg, conn)
 
 
 class DistributedEngine:
@@ -124,9 +78,10 @@ class DistributedEngine:
     def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
                  pool_capacity_bytes: int = 256 << 20, **engine_kwargs):
-        from ..modelspec.compat import check_compat
+        from ..families.parallel import parallel_rules
 
-        problems = list(check_compat(spec))
+        # a --tp/--ep override is checked here (the loader checked the file's own layout)
+        problems = list(parallel_rules(spec.family, spec.dims, spec.parallel.tp, spec.parallel.ep))
         if problems:
             raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
         if weights is None:
@@ -150,14 +105,14 @@ class DistributedEngine:
                 self._pool_proc.kill()
                 raise RankFailure(f"the shared pool process did not start (exit code {self._pool_proc.exitcode}); "
                                   f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
-        self._pool = _connect_pool(pool_address, authkey)
+        self._pool = connect_pool(pool_address, authkey)
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
                "threads": threads or max(1, (os.cpu_count() or 1) // self.tp), "pool_address": pool_address,
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs}
         self._conns, self._procs = [], []
         for r in range(self.tp):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
+            p = ctx.Process(target=_start_rank, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
@@ -177,10 +132,16 @@ class DistributedEngine:
                 if r in replies:
                     continue
                 if c.poll(0.02):
-                    status, value = c.recv()
-                    if status != "ok":
+                    try:
+                        status, value = c.recv()
+                    except (EOFError, OSError):  # the rank's end closed: it died
+                        p.join(1.0)
                         self._kill()
-                        raise RankFailure(f"rank {r} failed during {what}:\n{value}")
+                        raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}") from None
+                    if status != "ok":
+                        dead = self._dead(grace=1.0)  # a peer's death is the cause, its error the symptom
+                        self._kill()
+                        raise RankFailure(f"{dead}rank {r} failed during {what}:\n{value}")
                     replies[r] = value
                 elif not p.is_alive():
                     self._kill()
@@ -190,6 +151,13 @@ class DistributedEngine:
                 self._kill()
                 raise RankFailure(f"rank(s) {late} did not answer {what} within {self.timeout:.0f} s")
         return [replies[r] for r in range(self.tp)]
+
+    def _dead(self, grace: float) -> str:
+        """``rank N exited (code C); `` for every rank that has exited (waiting up to ``grace``)."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and all(p.is_alive() for p in self._procs):
+            time.sleep(0.02)
+        return "".join(f"rank {r} exited (code {p.exitcode}); " for r, p in enumerate(self._procs) if not p.is_alive())
 
     def _command(self, cmd: str, *args) -> list:
         if self._closed:

@@ -21,6 +21,8 @@ deterministic order on every rank because every rank sees the same prompts and a
 from __future__ import annotations
 
 import dataclasses
+import os
+import traceback
 from typing import Sequence
 
 import torch
@@ -28,12 +30,14 @@ import torch.distributed as dist
 
 from ..families.parallel import kv_replicated, rank_kv_components
 from . import ops_parallel
+from .distributed import connect_pool
 from .connector import KVConnector
 from .cpu import CpuRuntime
 from .engine import Engine
+from .ops_parallel import rank_weights
 from .pool import block_keys
 
-__all__ = ["RankRuntime", "RankConnector", "SaveOncePool", "RankEngine", "graph_weight_names"]
+__all__ = ["RankRuntime", "RankConnector", "SaveOncePool", "RankEngine", "graph_weight_names", "rank_main"]
 
 
 class RankRuntime(CpuRuntime):
@@ -146,3 +150,53 @@ def graph_weight_names(spec, spec_file: str = "") -> set[str]:
         g = run_pipeline(spec, v, spec_file=spec_file, until="shard")
         names |= {val for n in g.nodes for k, val in n.attrs.items() if k.startswith("w_") and isinstance(val, str)}
     return names
+
+
+def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
+    """The body of rank process ``rank`` (started by `graphgen.runtime.distributed`): join the group,
+    load this rank's weight slices, build its engine, then serve the facade's commands."""
+    try:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(cfg["threads"])
+        spec = cfg["spec"]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
+                                world_size=spec.parallel.tp, timeout=datetime.timedelta(seconds=cfg["timeout"]))
+        weights = cfg["weights"]
+        if not isinstance(weights, dict):
+            from .weights import load_hf_weights
+
+            weights = load_hf_weights(weights)
+        mine = rank_weights(weights, graph_weight_names(spec, cfg["spec_file"]), rank, spec.parallel.tp)
+        del weights
+        pool = connect_pool(cfg["pool_address"], cfg["authkey"])
+        engine = RankEngine(spec, mine, rank=rank, spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
+                            **cfg["engine_kwargs"])
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    with engine:
+        while True:
+            cmd, args = conn.recv()
+            try:
+                if cmd == "close":
+                    break
+                if cmd == "generate":
+                    out = engine.generate(*args[0], **args[1])
+                elif cmd == "drain":
+                    out = engine.drain(*args)
+                elif cmd == "stats":
+                    skipped = getattr(engine.pool, "skipped_puts", 0)  # counted as puts by the connector
+                    out = {**engine.stats, "puts": engine.stats["puts"] - skipped, "skipped_puts": skipped}
+                else:
+                    raise ValueError(f"unknown rank command {cmd!r}")
+                conn.send(("ok", out if rank == 0 or cmd == "stats" else None))
+            except BaseException as e:
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    conn.send(("ok", None))
+    dist.destroy_process_group()
