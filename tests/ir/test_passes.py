@@ -87,7 +87,7 @@ def test_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
     def boom(self, graph, ctx):
         raise ValueError("synthetic failure")
 
-    monkeypatch.setattr(type(PIPELINE[1]), "run", boom)
+    monkeypatch.setattr(type(PIPELINE[2]), "run", boom)  # insert_events (after shard, insert_kv_save)
     with pytest.raises(PassError) as info:
         run_pipeline(spec, "mempool_prefill")
     msg = str(info.value)
