@@ -121,3 +121,19 @@ def test_validate_prints_per_rank_memory_and_rejects_what_does_not_fit(tmp_path)
                                                                         "device_memory_gib: 48").replace("tp: 2", "tp: 1"))
     r = _cli("validate", str(one))
     assert r.returncode == 2 and "exceed targets.npu.device_memory_gib (48 GiB)" in r.stderr
+
+
+def test_npu_collectives_are_ops_of_the_installed_torch():
+    """The NPU modules' collectives (torch ops, outside the torch-npu manifest) exist in torch's op
+    registry with the argument count the generated call passes."""
+    torch = pytest.importorskip("torch")
+    import ast
+
+    src = (REPO / "generated/tiny_qwen3_tp2/npu/max_autotune/decode.py").read_text()
+    calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and ast.unparse(n.func).startswith(
+        "torch.ops._c10d_functional.")]
+    assert {ast.unparse(c.func).rsplit(".", 1)[1] for c in calls} == {"all_reduce", "all_gather_into_tensor",
+                                                                    "wait_tensor"}
+    for c in calls:
+        op = getattr(torch.ops._c10d_functional, ast.unparse(c.func).rsplit(".", 1)[1]).default
+        assert len(c.args) == len(op._schema.arguments), ast.unparse(c)
