@@ -130,8 +130,8 @@ def test_npu_collectives_are_ops_of_the_installed_torch():
     import ast
 
     src = (REPO / "generated/tiny_qwen3_tp2/npu/max_autotune/decode.py").read_text()
-    calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and ast.unparse(n.func).startswith(
-        "torch.ops._c10d_functional.")]
+    calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and ast.unparse(n.func.value) == "torch.ops._c10d_functional"]
     assert {ast.unparse(c.func).rsplit(".", 1)[1] for c in calls} == {"all_reduce", "all_gather_into_tensor",
                                                                     "wait_tensor"}
     for c in calls:
