@@ -25,12 +25,13 @@ def _fix_command(args) -> str:
 
 
 def _schema_extra(args) -> dict:
-    """specs/schema.json is checked with the generated files when the default specs are used."""
+    """specs/schema.json and docs/spec.md's generated tables are checked with the generated files when
+    the default specs are used (paths relative to the working folder, as the defaults are)."""
     if args.spec:
         return {}
-    from ..modelspec.schema import schema_text
+    from ..modelspec.schema import derived_files
 
-    return {Path("specs") / "schema.json": schema_text()}
+    return derived_files(Path("."))
 
 
 def cmd_generate(args) -> int:
@@ -44,10 +45,11 @@ def cmd_generate(args) -> int:
         print(f"{'would remove' if args.dry_run else 'removed'} {Path(args.out) / rel}")
     if not args.spec and not args.dry_run:
         from ..generate import write_atomic
-        from ..modelspec.schema import schema_text
+        from ..modelspec.schema import derived_files
 
-        if write_atomic(Path("specs") / "schema.json", schema_text()):
-            print("wrote specs/schema.json")
+        for path, text in derived_files(Path(".")).items():
+            if write_atomic(path, text):
+                print(f"wrote {path.as_posix()}")
     err(f"graphgen: {len(report.written)} {'to write' if args.dry_run else 'written'}, "
         f"{len(report.unchanged)} unchanged, {len(report.removed)} {'to remove' if args.dry_run else 'removed'}")
     return EXIT_OK
@@ -76,21 +78,27 @@ def cmd_validate(args) -> int:
 
     from ..modelspec.errors import SpecError
     from ..modelspec.npu_limits import limit_diagnostics
+    from ..passes.memory import memory_problems, rank_memory
 
     specs = load_specs([Path(p) for p in args.specs])
+    status = EXIT_OK
     limits = []  # a spec declaring the NPU target must stay inside the kernels' documented limits
     for path, spec in zip(args.specs, specs):
-        for v in spec.variants:
-            run_pipeline(spec, v, spec_file=path)
+        graphs = [run_pipeline(spec, v, spec_file=path) for v in spec.variants]
         found = limit_diagnostics(path, spec)
         limits += found
+        mem = rank_memory(spec, graphs)
+        problems = memory_problems(spec, mem)
+        for p in problems:
+            err(f"{path}: error: {p}")
+        status = EXIT_INVALID if problems else status
         if not found:
             npu = " (NPU kernel limits ok)" if spec.targets.npu is not None else ""
-            print(f"{path}: ok ({spec.family}, {spec.dims.num_hidden_layers} layers, variants: "
-                  f"{', '.join(spec.variants)}){npu}")
+            print(f"{path}: {'ok' if not problems else 'does not fit'} ({spec.family}, "
+                  f"{spec.dims.num_hidden_layers} layers, variants: {', '.join(spec.variants)}){npu}; {mem.text()}")
     if limits:
         raise SpecError(limits)
-    return EXIT_OK
+    return status
 
 
 def cmd_dump(args) -> int:

@@ -31,6 +31,7 @@ def cmd_run(args) -> int:
     prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
     if args.max_num_seqs < 1:
         return _usage("--max-num-seqs must be >= 1")
+    from ..runtime.distributed import RankFailure
     from ..runtime.engine import Engine
     from ..runtime.faults import Faults
 
@@ -38,6 +39,9 @@ def cmd_run(args) -> int:
         faults = Faults.parse(args.faults) if args.faults else None
     except ValueError as e:
         return _usage(f"--faults: {e}")
+    for flag in ("tp", "ep"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            return _usage(f"--{flag} must be >= 1")
     weights = Path(args.weights)
     if not weights.is_dir():
         return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
@@ -54,12 +58,16 @@ def cmd_run(args) -> int:
         engine = engine_cls.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
                                       pool=args.pool, faults=faults, collect_logits=args.logits,
                                       num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                                      async_scheduling=args.async_scheduling, **target_kw)
+                                      async_scheduling=args.async_scheduling, tp=args.tp, ep=args.ep,
+                                      **target_kw)
     except NpuUnavailable as e:
         err(f"graphgen run: {e}")
         return EXIT_UNAVAILABLE
     except (ValueError, FileNotFoundError) as e:
         return _usage(str(e))
+    except RankFailure as e:
+        err(f"graphgen run: {e}")
+        return EXIT_INVALID
     trace = None
     if args.trace:
         from ..trace import StepObserver, TraceRecorder
@@ -74,6 +82,7 @@ def cmd_run(args) -> int:
 
 
 def _generate(engine, prompts, args) -> int:
+    from ..runtime.distributed import RankFailure
     from ..runtime.kvcache import OutOfBlocks
 
     with engine:
@@ -82,6 +91,9 @@ def _generate(engine, prompts, args) -> int:
         except (ValueError, OutOfBlocks) as e:
             hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
             return _usage(f"{e}{hint}")
+        except RankFailure as e:
+            err(f"graphgen run: {e}")
+            return EXIT_INVALID
         engine.drain()
         for r in results:
             if args.json:
@@ -92,7 +104,7 @@ def _generate(engine, prompts, args) -> int:
         if not args.json:
             err(f"pool: {engine.stats['puts']} blocks committed, {engine.stats['put_failures']} put failures, "
                 f"{engine.stats['hit_blocks']} blocks hit")
-    ps = engine.connector.pool_stats()
+        ps = engine.pool_stats()  # after drain: every commit has landed
     if "master" in ps:  # a Mooncake pool (stderr, also with --json): each failure cost a recompute
         err(f"mooncake pool {ps['master']}: {ps['errors']} errors, {ps['put_failures']} put failures, "
             f"{ps['rejected']} rejected values, {ps.get('segment_full', 0)} segment full"
@@ -109,6 +121,8 @@ def register(sub) -> None:
     r.add_argument("--max-new-tokens", type=int, default=16)
     r.add_argument("--write", choices=("off", "sync", "async"), help="override pool.write")
     r.add_argument("--granularity", choices=("forward", "layer"), help="override pool.granularity")
+    r.add_argument("--tp", type=int, help="override parallel.tp: tensor-parallel ranks (one process each)")
+    r.add_argument("--ep", type=int, help="override parallel.ep: expert-parallel ranks (1 or tp)")
     r.add_argument("--pool", default="host", metavar="URL",
                    help="pool backend: host (default, the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
                         "(a Mooncake master, shared by processes; docs/mooncake.md)")

@@ -114,6 +114,32 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
     _op("pool_put", ("staging...:pool_staging",), doc="Host: commit the staged blocks to the pool."),
 )}
 
+# Parallel ranks (graphgen.passes.shard): the rank-local halves of the fused ops above, and the
+# collectives. Every attribute is the same on every rank (graphs are rank-symmetric); a rank's
+# slice of a weight or of the vocabulary/experts follows from its rank at run time.
+_COLLECTIVE = ("group", "size")
+OPS.update({o.name: o for o in (
+    _op("all_reduce", ("x",), ("y",), (*_COLLECTIVE, "reduce"),
+        doc="Collective: element-wise `reduce` (sum) of x over the ranks of `group` (`size` ranks)."),
+    _op("all_gather", ("x",), ("y",), (*_COLLECTIVE, "dim", "length"),
+        doc="Collective: concatenate every rank's x along `dim`, keep the first `length` (vocab padding)."),
+    _op("embedding_shard", ("input_ids:input",), ("partial",), ("w_embed", "vocab_size", *_COLLECTIVE),
+        doc="Vocab-parallel lookup: rows of this rank's vocabulary slice, zeros elsewhere (a partial sum)."),
+    _op("o_proj", ("attn",), ("partial",), ("w_o",), doc="Row-parallel output projection (a partial sum)."),
+    _op("swiglu_mlp", ("x",), ("partial",), ("w_gate", "w_up", "w_down"),
+        doc="SwiGLU MLP, gate/up column- and down row-parallel (a partial sum)."),
+    _op("moe", ("x",), ("partial",),
+        ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "top_k", "n_group",
+         "topk_group", "routed_scaling_factor", "norm_topk_prob", "num_experts", "ep"),
+        optional=("w_shared_gate", "w_shared_up", "w_shared_down"),
+        doc="MoE over this rank's experts (ep > 1: num_experts/ep whole experts; else a TP slice of "
+            "every expert), routing replicated, for all tokens (a partial sum)."),
+    _op("residual_add", ("x", "residual"), ("h",), doc="h = x + residual."),
+)})
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
+# Ops whose output is one rank's partial sum: only an all_reduce may read it.
+PARTIAL_OPS = ("embedding_shard", "o_proj", "swiglu_mlp", "moe")
+
 
 def opdef(op: str) -> OpDef:
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import HOST_STREAM, MAIN_STREAM, Graph, Node
+from .cpu_parallel import EMIT_PARALLEL
 from .render import Emitter, Names, emit_with, layer_list, py, render_frame, weight
 
 
@@ -131,6 +132,7 @@ EMIT: dict[str, Emitter] = {
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
     "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "pool_put": _pool_put,
 }
+EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 
 
 def emit(node: Node, ctx: CpuCtx) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..ir.graph import HOST_STREAM, MAIN_STREAM, Graph, Node
 from .cpu import MOE_WEIGHTS, moe_kwargs
+from .npu_parallel import EMIT_PARALLEL
 from .render import Emitter, LoweringError, Names, emit_with, py, render_frame, weight
 
 COMPILE_MODES = ("max-autotune", "reduce-overhead")
@@ -201,6 +202,7 @@ EMIT: dict[str, Emitter] = {
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
     "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save,
 }
+EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 
 # Host-stream nodes are not part of the compiled graph: host() runs them after forward returned.
 HOST_EMIT: dict[str, Emitter] = {

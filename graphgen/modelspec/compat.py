@@ -95,6 +95,7 @@ def check_compat(spec):
     yield from _dims_rules(spec)
     yield from _variant_rules(spec)
     yield from _target_rules(spec)
+    yield from _parallel_rules(spec)
 
 
 def _matrix_rules(spec):
@@ -214,3 +215,12 @@ def _npu_rules(spec, npu):
     if limit is not None and npu.max_model_len > limit:
         yield ("targets.npu.max_model_len", f"max_model_len {npu.max_model_len} exceeds the model's "
                f"max_position_embeddings ({limit})", f"use max_model_len <= {limit}")
+
+
+def _parallel_rules(spec):
+    family, d, par = _get(spec, "family"), _get(spec, "dims"), _get(spec, "parallel")
+    if family is _MISSING or d is _MISSING or par is _MISSING:
+        return
+    from ..families.parallel import parallel_rules
+
+    yield from parallel_rules(family, d, par.tp, par.ep)

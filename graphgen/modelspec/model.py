@@ -140,6 +140,19 @@ class NpuTarget:
     staging_buffers: int = field(
         default=3, metadata=doc("Persistent staging buffers (graphgen.npu.staging.StagingRing): at least "
                                 "the commits in flight + 1.", minimum=1))
+    device_memory_gib: Optional[float] = field(
+        default=None, metadata=doc("Memory of one device in GiB; validate rejects a layout whose per-rank "
+                                   "weights exceed it.", exclusive_minimum=0))
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How the model is split over ranks (one process or device per rank; see docs/parallel.md)."""
+
+    tp: int = field(default=1, metadata=doc("Tensor-parallel ranks: attention heads, MLP width and vocabulary are "
+                                            "split Megatron-style; partial sums meet in all-reduces.", minimum=1))
+    ep: int = field(default=1, metadata=doc("Expert-parallel ranks (1 or tp: EP reuses the TP ranks): each rank "
+                                            "holds n_routed_experts / ep whole experts.", minimum=1))
 
 
 @dataclass(frozen=True)
@@ -169,6 +182,7 @@ class ModelSpec:
     features: tuple[str, ...] = field(default=(), metadata=doc("Enabled features (see the compatibility matrix).",
                                                                      unique=True))
     targets: Targets = field(default_factory=lambda: Targets(cpu=CpuTarget()), metadata=doc("Targets to lower to."))
+    parallel: Parallel = field(default_factory=Parallel, metadata=doc("Tensor/expert parallel layout."))
     description: str = field(default="", metadata=doc("Free text for humans."))
 
     # ---- derived facts used by the IR builder and the runtime ----
@@ -180,9 +194,14 @@ class ModelSpec:
             return False
         return True if v.save is None else v.save
 
-    def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None) -> "ModelSpec":
-        """The same model with the pool write mode and/or granularity forced (run-time override)."""
+    def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None,
+                       tp: Optional[int] = None, ep: Optional[int] = None) -> "ModelSpec":
+        """The same model with the pool write mode, granularity and/or parallel layout forced
+        (run-time override; a changed layout is re-checked by ``compat.parallel_rules``)."""
         spec = self
+        if tp is not None or ep is not None:
+            spec = dataclasses.replace(spec, parallel=Parallel(tp=self.parallel.tp if tp is None else tp,
+                                                               ep=self.parallel.ep if ep is None else ep))
         if write is not None:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, write=write))
         if granularity is not None:

@@ -212,16 +212,30 @@ def markdown_tables() -> str:
     return "\n".join(out) + "\n"
 
 
+def spec_doc_text(text: str) -> str:
+    """``docs/spec.md``'s text with its generated part (between DOC_BEGIN and DOC_END) refreshed."""
+    start, end = text.index(DOC_BEGIN), text.index(DOC_END) + len(DOC_END) + 1
+    return text[:start] + markdown_tables() + text[end:]
+
+
+def derived_files(repo) -> dict:
+    """Files derived from the spec dataclasses (path under ``repo`` -> expected text): the JSON Schema and
+    docs/spec.md with its generated tables. ``graphgen generate`` writes them, ``graphgen check`` compares."""
+    from pathlib import Path
+
+    doc = Path(repo) / "docs" / "spec.md"
+    out = {Path(repo) / "specs" / "schema.json": schema_text()}
+    if doc.exists():
+        out[doc] = spec_doc_text(doc.read_text(encoding="utf-8"))
+    return out
+
+
 def _write_files() -> None:
     """Refresh specs/schema.json and the generated part of docs/spec.md in this checkout."""
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
-    (repo / "specs" / "schema.json").write_text(schema_text())
-    doc = repo / "docs" / "spec.md"
-    text = doc.read_text()
-    start, end = text.index(DOC_BEGIN), text.index(DOC_END) + len(DOC_END) + 1
-    doc.write_text(text[:start] + markdown_tables() + text[end:])
+    for path, text in derived_files(Path(__file__).resolve().parents[2]).items():
+        path.write_text(text)
 
 
 if __name__ == "__main__":  # python -m graphgen.modelspec.schema --write-doc

@@ -1,6 +1,8 @@
 """The pass pipeline: the builder, then one explicit list of passes, the same for every variant.
 
-    build -> insert_kv_save -> insert_events -> verify
+    build -> shard -> insert_kv_save -> insert_events -> verify
+
+(``shard`` changes nothing unless the spec's ``parallel`` has tp or ep > 1.)
 
 ``run_pipeline`` can stop after any stage (``graphgen dump --after STAGE``; ``build_layers`` is kept
 as another name of ``build``), and reports a failure with the pass's name and the stages before it.
@@ -18,10 +20,11 @@ from ..ir.ops import check_node
 from .base import ContractError, PassContext, PassError
 from .insert_events import InsertEvents
 from .insert_kv_save import InsertKvSave
+from .shard import Shard
 from .verify import Verify
 
 BUILD = "build"
-PIPELINE = (InsertKvSave(), InsertEvents(), Verify())
+PIPELINE = (Shard(), InsertKvSave(), InsertEvents(), Verify())
 PASS_NAMES = (BUILD, *(p.name for p in PIPELINE))  # the stages on_pass reports, in order
 ALIASES = {"build_layers": BUILD}  # the builder's name when it was a pass
 AFTER_CHOICES = (*PASS_NAMES, *ALIASES)  # what ``until`` (``graphgen dump --after``) accepts

@@ -26,8 +26,9 @@ from __future__ import annotations
 import networkx as nx
 
 from ..ir.graph import BUFFER_KINDS, Graph
-from ..ir.ops import check_node
+from ..ir.ops import COLLECTIVE_OPS, check_node
 from .base import Pass
+from .verify_parallel import parallel_problems
 
 
 class VerificationError(Exception):
@@ -101,6 +102,8 @@ def check(graph: Graph) -> list[str]:
         problems.append(f"happens-before has a cycle (deadlock): {path}")
         return problems
     problems.extend(_races(graph, hb, order))
+    if "tp" in graph.meta or any(n.op in COLLECTIVE_OPS for n in graph.nodes):
+        problems.extend(parallel_problems(graph))
     return problems
 
 

@@ -57,39 +57,59 @@ class Engine:
 
             pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
         self.pool: PoolBackend = self.faults.wrap_pool(pool) if self.faults.active else pool
-        shapes = ops.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), num_blocks, self.block_size)
+        shapes = self._kv_shapes(num_blocks)
         self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},
                                   num_blocks, self.dtype)
         self.alloc = BlockAllocator(num_blocks)
-        self.rt = CpuRuntime(self.faults, event_timeout=event_timeout)
+        self.rt = self._make_runtime(event_timeout)
         modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook)
         weights = {k: v.to(self.dtype) for k, v in weights.items()}
         self.runner = CpuModelRunner(modules, weights, self.cache, self.rt, event_timeout=event_timeout)
-        self.connector = KVConnector(self.pool, self.cache, self.alloc, model=spec.name, write=self.write)
+        self.connector = self._make_connector()
         self.scheduler = Scheduler(spec, self.alloc, self.connector, reclaim=self.connector.wait_oldest,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.llm = LLMEngine(self.scheduler, self.connector, self.runner, vocab_size=spec.dims.vocab_size,
                              async_scheduling=async_scheduling, collect_logits=collect_logits)
 
+    # -- what a rank engine (graphgen.runtime.distributed.RankEngine) replaces ----------------------
+    def _kv_shapes(self, num_blocks: int) -> dict:
+        return ops.kv_cache_shapes(self.spec.family, dataclasses.asdict(self.spec.dims), num_blocks, self.block_size)
+
+    def _make_runtime(self, event_timeout: float) -> CpuRuntime:
+        if self.spec.parallel.tp > 1 or self.spec.parallel.ep > 1:
+            raise ValueError(f"spec {self.spec.name} runs on {self.spec.parallel.tp} ranks: use "
+                             f"Engine.from_spec(..., tp=...) (it starts the rank processes)")
+        return CpuRuntime(self.faults, event_timeout=event_timeout)
+
+    def _make_connector(self) -> KVConnector:
+        return KVConnector(self.pool, self.cache, self.alloc, model=self.spec.name, write=self.write)
+
     @classmethod
     def from_spec(cls, spec_path, weights=None, *, write: Optional[str] = None, granularity: Optional[str] = None,
-                  pool: Union[str, PoolBackend] = "host", **kwargs) -> "Engine":
+                  pool: Union[str, PoolBackend] = "host", tp: Optional[int] = None, ep: Optional[int] = None,
+                  **kwargs) -> "Engine":
         """``weights``: a Hugging Face checkpoint folder (safetensors) or a dict of tensors.
 
-        ``write`` / ``granularity`` override the spec's pool settings for this run (the code for the
-        overridden spec is generated on the fly)."""
+        ``write`` / ``granularity`` / ``tp`` / ``ep`` override the spec's settings for this run (the
+        code for the overridden spec is generated on the fly). A layout of more than one rank gives
+        a `graphgen.runtime.distributed.DistributedEngine` (same calls; it starts the rank processes)."""
         from ..lower.compile import display_path
         from ..modelspec.loader import load_spec
 
         spec = load_spec(spec_path)
-        if write is not None or granularity is not None:
-            spec = spec.with_overrides(write=write, granularity=granularity)
+        if write is not None or granularity is not None or tp is not None or ep is not None:
+            spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep)
         if weights is None:
             raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
         if not isinstance(weights, dict):
+            _check_config(spec, Path(weights))
+        if spec.parallel.tp > 1 or spec.parallel.ep > 1:  # each rank process loads its own slices
+            from .distributed import DistributedEngine
+
+            return DistributedEngine(spec, weights, spec_file=display_path(Path(spec_path)), pool=pool, **kwargs)
+        if not isinstance(weights, dict):
             from .weights import load_hf_weights
 
-            _check_config(spec, Path(weights))
             weights = load_hf_weights(weights)
         return cls(spec, weights, spec_file=display_path(Path(spec_path)), pool=pool, **kwargs)
 
@@ -97,6 +117,10 @@ class Engine:
     def stats(self) -> dict:
         """``puts``, ``put_failures``, ``save_failures``, ``hit_blocks``, ``loaded_blocks``, ``pool_errors``."""
         return self.connector.stats
+
+    def pool_stats(self) -> dict:
+        """The pool backend's own counters (a Mooncake pool: errors, rejected values, whether it is down)."""
+        return self.connector.pool_stats()
 
     def observe(self, observer) -> None:
         """Attach a `graphgen.trace.StepObserver` (None detaches): the runner reports forward spans,

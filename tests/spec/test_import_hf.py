@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -113,7 +115,10 @@ def test_published_configs_give_shipped_specs(config, shipped):
     want = load_spec(REPO / "specs" / f"{shipped}.yaml")
     assert spec.dims == want.dims
     assert spec.kv_cache == want.kv_cache and spec.pool == want.pool
-    assert spec.variants == want.variants and spec.features == want.features and spec.targets == want.targets
+    # the deployment layout (parallel, device memory) is not in a Hugging Face config: the shipped
+    # specs add it by hand
+    targets = dataclasses.replace(want.targets, npu=dataclasses.replace(want.targets.npu, device_memory_gib=None))
+    assert spec.variants == want.variants and spec.features == want.features and spec.targets == targets
 
 
 def test_q_lora_null_imports_as_uncompressed_queries(tmp_path):

@@ -1,0 +1,63 @@
+"""CPU emitters of the parallel-rank ops (``graphgen.passes.shard``), merged into ``cpu.EMIT``.
+
+Collectives call ``rt.all_reduce`` / ``rt.all_gather``: the rank runtime
+(``graphgen.runtime.distributed.RankRuntime``) runs them on torch.distributed (gloo). Ops whose
+slice depends on the rank (the vocabulary slice of the embedding, a rank's experts) take the rank
+from ``rt`` at run time, so the generated module is the same for every rank.
+"""
+
+from __future__ import annotations
+
+from ..ir.graph import Node
+from .render import Emitter, py, weight
+
+_MOE_WEIGHTS = ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gate",
+                "w_shared_up", "w_shared_down")
+
+
+def _call(n: Node, ctx, fn: str, *args: str) -> list[str]:
+    return [f"{ctx.ref.all(n.writes)} = rt.{fn}({', '.join(args)})"]
+
+
+def _all_reduce(n, ctx):
+    a = n.attrs
+    return _call(n, ctx, "all_reduce", ctx.ref(n.input("x")), f"group={a['group']!r}", f"size={a['size']}",
+                 f"reduce={a['reduce']!r}")
+
+
+def _all_gather(n, ctx):
+    a = n.attrs
+    return _call(n, ctx, "all_gather", ctx.ref(n.input("x")), f"group={a['group']!r}", f"size={a['size']}",
+                 f"dim={a['dim']}", f"length={a['length']}")
+
+
+def _embedding_shard(n, ctx):
+    return _call(n, ctx, "embedding_shard", weight(n, "w_embed"), ctx.ref(n.input("input_ids")),
+                 f"vocab_size={n.attrs['vocab_size']}")
+
+
+def _o_proj(n, ctx):
+    return _call(n, ctx, "o_proj", ctx.ref(n.input("attn")), weight(n, "w_o"))
+
+
+def _swiglu_mlp(n, ctx):
+    return _call(n, ctx, "swiglu_mlp", ctx.ref(n.input("x")), weight(n, "w_gate"), weight(n, "w_up"),
+                 weight(n, "w_down"))
+
+
+def _moe(n, ctx):
+    a = n.attrs
+    return _call(n, ctx, "moe", ctx.ref(n.input("x")), *(weight(n, w) for w in _MOE_WEIGHTS),
+                 f"top_k={a['top_k']}", f"n_group={a['n_group']}", f"topk_group={a['topk_group']}",
+                 f"routed_scaling_factor={py(a['routed_scaling_factor'])}",
+                 f"norm_topk_prob={py(a['norm_topk_prob'])}", f"num_experts={a['num_experts']}", f"ep={a['ep']}")
+
+
+def _residual_add(n, ctx):
+    return _call(n, ctx, "residual_add", ctx.ref(n.input("x")), ctx.ref(n.input("residual")))
+
+
+EMIT_PARALLEL: dict[str, Emitter] = {
+    "all_reduce": _all_reduce, "all_gather": _all_gather, "embedding_shard": _embedding_shard,
+    "o_proj": _o_proj, "swiglu_mlp": _swiglu_mlp, "moe": _moe, "residual_add": _residual_add,
+}

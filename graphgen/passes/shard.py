@@ -1,0 +1,168 @@
+"""Pass ``shard``: the single-device forward -> the graph every tensor/expert-parallel rank runs.
+
+Megatron-style and op-level (no family names: what a family splits is ``graphgen.families.parallel``):
+
+- q/k/v (and MLA's ``q_b``, ``kv_b``) and gate/up are **column-parallel**: each rank holds a slice
+  of the output rows, so heads and MLP width are divided by ``tp``; KV heads are replicated when
+  ``tp`` exceeds them; the MLA latent (``kv_a``) is replicated (the same on every rank);
+- o_proj and down are **row-parallel**: each rank's product is a partial sum, followed by an
+  ``all_reduce`` and then the residual add (the fused ``*_residual`` ops become ``o_proj`` /
+  ``swiglu_mlp`` / ``moe`` + ``all_reduce`` + ``residual_add``);
+- the embedding is **vocab-parallel** (masked lookup + all_reduce) and the LM head computes local
+  logits, then an ``all_gather`` over the vocabulary;
+- MoE: ``ep > 1`` (= tp) gives each rank ``num_experts/ep`` whole experts, run for all tokens with
+  the replicated routing, the reduction being the same all_reduce; ``ep == 1`` slices every expert's
+  width like an MLP. (An all-to-all dispatch would send each token only to the ranks of its top-k
+  experts: less expert compute per rank for large batches, at the price of two all-to-alls.)
+
+Sharded weights are named by their slice: ``<checkpoint key>[d<dim>/<parts>]`` is the checkpoint
+tensor cut along ``dim`` into ``parts`` equal chunks (the last zero-padded when it does not divide),
+of which rank ``r`` of ``tp`` holds chunk ``r * parts // tp``. Nothing in the graph depends on the
+rank: every rank runs the same graph (rank-symmetric by construction; ``verify_parallel`` checks it).
+With ``tp == ep == 1`` the pass changes nothing. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..families import FAMILIES
+from ..families.parallel import PLANS
+from ..ir.graph import MAIN_STREAM, Graph, Node
+from ..ir.ops import check_node
+from .base import Pass
+
+GROUP = "tp"  # the one process group: EP reuses the TP ranks
+_SHARD = re.compile(r"^(?P<key>.+)\[d(?P<dim>\d+)/(?P<parts>\d+)\]$")
+
+
+def shard_name(key: str, dim: int, parts: int) -> str:
+    return key if parts == 1 else f"{key}[d{dim}/{parts}]"
+
+
+def parse_shard(name: str):
+    """``(checkpoint key, dim, parts)`` of a weight name (``dim``/``parts`` None/1 when whole)."""
+    m = _SHARD.match(name)
+    if m is None:
+        return name, None, 1
+    return m["key"], int(m["dim"]), int(m["parts"])
+
+
+def shard_index(rank: int, parts: int, tp: int) -> int:
+    """Which chunk of a ``parts``-way split rank ``rank`` of ``tp`` holds."""
+    return rank * parts // tp
+
+
+def parallel_of(spec) -> tuple[int, int]:
+    par = getattr(spec, "parallel", None)
+    return (par.tp, par.ep) if par is not None else (1, 1)
+
+
+class Shard(Pass):
+    name = "shard"
+
+    def requires(self, graph, ctx) -> list[str]:
+        tp, ep = parallel_of(ctx.spec)
+        problems = [f"node {n.id} ({n.op}) is already a parallel op" for n in graph.nodes
+                    if n.op in ("all_reduce", "all_gather", "embedding_shard", "residual_add")]
+        if tp > 1 and graph.meta["family"] not in PLANS:
+            problems.append(f"family {graph.meta['family']} has no parallel plan")
+        return problems
+
+    def run(self, graph: Graph, ctx) -> None:
+        tp, ep = parallel_of(ctx.spec)
+        if tp == 1 and ep == 1:
+            return
+        family = FAMILIES[graph.meta["family"]]
+        plan = PLANS[family.name]
+        dims = family.dims_of(ctx.spec.dims)
+        rank_dims = plan.rank_dims(dims, tp)
+        widths = family.kv_widths(rank_dims)
+        kv_parts = min(tp, getattr(dims, plan.kv_heads)) if plan.kv_heads else 1
+        graph.meta.update({"tp": tp, "ep": ep})
+        coll = {"group": GROUP, "size": tp}
+        out: list[Node] = []
+
+        def new(node: Node) -> Node:
+            problems = check_node(node, graph.names)
+            if problems:
+                raise ValueError("; ".join(problems))
+            out.append(node)
+            return node
+
+        def reduce_then(n: Node, partial_op: str, x_reads: tuple, attrs: dict, residual) -> None:
+            h = n.writes[0]
+            partial, total = graph.declare(f"{h}.partial", "value"), graph.declare(f"{h}.sum", "value")
+            new(Node(n.id, partial_op, MAIN_STREAM, reads=x_reads, writes=(partial,), attrs=attrs, layer=n.layer))
+            new(Node(f"{n.id}.all_reduce", "all_reduce", MAIN_STREAM, reads=(partial,), writes=(total,),
+                     attrs={**coll, "reduce": "sum"}, layer=n.layer))
+            new(Node(f"{n.id}.residual", "residual_add", MAIN_STREAM, reads=(total, residual), writes=(h,),
+                     layer=n.layer))
+
+        col = lambda w: shard_name(w, 0, tp)  # noqa: E731 - output rows split
+        row = lambda w: shard_name(w, 1, tp)  # noqa: E731 - input columns split
+        for n in graph.nodes:
+            a = dict(n.attrs)
+            if n.op == "embedding":
+                h = n.writes[0]
+                partial = graph.declare(f"{h}.partial", "value")
+                new(Node(n.id, "embedding_shard", MAIN_STREAM, reads=n.reads, writes=(partial,),
+                         attrs={"w_embed": col(a["w_embed"]), "vocab_size": dims.vocab_size, **coll}))
+                new(Node(f"{n.id}.all_reduce", "all_reduce", MAIN_STREAM, reads=(partial,), writes=(h,),
+                         attrs={**coll, "reduce": "sum"}))
+                continue
+            if n.op == "qwen3_attn_prolog":
+                a.update(w_q=col(a["w_q"]), w_k=shard_name(a["w_k"], 0, kv_parts),
+                         w_v=shard_name(a["w_v"], 0, kv_parts), num_heads=a["num_heads"] // tp,
+                         num_kv_heads=max(1, a["num_kv_heads"] // tp))
+            elif n.op == "paged_attention":
+                a.update(num_heads=a["num_heads"] // tp, num_kv_heads=max(1, a["num_kv_heads"] // tp), widths=widths)
+            elif n.op == "kv_write":
+                a.update(widths=widths)
+            elif n.op == "mla_prolog":
+                a.update(w_q_b=col(a["w_q_b"]), num_heads=a["num_heads"] // tp)
+            elif n.op == "mla_attention":
+                a.update(w_kv_b=col(a["w_kv_b"]), num_heads=a["num_heads"] // tp, widths=widths)
+            elif n.op == "o_proj_residual":
+                reduce_then(n, "o_proj", (n.input("attn"),), {"w_o": row(a["w_o"])}, n.input("residual"))
+                continue
+            elif n.op == "swiglu_mlp_residual":
+                reduce_then(n, "swiglu_mlp", (n.input("x"),), {"w_gate": col(a["w_gate"]), "w_up": col(a["w_up"]),
+                                                              "w_down": row(a["w_down"])}, n.input("residual"))
+                continue
+            elif n.op == "moe_residual":
+                if ep > 1:  # whole experts per rank: stacked [E, ...] cut along the experts
+                    experts = {k: shard_name(a[k], 0, ep) for k in
+                               ("w_experts_gate", "w_experts_up", "w_experts_down")}
+                else:  # every expert's width: gate/up [E, I, H] rows, down [E, H, I] columns
+                    experts = {"w_experts_gate": shard_name(a["w_experts_gate"], 1, tp),
+                               "w_experts_up": shard_name(a["w_experts_up"], 1, tp),
+                               "w_experts_down": shard_name(a["w_experts_down"], 2, tp)}
+                shared = {k: (None if a.get(k) is None else f(a[k])) for k, f in
+                          (("w_shared_gate", col), ("w_shared_up", col), ("w_shared_down", row))}
+                reduce_then(n, "moe", (n.input("x"),), {**a, **experts, **shared, "ep": ep}, n.input("residual"))
+                continue
+            elif n.op == "lm_head":
+                logits = n.writes[0]
+                partial = graph.declare(f"{logits}.partial", "value")
+                new(Node(n.id, "lm_head", MAIN_STREAM, reads=n.reads, writes=(partial,),
+                         attrs={**a, "w_head": col(a["w_head"])}))
+                new(Node(f"{n.id}.all_gather", "all_gather", MAIN_STREAM, reads=(partial,), writes=(logits,),
+                         attrs={**coll, "dim": -1, "length": dims.vocab_size}))
+                continue
+            new(Node(n.id, n.op, n.stream, n.reads, n.writes, a, n.layer))
+        graph.nodes = []
+        graph._by_id = {}
+        for n in out:
+            graph.add(n)
+
+    def ensures(self, graph, ctx) -> list[str]:
+        from .verify_parallel import parallel_problems
+
+        tp, ep = parallel_of(ctx.spec)
+        if tp == 1 and ep == 1:
+            return [f"node {n.id} ({n.op}) in a single-rank graph" for n in graph.nodes
+                    if n.op in ("all_reduce", "all_gather", "embedding_shard")]
+        return parallel_problems(graph)
+

@@ -1,0 +1,128 @@
+"""Parallel ranks end to end on CPU: rank processes on torch.distributed (gloo, loopback), numerics
+against transformers (float32, atol 1e-4) at every step of prefill, splitfuse (history from the
+pool) and decode, tokens equal to the tp=1 run and across write modes, pool hits agreed by every
+rank, the MLA latent saved once, and a dying rank reported within a timeout. Every engine start
+is bounded (``timeout``) and every test too (``TEST_TIMEOUT``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+from graphgen.modelspec.loader import load_spec  # noqa: E402
+from graphgen.runtime.distributed import RankFailure  # noqa: E402
+from graphgen.runtime.engine import Engine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("graphgen_e2e_util_parallel", REPO / "tests" / "e2e" / "e2e_util.py")
+u = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(u)
+TIMEOUT = 60  # seconds a rank may take to answer one command
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    model, d = u.hfm.build_hf_model("qwen3_dense", u.hfm.QWEN3_DIMS, str(tmp_path_factory.mktemp("q")), seed=5)
+    return model, d
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory):
+    dims = dataclasses.asdict(load_spec(REPO / "specs/tiny_deepseek_v3.yaml").dims)
+    model, d = u.hfm.build_hf_model("deepseek_v3", dims, str(tmp_path_factory.mktemp("d")), seed=6)
+    return model, d
+
+
+def _prompts(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    a = u.rand_prompt(g, 10)            # two full blocks of 4 + a partial one
+    b = a[:4] + u.rand_prompt(g, 5)     # shares the first block with a
+    return a, b
+
+
+def _run(spec, weights, a, b, **kw):
+    with Engine.from_spec(REPO / spec, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw) as eng:
+        ra = eng.generate([a], 3)[0]
+        eng.drain()
+        again = eng.generate([a], 3)[0]   # every block of a is in the pool: splitfuse on every rank
+        eng.drain()
+        rb = eng.generate([b], 3)[0]
+        eng.drain()
+        return (ra, again, rb), eng.rank_stats, eng.pool_stats()
+
+
+def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
+    model, d = qwen
+    a, b = _prompts(1)
+    (ra, again, rb), stats, _ = _run("specs/tiny_qwen3.yaml", d, a, b, tp=2)
+    assert (ra.variant, again.variant, again.hit_tokens, rb.hit_tokens) == ("mempool_prefill", "splitfuse", 8, 4)
+    with torch.no_grad():
+        for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
+            u.assert_steps_match_hf(model, r, f"qwen3 tp=2 {what}")   # decode steps included
+    assert [s["hit_blocks"] for s in stats] == [3, 3]  # 2 blocks of a, 1 of b, on each rank
+    assert all(s["puts"] > 0 and s["skipped_puts"] == 0 for s in stats)  # each rank saves its own heads
+    with Engine.from_spec(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
+        assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
+
+
+def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
+    _, d = qwen
+    a, b = _prompts(2)
+    (sync_a, sync_again, _), _, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="sync")
+    (off_a, off_again, _), stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="off")
+    assert sync_again.variant == "splitfuse" and off_again.hit_tokens == 0
+    assert sync_a.tokens == sync_again.tokens == off_a.tokens == off_again.tokens
+    assert all(s["puts"] == 0 for s in stats)
+
+
+def test_deepseek_tp2_ep2_matches_transformers_and_saves_the_latent_once(dsv3):
+    model, d = dsv3
+    a, b = _prompts(3)
+    (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b)
+    assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
+    with torch.no_grad():
+        for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
+            u.assert_steps_match_hf(model, r, f"deepseek tp=2 ep=2 {what}")
+    # rank 0 puts each latent block once; rank 1 computes the same bytes and leaves them to rank 0
+    assert stats[0]["puts"] == stats[1]["skipped_puts"] > 0 and stats[1]["puts"] == 0
+    assert pool["num_keys"] == stats[0]["puts"]  # not tp times as many
+    assert [s["hit_blocks"] for s in stats] == [3, 3]  # both ranks load rank 0's blocks
+
+
+def _kill_rank1(variant: str, source: str) -> str:
+    """source_hook: rank 1 exits in the middle of its first forward (rank 0 waits in a collective)."""
+    return source.replace("    h_embed = ", "    import os\n    if rt.rank == 1:\n        os._exit(3)\n"
+                          "    h_embed = ", 1)
+
+
+def test_a_dying_rank_is_reported_not_a_hang(qwen):
+    _, d = qwen
+    t0 = time.monotonic()
+    eng = Engine.from_spec(REPO / "specs/tiny_qwen3_tp2.yaml", d, num_blocks=32, timeout=30, source_hook=_kill_rank1)
+    with pytest.raises(RankFailure, match=r"rank 1 exited \(code 3\)"):
+        eng.generate([[1, 2, 3, 4, 5]], 2)
+    assert time.monotonic() - t0 < 60
+
+
+def test_cli_run_tp2_json_logits_match_transformers(qwen):
+    model, d = qwen
+    a, _ = _prompts(4)
+    r = subprocess.run([sys.executable, "-m", "graphgen", "run", "--spec", "specs/tiny_qwen3.yaml", "--weights", str(d),
+                        "--tp", "2", "--prompt-ids", ",".join(map(str, a)), "--max-new-tokens", "2", "--json",
+                        "--logits"], capture_output=True, text=True, cwd=REPO, timeout=150)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[0])
+    with torch.no_grad():
+        ref = u.hf_logits(model, a)[-1]
+    assert (torch.tensor(out["logits"]) - ref).abs().max().item() <= 1e-4
+    assert out["tokens"][0] == int(ref.argmax())
