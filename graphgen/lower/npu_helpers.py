@@ -63,16 +63,23 @@ def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq
     [T, H, v_head_dim].  The kernel's documented envelope with query_rope (torch-npu 2.14.0
     _op_plugin_docs.py:8174-8176, v2 :8697-8703/:8722-8724): 1-16 query tokens per sequence, sparse_mode 0
     without a mask for one token, query N in 32/64/128, D = 512, key N = 1, page attention with block size
-    16 or 128 -- a decode step (one token per sequence) sits inside it, a prefill chunk does not."""
+    16 or 128 -- a decode step (one token per sequence) sits inside it, a prefill chunk does not.
+    A tensor-parallel rank holds num_heads / tp heads (4 for DeepSeek-V3 at tp=32): the query is padded
+    with zero heads to the next documented count and the padding's output dropped (every head reads the
+    same latent; the extra heads cost compute, not KV traffic)."""
     w = w_kv_b.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w.split([qk_nope_head_dim, v_head_dim], dim=1)
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    heads = next(n for n in (32, 64, 128) if n >= num_heads)
+    if heads != num_heads:
+        q_lat = torch.nn.functional.pad(q_lat, (0, 0, 0, heads - num_heads))
+        q_pe = torch.nn.functional.pad(q_pe, (0, 0, 0, heads - num_heads))
     o_lat = torch_npu.npu_fused_infer_attention_score(
         q_lat, cache[0], cache[0], query_rope=q_pe, key_rope=cache[1], atten_mask=None,
         actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv, block_table=block_table,
-        num_heads=num_heads, num_key_value_heads=1, scale=scale, input_layout="TND", sparse_mode=0,
+        num_heads=heads, num_key_value_heads=1, scale=scale, input_layout="TND", sparse_mode=0,
         block_size=block_size)[0]
-    return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+    return torch.einsum("thr,hvr->thv", o_lat[:, :num_heads], w_uv)
 
 
 def _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cumulative_kv_lengths, atten_mask, *,

@@ -21,14 +21,34 @@ SEQS = {"prefill": [(0, 40), (0, 130)], "splitfuse": [(130, 24), (5, 17)], "deco
 
 
 def _meta_weights(spec, mod):
+    """Rank 0's weights on meta tensors: the family's full layout, sliced as the graph names them."""
     from graphgen.families import FAMILIES
+    from graphgen.runtime.ops_parallel import rank_weights
+    from graphgen.runtime.rank import graph_weight_names
 
     fam = FAMILIES[spec.family]
     dtype = getattr(torch, spec.kv_cache.dtype)
-    W = {k: torch.empty(s, dtype=torch.float32 if k.endswith(fam.fp32_suffixes) else dtype, device="meta")
-         for k, s in fam.checkpoint_layout(spec.dims, stacked=True).items() if 0 not in s}
+    full = {k: torch.empty(s, dtype=torch.float32 if k.endswith(fam.fp32_suffixes) else dtype, device="meta")
+            for k, s in fam.checkpoint_layout(spec.dims, stacked=True).items() if 0 not in s}
+    W = rank_weights(full, graph_weight_names(spec), rank=0, size=spec.parallel.tp)
     W[mod.ROPE_CACHE_KEY] = torch.empty(512, 2 * mod.ROPE["rot_dim"], dtype=dtype, device="meta")
     return W
+
+
+@pytest.fixture
+def fake_group():
+    """The shipped full-size specs run tensor-parallel (qwen3_32b tp=2, deepseek_v3_1 tp=32): the modules'
+    functional collectives need a process group.  torch's ``fake`` backend gives one of the spec's size in
+    this process (rank 0; collectives return shape-correct results) -- shapes and dtypes, not numerics."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(size: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _meta(t):
@@ -38,7 +58,7 @@ def _meta(t):
 @pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 @pytest.mark.parametrize("variant", ["decode", "mempool_prefill", "splitfuse"])
 @pytest.mark.parametrize("model", ["qwen3_32b", "deepseek_v3_1"])
-def test_full_size_module_traces_on_meta(model, variant):
+def test_full_size_module_traces_on_meta(model, variant, fake_group):
     import dataclasses
 
     from graphgen.modelspec.loader import load_spec
@@ -47,6 +67,7 @@ def test_full_size_module_traces_on_meta(model, variant):
 
     standin.install()
     spec = load_spec(ROOT / "specs" / f"{model}.yaml")
+    fake_group(spec.parallel.tp)
     with standin.fresh_tags():
         mod = load_module(ROOT / "generated" / model / "npu" / "max_autotune" / f"{variant}.py")
     phase = "decode" if mod.META["phase"] == "decode" else ("splitfuse" if mod.META["history"] else "prefill")

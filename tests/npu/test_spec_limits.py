@@ -40,7 +40,7 @@ CASES = [  # (base, key, new value, field path, limit row)
     ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "interleave_rope.dim"),
     ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
     ("dsv3", "kv_lora_rank", "256", "dims.kv_lora_rank", "fia.mla.latent_dim"),
-    ("dsv3", "num_attention_heads", "16", "dims.num_attention_heads", "fia.mla.num_heads"),
+    ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia.mla.num_heads"),
     ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
      "fia.tnd.reduce_overhead"),
     ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
@@ -58,6 +58,6 @@ def test_spec_outside_a_limit_is_reported(base, key, new, path, row):
 
 
 def test_spec_without_the_npu_target_is_not_checked():
-    text = QWEN.replace("  npu:\n    compile_modes: [max-autotune]\n", "")
+    text = QWEN.replace("  npu:\n    compile_modes: [max-autotune]\n    device_memory_gib: 64\n", "")
     assert "npu:" not in text.split("targets:")[1]
     assert check_spec_limits(parse_spec_text(_edit(text, "dtype", "float32"), "q.yaml")) == []
