@@ -21,10 +21,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from ..modelspec.fields import doc
+
 Rule = tuple[str, str, str]  # (spec path, message, fix)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderDims:
+    """The fields every decoder family's dims share (names as in Hugging Face configs). Keyword-only, so a
+    family's own required fields may follow these defaults; a family re-declares a field to change its
+    default (rope_theta, max_position_embeddings)."""
+
+    num_hidden_layers: int = field(metadata=doc("Decoder layers (an MTP layer is not one).", minimum=1))
+    hidden_size: int = field(metadata=doc("Model width.", minimum=1))
+    intermediate_size: int = field(metadata=doc("MLP width (of the dense layers, for MoE families).", minimum=1))
+    vocab_size: int = field(metadata=doc("Vocabulary size.", minimum=1))
+    num_attention_heads: int = field(metadata=doc("Query heads.", minimum=1))
+    rope_theta: float = field(default=10000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
+    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon.", exclusive_minimum=0))
+    tie_word_embeddings: bool = field(default=False, metadata=doc("LM head shares the embedding."))
+    max_position_embeddings: int = field(default=40960, metadata=doc("Longest supported context.", minimum=1))
 
 
 @dataclass(frozen=True)

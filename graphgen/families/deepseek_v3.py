@@ -11,7 +11,7 @@ from typing import Literal, Optional
 from ..ir.graph import Graph, Node, layer_tag
 from ..ir.models import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
 from ..modelspec.fields import doc
-from .base import Family, common_layout, hf_config_base, mlp_layout
+from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
 
 NAME = "deepseek_v3"
 
@@ -29,16 +29,11 @@ class RopeScaling:
     mscale_all_dim: float = field(default=0.0, metadata=doc("YaRN mscale_all_dim.", minimum=0))
 
 
-@dataclass(frozen=True)
-class DeepseekV3Dims:
+@dataclass(frozen=True, kw_only=True)
+class DeepseekV3Dims(DecoderDims):
     """Dimensions of a DeepSeek-V3 model: MLA attention, MoE with dense first layers."""
 
-    num_hidden_layers: int = field(metadata=doc("Decoder layers (MTP layer not included).", minimum=1))
-    hidden_size: int = field(metadata=doc("Model width.", minimum=1))
-    intermediate_size: int = field(metadata=doc("MLP width of the dense layers.", minimum=1))
     moe_intermediate_size: int = field(metadata=doc("Width of each routed/shared expert.", minimum=1))
-    vocab_size: int = field(metadata=doc("Vocabulary size.", minimum=1))
-    num_attention_heads: int = field(metadata=doc("Attention heads.", minimum=1))
     q_lora_rank: Optional[int] = field(metadata=doc(
         "Rank of the query compression; null: uncompressed queries (one q_proj, DeepSeek-V2-Lite style).",
         minimum=1))
@@ -55,11 +50,8 @@ class DeepseekV3Dims:
     routed_scaling_factor: float = field(default=1.0, metadata=doc("Scale of the routed experts' output.",
                                                                   exclusive_minimum=0))
     norm_topk_prob: bool = field(default=True, metadata=doc("Renormalise the top-k routing weights."))
-    rope_theta: float = field(default=10000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
     rope_interleave: bool = field(default=True, metadata=doc("RoPE on interleaved pairs (DeepSeek layout)."))
     rope_scaling: Optional[RopeScaling] = field(default=None, metadata=doc("YaRN scaling, or null."))
-    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon.", exclusive_minimum=0))
-    tie_word_embeddings: bool = field(default=False, metadata=doc("LM head shares the embedding."))
     max_position_embeddings: int = field(default=163840, metadata=doc("Longest supported context.", minimum=1))
 
 

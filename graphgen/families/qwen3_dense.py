@@ -7,26 +7,18 @@ from dataclasses import dataclass, field
 from ..ir.graph import Graph, Node, layer_tag
 from ..ir.models import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
 from ..modelspec.fields import doc
-from .base import Family, common_layout, hf_config_base, mlp_layout
+from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
 
 NAME = "qwen3_dense"
 
 
-@dataclass(frozen=True)
-class Qwen3Dims:
+@dataclass(frozen=True, kw_only=True)
+class Qwen3Dims(DecoderDims):
     """Dimensions of a Qwen3 dense model (names as in Hugging Face ``Qwen3Config``)."""
 
-    num_hidden_layers: int = field(metadata=doc("Decoder layers.", minimum=1))
-    hidden_size: int = field(metadata=doc("Model width.", minimum=1))
-    intermediate_size: int = field(metadata=doc("SwiGLU MLP width.", minimum=1))
-    vocab_size: int = field(metadata=doc("Vocabulary size.", minimum=1))
-    num_attention_heads: int = field(metadata=doc("Query heads.", minimum=1))
     num_key_value_heads: int = field(metadata=doc("KV heads (GQA); divides num_attention_heads.", minimum=1))
     head_dim: int = field(metadata=doc("Per-head dimension (even: RoPE rotates halves).", minimum=2))
     rope_theta: float = field(default=1000000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
-    rms_norm_eps: float = field(default=1e-6, metadata=doc("RMSNorm epsilon.", exclusive_minimum=0))
-    tie_word_embeddings: bool = field(default=False, metadata=doc("LM head shares the embedding."))
-    max_position_embeddings: int = field(default=40960, metadata=doc("Longest supported context.", minimum=1))
 
 
 def dims_rules(d: Qwen3Dims):

@@ -31,51 +31,37 @@ def _t(n: Node) -> str:
 
 
 # --------------------------------------------------------------------------- stream labels
-def stream_labels(gm: GraphModule) -> dict[Node, str | None]:
-    """Node -> stream label (None = main stream), from nested scope_enter/scope_exit pairs.
-
-    Same convention torchair uses (``_utils/graph_utils.py::add_stream_label_to_node_meta``):
-    only scopes carrying ``_user_stream_label`` switch streams; other scopes inherit.
-    """
-    labels: dict[Node, str | None] = {}
-    stack: list[str | None] = []
-    cur: str | None = None
-    for n in gm.graph.nodes:
-        t = _t(n)
-        if t == SCOPE_ENTER:
-            stack.append(cur)
-            keys, values = n.args[0], n.args[1]
-            if "_user_stream_label" in keys:
-                cur = values[list(keys).index("_user_stream_label")]
-            labels[n] = cur
-        elif t == SCOPE_EXIT:
-            labels[n] = cur
-            cur = stack.pop() if stack else None
-        else:
-            labels[n] = cur
-    return labels
-
-
-def scope_region(gm: GraphModule) -> dict[Node, int | None]:
-    """Node -> index of the enclosing user-stream scope instance (None outside any)."""
-    out: dict[Node, int | None] = {}
-    stack: list[int | None] = []
-    cur: int | None = None
+def _user_scopes(gm: GraphModule):
+    """(node, stream label, scope instance) for every node, walking nested scope_enter/scope_exit pairs:
+    only scopes carrying ``_user_stream_label`` switch streams (and open a new instance); other scopes
+    inherit -- the convention torchair uses (``_utils/graph_utils.py::add_stream_label_to_node_meta``)."""
+    stack: list[tuple[str | None, int | None]] = []
+    label: str | None = None
+    region: int | None = None
     count = 0
     for n in gm.graph.nodes:
         t = _t(n)
         if t == SCOPE_ENTER:
-            stack.append(cur)
-            if "_user_stream_label" in n.args[0]:
-                cur = count
-                count += 1
-            out[n] = cur
+            stack.append((label, region))
+            keys, values = n.args[0], n.args[1]
+            if "_user_stream_label" in keys:
+                label, region, count = values[list(keys).index("_user_stream_label")], count, count + 1
+            yield n, label, region
         elif t == SCOPE_EXIT:
-            out[n] = cur
-            cur = stack.pop() if stack else None
+            yield n, label, region
+            label, region = stack.pop() if stack else (None, None)
         else:
-            out[n] = cur
-    return out
+            yield n, label, region
+
+
+def stream_labels(gm: GraphModule) -> dict[Node, str | None]:
+    """Node -> stream label (None = main stream)."""
+    return {n: label for n, label, _ in _user_scopes(gm)}
+
+
+def scope_region(gm: GraphModule) -> dict[Node, int | None]:
+    """Node -> index of the enclosing user-stream scope instance (None outside any)."""
+    return {n: region for n, _, region in _user_scopes(gm)}
 
 
 # --------------------------------------------------------------------------- aliasing / writes

@@ -287,7 +287,6 @@ class NpuEngine(Engine):
                  standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None, **_ignored):
         from ..runtime import ops
         from ..runtime.connector import KVConnector
-        from ..runtime.faults import Faults
         from ..runtime.kvcache import BlockAllocator, PagedKVCache
         from ..runtime.llm_engine import LLMEngine
         from ..runtime.scheduler import Scheduler
@@ -298,17 +297,7 @@ class NpuEngine(Engine):
             from .compile import _import_torchair
 
             _import_torchair(False)
-        self.spec = spec
-        self.faults = faults or Faults()
-        self.dtype = getattr(torch, spec.kv_cache.dtype)
-        self.block_size = spec.kv_cache.block_size
-        self.collect_logits = collect_logits
-        self.write = spec.pool.write
-        if isinstance(pool, str):
-            from ..runtime.pool_mooncake import make_pool
-
-            pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
-        self.pool = self.faults.wrap_pool(pool) if self.faults.active else pool
+        self._setup(spec, faults, collect_logits, pool, pool_capacity_bytes)
         shapes = ops.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), num_blocks + 1, self.block_size)
         device = "cpu" if standin else "npu"
         self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},

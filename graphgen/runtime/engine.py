@@ -46,17 +46,7 @@ class Engine:
                  source_hook: Optional[Callable[[str, str], str]] = None, collect_logits: bool = False,
                  event_timeout: float = 120.0, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False):
-        self.spec = spec
-        self.faults = faults or Faults()
-        self.dtype = getattr(torch, spec.kv_cache.dtype)
-        self.block_size = spec.kv_cache.block_size
-        self.collect_logits = collect_logits
-        self.write = spec.pool.write
-        if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
-            from .pool_mooncake import make_pool
-
-            pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
-        self.pool: PoolBackend = self.faults.wrap_pool(pool) if self.faults.active else pool
+        self._setup(spec, faults, collect_logits, pool, pool_capacity_bytes)
         shapes = self._kv_shapes(num_blocks)
         self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},
                                   num_blocks, self.dtype)
@@ -70,6 +60,20 @@ class Engine:
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.llm = LLMEngine(self.scheduler, self.connector, self.runner, vocab_size=spec.dims.vocab_size,
                              async_scheduling=async_scheduling, collect_logits=collect_logits)
+
+    def _setup(self, spec, faults, collect_logits: bool, pool, pool_capacity_bytes: int) -> None:
+        """What every engine (CPU, rank, NPU) holds before its cache and runner: the spec's facts and the pool."""
+        self.spec = spec
+        self.faults = faults or Faults()
+        self.dtype = getattr(torch, spec.kv_cache.dtype)
+        self.block_size = spec.kv_cache.block_size
+        self.collect_logits = collect_logits
+        self.write = spec.pool.write
+        if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
+            from .pool_mooncake import make_pool
+
+            pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
+        self.pool: PoolBackend = self.faults.wrap_pool(pool) if self.faults.active else pool
 
     # -- what a rank engine (graphgen.runtime.distributed.RankEngine) replaces ----------------------
     def _kv_shapes(self, num_blocks: int) -> dict:
