@@ -18,6 +18,7 @@ import pytest
 from graphgen.npu import standin
 
 REPO = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]
 HW = Path(__file__).parent / "data/hw_tiny_qwen3.yaml"
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 LINE = re.compile(r"^(\w+)\s+([\w-]+)\s+steps=(\d+)\s+graphs compiled=(\d+)\s+buckets=(\d+)\s+(.*)$", re.M)
@@ -72,3 +73,15 @@ def test_steps_without_standin_and_without_torch_npu_exits_3_with_one_sentence()
 def test_variant_is_required_without_steps():
     res = _compile("--spec", str(HW), "--standin")
     assert res.returncode == 2 and "--variant is required" in res.stderr
+
+
+def test_deepseek_splitfuse_compiles_at_most_one_graph_per_bucket():
+    """The un-absorbed MLA splitfuse gathers each sequence's history through its block table; that gather
+    must not make the graph depend on the lengths (a per-length gather compiled 7 graphs for 4 buckets
+    in 24 steps).  16 steps of varying history and new-token lengths."""
+    res = _compile("--spec", str(ROOT / "specs/tiny_deepseek_v3_npu.yaml"), "--variant", "splitfuse",
+                   "--standin", "--steps", "16")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = LINE.findall(res.stdout)
+    assert [r[0] for r in rows] == ["splitfuse"]
+    assert 1 <= int(rows[0][3]) <= int(rows[0][4]) and rows[0][5] == "ok", rows

@@ -95,12 +95,16 @@ def _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cumula
 
 def _paged_rows(cache_part, block_table, seq_lens, block_size):
     """Each sequence's first seq_len rows of a paged cache part [NB, BS, W], gathered through its block
-    table row and concatenated: [sum(seq_lens), W] (the non-paged TND key order)."""
-    idx = []
-    for i, n in enumerate(seq_lens):
-        p = torch.arange(n, device=block_table.device)
-        idx.append(block_table[i].long().index_select(0, p // block_size) * block_size + p % block_size)
-    return cache_part.reshape(-1, cache_part.shape[-1]).index_select(0, torch.cat(idx))
+    table row and packed in sequence order at the front: [B * M * BS, W] (the non-paged TND key order;
+    the rows past sum(seq_lens) are never read).  Static shapes (B, M from the bucketed block table), so
+    a compiled graph does not depend on the lengths: they only pick the order."""
+    b, m = block_table.shape
+    rows = (block_table.long()[:, :, None] * block_size
+            + torch.arange(block_size, device=block_table.device)).reshape(b, m * block_size)
+    pos = torch.arange(m * block_size, device=block_table.device)
+    valid = torch.stack([pos < seq_lens[i] for i in range(b)])  # lengths as values, not shapes
+    order = torch.argsort((~valid).to(torch.int8).flatten(), stable=True)  # valid rows first, (seq, pos) order
+    return cache_part.reshape(-1, cache_part.shape[-1]).index_select(0, rows.flatten().index_select(0, order))
 
 
 def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
