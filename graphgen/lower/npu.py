@@ -8,7 +8,7 @@ number comes from node attributes: lowering never sees the spec. Events are spel
 - reduce-overhead: module-level tagged events, ``npu_tagged_event_record`` / ``_wait``
   (``npu_wait_tensor`` raises there).
 
-KV write and save follow docs/npu-research.md: ``npu_scatter_nd_update_`` into whole graph inputs,
+KV write, save and load follow docs/npu-research.md: ``npu_scatter_nd_update_`` into whole graph inputs,
 so torchair's re-inplace turns the functionalised write back into an in-place write at its position.
 Multi-kernel ops call helpers from :mod:`graphgen.lower.npu_helpers`, copied verbatim into the module.
 """
@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ir.graph import HOST_STREAM, MAIN_STREAM, Graph, Node
+from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, Graph, Node
 from .cpu import MOE_WEIGHTS, moe_kwargs
 from .npu_parallel import EMIT_PARALLEL
 from .render import Emitter, LoweringError, Names, emit_with, py, render_frame, weight
@@ -33,11 +33,13 @@ _CALL = re.compile(r"\b(_[A-Za-z]\w*)\(")
 
 @dataclass(frozen=True)
 class NpuOptions:
-    """What the NPU target needs beyond the graph: the compile mode and the save stream's tag/priority."""
+    """What the NPU target needs beyond the graph: the compile mode and the save/load streams' tag/priority."""
 
     mode: str
     save_stream_tag: str = "kv_save"
     save_stream_priority: int = 0
+    load_stream_tag: str = "kv_load"
+    load_stream_priority: int = 0
 
     def __post_init__(self):
         if self.mode not in COMPILE_MODES:
@@ -195,12 +197,21 @@ def _kv_save(n, ctx):
             for c, s in zip(n.input("caches"), n.output("staging")) for i in range(len(ctx.components[c]))]
 
 
+def _kv_load(n, ctx):
+    """Scatter each listed layer's loaded blocks (``loads[L][i]``: [R, *KV_SHAPES[i]]) into the cache
+    blocks ``b.load_rows`` ([R, 1] int64 = the destination block ids): updates.shape =
+    indices.shape[:-1] + input.shape[1:] = [R, *KV_SHAPES[i]] (_op_plugin_docs.py:6875-6900)."""
+    r = ctx.ref
+    return [f"torch_npu.npu_scatter_nd_update_({r(c)}[{i}], b.load_rows, {r(s)}[{i}])"
+            for s, c in zip(n.input("loads"), n.output("caches")) for i in range(len(ctx.components[c]))]
+
+
 EMIT: dict[str, Emitter] = {
     "record": _record, "wait": _wait, "embedding": _embedding, "rope_cos_sin": _rope_cos_sin,
     "rms_norm": _rms_norm, "qwen3_attn_prolog": _qwen3_attn_prolog, "kv_write": _kv_write,
     "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
-    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save,
+    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "kv_load": _kv_load,
 }
 EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 
@@ -261,6 +272,9 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     ctx = NpuCtx(Names(graph), options.mode, graph.events,
                  {n.output("cache"): n.attrs["components"] for n in graph.nodes if n.op == "kv_write"})
     tag, prio = py(options.save_stream_tag), py(options.save_stream_priority)
+    switch = {SAVE_STREAM: f"{tag}, {prio}):  # stream {SAVE_STREAM} (SAVE_STREAM)",
+              LOAD_STREAM: f"{py(options.load_stream_tag)}, {py(options.load_stream_priority)}):  "
+                           f"# stream {LOAD_STREAM} (LOAD_STREAM)"}
     body: list[str] = []
     prev = None
     for n in graph.nodes:
@@ -268,7 +282,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
             continue
         side = n.stream != MAIN_STREAM
         if side and prev != n.stream:
-            body.append(f"    with torchair.scope.npu_stream_switch({tag}, {prio}):  # stream {n.stream} (SAVE_STREAM)")
+            body.append(f"    with torchair.scope.npu_stream_switch({switch[n.stream]}")
         prev = n.stream
         ind = "        " if side else "    "
         body += [f"{ind}{line} [{n.id}]" if line.startswith("#") else f"{ind}{line}  # {n.id}"
@@ -283,6 +297,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
-        save_stream=f"({tag}, {prio})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
+        save_stream=f"({tag}, {prio})",
+        load_stream=f"({py(options.load_stream_tag)}, {py(options.load_stream_priority)})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),
         host_body="\n".join(host) or "    pass  # this graph saves nothing")

@@ -9,7 +9,8 @@ Kernel numerics, layouts and speed on an NPU are unverified.  See docs/npu.md.
 decode, history=False, write=off, granularity=none.
 Compile: graphgen.npu.compile.compile_module(<this file>, 'max-autotune') -> torch.compile with the
 torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged with its IR node id;
-save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
+save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks, load-stream work
+(history prefills) in npu_stream_switch(*LOAD_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
 """
@@ -22,8 +23,10 @@ GRAPH = 'qwen3_32b.decode'
 META = {'block_size': 128, 'ep': 1, 'family': 'qwen3_dense', 'granularity': 'none', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 64, 'model': 'qwen3_32b', 'phase': 'decode', 'saves': False, 'spec': 'specs/qwen3_32b.yaml', 'tp': 2, 'variant': 'decode', 'write': 'off'}
 COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
+LOAD_STREAM = ('kv_load', 0)  # (stream_tag, stream_priority) for npu_stream_switch
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
+# Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
 KV_COMPONENTS = ('k', 'v')
 KV_SHAPES = ((128, 512), (128, 512))
 KV_DTYPE = 'bfloat16'
@@ -33,9 +36,10 @@ ROPE = {'dtype': 'bfloat16', 'rot_dim': 128, 'scaling': None, 'theta': 1000000.0
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
-# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S).
+# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
+# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
-               "atten_mask", "logits_indices", "save_block_ids", "save_rows")
+               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows")
 
 
 def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
@@ -54,9 +58,10 @@ def _swiglu_mlp(x, w_gate, w_up, w_down):
     return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
 
 
-def forward(W, b, kv, staging=()):
+def forward(W, b, kv, staging=(), loads=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
-    kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
+    kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples; loads: per-layer loaded
+    pool blocks (history variants).  Returns logits [B, V]."""
     _ids = b.input_ids - torch.distributed.get_rank() * W['model.embed_tokens.weight[d0/2]'].shape[0]  # embed
     h_embed_partial = F.embedding(_ids.clamp(0, W['model.embed_tokens.weight[d0/2]'].shape[0] - 1), W['model.embed_tokens.weight[d0/2]']) * ((_ids >= 0) & (_ids < W['model.embed_tokens.weight[d0/2]'].shape[0])).unsqueeze(-1).to(W['model.embed_tokens.weight[d0/2]'].dtype)  # embed
     h_embed = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_embed_partial, 'sum', torch.distributed.group.WORLD.group_name))  # embed.all_reduce
@@ -837,8 +842,8 @@ def forward(W, b, kv, staging=()):
 class Model(torch.nn.Module):
     """nn.Module wrapper: graphgen.npu.compile.compile_module compiles Model().forward."""
 
-    def forward(self, W, b, kv, staging=()):
-        return forward(W, b, kv, staging)
+    def forward(self, W, b, kv, staging=(), loads=()):
+        return forward(W, b, kv, staging, loads)
 
 
 def host(wait_graph, commit):
