@@ -8,7 +8,7 @@ number comes from node attributes: lowering never sees the spec. Events are spel
 - reduce-overhead: module-level tagged events, ``npu_tagged_event_record`` / ``_wait``
   (``npu_wait_tensor`` raises there).
 
-KV write, save and load follow docs/npu-research.md: ``npu_scatter_nd_update_`` into whole graph inputs,
+KV write and save follow docs/npu-research.md: ``npu_scatter_nd_update_`` into whole graph inputs,
 so torchair's re-inplace turns the functionalised write back into an in-place write at its position.
 Multi-kernel ops call helpers from :mod:`graphgen.lower.npu_helpers`, copied verbatim into the module.
 """
@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, Graph, Node
+from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu import MOE_WEIGHTS, moe_kwargs
 from .npu_parallel import EMIT_PARALLEL
 from .render import Emitter, LoweringError, Names, emit_with, py, render_frame, weight
@@ -33,13 +33,11 @@ _CALL = re.compile(r"\b(_[A-Za-z]\w*)\(")
 
 @dataclass(frozen=True)
 class NpuOptions:
-    """What the NPU target needs beyond the graph: the compile mode and the save/load streams' tag/priority."""
+    """What the NPU target needs beyond the graph: the compile mode and the save stream's tag/priority."""
 
     mode: str
     save_stream_tag: str = "kv_save"
     save_stream_priority: int = 0
-    load_stream_tag: str = "kv_load"
-    load_stream_priority: int = 0
 
     def __post_init__(self):
         if self.mode not in COMPILE_MODES:
@@ -71,6 +69,8 @@ def _record(n, ctx):
 
 
 def _wait(n, ctx):
+    if ctx.events[n.event][0] == LOAD_STREAM:
+        return [f"# {n.event} (kv_load -> {n.stream}) is no in-graph event: load() ran before the graph (see load())"]
     if ctx.mode == "max-autotune":
         return [f"torchair.ops.wait([{evname(n.event)}])"]
     return [f"torchair.ops.npu_tagged_event_wait({evname(n.event)})"]
@@ -215,6 +215,16 @@ EMIT: dict[str, Emitter] = {
 }
 EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 
+# Load-stream nodes are not part of the compiled graph either: load() runs them eagerly before forward.
+# A cache input written twice in one graph (the load's scatter, then the KV write's) is not re-inplaced
+# by torchair's input-mutation pass (one functional op feeding the copy_ epilogue; see
+# graphgen.npu.aotcheck.model_torchair_reinplace): the writes would land in a copy_ after the final
+# scope_exit, after the save stream read the cache. So on the NPU the load is ordered before the graph.
+LOAD_EMIT: dict[str, Emitter] = {
+    "kv_load": lambda n, ctx: _kv_load(n, ctx),
+    "record": lambda n, ctx: [f"# {n.event}: the graph starts after load() returned"],
+}
+
 # Host-stream nodes are not part of the compiled graph: host() runs them after forward returned.
 HOST_EMIT: dict[str, Emitter] = {
     "wait": lambda n, ctx: [f"wait_graph()  # {n.id} ({n.event})"],
@@ -272,32 +282,31 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     ctx = NpuCtx(Names(graph), options.mode, graph.events,
                  {n.output("cache"): n.attrs["components"] for n in graph.nodes if n.op == "kv_write"})
     tag, prio = py(options.save_stream_tag), py(options.save_stream_priority)
-    switch = {SAVE_STREAM: f"{tag}, {prio}):  # stream {SAVE_STREAM} (SAVE_STREAM)",
-              LOAD_STREAM: f"{py(options.load_stream_tag)}, {py(options.load_stream_priority)}):  "
-                           f"# stream {LOAD_STREAM} (LOAD_STREAM)"}
     body: list[str] = []
     prev = None
     for n in graph.nodes:
-        if n.stream == HOST_STREAM:
+        if n.stream in (HOST_STREAM, LOAD_STREAM):
             continue
         side = n.stream != MAIN_STREAM
         if side and prev != n.stream:
-            body.append(f"    with torchair.scope.npu_stream_switch({switch[n.stream]}")
+            body.append(f"    with torchair.scope.npu_stream_switch({tag}, {prio}):  # stream {n.stream} (SAVE_STREAM)")
         prev = n.stream
         ind = "        " if side else "    "
         body += [f"{ind}{line} [{n.id}]" if line.startswith("#") else f"{ind}{line}  # {n.id}"
                  for line in emit(n, ctx)]
     host = [f"    {line}" for n in graph.on_stream(HOST_STREAM) for line in emit_with(HOST_EMIT, "NPU host", n, ctx)]
+    load = [f"    {line} [{n.id}]" if line.startswith("#") else f"    {line}  # {n.id}"
+            for n in graph.on_stream(LOAD_STREAM) for line in emit_with(LOAD_EMIT, "NPU load", n, ctx)]
     tagged = ""
     if options.mode == "reduce-overhead":
         tagged = "\n# Tagged events: created here, eagerly, once per process (torchair rejects a reused tag).\n" + "".join(
             f"{evname(ev)} = torchair.ops.npu_create_tagged_event("
             f"tag={py('graphgen.' + graph.meta['model'] + '.' + graph.meta['variant'] + '.' + ev)})  # {s} -> {d}\n"
-            for ev, (s, d) in graph.events.items() if d != HOST_STREAM)
+            for ev, (s, d) in graph.events.items() if HOST_STREAM != d and LOAD_STREAM != s)
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
-        save_stream=f"({tag}, {prio})",
-        load_stream=f"({py(options.load_stream_tag)}, {py(options.load_stream_priority)})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
+        save_stream=f"({tag}, {prio})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),
-        host_body="\n".join(host) or "    pass  # this graph saves nothing")
+        host_body="\n".join(host) or "    pass  # this graph saves nothing",
+        load_body="\n".join(load) or "    pass  # this graph loads nothing")

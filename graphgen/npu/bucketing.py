@@ -188,7 +188,8 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                 with torch.no_grad(), standin.enforce_limits(check_limits):
                     for i, seqs in enumerate(plan):
                         b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i)
-                        target.forward(W, b, kv, staging, loads)
+                        mod.load(b, kv, loads)
+                        target.forward(W, b, kv, staging)
                 results.append(LoopResult(variant, mode, steps, len(backend.graphs), n_buckets))
     finally:
         standin.uninstall()

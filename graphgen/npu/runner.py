@@ -172,9 +172,10 @@ class NpuModelRunner:
         for chunk in chunks:
             b, n_save = self._step_inputs(phase, chunk, saves, history)
             idx, buf = self._acquire() if saves else (None, ())
-            chunk_loads = self._chunk_loads(mod, chunk, loads) if history else ()
             with torch.no_grad(), self._limits():
-                out = target.forward(self.W, b, self.kv, buf, chunk_loads)
+                if history:  # eager, before the graph (see the generated module's load())
+                    mod.load(b, self.kv, self._chunk_loads(mod, chunk, loads))
+                out = target.forward(self.W, b, self.kv, buf)
             logits.append(out[:len(chunk)].float())
             if saves:
                 self.committer.submit(self._save_event(), idx, self._copy_out(staging, offset, n_save, handle))

@@ -71,7 +71,8 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None, *, check_
         W = random_weights(spec, rope=mod.ROPE)
         torch._dynamo.reset()
         with torch.no_grad(), standin.enforce_limits(check_limits):
-            logits = target.forward(W, b, kv, staging, loads)
+            mod.load(b, kv, loads)  # eager, before the graph (see the module's load())
+            logits = target.forward(W, b, kv, staging)
     finally:
         standin.uninstall()
     return Traced(mod, backend.graphs[-1], len(backend.graphs), logits, kv, staging, b)

@@ -236,7 +236,8 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
         torch._dynamo.reset()
         target, backend = compile_module(npu_mod, npu_mod.COMPILE_MODE, use_standin=True)
     with torch.no_grad():
-        logits_npu = target.forward(W, b, kv_npu, staging_npu, loads_npu)
+        npu_mod.load(b, kv_npu, loads_npu)  # eager, before the graph (the NPU module's load())
+        logits_npu = target.forward(W, b, kv_npu, staging_npu)
     if compiled:
         assert len(backend.graphs) == 1  # fullgraph, one graph: the numbers above are the compiled graph's
     slots = torch.tensor(h["slot_mapping"])

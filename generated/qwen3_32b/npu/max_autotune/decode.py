@@ -9,10 +9,10 @@ Kernel numerics, layouts and speed on an NPU are unverified.  See docs/npu.md.
 decode, history=False, write=off, granularity=none.
 Compile: graphgen.npu.compile.compile_module(<this file>, 'max-autotune') -> torch.compile with the
 torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged with its IR node id;
-save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks, load-stream work
-(history prefills) in npu_stream_switch(*LOAD_STREAM) blocks.
+save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,6 @@ GRAPH = 'qwen3_32b.decode'
 META = {'block_size': 128, 'ep': 1, 'family': 'qwen3_dense', 'granularity': 'none', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 64, 'model': 'qwen3_32b', 'phase': 'decode', 'saves': False, 'spec': 'specs/qwen3_32b.yaml', 'tp': 2, 'variant': 'decode', 'write': 'off'}
 COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
-LOAD_STREAM = ('kv_load', 0)  # (stream_tag, stream_priority) for npu_stream_switch
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
 # Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
@@ -58,10 +57,17 @@ def _swiglu_mlp(x, w_gate, w_up, w_down):
     return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
 
 
-def forward(W, b, kv, staging=(), loads=()):
+def load(b, kv, loads):
+    """Load stream: NOT in the compiled graph.  Call before forward, eagerly, on the stream forward
+    will run on: a cache input written by the load and by the graph's KV write is not re-inplaced by
+    torchair, so the load is ordered before the graph instead of overlapping it.  loads: per-layer
+    loaded pool blocks (loads[L][i] is [R, *KV_SHAPES[i]]; b.load_rows [R,1] = their cache blocks)."""
+    pass  # this graph loads nothing
+
+
+def forward(W, b, kv, staging=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
-    kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples; loads: per-layer loaded
-    pool blocks (history variants).  Returns logits [B, V]."""
+    kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
     _ids = b.input_ids - torch.distributed.get_rank() * W['model.embed_tokens.weight[d0/2]'].shape[0]  # embed
     h_embed_partial = F.embedding(_ids.clamp(0, W['model.embed_tokens.weight[d0/2]'].shape[0] - 1), W['model.embed_tokens.weight[d0/2]']) * ((_ids >= 0) & (_ids < W['model.embed_tokens.weight[d0/2]'].shape[0])).unsqueeze(-1).to(W['model.embed_tokens.weight[d0/2]'].dtype)  # embed
     h_embed = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_embed_partial, 'sum', torch.distributed.group.WORLD.group_name))  # embed.all_reduce
@@ -842,8 +848,8 @@ def forward(W, b, kv, staging=(), loads=()):
 class Model(torch.nn.Module):
     """nn.Module wrapper: graphgen.npu.compile.compile_module compiles Model().forward."""
 
-    def forward(self, W, b, kv, staging=(), loads=()):
-        return forward(W, b, kv, staging, loads)
+    def forward(self, W, b, kv, staging=()):
+        return forward(W, b, kv, staging)
 
 
 def host(wait_graph, commit):
