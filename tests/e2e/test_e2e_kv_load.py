@@ -24,7 +24,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-LOAD_DELAY = 0.3  # per layer: long against a tiny layer's forward
+LOAD_DELAY = 0.5  # per layer: long against a tiny layer's forward, even on a busy machine
 
 
 def _instrument(eng):
