@@ -8,9 +8,11 @@ names and events. Edges are never hand-wired: :meth:`Graph.to_networkx` derives 
 - **program order** between consecutive nodes of the same stream,
 - **event edges** from each ``record`` of an event to every ``wait`` on it.
 
-*Buffers* (``kv_cache.Lxx``, ``pool_staging.Lxx``) are mutable memory shared by streams; accessing
+*Buffers* (``kv_cache.Lxx``, ``pool_staging.Lxx``, ``pool_load.Lxx``) are mutable memory shared by streams; accessing
 one creates no edge, so cross-stream accesses are ordered only by program order and events — which
-is exactly what the verifier checks. *Inputs* (``input_ids``, ``slot_mapping``…) are written by the
+is exactly what the verifier checks. ``pool_load.Lxx`` (the history blocks a prefill loads from
+the pool) is filled by the host before the graph starts, like an input, and only read in the graph.
+*Inputs* (``input_ids``, ``slot_mapping``…) are written by the
 host before the graph starts and are readable from any stream.
 """
 
@@ -23,13 +25,15 @@ import networkx as nx
 
 from .ops import check_node, opdef
 
-# Stream names: the forward stream, the save stream (async writes) and the host (pool commit).
+# Stream names: the forward stream, the save stream (async writes), the load stream (history blocks
+# from the pool into the cache) and the host (pool commit).
 MAIN_STREAM = "main"
 SAVE_STREAM = "kv_save"
+LOAD_STREAM = "kv_load"
 HOST_STREAM = "host"
 
-NAME_KINDS = ("input", "value", "kv_cache", "pool_staging")
-BUFFER_KINDS = ("kv_cache", "pool_staging")
+NAME_KINDS = ("input", "value", "kv_cache", "pool_staging", "pool_load")
+BUFFER_KINDS = ("kv_cache", "pool_staging", "pool_load")
 SYNC_OPS = ("record", "wait")
 
 

@@ -15,6 +15,7 @@ from .graph import Graph, Node
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_lens",
                "logits_indices")
 SAVE_INPUTS = ("save_block_ids",)
+LOAD_INPUTS = ("load_block_ids",)
 
 
 def attention_mode(phase: str, history: bool) -> str:

@@ -111,6 +111,9 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
     _op("lm_head", ("h", "logits_indices:input"), ("logits",), ("w_norm", "eps", "w_head")),
     _op("kv_save", ("caches...:kv_cache", "block_ids:input"), ("staging...:pool_staging",),
         doc="Copy the saved blocks of each listed layer's cache into that layer's pool staging."),
+    _op("kv_load", ("loads...:pool_load", "block_ids:input"), ("caches...:kv_cache",),
+        doc="Copy each listed layer's loaded history blocks (host-filled load staging) into that layer's "
+            "cache at `block_ids`."),
     _op("pool_put", ("staging...:pool_staging",), doc="Host: commit the staged blocks to the pool."),
 )}
 

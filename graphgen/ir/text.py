@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 
-from .graph import Graph, IRError, Node
+from .graph import BUFFER_KINDS, Graph, IRError, Node
 
 FORMAT_VERSION = 1
 _BARE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/\[\]:]*$")
@@ -93,7 +93,7 @@ def print_graph(graph: Graph) -> str:
     inputs = sorted(n for n, k in graph.names.items() if k == "input")
     out.append("input " + " ".join(inputs))
     for name, kind in graph.names.items():
-        if kind in ("kv_cache", "pool_staging"):
+        if kind in BUFFER_KINDS:
             out.append(f"buffer {name} {kind}")
     for ev, (src, dst) in graph.events.items():
         out.append(f"event {ev} {src}->{dst}")

@@ -2,15 +2,15 @@
 
 ``EMIT`` maps an op to its emitter, ``emitter(node, ctx) -> list of code lines`` (no indentation, no
 trailing ``# <node id>``: :func:`render_cpu` adds both). Operands are taken by role
-(``node.input("cache")``), never by position. Save-stream work runs in a nested function launched
-first (``rt.launch``), so that only its waits order it after the forward.
+(``node.input("cache")``), never by position. Save- and load-stream work each run in a nested
+function launched first (``rt.launch``), so that only waits order them against the forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.graph import HOST_STREAM, MAIN_STREAM, Graph, Node
+from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu_parallel import EMIT_PARALLEL
 from .render import Emitter, Names, emit_with, layer_list, py, render_frame, weight
 
@@ -121,6 +121,13 @@ def _kv_save(n, ctx):
     return [f"rt.kv_save_layers(kv, {layer_list(caches)}, {r(n.input('block_ids'))}, staging)"]
 
 
+def _kv_load(n, ctx):
+    r, loads, caches = ctx.ref, n.input("loads"), n.output("caches")
+    if len(caches) == 1:  # one layer's load (layer granularity)
+        return [f"rt.kv_load({r(caches[0])}, {r(loads[0])}, {r(n.input('block_ids'))})"]
+    return [f"rt.kv_load_layers(kv, {layer_list(caches)}, loads, {r(n.input('block_ids'))})"]
+
+
 def _pool_put(n, ctx):
     return ["commit()"]
 
@@ -130,7 +137,8 @@ EMIT: dict[str, Emitter] = {
     "rms_norm": _rms_norm, "qwen3_attn_prolog": _qwen3_attn_prolog, "kv_write": _kv_write,
     "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
-    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "pool_put": _pool_put,
+    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "kv_load": _kv_load,
+    "pool_put": _pool_put,
 }
 EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 
@@ -154,8 +162,9 @@ def render_cpu(graph: Graph) -> str:
     run_body += _lines(by_stream[MAIN_STREAM], ctx, "    ")
     host_body = _lines(by_stream.get(HOST_STREAM, ()), ctx, "    ") or ["    pass  # this graph saves nothing"]
     host_event = next((n.event for n in by_stream.get(HOST_STREAM, ()) if n.op == "wait"), None)
-    streams_note = "".join(f"; {s} runs on a worker thread, launched\nfirst so that only its waits order it "
-                           f"after the forward" for s in side)
+    streams_note = "".join(f"; {s} runs on a worker thread, launched\nfirst so that only "
+                           + ("the forward's waits order it before the KV writes" if s == LOAD_STREAM
+                              else "its waits order it after the forward") for s in side)
     return render_frame("cpu/variant.py.j2", graph=graph, meta=graph.meta, streams_note=streams_note,
                         events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body),
                         host_body="\n".join(host_body))

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ir.graph import HOST_STREAM, MAIN_STREAM, Graph, Node
+from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu import MOE_WEIGHTS, moe_kwargs
 from .npu_parallel import EMIT_PARALLEL
 from .render import Emitter, LoweringError, Names, emit_with, py, render_frame, weight
@@ -69,6 +69,8 @@ def _record(n, ctx):
 
 
 def _wait(n, ctx):
+    if ctx.events[n.event][0] == LOAD_STREAM:
+        return [f"# {n.event} (kv_load -> {n.stream}) is no in-graph event: load() ran before the graph (see load())"]
     if ctx.mode == "max-autotune":
         return [f"torchair.ops.wait([{evname(n.event)}])"]
     return [f"torchair.ops.npu_tagged_event_wait({evname(n.event)})"]
@@ -195,14 +197,33 @@ def _kv_save(n, ctx):
             for c, s in zip(n.input("caches"), n.output("staging")) for i in range(len(ctx.components[c]))]
 
 
+def _kv_load(n, ctx):
+    """Scatter each listed layer's loaded blocks (``loads[L][i]``: [R, *KV_SHAPES[i]]) into the cache
+    blocks ``b.load_rows`` ([R, 1] int64 = the destination block ids): updates.shape =
+    indices.shape[:-1] + input.shape[1:] = [R, *KV_SHAPES[i]] (_op_plugin_docs.py:6875-6900)."""
+    r = ctx.ref
+    return [f"torch_npu.npu_scatter_nd_update_({r(c)}[{i}], b.load_rows, {r(s)}[{i}])"
+            for s, c in zip(n.input("loads"), n.output("caches")) for i in range(len(ctx.components[c]))]
+
+
 EMIT: dict[str, Emitter] = {
     "record": _record, "wait": _wait, "embedding": _embedding, "rope_cos_sin": _rope_cos_sin,
     "rms_norm": _rms_norm, "qwen3_attn_prolog": _qwen3_attn_prolog, "kv_write": _kv_write,
     "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
-    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save,
+    "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "kv_load": _kv_load,
 }
 EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
+
+# Load-stream nodes are not part of the compiled graph either: load() runs them eagerly before forward.
+# A cache input written twice in one graph (the load's scatter, then the KV write's) is not re-inplaced
+# by torchair's input-mutation pass (one functional op feeding the copy_ epilogue; see
+# graphgen.npu.aotcheck.model_torchair_reinplace): the writes would land in a copy_ after the final
+# scope_exit, after the save stream read the cache. So on the NPU the load is ordered before the graph.
+LOAD_EMIT: dict[str, Emitter] = {
+    "kv_load": lambda n, ctx: _kv_load(n, ctx),
+    "record": lambda n, ctx: [f"# {n.event}: the graph starts after load() returned"],
+}
 
 # Host-stream nodes are not part of the compiled graph: host() runs them after forward returned.
 HOST_EMIT: dict[str, Emitter] = {
@@ -264,7 +285,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     body: list[str] = []
     prev = None
     for n in graph.nodes:
-        if n.stream == HOST_STREAM:
+        if n.stream in (HOST_STREAM, LOAD_STREAM):
             continue
         side = n.stream != MAIN_STREAM
         if side and prev != n.stream:
@@ -274,15 +295,18 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
         body += [f"{ind}{line} [{n.id}]" if line.startswith("#") else f"{ind}{line}  # {n.id}"
                  for line in emit(n, ctx)]
     host = [f"    {line}" for n in graph.on_stream(HOST_STREAM) for line in emit_with(HOST_EMIT, "NPU host", n, ctx)]
+    load = [f"    {line} [{n.id}]" if line.startswith("#") else f"    {line}  # {n.id}"
+            for n in graph.on_stream(LOAD_STREAM) for line in emit_with(LOAD_EMIT, "NPU load", n, ctx)]
     tagged = ""
     if options.mode == "reduce-overhead":
         tagged = "\n# Tagged events: created here, eagerly, once per process (torchair rejects a reused tag).\n" + "".join(
             f"{evname(ev)} = torchair.ops.npu_create_tagged_event("
             f"tag={py('graphgen.' + graph.meta['model'] + '.' + graph.meta['variant'] + '.' + ev)})  # {s} -> {d}\n"
-            for ev, (s, d) in graph.events.items() if d != HOST_STREAM)
+            for ev, (s, d) in graph.events.items() if HOST_STREAM != d and LOAD_STREAM != s)
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
         save_stream=f"({tag}, {prio})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),
-        host_body="\n".join(host) or "    pass  # this graph saves nothing")
+        host_body="\n".join(host) or "    pass  # this graph saves nothing",
+        load_body="\n".join(load) or "    pass  # this graph loads nothing")

@@ -19,7 +19,7 @@ import jinja2
 from ..ir.graph import Graph, Node
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
-_TAG = re.compile(r"^(kv_cache|pool_staging)\.L(\d+)$")
+_TAG = re.compile(r"^(kv_cache|pool_staging|pool_load)\.L(\d+)$")
 
 Emitter = Callable[[Node, object], list[str]]
 
@@ -73,7 +73,7 @@ def layer_list(names) -> str:
 
 class Names:
     """IR name -> expression in generated Python: inputs are fields of the step inputs ``b``, KV
-    caches ``kv[L]``, pool staging ``staging[L]``, values local variables."""
+    caches ``kv[L]``, pool staging ``staging[L]``, load staging ``loads[L]``, values local variables."""
 
     def __init__(self, graph: Graph, inputs_obj: str = "b"):
         self.kinds, self.inputs_obj = graph.names, inputs_obj
@@ -86,6 +86,8 @@ class Names:
             return f"kv[{layer_of(name)}]"
         if kind == "pool_staging":
             return f"staging[{layer_of(name)}]"
+        if kind == "pool_load":
+            return f"loads[{layer_of(name)}]"
         return name.replace(".", "_")
 
     def all(self, names) -> str:

@@ -79,7 +79,7 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
     phase = module.META["phase"]
     ids, pos, slots, tables, seq_lens, qlens, logit_idx = [], [], [], [], [], [], []
     next_block = PAD_BLOCK + 1
-    saves = []
+    saves, loads = [], []
     for hist, q in seqs:
         n = (hist + q + bs - 1) // bs
         table = list(range(next_block, next_block + n))
@@ -93,10 +93,13 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
         logit_idx.append(len(ids) - 1)
         # as the scheduler saves: the blocks this step fills entirely (<= q // bs per sequence)
         saves += table[-(-hist // bs):(hist + q) // bs]
+        loads += table[:hist // bs]  # as the scheduler loads: the full history blocks
     saves = saves[:buckets.save_rows] if module.META.get("saves") else None
+    loads = loads[:buckets.save_rows] if module.META.get("history") else None
     return npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                            query_lens=qlens, logits_indices=logit_idx, block_size=bs, save_block_ids=saves,
-                           decode=phase == "decode", pad=buckets.padding(phase, len(seqs), len(ids))), next_block
+                           load_block_ids=loads, decode=phase == "decode",
+                           pad=buckets.padding(phase, len(seqs), len(ids))), next_block
 
 
 def mixed_steps(phase: str, history: bool, buckets: Buckets, block_size: int, steps: int, seed: int = 0):
@@ -150,7 +153,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
 
     from . import standin
     from .compile import compile_module, load_module
-    from .inputs import ROPE_CACHE_KEY, kv_buffers, random_weights, rope_cache
+    from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, random_weights, rope_cache
 
     buckets = buckets or Buckets.from_spec(spec)
     variants = list(variants or spec.variants)
@@ -179,11 +182,13 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                 nb = 1 + max(buckets.prefill_seqs, buckets.decode_batch[-1]) * buckets.max_blocks
                 kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
                                          staging_rows=buckets.save_rows if mod.META["saves"] else 0)
+                loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
                 plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, steps,
                                    seed=hash((variant, mode)) % 1000)
                 with torch.no_grad(), standin.enforce_limits(check_limits):
                     for i, seqs in enumerate(plan):
                         b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i)
+                        mod.load(b, kv, loads)
                         target.forward(W, b, kv, staging)
                 results.append(LoopResult(variant, mode, steps, len(backend.graphs), n_buckets))
     finally:

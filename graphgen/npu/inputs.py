@@ -30,26 +30,31 @@ class NpuStepInputs:
     logits_indices: torch.Tensor     # [B] int64
     save_block_ids: Optional[torch.Tensor] = None  # [S] int64 blocks to save
     save_rows: Optional[torch.Tensor] = None       # [S, 1] int64 = arange(S): staging rows written
+    load_block_ids: Optional[torch.Tensor] = None  # [R] int64 cache blocks the loaded blocks go to
+    load_rows: Optional[torch.Tensor] = None       # [R, 1] int64 = load_block_ids as scatter indices
 
 
 def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
-                    block_size: int, save_block_ids=None, decode: bool = False, device=None,
+                    block_size: int, save_block_ids=None, load_block_ids=None, decode: bool = False, device=None,
                     pad: Optional["StepPadding"] = None) -> NpuStepInputs:
     """NPU step inputs from the CPU runtime's (design.md) host quantities.
 
     ``pad`` (a :class:`StepPadding`) pads the step to a shape bucket so every tensor has a static
     shape per bucket (graphgen.npu.bucketing): padding sequences are appended whose tokens write and
     read only the reserved ``pad.pad_block``; block tables get ``pad.max_blocks`` columns (filled with
-    the pad block), saves ``pad.save_rows`` rows (the pad block repeated)."""
+    the pad block), saves and loads ``pad.save_rows`` rows each (the pad block repeated: a padding
+    load row scatters a zero block into the pad block)."""
     if pad is not None:
         (input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
          save_block_ids) = pad.apply(input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens,
                                      logits_indices, save_block_ids, block_size)
+        load_block_ids = None if load_block_ids is None else pad.rows(load_block_ids, "load")
     dev = device or torch.device("cpu")
     slots = torch.as_tensor(slot_mapping, dtype=torch.int64)
     ql = [int(x) for x in torch.as_tensor(query_lens).tolist()]
     cum = [sum(ql[:i + 1]) for i in range(len(ql))]
     save = None if save_block_ids is None else torch.as_tensor(save_block_ids, dtype=torch.int64)
+    load = None if load_block_ids is None else torch.as_tensor(load_block_ids, dtype=torch.int64).view(-1)
     return NpuStepInputs(
         input_ids=torch.as_tensor(input_ids, dtype=torch.int64).to(dev),
         positions=torch.as_tensor(positions, dtype=torch.int64).to(dev),
@@ -61,6 +66,8 @@ def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_len
         logits_indices=torch.as_tensor(logits_indices, dtype=torch.int64).to(dev),
         save_block_ids=None if save is None else save.to(dev),
         save_rows=None if save is None else torch.arange(save.numel(), dtype=torch.int64).view(-1, 1).to(dev),
+        load_block_ids=None if load is None else load.to(dev),
+        load_rows=None if load is None else load.view(-1, 1).to(dev),
     )
 
 
@@ -102,11 +109,15 @@ class StepPadding:
             qlens.append(q)
             logit_idx.append(len(ids) - 1)
         if save is not None:
-            save = list(save)
-            if len(save) > self.save_rows:
-                raise ValueError(f"{len(save)} blocks to save > {self.save_rows} staging rows")
-            save += [self.pad_block] * (self.save_rows - len(save))
+            save = self.rows(save, "save")
         return ids, pos, slots, tables, seq_lens, qlens, logit_idx, save
+
+    def rows(self, blocks, what: str) -> list:
+        """Save or load block ids padded to ``save_rows`` rows with the pad block."""
+        blocks = [int(b) for b in blocks]
+        if len(blocks) > self.save_rows:
+            raise ValueError(f"{len(blocks)} blocks to {what} > {self.save_rows} staging rows")
+        return blocks + [self.pad_block] * (self.save_rows - len(blocks))
 
 
 def rope_cache(rope: dict, max_positions: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -133,6 +144,16 @@ def kv_buffers(module, num_layers: int, num_blocks: int, staging_rows: int = 0, 
     staging = [tuple(torch.zeros(staging_rows, *s, dtype=dtype, device=device) for s in module.KV_SHAPES)
                for _ in range(num_layers)] if staging_rows else []
     return kv, staging
+
+
+def load_buffers(module, num_layers: int, rows: int, device=None):
+    """Load staging per the module's KV_SHAPES: loads[L][i] is [rows, *KV_SHAPES[i]] (zeros: the
+    host fills them from the pool); () for a module without history (no kv_load)."""
+    if not module.META.get("history"):
+        return ()
+    dtype = getattr(torch, module.KV_DTYPE)
+    return [tuple(torch.zeros(rows, *s, dtype=dtype, device=device) for s in module.KV_SHAPES)
+            for _ in range(num_layers)]
 
 
 def random_weights(spec, seed: int = 0, scale: float = 0.05, rope: Optional[dict] = None,
@@ -183,7 +204,10 @@ def tiny_step(module, spec, seqs: Sequence[tuple[int, int]], num_blocks: int, se
     if next_block > num_blocks:
         raise ValueError("num_blocks too small for these sequences")
     saves = module.META.get("saves")
+    # history variants load each sequence's full history blocks (load_buffers(module, L, len) fills them)
+    loads = [b for (hist, _), t in zip(seqs, tables) for b in t[:hist // bs]] if module.META.get("history") else None
     b = npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                         query_lens=qlens, logits_indices=logit_idx, block_size=bs,
-                        save_block_ids=list(range(next_block)) if saves else None, decode=decode)
+                        save_block_ids=list(range(next_block)) if saves else None, load_block_ids=loads,
+                        decode=decode)
     return b

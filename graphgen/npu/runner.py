@@ -154,7 +154,9 @@ class NpuModelRunner:
             self._compiled[variant] = target
         return self._compiled[variant]
 
-    def execute(self, variant: str, inputs, staging=None) -> StepHandles:
+    def execute(self, variant: str, inputs, staging=None, loads=()) -> StepHandles:
+        """``loads``: the step's loaded history blocks per layer (`KVConnector.take_loads`), row j for
+        cache block ``inputs.load_block_ids[j]``; each graph call gets its sequences' rows, padded."""
         mod = self.modules[variant]
         saves = bool(mod.META["saves"])
         if (staging is None) == saves:
@@ -166,10 +168,13 @@ class NpuModelRunner:
         handle = _SaveHandle(len(chunks)) if saves else None
         target = self.compiled(variant)
         logits, offset = [], 0
+        history = bool(mod.META.get("history"))
         for chunk in chunks:
-            b, n_save = self._step_inputs(phase, chunk, saves)
+            b, n_save = self._step_inputs(phase, chunk, saves, history)
             idx, buf = self._acquire() if saves else (None, ())
             with torch.no_grad(), self._limits():
+                if history:  # eager, before the graph (see the generated module's load())
+                    mod.load(b, self.kv, self._chunk_loads(mod, chunk, loads))
                 out = target.forward(self.W, b, self.kv, buf)
             logits.append(out[:len(chunk)].float())
             if saves:
@@ -207,7 +212,23 @@ class NpuModelRunner:
             tokens += q
         return chunks + [cur]
 
-    def _step_inputs(self, phase: str, chunk: list, saves: bool):
+    def _chunk_loads(self, mod, chunk: list, loads) -> list:
+        """The loaded rows of the chunk's sequences, in the module's layout, padded with zero rows
+        to the bucket's ``save_rows`` (padding rows scatter into the pad block)."""
+        rows = torch.tensor([j for s in chunk for j, _ in s["load"]], dtype=torch.long)
+        out = []
+        for layer in range(self.spec.dims.num_hidden_layers):
+            comps = []
+            for i, shape in enumerate(mod.KV_SHAPES):
+                t = torch.zeros(self.buckets.save_rows, *shape, dtype=self.dtype, device=self.device)
+                if rows.numel():
+                    src = loads[layer][i].index_select(0, rows)
+                    t[:rows.numel()].copy_(src.view(rows.numel(), *shape))
+                comps.append(t)
+            out.append(tuple(comps))
+        return out
+
+    def _step_inputs(self, phase: str, chunk: list, saves: bool, history: bool = False):
         from .inputs import npu_step_inputs
 
         ids = [t for s in chunk for t in s["ids"]]
@@ -218,8 +239,9 @@ class NpuModelRunner:
                             slot_mapping=[x for s in chunk for x in s["slots"]],
                             block_tables=[s["table"] for s in chunk], seq_lens=[s["seq_len"] for s in chunk],
                             query_lens=qlens, logits_indices=[sum(qlens[:i + 1]) - 1 for i in range(len(chunk))],
-                            block_size=self.block_size, save_block_ids=save, decode=phase == "decode",
-                            device=self.device, pad=pad)
+                            block_size=self.block_size, save_block_ids=save,
+                            load_block_ids=[b for s in chunk for _, b in s["load"]] if history else None,
+                            decode=phase == "decode", device=self.device, pad=pad)
         return b, len(save or ())
 
     def _acquire(self):
@@ -259,16 +281,19 @@ class NpuModelRunner:
 
 def _sequences(x, block_size: int) -> list[dict]:
     """Per sequence of a runtime step: its tokens, positions, slots, block table (trimmed to its
-    length: the scheduler pads tables with block 0, a real block here) and the blocks it saves."""
+    length: the scheduler pads tables with block 0, a real block here), the blocks it saves and the
+    blocks it loads (with their rows in the step's load staging)."""
     qlens, seq_lens = x.query_lens.tolist(), x.seq_lens.tolist()
     ids, pos, slots = x.input_ids.tolist(), x.positions.tolist(), x.slot_mapping.tolist()
     save_ids = x.save_block_ids.tolist()
+    load_ids = list(enumerate(x.load_block_ids.tolist()))
     out, t = [], 0
     for i, (q, n) in enumerate(zip(qlens, seq_lens)):
         table = x.block_tables[i, :-(-n // block_size)].tolist()
         owned = set(table)
         out.append({"ids": ids[t:t + q], "pos": pos[t:t + q], "slots": slots[t:t + q], "table": table,
-                    "seq_len": n, "save": [b for b in save_ids if b in owned]})
+                    "seq_len": n, "save": [b for b in save_ids if b in owned],
+                    "load": [(j, b) for j, b in load_ids if b in owned]})
         t += q
     return out
 

@@ -54,7 +54,7 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None, *, check_
 
     from . import standin
     from .compile import compile_module, load_module
-    from .inputs import kv_buffers, random_weights, tiny_step
+    from .inputs import kv_buffers, load_buffers, random_weights, tiny_step
 
     if not standin.install():
         raise RuntimeError("torch_npu is installed: use the real torchair, not the CPU stand-in")
@@ -66,9 +66,12 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None, *, check_
         b = tiny_step(mod, spec, SAMPLE_SEQS[(meta["phase"], bool(meta["history"]))], NUM_BLOCKS)
         kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, NUM_BLOCKS,
                                  staging_rows=NUM_BLOCKS if meta["saves"] else 0)
+        loads = load_buffers(mod, spec.dims.num_hidden_layers,
+                             0 if b.load_rows is None else b.load_rows.shape[0])
         W = random_weights(spec, rope=mod.ROPE)
         torch._dynamo.reset()
         with torch.no_grad(), standin.enforce_limits(check_limits):
+            mod.load(b, kv, loads)  # eager, before the graph (see the module's load())
             logits = target.forward(W, b, kv, staging)
     finally:
         standin.uninstall()

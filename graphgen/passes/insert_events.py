@@ -10,7 +10,9 @@ ensures:  for every access ``c`` to a buffer that conflicts (one of the two writ
           granularity this yields one record/wait per layer boundary; with forward granularity one
           for the bulk save; plus one save→host event for the pool commit. Checked: the graph
           verifies clean, every event is recorded once, right after the node it is named after, and
-          every wait sits right before the node whose id it carries.
+          every wait sits right before the node whose id it carries. "Already covered" is transitive
+          (vector clocks over the waits placed so far): a history prefill's save waits for its layer's
+          KV write only, which itself waited for that layer's load.
 """
 
 from __future__ import annotations
@@ -58,7 +60,11 @@ class InsertEvents(Pass):
             counters[n.stream] = counters.get(n.stream, 0) + 1
             pos[n.id] = counters[n.stream]
         accesses: dict[str, list[tuple[str, str, bool]]] = {}  # buffer -> [(node id, stream, is_write)]
-        covered: dict[tuple[str, str], int] = {}  # (src stream, dst stream) -> position already waited for
+        # Vector clocks: known[t][s] = the last position of stream s that stream t is already ordered
+        # after (directly by a wait, or transitively through the waits of what it waited for);
+        # seen[node] = its stream's clock right after it (what a wait on its event inherits).
+        known: dict[str, dict[str, int]] = {}
+        seen: dict[str, dict[str, int]] = {}
         records_after: dict[str, list[Node]] = {}
         waits_before: dict[str, list[Node]] = {}
         for c in graph.nodes:
@@ -70,9 +76,14 @@ class InsertEvents(Pass):
                     if s != c.stream and (is_write or p_write):
                         if s not in need or pos[pid] > pos[need[s]]:
                             need[s] = pid
+            # a producer that another needed producer is already ordered after needs no event of its own
+            # (the save of a loaded layer waits for the KV write, which waited for the load)
+            need = {s: pid for s, pid in need.items()
+                    if not any(seen[q].get(s, 0) >= pos[pid] for t, q in need.items() if t != s)}
+            clock = known.setdefault(c.stream, {})
             for s in sorted(need):
                 pid = need[s]
-                if covered.get((s, c.stream), 0) >= pos[pid]:
+                if clock.get(s, 0) >= pos[pid]:
                     continue
                 event = f"ev.{pid}"
                 if event not in graph.events:
@@ -82,7 +93,11 @@ class InsertEvents(Pass):
                     raise ValueError(f"event {event} would be waited on by two streams")
                 wid = f"{c.id}.wait" if len(need) == 1 else f"{c.id}.wait.{s}"
                 waits_before.setdefault(c.id, []).append(Node(wid, "wait", c.stream, attrs={"event": event}))
-                covered[(s, c.stream)] = pos[pid]
+                for t, p in seen[pid].items():
+                    if p > clock.get(t, 0):
+                        clock[t] = p
+            clock[c.stream] = pos[c.id]
+            seen[c.id] = dict(clock)
             for name, is_write in [(r, False) for r in c.reads] + [(w, True) for w in c.writes]:
                 if graph.names.get(name) in BUFFER_KINDS:
                     accesses.setdefault(name, []).append((c.id, c.stream, is_write))

@@ -1,8 +1,9 @@
 """The pass pipeline: the builder, then one explicit list of passes, the same for every variant.
 
-    build -> shard -> insert_kv_save -> insert_events -> verify
+    build -> shard -> insert_kv_load -> insert_kv_save -> insert_events -> verify
 
-(``shard`` changes nothing unless the spec's ``parallel`` has tp or ep > 1.)
+(``shard`` changes nothing unless the spec's ``parallel`` has tp or ep > 1; ``insert_kv_load``
+nothing unless the variant has ``history``.)
 
 ``run_pipeline`` can stop after any stage (``graphgen dump --after STAGE``; ``build_layers`` is kept
 as another name of ``build``), and reports a failure with the pass's name and the stages before it.
@@ -19,12 +20,13 @@ from ..ir.graph import Graph
 from ..ir.ops import check_node
 from .base import ContractError, PassContext, PassError
 from .insert_events import InsertEvents
+from .insert_kv_load import InsertKvLoad
 from .insert_kv_save import InsertKvSave
 from .shard import Shard
 from .verify import Verify
 
 BUILD = "build"
-PIPELINE = (Shard(), InsertKvSave(), InsertEvents(), Verify())
+PIPELINE = (Shard(), InsertKvLoad(), InsertKvSave(), InsertEvents(), Verify())
 PASS_NAMES = (BUILD, *(p.name for p in PIPELINE))  # the stages on_pass reports, in order
 ALIASES = {"build_layers": BUILD}  # the builder's name when it was a pass
 AFTER_CHOICES = (*PASS_NAMES, *ALIASES)  # what ``until`` (``graphgen dump --after``) accepts

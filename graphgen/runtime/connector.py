@@ -3,8 +3,12 @@
 Modelled on the worker side of vLLM's ``KVConnectorBase_V1`` (``start_load_kv`` /
 ``save_kv_layer`` / ``wait_for_save``), at block granularity:
 
-* **load** (`lookup`, `load`): how many leading blocks of a prompt the pool holds, then those
-  blocks unpacked into the request's device blocks, synchronously, before its prefill.
+* **load** (`lookup`, `load`, `take_loads`): how many leading blocks of a prompt the pool holds,
+  then those blocks fetched and unpacked into load staging (one block each, validated there) at
+  admission; the cache itself is written by the prefill's graph (its ``kv_load`` nodes on the
+  ``kv_load`` stream, ordered against the forward by events): `take_loads` hands the step its
+  per-layer load staging (rows in the order of the step's ``load_block_ids``). `discard` drops
+  what a request loaded but never ran (preempted, aborted).
 * **save** (`prepare_save` before the step, `handoff` after it): the save's blocks are pinned and a
   staging area is made for the module's save program to copy into; after the step, the commit — a
   ``pool.put`` per block — runs once the save's event (the module's ``HOST_EVENT``) is recorded:
@@ -29,6 +33,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+import torch
 
 from ..ir.graph import HOST_STREAM
 from .kvcache import BlockAllocator, PagedKVCache, pack_block, unpack_block_into
@@ -65,6 +71,7 @@ class KVConnector:
         self._pending: deque[Job] = deque()    # async commits in flight, oldest first
         self._lock = threading.Lock()          # stats are bumped from the host stream too
         self.observer = None                   # a graphgen.trace.StepObserver: commit spans and latency
+        self._loaded: dict[int, list] = {}     # cache block id -> its loaded block (one-row staging)
         self.stats = {"puts": 0, "put_failures": 0, "save_failures": 0, "hit_blocks": 0,
                       "loaded_blocks": 0, "pool_errors": 0}
 
@@ -93,24 +100,45 @@ class KVConnector:
             return 0
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> int:
-        """Unpack ``keys[i]`` into cache block ``block_ids[i]``, in order, stopping at the first
-        block that is gone (evicted since the lookup), unreadable or foreign. Returns how many
-        leading blocks were loaded; the rest is recomputed."""
+        """Fetch ``keys[i]`` for cache block ``block_ids[i]``, in order, into load staging, stopping
+        at the first block that is gone (evicted since the lookup), unreadable or foreign. Returns
+        how many leading blocks were loaded; the rest is recomputed. The cache is not touched: the
+        prefill's graph copies the staged blocks in (`take_loads`)."""
         loaded = 0
         for i, (key, block) in enumerate(zip(keys, block_ids)):
             try:
                 data = self.pool.get(key)
                 if data is None:
                     break
-                unpack_block_into(self.cache, block, data)
+                staged = self.cache.make_staging(1)
+                unpack_block_into(staged, 0, data)  # checks the size: a foreign layout fails here
             except Exception as e:
                 log.warning("pool load of block %d failed, recomputing from there: %s", i, e)
                 self._count("pool_errors")
                 break
+            self._loaded[int(block)] = staged
             loaded += 1
         self._count("hit_blocks", loaded)
         self._count("loaded_blocks", loaded)
         return loaded
+
+    def take_loads(self, block_ids: Sequence[int]) -> list:
+        """The load staging of a step: per layer, per component ``[len(block_ids), *shape]``, row j
+        the block loaded for cache block ``block_ids[j]`` (each handed out once)."""
+        ids = [int(b) for b in block_ids]
+        if not ids:
+            return []
+        missing = [b for b in ids if b not in self._loaded]
+        if missing:
+            raise KeyError(f"no loaded block for cache block(s) {missing}")
+        blocks = [self._loaded.pop(b) for b in ids]
+        return [tuple(torch.cat([blk[layer][c] for blk in blocks]) for c in range(len(blocks[0][layer])))
+                for layer in range(len(blocks[0]))]
+
+    def discard(self, block_ids: Sequence[int]) -> None:
+        """Forget loaded blocks no step will take (their request was preempted or aborted)."""
+        for b in block_ids:
+            self._loaded.pop(int(b), None)
 
     # ---- save -------------------------------------------------------------------------------
     def prepare_save(self, block_ids: Sequence[int], keys: Sequence[str]) -> PendingSave:

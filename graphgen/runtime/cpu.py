@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..ir.graph import SAVE_STREAM
+from ..ir.graph import LOAD_STREAM, SAVE_STREAM
 from . import ops as _ops
 from .faults import Faults
 from .streams import Job, Stream
@@ -24,7 +24,8 @@ class CpuRuntime:
     def __init__(self, faults: Optional[Faults] = None, event_timeout: Optional[float] = 120.0):
         self.faults = faults or Faults()
         self.event_timeout = event_timeout
-        self.streams = {SAVE_STREAM: Stream(SAVE_STREAM)}  # worker-thread streams, by IR stream name
+        # worker-thread streams, by IR stream name
+        self.streams = {SAVE_STREAM: Stream(SAVE_STREAM), LOAD_STREAM: Stream(LOAD_STREAM)}
         self._launched: list[Job] = []  # see launch()
 
     # -- streams and events ----------------------------------------------------------------------
@@ -67,6 +68,15 @@ class CpuRuntime:
         """The bulk (forward-granularity) save: every listed layer, in order."""
         for i in layers:
             self.kv_save(kv[i], block_ids, staging[i])
+
+    def kv_load(self, cache, loads, block_ids) -> None:
+        self.faults.load_sleep()  # "delay the load stream": the history lands late
+        _ops.kv_load(cache, loads, block_ids)
+
+    def kv_load_layers(self, kv, layers, loads, block_ids) -> None:
+        """The bulk (forward-granularity) load: every listed layer, in order."""
+        for i in layers:
+            self.kv_load(kv[i], loads[i], block_ids)
 
     def __getattr__(self, name: str):
         # Every other op is the reference op itself.

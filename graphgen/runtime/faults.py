@@ -6,13 +6,15 @@
   the save lag behind the forward, so a missing event or a block reused too early shows up.
 * ``forward_delay_s`` -- ``faults.forward_sleep()`` before each KV write on the ``main`` stream: makes
   the forward lag, so a save that does not wait for its event reads unwritten KV.
+* ``load_delay_s``   -- ``faults.load_sleep()`` inside each load op on the ``kv_load`` stream: makes
+  the history load lag, so a KV write or attention that does not wait for its load reads a stale block.
 * ``put_delay_s``    -- sleep in each pool put (via `FaultyPool`): a slow pool (e.g. Mooncake over TCP).
 * ``put_fail``       -- probability in [0, 1] that a put fails, or a callable ``key -> bool``. The
   draw is deterministic: a hash of (seed, key, attempt number of that key), so the outcome does not
   depend on thread interleaving and a retry of the same key gets a fresh draw.
 * ``seed``           -- seeds the ``put_fail`` draw.
 
-CLI form (`Faults.parse`): ``save_delay=0.05,put_fail=0.5,forward_delay=0.01,put_delay=0.02,seed=1``
+CLI form (`Faults.parse`): ``save_delay=0.05,put_fail=0.5,forward_delay=0.01,put_delay=0.02,load_delay=0.01,seed=1``
 (the ``_s`` suffix is optional; ``Faults.format`` writes this form back).
 """
 from __future__ import annotations
@@ -37,13 +39,14 @@ class Faults:
     put_delay_s: float = 0.0
     put_fail: PutFail = 0.0
     seed: int = 0
+    load_delay_s: float = 0.0
 
     # short CLI names -> field names
     _ALIASES = {"save_delay": "save_delay_s", "forward_delay": "forward_delay_s",
-                "put_delay": "put_delay_s"}
+                "put_delay": "put_delay_s", "load_delay": "load_delay_s"}
 
     def __post_init__(self) -> None:
-        for f in ("save_delay_s", "forward_delay_s", "put_delay_s"):
+        for f in ("save_delay_s", "forward_delay_s", "put_delay_s", "load_delay_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise ValueError(f"Faults.{f} must be a number >= 0, got {v!r}")
@@ -83,7 +86,8 @@ class Faults:
         """The `parse` form of the non-default knobs (a callable ``put_fail`` cannot be written)."""
         parts = []
         for short, field in (("save_delay", "save_delay_s"), ("forward_delay", "forward_delay_s"),
-                             ("put_delay", "put_delay_s"), ("put_fail", "put_fail")):
+                             ("put_delay", "put_delay_s"), ("put_fail", "put_fail"),
+                             ("load_delay", "load_delay_s")):
             v = getattr(self, field)
             if callable(v):
                 raise ValueError("a callable put_fail has no text form")
@@ -95,7 +99,7 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return bool(self.save_delay_s or self.forward_delay_s or self.put_delay_s
+        return bool(self.save_delay_s or self.forward_delay_s or self.put_delay_s or self.load_delay_s
                     or callable(self.put_fail) or self.put_fail)
 
     # hooks called by the runtime ------------------------------------------------------------
@@ -106,6 +110,10 @@ class Faults:
     def forward_sleep(self) -> None:
         if self.forward_delay_s:
             time.sleep(self.forward_delay_s)
+
+    def load_sleep(self) -> None:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
 
     def put_sleep(self) -> None:
         if self.put_delay_s:

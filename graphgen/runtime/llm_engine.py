@@ -155,21 +155,25 @@ class LLMEngine:
             self._span("schedule", sid, t)
         return step, sid
 
-    def _execute(self, step: ScheduledStep, save, sid: int):
+    def _execute(self, step: ScheduledStep, save, loads, sid: int):
         t = time.perf_counter()
         try:
-            return self.runner.execute(step.variant, step.inputs, save.staging if save else None)
+            return self.runner.execute(step.variant, step.inputs, save.staging if save else None, loads)
         finally:
             self._span("forward", sid, t)
 
     def _run(self, step: ScheduledStep, sid: int):
         save = self._prepare_save(step)
         try:
-            return save, self._execute(step, save, sid)
+            return save, self._execute(step, save, self._take_loads(step), sid)
         except BaseException:
             if save is not None:
                 self.connector.cancel(save)
             raise
+
+    def _take_loads(self, step: ScheduledStep) -> list:
+        """The step's loaded history blocks, per layer (empty unless its variant loads)."""
+        return self.connector.take_loads(step.inputs.load_block_ids.tolist())
 
     def _prepare_save(self, step: ScheduledStep):
         return self.connector.prepare_save(step.save_block_ids, step.save_keys) if step.saves else None
@@ -181,8 +185,9 @@ class LLMEngine:
         if self._forward is None:
             self._forward = Stream("forward")
         save = self._prepare_save(step)
+        loads = self._take_loads(step)
         self._span("launch", sid, time.perf_counter())
-        self._inflight = (step, save, self._forward.launch(self._execute, step, save, sid))
+        self._inflight = (step, save, self._forward.launch(self._execute, step, save, loads, sid))
 
     def _wait(self, save, job: Job):
         try:

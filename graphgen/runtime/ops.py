@@ -360,6 +360,17 @@ def kv_save(cache: Sequence[Tensor], block_ids: Tensor, staging: Sequence[Tensor
         s[:n].copy_(c.index_select(0, ids))
 
 
+def kv_load(cache: Sequence[Tensor], loads: Sequence[Tensor], block_ids: Tensor) -> None:
+    """Copy the loaded history blocks (``loads``: one [n, *block shape] tensor per cache component,
+    filled by the host from the pool) into cache blocks ``block_ids`` (n of them)."""
+    ids = block_ids.long()
+    n = ids.shape[0]
+    for c, s in zip(cache, loads):
+        if s.shape[0] < n:
+            raise ValueError(f"kv_load: load staging holds {s.shape[0]} blocks, {n} requested")
+        c.index_copy_(0, ids, s[:n])
+
+
 # --------------------------------------------------------------------------------------------
 # helpers for generated code and the engine
 # --------------------------------------------------------------------------------------------

@@ -112,7 +112,9 @@ class RankConnector(KVConnector):
         return agree_min(super().lookup(keys))
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> int:
-        return agree_min(super().load(keys, block_ids))
+        n = agree_min(super().load(keys, block_ids))
+        self.discard(block_ids[n:])  # loaded here, but not on every rank: recomputed
+        return n
 
     def drain(self, timeout=None) -> None:
         super().drain(timeout)

@@ -33,6 +33,8 @@ class StepInputs:
     query_lens: torch.Tensor
     logits_indices: torch.Tensor
     save_block_ids: torch.Tensor
+    # the cache blocks a history prefill's loaded blocks go to (the graph's kv_load writes them)
+    load_block_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
 
 @dataclass

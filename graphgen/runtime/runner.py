@@ -1,7 +1,7 @@
 """The model runner: runs one generated module for one step and hands back what it started.
 
 Per step it binds the module's events to a fresh generation (so a wait of this step can never be
-satisfied by an earlier step's record), runs ``mod.run`` on the CPU runtime, and returns
+satisfied by an earlier step's record), runs ``mod.run`` on the CPU runtime (with the step's loaded history blocks), and returns
 `StepHandles`: the logits, the save program the module launched (a `Job` on the save stream) and
 the save's event bound to this step (``HOST_EVENT``: what a commit must wait for). Nothing is
 recovered afterwards from shared state: the module's launches go through a per-step view of the
@@ -99,7 +99,10 @@ class CpuModelRunner:
         """Whether the variant's module has a save program (then it takes a staging area)."""
         return self.modules[variant].HOST_EVENT is not None
 
-    def execute(self, variant: str, inputs, staging=None) -> StepHandles:
+    def execute(self, variant: str, inputs, staging=None, loads=()) -> StepHandles:
+        """Run one step. ``staging``: the save's pool staging (exactly when the module saves);
+        ``loads``: the loaded history blocks per layer (`KVConnector.take_loads`; empty when the
+        variant loads nothing), copied into the cache by the module's kv_load stream."""
         mod = self.modules[variant]
         if (staging is None) != (mod.HOST_EVENT is None):
             raise ValueError(f"{variant}: a staging area is needed exactly when the module saves "
@@ -111,7 +114,7 @@ class CpuModelRunner:
         rt = StepRuntime(self.rt, obs, t0, self._gen, mod.HOST_EVENT)
         try:
             with torch.inference_mode():
-                logits = mod.run(rt, self.W, inputs, self.cache, staging, ev)
+                logits = mod.run(rt, self.W, inputs, self.cache, staging, loads, ev)
         except BaseException:
             ev.abort("the forward failed")
             for job in rt.launched.values():

@@ -54,6 +54,7 @@ class PrefixSource(Protocol):
     def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
     def lookup(self, keys: Sequence[str]) -> int: ...
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> int: ...
+    def discard(self, block_ids: Sequence[int]) -> None: ...
 
 
 class Scheduler:
@@ -264,7 +265,7 @@ class Scheduler:
                 r.result.variant = variant
             r.cached = n
             r.in_steps += 1
-        inputs = _inputs(reqs, ids, pos, slots, qlens, slens, save_ids)
+        inputs = _inputs(reqs, ids, pos, slots, qlens, slens, save_ids, _load_ids(reqs))
         return ScheduledStep(variant, "prefill", tuple(reqs), inputs, saves, tuple(save_ids), tuple(save_keys),
                              tuple(save_rows))
 
@@ -342,6 +343,7 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         if r.table:
+            self.connector.discard(r.table)  # loaded blocks its prefill never took (preempted, aborted)
             self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
             r.table = []
 
@@ -355,7 +357,12 @@ class Scheduler:
         self._release(r)
 
 
-def _inputs(reqs, ids, pos, slots, qlens, slens, save_ids) -> StepInputs:
+def _load_ids(reqs) -> torch.Tensor:
+    """The cache blocks of the requests' loaded history, request by request (the step's kv_load)."""
+    return torch.tensor([b for r in reqs for b in r.table[:r.hit_blocks]], dtype=torch.long)
+
+
+def _inputs(reqs, ids, pos, slots, qlens, slens, save_ids, load_ids=None) -> StepInputs:
     width = max(len(r.table) for r in reqs)
     tables = torch.zeros((len(reqs), width), dtype=torch.long)
     for i, r in enumerate(reqs):
@@ -364,7 +371,8 @@ def _inputs(reqs, ids, pos, slots, qlens, slens, save_ids) -> StepInputs:
     return StepInputs(
         input_ids=torch.cat(ids), positions=torch.cat(pos), slot_mapping=torch.cat(slots),
         block_tables=tables, seq_lens=torch.tensor(slens, dtype=torch.long), query_lens=q,
-        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=torch.tensor(save_ids, dtype=torch.long))
+        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=torch.tensor(save_ids, dtype=torch.long),
+        load_block_ids=_load_ids([]) if load_ids is None else load_ids)
 
 
 def _select_rows(step: ScheduledStep, keep: list[int]) -> ScheduledStep:
@@ -379,7 +387,8 @@ def _select_rows(step: ScheduledStep, keep: list[int]) -> ScheduledStep:
     inputs = StepInputs(
         input_ids=x.input_ids[tok].clone(), positions=x.positions[tok], slot_mapping=x.slot_mapping[tok],
         block_tables=x.block_tables[rows], seq_lens=x.seq_lens[rows], query_lens=q,
-        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=x.save_block_ids[torch.tensor(js, dtype=torch.long)])
+        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=x.save_block_ids[torch.tensor(js, dtype=torch.long)],
+        load_block_ids=_load_ids([step.requests[i] for i in keep]) if x.load_block_ids.numel() else x.load_block_ids)
     return ScheduledStep(step.variant, step.phase, tuple(step.requests[i] for i in keep), inputs, step.saves,
                          tuple(step.save_block_ids[j] for j in js), tuple(step.save_keys[j] for j in js),
                          tuple(new_row[step.save_rows[j]] for j in js),

@@ -171,7 +171,11 @@ def test_pipeline_verifies_for_many_sizes(layers):
         for v in spec.variants:
             g = run_pipeline(spec, v)
             saves = g.meta["saves"]
-            records = [n for n in g.nodes if n.op == "record"]
+            records = [n for n in g.nodes if n.op == "record" and n.stream != "kv_load"]
+            loads = [n for n in g.nodes if n.op == "record" and n.stream == "kv_load"]
+            # history: one load -> main event per load (one per layer, or one for the bulk load)
+            assert len(loads) == (0 if not g.meta["history"] else
+                                  layers if spec.variant_granularity(spec.variants[v]) == "layer" else 1)
             if not saves:
                 assert records == []
             elif g.meta["granularity"] == "layer":

@@ -122,7 +122,13 @@ def _host(spec, seqs, save_ids, seed):
         slens.append(hist + q)
     return dict(input_ids=ids, positions=pos, slot_mapping=slots,
                 block_tables=[t + [0] * (width - len(t)) for t, _, _ in seqs], seq_lens=slens, query_lens=qlens,
-                logits_indices=(torch.tensor(qlens).cumsum(0) - 1).tolist(), save_block_ids=save_ids)
+                logits_indices=(torch.tensor(qlens).cumsum(0) - 1).tolist(), save_block_ids=save_ids,
+                load_block_ids=_load_ids(seqs, bs))
+
+
+def _load_ids(seqs, bs):
+    """The full history blocks of each sequence, as the scheduler loads them from the pool."""
+    return [b for table, hist, _ in seqs for b in table[:hist // bs]]
 
 
 def _cpu_inputs(h):
@@ -134,12 +140,14 @@ def _cpu_inputs(h):
 def _npu_inputs(h, mod):
     from graphgen.npu.inputs import npu_step_inputs
 
-    return npu_step_inputs(**{k: v for k, v in h.items() if k != "save_block_ids"}, block_size=mod.META["block_size"],
+    return npu_step_inputs(**{k: v for k, v in h.items() if k not in ("save_block_ids", "load_block_ids")},
+                           block_size=mod.META["block_size"],
                            save_block_ids=h["save_block_ids"] if mod.META["saves"] else None,
+                           load_block_ids=h["load_block_ids"] if mod.META["history"] else None,
                            decode=mod.META["phase"] == "decode")
 
 
-def _run_cpu(mod, W, b, cache):
+def _run_cpu(mod, W, b, cache, loads=()):
     from graphgen.runtime.cpu import CpuRuntime
     from graphgen.runtime.streams import EventSet
 
@@ -147,7 +155,7 @@ def _run_cpu(mod, W, b, cache):
     rt = CpuRuntime(event_timeout=30.0)
     try:
         with torch.inference_mode():
-            logits = mod.run(rt, W, b, cache, staging, EventSet(mod.EVENTS).bind(1))
+            logits = mod.run(rt, W, b, cache, staging, loads, EventSet(mod.EVENTS).bind(1))
         for job in rt.take_launched():  # the save stream runs on a worker thread
             err = job.exception(30.0)
             if err is not None:
@@ -203,11 +211,21 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
         for layer in cache:  # the prefix as a bf16 cache holds it, in both caches
             for c in layer:
                 c.copy_(c.bfloat16().float())
+    loads_cpu, loads_npu = (), ()
+    load_ids = torch.tensor(_load_ids(seqs, spec.kv_cache.block_size), dtype=torch.long)
+    if cpu_mod.META["history"]:
+        # the full history blocks come from the pool through the step's kv_load: hand both targets
+        # the prefilled blocks as load staging and overwrite them in the caches with noise first
+        loads_cpu = [tuple(c.index_select(0, load_ids).clone() for c in layer) for layer in cache]
+        for layer in cache:
+            for c in layer:
+                c[load_ids] = torch.randn(c[load_ids].shape, generator=g).bfloat16().float()
+        loads_npu = _to_npu_layout(loads_cpu, npu_mod)
     kv_npu = _to_npu_layout(cache, npu_mod)
     kv_before = [tuple(c.clone() for c in layer) for layer in kv_npu]
 
     h = _host(spec, seqs, save_ids, seed + 3)
-    logits_cpu, staging_cpu = _run_cpu(cpu_mod, W_cpu, _cpu_inputs(h), cache)
+    logits_cpu, staging_cpu = _run_cpu(cpu_mod, W_cpu, _cpu_inputs(h), cache, loads_cpu)
 
     hn = npu_edit(dict(h)) if npu_edit else h
     b = _npu_inputs(hn, npu_mod)
@@ -218,6 +236,7 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
         torch._dynamo.reset()
         target, backend = compile_module(npu_mod, npu_mod.COMPILE_MODE, use_standin=True)
     with torch.no_grad():
+        npu_mod.load(b, kv_npu, loads_npu)  # eager, before the graph (the NPU module's load())
         logits_npu = target.forward(W, b, kv_npu, staging_npu)
     if compiled:
         assert len(backend.graphs) == 1  # fullgraph, one graph: the numbers above are the compiled graph's

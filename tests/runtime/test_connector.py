@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from graphgen.runtime import ops
 from graphgen.runtime.connector import KVConnector
 from graphgen.runtime.kvcache import BlockAllocator, PagedKVCache, pack_block
 from graphgen.runtime.pool import HostPool, PoolBackend
@@ -149,12 +150,24 @@ def test_lookup_and_load_the_leading_run(parts):
     pool.put(keys[0], pack_block(src, 0))
     pool.put(keys[2], pack_block(src, 2))            # a gap at block 1
     assert conn.lookup(keys) == 1
+    before = pack_block(cache, 6)
     assert conn.load(keys[:1], [6]) == 1
+    assert pack_block(cache, 6) == before            # the cache is the graph's to write (kv_load)
+    loads = conn.take_loads([6])                     # per layer, per component: [1, *shape]
+    assert pack_block(loads, 0) == pack_block(src, 0)
+    with pytest.raises(KeyError):                    # handed out once
+        conn.take_loads([6])
+    for layer, staged in zip(cache, loads):          # what the step's kv_load does with it
+        ops.kv_load(layer, staged, torch.tensor([6]))
     assert pack_block(cache, 6) == pack_block(src, 0)
     pool.put(keys[1], b"short")                      # a foreign/truncated value: recomputed
     assert conn.load(keys, [5, 6, 7]) == 1 and conn.stats["pool_errors"] == 1
     assert conn.load(["absent", keys[0]], [5, 6]) == 0   # evicted since the lookup: stops there
     assert conn.stats["hit_blocks"] == 2
+    conn.discard([5])                                # loaded, never run (its request was preempted)
+    with pytest.raises(KeyError):
+        conn.take_loads([5])
+    assert conn.take_loads([]) == []
     conn.close()
 
 

@@ -71,9 +71,9 @@ def record_steps(eng) -> list:
     """Wrap the runner: every executed step's (variant, tokens, rows)."""
     seen, inner = [], eng.runner.execute
 
-    def execute(variant, inputs, staging=None):
+    def execute(variant, inputs, staging=None, loads=()):
         seen.append((variant, int(inputs.input_ids.numel()), int(inputs.seq_lens.numel())))
-        return inner(variant, inputs, staging)
+        return inner(variant, inputs, staging, loads)
     eng.runner.execute = execute
     return seen
 

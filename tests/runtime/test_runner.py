@@ -27,7 +27,7 @@ def fake_module(*, fail=False, launches=1, gate=None):
     mod.EVENTS, mod.HOST_EVENT = ("ev.fwd", "ev.save"), "ev.save"
     mod.saved = []
 
-    def run(rt, W, b, kv, staging, ev):
+    def run(rt, W, b, kv, staging, loads, ev):
         def save_program():
             rt.wait(ev["ev.fwd"])
             if gate is not None:
@@ -73,7 +73,7 @@ def test_handles_are_this_steps_logits_job_and_event(rt):
 def test_a_module_without_save_gets_no_staging_and_no_handles(rt):
     mod = types.ModuleType("decode")
     mod.EVENTS, mod.HOST_EVENT = (), None
-    mod.run = lambda rt_, W, b, kv, staging, ev: torch.zeros(1, 2)
+    mod.run = lambda rt_, W, b, kv, staging, loads, ev: torch.zeros(1, 2)
     runner = CpuModelRunner({"decode": mod, "v": fake_module()}, {}, None, rt)
     h = runner.execute("decode", None)
     assert (h.save_job, h.save_done) == (None, None) and not runner.saves("decode") and runner.saves("v")

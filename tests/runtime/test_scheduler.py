@@ -36,6 +36,9 @@ class FakePrefix:
         self.loaded.append((list(keys), list(block_ids)))
         return len(keys)
 
+    def discard(self, block_ids):
+        self.discarded = getattr(self, "discarded", []) + list(block_ids)
+
 
 def req(first: int, n: int, max_new: int = 2) -> Request:
     return Request(RequestResult(prompt=[first] + list(range(100, 100 + n - 1))), max_new)
@@ -69,6 +72,7 @@ def test_step_composition_prefill_by_history_then_decode_together():
     assert s.connector.loaded == [(["p2.b0", "p2.b1"], b.table[:2])]
     assert b.result.hit_tokens == 2 * BS
     y = warm.inputs
+    assert y.load_block_ids.tolist() == b.table[:2] and x.load_block_ids.tolist() == []  # the step's kv_load
     assert y.input_ids.tolist() == b.prompt[2 * BS:] and y.positions.tolist() == list(range(8, 13))
     assert y.query_lens.tolist() == [5] and y.seq_lens.tolist() == [13]
     assert warm.save_keys == ("p2.b2",) and list(warm.save_block_ids) == [b.table[2]]   # only new blocks

@@ -12,9 +12,10 @@ EVENTS = ()
 HOST_EVENT = None
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
     h_embed_partial = rt.embedding_shard(W['model.embed_tokens.weight[d0/32]'], b.input_ids, vocab_size=129280)  # embed
     h_embed = rt.all_reduce(h_embed_partial, group='tp', size=32, reduce='sum')  # embed.all_reduce
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=64, theta=10000.0, scaling={'beta_fast': 32.0, 'beta_slow': 1.0, 'factor': 40.0, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 4096, 'type': 'yarn'})  # rope

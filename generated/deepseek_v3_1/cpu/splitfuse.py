@@ -2,20 +2,29 @@
 """deepseek_v3_1.splitfuse: CPU target.
 
 prefill, history=True, write=async, granularity=forward.
-Streams: main runs on the caller's thread; kv_save runs on a worker thread, launched
+Streams: main runs on the caller's thread; kv_load runs on a worker thread, launched
+first so that only the forward's waits order it before the KV writes; kv_save runs on a worker thread, launched
 first so that only its waits order it after the forward.
 The host commits staged KV to the pool after HOST_EVENT (see `host`).
 """
 
 GRAPH = 'deepseek_v3_1.splitfuse'
 META = {'block_size': 128, 'ep': 1, 'family': 'deepseek_v3', 'granularity': 'forward', 'history': True, 'kv_dtype': 'bfloat16', 'layers': 61, 'model': 'deepseek_v3_1', 'phase': 'prefill', 'saves': True, 'spec': 'specs/deepseek_v3_1.yaml', 'tp': 32, 'variant': 'splitfuse', 'write': 'async'}
-EVENTS = ('ev.L60.kv_write', 'ev.save.kv_save')
+EVENTS = ('ev.load.kv_load', 'ev.L60.kv_write', 'ev.save.kv_save')
 HOST_EVENT = 'ev.save.kv_save'
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
+
+    def kv_load_stream():
+        rt.kv_load_layers(kv, range(61), loads, b.load_block_ids)  # load.kv_load
+        rt.record(ev['ev.load.kv_load'])  # load.kv_load.record
+
+    rt.launch('kv_load', kv_load_stream)
+
 
     def kv_save_stream():
         rt.wait(ev['ev.L60.kv_write'])  # save.kv_save.wait
@@ -29,6 +38,7 @@ def run(rt, W, b, kv, staging, ev):
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=64, theta=10000.0, scaling={'beta_fast': 32.0, 'beta_slow': 1.0, 'factor': 40.0, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 4096, 'type': 'yarn'})  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm
     q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = rt.mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
+    rt.wait(ev['ev.load.kv_load'])  # L00.kv_write.wait
     rt.kv_write(kv[0], (c_kv_L00, k_pe_L00), b.slot_mapping)  # L00.kv_write
     o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L00.attn
     h_L00_attn_partial = rt.o_proj(o_L00, W['model.layers.0.self_attn.o_proj.weight[d1/32]'])  # L00.o_proj

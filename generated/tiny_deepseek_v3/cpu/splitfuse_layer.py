@@ -2,20 +2,33 @@
 """tiny_deepseek_v3.splitfuse_layer: CPU target.
 
 prefill, history=True, write=async, granularity=layer.
-Streams: main runs on the caller's thread; kv_save runs on a worker thread, launched
+Streams: main runs on the caller's thread; kv_load runs on a worker thread, launched
+first so that only the forward's waits order it before the KV writes; kv_save runs on a worker thread, launched
 first so that only its waits order it after the forward.
 The host commits staged KV to the pool after HOST_EVENT (see `host`).
 """
 
 GRAPH = 'tiny_deepseek_v3.splitfuse_layer'
 META = {'block_size': 4, 'family': 'deepseek_v3', 'granularity': 'layer', 'history': True, 'kv_dtype': 'float32', 'layers': 3, 'model': 'tiny_deepseek_v3', 'phase': 'prefill', 'saves': True, 'spec': 'specs/tiny_deepseek_v3.yaml', 'variant': 'splitfuse_layer', 'write': 'async'}
-EVENTS = ('ev.L00.kv_write', 'ev.L01.kv_write', 'ev.L02.kv_write', 'ev.L02.kv_save')
+EVENTS = ('ev.L00.kv_load', 'ev.L00.kv_write', 'ev.L01.kv_load', 'ev.L01.kv_write', 'ev.L02.kv_load', 'ev.L02.kv_write', 'ev.L02.kv_save')
 HOST_EVENT = 'ev.L02.kv_save'
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
+
+    def kv_load_stream():
+        rt.kv_load(kv[0], loads[0], b.load_block_ids)  # L00.kv_load
+        rt.record(ev['ev.L00.kv_load'])  # L00.kv_load.record
+        rt.kv_load(kv[1], loads[1], b.load_block_ids)  # L01.kv_load
+        rt.record(ev['ev.L01.kv_load'])  # L01.kv_load.record
+        rt.kv_load(kv[2], loads[2], b.load_block_ids)  # L02.kv_load
+        rt.record(ev['ev.L02.kv_load'])  # L02.kv_load.record
+
+    rt.launch('kv_load', kv_load_stream)
+
 
     def kv_save_stream():
         rt.wait(ev['ev.L00.kv_write'])  # L00.kv_save.wait
@@ -32,6 +45,7 @@ def run(rt, W, b, kv, staging, ev):
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=8, theta=10000.0, scaling=None)  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm
     q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = rt.mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=16, eps=1e-06, interleave=True)  # L00.mla_prolog
+    rt.wait(ev['ev.L00.kv_load'])  # L00.kv_write.wait
     rt.kv_write(kv[0], (c_kv_L00, k_pe_L00), b.slot_mapping)  # L00.kv_write
     rt.record(ev['ev.L00.kv_write'])  # L00.kv_write.record
     o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L00.attn
@@ -40,6 +54,7 @@ def run(rt, W, b, kv, staging, ev):
     h_L00 = rt.swiglu_mlp_residual(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight'], W['model.layers.0.mlp.up_proj.weight'], W['model.layers.0.mlp.down_proj.weight'], h_L00_attn)  # L00.mlp
     x_L01_attn_norm = rt.rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)  # L01.attn_norm
     q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = rt.mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=16, eps=1e-06, interleave=True)  # L01.mla_prolog
+    rt.wait(ev['ev.L01.kv_load'])  # L01.kv_write.wait
     rt.kv_write(kv[1], (c_kv_L01, k_pe_L01), b.slot_mapping)  # L01.kv_write
     rt.record(ev['ev.L01.kv_write'])  # L01.kv_write.record
     o_L01 = rt.mla_attention(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L01.attn
@@ -48,6 +63,7 @@ def run(rt, W, b, kv, staging, ev):
     h_L01 = rt.moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['model.layers.1.mlp.experts.gate_proj.weight'], W['model.layers.1.mlp.experts.up_proj.weight'], W['model.layers.1.mlp.experts.down_proj.weight'], W['model.layers.1.mlp.shared_experts.gate_proj.weight'], W['model.layers.1.mlp.shared_experts.up_proj.weight'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L01.moe
     x_L02_attn_norm = rt.rms_norm(h_L01, W['model.layers.2.input_layernorm.weight'], 1e-06)  # L02.attn_norm
     q_nope_L02, q_pe_L02, c_kv_L02, k_pe_L02 = rt.mla_prolog(x_L02_attn_norm, W['model.layers.2.self_attn.q_a_proj.weight'], W['model.layers.2.self_attn.q_a_layernorm.weight'], W['model.layers.2.self_attn.q_b_proj.weight'], W['model.layers.2.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.2.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=16, eps=1e-06, interleave=True)  # L02.mla_prolog
+    rt.wait(ev['ev.L02.kv_load'])  # L02.kv_write.wait
     rt.kv_write(kv[2], (c_kv_L02, k_pe_L02), b.slot_mapping)  # L02.kv_write
     rt.record(ev['ev.L02.kv_write'])  # L02.kv_write.record
     o_L02 = rt.mla_attention(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L02.attn

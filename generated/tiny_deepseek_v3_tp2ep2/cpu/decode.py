@@ -12,9 +12,10 @@ EVENTS = ()
 HOST_EVENT = None
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
     h_embed_partial = rt.embedding_shard(W['model.embed_tokens.weight[d0/2]'], b.input_ids, vocab_size=256)  # embed
     h_embed = rt.all_reduce(h_embed_partial, group='tp', size=2, reduce='sum')  # embed.all_reduce
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=8, theta=10000.0, scaling=None)  # rope

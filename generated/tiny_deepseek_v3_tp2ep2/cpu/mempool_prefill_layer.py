@@ -13,9 +13,10 @@ EVENTS = ('ev.L00.kv_write', 'ev.L01.kv_write', 'ev.L02.kv_write', 'ev.L02.kv_sa
 HOST_EVENT = 'ev.L02.kv_save'
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
 
     def kv_save_stream():
         rt.wait(ev['ev.L00.kv_write'])  # L00.kv_save.wait

@@ -12,9 +12,10 @@ EVENTS = ()
 HOST_EVENT = None
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
     h_embed = rt.embedding(W['model.embed_tokens.weight'], b.input_ids)  # embed
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=128, theta=1000000.0, scaling=None)  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm

@@ -2,20 +2,29 @@
 """tiny_qwen3_npu.splitfuse: CPU target.
 
 prefill, history=True, write=async, granularity=forward.
-Streams: main runs on the caller's thread; kv_save runs on a worker thread, launched
+Streams: main runs on the caller's thread; kv_load runs on a worker thread, launched
+first so that only the forward's waits order it before the KV writes; kv_save runs on a worker thread, launched
 first so that only its waits order it after the forward.
 The host commits staged KV to the pool after HOST_EVENT (see `host`).
 """
 
 GRAPH = 'tiny_qwen3_npu.splitfuse'
 META = {'block_size': 128, 'family': 'qwen3_dense', 'granularity': 'forward', 'history': True, 'kv_dtype': 'bfloat16', 'layers': 2, 'model': 'tiny_qwen3_npu', 'phase': 'prefill', 'saves': True, 'spec': 'specs/tiny_qwen3_npu.yaml', 'variant': 'splitfuse', 'write': 'async'}
-EVENTS = ('ev.L01.kv_write', 'ev.save.kv_save')
+EVENTS = ('ev.load.kv_load', 'ev.L01.kv_write', 'ev.save.kv_save')
 HOST_EVENT = 'ev.save.kv_save'
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
+
+    def kv_load_stream():
+        rt.kv_load_layers(kv, range(2), loads, b.load_block_ids)  # load.kv_load
+        rt.record(ev['ev.load.kv_load'])  # load.kv_load.record
+
+    rt.launch('kv_load', kv_load_stream)
+
 
     def kv_save_stream():
         rt.wait(ev['ev.L01.kv_write'])  # save.kv_save.wait
@@ -28,6 +37,7 @@ def run(rt, W, b, kv, staging, ev):
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=128, theta=1000000.0, scaling=None)  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm
     q_L00, k_L00, v_L00 = rt.qwen3_attn_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_proj.weight'], W['model.layers.0.self_attn.k_proj.weight'], W['model.layers.0.self_attn.v_proj.weight'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L00.qkv
+    rt.wait(ev['ev.load.kv_load'])  # L00.kv_write.wait
     rt.kv_write(kv[0], (k_L00, v_L00), b.slot_mapping)  # L00.kv_write
     o_L00 = rt.paged_attention(q_L00, kv[0], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L00.attn
     h_L00_attn = rt.o_proj_residual(o_L00, W['model.layers.0.self_attn.o_proj.weight'], h_embed)  # L00.o_proj

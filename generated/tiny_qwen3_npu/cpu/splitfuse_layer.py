@@ -2,20 +2,31 @@
 """tiny_qwen3_npu.splitfuse_layer: CPU target.
 
 prefill, history=True, write=async, granularity=layer.
-Streams: main runs on the caller's thread; kv_save runs on a worker thread, launched
+Streams: main runs on the caller's thread; kv_load runs on a worker thread, launched
+first so that only the forward's waits order it before the KV writes; kv_save runs on a worker thread, launched
 first so that only its waits order it after the forward.
 The host commits staged KV to the pool after HOST_EVENT (see `host`).
 """
 
 GRAPH = 'tiny_qwen3_npu.splitfuse_layer'
 META = {'block_size': 128, 'family': 'qwen3_dense', 'granularity': 'layer', 'history': True, 'kv_dtype': 'bfloat16', 'layers': 2, 'model': 'tiny_qwen3_npu', 'phase': 'prefill', 'saves': True, 'spec': 'specs/tiny_qwen3_npu.yaml', 'variant': 'splitfuse_layer', 'write': 'async'}
-EVENTS = ('ev.L00.kv_write', 'ev.L01.kv_write', 'ev.L01.kv_save')
+EVENTS = ('ev.L00.kv_load', 'ev.L00.kv_write', 'ev.L01.kv_load', 'ev.L01.kv_write', 'ev.L01.kv_save')
 HOST_EVENT = 'ev.L01.kv_save'
 
 
-def run(rt, W, b, kv, staging, ev):
+def run(rt, W, b, kv, staging, loads, ev):
     """One step. rt: runtime ops and streams; W: weights by checkpoint name; b: step inputs;
-    kv: paged KV cache per layer; staging: pool staging per layer; ev: this step's events."""
+    kv: paged KV cache per layer; staging: pool staging per layer; loads: history blocks loaded
+    from the pool per layer (host-filled); ev: this step's events."""
+
+    def kv_load_stream():
+        rt.kv_load(kv[0], loads[0], b.load_block_ids)  # L00.kv_load
+        rt.record(ev['ev.L00.kv_load'])  # L00.kv_load.record
+        rt.kv_load(kv[1], loads[1], b.load_block_ids)  # L01.kv_load
+        rt.record(ev['ev.L01.kv_load'])  # L01.kv_load.record
+
+    rt.launch('kv_load', kv_load_stream)
+
 
     def kv_save_stream():
         rt.wait(ev['ev.L00.kv_write'])  # L00.kv_save.wait
@@ -30,6 +41,7 @@ def run(rt, W, b, kv, staging, ev):
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=128, theta=1000000.0, scaling=None)  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm
     q_L00, k_L00, v_L00 = rt.qwen3_attn_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_proj.weight'], W['model.layers.0.self_attn.k_proj.weight'], W['model.layers.0.self_attn.v_proj.weight'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L00.qkv
+    rt.wait(ev['ev.L00.kv_load'])  # L00.kv_write.wait
     rt.kv_write(kv[0], (k_L00, v_L00), b.slot_mapping)  # L00.kv_write
     rt.record(ev['ev.L00.kv_write'])  # L00.kv_write.record
     o_L00 = rt.paged_attention(q_L00, kv[0], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L00.attn
@@ -38,6 +50,7 @@ def run(rt, W, b, kv, staging, ev):
     h_L00 = rt.swiglu_mlp_residual(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight'], W['model.layers.0.mlp.up_proj.weight'], W['model.layers.0.mlp.down_proj.weight'], h_L00_attn)  # L00.mlp
     x_L01_attn_norm = rt.rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)  # L01.attn_norm
     q_L01, k_L01, v_L01 = rt.qwen3_attn_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_proj.weight'], W['model.layers.1.self_attn.k_proj.weight'], W['model.layers.1.self_attn.v_proj.weight'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L01.qkv
+    rt.wait(ev['ev.L01.kv_load'])  # L01.kv_write.wait
     rt.kv_write(kv[1], (k_L01, v_L01), b.slot_mapping)  # L01.kv_write
     rt.record(ev['ev.L01.kv_write'])  # L01.kv_write.record
     o_L01 = rt.paged_attention(q_L01, kv[1], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L01.attn

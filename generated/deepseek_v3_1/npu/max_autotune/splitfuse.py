@@ -12,6 +12,7 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
+# Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
 KV_COMPONENTS = ('ckv', 'kpe')
 KV_SHAPES = ((128, 512), (128, 64))
 KV_DTYPE = 'bfloat16'
@@ -33,9 +35,10 @@ ROPE = {'dtype': 'bfloat16', 'rot_dim': 64, 'scaling': {'beta_fast': 32.0, 'beta
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
-# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S).
+# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
+# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
-               "atten_mask", "logits_indices", "save_block_ids", "save_rows")
+               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows")
 
 
 def _swiglu_mlp(x, w_gate, w_up, w_down):
@@ -148,6 +151,136 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
                                               drop_pad_mode=2)
 
 
+def load(b, kv, loads):
+    """Load stream: NOT in the compiled graph.  Call before forward, eagerly, on the stream forward
+    will run on: a cache input written by the load and by the graph's KV write is not re-inplaced by
+    torchair, so the load is ordered before the graph instead of overlapping it.  loads: per-layer
+    loaded pool blocks (loads[L][i] is [R, *KV_SHAPES[i]]; b.load_rows [R,1] = their cache blocks)."""
+    torch_npu.npu_scatter_nd_update_(kv[0][0], b.load_rows, loads[0][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[0][1], b.load_rows, loads[0][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[1][0], b.load_rows, loads[1][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[1][1], b.load_rows, loads[1][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[2][0], b.load_rows, loads[2][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[2][1], b.load_rows, loads[2][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[3][0], b.load_rows, loads[3][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[3][1], b.load_rows, loads[3][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[4][0], b.load_rows, loads[4][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[4][1], b.load_rows, loads[4][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[5][0], b.load_rows, loads[5][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[5][1], b.load_rows, loads[5][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[6][0], b.load_rows, loads[6][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[6][1], b.load_rows, loads[6][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[7][0], b.load_rows, loads[7][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[7][1], b.load_rows, loads[7][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[8][0], b.load_rows, loads[8][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[8][1], b.load_rows, loads[8][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[9][0], b.load_rows, loads[9][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[9][1], b.load_rows, loads[9][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[10][0], b.load_rows, loads[10][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[10][1], b.load_rows, loads[10][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[11][0], b.load_rows, loads[11][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[11][1], b.load_rows, loads[11][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[12][0], b.load_rows, loads[12][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[12][1], b.load_rows, loads[12][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[13][0], b.load_rows, loads[13][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[13][1], b.load_rows, loads[13][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[14][0], b.load_rows, loads[14][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[14][1], b.load_rows, loads[14][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[15][0], b.load_rows, loads[15][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[15][1], b.load_rows, loads[15][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[16][0], b.load_rows, loads[16][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[16][1], b.load_rows, loads[16][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[17][0], b.load_rows, loads[17][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[17][1], b.load_rows, loads[17][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[18][0], b.load_rows, loads[18][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[18][1], b.load_rows, loads[18][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[19][0], b.load_rows, loads[19][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[19][1], b.load_rows, loads[19][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[20][0], b.load_rows, loads[20][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[20][1], b.load_rows, loads[20][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[21][0], b.load_rows, loads[21][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[21][1], b.load_rows, loads[21][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[22][0], b.load_rows, loads[22][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[22][1], b.load_rows, loads[22][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[23][0], b.load_rows, loads[23][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[23][1], b.load_rows, loads[23][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[24][0], b.load_rows, loads[24][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[24][1], b.load_rows, loads[24][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[25][0], b.load_rows, loads[25][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[25][1], b.load_rows, loads[25][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[26][0], b.load_rows, loads[26][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[26][1], b.load_rows, loads[26][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[27][0], b.load_rows, loads[27][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[27][1], b.load_rows, loads[27][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[28][0], b.load_rows, loads[28][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[28][1], b.load_rows, loads[28][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[29][0], b.load_rows, loads[29][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[29][1], b.load_rows, loads[29][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[30][0], b.load_rows, loads[30][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[30][1], b.load_rows, loads[30][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[31][0], b.load_rows, loads[31][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[31][1], b.load_rows, loads[31][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[32][0], b.load_rows, loads[32][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[32][1], b.load_rows, loads[32][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[33][0], b.load_rows, loads[33][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[33][1], b.load_rows, loads[33][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[34][0], b.load_rows, loads[34][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[34][1], b.load_rows, loads[34][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[35][0], b.load_rows, loads[35][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[35][1], b.load_rows, loads[35][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[36][0], b.load_rows, loads[36][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[36][1], b.load_rows, loads[36][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[37][0], b.load_rows, loads[37][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[37][1], b.load_rows, loads[37][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[38][0], b.load_rows, loads[38][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[38][1], b.load_rows, loads[38][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[39][0], b.load_rows, loads[39][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[39][1], b.load_rows, loads[39][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[40][0], b.load_rows, loads[40][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[40][1], b.load_rows, loads[40][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[41][0], b.load_rows, loads[41][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[41][1], b.load_rows, loads[41][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[42][0], b.load_rows, loads[42][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[42][1], b.load_rows, loads[42][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[43][0], b.load_rows, loads[43][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[43][1], b.load_rows, loads[43][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[44][0], b.load_rows, loads[44][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[44][1], b.load_rows, loads[44][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[45][0], b.load_rows, loads[45][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[45][1], b.load_rows, loads[45][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[46][0], b.load_rows, loads[46][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[46][1], b.load_rows, loads[46][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[47][0], b.load_rows, loads[47][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[47][1], b.load_rows, loads[47][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[48][0], b.load_rows, loads[48][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[48][1], b.load_rows, loads[48][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[49][0], b.load_rows, loads[49][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[49][1], b.load_rows, loads[49][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[50][0], b.load_rows, loads[50][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[50][1], b.load_rows, loads[50][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[51][0], b.load_rows, loads[51][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[51][1], b.load_rows, loads[51][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[52][0], b.load_rows, loads[52][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[52][1], b.load_rows, loads[52][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[53][0], b.load_rows, loads[53][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[53][1], b.load_rows, loads[53][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[54][0], b.load_rows, loads[54][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[54][1], b.load_rows, loads[54][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[55][0], b.load_rows, loads[55][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[55][1], b.load_rows, loads[55][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[56][0], b.load_rows, loads[56][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[56][1], b.load_rows, loads[56][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[57][0], b.load_rows, loads[57][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[57][1], b.load_rows, loads[57][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[58][0], b.load_rows, loads[58][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[58][1], b.load_rows, loads[58][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[59][0], b.load_rows, loads[59][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[59][1], b.load_rows, loads[59][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[60][0], b.load_rows, loads[60][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[60][1], b.load_rows, loads[60][1])  # load.kv_load
+    # ev.load.kv_load: the graph starts after load() returned [load.kv_load.record]
+
+
 def forward(W, b, kv, staging=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
     kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
@@ -157,6 +290,7 @@ def forward(W, b, kv, staging=()):
     cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope
     x_L00_attn_norm = torch_npu.npu_rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)[0]  # L00.attn_norm
     q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = _mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
+    # ev.load.kv_load (kv_load -> main) is no in-graph event: load() ran before the graph (see load()) [L00.kv_write.wait]
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, c_kv_L00.reshape(c_kv_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, k_pe_L00.reshape(k_pe_L00.shape[0], -1))  # L00.kv_write
     o_L00 = _mla_splitfuse(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801, block_size=128)  # L00.attn

@@ -12,6 +12,7 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
+# Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
 KV_COMPONENTS = ('ckv', 'kpe')
 KV_SHAPES = ((128, 512), (128, 64))
 KV_DTYPE = 'bfloat16'
@@ -33,9 +35,10 @@ ROPE = {'dtype': 'bfloat16', 'rot_dim': 64, 'scaling': None, 'theta': 10000.0}
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
-# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S).
+# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
+# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
-               "atten_mask", "logits_indices", "save_block_ids", "save_rows")
+               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows")
 
 
 def _swiglu_mlp(x, w_gate, w_up, w_down):
@@ -131,6 +134,14 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
     # residual + shared + sum_k weight_k * expert_k(x), unpermuted by row_idx
     return torch_npu.npu_moe_finalize_routing(down, residual, shared, None, weights, row_idx, ids.int(),
                                               drop_pad_mode=2)
+
+
+def load(b, kv, loads):
+    """Load stream: NOT in the compiled graph.  Call before forward, eagerly, on the stream forward
+    will run on: a cache input written by the load and by the graph's KV write is not re-inplaced by
+    torchair, so the load is ordered before the graph instead of overlapping it.  loads: per-layer
+    loaded pool blocks (loads[L][i] is [R, *KV_SHAPES[i]]; b.load_rows [R,1] = their cache blocks)."""
+    pass  # this graph loads nothing
 
 
 def forward(W, b, kv, staging=()):

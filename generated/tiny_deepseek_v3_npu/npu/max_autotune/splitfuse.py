@@ -12,6 +12,7 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
+# Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
 KV_COMPONENTS = ('ckv', 'kpe')
 KV_SHAPES = ((128, 512), (128, 64))
 KV_DTYPE = 'bfloat16'
@@ -33,9 +35,10 @@ ROPE = {'dtype': 'bfloat16', 'rot_dim': 64, 'scaling': None, 'theta': 10000.0}
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
-# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S).
+# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
+# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
-               "atten_mask", "logits_indices", "save_block_ids", "save_rows")
+               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows")
 
 
 def _swiglu_mlp(x, w_gate, w_up, w_down):
@@ -148,6 +151,18 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
                                               drop_pad_mode=2)
 
 
+def load(b, kv, loads):
+    """Load stream: NOT in the compiled graph.  Call before forward, eagerly, on the stream forward
+    will run on: a cache input written by the load and by the graph's KV write is not re-inplaced by
+    torchair, so the load is ordered before the graph instead of overlapping it.  loads: per-layer
+    loaded pool blocks (loads[L][i] is [R, *KV_SHAPES[i]]; b.load_rows [R,1] = their cache blocks)."""
+    torch_npu.npu_scatter_nd_update_(kv[0][0], b.load_rows, loads[0][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[0][1], b.load_rows, loads[0][1])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[1][0], b.load_rows, loads[1][0])  # load.kv_load
+    torch_npu.npu_scatter_nd_update_(kv[1][1], b.load_rows, loads[1][1])  # load.kv_load
+    # ev.load.kv_load: the graph starts after load() returned [load.kv_load.record]
+
+
 def forward(W, b, kv, staging=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
     kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
@@ -155,6 +170,7 @@ def forward(W, b, kv, staging=()):
     cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope
     x_L00_attn_norm = torch_npu.npu_rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)[0]  # L00.attn_norm
     q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = _mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
+    # ev.load.kv_load (kv_load -> main) is no in-graph event: load() ran before the graph (see load()) [L00.kv_write.wait]
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, c_kv_L00.reshape(c_kv_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, k_pe_L00.reshape(k_pe_L00.shape[0], -1))  # L00.kv_write
     o_L00 = _mla_splitfuse(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322, block_size=128)  # L00.attn

@@ -12,6 +12,7 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
+# Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
 KV_COMPONENTS = ('k', 'v')
 KV_SHAPES = ((128, 256), (128, 256))
 KV_DTYPE = 'bfloat16'
@@ -33,9 +35,10 @@ ROPE = {'dtype': 'bfloat16', 'rot_dim': 128, 'scaling': None, 'theta': 1000000.0
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
-# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S).
+# atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
+# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
-               "atten_mask", "logits_indices", "save_block_ids", "save_rows")
+               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows")
 
 
 def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
@@ -52,6 +55,14 @@ def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_he
 def _swiglu_mlp(x, w_gate, w_up, w_down):
     """down(silu(gate(x)) * up(x)); npu_swiglu takes [gate | up] concatenated on the last dim."""
     return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
+
+
+def load(b, kv, loads):
+    """Load stream: NOT in the compiled graph.  Call before forward, eagerly, on the stream forward
+    will run on: a cache input written by the load and by the graph's KV write is not re-inplaced by
+    torchair, so the load is ordered before the graph instead of overlapping it.  loads: per-layer
+    loaded pool blocks (loads[L][i] is [R, *KV_SHAPES[i]]; b.load_rows [R,1] = their cache blocks)."""
+    pass  # this graph loads nothing
 
 
 def forward(W, b, kv, staging=()):
