@@ -196,6 +196,17 @@ class DistributedEngine:
     def pool_stats(self) -> dict:
         return self._pool.stats()
 
+    def on_ranks(self, fn, *args) -> list:
+        """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
+        result. ``fn`` must be picklable by reference (a module-level function) and must not call a
+        collective. For tests and probes: what a rank's cache, pool view or counters hold."""
+        return self._command("call", fn, *args)
+
+    @property
+    def pool(self):
+        """The shared pool (a proxy to the pool process; ``get``/``contains``/``keys`` as `HostPool`)."""
+        return self._pool
+
     def close(self) -> None:
         if self._closed:
             return

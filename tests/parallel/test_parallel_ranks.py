@@ -80,9 +80,13 @@ def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
     a, b = _prompts(2)
     (sync_a, sync_again, _), _, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="sync")
     (off_a, off_again, _), stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="off")
+    (async_a, async_again, async_b), async_stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="async")
     assert sync_again.variant == "splitfuse" and off_again.hit_tokens == 0
-    assert sync_a.tokens == sync_again.tokens == off_a.tokens == off_again.tokens
+    assert async_again.variant == "splitfuse" and async_again.hit_tokens == 8 and async_b.hit_tokens == 4
+    assert sync_a.tokens == sync_again.tokens == off_a.tokens == off_again.tokens == async_a.tokens \
+        == async_again.tokens
     assert all(s["puts"] == 0 for s in stats)
+    assert all(s["puts"] > 0 for s in async_stats)  # async did save, on each rank
 
 
 def test_deepseek_tp2_ep2_matches_transformers_and_saves_the_latent_once(dsv3):
