@@ -3,7 +3,7 @@
 `DistributedEngine` is the facade a caller holds (``Engine.from_spec(..., tp=2)`` returns one): it
 serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
 latent must be visible to rank 1), starts ``tp`` rank processes, and sends every rank the same
-command (``generate``, ``drain``, ``stats``); the ranks run in lockstep (`graphgen.runtime.rank`) and
+command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.rank`) and
 the facade returns rank 0's results. It has the `Engine` calls a driver needs (``generate``,
 ``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way.
 
@@ -195,6 +195,17 @@ class DistributedEngine:
 
     def pool_stats(self) -> dict:
         return self._pool.stats()
+
+    def on_ranks(self, fn, *args) -> list:
+        """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
+        result. ``fn`` must be picklable by reference (a module-level function) and must not call a
+        collective. For tests and probes: what a rank's cache, pool view or counters hold."""
+        return self._command("call", fn, *args)
+
+    @property
+    def pool(self):
+        """The shared pool (a proxy to the pool process; ``get``/``contains``/``keys`` as `HostPool`)."""
+        return self._pool
 
     def close(self) -> None:
         if self._closed:

@@ -192,12 +192,14 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
                     out = engine.generate(*args[0], **args[1])
                 elif cmd == "drain":
                     out = engine.drain(*args)
+                elif cmd == "call":  # fn(engine, *args) on every rank: a test's probe of its own rank
+                    out = args[0](engine, *args[1:])
                 elif cmd == "stats":
                     skipped = getattr(engine.pool, "skipped_puts", 0)  # counted as puts by the connector
                     out = {**engine.stats, "puts": engine.stats["puts"] - skipped, "skipped_puts": skipped}
                 else:
                     raise ValueError(f"unknown rank command {cmd!r}")
-                conn.send(("ok", out if rank == 0 or cmd == "stats" else None))
+                conn.send(("ok", out if rank == 0 or cmd in ("stats", "call") else None))
             except BaseException as e:
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     conn.send(("ok", None))

@@ -80,9 +80,13 @@ def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
     a, b = _prompts(2)
     (sync_a, sync_again, _), _, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="sync")
     (off_a, off_again, _), stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="off")
+    (async_a, async_again, async_b), async_stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="async")
     assert sync_again.variant == "splitfuse" and off_again.hit_tokens == 0
-    assert sync_a.tokens == sync_again.tokens == off_a.tokens == off_again.tokens
+    assert async_again.variant == "splitfuse" and async_again.hit_tokens == 8 and async_b.hit_tokens == 4
+    assert sync_a.tokens == sync_again.tokens == off_a.tokens == off_again.tokens == async_a.tokens \
+        == async_again.tokens
     assert all(s["puts"] == 0 for s in stats)
+    assert all(s["puts"] > 0 for s in async_stats)  # async did save, on each rank
 
 
 def test_deepseek_tp2_ep2_matches_transformers_and_saves_the_latent_once(dsv3):
@@ -126,3 +130,25 @@ def test_cli_run_tp2_json_logits_match_transformers(qwen):
         ref = u.hf_logits(model, a)[-1]
     assert (torch.tensor(out["logits"]) - ref).abs().max().item() <= 1e-4
     assert out["tokens"][0] == int(ref.argmax())
+
+
+@pytest.mark.parametrize("spec, extra", [("specs/tiny_qwen3.yaml", ["--tp", "2"]),
+                                         ("specs/tiny_deepseek_v3.yaml", ["--tp", "2", "--ep", "2"]),
+                                         ("specs/tiny_qwen3_tp2.yaml", [])])   # the spec's own layout
+def test_serve_refuses_more_than_one_rank(spec, extra, tmp_path):
+    """The server drives one engine's step API; a multi-rank layout is refused up front (exit 2)."""
+    for mod in ("fastapi", "uvicorn", "prometheus_client"):
+        pytest.importorskip(mod)
+    r = subprocess.run([sys.executable, "-m", "graphgen", "serve", "--spec", spec, "--weights", str(tmp_path),
+                        "--port", "0", *extra], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "serve runs on one rank only" in r.stderr and "graphgen run --tp 2" in r.stderr
+
+
+def test_serve_accepts_a_tp1_override_of_a_parallel_spec():
+    from argparse import Namespace
+
+    from graphgen.serve.cli import _parallel_refusal
+
+    assert _parallel_refusal(Namespace(spec=str(REPO / "specs/tiny_qwen3_tp2.yaml"), tp=1, ep=1)) == ""
+    assert _parallel_refusal(Namespace(spec=str(REPO / "specs/tiny_qwen3_tp2.yaml"), tp=None, ep=None))

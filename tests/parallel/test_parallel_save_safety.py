@@ -1,0 +1,173 @@
+"""The async-save correctness tests of the single-rank engine (tests/e2e/test_e2e_save_safety.py),
+per rank at tp=2: with a slowed save (or a slowed pool), on EVERY rank
+
+* the pooled bytes of each block the rank saved equal exactly that rank's computed KV for that block,
+  read back from the rank's own cache after the run (for Qwen3 each rank's half of the heads under
+  its own key; for DeepSeek-V3's MLA latent rank 0's put under the shared key, which must equal what
+  rank 1 computed too);
+* no block is visible in the shared pool before its save's event: right after ``generate`` returned
+  (the save still sleeping) none of the prompt's keys is in the pool, and every commit (put) of a
+  rank began after that rank's last copy into staging had finished.
+
+Negative control: the same byte check with the save stream's waits deleted from the generated
+mempool_prefill module (a ``source_hook`` every rank applies) and the forward slowed fails: the save
+reads KV the forward has not written yet. The probes run in the rank processes
+(`DistributedEngine.on_ranks`), so they are module-level functions. Every engine start is bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+from graphgen.modelspec.loader import load_spec  # noqa: E402
+from graphgen.runtime.engine import Engine  # noqa: E402
+from graphgen.runtime.faults import Faults  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("graphgen_e2e_util_parallel_save", REPO / "tests" / "e2e" / "e2e_util.py")
+u = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(u)
+TIMEOUT = 60          # seconds a rank may take to answer one command
+SAVE_DELAY = 0.15     # per save op: the save is still sleeping when generate() returns (IPC is ~ms)
+PUT_DELAY = 0.1       # per pool put: a slow pool
+FORWARD_DELAY = 0.04  # per KV write: a save that does not wait reads before this write
+
+SPECS = {"qwen3": "specs/tiny_qwen3_tp2.yaml", "deepseek": "specs/tiny_deepseek_v3_tp2ep2.yaml"}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("w")
+    _, q = u.hfm.build_hf_model("qwen3_dense", u.hfm.QWEN3_DIMS, str(tmp / "q"), seed=11)
+    dims = dataclasses.asdict(load_spec(REPO / "specs/tiny_deepseek_v3.yaml").dims)
+    _, d = u.hfm.build_hf_model("deepseek_v3", dims, str(tmp / "d"), seed=12)
+    return {"qwen3": q, "deepseek": d}
+
+
+# ---- probes, run in each rank process ---------------------------------------------------------
+
+def _install_recorders(eng) -> None:
+    """Record on this rank: which cache blocks each save reads for which keys (prepare_save), when
+    each copy into staging finished (rt.kv_save) and when each commit put began (connector pool)."""
+    rec = eng._save_probe = {"saves": [], "copies": [], "puts": []}
+    conn, rt = eng.connector, eng.rt
+    prepare, kv_save, put = conn.prepare_save, rt.kv_save, conn.pool.put
+
+    def prepare_save(block_ids, keys):
+        rec["saves"].append((list(block_ids), list(keys)))
+        return prepare(block_ids, keys)
+
+    def kv_save_(*a, **k):
+        kv_save(*a, **k)
+        rec["copies"].append(time.perf_counter())
+
+    def put_(key, value):
+        rec["puts"].append(time.perf_counter())
+        return put(key, value)
+
+    conn.prepare_save, rt.kv_save, conn.pool.put = prepare_save, kv_save_, put_
+
+
+def _visible(eng, prompt) -> list[str]:
+    """This rank's keys of ``prompt`` the shared pool holds now."""
+    return [k for k in eng.connector.block_keys(prompt) if eng.pool.contains(k)]
+
+
+def _report(eng) -> dict:
+    """After drain: for every key this rank saved, the pooled bytes vs this rank's cache block."""
+    from graphgen.runtime.kvcache import pack_block
+
+    rec = eng._save_probe
+    blocks = {k: b for ids, keys in rec["saves"] for b, k in zip(ids, keys)}
+    missing = [k for k in blocks if eng.pool.get(k) is None]
+    wrong = [k for k, b in blocks.items() if k not in missing and eng.pool.get(k) != pack_block(eng.cache, b)]
+    return {"keys": sorted(blocks), "missing": missing, "wrong": wrong, "copies": rec["copies"],
+            "puts": rec["puts"], "layers": eng.cache.num_layers, "skipped": getattr(eng.pool, "skipped_puts", 0)}
+
+
+def drop_save_waits(variant: str, source: str) -> str:
+    """source_hook (applied by every rank): delete every ``rt.wait(ev[...])`` of the kv_save
+    stream function in the mempool_prefill module(s); everything else stays."""
+    if not variant.startswith("mempool_prefill"):
+        return source
+    out, inside, dropped = [], False, 0
+    for line in source.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped.startswith("def kv_save_stream("):
+            inside = True
+        elif inside and stripped.startswith("rt.launch("):
+            inside = False
+        if inside and stripped.startswith("rt.wait(ev["):
+            dropped += 1
+            continue
+        out.append(line)
+    assert dropped >= 1, f"{variant}: no save-stream wait found to drop (generated code changed?)"
+    return "".join(out)
+
+
+# ---- the tests ----------------------------------------------------------------------------------
+
+def _prompt(seed: int, n: int = 13):
+    return u.rand_prompt(torch.Generator().manual_seed(seed), n)   # 13: 3 full blocks of 4 + 1 token
+
+
+@pytest.mark.parametrize("delay", ["save", "put"])
+@pytest.mark.parametrize("model", ["qwen3", "deepseek"])
+def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, delay, weights):
+    p = _prompt(41)
+    faults = Faults(save_delay_s=SAVE_DELAY) if delay == "save" else Faults(put_delay_s=PUT_DELAY)
+    t0 = time.monotonic()
+    with Engine.from_spec(REPO / SPECS[model], weights[model], write="async", num_blocks=32, timeout=TIMEOUT,
+                          faults=faults) as eng:
+        eng.on_ranks(_install_recorders)
+        r = eng.generate([p], 1)[0]
+        visible_early = eng.on_ranks(_visible, p)   # generate returned; the saves still sleep
+        eng.drain()
+        reports = eng.on_ranks(_report)
+        stats = eng.rank_stats
+    assert time.monotonic() - t0 < 4 * TIMEOUT
+    assert r.variant.startswith("mempool_prefill") and r.saved_blocks == 3
+    assert visible_early == [[], []], "a block was visible before its save's event"
+    for rank, rep in enumerate(reports):
+        assert len(rep["keys"]) == 3, (rank, rep["keys"])
+        assert (rep["missing"], rep["wrong"]) == ([], []), f"rank {rank}: pooled bytes differ from its cache"
+        # every commit began after this rank's last copy into staging had finished
+        assert len(rep["copies"]) == rep["layers"] and len(rep["puts"]) == 3, rank
+        assert min(rep["puts"]) >= max(rep["copies"]), rank
+    if model == "qwen3":   # each rank's half of the heads under its own keys
+        assert set(reports[0]["keys"]).isdisjoint(reports[1]["keys"])
+        assert [s["puts"] for s in stats] == [3, 3]
+    else:                  # the latent: one key set, put by rank 0 only, equal to rank 1's cache too
+        assert reports[0]["keys"] == reports[1]["keys"]
+        assert [s["puts"] for s in stats] == [3, 0] and reports[1]["skipped"] == 3
+
+
+def _pooled_vs_cache_after_slow_forward(model: str, d, mutate: bool) -> list[dict]:
+    p = _prompt(47, 9)   # 2 full blocks + 1 token
+    kw = {"source_hook": drop_save_waits} if mutate else {}
+    with Engine.from_spec(REPO / SPECS[model], d, write="async", num_blocks=32, timeout=TIMEOUT,
+                          faults=Faults(forward_delay_s=FORWARD_DELAY), **kw) as eng:
+        eng.on_ranks(_install_recorders)
+        r = eng.generate([p], 1)[0]
+        eng.drain()
+        reports = eng.on_ranks(_report)
+    assert r.variant.startswith("mempool_prefill") and r.saved_blocks == 2
+    return reports
+
+
+@pytest.mark.parametrize("model", ["qwen3", "deepseek"])
+def test_save_event_is_what_keeps_each_ranks_pooled_kv_correct(model, weights):
+    good = _pooled_vs_cache_after_slow_forward(model, weights[model], mutate=False)
+    assert [(g["missing"], g["wrong"]) for g in good] == [([], []), ([], [])], "unmutated: must be exact"
+    bad = _pooled_vs_cache_after_slow_forward(model, weights[model], mutate=True)
+    for rank, b in enumerate(bad):
+        assert b["missing"] == [], "the mutation only removes the wait: the blocks are still committed"
+        assert b["wrong"], f"rank {rank}: without the wait the save must read KV not yet written"
