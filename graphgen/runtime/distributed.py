@@ -24,6 +24,8 @@ from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from .pool import PoolBackend
+
 __all__ = ["DistributedEngine", "RankFailure", "free_port"]
 
 
@@ -59,11 +61,35 @@ def _serve_pool(capacity: int, address, authkey: bytes, ready) -> None:  # pragm
     server.serve_forever()
 
 
-def connect_pool(address, authkey: bytes):
+class RemotePool(PoolBackend):
+    """The shared host pool as a rank process sees it (a manager proxy; every call is a round trip).
+    ``get_into`` stays the contract's default, run here: its destinations (buffers, unpack callables)
+    cannot cross processes."""
+
+    def __init__(self, proxy):
+        self._proxy = proxy
+
+    def put(self, key, value) -> bool:
+        return self._proxy.put(key, value)
+
+    def get(self, key):
+        return self._proxy.get(key)
+
+    def contains(self, key) -> bool:
+        return self._proxy.contains(key)
+
+    def leading_run(self, keys) -> int:
+        return self._proxy.leading_run(list(keys))
+
+    def stats(self) -> dict:
+        return self._proxy.stats()
+
+
+def connect_pool(address, authkey: bytes) -> RemotePool:
     _PoolManager.register("pool")
     m = _PoolManager(address=address, authkey=authkey)
     m.connect()
-    return m.pool()
+    return RemotePool(m.pool())
 
 
 def _start_rank(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
