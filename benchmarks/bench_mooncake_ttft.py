@@ -185,12 +185,9 @@ def main():
     ap.add_argument("--segment", default="1GiB", help="storage held by the server")
     ap.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.in_netns:
-        if shutil.which("unshare") is None:
-            sys.exit("bench_mooncake_ttft.py needs `unshare` (util-linux) and root: Mooncake runs in "
-                     "a private network namespace")
-        cmd = f"ip link set lo up && exec {sys.executable} {' '.join(map(repr, sys.argv))} --in-netns"
-        os.execvp("unshare", ["unshare", "-n", "--", "sh", "-c", cmd])
+    from graphgen.runtime.mooncake_server import reexec_in_private_netns
+
+    reexec_in_private_netns("bench_mooncake_ttft.py")
     bench(args)
 
 

@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import hashlib
 import os
-import shutil
 import statistics
 import struct
 import subprocess
@@ -39,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 from graphgen.runtime.pool import HostPool                                       # noqa: E402
 from graphgen.runtime.pool_codec import HEADER, fingerprint_of, parse_size       # noqa: E402
+from graphgen.runtime.mooncake_server import reexec_in_private_netns             # noqa: E402
 from graphgen.runtime.pool_mooncake import MooncakeOptions, MooncakePool         # noqa: E402
 
 
@@ -219,12 +219,7 @@ def main():
     ap.add_argument("--segment", default="1GiB", help="storage held by the server")
     ap.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.in_netns:
-        if shutil.which("unshare") is None:
-            sys.exit("bench_pool.py needs `unshare` (util-linux) and root: Mooncake runs in a "
-                     "private network namespace")
-        cmd = f"ip link set lo up && exec {sys.executable} {' '.join(map(repr, sys.argv))} --in-netns"
-        os.execvp("unshare", ["unshare", "-n", "--", "sh", "-c", cmd])
+    reexec_in_private_netns("bench_pool.py")
     bench(args)
 
 

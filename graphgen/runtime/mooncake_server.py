@@ -86,6 +86,19 @@ def hold_segment(master: str, segment_bytes: int, host: str = "127.0.0.1"):
     return store
 
 
+def reexec_in_private_netns(script: str, flag: str = "--in-netns") -> None:
+    """Re-run this process's command line inside a new network namespace where only loopback exists
+    (``unshare -n``, then ``ip link set lo up``), with ``flag`` appended; returns only when ``flag`` is
+    already there. Some Mooncake listeners bind 0.0.0.0 whatever the flags say: benchmarks and tests
+    start their store inside such a namespace so nothing listens beyond loopback (needs root)."""
+    if flag in sys.argv:
+        return
+    if shutil.which("unshare") is None:
+        sys.exit(f"{script} needs `unshare` (util-linux) and root: Mooncake runs in a private network namespace")
+    cmd = f"ip link set lo up && exec {sys.executable} {' '.join(map(repr, sys.argv))} {flag}"
+    os.execvp("unshare", ["unshare", "-n", "--", "sh", "-c", cmd])
+
+
 def _wait_for_signal(child: subprocess.Popen | None = None) -> int:
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
