@@ -5,7 +5,9 @@ serves the pool every rank shares (the embedded host pool behind a loopback mana
 latent must be visible to rank 1), starts ``tp`` rank processes, and sends every rank the same
 command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.rank`) and
 the facade returns rank 0's results. It has the `Engine` calls a driver needs (``generate``,
-``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way.
+``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way,
+and ``llm``: `DistributedLLM`, the step API of `LLMEngine` (what ``graphgen serve`` drives) with
+every call broadcast to the ranks in the same order, so their schedulers stay in lockstep.
 
 Failure is bounded: every reply is awaited with a deadline while the rank processes are watched; a
 rank that exits, raises or does not answer in ``timeout`` seconds ends every rank and raises
@@ -26,7 +28,7 @@ from typing import Optional, Sequence, Union
 
 from .pool import PoolBackend
 
-__all__ = ["DistributedEngine", "RankFailure", "free_port"]
+__all__ = ["DistributedEngine", "DistributedLLM", "RankFailure", "free_port"]
 
 
 class RankFailure(RuntimeError):
@@ -98,6 +100,52 @@ def _start_rank(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs 
     importlib.import_module("graphgen.runtime.rank").rank_main(rank, cfg, conn)
 
 
+class DistributedLLM:
+    """`LLMEngine`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
+    ``stats``, ``shutdown`` (and setting ``sample_fn`` / ``eos_token_id``) run on every rank's own
+    ``Engine.llm``, in the order the caller makes them, so every rank schedules the same steps and
+    issues the same collectives; the results are rank 0's.
+
+    What crosses to the ranks is pickled: ``params`` are rebuilt in each rank process (a seeded
+    sampler in them is seeded anew there, so every rank draws the same token; a sampler without a
+    seed would not agree) and ``sample_fn`` must be a module-level function (pickled by name). The
+    logits every rank samples from are the same (the LM head's all_gather), so greedy rows agree.
+    A ``ValueError`` of ``add_request`` (bad input) is raised here, every rank having refused it."""
+
+    def __init__(self, engine: "DistributedEngine"):
+        self._engine = engine
+
+    def _call(self, method: str, *args):
+        status, value = self._engine._command("llm", method, *args)[0]
+        if status == "invalid":
+            raise ValueError(value)
+        return value
+
+    def _set(self, name: str, value) -> None:
+        self._call("set", name, value)
+
+    sample_fn = property(None, lambda self, fn: self._set("sample_fn", fn))
+    eos_token_id = property(None, lambda self, eos: self._set("eos_token_id", eos))
+
+    def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None) -> None:
+        self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens)
+
+    def abort(self, req_id) -> None:
+        self._call("abort", req_id)
+
+    def step(self) -> list:
+        return self._call("step")
+
+    def has_work(self) -> bool:
+        return self._call("has_work")
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self._call("shutdown", timeout)
+
+
 class DistributedEngine:
     """``tp`` rank processes driven in lockstep; results are rank 0's. See the module doc."""
 
@@ -147,6 +195,7 @@ class DistributedEngine:
         except BaseException:
             self._kill()
             raise
+        self.llm = DistributedLLM(self)
 
     # ---- the rank protocol ----------------------------------------------------------------------
     def _collect(self, what: str) -> list:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import traceback
 from typing import Sequence
 
@@ -126,6 +127,10 @@ class RankEngine(Engine):
 
     def __init__(self, spec, weights: dict, *, rank: int, **kwargs):
         self.rank = rank
+        # No async scheduling on a rank: it would schedule step N+1 (whose pool lookup agrees hits
+        # with an all_reduce) while step N's forward issues its own collectives on the forward
+        # thread, and two threads' collectives on one group need not pair up across ranks.
+        kwargs["async_scheduling"] = False
         super().__init__(spec, weights, **kwargs)
 
     def _kv_shapes(self, num_blocks: int) -> dict:
@@ -154,11 +159,33 @@ def graph_weight_names(spec, spec_file: str = "") -> set[str]:
     return names
 
 
+def _llm_call(llm, method: str, args: tuple):
+    """One `DistributedLLM` call on this rank's `LLMEngine`: ``("ok", result)``, or ``("invalid",
+    message)`` when ``add_request`` refused its input (the same refusal on every rank: nothing was queued)."""
+    if method == "set":
+        name, value = args
+        setattr(llm, name, value)
+        return "ok", None
+    if method == "add_request":
+        req_id, prompt, params, max_tokens = args
+        try:
+            llm.add_request(req_id, prompt, params, max_tokens=max_tokens)
+        except ValueError as e:
+            return "invalid", str(e)
+        return "ok", None
+    if method not in ("abort", "step", "has_work", "stats", "shutdown"):
+        raise ValueError(f"unknown step-API call {method!r}")
+    return "ok", getattr(llm, method)(*args)
+
+
 def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
     """The body of rank process ``rank`` (started by `graphgen.runtime.distributed`): join the group,
     load this rank's weight slices, build its engine, then serve the facade's commands."""
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # the parent ends the ranks (close, or kill): a terminal's Ctrl-C, sent to the whole process
+        # group, must not kill a rank under a parent that is still draining
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         import datetime
 
         import torch
@@ -192,6 +219,8 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
                     out = engine.generate(*args[0], **args[1])
                 elif cmd == "drain":
                     out = engine.drain(*args)
+                elif cmd == "llm":  # the step API, in the facade's order (DistributedLLM)
+                    out = _llm_call(engine.llm, args[0], args[1:])
                 elif cmd == "call":  # fn(engine, *args) on every rank: a test's probe of its own rank
                     out = args[0](engine, *args[1:])
                 elif cmd == "stats":

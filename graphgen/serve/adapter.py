@@ -8,7 +8,12 @@ this adapter only translates:
 - sampling: each request carries its own `Sampler` (its seeded ``torch.Generator``) in the params
   handed to ``LLMEngine.add_request``; the engine's ``sample_fn`` reads it back from
   ``Request.params``. Greedy rows are one ``argmax`` over the batch — the engine's default, so a
-  greedy request gets exactly ``Engine.generate``'s tokens;
+  greedy request gets exactly ``Engine.generate``'s tokens. A sampled request without a seed gets
+  one chosen here, so its sampler can be rebuilt identically elsewhere;
+- several ranks (``tp``/``ep`` > 1): the engine is a `DistributedEngine` and ``engine.llm`` its
+  `DistributedLLM`, which runs every call on every rank; the params are pickled to each rank and
+  rebuild the request's sampler from its seed there, so every rank samples the same token. No
+  trace spans or timings come back from the rank processes (only the adapter's ``step`` span);
 - stats: ``LLMEngine.stats()`` -> `EngineStats` (the server's gauges and totals);
 - timings and trace spans: a `StepObserver` attached to the engine (``Engine.observe``): the
   runner, the connector and the step engine report forward, save, commit and scheduling spans
@@ -17,10 +22,13 @@ this adapter only translates:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..runtime.distributed import DistributedEngine
 from ..runtime.engine import Engine
 from ..runtime.sampling import Sampler, SamplingParams
 from ..trace import NULL, TRACK_SCHEDULER, StepObserver, TraceRecorder
@@ -42,6 +50,14 @@ class _Params:
     ignore_eos: bool
     sampler: Sampler
 
+    def __reduce__(self):
+        # pickled to a rank process: the sampler is rebuilt from its params (their seed), not copied
+        return _rebuild, (self.max_tokens, self.stop_token_ids, self.ignore_eos, self.sampler.params)
+
+
+def _rebuild(max_tokens: int, stop_token_ids: tuple, ignore_eos: bool, params: SamplingParams) -> _Params:
+    return _Params(max_tokens, stop_token_ids, ignore_eos, Sampler(params))
+
 
 def max_model_len(engine: Engine) -> int:
     """Prompt + generated tokens one request may have: the device blocks, the model's positions, and
@@ -60,11 +76,13 @@ class LLMEngineAdapter:
         self.trace = trace
         self.model_name = model_name or engine.spec.name
         self.vocab_size = engine.spec.dims.vocab_size
-        self.max_model_len = max_model_len(engine)
+        distributed = isinstance(engine, DistributedEngine)
+        self.max_model_len = engine.on_ranks(max_model_len)[0] if distributed else max_model_len(engine)
         self.llm.eos_token_id = eos_token_id
         self.llm.sample_fn = self._sample
         self.observer = StepObserver(trace, keep_timings=True)
-        engine.observe(self.observer)
+        if not distributed:  # the ranks' runners and connectors live in other processes
+            engine.observe(self.observer)
 
     @staticmethod
     def _sample(logits, requests) -> list[int]:
@@ -78,6 +96,8 @@ class LLMEngineAdapter:
     # ---- the interface ------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         prompt = [int(t) for t in prompt_ids]
+        if not params.greedy and params.seed is None:  # not reproducible for the client, as OpenAI's API
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds {self.max_model_len}")
         self.llm.add_request(req_id, prompt, _Params(params.max_tokens, tuple(params.stop_token_ids), params.ignore_eos,

@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pool backend: host (the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
                         "(a Mooncake master shared by processes; docs/mooncake.md)")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel ranks: only 1 (serving on several ranks is not supported yet; docs/parallel.md)")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks: only 1 (as --tp)")
+                   help="override parallel.tp: tensor-parallel ranks, one process each (docs/parallel.md)")
+    p.add_argument("--ep", type=int, default=None, help="override parallel.ep: expert-parallel ranks (1 or --tp)")
     p.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests admitted or running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
@@ -59,10 +59,8 @@ def _err(msg: str) -> int:
     return EXIT_INVALID
 
 
-def _parallel_refusal(args) -> str:
-    """Why this command cannot serve the requested layout ('' when it can). The server drives one
-    engine's step API (``Engine.llm``); the multi-rank engine has no step-level facade yet (it runs
-    whole ``generate`` calls in lockstep), so more than one rank is refused up front, not half-run."""
+def _ranks(args) -> int:
+    """How many rank processes the layout asks for (the overrides, else the spec's ``parallel:``)."""
     tp, ep = args.tp, args.ep
     if tp is None or ep is None:  # not given: the spec's own layout decides
         try:
@@ -73,10 +71,7 @@ def _parallel_refusal(args) -> str:
             par = None
         tp = tp if tp is not None else getattr(par, "tp", 1)
         ep = ep if ep is not None else getattr(par, "ep", 1)
-    if tp > 1 or ep > 1:
-        return (f"serve runs on one rank only (got tp={tp}, ep={ep}); serve a tp=1 layout (--tp 1 --ep 1) "
-                f"or run the parallel layout with `graphgen run --tp {tp}`")
-    return ""
+    return max(tp, ep)
 
 
 def load_tokenizer(folder: Path):
@@ -102,14 +97,12 @@ def cmd_serve(args) -> int:
         return _err("--max-num-seqs must be >= 1")
     if args.max_num_batched_tokens < 1:
         return _err("--max-num-batched-tokens must be >= 1")
-    refused = _parallel_refusal(args)
-    if refused:
-        return _err(refused)
     weights = Path(args.weights)
     if not weights.is_dir():
         return _err(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
     import torch
 
+    from ..runtime.distributed import RankFailure
     from ..runtime.engine import Engine
     from ..runtime.faults import Faults
     from ..trace import NULL, TraceRecorder
@@ -122,12 +115,14 @@ def cmd_serve(args) -> int:
         faults = Faults.parse(args.faults) if args.faults else None
     except ValueError as e:
         return _err(f"--faults: {e}")
+    # several ranks: a DistributedEngine (one process per rank, each with torch_threads threads)
+    ranks = {"threads": args.torch_threads} if _ranks(args) > 1 else {}
     try:
         engine = Engine.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
                                   pool=args.pool, faults=faults, num_blocks=args.num_blocks, tp=args.tp, ep=args.ep,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  async_scheduling=args.async_scheduling)
-    except (ValueError, FileNotFoundError) as e:
+                                  async_scheduling=args.async_scheduling, **ranks)
+    except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
     tokenizer = load_tokenizer(weights)
     trace = TraceRecorder(args.trace, process_name="graphgen serve") if args.trace else NULL

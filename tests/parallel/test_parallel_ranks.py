@@ -132,23 +132,15 @@ def test_cli_run_tp2_json_logits_match_transformers(qwen):
     assert out["tokens"][0] == int(ref.argmax())
 
 
-@pytest.mark.parametrize("spec, extra", [("specs/tiny_qwen3.yaml", ["--tp", "2"]),
-                                         ("specs/tiny_deepseek_v3.yaml", ["--tp", "2", "--ep", "2"]),
-                                         ("specs/tiny_qwen3_tp2.yaml", [])])   # the spec's own layout
-def test_serve_refuses_more_than_one_rank(spec, extra, tmp_path):
-    """The server drives one engine's step API; a multi-rank layout is refused up front (exit 2)."""
-    for mod in ("fastapi", "uvicorn", "prometheus_client"):
-        pytest.importorskip(mod)
-    r = subprocess.run([sys.executable, "-m", "graphgen", "serve", "--spec", spec, "--weights", str(tmp_path),
-                        "--port", "0", *extra], capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert r.returncode == 2, r.stderr
-    assert "serve runs on one rank only" in r.stderr and "graphgen run --tp 2" in r.stderr
-
-
-def test_serve_accepts_a_tp1_override_of_a_parallel_spec():
+def test_serve_counts_the_ranks_of_the_layout():
+    """``graphgen serve`` starts rank processes when the overrides, else the spec's ``parallel:``, ask
+    for more than one rank (the server itself at tp=2: tests/serve/test_serve_tp.py)."""
     from argparse import Namespace
 
-    from graphgen.serve.cli import _parallel_refusal
+    from graphgen.serve.cli import _ranks
 
-    assert _parallel_refusal(Namespace(spec=str(REPO / "specs/tiny_qwen3_tp2.yaml"), tp=1, ep=1)) == ""
-    assert _parallel_refusal(Namespace(spec=str(REPO / "specs/tiny_qwen3_tp2.yaml"), tp=None, ep=None))
+    tp2 = str(REPO / "specs/tiny_qwen3_tp2.yaml")
+    assert _ranks(Namespace(spec=tp2, tp=1, ep=1)) == 1
+    assert _ranks(Namespace(spec=tp2, tp=None, ep=None)) == 2
+    assert _ranks(Namespace(spec=str(REPO / "specs/tiny_qwen3.yaml"), tp=None, ep=None)) == 1
+    assert _ranks(Namespace(spec=str(REPO / "specs/tiny_deepseek_v3.yaml"), tp=2, ep=2)) == 2

@@ -17,11 +17,11 @@ STOP_S = 60
 
 
 class Server:
-    def __init__(self, ckpt, *extra, trace=None, cli=False):
+    def __init__(self, ckpt, *extra, trace=None, cli=False, spec=SPEC):
         """``cli``: start it as ``python -m graphgen serve`` (the CLI's subcommand) instead of
         ``python -m graphgen.serve`` (the module alone); the same code behind both."""
         entry = ["-m", "graphgen", "serve"] if cli else ["-m", "graphgen.serve"]
-        args = [sys.executable, *entry, "--spec", str(SPEC), "--weights", str(ckpt),
+        args = [sys.executable, *entry, "--spec", str(spec), "--weights", str(ckpt),
                 "--port", "0", "--torch-threads", "1", *extra]
         if trace:
             args += ["--trace", str(trace)]
