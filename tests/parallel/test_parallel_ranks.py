@@ -89,14 +89,17 @@ def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
     assert all(s["puts"] > 0 for s in async_stats)  # async did save, on each rank
 
 
-def test_deepseek_tp2_ep2_matches_transformers_and_saves_the_latent_once(dsv3):
+@pytest.mark.parametrize("ep", [2, 1], ids=["ep2_local_experts", "ep1_width_sliced_experts"])
+def test_deepseek_tp2_matches_transformers_and_saves_the_latent_once(dsv3, ep):
+    """ep=2: each rank holds half the experts whole; ep=1: every expert is split by width over the two
+    ranks (the layout deepseek_v3_1 ships with, at tp=32)."""
     model, d = dsv3
     a, b = _prompts(3)
-    (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b)
+    (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b, tp=2, ep=ep)
     assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
-            u.assert_steps_match_hf(model, r, f"deepseek tp=2 ep=2 {what}")
+            u.assert_steps_match_hf(model, r, f"deepseek tp=2 ep={ep} {what}")
     # rank 0 puts each latent block once; rank 1 computes the same bytes and leaves them to rank 0
     assert stats[0]["puts"] == stats[1]["skipped_puts"] > 0 and stats[1]["puts"] == 0
     assert pool["num_keys"] == stats[0]["puts"]  # not tp times as many
@@ -144,3 +147,33 @@ def test_serve_counts_the_ranks_of_the_layout():
     assert _ranks(Namespace(spec=tp2, tp=None, ep=None)) == 2
     assert _ranks(Namespace(spec=str(REPO / "specs/tiny_qwen3.yaml"), tp=None, ep=None)) == 1
     assert _ranks(Namespace(spec=str(REPO / "specs/tiny_deepseek_v3.yaml"), tp=2, ep=2)) == 2
+
+
+def test_qwen3_tp4_replicates_kv_heads_and_matches_transformers(qwen):
+    """tp=4 over 2 KV heads: each KV head is replicated on two ranks (each rank keeps one query head and
+    its KV head); logits still match transformers at every step."""
+    model, d = qwen
+    a, b = _prompts(4)
+    (ra, again, rb), stats, _ = _run("specs/tiny_qwen3.yaml", d, a, b, tp=4)
+    assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
+    with torch.no_grad():
+        for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
+            u.assert_steps_match_hf(model, r, f"qwen3 tp=4 {what}")
+    assert [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
+
+
+def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path):
+    """vocab 257 over 2 ranks: the embedding and LM head are zero-padded to 2 x 129 rows; the padded
+    logits are dropped, so every step's logits still match transformers."""
+    dims = dict(u.hfm.QWEN3_DIMS, vocab_size=257)
+    model, d = u.hfm.build_hf_model("qwen3_dense", dims, str(tmp_path / "hf"), seed=7)
+    spec = tmp_path / "q257.yaml"
+    res = u.cli("import-hf", str(d), "--out", str(spec), "--name", "q257", "--block-size", "4")
+    assert res.returncode == 0, res.stderr
+    g = torch.Generator().manual_seed(9)
+    a = u.rand_prompt(g, 10, vocab=257)
+    with Engine.from_spec(spec, d, collect_logits=True, num_blocks=32, timeout=TIMEOUT, tp=2) as eng:
+        r = eng.generate([a], 3)[0]
+    assert all(row.shape[-1] == 257 for row in r.step_logits)  # the padding rows are not logits
+    with torch.no_grad():
+        u.assert_steps_match_hf(model, r, "qwen3 tp=2 vocab 257")
