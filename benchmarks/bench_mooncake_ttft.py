@@ -92,11 +92,11 @@ def report(title, ttft, base, ratios, commit=None):
 def bench(args):
     import torch
     from bench_ttft import Prompts, bench_spec, one
-    from graphgen.runtime.engine import Engine
-    from graphgen.runtime.weights import load_hf_weights, write_random_hf_checkpoint
+    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
 
     torch.set_num_threads(args.threads)
-    server = subprocess.Popen([sys.executable, "-m", "graphgen.runtime.mooncake_server", "serve",
+    server = subprocess.Popen([sys.executable, "-m", "graphgen.runtime.pool.mooncake_server", "serve",
                                "--port", str(PORT), "--segment", args.segment],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -185,7 +185,7 @@ def main():
     ap.add_argument("--segment", default="1GiB", help="storage held by the server")
     ap.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from graphgen.runtime.mooncake_server import reexec_in_private_netns
+    from graphgen.runtime.pool.mooncake_server import reexec_in_private_netns
 
     reexec_in_private_netns("bench_mooncake_ttft.py")
     bench(args)

@@ -36,10 +36,10 @@ import zlib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from graphgen.runtime.pool import HostPool                                       # noqa: E402
-from graphgen.runtime.pool_codec import HEADER, fingerprint_of, parse_size       # noqa: E402
-from graphgen.runtime.mooncake_server import reexec_in_private_netns             # noqa: E402
-from graphgen.runtime.pool_mooncake import MooncakeOptions, MooncakePool         # noqa: E402
+from graphgen.runtime.pool.base import HostPool                                       # noqa: E402
+from graphgen.runtime.pool.codec import HEADER, fingerprint_of, parse_size       # noqa: E402
+from graphgen.runtime.pool.mooncake_server import reexec_in_private_netns             # noqa: E402
+from graphgen.runtime.pool.mooncake import MooncakeOptions, MooncakePool         # noqa: E402
 
 
 def run_pool(pool, keys, values):
@@ -150,7 +150,7 @@ class Raw:
 
 def bench(args):
     port = 50300
-    server = subprocess.Popen([sys.executable, "-m", "graphgen.runtime.mooncake_server", "serve",
+    server = subprocess.Popen([sys.executable, "-m", "graphgen.runtime.pool.mooncake_server", "serve",
                                "--port", str(port), "--segment", args.segment],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env=dict(os.environ, PYTHONPATH=ROOT))

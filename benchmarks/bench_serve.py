@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     tmp = None
     ckpt = args.weights
     if ckpt is None:
-        from graphgen.runtime.weights import write_random_hf_checkpoint
+        from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
         tmp = tempfile.TemporaryDirectory(prefix="bench_serve_")
         ckpt = write_random_hf_checkpoint(tmp.name, spec.family, dataclasses.asdict(spec.dims), seed=0)

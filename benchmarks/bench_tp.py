@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from graphgen.modelspec.loader import load_spec
-from graphgen.runtime.engine import Engine
+from graphgen.runtime.engine.facade import Engine
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("hf_models", REPO / "tests" / "runtime" / "hf_models.py")

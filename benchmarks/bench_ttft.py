@@ -55,9 +55,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from graphgen.runtime.engine import Engine  # noqa: E402
-from graphgen.runtime.faults import Faults  # noqa: E402
-from graphgen.runtime.weights import load_hf_weights, write_random_hf_checkpoint  # noqa: E402
+from graphgen.runtime.engine.facade import Engine  # noqa: E402
+from graphgen.runtime.core.faults import Faults  # noqa: E402
+from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint  # noqa: E402
 from graphgen.modelspec.loader import load_spec  # noqa: E402
 from graphgen.modelspec.model import KVCacheLayout  # noqa: E402
 

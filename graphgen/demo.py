@@ -32,9 +32,9 @@ def main(argv=None) -> int:
     if args.mooncake_inner:
         return _mooncake_inner(args.spec, args.mooncake_inner)
 
-    from .runtime.engine import Engine
-    from .runtime.faults import Faults
-    from .runtime.weights import write_random_hf_checkpoint
+    from .runtime.engine.facade import Engine
+    from .runtime.core.faults import Faults
+    from .runtime.checkpoint.hf import write_random_hf_checkpoint
     from .modelspec.loader import load_spec
 
     spec = load_spec(args.spec)
@@ -80,7 +80,7 @@ def _mooncake_unavailable() -> str | None:
 
     if importlib.util.find_spec("mooncake") is None:
         return "the mooncake extra is not installed (./dev setup installs it)"
-    from .runtime.mooncake_server import find_master_binary
+    from .runtime.pool.mooncake_server import find_master_binary
 
     try:
         find_master_binary()
@@ -107,13 +107,13 @@ def _mooncake_inner(spec_path: str, ckpt: str) -> int:
     import json
 
     from .modelspec.loader import load_spec
-    from .runtime.mooncake_server import free_port
+    from .runtime.pool.mooncake_server import free_port
 
     bs = load_spec(spec_path).kv_cache.block_size
     shared = list(range(3, 3 + 4 * bs + 1))
     other = shared[: 2 * bs] + [200, 201, 202]
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "graphgen.runtime.mooncake_server", "serve", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "graphgen.runtime.pool.mooncake_server", "serve", "--port", str(port),
                                "--segment", "64MiB"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = server.stdout.readline().strip()

@@ -121,7 +121,7 @@ def test_import_graph_sees_every_kind_of_import(graph):
     function-level import of the runtime (the CLI imports torch lazily)."""
     assert graph.has_edge("graphgen.cli.main", "graphgen.cli.build")
     assert graph.has_edge("graphgen.cli.build", "graphgen.generate")
-    assert graph.has_edge("graphgen.cli.run", "graphgen.runtime.engine")
+    assert graph.has_edge("graphgen.cli.run", "graphgen.runtime.engine.facade")
     assert graph.number_of_edges() > 2 * graph.number_of_nodes() // 3
 
 

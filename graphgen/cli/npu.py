@@ -36,7 +36,7 @@ def cmd_compile(args) -> int:
         err(f"{path}: not generated; run: graphgen generate")
         return EXIT_INVALID
     if args.standin:
-        from ..npu.structure import trace_and_check
+        from ..npu.check.structure import trace_and_check
 
         report = trace_and_check(path, spec)
         if not report.ok:
@@ -47,7 +47,7 @@ def cmd_compile(args) -> int:
         print(f"{path}: traced on CPU with the torchair stand-in in mode {mode}; post-AOT structure ok "
               f"(graph structure only — this is not an NPU build and nothing ran on an NPU)")
         return EXIT_OK
-    from ..npu.compile import NpuUnavailable, compile_module
+    from ..npu.run.compile import NpuUnavailable, compile_module
 
     try:
         compile_module(path, mode, cache_dir=args.cache_dir)
@@ -65,7 +65,7 @@ def _steps(args, spec) -> int:
         err("graphgen compile: error: --steps must be >= 1")
         return EXIT_INVALID
     if not args.standin:
-        from ..npu.compile import NpuUnavailable, _import_torchair
+        from ..npu.run.compile import NpuUnavailable, _import_torchair
 
         try:
             _import_torchair(False)
@@ -77,8 +77,8 @@ def _steps(args, spec) -> int:
         return EXIT_INVALID
     from ..modelspec.errors import SpecError
     from ..modelspec.npu_limits import limit_diagnostics
-    from ..npu.bucketing import report, run_standin_loop
-    from ..npu.limits import KernelLimitError
+    from ..npu.run.bucketing import report, run_standin_loop
+    from ..npu.check.limits import KernelLimitError
 
     found = limit_diagnostics(args.spec, spec)  # the stand-in would reject the first traced call anyway
     if found:

@@ -31,9 +31,9 @@ def cmd_run(args) -> int:
     prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
     if args.max_num_seqs < 1:
         return _usage("--max-num-seqs must be >= 1")
-    from ..runtime.distributed import RankFailure
-    from ..runtime.engine import Engine
-    from ..runtime.faults import Faults
+    from ..runtime.parallel.launcher import RankFailure
+    from ..runtime.engine.facade import Engine
+    from ..runtime.core.faults import Faults
 
     try:
         faults = Faults.parse(args.faults) if args.faults else None
@@ -46,13 +46,13 @@ def cmd_run(args) -> int:
     if not weights.is_dir():
         return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
     engine_cls, target_kw = Engine, {}
-    if getattr(args, "target", "cpu") == "npu":  # the NPU model runner (graphgen/npu/runner.py)
-        from ..npu.runner import NpuEngine
+    if getattr(args, "target", "cpu") == "npu":  # the NPU model runner (graphgen/npu/run/runner.py)
+        from ..npu.run.runner import NpuEngine
 
         engine_cls, target_kw = NpuEngine, {"standin": args.standin}
     elif getattr(args, "standin", False):
         return _usage("--standin applies to --target npu only")
-    from ..npu.compile import NpuUnavailable
+    from ..npu.run.compile import NpuUnavailable
 
     try:
         engine = engine_cls.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
@@ -82,8 +82,8 @@ def cmd_run(args) -> int:
 
 
 def _generate(engine, prompts, args) -> int:
-    from ..runtime.distributed import RankFailure
-    from ..runtime.kvcache import OutOfBlocks
+    from ..runtime.parallel.launcher import RankFailure
+    from ..runtime.core.kvcache import OutOfBlocks
 
     with engine:
         try:

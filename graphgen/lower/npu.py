@@ -218,7 +218,7 @@ EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 # Load-stream nodes are not part of the compiled graph either: load() runs them eagerly before forward.
 # A cache input written twice in one graph (the load's scatter, then the KV write's) is not re-inplaced
 # by torchair's input-mutation pass (one functional op feeding the copy_ epilogue; see
-# graphgen.npu.aotcheck.model_torchair_reinplace): the writes would land in a copy_ after the final
+# graphgen.npu.check.aotcheck.model_torchair_reinplace): the writes would land in a copy_ after the final
 # scope_exit, after the save stream read the cache. So on the NPU the load is ordered before the graph.
 LOAD_EMIT: dict[str, Emitter] = {
     "kv_load": lambda n, ctx: _kv_load(n, ctx),

@@ -187,7 +187,7 @@ def _target_rules(spec):
 
 
 def _npu_rules(spec, npu):
-    """The NPU target's shape buckets (graphgen.npu.bucketing pads every step to one of them)."""
+    """The NPU target's shape buckets (graphgen.npu.run.bucketing pads every step to one of them)."""
     for name in ("decode_batch_buckets", "prefill_token_buckets"):
         values = getattr(npu, name)
         if not values:

@@ -112,7 +112,7 @@ class NpuTarget:
         default="kv_save", metadata=doc("Tag of the save stream in npu_stream_switch.", identifier=True))
     save_stream_priority: int = field(
         default=0, metadata=doc("Priority passed to npu_stream_switch for the save stream."))
-    # ---- step shapes (graphgen.npu.bucketing): every step is padded to one of these buckets, so
+    # ---- step shapes (graphgen.npu.run.bucketing): every step is padded to one of these buckets, so
     # each variant compiles one graph per bucket (docs/npu.md); rules checked in compat._npu_rules
     dtype: Literal["bfloat16", "float16"] = field(
         default="bfloat16",
@@ -138,7 +138,7 @@ class NpuTarget:
         default=None, metadata=doc("Blocks one step saves at most (staging rows). Default: the largest "
                                    "prefill bucket / block_size.", minimum=1, nullable=False))
     staging_buffers: int = field(
-        default=3, metadata=doc("Persistent staging buffers (graphgen.npu.staging.StagingRing): at least "
+        default=3, metadata=doc("Persistent staging buffers (graphgen.npu.run.staging.StagingRing): at least "
                                 "the commits in flight + 1.", minimum=1))
     device_memory_gib: Optional[float] = field(
         default=None, metadata=doc("Memory of one device in GiB; validate rejects a layout whose per-rank "

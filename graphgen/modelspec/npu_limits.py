@@ -1,6 +1,6 @@
 """The NPU kernels' documented limits as spec diagnostics (``graphgen validate``).
 
-``graphgen.npu.speclimits.check_spec_limits`` says which spec field would make a generated NPU module
+``graphgen.npu.check.speclimits.check_spec_limits`` says which spec field would make a generated NPU module
 call a kernel outside a documented limit (``(field_path, message, source)``); this module turns each
 into a :class:`Diagnostic` at that field's ``file:line:col`` -- located the way the loader locates its
 own and the compatibility rules' errors -- naming the limit and its source line in the torch-npu docs.
@@ -19,7 +19,7 @@ from .errors import Diagnostic
 
 def limit_diagnostics(path, spec=None) -> list[Diagnostic]:
     """Every documented NPU kernel limit the spec at ``path`` breaks ([] without ``targets.npu``)."""
-    from ..npu.speclimits import check_spec_limits
+    from ..npu.check.speclimits import check_spec_limits
     from .loader import _load, _locate
 
     loaded, root = _load(Path(path))

@@ -28,9 +28,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..runtime.distributed import DistributedEngine
-from ..runtime.engine import Engine
-from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.parallel.launcher import DistributedEngine
+from ..runtime.engine.facade import Engine
+from ..runtime.engine.sampling import Sampler, SamplingParams
 from ..trace import NULL, TRACK_SCHEDULER, StepObserver, TraceRecorder
 from .engine_api import EngineStats, RequestOutput
 

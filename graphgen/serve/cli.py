@@ -102,9 +102,9 @@ def cmd_serve(args) -> int:
         return _err(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
     import torch
 
-    from ..runtime.distributed import RankFailure
-    from ..runtime.engine import Engine
-    from ..runtime.faults import Faults
+    from ..runtime.parallel.launcher import RankFailure
+    from ..runtime.engine.facade import Engine
+    from ..runtime.core.faults import Faults
     from ..trace import NULL, TraceRecorder
     from .adapter import LLMEngineAdapter
     from .app import create_app

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
-from ..runtime.sampling import SamplingParams
+from ..runtime.engine.sampling import SamplingParams
 
 __all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "TIMING_NAMES", "FINISH_REASONS"]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from graphgen.runtime.engine import Engine
-from graphgen.runtime.kvcache import PagedKVCache, unpack_block_into
-from graphgen.runtime.pool import HostPool, block_keys
+from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime.core.kvcache import PagedKVCache, unpack_block_into
+from graphgen.runtime.pool.base import HostPool, block_keys
 
 REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4

@@ -9,8 +9,8 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine import Engine
-from graphgen.runtime.kvcache import OutOfBlocks
+from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime.core.kvcache import OutOfBlocks
 
 
 def test_a_batch_larger_than_the_cache_waits_and_one_that_never_fits_does_not_leak(qwen):

@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from graphgen.runtime.engine import Engine
-from graphgen.runtime.faults import Faults
-from graphgen.runtime.pool import HostPool
+from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime.core.faults import Faults
+from graphgen.runtime.pool.base import HostPool
 
 try:
     from . import e2e_util as u

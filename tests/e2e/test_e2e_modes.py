@@ -17,7 +17,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine import Engine
+from graphgen.runtime.engine.facade import Engine
 
 N_NEW = 6
 MODES = [(w, g) for w in ("off", "sync", "async") for g in ("forward", "layer")]

@@ -13,7 +13,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine import Engine
+from graphgen.runtime.engine.facade import Engine
 from graphgen.modelspec.loader import load_spec
 
 N_NEW = 4

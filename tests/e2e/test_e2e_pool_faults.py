@@ -17,9 +17,9 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine import Engine
-from graphgen.runtime.faults import Faults
-from graphgen.runtime.pool import HostPool
+from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime.core.faults import Faults
+from graphgen.runtime.pool.base import HostPool
 
 N_NEW = 3
 

@@ -2,8 +2,8 @@
 (settle=True, the default), even with a slow async save; without settling it races the commit."""
 
 import e2e_util as u
-from graphgen.runtime.engine import Engine
-from graphgen.runtime.faults import Faults
+from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime.core.faults import Faults
 
 
 def test_repeated_prompt_hits_even_with_a_slow_async_save(qwen):

@@ -73,7 +73,7 @@ def test_loader_output_is_the_stacked_layout(tmp_path):
     pytest.importorskip("safetensors")
     import dataclasses
 
-    from graphgen.runtime.weights import load_hf_weights, write_random_hf_checkpoint
+    from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
 
     spec = load_spec(REPO / "specs" / "tiny_deepseek_v3.yaml")
     dims = dataclasses.replace(spec.dims, n_shared_experts=0, q_lora_rank=None)

@@ -1,7 +1,7 @@
 """The NPU helpers (graphgen/lower/npu_helpers.py) as a real module, and how they are inlined.
 
 Numerics: each helper runs on CPU through graphgen's NPU stand-in kernels (written from the torch-npu
-docs, independently of graphgen.runtime.ops) and is compared with the CPU reference ops. This proves
+docs, independently of graphgen.runtime.core.ops) and is compared with the CPU reference ops. This proves
 the helpers wire the kernels the way the reference computes, under the stand-in's reading of the
 kernels -- not NPU behaviour.
 """
@@ -63,7 +63,7 @@ def helpers():
     import importlib
     import sys
 
-    from graphgen.npu import standin
+    from graphgen.npu.standin import fakes as standin
 
     if standin.torch_npu_available():
         pytest.skip("real torch_npu installed; stand-in not used")
@@ -78,12 +78,12 @@ def helpers():
 
 
 def _cos_sin(t, r, interleave=False):
-    from graphgen.runtime import ops
+    from graphgen.runtime.core import ops
     return ops.rope_cos_sin(torch.arange(t), rot_dim=r, theta=10000.0, scaling=None)
 
 
 def test_qwen3_attn_prolog_matches_reference(helpers):
-    from graphgen.runtime import ops
+    from graphgen.runtime.core import ops
     torch.manual_seed(0)
     t, h, kvh, d = 5, 4, 2, 16
     x = torch.randn(t, 32)
@@ -100,7 +100,7 @@ def test_qwen3_attn_prolog_matches_reference(helpers):
 @pytest.mark.parametrize("q_lora", [True, False])
 @pytest.mark.parametrize("interleave", [True, False])
 def test_mla_prolog_matches_reference_with_and_without_q_lora(helpers, q_lora, interleave):
-    from graphgen.runtime import ops
+    from graphgen.runtime.core import ops
     torch.manual_seed(1)
     t, h, n, r, rank, qrank, hid = 3, 2, 16, 8, 12, 10, 24
     x = torch.randn(t, hid)
@@ -118,7 +118,7 @@ def test_mla_prolog_matches_reference_with_and_without_q_lora(helpers, q_lora, i
 
 
 def test_swiglu_mlp_matches_reference(helpers):
-    from graphgen.runtime import ops
+    from graphgen.runtime.core import ops
     torch.manual_seed(2)
     x, wg, wu, wd = torch.randn(4, 8), torch.randn(12, 8), torch.randn(12, 8), torch.randn(8, 12)
     res = torch.randn(4, 8)

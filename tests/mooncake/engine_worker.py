@@ -34,8 +34,8 @@ def main():
     faulthandler.register(signal.SIGUSR1)      # a hung test can ask where it hangs
     import torch
     torch.set_num_threads(1)
-    from graphgen.runtime.engine import Engine
-    from graphgen.runtime.faults import Faults
+    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime.core.faults import Faults
 
     warnings = _CountWarnings()
     logging.getLogger().addHandler(warnings)

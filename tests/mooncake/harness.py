@@ -20,7 +20,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 ENGINE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_worker.py")
-SERVER = "graphgen.runtime.mooncake_server"
+SERVER = "graphgen.runtime.pool.mooncake_server"
 
 
 def _env():

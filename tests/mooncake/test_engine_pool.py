@@ -35,8 +35,8 @@ def model(tmp_path_factory):
     import torch
 
     from graphgen.modelspec.loader import load_spec
-    from graphgen.runtime.engine import Engine
-    from graphgen.runtime.weights import write_random_hf_checkpoint
+    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
     spec = load_spec(SPEC)
     assert spec.kv_cache.block_size == BS
@@ -103,7 +103,7 @@ def test_master_killed_mid_run_then_restarted_empty(ns, model):
     s = e.call(op="stats")
     assert s["pool"]["down"] and s["pool"]["down_events"] == 1 and s["pool"]["errors"] >= 1
     assert s["engine"]["put_failures"] >= 1
-    assert s["warnings"].get("graphgen.runtime.pool_mooncake") == 1
+    assert s["warnings"].get("graphgen.runtime.pool.mooncake") == 1
 
     ns.server("master", "--port", str(PORT), name="master2")    # empty
     deadline, i, puts = time.monotonic() + 30, 3, s["engine"]["puts"]
@@ -123,7 +123,7 @@ def test_master_killed_mid_run_then_restarted_empty(ns, model):
     r = e.call(op="gen", prompts=[P])                 # ... and saving works again
     assert r["hit"] == [3 * BS] and r["tokens"] == [model.cold(P)]
     s = e.call(op="stats")
-    assert s["warnings"]["graphgen.runtime.pool_mooncake"] == 2   # down once, back once
+    assert s["warnings"]["graphgen.runtime.pool.mooncake"] == 2   # down once, back once
     assert s["pool"]["rejected"] == 0
 
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from graphgen.runtime.mooncake_server import find_master_binary
-from graphgen.runtime.pool import HostPool
-from graphgen.runtime.pool_codec import (HEADER, check_value, decode_value, encode_value, parse_size,
+from graphgen.runtime.pool.mooncake_server import find_master_binary
+from graphgen.runtime.pool.base import HostPool
+from graphgen.runtime.pool.codec import (HEADER, check_value, decode_value, encode_value, parse_size,
                                          copy_with_checksum, payload_checksum)
-from graphgen.runtime.pool_mooncake import MooncakeOptions, MooncakePool, make_pool
+from graphgen.runtime.pool.mooncake import MooncakeOptions, MooncakePool, make_pool
 
 
 def test_make_pool_urls():
@@ -94,7 +94,7 @@ def test_default_get_into_copies_or_hands_over():
 
 
 def test_absent_master_costs_misses_not_errors_raised(caplog):
-    caplog.set_level(logging.WARNING, logger="graphgen.runtime.pool_mooncake")
+    caplog.set_level(logging.WARNING, logger="graphgen.runtime.pool.mooncake")
     t = time.monotonic()
     pool = make_pool("mooncake://127.0.0.1:1?max_backoff=1")   # nothing listens on port 1
     assert pool.put("k", b"v") is False

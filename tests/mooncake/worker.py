@@ -11,7 +11,7 @@ import random
 import sys
 import time
 
-from graphgen.runtime.pool_mooncake import MooncakeOptions, MooncakePool
+from graphgen.runtime.pool.mooncake import MooncakeOptions, MooncakePool
 
 
 def value_of(seed: int, key: str, size: int) -> bytes:
@@ -25,7 +25,7 @@ def sha(b):
 
 def kv_cache(blocks: int, seed: int):
     import torch
-    from graphgen.runtime.kvcache import PagedKVCache
+    from graphgen.runtime.core.kvcache import PagedKVCache
     cache = PagedKVCache(2, {"k": (16, 2, 16), "v": (16, 2, 16)}, blocks, torch.float32)
     g = torch.Generator().manual_seed(seed)
     for layer in cache:
@@ -60,13 +60,13 @@ def main():
                         reply(progress=len(ok))
             reply(ok=ok, sha=[sha(v) for v in vals], dt=time.monotonic() - t0)
         elif op == "put_kv":
-            from graphgen.runtime.kvcache import pack_block
+            from graphgen.runtime.core.kvcache import pack_block
             cache = kv_cache(len(cmd["keys"]), cmd["seed"])
             vals = [pack_block(cache, i) for i in range(len(cmd["keys"]))]
             reply(ok=[pool.put(k, v) for k, v in zip(cmd["keys"], vals)], sha=[sha(v) for v in vals])
         elif op == "get_kv":
             import torch
-            from graphgen.runtime.kvcache import pack_block, unpack_block_into
+            from graphgen.runtime.core.kvcache import pack_block, unpack_block_into
             cache = kv_cache(len(cmd["keys"]), 0)
             for layer in cache:
                 for t in layer:

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.npu import standin  # noqa: E402
-from graphgen.npu.bucketing import Buckets, LoopResult, bucketed_step, report, run_standin_loop  # noqa: E402
+from graphgen.npu.standin import fakes as standin  # noqa: E402
+from graphgen.npu.run.bucketing import Buckets, LoopResult, bucketed_step, report, run_standin_loop  # noqa: E402
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 SPEC = load_spec(Path(__file__).parent / "data/hw_tiny_qwen3.yaml")
@@ -22,8 +22,8 @@ SPEC = load_spec(Path(__file__).parent / "data/hw_tiny_qwen3.yaml")
 
 def _setup(variant, buckets):
     from graphgen.lower.compile import compile_variant
-    from graphgen.npu.compile import compile_module, load_module
-    from graphgen.npu.inputs import ROPE_CACHE_KEY, kv_buffers, random_weights, rope_cache
+    from graphgen.npu.run.compile import compile_module, load_module
+    from graphgen.npu.run.inputs import ROPE_CACHE_KEY, kv_buffers, random_weights, rope_cache
 
     assert standin.install()
     mod = load_module(Path(f"hw/{variant}.py"), compile_variant(SPEC, variant, "npu", mode="max-autotune"))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from graphgen.npu import standin
+from graphgen.npu.standin import fakes as standin
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_hardware_shaped_spec_compiles_at_most_one_graph_per_bucket_in_24_steps(
 def test_more_graphs_than_buckets_exits_1(monkeypatch, capsys):
     """Negative control: claim a single bucket per phase; the decode loop (varying batch) compiles more."""
     from graphgen.cli import main
-    from graphgen.npu import bucketing
+    from graphgen.npu.run import bucketing
 
     monkeypatch.setattr(bucketing.Buckets, "count", lambda self, phase: 1)
     rc = main(["compile", "--target", "npu", "--spec", str(HW), "--variant", "decode", "--standin", "--steps", "8"])

@@ -3,7 +3,7 @@ the CPU stand-in: every layer's kernels see the real bf16 shapes (no weights are
 shape or dtype error in a full-size module (e.g. a float32 table meeting bf16 weights in a matmul), or
 an absorbed-MLA call with > 16 query tokens (checked by the stand-in's meta kernel), fails here.  The
 non-paged TND envelope (D = 192, bf16) is checked on CPU values only (tests/npu/test_npu_generated.py);
-the limits table of graphgen.npu.limits will add its checks here once merged.  Shapes and dtypes only: meta tensors carry no values, nothing ran on an NPU."""
+the limits table of graphgen.npu.check.limits will add its checks here once merged.  Shapes and dtypes only: meta tensors carry no values, nothing ran on an NPU."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphgen.npu import standin  # noqa: E402
+from graphgen.npu.standin import fakes as standin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 128
@@ -23,8 +23,8 @@ SEQS = {"prefill": [(0, 40), (0, 130)], "splitfuse": [(130, 24), (5, 17)], "deco
 def _meta_weights(spec, mod):
     """Rank 0's weights on meta tensors: the family's full layout, sliced as the graph names them."""
     from graphgen.families import FAMILIES
-    from graphgen.runtime.ops_parallel import rank_weights
-    from graphgen.runtime.rank import graph_weight_names
+    from graphgen.runtime.parallel.ops import rank_weights
+    from graphgen.runtime.parallel.rank import graph_weight_names
 
     fam = FAMILIES[spec.family]
     dtype = getattr(torch, spec.kv_cache.dtype)
@@ -62,8 +62,8 @@ def test_full_size_module_traces_on_meta(model, variant, fake_group):
     import dataclasses
 
     from graphgen.modelspec.loader import load_spec
-    from graphgen.npu.compile import load_module
-    from graphgen.npu.inputs import npu_step_inputs
+    from graphgen.npu.run.compile import load_module
+    from graphgen.npu.run.inputs import npu_step_inputs
 
     standin.install()
     spec = load_spec(ROOT / "specs" / f"{model}.yaml")

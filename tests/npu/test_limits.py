@@ -1,4 +1,4 @@
-"""The kernels' documented limits (graphgen.npu.limits) as the CPU stand-in enforces them.
+"""The kernels' documented limits (graphgen.npu.check.limits) as the CPU stand-in enforces them.
 
 Each row: a conforming call runs, the same call with ONE argument moved outside the row's limit raises
 KernelLimitError naming that row and its source.  The calls go through torch.ops.npu (the registered
@@ -13,7 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphgen.npu import limits, oplib, standin  # noqa: E402
+from graphgen.npu.check import limits  # noqa: E402
+from graphgen.npu.standin import oplib, fakes as standin
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from graphgen.npu.conformance import check_module_source, load_manifest
+from graphgen.npu.check.conformance import check_module_source, load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from graphgen.generate import build_outputs, default_spec_paths
-from graphgen.npu.conformance import check_module_source
+from graphgen.npu.check.conformance import check_module_source
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ("tiny_qwen3_npu", "tiny_deepseek_v3_npu")  # the hardware-shaped specs (bf16, head_dim 128, block 128)
@@ -140,7 +140,8 @@ def test_tagged_event_tags_unique_across_all_modules():
 
 # ------------------------------------------------------------------------------------ (c) post-AOT on the stand-in
 torch = pytest.importorskip("torch")
-from graphgen.npu import aotcheck, standin  # noqa: E402
+from graphgen.npu.check import aotcheck  # noqa: E402
+from graphgen.npu.standin import fakes as standin
 
 needs_standin = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 
@@ -160,7 +161,7 @@ def _spec(model):
 
 def _run(name, src=None):
     """Compile with the stand-in and run one step; returns (module, captured graph, kv, staging, b)."""
-    from graphgen.npu.structure import trace
+    from graphgen.npu.check.structure import trace
 
     spec = _spec(name.split("/")[0])
     t = trace(ROOT / "generated" / name, spec, ALL[name] if src is None else src)

@@ -1,4 +1,4 @@
-"""The NPU model runner (graphgen/npu/runner.py) on the CPU stand-in, through the runtime's engine.
+"""The NPU model runner (graphgen/npu/run/runner.py) on the CPU stand-in, through the runtime's engine.
 
 The hardware-shaped tiny Qwen3 (bf16, head_dim 128, block 128) runs through `NpuEngine` (scheduler,
 KV connector, `LLMEngine`; steps padded to the spec's buckets, compiled once per bucket, commits via
@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.npu import standin  # noqa: E402
+from graphgen.npu.standin import fakes as standin  # noqa: E402
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 HW = Path(__file__).parent / "data/hw_tiny_qwen3.yaml"
@@ -36,9 +36,9 @@ PROMPTS = [list(range(3, 200)), list(range(5, 40)), list(range(3, 200)) + [7, 8]
 
 @pytest.fixture(scope="module")
 def runs():
-    from graphgen.npu.inputs import random_weights
-    from graphgen.npu.runner import NpuEngine
-    from graphgen.runtime.engine import Engine
+    from graphgen.npu.run.inputs import random_weights
+    from graphgen.npu.run.runner import NpuEngine
+    from graphgen.runtime.engine.facade import Engine
 
     torch.set_num_threads(1)
     spec = load_spec(HW)
@@ -93,7 +93,7 @@ def _run_cli(*args):
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
 def test_run_target_npu_without_torch_npu_exits_3_with_one_sentence(tmp_path):
-    from graphgen.runtime.weights import write_random_hf_checkpoint
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
     spec = load_spec(HW)
     ck = write_random_hf_checkpoint(str(tmp_path / "ck"), spec.family, dataclasses.asdict(spec.dims))
@@ -104,7 +104,7 @@ def test_run_target_npu_without_torch_npu_exits_3_with_one_sentence(tmp_path):
 
 
 def test_run_target_npu_standin_matches_the_cpu_run(tmp_path):
-    from graphgen.runtime.weights import write_random_hf_checkpoint
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
     spec = load_spec(HW)
     ck = write_random_hf_checkpoint(str(tmp_path / "ck"), spec.family, dataclasses.asdict(spec.dims), seed=3)

@@ -1,6 +1,6 @@
 """WIRING CHECK ON CPU of the NPU lowering -- NOT an NPU result.
 
-The generated NPU module runs on CPU through graphgen's stand-in (graphgen.npu.standin), whose
+The generated NPU module runs on CPU through graphgen's stand-in (graphgen.npu.standin.fakes), whose
 torch_npu kernels compute their *documented* semantics in plain torch (paged TND attention with
 block_table / cumulative actual_seq_lengths / sparse_mode 0 and 3 / GQA / MLA rope parts, the RoPE
 kernels, rms_norm, swiglu, scatter_nd_update).  The same step -- same token ids, positions, block
@@ -33,7 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphgen.npu import standin  # noqa: E402
+from graphgen.npu.standin import fakes as standin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 12
@@ -88,7 +88,7 @@ def _model(model: str):
 
 
 def _cpu_module(model, variant):
-    from graphgen.runtime.cpu import load_module
+    from graphgen.runtime.core.cpu_runtime import load_module
 
     spec, files = _model(model)
     rel = f"{spec.name}/cpu/{variant}.py"
@@ -96,7 +96,7 @@ def _cpu_module(model, variant):
 
 
 def _npu_module(model, variant, mode, src_edit=None):
-    from graphgen.npu.compile import load_module
+    from graphgen.npu.run.compile import load_module
 
     standin.install()
     spec, files = _model(model)
@@ -132,13 +132,13 @@ def _load_ids(seqs, bs):
 
 
 def _cpu_inputs(h):
-    from graphgen.runtime.engine import StepInputs
+    from graphgen.runtime.engine.facade import StepInputs
 
     return StepInputs(**{k: torch.tensor(v, dtype=torch.long) for k, v in h.items()})
 
 
 def _npu_inputs(h, mod):
-    from graphgen.npu.inputs import npu_step_inputs
+    from graphgen.npu.run.inputs import npu_step_inputs
 
     return npu_step_inputs(**{k: v for k, v in h.items() if k not in ("save_block_ids", "load_block_ids")},
                            block_size=mod.META["block_size"],
@@ -148,8 +148,8 @@ def _npu_inputs(h, mod):
 
 
 def _run_cpu(mod, W, b, cache, loads=()):
-    from graphgen.runtime.cpu import CpuRuntime
-    from graphgen.runtime.streams import EventSet
+    from graphgen.runtime.core.cpu_runtime import CpuRuntime
+    from graphgen.runtime.core.streams import EventSet
 
     staging = cache.make_staging(len(b.save_block_ids)) if mod.HOST_EVENT else None
     rt = CpuRuntime(event_timeout=30.0)
@@ -187,10 +187,10 @@ class Result:
 def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None, src_edit=None) -> Result:
     """Run one step of ``variant`` on both targets from identical state.  ``npu_edit(h)`` may miswire
     the NPU side's host quantities, ``src_edit(source)`` the NPU module itself (negative controls)."""
-    from graphgen.npu.compile import compile_module
-    from graphgen.npu.inputs import random_weights
-    from graphgen.runtime import ops
-    from graphgen.runtime.kvcache import PagedKVCache
+    from graphgen.npu.run.compile import compile_module
+    from graphgen.npu.run.inputs import random_weights
+    from graphgen.runtime.core import ops
+    from graphgen.runtime.core.kvcache import PagedKVCache
 
     spec, _ = _model(model)
     cpu_mod, npu_mod = _cpu_module(model, variant), _npu_module(model, variant, mode, src_edit)

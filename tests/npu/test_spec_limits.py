@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from graphgen.modelspec.loader import parse_spec_text
-from graphgen.npu.limits import BY_KEY
-from graphgen.npu.speclimits import check_spec_limits
+from graphgen.npu.check.limits import BY_KEY
+from graphgen.npu.check.speclimits import check_spec_limits
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = (ROOT / "specs/qwen3_32b.yaml").read_text()

@@ -18,8 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.npu import standin  # noqa: E402
-from graphgen.npu.staging import Committer, StagingExhausted, StagingRing  # noqa: E402
+from graphgen.npu.standin import fakes as standin  # noqa: E402
+from graphgen.npu.run.staging import Committer, StagingExhausted, StagingRing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
@@ -37,8 +37,8 @@ class _OneReusedStaging(StagingRing):
 
 
 def _run(ring_size: int, single_reused: bool):
-    from graphgen.npu.compile import load_module
-    from graphgen.npu.inputs import kv_buffers, random_weights, tiny_step
+    from graphgen.npu.run.compile import load_module
+    from graphgen.npu.run.inputs import kv_buffers, random_weights, tiny_step
 
     assert standin.install()
     spec = load_spec(ROOT / "specs/tiny_qwen3_npu.yaml")

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from graphgen.npu import aotcheck, standin
+from graphgen.npu.check import aotcheck
+from graphgen.npu.standin import fakes as standin
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 
@@ -195,7 +196,7 @@ def test_fake_torch_npu_maps_to_ops(ta):
 
 
 def test_compile_module_standin_and_unavailable(ta):
-    from graphgen.npu.compile import NpuUnavailable, compile_module
+    from graphgen.npu.run.compile import NpuUnavailable, compile_module
     target, backend = compile_module(Toy(), "max-autotune", use_standin=True)
     with torch.no_grad():
         torch._dynamo.reset()

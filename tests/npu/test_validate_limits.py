@@ -4,7 +4,7 @@ the documented kernel limit and its source line; and the NpuTarget bucket fields
 Each limit case edits ONE line of a shipped full-size spec (which validates cleanly: the control) and
 runs the real CLI entry point (``graphgen.cli.main``) on the written file.  The expected line is found
 by searching the edited text, not hard-coded, and the limit's words and source come from the one
-table (``graphgen.npu.limits.BY_KEY``), so a row that moves or changes its text is still checked.
+table (``graphgen.npu.check.limits.BY_KEY``), so a row that moves or changes its text is still checked.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from graphgen.cli import main
-from graphgen.npu.limits import BY_KEY
+from graphgen.npu.check.limits import BY_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = (ROOT / "specs/qwen3_32b.yaml").read_text()
@@ -128,7 +128,7 @@ def test_bad_npu_bucket_fields_name_file_line_and_fix(tmp_path, capsys, extra, k
 
 def test_npu_bucket_fields_reach_the_buckets():
     from graphgen.modelspec.loader import parse_spec_text
-    from graphgen.npu.bucketing import Buckets
+    from graphgen.npu.run.bucketing import Buckets
 
     spec = parse_spec_text(_with_npu("    decode_batch_buckets: [1, 3]\n    prefill_token_buckets: [128, 384]\n"
                                      "    prefill_seqs: 3\n    max_model_len: 1000\n"), "x.yaml")

@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.runtime.distributed import RankFailure  # noqa: E402
-from graphgen.runtime.engine import Engine  # noqa: E402
+from graphgen.runtime.parallel.launcher import RankFailure  # noqa: E402
+from graphgen.runtime.engine.facade import Engine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("graphgen_e2e_util_parallel", REPO / "tests" / "e2e" / "e2e_util.py")

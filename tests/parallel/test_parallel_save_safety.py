@@ -28,8 +28,8 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.runtime.engine import Engine  # noqa: E402
-from graphgen.runtime.faults import Faults  # noqa: E402
+from graphgen.runtime.engine.facade import Engine  # noqa: E402
+from graphgen.runtime.core.faults import Faults  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("graphgen_e2e_util_parallel_save", REPO / "tests" / "e2e" / "e2e_util.py")
@@ -83,7 +83,7 @@ def _visible(eng, prompt) -> list[str]:
 
 def _report(eng) -> dict:
     """After drain: for every key this rank saved, the pooled bytes vs this rank's cache block."""
-    from graphgen.runtime.kvcache import pack_block
+    from graphgen.runtime.core.kvcache import pack_block
 
     rec = eng._save_probe
     blocks = {k: b for ids, keys in rec["saves"] for b, k in zip(ids, keys)}

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from graphgen.modelspec.loader import load_spec
-from graphgen.runtime.engine import Engine
-from graphgen.runtime.faults import Faults
-from graphgen.runtime.weights import write_random_hf_checkpoint
+from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime.core.faults import Faults
+from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "specs" / "tiny_qwen3.yaml"
 SPEC = load_spec(SPEC_PATH)

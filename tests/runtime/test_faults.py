@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from graphgen.runtime.faults import Faults, FaultyPool
-from graphgen.runtime.pool import HostPool
+from graphgen.runtime.core.faults import Faults, FaultyPool
+from graphgen.runtime.pool.base import HostPool
 
 
 def test_parse_cli_string():

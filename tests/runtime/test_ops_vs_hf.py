@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
-from graphgen.runtime import ops as rt  # noqa: E402
-from graphgen.runtime.weights import (WeightsError, load_hf_weights,  # noqa: E402
+from graphgen.runtime.core import ops as rt  # noqa: E402
+from graphgen.runtime.checkpoint.hf import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
 
 try:  # tests/runtime may or may not be a package

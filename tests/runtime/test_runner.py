@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphgen.runtime.cpu import CpuRuntime
-from graphgen.runtime.runner import CpuModelRunner, StepHandles
-from graphgen.runtime.streams import EventAborted, EventTimeout
+from graphgen.runtime.core.cpu_runtime import CpuRuntime
+from graphgen.runtime.engine.runner import CpuModelRunner, StepHandles
+from graphgen.runtime.core.streams import EventAborted, EventTimeout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,11 +120,11 @@ def test_unknown_stream_is_refused(rt):
 
 def test_real_generated_module_step(rt, tmp_path):
     from graphgen.modelspec.loader import load_spec
-    from graphgen.runtime import ops
-    from graphgen.runtime.cpu import load_cpu_modules
-    from graphgen.runtime.kvcache import PagedKVCache, slot_mapping
-    from graphgen.runtime.scheduler import StepInputs
-    from graphgen.runtime.weights import load_hf_weights, write_random_hf_checkpoint
+    from graphgen.runtime.core import ops
+    from graphgen.runtime.core.cpu_runtime import load_cpu_modules
+    from graphgen.runtime.core.kvcache import PagedKVCache, slot_mapping
+    from graphgen.runtime.engine.scheduler import StepInputs
+    from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
 
     spec = load_spec(REPO / "specs" / "tiny_qwen3.yaml")
     dims = dataclasses.asdict(spec.dims)

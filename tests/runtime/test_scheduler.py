@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from graphgen.modelspec.loader import load_spec
-from graphgen.runtime.kvcache import BlockAllocator, OutOfBlocks
-from graphgen.runtime.scheduler import Request, RequestResult, Scheduler, StepOutput
+from graphgen.runtime.core.kvcache import BlockAllocator, OutOfBlocks
+from graphgen.runtime.engine.scheduler import Request, RequestResult, Scheduler, StepOutput
 
 SPEC = load_spec(Path(__file__).resolve().parents[2] / "specs" / "tiny_qwen3.yaml")
 BS = SPEC.kv_cache.block_size

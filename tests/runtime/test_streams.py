@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from graphgen.runtime.streams import Event, EventAborted, EventSet, EventTimeout, Job, JobTimeout, Stream
+from graphgen.runtime.core.streams import Event, EventAborted, EventSet, EventTimeout, Job, JobTimeout, Stream
 
 
 def recorded(event, gen: int) -> bool:

@@ -18,7 +18,7 @@ from serve_util import SPEC, Server  # noqa: E402
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
     from graphgen.modelspec.loader import load_spec
-    from graphgen.runtime.weights import write_random_hf_checkpoint
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
     spec = load_spec(SPEC)
     d = tmp_path_factory.mktemp("serve_ckpt")

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from graphgen.runtime.sampling import Sampler, SamplingParams, StopChecker, find_stop, holdback
+from graphgen.runtime.engine.sampling import Sampler, SamplingParams, StopChecker, find_stop, holdback
 from graphgen.trace import TraceRecorder
 
 
@@ -61,7 +61,7 @@ def test_stops():
 def test_tokenizer_has_exactly_the_vocab_and_is_deterministic(tmp_path, vocab):
     from transformers import AutoTokenizer
 
-    from graphgen.runtime.tokenizer import write_tokenizer
+    from graphgen.runtime.checkpoint.tokenizer import write_tokenizer
 
     p1 = write_tokenizer(tmp_path / "a", vocab)
     p2 = write_tokenizer(tmp_path / "b", vocab)

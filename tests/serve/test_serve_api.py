@@ -20,7 +20,7 @@ BS = 4  # tiny_qwen3's block_size
 def engine(ckpt):
     import torch
 
-    from graphgen.runtime.engine import Engine
+    from graphgen.runtime.engine.facade import Engine
 
     torch.set_num_threads(1)
     with Engine.from_spec(SPEC, ckpt, write="off") as eng:

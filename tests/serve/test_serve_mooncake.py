@@ -61,7 +61,7 @@ def _ask(ns, base, prompts) -> list[dict]:
 def test_two_servers_share_a_prefix_through_one_master(ns, ckpt):
     import torch
 
-    from graphgen.runtime.engine import Engine
+    from graphgen.runtime.engine.facade import Engine
 
     torch.set_num_threads(1)
     with Engine.from_spec(SPEC, ckpt, write="off") as eng:

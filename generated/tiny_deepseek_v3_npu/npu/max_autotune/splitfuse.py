@@ -3,11 +3,11 @@
 
 NEVER RUN ON AN NPU.  This module was generated and checked on machines without Ascend hardware:
 CI checks every torchair / torch_npu call against the torch-npu 2.14.0 API manifest and, for the
-tiny specs, the post-AOT FX graph structure on CPU with graphgen's stand-in (graphgen.npu.standin).
+tiny specs, the post-AOT FX graph structure on CPU with graphgen's stand-in (graphgen.npu.standin.fakes).
 Kernel numerics, layouts and speed on an NPU are unverified.  See docs/npu.md.
 
 prefill, history=True, write=async, granularity=forward.
-Compile: graphgen.npu.compile.compile_module(<this file>, 'max-autotune') -> torch.compile with the
+Compile: graphgen.npu.run.compile.compile_module(<this file>, 'max-autotune') -> torch.compile with the
 torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged with its IR node id;
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
@@ -30,10 +30,10 @@ KV_COMPONENTS = ('ckv', 'kpe')
 KV_SHAPES = ((128, 512), (128, 64))
 KV_DTYPE = 'bfloat16'
 # RoPE tables: W[ROPE_CACHE_KEY] is [max_positions, 2 * rot_dim] = cat(cos, sin) built on the host with
-# graphgen.npu.inputs.rope_cache(ROPE, max_positions) (same tables as the CPU reference).
+# graphgen.npu.run.inputs.rope_cache(ROPE, max_positions) (same tables as the CPU reference).
 ROPE = {'dtype': 'bfloat16', 'rot_dim': 64, 'scaling': None, 'theta': 10000.0}
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
-# Fields of the step inputs `b` (graphgen.npu.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
+# Fields of the step inputs `b` (graphgen.npu.run.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
 # load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
@@ -198,7 +198,7 @@ def forward(W, b, kv, staging=()):
 
 
 class Model(torch.nn.Module):
-    """nn.Module wrapper: graphgen.npu.compile.compile_module compiles Model().forward."""
+    """nn.Module wrapper: graphgen.npu.run.compile.compile_module compiles Model().forward."""
 
     def forward(self, W, b, kv, staging=()):
         return forward(W, b, kv, staging)

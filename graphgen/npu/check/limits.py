@@ -1,0 +1,210 @@
+"""The documented limits of the torch_npu kernels graphgen's NPU lowering calls, as data.
+
+One row per limit: the op, a predicate over one call (``Call``: the call's arguments by name, plus the
+compile mode being traced) that is True when the call VIOLATES the limit, the limit in words, and its
+source -- the torch-npu 2.14.0 wheel's kernel docs (``torch_npu/_op_plugin_docs.py:<lines>``) or, where
+the wheel has no docstring, the hiascend page.  The CPU stand-in checks every row of an op before its
+kernel runs (``graphgen.npu.standin.oplib``), and ``check_spec_limits`` checks a spec declaring the NPU target
+against the same rows.  Rows come from reading the docs; no row was confirmed on hardware.
+Torch-free at import (``graphgen validate`` is on the torch-free build path): dtypes are compared by
+name and tensors recognised by their ``dtype``/``shape`` attributes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+DOCS = "torch_npu/_op_plugin_docs.py"
+FIA = "npu_fused_infer_attention_score"
+HALF = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call as the limits see it: arguments by parameter name, and the compile mode."""
+
+    op: str
+    args: dict
+    mode: Optional[str] = None  # "max-autotune" / "reduce-overhead" while the stand-in backend traces
+
+    def get(self, name, default=None):
+        v = self.args.get(name, default)
+        return default if v is None else v
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One documented kernel limit."""
+
+    key: str          # short stable id, e.g. "fia.mla.query_len"
+    op: str           # torch_npu op name
+    text: str         # the limit in words
+    source: str       # wheel doc file:line (or page) where it is stated
+    violated: Callable[[Call], bool] = field(compare=False)
+
+
+class KernelLimitError(ValueError):
+    """A call outside a kernel's documented limits (raised by the stand-in at trace and run time)."""
+
+
+def value(x) -> int:
+    """An int argument's value without installing a Dynamo guard (a SymInt's hint)."""
+    if type(x).__name__ == "SymInt" and x.node.hint is not None:
+        return int(x.node.hint)
+    return int(x)
+
+
+def _ints(xs) -> list[int]:
+    return [value(x) for x in (xs or [])]
+
+
+def _tensor(t) -> bool:
+    return hasattr(t, "dtype") and hasattr(t, "shape")
+
+
+def _dtype(t) -> Optional[str]:
+    return str(t.dtype).removeprefix("torch.") if _tensor(t) else None
+
+
+def _query_lens(c: Call) -> list[int]:
+    cum = _ints(c.get("actual_seq_lengths"))
+    return [b - a for a, b in zip([0] + cum, cum)]
+
+
+def _mla(c: Call) -> bool:
+    return c.get("query_rope") is not None
+
+
+def _paged(c: Call) -> bool:
+    return c.get("block_table") is not None
+
+
+def _dense_tnd(c: Call) -> bool:
+    """The non-paged TND form without query_rope whose query D is not 512."""
+    return (c.get("input_layout", "BSH") == "TND" and not _paged(c) and not _mla(c)
+            and _last(c.args.get("query")) != 512)
+
+
+def _multi_token(c: Call) -> bool:
+    return c.get("input_layout", "BSH") == "TND" and any(q > 1 for q in _query_lens(c))
+
+
+def _last(t) -> Optional[int]:
+    return t.shape[-1] if _tensor(t) else None
+
+
+def _moe_e(c: Call) -> int:
+    return c.args["x"].shape[-1]
+
+
+LIMITS: tuple[Limit, ...] = (
+    # ------------------------------------------------------------------ fused_infer_attention_score
+    Limit("fia.dtype", FIA, "query/key/value must be float16, bfloat16 or int8 (never float32)",
+          f"{DOCS}:8065-8071",
+          lambda c: any(_dtype(c.args.get(n)) not in (*HALF, "int8") for n in ("query", "key", "value"))),
+    Limit("fia.pa.block_size", FIA, "page attention with query S > 1 needs block_size >= 128 and a multiple of 128",
+          f"{DOCS}:8219",
+          lambda c: _paged(c) and not _mla(c) and _multi_token(c)
+          and (value(c.get("block_size", 0)) < 128 or value(c.get("block_size", 0)) % 128 != 0)),
+    Limit("fia.sparse3.mask", FIA, "sparse_mode=3 needs the compressed 2048x2048 atten_mask (bool/int8/uint8)",
+          f"{DOCS}:8081",
+          lambda c: value(c.get("sparse_mode", 0)) == 3 and (
+              not _tensor(c.get("atten_mask")) or tuple(c.get("atten_mask").shape[-2:]) != (2048, 2048)
+              or _dtype(c.get("atten_mask")) not in ("bool", "int8", "uint8"))),
+    Limit("fia.mla.query_len", FIA, "with query_rope (absorbed MLA) each sequence's query length must be 1..16",
+          f"{DOCS}:8174-8176; v2 {DOCS}:8697-8699,8724",
+          lambda c: _mla(c) and any(q > 16 for q in _query_lens(c))),
+    Limit("fia.mla.num_heads", FIA, "with query_rope (absorbed MLA) num_heads must be 32, 64 or 128",
+          f"{DOCS}:8174-8176",
+          lambda c: _mla(c) and value(c.get("num_heads", 1)) not in (32, 64, 128)),
+    Limit("fia.mla.latent_dim", FIA, "with query_rope (absorbed MLA) the query/latent D must be 512",
+          f"{DOCS}:8174-8176",
+          lambda c: _mla(c) and _last(c.args.get("query")) != 512),
+    Limit("fia.mla.rope_dim", FIA, "with query_rope (absorbed MLA) the rope part (query_rope/key_rope last dim) must be 64",
+          f"v2 {DOCS}:8697-8703",
+          lambda c: _mla(c) and (_last(c.get("query_rope")) != 64 or _last(c.get("key_rope")) != 64)),
+    Limit("fia.mla.block_size", FIA, "with query_rope (absorbed MLA) page attention block_size must be 16 or 128",
+          f"v2 {DOCS}:8722-8724",
+          lambda c: _mla(c) and _paged(c) and value(c.get("block_size", 0)) not in (16, 128)),
+    Limit("fia.tnd.reduce_overhead", FIA, "input_layout TND with D != 512 is not supported in reduce-overhead mode",
+          f"v2 {DOCS}:8737",
+          lambda c: c.mode == "reduce-overhead" and c.get("input_layout", "BSH") == "TND"
+          and _last(c.args.get("query")) != 512),
+    # non-paged TND without query_rope, D != 512 (DeepSeek prefill/splitfuse on up-projected K/V)
+    Limit("fia.dense.dtype", FIA, "TND without page attention and query D != 512: query/key/value bfloat16 only",
+          f"v2 {DOCS}:8730",
+          lambda c: _dense_tnd(c) and any(_dtype(c.args.get(n)) != "bfloat16" for n in ("query", "key", "value"))),
+    Limit("fia.dense.head_dims", FIA, "TND without page attention and query D != 512: Q_D = K_D = 192, V_D 128 or 192",
+          f"v2 {DOCS}:8730",
+          lambda c: _dense_tnd(c) and (_last(c.args.get("query")) != 192 or _last(c.args.get("key")) != 192
+                                        or _last(c.args.get("value")) not in (128, 192))),
+    Limit("fia.dense.heads", FIA, "TND without page attention and query D != 512: query, key and value head counts equal",
+          f"v2 {DOCS}:8730",
+          lambda c: _dense_tnd(c) and len({c.args["query"].shape[1], c.args["key"].shape[1], c.args["value"].shape[1],
+                                             value(c.get("num_heads", 1)),
+                                             value(c.get("num_key_value_heads", 0)) or value(c.get("num_heads", 1))}) != 1),
+    # ------------------------------------------------------------------ RoPE
+    Limit("rope.head_dim", "npu_apply_rotary_pos_emb", "on Atlas A2/A3 the head dim D must be 64 or 128",
+          f"{DOCS}:15790-15802",
+          lambda c: _last(c.args.get("query")) not in (64, 128)),
+    Limit("rope.same_dtype", "npu_apply_rotary_pos_emb", "query, key, cos and sin must have the same dtype",
+          f"{DOCS}:15821",
+          lambda c: len({_dtype(c.args.get(n)) for n in ("query", "key", "cos", "sin")}) != 1),
+    Limit("interleave_rope.dim", "npu_interleave_rope", "x's last dim D must be 64",
+          "hiascend torch_npu.npu_interleave_rope (ptaoplist_002369, PyTorch 7.0.0)",
+          lambda c: _last(c.args.get("x")) != 64),
+    Limit("interleave_rope.dtype", "npu_interleave_rope", "x must be float16/bfloat16 and cos/sin the same dtype as x",
+          "hiascend torch_npu.npu_interleave_rope (ptaoplist_002369, PyTorch 7.0.0)",
+          lambda c: _dtype(c.args.get("x")) not in HALF
+          or _dtype(c.args.get("cos")) != _dtype(c.args.get("x")) or _dtype(c.args.get("sin")) != _dtype(c.args.get("x"))),
+    # ------------------------------------------------------------------ norms, scatter
+    Limit("rms_norm.gamma_dtype", "npu_rms_norm", "gamma's dtype must equal x's (float16/bfloat16/float32)",
+          f"{DOCS}:3439",
+          lambda c: _dtype(c.args.get("gamma")) != _dtype(c.args.get("x"))
+          or _dtype(c.args.get("x")) not in (*HALF, "float32")),
+    Limit("scatter_nd_update.indices", "npu_scatter_nd_update", "indices must be int32/int64 and at least 2-D",
+          f"{DOCS}:6875-6900",
+          lambda c: _dtype(c.args.get("indices")) not in ("int32", "int64") or c.args["indices"].dim() < 2),
+    Limit("scatter_nd_update.updates_shape", "npu_scatter_nd_update",
+          "updates.shape must be indices.shape[:-1] + input.shape[indices.shape[-1]:]", f"{DOCS}:6875-6900",
+          lambda c: tuple(c.args["updates"].shape) != tuple(c.args["indices"].shape[:-1])
+          + tuple(c.args["self"].shape[c.args["indices"].shape[-1]:])),
+    # ------------------------------------------------------------------ MoE
+    Limit("moe_gating.bias_dtype", "npu_moe_gating_top_k", "x is float16/bfloat16/float32 and bias has x's dtype",
+          f"{DOCS}:10816-10850",
+          lambda c: _dtype(c.args.get("x")) not in (*HALF, "float32")
+          or (c.get("bias") is not None and _dtype(c.get("bias")) != _dtype(c.args.get("x")))),
+    Limit("moe_gating.groups", "npu_moe_gating_top_k",
+          "the expert count must divide into group_count groups and 1 <= k <= experts/group_count*k_group",
+          f"{DOCS}:10816-10850",
+          lambda c: _moe_e(c) % value(c.get("group_count", 1)) != 0
+          or not 1 <= value(c.args["k"]) <= _moe_e(c) // value(c.get("group_count", 1)) * value(c.get("k_group", 1))),
+    Limit("moe_gating.k_max", "npu_moe_gating_top_k", "on Atlas A2/A3 k is in [1, 32]",
+          f"{DOCS}:10816-10850", lambda c: not 1 <= value(c.args["k"]) <= 32),
+    Limit("moe_finalize.drop_pad_mode", "npu_moe_finalize_routing",
+          "drop_pad_mode: only 0 is documented; 2 is accepted on usage evidence (vllm-ascend paired "
+          "init_routing_v2(row_idx_type=0) with drop_pad_mode=2 until Dec 2025)",
+          f"{DOCS}:10618", lambda c: value(c.get("drop_pad_mode", 0)) not in (0, 2)),
+)
+
+BY_OP: dict[str, tuple[Limit, ...]] = {}
+for _row in LIMITS:
+    BY_OP[_row.op] = BY_OP.get(_row.op, ()) + (_row,)
+BY_KEY: dict[str, Limit] = {r.key: r for r in LIMITS}
+
+
+def violations(call: Call, only=None) -> list[Limit]:
+    """Rows of ``call.op`` that the call violates (only the rows keyed in ``only`` when given)."""
+    return [row for row in BY_OP.get(call.op, ()) if (only is None or row.key in only) and row.violated(call)]
+
+
+def check_call(call: Call, only=None) -> None:
+    """Raise :class:`KernelLimitError` naming every violated limit and its source."""
+    bad = violations(call, only)
+    if bad:
+        lines = "; ".join(f"[{r.key}] {r.text} ({r.source})" for r in bad)
+        raise KernelLimitError(f"torch_npu.{call.op}: call outside the documented kernel limits: {lines}")
+
+
+def describe(rows: Any = LIMITS) -> str:
+    return "\n".join(f"{r.op:34} {r.key:28} {r.text}  [{r.source}]" for r in rows)

@@ -1,0 +1,97 @@
+"""Spec-level check of the kernels' documented limits for a spec that declares the NPU target.
+
+``check_spec_limits(spec)`` returns ``[(field_path, message, source)]``: every spec field that would make
+a generated NPU module call a kernel outside a row of ``graphgen.npu.check.limits.LIMITS``.  Each check names
+its row, so the limit's words and its source line live in one place.  Torch-free (``graphgen validate``
+runs it on the build path).  A spec without ``targets.npu`` returns [].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ...families import FAMILIES
+from .limits import BY_KEY
+
+
+@dataclass(frozen=True)
+class SpecCheck:
+    """A spec field that feeds one documented kernel limit."""
+
+    row: str                                # key of the limit row in limits.LIMITS
+    field_path: str                         # where in the spec the offending value lives
+    applies: Callable[[object], bool] = field(compare=False)   # families/variants it concerns
+    bad: Callable[[object], bool] = field(compare=False)       # True when the spec violates the row
+    got: Callable[[object], object] = field(compare=False)     # the offending value, for the message
+
+
+def _gqa(s) -> bool:
+    return FAMILIES[s.family].attention == "gqa"
+
+
+def _mla(s) -> bool:
+    return FAMILIES[s.family].attention == "mla"
+
+
+def _moe(s) -> bool:
+    return FAMILIES[s.family].has_moe(s.dims)
+
+
+def _multi_token(s) -> bool:
+    # prefill/splitfuse variants run paged attention with query S > 1
+    return any(v.phase == "prefill" for v in s.variants.values())
+
+
+def _model_dtype(s) -> str:
+    # NpuTarget.dtype (the activations/weights dtype) once the spec has it; the KV dtype until then
+    return getattr(s.targets.npu, "dtype", None) or s.kv_cache.dtype
+
+
+def _all(s) -> bool:
+    return True
+
+
+CHECKS: tuple[SpecCheck, ...] = (
+    SpecCheck("fia.dtype", "kv_cache.dtype", _all, lambda s: s.kv_cache.dtype not in ("float16", "bfloat16", "int8"),
+              lambda s: s.kv_cache.dtype),
+    SpecCheck("fia.dtype", "targets.npu.dtype", lambda s: getattr(s.targets.npu, "dtype", None) is not None,
+              lambda s: _model_dtype(s) not in ("float16", "bfloat16"), _model_dtype),
+    SpecCheck("fia.pa.block_size", "kv_cache.block_size", lambda s: _gqa(s) and _multi_token(s),
+              lambda s: s.kv_cache.block_size < 128 or s.kv_cache.block_size % 128, lambda s: s.kv_cache.block_size),
+    SpecCheck("fia.mla.block_size", "kv_cache.block_size", _mla,
+              lambda s: s.kv_cache.block_size not in (16, 128), lambda s: s.kv_cache.block_size),
+    SpecCheck("rope.head_dim", "dims.head_dim", _gqa, lambda s: s.dims.head_dim not in (64, 128),
+              lambda s: s.dims.head_dim),
+    SpecCheck("interleave_rope.dim", "dims.qk_rope_head_dim", _mla, lambda s: s.dims.qk_rope_head_dim != 64,
+              lambda s: s.dims.qk_rope_head_dim),
+    SpecCheck("fia.mla.rope_dim", "dims.qk_rope_head_dim", _mla, lambda s: s.dims.qk_rope_head_dim != 64,
+              lambda s: s.dims.qk_rope_head_dim),
+    SpecCheck("fia.mla.latent_dim", "dims.kv_lora_rank", _mla, lambda s: s.dims.kv_lora_rank != 512,
+              lambda s: s.dims.kv_lora_rank),
+    # per rank (num_heads / tp); the decode helper pads a rank's heads up to the next documented count
+    SpecCheck("fia.mla.num_heads", "dims.num_attention_heads", _mla,
+              lambda s: s.dims.num_attention_heads // s.parallel.tp > 128,
+              lambda s: f"{s.dims.num_attention_heads} heads over tp={s.parallel.tp} ranks"),
+    SpecCheck("fia.tnd.reduce_overhead", "targets.npu.compile_modes", _gqa,
+              lambda s: "reduce-overhead" in s.targets.npu.compile_modes, lambda s: list(s.targets.npu.compile_modes)),
+    SpecCheck("moe_gating.groups", "dims.n_group", _moe,
+              lambda s: s.dims.n_routed_experts % s.dims.n_group
+              or not 1 <= s.dims.num_experts_per_tok <= s.dims.n_routed_experts // s.dims.n_group * s.dims.topk_group,
+              lambda s: f"n_routed_experts={s.dims.n_routed_experts}, n_group={s.dims.n_group}, "
+                        f"topk_group={s.dims.topk_group}, num_experts_per_tok={s.dims.num_experts_per_tok}"),
+    SpecCheck("moe_gating.k_max", "dims.num_experts_per_tok", _moe,
+              lambda s: not 1 <= s.dims.num_experts_per_tok <= 32, lambda s: s.dims.num_experts_per_tok),
+)
+
+
+def check_spec_limits(spec) -> list[tuple[str, str, str]]:
+    """``[(field_path, message, source)]`` for every documented kernel limit the spec's NPU target breaks."""
+    if getattr(getattr(spec, "targets", None), "npu", None) is None:
+        return []
+    out = []
+    for c in CHECKS:
+        if c.applies(spec) and c.bad(spec):
+            row = BY_KEY[c.row]
+            out.append((c.field_path, f"{c.got(spec)!r} is outside a documented limit of torch_npu.{row.op}: "
+                                      f"{row.text} [{row.key}]", row.source))
+    return out

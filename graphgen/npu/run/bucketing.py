@@ -1,0 +1,206 @@
+"""Shape buckets for the NPU graphs and a stand-in loop that counts compilations per bucket.
+
+Decode is padded to a batch-size bucket (T = B), prefill and splitfuse to a token-count bucket with a
+fixed batch (``prefill_seqs + 1``: one padding sequence always absorbs the surplus tokens).  Block
+tables always have ``max_blocks`` columns, saves ``save_rows`` rows.  So each bucket is one static set
+of tensor shapes; the length lists vary freely as SymInt values (``compile_module(buckets=N)``).
+Padding lives in a reserved block (``PAD_BLOCK``) no sequence owns.  CPU stand-in only: it counts Dynamo
+/AOT graphs, which is what a GE compile or an aclgraph capture costs on an NPU; it measures nothing else.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+PAD_BLOCK = 0  # reserved: padding tokens write and read only this block
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shape buckets of one model (``Buckets.from_spec``: the spec's NpuTarget fields)."""
+
+    decode_batch: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_tokens: tuple[int, ...] = (64, 128, 256, 512)
+    prefill_seqs: int = 2          # real sequences per prefill/splitfuse step (the batch is this + 1)
+    max_blocks: int = 4            # block-table columns = longest context / block_size
+    save_rows: int = 8             # staging rows = blocks saved per step at most
+
+    @classmethod
+    def from_spec(cls, spec) -> "Buckets":
+        """The buckets the spec's NPU target declares (docs/spec.md, NpuTarget)."""
+        npu = spec.targets.npu
+        if npu is None:
+            raise ValueError(f"spec {spec.name} has no NPU target")
+        bs = spec.kv_cache.block_size
+        max_len = max_model_len(spec)
+        return cls(decode_batch=tuple(npu.decode_batch_buckets), prefill_tokens=tuple(npu.prefill_token_buckets),
+                   prefill_seqs=npu.prefill_seqs, max_blocks=-(-max_len // bs),
+                   save_rows=npu.save_rows or max(1, npu.prefill_token_buckets[-1] // bs))
+
+    def count(self, phase: str) -> int:
+        return len(self.decode_batch) if phase == "decode" else len(self.prefill_tokens)
+
+    def padding(self, phase: str, n_seqs: int, n_tokens: int, pad_block: int = PAD_BLOCK):
+        from .inputs import StepPadding
+
+        if phase == "decode":
+            b = next((x for x in self.decode_batch if x >= n_seqs), None)
+            if b is None:
+                raise ValueError(f"decode batch {n_seqs} exceeds the largest bucket {self.decode_batch[-1]}")
+            return StepPadding(b, b, self.max_blocks, pad_block, self.save_rows)
+        if n_seqs > self.prefill_seqs:
+            raise ValueError(f"{n_seqs} prefill sequences > prefill_seqs {self.prefill_seqs}")
+        batch = self.prefill_seqs + 1
+        need = n_tokens + batch - n_seqs
+        t = next((x for x in self.prefill_tokens if x >= need), None)
+        if t is None:
+            raise ValueError(f"{n_tokens} prefill tokens exceed the largest bucket {self.prefill_tokens[-1]}")
+        return StepPadding(batch, t, self.max_blocks, pad_block, self.save_rows)
+
+
+def max_model_len(spec) -> int:
+    """``targets.npu.max_model_len``, or the model's max_position_embeddings capped at 4096."""
+    npu = spec.targets.npu
+    if npu is not None and npu.max_model_len is not None:
+        return npu.max_model_len
+    return min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
+
+
+def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0):
+    """Step inputs for sequences ``(history, new_tokens)``, blocks 1.. in order, padded to their bucket."""
+    import torch
+
+    from .inputs import npu_step_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    bs = spec.kv_cache.block_size
+    phase = module.META["phase"]
+    ids, pos, slots, tables, seq_lens, qlens, logit_idx = [], [], [], [], [], [], []
+    next_block = PAD_BLOCK + 1
+    saves, loads = [], []
+    for hist, q in seqs:
+        n = (hist + q + bs - 1) // bs
+        table = list(range(next_block, next_block + n))
+        next_block += n
+        pos += list(range(hist, hist + q))
+        slots += [table[p // bs] * bs + p % bs for p in range(hist, hist + q)]
+        ids += torch.randint(0, spec.dims.vocab_size, (q,), generator=g).tolist()
+        tables.append(table)
+        seq_lens.append(hist + q)
+        qlens.append(q)
+        logit_idx.append(len(ids) - 1)
+        # as the scheduler saves: the blocks this step fills entirely (<= q // bs per sequence)
+        saves += table[-(-hist // bs):(hist + q) // bs]
+        loads += table[:hist // bs]  # as the scheduler loads: the full history blocks
+    saves = saves[:buckets.save_rows] if module.META.get("saves") else None
+    loads = loads[:buckets.save_rows] if module.META.get("history") else None
+    return npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                           query_lens=qlens, logits_indices=logit_idx, block_size=bs, save_block_ids=saves,
+                           load_block_ids=loads, decode=phase == "decode",
+                           pad=buckets.padding(phase, len(seqs), len(ids))), next_block
+
+
+def mixed_steps(phase: str, history: bool, buckets: Buckets, block_size: int, steps: int, seed: int = 0):
+    """A realistic mix: decode with growing lengths and a varying batch; prefills of varying lengths;
+    splitfuse chunks over a varying history.  Every step fits ``buckets``."""
+    rnd = random.Random(seed)
+    cap = buckets.max_blocks * block_size
+    if phase == "decode":
+        hist = [rnd.randrange(1, cap // 2) for _ in range(buckets.decode_batch[-1])]
+        out = []
+        for _ in range(steps):
+            b = rnd.randint(1, buckets.decode_batch[-1])
+            hist = [h + 1 if h + 1 < cap else 1 for h in hist]
+            out.append([(h, 1) for h in hist[:b]])
+        return out
+    out = []
+    top = buckets.prefill_tokens[-1] - buckets.prefill_seqs - 1
+    for _ in range(steps):
+        n = rnd.randint(1, buckets.prefill_seqs)
+        seqs = []
+        for _ in range(n):
+            q = rnd.randint(1, max(1, min(cap // 2, top // n)))
+            h = rnd.randrange(0, cap - q) if history else 0
+            seqs.append((h, q))
+        out.append(seqs)
+    return out
+
+
+@dataclass
+class LoopResult:
+    variant: str
+    mode: str
+    steps: int
+    compilations: int
+    buckets: int
+
+    @property
+    def ok(self) -> bool:
+        return self.compilations <= self.buckets
+
+
+def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Optional[Sequence[str]] = None,
+                     steps: int = 24, buckets: Optional[Buckets] = None, *, check_limits: bool = True,
+                     sources: Optional[dict] = None) -> list[LoopResult]:
+    """Run ``steps`` mixed steps per (variant, mode) through the CPU stand-in; count compiled graphs.
+
+    ``sources``: {(variant, mode): module source} (default: generated in memory from the spec).
+    ``buckets``: default ``Buckets.from_spec(spec)``.  Weights and the RoPE table are cast to the KV
+    dtype (the NPU kernels take one dtype)."""
+    import torch
+
+    from ..standin import fakes as standin
+    from .compile import compile_module, load_module
+    from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, random_weights, rope_cache
+
+    buckets = buckets or Buckets.from_spec(spec)
+    variants = list(variants or spec.variants)
+    modes = list(modes or spec.targets.npu.compile_modes)
+    dtype = getattr(torch, spec.kv_cache.dtype)
+    results = []
+    if not standin.install():
+        raise RuntimeError("torch_npu is installed: run on the NPU, not through the CPU stand-in")
+    try:
+        for variant in variants:
+            v = spec.variants[variant]
+            n_buckets = buckets.count(v.phase)
+            for mode in modes:
+                src = (sources or {}).get((variant, mode))
+                if src is None:
+                    from graphgen.lower.compile import compile_variant
+
+                    src = compile_variant(spec, variant, "npu", mode=mode)
+                torch._dynamo.reset()
+                with standin.fresh_tags():
+                    mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
+                    target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
+                max_pos = buckets.max_blocks * spec.kv_cache.block_size
+                W = {k: t.to(dtype) for k, t in random_weights(spec).items()}
+                W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype)
+                nb = 1 + max(buckets.prefill_seqs, buckets.decode_batch[-1]) * buckets.max_blocks
+                kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
+                                         staging_rows=buckets.save_rows if mod.META["saves"] else 0)
+                loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
+                plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, steps,
+                                   seed=hash((variant, mode)) % 1000)
+                with torch.no_grad(), standin.enforce_limits(check_limits):
+                    for i, seqs in enumerate(plan):
+                        b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i)
+                        mod.load(b, kv, loads)
+                        target.forward(W, b, kv, staging)
+                results.append(LoopResult(variant, mode, steps, len(backend.graphs), n_buckets))
+    finally:
+        standin.uninstall()
+    return results
+
+
+def report(results: Sequence[LoopResult], out=print) -> int:
+    """Print one line per (variant, mode); the exit status for ``graphgen compile --standin --steps N``:
+    0, or 1 when any variant compiled more graphs than it has buckets."""
+    for r in results:
+        out(f"{r.variant:24} {r.mode:16} steps={r.steps:<4} graphs compiled={r.compilations:<3} "
+            f"buckets={r.buckets:<3} {'ok' if r.ok else 'MORE GRAPHS THAN BUCKETS'}")
+    out("(CPU stand-in: Dynamo/AOT graph count only; nothing ran on an NPU)")
+    return 0 if all(r.ok for r in results) else 1

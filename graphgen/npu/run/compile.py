@@ -1,0 +1,160 @@
+"""Compile a generated NPU module's forward with torchair (or, for CPU tests, with the stand-in).
+
+``compile_module(module_or_path, mode)`` wraps ``forward`` in
+``torch.compile(backend=torchair.get_npu_backend(compiler_config=cfg), fullgraph=True)`` with
+``cfg.mode = mode``; ``cache_dir`` routes through ``torchair.inference.cache_compile``.
+Without torch_npu/torchair it raises ``NpuUnavailable`` with one sentence.  ``use_standin=True``
+compiles with ``graphgen.npu.standin.fakes`` on CPU instead (graph structure only, never NPU behaviour).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+MODES = ("max-autotune", "reduce-overhead")
+# GE runs a graph with dynamic shapes single-stream unless this is set (torchair docs,
+# docs/zh/ascend_ir/features/advanced/multi_stream.md): with dynamic=True the length lists become
+# SymInt graph inputs, so it is set to keep the KV-save stream overlapped even if GE counts them.
+MULTI_STREAM_ENV = ("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM", "1")
+
+
+def mark_all_static(*trees) -> None:
+    """``torch._dynamo.mark_static`` on every dim of every tensor in ``trees`` (dicts, lists, tuples,
+    dataclasses): with ``dynamic=True`` only the Python ints (the length lists) stay symbolic, every
+    tensor shape is static, a new bucket compiles a new graph and nothing else does."""
+    import dataclasses
+
+    import torch
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            torch._dynamo.mark_static(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+    for t in trees:
+        walk(t)
+
+
+class StaticShapeForward:
+    """The compiled forward, called with every input tensor marked static first (see mark_all_static)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        mark_all_static(*args)
+        return self.compiled(*args)
+
+
+class NpuUnavailable(RuntimeError):
+    """torch_npu / torchair cannot be imported here (no Ascend CANN toolkit)."""
+
+
+def _import_torchair(use_standin: bool) -> ModuleType:
+    if use_standin:
+        from graphgen.npu.standin import fakes as standin
+
+        if not standin.install():
+            raise NpuUnavailable("use_standin=True was requested but torch_npu is installed; "
+                                 "use the real torchair instead of the CPU stand-in.")
+        return importlib.import_module("torchair")
+    try:
+        importlib.import_module("torch_npu")  # torchair needs torch_npu's ops and the NPU device
+        torchair = importlib.import_module("torchair")
+    except Exception as e:  # ImportError, OSError (missing libascendcl.so / libhccl.so), ...
+        raise NpuUnavailable(f"torch_npu/torchair cannot be imported ({type(e).__name__}: {e}); "
+                             f"NPU compilation needs an Ascend machine with CANN installed.") from None
+    from graphgen.npu.standin import fakes as standin
+
+    if standin.is_standin(torchair):
+        raise NpuUnavailable("the imported torchair is graphgen's CPU stand-in, not the real one.")
+    return torchair
+
+
+def load_module(path: str | Path, source: str | None = None, name: str | None = None) -> ModuleType:
+    """Import a generated NPU module from ``path`` (or from ``source``, reported as ``path``).
+
+    The module is registered in ``sys.modules`` under a unique name: Dynamo resolves a traced
+    function's globals through its module's name.  Loading a reduce-overhead module creates its
+    tagged events, and torchair rejects a tag used twice in one process: load each such module once.
+    """
+    p = Path(path)
+    name = name or f"graphgen_npu_{p.parent.name}_{p.stem}_{len(sys.modules)}"
+    mod = ModuleType(name)
+    mod.__file__ = str(p)
+    sys.modules[name] = mod
+    try:
+        code = compile(source if source is not None else p.read_text(), str(p), "exec")
+        exec(code, mod.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+def _load(module_path_or_obj: Any) -> Any:
+    if isinstance(module_path_or_obj, (str, Path)):
+        return load_module(module_path_or_obj)
+    return module_path_or_obj
+
+
+def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: str | None = None, *,
+                   use_standin: bool = False, dynamic: bool = False, buckets: int | None = None):
+    """Return ``(target, backend)`` where ``target.forward`` is the compiled forward.
+
+    ``module_path_or_obj``: a path to a generated ``npu/<mode_dir>/<variant>.py`` (the module defines
+    ``Model``, an ``nn.Module`` class taking no arguments, or ``model``, an instance), a loaded module,
+    or any object with a ``forward`` method.  ``mode``: ``"max-autotune"`` or ``"reduce-overhead"``;
+    ``None`` takes the module's ``COMPILE_MODE``; a mode other than the module's ``COMPILE_MODE`` is
+    refused (the events in the module are spelled for that mode).  ``backend`` is the torchair
+    backend (with the stand-in it exposes ``.graphs``, the captured post-AOT graphs).
+    The torchair/stand-in import happens before the module is loaded (its top level imports them).
+    """
+    import torch
+
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    torchair = _import_torchair(use_standin)
+    obj = _load(module_path_or_obj)
+    own = getattr(obj, "COMPILE_MODE", None) if isinstance(obj, ModuleType) else None
+    if mode is None:
+        if own is None:
+            raise ValueError("mode=None needs a generated module defining COMPILE_MODE")
+        mode = own
+    elif own is not None and own != mode:
+        raise ValueError(f"module was generated for compile mode {own!r}, not {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(obj, ModuleType):
+        target = getattr(obj, "model", None) or getattr(obj, "Model")()
+    else:
+        target = obj
+    if buckets is not None:
+        import os
+
+        dynamic = True
+        os.environ.setdefault(*MULTI_STREAM_ENV)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 1)
+    cfg = torchair.CompilerConfig()
+    cfg.mode = mode
+    backend = torchair.get_npu_backend(compiler_config=cfg)
+    if cache_dir is not None:
+        # cache_compile takes the bound method and handles compilation (and its backend) itself.
+        target.forward = torchair.inference.cache_compile(target.forward, config=cfg, dynamic=dynamic,
+                                                          cache_dir=str(cache_dir))
+    else:
+        target.forward = torch.compile(target.forward, backend=backend, fullgraph=True, dynamic=dynamic)
+    if buckets is not None:
+        target.forward = StaticShapeForward(target.forward)
+    return target, backend

@@ -1,0 +1,260 @@
+"""CPU STAND-IN for torchair / torch_npu -- graph structure, lowering wiring and documented kernel
+limits on CPU, never NPU behaviour.
+
+``install()`` makes NPU-targeted generated code traceable on a CPU-only machine:
+
+* registers the ``air::`` and ``npu::`` ops (``graphgen.npu.standin.oplib``: real schemas from
+  ``manifest.json``, reference kernels from ``graphgen.npu.standin.kernels``, the documented limits of
+  ``graphgen.npu.check.limits`` checked on every call, at trace time and when run);
+* puts fake ``torchair`` and ``torch_npu`` modules into ``sys.modules`` (this file), with a
+  ``torch.compile`` backend that runs AOT autograd as torchair does and models its re-inplace pass.
+
+It does nothing when ``torch_npu`` is installed (registering the same ``air``/``npu`` ops a
+second time would fail, and the real thing should be used).  Nothing here runs on an NPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import oplib
+from .oplib import AIR_OPS, NPU_OPS, enforce_limits  # noqa: F401  (re-exported: callers import them here)
+
+STANDIN_LABEL = "<graphgen CPU stand-in: graph structure and wiring checks only, not NPU behaviour>"
+_MANIFEST = Path(__file__).resolve().parents[1] / "manifest.json"  # graphgen/npu/manifest.json
+_state = oplib._state
+
+
+def torch_npu_available() -> bool:
+    """Is the REAL torch_npu installed?  (Our own stand-in in sys.modules does not count.)"""
+    mod = sys.modules.get("torch_npu")
+    if mod is not None:
+        return not is_standin(mod)
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ValueError, ImportError):
+        return False
+
+
+# --------------------------------------------------------------------------- fake torchair
+class _Scope:
+    """Context manager emitting air.scope_enter / air.scope_exit, as torchair.scope does."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def __enter__(self):
+        return torch.ops.air.scope_enter(self.keys, self.values)
+
+    def __exit__(self, *exc):
+        torch.ops.air.scope_exit()
+        return False
+
+
+def _npu_stream_switch(stream_tag: str, stream_priority: int = 0, enable_inner_parallel: bool = True):
+    return _Scope(["_user_stream_label", "_user_stream_priority", "_enable_inner_parallel"],
+                  [stream_tag, str(stream_priority), str(enable_inner_parallel)])
+
+
+def _npu_wait_tensor(self, dependency):
+    return torch.ops.air.wait_tensor(self, dependency)
+
+
+def _record():
+    return torch.ops.air.record()
+
+
+def _wait(tensors: list):
+    if not tensors:
+        raise ValueError("torchair.ops.wait() requires at least one tensor input")
+    return torch.ops.air.wait(tensors)
+
+
+@dataclass(frozen=True)
+class StandinTaggedEvent:
+    """Stand-in for the torch.npu.Event that torchair.ops.npu_create_tagged_event returns."""
+    tag: str
+
+
+_TAGS: dict[str, StandinTaggedEvent] = {}
+
+
+def _npu_create_tagged_event(tag: str):
+    if tag in _TAGS:  # torchair raises the same error for a reused tag
+        raise ValueError(f"tagged event tag {tag} is already in use")
+    _TAGS[tag] = StandinTaggedEvent(tag)
+    return _TAGS[tag]
+
+
+def _npu_tagged_event_record(event):
+    return torch.ops.air.tagged_event_record(event.tag)
+
+
+def _npu_tagged_event_wait(event):
+    return torch.ops.air.tagged_event_wait(event.tag)
+
+
+def _npu_record_tagged_stream(input, tagged_stream: str):
+    return torch.ops.air.record_tagged_stream_(input, tagged_stream)
+
+
+class _Option:
+    def __init__(self, default, choices):
+        self.value, self.choices = default, choices
+
+
+class CompilerConfig:
+    """Stand-in: only ``mode`` (and a ``debug`` namespace) -- the options graphgen sets."""
+
+    def __init__(self):
+        object.__setattr__(self, "mode", _Option("max-autotune", ["max-autotune", "reduce-overhead", "npugraph_ex"]))
+        object.__setattr__(self, "debug", types.SimpleNamespace(graph_dump=types.SimpleNamespace(type=None)))
+
+    def __setattr__(self, name, value):
+        # torchair's config objects accept `cfg.mode = "reduce-overhead"` and validate it.
+        if name == "mode":
+            if value not in self.mode.choices:
+                raise ValueError(f"mode must be one of {self.mode.choices}, got {value!r}")
+            self.mode.value = value
+        else:
+            object.__setattr__(self, name, value)
+
+
+@dataclass
+class CapturedGraph:
+    """One compiled graph: the raw post-AOT forward and the graph after the modelled torchair passes."""
+    mode: str
+    raw: torch.fx.GraphModule        # exactly what AOT autograd handed to the compiler
+    gm: torch.fx.GraphModule         # after modelled torchair re-inplacing (what would be lowered)
+    example_inputs: list
+    reinplaced: list = field(default_factory=list)
+
+    def placeholder_for(self, tensor: torch.Tensor, graph: str = "gm") -> str:
+        """Name of the graph input that receives ``tensor`` (matched by identity/storage)."""
+        g = getattr(self, graph)
+        phs = [n for n in g.graph.nodes if n.op == "placeholder"]
+        for n, ex in zip(phs, self.example_inputs):
+            if ex is tensor or (isinstance(ex, torch.Tensor) and ex.data_ptr() == tensor.data_ptr()
+                                and ex.shape == tensor.shape):
+                return n.name
+        raise KeyError("tensor is not an input of this graph")
+
+
+class StandinBackend:
+    """torch.compile backend: AOT autograd as torchair calls it, then the modelled re-inplace.
+
+    torchair (npu_fx_compiler.py::_compile_graph_with_aot) calls ``aot_module_simplified`` with
+    ``keep_inference_input_mutations=True`` (experimental_config default), so graph-input writes
+    come back as trailing ``aten.copy_`` nodes.  Both graphs are captured for inspection.
+    """
+
+    def __init__(self, compiler_config=None, custom_decompositions=None):
+        self.config = compiler_config or CompilerConfig()
+        self.decompositions = dict(custom_decompositions or {})
+        self.graphs: list[CapturedGraph] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from graphgen.npu.check.aotcheck import model_torchair_reinplace
+
+        mode = self.config.mode.value
+
+        def fw_compiler(aot_gm: torch.fx.GraphModule, inputs):
+            raw = copy.deepcopy(aot_gm)
+            done = model_torchair_reinplace(aot_gm, mode)
+            self.graphs.append(CapturedGraph(mode, raw, aot_gm, list(example_inputs), done))
+            return aot_gm.forward
+
+        # the mode-dependent limits (e.g. TND in reduce-overhead) are checked while AOT traces
+        with oplib.tracing_mode(mode):
+            return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
+                                         inference_compiler=fw_compiler, keep_inference_input_mutations=True,
+                                         decompositions=self.decompositions)
+
+
+def _get_npu_backend(*, compiler_config=None, custom_decompositions=None):
+    return StandinBackend(compiler_config, custom_decompositions)
+
+
+def _cache_compile(func, *, config=None, dynamic=True, cache_dir=None, global_rank=None, tp_rank=None,
+                   pp_rank=None, **kwargs):
+    # Pass-through: the stand-in has no disk cache.
+    return func
+
+
+def _build_modules() -> dict[str, types.ModuleType]:
+    def mod(name, doc, **attrs):
+        m = types.ModuleType(name, doc)
+        m.__file__ = STANDIN_LABEL
+        m.__graphgen_standin__ = True
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        return m
+
+    doc = "CPU STAND-IN for torchair (graphgen.npu.standin.fakes): graph structure and wiring checks only, not NPU behaviour."
+    scope = mod("torchair.scope", doc, npu_stream_switch=_npu_stream_switch, npu_wait_tensor=_npu_wait_tensor)
+    ops = mod("torchair.ops", doc, record=_record, wait=_wait, npu_create_tagged_event=_npu_create_tagged_event,
+              npu_tagged_event_record=_npu_tagged_event_record, npu_tagged_event_wait=_npu_tagged_event_wait,
+              npu_record_tagged_stream=_npu_record_tagged_stream)
+    inference = mod("torchair.inference", doc, cache_compile=_cache_compile)
+    torchair = mod("torchair", doc, scope=scope, ops=ops, inference=inference, CompilerConfig=CompilerConfig,
+                   get_npu_backend=_get_npu_backend)
+    tn_doc = "CPU STAND-IN for torch_npu (graphgen.npu.standin.fakes): torch_npu.<op> -> torch.ops.npu.<op>."
+    torch_npu = mod("torch_npu", tn_doc, **{n: getattr(torch.ops.npu, n) for n in NPU_OPS})
+    return {"torchair": torchair, "torchair.scope": scope, "torchair.ops": ops,
+            "torchair.inference": inference, "torch_npu": torch_npu}
+
+
+def install() -> bool:
+    """Install the stand-in; returns False (and does nothing) when torch_npu is installed."""
+    if torch_npu_available():
+        return False
+    if _state["installed"]:
+        if _state.get("modules"):
+            sys.modules.update(_state["modules"])  # re-insert after uninstall(); ops stay registered
+        return True
+    manifest = json.loads(_MANIFEST.read_text())
+    oplib.register_ops(manifest)
+    mods = _build_modules()
+    _state["modules"] = mods
+    for name, m in mods.items():
+        existing = sys.modules.get(name)
+        if existing is not None and not getattr(existing, "__graphgen_standin__", False):
+            raise RuntimeError(f"a real {name} module is already imported; refusing to shadow it")
+        sys.modules[name] = m
+    _state["installed"] = True
+    return True
+
+
+def uninstall() -> None:
+    """Remove the fake ``torchair``/``torch_npu`` modules from ``sys.modules`` (the registered ops stay).
+
+    Other libraries probe ``importlib.util.find_spec("torch_npu")`` (transformers does): a stand-in
+    left in ``sys.modules`` would make them fail or, worse, believe an NPU is present."""
+    for name, m in (_state.get("modules") or {}).items():
+        if sys.modules.get(name) is m:
+            del sys.modules[name]
+
+
+def is_standin(module) -> bool:
+    return bool(getattr(module, "__graphgen_standin__", False))
+
+
+@contextlib.contextmanager
+def fresh_tags():
+    """Tagged-event tags are process-global (as in torchair); tests use this to start clean."""
+    saved = dict(_TAGS)
+    _TAGS.clear()
+    try:
+        yield
+    finally:
+        _TAGS.clear()
+        _TAGS.update(saved)

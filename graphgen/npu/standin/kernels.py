@@ -1,0 +1,398 @@
+"""CPU and meta reference kernels of the ``npu::`` ops graphgen's NPU lowering uses.
+
+Written from the torch-npu 2.14.0 wheel's kernel docs (``torch_npu/_op_plugin_docs.py``), NOT from
+``graphgen/runtime/core/ops.py``: the wiring tests compare an NPU module run through these kernels with
+the CPU target, and that comparison means something only while the two are written independently.
+Plain torch; they run on CPU tensors, and the shape-faithful ones on meta tensors too.  The
+documented LIMITS of each kernel (dtypes, head dims, block sizes, query lengths) are data in
+``graphgen/npu/check/limits.py`` and are checked by ``graphgen/npu/standin/oplib.py`` before these kernels run.
+Registered as ``torch.ops.npu.*`` by ``oplib``; nothing here runs on an NPU.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+def _nd_index(self, indices):
+    # "indices中的索引数据不支持越界": reject what torch indexing would silently wrap (negatives) or
+    # what the kernel does not define, so a miswired kv_index fails loudly instead of landing elsewhere.
+    idx = indices.long()
+    a = idx.shape[-1]
+    bounds = torch.tensor(self.shape[:a], dtype=torch.long, device=idx.device)
+    if idx.numel() and ((idx < 0).any() or (idx >= bounds).any()):
+        raise IndexError(f"npu_scatter_nd_update: index out of range for input of shape {tuple(self.shape)}")
+    return tuple(idx.unbind(-1))
+
+
+def _scatter_nd_update(self, indices, updates):
+    out = self.clone()
+    out[_nd_index(self, indices)] = updates.to(out.dtype)
+    return out
+
+
+def _scatter_nd_update_(self, indices, updates):
+    self[_nd_index(self, indices)] = updates.to(self.dtype)
+    return self
+
+
+def _pa_write(cache, src, slots):
+    # cache_mode='Norm' layout: cache[num_blocks, block_size, ...], slot = block * block_size + offset
+    flat = cache.view(-1, *cache.shape[2:])
+    flat[slots.long()] = src.reshape(src.shape[0], *cache.shape[2:]).to(cache.dtype)
+
+
+def _scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
+                         compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
+    _pa_write(key_cache, key, slot_mapping)
+    _pa_write(value_cache, value, slot_mapping)
+
+
+def _scatter_pa_kv_cache_functional(key, value, key_cache, value_cache, slot_mapping, **kw):
+    k, v = key_cache.clone(), value_cache.clone()
+    _scatter_pa_kv_cache(key, value, k, v, slot_mapping, **kw)
+    return k, v
+
+
+def _rms_norm(x, gamma, epsilon=1e-6):
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    return (x.float() * rstd).to(x.dtype) * gamma, rstd
+
+
+def _add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    x = x1 + x2
+    y, rstd = _rms_norm(x, gamma, epsilon)
+    return y, rstd, x
+
+
+def _swiglu(x, dim=-1):
+    a, b = x.chunk(2, dim=dim)
+    return torch.nn.functional.silu(a) * b
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    # Documented: rotary_mode "half" is x * cos + rotate_half(x) * sin; BSND: q [B,S,N,D], cos [B,S,1,D].
+    if layout != "BSND" or rotary_mode != "half":
+        raise NotImplementedError(f"stand-in npu_apply_rotary_pos_emb models layout BSND, rotary_mode half only "
+                                  f"(got {layout!r}, {rotary_mode!r})")
+    if query.dim() != 4 or cos.dim() != 4 or cos.shape[2] != 1 or cos.shape[:2] != query.shape[:2]:
+        raise ValueError(f"npu_apply_rotary_pos_emb BSND: query {tuple(query.shape)}, cos {tuple(cos.shape)}")
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _interleave_rope(x, cos, sin):
+    # Documented formula (torch_npu.npu_interleave_rope / aclnnInterleaveRope): x is [B, N, S, D],
+    #   q = reshape(x, [B, N, S, D//2, 2]).transpose(-1, -2).reshape([B, N, S, D])   (de-interleave)
+    #   y = q * cos + RotateHalf(q) * sin
+    # so the output comes out DE-interleaved, as transformers' DeepSeek RoPE produces and caches.
+    if x.dim() != 4 or cos.dim() != 4 or cos.shape[1] != 1:
+        raise ValueError(f"npu_interleave_rope: x must be [B,N,S,D] and cos [B,1,S,D]; got {tuple(x.shape)}, "
+                         f"{tuple(cos.shape)}")
+    b, n, s, d = x.shape
+    q = x.reshape(b, n, s, d // 2, 2).transpose(-1, -2).reshape(b, n, s, d)
+    return q * cos + _rotate_half(q) * sin
+
+
+_MASK_SIZE = 2048
+# fused_infer_attention_score features the templates never use: a non-default value is refused rather
+# than silently ignored (the stand-in would then compute something the kernel does not).
+_FIA_UNMODELLED = ("pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
+                   "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
+                   "value_antiquant_scale", "value_antiquant_offset", "query_padding_size", "kv_padding_size",
+                   "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len", "key_rope_antiquant_scale")
+
+
+def _fia_dims(query, key, value, kw):
+    n = int(kw.get("num_heads", 1))
+    nkv = int(kw.get("num_key_value_heads", 0)) or n  # 0: as many kv heads as query heads
+    if kw.get("input_layout", "BSH") != "TND" or kw.get("block_table") is None:
+        raise NotImplementedError("stand-in npu_fused_infer_attention_score models input_layout='TND' with "
+                                  "page attention (block_table, block_size) only")
+    if key.dim() != 3 or value.dim() != 3:
+        raise NotImplementedError("stand-in page attention models the (blocknum, blocksize, H) cache layout only")
+    if query.dim() != 3 or query.shape[1] != n or n % nkv:
+        raise ValueError(f"TND query must be [T, num_heads={n}, D] with num_heads a multiple of "
+                         f"num_key_value_heads={nkv}; got {tuple(query.shape)}")
+    if key.shape[-1] % nkv or value.shape[-1] % nkv:
+        raise ValueError(f"cache H ({key.shape[-1]}, {value.shape[-1]}) is not a multiple of num_key_value_heads {nkv}")
+    return n, nkv, key.shape[-1] // nkv, value.shape[-1] // nkv
+
+
+# ---- the non-paged TND form (DeepSeek prefill/splitfuse, un-absorbed MLA on up-projected K/V) -------
+# Documented for query D != 512 without query_rope (torch-npu 2.14.0 _op_plugin_docs.py:8730-8737;
+# op-plugin docs "当query的d不等于512时"): Q_D = K_D = 192, V_D 128/192, Q_N = K_N = V_N, bfloat16
+# only, both length lists cumulative, sparse_mode 0 or 3 with the 2048x2048 causal mask.  The absorbed
+# form (query_rope) keeps its 1-16 query tokens per sequence (:8174-8176, v2 :8722-8724).
+MAX_SEQUENCES = 4096
+
+
+def _lengths(cum) -> list[int]:
+    cum = [int(x) for x in (cum or [])]
+    if not cum or any(b < a for a, b in zip([0] + cum, cum)):
+        raise ValueError(f"TND needs non-decreasing cumulative lengths, got {cum}")
+    return [b - a for a, b in zip([0] + cum, cum)]
+
+
+def _non_paged_tnd(query, key, value, **kw):
+    if kw.get("query_rope") is not None or kw.get("key_rope") is not None:
+        raise NotImplementedError("stand-in models non-paged TND without query_rope/key_rope only")
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        raise ValueError(f"non-paged TND: query/key/value must be [T, N, D]; got {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+    # dtype, head dims and head counts: limits.py rows fia.dense.* (checked before this kernel runs)
+    n = int(kw.get("num_heads", 1))
+    q_lens, kv_lens = _lengths(kw.get("actual_seq_lengths")), _lengths(kw.get("actual_seq_lengths_kv"))
+    if len(q_lens) != len(kv_lens) or len(q_lens) > MAX_SEQUENCES:
+        raise ValueError(f"actual_seq_lengths/_kv: {len(q_lens)} and {len(kv_lens)} sequences (equal, <= 4096)")
+    if sum(q_lens) > query.shape[0] or sum(kv_lens) > key.shape[0]:
+        raise ValueError("cumulative lengths exceed the query/key token count")
+    mode, mask = int(kw.get("sparse_mode", 0)), kw.get("atten_mask")
+    if mode == 3:
+        causal = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=query.device), 1)
+        if mask is None or mask.shape[-2:] != (2048, 2048) or not torch.equal(mask.reshape(2048, 2048).bool(), causal):
+            raise ValueError("sparse_mode=3 needs the compressed 2048x2048 causal atten_mask")
+    elif mode != 0 or mask is not None:
+        raise NotImplementedError("stand-in models sparse_mode 0 without a mask or 3 with the causal mask only")
+    scale = float(kw.get("scale", 1.0))
+    out = query.new_zeros(query.shape[0], n, value.shape[-1])
+    qs = ks = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        if q_len:
+            if mode == 3 and kv_len < q_len:
+                raise ValueError(f"sparse_mode=3: a sequence has {q_len} queries but {kv_len} keys")
+            q, k, v = (t.float() for t in (query[qs:qs + q_len], key[ks:ks + kv_len], value[ks:ks + kv_len]))
+            scores = torch.einsum("qnd,snd->nqs", q, k) * scale
+            if mode == 3:  # right-down causal: query i sees key j iff j <= kv_len - q_len + i
+                seen = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+                scores = scores.masked_fill(~seen, float("-inf"))
+            out[qs:qs + q_len] = torch.einsum("nqs,snd->qnd", torch.softmax(scores, dim=-1), v).to(out.dtype)
+        qs, ks = qs + q_len, ks + kv_len
+    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+
+
+def _fia(query, key, value, **kw):
+    if kw.get("input_layout", "BSH") == "TND" and kw.get("block_table") is None:
+        return _non_paged_tnd(query, key, value, **kw)
+    return _fia_paged(query, key, value, **kw)
+
+
+def _fia_paged(query, key, value, **kw):
+    """The paged TND form of npu_fused_infer_attention_score, as the torch-npu docs describe it.
+
+    * ``actual_seq_lengths``: CUMULATIVE query lengths (TND; its length is the batch B);
+      ``actual_seq_lengths_kv``: per-sequence KV lengths (page attention), len B.
+    * ``key``/``value``: paged caches ``[blocknum, block_size, KV_N * D]``; sequence b's position p is
+      at ``block_table[b, p // block_size]``, offset ``p % block_size``; ``block_table`` [B, M] int32.
+    * ``num_key_value_heads`` (GQA): query head h reads kv head ``h // (num_heads / num_key_value_heads)``.
+    * ``sparse_mode=3`` (rightDownCausal, compressed 2048x2048 lower-triangular mask): query i of a
+      sequence with q_len queries and kv_len keys sees key j iff ``j <= kv_len - q_len + i``;
+      ``sparse_mode=0`` without a mask: every query sees all kv_len keys (decode).
+    * MLA: ``query_rope``/``key_rope`` add a rope part, scores = scale * (q.k + q_rope.k_rope); the
+      absorbed form passes the latent cache as both key and value.
+    Returns (attention_out [T, N, D_v], softmax_lse) -- lse is the documented [1] zero tensor for
+    softmax_lse_flag=False.  Plain torch, float32 softmax; written from the docs, not from the runtime.
+    """
+    for name in _FIA_UNMODELLED:
+        if kw.get(name) is not None:
+            raise NotImplementedError(f"stand-in npu_fused_infer_attention_score does not model {name}")
+    if kw.get("softmax_lse_flag", False):
+        raise NotImplementedError("stand-in npu_fused_infer_attention_score does not model softmax_lse_flag=True")
+    n, nkv, dk, dv = _fia_dims(query, key, value, kw)
+    q_rope, k_rope = kw.get("query_rope"), kw.get("key_rope")
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("query_rope and key_rope must be given together")
+    if query.shape[-1] != dk:
+        raise ValueError(f"query D {query.shape[-1]} != key D {dk}")
+    table = kw["block_table"]
+    if table.dtype != torch.int32 or table.dim() != 2:
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
+    bs = int(kw.get("block_size", 0))
+    if bs != key.shape[1]:
+        raise ValueError(f"block_size {bs} != the cache's block size {key.shape[1]}")
+    cum = [int(x) for x in (kw.get("actual_seq_lengths") or [])]
+    kv_lens = [int(x) for x in (kw.get("actual_seq_lengths_kv") or [])]
+    nb = len(cum)
+    if nb == 0 or len(kv_lens) != nb or table.shape[0] != nb:
+        raise ValueError(f"TND needs actual_seq_lengths (len B) and actual_seq_lengths_kv (len B) matching "
+                         f"block_table's B: {len(cum)}, {len(kv_lens)}, {table.shape[0]}")
+    if cum[-1] > query.shape[0] or any(b < a for a, b in zip([0] + cum, cum)):
+        raise ValueError(f"actual_seq_lengths must be non-decreasing cumulative lengths <= T, got {cum}")
+    mode, mask = int(kw.get("sparse_mode", 0)), kw.get("atten_mask")
+    if mode == 3:
+        if mask is None or mask.reshape(-1, mask.shape[-1]).shape != (_MASK_SIZE, _MASK_SIZE):
+            raise ValueError("sparse_mode=3 needs the compressed 2048x2048 atten_mask")
+        if not torch.equal(mask.reshape(_MASK_SIZE, _MASK_SIZE).bool(),
+                           torch.triu(torch.ones(_MASK_SIZE, _MASK_SIZE, dtype=torch.bool, device=mask.device), 1)):
+            raise ValueError("sparse_mode=3: atten_mask must be the causal mask (True above the diagonal)")
+    elif mode == 0:
+        if mask is not None:
+            raise NotImplementedError("stand-in models sparse_mode=0 without atten_mask only")
+    else:
+        raise NotImplementedError(f"stand-in models sparse_mode 0 and 3 only, got {mode}")
+    scale = float(kw.get("scale", 1.0))
+    rep = n // nkv
+    nblocks = key.shape[0]
+    out = query.new_zeros(query.shape[0], n, dv)
+    start = 0
+    for b in range(nb):
+        end, kv_len = cum[b], kv_lens[b]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        if kv_len < (q_len if mode == 3 else 1):
+            raise ValueError(f"sequence {b}: actual_seq_lengths_kv {kv_len} too short for {q_len} queries")
+        need = (kv_len + bs - 1) // bs
+        if need > table.shape[1]:
+            raise ValueError(f"sequence {b}: {need} blocks needed, block_table has {table.shape[1]} columns")
+        ids = table[b, :need].long()
+        if (ids < 0).any() or (ids >= nblocks).any():
+            raise IndexError(f"sequence {b}: block id out of range [0, {nblocks}): {ids.tolist()}")
+
+        def gather(cache, heads, d):
+            return cache.index_select(0, ids).reshape(need * bs, heads, d)[:kv_len].float()
+
+        k = gather(key, nkv, dk).repeat_interleave(rep, dim=1)      # [S, N, D]
+        v = gather(value, nkv, dv).repeat_interleave(rep, dim=1)    # [S, N, Dv]
+        q = query[start:end].float()                                # [q, N, D]
+        scores = torch.einsum("qnd,snd->nqs", q, k)
+        if q_rope is not None:
+            kr = gather(k_rope, nkv, k_rope.shape[-1] // nkv).repeat_interleave(rep, dim=1)
+            scores = scores + torch.einsum("qnd,snd->nqs", q_rope[start:end].float(), kr)
+        scores = scores * scale
+        if mode == 3:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("nqs,snd->qnd", probs, v).to(out.dtype)
+        start = end
+    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+
+
+def _fia_meta(query, key, value, **kw):
+    if kw.get("input_layout", "BSH") == "TND" and kw.get("block_table") is None:
+        return query.new_empty(query.shape[0], query.shape[1], value.shape[-1]), query.new_empty(1, dtype=torch.float32)
+    return _fia_paged_meta(query, key, value, **kw)
+
+
+def _fia_paged_meta(query, key, value, **kw):
+    n = int(kw.get("num_heads", 1))
+    nkv = int(kw.get("num_key_value_heads", 0)) or n
+    dv = value.shape[-1] // nkv if value.dim() == 3 else value.shape[-1]
+    return query.new_empty(query.shape[0], n, dv), query.new_empty(1, dtype=torch.float32)
+
+
+# MoE kernels.  Semantics are our reading of the torch_npu docs / vllm-ascend usage, never checked
+# against the NPU kernels; they exist so the DeepSeek graph traces and its shapes/wiring are exercised.
+def _moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                      group_select_mode=0, renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+                      eps=1e-20):
+    # norm_type 1: sigmoid scores; selection uses scores + bias, grouped: keep the k_group groups with the
+    # best group score (group_select_mode 1: sum of the group's top-2; 0: its max); weights are the
+    # unbiased scores of the chosen experts, times routed_scaling_factor (no renormalisation modelled).
+    scores = torch.sigmoid(x.float()) if norm_type == 1 else torch.softmax(x.float(), dim=-1)
+    sel = scores if bias is None else scores + bias.float()
+    t, e = sel.shape
+    if group_count > 1:
+        grouped = sel.view(t, group_count, e // group_count)
+        gs = grouped.topk(2, dim=-1).values.sum(-1) if group_select_mode == 1 else grouped.max(-1).values
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(k_group, dim=-1).indices, 1.0)
+        sel = sel.masked_fill(keep.repeat_interleave(e // group_count, dim=1) == 0, float("-inf"))
+    ids = sel.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids) * routed_scaling_factor
+    return weights.to(x.dtype), ids.to(torch.int32), scores.to(x.dtype)
+
+
+def _moe_gating_top_k_meta(x, k, **kw):
+    t, e = x.shape
+    return x.new_empty(t, k), x.new_empty(t, k, dtype=torch.int32), x.new_empty(t, e)
+
+
+def _moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                         expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                         quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+    # Rows of x permuted so each expert's rows are contiguous (stable by expert id); expanded_row_idx[i]
+    # is the permuted position of flattened (token, k) pair i; expert_tokens = rows per expert
+    # (expert_tokens_num_type 1: counts; 0: cumulative).
+    t, k = expert_idx.shape
+    flat = expert_idx.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    expanded_x = x.index_select(0, order // k)
+    row_idx = torch.empty_like(order)
+    row_idx[order] = torch.arange(order.numel())
+    n = expert_num if expert_num > 0 else int(flat.max()) + 1
+    counts = torch.bincount(flat, minlength=n)[:n]
+    tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
+    return expanded_x, row_idx.to(torch.int32), tokens.to(torch.int64), x.new_empty(0, dtype=torch.float32)
+
+
+def _moe_init_routing_v2_meta(x, expert_idx, *, expert_num=-1, **kw):
+    tk = expert_idx.numel()
+    return (x.new_empty(tk, x.shape[-1]), x.new_empty(tk, dtype=torch.int32),
+            x.new_empty(expert_num, dtype=torch.int64), x.new_empty(0, dtype=torch.float32))
+
+
+def _grouped_matmul(x, weight, *, group_list=None, group_list_type=0, split_item=0, **kw):
+    # One x [M, K] split into row groups (group_list: counts if group_list_type 1, else cumulative ends),
+    # group g multiplied by weight[0][g] ([E, K, N]); split_item 2/3: a single concatenated output.
+    xs, w = x[0], weight[0]
+    counts = group_list.long() if group_list_type == 1 else torch.diff(group_list.long(), prepend=group_list.new_zeros(1))
+    outs = [xi @ w[g] for g, xi in enumerate(torch.split(xs, counts.tolist(), dim=0))]
+    return [torch.cat(outs, dim=0) if outs else xs.new_empty(0, w.shape[-1])]
+
+
+def _grouped_matmul_meta(x, weight, **kw):
+    return [x[0].new_empty(x[0].shape[0], weight[0].shape[-1])]
+
+
+def _moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                          export_for_source_row, drop_pad_mode=0, k=1):
+    # out[t] = skip1[t] + skip2[t] + sum_j scales[t, j] * rows[expanded_src_to_dst_row[t*K + j]]
+    t, kk = scales.shape
+    rows = expanded_permuted_rows.index_select(0, expanded_src_to_dst_row.long()).view(t, kk, -1)
+    out = (rows * scales.unsqueeze(-1).to(rows.dtype)).sum(1)
+    for extra in (skip1, skip2):
+        if extra is not None:
+            out = out + extra
+    return out
+
+
+def _moe_finalize_routing_meta(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row=None,
+                               export_for_source_row=None, drop_pad_mode=0, k=1):
+    return expanded_permuted_rows.new_empty(scales.shape[0], expanded_permuted_rows.shape[-1])
+
+
+CPU_KERNELS: dict[str, Callable] = {
+    "npu_moe_gating_top_k": _moe_gating_top_k,
+    "npu_moe_init_routing_v2": _moe_init_routing_v2,
+    "npu_grouped_matmul": _grouped_matmul,
+    "npu_moe_finalize_routing": _moe_finalize_routing,
+    "npu_scatter_nd_update": _scatter_nd_update,
+    "npu_scatter_nd_update_": _scatter_nd_update_,
+    "npu_scatter_pa_kv_cache": _scatter_pa_kv_cache,
+    "npu_scatter_pa_kv_cache_functional": _scatter_pa_kv_cache_functional,
+    "npu_rms_norm": _rms_norm,
+    "npu_add_rms_norm": _add_rms_norm,
+    "npu_swiglu": _swiglu,
+    "npu_apply_rotary_pos_emb": _apply_rotary_pos_emb,
+    "npu_interleave_rope": _interleave_rope,
+    "npu_fused_infer_attention_score": _fia,
+}
+# Meta kernels: the CPU reference kernels are shape-faithful, so most run on meta tensors as-is.
+META_KERNELS: dict[str, Callable] = {
+    "npu_scatter_nd_update": lambda self, indices, updates: torch.empty_like(self),
+    "npu_scatter_nd_update_": lambda self, indices, updates: self,
+    "npu_scatter_pa_kv_cache": lambda *a, **k: None,
+    "npu_scatter_pa_kv_cache_functional": lambda key, value, kc, vc, sm, **k: (torch.empty_like(kc),
+                                                                              torch.empty_like(vc)),
+    "npu_fused_infer_attention_score": _fia_meta,
+    "npu_moe_gating_top_k": _moe_gating_top_k_meta,
+    "npu_moe_init_routing_v2": _moe_init_routing_v2_meta,
+    "npu_grouped_matmul": _grouped_matmul_meta,
+    "npu_moe_finalize_routing": _moe_finalize_routing_meta,
+}

@@ -1,0 +1,195 @@
+"""Hugging Face checkpoint I/O for the CPU runtime.
+
+``load_hf_weights`` reads ``model.safetensors`` (or a sharded ``model.safetensors.index.json``)
+into a flat dict keyed by checkpoint names, checks every key and shape against the layout that
+``config.json`` implies (the family's layout, graphgen/families), and stacks MoE experts into
+``model.layers.N.mlp.experts.{gate,up,down}_proj.weight`` ``[E, ...]``.
+
+``write_random_hf_checkpoint`` writes a random checkpoint in the same layout, with a config.json
+transformers can load, without importing transformers (demo and benchmarks run without it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+
+import torch
+
+from ...families import BY_HF_MODEL_TYPE, FAMILIES
+
+Tensor = torch.Tensor
+
+__all__ = ["load_hf_weights", "write_random_hf_checkpoint", "checkpoint_layout", "family_of_config",
+           "WeightsError"]
+
+_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not match what its config.json describes."""
+
+
+def family_of_config(config: dict) -> str:
+    mt = config.get("model_type")
+    if mt not in BY_HF_MODEL_TYPE:
+        raise WeightsError(f"unsupported model_type {mt!r} in config.json (supported: {sorted(BY_HF_MODEL_TYPE)})")
+    return BY_HF_MODEL_TYPE[mt].name
+
+
+def _family(name: str):
+    if name not in FAMILIES:
+        raise WeightsError(f"unknown model family {name!r} (expected {' or '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def checkpoint_layout(family: str, dims) -> dict[str, tuple]:
+    """Checkpoint key -> shape, as a Hugging Face checkpoint of this family stores it (experts
+    unstacked, ``lm_head.weight`` included even when tied); ``dims`` is a dims object or a
+    config.json dict. The family's layout (graphgen/families) is the one source."""
+    fam = _family(family)
+    try:
+        return fam.checkpoint_layout(fam.dims_of(dims))
+    except TypeError as e:  # a required dim is missing from the config
+        raise WeightsError(f"config.json does not describe a {family} model: {e}") from None
+
+
+def _empty(shape) -> bool:
+    return 0 in tuple(shape)
+
+
+def _read_tensors(hf_dir: str) -> dict[str, Tensor]:
+    from safetensors import safe_open
+
+    single = os.path.join(hf_dir, "model.safetensors")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(single):
+        files = {single: None}
+    elif os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {}
+        for key, fname in weight_map.items():
+            files.setdefault(os.path.join(hf_dir, fname), []).append(key)
+    else:
+        raise WeightsError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json found")
+    out: dict[str, Tensor] = {}
+    for path, keys in files.items():
+        if not os.path.exists(path):
+            raise WeightsError(f"{hf_dir}: shard {os.path.basename(path)} named in the index is missing")
+        with safe_open(path, framework="pt") as f:
+            present = set(f.keys())
+            for key in (keys if keys is not None else sorted(present)):
+                if key not in present:
+                    raise WeightsError(f"{path}: index lists {key!r} but the shard does not hold it")
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """Flat ``{checkpoint key: tensor}`` in ``dtype``, validated against config.json."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    family = family_of_config(config)
+    layout = checkpoint_layout(family, config)
+    fp32 = FAMILIES[family].fp32_suffixes
+    raw = _read_tensors(hf_dir)
+    L = config["num_hidden_layers"]
+
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw:
+        raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
+
+    # keys a loader may skip: layers past num_hidden_layers are DeepSeek's MTP module, and
+    # rotary inv_freq buffers are recomputed from the config
+    def ignorable(key: str) -> bool:
+        m = _LAYER_KEY.match(key)
+        return (m is not None and int(m.group(1)) >= L) or key.endswith("rotary_emb.inv_freq")
+
+    # zero-size entries are weights the model does not have (n_shared_experts: 0): transformers
+    # writes them empty, other writers leave them out; either way they are not loaded
+    missing = [k for k, shape in layout.items() if k not in raw and not _empty(shape)]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise WeightsError(f"{hf_dir}: checkpoint is missing key(s) {missing[:5]}{more} for a {family} "
+                           f"model as config.json describes it")
+    unexpected = [k for k in raw if k not in layout and not ignorable(k)]
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise WeightsError(f"{hf_dir}: unexpected checkpoint key(s) {unexpected[:5]}{more} for a {family} model")
+    for key, shape in layout.items():
+        if key not in raw:  # an absent empty weight
+            continue
+        got = tuple(raw[key].shape)
+        if got != tuple(shape):
+            raise WeightsError(f"{hf_dir}: {key} has shape {list(got)}, expected {list(shape)} from config.json")
+
+    out: dict[str, Tensor] = {}
+    stacks: dict[tuple[int, str], dict[int, Tensor]] = {}
+    for key, shape in layout.items():
+        if _empty(shape):
+            continue
+        t = raw[key]
+        m = _EXPERT_KEY.match(key)
+        if m:
+            stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
+            continue
+        out[key] = t.to(torch.float32 if fp32 and key.endswith(fp32) else dtype)
+    for (layer, proj), per_expert in sorted(stacks.items()):
+        tensors = [per_expert[e] for e in range(len(per_expert))]
+        out[f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"] = torch.stack(tensors).to(dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# random checkpoints
+# --------------------------------------------------------------------------------------------
+
+def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int = 0,
+                               dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> str:
+    """Write ``config.json`` + ``model.safetensors`` with random weights; returns ``out_dir``.
+    With ``tokenizer`` (and the ``tokenizers`` package installed) also a byte-level BPE tokenizer of
+    exactly ``vocab_size`` tokens (``runtime.tokenizer.write_tokenizer``), so text prompts work.
+
+    Scales keep activations and logits O(1): matrices ~ N(0, (1/sqrt(fan_in))^2) clipped to
+    std 0.02..0.1, norms ~ 1 + N(0, 0.05^2), embeddings std 0.1 (normed right after), and a small
+    random e_score_correction_bias so the biased routing choice is exercised."""
+    from safetensors.torch import save_file
+
+    fam = _family(family)
+    d = fam.dims_of(dims)
+    cfg = fam.hf_config(d, str(dtype).replace("torch.", ""))
+    layout = fam.checkpoint_layout(d)
+    if cfg["tie_word_embeddings"]:
+        layout.pop("lm_head.weight")  # tied checkpoints omit it; the loader re-adds it
+
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, Tensor] = {}
+    for key, shape in layout.items():
+        if _empty(shape):  # written empty, as transformers does (n_shared_experts: 0)
+            t = torch.zeros(shape)
+        elif len(shape) == 1:
+            if key.endswith("e_score_correction_bias"):
+                t = 0.05 * torch.randn(shape, generator=g)
+            else:  # RMSNorm weights
+                t = 1.0 + 0.05 * torch.randn(shape, generator=g)
+        elif key in ("model.embed_tokens.weight",):
+            t = 0.1 * torch.randn(shape, generator=g)
+        else:
+            std = min(max(shape[1] ** -0.5, 0.02), 0.1)
+            t = std * torch.randn(shape, generator=g)
+        fp32 = fam.fp32_suffixes
+        tensors[key] = t.to(torch.float32 if fp32 and key.endswith(fp32) else dtype).contiguous()
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer and importlib.util.find_spec("tokenizers") is not None:
+        from .tokenizer import write_tokenizer
+
+        write_tokenizer(out_dir, cfg["vocab_size"])
+    return out_dir

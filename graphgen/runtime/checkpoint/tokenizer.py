@@ -1,0 +1,81 @@
+"""A tokenizer for the random checkpoints, so text prompts work end to end.
+
+Byte-level BPE trained with ``tokenizers`` on text the repository ships (``docs/*.md`` and the
+README), to **exactly** the model's vocabulary size: 256 byte tokens (any text is encodable), then,
+when the vocabulary has room, the special tokens, then merges; if the text runs out of merges the
+rest is filled with ``<|reserved_N|>`` specials. A vocabulary of exactly 256 (the tiny specs) is the
+byte alphabet alone: no merges and no special tokens — the chat template then uses plain-text
+markers. Saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with a chat template), which
+``transformers.AutoTokenizer.from_pretrained(folder)`` loads. Deterministic: the same corpus and
+vocab size give byte-identical files (the corpus files are read in sorted order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+__all__ = ["write_tokenizer", "default_corpus", "CHAT_TEMPLATE_SPECIAL", "CHAT_TEMPLATE_PLAIN"]
+
+BYTE_ALPHABET = 256
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# The ChatML layout when the specials exist; plain-text role markers otherwise (byte vocabularies).
+CHAT_TEMPLATE_SPECIAL = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE_PLAIN = (
+    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+
+
+def default_corpus() -> list[Path]:
+    """The repository's own prose: docs/*.md and README.md (sorted, so training is reproducible)."""
+    root = Path(__file__).resolve().parents[3]
+    files = sorted((root / "docs").glob("*.md")) + [root / "README.md"]
+    return [f for f in files if f.is_file()]
+
+
+def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[Path]] = None) -> Optional[str]:
+    """Write a byte-level BPE tokenizer of exactly ``vocab_size`` tokens into ``out_dir``; returns
+    the path of ``tokenizer.json``, or None when ``vocab_size < 256`` (no byte-level tokenizer fits:
+    such checkpoints take token-id prompts only)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < BYTE_ALPHABET:
+        return None
+    specials = list(SPECIALS) if vocab_size >= BYTE_ALPHABET + len(SPECIALS) else []
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    texts = [Path(f).read_text(encoding="utf-8") for f in (default_corpus() if corpus is None else corpus)]
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    short = vocab_size - tok.get_vocab_size()
+    if short > 0:  # the corpus ran out of merges: fill with reserved specials
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)])
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {vocab_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "tokenizer.json")
+    tok.save(path, pretty=False)
+    eos = SPECIALS[0] if specials else None
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1 << 20,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "bos_token": None,
+        "eos_token": eos,
+        "pad_token": eos,
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE_SPECIAL if specials else CHAT_TEMPLATE_PLAIN,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return path

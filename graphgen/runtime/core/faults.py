@@ -1,0 +1,178 @@
+"""Fault injection for tests and demos of the asynchronous KV save path.
+
+`Faults` holds the knobs; the runtime calls its hooks at fixed points:
+
+* ``save_delay_s``   -- ``faults.save_sleep()`` inside each save op on the ``kv_save`` stream: makes
+  the save lag behind the forward, so a missing event or a block reused too early shows up.
+* ``forward_delay_s`` -- ``faults.forward_sleep()`` before each KV write on the ``main`` stream: makes
+  the forward lag, so a save that does not wait for its event reads unwritten KV.
+* ``load_delay_s``   -- ``faults.load_sleep()`` inside each load op on the ``kv_load`` stream: makes
+  the history load lag, so a KV write or attention that does not wait for its load reads a stale block.
+* ``put_delay_s``    -- sleep in each pool put (via `FaultyPool`): a slow pool (e.g. Mooncake over TCP).
+* ``put_fail``       -- probability in [0, 1] that a put fails, or a callable ``key -> bool``. The
+  draw is deterministic: a hash of (seed, key, attempt number of that key), so the outcome does not
+  depend on thread interleaving and a retry of the same key gets a fresh draw.
+* ``seed``           -- seeds the ``put_fail`` draw.
+
+CLI form (`Faults.parse`): ``save_delay=0.05,put_fail=0.5,forward_delay=0.01,put_delay=0.02,load_delay=0.01,seed=1``
+(the ``_s`` suffix is optional; ``Faults.format`` writes this form back).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+from typing import Any, Callable, Union
+
+from ..pool.base import PoolBackend
+
+__all__ = ["Faults", "FaultyPool"]
+
+PutFail = Union[float, Callable[[str], bool]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    save_delay_s: float = 0.0
+    forward_delay_s: float = 0.0
+    put_delay_s: float = 0.0
+    put_fail: PutFail = 0.0
+    seed: int = 0
+    load_delay_s: float = 0.0
+
+    # short CLI names -> field names
+    _ALIASES = {"save_delay": "save_delay_s", "forward_delay": "forward_delay_s",
+                "put_delay": "put_delay_s", "load_delay": "load_delay_s"}
+
+    def __post_init__(self) -> None:
+        for f in ("save_delay_s", "forward_delay_s", "put_delay_s", "load_delay_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                raise ValueError(f"Faults.{f} must be a number >= 0, got {v!r}")
+        pf = self.put_fail
+        if not callable(pf) and (not isinstance(pf, (int, float)) or isinstance(pf, bool)
+                                 or not 0.0 <= pf <= 1.0):
+            raise ValueError(f"Faults.put_fail must be a probability in [0, 1] or a callable "
+                             f"key -> bool, got {pf!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"Faults.seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Faults":
+        """``"save_delay=0.05,put_fail=0.5,seed=1"`` -> Faults. Empty text -> no faults."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        known = sorted(fields | set(cls._ALIASES))
+        kw: dict[str, Any] = {}
+        for item in (p.strip() for p in text.split(",")):
+            if not item:
+                continue
+            name, eq, raw = (s.strip() for s in item.partition("="))
+            if not eq or not raw:
+                raise ValueError(f"fault {item!r}: expected name=value (known names: {known})")
+            field = cls._ALIASES.get(name, name)
+            if field not in fields:
+                raise ValueError(f"unknown fault {name!r}; known names: {known}")
+            if field in kw:
+                raise ValueError(f"fault {name!r} given twice")
+            try:
+                kw[field] = int(raw) if field == "seed" else float(raw)
+            except ValueError:
+                raise ValueError(f"fault {name!r}: {raw!r} is not "
+                                 f"{'an int' if field == 'seed' else 'a number'}") from None
+        return cls(**kw)
+
+    def format(self) -> str:
+        """The `parse` form of the non-default knobs (a callable ``put_fail`` cannot be written)."""
+        parts = []
+        for short, field in (("save_delay", "save_delay_s"), ("forward_delay", "forward_delay_s"),
+                             ("put_delay", "put_delay_s"), ("put_fail", "put_fail"),
+                             ("load_delay", "load_delay_s")):
+            v = getattr(self, field)
+            if callable(v):
+                raise ValueError("a callable put_fail has no text form")
+            if v:
+                parts.append(f"{short}={v:g}")
+        if self.seed:
+            parts.append(f"seed={self.seed}")
+        return ",".join(parts)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.save_delay_s or self.forward_delay_s or self.put_delay_s or self.load_delay_s
+                    or callable(self.put_fail) or self.put_fail)
+
+    # hooks called by the runtime ------------------------------------------------------------
+    def save_sleep(self) -> None:
+        if self.save_delay_s:
+            time.sleep(self.save_delay_s)
+
+    def forward_sleep(self) -> None:
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)
+
+    def load_sleep(self) -> None:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+
+    def put_sleep(self) -> None:
+        if self.put_delay_s:
+            time.sleep(self.put_delay_s)
+
+    def put_fails(self, key: str, attempt: int = 0) -> bool:
+        """Whether put number ``attempt`` (0-based, per key) of ``key`` fails. Pure function."""
+        pf = self.put_fail
+        if callable(pf):
+            return bool(pf(key))
+        if pf <= 0.0:
+            return False
+        if pf >= 1.0:
+            return True
+        h = hashlib.sha256(f"{self.seed}\0{attempt}\0{key}".encode()).digest()
+        return int.from_bytes(h[:8], "little") / 2.0 ** 64 < pf
+
+    def wrap_pool(self, backend: PoolBackend) -> PoolBackend:
+        """``backend`` itself when no put fault is set, else a `FaultyPool` around it."""
+        if not (self.put_delay_s or callable(self.put_fail) or self.put_fail):
+            return backend
+        return FaultyPool(backend, self)
+
+
+class FaultyPool(PoolBackend):
+    """Applies ``put_delay_s`` / ``put_fail`` of a `Faults` to any backend.
+
+    A failed put never reaches the inner backend, so nothing of it is visible (a clean failure, as the
+    pool contract requires). Reads pass straight through.
+    """
+
+    def __init__(self, inner: PoolBackend, faults: Faults):
+        self.inner = inner
+        self.faults = faults
+        self._lock = threading.Lock()
+        self._attempts: dict[str, int] = {}
+        self.failed_puts = 0
+
+    def put(self, key: str, value: bytes) -> bool:
+        with self._lock:
+            attempt = self._attempts.get(key, 0)
+            self._attempts[key] = attempt + 1
+        self.faults.put_sleep()
+        if self.faults.put_fails(key, attempt):
+            with self._lock:
+                self.failed_puts += 1
+            return False
+        return self.inner.put(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def contains(self, key: str) -> bool:
+        return self.inner.contains(key)
+
+    def leading_run(self, keys: list[str]) -> int:
+        return self.inner.leading_run(keys)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            failed = self.failed_puts
+        return dict(self.inner.stats(), injected_put_failures=failed)

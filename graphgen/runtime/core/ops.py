@@ -1,0 +1,386 @@
+"""CPU reference ops: the runtime op contract of docs/design.md ("Runtime op contract").
+
+Generated modules call these as ``rt.<op>(...)``; names, argument order and keyword names are the
+contract. Everything is pure torch and float32-exact against Hugging Face transformers (the
+reference the tests compare with at ``atol=1e-4``).
+
+Batches are token-major and flat: ``T`` new tokens of the step over all ``B`` sequences, the tokens
+of sequence ``b`` contiguous and in order, sequences in ``block_tables`` order. The KV cache is
+paged: component ``i`` is ``[num_blocks, block_size, *rest]`` and a token's slot is
+``block * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "embedding", "rms_norm", "rope_cos_sin", "qwen3_attn_prolog", "kv_write", "paged_attention",
+    "o_proj_residual", "swiglu_mlp_residual", "mla_prolog", "mla_attention", "moe_residual",
+    "lm_head", "kv_save", "kv_cache_shapes",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+
+def _linear(x: Tensor, w: Tensor) -> Tensor:
+    return F.linear(x, w)
+
+
+def _as_dict(obj) -> Optional[dict]:
+    """Accept a plain dict or a spec dataclass (e.g. ``RopeScaling``) for config-like arguments."""
+    if obj is None:
+        return None
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return dict(obj)
+
+
+def _rope_type(scaling: Optional[dict]) -> str:
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default")) or "default"
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    # YaRN's magnitude correction; no correction when the context is not extended.
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Neox/Llama RoPE: the two halves of the last dim form the rotated pairs."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek RoPE: adjacent pairs (x0,x1),(x2,x3).. rotate together. The output comes out
+    de-interleaved (all first elements, then all second elements), which is what transformers
+    produces, caches and feeds to the attention; q and k get the same permutation so q.k holds."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]  # cos/sin are cat(freqs, freqs): first half = per pair
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _seq_layout(seq_lens: Tensor, query_lens: Tensor) -> list[tuple[int, int, int]]:
+    """(token offset in the flat batch, query_len, seq_len) per sequence."""
+    q_list = [int(v) for v in query_lens.tolist()]
+    s_list = [int(v) for v in seq_lens.tolist()]
+    if len(q_list) != len(s_list):
+        raise ValueError(f"seq_lens has {len(s_list)} sequences but query_lens has {len(q_list)}")
+    out, start = [], 0
+    for q, s in zip(q_list, s_list):
+        if q > s:
+            raise ValueError(f"query_len {q} exceeds seq_len {s}")
+        out.append((start, q, s))
+        start += q
+    return out
+
+
+def _gather_seq(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
+    """The first ``seq_len`` cached positions of one sequence: [seq_len, *rest]."""
+    block_size = cache.shape[1]
+    nblocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:nblocks].long())
+    return blocks.reshape(nblocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def _causal_mask(q_len: int, seq_len: int, device) -> Tensor:
+    """True where the key is visible: query i sits at position seq_len - q_len + i."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    k_pos = torch.arange(seq_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def _masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
+    # scores [H, q, S]; softmax in float32 like transformers' eager attention.
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# the contract
+# --------------------------------------------------------------------------------------------
+
+def embedding(weight: Tensor, input_ids: Tensor) -> Tensor:
+    return F.embedding(input_ids.long(), weight)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rope_cos_sin(positions: Tensor, *, rot_dim: int, theta: float,
+                 scaling: Optional[dict] = None) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[T, rot_dim]`` laid out as ``cat(freqs, freqs)`` (transformers' layout; the
+    interleaved RoPE uses the first half). With YaRN both carry the attention factor."""
+    if rot_dim % 2:
+        raise ValueError(f"rot_dim must be even, got {rot_dim}")
+    scaling = _as_dict(scaling)
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    pos_freqs = float(theta) ** exponents
+    inv_freq = 1.0 / pos_freqs
+    attention_factor = 1.0
+    kind = _rope_type(scaling)
+    if kind == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(pos_freqs, rot_dim, float(theta), scaling)
+    elif kind != "default":
+        raise NotImplementedError(f"rope scaling type {kind!r} is not implemented (only yarn)")
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
+
+
+def _yarn_inv_freq(pos_freqs: Tensor, dim: int, base: float, scaling: dict) -> tuple[Tensor, float]:
+    """YaRN: interpolate low frequencies by ``factor``, keep high ones, blend linearly between the
+    correction dims given by beta_fast/beta_slow rotations over the original context."""
+    factor = float(scaling["factor"])
+    orig_max = float(scaling["original_max_position_embeddings"])
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    mscale = scaling.get("mscale")
+    mscale_all_dim = scaling.get("mscale_all_dim")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_extra = 1.0 / pos_freqs
+    inv_inter = 1.0 / (factor * pos_freqs)
+    inv_freq = inv_inter * (1 - extrapolation_weight) + inv_extra * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+def qwen3_attn_prolog(x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, q_norm_w: Tensor,
+                      k_norm_w: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int,
+                      num_kv_heads: int, head_dim: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    T = x.shape[0]
+    q = rms_norm(_linear(x, q_w).view(T, num_heads, head_dim), q_norm_w, eps)
+    k = rms_norm(_linear(x, k_w).view(T, num_kv_heads, head_dim), k_norm_w, eps)
+    v = _linear(x, v_w).view(T, num_kv_heads, head_dim)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return _rotate_half_rope(q, c, s), _rotate_half_rope(k, c, s), v
+
+
+def kv_write(cache: Sequence[Tensor], values: Sequence[Tensor], slot_mapping: Tensor) -> None:
+    if len(cache) != len(values):
+        raise ValueError(f"cache has {len(cache)} components but {len(values)} values were given")
+    slots = slot_mapping.long()
+    for c, v in zip(cache, values):
+        if tuple(c.shape[2:]) != tuple(v.shape[1:]):
+            raise ValueError(f"kv_write: cache entry shape {tuple(c.shape[2:])} != value shape {tuple(v.shape[1:])}")
+        # a view of the contiguous cache, so index_copy_ writes the cache itself;
+        # index_copy_ rejects out-of-range (incl. negative) slots instead of wrapping around.
+        flat = c.view(c.shape[0] * c.shape[1], *c.shape[2:])
+        flat.index_copy_(0, slots, v.to(c.dtype))
+
+
+def paged_attention(q: Tensor, cache: Sequence[Tensor], block_tables: Tensor, seq_lens: Tensor,
+                    query_lens: Tensor, *, scale: float) -> Tensor:
+    k_cache, v_cache = cache
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
+    rep = Hq // Hkv
+    out = q.new_empty(T, Hq, v_cache.shape[-1])
+    for b, (start, q_len, seq_len) in enumerate(_seq_layout(seq_lens, query_lens)):
+        if q_len == 0:
+            continue
+        k = _gather_seq(k_cache, block_tables[b], seq_len).to(q.dtype)  # [S, Hkv, D]
+        v = _gather_seq(v_cache, block_tables[b], seq_len).to(q.dtype)
+        if rep > 1:  # GQA: query head h reads kv head h // rep
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q, D]
+        scores = torch.matmul(qb, k.permute(1, 2, 0)) * scale  # [Hq, q, S]
+        probs = _masked_softmax(scores, _causal_mask(q_len, seq_len, q.device))
+        out[start:start + q_len] = torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
+    return out
+
+
+def o_proj_residual(attn: Tensor, o_w: Tensor, residual: Tensor) -> Tensor:
+    return residual + _linear(attn.reshape(attn.shape[0], -1), o_w)
+
+
+def _swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
+    return _linear(F.silu(_linear(x, gate_w)) * _linear(x, up_w), down_w)
+
+
+def swiglu_mlp_residual(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
+                        residual: Tensor) -> Tensor:
+    return residual + _swiglu(x, gate_w, up_w, down_w)
+
+
+def mla_prolog(x: Tensor, q_a_w: Optional[Tensor], q_a_norm_w: Optional[Tensor], q_b_w: Tensor,
+               kv_a_w: Tensor, kv_a_norm_w: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, kv_lora_rank: int, eps: float,
+               interleave: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """MLA projections. ``eps`` is the epsilon of the two latent norms (q_a/kv_a_layernorm);
+    transformers builds those with the RMSNorm default 1e-6, not ``rms_norm_eps``.
+    ``q_a_w=None`` means no query compression (q_lora_rank null): ``q_b_w`` is then q_proj."""
+    T = x.shape[0]
+    if q_a_w is None:
+        q = _linear(x, q_b_w)
+    else:
+        q = _linear(rms_norm(_linear(x, q_a_w), q_a_norm_w, eps), q_b_w)
+    q = q.view(T, num_heads, qk_nope_head_dim + qk_rope_head_dim)
+    q_nope, q_pe = q[..., :qk_nope_head_dim], q[..., qk_nope_head_dim:]
+    kv = _linear(x, kv_a_w)
+    c_kv = rms_norm(kv[:, :kv_lora_rank], kv_a_norm_w, eps)
+    k_pe = kv[:, kv_lora_rank:]
+    rope = _interleaved_rope if interleave else _rotate_half_rope
+    q_pe = rope(q_pe, cos[:, None, :], sin[:, None, :])
+    k_pe = rope(k_pe, cos, sin)
+    return q_nope.contiguous(), q_pe.contiguous(), c_kv.contiguous(), k_pe.contiguous()
+
+
+def mla_attention(q_nope: Tensor, q_pe: Tensor, cache: Sequence[Tensor], kv_b_w: Tensor,
+                  block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, *, num_heads: int,
+                  qk_nope_head_dim: int, v_head_dim: int, scale: float) -> Tensor:
+    """Attention over the compressed cache. K/V are expanded from the latent with kv_b_proj per
+    sequence (as transformers does); the RoPE part of the key is shared by all heads."""
+    ckv_cache, kpe_cache = cache
+    T = q_nope.shape[0]
+    out = q_nope.new_empty(T, num_heads, v_head_dim)
+    for b, (start, q_len, seq_len) in enumerate(_seq_layout(seq_lens, query_lens)):
+        if q_len == 0:
+            continue
+        ckv = _gather_seq(ckv_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, R]
+        kpe = _gather_seq(kpe_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, r]
+        kv = _linear(ckv, kv_b_w).view(seq_len, num_heads, qk_nope_head_dim + v_head_dim)
+        k_nope = kv[..., :qk_nope_head_dim].permute(1, 2, 0)  # [H, n, S]
+        v = kv[..., qk_nope_head_dim:].transpose(0, 1)  # [H, S, v]
+        qn = q_nope[start:start + q_len].transpose(0, 1)  # [H, q, n]
+        qp = q_pe[start:start + q_len].transpose(0, 1)  # [H, q, r]
+        scores = (torch.matmul(qn, k_nope) + torch.matmul(qp, kpe.t())) * scale
+        probs = _masked_softmax(scores, _causal_mask(q_len, seq_len, q_nope.device))
+        out[start:start + q_len] = torch.matmul(probs, v).transpose(0, 1)
+    return out
+
+
+def _route(x: Tensor, router_w: Tensor, e_score_bias: Optional[Tensor], *, top_k: int,
+           n_group: int, topk_group: int, routed_scaling_factor: float,
+           norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    """noaux_tc routing: sigmoid scores; the bias steers only the choice; groups ranked by the
+    sum of their top-2 biased scores; top_k experts from the kept groups; weights are the
+    unbiased scores, optionally renormalised, times routed_scaling_factor."""
+    T = x.shape[0]
+    E = router_w.shape[0]
+    scores = torch.sigmoid(F.linear(x.float(), router_w.float()))
+    choice = scores if e_score_bias is None else scores + e_score_bias.float()
+    if n_group > 1 and topk_group < n_group:
+        if E % n_group:
+            raise ValueError(f"n_routed_experts {E} is not divisible by n_group {n_group}")
+        per_group = E // n_group
+        grouped = choice.view(T, n_group, per_group)
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask[:, :, None].expand(T, n_group, per_group).reshape(T, E)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    idx = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, idx)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, weights * routed_scaling_factor
+
+
+def moe_residual(x: Tensor, router_w: Tensor, e_score_bias: Optional[Tensor], experts_gate: Tensor,
+                 experts_up: Tensor, experts_down: Tensor, shared_gate: Optional[Tensor],
+                 shared_up: Optional[Tensor], shared_down: Optional[Tensor], residual: Tensor, *,
+                 top_k: int, n_group: int, topk_group: int, routed_scaling_factor: float,
+                 norm_topk_prob: bool) -> Tensor:
+    idx, weights = _route(x, router_w, e_score_bias, top_k=top_k, n_group=n_group,
+                          topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                          norm_topk_prob=norm_topk_prob)
+    T, H = x.shape
+    routed = torch.zeros_like(x)
+    flat_idx = idx.reshape(-1)
+    flat_tok = torch.arange(T, device=x.device).repeat_interleave(top_k)
+    flat_w = weights.reshape(-1).to(x.dtype)
+    # group the (token, slot) pairs by expert with one sort; the loop is over experts, not tokens
+    order = torch.argsort(flat_idx, stable=True)
+    counts = torch.bincount(flat_idx, minlength=experts_gate.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start:start + n]
+        start += n
+        tok = flat_tok[sel]
+        y = _swiglu(x[tok], experts_gate[e], experts_up[e], experts_down[e])
+        routed.index_add_(0, tok, y * flat_w[sel, None])
+    if shared_gate is not None:
+        routed = routed + _swiglu(x, shared_gate, shared_up, shared_down)
+    return residual + routed
+
+
+def lm_head(h: Tensor, norm_w: Tensor, eps: float, head_w: Tensor, logits_indices: Tensor) -> Tensor:
+    # the final norm is per token, so selecting the rows first gives the same logits, cheaper
+    sel = h.index_select(0, logits_indices.long())
+    return _linear(rms_norm(sel, norm_w, eps), head_w)
+
+
+def kv_save(cache: Sequence[Tensor], block_ids: Tensor, staging: Sequence[Tensor]) -> None:
+    ids = block_ids.long()
+    n = ids.shape[0]
+    for c, s in zip(cache, staging):
+        if s.shape[0] < n:
+            raise ValueError(f"kv_save: staging holds {s.shape[0]} blocks, {n} requested")
+        s[:n].copy_(c.index_select(0, ids))
+
+
+def kv_load(cache: Sequence[Tensor], loads: Sequence[Tensor], block_ids: Tensor) -> None:
+    """Copy the loaded history blocks (``loads``: one [n, *block shape] tensor per cache component,
+    filled by the host from the pool) into cache blocks ``block_ids`` (n of them)."""
+    ids = block_ids.long()
+    n = ids.shape[0]
+    for c, s in zip(cache, loads):
+        if s.shape[0] < n:
+            raise ValueError(f"kv_load: load staging holds {s.shape[0]} blocks, {n} requested")
+        c.index_copy_(0, ids, s[:n])
+
+
+# --------------------------------------------------------------------------------------------
+# helpers for generated code and the engine
+# --------------------------------------------------------------------------------------------
+
+def kv_cache_shapes(family: str, dims, num_blocks: int, block_size: int) -> dict[str, tuple]:
+    """Component name -> shape ``[num_blocks, block_size, *per-token shape]``, in the order of the
+    tuples given to kv_write/paged_attention; the components are the family's (graphgen/families)."""
+    from ...families import FAMILIES
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r} (expected {' or '.join(FAMILIES)})")
+    fam = FAMILIES[family]
+    return {name: (num_blocks, block_size, *shape) for name, shape in fam.kv_components(fam.dims_of(dims))}

@@ -1,0 +1,395 @@
+"""The scheduler: which requests run in the next step, with which variant, in which KV blocks.
+
+It is per step: ``add`` queues requests, ``schedule()`` returns the next `ScheduledStep` (or None
+when nothing can run now), ``finalize(step)`` completes a step scheduled ahead just before it runs,
+and ``update(step, output)`` takes that step's sampled tokens back. Requests move
+``waiting -> prefill (admitted) -> running -> finished`` and back to ``waiting`` when preempted.
+
+Policy (continuous batching; see docs/runtime.md):
+
+* **Admission.** Waiting requests are admitted in arrival order while fewer than ``max_num_seqs``
+  are admitted or running and the admitted prefill tokens fit ``max_num_batched_tokens``:
+  the pool prefix is looked up and loaded through the connector.
+* **Prefill first.** If any admitted request awaits its prefill, the step is a prefill of the
+  variant of the oldest one (no history: ``mempool_prefill``; with a loaded prefix:
+  ``splitfuse``), holding every admitted request of that variant, in order, while the step's
+  tokens fit the budget (the first one always goes: a resumed request may exceed it alone).
+  Prefills never preempt: one whose blocks cannot be had waits.
+* **Decode** every running request whose next input is known or pending (at most one step
+  ahead) and that still needs a token, oldest first, up to the budget.
+* **Preemption.** When a decode needs a block and none is free (after ``reclaim``: waiting for
+  the oldest pending commit), the newest request not in a step in flight is preempted: its blocks
+  are freed and it goes back to the head of the waiting queue; its generated tokens are kept and
+  its next prefill recomputes prompt + tokens (pool hits included). A request that cannot fit
+  even alone finishes with ``"error"`` (`OutOfBlocks` in ``error``).
+
+Block accounting: a request's ``table`` lists its device blocks (refcount 1 each, taken from the
+shared `BlockAllocator`); they go back when it finishes, is aborted or preempted — once no step
+in flight still writes them. Blocks whose save is still in flight stay pinned by the connector,
+so freeing never waits for a save.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from ..core.kvcache import BlockAllocator, OutOfBlocks, slot_mapping
+from .request import FINISH_REASONS, Request, RequestResult, ScheduledStep, StepInputs, StepOutput
+
+__all__ = ["StepInputs", "RequestResult", "Request", "ScheduledStep", "StepOutput", "Scheduler",
+           "FINISH_REASONS", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
+
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class PrefixSource(Protocol):
+    """The connector's scheduler-facing side (see `graphgen.runtime.engine.connector.KVConnector`)."""
+
+    def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
+    def lookup(self, keys: Sequence[str]) -> int: ...
+    def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> int: ...
+    def discard(self, block_ids: Sequence[int]) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, spec, alloc: BlockAllocator, connector: PrefixSource, *,
+                 reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.spec = spec
+        self.block_size = spec.kv_cache.block_size
+        self.alloc = alloc
+        self.connector = connector
+        self.reclaim = reclaim  # release pinned blocks (True if it may have); False: nothing to wait for
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefix_cache = "prefix_cache" in spec.features
+        self.waiting: deque[Request] = deque()  # added or preempted, not admitted
+        self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
+        self.running: list[Request] = []        # prefill scheduled; decoding, in arrival order
+        self.failed: list[Request] = []         # finished with "error" since the last take_failed()
+        self.deferred: list[Request] = []       # finished, blocks still written by a step in flight
+        self.num_preemptions = 0
+
+    # ---- queues -----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefill or self.running)
+
+    def requests(self) -> list[Request]:
+        return [*self.waiting, *self.prefill, *self.running]
+
+    def abort(self, r: Request, reason: str = "abort") -> None:
+        """Finish ``r`` now. Its blocks go back at once, or — while a step in flight still writes
+        them — when that step is updated (`update` / `finalize`). Pins keep in-flight saves safe."""
+        if r.finished:
+            return
+        for q in (self.waiting, self.prefill, self.running):
+            if r in q:
+                q.remove(r)
+        r.result.finish_reason = reason
+        self._maybe_release(r)
+
+    def abort_all(self) -> None:
+        """Drop every request and give its blocks back (after an error: no step is in flight)."""
+        for r in [*self.requests(), *self.deferred]:
+            r.in_steps = 0
+            self.abort(r)
+            self._maybe_release(r)
+
+    def take_failed(self) -> list[Request]:
+        out, self.failed = self.failed, []
+        return out
+
+    # ---- variants ---------------------------------------------------------------------------
+    def variant_for(self, phase: str, history: bool) -> Optional[str]:
+        gran = self.spec.pool.granularity
+        matches = [n for n, v in self.spec.variants.items()
+                   if v.phase == phase and (v.history == history or phase == "decode")]
+        for n in matches:
+            if self.spec.variant_granularity(self.spec.variants[n]) == gran:
+                return n
+        return matches[0] if matches else None
+
+    # ---- the step loop ----------------------------------------------------------------------
+    def schedule(self) -> Optional[ScheduledStep]:
+        self._admit_waiting()
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def finalize(self, step: ScheduledStep) -> Optional[ScheduledStep]:
+        """Just before a step scheduled ahead runs: drop the rows of requests that finished or were
+        aborted since (their blocks go back), and fill in the decode inputs sampled since. None
+        when no row is left."""
+        keep = [i for i, r in enumerate(step.requests) if not r.finished]
+        for i, r in enumerate(step.requests):
+            if r.finished:
+                r.in_steps -= 1
+                self._maybe_release(r)
+        if not keep:
+            return None
+        if len(keep) < len(step.requests):
+            step = _select_rows(step, keep)
+        for i in step.pending_rows:
+            r, pos = step.requests[i], int(step.inputs.positions[i])
+            step.inputs.input_ids[i] = r.seq[pos]  # a decode row: one token at position pos
+        return step
+
+    def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
+        """Take the step's tokens; returns the requests that finished (their blocks are freed)."""
+        now = time.perf_counter()
+        done = []
+        for i, r in enumerate(step.requests):
+            r.in_steps -= 1
+            if r.finished:  # aborted while the step ran: its row is dropped
+                self._maybe_release(r)
+                continue
+            tok = int(output.tokens[i])
+            r.result.tokens.append(tok)
+            if output.logits is not None:
+                r.result.step_logits.append(output.logits[i].detach().float().clone())
+            if len(r.result.tokens) == 1:
+                r.result.ttft_ms = (now - r.t0) * 1e3
+            reason = "stop" if tok in r.stop_token_ids else "length" if len(r.tokens) >= r.max_new_tokens else None
+            if reason is not None:
+                self.abort(r, reason)
+                done.append(r)
+        return done
+
+    # ---- internals: admission and prefill ---------------------------------------------------
+    def _admit_waiting(self) -> None:
+        pending = sum(len(r.seq) - r.cached for r in self.prefill)
+        while (self.waiting and len(self.prefill) + len(self.running) < self.max_num_seqs
+               and (not self.prefill or pending < self.max_num_batched_tokens)):
+            r = self.waiting.popleft()
+            self.prefill.append(r)  # before loading: an abort then frees what the load allocated
+            self._admit(r)
+            pending += len(r.seq) - r.cached
+
+    def _admit(self, r: Request) -> None:
+        """Look the sequence's prefix up in the pool and load the leading run of hits. At most
+        ``(len-1)//block_size`` blocks: the last token is always computed (its logits)."""
+        seq = r.seq
+        r.keys, r.cached, r.hit_blocks = None, 0, 0
+        max_blocks = (len(seq) - 1) // self.block_size
+        if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
+            return
+        keys = self._keys(r)[:max_blocks]
+        run = self.connector.lookup(keys)
+        if run == 0:
+            return
+        try:
+            r.table.extend(self._alloc(run))
+        except OutOfBlocks:
+            return  # no room to load into: recompute (the prefill may still find blocks later)
+        r.hit_blocks = self.connector.load(keys[:run], r.table[:run])
+        if r.hit_blocks < run:  # the rest of the run is recomputed into fresh blocks
+            self.alloc.free(r.table[r.hit_blocks:])
+            del r.table[r.hit_blocks:]
+        r.cached = r.hit_blocks * self.block_size
+        if not r.result.tokens and not r.result.preemptions:
+            r.result.hit_tokens = r.cached
+
+    def _keys(self, r: Request) -> list[str]:
+        if r.keys is None:
+            r.keys = self.connector.block_keys(r.seq)
+        return r.keys
+
+    def _schedule_prefill(self) -> Optional[ScheduledStep]:
+        if not self.prefill:
+            return None
+        history = self.prefill[0].hit_blocks > 0
+        chosen, tokens = [], 0
+        for r in [r for r in self.prefill if (r.hit_blocks > 0) == history]:
+            n = len(r.seq) - r.cached
+            if chosen and tokens + n > self.max_num_batched_tokens:
+                break
+            if not self._try_blocks(r, len(r.seq)):
+                if not chosen and not self.running and not self.deferred:
+                    self._cannot_fit(r)  # nothing else holds blocks that will come back
+                    return self._schedule_prefill()
+                break
+            chosen.append(r)
+            tokens += n
+        if not chosen:
+            return None
+        for r in chosen:
+            self.prefill.remove(r)
+            self.running.append(r)  # before building: an abort then frees their blocks
+        return self._prefill_step(chosen, history)
+
+    def _cannot_fit(self, r: Request) -> None:
+        """Every other admitted request gives its blocks back; if ``r`` still does not fit it is
+        failed (it can never run in this cache)."""
+        for other in [o for o in self.prefill if o is not r][::-1]:
+            self._preempt(other)
+        if self._try_blocks(r, len(r.seq)):
+            return
+        err = None
+        try:
+            self._alloc(math.ceil(len(r.seq) / self.block_size) - len(r.table))
+        except OutOfBlocks as e:
+            err = e
+        r.error = err
+        self.abort(r, "error")
+        self.failed.append(r)
+
+    def _prefill_step(self, reqs: list[Request], history: bool) -> ScheduledStep:
+        variant = self.variant_for("prefill", history)
+        saves = self.spec.variant_saves(self.spec.variants[variant])
+        ids, pos, slots, qlens, slens, save_ids, save_keys, save_rows = [], [], [], [], [], [], [], []
+        for i, r in enumerate(reqs):
+            seq = r.seq
+            n, start = len(seq), r.cached
+            ids.append(torch.tensor(seq[start:], dtype=torch.long))
+            pos.append(torch.arange(start, n, dtype=torch.long))
+            slots.append(slot_mapping(r.table, start, n, self.block_size))
+            qlens.append(n - start)
+            slens.append(n)
+            if saves:
+                new_full = range(r.hit_blocks, n // self.block_size)  # the new full blocks
+                keys = self._keys(r)
+                save_ids.extend(r.table[j] for j in new_full)
+                save_keys.extend(keys[j] for j in new_full)
+                save_rows.extend([i] * len(new_full))
+                r.result.saved_blocks += len(new_full)
+            if not r.result.variant:
+                r.result.variant = variant
+            r.cached = n
+            r.in_steps += 1
+        inputs = _inputs(reqs, ids, pos, slots, qlens, slens, save_ids, _load_ids(reqs))
+        return ScheduledStep(variant, "prefill", tuple(reqs), inputs, saves, tuple(save_ids), tuple(save_keys),
+                             tuple(save_rows))
+
+    # ---- internals: decode and preemption ---------------------------------------------------
+    def _schedule_decode(self) -> Optional[ScheduledStep]:
+        chosen: list[Request] = []
+        for r in list(self.running):
+            if len(chosen) >= self.max_num_batched_tokens:
+                break
+            if r not in self.running or r.in_steps > 1 or len(r.tokens) + r.in_steps >= r.max_new_tokens:
+                continue  # preempted meanwhile, or its last token is already on its way
+            while not self._try_blocks(r, r.cached + 1):
+                victim = self._victim(exclude=chosen)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                chosen.append(r)
+        if not chosen:
+            return None
+        ids, pos, slots, pending = [], [], [], []
+        for i, r in enumerate(chosen):
+            p = r.cached
+            known = p < len(r.seq)
+            ids.append(r.seq[p] if known else -1)  # -1: sampled by the step in flight, filled later
+            if not known:
+                pending.append(i)
+            pos.append(torch.tensor([p], dtype=torch.long))
+            slots.append(slot_mapping(r.table, p, p + 1, self.block_size))
+            r.cached = p + 1
+            r.in_steps += 1
+        inputs = _inputs(chosen, [torch.tensor(ids, dtype=torch.long)], pos, slots, [1] * len(chosen),
+                         [r.cached for r in chosen], [])
+        return ScheduledStep(self.variant_for("decode", False), "decode", tuple(chosen), inputs, False,
+                             pending_rows=tuple(pending))
+
+    def _victim(self, exclude: list[Request]) -> Optional[Request]:
+        """The newest request holding blocks that no step in flight uses: admitted ones first
+        (they are newer than every running one), then running ones."""
+        for r in [*self.prefill[::-1], *self.running[::-1]]:
+            if r.table and r.in_steps == 0 and r not in exclude:
+                return r
+        return None
+
+    def _preempt(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+            r.result.preemptions += 1
+            self.num_preemptions += 1
+        else:
+            self.prefill.remove(r)
+        self._release(r)
+        r.cached, r.hit_blocks, r.keys = 0, 0, None
+        self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
+
+    # ---- internals: blocks ------------------------------------------------------------------
+    def _alloc(self, n: int) -> list[int]:
+        while True:
+            try:
+                return self.alloc.alloc(n)
+            except OutOfBlocks:
+                if not self.reclaim():  # nothing in flight would ever give blocks back
+                    raise
+
+    def _try_blocks(self, r: Request, num_tokens: int) -> bool:
+        need = math.ceil(num_tokens / self.block_size) - len(r.table)
+        if need > 0:
+            try:
+                r.table.extend(self._alloc(need))
+            except OutOfBlocks:
+                return False
+        return True
+
+    def _release(self, r: Request) -> None:
+        if r.table:
+            self.connector.discard(r.table)  # loaded blocks its prefill never took (preempted, aborted)
+            self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
+            r.table = []
+
+    def _maybe_release(self, r: Request) -> None:
+        if r.in_steps > 0:
+            if r.table and r not in self.deferred:
+                self.deferred.append(r)
+            return
+        if r in self.deferred:
+            self.deferred.remove(r)
+        self._release(r)
+
+
+def _load_ids(reqs) -> torch.Tensor:
+    """The cache blocks of the requests' loaded history, request by request (the step's kv_load)."""
+    return torch.tensor([b for r in reqs for b in r.table[:r.hit_blocks]], dtype=torch.long)
+
+
+def _inputs(reqs, ids, pos, slots, qlens, slens, save_ids, load_ids=None) -> StepInputs:
+    width = max(len(r.table) for r in reqs)
+    tables = torch.zeros((len(reqs), width), dtype=torch.long)
+    for i, r in enumerate(reqs):
+        tables[i, :len(r.table)] = torch.tensor(r.table, dtype=torch.long)
+    q = torch.tensor(qlens, dtype=torch.long)
+    return StepInputs(
+        input_ids=torch.cat(ids), positions=torch.cat(pos), slot_mapping=torch.cat(slots),
+        block_tables=tables, seq_lens=torch.tensor(slens, dtype=torch.long), query_lens=q,
+        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=torch.tensor(save_ids, dtype=torch.long),
+        load_block_ids=_load_ids([]) if load_ids is None else load_ids)
+
+
+def _select_rows(step: ScheduledStep, keep: list[int]) -> ScheduledStep:
+    """The same step restricted to requests ``keep`` (indices into ``step.requests``)."""
+    x = step.inputs
+    starts = torch.cumsum(x.query_lens, 0) - x.query_lens
+    tok = torch.cat([torch.arange(int(starts[i]), int(starts[i] + x.query_lens[i])) for i in keep])
+    rows = torch.tensor(keep, dtype=torch.long)
+    q = x.query_lens[rows]
+    js = [j for j, row in enumerate(step.save_rows) if row in keep]
+    new_row = {old: new for new, old in enumerate(keep)}
+    inputs = StepInputs(
+        input_ids=x.input_ids[tok].clone(), positions=x.positions[tok], slot_mapping=x.slot_mapping[tok],
+        block_tables=x.block_tables[rows], seq_lens=x.seq_lens[rows], query_lens=q,
+        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=x.save_block_ids[torch.tensor(js, dtype=torch.long)],
+        load_block_ids=_load_ids([step.requests[i] for i in keep]) if x.load_block_ids.numel() else x.load_block_ids)
+    return ScheduledStep(step.variant, step.phase, tuple(step.requests[i] for i in keep), inputs, step.saves,
+                         tuple(step.save_block_ids[j] for j in js), tuple(step.save_keys[j] for j in js),
+                         tuple(new_row[step.save_rows[j]] for j in js),
+                         tuple(new_row[i] for i in step.pending_rows if i in new_row))

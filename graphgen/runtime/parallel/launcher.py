@@ -1,0 +1,300 @@
+"""Running a spec on several ranks: one process per rank on torch.distributed (gloo, loopback).
+
+`DistributedEngine` is the facade a caller holds (``Engine.from_spec(..., tp=2)`` returns one): it
+serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
+latent must be visible to rank 1), starts ``tp`` rank processes, and sends every rank the same
+command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.parallel.rank`) and
+the facade returns rank 0's results. It has the `Engine` calls a driver needs (``generate``,
+``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way,
+and ``llm``: `DistributedLLM`, the step API of `LLMEngine` (what ``graphgen serve`` drives) with
+every call broadcast to the ranks in the same order, so their schedulers stay in lockstep.
+
+Failure is bounded: every reply is awaited with a deadline while the rank processes are watched; a
+rank that exits, raises or does not answer in ``timeout`` seconds ends every rank and raises
+`RankFailure` naming it (gloo's own timeout is the same, so a rank blocked in a collective with a
+dead peer fails too). Nothing listens on anything but 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import time
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from ..pool.base import PoolBackend
+
+__all__ = ["DistributedEngine", "DistributedLLM", "RankFailure", "free_port"]
+
+
+class RankFailure(RuntimeError):
+    """A rank process died, raised, or did not answer in time."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _PoolManager(BaseManager):
+    pass
+
+
+_SHARED_POOL = None
+
+
+def _shared_pool():
+    return _SHARED_POOL
+
+
+def _serve_pool(capacity: int, address, authkey: bytes, ready) -> None:  # pragma: no cover - own process
+    global _SHARED_POOL
+    from ..pool.base import HostPool
+
+    _SHARED_POOL = HostPool(capacity)
+    _PoolManager.register("pool", callable=_shared_pool)
+    server = _PoolManager(address=address, authkey=authkey).get_server()
+    ready.set()
+    server.serve_forever()
+
+
+class RemotePool(PoolBackend):
+    """The shared host pool as a rank process sees it (a manager proxy; every call is a round trip).
+    ``get_into`` stays the contract's default, run here: its destinations (buffers, unpack callables)
+    cannot cross processes."""
+
+    def __init__(self, proxy):
+        self._proxy = proxy
+
+    def put(self, key, value) -> bool:
+        return self._proxy.put(key, value)
+
+    def get(self, key):
+        return self._proxy.get(key)
+
+    def contains(self, key) -> bool:
+        return self._proxy.contains(key)
+
+    def leading_run(self, keys) -> int:
+        return self._proxy.leading_run(list(keys))
+
+    def stats(self) -> dict:
+        return self._proxy.stats()
+
+
+def connect_pool(address, authkey: bytes) -> RemotePool:
+    _PoolManager.register("pool")
+    m = _PoolManager(address=address, authkey=authkey)
+    m.connect()
+    return RemotePool(m.pool())
+
+
+def _start_rank(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
+    # The rank's code is reached by module name, as ``python -m`` would: the facade (imported by
+    # engine.from_spec) does not import the engine it starts in other processes.
+    importlib.import_module("graphgen.runtime.parallel.rank").rank_main(rank, cfg, conn)
+
+
+class DistributedLLM:
+    """`LLMEngine`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
+    ``stats``, ``shutdown`` (and setting ``sample_fn`` / ``eos_token_id``) run on every rank's own
+    ``Engine.llm``, in the order the caller makes them, so every rank schedules the same steps and
+    issues the same collectives; the results are rank 0's.
+
+    What crosses to the ranks is pickled: ``params`` are rebuilt in each rank process (a seeded
+    sampler in them is seeded anew there, so every rank draws the same token; a sampler without a
+    seed would not agree) and ``sample_fn`` must be a module-level function (pickled by name). The
+    logits every rank samples from are the same (the LM head's all_gather), so greedy rows agree.
+    A ``ValueError`` of ``add_request`` (bad input) is raised here, every rank having refused it."""
+
+    def __init__(self, engine: "DistributedEngine"):
+        self._engine = engine
+
+    def _call(self, method: str, *args):
+        status, value = self._engine._command("llm", method, *args)[0]
+        if status == "invalid":
+            raise ValueError(value)
+        return value
+
+    def _set(self, name: str, value) -> None:
+        self._call("set", name, value)
+
+    sample_fn = property(None, lambda self, fn: self._set("sample_fn", fn))
+    eos_token_id = property(None, lambda self, eos: self._set("eos_token_id", eos))
+
+    def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None) -> None:
+        self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens)
+
+    def abort(self, req_id) -> None:
+        self._call("abort", req_id)
+
+    def step(self) -> list:
+        return self._call("step")
+
+    def has_work(self) -> bool:
+        return self._call("has_work")
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self._call("shutdown", timeout)
+
+
+class DistributedEngine:
+    """``tp`` rank processes driven in lockstep; results are rank 0's. See the module doc."""
+
+    def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
+                 faults=None, timeout: float = 120.0, threads: Optional[int] = None,
+                 pool_capacity_bytes: int = 256 << 20, **engine_kwargs):
+        from ...families.parallel import parallel_rules
+
+        # a --tp/--ep override is checked here (the loader checked the file's own layout)
+        problems = list(parallel_rules(spec.family, spec.dims, spec.parallel.tp, spec.parallel.ep))
+        if problems:
+            raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
+        if weights is None:
+            raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
+        if pool != "host":
+            raise ValueError("parallel ranks share the embedded host pool (pool='host')")
+        if not isinstance(weights, dict):  # (Engine.from_spec has checked its config.json)
+            weights = str(weights)
+        self.spec, self.tp, self.timeout = spec, spec.parallel.tp, timeout
+        self._closed = False
+        ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no forked torch/thread state
+        authkey = os.urandom(16)
+        pool_address = ("127.0.0.1", free_port())
+        ready = ctx.Event()
+        self._pool_proc = ctx.Process(target=_serve_pool, args=(pool_capacity_bytes, pool_address, authkey, ready),
+                                      daemon=True, name="graphgen-pool")
+        self._pool_proc.start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.05):
+            if not self._pool_proc.is_alive() or time.monotonic() > deadline:
+                self._pool_proc.kill()
+                raise RankFailure(f"the shared pool process did not start (exit code {self._pool_proc.exitcode}); "
+                                  f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
+        self._pool = connect_pool(pool_address, authkey)
+        cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
+               "threads": threads or max(1, (os.cpu_count() or 1) // self.tp), "pool_address": pool_address,
+               "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs}
+        self._conns, self._procs = [], []
+        for r in range(self.tp):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_start_rank, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
+            p.start()
+            self._conns.append(parent)
+            self._procs.append(p)
+        try:
+            self._collect("start")
+        except BaseException:
+            self._kill()
+            raise
+        self.llm = DistributedLLM(self)
+
+    # ---- the rank protocol ----------------------------------------------------------------------
+    def _collect(self, what: str) -> list:
+        """Every rank's reply to the last command; a rank that fails or is late ends all of them."""
+        deadline = time.monotonic() + self.timeout
+        replies: dict[int, object] = {}
+        while len(replies) < self.tp:
+            for r, (c, p) in enumerate(zip(self._conns, self._procs)):
+                if r in replies:
+                    continue
+                if c.poll(0.02):
+                    try:
+                        status, value = c.recv()
+                    except (EOFError, OSError):  # the rank's end closed: it died
+                        p.join(1.0)
+                        self._kill()
+                        raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}") from None
+                    if status != "ok":
+                        dead = self._dead(grace=1.0)  # a peer's death is the cause, its error the symptom
+                        self._kill()
+                        raise RankFailure(f"{dead}rank {r} failed during {what}:\n{value}")
+                    replies[r] = value
+                elif not p.is_alive():
+                    self._kill()
+                    raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}")
+            if time.monotonic() > deadline and len(replies) < self.tp:
+                late = [r for r in range(self.tp) if r not in replies]
+                self._kill()
+                raise RankFailure(f"rank(s) {late} did not answer {what} within {self.timeout:.0f} s")
+        return [replies[r] for r in range(self.tp)]
+
+    def _dead(self, grace: float) -> str:
+        """``rank N exited (code C); `` for every rank that has exited (waiting up to ``grace``)."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and all(p.is_alive() for p in self._procs):
+            time.sleep(0.02)
+        return "".join(f"rank {r} exited (code {p.exitcode}); " for r, p in enumerate(self._procs) if not p.is_alive())
+
+    def _command(self, cmd: str, *args) -> list:
+        if self._closed:
+            raise RuntimeError("the distributed engine is closed")
+        for c in self._conns:
+            c.send((cmd, args))
+        return self._collect(cmd)
+
+    def _kill(self) -> None:
+        self._closed = True
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        if self._pool_proc.is_alive():
+            self._pool_proc.kill()
+
+    # ---- the Engine calls -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, **kwargs):
+        return self._command("generate", ([list(p) for p in prompts], max_new_tokens), kwargs)[0]
+
+    def drain(self, timeout: Optional[float] = None) -> None:
+        self._command("drain", timeout)
+
+    @property
+    def rank_stats(self) -> list[dict]:
+        """Each rank's connector counters (``skipped_puts``: puts a rank left to rank 0)."""
+        return self._command("stats")
+
+    @property
+    def stats(self) -> dict:
+        """Rank 0's connector counters (what `Engine.stats` gives for one rank)."""
+        return self.rank_stats[0]
+
+    def pool_stats(self) -> dict:
+        return self._pool.stats()
+
+    def on_ranks(self, fn, *args) -> list:
+        """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
+        result. ``fn`` must be picklable by reference (a module-level function) and must not call a
+        collective. For tests and probes: what a rank's cache, pool view or counters hold."""
+        return self._command("call", fn, *args)
+
+    @property
+    def pool(self):
+        """The shared pool (a proxy to the pool process; ``get``/``contains``/``keys`` as `HostPool`)."""
+        return self._pool
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._command("close")
+        finally:
+            self._closed = True
+            for p in self._procs:
+                p.join(self.timeout)
+            self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
