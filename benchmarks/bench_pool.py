@@ -36,7 +36,7 @@ import zlib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from graphgen.runtime.pool.base import HostPool                                       # noqa: E402
+from graphgen.runtime.pool import HostPool                                       # noqa: E402
 from graphgen.runtime.pool.codec import HEADER, fingerprint_of, parse_size       # noqa: E402
 from graphgen.runtime.pool.mooncake_server import reexec_in_private_netns             # noqa: E402
 from graphgen.runtime.pool.mooncake import MooncakeOptions, MooncakePool         # noqa: E402

@@ -107,7 +107,7 @@ def _mooncake_inner(spec_path: str, ckpt: str) -> int:
     import json
 
     from .modelspec.loader import load_spec
-    from .runtime.pool.mooncake_server import free_port
+    from .netutil import free_port
 
     bs = load_spec(spec_path).kv_cache.block_size
     shared = list(range(3, 3 + 4 * bs + 1))

@@ -77,7 +77,7 @@ def cmd_validate(args) -> int:
     from ..passes.manager import run_pipeline
 
     from ..modelspec.errors import SpecError
-    from ..modelspec.npu_limits import limit_diagnostics
+    from ..npu.check.speclimits import limit_diagnostics
     from ..passes.memory import memory_problems, rank_memory
 
     specs = load_specs([Path(p) for p in args.specs])

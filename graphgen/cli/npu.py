@@ -76,7 +76,7 @@ def _steps(args, spec) -> int:
             "(on an NPU, graphgen run --target npu drives the compiled graphs)")
         return EXIT_INVALID
     from ..modelspec.errors import SpecError
-    from ..modelspec.npu_limits import limit_diagnostics
+    from ..npu.check.speclimits import limit_diagnostics
     from ..npu.run.bucketing import report, run_standin_loop
     from ..npu.check.limits import KernelLimitError
 

@@ -7,7 +7,7 @@ architecture, and nothing outside ``graphgen/families/`` branches on a family na
   shape rules the spec loader reports (``(where, message, fix)`` triples);
 - ``hf_*``: the Hugging Face ``model_type``, architecture class, the defaults transformers assumes
   for omitted config fields, the config values graphgen reproduces, and the config writer;
-- ``build``: the forward as IR nodes (shared node helpers are in ``graphgen.ir.models``);
+- ``build``: the forward as IR nodes (shared node helpers are in ``graphgen.families.nodes``);
 - ``checkpoint_layout``: checkpoint key -> shape, the one layout the weight loader, the random
   checkpoint writer and the NPU inputs use. A zero-size shape is a weight the model does not have
   but transformers still writes (an empty ``nn.Linear``); consumers accept it absent or empty and
@@ -24,7 +24,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from ..modelspec.fields import doc
+
+
+def doc(text: str, **extra) -> dict:
+    """``metadata`` of a spec field (the spec model's and the family dims'): its documentation plus
+    rules the loader and schema read. Here, at the bottom, so families and the spec model share it."""
+    return {"doc": text, **extra}
+
 
 Rule = tuple[str, str, str]  # (spec path, message, fix)
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ..ir.graph import Graph, Node, layer_tag
-from ..ir.models import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
-from ..modelspec.fields import doc
+from .nodes import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
+from .base import doc
 from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
 
 NAME = "deepseek_v3"

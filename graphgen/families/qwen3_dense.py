@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir.graph import Graph, Node, layer_tag
-from ..ir.models import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
-from ..modelspec.fields import doc
+from .nodes import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
+from .base import doc
 from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
 
 NAME = "qwen3_dense"

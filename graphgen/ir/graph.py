@@ -32,6 +32,12 @@ SAVE_STREAM = "kv_save"
 LOAD_STREAM = "kv_load"
 HOST_STREAM = "host"
 
+# Per-step inputs the host fills before a graph runs (the runners build them from the step plan).
+STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_lens",
+               "logits_indices")
+SAVE_INPUTS = ("save_block_ids",)
+LOAD_INPUTS = ("load_block_ids",)
+
 NAME_KINDS = ("input", "value", "kv_cache", "pool_staging", "pool_load")
 BUFFER_KINDS = ("kv_cache", "pool_staging", "pool_load")
 SYNC_OPS = ("record", "wait")

@@ -1,5 +1,5 @@
 """Lowering infrastructure: how IR names and attribute values are spelled in generated Python, and the
-jinja2 frame a target's lines are put into (``templates/<target>/variant.py.j2``).
+jinja2 frame a target's lines are put into (``graphgen/lower/templates/<target>/variant.py.j2``).
 
 The IR decides *what* runs on which stream and where every record/wait sits; a target's emitters
 (:mod:`graphgen.lower.cpu`, :mod:`graphgen.lower.npu`) decide how one node is spelled; the templates
@@ -18,7 +18,7 @@ import jinja2
 
 from ..ir.graph import Graph, Node
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"  # package data (pyproject: tool.setuptools.package-data)
 _TAG = re.compile(r"^(kv_cache|pool_staging|pool_load)\.L(\d+)$")
 
 Emitter = Callable[[Node, object], list[str]]

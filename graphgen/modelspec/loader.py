@@ -316,7 +316,7 @@ def _parse(text: str, file: str):
                        and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
             partial.update(kwargs)
             for where, message, fix in check_compat(types.SimpleNamespace(**partial)):
-                ctx.error(_locate(root, where), message, fix)
+                ctx.error(locate(root, where), message, fix)
     return spec, root, ctx
 
 
@@ -331,7 +331,7 @@ def parse_spec_text(text: str, file: str = "<spec>") -> m.ModelSpec:
 _PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
 
-def _locate(root: _Node, path: str) -> tuple[int, int]:
+def locate(root: _Node, path: str) -> tuple[int, int]:
     """Position of a path (``features[2]``, ``variants.splitfuse.history``) in the file: the key
     (or list item) itself, else the nearest enclosing key that exists."""
     node, pos = root, root.pos
@@ -351,11 +351,11 @@ def _locate(root: _Node, path: str) -> tuple[int, int]:
 
 
 def load_spec(path: str | Path) -> m.ModelSpec:
-    spec, _ = _load(Path(path))
+    spec, _ = load_tree(Path(path))
     return spec
 
 
-def _load(path: Path):
+def load_tree(path: Path):
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -376,13 +376,13 @@ def load_specs(paths) -> list[m.ModelSpec]:
     loaded, diags = [], []
     for p in paths:
         try:
-            loaded.append((p, *_load(p)))
+            loaded.append((p, *load_tree(p)))
         except SpecError as e:
             diags.extend(e.diagnostics)
     names: dict[str, str] = {}
     for p, spec, root in loaded:
         if spec.name in names:
-            diags.append(Diagnostic(str(p), *_locate(root, "name"),
+            diags.append(Diagnostic(str(p), *locate(root, "name"),
                                     f"model name '{spec.name}' is also used by {names[spec.name]}",
                                     "give each spec a unique name"))
         else:

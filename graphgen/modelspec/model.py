@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ..families import FAMILIES, Dims, DeepseekV3Dims, Qwen3Dims, RopeScaling  # noqa: F401 (re-exported)
-from .fields import doc
+from ..families.base import doc
 
 # The family names, from the one registry (graphgen/families).
 FamilyName = Literal[tuple(FAMILIES)]

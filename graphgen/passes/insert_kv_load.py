@@ -18,7 +18,7 @@ ensures:  if the variant has ``history`` (a prefill over blocks loaded from the 
 from __future__ import annotations
 
 from ..ir.graph import LOAD_STREAM, MAIN_STREAM, SYNC_OPS, Graph, Node, layer_tag
-from ..ir.models import LOAD_INPUTS
+from ..ir.graph import LOAD_INPUTS
 from .base import Pass
 from .verify import check
 

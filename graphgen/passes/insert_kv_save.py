@@ -1,6 +1,6 @@
 """Pass 1 — insert the KV save.
 
-requires: the forward as the builder makes it (:mod:`graphgen.ir.build`): every node on ``main``
+requires: the forward as the builder makes it (:mod:`graphgen.families.build`): every node on ``main``
           (but the loads ``insert_kv_load`` put on ``kv_load``), one ``Lxx.kv_write`` per layer
           writing ``kv_cache.Lxx``, no save, no events, race-free but for the loads.
 ensures:  if the variant saves (prefill and pool.write != off):
@@ -19,7 +19,7 @@ ensures:  if the variant saves (prefill and pool.write != off):
 from __future__ import annotations
 
 from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Graph, Node, layer_tag
-from ..ir.models import SAVE_INPUTS
+from ..ir.graph import SAVE_INPUTS
 from .base import Pass
 from .verify import check
 

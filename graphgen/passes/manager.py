@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..ir.build import build_graph
+from ..families.build import build_graph
 from ..ir.graph import Graph
 from ..ir.ops import check_node
 from .base import ContractError, PassContext, PassError

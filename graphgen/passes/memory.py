@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..families import FAMILIES
 from ..families.parallel import rank_kv_components
-from .shard import parse_shard
+from ..ir.weights import graph_weight_names, parse_shard
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
@@ -38,7 +38,7 @@ def rank_memory(spec, graphs) -> RankMemory:
     fam = FAMILIES[spec.family]
     layout = fam.checkpoint_layout(fam.dims_of(spec.dims), stacked=True)
     size = ITEMSIZE[spec.kv_cache.dtype]
-    names = {v for g in graphs for n in g.nodes for k, v in n.attrs.items() if k.startswith("w_") and isinstance(v, str)}
+    names = graph_weight_names(graphs)
     weight_bytes = 0
     for name in sorted(names):
         key, dim, parts = parse_shard(name)

@@ -25,35 +25,15 @@ With ``tp == ep == 1`` the pass changes nothing. Pure Python, no torch.
 from __future__ import annotations
 
 import math
-import re
 
 from ..families import FAMILIES
 from ..families.parallel import PLANS
 from ..ir.graph import MAIN_STREAM, Graph, Node
 from ..ir.ops import check_node
+from ..ir.weights import parse_shard, shard_index, shard_name  # noqa: F401  (the pass names sharded weights)
 from .base import Pass
 
 GROUP = "tp"  # the one process group: EP reuses the TP ranks
-_SHARD = re.compile(r"^(?P<key>.+)\[d(?P<dim>\d+)/(?P<parts>\d+)\]$")
-
-
-def shard_name(key: str, dim: int, parts: int) -> str:
-    return key if parts == 1 else f"{key}[d{dim}/{parts}]"
-
-
-def parse_shard(name: str):
-    """``(checkpoint key, dim, parts)`` of a weight name (``dim``/``parts`` None/1 when whole)."""
-    m = _SHARD.match(name)
-    if m is None:
-        return name, None, 1
-    return m["key"], int(m["dim"]), int(m["parts"])
-
-
-def shard_index(rank: int, parts: int, tp: int) -> int:
-    """Which chunk of a ``parts``-way split rank ``rank`` of ``tp`` holds."""
-    return rank * parts // tp
-
-
 def parallel_of(spec) -> tuple[int, int]:
     par = getattr(spec, "parallel", None)
     return (par.tp, par.ep) if par is not None else (1, 1)

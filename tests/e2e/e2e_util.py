@@ -16,7 +16,7 @@ import torch
 
 from graphgen.runtime.engine.facade import Engine
 from graphgen.runtime.core.kvcache import PagedKVCache, unpack_block_into
-from graphgen.runtime.pool.base import HostPool, block_keys
+from graphgen.runtime.pool import HostPool, block_keys
 
 REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4

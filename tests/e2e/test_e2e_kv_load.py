@@ -17,7 +17,7 @@ import torch
 
 from graphgen.runtime.engine.facade import Engine
 from graphgen.runtime.core.faults import Faults
-from graphgen.runtime.pool.base import HostPool
+from graphgen.runtime.pool import HostPool
 
 try:
     from . import e2e_util as u

@@ -19,7 +19,7 @@ except ImportError:
 
 from graphgen.runtime.engine.facade import Engine
 from graphgen.runtime.core.faults import Faults
-from graphgen.runtime.pool.base import HostPool
+from graphgen.runtime.pool import HostPool
 
 N_NEW = 3
 

@@ -23,7 +23,7 @@ except ImportError:
 
 from graphgen.runtime.engine.facade import Engine
 from graphgen.runtime.core.faults import Faults
-from graphgen.runtime.pool.base import HostPool
+from graphgen.runtime.pool import HostPool
 
 SAVE_DELAY = 0.03     # per save op: long next to a tiny forward (~1 ms), short for the suite
 FORWARD_DELAY = 0.04  # per KV write: a save that does not wait reads before this write

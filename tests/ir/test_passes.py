@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from ir_util import REPO
-from graphgen.ir.build import build_graph
+from graphgen.families.build import build_graph
 from graphgen.passes.base import ContractError, PassError
 from graphgen.passes.insert_events import InsertEvents
 from graphgen.passes.insert_kv_save import InsertKvSave

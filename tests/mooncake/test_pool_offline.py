@@ -9,10 +9,11 @@ import time
 import pytest
 
 from graphgen.runtime.pool.mooncake_server import find_master_binary
-from graphgen.runtime.pool.base import HostPool
+from graphgen.runtime.pool import HostPool
 from graphgen.runtime.pool.codec import (HEADER, check_value, decode_value, encode_value, parse_size,
                                          copy_with_checksum, payload_checksum)
-from graphgen.runtime.pool.mooncake import MooncakeOptions, MooncakePool, make_pool
+from graphgen.runtime.pool import make_pool
+from graphgen.runtime.pool.mooncake import MooncakeOptions, MooncakePool
 
 
 def test_make_pool_urls():

@@ -13,7 +13,7 @@ import torch
 from graphgen.runtime.core import ops
 from graphgen.runtime.engine.connector import KVConnector
 from graphgen.runtime.core.kvcache import BlockAllocator, PagedKVCache, pack_block
-from graphgen.runtime.pool.base import HostPool, PoolBackend
+from graphgen.runtime.pool import HostPool, PoolBackend
 from graphgen.runtime.core.streams import EventSet, Stream
 
 SHAPES = {"k": (4, 2, 3), "v": (4, 2, 3)}

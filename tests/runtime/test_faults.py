@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from graphgen.runtime.core.faults import Faults, FaultyPool
-from graphgen.runtime.pool.base import HostPool
+from graphgen.runtime.core.faults import Faults
+from graphgen.runtime.pool.faulty import FaultyPool, wrap_pool
+from graphgen.runtime.pool import HostPool
 
 
 def test_parse_cli_string():
@@ -104,6 +105,6 @@ def test_sleep_hooks():
 
 def test_wrap_pool_only_when_needed():
     base = HostPool(10)
-    assert Faults(save_delay_s=1).wrap_pool(base) is base
-    assert isinstance(Faults(put_fail=0.1).wrap_pool(base), FaultyPool)
-    assert isinstance(Faults(put_delay_s=0.1).wrap_pool(base), FaultyPool)
+    assert wrap_pool(base, Faults(save_delay_s=1)) is base
+    assert isinstance(wrap_pool(base, Faults(put_fail=0.1)), FaultyPool)
+    assert isinstance(wrap_pool(base, Faults(put_delay_s=0.1)), FaultyPool)

@@ -8,7 +8,7 @@ from graphgen.runtime.core.kvcache import (
     BlockAllocator, OutOfBlocks, PagedKVCache, layout_version, make_staging, pack_block,
     slot_mapping, unpack_block_into,
 )
-from graphgen.runtime.pool.base import HostPool, block_keys
+from graphgen.runtime.pool import HostPool, block_keys
 
 BS = 4
 QWEN = {"k": (BS, 2, 8), "v": (BS, 2, 8)}                # [block_size, Hkv, D]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from graphgen.runtime.pool.base import HostPool, PoolBackend, block_keys
+from graphgen.runtime.pool import HostPool, PoolBackend, block_keys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -227,7 +227,7 @@ def test_accepts_tensors():
 
 
 def test_keys_stable_across_processes_and_hash_seeds():
-    code = ("from graphgen.runtime.pool.base import block_keys;"
+    code = ("from graphgen.runtime.pool import block_keys;"
             "print('\\n'.join(block_keys(list(range(1000, 1040)) + [2**40, -3] * 4, 8,"
             " model='m', layout='l', rank=1, world=4)))")
     outs = []

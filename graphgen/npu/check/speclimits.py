@@ -8,9 +8,12 @@ runs it on the build path).  A spec without ``targets.npu`` returns [].
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ...families import FAMILIES
+from ...modelspec.errors import Diagnostic
+from ...modelspec.loader import load_tree, locate
 from .limits import BY_KEY
 
 
@@ -94,4 +97,18 @@ def check_spec_limits(spec) -> list[tuple[str, str, str]]:
             row = BY_KEY[c.row]
             out.append((c.field_path, f"{c.got(spec)!r} is outside a documented limit of torch_npu.{row.op}: "
                                       f"{row.text} [{row.key}]", row.source))
+    return out
+
+
+def limit_diagnostics(path, spec=None) -> list[Diagnostic]:
+    """Every documented NPU kernel limit the spec at ``path`` breaks ([] without ``targets.npu``)."""
+
+    loaded, root = load_tree(Path(path))
+    found = check_spec_limits(spec if spec is not None else loaded)
+    out = []
+    for field_path, message, source in found:
+        line, col = locate(root, field_path)
+        out.append(Diagnostic(str(path), line, col, f"{field_path}: NPU kernel limit: {message} (source: {source})",
+                              f"change {field_path} to a value inside the documented limit, or remove the npu "
+                              f"target (targets.npu) if this spec is not meant for Ascend hardware"))
     return out

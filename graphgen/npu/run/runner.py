@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from ...runtime.engine.facade import DEFAULT_POOL_BYTES, Engine
+from ...runtime.engine.facade import Engine
+from ...runtime.pool import DEFAULT_POOL_BYTES
 from ...runtime.engine.runner import StepHandles
 from .bucketing import Buckets, max_model_len
 from .staging import Committer, StagingExhausted, StagingRing

@@ -25,9 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Union
 
-from ..pool.base import PoolBackend
 
-__all__ = ["Faults", "FaultyPool"]
+__all__ = ["Faults"]
 
 PutFail = Union[float, Callable[[str], bool]]
 
@@ -130,49 +129,3 @@ class Faults:
             return True
         h = hashlib.sha256(f"{self.seed}\0{attempt}\0{key}".encode()).digest()
         return int.from_bytes(h[:8], "little") / 2.0 ** 64 < pf
-
-    def wrap_pool(self, backend: PoolBackend) -> PoolBackend:
-        """``backend`` itself when no put fault is set, else a `FaultyPool` around it."""
-        if not (self.put_delay_s or callable(self.put_fail) or self.put_fail):
-            return backend
-        return FaultyPool(backend, self)
-
-
-class FaultyPool(PoolBackend):
-    """Applies ``put_delay_s`` / ``put_fail`` of a `Faults` to any backend.
-
-    A failed put never reaches the inner backend, so nothing of it is visible (a clean failure, as the
-    pool contract requires). Reads pass straight through.
-    """
-
-    def __init__(self, inner: PoolBackend, faults: Faults):
-        self.inner = inner
-        self.faults = faults
-        self._lock = threading.Lock()
-        self._attempts: dict[str, int] = {}
-        self.failed_puts = 0
-
-    def put(self, key: str, value: bytes) -> bool:
-        with self._lock:
-            attempt = self._attempts.get(key, 0)
-            self._attempts[key] = attempt + 1
-        self.faults.put_sleep()
-        if self.faults.put_fails(key, attempt):
-            with self._lock:
-                self.failed_puts += 1
-            return False
-        return self.inner.put(key, value)
-
-    def get(self, key: str) -> bytes | None:
-        return self.inner.get(key)
-
-    def contains(self, key: str) -> bool:
-        return self.inner.contains(key)
-
-    def leading_run(self, keys: list[str]) -> int:
-        return self.inner.leading_run(keys)
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            failed = self.failed_puts
-        return dict(self.inner.stats(), injected_put_failures=failed)

@@ -27,15 +27,13 @@ from ..core.cpu_runtime import CpuRuntime, load_cpu_modules
 from ..core.faults import Faults
 from ..core.kvcache import BlockAllocator, PagedKVCache
 from .step_loop import LLMEngine
-from ..pool.base import PoolBackend
+from ..pool import DEFAULT_POOL_BYTES, PoolBackend, make_pool
+from ..pool.faulty import wrap_pool
 from .request import RequestResult, StepInputs
 from .runner import CpuModelRunner
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Scheduler
 
 __all__ = ["Engine", "RequestResult", "StepInputs", "DEFAULT_POOL_BYTES"]
-
-DEFAULT_POOL_BYTES = 256 << 20
-
 
 class Engine:
     """Runs a spec's generated CPU graphs. See :meth:`from_spec`."""
@@ -70,10 +68,8 @@ class Engine:
         self.collect_logits = collect_logits
         self.write = spec.pool.write
         if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
-            from ..pool.mooncake import make_pool
-
             pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
-        self.pool: PoolBackend = self.faults.wrap_pool(pool) if self.faults.active else pool
+        self.pool: PoolBackend = wrap_pool(pool, self.faults) if self.faults.active else pool
 
     # -- what a rank engine (graphgen.runtime.parallel.launcher.RankEngine) replaces ----------------------
     def _kv_shapes(self, num_blocks: int) -> dict:

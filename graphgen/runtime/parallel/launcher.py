@@ -20,78 +20,19 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
-import socket
 import time
-from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from ..pool.base import PoolBackend
+from ..pool import DEFAULT_POOL_BYTES
+from ..pool.shared import connect_pool, serve_pool
+from ...netutil import free_port
 
-__all__ = ["DistributedEngine", "DistributedLLM", "RankFailure", "free_port"]
+__all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
 
 
 class RankFailure(RuntimeError):
     """A rank process died, raised, or did not answer in time."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _PoolManager(BaseManager):
-    pass
-
-
-_SHARED_POOL = None
-
-
-def _shared_pool():
-    return _SHARED_POOL
-
-
-def _serve_pool(capacity: int, address, authkey: bytes, ready) -> None:  # pragma: no cover - own process
-    global _SHARED_POOL
-    from ..pool.base import HostPool
-
-    _SHARED_POOL = HostPool(capacity)
-    _PoolManager.register("pool", callable=_shared_pool)
-    server = _PoolManager(address=address, authkey=authkey).get_server()
-    ready.set()
-    server.serve_forever()
-
-
-class RemotePool(PoolBackend):
-    """The shared host pool as a rank process sees it (a manager proxy; every call is a round trip).
-    ``get_into`` stays the contract's default, run here: its destinations (buffers, unpack callables)
-    cannot cross processes."""
-
-    def __init__(self, proxy):
-        self._proxy = proxy
-
-    def put(self, key, value) -> bool:
-        return self._proxy.put(key, value)
-
-    def get(self, key):
-        return self._proxy.get(key)
-
-    def contains(self, key) -> bool:
-        return self._proxy.contains(key)
-
-    def leading_run(self, keys) -> int:
-        return self._proxy.leading_run(list(keys))
-
-    def stats(self) -> dict:
-        return self._proxy.stats()
-
-
-def connect_pool(address, authkey: bytes) -> RemotePool:
-    _PoolManager.register("pool")
-    m = _PoolManager(address=address, authkey=authkey)
-    m.connect()
-    return RemotePool(m.pool())
 
 
 def _start_rank(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
@@ -151,7 +92,7 @@ class DistributedEngine:
 
     def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
-                 pool_capacity_bytes: int = 256 << 20, **engine_kwargs):
+                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, **engine_kwargs):
         from ...families.parallel import parallel_rules
 
         # a --tp/--ep override is checked here (the loader checked the file's own layout)
@@ -170,7 +111,7 @@ class DistributedEngine:
         authkey = os.urandom(16)
         pool_address = ("127.0.0.1", free_port())
         ready = ctx.Event()
-        self._pool_proc = ctx.Process(target=_serve_pool, args=(pool_capacity_bytes, pool_address, authkey, ready),
+        self._pool_proc = ctx.Process(target=serve_pool, args=(pool_capacity_bytes, pool_address, authkey, ready),
                                       daemon=True, name="graphgen-pool")
         self._pool_proc.start()
         deadline = time.monotonic() + timeout

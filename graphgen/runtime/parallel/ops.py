@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from ...passes.shard import parse_shard, shard_index
+from ...ir.weights import parse_shard, shard_index
 from ..core.ops import _route, _swiglu
 
 Tensor = torch.Tensor

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ...families.parallel import kv_replicated, rank_kv_components
 from . import ops as ops_parallel
-from .launcher import connect_pool
+from ..pool.shared import connect_pool
 from ..engine.connector import KVConnector
 from ..core.cpu_runtime import CpuRuntime
 from ..engine.facade import Engine

@@ -29,10 +29,10 @@ import time
 from typing import Any, Callable, Sequence
 from urllib.parse import parse_qsl, urlsplit
 
-from .base import HostPool, PoolBackend
+from .base import PoolBackend
 from .codec import HEADER, check_value, copy_with_checksum, parse_size, write_header
 
-__all__ = ["MooncakeOptions", "MooncakePool", "make_pool"]
+__all__ = ["MooncakeOptions", "MooncakePool"]
 
 log = logging.getLogger(__name__)
 
@@ -431,19 +431,3 @@ class MooncakePool(PoolBackend):
 
     def __repr__(self) -> str:
         return f"MooncakePool({self.master}, down={self._down})"
-
-
-# ------------------------------------------------------------------------------ pool from a URL
-
-def make_pool(url: str, *, capacity_bytes: int = 256 << 20) -> PoolBackend:
-    """``host`` -> the embedded ``HostPool(capacity_bytes)``; ``mooncake://HOST:PORT[?opt=v&...]``
-    -> a ``MooncakePool`` on that master (options: see ``MooncakeOptions._URL_NAMES``)."""
-    if url == "host":
-        return HostPool(capacity_bytes)
-    if url.startswith("mooncake://"):
-        parts = urlsplit(url)
-        if not parts.hostname or parts.port is None or parts.path not in ("", "/"):
-            raise ValueError(f"bad pool URL {url!r}: expected mooncake://HOST:PORT[?option=value]")
-        return MooncakePool(f"{parts.hostname}:{parts.port}", MooncakeOptions.from_query(parts.query))
-    raise ValueError(f"unknown pool {url!r}: expected 'host' (the embedded pool) or "
-                     f"'mooncake://HOST:PORT' (a Mooncake master, see docs/mooncake.md)")

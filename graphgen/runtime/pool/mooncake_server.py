@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from ...netutil import free_port
 from .codec import parse_size
 
 __all__ = ["find_master_binary", "master_argv", "wait_listening", "main"]
@@ -67,12 +68,6 @@ def wait_listening(host: str, port: int, timeout_s: float, proc: subprocess.Pope
         if time.monotonic() > deadline:
             raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s")
         time.sleep(0.02)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def hold_segment(master: str, segment_bytes: int, host: str = "127.0.0.1"):

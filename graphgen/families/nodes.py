@@ -1,4 +1,4 @@
-"""Shared pieces of the model builders: step inputs and the nodes every family emits the same way.
+"""Shared pieces of the model builders: the nodes every family emits the same way.
 
 Each family's builder (``graphgen.families.<family>.build``) emits, per layer, the same node ids
 across families where the role is the same (``Lxx.attn_norm``, ``Lxx.kv_write``, ``Lxx.attn``,
@@ -9,13 +9,8 @@ each op uses. Pure Python: no torch on the build path.
 
 from __future__ import annotations
 
-from .graph import Graph, Node
+from ..ir.graph import STEP_INPUTS, Graph, Node
 
-# Per-step inputs the host fills before a graph runs (see runtime StepInputs).
-STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_lens",
-               "logits_indices")
-SAVE_INPUTS = ("save_block_ids",)
-LOAD_INPUTS = ("load_block_ids",)
 
 
 def attention_mode(phase: str, history: bool) -> str:

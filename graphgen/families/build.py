@@ -9,9 +9,9 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-from ..families import FAMILIES
-from .graph import Graph
-from .models import attention_mode
+from . import FAMILIES
+from ..ir.graph import Graph
+from .nodes import attention_mode
 
 
 def build_graph(spec, variant_name: str, spec_file: str = "") -> Graph:
