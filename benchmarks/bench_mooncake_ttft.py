@@ -92,7 +92,7 @@ def report(title, ttft, base, ratios, commit=None):
 def bench(args):
     import torch
     from bench_ttft import Prompts, bench_spec, one
-    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime import open_engine
     from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
 
     torch.set_num_threads(args.threads)
@@ -125,8 +125,8 @@ def bench(args):
 
         def engine(name, write, pool):
             s = dataclasses.replace(spec, name=f"mc_{name}").with_overrides(write=write, granularity="forward")
-            return Engine(s, weights, spec_file="benchmarks/bench_mooncake_ttft.py", generated_dir=None,
-                          pool=pool, pool_capacity_bytes=1 << 30)
+            return open_engine(s, weights, spec_file="benchmarks/bench_mooncake_ttft.py", generated_dir=None,
+                               pool=pool, pool_capacity_bytes=1 << 30)
 
         def warm(engines):
             w = Prompts(424242, args.vocab, args.prompt_len)

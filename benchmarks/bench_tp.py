@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from graphgen.modelspec.loader import load_spec
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import open_engine
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("hf_models", REPO / "tests" / "runtime" / "hf_models.py")
@@ -68,8 +68,8 @@ def main():
         for name, spec, d, par in (("tiny_qwen3", "specs/tiny_qwen3.yaml", qd, {"tp": 2}),
                                    ("tiny_deepseek_v3", "specs/tiny_deepseek_v3.yaml", dd, {"tp": 2, "ep": 2})):
             kw = dict(write="sync", num_blocks=256)
-            with Engine.from_spec(REPO / spec, d, **kw) as one, \
-                    Engine.from_spec(REPO / spec, d, threads=max(1, a.cores // 2), **par, **kw) as two:
+            with open_engine(REPO / spec, d, **kw) as one, \
+                    open_engine(REPO / spec, d, threads=max(1, a.cores // 2), **par, **kw) as two:
                 for eng in (one, two):  # warm-up: first forwards, first collectives
                     eng.generate([prompts[-1][:8]], 2)
                     eng.drain()

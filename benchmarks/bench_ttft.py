@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from graphgen.runtime.engine.facade import Engine  # noqa: E402
+from graphgen.runtime import Engine, open_engine  # noqa: E402
 from graphgen.runtime.core.faults import Faults  # noqa: E402
 from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint  # noqa: E402
 from graphgen.modelspec.loader import load_spec  # noqa: E402
@@ -80,9 +80,9 @@ def bench_spec(args):
 
 
 def make_engines(spec, weights, faults=None, configs=CONFIGS) -> dict:
-    return {label(c): Engine(spec.with_overrides(write=c[0], granularity=c[1]), weights,
-                             spec_file="benchmarks/bench_ttft.py", generated_dir=None,
-                             faults=faults, pool_capacity_bytes=1 << 30)
+    return {label(c): open_engine(spec.with_overrides(write=c[0], granularity=c[1]), weights,
+                                  spec_file="benchmarks/bench_ttft.py", generated_dir=None,
+                                  faults=faults, pool_capacity_bytes=1 << 30)
             for c in configs}
 
 

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     if args.mooncake_inner:
         return _mooncake_inner(args.spec, args.mooncake_inner)
 
-    from .runtime.engine.facade import Engine
+    from .runtime import open_engine
     from .runtime.core.faults import Faults
     from .runtime.checkpoint.hf import write_random_hf_checkpoint
     from .modelspec.loader import load_spec
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     labels = ["cold prompt", "same prompt again", "shares 2 blocks"]
     tokens_by_mode = {}
     for write in ("off", "sync", "async"):
-        with Engine.from_spec(args.spec, ckpt, write=write) as eng:
+        with open_engine(args.spec, ckpt, write=write) as eng:
             res = eng.generate(prompts, max_new_tokens=6)
             eng.drain()
             tokens_by_mode[write] = [r.tokens for r in res]
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ttft = {}
     for write in ("off", "sync", "async"):
         faults = Faults(save_delay_s=args.save_delay)
-        with Engine.from_spec(args.spec, ckpt, write=write, faults=faults, granularity="layer") as eng:
+        with open_engine(args.spec, ckpt, write=write, faults=faults, granularity="layer") as eng:
             runs = [eng.generate([[7 + i] * (4 * bs + 1)], max_new_tokens=1)[0].ttft_ms for i in range(5)]
             eng.drain()
         ttft[write] = statistics.median(runs)

@@ -31,9 +31,7 @@ def cmd_run(args) -> int:
     prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
     if args.max_num_seqs < 1:
         return _usage("--max-num-seqs must be >= 1")
-    from ..runtime.parallel.launcher import RankFailure
-    from ..runtime.engine.facade import Engine
-    from ..runtime.core.faults import Faults
+    from ..runtime import Faults, RankFailure, open_engine
 
     try:
         faults = Faults.parse(args.faults) if args.faults else None
@@ -45,21 +43,22 @@ def cmd_run(args) -> int:
     weights = Path(args.weights)
     if not weights.is_dir():
         return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
-    engine_cls, target_kw = Engine, {}
-    if getattr(args, "target", "cpu") == "npu":  # the NPU model runner (graphgen/npu/run/runner.py)
-        from ..npu.run.runner import NpuEngine
+    target = getattr(args, "target", "cpu")
+    target_kw = {}
+    if target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
+        import graphgen.npu.run.runner  # noqa: F401
 
-        engine_cls, target_kw = NpuEngine, {"standin": args.standin}
+        target_kw = {"standin": args.standin}
     elif getattr(args, "standin", False):
         return _usage("--standin applies to --target npu only")
     from ..npu.run.compile import NpuUnavailable
 
     try:
-        engine = engine_cls.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
-                                      pool=args.pool, faults=faults, collect_logits=args.logits,
-                                      num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                                      async_scheduling=args.async_scheduling, tp=args.tp, ep=args.ep,
-                                      **target_kw)
+        engine = open_engine(args.spec, weights, target=target, write=args.write, granularity=args.granularity,
+                             pool=args.pool, faults=faults, collect_logits=args.logits,
+                             num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                             async_scheduling=args.async_scheduling, tp=args.tp, ep=args.ep,
+                             **target_kw)
     except NpuUnavailable as e:
         err(f"graphgen run: {e}")
         return EXIT_UNAVAILABLE
@@ -82,8 +81,7 @@ def cmd_run(args) -> int:
 
 
 def _generate(engine, prompts, args) -> int:
-    from ..runtime.parallel.launcher import RankFailure
-    from ..runtime.core.kvcache import OutOfBlocks
+    from ..runtime import OutOfBlocks, RankFailure
 
     with engine:
         try:

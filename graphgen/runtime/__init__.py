@@ -1,0 +1,38 @@
+"""graphgen's runtime: the public face (what `graphgen serve`, the CLI, the demo and users import).
+
+Names are resolved lazily, so importing a torch-free part (``graphgen.runtime.pool``) never imports
+torch. Everything else under ``graphgen.runtime`` is internal: see docs/runtime.md for the parts.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "open_engine": "launch", "register_target": "launch",
+    "Engine": "engine.facade",
+    "LLMEngine": "engine.step_loop",
+    "SamplingParams": "engine.sampling",
+    "RequestOutput": "engine.request", "RequestResult": "engine.request", "FINISH_REASONS": "engine.request",
+    "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
+    "OutOfBlocks": "core.kvcache",
+    "Faults": "core.faults",
+    "PoolBackend": "pool", "HostPool": "pool", "make_pool": "pool", "DEFAULT_POOL_BYTES": "pool",
+    "load_hf_weights": "checkpoint.hf", "write_random_hf_checkpoint": "checkpoint.hf",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'graphgen.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -19,7 +19,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..runtime.engine.sampling import find_stop, holdback
+from .stops import find_stop, holdback
 from ..trace import NULL, TraceRecorder
 from .engine_api import RequestOutput, ServingEngine
 from .loop import EngineLoop

@@ -102,9 +102,7 @@ def cmd_serve(args) -> int:
         return _err(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
     import torch
 
-    from ..runtime.parallel.launcher import RankFailure
-    from ..runtime.engine.facade import Engine
-    from ..runtime.core.faults import Faults
+    from ..runtime import Faults, RankFailure, open_engine
     from ..trace import NULL, TraceRecorder
     from .adapter import LLMEngineAdapter
     from .app import create_app
@@ -118,16 +116,17 @@ def cmd_serve(args) -> int:
     # several ranks: a DistributedEngine (one process per rank, each with torch_threads threads)
     ranks = {"threads": args.torch_threads} if _ranks(args) > 1 else {}
     try:
-        engine = Engine.from_spec(args.spec, weights, write=args.write, granularity=args.granularity,
-                                  pool=args.pool, faults=faults, num_blocks=args.num_blocks, tp=args.tp, ep=args.ep,
-                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  async_scheduling=args.async_scheduling, **ranks)
+        engine = open_engine(args.spec, weights, write=args.write, granularity=args.granularity,
+                             pool=args.pool, faults=faults, num_blocks=args.num_blocks, tp=args.tp, ep=args.ep,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             async_scheduling=args.async_scheduling, **ranks)
     except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
     tokenizer = load_tokenizer(weights)
     trace = TraceRecorder(args.trace, process_name="graphgen serve") if args.trace else NULL
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    adapter = LLMEngineAdapter(engine, eos_token_id=eos, trace=trace, model_name=args.served_model_name)
+    adapter = LLMEngineAdapter(engine, eos_token_ids=() if eos is None else (eos,), trace=trace,
+                               model_name=args.served_model_name)
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout)
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout)
 

@@ -19,36 +19,21 @@ stops (stop token ids, EOS, ``max_tokens``) are the engine's; stop *strings* are
 has the text) — it aborts the request when one appears.
 
 :class:`graphgen.serve.adapter.LLMEngineAdapter` implements this on the runtime's step API
-(``runtime.llm_engine.LLMEngine``: continuous batching, async scheduling).
+(``graphgen.runtime.LLMEngine``: continuous batching, async scheduling).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Protocol, Sequence
 
-from ..runtime.engine.sampling import SamplingParams
+from ..runtime import FINISH_REASONS, RequestOutput, SamplingParams
 
 __all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "TIMING_NAMES", "FINISH_REASONS"]
-
-# "stop": a stop token/string; "length": max_tokens; "abort": aborted (client gone, shutdown);
-# "error": the engine could not run it (e.g. out of KV blocks with nothing to wait for).
-FINISH_REASONS = ("stop", "length", "abort", "error")
 # forward: one step's generated graph (any phase); save: forward start -> the step's saved KV is in
 # staging (the host event);
 # commit: host event -> every block of the step put into the pool.
 TIMING_NAMES = ("forward", "save", "commit")
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    req_id: str
-    new_token_ids: tuple[int, ...]
-    finished: bool = False
-    finish_reason: Optional[str] = None  # one of FINISH_REASONS when finished
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the pool (prefix hit)
-    num_prompt_tokens: int = 0
-    error: Optional[str] = None  # with finish_reason "error": why
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..runtime.engine.sampling import SamplingParams
+from ..runtime import SamplingParams
 from ..trace import NULL, TRACK_SERVER, TraceRecorder
 from .engine_api import RequestOutput, ServingEngine
 from .metrics import ServerMetrics

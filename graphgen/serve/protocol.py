@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..runtime.engine.sampling import SamplingParams
+from ..runtime import SamplingParams
 
 MAX_STOP = 4
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import Engine, open_engine
 from graphgen.runtime.core.kvcache import PagedKVCache, unpack_block_into
 from graphgen.runtime.pool import HostPool, block_keys
 
@@ -96,7 +96,7 @@ def reference_blocks(spec_path, weights, prompts, **kw) -> tuple[dict[str, bytes
     synchronously (no delays, no faults, a pool big enough to keep everything): what a correct save
     must put in the pool. Prompts run one at a time, first token only."""
     pool = HostPool(1 << 26)
-    with Engine.from_spec(spec_path, weights, write="sync", pool=pool, **kw) as eng:
+    with open_engine(spec_path, weights, write="sync", pool=pool, **kw) as eng:
         tokens = [r.tokens for r in eng.generate(prompts, 1)]
         eng.drain()
         keys = {k for p in prompts for k in keys_of(eng, p)}

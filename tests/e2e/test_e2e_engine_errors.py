@@ -9,7 +9,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import Engine, open_engine
 from graphgen.runtime.core.kvcache import OutOfBlocks
 
 
@@ -19,9 +19,9 @@ def test_a_batch_larger_than_the_cache_waits_and_one_that_never_fits_does_not_le
     # that needs more blocks than the cache has fails with OutOfBlocks, and every block taken goes
     # back to the allocator, or the engine is short of blocks for good.
     a, b, huge = [1] * 9, [2] * 9, [3] * 17
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="off") as fresh:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="off") as fresh:
         want = [r.tokens for r in fresh.generate([a, b], 2)]
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="off", num_blocks=4) as eng:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="off", num_blocks=4) as eng:
         assert [r.tokens for r in eng.generate([a, b], 2, batch=True)] == want
         assert eng.alloc.num_free == 4
         with pytest.raises(OutOfBlocks):
@@ -33,4 +33,4 @@ def test_a_batch_larger_than_the_cache_waits_and_one_that_never_fits_does_not_le
 def test_weights_of_another_family_are_refused_before_running(dsv3):
     # DSV3_DIMS shares layers/hidden/vocab with tiny_qwen3: only the family tells them apart
     with pytest.raises(ValueError, match="family deepseek_v3, the spec is qwen3_dense"):
-        Engine.from_spec(u.TINY_QWEN3, dsv3.dir)
+        open_engine(u.TINY_QWEN3, dsv3.dir)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import open_engine
 from graphgen.runtime.core.faults import Faults
 from graphgen.runtime.pool import HostPool
 
@@ -31,7 +31,7 @@ def _instrument(eng):
     """Log (what, layer, start, end) of every kv_load and paged_attention; at each attention, also
     whether the layer's loaded blocks hold what the load staged (False: a stale block was read)."""
     log, lock = [], threading.Lock()
-    rt, layers = eng.rt, list(eng.cache)
+    rt, layers = eng.runner.rt, list(eng.cache)
     layer_of = {id(layer): i for i, layer in enumerate(layers)}
     staged: dict[int, tuple] = {}  # layer -> (block ids, the staged blocks of component 0)
     kv_load, attention = rt.kv_load, rt.paged_attention
@@ -68,7 +68,7 @@ def drop_load_waits(variant: str, source: str) -> str:
 
 
 def _warm_run(qwen, prompt, pool, hook=None):
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="async", granularity="layer", pool=pool,
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", granularity="layer", pool=pool,
                           source_hook=hook, faults=Faults(load_delay_s=LOAD_DELAY), collect_logits=True) as eng:
         log = _instrument(eng)
         r = eng.generate([prompt], 1)[0]
@@ -80,7 +80,7 @@ def _warm_run(qwen, prompt, pool, hook=None):
 def pooled(qwen):
     prompt = u.rand_prompt(torch.Generator().manual_seed(53), 9)  # 2 full blocks + 1 token
     pool = HostPool(1 << 24)
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="async", granularity="layer", pool=pool,
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", granularity="layer", pool=pool,
                           collect_logits=True) as eng:
         cold = eng.generate([prompt], 1)[0]
         eng.drain()

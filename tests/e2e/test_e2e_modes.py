@@ -17,7 +17,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import open_engine
 
 N_NEW = 6
 MODES = [(w, g) for w in ("off", "sync", "async") for g in ("forward", "layer")]
@@ -37,7 +37,7 @@ def test_greedy_tokens_identical_across_write_modes(family, request):
         (u.TINY_DSV3, request.getfixturevalue("tiny_dsv3"))
     prompts = _prompts(31)
     # reference: the write-off engine's tokens, each checked to be transformers' greedy choice
-    with Engine.from_spec(spec, hf.dir, write="off") as eng:
+    with open_engine(spec, hf.dir, write="off") as eng:
         expected = [r.tokens for r in eng.generate(prompts, N_NEW)]
         bs = eng.block_size
     for p, toks in zip(prompts, expected):
@@ -49,7 +49,7 @@ def test_greedy_tokens_identical_across_write_modes(family, request):
     for write, gran in MODES:
         for batch in (False, True):
             cfg = f"{family} write={write} granularity={gran} batch={batch}"
-            with Engine.from_spec(spec, hf.dir, write=write, granularity=gran) as eng:
+            with open_engine(spec, hf.dir, write=write, granularity=gran) as eng:
                 cold = eng.generate(prompts, N_NEW, batch=batch)
                 racing = eng.generate(prompts, N_NEW, batch=batch)
                 eng.drain()

@@ -13,7 +13,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import open_engine
 from graphgen.modelspec.loader import load_spec
 
 N_NEW = 4
@@ -29,7 +29,7 @@ def test_engine_logits_match_hf_every_step(family, imported):
     c = u.rand_prompt(g, bs - 2)                      # decode crosses into the second block
     # The imported spec writes asynchronously; the checkpoint is passed as the folder, so the
     # engine's own loader (and its config check) is exercised.
-    with Engine.from_spec(case.spec, case.hf.dir, collect_logits=True, num_blocks=16) as eng:
+    with open_engine(case.spec, case.hf.dir, collect_logits=True, num_blocks=16) as eng:
         assert eng.write == "async"
         ra = eng.generate([a], N_NEW)[0]
         eng.drain()                                   # a's block is committed: b must find it

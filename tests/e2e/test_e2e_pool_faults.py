@@ -17,7 +17,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import open_engine
 from graphgen.runtime.core.faults import Faults
 from graphgen.runtime.pool import HostPool
 
@@ -34,12 +34,12 @@ def _leading_run(keys, present) -> int:
 
 
 def _write_off_tokens(qwen, prompts):
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="off") as eng:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="off") as eng:
         return [r.tokens for r in eng.generate(prompts, N_NEW)]
 
 
 def _block_bytes(qwen) -> int:
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="off", num_blocks=1) as eng:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="off", num_blocks=1) as eng:
         return eng.cache.block_bytes()
 
 
@@ -50,7 +50,7 @@ def test_eviction_first_block_gone_means_no_hit(qwen):
     expected = _write_off_tokens(qwen, [a, b, a])
     ref, _ = u.reference_blocks(u.TINY_QWEN3, qwen.dir, [a, b])
     pool = HostPool(3 * _block_bytes(qwen))   # room for exactly a's 3 blocks
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="sync", pool=pool) as eng:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="sync", pool=pool) as eng:
         ka, kb = u.keys_of(eng, a), u.keys_of(eng, b)
         out = [eng.generate([a], N_NEW)[0]]
         assert pool.keys() == ka
@@ -72,7 +72,7 @@ def test_eviction_gap_counts_only_the_leading_run(qwen):
     c = a[:4] + u.rand_prompt(g, 9)           # shares a0, then its own c1 c2
     expected = _write_off_tokens(qwen, [a, c, a])
     pool = HostPool(4 * _block_bytes(qwen))
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="sync", pool=pool) as eng:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="sync", pool=pool) as eng:
         ka, kc = u.keys_of(eng, a), u.keys_of(eng, c)
         out = [eng.generate([a], N_NEW)[0]]
         out.append(eng.generate([c], N_NEW)[0])   # hits a0 (refreshing it), saves c1 c2: evicts a1
@@ -104,12 +104,12 @@ def test_put_failures_keep_tokens_and_hide_failed_blocks(qwen, put_fail):
     expected = _write_off_tokens(qwen, [p, p])
     ref, _ = u.reference_blocks(u.TINY_QWEN3, qwen.dir, [p])
     inner = HostPool(1 << 24)
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="off", num_blocks=1) as probe:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="off", num_blocks=1) as probe:
         keys = u.keys_of(probe, p)
     seed = _seed_with_partial_pattern(keys) if put_fail < 1 else 0
     faults = Faults(put_fail=put_fail, seed=seed)
     committed = [k for k in keys if not faults.put_fails(k, 0)]   # the fault draw is a pure function
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="async", pool=inner, faults=faults) as eng:
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", pool=inner, faults=faults) as eng:
         r1 = eng.generate([p], N_NEW)[0]
         eng.drain()
         visible = inner.keys()

@@ -21,7 +21,7 @@ try:
 except ImportError:
     import e2e_util as u
 
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import Engine, open_engine
 from graphgen.runtime.core.faults import Faults
 from graphgen.runtime.pool import HostPool
 
@@ -49,13 +49,13 @@ class RecordingPool(HostPool):
 def _record_save_copies(eng: Engine) -> list[float]:
     """Completion time of every copy into staging (rt.kv_save; the bulk save calls it per layer)."""
     done: list[float] = []
-    orig = eng.rt.kv_save
+    orig = eng.runner.rt.kv_save
 
     def kv_save(*a, **k):
         orig(*a, **k)
         done.append(time.perf_counter())
 
-    eng.rt.kv_save = kv_save
+    eng.runner.rt.kv_save = kv_save
     return done
 
 
@@ -66,7 +66,7 @@ def test_delayed_save_pools_exact_kv_and_only_after_it_completes(family, gran, r
     p = u.rand_prompt(torch.Generator().manual_seed(41), 13)   # 3 full blocks + 1 token
     ref, ref_tokens = u.reference_blocks(spec, hf.dir, [p])
     pool = RecordingPool()
-    with Engine.from_spec(spec, hf.dir, write="async", granularity=gran, pool=pool,
+    with open_engine(spec, hf.dir, write="async", granularity=gran, pool=pool,
                           faults=Faults(save_delay_s=SAVE_DELAY)) as eng:
         copies = _record_save_copies(eng)
         keys = u.keys_of(eng, p)
@@ -94,7 +94,7 @@ def _reuse_scenario(qwen, *, pins: bool):
     g = torch.Generator().manual_seed(43)
     a, b = u.rand_prompt(g, 8), u.rand_prompt(g, 8)
     ref, ref_tokens = u.reference_blocks(u.TINY_QWEN3, qwen.dir, [a, b])
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="async", num_blocks=3,
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", num_blocks=3,
                           faults=Faults(save_delay_s=SAVE_DELAY)) as eng:
         alloc = eng.alloc
         orig_pin, orig_unpin, orig_alloc = alloc.pin, alloc.unpin, alloc.alloc
@@ -182,7 +182,7 @@ def _pooled_kv_after_slow_forward(qwen, gran: str, mutate: bool):
             hooked.append(variant)
         return new
 
-    with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="async", granularity=gran, source_hook=hook,
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", granularity=gran, source_hook=hook,
                           faults=Faults(forward_delay_s=FORWARD_DELAY)) as eng:
         r = eng.generate([p], 1)[0]
         eng.drain()

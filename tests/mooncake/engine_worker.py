@@ -34,7 +34,7 @@ def main():
     faulthandler.register(signal.SIGUSR1)      # a hung test can ask where it hangs
     import torch
     torch.set_num_threads(1)
-    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime import Engine, open_engine
     from graphgen.runtime.core.faults import Faults
 
     warnings = _CountWarnings()
@@ -46,7 +46,7 @@ def main():
         op = cmd["op"]
         if op == "open":
             faults = Faults.parse(cmd["faults"]) if cmd.get("faults") else None
-            eng = Engine.from_spec(cmd["spec"], cmd["weights"], pool=cmd["pool"], write=cmd.get("write"),
+            eng = open_engine(cmd["spec"], cmd["weights"], pool=cmd["pool"], write=cmd.get("write"),
                                    granularity=cmd.get("granularity"), faults=faults, num_blocks=64)
             reply(ok=True)
         elif op == "gen":

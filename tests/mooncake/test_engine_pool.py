@@ -35,7 +35,7 @@ def model(tmp_path_factory):
     import torch
 
     from graphgen.modelspec.loader import load_spec
-    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime import open_engine
     from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
     spec = load_spec(SPEC)
@@ -44,7 +44,7 @@ def model(tmp_path_factory):
     write_random_hf_checkpoint(ckpt, spec.family, dataclasses.asdict(spec.dims), seed=0)
     torch.set_num_threads(1)
     cold = {}
-    with Engine.from_spec(SPEC, ckpt, write="off") as eng:
+    with open_engine(SPEC, ckpt, write="off") as eng:
         for p in [P, Q, K, *FRESH[:3]]:
             cold[tuple(p)] = eng.generate([p], N_NEW)[0].tokens
     return SimpleNamespace(weights=str(ckpt), cold=lambda p: cold[tuple(p)])

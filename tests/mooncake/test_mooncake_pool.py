@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from graphgen.runtime.pool.base import block_keys
+from graphgen.runtime.pool import block_keys
 from graphgen.runtime.pool.codec import HEADER, encode_value
 
 PORT = 50100          # the namespace is fresh per test: nothing else listens in it

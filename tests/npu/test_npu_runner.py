@@ -37,17 +37,17 @@ PROMPTS = [list(range(3, 200)), list(range(5, 40)), list(range(3, 200)) + [7, 8]
 @pytest.fixture(scope="module")
 def runs():
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import NpuEngine
-    from graphgen.runtime.engine.facade import Engine
+    from graphgen.npu.run.runner import npu_engine
+    from graphgen.runtime import open_engine
 
     torch.set_num_threads(1)
     spec = load_spec(HW)
     W = random_weights(spec, seed=1, scale=0.1)
     cpu_spec = dataclasses.replace(spec, kv_cache=dataclasses.replace(spec.kv_cache, dtype="float32"))
-    with Engine(cpu_spec, dict(W), collect_logits=True, num_blocks=64) as e:
+    with open_engine(cpu_spec, dict(W), collect_logits=True, num_blocks=64) as e:
         cpu = e.generate(PROMPTS, 6)
         cpu_stats = dict(e.stats)
-    with NpuEngine(spec, dict(W), collect_logits=True, num_blocks=64, standin=True) as e:
+    with npu_engine(spec, dict(W), collect_logits=True, num_blocks=64, standin=True) as e:
         npu = e.generate(PROMPTS, 6)
         npu_stats = dict(e.stats)
         batched = e.generate([list(range(9, 150)), list(range(11, 60)), list(range(13, 30))], 3, batch=True)

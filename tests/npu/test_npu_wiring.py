@@ -132,7 +132,7 @@ def _load_ids(seqs, bs):
 
 
 def _cpu_inputs(h):
-    from graphgen.runtime.engine.facade import StepInputs
+    from graphgen.runtime.engine.runner import StepInputs
 
     return StepInputs(**{k: torch.tensor(v, dtype=torch.long) for k, v in h.items()})
 
@@ -198,7 +198,7 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
     W = random_weights(spec, seed=seed, rope=npu_mod.ROPE, max_positions=512)  # bf16 (tests/npu/conftest.py)
     W_cpu = {k: w.float() for k, w in W.items()}  # the same values in float32 for the reference
     # same random noise in both caches: unwritten slots must stay equal, wrong reads/writes differ
-    shapes = ops.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), NUM_BLOCKS, spec.kv_cache.block_size)
+    shapes = kvcache.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), NUM_BLOCKS, spec.kv_cache.block_size)
     cache = PagedKVCache(spec.dims.num_hidden_layers, {k: s[1:] for k, s in shapes.items()}, NUM_BLOCKS)
     g = torch.Generator().manual_seed(seed + 1)
     for layer in cache:

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
 from graphgen.runtime.parallel.launcher import RankFailure  # noqa: E402
-from graphgen.runtime.engine.facade import Engine  # noqa: E402
+from graphgen.runtime import open_engine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("graphgen_e2e_util_parallel", REPO / "tests" / "e2e" / "e2e_util.py")
@@ -51,7 +51,7 @@ def _prompts(seed: int):
 
 
 def _run(spec, weights, a, b, **kw):
-    with Engine.from_spec(REPO / spec, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw) as eng:
+    with open_engine(REPO / spec, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw) as eng:
         ra = eng.generate([a], 3)[0]
         eng.drain()
         again = eng.generate([a], 3)[0]   # every block of a is in the pool: splitfuse on every rank
@@ -71,7 +71,7 @@ def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
             u.assert_steps_match_hf(model, r, f"qwen3 tp=2 {what}")   # decode steps included
     assert [s["hit_blocks"] for s in stats] == [3, 3]  # 2 blocks of a, 1 of b, on each rank
     assert all(s["puts"] > 0 and s["skipped_puts"] == 0 for s in stats)  # each rank saves its own heads
-    with Engine.from_spec(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
+    with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
         assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
 
 
@@ -115,7 +115,7 @@ def _kill_rank1(variant: str, source: str) -> str:
 def test_a_dying_rank_is_reported_not_a_hang(qwen):
     _, d = qwen
     t0 = time.monotonic()
-    eng = Engine.from_spec(REPO / "specs/tiny_qwen3_tp2.yaml", d, num_blocks=32, timeout=30, source_hook=_kill_rank1)
+    eng = open_engine(REPO / "specs/tiny_qwen3_tp2.yaml", d, num_blocks=32, timeout=30, source_hook=_kill_rank1)
     with pytest.raises(RankFailure, match=r"rank 1 exited \(code 3\)"):
         eng.generate([[1, 2, 3, 4, 5]], 2)
     assert time.monotonic() - t0 < 60
@@ -172,7 +172,7 @@ def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path
     assert res.returncode == 0, res.stderr
     g = torch.Generator().manual_seed(9)
     a = u.rand_prompt(g, 10, vocab=257)
-    with Engine.from_spec(spec, d, collect_logits=True, num_blocks=32, timeout=TIMEOUT, tp=2) as eng:
+    with open_engine(spec, d, collect_logits=True, num_blocks=32, timeout=TIMEOUT, tp=2) as eng:
         r = eng.generate([a], 3)[0]
     assert all(row.shape[-1] == 257 for row in r.step_logits)  # the padding rows are not logits
     with torch.no_grad():

@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.runtime.engine.facade import Engine  # noqa: E402
+from graphgen.runtime import open_engine  # noqa: E402
 from graphgen.runtime.core.faults import Faults  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def _install_recorders(eng) -> None:
     """Record on this rank: which cache blocks each save reads for which keys (prepare_save), when
     each copy into staging finished (rt.kv_save) and when each commit put began (connector pool)."""
     rec = eng._save_probe = {"saves": [], "copies": [], "puts": []}
-    conn, rt = eng.connector, eng.rt
+    conn, rt = eng.connector, eng.runner.rt
     prepare, kv_save, put = conn.prepare_save, rt.kv_save, conn.pool.put
 
     def prepare_save(block_ids, keys):
@@ -125,7 +125,7 @@ def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, dela
     p = _prompt(41)
     faults = Faults(save_delay_s=SAVE_DELAY) if delay == "save" else Faults(put_delay_s=PUT_DELAY)
     t0 = time.monotonic()
-    with Engine.from_spec(REPO / SPECS[model], weights[model], write="async", num_blocks=32, timeout=TIMEOUT,
+    with open_engine(REPO / SPECS[model], weights[model], write="async", num_blocks=32, timeout=TIMEOUT,
                           faults=faults) as eng:
         eng.on_ranks(_install_recorders)
         r = eng.generate([p], 1)[0]
@@ -153,7 +153,7 @@ def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, dela
 def _pooled_vs_cache_after_slow_forward(model: str, d, mutate: bool) -> list[dict]:
     p = _prompt(47, 9)   # 2 full blocks + 1 token
     kw = {"source_hook": drop_save_waits} if mutate else {}
-    with Engine.from_spec(REPO / SPECS[model], d, write="async", num_blocks=32, timeout=TIMEOUT,
+    with open_engine(REPO / SPECS[model], d, write="async", num_blocks=32, timeout=TIMEOUT,
                           faults=Faults(forward_delay_s=FORWARD_DELAY), **kw) as eng:
         eng.on_ranks(_install_recorders)
         r = eng.generate([p], 1)[0]

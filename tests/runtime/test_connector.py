@@ -151,23 +151,17 @@ def test_lookup_and_load_the_leading_run(parts):
     pool.put(keys[2], pack_block(src, 2))            # a gap at block 1
     assert conn.lookup(keys) == 1
     before = pack_block(cache, 6)
-    assert conn.load(keys[:1], [6]) == 1
+    staged = conn.load(keys[:1])
+    assert len(staged) == 1
     assert pack_block(cache, 6) == before            # the cache is the graph's to write (kv_load)
-    loads = conn.take_loads([6])                     # per layer, per component: [1, *shape]
-    assert pack_block(loads, 0) == pack_block(src, 0)
-    with pytest.raises(KeyError):                    # handed out once
-        conn.take_loads([6])
-    for layer, staged in zip(cache, loads):          # what the step's kv_load does with it
-        ops.kv_load(layer, staged, torch.tensor([6]))
+    assert pack_block(staged[0], 0) == pack_block(src, 0)   # one staging block: per layer, per component
+    for layer, blk in zip(cache, staged[0]):         # what the step's kv_load does with it
+        ops.kv_load(layer, blk, torch.tensor([6]))
     assert pack_block(cache, 6) == pack_block(src, 0)
     pool.put(keys[1], b"short")                      # a foreign/truncated value: recomputed
-    assert conn.load(keys, [5, 6, 7]) == 1 and conn.stats["pool_errors"] == 1
-    assert conn.load(["absent", keys[0]], [5, 6]) == 0   # evicted since the lookup: stops there
+    assert len(conn.load(keys)) == 1 and conn.stats["pool_errors"] == 1
+    assert conn.load(["absent", keys[0]]) == []      # evicted since the lookup: stops there
     assert conn.stats["hit_blocks"] == 2
-    conn.discard([5])                                # loaded, never run (its request was preempted)
-    with pytest.raises(KeyError):
-        conn.take_loads([5])
-    assert conn.take_loads([]) == []
     conn.close()
 
 
@@ -175,7 +169,7 @@ def test_a_pool_that_is_down_costs_a_recompute_never_a_request(parts):
     cache, alloc, save_stream = parts
     conn = make(DownPool(), cache, alloc)
     keys = conn.block_keys(range(8))
-    assert conn.lookup(keys) == 0 and conn.load(keys, [0, 1]) == 0
+    assert conn.lookup(keys) == 0 and conn.load(keys) == []
     ids = alloc.alloc(2)
     save = conn.prepare_save(ids, keys)
     ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from graphgen.modelspec.loader import load_spec
-from graphgen.runtime.engine.facade import Engine
+from graphgen.runtime import Engine, open_engine
 from graphgen.runtime.core.faults import Faults
 from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 
@@ -46,7 +46,7 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[list[int]]
 
 def engine(ckpt, **kw) -> Engine:
     kw.setdefault("write", "off")
-    return Engine.from_spec(SPEC_PATH, ckpt, **kw)
+    return open_engine(SPEC_PATH, ckpt, **kw)
 
 
 def single(ckpt, ps, n, **kw) -> list[list[int]]:
@@ -68,13 +68,13 @@ def drive(llm, max_steps=2000) -> dict:
 
 
 def record_steps(eng) -> list:
-    """Wrap the runner: every executed step's (variant, tokens, rows)."""
-    seen, inner = [], eng.runner.execute
+    """Wrap the runner: every submitted step plan's (variant, tokens, rows)."""
+    seen, inner = [], eng.runner.submit
 
-    def execute(variant, inputs, staging=None, loads=()):
-        seen.append((variant, int(inputs.input_ids.numel()), int(inputs.seq_lens.numel())))
-        return inner(variant, inputs, staging, loads)
-    eng.runner.execute = execute
+    def submit(plan, **kw):
+        seen.append((plan.variant, plan.num_tokens, len(plan.rows)))
+        return inner(plan, **kw)
+    eng.runner.submit = submit
     return seen
 
 
@@ -173,7 +173,7 @@ def test_finish_reasons_stop_token_length_and_error(ckpt):
     with engine(ckpt, num_blocks=8) as e:
         e.llm.add_request("s", p, max_tokens=8).stop_token_ids = frozenset({stop})
         e.llm.add_request("n", p, max_tokens=8)
-        e.llm.eos_token_id = ref[0]
+        e.llm.eos_token_ids = (ref[0],)
         e.llm.add_request("eos", p, max_tokens=8)
         e.llm.add_request("big", [1] * (8 * BS + 1), max_tokens=1)   # more than the whole cache
         got = drive(e.llm)
@@ -215,7 +215,7 @@ def test_abort_of_a_request_in_the_step_in_flight(ckpt):
         ra = llm.add_request("a", a, max_tokens=6)
         llm.add_request("b", b, max_tokens=6)
         llm.step()
-        assert llm._inflight is not None and ra in llm._inflight[0].requests
+        assert llm._inflight is not None and ra in llm._inflight[0].plan.requests
         held = list(ra.table)
         llm.abort("a")
         assert ra.table == held and all(e.alloc.refcount(x) == 1 for x in held)  # still written
@@ -290,18 +290,27 @@ def test_a_repeated_prompt_arriving_later_hits_the_pool_while_others_run(ckpt, w
     assert rest["again"][0] == want and rest["again"][2] == ((len(p) - 1) // BS) * BS
 
 
-def test_sample_fn_hook_gets_each_rows_request(ckpt):
+def test_each_row_samples_with_its_own_params_in_a_batch(ckpt):
+    """Sampling is the engine's, per request: a batch of a greedy and two seeded sampled requests
+    gives each the tokens (and the length) it gets alone."""
+    from graphgen.runtime import SamplingParams
+
     ps = prompts(3, seed=11)
-    calls = []
-
-    def sample(logits, requests):
-        calls.append([r.params for r in requests])
-        return [(int(row.argmax()) + 1) % 256 for row in logits]   # not greedy: visible in tokens
-
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=3, temperature=1.0, seed=1),
+              SamplingParams(max_tokens=4, temperature=0.8, top_k=20, seed=2)]
+    alone = {}
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        with engine(ckpt) as e:
+            e.llm.add_request(i, p, sp)
+            alone.update(drive(e.llm))
     with engine(ckpt) as e:
-        e.llm.sample_fn = sample
-        for i, p in enumerate(ps):
-            e.llm.add_request(i, p, params=dataclasses.make_dataclass("P", ["max_tokens"])(2 + i))
-        got = drive(e.llm)
-    assert {k: len(v[0]) for k, v in got.items()} == {0: 2, 1: 3, 2: 4}
-    assert any(len(c) == 3 for c in calls) and all(isinstance(x.max_tokens, int) for c in calls for x in c)
+        seen = record_steps(e)
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            e.llm.add_request(i, p, sp)
+        together = drive(e.llm)
+    assert max(rows for _, _, rows in seen) == 3                # they shared steps
+    assert {k: len(v[0]) for k, v in together.items()} == {0: 2, 1: 3, 2: 4}
+    assert {k: v[0] for k, v in together.items()} == {k: v[0] for k, v in alone.items()}
+    with engine(ckpt) as e:                                     # negative control: another seed differs
+        e.llm.add_request(1, ps[1], SamplingParams(max_tokens=3, temperature=1.0, seed=99))
+        assert drive(e.llm)[1][0] != together[1][0]

@@ -15,6 +15,7 @@ pytest.importorskip("safetensors")
 
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
 from graphgen.runtime.core import ops as rt  # noqa: E402
+from graphgen.runtime.core.kvcache import kv_cache_shapes  # noqa: E402
 from graphgen.runtime.checkpoint.hf import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
 
@@ -35,7 +36,7 @@ NUM_BLOCKS = 32
 class PagedRunner:
     def __init__(self, family: str, dims: dict, weights: dict, seed: int = 0):
         self.family, self.d, self.w = family, dict(dims), weights
-        shapes = rt.kv_cache_shapes(family, self.d, NUM_BLOCKS, BLOCK_SIZE)
+        shapes = kv_cache_shapes(family, self.d, NUM_BLOCKS, BLOCK_SIZE)
         self.kv = [tuple(torch.full(s, float("nan")) for s in shapes.values())
                    for _ in range(self.d["num_hidden_layers"])]  # NaN: reading an unwritten slot shows
         # hand out blocks in a scrambled order so a block-table indexing mistake cannot pass
@@ -209,9 +210,9 @@ def test_moe_routing_matches_hf_router():
 
 
 def test_kv_save_and_cache_shapes():
-    shapes = rt.kv_cache_shapes("deepseek_v3", hfm.DSV3_DIMS, 6, 4)
+    shapes = kv_cache_shapes("deepseek_v3", hfm.DSV3_DIMS, 6, 4)
     assert list(shapes) == ["ckv", "kpe"] and shapes["ckv"] == (6, 4, 16) and shapes["kpe"] == (6, 4, 8)
-    shapes = rt.kv_cache_shapes("qwen3_dense", hfm.QWEN3_DIMS, 6, 4)
+    shapes = kv_cache_shapes("qwen3_dense", hfm.QWEN3_DIMS, 6, 4)
     assert list(shapes) == ["k", "v"] and shapes["k"] == (6, 4, 2, 16)
     cache = tuple(torch.randn(s) for s in shapes.values())
     staging = tuple(torch.zeros(3, *s[1:]) for s in shapes.values())

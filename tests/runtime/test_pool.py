@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from graphgen.runtime.pool import HostPool, PoolBackend, block_keys
+from graphgen.runtime.pool import HostPool, KVShard, PoolBackend, block_keys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -171,7 +171,7 @@ def test_one_key_per_full_block_only():
 def test_chained_hash_matches_spec():
     # recompute the documented scheme independently
     ids = [5, 6, 7, 8, 9, 10]
-    keys = block_keys(ids, 3, **KW, rank=1, world=2)
+    keys = block_keys(ids, 3, **KW, shard=KVShard(1, 2))
     parent = hashlib.sha256(b"graphgen.block_keys.v1").digest()
     for b, key in enumerate(keys):
         parent = hashlib.sha256(parent + struct.pack("<3q", *ids[3 * b:3 * b + 3])).digest()
@@ -203,8 +203,8 @@ def test_model_layout_rank_namespaces():
         tuple(block_keys(ids, 4, **KW)),
         tuple(block_keys(ids, 4, model="other", layout=KW["layout"])),
         tuple(block_keys(ids, 4, model=KW["model"], layout="kv1:bfloat16:L2:k=4x2x8:v=4x2x8")),
-        tuple(block_keys(ids, 4, **KW, rank=1, world=2)),
-        tuple(block_keys(ids, 4, **KW, rank=0, world=2)),
+        tuple(block_keys(ids, 4, **KW, shard=KVShard(1, 2))),
+        tuple(block_keys(ids, 4, **KW, shard=KVShard(0, 2))),
     }
     assert len(variants) == 5
 
@@ -215,7 +215,7 @@ def test_key_argument_validation():
     with pytest.raises(ValueError, match="layout"):
         block_keys([1], 1, model="m", layout="")
     with pytest.raises(ValueError, match="rank"):
-        block_keys([1], 1, model="m", layout="l", rank=2, world=2)
+        block_keys([1], 1, model="m", layout="l", shard=KVShard(2, 2))
     with pytest.raises(ValueError, match="block_size"):
         block_keys([1], 0, model="m", layout="l")
 
@@ -227,9 +227,9 @@ def test_accepts_tensors():
 
 
 def test_keys_stable_across_processes_and_hash_seeds():
-    code = ("from graphgen.runtime.pool import block_keys;"
+    code = ("from graphgen.runtime.pool import KVShard, block_keys;"
             "print('\\n'.join(block_keys(list(range(1000, 1040)) + [2**40, -3] * 4, 8,"
-            " model='m', layout='l', rank=1, world=4)))")
+            " model='m', layout='l', shard=KVShard(1, 4))))")
     outs = []
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(REPO))
@@ -237,5 +237,16 @@ def test_keys_stable_across_processes_and_hash_seeds():
                            text=True, timeout=30, check=True)
         outs.append(r.stdout.split())
     here = block_keys(list(range(1000, 1040)) + [2**40, -3] * 4, 8, model="m", layout="l",
-                      rank=1, world=4)
+                      shard=KVShard(1, 4))
     assert outs[0] == outs[1] == here and len(here) == 6
+
+
+def test_block_key_renders_every_field_in_one_format():
+    from graphgen.runtime.pool import BlockKey
+
+    k = BlockKey("m", "l", KVShard(1, 4), "ab")
+    assert k.render() == "m@l@r1of4@ab"
+    # a lookahead token (e.g. the successor an MTP draft KV depends on) is a field, not a new format
+    la = BlockKey("m", "l", KVShard(1, 4), "ab", lookahead=7)
+    assert la.render() == "m@l@r1of4@ab@la7" and la.render() != k.render()
+    assert block_keys([1, 2], 2, model="m", layout="l", shard=KVShard(1, 4))[0].startswith("m@l@r1of4@")

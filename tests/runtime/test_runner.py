@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphgen.runtime.core import kvcache
+
 from graphgen.runtime.core.cpu_runtime import CpuRuntime
 from graphgen.runtime.engine.runner import CpuModelRunner, StepHandles
 from graphgen.runtime.core.streams import EventAborted, EventTimeout
@@ -123,7 +125,7 @@ def test_real_generated_module_step(rt, tmp_path):
     from graphgen.runtime.core import ops
     from graphgen.runtime.core.cpu_runtime import load_cpu_modules
     from graphgen.runtime.core.kvcache import PagedKVCache, slot_mapping
-    from graphgen.runtime.engine.scheduler import StepInputs
+    from graphgen.runtime.engine.runner import StepInputs
     from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
 
     spec = load_spec(REPO / "specs" / "tiny_qwen3.yaml")
@@ -131,7 +133,7 @@ def test_real_generated_module_step(rt, tmp_path):
     write_random_hf_checkpoint(tmp_path, spec.family, dims, seed=0)
     W = load_hf_weights(str(tmp_path))
     bs = spec.kv_cache.block_size
-    shapes = ops.kv_cache_shapes(spec.family, dims, 4, bs)
+    shapes = kvcache.kv_cache_shapes(spec.family, dims, 4, bs)
     cache = PagedKVCache(spec.dims.num_hidden_layers, {k: s[1:] for k, s in shapes.items()}, 4, torch.float32)
     mods = load_cpu_modules(spec, "specs/tiny_qwen3.yaml")
     runner = CpuModelRunner({"mempool_prefill": mods["mempool_prefill"]}, W, cache, rt)

@@ -13,7 +13,10 @@ import torch
 
 from graphgen.modelspec.loader import load_spec
 from graphgen.runtime.core.kvcache import BlockAllocator, OutOfBlocks
-from graphgen.runtime.engine.scheduler import Request, RequestResult, Scheduler, StepOutput
+from graphgen.runtime.engine.request import Request, RequestResult
+from graphgen.runtime.engine.runner import build_inputs
+from graphgen.runtime.engine.sampling import SamplingParams
+from graphgen.runtime.engine.scheduler import Scheduler
 
 SPEC = load_spec(Path(__file__).resolve().parents[2] / "specs" / "tiny_qwen3.yaml")
 BS = SPEC.kv_cache.block_size
@@ -24,7 +27,7 @@ class FakePrefix:
 
     def __init__(self, hits=None):
         self.hits = hits or {}
-        self.loaded: list[tuple[list[str], list[int]]] = []
+        self.loaded: list[list[str]] = []
 
     def block_keys(self, prompt):
         return [f"p{prompt[0]}.b{i}" for i in range(len(prompt) // BS)]
@@ -32,16 +35,13 @@ class FakePrefix:
     def lookup(self, keys):
         return min(self.hits.get(int(keys[0].split(".")[0][1:]), 0), len(keys)) if keys else 0
 
-    def load(self, keys, block_ids):
-        self.loaded.append((list(keys), list(block_ids)))
-        return len(keys)
-
-    def discard(self, block_ids):
-        self.discarded = getattr(self, "discarded", []) + list(block_ids)
+    def load(self, keys):
+        self.loaded.append(list(keys))
+        return [f"staged {k}" for k in keys]  # what the plan must carry to the runner, block by block
 
 
 def req(first: int, n: int, max_new: int = 2) -> Request:
-    return Request(RequestResult(prompt=[first] + list(range(100, 100 + n - 1))), max_new)
+    return Request(RequestResult(prompt=[first] + list(range(100, 100 + n - 1))), SamplingParams(max_tokens=max_new))
 
 
 def sched(num_blocks=64, hits=None, reclaim=lambda: False):
@@ -50,7 +50,12 @@ def sched(num_blocks=64, hits=None, reclaim=lambda: False):
 
 
 def answer(step, token=7):
-    return StepOutput(tuple([token] * len(step.requests)))
+    return tuple([token] * len(step.requests))
+
+
+def inp(plan):
+    """The CPU runner's tensors for a plan (what the module would read)."""
+    return build_inputs(plan, BS)
 
 
 def test_step_composition_prefill_by_history_then_decode_together():
@@ -60,7 +65,7 @@ def test_step_composition_prefill_by_history_then_decode_together():
     s.add(b)
     cold = s.schedule()
     assert (cold.variant, cold.phase, cold.requests) == ("mempool_prefill", "prefill", (a,))
-    x = cold.inputs
+    x = inp(cold)
     assert x.input_ids.tolist() == a.prompt and x.positions.tolist() == list(range(10))
     assert x.query_lens.tolist() == [10] and x.seq_lens.tolist() == [10] and x.logits_indices.tolist() == [9]
     assert cold.saves and cold.save_keys == ("p1.b0", "p1.b1")     # the full blocks: 10 // 4
@@ -69,9 +74,10 @@ def test_step_composition_prefill_by_history_then_decode_together():
 
     warm = s.schedule()                     # before cold's update: steps may be prepared ahead
     assert (warm.variant, warm.requests) == ("splitfuse", (b,))
-    assert s.connector.loaded == [(["p2.b0", "p2.b1"], b.table[:2])]
+    assert s.connector.loaded == [["p2.b0", "p2.b1"]]
+    assert warm.rows[0].loaded == ("staged p2.b0", "staged p2.b1")   # the plan carries the loads
     assert b.result.hit_tokens == 2 * BS
-    y = warm.inputs
+    y = inp(warm)
     assert y.load_block_ids.tolist() == b.table[:2] and x.load_block_ids.tolist() == []  # the step's kv_load
     assert y.input_ids.tolist() == b.prompt[2 * BS:] and y.positions.tolist() == list(range(8, 13))
     assert y.query_lens.tolist() == [5] and y.seq_lens.tolist() == [13]
@@ -80,9 +86,9 @@ def test_step_composition_prefill_by_history_then_decode_together():
     assert s.update(cold, answer(cold, 5)) == [] and s.update(warm, answer(warm, 6)) == []
     dec = s.schedule()
     assert (dec.variant, dec.phase, dec.requests, dec.saves) == ("decode", "decode", (a, b), False)
-    assert dec.inputs.input_ids.tolist() == [5, 6] and dec.inputs.positions.tolist() == [10, 13]
-    assert dec.inputs.query_lens.tolist() == [1, 1] and dec.inputs.logits_indices.tolist() == [0, 1]
-    assert dec.inputs.block_tables.shape == (2, max(len(a.table), len(b.table)))
+    assert inp(dec).input_ids.tolist() == [5, 6] and inp(dec).positions.tolist() == [10, 13]
+    assert inp(dec).query_lens.tolist() == [1, 1] and inp(dec).logits_indices.tolist() == [0, 1]
+    assert inp(dec).block_tables.shape == (2, max(len(a.table), len(b.table)))
     assert s.update(dec, answer(dec)) == [a, b]
     assert s.schedule() is None and not s.has_work()
     assert a.result.tokens == [5, 7] and b.result.tokens == [6, 7] and a.result.variant == "mempool_prefill"
@@ -111,7 +117,7 @@ def test_block_accounting_tables_grow_with_tokens_and_come_back_on_finish():
     s.update(step, answer(step))
     for _ in range(3):
         step = s.schedule()
-        assert len(r.table) == math.ceil(int(step.inputs.seq_lens[0]) / BS)
+        assert len(r.table) == math.ceil(int(inp(step).seq_lens[0]) / BS)
         assert len(set(r.table)) == len(r.table)          # no block twice
         s.update(step, answer(step))
     assert r.finished and r.table == [] and alloc.num_free == 8
@@ -179,7 +185,7 @@ def test_collected_logits_rows_go_to_their_request():
     s.add(b)
     step = s.schedule()
     logits = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 3)
-    s.update(step, StepOutput((2, 2), logits))
+    s.update(step, (2, 2), logits)
     assert a.result.step_logits[0].tolist() == [0, 1, 2] and b.result.step_logits[0].tolist() == [3, 4, 5]
 
 
@@ -210,22 +216,22 @@ def test_decode_out_of_blocks_preempts_the_newest_and_it_resumes_with_its_tokens
     old, new = req(1, 4, max_new=6), req(2, 4, max_new=6)   # one full block each
     s.add(old)
     s.add(new)
-    s.update(p := s.schedule(), StepOutput((11, 22)))
+    s.update(p := s.schedule(), (11, 22))
     assert alloc.num_free == 2
-    s.update(d := s.schedule(), StepOutput((12, 23)))       # position 4: a 2nd block each
+    s.update(d := s.schedule(), (12, 23))       # position 4: a 2nd block each
     assert d.requests == (old, new) and alloc.num_free == 0
-    s.update(d := s.schedule(), StepOutput((13, 24)))
-    s.update(d := s.schedule(), StepOutput((14, 25)))
-    s.update(d := s.schedule(), StepOutput((15, 26)))       # positions 5..7: still the 2nd block
+    s.update(d := s.schedule(), (13, 24))
+    s.update(d := s.schedule(), (14, 25))
+    s.update(d := s.schedule(), (15, 26))       # positions 5..7: still the 2nd block
     d = s.schedule()                                        # position 8: a 3rd block for old
     assert d.requests == (old,) and list(s.waiting) == [new] and new.table == []
     assert new.result.preemptions == 1 and new.tokens == [22, 23, 24, 25, 26] and new.cached == 0
-    s.update(d, StepOutput((16,)))
+    s.update(d, (16,))
     assert old.finished and old.finish_reason == "length" and old.tokens == [11, 12, 13, 14, 15, 16]
     resume = s.schedule()                                   # prompt + generated tokens, recomputed
     assert resume.phase == "prefill" and resume.requests == (new,)
-    assert resume.inputs.input_ids.tolist() == new.prompt + [22, 23, 24, 25, 26]
-    s.update(resume, StepOutput((27,)))
+    assert inp(resume).input_ids.tolist() == new.prompt + [22, 23, 24, 25, 26]
+    s.update(resume, (27,))
     assert new.finished and new.tokens == [22, 23, 24, 25, 26, 27] and alloc.num_free == 4
 
 
@@ -236,14 +242,14 @@ def test_a_step_scheduled_ahead_gets_its_tokens_and_loses_finished_rows_in_final
     s.add(b)
     pre = s.schedule()
     ahead = s.schedule()                    # decode prepared before the prefill's tokens exist
-    assert ahead.phase == "decode" and ahead.pending_rows == (0, 1)
-    assert ahead.inputs.input_ids.tolist() == [-1, -1] and ahead.inputs.positions.tolist() == [5, 6]
+    assert ahead.phase == "decode" and tuple(i for i, r in enumerate(ahead.rows) if r.pending) == (0, 1)
+    assert inp(ahead).input_ids.tolist() == [-1, -1] and inp(ahead).positions.tolist() == [5, 6]
     assert s.schedule() is None             # nothing more can be prepared: tokens are pending
-    s.update(pre, StepOutput((7, 8)))
+    s.update(pre, (7, 8))
     s.abort(a)                              # a's blocks are still written by `ahead`: kept
     assert a.table and a in s.deferred
     ready = s.finalize(ahead)
-    assert ready.requests == (b,) and ready.inputs.input_ids.tolist() == [8]
-    assert ready.inputs.positions.tolist() == [6] and ready.inputs.logits_indices.tolist() == [0]
-    assert ready.inputs.block_tables.tolist() == [b.table + [0] * (ready.inputs.block_tables.shape[1] - len(b.table))]
+    assert ready.requests == (b,) and inp(ready).input_ids.tolist() == [8]
+    assert inp(ready).positions.tolist() == [6] and inp(ready).logits_indices.tolist() == [0]
+    assert inp(ready).block_tables.tolist() == [b.table + [0] * (inp(ready).block_tables.shape[1] - len(b.table))]
     assert a.table == [] and not s.deferred

@@ -9,7 +9,9 @@ import threading
 import pytest
 import torch
 
-from graphgen.runtime.engine.sampling import Sampler, SamplingParams, StopChecker, find_stop, holdback
+from graphgen.runtime.engine.sampling import Sampler, SamplingParams
+from graphgen.runtime.engine.step_loop import LLMEngine
+from graphgen.serve.stops import find_stop, holdback
 from graphgen.trace import TraceRecorder
 
 
@@ -48,10 +50,17 @@ def test_bad_sampling_params_are_refused(kw):
         SamplingParams(**kw)
 
 
+def _stop_ids(params, eos=()):
+    """The stop tokens the engine gives a request (what `Scheduler.update` finishes it on)."""
+    import types
+
+    sched = types.SimpleNamespace(max_num_batched_tokens=64, add=lambda r: None)
+    llm = LLMEngine(sched, None, types.SimpleNamespace(), vocab_size=16, eos_token_ids=eos)
+    return llm.add_request(None, [1, 2], params).stop_token_ids
+
+
 def test_stops():
-    sc = StopChecker(SamplingParams(max_tokens=3, stop_token_ids=(9,)), eos_token_id=0)
-    assert sc.check([1]) is None and sc.check([1, 9]) == "stop" and sc.check([0]) == "stop"
-    assert sc.check([1, 2, 3]) == "length"
+    assert _stop_ids(SamplingParams(max_tokens=3, stop_token_ids=(9,)), eos=(0,)) == {9, 0}
     assert find_stop("abc STOP def", ["STOP", "def"]) == 4 and find_stop("abc", ["x"]) == -1
     assert holdback("abc ST", ["STOP"]) == 2 and holdback("abc", ["STOP"]) == 0
     assert holdback("ab\ufffd", []) == 1
@@ -134,6 +143,6 @@ def test_render_trace_draws_one_lane_per_track(tmp_path):
 
 
 def test_ignore_eos_drops_only_the_eos_stop():
-    assert StopChecker(SamplingParams(max_tokens=9), eos_token_id=7).check([1, 7]) == "stop"
-    assert StopChecker(SamplingParams(max_tokens=9, ignore_eos=True), eos_token_id=7).check([1, 7]) is None
-    assert StopChecker(SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=(7,)), 7).check([7]) == "stop"
+    assert _stop_ids(SamplingParams(max_tokens=9), eos=(7, 8)) == {7, 8}      # a list of EOS ids
+    assert _stop_ids(SamplingParams(max_tokens=9, ignore_eos=True), eos=(7,)) == set()
+    assert _stop_ids(SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=(7,)), eos=(7,)) == {7}

@@ -20,10 +20,10 @@ BS = 4  # tiny_qwen3's block_size
 def engine(ckpt):
     import torch
 
-    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime import Engine, open_engine
 
     torch.set_num_threads(1)
-    with Engine.from_spec(SPEC, ckpt, write="off") as eng:
+    with open_engine(SPEC, ckpt, write="off") as eng:
         yield eng
 
 

@@ -61,10 +61,10 @@ def _ask(ns, base, prompts) -> list[dict]:
 def test_two_servers_share_a_prefix_through_one_master(ns, ckpt):
     import torch
 
-    from graphgen.runtime.engine.facade import Engine
+    from graphgen.runtime import Engine, open_engine
 
     torch.set_num_threads(1)
-    with Engine.from_spec(SPEC, ckpt, write="off") as eng:
+    with open_engine(SPEC, ckpt, write="off") as eng:
         cold = {tuple(p): eng.generate([p], N_NEW)[0].tokens for p in (P, Q)}
     ns.serve(PORT)
     a, base_a = _serve(ns, ckpt, "serve_a")

@@ -1,12 +1,13 @@
 """The NPU model runner: the step driver for the NPU target, on the runtime's scheduler and KV connector.
 
-`NpuModelRunner` has the CPU runner's interface (``saves(variant)``, ``execute(variant, inputs, staging)
--> StepHandles``, ``close()``), so `LLMEngine` drives it unchanged.  The runtime's `Scheduler` schedules
-the steps, its `KVConnector` looks the pool up, loads hits into the cache, pins saved blocks and
-commits after the save; this module adapts at the runner boundary:
+`NpuModelRunner` has the CPU runner's interface (``submit(plan)`` / ``collect(future)`` /
+``settle`` / ``close``), so `LLMEngine` drives it unchanged.  The runtime's `Scheduler` plans the
+steps (per request: tokens, positions, block table, loads, saves), its `KVConnector` looks the pool
+up and loads hits into staging, and commits after the save; this runner owns the connector's worker
+side (pin and stage the save, hand it off) and adapts at the runner boundary:
 
-* **bucketing**: a scheduled step (runtime `StepInputs`) becomes `NpuStepInputs` padded to the spec's
-  buckets (`Buckets.from_spec`, `StepPadding`); a prefill with more sequences than ``prefill_seqs``
+* **bucketing**: a step plan's rows become `NpuStepInputs` padded to the spec's buckets
+  (`Buckets.from_spec`, `StepPadding`); a prefill with more sequences than ``prefill_seqs``
   (the scheduler batches by tokens, not sequences) runs as several graph calls, one per chunk;
 * **the compile cache**: one compiled module per variant (in one compile mode), compiled lazily with
   ``compile_module(..., buckets=N)``: one graph per bucket, never per step;
@@ -17,12 +18,13 @@ commits after the save; this module adapts at the runner boundary:
   buffers, never one whose commit is in flight); a `Committer` thread waits for the step's save event
   (on an NPU: an event recorded after the graph), copies the saved rows into the connector's staging
   and frees the buffer; the connector then puts the blocks (inline for sync, host stream for async).
-  ``execute`` returns without waiting for any of it.
+  ``submit`` returns without waiting for any of it.
 
-`NpuEngine` is the runtime `Engine` assembled with this runner.  ``standin=True`` runs everything on
-CPU through graphgen's torchair stand-in (tests; never an NPU result); without it, torch_npu must
-import (`NpuUnavailable` otherwise).  The real-device parts (``device="npu"``, the NPU event after
-the forward) have never run on an NPU.
+`npu_engine` builds the runtime `Engine` with this runner through the runtime's one assembly
+function (`build_engine`) and registers itself as ``open_engine(..., target="npu")``.
+``standin=True`` runs everything on CPU through graphgen's torchair stand-in (tests; never an NPU
+result); without it, torch_npu must import (`NpuUnavailable` otherwise).  The real-device parts
+(``device="npu"``, the NPU event after the forward) have never run on an NPU.
 """
 from __future__ import annotations
 
@@ -33,13 +35,15 @@ from typing import Optional
 
 import torch
 
-from ...runtime.engine.facade import Engine
-from ...runtime.pool import DEFAULT_POOL_BYTES
-from ...runtime.engine.runner import StepHandles
+from ...runtime import register_target
+from ...runtime.core.kvcache import token_shapes
+from ...runtime.engine.facade import Engine, build_engine
+from ...runtime.engine.request import StepPlan
+from ...runtime.engine.runner import StepFuture
 from .bucketing import Buckets, max_model_len
 from .staging import Committer, StagingExhausted, StagingRing
 
-__all__ = ["NpuModelRunner", "NpuEngine"]
+__all__ = ["NpuModelRunner", "npu_engine"]
 
 
 class _SaveHandle:
@@ -78,11 +82,11 @@ class NpuModelRunner:
     """Runs the generated NPU modules of ``spec`` (one compile mode) on the connector's ``cache``.
 
     ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here).  ``pad_block``: a
-    cache block no sequence owns (`NpuEngine` reserves it from the allocator); padding tokens write
+    cache block no sequence owns (`npu_engine` reserves it from the allocator); padding tokens write
     and read only it.  ``sources``: {variant: module source} (default: generated in memory)."""
 
-    def __init__(self, spec, weights, cache, *, pad_block: int, mode: Optional[str] = None, standin: bool = False,
-                 sources: Optional[dict] = None, check_limits: bool = True):
+    def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
+                 standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -91,7 +95,9 @@ class NpuModelRunner:
         self.mode = mode or npu.compile_modes[0]
         if self.mode not in npu.compile_modes:
             raise ValueError(f"compile mode {self.mode} is not generated for {spec.name}: {list(npu.compile_modes)}")
-        self.spec, self.cache, self.pad_block = spec, cache, pad_block
+        self.spec, self.cache, self.connector, self.pad_block = spec, cache, connector, pad_block
+        self.observer = None  # the CPU runner's hooks (spans are not reported from the NPU runner yet)
+        self.on_forward = None
         self.standin, self.check_limits = standin, check_limits
         self.buckets = Buckets.from_spec(spec)
         self.block_size = spec.kv_cache.block_size
@@ -155,16 +161,43 @@ class NpuModelRunner:
             self._compiled[variant] = target
         return self._compiled[variant]
 
-    def execute(self, variant: str, inputs, staging=None, loads=()) -> StepHandles:
-        """``loads``: the step's loaded history blocks per layer (`KVConnector.take_loads`), row j for
-        cache block ``inputs.load_block_ids[j]``; each graph call gets its sequences' rows, padded."""
+    def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
+        """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
+        here: the device runs asynchronously anyway) and start its commit copies."""
+        save = self.connector.prepare_save(plan.save_block_ids, plan.save_keys) if plan.saves else None
+        try:
+            fut = StepFuture(plan, save)
+            fut.handles = self._run(plan, save.staging if save is not None else None)
+            return fut
+        except BaseException:
+            if save is not None:
+                self.connector.cancel(save)
+            raise
+
+    def collect(self, fut: StepFuture) -> list:
+        """Hand the step's save to the connector (it commits once the copies are done) and return
+        each row's logits (``[1, vocab]``: the last position)."""
+        logits, handle = fut.handles
+        if fut.save is not None:
+            self.connector.handoff(fut.save, handle, handle)
+        return list(logits.split(1))
+
+    def settle(self, fut: StepFuture) -> None:
+        self.collect(fut)
+
+    def _run(self, plan: StepPlan, staging):
+        variant = plan.variant
         mod = self.modules[variant]
         saves = bool(mod.META["saves"])
         if (staging is None) == saves:
             raise ValueError(f"{variant}: a staging area is needed exactly when the module saves "
                              f"(saves={saves}, staging given: {staging is not None})")
+        for row in plan.rows:
+            if tuple(row.logits_positions) != (row.num_tokens - 1,):
+                raise ValueError("the NPU modules return the last position's logits of each sequence only; "
+                                 f"a row asked for positions {row.logits_positions}")
         phase = mod.META["phase"]
-        seqs = _sequences(inputs, self.block_size)
+        seqs = [_sequence(row, self.block_size) for row in plan.rows]
         chunks = self._chunks(phase, seqs)
         handle = _SaveHandle(len(chunks)) if saves else None
         target = self.compiled(variant)
@@ -175,7 +208,7 @@ class NpuModelRunner:
             idx, buf = self._acquire() if saves else (None, ())
             with torch.no_grad(), self._limits():
                 if history:  # eager, before the graph (see the generated module's load())
-                    mod.load(b, self.kv, self._chunk_loads(mod, chunk, loads))
+                    mod.load(b, self.kv, self._chunk_loads(mod, chunk))
                 out = target.forward(self.W, b, self.kv, buf)
             logits.append(out[:len(chunk)].float())
             if saves:
@@ -183,7 +216,7 @@ class NpuModelRunner:
                 offset += n_save
         if saves:
             self._inflight.append(handle)
-        return StepHandles(torch.cat(logits), handle, handle)
+        return torch.cat(logits), handle
 
     def close(self) -> None:
         if self.committer is not None:
@@ -213,18 +246,18 @@ class NpuModelRunner:
             tokens += q
         return chunks + [cur]
 
-    def _chunk_loads(self, mod, chunk: list, loads) -> list:
-        """The loaded rows of the chunk's sequences, in the module's layout, padded with zero rows
-        to the bucket's ``save_rows`` (padding rows scatter into the pad block)."""
-        rows = torch.tensor([j for s in chunk for j, _ in s["load"]], dtype=torch.long)
+    def _chunk_loads(self, mod, chunk: list) -> list:
+        """The loaded blocks of the chunk's sequences (their plan rows carry them), in the module's
+        layout, padded with zero rows to the bucket's ``save_rows`` (padding rows scatter into the
+        pad block)."""
+        blocks = [blk for s in chunk for blk in s["loaded"]]
         out = []
         for layer in range(self.spec.dims.num_hidden_layers):
             comps = []
             for i, shape in enumerate(mod.KV_SHAPES):
                 t = torch.zeros(self.buckets.save_rows, *shape, dtype=self.dtype, device=self.device)
-                if rows.numel():
-                    src = loads[layer][i].index_select(0, rows)
-                    t[:rows.numel()].copy_(src.view(rows.numel(), *shape))
+                for j, blk in enumerate(blocks):
+                    t[j].copy_(blk[layer][i].view(*shape))
                 comps.append(t)
             out.append(tuple(comps))
         return out
@@ -241,7 +274,7 @@ class NpuModelRunner:
                             block_tables=[s["table"] for s in chunk], seq_lens=[s["seq_len"] for s in chunk],
                             query_lens=qlens, logits_indices=[sum(qlens[:i + 1]) - 1 for i in range(len(chunk))],
                             block_size=self.block_size, save_block_ids=save,
-                            load_block_ids=[b for s in chunk for _, b in s["load"]] if history else None,
+                            load_block_ids=[b for s in chunk for b in s["load"]] if history else None,
                             decode=phase == "decode", device=self.device, pad=pad)
         return b, len(save or ())
 
@@ -280,72 +313,52 @@ class NpuModelRunner:
         return commit
 
 
-def _sequences(x, block_size: int) -> list[dict]:
-    """Per sequence of a runtime step: its tokens, positions, slots, block table (trimmed to its
-    length: the scheduler pads tables with block 0, a real block here), the blocks it saves and the
-    blocks it loads (with their rows in the step's load staging)."""
-    qlens, seq_lens = x.query_lens.tolist(), x.seq_lens.tolist()
-    ids, pos, slots = x.input_ids.tolist(), x.positions.tolist(), x.slot_mapping.tolist()
-    save_ids = x.save_block_ids.tolist()
-    load_ids = list(enumerate(x.load_block_ids.tolist()))
-    out, t = [], 0
-    for i, (q, n) in enumerate(zip(qlens, seq_lens)):
-        table = x.block_tables[i, :-(-n // block_size)].tolist()
-        owned = set(table)
-        out.append({"ids": ids[t:t + q], "pos": pos[t:t + q], "slots": slots[t:t + q], "table": table,
-                    "seq_len": n, "save": [b for b in save_ids if b in owned],
-                    "load": [(j, b) for j, b in load_ids if b in owned]})
-        t += q
-    return out
+def _sequence(row, block_size: int) -> dict:
+    """One plan row as the NPU inputs want it: tokens, positions, slots, its block table (trimmed to
+    its length), the blocks it saves and loads (and the loaded blocks' staging)."""
+    table = list(row.block_table[:-(-row.seq_len // block_size)])
+    return {"ids": list(row.token_ids), "pos": list(row.positions),
+            "slots": [table[p // block_size] * block_size + p % block_size for p in row.positions],
+            "table": table, "seq_len": row.seq_len, "save": list(row.save_block_ids),
+            "load": list(row.load_block_ids), "loaded": list(row.loaded)}
 
 
-class NpuEngine(Engine):
-    """The runtime `Engine` (scheduler, connector, `LLMEngine`, ``generate``) with `NpuModelRunner`.
+def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
+               max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
+               standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
+               **options) -> Engine:
+    """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
     block is reserved for padding; the scheduler's limits come from the buckets (``max_num_seqs`` <= the
     largest decode bucket, ``max_num_batched_tokens`` <= the largest prefill bucket - prefill_seqs)."""
+    if spec.targets.npu is None:
+        raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
+    if spec.parallel.tp > 1 or spec.parallel.ep > 1:
+        raise ValueError(f"spec {spec.name} runs on {spec.parallel.tp} ranks: the NPU target runs one rank "
+                         f"(tp=1, ep=1) so far; pass --tp 1 --ep 1 for a one-device run of a small spec")
+    if not standin:  # before anything is put on the device: NpuUnavailable, one sentence
+        from .compile import _import_torchair
 
-    def __init__(self, spec, weights: dict, *, spec_file: str = "", pool="host",
-                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, num_blocks: int = 512, faults=None,
-                 collect_logits: bool = False, max_num_seqs: Optional[int] = None,
-                 max_num_batched_tokens: Optional[int] = None, async_scheduling: bool = False,
-                 standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None, **_ignored):
-        from ...runtime.core import ops
-        from ...runtime.engine.connector import KVConnector
-        from ...runtime.core.kvcache import BlockAllocator, PagedKVCache
-        from ...runtime.engine.step_loop import LLMEngine
-        from ...runtime.engine.scheduler import Scheduler
+        _import_torchair(False)
+    if not isinstance(weights, dict):
+        from ...runtime.checkpoint.hf import load_hf_weights
 
-        if spec.targets.npu is None:
-            raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
-        if not standin:  # before anything is put on the device: NpuUnavailable, one sentence
-            from .compile import _import_torchair
+        weights = load_hf_weights(weights)
+    buckets = Buckets.from_spec(spec)
 
-            _import_torchair(False)
-        self._setup(spec, faults, collect_logits, pool, pool_capacity_bytes)
-        shapes = ops.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), num_blocks + 1, self.block_size)
-        device = "cpu" if standin else "npu"
-        self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},
-                                  num_blocks + 1, self.dtype, device=device)
-        self.alloc = BlockAllocator(num_blocks + 1)
-        (pad_block,) = self.alloc.alloc(1)  # never freed: padding tokens' block
-        self.runner = NpuModelRunner(spec, weights, self.cache, pad_block=pad_block, mode=mode, standin=standin,
-                                     sources=sources)
-        self.rt = self.runner  # Engine.close() closes it (the commit thread)
-        self.connector = KVConnector(self.pool, self.cache, self.alloc, model=spec.name, write=self.write)
-        bk = self.runner.buckets
-        self.max_model_len = max_model_len(spec)
-        self.scheduler = Scheduler(spec, self.alloc, self.connector, reclaim=self.connector.wait_oldest,
-                                   max_num_seqs=min(max_num_seqs or bk.decode_batch[-1], bk.decode_batch[-1]),
-                                   max_num_batched_tokens=min(max_num_batched_tokens or 1 << 30,
-                                                              bk.prefill_tokens[-1] - bk.prefill_seqs))
-        self.llm = LLMEngine(self.scheduler, self.connector, self.runner, vocab_size=spec.dims.vocab_size,
-                             async_scheduling=async_scheduling, collect_logits=collect_logits)
+    def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
+        return NpuModelRunner(spec, weights, cache, connector, pad_block=reserved[0], mode=mode,
+                              standin=standin, sources=sources)
 
-    def generate(self, prompts, max_new_tokens: int = 16, **kw):
-        for p in prompts:
-            if len(p) + max_new_tokens > self.max_model_len:
-                raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new tokens exceeds max_model_len "
-                                 f"{self.max_model_len} (targets.npu.max_model_len)")
-        return super().generate(prompts, max_new_tokens, **kw)
+    shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
+    return build_engine(spec, kv_shapes={k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()},
+                        make_runner=make_runner, pool=pool, num_blocks=num_blocks, reserved_blocks=1,
+                        device="cpu" if standin else "npu",
+                        max_num_seqs=min(max_num_seqs or buckets.decode_batch[-1], buckets.decode_batch[-1]),
+                        max_num_batched_tokens=min(max_num_batched_tokens or 1 << 30,
+                                                   buckets.prefill_tokens[-1] - buckets.prefill_seqs),
+                        max_model_len=max_model_len(spec), **options)
+
+
+register_target("npu", npu_engine)

@@ -193,3 +193,34 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
 
         write_tokenizer(out_dir, cfg["vocab_size"])
     return out_dir
+
+
+def check_config(spec, hf_dir) -> None:
+    """The checkpoint's config.json must describe the spec's model (family and every stated dim);
+    ``ValueError``/``FileNotFoundError`` naming the mismatch and the fix otherwise."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    hf_dir = Path(hf_dir)
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face checkpoint folder)")
+    cfg = json.loads(cfg_path.read_text())
+    try:
+        family = family_of_config(cfg)
+    except WeightsError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
+    fix = f"create a matching spec with: graphgen import-hf {hf_dir} --out specs/NAME.yaml"
+    if family != spec.family:
+        raise ValueError(f"{cfg_path} does not match spec {spec.name} (model_type {cfg.get('model_type')!r} is "
+                         f"family {family}, the spec is {spec.family}); {fix}")
+    # Every dim the config states must agree (same family => same field names). Not compared:
+    # max_position_embeddings (a context limit, not a weight or numeric property) and the RoPE
+    # fields, which transformers 5 nests under rope_parameters.
+    skip = {"max_position_embeddings", "rope_theta", "rope_scaling"}
+    wrong = [(k, cfg[k], v) for k, v in dataclasses.asdict(spec.dims).items()
+             if k not in skip and cfg.get(k) is not None and cfg[k] != v]
+    if wrong:
+        desc = ", ".join(f"{k}: checkpoint {a} vs spec {b}" for k, a, b in wrong)
+        raise ValueError(f"{cfg_path} does not match spec {spec.name} ({desc}); {fix}")

@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 __all__ = [
+    "kv_cache_shapes", "token_shapes",
     "OutOfBlocks", "BlockAllocator", "PagedKVCache", "layout_version", "slot_mapping",
     "make_staging", "block_nbytes", "pack_block", "unpack_block_into",
 ]
@@ -291,3 +292,19 @@ def unpack_block_into(cache: Sequence[Sequence[torch.Tensor]], block_id: int,
         n = math.prod(t.shape[1:]) * t.element_size()
         t[block_id].copy_(buf[off:off + n].view(t.dtype).view(t.shape[1:]))
         off += n
+
+
+def kv_cache_shapes(family: str, dims, num_blocks: int, block_size: int) -> dict[str, tuple]:
+    """Component name -> shape ``[num_blocks, block_size, *per-token shape]``, in the order of the
+    tuples given to kv_write/paged_attention; the components are the family's (graphgen/families)."""
+    from ...families import FAMILIES
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r} (expected {' or '.join(FAMILIES)})")
+    fam = FAMILIES[family]
+    return {name: (num_blocks, block_size, *shape) for name, shape in fam.kv_components(fam.dims_of(dims))}
+
+
+def token_shapes(family: str, dims) -> dict[str, tuple]:
+    """Component name -> the per-token shape of its KV (what one cache slot holds)."""
+    return {k: s[2:] for k, s in kv_cache_shapes(family, dims, 1, 1).items()}

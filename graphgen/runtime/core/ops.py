@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 __all__ = [
     "embedding", "rms_norm", "rope_cos_sin", "qwen3_attn_prolog", "kv_write", "paged_attention",
     "o_proj_residual", "swiglu_mlp_residual", "mla_prolog", "mla_attention", "moe_residual",
-    "lm_head", "kv_save", "kv_cache_shapes",
+    "lm_head", "kv_save",
 ]
 
 
@@ -370,17 +370,3 @@ def kv_load(cache: Sequence[Tensor], loads: Sequence[Tensor], block_ids: Tensor)
             raise ValueError(f"kv_load: load staging holds {s.shape[0]} blocks, {n} requested")
         c.index_copy_(0, ids, s[:n])
 
-
-# --------------------------------------------------------------------------------------------
-# helpers for generated code and the engine
-# --------------------------------------------------------------------------------------------
-
-def kv_cache_shapes(family: str, dims, num_blocks: int, block_size: int) -> dict[str, tuple]:
-    """Component name -> shape ``[num_blocks, block_size, *per-token shape]``, in the order of the
-    tuples given to kv_write/paged_attention; the components are the family's (graphgen/families)."""
-    from ...families import FAMILIES
-
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r} (expected {' or '.join(FAMILIES)})")
-    fam = FAMILIES[family]
-    return {name: (num_blocks, block_size, *shape) for name, shape in fam.kv_components(fam.dims_of(dims))}

@@ -3,17 +3,18 @@
 Modelled on the worker side of vLLM's ``KVConnectorBase_V1`` (``start_load_kv`` /
 ``save_kv_layer`` / ``wait_for_save``), at block granularity:
 
-* **load** (`lookup`, `load`, `take_loads`): how many leading blocks of a prompt the pool holds,
-  then those blocks fetched and unpacked into load staging (one block each, validated there) at
-  admission; the cache itself is written by the prefill's graph (its ``kv_load`` nodes on the
-  ``kv_load`` stream, ordered against the forward by events): `take_loads` hands the step its
-  per-layer load staging (rows in the order of the step's ``load_block_ids``). `discard` drops
-  what a request loaded but never ran (preempted, aborted).
-* **save** (`prepare_save` before the step, `handoff` after it): the save's blocks are pinned and a
-  staging area is made for the module's save program to copy into; after the step, the commit — a
-  ``pool.put`` per block — runs once the save's event (the module's ``HOST_EVENT``) is recorded:
-  inline for ``write: sync``, on the ``host`` stream for ``write: async`` (the first token never
-  waits for it). The pins are released when the commit is done, never before.
+* **load** — the scheduler side (`block_keys`, `lookup`, `load`): how many leading blocks of a
+  prompt the pool holds, then those blocks fetched and unpacked into load staging (one block each,
+  validated there) at admission. The request keeps them and its step plan carries them to the
+  runner; the cache itself is written by the prefill's graph (its ``kv_load`` nodes on the
+  ``kv_load`` stream, ordered against the forward by events). A request preempted or aborted
+  before its prefill simply drops them.
+* **save** — the worker side, driven by the runner (`prepare_save` before the step, `handoff`
+  after it, `cancel` if it failed): the save's blocks are pinned and a staging area is made for the
+  module's save program to copy into; after the step, the commit — a ``pool.put`` per block — runs
+  once the save's event (the module's ``HOST_EVENT``) is recorded: inline for ``write: sync``, on
+  the ``host`` stream for ``write: async`` (the first token never waits for it). The pins are
+  released when the commit is done, never before. What a commit waits on is a `SaveHandle`.
 * **stats**: `stats` (this connector's counters) and `pool_stats()` (the backend's own).
 
 A pool that is down or full costs a recompute, never a request: a lookup that raises counts as no
@@ -32,20 +33,28 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
-
-import torch
+from typing import Optional, Protocol, Sequence
 
 from ...ir.graph import HOST_STREAM
 from ..core.kvcache import BlockAllocator, PagedKVCache, pack_block, unpack_block_into
-from ..pool.base import PoolBackend, block_keys
 from ..core.streams import Job, Stream
+from ..pool.base import PoolBackend
+from ..pool.keys import KVShard, block_keys
 
-__all__ = ["KVConnector", "PendingSave", "WRITE_MODES"]
+__all__ = ["KVConnector", "PendingSave", "SaveHandle", "WRITE_MODES"]
 
 log = logging.getLogger("graphgen.connector")
 
 WRITE_MODES = ("off", "sync", "async")
+
+
+class SaveHandle(Protocol):
+    """What a commit waits on (the CPU runner: the save program's `Job` and its bound event; the NPU
+    runner: its commit copies): ``exception()`` blocks until the save program ended and returns its
+    error (None if it succeeded); ``wait()`` blocks until the save's event is recorded."""
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]: ...
+    def wait(self, timeout: Optional[float] = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class PendingSave:
 
 class KVConnector:
     def __init__(self, pool: PoolBackend, cache: PagedKVCache, alloc: BlockAllocator, *, model: str,
-                 write: str):
+                 write: str, shard: KVShard = KVShard()):
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
         self.pool = pool
@@ -67,11 +76,11 @@ class KVConnector:
         self.alloc = alloc
         self.model = model
         self.write = write
+        self.shard = shard  # the part of each layer's KV this connector's cache holds (its keys say it)
         self.host_stream = Stream(HOST_STREAM)  # async commits, in step order
         self._pending: deque[Job] = deque()    # async commits in flight, oldest first
         self._lock = threading.Lock()          # stats are bumped from the host stream too
         self.observer = None                   # a graphgen.trace.StepObserver: commit spans and latency
-        self._loaded: dict[int, list] = {}     # cache block id -> its loaded block (one-row staging)
         self.stats = {"puts": 0, "put_failures": 0, "save_failures": 0, "hit_blocks": 0,
                       "loaded_blocks": 0, "pool_errors": 0}
 
@@ -88,7 +97,7 @@ class KVConnector:
     # ---- load -------------------------------------------------------------------------------
     def block_keys(self, prompt: Sequence[int]) -> list[str]:
         """Pool keys of the prompt's full blocks (model and cache layout are part of every key)."""
-        return block_keys(prompt, self.cache.block_size, model=self.model, layout=self.cache.layout)
+        return block_keys(prompt, self.cache.block_size, model=self.model, layout=self.cache.layout, shard=self.shard)
 
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` the pool holds; 0 when the pool cannot be asked."""
@@ -99,11 +108,11 @@ class KVConnector:
             self._count("pool_errors")
             return 0
 
-    def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> int:
-        """Fetch ``keys[i]`` for cache block ``block_ids[i]``, in order, into load staging, stopping
-        at the first block that is gone (evicted since the lookup), unreadable or foreign. Returns
-        how many leading blocks were loaded; the rest is recomputed. The cache is not touched: the
-        prefill's graph copies the staged blocks in (`take_loads`)."""
+    def load(self, keys: Sequence[str]) -> list:
+        """Fetch ``keys`` in order into load staging (one block each), stopping at the first block
+        that is gone (evicted since the lookup), unreadable or foreign. Returns the leading blocks
+        loaded; the rest is recomputed. The cache is not touched: the prefill's graph copies the
+        staged blocks in (the step plan carries them there)."""
         staged = [self.cache.make_staging(1) for _ in keys]
 
         def into(i, s):  # unpack straight from the pool's buffer (one copy); a foreign size is a miss
@@ -122,33 +131,14 @@ class KVConnector:
             log.warning("pool load failed, recomputing: %s", e)
             self._count("pool_errors")
             ok = []
-        loaded = 0
-        for hit, block, s in zip(ok, block_ids, staged):
+        loaded = []
+        for hit, s in zip(ok, staged):
             if not hit:  # gone since the lookup, unreadable or foreign: recompute from here
                 break
-            self._loaded[int(block)] = s
-            loaded += 1
-        self._count("hit_blocks", loaded)
-        self._count("loaded_blocks", loaded)
+            loaded.append(s)
+        self._count("hit_blocks", len(loaded))
+        self._count("loaded_blocks", len(loaded))
         return loaded
-
-    def take_loads(self, block_ids: Sequence[int]) -> list:
-        """The load staging of a step: per layer, per component ``[len(block_ids), *shape]``, row j
-        the block loaded for cache block ``block_ids[j]`` (each handed out once)."""
-        ids = [int(b) for b in block_ids]
-        if not ids:
-            return []
-        missing = [b for b in ids if b not in self._loaded]
-        if missing:
-            raise KeyError(f"no loaded block for cache block(s) {missing}")
-        blocks = [self._loaded.pop(b) for b in ids]
-        return [tuple(torch.cat([blk[layer][c] for blk in blocks]) for c in range(len(blocks[0][layer])))
-                for layer in range(len(blocks[0]))]
-
-    def discard(self, block_ids: Sequence[int]) -> None:
-        """Forget loaded blocks no step will take (their request was preempted or aborted)."""
-        for b in block_ids:
-            self._loaded.pop(int(b), None)
 
     # ---- save -------------------------------------------------------------------------------
     def prepare_save(self, block_ids: Sequence[int], keys: Sequence[str]) -> PendingSave:
@@ -165,7 +155,7 @@ class KVConnector:
         if save.block_ids:
             self.alloc.unpin(save.block_ids)
 
-    def handoff(self, save: PendingSave, save_job: Optional[Job], save_done) -> None:
+    def handoff(self, save: PendingSave, save_job: Optional[SaveHandle], save_done: SaveHandle) -> None:
         """After the step: commit ``save`` once ``save_done`` (the save's event, bound to this step)
         is recorded. ``save_job`` is the step's save program; if it failed, nothing is put."""
         if self.write == "async":
@@ -173,7 +163,7 @@ class KVConnector:
         else:
             self._commit(save, save_job, save_done)
 
-    def _commit(self, save: PendingSave, save_job: Optional[Job], save_done) -> None:
+    def _commit(self, save: PendingSave, save_job: Optional[SaveHandle], save_done: SaveHandle) -> None:
         try:
             # the job first: a failed save never records its event, so waiting on it would hang
             err = save_job.exception() if save_job is not None else None

@@ -1,117 +1,63 @@
-"""The engine: prompts in, tokens out. A small facade over three parts:
+"""The engine: prompts in, tokens out — one object over the parts every target builds the same way.
 
-* `Scheduler` (``scheduler.py``): request queues, variant choice, block tables, step inputs;
-* `KVConnector` (``connector.py``): pool lookup and load, the save handoff, commits after the
-  save's event, pins, pool stats;
-* `CpuModelRunner` (``runner.py``): binds events, runs one generated module, returns
-  `StepHandles` (logits, save job, save event).
+`build_engine` is the one place an engine's parts are wired together, for every target and rank:
+the pool (a URL or a backend, with injected faults), the paged KV cache and its block allocator,
+the `KVConnector`, a model runner (CPU, CPU rank, NPU: given as a factory), the `Scheduler` and the
+step loop (`LLMEngine`). Targets differ only in what they hand it (cache shapes, device, connector
+and runner factories, what to close); no engine class re-implements another's construction.
+`cpu_engine` is the CPU target's (and, with a rank's runtime, shapes and connector, a CPU rank's).
+Callers normally go through `graphgen.runtime.open_engine`, which loads the spec and the weights.
 
-One step (`LLMEngine.step`, ``llm_engine.py``): ``schedule()`` -> ``prepare_save`` (pin, staging)
--> ``execute`` -> ``handoff`` (commit after the save's event: inline for sync, on the host stream
-for async) -> ``update`` with the sampled tokens. ``generate`` is a loop over that step API
-(``Engine.llm``); a server drives ``Engine.llm`` directly. See docs/runtime.md.
+One step (`LLMEngine.step`): ``schedule()`` -> the runner's ``submit``/``collect`` (it builds its
+inputs from the plan, pins and stages the save, runs the module, hands the save to the connector:
+commit after the save's event, inline for sync, on the host stream for async) -> sample -> the
+scheduler's ``update``. ``generate`` is a loop over that step API (``Engine.llm``); a server drives
+``Engine.llm`` directly. See docs/runtime.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
 from ...modelspec.model import ModelSpec
-from ..core import ops
-from .connector import KVConnector
 from ..core.cpu_runtime import CpuRuntime, load_cpu_modules
 from ..core.faults import Faults
-from ..core.kvcache import BlockAllocator, PagedKVCache
-from .step_loop import LLMEngine
+from ..core.kvcache import BlockAllocator, PagedKVCache, kv_cache_shapes
 from ..pool import DEFAULT_POOL_BYTES, PoolBackend, make_pool
 from ..pool.faulty import wrap_pool
-from .request import RequestResult, StepInputs
+from .connector import KVConnector
+from .request import RequestResult
 from .runner import CpuModelRunner
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Scheduler
+from .step_loop import LLMEngine
 
-__all__ = ["Engine", "RequestResult", "StepInputs", "DEFAULT_POOL_BYTES"]
+__all__ = ["Engine", "build_engine", "cpu_engine"]
+
 
 class Engine:
-    """Runs a spec's generated CPU graphs. See :meth:`from_spec`."""
+    """An engine's parts and the calls a driver needs. Built by `build_engine` (never by hand)."""
 
-    def __init__(self, spec: ModelSpec, weights: dict, *, spec_file: str = "", pool: Union[str, PoolBackend] = "host",
-                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, num_blocks: int = 512,
-                 faults: Optional[Faults] = None, generated_dir: Optional[Path] = Path("generated"),
-                 source_hook: Optional[Callable[[str, str], str]] = None, collect_logits: bool = False,
-                 event_timeout: float = 120.0, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False):
-        self._setup(spec, faults, collect_logits, pool, pool_capacity_bytes)
-        shapes = self._kv_shapes(num_blocks)
-        self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},
-                                  num_blocks, self.dtype)
-        self.alloc = BlockAllocator(num_blocks)
-        self.rt = self._make_runtime(event_timeout)
-        modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook)
-        weights = {k: v.to(self.dtype) for k, v in weights.items()}
-        self.runner = CpuModelRunner(modules, weights, self.cache, self.rt, event_timeout=event_timeout)
-        self.connector = self._make_connector()
-        self.scheduler = Scheduler(spec, self.alloc, self.connector, reclaim=self.connector.wait_oldest,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        self.llm = LLMEngine(self.scheduler, self.connector, self.runner, vocab_size=spec.dims.vocab_size,
-                             async_scheduling=async_scheduling, collect_logits=collect_logits)
-
-    def _setup(self, spec, faults, collect_logits: bool, pool, pool_capacity_bytes: int) -> None:
-        """What every engine (CPU, rank, NPU) holds before its cache and runner: the spec's facts and the pool."""
-        self.spec = spec
-        self.faults = faults or Faults()
-        self.dtype = getattr(torch, spec.kv_cache.dtype)
+    def __init__(self, *, spec: ModelSpec, pool: PoolBackend, faults: Faults, cache: PagedKVCache,
+                 alloc: BlockAllocator, connector: KVConnector, runner, scheduler: Scheduler, llm: LLMEngine,
+                 closers: Sequence = (), max_model_len: Optional[int] = None):
+        self.spec, self.pool, self.faults = spec, pool, faults
+        self.cache, self.alloc, self.connector, self.runner = cache, alloc, connector, runner
+        self.scheduler, self.llm = scheduler, llm
+        self.dtype = cache.dtype
         self.block_size = spec.kv_cache.block_size
-        self.collect_logits = collect_logits
         self.write = spec.pool.write
-        if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
-            pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
-        self.pool: PoolBackend = wrap_pool(pool, self.faults) if self.faults.active else pool
-
-    # -- what a rank engine (graphgen.runtime.parallel.launcher.RankEngine) replaces ----------------------
-    def _kv_shapes(self, num_blocks: int) -> dict:
-        return ops.kv_cache_shapes(self.spec.family, dataclasses.asdict(self.spec.dims), num_blocks, self.block_size)
-
-    def _make_runtime(self, event_timeout: float) -> CpuRuntime:
-        if self.spec.parallel.tp > 1 or self.spec.parallel.ep > 1:
-            raise ValueError(f"spec {self.spec.name} runs on {self.spec.parallel.tp} ranks: use "
-                             f"Engine.from_spec(..., tp=...) (it starts the rank processes)")
-        return CpuRuntime(self.faults, event_timeout=event_timeout)
-
-    def _make_connector(self) -> KVConnector:
-        return KVConnector(self.pool, self.cache, self.alloc, model=self.spec.name, write=self.write)
-
-    @classmethod
-    def from_spec(cls, spec_path, weights=None, *, write: Optional[str] = None, granularity: Optional[str] = None,
-                  pool: Union[str, PoolBackend] = "host", tp: Optional[int] = None, ep: Optional[int] = None,
-                  **kwargs) -> "Engine":
-        """``weights``: a Hugging Face checkpoint folder (safetensors) or a dict of tensors.
-
-        ``write`` / ``granularity`` / ``tp`` / ``ep`` override the spec's settings for this run (the
-        code for the overridden spec is generated on the fly). A layout of more than one rank gives
-        a `graphgen.runtime.parallel.launcher.DistributedEngine` (same calls; it starts the rank processes)."""
-        from ...lower.compile import display_path
-        from ...modelspec.loader import load_spec
-
-        spec = load_spec(spec_path)
-        if write is not None or granularity is not None or tp is not None or ep is not None:
-            spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep)
-        if weights is None:
-            raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
-        if not isinstance(weights, dict):
-            _check_config(spec, Path(weights))
-        if spec.parallel.tp > 1 or spec.parallel.ep > 1:  # each rank process loads its own slices
-            from ..parallel.launcher import DistributedEngine
-
-            return DistributedEngine(spec, weights, spec_file=display_path(Path(spec_path)), pool=pool, **kwargs)
-        if not isinstance(weights, dict):
-            from ..checkpoint.hf import load_hf_weights
-
-            weights = load_hf_weights(weights)
-        return cls(spec, weights, spec_file=display_path(Path(spec_path)), pool=pool, **kwargs)
+        self.collect_logits = llm.collect_logits
+        self._closers = list(closers)
+        self._target_max_len = max_model_len  # a target's own limit (the NPU's largest bucket)
+        # prompt + generated tokens one request may have: the device blocks, the model's positions,
+        # the step token budget (no chunked prefill: a prompt must fit one step), a target's own limit
+        self.max_model_len = min(alloc.num_free * self.block_size,
+                                 getattr(spec.dims, "max_position_embeddings", None) or 1 << 30,
+                                 scheduler.max_num_batched_tokens, max_model_len or 1 << 30)
 
     @property
     def stats(self) -> dict:
@@ -142,13 +88,17 @@ class Engine:
         blocks run out the newest request is preempted and recomputed later). A prompt that cannot
         fit in the cache even alone raises `OutOfBlocks` (every request's blocks are given back).
         Not to be mixed with requests added to ``self.llm`` directly."""
-        if max_new_tokens < 1:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         for p in prompts:
             if len(p) < 1:
                 raise ValueError("empty prompt")
-            if any((not isinstance(t, int)) or t < 0 or t >= self.spec.dims.vocab_size for t in p):
+            if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.spec.dims.vocab_size
+                   for t in p):
                 raise ValueError(f"prompt token ids must be ints in [0, {self.spec.dims.vocab_size})")
+            if self._target_max_len is not None and len(p) + max_new_tokens > self._target_max_len:
+                raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new tokens exceeds max_model_len "
+                                 f"{self._target_max_len} (the target's limit)")
         groups = [list(prompts)] if batch else [[p] for p in prompts]
         results = []
         for i, group in enumerate(groups):
@@ -177,7 +127,8 @@ class Engine:
             self.llm.close()
             self.connector.close()
         finally:
-            self.rt.close()
+            for c in self._closers:
+                c.close()
 
     def __enter__(self):
         return self
@@ -186,30 +137,66 @@ class Engine:
         self.close()
 
 
-def _check_config(spec, hf_dir: Path) -> None:
-    """The checkpoint's config.json must describe the spec's model (family and every stated dim)."""
-    import json
+def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, pool: Union[str, PoolBackend] = "host",
+                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, faults: Optional[Faults] = None,
+                 num_blocks: int = 512, reserved_blocks: int = 0, device: str = "cpu", dtype=None,
+                 make_connector: Optional[Callable] = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False,
+                 collect_logits: bool = False, eos_token_ids: Iterable[int] = (), closers: Sequence = (),
+                 max_model_len: Optional[int] = None) -> Engine:
+    """Wire an engine. ``kv_shapes``: cache component -> per-block shape (``[BS, ...]``);
+    ``make_runner(cache, alloc, connector, reserved)`` -> the model runner (``reserved``: blocks
+    taken from the allocator for the target's own use, e.g. the NPU's padding block);
+    ``make_connector(pool, cache, alloc)`` -> the connector (default: a `KVConnector` keyed by the
+    spec's name, writing as ``pool.write``)."""
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+    faults = faults or Faults()
+    if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
+        pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
+    if faults.active:
+        pool = wrap_pool(pool, faults)
+    dtype = dtype or getattr(torch, spec.kv_cache.dtype)
+    total = num_blocks + reserved_blocks
+    cache = PagedKVCache(spec.dims.num_hidden_layers, kv_shapes, total, dtype, device=device)
+    alloc = BlockAllocator(total)
+    reserved = alloc.alloc(reserved_blocks) if reserved_blocks else []  # never freed
+    if make_connector is None:
+        connector = KVConnector(pool, cache, alloc, model=spec.name, write=spec.pool.write)
+    else:
+        connector = make_connector(pool, cache, alloc)
+    runner = make_runner(cache, alloc, connector, reserved)
+    scheduler = Scheduler(spec, alloc, connector, reclaim=connector.wait_oldest, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLMEngine(scheduler, connector, runner, vocab_size=spec.dims.vocab_size,
+                    async_scheduling=async_scheduling, eos_token_ids=eos_token_ids, collect_logits=collect_logits)
+    return Engine(spec=spec, pool=pool, faults=faults, cache=cache, alloc=alloc, connector=connector, runner=runner,
+                  scheduler=scheduler, llm=llm, closers=closers, max_model_len=max_model_len)
 
-    from ..checkpoint.hf import WeightsError, family_of_config
 
-    cfg_path = hf_dir / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face checkpoint folder)")
-    cfg = json.loads(cfg_path.read_text())
-    try:
-        family = family_of_config(cfg)
-    except WeightsError as e:
-        raise ValueError(f"{cfg_path}: {e}") from None
-    fix = f"create a matching spec with: graphgen import-hf {hf_dir} --out specs/NAME.yaml"
-    if family != spec.family:
-        raise ValueError(f"{cfg_path} does not match spec {spec.name} (model_type {cfg.get('model_type')!r} is "
-                         f"family {family}, the spec is {spec.family}); {fix}")
-    # Every dim the config states must agree (same family => same field names). Not compared:
-    # max_position_embeddings (a context limit, not a weight or numeric property) and the RoPE
-    # fields, which transformers 5 nests under rope_parameters.
-    skip = {"max_position_embeddings", "rope_theta", "rope_scaling"}
-    wrong = [(k, cfg[k], v) for k, v in dataclasses.asdict(spec.dims).items()
-             if k not in skip and cfg.get(k) is not None and cfg[k] != v]
-    if wrong:
-        desc = ", ".join(f"{k}: checkpoint {a} vs spec {b}" for k, a, b in wrong)
-        raise ValueError(f"{cfg_path} does not match spec {spec.name} ({desc}); {fix}")
+def cpu_engine(spec: ModelSpec, weights: dict, *, spec_file: str = "", generated_dir: Optional[Path] = Path("generated"),
+               source_hook: Optional[Callable[[str, str], str]] = None, sources: Optional[dict] = None,
+               event_timeout: float = 120.0, runtime: Optional[CpuRuntime] = None,
+               kv_shapes: Optional[dict] = None, faults: Optional[Faults] = None,
+               runner_cls: type = CpuModelRunner, **options) -> Engine:
+    """The CPU target's engine (one process). A CPU rank passes its own ``runtime`` (collectives),
+    ``kv_shapes`` (its KV shard), ``make_connector`` (its keys) and ``runner_cls`` (its plan check); ``sources``: {variant: module
+    source} compiled by a parent process (default: compiled here). ``options``: `build_engine`'s."""
+    faults = faults or Faults()
+    if runtime is None:
+        if spec.parallel.tp > 1 or spec.parallel.ep > 1:
+            raise ValueError(f"spec {spec.name} runs on {spec.parallel.tp} ranks: use "
+                             f"graphgen.runtime.open_engine (it starts the rank processes)")
+        runtime = CpuRuntime(faults, event_timeout=event_timeout)
+    if kv_shapes is None:
+        shapes = kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), 1, spec.kv_cache.block_size)
+        kv_shapes = {k: tuple(s[1:]) for k, s in shapes.items()}
+    modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook, sources=sources)
+    dtype = getattr(torch, spec.kv_cache.dtype)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+
+    def make_runner(cache, alloc, connector, reserved):
+        return runner_cls(modules, weights, cache, runtime, connector, event_timeout=event_timeout)
+
+    return build_engine(spec, kv_shapes=kv_shapes, make_runner=make_runner, faults=faults, closers=[runtime],
+                        dtype=dtype, **options)

@@ -1,40 +1,30 @@
-"""One request's state, what the caller gets back, and what one step is made of.
+"""One request's state, what the caller gets back, and what one step plans for each request.
 
-`Request` is the scheduler's record (queue position, block table, how far its KV is computed);
-`RequestResult` is the caller's view (tokens, prefix-hit tokens, TTFT, finish reason).
-`StepInputs` are the tensors a generated module reads; `ScheduledStep` is one step as scheduled,
-`StepOutput` what came back from it.
+`Request` is the scheduler's record (queue position, block table, how far its KV is computed,
+its sampling state); `RequestResult` is the caller's view of a whole request (tokens, prefix-hit
+tokens, TTFT, finish reason); `RequestOutput` is one request's news from one step (what a server
+streams). `StepPlan` is one step as the scheduler decided it: per request, a `RowPlan` saying which
+tokens it feeds, at which positions, in which blocks, which blocks it loads and saves and which
+positions' logits come back. Nothing here is a tensor: each runner (CPU, rank, NPU) builds its own
+inputs from the plan.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-import torch
+from .sampling import Sampler, SamplingParams
 
-__all__ = ["StepInputs", "RequestResult", "Request", "ScheduledStep", "StepOutput", "FINISH_REASONS"]
+__all__ = ["RequestResult", "RequestOutput", "Request", "RowPlan", "StepPlan", "FINISH_REASONS", "PENDING"]
 
 # "length": max tokens reached; "stop": a stop token (or EOS) was sampled (it is kept);
 # "abort": the caller aborted it; "error": it cannot run (e.g. its KV alone exceeds the cache).
 FINISH_REASONS = ("length", "stop", "abort", "error")
 
-
-@dataclass
-class StepInputs:
-    """What the host fills before a graph runs (names match the IR's inputs)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_lens: torch.Tensor
-    logits_indices: torch.Tensor
-    save_block_ids: torch.Tensor
-    # the cache blocks a history prefill's loaded blocks go to (the graph's kv_load writes them)
-    load_block_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+# a decode row's input token that the step in flight has not sampled yet (`Scheduler.finalize` fills it)
+PENDING = -1
 
 
 @dataclass
@@ -51,10 +41,23 @@ class RequestResult:
 
     def to_json(self, with_logits: bool = False) -> dict:
         d = {"tokens": self.tokens, "hit_tokens": self.hit_tokens, "ttft_ms": round(self.ttft_ms, 3),
-             "variant": self.variant}
+             "variant": self.variant, "finish_reason": self.finish_reason}
         if with_logits:
             d["logits"] = [float(x) for x in self.step_logits[0].tolist()]
         return d
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's news from one step (the server streams these)."""
+
+    req_id: Any
+    new_token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: Optional[str] = None  # one of FINISH_REASONS when finished
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the pool (prefix hit)
+    num_prompt_tokens: int = 0
+    error: Optional[str] = None  # with finish_reason "error": why
 
 
 @dataclass(eq=False)  # identity: two requests with the same prompt are still two requests
@@ -63,20 +66,27 @@ class Request:
 
     ``cached`` counts the positions whose KV is computed *or scheduled to be*: it advances when a
     step is scheduled, so a step can be prepared while the previous one still runs (``in_steps``
-    counts the scheduled steps holding it whose tokens have not come back)."""
+    counts the scheduled steps holding it whose tokens have not come back). ``loaded`` holds the
+    pool blocks fetched at admission (one staging block each, in table order) until the prefill
+    that writes them into the cache is planned: the plan carries them from there."""
 
     result: RequestResult
-    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     req_id: Any = None
     stop_token_ids: frozenset = frozenset()  # sampling one finishes the request ("stop"), kept
-    params: Any = None  # the caller's sampling parameters, opaque here (a sample_fn reads them)
+    sampler: Optional[Sampler] = None  # the request's own generator (temperature > 0)
     t0: float = field(default_factory=time.perf_counter)  # TTFT clock start
     table: list[int] = field(default_factory=list)  # device block ids, in position order
     cached: int = 0
     hit_blocks: int = 0  # leading blocks loaded from the pool in the current admission
+    loaded: list = field(default_factory=list)  # their load staging, until a plan takes them
     keys: Optional[list[str]] = None  # pool keys of the current prefill sequence's full blocks
     in_steps: int = 0
     error: Optional[BaseException] = None  # with finish_reason "error"
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_tokens
 
     @property
     def prompt(self) -> list[int]:
@@ -101,33 +111,85 @@ class Request:
 
 
 @dataclass(frozen=True)
-class ScheduledStep:
-    """One step: the variant to run, its requests (row i of the logits is request i) and inputs.
+class RowPlan:
+    """What one request does in one step.
 
-    ``save_block_ids[j]`` is saved under ``save_keys[j]`` and belongs to request ``save_rows[j]``;
-    ``saves`` says whether the variant has a save program at all (it may have one with zero
-    blocks: a prompt shorter than a block). ``pending_rows``: decode rows whose input token was not
-    sampled yet when the step was scheduled (`Scheduler.finalize` fills them in)."""
+    It feeds ``token_ids`` at positions ``start .. start + len(token_ids)`` (any number: a whole
+    prompt, a chunk of one, one decode token, several verify tokens) into the blocks of
+    ``block_table``, attending to every position before ``start + len`` (``seq_len``). It writes
+    ``load_block_ids`` (cache blocks of its history) from ``loaded`` (their pool blocks, fetched at
+    admission) before its own KV, and its step saves ``save_block_ids`` under ``save_keys``. Logits
+    come back for ``logits_positions`` (offsets into ``token_ids``); the row samples its next token
+    from the last of them when ``samples``. A ``PENDING`` token id is filled by `Scheduler.finalize`."""
 
-    variant: str
-    phase: str  # "prefill" | "decode"
-    requests: tuple[Request, ...]
-    inputs: StepInputs
-    saves: bool
+    request: Request
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+    load_block_ids: tuple[int, ...] = ()
+    loaded: tuple = ()  # per load block: its staging (per layer, per component)
     save_block_ids: tuple[int, ...] = ()
     save_keys: tuple[str, ...] = ()
-    save_rows: tuple[int, ...] = ()
-    pending_rows: tuple[int, ...] = ()
+    logits_positions: tuple[int, ...] = ()
+    samples: bool = True
 
     @property
     def num_tokens(self) -> int:
-        return int(self.inputs.input_ids.numel())
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.seq_len)
+
+    @property
+    def chunk(self) -> tuple[int, int]:
+        """The prompt-or-sequence positions this row computes: ``[start, seq_len)``."""
+        return self.start, self.seq_len
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def pending(self) -> bool:
+        return PENDING in self.token_ids
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    """What came out of a step, one entry per request: the sampled token, and its logits row when
-    the caller collects them."""
+class StepPlan:
+    """One step: the variant to run and its rows (row i's logits are the step's i-th group).
 
-    tokens: tuple[int, ...]
-    logits: Optional[torch.Tensor] = None
+    ``saves`` says whether the variant has a save program at all (it may have one with zero
+    blocks: a prompt shorter than a block)."""
+
+    variant: str
+    phase: str  # "prefill" | "decode"
+    rows: tuple[RowPlan, ...]
+    saves: bool
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return tuple(r.request for r in self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def save_block_ids(self) -> tuple[int, ...]:
+        return tuple(b for r in self.rows for b in r.save_block_ids)
+
+    @property
+    def save_keys(self) -> tuple[str, ...]:
+        return tuple(k for r in self.rows for k in r.save_keys)
+
+    @property
+    def load_block_ids(self) -> tuple[int, ...]:
+        return tuple(b for r in self.rows for b in r.load_block_ids)
+
+    def keep(self, rows) -> "StepPlan":
+        return replace(self, rows=tuple(rows))

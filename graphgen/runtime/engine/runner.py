@@ -1,7 +1,15 @@
-"""The model runner: runs one generated module for one step and hands back what it started.
+"""The CPU model runner: a step plan in, the step's logits out; it owns the worker side of the KV
+connector (as vLLM's model runner does).
+
+``submit(plan)`` builds the module's inputs from the plan (`build_inputs`: the plan's rows become
+the flat token/position/slot tensors the generated module reads), pins and stages the step's save
+(`KVConnector.prepare_save`), stacks the loaded history blocks the plan carries, and runs the
+step — inline, or on the ``forward`` worker thread when the caller schedules ahead (async
+scheduling). ``collect(future)`` waits for it, hands the save to the connector (commit after the
+save's event: inline for ``sync``, on the host stream for ``async``) and returns each row's logits.
 
 Per step it binds the module's events to a fresh generation (so a wait of this step can never be
-satisfied by an earlier step's record), runs ``mod.run`` on the CPU runtime (with the step's loaded history blocks), and returns
+satisfied by an earlier step's record), runs ``mod.run`` on the CPU runtime, and keeps
 `StepHandles`: the logits, the save program the module launched (a `Job` on the save stream) and
 the save's event bound to this step (``HOST_EVENT``: what a commit must wait for). Nothing is
 recovered afterwards from shared state: the module's launches go through a per-step view of the
@@ -16,16 +24,81 @@ from __future__ import annotations
 
 import time
 import types
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from ...ir.graph import SAVE_STREAM
 from ..core.cpu_runtime import CpuRuntime
-from ..core.streams import BoundEvent, EventSet, Job
+from ..core.streams import BoundEvent, EventSet, Job, Stream
+from .request import StepPlan
 
-__all__ = ["StepHandles", "StepRuntime", "CpuModelRunner"]
+__all__ = ["StepInputs", "StepHandles", "StepRuntime", "StepFuture", "CpuModelRunner", "build_inputs", "stack_loads"]
+
+
+@dataclass
+class StepInputs:
+    """What the host fills before a CPU graph runs (names match the IR's step inputs)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    save_block_ids: torch.Tensor
+    # the cache blocks a history prefill's loaded blocks go to (the graph's kv_load writes them)
+    load_block_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+
+def build_inputs(plan: StepPlan, block_size: int) -> StepInputs:
+    """The CPU module's inputs for ``plan``: rows in order, each row's tokens contiguous; logits at
+    each row's ``logits_positions``; block tables padded with block 0 (never read past seq_len)."""
+    rows = plan.rows
+    ids, pos, slots, logit_idx, offset = [], [], [], [], 0
+    for row in rows:
+        table = row.block_table
+        for p in row.positions:
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        ids.extend(row.token_ids)
+        pos.extend(row.positions)
+        logit_idx.extend(offset + i for i in row.logits_positions)
+        offset += row.num_tokens
+    width = max(len(r.block_table) for r in rows)
+    tables = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        tables[i, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.long)
+    long = torch.long
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=long), positions=torch.tensor(pos, dtype=long),
+        slot_mapping=torch.tensor(slots, dtype=long), block_tables=tables,
+        seq_lens=torch.tensor([r.seq_len for r in rows], dtype=long),
+        query_lens=torch.tensor([r.num_tokens for r in rows], dtype=long),
+        logits_indices=torch.tensor(logit_idx, dtype=long),
+        save_block_ids=torch.tensor(plan.save_block_ids, dtype=long),
+        load_block_ids=torch.tensor(plan.load_block_ids, dtype=long))
+
+
+def stack_loads(plan: StepPlan) -> list:
+    """The plan's loaded history blocks per layer, per component ``[num loaded, *shape]`` (row j
+    for ``plan.load_block_ids[j]``); [] when the step loads nothing."""
+    blocks = [blk for row in plan.rows for blk in row.loaded]
+    if not blocks:
+        return []
+    return [tuple(torch.cat([blk[layer][c] for blk in blocks]) for c in range(len(blocks[0][layer])))
+            for layer in range(len(blocks[0]))]
+
+
+@dataclass
+class StepFuture:
+    """A submitted step: its plan, its save (pinned, staged) and the forward (a `Job`, or done)."""
+
+    plan: StepPlan
+    save: Any = None  # the connector's PendingSave, when the variant saves
+    job: Optional[Job] = None  # the forward on the worker thread (async scheduling)
+    handles: Optional["StepHandles"] = None  # the forward's result when it ran inline
 
 
 @dataclass(frozen=True)
@@ -83,26 +156,88 @@ class StepRuntime:
 
 
 class CpuModelRunner:
-    """Runs the generated CPU modules of one spec (``modules``: variant -> module)."""
+    """Runs the generated CPU modules of one spec (``modules``: variant -> module) on ``cache``,
+    committing saves through ``connector`` (the worker side of the KV connector)."""
 
-    def __init__(self, modules: Mapping[str, types.ModuleType], weights: Mapping, cache, rt: CpuRuntime, *,
-                 event_timeout: Optional[float] = 120.0):
+    def __init__(self, modules: Mapping[str, types.ModuleType], weights: Mapping, cache, rt: CpuRuntime,
+                 connector=None, *, event_timeout: Optional[float] = 120.0):
         self.modules = dict(modules)
         self.W = weights
         self.cache = cache
         self.rt = rt
+        self.connector = connector
+        self.block_size = cache.block_size if cache is not None else None
         self.events = {v: EventSet(m.EVENTS, default_timeout=event_timeout) for v, m in self.modules.items()}
         self._gen = 0  # step counter: the generation every event of a step is bound to
+        self._forward: Optional[Stream] = None  # the worker thread of async scheduling
         self.observer = None  # a graphgen.trace.StepObserver: forward spans, save copies, save done
+        self.on_forward: Optional[Callable[[float, float], None]] = None  # (t_start, t_end) of each forward
 
     def saves(self, variant: str) -> bool:
         """Whether the variant's module has a save program (then it takes a staging area)."""
         return self.modules[variant].HOST_EVENT is not None
 
+    # ---- the runner interface (CPU, rank and NPU runners alike) ----------------------------------
+    def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
+        """Start ``plan``: pin and stage its save, build its inputs, run it (``background``: on the
+        forward thread, so the caller can schedule the next step meanwhile)."""
+        save = self.connector.prepare_save(plan.save_block_ids, plan.save_keys) if plan.saves else None
+        try:
+            inputs = build_inputs(plan, self.block_size)
+            loads = stack_loads(plan)
+            fut = StepFuture(plan, save)
+            if background:
+                if self._forward is None:
+                    self._forward = Stream("forward")
+                fut.job = self._forward.launch(self._timed, plan.variant, inputs, save, loads)
+            else:
+                fut.handles = self._timed(plan.variant, inputs, save, loads)
+            return fut
+        except BaseException:
+            if save is not None:
+                self.connector.cancel(save)
+            raise
+
+    def collect(self, fut: StepFuture) -> list[torch.Tensor]:
+        """Wait for the step, hand its save to the connector, and return each row's logits
+        (``[len(row.logits_positions), vocab]``)."""
+        try:
+            handles = fut.handles if fut.job is None else fut.job.result()
+        except BaseException:
+            if fut.save is not None:
+                self.connector.cancel(fut.save)
+            raise
+        if fut.save is not None:
+            self.connector.handoff(fut.save, handles.save_job, handles.save_done)
+        counts = [len(r.logits_positions) for r in fut.plan.rows]
+        return list(torch.split(handles.logits, counts))
+
+    def settle(self, fut: StepFuture) -> None:
+        """Let a step go without its logits (shutdown, an error elsewhere): its save is handed off
+        if the forward succeeded, cancelled if it failed."""
+        try:
+            self.collect(fut)
+        except BaseException:
+            pass
+
+    def close(self) -> None:
+        if self._forward is not None:
+            self._forward.close()
+            self._forward = None
+
+    # ---- one module run ---------------------------------------------------------------------
+    def _timed(self, variant: str, inputs, save, loads) -> StepHandles:
+        t = time.perf_counter()
+        try:
+            return self.execute(variant, inputs, save.staging if save is not None else None, loads)
+        finally:
+            if self.on_forward is not None:
+                self.on_forward(t, time.perf_counter())
+
     def execute(self, variant: str, inputs, staging=None, loads=()) -> StepHandles:
-        """Run one step. ``staging``: the save's pool staging (exactly when the module saves);
-        ``loads``: the loaded history blocks per layer (`KVConnector.take_loads`; empty when the
-        variant loads nothing), copied into the cache by the module's kv_load stream."""
+        """Run one module on built inputs. ``staging``: the save's pool staging (exactly when the
+        module saves); ``loads``: the loaded history blocks per layer (empty when the variant loads
+        nothing), copied into the cache by the module's kv_load stream."""
         mod = self.modules[variant]
         if (staging is None) != (mod.HOST_EVENT is None):
             raise ValueError(f"{variant}: a staging area is needed exactly when the module saves "

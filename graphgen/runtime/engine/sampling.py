@@ -1,46 +1,58 @@
-"""Choosing the next token from a step's logits, and deciding when a request stops.
+"""Sampling: what a request asks for (`SamplingParams`) and how its next token is chosen.
 
-``temperature == 0`` is ``argmax`` — exactly what ``Engine`` does today, so a greedy request gives
-the same tokens whichever path it takes. Otherwise: temperature scaling, then top-k, then top-p
-(nucleus) on the sorted probabilities, then one draw from a ``torch.Generator`` owned by the
-request. With a ``seed`` the generator is seeded with it, so the same request gives the same tokens
-(the draws depend only on the seed and the logits, not on other requests or thread timing).
+``temperature == 0`` is ``argmax``, so a greedy request gives the same tokens whichever path it
+takes. Otherwise: temperature scaling, then top-k, then top-p (nucleus) on the sorted
+probabilities, then one draw from a ``torch.Generator`` owned by the request (`Sampler`). With a
+``seed`` the generator is seeded with it, so the same request gives the same tokens (the draws
+depend only on the seed and the logits, not on other requests or thread timing) — and every rank of
+a tensor-parallel engine, which samples the same logits with its own copy of the sampler, draws the
+same token. `sample_rows` samples a step's rows: one ``argmax`` over the greedy rows, each other row
+with its own sampler; a row whose sampling fails numerically falls back to greedy for that row only
+(counted), so one request's extreme parameters never fail the others in its batch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "StopChecker", "find_stop", "holdback"]
+__all__ = ["SamplingParams", "Sampler", "sample_rows", "MAX_SEED"]
+
+MAX_SEED = 2 ** 63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks of the sampler. Validated on construction (``ValueError`` names the field)."""
+    """What a request asks of the engine. Validated on construction (``ValueError`` names the field)."""
 
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # 0 (or -1) = no limit
     seed: Optional[int] = None
-    stop: tuple[str, ...] = ()  # stop strings (matched on detokenized text; the match is cut off)
+    stop: tuple[str, ...] = ()  # stop strings (matched on detokenized text by the server; cut off)
     stop_token_ids: tuple[int, ...] = ()  # the token is emitted, then the request stops
-    ignore_eos: bool = False  # the tokenizer's EOS does not stop the request (load generators use it)
+    ignore_eos: bool = False  # the model's EOS does not stop the request (load generators use it)
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError("max_tokens must be an integer >= 1")
-        if not (0.0 <= float(self.temperature) <= 100.0):
-            raise ValueError("temperature must be in [0, 100]")
+        t = float(self.temperature)
+        if not (t == 0.0 or 1e-6 <= t <= 100.0) or math.isnan(t):
+            # below 1e-6 the scaled logits overflow to inf: greedy is what such a request means
+            raise ValueError("temperature must be 0 (greedy) or in [1e-06, 100]")
         if not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError("top_p must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError("top_k must be an integer >= -1 (-1 or 0: no limit)")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError("seed must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}]")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
@@ -48,7 +60,7 @@ class SamplingParams:
 
 
 class Sampler:
-    """One per request: holds the request's random generator so its draws are reproducible."""
+    """One per sampled request: holds the request's random generator so its draws are reproducible."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -76,39 +88,17 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-class StopChecker:
-    """Token-level stops, applied by the engine: a stop token (``stop_token_ids`` or the tokenizer's
-    EOS; the token is emitted, then the request stops) and ``max_tokens``. Stop *strings* need text,
-    so the server matches them (:func:`find_stop`) and aborts the request when one appears."""
-
-    def __init__(self, params: SamplingParams, eos_token_id: Optional[int] = None):
-        self.params = params
-        eos = {eos_token_id} if eos_token_id is not None and not params.ignore_eos else set()
-        self.stop_ids = set(params.stop_token_ids) | eos
-
-    def check(self, tokens: Sequence[int]) -> Optional[str]:
-        """The finish reason (``"stop"`` / ``"length"``) when the request must stop after ``tokens``."""
-        if tokens and tokens[-1] in self.stop_ids:
-            return "stop"
-        if len(tokens) >= self.params.max_tokens:
-            return "length"
-        return None
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int:
-    """Index of the earliest stop string in ``text``, or -1."""
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else -1
-
-
-def holdback(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` to hold back while streaming: the longest tail that
-    is a proper prefix of some stop string (it may still become a stop), plus an undecodable tail."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                n = max(n, k)
-                break
-    tail = len(text) - len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence decodes to U+FFFD
-    return max(n, tail)
+def sample_rows(logits: torch.Tensor, samplers: Sequence[Optional[Sampler]]) -> tuple[list[int], int]:
+    """Row i's next token (``samplers[i]`` None: greedy). Returns ``(tokens, fallbacks)``: rows whose
+    sampler raised (logits that are not finite, say) took the argmax instead, so a request's failure
+    stays its own."""
+    tokens = logits.argmax(-1).tolist()
+    fallbacks = 0
+    for i, s in enumerate(samplers):
+        if s is None or s.params.greedy:
+            continue
+        try:
+            tokens[i] = s(logits[i])
+        except (RuntimeError, ValueError):
+            fallbacks += 1
+    return tokens, fallbacks

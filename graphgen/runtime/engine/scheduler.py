@@ -1,8 +1,9 @@
 """The scheduler: which requests run in the next step, with which variant, in which KV blocks.
 
-It is per step: ``add`` queues requests, ``schedule()`` returns the next `ScheduledStep` (or None
-when nothing can run now), ``finalize(step)`` completes a step scheduled ahead just before it runs,
-and ``update(step, output)`` takes that step's sampled tokens back. Requests move
+It is per step: ``add`` queues requests, ``schedule()`` returns the next `StepPlan` (or None when
+nothing can run now: per request, the tokens it feeds, its positions, block table, the blocks it
+loads and saves and the logits it needs; no tensors), ``finalize(plan)`` completes a plan made ahead
+just before it runs, and ``update(plan, tokens)`` takes that step's sampled tokens back. Requests move
 ``waiting -> prefill (admitted) -> running -> finished`` and back to ``waiting`` when preempted.
 
 Policy (continuous batching; see docs/runtime.md):
@@ -34,15 +35,13 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
-import torch
+from ..core.kvcache import BlockAllocator, OutOfBlocks
+from .request import PENDING, Request, RowPlan, StepPlan
 
-from ..core.kvcache import BlockAllocator, OutOfBlocks, slot_mapping
-from .request import FINISH_REASONS, Request, RequestResult, ScheduledStep, StepInputs, StepOutput
-
-__all__ = ["StepInputs", "RequestResult", "Request", "ScheduledStep", "StepOutput", "Scheduler",
-           "FINISH_REASONS", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
+__all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -53,8 +52,7 @@ class PrefixSource(Protocol):
 
     def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
     def lookup(self, keys: Sequence[str]) -> int: ...
-    def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> int: ...
-    def discard(self, block_ids: Sequence[int]) -> None: ...
+    def load(self, keys: Sequence[str]) -> list: ...  # the leading blocks fetched, one staging each
 
 
 class Scheduler:
@@ -121,41 +119,45 @@ class Scheduler:
         return matches[0] if matches else None
 
     # ---- the step loop ----------------------------------------------------------------------
-    def schedule(self) -> Optional[ScheduledStep]:
+    def schedule(self) -> Optional[StepPlan]:
         self._admit_waiting()
         return self._schedule_prefill() or self._schedule_decode()
 
-    def finalize(self, step: ScheduledStep) -> Optional[ScheduledStep]:
-        """Just before a step scheduled ahead runs: drop the rows of requests that finished or were
-        aborted since (their blocks go back), and fill in the decode inputs sampled since. None
+    def finalize(self, plan: StepPlan) -> Optional[StepPlan]:
+        """Just before a plan made ahead runs: drop the rows of requests that finished or were
+        aborted since (their blocks go back), and fill in the decode tokens sampled since. None
         when no row is left."""
-        keep = [i for i, r in enumerate(step.requests) if not r.finished]
-        for i, r in enumerate(step.requests):
+        rows = []
+        for row in plan.rows:
+            r = row.request
             if r.finished:
                 r.in_steps -= 1
                 self._maybe_release(r)
-        if not keep:
-            return None
-        if len(keep) < len(step.requests):
-            step = _select_rows(step, keep)
-        for i in step.pending_rows:
-            r, pos = step.requests[i], int(step.inputs.positions[i])
-            step.inputs.input_ids[i] = r.seq[pos]  # a decode row: one token at position pos
-        return step
+                continue
+            if row.pending:  # a decode row: the token at its position was sampled by the last step
+                row = replace(row, token_ids=tuple(r.seq[p] if t == PENDING else t
+                                                   for p, t in zip(row.positions, row.token_ids)))
+            rows.append(row)
+        return plan.keep(rows) if rows else None
 
-    def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
-        """Take the step's tokens; returns the requests that finished (their blocks are freed)."""
+    def update(self, plan: StepPlan, tokens: Sequence[Optional[int]], logits=None) -> list[Request]:
+        """Take the step's tokens (one per row; None for a row that does not sample); returns the
+        requests that finished (their blocks are freed). ``logits``: per row, the sampled position's
+        logits, kept when the caller collects them."""
         now = time.perf_counter()
         done = []
-        for i, r in enumerate(step.requests):
+        for i, row in enumerate(plan.rows):
+            r = row.request
             r.in_steps -= 1
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
-            tok = int(output.tokens[i])
-            r.result.tokens.append(tok)
-            if output.logits is not None:
-                r.result.step_logits.append(output.logits[i].detach().float().clone())
+            tok = tokens[i]
+            if tok is None:
+                continue
+            r.result.tokens.append(int(tok))
+            if logits is not None:
+                r.result.step_logits.append(logits[i].detach().float().clone())
             if len(r.result.tokens) == 1:
                 r.result.ttft_ms = (now - r.t0) * 1e3
             reason = "stop" if tok in r.stop_token_ids else "length" if len(r.tokens) >= r.max_new_tokens else None
@@ -178,7 +180,7 @@ class Scheduler:
         """Look the sequence's prefix up in the pool and load the leading run of hits. At most
         ``(len-1)//block_size`` blocks: the last token is always computed (its logits)."""
         seq = r.seq
-        r.keys, r.cached, r.hit_blocks = None, 0, 0
+        r.keys, r.cached, r.hit_blocks, r.loaded = None, 0, 0, []
         max_blocks = (len(seq) - 1) // self.block_size
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
@@ -190,7 +192,8 @@ class Scheduler:
             r.table.extend(self._alloc(run))
         except OutOfBlocks:
             return  # no room to load into: recompute (the prefill may still find blocks later)
-        r.hit_blocks = self.connector.load(keys[:run], r.table[:run])
+        r.loaded = list(self.connector.load(keys[:run]))
+        r.hit_blocks = len(r.loaded)
         if r.hit_blocks < run:  # the rest of the run is recomputed into fresh blocks
             self.alloc.free(r.table[r.hit_blocks:])
             del r.table[r.hit_blocks:]
@@ -203,7 +206,7 @@ class Scheduler:
             r.keys = self.connector.block_keys(r.seq)
         return r.keys
 
-    def _schedule_prefill(self) -> Optional[ScheduledStep]:
+    def _schedule_prefill(self) -> Optional[StepPlan]:
         if not self.prefill:
             return None
         history = self.prefill[0].hit_blocks > 0
@@ -242,35 +245,32 @@ class Scheduler:
         self.abort(r, "error")
         self.failed.append(r)
 
-    def _prefill_step(self, reqs: list[Request], history: bool) -> ScheduledStep:
+    def _prefill_step(self, reqs: list[Request], history: bool) -> StepPlan:
         variant = self.variant_for("prefill", history)
         saves = self.spec.variant_saves(self.spec.variants[variant])
-        ids, pos, slots, qlens, slens, save_ids, save_keys, save_rows = [], [], [], [], [], [], [], []
-        for i, r in enumerate(reqs):
+        rows = []
+        for r in reqs:
             seq = r.seq
             n, start = len(seq), r.cached
-            ids.append(torch.tensor(seq[start:], dtype=torch.long))
-            pos.append(torch.arange(start, n, dtype=torch.long))
-            slots.append(slot_mapping(r.table, start, n, self.block_size))
-            qlens.append(n - start)
-            slens.append(n)
+            save_ids, save_keys = (), ()
             if saves:
                 new_full = range(r.hit_blocks, n // self.block_size)  # the new full blocks
                 keys = self._keys(r)
-                save_ids.extend(r.table[j] for j in new_full)
-                save_keys.extend(keys[j] for j in new_full)
-                save_rows.extend([i] * len(new_full))
+                save_ids = tuple(r.table[j] for j in new_full)
+                save_keys = tuple(keys[j] for j in new_full)
                 r.result.saved_blocks += len(new_full)
+            rows.append(RowPlan(r, tuple(seq[start:]), start, tuple(r.table),
+                                load_block_ids=tuple(r.table[:r.hit_blocks]), loaded=tuple(r.loaded),
+                                save_block_ids=save_ids, save_keys=save_keys, logits_positions=(n - start - 1,)))
+            r.loaded = []  # the plan carries them now
             if not r.result.variant:
                 r.result.variant = variant
             r.cached = n
             r.in_steps += 1
-        inputs = _inputs(reqs, ids, pos, slots, qlens, slens, save_ids, _load_ids(reqs))
-        return ScheduledStep(variant, "prefill", tuple(reqs), inputs, saves, tuple(save_ids), tuple(save_keys),
-                             tuple(save_rows))
+        return StepPlan(variant, "prefill", tuple(rows), saves)
 
     # ---- internals: decode and preemption ---------------------------------------------------
-    def _schedule_decode(self) -> Optional[ScheduledStep]:
+    def _schedule_decode(self) -> Optional[StepPlan]:
         chosen: list[Request] = []
         for r in list(self.running):
             if len(chosen) >= self.max_num_batched_tokens:
@@ -288,21 +288,15 @@ class Scheduler:
                 chosen.append(r)
         if not chosen:
             return None
-        ids, pos, slots, pending = [], [], [], []
-        for i, r in enumerate(chosen):
+        rows = []
+        for r in chosen:
             p = r.cached
-            known = p < len(r.seq)
-            ids.append(r.seq[p] if known else -1)  # -1: sampled by the step in flight, filled later
-            if not known:
-                pending.append(i)
-            pos.append(torch.tensor([p], dtype=torch.long))
-            slots.append(slot_mapping(r.table, p, p + 1, self.block_size))
+            # PENDING: sampled by the step in flight, filled in by finalize
+            rows.append(RowPlan(r, (r.seq[p] if p < len(r.seq) else PENDING,), p, tuple(r.table),
+                                logits_positions=(0,)))
             r.cached = p + 1
             r.in_steps += 1
-        inputs = _inputs(chosen, [torch.tensor(ids, dtype=torch.long)], pos, slots, [1] * len(chosen),
-                         [r.cached for r in chosen], [])
-        return ScheduledStep(self.variant_for("decode", False), "decode", tuple(chosen), inputs, False,
-                             pending_rows=tuple(pending))
+        return StepPlan(self.variant_for("decode", False), "decode", tuple(rows), False)
 
     def _victim(self, exclude: list[Request]) -> Optional[Request]:
         """The newest request holding blocks that no step in flight uses: admitted ones first
@@ -320,7 +314,7 @@ class Scheduler:
         else:
             self.prefill.remove(r)
         self._release(r)
-        r.cached, r.hit_blocks, r.keys = 0, 0, None
+        r.cached, r.hit_blocks, r.keys, r.loaded = 0, 0, None, []
         self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
 
     # ---- internals: blocks ------------------------------------------------------------------
@@ -343,7 +337,7 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         if r.table:
-            self.connector.discard(r.table)  # loaded blocks its prefill never took (preempted, aborted)
+            r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
             self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
             r.table = []
 
@@ -355,41 +349,3 @@ class Scheduler:
         if r in self.deferred:
             self.deferred.remove(r)
         self._release(r)
-
-
-def _load_ids(reqs) -> torch.Tensor:
-    """The cache blocks of the requests' loaded history, request by request (the step's kv_load)."""
-    return torch.tensor([b for r in reqs for b in r.table[:r.hit_blocks]], dtype=torch.long)
-
-
-def _inputs(reqs, ids, pos, slots, qlens, slens, save_ids, load_ids=None) -> StepInputs:
-    width = max(len(r.table) for r in reqs)
-    tables = torch.zeros((len(reqs), width), dtype=torch.long)
-    for i, r in enumerate(reqs):
-        tables[i, :len(r.table)] = torch.tensor(r.table, dtype=torch.long)
-    q = torch.tensor(qlens, dtype=torch.long)
-    return StepInputs(
-        input_ids=torch.cat(ids), positions=torch.cat(pos), slot_mapping=torch.cat(slots),
-        block_tables=tables, seq_lens=torch.tensor(slens, dtype=torch.long), query_lens=q,
-        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=torch.tensor(save_ids, dtype=torch.long),
-        load_block_ids=_load_ids([]) if load_ids is None else load_ids)
-
-
-def _select_rows(step: ScheduledStep, keep: list[int]) -> ScheduledStep:
-    """The same step restricted to requests ``keep`` (indices into ``step.requests``)."""
-    x = step.inputs
-    starts = torch.cumsum(x.query_lens, 0) - x.query_lens
-    tok = torch.cat([torch.arange(int(starts[i]), int(starts[i] + x.query_lens[i])) for i in keep])
-    rows = torch.tensor(keep, dtype=torch.long)
-    q = x.query_lens[rows]
-    js = [j for j, row in enumerate(step.save_rows) if row in keep]
-    new_row = {old: new for new, old in enumerate(keep)}
-    inputs = StepInputs(
-        input_ids=x.input_ids[tok].clone(), positions=x.positions[tok], slot_mapping=x.slot_mapping[tok],
-        block_tables=x.block_tables[rows], seq_lens=x.seq_lens[rows], query_lens=q,
-        logits_indices=torch.cumsum(q, 0) - 1, save_block_ids=x.save_block_ids[torch.tensor(js, dtype=torch.long)],
-        load_block_ids=_load_ids([step.requests[i] for i in keep]) if x.load_block_ids.numel() else x.load_block_ids)
-    return ScheduledStep(step.variant, step.phase, tuple(step.requests[i] for i in keep), inputs, step.saves,
-                         tuple(step.save_block_ids[j] for j in js), tuple(step.save_keys[j] for j in js),
-                         tuple(new_row[step.save_rows[j]] for j in js),
-                         tuple(new_row[i] for i in step.pending_rows if i in new_row))

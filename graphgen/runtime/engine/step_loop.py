@@ -1,87 +1,79 @@
 """The step-level engine API: requests in, per-step token deltas out (what a server drives).
 
-`LLMEngine` runs one scheduler step per ``step()`` call over the engine's three parts (the
-`Scheduler`, the `KVConnector` and the `CpuModelRunner`):
+`LLMEngine` runs one step per ``step()`` call over two parts, the `Scheduler` and a model runner
+(CPU, rank or NPU: each owns the worker side of the KV connector):
 
-    schedule() -> finalize() -> prepare_save (pin, staging) -> execute -> handoff -> sample -> update
+    plan = scheduler.schedule()  ->  runner.submit(plan) / runner.collect(...)  ->  sample  ->  scheduler.update
+
+The step flows one way as data: the plan says, per request, what to compute, load and save; the
+runner builds its own inputs from it, pins and commits the step's save, and returns each row's
+logits; the engine samples each request with its own `SamplingParams`; the scheduler takes the
+tokens back.
 
 With ``async_scheduling`` the forward runs on a ``forward`` worker thread and, while step N runs,
-the caller's thread schedules step N+1 (admission and pool loads, block allocation, every input
-tensor). The only input that depends on step N is the token each decode row feeds back: it is left
-as a placeholder and filled in by ``Scheduler.finalize`` once step N's logits are sampled; rows of
-requests that finished at step N are dropped there. Tokens are identical either way: the same
-steps run in the same order on the same inputs; only *when* they are prepared changes.
+the caller's thread plans step N+1 (admission and pool loads, block allocation). The only input
+that depends on step N is the token each decode row feeds back: it is left ``PENDING`` and filled
+in by ``Scheduler.finalize`` once step N's logits are sampled; rows of requests that finished at
+step N are dropped there. Tokens are identical either way: the same steps run in the same order
+on the same inputs; only *when* they are prepared changes.
 
 Threading: every method is called from one thread (the caller's); only the forward runs elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .request import Request, RequestResult, ScheduledStep, StepOutput
-from ..core.streams import Job, Stream
+from .request import Request, RequestOutput, RequestResult, StepPlan
+from .sampling import Sampler, SamplingParams, sample_rows
 
-__all__ = ["LLMEngine", "RequestOutput", "SampleFn", "greedy"]
-
-SampleFn = Callable[[torch.Tensor, Sequence[Request]], Sequence[int]]
-
-
-def greedy(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-    """Argmax of each row (row i is ``requests[i]``'s last position)."""
-    return logits.argmax(-1).tolist()
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """One request's news from one step."""
-
-    req_id: Any
-    new_token_ids: tuple[int, ...]
-    finished: bool = False
-    finish_reason: Optional[str] = None  # "length" | "stop" | "abort" | "error" when finished
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the pool (prefix hit)
-    num_prompt_tokens: int = 0
-    error: Optional[str] = None  # with finish_reason "error": why
+__all__ = ["LLMEngine"]
 
 
 class LLMEngine:
-    """``scheduler``, ``connector``, ``runner``: an `Engine`'s parts (``Engine.llm`` is one of these).
+    """``scheduler``, ``runner``: an `Engine`'s parts (``Engine.llm`` is one of these); ``connector``
+    is kept for its counters (``stats``) and ``drain`` (the runner drives its worker side).
 
-    ``sample_fn(logits_rows, requests) -> token ids`` (default: `greedy`; a request's ``params`` is
-    what ``add_request`` was given). ``eos_token_id``: a stop token for every request (unless its
-    params say ``ignore_eos``). ``timeline``: a list to append ``(what, step_no, t_start, t_end)``
-    spans to (``"schedule"`` on the caller's thread, ``"forward"`` where the forward runs; with async
+    ``eos_token_ids``: stop tokens of every request (the model's EOS), unless its params say
+    ``ignore_eos``. ``timeline``: a list to append ``(what, step_no, t_start, t_end)`` spans to
+    (``"schedule"`` on the caller's thread, ``"forward"`` where the forward runs; with async
     scheduling ``"launch"``, an instant: the step queued on the forward thread)."""
 
     def __init__(self, scheduler, connector, runner, *, vocab_size: int, async_scheduling: bool = False,
-                 sample_fn: Optional[SampleFn] = None, eos_token_id: Optional[int] = None,
-                 collect_logits: bool = False, timeline: Optional[list] = None):
+                 eos_token_ids: Iterable[int] = (), collect_logits: bool = False,
+                 timeline: Optional[list] = None):
         self.scheduler, self.connector, self.runner = scheduler, connector, runner
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
-        self.sample_fn: SampleFn = sample_fn or greedy
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.collect_logits = collect_logits
         self.timeline = timeline
         self.observer = None  # a graphgen.trace.StepObserver: scheduling spans (Engine.observe sets it)
         self._requests: dict[Any, Request] = {}
-        self._inflight: Optional[tuple[ScheduledStep, Any, Job]] = None  # (step, save, forward job)
-        self._forward: Optional[Stream] = None
+        self._inflight = None  # (future, step_no): the step on the forward thread
         self._sched_no = 0  # ids of scheduled steps, in schedule order (the timeline's step_no)
-        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_hit_tokens": 0, "steps": 0}
+        self._forward_sid = 0
+        runner.on_forward = self._forward_span
+        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_hit_tokens": 0, "steps": 0,
+                        "sampling_fallbacks": 0}
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, req_id: Any, prompt_ids: Sequence[int], params: Any = None, *,
+    def add_request(self, req_id: Any, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *,
                     max_tokens: Optional[int] = None) -> Request:
-        """Queue a request. ``params`` (any object; e.g. the server's SamplingParams) may carry
-        ``max_tokens`` (default 16), ``stop_token_ids`` and ``ignore_eos``; ``max_tokens=`` wins."""
+        """Queue a request with its `SamplingParams` (default: greedy, 16 tokens); ``max_tokens=`` wins
+        over the params' own. Raises ``ValueError`` (naming the problem) for input it cannot run."""
         if req_id is not None and req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if max_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=max_tokens)  # validated again there
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("empty prompt")
@@ -91,13 +83,11 @@ class LLMEngine:
         if len(prompt) > budget:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens ({budget}); "
                              f"chunked prefill is not supported")
-        n = max_tokens if max_tokens is not None else getattr(params, "max_tokens", 16)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError("max_tokens must be an int >= 1")
-        stops = set(getattr(params, "stop_token_ids", ()) or ())
-        if self.eos_token_id is not None and not getattr(params, "ignore_eos", False):
-            stops.add(self.eos_token_id)
-        r = Request(RequestResult(prompt=prompt), n, req_id=req_id, stop_token_ids=frozenset(stops), params=params)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        r = Request(RequestResult(prompt=prompt), params, req_id=req_id, stop_token_ids=frozenset(stops),
+                    sampler=None if params.greedy else Sampler(params))
         self.scheduler.add(r)
         if req_id is not None:
             self._requests[req_id] = r
@@ -120,20 +110,22 @@ class LLMEngine:
         out: list[RequestOutput] = []
         try:
             if not self.async_scheduling:
-                step, sid = self._schedule()
-                if step is not None:
-                    self._land(step, *self._run(step, sid), out)
+                plan, sid = self._schedule()
+                if plan is not None:
+                    plan = self.scheduler.finalize(plan)
+                if plan is not None:
+                    self._forward_sid = sid
+                    self._land(plan, self.runner.collect(self.runner.submit(plan)), out)
             else:
                 if self._inflight is None:
-                    step, sid = self._schedule()
-                    if step is not None:
-                        self._launch(step, sid)
+                    plan, sid = self._schedule()
+                    if plan is not None:
+                        self._launch(plan, sid)
                 if self._inflight is not None:
                     nxt, nsid = self._schedule()  # while the step in flight runs on the forward thread
-                    step, save, job = self._inflight
+                    fut, _ = self._inflight
                     self._inflight = None
-                    handles = self._wait(save, job)
-                    self._land(step, save, handles, out)
+                    self._land(fut.plan, self.runner.collect(fut), out)
                     if nxt is not None:
                         self._launch(nxt, nsid)
         except BaseException:
@@ -145,70 +137,45 @@ class LLMEngine:
                                      error=str(r.error)))
         return out
 
-    def _schedule(self) -> Optional[ScheduledStep]:
+    def _schedule(self) -> tuple[Optional[StepPlan], int]:
         t, sid = time.perf_counter(), self._sched_no
-        step = self.scheduler.schedule()
-        if step is not None and not self.async_scheduling:
-            step = self.scheduler.finalize(step)
-        if step is not None:
+        plan = self.scheduler.schedule()
+        if plan is not None:
             self._sched_no += 1
             self._span("schedule", sid, t)
-        return step, sid
+        return plan, sid
 
-    def _execute(self, step: ScheduledStep, save, loads, sid: int):
-        t = time.perf_counter()
-        try:
-            return self.runner.execute(step.variant, step.inputs, save.staging if save else None, loads)
-        finally:
-            self._span("forward", sid, t)
-
-    def _run(self, step: ScheduledStep, sid: int):
-        save = self._prepare_save(step)
-        try:
-            return save, self._execute(step, save, self._take_loads(step), sid)
-        except BaseException:
-            if save is not None:
-                self.connector.cancel(save)
-            raise
-
-    def _take_loads(self, step: ScheduledStep) -> list:
-        """The step's loaded history blocks, per layer (empty unless its variant loads)."""
-        return self.connector.take_loads(step.inputs.load_block_ids.tolist())
-
-    def _prepare_save(self, step: ScheduledStep):
-        return self.connector.prepare_save(step.save_block_ids, step.save_keys) if step.saves else None
-
-    def _launch(self, step: ScheduledStep, sid: int) -> None:
-        step = self.scheduler.finalize(step)
-        if step is None:
+    def _launch(self, plan: StepPlan, sid: int) -> None:
+        plan = self.scheduler.finalize(plan)
+        if plan is None:
             return
-        if self._forward is None:
-            self._forward = Stream("forward")
-        save = self._prepare_save(step)
-        loads = self._take_loads(step)
+        self._forward_sid = sid
+        fut = self.runner.submit(plan, background=True)
         self._span("launch", sid, time.perf_counter())
-        self._inflight = (step, save, self._forward.launch(self._execute, step, save, loads, sid))
+        self._inflight = (fut, sid)
 
-    def _wait(self, save, job: Job):
-        try:
-            return job.result()
-        except BaseException:
-            if save is not None:
-                self.connector.cancel(save)
-            raise
-
-    def _land(self, step: ScheduledStep, save, handles, out: list) -> None:
-        if save is not None:
-            self.connector.handoff(save, handles.save_job, handles.save_done)
-        logits = handles.logits
-        tokens = tuple(int(t) for t in self.sample_fn(logits, step.requests))
-        self.scheduler.update(step, StepOutput(tokens, logits if self.collect_logits else None))
+    def _land(self, plan: StepPlan, row_logits: list, out: list) -> None:
+        sampling = [i for i, row in enumerate(plan.rows) if row.samples]
+        last = torch.stack([row_logits[i][-1] for i in sampling]) if sampling else None
+        tokens: list[Optional[int]] = [None] * len(plan.rows)
+        if last is not None:
+            sampled, fallbacks = sample_rows(last, [plan.rows[i].request.sampler for i in sampling])
+            self._totals["sampling_fallbacks"] += fallbacks
+            for i, tok in zip(sampling, sampled):
+                tokens[i] = int(tok)
+        kept = None
+        if self.collect_logits and last is not None:
+            kept = [None] * len(plan.rows)
+            for j, i in enumerate(sampling):
+                kept[i] = last[j]
+        self.scheduler.update(plan, tokens, kept)
         self.connector.reap()
         self._totals["steps"] += 1
-        for r, tok in zip(step.requests, tokens):
-            if r.finish_reason == "abort":
-                continue  # aborted while its step ran: the caller has already let it go
-            if len(r.tokens) == 1 and step.phase == "prefill" and not r.result.preemptions:
+        for row, tok in zip(plan.rows, tokens):
+            r = row.request
+            if tok is None or r.finish_reason == "abort":
+                continue  # a row without a token, or aborted while its step ran (the caller let it go)
+            if len(r.tokens) == 1 and plan.phase == "prefill" and not r.result.preemptions:
                 self._totals["prefix_hit_tokens"] += r.result.hit_tokens
             self._totals["generation_tokens"] += 1
             if r.finished:
@@ -216,23 +183,26 @@ class LLMEngine:
             out.append(RequestOutput(r.req_id, (tok,), r.finished, r.finish_reason, r.result.hit_tokens,
                                      len(r.prompt)))
 
+    def _forward_span(self, t0: float, t1: float) -> None:
+        # called where the forward runs (the forward thread with async scheduling): list.append is safe
+        if self.timeline is not None:
+            self.timeline.append(("forward", self._forward_sid, t0, t1))
+        if self.observer is not None:
+            self.observer.step("forward", self._forward_sid, t0, t1)
+
     def _span(self, what: str, sid: int, t0: float) -> None:
-        if self.timeline is not None:  # list.append: safe from the forward thread too
+        if self.timeline is not None:
             self.timeline.append((what, sid, t0, time.perf_counter()))
         if self.observer is not None:
             self.observer.step(what, sid, t0, time.perf_counter())
 
     def abort_all(self) -> None:
-        """Wait for the forward in flight (its save is handed off), then drop every request and its
-        blocks (after an error, or at shutdown). Nothing is reported for them."""
+        """Wait for the forward in flight (its save is handed off, or cancelled if it failed), then
+        drop every request and its blocks (after an error, or at shutdown). Nothing is reported."""
         if self._inflight is not None:
-            step, save, job = self._inflight
+            fut, _ = self._inflight
             self._inflight = None
-            if job.exception() is not None and save is not None:
-                self.connector.cancel(save)
-            elif save is not None:
-                handles = job.result()
-                self.connector.handoff(save, handles.save_job, handles.save_done)
+            self.runner.settle(fut)
         self.scheduler.abort_all()
         self._requests.clear()
         self.connector.reap()
@@ -241,7 +211,7 @@ class LLMEngine:
     def stats(self) -> dict:
         """Gauges (``running``, ``waiting``, ``saves_pending``, ``free_blocks``), totals since start
         (``prompt_tokens``, ``generation_tokens``, ``prefix_hit_tokens``, ``steps``,
-        ``preemptions``) and the connector's counters (``puts``, ``put_failures``, ...)."""
+        ``preemptions``, ``sampling_fallbacks``) and the connector's counters (``puts``, ...)."""
         self.connector.reap()
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + len(s.prefill),
@@ -257,6 +227,4 @@ class LLMEngine:
             self.close()
 
     def close(self) -> None:
-        if self._forward is not None:
-            self._forward.close()
-            self._forward = None
+        self.runner.close()

@@ -1,6 +1,6 @@
 """Running a spec on several ranks: one process per rank on torch.distributed (gloo, loopback).
 
-`DistributedEngine` is the facade a caller holds (``Engine.from_spec(..., tp=2)`` returns one): it
+`DistributedEngine` is the facade a caller holds (``open_engine(..., tp=2)`` returns one): it
 serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
 latent must be visible to rank 1), starts ``tp`` rank processes, and sends every rank the same
 command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.parallel.rank`) and
@@ -17,7 +17,6 @@ dead peer fails too). Nothing listens on anything but 127.0.0.1 (``GLOO_SOCKET_I
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing as mp
 import os
 import time
@@ -26,6 +25,7 @@ from typing import Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
+from .rank import rank_main
 from ...netutil import free_port
 
 __all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
@@ -35,23 +35,17 @@ class RankFailure(RuntimeError):
     """A rank process died, raised, or did not answer in time."""
 
 
-def _start_rank(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
-    # The rank's code is reached by module name, as ``python -m`` would: the facade (imported by
-    # engine.from_spec) does not import the engine it starts in other processes.
-    importlib.import_module("graphgen.runtime.parallel.rank").rank_main(rank, cfg, conn)
-
-
 class DistributedLLM:
     """`LLMEngine`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
-    ``stats``, ``shutdown`` (and setting ``sample_fn`` / ``eos_token_id``) run on every rank's own
-    ``Engine.llm``, in the order the caller makes them, so every rank schedules the same steps and
-    issues the same collectives; the results are rank 0's.
+    ``stats``, ``shutdown`` (and setting ``eos_token_ids``) run on every rank's own ``Engine.llm``,
+    in the order the caller makes them, so every rank schedules the same steps and issues the same
+    collectives; the results are rank 0's.
 
-    What crosses to the ranks is pickled: ``params`` are rebuilt in each rank process (a seeded
-    sampler in them is seeded anew there, so every rank draws the same token; a sampler without a
-    seed would not agree) and ``sample_fn`` must be a module-level function (pickled by name). The
-    logits every rank samples from are the same (the LM head's all_gather), so greedy rows agree.
-    A ``ValueError`` of ``add_request`` (bad input) is raised here, every rank having refused it."""
+    What crosses to the ranks is pickled: the `SamplingParams`, from which each rank builds the
+    request's sampler (a seeded one draws the same token on every rank; a sampled request without a
+    seed would not agree, and the ranks' plan check stops the engine: give it a seed, as the server
+    does). The logits every rank samples from are the same (the LM head's all_gather), so greedy rows
+    agree. A ``ValueError`` of ``add_request`` (bad input) is raised here, every rank having refused it."""
 
     def __init__(self, engine: "DistributedEngine"):
         self._engine = engine
@@ -65,8 +59,7 @@ class DistributedLLM:
     def _set(self, name: str, value) -> None:
         self._call("set", name, value)
 
-    sample_fn = property(None, lambda self, fn: self._set("sample_fn", fn))
-    eos_token_id = property(None, lambda self, eos: self._set("eos_token_id", eos))
+    eos_token_ids = property(None, lambda self, ids: self._set("eos_token_ids", tuple(ids)))
 
     def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None) -> None:
         self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens)
@@ -87,6 +80,10 @@ class DistributedLLM:
         self._call("shutdown", timeout)
 
 
+def _max_model_len(engine) -> int:  # a probe run in every rank process (module-level: pickled by name)
+    return engine.max_model_len
+
+
 class DistributedEngine:
     """``tp`` rank processes driven in lockstep; results are rank 0's. See the module doc."""
 
@@ -103,7 +100,7 @@ class DistributedEngine:
             raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
         if pool != "host":
             raise ValueError("parallel ranks share the embedded host pool (pool='host')")
-        if not isinstance(weights, dict):  # (Engine.from_spec has checked its config.json)
+        if not isinstance(weights, dict):  # (open_engine has checked its config.json)
             weights = str(weights)
         self.spec, self.tp, self.timeout = spec, spec.parallel.tp, timeout
         self._closed = False
@@ -127,7 +124,7 @@ class DistributedEngine:
         self._conns, self._procs = [], []
         for r in range(self.tp):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_start_rank, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
+            p = ctx.Process(target=rank_main, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
@@ -137,6 +134,7 @@ class DistributedEngine:
             self._kill()
             raise
         self.llm = DistributedLLM(self)
+        self.max_model_len = self.on_ranks(_max_model_len)[0]
 
     # ---- the rank protocol ----------------------------------------------------------------------
     def _collect(self, what: str) -> list:

@@ -1,7 +1,7 @@
 """One tensor/expert-parallel rank: its runtime (collectives on torch.distributed), its KV connector
 (per-rank pool keys, prefix hits agreed by every rank) and its engine.
 
-A rank is an ordinary `Engine` with three parts replaced:
+A rank is an ordinary CPU engine (`graphgen.runtime.engine.facade.cpu_engine`) given three parts of its own:
 
 * `RankRuntime`: ``rt`` of the generated module, plus ``all_reduce``/``all_gather`` (gloo) and the
   rank-aware ops of `graphgen.runtime.parallel.ops` (given this rank);
@@ -13,14 +13,26 @@ A rank is an ordinary `Engine` with three parts replaced:
   the loaded length again after (a block evicted between lookup and load on one rank shortens the
   hit for all). Each rank commits its own blocks after its own save event (the connector's rule).
 
-Collectives run on the caller's (main) thread only, in the same order on every rank: the forward's
-(the graph's), then the connector's (lookup, load, drain), which the scheduler issues in the same
-deterministic order on every rank because every rank sees the same prompts and agreed hits.
+Ranks run in lockstep: each has its own scheduler, fed the same calls in the same order by the
+launcher (`DistributedLLM`), with hits agreed by collectives, so every rank plans the same steps.
+Why not one scheduler on rank 0 broadcasting its plan (as vLLM does)? Each rank's KV shard has its
+own pool keys and its own hits, so a broadcast plan would still need the same per-rank agreement
+(the MIN collectives) and per-rank load staging; the calls the launcher broadcasts carry no more
+than the plan would. What lockstep needs — that no rank's plan drifts — is checked every step:
+`RankModelRunner` all-gathers a fingerprint of the plan (variant, rows, tokens, positions, block
+tables) before the forward, and a mismatch raises on every rank (never a hang, never a silent
+wrong collective).
+
+Collectives run on the caller's (main) thread only, in the same order on every rank: the plan
+check, the forward's (the graph's), then the connector's (lookup, load, drain), which the scheduler
+issues in the same deterministic order on every rank because every rank sees the same prompts and
+agreed hits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import signal
 import traceback
@@ -30,15 +42,18 @@ import torch
 import torch.distributed as dist
 
 from ...families.parallel import kv_replicated, rank_kv_components
-from . import ops as ops_parallel
-from ..pool.shared import connect_pool
-from ..engine.connector import KVConnector
 from ..core.cpu_runtime import CpuRuntime
-from ..engine.facade import Engine
+from ..engine.connector import KVConnector
+from ..engine.facade import Engine, cpu_engine
+from ..engine.request import StepPlan
+from ..engine.runner import CpuModelRunner
+from ..pool.keys import KVShard
+from ..pool.shared import connect_pool
+from . import ops as ops_parallel
 from .ops import rank_weights
-from ..pool.base import block_keys
 
-__all__ = ["RankRuntime", "RankConnector", "SaveOncePool", "RankEngine", "graph_weight_names", "rank_main"]
+__all__ = ["RankRuntime", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine", "graph_weight_names",
+           "plan_fingerprint", "rank_main"]
 
 
 class RankRuntime(CpuRuntime):
@@ -101,51 +116,69 @@ class SaveOncePool:
 
 
 class RankConnector(KVConnector):
-    def __init__(self, *args, rank: int, size: int, replicated: bool, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rank, self.size, self.replicated = rank, size, replicated
+    """Pool keys of this rank's KV shard (rank 0's key where every rank holds the same KV), hits
+    agreed by every rank."""
 
-    def block_keys(self, prompt: Sequence[int]) -> list[str]:
-        return block_keys(prompt, self.cache.block_size, model=self.model, layout=self.cache.layout,
-                          rank=0 if self.replicated else self.rank, world=self.size)
+    def __init__(self, *args, rank: int, size: int, replicated: bool, **kwargs):
+        super().__init__(*args, shard=KVShard(0 if replicated else rank, size), **kwargs)
+        self.rank, self.size, self.replicated = rank, size, replicated
 
     def lookup(self, keys: Sequence[str]) -> int:
         return agree_min(super().lookup(keys))
 
-    def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> int:
-        n = agree_min(super().load(keys, block_ids))
-        self.discard(block_ids[n:])  # loaded here, but not on every rank: recomputed
-        return n
+    def load(self, keys: Sequence[str]) -> list:
+        loaded = super().load(keys)
+        return loaded[:agree_min(len(loaded))]  # loaded here, but not on every rank: recomputed
 
     def drain(self, timeout=None) -> None:
         super().drain(timeout)
         dist.barrier()  # every rank's commits are visible before any rank looks the pool up again
 
 
-class RankEngine(Engine):
+def plan_fingerprint(plan: StepPlan) -> int:
+    """A 63-bit digest of what every rank must plan alike (pool keys excluded: they name the rank's shard)."""
+    h = hashlib.sha256(plan.variant.encode())
+    for row in plan.rows:
+        h.update(repr((row.start, row.token_ids, row.block_table, row.load_block_ids, row.save_block_ids,
+                       row.logits_positions, row.samples)).encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+class RankModelRunner(CpuModelRunner):
+    """The CPU runner of one rank: before each step, the ranks' plans are compared (all_gather of
+    `plan_fingerprint`); a rank whose plan differs would issue other collectives, so every rank
+    raises instead."""
+
+    def submit(self, plan: StepPlan, *, background: bool = False):
+        mine = torch.tensor([plan_fingerprint(plan)], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        if any(int(t) != int(mine) for t in every):
+            raise RuntimeError(f"the ranks planned different steps (plan fingerprints {[int(t) for t in every]}): "
+                               f"lockstep lost (a rank got other requests or a sampler without a seed?)")
+        return super().submit(plan, background=background)
+
+
+def rank_engine(spec, weights: dict, *, rank: int, faults=None, event_timeout: float = 120.0, **options) -> Engine:
     """The engine of one rank (``spec.parallel`` gives the layout; ``rank`` is this process's)."""
+    tp = spec.parallel.tp
+    comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), tp)
+    replicated = kv_replicated(spec.family)
+    runtime = RankRuntime(faults, event_timeout=event_timeout, rank=rank, size=tp)
 
-    def __init__(self, spec, weights: dict, *, rank: int, **kwargs):
-        self.rank = rank
-        # No async scheduling on a rank: it would schedule step N+1 (whose pool lookup agrees hits
-        # with an all_reduce) while step N's forward issues its own collectives on the forward
-        # thread, and two threads' collectives on one group need not pair up across ranks.
-        kwargs["async_scheduling"] = False
-        super().__init__(spec, weights, **kwargs)
+    def make_connector(pool, cache, alloc):
+        if replicated and rank != 0:
+            pool = SaveOncePool(pool)
+        return RankConnector(pool, cache, alloc, model=spec.name, write=spec.pool.write, rank=rank, size=tp,
+                             replicated=replicated)
 
-    def _kv_shapes(self, num_blocks: int) -> dict:
-        comps = rank_kv_components(self.spec.family, dataclasses.asdict(self.spec.dims), self.spec.parallel.tp)
-        return {name: (num_blocks, self.block_size, *shape) for name, shape in comps}
-
-    def _make_runtime(self, event_timeout: float) -> CpuRuntime:
-        return RankRuntime(self.faults, event_timeout=event_timeout, rank=self.rank, size=self.spec.parallel.tp)
-
-    def _make_connector(self) -> KVConnector:
-        replicated = kv_replicated(self.spec.family)
-        if replicated and self.rank != 0:
-            self.pool = SaveOncePool(self.pool)
-        return RankConnector(self.pool, self.cache, self.alloc, model=self.spec.name, write=self.write,
-                             rank=self.rank, size=self.spec.parallel.tp, replicated=replicated)
+    # No async scheduling on a rank: it would plan step N+1 (whose pool lookup agrees hits with an
+    # all_reduce) while step N's forward issues its own collectives on the forward thread, and two
+    # threads' collectives on one group need not pair up across ranks.
+    options["async_scheduling"] = False
+    return cpu_engine(spec, weights, runtime=runtime, kv_shapes={name: (spec.kv_cache.block_size, *shape) for name, shape in comps},
+                      make_connector=make_connector, runner_cls=RankModelRunner, faults=faults,
+                      event_timeout=event_timeout, **options)
 
 
 def graph_weight_names(spec, spec_file: str = "") -> set[str]:
@@ -203,8 +236,8 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         mine = rank_weights(weights, graph_weight_names(spec, cfg["spec_file"]), rank, spec.parallel.tp)
         del weights
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
-        engine = RankEngine(spec, mine, rank=rank, spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
-                            **cfg["engine_kwargs"])
+        engine = rank_engine(spec, mine, rank=rank, spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
+                             **cfg["engine_kwargs"])
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -224,7 +257,7 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
                 elif cmd == "call":  # fn(engine, *args) on every rank: a test's probe of its own rank
                     out = args[0](engine, *args[1:])
                 elif cmd == "stats":
-                    skipped = getattr(engine.pool, "skipped_puts", 0)  # counted as puts by the connector
+                    skipped = getattr(engine.connector.pool, "skipped_puts", 0)  # counted as puts by the connector
                     out = {**engine.stats, "puts": engine.stats["puts"] - skipped, "skipped_puts": skipped}
                 else:
                     raise ValueError(f"unknown rank command {cmd!r}")

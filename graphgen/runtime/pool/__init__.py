@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from .base import KEY_SEP, PoolBackend, block_keys, count_leading
+from .base import PoolBackend, count_leading
 from .host import HostPool
+from .keys import KEY_SEP, BlockKey, KVShard, block_keys
 
-__all__ = ["DEFAULT_POOL_BYTES", "HostPool", "KEY_SEP", "PoolBackend", "block_keys", "count_leading", "make_pool"]
+__all__ = ["DEFAULT_POOL_BYTES", "BlockKey", "HostPool", "KEY_SEP", "KVShard", "PoolBackend", "block_keys",
+           "count_leading", "make_pool"]
 
 # the embedded pool's capacity when none is given (engines, ranks' shared pool, `graphgen run`)
 DEFAULT_POOL_BYTES = 256 << 20

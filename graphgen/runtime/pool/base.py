@@ -1,4 +1,4 @@
-"""KV block pool: the backend interface and block keys (backends: `host`, `mooncake`, `shared`, `faulty`).
+"""KV block pool: the backend interface (backends: `host`, `mooncake`, `shared`, `faulty`; keys: `keys`).
 
 A pool maps a **block key** (str) to the packed bytes of one KV block over all layers and components
 on one rank (see `graphgen.runtime.core.kvcache.pack_block`). The contract every backend implements
@@ -39,11 +39,9 @@ What the caller (`graphgen.runtime.engine.connector.KVConnector`) guarantees a b
 from __future__ import annotations
 
 import abc
-import hashlib
-import struct
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["PoolBackend", "block_keys", "count_leading", "KEY_SEP"]
+__all__ = ["PoolBackend", "count_leading"]
 
 
 class PoolBackend(abc.ABC):
@@ -98,43 +96,3 @@ def count_leading(keys: Iterable[str], present: Callable[[str], bool]) -> int:
             break
         n += 1
     return n
-
-
-# ------------------------------------------------------------------------------------------ keys
-
-KEY_SEP = "@"
-# root of every hash chain; versioned so a change of the hashing scheme never matches old keys
-_CHAIN_ROOT = hashlib.sha256(b"graphgen.block_keys.v1").digest()
-
-
-def block_keys(token_ids: Iterable[int], block_size: int, *, model: str, layout: str,
-               rank: int = 0, world: int = 1) -> list[str]:
-    """One pool key per FULL block of ``token_ids`` (a trailing partial block gets no key).
-
-    Block i's digest is ``sha256(digest[i-1] + token ids of block i as little-endian int64)``, so a
-    key identifies the whole prefix up to and including its block: two prompts share key i only if
-    they agree on every token of blocks 0..i. Stable across processes and ``PYTHONHASHSEED``
-    (never Python ``hash()``). The key is ``{model}@{layout}@r{rank}of{world}@{hexdigest}`` so
-    different models, cache layouts (dtype/shape version, see ``kvcache.layout_version``) and ranks
-    never collide. ``model``/``layout`` must not contain ``@`` (that would make keys ambiguous).
-    Which blocks to save or look up (e.g. at most ``(len - 1) // block_size``, so the last token is
-    always recomputed) is the caller's choice: slice the result.
-    """
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
-    for what, s in (("model", model), ("layout", layout)):
-        if not isinstance(s, str) or not s or KEY_SEP in s:
-            raise ValueError(f"{what} must be a non-empty str without {KEY_SEP!r}, got {s!r}")
-    if not (isinstance(rank, int) and isinstance(world, int) and world >= 1 and 0 <= rank < world):
-        raise ValueError(f"need 0 <= rank < world, got rank={rank!r} world={world!r}")
-    if hasattr(token_ids, "tolist"):          # torch / numpy without importing either
-        token_ids = token_ids.tolist()
-    ids = [int(t) for t in token_ids]
-    prefix = f"{model}{KEY_SEP}{layout}{KEY_SEP}r{rank}of{world}{KEY_SEP}"
-    pack = struct.Struct(f"<{block_size}q").pack   # raises struct.error outside int64
-    keys: list[str] = []
-    parent = _CHAIN_ROOT
-    for b in range(len(ids) // block_size):
-        parent = hashlib.sha256(parent + pack(*ids[b * block_size:(b + 1) * block_size])).digest()
-        keys.append(prefix + parent.hex())
-    return keys

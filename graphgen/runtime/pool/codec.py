@@ -21,7 +21,7 @@ import zlib
 
 import xxhash
 
-from .base import KEY_SEP
+from .keys import KEY_SEP
 
 __all__ = ["HEADER", "MAGIC", "FORMAT_VERSION", "parse_size", "fingerprint_of", "payload_checksum",
            "copy_with_checksum",

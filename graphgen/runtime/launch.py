@@ -1,0 +1,82 @@
+"""`open_engine`: the one assembly point of an engine, for every target and layout.
+
+It loads the spec (once), applies the run's overrides (``write``, ``granularity``, ``tp``, ``ep``),
+checks the checkpoint's config against the spec, and hands the parts to the target:
+
+* ``target="cpu"``, one rank: `graphgen.runtime.engine.facade.cpu_engine` (the weights are loaded here);
+* ``target="cpu"``, several ranks: `graphgen.runtime.parallel.launcher.DistributedEngine`, which
+  starts one process per rank; each rank builds its parts with the same `cpu_engine` (its runtime,
+  KV shard and pool keys given) — every rank loads its own weight slices;
+* another target (``"npu"``): the builder it registered with `register_target` (the NPU runner
+  registers itself when ``graphgen.npu.run`` is imported; the runtime never imports the NPU code).
+
+Every builder gets ``(spec, weights, spec_file=..., pool=..., **options)`` and returns an object with
+the `Engine` calls (``generate``, ``llm``, ``drain``, ``stats``, ``close``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+__all__ = ["open_engine", "register_target", "TARGETS"]
+
+# target name -> builder(spec, weights, *, spec_file, pool, tp, **options) -> engine
+TARGETS: dict[str, Callable] = {}
+
+
+def register_target(name: str, builder: Callable) -> None:
+    """Make ``open_engine(..., target=name)`` build engines with ``builder``."""
+    TARGETS[name] = builder
+
+
+def _cpu(spec, weights, *, spec_file: str, pool, **options):
+    if spec.parallel.tp > 1 or spec.parallel.ep > 1:  # each rank process loads its own slices
+        from .parallel.launcher import DistributedEngine
+
+        return DistributedEngine(spec, weights, spec_file=spec_file, pool=pool, **options)
+    from .checkpoint.hf import load_hf_weights
+    from .engine.facade import cpu_engine
+
+    if not isinstance(weights, dict):
+        weights = load_hf_weights(weights)
+    return cpu_engine(spec, weights, spec_file=spec_file, pool=pool, **options)
+
+
+register_target("cpu", _cpu)
+
+
+def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = None,
+                granularity: Optional[str] = None, tp: Optional[int] = None, ep: Optional[int] = None,
+                pool="host", spec_file: Optional[str] = None, **options):
+    """An engine for ``spec`` (a spec file, or a loaded `ModelSpec`) on ``weights`` (a Hugging Face
+    checkpoint folder, or a dict of tensors by checkpoint name).
+
+    ``write`` / ``granularity`` / ``tp`` / ``ep`` override the spec's settings for this run (the code
+    for the overridden spec is generated on the fly); ``pool``: ``"host"`` (the embedded pool),
+    ``"mooncake://HOST:PORT"`` or a `PoolBackend`. ``options`` go to the target's builder
+    (`graphgen.runtime.engine.facade.build_engine`'s: ``num_blocks``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``async_scheduling``, ``collect_logits``, ``eos_token_ids``, ``faults``,
+    ...; the NPU target's: ``standin``, ``mode``)."""
+    from ..lower.compile import display_path
+    from ..modelspec.loader import load_spec
+    from ..modelspec.model import ModelSpec
+
+    if isinstance(spec, ModelSpec):
+        spec_file = spec_file or ""
+    else:
+        path = Path(spec)
+        spec_file = spec_file or display_path(path)
+        spec = load_spec(path)
+    if write is not None or granularity is not None or tp is not None or ep is not None:
+        spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep)
+    if weights is None:
+        raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
+    if target not in TARGETS:
+        hint = " (import graphgen.npu.run first: it registers the NPU target)" if target == "npu" else ""
+        raise ValueError(f"unknown target {target!r}: expected one of {sorted(TARGETS)}{hint}")
+    if not isinstance(weights, dict):
+        from .checkpoint.hf import check_config
+
+        check_config(spec, Path(weights))
+    return TARGETS[target](spec, weights, spec_file=spec_file, pool=pool, **options)

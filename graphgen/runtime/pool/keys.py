@@ -1,0 +1,92 @@
+"""Pool block keys: one structured type, rendered to a string in one function.
+
+A key names the KV of one full block *and everything before it* (a hash chain over the token ids),
+for one model, one cache layout and one KV shard:
+
+    {model}@{layout}@{shard}@{chain}[@la{lookahead}]
+
+* ``model``: the spec's name; ``layout``: the cache layout fingerprint (dtype, component shapes,
+  version: `graphgen.runtime.core.kvcache.layout_version`), so a cache of another shape never
+  reads a foreign value;
+* ``shard``: which part of the layer's KV this block holds (`KVShard`: ``r{index}of{count}``; a KV
+  that every rank holds whole, such as the MLA latent, is ``r0of{count}`` on every rank);
+* ``chain``: sha256 over the parent's digest and this block's token ids (little-endian int64),
+  from a versioned root, so two prompts share key i only if they agree on blocks 0..i; stable across
+  processes and ``PYTHONHASHSEED`` (never Python ``hash()``);
+* ``lookahead``: room for the token after the block, for a KV that depends on it (an MTP draft
+  layer's KV at position i reads token i+1); absent today.
+
+Later features add fields here (a KV-head shard, a context-parallel shard, a P/D handoff lease), never a
+second format: `BlockKey.render` is the only place a key string is made.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+__all__ = ["KEY_SEP", "BlockKey", "KVShard", "block_keys", "chain_digests"]
+
+KEY_SEP = "@"
+# root of every hash chain; versioned so a change of the hashing scheme never matches old keys
+_CHAIN_ROOT = hashlib.sha256(b"graphgen.block_keys.v1").digest()
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """Part ``index`` of ``count`` of each layer's KV (``KVShard()``: the whole KV, one rank)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if not (isinstance(self.index, int) and isinstance(self.count, int) and self.count >= 1
+                and 0 <= self.index < self.count):
+            raise ValueError(f"need 0 <= rank < world, got rank={self.index!r} world={self.count!r}")
+
+    def render(self) -> str:
+        return f"r{self.index}of{self.count}"
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    model: str
+    layout: str
+    shard: KVShard
+    chain: str  # hex digest of the block's hash chain
+    lookahead: Optional[int] = None  # the token after the block, for a KV that depends on it
+
+    def __post_init__(self):
+        for what, s in (("model", self.model), ("layout", self.layout)):
+            if not isinstance(s, str) or not s or KEY_SEP in s:
+                raise ValueError(f"{what} must be a non-empty str without {KEY_SEP!r}, got {s!r}")
+
+    def render(self) -> str:
+        """The pool key string (the one function that makes one)."""
+        key = KEY_SEP.join((self.model, self.layout, self.shard.render(), self.chain))
+        return key if self.lookahead is None else f"{key}{KEY_SEP}la{int(self.lookahead)}"
+
+
+def chain_digests(token_ids: Iterable[int], block_size: int) -> list[str]:
+    """The hash chain's hex digest of every FULL block of ``token_ids`` (a trailing partial block has none)."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
+    if hasattr(token_ids, "tolist"):          # torch / numpy without importing either
+        token_ids = token_ids.tolist()
+    ids = [int(t) for t in token_ids]
+    pack = struct.Struct(f"<{block_size}q").pack   # raises struct.error outside int64
+    out, parent = [], _CHAIN_ROOT
+    for b in range(len(ids) // block_size):
+        parent = hashlib.sha256(parent + pack(*ids[b * block_size:(b + 1) * block_size])).digest()
+        out.append(parent.hex())
+    return out
+
+
+def block_keys(token_ids: Iterable[int], block_size: int, *, model: str, layout: str,
+               shard: KVShard = KVShard()) -> list[str]:
+    """One rendered pool key per FULL block of ``token_ids``. Which blocks to save or look up (e.g.
+    at most ``(len - 1) // block_size``, so the last token is always recomputed) is the caller's
+    choice: slice the result."""
+    BlockKey(model, layout, shard, "0")  # validate model/layout once, even for a prompt without a full block
+    return [BlockKey(model, layout, shard, d).render() for d in chain_digests(token_ids, block_size)]
