@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu_parallel import EMIT_PARALLEL
-from .render import Emitter, Names, emit_with, layer_list, py, render_frame, weight
+from .render import MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, moe_kwargs, py, render_frame, weight
 
 
 @dataclass(frozen=True)
@@ -93,15 +93,6 @@ def _o_proj_residual(n, ctx):
 def _swiglu_mlp_residual(n, ctx):
     return _call(n, ctx, "swiglu_mlp_residual", ctx.ref(n.input("x")), weight(n, "w_gate"), weight(n, "w_up"),
                  weight(n, "w_down"), ctx.ref(n.input("residual")))
-
-
-MOE_WEIGHTS = ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gate",
-               "w_shared_up", "w_shared_down")
-
-
-def moe_kwargs(a: dict) -> list[str]:
-    return [f"top_k={a['top_k']}", f"n_group={a['n_group']}", f"topk_group={a['topk_group']}",
-            f"routed_scaling_factor={py(a['routed_scaling_factor'])}", f"norm_topk_prob={py(a['norm_topk_prob'])}"]
 
 
 def _moe_residual(n, ctx):

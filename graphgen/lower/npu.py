@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
-from .cpu import MOE_WEIGHTS, moe_kwargs
 from .npu_parallel import EMIT_PARALLEL
-from .render import Emitter, LoweringError, Names, emit_with, py, render_frame, weight
+from .render import MOE_WEIGHTS, Emitter, LoweringError, Names, emit_with, moe_kwargs, py, render_frame, weight
 
 COMPILE_MODES = ("max-autotune", "reduce-overhead")
 HELPERS_FILE = Path(__file__).with_name("npu_helpers.py")
