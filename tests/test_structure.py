@@ -1,7 +1,10 @@
 """The house rules on structure, checked from the sources of ``graphgen/`` (nothing is imported):
 
 - no import cycle (the import graph is built with ``ast`` from every import statement: absolute and
-  relative, module-level and the lazy ones inside functions);
+  relative, module-level and the lazy ones inside functions, and the modules named by string
+  literals in ``importlib.import_module("...")`` and ``__import__("...")`` calls);
+- each part imports only what ``IMPORT_RULES`` lets it (the table is the source of truth;
+  ``docs/design.md`` "Import rules" restates it);
 - no module over 450 lines;
 - the runtime never reaches the file writer (``graphgen.generate``), directly or through others;
 - lowering never receives the spec: no function in ``graphgen/lower/`` takes a ``spec`` parameter
@@ -16,6 +19,8 @@ and it is no circle).
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import networkx as nx
@@ -30,9 +35,14 @@ MAX_LINES = 450
 KNOWN_OVERSIZE = {
 }
 KNOWN_SPEC_IN_LOWER: dict[str, str] = {}
-# compile_variant is the one entry from a spec to source (issue 7, item 4): it hands the spec to the
-# pass pipeline, which builds the graph; what it renders must be the graph alone.
-SPEC_ENTRY_POINTS = {("graphgen/lower/compile.py", "compile_variant")}
+# compile_variant and compile_spec are the entries from a spec to source (issue 7, item 4; issue 14):
+# they hand the spec to the pass pipeline, which builds the graph; what they render must be the graph alone.
+SPEC_ENTRY_POINTS = {("graphgen/lower/compile.py", "compile_variant"), ("graphgen/lower/compile.py", "compile_spec")}
+
+ENGINE_REWRITE = "the lead's engine rewrite (runtime/launch.py open_engine, the graphgen.runtime public face)"
+# The one circle today: Engine.from_spec (engine/facade.py) lazily imports parallel/launcher.py, which reaches
+# parallel/rank.py by an importlib string, and rank.py subclasses Engine. open_engine removes it.
+KNOWN_CYCLE_EDGES = {("graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.rank"): ENGINE_REWRITE}
 
 
 # --- the import graph ------------------------------------------------------------------------------
@@ -59,16 +69,32 @@ def _known_prefix(name: str, modules) -> str | None:
     return None
 
 
-def imports_of(module: str, path: Path, modules) -> set[str]:
-    """Modules of the package that ``module`` imports anywhere in its source (lazy imports included)."""
+def _string_import(node: ast.Call) -> str | None:
+    """The module a call ``importlib.import_module("x.y")`` / ``import_module("x.y")`` /
+    ``__import__("x.y")`` names by a string literal (an absolute name), else None."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    if isinstance(first, ast.Constant) and isinstance(first.value, str) and not first.value.startswith("."):
+        return first.value
+    return None
+
+
+def imported_names(module: str, path: Path, modules) -> set[str]:
+    """Everything ``module`` imports anywhere in its source (lazy imports and string imports included):
+    modules of the package as the module named (see ``_known_prefix``), others as written (``torch.distributed``)."""
     is_package = path.name == "__init__.py"
-    found = set()
+    package = module.split(".")[0]
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                target = _known_prefix(alias.name, modules)
-                if target:
-                    found.add(target)
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Call):
+            target = _string_import(node)
+            if target:
+                names.add(target)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 here = module.split(".") if is_package else module.split(".")[:-1]
@@ -78,12 +104,21 @@ def imports_of(module: str, path: Path, modules) -> set[str]:
                 base = node.module or ""
             for alias in node.names:
                 # `from pkg import sub` names the submodule when there is one, else an attribute of pkg.
-                target = _known_prefix(f"{base}.{alias.name}", modules) if alias.name != "*" else None
-                target = target or _known_prefix(base, modules)
-                if target:
-                    found.add(target)
+                sub = f"{base}.{alias.name}" if alias.name != "*" else base
+                names.add(sub if base.split(".")[0] != package else (_known_prefix(sub, modules) or base))
+    found = {(_known_prefix(n, modules) or n) if n.split(".")[0] == package else n for n in names}
     found.discard(module)
     return found
+
+
+def imports_of(module: str, path: Path, modules) -> set[str]:
+    """Modules of the package that ``module`` imports anywhere in its source."""
+    return {n for n in imported_names(module, path, modules) if n in modules}
+
+
+def all_imports(root: Path, package: str) -> dict[str, set[str]]:
+    modules = module_names(root, package)
+    return {name: imported_names(name, path, modules) for name, path in modules.items()}
 
 
 def import_graph(root: Path, package: str) -> nx.DiGraph:
@@ -110,18 +145,34 @@ def graph() -> nx.DiGraph:
     return import_graph(SRC, PACKAGE)
 
 
+def _cycle_text(cycles) -> str:
+    return "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+@pytest.mark.xfail(strict=True, reason=f"launcher -> rank by importlib string closes a circle until {ENGINE_REWRITE}")
 def test_no_import_cycle_in_graphgen(graph):
     cycles = import_cycles(graph)
-    assert not cycles, "import cycles in graphgen/:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+    assert not cycles, "import cycles in graphgen/:\n" + _cycle_text(cycles)
+
+
+def test_no_import_cycle_but_the_known_one(graph):
+    """Until the known circle is gone, every other cycle still fails here; and the known edge must
+    exist (an entry for an edge that is gone would silently stop meaning anything: remove it)."""
+    assert all(graph.has_edge(*edge) for edge in KNOWN_CYCLE_EDGES), f"stale KNOWN_CYCLE_EDGES: {KNOWN_CYCLE_EDGES}"
+    pruned = graph.copy()
+    pruned.remove_edges_from(KNOWN_CYCLE_EDGES)
+    cycles = import_cycles(pruned)
+    assert not cycles, "import cycles in graphgen/:\n" + _cycle_text(cycles)
 
 
 def test_import_graph_sees_every_kind_of_import(graph):
     """The real graph holds edges of each kind the finder must see, so an empty or blind graph fails:
-    a module-level relative import, a function-level relative import one package up, and a
-    function-level import of the runtime (the CLI imports torch lazily)."""
+    a module-level relative import, a function-level relative import one package up, a
+    function-level import of the runtime (the CLI imports torch lazily) and an importlib string."""
     assert graph.has_edge("graphgen.cli.main", "graphgen.cli.build")
     assert graph.has_edge("graphgen.cli.build", "graphgen.generate")
     assert graph.has_edge("graphgen.cli.run", "graphgen.runtime.engine.facade")
+    assert graph.has_edge("graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.rank")
     assert graph.number_of_edges() > 2 * graph.number_of_nodes() // 3
 
 
@@ -159,11 +210,166 @@ def test_cycle_finder_finds_none_when_the_lazy_link_goes(tmp_path):
     assert import_cycles(import_graph(_write_package(tmp_path, files), "pkg")) == []
 
 
+@pytest.mark.parametrize("call", ['importlib.import_module("pkg.sub.c").g()', '__import__("pkg.sub.c")',
+                                  'import_module("pkg.sub.c")'])
+def test_cycle_finder_sees_a_string_import(tmp_path, call):
+    """Negative control for the string edges: the lazy link b -> c written as an importlib (or
+    ``__import__``) call, as parallel/launcher.py reaches the rank, still closes the cycle; a
+    relative string (which needs ``package=``) or a non-literal is not guessed at."""
+    lazy = f"import importlib\nfrom importlib import import_module\n\ndef f():\n    return {call}\n"
+    graph = import_graph(_write_package(tmp_path, dict(SYNTHETIC, **{"b.py": lazy})), "pkg")
+    assert [set(c) for c in import_cycles(graph)] == [{"pkg.a", "pkg.b", "pkg.sub.c", "pkg.d"}]
+    unknown = "import importlib\n\ndef f(name):\n    importlib.import_module('.sub.c', 'pkg')\n    return importlib.import_module(name)\n"
+    graph = import_graph(_write_package(tmp_path, dict(SYNTHETIC, **{"b.py": unknown})), "pkg")
+    assert import_cycles(graph) == []
+
+
 def test_runtime_never_reaches_the_file_writer(graph):
     writer = f"{PACKAGE}.generate"
     paths = [nx.shortest_path(graph, m, writer) for m in graph
              if m.startswith(f"{PACKAGE}.runtime") and nx.has_path(graph, m, writer)]
     assert not paths, "graphgen/runtime reaches graphgen.generate:\n" + "\n".join("  " + " -> ".join(p) for p in paths)
+
+
+# --- what each part may import ---------------------------------------------------------------------
+# A pattern is an fnmatch over dotted names: ``p`` is the module p alone (for a package: the names its
+# __init__ exports, its public face), ``p.*`` anything under it, ``p.**`` p and anything under it.
+
+def matches(name: str, pattern: str) -> bool:
+    if pattern.endswith(".**"):
+        base = pattern[:-3]
+        return name == base or name.startswith(base + ".")
+    return fnmatchcase(name, pattern)
+
+
+@dataclass(frozen=True)
+class Rule:
+    part: str                 # the modules the rule is about (a pattern)
+    kind: str                 # "never": may not import any of targets; "only": of scope, may import only targets
+    targets: tuple[str, ...]
+    why: str
+    scope: str = "graphgen.**"          # "only" rules: which imports they judge (others are free)
+    allow: tuple[tuple[str, str], ...] = ()   # (module, import) pairs a "never" rule lets through
+
+
+def violations(rule: Rule, imports: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Module of ``rule.part`` -> the imports it makes that the rule forbids."""
+    found = {}
+    for module, names in imports.items():
+        if not matches(module, rule.part):
+            continue
+        if rule.kind == "never":
+            bad = [n for n in names if any(matches(n, t) for t in rule.targets) and (module, n) not in rule.allow]
+        elif rule.kind == "only":
+            bad = [n for n in names if matches(n, rule.scope) and not any(matches(n, t) for t in rule.targets)]
+        else:
+            raise ValueError(f"unknown rule kind {rule.kind!r}")
+        if bad:
+            found[module] = sorted(bad)
+    return found
+
+
+R = "graphgen.runtime"
+IMPORT_RULES = {
+    "ir": Rule("graphgen.ir.**", "only", ("graphgen.ir.**",),
+               "the IR is the floor every part stands on: it imports nothing of graphgen"),
+    "runtime-no-passes": Rule(f"{R}.**", "never", ("graphgen.passes.**", "graphgen.generate"),
+                              "the runtime runs generated modules; it never runs passes or writes files "
+                              "(it reaches the pipeline only through lower.compile)"),
+    "modelspec-no-npu": Rule("graphgen.modelspec.**", "never", ("graphgen.npu.**",),
+                             "the spec knows no target: the NPU limits check a spec from npu/check"),
+    "pool": Rule(f"{R}.pool.**", "never",
+                 ("torch.**", "numpy.**", f"{R}.engine.**", f"{R}.parallel.**", f"{R}.core.**"),
+                 "pools move bytes: torch-free, below the engine, and usable by any process",
+                 allow=((f"{R}.pool.faulty", f"{R}.core.faults"),)),
+    "core": Rule(f"{R}.core.**", "never",
+                 tuple(f"{p}.**" for p in (f"{R}.engine", f"{R}.pool", f"{R}.parallel", f"{R}.checkpoint",
+                                           "graphgen.passes", "graphgen.serve", "graphgen.npu")),
+                 "core is the device model (streams, KV cache, ops): no engine policy, no pool, no ranks"),
+    "engine": Rule(f"{R}.engine.**", "never",
+                   tuple(f"{p}.**" for p in (f"{R}.parallel", f"{R}.checkpoint", f"{R}.launch",
+                                             "graphgen.passes", "graphgen.serve", "graphgen.npu")),
+                   "one engine over given parts: assembling ranks or loading checkpoints is launch's job"),
+    "checkpoint": Rule(f"{R}.checkpoint.**", "never",
+                       tuple(f"{R}.{p}.**" for p in ("engine", "core", "pool", "parallel")),
+                       "checkpoint I/O is Hugging Face files and family layouts, not the engine"),
+    "npu-no-ranks": Rule("graphgen.npu.**", "never", (f"{R}.parallel.**", f"{R}.launch"),
+                         "the NPU engine is launched (registered), it does not launch ranks"),
+    "npu-runtime-face": Rule("graphgen.npu.**", "only",
+                             (R, f"{R}.engine", f"{R}.core.**", f"{R}.pool.base"),
+                             "the NPU runner plugs into the engine's public types and the device model",
+                             scope=f"{R}.**"),
+    "serve": Rule("graphgen.serve.**", "only",
+                  ("graphgen.serve.**", R, "graphgen.trace", "graphgen.netutil", "graphgen.modelspec.**"),
+                  "the server sees the runtime's public face (graphgen/runtime/__init__.py), not its rooms"),
+}
+
+# (rule, module) -> why it breaks the rule today; each becomes a strict xfail case of its own.
+KNOWN_IMPORT_OFFENDERS = {
+    ("engine", f"{R}.engine.facade"): ENGINE_REWRITE + ": Engine.from_spec imports parallel and checkpoint",
+    ("runtime-no-passes", f"{R}.parallel.rank"): ENGINE_REWRITE + ": each rank re-runs the pipeline until shard "
+                                                 "to learn its weights (review A4)",
+    ("npu-runtime-face", "graphgen.npu.run.runner"): ENGINE_REWRITE + ": NpuEngine assembles an engine by hand",
+    **{("serve", f"graphgen.serve.{m}"): ENGINE_REWRITE + ": serve imports runtime internals"
+       for m in ("adapter", "app", "cli", "engine_api", "loop", "protocol")},
+}
+
+
+@pytest.fixture(scope="module")
+def imports() -> dict[str, set[str]]:
+    return all_imports(SRC, PACKAGE)
+
+
+def _rule_cases():
+    cases = [pytest.param(key, None, id=key) for key in IMPORT_RULES]
+    cases += [pytest.param(key, module, id=f"{key}:{module}", marks=pytest.mark.xfail(strict=True, reason=why))
+              for (key, module), why in KNOWN_IMPORT_OFFENDERS.items()]
+    return cases
+
+
+@pytest.mark.parametrize("key,module", _rule_cases())
+def test_part_imports_only_what_its_rule_allows(imports, key, module):
+    """One case per rule over the part's modules (the known offenders aside), and one per known offender."""
+    rule = IMPORT_RULES[key]
+    offenders = {m for k, m in KNOWN_IMPORT_OFFENDERS if k == key}
+    subject = {module: imports[module]} if module else {m: n for m, n in imports.items() if m not in offenders}
+    found = violations(rule, subject)
+    assert not found, f"{rule.part} {rule.kind} {rule.targets} ({rule.why}):\n" + "\n".join(
+        f"  {m} imports {', '.join(n)}" for m, n in sorted(found.items()))
+
+
+def test_every_rule_names_modules_that_exist(imports):
+    """A rule whose part matches no module, or an offender entry for a module that is gone, would
+    silently stop meaning anything."""
+    empty = [k for k, r in IMPORT_RULES.items() if not any(matches(m, r.part) for m in imports)]
+    stale = [(k, m) for k, m in KNOWN_IMPORT_OFFENDERS if k not in IMPORT_RULES or m not in imports]
+    assert not empty and not stale, f"rules matching nothing: {empty}; stale offenders: {stale}"
+
+
+RULE_PACKAGE = {
+    "__init__.py": "from .low import api\n",
+    "low/__init__.py": "", "low/api.py": "import json\n",
+    "mid/__init__.py": "", "mid/hooks.py": "",
+    "mid/use.py": "import torch.distributed\n\ndef f():\n    from ..low import api\n    from . import hooks\n",
+    "top.py": "import importlib\n\ndef f():\n    return importlib.import_module('pkg.mid.use')\n",
+}
+
+
+@pytest.mark.parametrize("rule,expected", [
+    # never, over package modules (a lazy relative one) and over an outside name (a dotted one)
+    (Rule("pkg.mid.**", "never", ("pkg.low.**", "torch.**"), ""), {"pkg.mid.use": ["pkg.low.api", "torch.distributed"]}),
+    # never, with one (module, import) pair let through
+    (Rule("pkg.mid.**", "never", ("pkg.low.**",), "", allow=(("pkg.mid.use", "pkg.low.api"),)), {}),
+    # only: a string import counts; outside names are free; imports inside the part are allowed by a target
+    (Rule("pkg.**", "only", ("pkg", "pkg.low.**", "pkg.mid.hooks"), "", scope="pkg.**"), {"pkg.top": ["pkg.mid.use"]}),
+    (Rule("pkg.**", "only", ("pkg", "pkg.low.**", "pkg.mid.*"), "", scope="pkg.**"), {}),
+    # only, within a scope: the package face is allowed, a module under it is not
+    (Rule("pkg.top", "only", ("pkg.mid",), "", scope="pkg.mid.**"), {"pkg.top": ["pkg.mid.use"]}),
+    (Rule("pkg.top", "only", ("pkg.mid.*",), "", scope="pkg.mid.**"), {}),
+])
+def test_rule_checker_finds_what_a_rule_forbids(tmp_path, rule, expected):
+    """Negative controls, one per rule kind, on a synthetic package."""
+    assert violations(rule, all_imports(_write_package(tmp_path, RULE_PACKAGE), "pkg")) == expected
 
 
 # --- module sizes ------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """What a model family is: one frozen :class:`Family` object per family, registered in ``FAMILIES``.
 
-A family module (``qwen3_dense.py``, ``deepseek_v3.py``) holds everything graphgen knows about that
-architecture, and nothing outside ``graphgen/families/`` branches on a family name:
+A family module (``qwen3_dense.py``, ``deepseek_v3.py``) holds almost everything graphgen knows about
+that architecture. Two per-family tables remain outside it, and a new family fills them in too: the
+parallel plan (``graphgen.families.parallel.PLANS``) and three rows of the compatibility matrix that
+name families (``graphgen.modelspec.compat.MATRIX``: ``write:async``, ``mtp``, ``yarn``). The rest:
 
 - ``dims_cls``: the spec's ``dims`` dataclass (Hugging Face config names), and ``dims_rules``: the
   shape rules the spec loader reports (``(where, message, fix)`` triples);

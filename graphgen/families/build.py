@@ -1,7 +1,8 @@
 """The builder: one variant of a spec -> the forward graph on stream ``main`` (no save, no events).
 
-Not a pass: it starts from nothing. Its output is what the first pass, ``insert_kv_save``, requires
-(that pass's ``requires`` checks it): the whole forward on ``main`` (embedding, RoPE tables, per
+Not a pass: it starts from nothing. Its output is what the passes after it require, the first being
+``shard`` (``insert_kv_load``'s and ``insert_kv_save``'s ``requires`` check the shape of it): the whole
+forward on ``main`` (embedding, RoPE tables, per
 layer: norms, attention or MLA, one ``Lxx.kv_write`` into ``kv_cache.Lxx``, MLP or MoE; then the LM
 head); the attention op's ``mode`` is prefill, splitfuse (history from the pool) or decode.
 Pure Python, no torch.

@@ -15,8 +15,6 @@ from typing import Callable, Optional
 
 from . import deepseek_v3, qwen3_dense
 
-Rule = tuple[str, str, str]  # (spec path, message, fix)
-
 
 @dataclass(frozen=True)
 class ParallelPlan:

@@ -149,6 +149,18 @@ class Graph:
         self._by_id[node.id] = node
         return node
 
+    def replace_nodes(self, nodes) -> None:
+        """Make ``nodes`` (in order) the graph's nodes, each admitted as :meth:`add` admits one (a
+        pass that rebuilds the whole node list uses this); a rejected node leaves the graph as it was."""
+        kept = self.nodes, self._by_id
+        self.nodes, self._by_id = [], {}
+        try:
+            for n in nodes:
+                self.add(n)
+        except IRError:
+            self.nodes, self._by_id = kept
+            raise
+
     def index(self, node_id: str) -> int:
         return self.nodes.index(self.node(node_id))
 
@@ -210,4 +222,10 @@ def layer_tag(layer: int, num_layers: int) -> str:
     """``L03``: zero-padded so ids sort in layer order for any model size."""
     width = max(2, len(str(num_layers - 1)))
     return f"L{layer:0{width}d}"
+
+
+def layer_tags(graph: "Graph") -> list[str]:
+    """Every layer's tag of a built graph (``meta["layers"]`` layers), in layer order."""
+    n = graph.meta["layers"]
+    return [layer_tag(i, n) for i in range(n)]
 

@@ -1,14 +1,16 @@
-"""The one entry from a spec to target source: run the pass pipeline on one variant and render it.
+"""The one door from a spec to target source: run the pass pipeline per variant and render it.
 
-Used by the file writer (``graphgen.generate``) and by the runtimes, which need a module's source
-and nothing else: no golden text, no file paths, no spec surgery. Rendering (:func:`render_graph`)
-takes the graph alone, plus the NPU target's options (:class:`~graphgen.lower.npu.NpuOptions`).
+:func:`compile_spec` is the door: every (variant, target) of a spec with its verified graph and its
+sources by ``generated/`` path. The file writer (``graphgen.generate``) uses it (it also prints the
+graph as golden text); :func:`compile_variant`, for the runtimes, which need one module's source and
+nothing else, goes through it too. Rendering (:func:`render_graph`) takes the graph alone, plus the
+NPU target's options (:class:`~graphgen.lower.npu.NpuOptions`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 from ..passes.manager import run_pipeline
 from .cpu import render_cpu
@@ -58,15 +60,49 @@ def render_graph(graph, target: str, options: Optional[NpuOptions] = None) -> st
     raise ValueError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
 
 
+class Compiled(NamedTuple):
+    """One variant lowered for one target: the verified graph and its sources (``module_path`` -> text;
+    one per compile mode on the NPU target)."""
+    variant: str
+    target: str
+    graph: object
+    sources: dict
+
+
+def compile_spec(spec, *, spec_file: str = "", check: bool = True, variants: Optional[Sequence[str]] = None,
+                 targets: Optional[Sequence[str]] = None, modes: Optional[Sequence[str]] = None) -> list[Compiled]:
+    """Pipeline + render for each variant (default: all, in spec order) and target (default: the ones
+    the spec enables, ``cpu`` before ``npu``), each NPU source once per mode (default: the spec's
+    ``compile_modes``). ``check`` runs every pass's requires/ensures (the verify pass runs either way);
+    nothing is written."""
+    if targets is None:
+        targets = [t for t in TARGETS if getattr(spec.targets, t) is not None]
+    for target in targets:
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
+    npu = spec.targets.npu
+    if "npu" in targets and npu is None:
+        raise ValueError(f"spec {spec.name} does not declare the npu target")
+    compiled = []
+    for variant in spec.variants if variants is None else variants:
+        graph = run_pipeline(spec, variant, spec_file=spec_file, check=check)
+        for target in targets:
+            if target == "cpu":
+                sources = {module_path(spec.name, variant, "cpu"): render_graph(graph, "cpu")}
+            else:
+                sources = {module_path(spec.name, variant, "npu", m): render_graph(graph, "npu", npu_options(npu, m))
+                           for m in (npu.compile_modes if modes is None else modes)}
+            compiled.append(Compiled(variant, target, graph, sources))
+    return compiled
+
+
 def compile_variant(spec, variant: str, target: str = "cpu", *, mode: Optional[str] = None,
                     spec_file: str = "", check: bool = True) -> str:
-    """Source of one variant for one target: pipeline + render, nothing written."""
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
-    options = None
-    if target == "npu":
-        if spec.targets.npu is None:
-            raise ValueError(f"spec {spec.name} does not declare the npu target")
-        options = npu_options(spec.targets.npu, mode or spec.targets.npu.compile_modes[0])
-    graph = run_pipeline(spec, variant, spec_file=spec_file, check=check)
-    return render_graph(graph, target, options)
+    """Source of one variant for one target (NPU: ``mode``, default the spec's first compile mode),
+    through :func:`compile_spec`; nothing written."""
+    if target == "npu" and mode is None and spec.targets.npu is not None:
+        mode = spec.targets.npu.compile_modes[0]
+    (one,) = compile_spec(spec, spec_file=spec_file, check=check, variants=(variant,), targets=(target,),
+                          modes=None if mode is None else (mode,))
+    (source,) = one.sources.values()
+    return source

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu_parallel import EMIT_PARALLEL
-from .render import Emitter, Names, emit_with, layer_list, py, render_frame, weight
+from .render import MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, moe_kwargs, py, render_frame, weight
 
 
 @dataclass(frozen=True)
@@ -95,15 +95,6 @@ def _swiglu_mlp_residual(n, ctx):
                  weight(n, "w_down"), ctx.ref(n.input("residual")))
 
 
-MOE_WEIGHTS = ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gate",
-               "w_shared_up", "w_shared_down")
-
-
-def moe_kwargs(a: dict) -> list[str]:
-    return [f"top_k={a['top_k']}", f"n_group={a['n_group']}", f"topk_group={a['topk_group']}",
-            f"routed_scaling_factor={py(a['routed_scaling_factor'])}", f"norm_topk_prob={py(a['norm_topk_prob'])}"]
-
-
 def _moe_residual(n, ctx):
     return _call(n, ctx, "moe_residual", ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS),
                  ctx.ref(n.input("residual")), *moe_kwargs(n.attrs))
@@ -128,17 +119,12 @@ def _kv_load(n, ctx):
     return [f"rt.kv_load_layers(kv, {layer_list(caches)}, loads, {r(n.input('block_ids'))})"]
 
 
-def _pool_put(n, ctx):
-    return ["commit()"]
-
-
 EMIT: dict[str, Emitter] = {
     "record": _record, "wait": _wait, "embedding": _embedding, "rope_cos_sin": _rope_cos_sin,
     "rms_norm": _rms_norm, "qwen3_attn_prolog": _qwen3_attn_prolog, "kv_write": _kv_write,
     "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
     "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "kv_load": _kv_load,
-    "pool_put": _pool_put,
 }
 EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 
@@ -160,11 +146,11 @@ def render_cpu(graph: Graph) -> str:
         run_body += ["", f"    def {s}_stream():", *_lines(by_stream[s], ctx, "        "), "",
                      f"    rt.launch({s!r}, {s}_stream)", ""]
     run_body += _lines(by_stream[MAIN_STREAM], ctx, "    ")
-    host_body = _lines(by_stream.get(HOST_STREAM, ()), ctx, "    ") or ["    pass  # this graph saves nothing"]
+    # The host stream (its wait and host.pool_put) is not lowered: the engine's KV connector commits
+    # the staged blocks once HOST_EVENT is recorded. The IR keeps the nodes for the race verifier.
     host_event = next((n.event for n in by_stream.get(HOST_STREAM, ()) if n.op == "wait"), None)
     streams_note = "".join(f"; {s} runs on a worker thread, launched\nfirst so that only "
                            + ("the forward's waits order it before the KV writes" if s == LOAD_STREAM
                               else "its waits order it after the forward") for s in side)
     return render_frame("cpu/variant.py.j2", graph=graph, meta=graph.meta, streams_note=streams_note,
-                        events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body),
-                        host_body="\n".join(host_body))
+                        events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body))

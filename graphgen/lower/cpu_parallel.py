@@ -9,10 +9,7 @@ from ``rt`` at run time, so the generated module is the same for every rank.
 from __future__ import annotations
 
 from ..ir.graph import Node
-from .render import Emitter, py, weight
-
-_MOE_WEIGHTS = ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gate",
-                "w_shared_up", "w_shared_down")
+from .render import MOE_WEIGHTS, Emitter, moe_kwargs, weight
 
 
 def _call(n: Node, ctx, fn: str, *args: str) -> list[str]:
@@ -47,10 +44,8 @@ def _swiglu_mlp(n, ctx):
 
 def _moe(n, ctx):
     a = n.attrs
-    return _call(n, ctx, "moe", ctx.ref(n.input("x")), *(weight(n, w) for w in _MOE_WEIGHTS),
-                 f"top_k={a['top_k']}", f"n_group={a['n_group']}", f"topk_group={a['topk_group']}",
-                 f"routed_scaling_factor={py(a['routed_scaling_factor'])}",
-                 f"norm_topk_prob={py(a['norm_topk_prob'])}", f"num_experts={a['num_experts']}", f"ep={a['ep']}")
+    return _call(n, ctx, "moe", ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS), *moe_kwargs(a),
+                 f"num_experts={a['num_experts']}", f"ep={a['ep']}")
 
 
 def _residual_add(n, ctx):

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
-from .cpu import MOE_WEIGHTS, moe_kwargs
 from .npu_parallel import EMIT_PARALLEL
-from .render import Emitter, LoweringError, Names, emit_with, py, render_frame, weight
+from .render import MOE_WEIGHTS, Emitter, LoweringError, Names, emit_with, moe_kwargs, py, render_frame, weight
 
 COMPILE_MODES = ("max-autotune", "reduce-overhead")
 HELPERS_FILE = Path(__file__).with_name("npu_helpers.py")
@@ -61,8 +60,7 @@ def evname(event: str) -> str:
 def _record(n, ctx):
     ev = n.event
     if ctx.events[ev][1] == HOST_STREAM:
-        return [f"# {ev} ({n.stream} -> host) is no in-graph event: the host commits after the graph completes "
-                f"(see host())"]
+        return [f"# {ev} ({n.stream} -> host) is no in-graph event: the runner commits after the graph completes"]
     if ctx.mode == "max-autotune":
         return [f"{evname(ev)} = torchair.ops.record()"]
     return [f"torchair.ops.npu_tagged_event_record({evname(ev)})"]
@@ -225,13 +223,6 @@ LOAD_EMIT: dict[str, Emitter] = {
     "record": lambda n, ctx: [f"# {n.event}: the graph starts after load() returned"],
 }
 
-# Host-stream nodes are not part of the compiled graph: host() runs them after forward returned.
-HOST_EMIT: dict[str, Emitter] = {
-    "wait": lambda n, ctx: [f"wait_graph()  # {n.id} ({n.event})"],
-    "pool_put": lambda n, ctx: [f"commit()  # {n.id}"],
-}
-
-
 def emit(node: Node, ctx: NpuCtx) -> list[str]:
     return emit_with(EMIT, "NPU", node, ctx)
 
@@ -285,7 +276,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     body: list[str] = []
     prev = None
     for n in graph.nodes:
-        if n.stream in (HOST_STREAM, LOAD_STREAM):
+        if n.stream in (HOST_STREAM, LOAD_STREAM):  # host: the runner commits; load: load() (LOAD_EMIT)
             continue
         side = n.stream != MAIN_STREAM
         if side and prev != n.stream:
@@ -294,7 +285,6 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
         ind = "        " if side else "    "
         body += [f"{ind}{line} [{n.id}]" if line.startswith("#") else f"{ind}{line}  # {n.id}"
                  for line in emit(n, ctx)]
-    host = [f"    {line}" for n in graph.on_stream(HOST_STREAM) for line in emit_with(HOST_EMIT, "NPU host", n, ctx)]
     load = [f"    {line} [{n.id}]" if line.startswith("#") else f"    {line}  # {n.id}"
             for n in graph.on_stream(LOAD_STREAM) for line in emit_with(LOAD_EMIT, "NPU load", n, ctx)]
     tagged = ""
@@ -308,5 +298,4 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
         save_stream=f"({tag}, {prio})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),
-        host_body="\n".join(host) or "    pass  # this graph saves nothing",
         load_body="\n".join(load) or "    pass  # this graph loads nothing")

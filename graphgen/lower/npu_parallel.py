@@ -15,8 +15,7 @@ rank's ``active_expert_range`` and the grouped matmuls its local expert ids; a T
 
 from __future__ import annotations
 
-from .cpu import MOE_WEIGHTS, moe_kwargs
-from .render import Emitter, LoweringError, weight
+from .render import MOE_WEIGHTS, Emitter, LoweringError, moe_kwargs, weight
 
 _GROUP = "torch.distributed.group.WORLD.group_name"
 

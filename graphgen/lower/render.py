@@ -94,6 +94,17 @@ class Names:
         return ", ".join(map(self, names))
 
 
+# The MoE op's weights in argument order and its routing keywords: the same on both targets (and
+# their rank-local forms), so they live here rather than in one target's emitters.
+MOE_WEIGHTS = ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gate",
+               "w_shared_up", "w_shared_down")
+
+
+def moe_kwargs(a: dict) -> list[str]:
+    return [f"top_k={a['top_k']}", f"n_group={a['n_group']}", f"topk_group={a['topk_group']}",
+            f"routed_scaling_factor={py(a['routed_scaling_factor'])}", f"norm_topk_prob={py(a['norm_topk_prob'])}"]
+
+
 def weight(node: Node, attr: str) -> str:
     """``W['<checkpoint key>']`` for a weight attribute, ``None`` where an optional weight is absent."""
     key = node.attrs.get(attr)

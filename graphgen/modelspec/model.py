@@ -197,7 +197,8 @@ class ModelSpec:
     def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None,
                        tp: Optional[int] = None, ep: Optional[int] = None) -> "ModelSpec":
         """The same model with the pool write mode, granularity and/or parallel layout forced
-        (run-time override; a changed layout is re-checked by ``compat.parallel_rules``)."""
+        (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``, which
+        the distributed launcher calls)."""
         spec = self
         if tp is not None or ep is not None:
             spec = dataclasses.replace(spec, parallel=Parallel(tp=self.parallel.tp if tp is None else tp,

@@ -1,4 +1,5 @@
-"""Pass — insert the KV load (history blocks from the pool into the cache, on the ``kv_load`` stream).
+"""Pass 2 of 5, `insert_kv_load` — insert the KV load (history blocks from the pool into the cache,
+on the ``kv_load`` stream).
 
 requires: the forward as the builder makes it: every node on ``main``, one ``Lxx.kv_write`` per layer
           writing ``kv_cache.Lxx``, no load, no save, no events.
@@ -17,15 +18,10 @@ ensures:  if the variant has ``history`` (a prefill over blocks loaded from the 
 
 from __future__ import annotations
 
-from ..ir.graph import LOAD_STREAM, MAIN_STREAM, SYNC_OPS, Graph, Node, layer_tag
+from ..ir.graph import LOAD_STREAM, MAIN_STREAM, SYNC_OPS, Node, layer_tags
 from ..ir.graph import LOAD_INPUTS
 from .base import Pass
 from .verify import check
-
-
-def _tags(graph: Graph) -> list[str]:
-    n = graph.meta["layers"]
-    return [layer_tag(i, n) for i in range(n)]
 
 
 class InsertKvLoad(Pass):
@@ -39,7 +35,7 @@ class InsertKvLoad(Pass):
         if graph.events:
             problems.append(f"events declared before the load is inserted: {', '.join(graph.events)}")
         writes = {n.id for n in graph.nodes if n.op == "kv_write"}
-        problems += [f"layer {t} has no {t}.kv_write" for t in _tags(graph) if f"{t}.kv_write" not in writes]
+        problems += [f"layer {t} has no {t}.kv_write" for t in layer_tags(graph) if f"{t}.kv_write" not in writes]
         return problems + check(graph)
 
     def run(self, graph, ctx) -> None:
@@ -49,7 +45,7 @@ class InsertKvLoad(Pass):
         graph.add_stream(LOAD_STREAM)
         for name in LOAD_INPUTS:
             graph.declare(name, "input")
-        tags = _tags(graph)
+        tags = layer_tags(graph)
         staged = [graph.declare(f"pool_load.{t}", "pool_load") for t in tags]
         caches = [f"kv_cache.{t}" for t in tags]
         if gran == "layer":
@@ -67,7 +63,7 @@ class InsertKvLoad(Pass):
             if loads or LOAD_STREAM in graph.streams:
                 return [f"a variant without history got a load or the {LOAD_STREAM} stream"] + races
             return races
-        tags = _tags(graph)
+        tags = layer_tags(graph)
         layered = ctx.spec.variant_granularity(ctx.variant) == "layer"
         groups = [[t] for t in tags] if layered else [tags]
         problems = []

@@ -1,4 +1,4 @@
-"""Pass 1 — insert the KV save.
+"""Pass 3 of 5, `insert_kv_save` — insert the KV save.
 
 requires: the forward as the builder makes it (:mod:`graphgen.families.build`): every node on ``main``
           (but the loads ``insert_kv_load`` put on ``kv_load``), one ``Lxx.kv_write`` per layer
@@ -18,15 +18,10 @@ ensures:  if the variant saves (prefill and pool.write != off):
 
 from __future__ import annotations
 
-from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Graph, Node, layer_tag
+from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Node, layer_tags
 from ..ir.graph import SAVE_INPUTS
 from .base import Pass
 from .verify import check
-
-
-def _tags(graph: Graph) -> list[str]:
-    n = graph.meta["layers"]
-    return [layer_tag(i, n) for i in range(n)]
 
 
 def _load_race(problem: str) -> bool:
@@ -45,7 +40,7 @@ class InsertKvSave(Pass):
         if graph.events:
             problems.append(f"events declared before the save is inserted: {', '.join(graph.events)}")
         writes = {n.id: n for n in graph.nodes if n.op == "kv_write"}
-        for t in _tags(graph):
+        for t in layer_tags(graph):
             w = writes.pop(f"{t}.kv_write", None)
             if w is None or w.output("cache") != f"kv_cache.{t}":
                 problems.append(f"layer {t} has no {t}.kv_write writing kv_cache.{t}")
@@ -65,7 +60,7 @@ class InsertKvSave(Pass):
         graph.add_stream(HOST_STREAM)
         for name in SAVE_INPUTS:
             graph.declare(name, "input")
-        tags = _tags(graph)
+        tags = layer_tags(graph)
         staging = [graph.declare(f"pool_staging.{t}", "pool_staging") for t in tags]
         caches = [f"kv_cache.{t}" for t in tags]
         if gran == "layer":
@@ -88,7 +83,7 @@ class InsertKvSave(Pass):
                 problems.append("a variant that saves nothing got a save, a pool commit or another stream")
             return problems + races
         stream = SAVE_STREAM if m["write"] == "async" else MAIN_STREAM
-        tags = _tags(graph)
+        tags = layer_tags(graph)
         index = {n.id: i for i, n in enumerate(graph.nodes)}
         groups = [[t] for t in tags] if m["granularity"] == "layer" else [tags]
         if len(saves) != len(groups):

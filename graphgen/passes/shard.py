@@ -1,4 +1,4 @@
-"""Pass ``shard``: the single-device forward -> the graph every tensor/expert-parallel rank runs.
+"""Pass 1 of 5, ``shard``: the single-device forward -> the graph every tensor/expert-parallel rank runs.
 
 Megatron-style and op-level (no family names: what a family splits is ``graphgen.families.parallel``):
 
@@ -132,10 +132,7 @@ class Shard(Pass):
                          attrs={**coll, "dim": -1, "length": dims.vocab_size}))
                 continue
             new(Node(n.id, n.op, n.stream, n.reads, n.writes, a, n.layer))
-        graph.nodes = []
-        graph._by_id = {}
-        for n in out:
-            graph.add(n)
+        graph.replace_nodes(out)
 
     def ensures(self, graph, ctx) -> list[str]:
         from .verify_parallel import parallel_problems

@@ -4,7 +4,7 @@
 prefill, history=False, write=async, granularity=forward.
 Streams: main runs on the caller's thread; kv_save runs on a worker thread, launched
 first so that only its waits order it after the forward.
-The host commits staged KV to the pool after HOST_EVENT (see `host`).
+The pool commit is the engine's (its KV connector puts the staged blocks once HOST_EVENT is recorded).
 """
 
 GRAPH = 'tiny_deepseek_v3_npu.mempool_prefill'
@@ -44,9 +44,3 @@ def run(rt, W, b, kv, staging, loads, ev):
     h_L01 = rt.moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['model.layers.1.mlp.experts.gate_proj.weight'], W['model.layers.1.mlp.experts.up_proj.weight'], W['model.layers.1.mlp.experts.down_proj.weight'], W['model.layers.1.mlp.shared_experts.gate_proj.weight'], W['model.layers.1.mlp.shared_experts.up_proj.weight'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L01.moe
     logits = rt.lm_head(h_L01, W['model.norm.weight'], 1e-06, W['lm_head.weight'], b.logits_indices)  # lm_head
     return logits
-
-
-def host(rt, ev, commit):
-    """Host side: commit the staged blocks to the pool once the save has completed."""
-    rt.wait(ev['ev.save.kv_save'])  # host.pool_put.wait
-    commit()  # host.pool_put

@@ -3,7 +3,7 @@
 
 decode, history=False, write=off, granularity=none.
 Streams: main runs on the caller's thread.
-The host commits staged KV to the pool after HOST_EVENT (see `host`).
+The pool commit is the engine's (its KV connector puts the staged blocks once HOST_EVENT is recorded).
 """
 
 GRAPH = 'tiny_deepseek_v3_tp2ep2.decode'
@@ -55,8 +55,3 @@ def run(rt, W, b, kv, staging, loads, ev):
     logits_partial = rt.lm_head(h_L02, W['model.norm.weight'], 1e-06, W['lm_head.weight[d0/2]'], b.logits_indices)  # lm_head
     logits = rt.all_gather(logits_partial, group='tp', size=2, dim=-1, length=256)  # lm_head.all_gather
     return logits
-
-
-def host(rt, ev, commit):
-    """Host side: commit the staged blocks to the pool once the save has completed."""
-    pass  # this graph saves nothing

@@ -3,7 +3,7 @@
 
 decode, history=False, write=off, granularity=none.
 Streams: main runs on the caller's thread.
-The host commits staged KV to the pool after HOST_EVENT (see `host`).
+The pool commit is the engine's (its KV connector puts the staged blocks once HOST_EVENT is recorded).
 """
 
 GRAPH = 'tiny_qwen3_npu.decode'
@@ -34,8 +34,3 @@ def run(rt, W, b, kv, staging, loads, ev):
     h_L01 = rt.swiglu_mlp_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight'], W['model.layers.1.mlp.up_proj.weight'], W['model.layers.1.mlp.down_proj.weight'], h_L01_attn)  # L01.mlp
     logits = rt.lm_head(h_L01, W['model.norm.weight'], 1e-06, W['lm_head.weight'], b.logits_indices)  # lm_head
     return logits
-
-
-def host(rt, ev, commit):
-    """Host side: commit the staged blocks to the pool once the save has completed."""
-    pass  # this graph saves nothing

@@ -4,7 +4,7 @@
 prefill, history=False, write=async, granularity=forward.
 Streams: main runs on the caller's thread; kv_save runs on a worker thread, launched
 first so that only its waits order it after the forward.
-The host commits staged KV to the pool after HOST_EVENT (see `host`).
+The pool commit is the engine's (its KV connector puts the staged blocks once HOST_EVENT is recorded).
 """
 
 GRAPH = 'tiny_qwen3_tp2.mempool_prefill'
@@ -54,9 +54,3 @@ def run(rt, W, b, kv, staging, loads, ev):
     logits_partial = rt.lm_head(h_L01, W['model.norm.weight'], 1e-06, W['lm_head.weight[d0/2]'], b.logits_indices)  # lm_head
     logits = rt.all_gather(logits_partial, group='tp', size=2, dim=-1, length=256)  # lm_head.all_gather
     return logits
-
-
-def host(rt, ev, commit):
-    """Host side: commit the staged blocks to the pool once the save has completed."""
-    rt.wait(ev['ev.save.kv_save'])  # host.pool_put.wait
-    commit()  # host.pool_put

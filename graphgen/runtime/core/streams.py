@@ -1,8 +1,8 @@
 """Host-side streams and events for the CPU target.
 
 The CPU lowering models a device with several streams: ``main`` is the caller's thread (its ops
-simply run), ``kv_save`` is a worker thread (`Stream`) that executes launched callables in FIFO
-order, exactly like work queued on a device stream. Cross-stream ordering is expressed only with
+simply run), ``kv_save`` and ``kv_load`` are worker threads (`Stream`) that execute launched
+callables in FIFO order, exactly like work queued on a device stream. Cross-stream ordering is expressed only with
 events.
 
 Events are **reusable across steps**: every record and wait carries the step's *generation* (a

@@ -11,7 +11,8 @@ Compile: graphgen.npu.run.compile.compile_module(<this file>, 'max-autotune') ->
 torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged with its IR node id;
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
-The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -1138,7 +1139,7 @@ def forward(W, b, kv, staging=()):
         torch_npu.npu_scatter_nd_update_(staging[59][1], b.save_rows, kv[59][1].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[60][0], b.save_rows, kv[60][0].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[60][1], b.save_rows, kv[60][1].index_select(0, b.save_block_ids))  # save.kv_save
-        # ev.save.kv_save (kv_save -> host) is no in-graph event: the host commits after the graph completes (see host()) [save.kv_save.record]
+        # ev.save.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [save.kv_save.record]
     o_L60 = _mla_splitfuse(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801, block_size=128)  # L60.attn
     h_L60_attn_partial = F.linear(o_L60.reshape(o_L60.shape[0], -1), W['model.layers.60.self_attn.o_proj.weight[d1/32]'])  # L60.o_proj
     h_L60_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L60_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L60.o_proj.all_reduce
@@ -1157,12 +1158,3 @@ class Model(torch.nn.Module):
 
     def forward(self, W, b, kv, staging=()):
         return forward(W, b, kv, staging)
-
-
-def host(wait_graph, commit):
-    """Host stream: NOT in the compiled graph.  Call after forward returned.  wait_graph() must block
-    until the graph's device work has finished on every stream (e.g. synchronise the stream the graph
-    ran on): the save->host event is satisfied by the end of the graph -- reduce-overhead closes every
-    side stream at graph end; for max-autotune this is our reading of GE, unverified on hardware."""
-    wait_graph()  # host.pool_put.wait (ev.save.kv_save)
-    commit()  # host.pool_put

@@ -11,7 +11,8 @@ Compile: graphgen.npu.run.compile.compile_module(<this file>, 'max-autotune') ->
 torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged with its IR node id;
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
-The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -963,7 +964,7 @@ def forward(W, b, kv, staging=()):
         torch_npu.npu_scatter_nd_update_(staging[62][1], b.save_rows, kv[62][1].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[63][0], b.save_rows, kv[63][0].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[63][1], b.save_rows, kv[63][1].index_select(0, b.save_block_ids))  # save.kv_save
-        # ev.save.kv_save (kv_save -> host) is no in-graph event: the host commits after the graph completes (see host()) [save.kv_save.record]
+        # ev.save.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [save.kv_save.record]
     o_L63 = torch_npu.npu_fused_infer_attention_score(q_L63, kv[63][0], kv[63][1], atten_mask=b.atten_mask, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=3, block_size=128)[0]  # L63.attn
     h_L63_attn_partial = F.linear(o_L63.reshape(o_L63.shape[0], -1), W['model.layers.63.self_attn.o_proj.weight[d1/2]'])  # L63.o_proj
     h_L63_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L63_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L63.o_proj.all_reduce
@@ -982,12 +983,3 @@ class Model(torch.nn.Module):
 
     def forward(self, W, b, kv, staging=()):
         return forward(W, b, kv, staging)
-
-
-def host(wait_graph, commit):
-    """Host stream: NOT in the compiled graph.  Call after forward returned.  wait_graph() must block
-    until the graph's device work has finished on every stream (e.g. synchronise the stream the graph
-    ran on): the save->host event is satisfied by the end of the graph -- reduce-overhead closes every
-    side stream at graph end; for max-autotune this is our reading of GE, unverified on hardware."""
-    wait_graph()  # host.pool_put.wait (ev.save.kv_save)
-    commit()  # host.pool_put

@@ -11,7 +11,8 @@ Compile: graphgen.npu.run.compile.compile_module(<this file>, 'max-autotune') ->
 torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged with its IR node id;
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
-The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -188,7 +189,7 @@ def forward(W, b, kv, staging=()):
         torch_npu.npu_scatter_nd_update_(staging[0][1], b.save_rows, kv[0][1].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[1][0], b.save_rows, kv[1][0].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[1][1], b.save_rows, kv[1][1].index_select(0, b.save_block_ids))  # save.kv_save
-        # ev.save.kv_save (kv_save -> host) is no in-graph event: the host commits after the graph completes (see host()) [save.kv_save.record]
+        # ev.save.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [save.kv_save.record]
     o_L01 = _mla_splitfuse(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322, block_size=128)  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
@@ -202,12 +203,3 @@ class Model(torch.nn.Module):
 
     def forward(self, W, b, kv, staging=()):
         return forward(W, b, kv, staging)
-
-
-def host(wait_graph, commit):
-    """Host stream: NOT in the compiled graph.  Call after forward returned.  wait_graph() must block
-    until the graph's device work has finished on every stream (e.g. synchronise the stream the graph
-    ran on): the save->host event is satisfied by the end of the graph -- reduce-overhead closes every
-    side stream at graph end; for max-autotune this is our reading of GE, unverified on hardware."""
-    wait_graph()  # host.pool_put.wait (ev.save.kv_save)
-    commit()  # host.pool_put

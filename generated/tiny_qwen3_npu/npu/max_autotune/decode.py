@@ -11,7 +11,8 @@ Compile: graphgen.npu.run.compile.compile_module(<this file>, 'max-autotune') ->
 torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged with its IR node id;
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
-The host-stream nodes (pool commit) are not part of the graph: call host() after forward returned.
+The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -95,11 +96,3 @@ class Model(torch.nn.Module):
 
     def forward(self, W, b, kv, staging=()):
         return forward(W, b, kv, staging)
-
-
-def host(wait_graph, commit):
-    """Host stream: NOT in the compiled graph.  Call after forward returned.  wait_graph() must block
-    until the graph's device work has finished on every stream (e.g. synchronise the stream the graph
-    ran on): the save->host event is satisfied by the end of the graph -- reduce-overhead closes every
-    side stream at graph end; for max-autotune this is our reading of GE, unverified on hardware."""
-    pass  # this graph saves nothing
