@@ -37,9 +37,7 @@ import torch
 
 from ...runtime import register_target
 from ...runtime.core.kvcache import token_shapes
-from ...runtime.engine.facade import Engine, build_engine
-from ...runtime.engine.request import StepPlan
-from ...runtime.engine.runner import StepFuture
+from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .staging import Committer, StagingExhausted, StagingRing
 
@@ -342,7 +340,7 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
 
         _import_torchair(False)
     if not isinstance(weights, dict):
-        from ...runtime.checkpoint.hf import load_hf_weights
+        from ...runtime import load_hf_weights
 
         weights = load_hf_weights(weights)
     buckets = Buckets.from_spec(spec)
