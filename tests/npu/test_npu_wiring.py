@@ -150,13 +150,15 @@ def _npu_inputs(h, mod):
 def _run_cpu(mod, W, b, cache, loads=()):
     from graphgen.runtime.core.cpu_runtime import CpuRuntime
     from graphgen.runtime.core.streams import EventSet
+    from graphgen.runtime.engine.runner import StepRuntime
 
     staging = cache.make_staging(len(b.save_block_ids)) if mod.HOST_EVENT else None
     rt = CpuRuntime(event_timeout=30.0)
+    step_rt = StepRuntime(rt)  # the runner's per-step view: it keeps what the module launched
     try:
         with torch.inference_mode():
-            logits = mod.run(rt, W, b, cache, staging, loads, EventSet(mod.EVENTS).bind(1))
-        for job in rt.take_launched():  # the save stream runs on a worker thread
+            logits = mod.run(step_rt, W, b, cache, staging, loads, EventSet(mod.EVENTS).bind(1))
+        for job in step_rt.launched.values():  # the save stream runs on a worker thread
             err = job.exception(30.0)
             if err is not None:
                 raise err

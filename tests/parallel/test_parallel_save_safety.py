@@ -78,7 +78,7 @@ def _install_recorders(eng) -> None:
 
 def _visible(eng, prompt) -> list[str]:
     """This rank's keys of ``prompt`` the shared pool holds now."""
-    return [k for k in eng.connector.block_keys(prompt) if eng.pool.contains(k)]
+    return [k for k in eng.loader.block_keys(prompt) if eng.pool.contains(k)]
 
 
 def _report(eng) -> dict:

@@ -12,6 +12,7 @@ import torch
 
 from graphgen.runtime.core import ops
 from graphgen.runtime.engine.connector import KVConnector
+from graphgen.runtime.engine.kv_load import Counters, KVLoader
 from graphgen.runtime.core.kvcache import BlockAllocator, PagedKVCache, pack_block
 from graphgen.runtime.pool import HostPool, PoolBackend
 from graphgen.runtime.core.streams import EventSet, Stream
@@ -54,8 +55,18 @@ def parts():
     save_stream.close(timeout=2)
 
 
+class Conn(KVConnector):
+    """Both sides of the connector over one pool and one set of counters, as an engine wires them."""
+
+    def __init__(self, pool, cache, alloc, write):
+        counters = Counters()
+        super().__init__(pool, cache, alloc, write=write, stats=counters)
+        self.loader = KVLoader(pool, cache, model="m", stats=counters)
+        self.block_keys, self.lookup, self.load = self.loader.block_keys, self.loader.lookup, self.loader.load
+
+
 def make(pool, cache, alloc, write="async"):
-    return KVConnector(pool, cache, alloc, model="m", write=write)
+    return Conn(pool, cache, alloc, write)
 
 
 def fill(staging, seed):

@@ -132,13 +132,10 @@ def test_slot_mapping():
     sm = slot_mapping(table, 2, 9, BS)
     expect = [7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0]
     assert sm.dtype == torch.long and sm.tolist() == expect
-    c = PagedKVCache(1, QWEN, 8)
-    assert c.slot_mapping(torch.tensor(table), 2, 9).tolist() == expect
-    assert c.slot_mapping(table, 3, 3).tolist() == []
+    assert slot_mapping(torch.tensor(table), 2, 9, BS).tolist() == expect
+    assert slot_mapping(table, 3, 3, BS).tolist() == []
     with pytest.raises(ValueError, match="block table has 3"):
         slot_mapping(table, 0, 13, BS)
-    with pytest.raises(ValueError):
-        c.slot_mapping(table, 0, 1, block_size=8)
 
 
 def test_layout_version_distinguishes_layouts():

@@ -74,7 +74,7 @@ def test_step_composition_prefill_by_history_then_decode_together():
 
     warm = s.schedule()                     # before cold's update: steps may be prepared ahead
     assert (warm.variant, warm.requests) == ("splitfuse", (b,))
-    assert s.connector.loaded == [["p2.b0", "p2.b1"]]
+    assert s.loader.loaded == [["p2.b0", "p2.b1"]]
     assert warm.rows[0].loaded == ("staged p2.b0", "staged p2.b1")   # the plan carries the loads
     assert b.result.hit_tokens == 2 * BS
     y = inp(warm)

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from ...runtime import register_target
-from ...runtime.core.kvcache import token_shapes
+from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .staging import Committer, StagingExhausted, StagingRing
@@ -316,7 +316,7 @@ def _sequence(row, block_size: int) -> dict:
     its length), the blocks it saves and loads (and the loaded blocks' staging)."""
     table = list(row.block_table[:-(-row.seq_len // block_size)])
     return {"ids": list(row.token_ids), "pos": list(row.positions),
-            "slots": [table[p // block_size] * block_size + p % block_size for p in row.positions],
+            "slots": slot_mapping(table, row.start, row.seq_len, block_size).tolist(),
             "table": table, "seq_len": row.seq_len, "save": list(row.save_block_ids),
             "load": list(row.load_block_ids), "loaded": list(row.loaded)}
 

@@ -26,7 +26,6 @@ class CpuRuntime:
         self.event_timeout = event_timeout
         # worker-thread streams, by IR stream name
         self.streams = {SAVE_STREAM: Stream(SAVE_STREAM), LOAD_STREAM: Stream(LOAD_STREAM)}
-        self._launched: list[Job] = []  # see launch()
 
     # -- streams and events ----------------------------------------------------------------------
     def start(self, stream: str, fn: Callable[[], None]) -> Job:
@@ -37,17 +36,6 @@ class CpuRuntime:
             raise ValueError(f"generated code launched on stream {stream!r}; the CPU runtime has "
                              f"{sorted(self.streams)} (the main stream is the caller's thread)") from None
         return s.launch(fn)
-
-    def launch(self, stream: str, fn: Callable[[], None]) -> Job:
-        """``rt.launch`` for a module run by hand (tests): `start`, and keep the job for
-        `take_launched`. The runner does not come here: its `StepRuntime` keeps each step's jobs."""
-        job = self.start(stream, fn)
-        self._launched.append(job)
-        return job
-
-    def take_launched(self) -> list[Job]:
-        jobs, self._launched = self._launched, []
-        return jobs
 
     def record(self, ev) -> None:
         ev.record()

@@ -226,12 +226,6 @@ class PagedKVCache:
         """Bytes of one block over all layers and components (= size of its pool value)."""
         return block_nbytes(self._layers)
 
-    def slot_mapping(self, block_table: Sequence[int] | torch.Tensor, start: int, end: int,
-                     block_size: int | None = None) -> torch.Tensor:
-        if block_size is not None and block_size != self.block_size:
-            raise ValueError(f"block_size {block_size} != cache block_size {self.block_size}")
-        return slot_mapping(block_table, start, end, self.block_size)
-
     def make_staging(self, num_save_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         return make_staging(self.component_shapes, self.num_layers, num_save_blocks, self.dtype,
                             self._layers[0][0].device if self._layers else None)

@@ -1,21 +1,16 @@
-"""The KV connector: between the paged KV cache and a pool (`PoolBackend`).
+"""The KV connector's worker side: a step's save, from the paged KV cache to a pool (`PoolBackend`).
 
-Modelled on the worker side of vLLM's ``KVConnectorBase_V1`` (``start_load_kv`` /
-``save_kv_layer`` / ``wait_for_save``), at block granularity:
+Modelled on the worker side of vLLM's ``KVConnectorBase_V1`` (``save_kv_layer`` /
+``wait_for_save``), at block granularity; the scheduler side (keys, lookup, load at admission) is
+`graphgen.runtime.engine.kv_load.KVLoader`, which shares this connector's counters:
 
-* **load** — the scheduler side (`block_keys`, `lookup`, `load`): how many leading blocks of a
-  prompt the pool holds, then those blocks fetched and unpacked into load staging (one block each,
-  validated there) at admission. The request keeps them and its step plan carries them to the
-  runner; the cache itself is written by the prefill's graph (its ``kv_load`` nodes on the
-  ``kv_load`` stream, ordered against the forward by events). A request preempted or aborted
-  before its prefill simply drops them.
-* **save** — the worker side, driven by the runner (`prepare_save` before the step, `handoff`
+* **save** — driven by the runner (`prepare_save` before the step, `handoff`
   after it, `cancel` if it failed): the save's blocks are pinned and a staging area is made for the
   module's save program to copy into; after the step, the commit — a ``pool.put`` per block — runs
   once the save's event (the module's ``HOST_EVENT``) is recorded: inline for ``write: sync``, on
   the ``host`` stream for ``write: async`` (the first token never waits for it). The pins are
   released when the commit is done, never before. What a commit waits on is a `SaveHandle`.
-* **stats**: `stats` (this connector's counters) and `pool_stats()` (the backend's own).
+* **stats**: `stats` (the counters it shares with the loader) and `pool_stats()` (the backend's own).
 
 A pool that is down or full costs a recompute, never a request: a lookup that raises counts as no
 hit, a load that fails stops the loaded run there, a put that fails (False or an exception) leaves
@@ -36,10 +31,10 @@ from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 from ...ir.graph import HOST_STREAM
-from ..core.kvcache import BlockAllocator, PagedKVCache, pack_block, unpack_block_into
+from ..core.kvcache import BlockAllocator, PagedKVCache, pack_block
 from ..core.streams import Job, Stream
 from ..pool.base import PoolBackend
-from ..pool.keys import KVShard, block_keys
+from .kv_load import Counters
 
 __all__ = ["KVConnector", "PendingSave", "SaveHandle", "WRITE_MODES"]
 
@@ -67,78 +62,31 @@ class PendingSave:
 
 
 class KVConnector:
-    def __init__(self, pool: PoolBackend, cache: PagedKVCache, alloc: BlockAllocator, *, model: str,
-                 write: str, shard: KVShard = KVShard()):
+    def __init__(self, pool: PoolBackend, cache: PagedKVCache, alloc: BlockAllocator, *, write: str,
+                 stats: Optional[Counters] = None):
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
         self.pool = pool
         self.cache = cache
         self.alloc = alloc
-        self.model = model
         self.write = write
-        self.shard = shard  # the part of each layer's KV this connector's cache holds (its keys say it)
         self.host_stream = Stream(HOST_STREAM)  # async commits, in step order
         self._pending: deque[Job] = deque()    # async commits in flight, oldest first
-        self._lock = threading.Lock()          # stats are bumped from the host stream too
         self.observer = None                   # a graphgen.trace.StepObserver: commit spans and latency
-        self.stats = {"puts": 0, "put_failures": 0, "save_failures": 0, "hit_blocks": 0,
-                      "loaded_blocks": 0, "pool_errors": 0}
+        self.counters = stats if stats is not None else Counters()  # bumped from the host stream too
+
+    @property
+    def stats(self) -> dict:
+        return self.counters.values
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.stats[name] += n
+        self.counters.add(name, n)
 
     def pool_stats(self) -> dict:
         try:
             return self.pool.stats()
         except Exception as e:  # stats are for logs: a pool that is down must not fail them
             return {"error": str(e)}
-
-    # ---- load -------------------------------------------------------------------------------
-    def block_keys(self, prompt: Sequence[int]) -> list[str]:
-        """Pool keys of the prompt's full blocks (model and cache layout are part of every key)."""
-        return block_keys(prompt, self.cache.block_size, model=self.model, layout=self.cache.layout, shard=self.shard)
-
-    def lookup(self, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` the pool holds; 0 when the pool cannot be asked."""
-        try:
-            return self.pool.leading_run(list(keys))
-        except Exception as e:
-            log.warning("pool lookup failed, recomputing: %s", e)
-            self._count("pool_errors")
-            return 0
-
-    def load(self, keys: Sequence[str]) -> list:
-        """Fetch ``keys`` in order into load staging (one block each), stopping at the first block
-        that is gone (evicted since the lookup), unreadable or foreign. Returns the leading blocks
-        loaded; the rest is recomputed. The cache is not touched: the prefill's graph copies the
-        staged blocks in (the step plan carries them there)."""
-        staged = [self.cache.make_staging(1) for _ in keys]
-
-        def into(i, s):  # unpack straight from the pool's buffer (one copy); a foreign size is a miss
-            def unpack(view):
-                try:
-                    unpack_block_into(s, 0, view)
-                except Exception as e:
-                    log.warning("pool block %d unreadable, recomputing from there: %s", i, e)
-                    self._count("pool_errors")
-                    raise
-            return unpack
-
-        try:  # one batch: a backend with registered memory (Mooncake) reads every block in one call
-            ok = self.pool.get_into(list(keys), [into(i, s) for i, s in enumerate(staged)])
-        except Exception as e:
-            log.warning("pool load failed, recomputing: %s", e)
-            self._count("pool_errors")
-            ok = []
-        loaded = []
-        for hit, s in zip(ok, staged):
-            if not hit:  # gone since the lookup, unreadable or foreign: recompute from here
-                break
-            loaded.append(s)
-        self._count("hit_blocks", len(loaded))
-        self._count("loaded_blocks", len(loaded))
-        return loaded
 
     # ---- save -------------------------------------------------------------------------------
     def prepare_save(self, block_ids: Sequence[int], keys: Sequence[str]) -> PendingSave:

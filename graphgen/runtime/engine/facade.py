@@ -2,7 +2,7 @@
 
 `build_engine` is the one place an engine's parts are wired together, for every target and rank:
 the pool (a URL or a backend, with injected faults), the paged KV cache and its block allocator,
-the `KVConnector`, a model runner (CPU, CPU rank, NPU: given as a factory), the `Scheduler` and the
+the KV connector's two sides (`KVLoader` for the scheduler, `KVConnector` for the runner), a model runner (CPU, CPU rank, NPU: given as a factory), the `Scheduler` and the
 step loop (`LLMEngine`). Targets differ only in what they hand it (cache shapes, device, connector
 and runner factories, what to close); no engine class re-implements another's construction.
 `cpu_engine` is the CPU target's (and, with a rank's runtime, shapes and connector, a CPU rank's).
@@ -30,6 +30,7 @@ from ..core.kvcache import BlockAllocator, PagedKVCache, kv_cache_shapes
 from ..pool import DEFAULT_POOL_BYTES, PoolBackend, make_pool
 from ..pool.faulty import wrap_pool
 from .connector import KVConnector
+from .kv_load import Counters, KVLoader
 from .request import RequestResult
 from .runner import CpuModelRunner
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Scheduler
@@ -42,10 +43,10 @@ class Engine:
     """An engine's parts and the calls a driver needs. Built by `build_engine` (never by hand)."""
 
     def __init__(self, *, spec: ModelSpec, pool: PoolBackend, faults: Faults, cache: PagedKVCache,
-                 alloc: BlockAllocator, connector: KVConnector, runner, scheduler: Scheduler, llm: LLMEngine,
-                 closers: Sequence = (), max_model_len: Optional[int] = None):
+                 alloc: BlockAllocator, loader: KVLoader, connector: KVConnector, runner, scheduler: Scheduler,
+                 llm: LLMEngine, closers: Sequence = (), max_model_len: Optional[int] = None):
         self.spec, self.pool, self.faults = spec, pool, faults
-        self.cache, self.alloc, self.connector, self.runner = cache, alloc, connector, runner
+        self.cache, self.alloc, self.loader, self.connector, self.runner = cache, alloc, loader, connector, runner
         self.scheduler, self.llm = scheduler, llm
         self.dtype = cache.dtype
         self.block_size = spec.kv_cache.block_size
@@ -140,15 +141,16 @@ class Engine:
 def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, pool: Union[str, PoolBackend] = "host",
                  pool_capacity_bytes: int = DEFAULT_POOL_BYTES, faults: Optional[Faults] = None,
                  num_blocks: int = 512, reserved_blocks: int = 0, device: str = "cpu", dtype=None,
-                 make_connector: Optional[Callable] = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 make_connector: Optional[Callable] = None, make_loader: Optional[Callable] = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False,
                  collect_logits: bool = False, eos_token_ids: Iterable[int] = (), closers: Sequence = (),
                  max_model_len: Optional[int] = None) -> Engine:
     """Wire an engine. ``kv_shapes``: cache component -> per-block shape (``[BS, ...]``);
     ``make_runner(cache, alloc, connector, reserved)`` -> the model runner (``reserved``: blocks
     taken from the allocator for the target's own use, e.g. the NPU's padding block);
-    ``make_connector(pool, cache, alloc)`` -> the connector (default: a `KVConnector` keyed by the
-    spec's name, writing as ``pool.write``)."""
+    ``make_loader(pool, cache, counters)`` -> the connector's scheduler side (default: a `KVLoader`
+    keyed by the spec's name); ``make_connector(pool, cache, alloc, counters)`` -> its worker side
+    (default: a `KVConnector` writing as ``pool.write``)."""
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
         raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
     faults = faults or Faults()
@@ -161,17 +163,17 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     cache = PagedKVCache(spec.dims.num_hidden_layers, kv_shapes, total, dtype, device=device)
     alloc = BlockAllocator(total)
     reserved = alloc.alloc(reserved_blocks) if reserved_blocks else []  # never freed
-    if make_connector is None:
-        connector = KVConnector(pool, cache, alloc, model=spec.name, write=spec.pool.write)
-    else:
-        connector = make_connector(pool, cache, alloc)
+    counters = Counters()
+    loader = (make_loader or (lambda p, c, n: KVLoader(p, c, model=spec.name, stats=n)))(pool, cache, counters)
+    connector = (make_connector or (lambda p, c, a, n: KVConnector(p, c, a, write=spec.pool.write, stats=n)))(
+        pool, cache, alloc, counters)
     runner = make_runner(cache, alloc, connector, reserved)
-    scheduler = Scheduler(spec, alloc, connector, reclaim=connector.wait_oldest, max_num_seqs=max_num_seqs,
+    scheduler = Scheduler(spec, alloc, loader, reclaim=connector.wait_oldest, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens)
     llm = LLMEngine(scheduler, connector, runner, vocab_size=spec.dims.vocab_size,
                     async_scheduling=async_scheduling, eos_token_ids=eos_token_ids, collect_logits=collect_logits)
-    return Engine(spec=spec, pool=pool, faults=faults, cache=cache, alloc=alloc, connector=connector, runner=runner,
-                  scheduler=scheduler, llm=llm, closers=closers, max_model_len=max_model_len)
+    return Engine(spec=spec, pool=pool, faults=faults, cache=cache, alloc=alloc, loader=loader, connector=connector,
+                  runner=runner, scheduler=scheduler, llm=llm, closers=closers, max_model_len=max_model_len)
 
 
 def cpu_engine(spec: ModelSpec, weights: dict, *, spec_file: str = "", generated_dir: Optional[Path] = Path("generated"),
@@ -180,7 +182,8 @@ def cpu_engine(spec: ModelSpec, weights: dict, *, spec_file: str = "", generated
                kv_shapes: Optional[dict] = None, faults: Optional[Faults] = None,
                runner_cls: type = CpuModelRunner, **options) -> Engine:
     """The CPU target's engine (one process). A CPU rank passes its own ``runtime`` (collectives),
-    ``kv_shapes`` (its KV shard), ``make_connector`` (its keys) and ``runner_cls`` (its plan check); ``sources``: {variant: module
+    ``kv_shapes`` (its KV shard), ``make_loader``/``make_connector`` (its keys, agreed hits, save-once)
+    and ``runner_cls`` (its plan check); ``sources``: {variant: module
     source} compiled by a parent process (default: compiled here). ``options``: `build_engine`'s."""
     faults = faults or Faults()
     if runtime is None:

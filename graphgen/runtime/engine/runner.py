@@ -31,6 +31,7 @@ import torch
 
 from ...ir.graph import SAVE_STREAM
 from ..core.cpu_runtime import CpuRuntime
+from ..core.kvcache import slot_mapping
 from ..core.streams import BoundEvent, EventSet, Job, Stream
 from .request import StepPlan
 
@@ -59,9 +60,7 @@ def build_inputs(plan: StepPlan, block_size: int) -> StepInputs:
     rows = plan.rows
     ids, pos, slots, logit_idx, offset = [], [], [], [], 0
     for row in rows:
-        table = row.block_table
-        for p in row.positions:
-            slots.append(table[p // block_size] * block_size + p % block_size)
+        slots.append(slot_mapping(row.block_table, row.start, row.seq_len, block_size))
         ids.extend(row.token_ids)
         pos.extend(row.positions)
         logit_idx.extend(offset + i for i in row.logits_positions)
@@ -73,7 +72,7 @@ def build_inputs(plan: StepPlan, block_size: int) -> StepInputs:
     long = torch.long
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=long), positions=torch.tensor(pos, dtype=long),
-        slot_mapping=torch.tensor(slots, dtype=long), block_tables=tables,
+        slot_mapping=torch.cat(slots), block_tables=tables,
         seq_lens=torch.tensor([r.seq_len for r in rows], dtype=long),
         query_lens=torch.tensor([r.num_tokens for r in rows], dtype=long),
         logits_indices=torch.tensor(logit_idx, dtype=long),

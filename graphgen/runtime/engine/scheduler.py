@@ -10,7 +10,7 @@ Policy (continuous batching; see docs/runtime.md):
 
 * **Admission.** Waiting requests are admitted in arrival order while fewer than ``max_num_seqs``
   are admitted or running and the admitted prefill tokens fit ``max_num_batched_tokens``:
-  the pool prefix is looked up and loaded through the connector.
+  the pool prefix is looked up and loaded through the loader.
 * **Prefill first.** If any admitted request awaits its prefill, the step is a prefill of the
   variant of the oldest one (no history: ``mempool_prefill``; with a loaded prefix:
   ``splitfuse``), holding every admitted request of that variant, in order, while the step's
@@ -48,7 +48,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 class PrefixSource(Protocol):
-    """The connector's scheduler-facing side (see `graphgen.runtime.engine.connector.KVConnector`)."""
+    """The connector's scheduler side (see `graphgen.runtime.engine.kv_load.KVLoader`)."""
 
     def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
     def lookup(self, keys: Sequence[str]) -> int: ...
@@ -56,7 +56,7 @@ class PrefixSource(Protocol):
 
 
 class Scheduler:
-    def __init__(self, spec, alloc: BlockAllocator, connector: PrefixSource, *,
+    def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
                  reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -64,7 +64,7 @@ class Scheduler:
         self.spec = spec
         self.block_size = spec.kv_cache.block_size
         self.alloc = alloc
-        self.connector = connector
+        self.loader = loader
         self.reclaim = reclaim  # release pinned blocks (True if it may have); False: nothing to wait for
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -185,14 +185,14 @@ class Scheduler:
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
         keys = self._keys(r)[:max_blocks]
-        run = self.connector.lookup(keys)
+        run = self.loader.lookup(keys)
         if run == 0:
             return
         try:
             r.table.extend(self._alloc(run))
         except OutOfBlocks:
             return  # no room to load into: recompute (the prefill may still find blocks later)
-        r.loaded = list(self.connector.load(keys[:run]))
+        r.loaded = list(self.loader.load(keys[:run]))
         r.hit_blocks = len(r.loaded)
         if r.hit_blocks < run:  # the rest of the run is recomputed into fresh blocks
             self.alloc.free(r.table[r.hit_blocks:])
@@ -203,7 +203,7 @@ class Scheduler:
 
     def _keys(self, r: Request) -> list[str]:
         if r.keys is None:
-            r.keys = self.connector.block_keys(r.seq)
+            r.keys = self.loader.block_keys(r.seq)
         return r.keys
 
     def _schedule_prefill(self) -> Optional[StepPlan]:

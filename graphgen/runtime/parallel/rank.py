@@ -6,7 +6,7 @@ A rank is an ordinary CPU engine (`graphgen.runtime.engine.facade.cpu_engine`) g
 * `RankRuntime`: ``rt`` of the generated module, plus ``all_reduce``/``all_gather`` (gloo) and the
   rank-aware ops of `graphgen.runtime.parallel.ops` (given this rank);
 * the KV cache holds this rank's shard (`graphgen.families.parallel.rank_kv_components`);
-* `RankConnector`: pool keys ``{model}@{layout}@r{rank}of{tp}@{chained hash}`` where each rank's KV
+* `RankLoader` / `RankConnector`: pool keys ``{model}@{layout}@r{rank}of{tp}@{chained hash}`` where each rank's KV
   differs; where it is the same on every rank (the MLA latent) every rank uses rank 0's key and only
   rank 0 puts it (`SaveOncePool`): saved once, loaded on every rank. A prefix hit counts only as far
   as every rank hits: the leading-run length is agreed with an all_reduce MIN before loading, and
@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ...families.parallel import kv_replicated, rank_kv_components
 from ..core.cpu_runtime import CpuRuntime
 from ..engine.connector import KVConnector
+from ..engine.kv_load import KVLoader
 from ..engine.facade import Engine, cpu_engine
 from ..engine.request import StepPlan
 from ..engine.runner import CpuModelRunner
@@ -52,7 +53,7 @@ from ..pool.shared import connect_pool
 from . import ops as ops_parallel
 from .ops import rank_weights
 
-__all__ = ["RankRuntime", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine", "graph_weight_names",
+__all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine", "graph_weight_names",
            "plan_fingerprint", "rank_main"]
 
 
@@ -115,13 +116,12 @@ class SaveOncePool:
         return getattr(self._pool, name)
 
 
-class RankConnector(KVConnector):
+class RankLoader(KVLoader):
     """Pool keys of this rank's KV shard (rank 0's key where every rank holds the same KV), hits
     agreed by every rank."""
 
     def __init__(self, *args, rank: int, size: int, replicated: bool, **kwargs):
         super().__init__(*args, shard=KVShard(0 if replicated else rank, size), **kwargs)
-        self.rank, self.size, self.replicated = rank, size, replicated
 
     def lookup(self, keys: Sequence[str]) -> int:
         return agree_min(super().lookup(keys))
@@ -130,6 +130,8 @@ class RankConnector(KVConnector):
         loaded = super().load(keys)
         return loaded[:agree_min(len(loaded))]  # loaded here, but not on every rank: recomputed
 
+
+class RankConnector(KVConnector):
     def drain(self, timeout=None) -> None:
         super().drain(timeout)
         dist.barrier()  # every rank's commits are visible before any rank looks the pool up again
@@ -166,18 +168,20 @@ def rank_engine(spec, weights: dict, *, rank: int, faults=None, event_timeout: f
     replicated = kv_replicated(spec.family)
     runtime = RankRuntime(faults, event_timeout=event_timeout, rank=rank, size=tp)
 
-    def make_connector(pool, cache, alloc):
+    def make_loader(pool, cache, counters):
+        return RankLoader(pool, cache, model=spec.name, rank=rank, size=tp, replicated=replicated, stats=counters)
+
+    def make_connector(pool, cache, alloc, counters):
         if replicated and rank != 0:
             pool = SaveOncePool(pool)
-        return RankConnector(pool, cache, alloc, model=spec.name, write=spec.pool.write, rank=rank, size=tp,
-                             replicated=replicated)
+        return RankConnector(pool, cache, alloc, write=spec.pool.write, stats=counters)
 
     # No async scheduling on a rank: it would plan step N+1 (whose pool lookup agrees hits with an
     # all_reduce) while step N's forward issues its own collectives on the forward thread, and two
     # threads' collectives on one group need not pair up across ranks.
     options["async_scheduling"] = False
     return cpu_engine(spec, weights, runtime=runtime, kv_shapes={name: (spec.kv_cache.block_size, *shape) for name, shape in comps},
-                      make_connector=make_connector, runner_cls=RankModelRunner, faults=faults,
+                      make_loader=make_loader, make_connector=make_connector, runner_cls=RankModelRunner, faults=faults,
                       event_timeout=event_timeout, **options)
 
 
