@@ -90,7 +90,7 @@ def _report(eng) -> dict:
     missing = [k for k in blocks if eng.pool.get(k) is None]
     wrong = [k for k, b in blocks.items() if k not in missing and eng.pool.get(k) != pack_block(eng.cache, b)]
     return {"keys": sorted(blocks), "missing": missing, "wrong": wrong, "copies": rec["copies"],
-            "puts": rec["puts"], "layers": eng.cache.num_layers, "skipped": getattr(eng.pool, "skipped_puts", 0)}
+            "puts": rec["puts"], "layers": eng.cache.num_layers, "skipped": getattr(eng.connector.pool, "skipped_puts", 0)}
 
 
 def drop_save_waits(variant: str, source: str) -> str:
