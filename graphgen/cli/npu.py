@@ -88,7 +88,7 @@ def _steps(args, spec) -> int:
     print(f"{args.spec}: {args.steps} mixed steps per variant and mode through the CPU stand-in "
           f"(kernel limits enforced)")
     try:
-        results = run_standin_loop(spec, variants, modes, args.steps)
+        results = run_standin_loop(spec, variants, modes, args.steps, every_bucket=bool(args.ops_json))
     except Exception as e:  # Dynamo wraps a stand-in kernel's KernelLimitError raised while tracing
         cause = e
         while cause is not None and not isinstance(cause, KernelLimitError):
@@ -97,7 +97,24 @@ def _steps(args, spec) -> int:
             raise
         err(f"{args.spec}: a kernel call is outside its documented limits: {cause}")
         return EXIT_INVALID
-    return report(results)
+    rc = report(results)
+    # The GE converter check runs on every graph the loop captured (with --ops-json: every bucket).
+    from ..npu.check import geops
+
+    doc = geops.ops_report(str(args.spec), results)
+    if args.ops_json:
+        Path(args.ops_json).write_text(geops.dump_report(doc))
+        print(f"{args.ops_json}: post-AOT op targets of {len(doc['graphs'])} graphs (one per variant, mode and bucket)")
+    problems = geops.check_ops_report(doc)
+    if problems:
+        err(f"{args.spec}: GE converter check failed (torch-npu {geops.load_table()['wheel']['torch_npu_version']}"
+            f" converters, graphgen/npu/check/ge_converters.json):")
+        for p in problems:
+            err(f"  - {p}")
+        return EXIT_STALE
+    print(f"GE converter check ok: every op of {len(doc['graphs'])} graphs has a torchair converter that does "
+          f"not only raise (that it accepts these arguments is not checked)")
+    return rc
 
 
 def register(sub) -> None:
@@ -112,5 +129,9 @@ def register(sub) -> None:
                    help="trace on CPU with the torchair stand-in (structure check only; never an NPU result)")
     c.add_argument("--steps", type=int, metavar="N",
                    help="with --standin: run N mixed steps per variant and mode padded to the spec's shape "
-                        "buckets and print the graphs compiled per variant and mode (exit 1: more than buckets)")
+                        "buckets and print the graphs compiled per variant and mode (exit 1: more than buckets, "
+                        "or an op without a working GE converter)")
+    c.add_argument("--ops-json", metavar="FILE",
+                   help="with --standin --steps N: also run one step per bucket of every variant and mode and "
+                        "write each graph's post-AOT op targets to FILE (the GE converter check's input)")
     c.set_defaults(handler=cmd_compile)

@@ -144,7 +144,7 @@ def _mla_attention(n, ctx):
     """MLA by phase (the KV cache always holds the compressed latent): decode -> absorbed FIA over the
     paged latent (documented for 1-16 query tokens per sequence); prefill/splitfuse -> un-absorbed
     (kv_b_proj up-projection, non-paged TND FIA, Q_D = K_D = qk_nope + qk_rope, V_D = v_head_dim);
-    splitfuse gathers the history latent through the block table.  See docs/npu.md, "MLA by phase"."""
+    splitfuse gathers the history latent by host-packed rows.  See docs/npu.md, "MLA by phase"."""
     a, r, mode = n.attrs, ctx.ref, n.attrs["mode"]
     _sparse_mode(n)  # rejects an unknown mode
     heads = [f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
@@ -159,9 +159,10 @@ def _mla_attention(n, ctx):
         args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), "b.kv_index", "b.actual_seq_lengths", "b.atten_mask",
                 *heads, f"scale={py(a['scale'])}"]
         return [f"{_out(n, ctx)} = _mla_prefill({', '.join(args)})"]
-    args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), r(n.input("block_tables")), "b.actual_seq_lengths",
-            "b.actual_seq_lengths_kv", "b.atten_mask", *heads, f"scale={py(a['scale'])}",
-            f"block_size={a['block_size']}"]
+    # splitfuse: the history rows come packed from the host (b.kv_gather_rows), not from the block
+    # table in the graph: the in-graph order needed aten.sort.stable, which GE cannot convert.
+    args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), "b.kv_gather_rows", "b.actual_seq_lengths",
+            "b.actual_seq_lengths_kv", "b.atten_mask", *heads, f"scale={py(a['scale'])}"]
     return [f"{_out(n, ctx)} = _mla_splitfuse({', '.join(args)})"]
 
 

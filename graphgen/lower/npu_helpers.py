@@ -113,27 +113,25 @@ def _mla_prefill(q_nope, q_pe, cache, w_kv_b, kv_index, actual_seq_lengths, atte
                            v_head_dim=v_head_dim, scale=scale)
 
 
-def _paged_rows(cache_part, block_table, seq_lens, block_size):
-    """Each sequence's first seq_len rows of a paged cache part [NB, BS, W], gathered through its block
-    table row and packed in sequence order at the front: [B * M * BS, W] (the non-paged TND key order;
-    the rows past sum(seq_lens) are never read).  Static shapes (B, M from the bucketed block table), so
-    a compiled graph does not depend on the lengths: they only pick the order."""
-    b, m = block_table.shape
-    rows = (block_table.long()[:, :, None] * block_size
-            + torch.arange(block_size, device=block_table.device)).reshape(b, m * block_size)
-    pos = torch.arange(m * block_size, device=block_table.device)
-    valid = torch.stack([pos < seq_lens[i] for i in range(b)])  # lengths as values, not shapes
-    order = torch.argsort((~valid).to(torch.int8).flatten(), stable=True)  # valid rows first, (seq, pos) order
-    return cache_part.reshape(-1, cache_part.shape[-1]).index_select(0, rows.flatten().index_select(0, order))
+def _paged_rows(cache_part, rows):
+    """Rows ``rows`` [S] int64 of a paged cache part [NB, BS, W], as [S, W]: the packed history order.
+    The host builds ``rows`` (graphgen.npu.run.inputs.gather_rows): each sequence's first seq_len rows,
+    block_table[i, p // BS] * BS + p % BS, in sequence order, then pad-block rows up to a static S.
+    It knows the lengths; computing the order in the graph needed a stable argsort, and torchair's GE
+    converter for aten.sort.stable only raises (torch-npu 2.14.0
+    torchair/_ge_concrete_graph/ge_converter/aten/sort.py:36-46)."""
+    return cache_part.reshape(-1, cache_part.shape[-1]).index_select(0, rows)
 
 
-def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
-                   *, num_heads, qk_nope_head_dim, v_head_dim, scale, block_size):
+def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, kv_gather_rows, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
+                   *, num_heads, qk_nope_head_dim, v_head_dim, scale):
     """History from the pool: gather every sequence's latent (history + the new tokens just written) from
-    the paged cache through its block table, then un-absorbed attention (KV lengths made cumulative)."""
+    the paged cache by the host-packed rows ``kv_gather_rows``, then un-absorbed attention (KV lengths
+    made cumulative).  The padding rows past sum(seq_lens) are up-projected but never read; the host
+    keeps them few (S = (batch - 1) * max_blocks * BS + tokens per bucket, StepPadding.gather_rows)."""
     cum_kv = [sum(actual_seq_lengths_kv[:i + 1]) for i in range(len(actual_seq_lengths_kv))]
-    c_kv = _paged_rows(cache[0], block_table, actual_seq_lengths_kv, block_size)
-    k_pe = _paged_rows(cache[1], block_table, actual_seq_lengths_kv, block_size)
+    c_kv = _paged_rows(cache[0], kv_gather_rows)
+    k_pe = _paged_rows(cache[1], kv_gather_rows)
     return _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cum_kv, atten_mask,
                            num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale)
 

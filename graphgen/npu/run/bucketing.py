@@ -10,7 +10,8 @@ Padding lives in a reserved block (``PAD_BLOCK``) no sequence owns.  CPU stand-i
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -128,6 +129,33 @@ def mixed_steps(phase: str, history: bool, buckets: Buckets, block_size: int, st
     return out
 
 
+def bucket_steps(phase: str, history: bool, buckets: Buckets, block_size: int) -> list:
+    """One deterministic step per bucket, in bucket order: decode with every batch size; prefill and
+    splitfuse with ``prefill_seqs`` sequences filling each token bucket (``tokens - 1`` real tokens:
+    the one padding sequence takes one token), splitfuse with a history crossing a block boundary.
+    So ``--ops-json`` sees every bucket's graph whatever the random mix visited."""
+    cap = buckets.max_blocks * block_size
+    if phase == "decode":
+        return [[(min(cap - 1, block_size + 1 + i), 1) for i in range(b)] for b in buckets.decode_batch]
+    out, prev = [], 0
+    n = buckets.prefill_seqs
+    for t in buckets.prefill_tokens:
+        real = t - 1
+        qs = [real // n + (1 if i < real % n else 0) for i in range(n)]
+        hist = min(block_size + 1, cap - max(qs)) if history else 0
+        if hist < 0 or real + 1 <= prev:
+            raise ValueError(f"bucket {t}: {n} sequences cannot hold {real} tokens within {cap} positions")
+        out.append([(hist if history else 0, q) for q in qs])
+        prev = t
+    return out
+
+
+def stable_seed(*parts: str) -> int:
+    """A seed that is the same in every process: ``hash()`` of a str is salted per process
+    (PYTHONHASHSEED), which made ``--steps`` visit different buckets from run to run."""
+    return zlib.crc32("\0".join(parts).encode()) % 1000
+
+
 @dataclass
 class LoopResult:
     variant: str
@@ -135,6 +163,7 @@ class LoopResult:
     steps: int
     compilations: int
     buckets: int
+    graphs: list = field(default_factory=list)  # [{"bucket": {"batch", "tokens"}, "captured": CapturedGraph}]
 
     @property
     def ok(self) -> bool:
@@ -143,8 +172,12 @@ class LoopResult:
 
 def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Optional[Sequence[str]] = None,
                      steps: int = 24, buckets: Optional[Buckets] = None, *, check_limits: bool = True,
-                     sources: Optional[dict] = None) -> list[LoopResult]:
+                     sources: Optional[dict] = None, every_bucket: bool = False) -> list[LoopResult]:
     """Run ``steps`` mixed steps per (variant, mode) through the CPU stand-in; count compiled graphs.
+
+    Each bucket's first captured post-AOT graph is kept in ``LoopResult.graphs`` (the GE converter
+    check's input); ``every_bucket``: also run one deterministic step per bucket (``bucket_steps``)
+    after the mix, so every bucket has one.
 
     ``sources``: {(variant, mode): module source} (default: generated in memory from the spec).
     ``buckets``: default ``Buckets.from_spec(spec)``.  Weights and the RoPE table are cast to the KV
@@ -184,13 +217,24 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                                          staging_rows=buckets.save_rows if mod.META["saves"] else 0)
                 loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
                 plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, steps,
-                                   seed=hash((variant, mode)) % 1000)
+                                   seed=stable_seed(variant, mode))
+                n_mixed = len(plan)
+                if every_bucket:
+                    plan = plan + bucket_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size)
+                by_bucket: dict = {}
                 with torch.no_grad(), standin.enforce_limits(check_limits):
                     for i, seqs in enumerate(plan):
                         b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i)
+                        pad = buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
+                        before = len(backend.graphs)
                         mod.load(b, kv, loads)
                         target.forward(W, b, kv, staging)
-                results.append(LoopResult(variant, mode, steps, len(backend.graphs), n_buckets))
+                        key = (pad.batch, pad.tokens)
+                        if len(backend.graphs) > before:
+                            by_bucket.setdefault(key, backend.graphs[before])
+                results.append(LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
+                                          [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
+                                           for k in sorted(by_bucket)]))
     finally:
         standin.uninstall()
     return results

@@ -32,6 +32,10 @@ class NpuStepInputs:
     save_rows: Optional[torch.Tensor] = None       # [S, 1] int64 = arange(S): staging rows written
     load_block_ids: Optional[torch.Tensor] = None  # [R] int64 cache blocks the loaded blocks go to
     load_rows: Optional[torch.Tensor] = None       # [R, 1] int64 = load_block_ids as scatter indices
+    # [S] int64: every sequence's first seq_len cache rows (block * block_size + offset) packed in
+    # sequence order, then pad-block rows (prefill/splitfuse; None for decode).  DeepSeek splitfuse
+    # gathers its history latent by these rows (gather_rows).
+    kv_gather_rows: Optional[torch.Tensor] = None
 
 
 def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
@@ -50,6 +54,9 @@ def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_len
                                      logits_indices, save_block_ids, block_size)
         load_block_ids = None if load_block_ids is None else pad.rows(load_block_ids, "load")
     dev = device or torch.device("cpu")
+    gather = None if decode else gather_rows(
+        block_tables, seq_lens, block_size, pad.gather_rows(block_size) if pad is not None else None,
+        pad.pad_block if pad is not None else 0)
     slots = torch.as_tensor(slot_mapping, dtype=torch.int64)
     ql = [int(x) for x in torch.as_tensor(query_lens).tolist()]
     cum = [sum(ql[:i + 1]) for i in range(len(ql))]
@@ -68,7 +75,23 @@ def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_len
         save_rows=None if save is None else torch.arange(save.numel(), dtype=torch.int64).view(-1, 1).to(dev),
         load_block_ids=None if load is None else load.to(dev),
         load_rows=None if load is None else load.view(-1, 1).to(dev),
+        kv_gather_rows=None if gather is None else torch.as_tensor(gather, dtype=torch.int64).to(dev),
     )
+
+
+def gather_rows(block_tables, seq_lens, block_size: int, rows: Optional[int] = None, pad_block: int = 0) -> list:
+    """The packed history row order on the host, which knows the lengths: for each sequence its first
+    seq_len rows of the paged cache (``table[p // block_size] * block_size + p % block_size``), in
+    sequence order, then ``rows - sum(seq_lens)`` rows of ``pad_block`` (never read: the attention
+    stops at the cumulative KV lengths).  ``rows`` None: exactly sum(seq_lens)."""
+    out = [int(t[p // block_size]) * block_size + p % block_size
+           for t, n in zip(torch.as_tensor(block_tables).tolist(), torch.as_tensor(seq_lens).tolist())
+           for p in range(int(n))]
+    if rows is None:
+        return out
+    if len(out) > rows:
+        raise ValueError(f"{len(out)} KV rows (sum of seq_lens) exceed the bucket's {rows} gather rows")
+    return out + [pad_block * block_size] * (rows - len(out))
 
 
 @dataclass(frozen=True)
@@ -111,6 +134,14 @@ class StepPadding:
         if save is not None:
             save = self.rows(save, "save")
         return ids, pos, slots, tables, seq_lens, qlens, logit_idx, save
+
+    def gather_rows(self, block_size: int) -> int:
+        """Static length of ``kv_gather_rows`` for this bucket: ``(batch - 1) * max_blocks * block_size
+        + tokens``.  A prefill/splitfuse bucket always has a padding sequence (batch = prefill_seqs + 1)
+        and padding sequences have no history (kv_len = q_len), so the real sequences hold at most
+        batch - 1 full tables and the padding at most ``tokens`` rows: fewer rows to up-project than
+        ``batch * max_blocks * block_size``, and still one shape per bucket."""
+        return (self.batch - 1) * self.max_blocks * block_size + self.tokens
 
     def rows(self, blocks, what: str) -> list:
         """Save or load block ids padded to ``save_rows`` rows with the pad block."""

@@ -154,11 +154,16 @@ class StandinBackend:
     torchair (npu_fx_compiler.py::_compile_graph_with_aot) calls ``aot_module_simplified`` with
     ``keep_inference_input_mutations=True`` (experimental_config default), so graph-input writes
     come back as trailing ``aten.copy_`` nodes.  Both graphs are captured for inspection.
+    The decompositions are torchair's own table (``get_npu_backend`` -> ``_get_merged_decompositions``:
+    its defaults, then the caller's), as extracted from the wheel into ``ge_converters.json``, so
+    the captured graphs hold the ops GE would be handed (``graphgen.npu.check.geops``).
     """
 
     def __init__(self, compiler_config=None, custom_decompositions=None):
+        from graphgen.npu.check.geops import torchair_decompositions
+
         self.config = compiler_config or CompilerConfig()
-        self.decompositions = dict(custom_decompositions or {})
+        self.decompositions = {**torchair_decompositions(), **(custom_decompositions or {})}
         self.graphs: list[CapturedGraph] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):

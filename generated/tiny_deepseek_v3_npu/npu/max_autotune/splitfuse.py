@@ -37,9 +37,11 @@ ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.run.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
-# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
+# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column); kv_gather_rows [S]
+# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
-               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows")
+               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
+               "kv_gather_rows")
 
 
 def _swiglu_mlp(x, w_gate, w_up, w_down):
@@ -97,27 +99,25 @@ def _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cumula
         scale=scale, input_layout="TND", sparse_mode=3)[0]
 
 
-def _paged_rows(cache_part, block_table, seq_lens, block_size):
-    """Each sequence's first seq_len rows of a paged cache part [NB, BS, W], gathered through its block
-    table row and packed in sequence order at the front: [B * M * BS, W] (the non-paged TND key order;
-    the rows past sum(seq_lens) are never read).  Static shapes (B, M from the bucketed block table), so
-    a compiled graph does not depend on the lengths: they only pick the order."""
-    b, m = block_table.shape
-    rows = (block_table.long()[:, :, None] * block_size
-            + torch.arange(block_size, device=block_table.device)).reshape(b, m * block_size)
-    pos = torch.arange(m * block_size, device=block_table.device)
-    valid = torch.stack([pos < seq_lens[i] for i in range(b)])  # lengths as values, not shapes
-    order = torch.argsort((~valid).to(torch.int8).flatten(), stable=True)  # valid rows first, (seq, pos) order
-    return cache_part.reshape(-1, cache_part.shape[-1]).index_select(0, rows.flatten().index_select(0, order))
+def _paged_rows(cache_part, rows):
+    """Rows ``rows`` [S] int64 of a paged cache part [NB, BS, W], as [S, W]: the packed history order.
+    The host builds ``rows`` (graphgen.npu.run.inputs.gather_rows): each sequence's first seq_len rows,
+    block_table[i, p // BS] * BS + p % BS, in sequence order, then pad-block rows up to a static S.
+    It knows the lengths; computing the order in the graph needed a stable argsort, and torchair's GE
+    converter for aten.sort.stable only raises (torch-npu 2.14.0
+    torchair/_ge_concrete_graph/ge_converter/aten/sort.py:36-46)."""
+    return cache_part.reshape(-1, cache_part.shape[-1]).index_select(0, rows)
 
 
-def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
-                   *, num_heads, qk_nope_head_dim, v_head_dim, scale, block_size):
+def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, kv_gather_rows, actual_seq_lengths, actual_seq_lengths_kv, atten_mask,
+                   *, num_heads, qk_nope_head_dim, v_head_dim, scale):
     """History from the pool: gather every sequence's latent (history + the new tokens just written) from
-    the paged cache through its block table, then un-absorbed attention (KV lengths made cumulative)."""
+    the paged cache by the host-packed rows ``kv_gather_rows``, then un-absorbed attention (KV lengths
+    made cumulative).  The padding rows past sum(seq_lens) are up-projected but never read; the host
+    keeps them few (S = (batch - 1) * max_blocks * BS + tokens per bucket, StepPadding.gather_rows)."""
     cum_kv = [sum(actual_seq_lengths_kv[:i + 1]) for i in range(len(actual_seq_lengths_kv))]
-    c_kv = _paged_rows(cache[0], block_table, actual_seq_lengths_kv, block_size)
-    k_pe = _paged_rows(cache[1], block_table, actual_seq_lengths_kv, block_size)
+    c_kv = _paged_rows(cache[0], kv_gather_rows)
+    k_pe = _paged_rows(cache[1], kv_gather_rows)
     return _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cum_kv, atten_mask,
                            num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale)
 
@@ -174,7 +174,7 @@ def forward(W, b, kv, staging=()):
     # ev.load.kv_load (kv_load -> main) is no in-graph event: load() ran before the graph (see load()) [L00.kv_write.wait]
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, c_kv_L00.reshape(c_kv_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, k_pe_L00.reshape(k_pe_L00.shape[0], -1))  # L00.kv_write
-    o_L00 = _mla_splitfuse(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322, block_size=128)  # L00.attn
+    o_L00 = _mla_splitfuse(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.kv_gather_rows, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322)  # L00.attn
     h_L00_attn = h_embed + F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight'])  # L00.o_proj
     x_L00_mlp_norm = torch_npu.npu_rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)[0]  # L00.mlp_norm
     h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight'], W['model.layers.0.mlp.up_proj.weight'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
@@ -190,7 +190,7 @@ def forward(W, b, kv, staging=()):
         torch_npu.npu_scatter_nd_update_(staging[1][0], b.save_rows, kv[1][0].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[1][1], b.save_rows, kv[1][1].index_select(0, b.save_block_ids))  # save.kv_save
         # ev.save.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [save.kv_save.record]
-    o_L01 = _mla_splitfuse(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322, block_size=128)  # L01.attn
+    o_L01 = _mla_splitfuse(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.kv_gather_rows, b.actual_seq_lengths, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322)  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
     h_L01 = _moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['model.layers.1.mlp.experts.gate_proj.weight'], W['model.layers.1.mlp.experts.up_proj.weight'], W['model.layers.1.mlp.experts.down_proj.weight'], W['model.layers.1.mlp.shared_experts.gate_proj.weight'], W['model.layers.1.mlp.shared_experts.up_proj.weight'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=8)  # L01.moe

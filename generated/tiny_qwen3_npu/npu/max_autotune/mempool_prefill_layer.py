@@ -37,9 +37,11 @@ ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
 # Fields of the step inputs `b` (graphgen.npu.run.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
-# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column).
+# load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column); kv_gather_rows [S]
+# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
-               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows")
+               "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
+               "kv_gather_rows")
 
 
 def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
