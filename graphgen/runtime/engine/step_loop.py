@@ -53,13 +53,13 @@ class LLMEngine:
     """``scheduler``, ``connector``, ``runner``: an `Engine`'s parts (``Engine.llm`` is one of these).
 
     ``sample_fn(logits_rows, requests) -> token ids`` (default: `greedy`; a request's ``params`` is
-    what ``add_request`` was given). ``eos_token_id``: a stop token for every request (unless its
+    what ``add_request`` was given). ``eos_token_id``: a stop token (or a collection of them) for every request (unless its
     params say ``ignore_eos``). ``timeline``: a list to append ``(what, step_no, t_start, t_end)``
     spans to (``"schedule"`` on the caller's thread, ``"forward"`` where the forward runs; with async
     scheduling ``"launch"``, an instant: the step queued on the forward thread)."""
 
     def __init__(self, scheduler, connector, runner, *, vocab_size: int, async_scheduling: bool = False,
-                 sample_fn: Optional[SampleFn] = None, eos_token_id: Optional[int] = None,
+                 sample_fn: Optional[SampleFn] = None, eos_token_id=None,
                  collect_logits: bool = False, timeline: Optional[list] = None):
         self.scheduler, self.connector, self.runner = scheduler, connector, runner
         self.vocab_size = vocab_size
@@ -95,8 +95,9 @@ class LLMEngine:
         if not isinstance(n, int) or n < 1:
             raise ValueError("max_tokens must be an int >= 1")
         stops = set(getattr(params, "stop_token_ids", ()) or ())
-        if self.eos_token_id is not None and not getattr(params, "ignore_eos", False):
-            stops.add(self.eos_token_id)
+        eos = self.eos_token_id  # an id or a collection of ids (Qwen3 ships two)
+        if eos is not None and not getattr(params, "ignore_eos", False):
+            stops.update((eos,) if isinstance(eos, int) else eos)
         r = Request(RequestResult(prompt=prompt), n, req_id=req_id, stop_token_ids=frozenset(stops), params=params)
         self.scheduler.add(r)
         if req_id is not None:
