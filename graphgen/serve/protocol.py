@@ -177,6 +177,9 @@ def _common(body: dict, ctx: Context) -> tuple[dict, bool, bool, str]:
     max_tokens = _get(body, "max_tokens", _is_int, "an integer", None)
     if max_tokens is not None and max_tokens <= 0:
         raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens", code="invalid_value")
+    if max_tokens is not None and max_tokens >= ctx.max_model_len:  # no prompt leaves room for it
+        raise ApiError(f"'max_tokens' ({str(max_tokens)[:20]}) must be less than this model's maximum context "
+                       f"length, {ctx.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
     temperature = _number(body, "temperature", 1.0)
     if 0 < temperature < MIN_TEMPERATURE:
         raise ApiError(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}",
