@@ -27,8 +27,31 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def _text_prompts(args, weights: Path):
+    """Tokenize the ``--prompt TEXT`` prompts with the checkpoint's tokenizer (in argument order
+    with ``--prompt-ids``); SystemExit(2) when the folder has no tokenizer."""
+    from ..runtime import load_tokenizer
+
+    tok = load_tokenizer(weights)
+    if tok is None:
+        raise SystemExit(_usage(f"--prompt needs a tokenizer in {weights} (tokenizer.json); use --prompt-ids"))
+    out = []
+    for kind, v in args.prompts:
+        if kind == "ids":
+            out.append(v)
+            continue
+        ids = list(tok.encode(v, add_special_tokens=False))
+        if not ids:
+            raise SystemExit(_usage(f"--prompt {v!r}: tokenizes to no tokens"))
+        out.append(ids)
+    return out
+
+
 def cmd_run(args) -> int:
-    prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
+    if not args.prompts:
+        return _usage("give at least one --prompt-ids IDS or --prompt TEXT")
+    # --prompt-ids before importing torch: fast errors
+    args.prompts = [(k, _prompt_ids(v) if k == "ids" else v) for k, v in args.prompts]
     if args.max_num_seqs < 1:
         return _usage("--max-num-seqs must be >= 1")
     from ..runtime import Faults, RankFailure, open_engine
@@ -43,6 +66,10 @@ def cmd_run(args) -> int:
     weights = Path(args.weights)
     if not weights.is_dir():
         return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
+    if args.max_new_tokens < 1:
+        return _usage("--max-new-tokens must be >= 1")
+    prompts = _text_prompts(args, weights) if any(k == "text" for k, _ in args.prompts) else [
+        v for _, v in args.prompts]
     target = getattr(args, "target", "cpu")
     target_kw = {}
     if target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
@@ -67,6 +94,11 @@ def cmd_run(args) -> int:
     except RankFailure as e:
         err(f"graphgen run: {e}")
         return EXIT_INVALID
+    from ..runtime import eos_token_ids
+
+    eos = [] if args.ignore_eos else eos_token_ids(weights)
+    if eos:  # generation stops at the checkpoint's EOS ids (the token is kept)
+        engine.llm.eos_token_ids = tuple(eos)
     trace = None
     if args.trace:
         from ..trace import StepObserver, TraceRecorder
@@ -95,10 +127,10 @@ def _generate(engine, prompts, args) -> int:
         engine.drain()
         for r in results:
             if args.json:
-                print(json.dumps(r.to_json(with_logits=args.logits)))
+                print(json.dumps(dict(r.to_json(with_logits=args.logits), finish_reason=r.finish_reason)))
             else:
                 print(f"prompt[{len(r.prompt)}] -> {r.tokens}  (hit {r.hit_tokens} tokens, {r.variant}, "
-                      f"TTFT {r.ttft_ms:.1f} ms)")
+                      f"TTFT {r.ttft_ms:.1f} ms, {r.finish_reason})")
         if not args.json:
             err(f"pool: {engine.stats['puts']} blocks committed, {engine.stats['put_failures']} put failures, "
                 f"{engine.stats['hit_blocks']} blocks hit")
@@ -114,8 +146,12 @@ def register(sub) -> None:
     r = sub.add_parser("run", help="run prompts through the generated CPU graphs, an engine and a pool")
     r.add_argument("--spec", required=True)
     r.add_argument("--weights", required=True, help="Hugging Face checkpoint folder (config.json + safetensors)")
-    r.add_argument("--prompt-ids", action="append", required=True, metavar="IDS",
+    r.add_argument("--prompt-ids", action="append", dest="prompts", type=lambda v: ("ids", v), metavar="IDS",
                    help="comma-separated token ids; repeat for several prompts (run in order, one pool)")
+    r.add_argument("--prompt", action="append", dest="prompts", type=lambda v: ("text", v), metavar="TEXT",
+                   help="a text prompt, tokenized with the checkpoint's tokenizer; repeatable, mixes with --prompt-ids")
+    r.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's EOS ids (generation_config.json / config.json / tokenizer)")
     r.add_argument("--max-new-tokens", type=int, default=16)
     r.add_argument("--write", choices=("off", "sync", "async"), help="override pool.write")
     r.add_argument("--granularity", choices=("forward", "layer"), help="override pool.granularity")

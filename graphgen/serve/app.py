@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
+import json
 import logging
 import os
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +29,109 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import SSE_DONE, ApiError, Context, Parsed, parse_chat, parse_completion, parse_json, sse, usage
 
 log = logging.getLogger("graphgen.serve")
+access_log = logging.getLogger("graphgen.serve.access")
 DISCONNECT_POLL_S = 0.25
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+def _json_response(status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()):
+    """(start, body) ASGI messages of a JSON answer sent by the middleware itself."""
+    data = json.dumps(body).encode()
+    return ({"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                         *headers]},
+            {"type": "http.response.body", "body": data})
+
+
+class _Gate:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): the API key on every
+    ``/v1/*`` route (constant-time compare against every key; ``/health`` and ``/metrics`` stay
+    open), ``Content-Length`` over the limit refused with a 413 before the body is read, and one
+    access-log line (``info``) and one HTTP-status count per response."""
+
+    def __init__(self, app, metrics: ServerMetrics, api_keys: Sequence[str], max_request_bytes: int):
+        self.app, self.metrics, self.max_bytes = app, metrics, max_request_bytes
+        self.keys = [k.encode() for k in api_keys]
+
+    def _authorized(self, headers: dict) -> bool:
+        got = headers.get(b"authorization", b"")
+        token = got[7:] if got[:7].lower() == b"bearer " else b""
+        ok = False
+        for k in self.keys:  # every key compared, in constant time: no early exit
+            ok |= hmac.compare_digest(token, k)
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        path, method = scope.get("path", ""), scope.get("method", "")
+        status = {"code": 0}
+
+        async def counted_send(msg):
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+            await send(msg)
+
+        try:
+            headers = dict(scope.get("headers") or ())
+            refuse = None
+            if self.keys and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(headers):
+                refuse = _json_response(401, {"error": {
+                    "message": "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                    "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}},
+                    [(b"www-authenticate", b"Bearer")])
+            else:
+                length = headers.get(b"content-length")
+                if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+                    refuse = _json_response(413, _too_large(self.max_bytes).body(), [(b"connection", b"close")])
+            if refuse is not None:
+                self.metrics.bad_requests.inc()
+                for msg in refuse:
+                    await counted_send(msg)
+                return
+            await self.app(scope, receive, counted_send)
+        finally:
+            route = path if path in ROUTES else "other"
+            code = status["code"] or 500
+            self.metrics.http_response(route, method, code)
+            if access_log.isEnabledFor(logging.INFO):
+                client = scope.get("client") or ("-", 0)
+                access_log.info('%s:%s "%s %s" %d %.1fms', client[0], client[1], method, path, code,
+                                (time.perf_counter() - t0) * 1e3)
+
+
+# Test hook (tests/serve/test_serve_safety.py): with GRAPHGEN_SERVE_PARSE_GATE=FILE, a request body
+# containing the bytes "parse-gate" makes its parsing thread create FILE.entered and wait (at most
+# 60 s) for FILE: a test holds a parse open and shows the event loop still answers /health.
+_PARSE_GATE = os.environ.get("GRAPHGEN_SERVE_PARSE_GATE")
+
+
+def _gate(raw: bytes) -> bytes:
+    if _PARSE_GATE and b"parse-gate" in raw[:256]:
+        open(_PARSE_GATE + ".entered", "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(_PARSE_GATE) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return raw
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(f"the request body exceeds {limit} bytes (--max-request-bytes)", status=413,
+                    code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, counted as it streams in (a chunked body has no Content-Length): a 413 as soon as it
+    passes ``limit`` bytes."""
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _Choice:
@@ -43,12 +147,13 @@ class _Choice:
         self.error: Optional[str] = None
 
     def feed(self, o: RequestOutput) -> tuple[str, list[int], bool]:
-        """Returns (new text, new token ids, stopped by a stop string)."""
+        """Returns (new text, new token ids, stopped by a stop string). Detokenizes: the server calls
+        it off the event loop (``asyncio.to_thread``)."""
         self.tokens.extend(o.new_token_ids)
         self.cached = max(self.cached, o.num_cached_tokens)
         stopped = False
         if self.tok is not None:
-            text = self.tok.decode(self.tokens)
+            text = self.tok.decode(self.tokens, skip_special_tokens=True)  # EOS is not text (as vLLM)
             cut = find_stop(text, self.stops) if self.stops else -1
             if cut >= 0:
                 text, stopped = text[:cut], True
@@ -67,8 +172,13 @@ class _Choice:
 
 
 def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = NULL,
-               drain_timeout_s: float = 30.0) -> FastAPI:
-    metrics = ServerMetrics()
+               drain_timeout_s: float = 30.0, api_keys: Sequence[str] = (),
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """``api_keys``: when given, every ``/v1/*`` request must send one (``Authorization: Bearer``).
+    ``app.state.drain()`` (called by ``run_server`` on SIGTERM, from a thread) stops accepting —
+    ``/health`` answers 503 from then on — and drains the engine loop while the socket still
+    answers; the lifespan's shutdown is then only the rest (the trace)."""
+    metrics = ServerMetrics(engine.model_name)
     loop = EngineLoop(engine, metrics, trace)
     ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer)
     ids = itertools.count()
@@ -76,7 +186,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        loop.start()
+        await asyncio.to_thread(loop.start)  # returns once the gauges hold the engine's first stats
         state["accepting"] = True
         try:
             yield
@@ -87,6 +197,13 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
 
     app = FastAPI(title="graphgen", lifespan=lifespan)
     app.state.loop, app.state.metrics = loop, metrics
+    app.add_middleware(_Gate, metrics=metrics, api_keys=list(api_keys), max_request_bytes=max_request_bytes)
+
+    def drain() -> None:
+        state["accepting"] = False
+        loop.stop(drain_timeout_s)
+
+    app.state.drain = drain
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -108,14 +225,18 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
     async def prom():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    # JSON parsing, validation and tokenization run off the event loop: /health and other
+    # requests are answered while a large prompt is tokenized
     @app.post("/v1/completions")
     async def completions(request: Request):
-        parsed = parse_completion(parse_json(await request.body()), ctx)
+        raw = await read_body(request, max_request_bytes)
+        parsed = await asyncio.to_thread(lambda: parse_completion(parse_json(_gate(raw)), ctx))
         return await _serve(request, parsed, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        parsed = parse_chat(parse_json(await request.body()), ctx)
+        raw = await read_body(request, max_request_bytes)
+        parsed = await asyncio.to_thread(lambda: parse_chat(parse_json(_gate(raw)), ctx))
         return await _serve(request, parsed, chat=True)
 
     async def _serve(request: Request, parsed: Parsed, chat: bool):
@@ -143,12 +264,15 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
         cs = list(choices.values())
         return usage(sum(c.prompt_len for c in cs), sum(len(c.tokens) for c in cs), sum(c.cached for c in cs))
 
-    def _take(o: RequestOutput, choices, open_ids: set):
+    async def _take(o: RequestOutput, choices, open_ids: set):
         """Feed one output; returns (choice, delta, new ids, finished now) or None if stale."""
         if o.req_id not in open_ids:
             return None  # e.g. the abort that follows a stop-string cut
         c = choices[o.req_id]
-        delta, new_ids, stopped = c.feed(o)
+        if tokenizer is not None:  # detokenization off the event loop
+            delta, new_ids, stopped = await asyncio.to_thread(c.feed, o)
+        else:
+            delta, new_ids, stopped = c.feed(o)
         if stopped:
             loop.abort(o.req_id)
         done = stopped or o.finished
@@ -166,7 +290,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
                     if await request.is_disconnected():
                         return Response(status_code=499)
                     continue
-                _take(o, choices, open_ids)
+                await _take(o, choices, open_ids)
         finally:
             for rid in open_ids:  # client gone (or cancelled): free the engine's work
                 loop.abort(rid)
@@ -190,15 +314,19 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
         open_ids = set(rids)
         obj = "chat.completion.chunk" if chat else "text_completion"
         first = set(rids)
+        failed = False
         try:
             while open_ids:
-                got = _take(await q.get(), choices, open_ids)
+                got = await _take(await q.get(), choices, open_ids)
                 if got is None:
                     continue
                 c, delta, new_ids, done = got
                 if c.finish_reason in ("error", "abort") and c.error:
+                    # cut (engine error, drain timeout): the error event is the stream's last, then [DONE]
+                    failed = True
                     yield sse({"error": {"message": f"the request could not be completed: {c.error}",
                                          "type": "server_error", "param": None, "code": c.finish_reason}})
+                    continue
                 if not (delta or new_ids or done):
                     continue
                 if chat:
@@ -212,7 +340,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
                     ch = {"index": c.index, "text": delta, "finish_reason": c.finish_reason if done else None,
                           "logprobs": None, "token_ids": new_ids}
                 yield sse({"id": base, "object": obj, "created": created, "model": parsed.model, "choices": [ch]})
-            if parsed.include_usage:
+            if parsed.include_usage and not failed:
                 yield sse({"id": base, "object": obj, "created": created, "model": parsed.model, "choices": [],
                            "usage": _usage(choices)})
             yield SSE_DONE

@@ -11,18 +11,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 EXIT_OK, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 2, 3
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+API_KEY_ENV = "GRAPHGEN_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", required=True, help="model spec (YAML)")
     p.add_argument("--weights", required=True, help="Hugging Face checkpoint folder (a tokenizer in it enables text)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on stdout)")
     p.add_argument("--write", choices=("off", "sync", "async"), default=None, help="override mempool.write")
     p.add_argument("--granularity", choices=("forward", "layer"), default=None, help="override mempool.granularity")
@@ -43,12 +47,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace-event JSON on exit")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                   help="info adds an access log line per request (graphgen.serve.access)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every /v1/* route (repeatable; default: "
+                        f"${API_KEY_ENV} if set); /health and /metrics stay open")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="larger request bodies get a 413 (checked before the body is read)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's EOS ids (a request's own stop ids still apply)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description=__doc__.split("\n\n")[0])
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(p)
     p.set_defaults(handler=cmd_serve)
     return p
@@ -76,11 +89,52 @@ def _ranks(args) -> int:
 
 def load_tokenizer(folder: Path):
     """The checkpoint folder's tokenizer, or None when it has none (prompts are then token ids)."""
-    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
-        return None
-    from transformers import AutoTokenizer
+    from ..runtime import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load(folder)
+
+
+def check_args(args):
+    """Every argument checked before anything heavy is imported or loaded; returns (an error
+    message or None, the spec). The port is checked by binding it (``bind_socket``), also first."""
+    for flag, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_request_bytes", 1),
+                      ("tp", 1), ("ep", 1), ("torch_threads", 1)):
+        v = getattr(args, flag)
+        if v is not None and v < low:
+            return f"--{flag.replace('_', '-')} must be >= {low}, got {v}", None
+    if not args.drain_timeout >= 0:
+        return f"--drain-timeout must be >= 0, got {args.drain_timeout}", None
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}", None
+    if args.api_key is not None and any(not k for k in args.api_key):
+        return "--api-key: empty key", None
+    weights = Path(args.weights)
+    if not weights.is_dir():
+        return f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)", None
+    from ..modelspec.loader import load_spec
+
+    try:
+        spec = load_spec(args.spec)
+    except Exception as e:  # a spec error renders with its file:line
+        return f"--spec {args.spec}: {e}", None
+    bs = spec.kv_cache.block_size
+    need = -(-2 // bs)  # one prompt token and one generated token
+    if args.num_blocks < need:
+        return (f"--num-blocks {args.num_blocks}: one request needs at least {need} block(s) "
+                f"(a 1-token prompt and 1 generated token; block_size {bs})"), None
+    return None, spec
+
+
+def bind_socket(host: str, port: int):
+    """The listening socket, bound before the model loads (a busy port fails fast); (sock, error)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        return None, f"cannot listen on {host}:{port}: {e}"
+    return sock, None
 
 
 def cmd_serve(args) -> int:
@@ -92,14 +146,24 @@ def cmd_serve(args) -> int:
         print(f"graphgen serve: {e.name} is missing; install the serve extra: pip install -e '.[serve]'",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.max_num_seqs < 1:
-        return _err("--max-num-seqs must be >= 1")
-    if args.max_num_batched_tokens < 1:
-        return _err("--max-num-batched-tokens must be >= 1")
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    problem, _spec = check_args(args)
+    if problem:
+        return _err(problem)
     weights = Path(args.weights)
-    if not weights.is_dir():
-        return _err(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
+    api_keys = args.api_key if args.api_key is not None else (
+        [os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    sock, problem = bind_socket(args.host, args.port)  # before the model loads: a busy port fails fast
+    if problem:
+        return _err(problem)
+    try:
+        return _serve(args, weights, sock, api_keys)
+    finally:
+        sock.close()
+
+
+def _serve(args, weights: Path, sock, api_keys) -> int:
     import torch
 
     from ..runtime import Faults, RankFailure, open_engine
@@ -122,32 +186,54 @@ def cmd_serve(args) -> int:
                              async_scheduling=args.async_scheduling, **ranks)
     except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
+    from ..runtime import eos_token_ids
+
     tokenizer = load_tokenizer(weights)
     trace = TraceRecorder(args.trace, process_name="graphgen serve") if args.trace else NULL
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    adapter = LLMEngineAdapter(engine, eos_token_ids=() if eos is None else (eos,), trace=trace,
-                               model_name=args.served_model_name)
-    app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout)
-    return run_server(app, args.host, args.port, args.log_level, args.drain_timeout)
+    # the checkpoint's EOS ids (generation_config.json over config.json, plus the tokenizer's)
+    eos = [] if args.ignore_eos else eos_token_ids(weights)
+    adapter = LLMEngineAdapter(engine, eos_token_ids=eos, trace=trace, model_name=args.served_model_name)
+    app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout,
+                     api_keys=api_keys, max_request_bytes=args.max_request_bytes)
+    return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
 
 
-def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0) -> int:
-    """Bind (``port`` 0: a free one), announce, serve until SIGINT/SIGTERM; uvicorn then stops
-    accepting, gives open requests ``drain_timeout_s`` and runs the app's shutdown."""
+def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0,
+               sock=None) -> int:
+    """Bind (``port`` 0: a free one; or serve ``sock``, bound already), announce, serve until
+    SIGINT/SIGTERM. The first signal drains while the socket still answers (``/health`` 503, new
+    requests 503, running ones get ``drain_timeout_s``, then are cut with an error event), then
+    uvicorn stops; a second signal stops at once."""
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        return _err(f"cannot listen on {host}:{port}: {e}")
+    if sock is None:
+        sock, problem = bind_socket(host, port)
+        if problem:
+            return _err(problem)
     bound = sock.getsockname()
+    drain = getattr(app.state, "drain", None)
 
     class _Server(uvicorn.Server):
+        draining = False
+
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             print(f"graphgen serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
+
+        def handle_exit(self, sig, frame):
+            if drain is None or self.draining or self.should_exit:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+
+            def run():
+                try:
+                    drain()
+                except Exception:
+                    logging.getLogger("graphgen.serve").exception("drain failed")
+                finally:
+                    self.should_exit = True
+
+            threading.Thread(target=run, name="drain", daemon=True).start()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -168,6 +254,7 @@ def run_server(app, host: str, port: int, log_level: str = "warning", drain_time
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m graphgen.serve", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m graphgen.serve", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(ap)
     return cmd_serve(ap.parse_args(argv))

@@ -29,6 +29,9 @@ class _Track:
     arrived: float
     last: Optional[float] = None
     tokens: int = field(default=0)
+    first: Optional[float] = None  # its first token
+    scheduled: Optional[float] = None  # start of the engine step that gave its first token
+    prompt_len: int = 0
 
 
 class EngineLoop:
@@ -42,11 +45,15 @@ class EngineLoop:
         self._tracks: dict[str, _Track] = {}
         self._stop_deadline: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._ready = threading.Event()
         self.error: Optional[BaseException] = None
 
     # ---- called from any thread ------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start the thread; returns once it has read the engine's first stats (the gauges are set
+        before the server accepts a request, not at the first step)."""
         self._thread.start()
+        self._ready.wait(timeout_s)
 
     def submit(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None]) -> None:
@@ -68,14 +75,20 @@ class EngineLoop:
     # ---- the loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            try:
+                stats = self.engine.stats()
+                self.metrics.set_num_blocks(stats.free_blocks)  # nothing in use yet: all of them
+                self.metrics.update_stats(stats)
+            finally:
+                self._ready.set()
             while True:
                 self._take_inbox(block=not self.engine.has_work())
                 if self._stop_deadline is not None:
                     if not self.engine.has_work():
                         break
                     if time.perf_counter() > self._stop_deadline:
-                        for rid in list(self._tracks):
-                            self._abort(rid)
+                        for rid in list(self._tracks):  # cut: the client is told why
+                            self._abort(rid, error="the server is shutting down (drain timeout)")
                         break
                 if self.engine.has_work():
                     self._step()
@@ -115,18 +128,19 @@ class EngineLoop:
             except ValueError as e:  # the server validates first; this is the engine's own check
                 on_output(RequestOutput(rid, (), True, "error", num_prompt_tokens=len(ids), error=str(e)))
                 return
-            self._tracks[rid] = _Track(on_output, arrived)
+            self._tracks[rid] = _Track(on_output, arrived, prompt_len=len(ids))
         elif kind == "abort":
             self._abort(cmd[1])
         elif kind == "stop":
             self._stop_deadline = cmd[1]
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, error: Optional[str] = None) -> None:
         if rid in self._tracks:
             self.engine.abort(rid)
-            self._finish(rid, RequestOutput(rid, (), True, "abort"))
+            self._finish(rid, RequestOutput(rid, (), True, "abort", error=error))
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outs = self.engine.step()
         except Exception as e:  # a failed step fails its requests, not the server
@@ -142,6 +156,7 @@ class EngineLoop:
                 continue
             for _ in o.new_token_ids:
                 if t.last is None:
+                    t.first, t.scheduled = now, started
                     self.metrics.ttft.observe(now - t.arrived)
                 else:
                     self.metrics.itl.observe(now - t.last)
@@ -157,8 +172,16 @@ class EngineLoop:
         if t is None:
             return
         now = time.perf_counter()
-        self.metrics.requests.labels(finish_reason=o.finish_reason or "unknown").inc()
-        self.metrics.e2e.observe(now - t.arrived)
+        m = self.metrics
+        m.finished(o.finish_reason or "unknown")
+        m.e2e.observe(now - t.arrived)
+        if t.first is not None:  # vLLM's phases: waiting, prefill (to the first token), decode
+            m.queue.observe(max(0.0, t.scheduled - t.arrived))
+            m.prefill.observe(t.first - t.scheduled)
+            m.decode.observe(now - t.first)
+            m.inference.observe(now - t.scheduled)
+        m.prompt_tokens.observe(t.prompt_len)
+        m.generation_tokens.observe(t.tokens)
         self.trace.complete(TRACK_SERVER, "request", t.arrived, now, req=rid, tokens=t.tokens,
                             finish_reason=o.finish_reason)
         self._send(t, o)

@@ -3,6 +3,9 @@
 Histograms are observed as events happen (TTFT and inter-token latency by the engine loop; save
 and commit latency from the engine's timings); gauges and totals are read from the engine's latest
 :class:`EngineStats` snapshot at scrape time, so they can never drift from the engine's own counts.
+The snapshot is taken when the engine loop starts, before the server accepts requests, so the gauges
+are right from the first scrape. Where vLLM has a series of the same meaning it is also exported
+under vLLM's name (labelled ``model_name``), so vLLM's dashboards read a graphgen server.
 """
 
 from __future__ import annotations
@@ -33,9 +36,20 @@ _TOTALS = (("graphgen_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tok
            ("graphgen_preemptions", "preemptions", "Requests preempted (blocks taken back, recomputed later)."))
 
 
+# vLLM's names for the same quantities (labelled model_name, as vLLM's are)
+_VLLM_GAUGES = (("vllm:num_requests_running", "running", "Number of requests in model execution batches."),
+                ("vllm:num_requests_waiting", "waiting", "Number of requests waiting to be processed."))
+_VLLM_TOTALS = (("vllm:prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+                ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+                ("vllm:num_preemptions", "preemptions", "Cumulative number of preemption from the engine."))
+_TOKEN_BUCKETS = tuple(float(b) for b in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000))
+
+
 class _StatsCollector:
-    def __init__(self):
+    def __init__(self, model_name: str):
         self.snapshot = EngineStats()
+        self.model_name = model_name
+        self.num_blocks = 0  # device KV blocks in all: the free count at start-up (nothing in use yet)
 
     def collect(self):
         s = self.snapshot
@@ -47,20 +61,69 @@ class _StatsCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], getattr(s, attr))
             yield c
+        m = [self.model_name]
+        for name, attr, doc in _VLLM_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, getattr(s, attr))
+            yield g
+        g = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                              labels=["model_name"])
+        g.add_metric(m, (1.0 - s.free_blocks / self.num_blocks) if self.num_blocks else 0.0)
+        yield g
+        for name, attr, doc in _VLLM_TOTALS:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, getattr(s, attr))
+            yield c
+
+
+class _Both:
+    """One observation, two series: graphgen's and vLLM's name (labelled ``model_name``)."""
+
+    def __init__(self, *hists):
+        self.hists = hists
+
+    def observe(self, v: float) -> None:
+        for h in self.hists:
+            h.observe(v)
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         self.registry = CollectorRegistry()
-        self._stats = _StatsCollector()
+        self.model_name = model_name
+        self._stats = _StatsCollector(model_name)
         self.registry.register(self._stats)
         r = self.registry
-        self.ttft = Histogram("graphgen_time_to_first_token_seconds", "Request arrival to its first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("graphgen_inter_token_latency_seconds", "Time between a request's tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("graphgen_e2e_request_latency_seconds", "Request arrival to its last token.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+
+        def vllm(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(model_name=model_name)
+
+        self.ttft = _Both(Histogram("graphgen_time_to_first_token_seconds", "Request arrival to its first token.",
+                                    buckets=_LATENCY_BUCKETS, registry=r),
+                          vllm("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."))
+        itl = Histogram("graphgen_inter_token_latency_seconds", "Time between a request's tokens.",
+                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = _Both(itl, vllm("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+                         vllm("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."))
+        self.e2e = _Both(Histogram("graphgen_e2e_request_latency_seconds", "Request arrival to its last token.",
+                                   buckets=_LATENCY_BUCKETS, registry=r),
+                         vllm("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."))
+        # per-request phases, measured by the engine loop at step granularity (docs/serve.md)
+        self.queue = vllm("vllm:request_queue_time_seconds", "Time spent in the WAITING phase for the request.")
+        self.prefill = vllm("vllm:request_prefill_time_seconds", "Time spent in the PREFILL phase for the request.")
+        self.decode = vllm("vllm:request_decode_time_seconds", "Time spent in the DECODE phase for the request.")
+        self.inference = vllm("vllm:request_inference_time_seconds",
+                              "Time spent in the RUNNING phase for the request.")
+        self.prompt_tokens = vllm("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                  _TOKEN_BUCKETS)
+        self.generation_tokens = vllm("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                      _TOKEN_BUCKETS)
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ["finished_reason", "model_name"], registry=r)
+        self.http = Counter("graphgen_http_requests", "HTTP responses by route, method and status code.",
+                            ["route", "method", "status"], registry=r)
+        self._http_vllm = Counter("http_requests_total", "Total number of requests by method, status and handler.",
+                                  ["handler", "method", "status"], registry=r)
         self.forward = Histogram("graphgen_forward_latency_seconds", "One engine step's forward (generated graph).",
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.save = Histogram("graphgen_kv_save_latency_seconds", "Forward start to the step's KV saved to staging.",
@@ -71,6 +134,17 @@ class ServerMetrics:
                                 registry=r)
         self.bad_requests = Counter("graphgen_bad_requests", "Requests refused with a 4xx.", registry=r)
         self._lock = threading.Lock()
+
+    def finished(self, finish_reason: str) -> None:
+        self.requests.labels(finish_reason=finish_reason).inc()
+        self._success.labels(finished_reason=finish_reason, model_name=self.model_name).inc()
+
+    def http_response(self, route: str, method: str, status: int) -> None:
+        self.http.labels(route=route, method=method, status=str(status)).inc()
+        self._http_vllm.labels(handler=route, method=method, status=f"{status // 100}xx").inc()
+
+    def set_num_blocks(self, n: int) -> None:
+        self._stats.num_blocks = n
 
     def update_stats(self, stats: EngineStats) -> None:
         self._stats.snapshot = stats  # one reference swap: a scrape sees one whole snapshot

@@ -8,12 +8,18 @@ other than 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, non-zero penal
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..runtime import SamplingParams
 
 MAX_STOP = 4
+MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (deeper: a 400, before json.loads)
+MIN_TEMPERATURE = 1e-5  # below it (but not 0) the logits / temperature overflow float32: a 400
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+DEFAULT_COMPLETION_TOKENS = 16  # completions without max_tokens (OpenAI's default); chat: up to the context
 
 
 class ApiError(Exception):
@@ -35,13 +41,67 @@ class Parsed:
     model: str
 
 
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = re.compile(rb"[^\[\]{}]+")
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the arrays/objects of ``raw`` nest deeper than ``limit`` (strings skipped), without
+    recursion: the brackets alone, innermost pairs removed once per level (C-speed regex passes).
+    Unbalanced brackets are left for ``json.loads`` to report."""
+    s = _NOT_BRACKETS.sub(b"", _STRINGS.sub(b"", raw))
+    for _ in range(limit):
+        if not s:
+            return False
+        t = _INNERMOST.sub(b"", s)
+        if t == s:
+            return False  # unbalanced: not JSON (json.loads says where)
+        s = t
+    return bool(s) and _INNERMOST.search(s) is not None
+
+
+def _surrogate_path(v, path: str = "") -> Optional[str]:
+    """The path (``messages[0].content``) of the first string holding a lone UTF-16 surrogate (JSON
+    allows the escape ``\\ud800``; UTF-8, the tokenizer and the response encoder do not)."""
+    stack = [(v, path)]
+    while stack:
+        x, p = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return p or "body"
+        elif isinstance(x, dict):
+            for k, y in x.items():
+                if _surrogate_path(k, "") is not None:
+                    return (p + "." if p else "") + "<key>"
+                stack.append((y, f"{p}.{k}" if p else k))
+        elif isinstance(x, list):
+            stack.extend((y, f"{p}[{i}]") for i, y in enumerate(x) if isinstance(y, (str, dict, list)))
+    return None
+
+
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400: not UTF-8 / not JSON, nested deeper than
+    ``MAX_JSON_DEPTH``, a lone surrogate in a string, numbers too long to parse."""
+    if json_depth_exceeds(raw):
+        raise ApiError(f"the request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json")
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise ApiError("the request body nests too deeply", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        raise ApiError(f"the request body is not valid JSON: {e}"[:300], code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _surrogate_path(body)
+        if where is not None:
+            raise ApiError(f"'{where}' holds a lone UTF-16 surrogate (not valid Unicode text)", param=where,
+                           code="invalid_encoding")
     return body
 
 
@@ -72,10 +132,27 @@ class Context:
         if self.tokenizer is None:
             raise ApiError(f"'{param}' is text but the checkpoint folder has no tokenizer: send token ids",
                            param=param, code="no_tokenizer")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except Exception as e:  # e.g. text the tokenizer cannot take: the request's fault, not the server's
+            raise ApiError(f"'{param}' could not be tokenized: {e}"[:300], param=param, code="invalid_value") from None
 
 
-def _common(body: dict, ctx: Context) -> tuple[SamplingParams, bool, bool, str]:
+def _number(body, name, default: float) -> float:
+    """A finite number (int or float; huge ints that overflow a float are a 400 too)."""
+    v = _get(body, name, _is_num, "a number", default)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise ApiError(f"'{name}' must be a finite number", param=name, code="invalid_value")
+    return f
+
+
+def _common(body: dict, ctx: Context) -> tuple[dict, bool, bool, str]:
+    """The fields both routes share: (SamplingParams keyword arguments — ``max_tokens`` None when
+    not given —, stream, include_usage, model)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model", code="invalid_type")
@@ -97,13 +174,23 @@ def _common(body: dict, ctx: Context) -> tuple[SamplingParams, bool, bool, str]:
             raise ApiError(f"non-zero '{name}' is not supported", param=name, code="unsupported_value")
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
         body = dict(body, max_tokens=body["max_completion_tokens"])
-    max_tokens = _get(body, "max_tokens", _is_int, "an integer", 16)
-    if max_tokens <= 0:
+    max_tokens = _get(body, "max_tokens", _is_int, "an integer", None)
+    if max_tokens is not None and max_tokens <= 0:
         raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens", code="invalid_value")
-    temperature = _get(body, "temperature", _is_num, "a number", 1.0)
-    top_p = _get(body, "top_p", _is_num, "a number", 1.0)
+    if max_tokens is not None and max_tokens >= ctx.max_model_len:  # no prompt leaves room for it
+        raise ApiError(f"'max_tokens' ({str(max_tokens)[:20]}) must be less than this model's maximum context "
+                       f"length, {ctx.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+    temperature = _number(body, "temperature", 1.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ApiError(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}",
+                       param="temperature", code="invalid_value")
+    top_p = _number(body, "top_p", 1.0)
     top_k = _get(body, "top_k", _is_int, "an integer", 0)
+    if top_k > 1 << 31:
+        top_k = 0  # more than any vocabulary: no limit
     seed = _get(body, "seed", _is_int, "an integer", None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ApiError(f"'seed' must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]", param="seed", code="invalid_value")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -117,18 +204,25 @@ def _common(body: dict, ctx: Context) -> tuple[SamplingParams, bool, bool, str]:
         raise ApiError("'stop' strings need a tokenizer in the checkpoint folder", param="stop", code="no_tokenizer")
     stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
                     "a list of integers", [])
+    if any(not 0 <= t < ctx.vocab_size for t in stop_ids):
+        raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids",
+                       code="invalid_token_id")
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)  # vLLM's extension
     opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = bool(opts.get("include_usage", False))
+    kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+              stop=tuple(s for s in stop if s), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+    _params(dict(kw, max_tokens=1))  # every field checked before any tokenization
+    return kw, stream, include_usage, ctx.model_name
+
+
+def _params(kw: dict) -> SamplingParams:
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                top_k=top_k, seed=seed, stop=tuple(s for s in stop if s),
-                                stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+        return SamplingParams(**kw)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(str(e), param=field, code="invalid_value") from None
-    return params, stream, include_usage, ctx.model_name
 
 
 def _check_ids(ids: list, ctx: Context, param: str, max_tokens: int) -> tuple[int, ...]:
@@ -145,7 +239,10 @@ def _check_ids(ids: list, ctx: Context, param: str, max_tokens: int) -> tuple[in
 
 
 def parse_completion(body: dict, ctx: Context) -> Parsed:
-    params, stream, include_usage, model = _common(body, ctx)
+    kw, stream, include_usage, model = _common(body, ctx)
+    if kw["max_tokens"] is None:
+        kw["max_tokens"] = DEFAULT_COMPLETION_TOKENS
+    params = _params(kw)
     p = body.get("prompt")
     if isinstance(p, str):
         raw = [ctx.encode(p, "prompt")]
@@ -163,7 +260,7 @@ def parse_completion(body: dict, ctx: Context) -> Parsed:
 
 
 def parse_chat(body: dict, ctx: Context) -> Parsed:
-    params, stream, include_usage, model = _common(body, ctx)
+    kw, stream, include_usage, model = _common(body, ctx)
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise ApiError("chat completions need a tokenizer with a chat template in the checkpoint folder",
@@ -187,8 +284,15 @@ def parse_chat(body: dict, ctx: Context) -> Parsed:
             raise ApiError(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant, developer",
                            param=f"messages[{i}].role", code="invalid_value")
         clean.append({"role": m["role"], "content": m["content"]})
-    text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-    ids = list(tok.encode(text, add_special_tokens=False))
+    try:
+        text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template refused these messages
+        raise ApiError(f"'messages' do not fit the chat template: {e}"[:300], param="messages",
+                       code="invalid_value") from None
+    ids = ctx.encode(text, "messages")
+    if kw["max_tokens"] is None:  # chat without max_tokens: up to the context (as vLLM)
+        kw["max_tokens"] = max(1, ctx.max_model_len - len(ids))
+    params = _params(kw)
     return Parsed((_check_ids(ids, ctx, "messages", params.max_tokens),), params, stream, include_usage, model)
 
 

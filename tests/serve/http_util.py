@@ -7,12 +7,12 @@ import json
 from urllib.parse import urlparse
 
 
-def post(base: str, path: str, body, timeout: float = 60.0) -> tuple[int, dict]:
+def post(base: str, path: str, body, timeout: float = 60.0, headers=None) -> tuple[int, dict]:
     u = urlparse(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
         data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         r = conn.getresponse()
         raw = r.read()
         return r.status, (json.loads(raw) if raw else {})
@@ -20,23 +20,23 @@ def post(base: str, path: str, body, timeout: float = 60.0) -> tuple[int, dict]:
         conn.close()
 
 
-def get(base: str, path: str, timeout: float = 30.0) -> tuple[int, str]:
+def get(base: str, path: str, timeout: float = 30.0, headers=None) -> tuple[int, str]:
     u = urlparse(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=headers or {})
         r = conn.getresponse()
         return r.status, r.read().decode()
     finally:
         conn.close()
 
 
-def open_stream(base: str, body: dict, timeout: float = 60.0):
+def open_stream(base: str, body: dict, timeout: float = 60.0, headers=None):
     """(connection, response) of a streaming completion; read lines with response.readline()."""
     u = urlparse(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)),
-                 headers={"Content-Type": "application/json"})
+                 headers={"Content-Type": "application/json", **(headers or {})})
     return conn, conn.getresponse()
 
 

@@ -17,7 +17,7 @@ STOP_S = 60
 
 
 class Server:
-    def __init__(self, ckpt, *extra, trace=None, cli=False, spec=SPEC):
+    def __init__(self, ckpt, *extra, trace=None, cli=False, spec=SPEC, env=None):
         """``cli``: start it as ``python -m graphgen serve`` (the CLI's subcommand) instead of
         ``python -m graphgen.serve`` (the module alone); the same code behind both."""
         entry = ["-m", "graphgen", "serve"] if cli else ["-m", "graphgen.serve"]
@@ -25,7 +25,7 @@ class Server:
                 "--port", "0", "--torch-threads", "1", *extra]
         if trace:
             args += ["--trace", str(trace)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         deadline = time.monotonic() + STARTUP_S
@@ -49,7 +49,7 @@ class Server:
             self.proc.kill()
             raise
 
-    def client(self):
+    def client(self, api_key: str = "unused"):
         import openai
 
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", timeout=60, max_retries=0)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, timeout=60, max_retries=0)

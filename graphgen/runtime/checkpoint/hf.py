@@ -152,6 +152,8 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
     """Write ``config.json`` + ``model.safetensors`` with random weights; returns ``out_dir``.
     With ``tokenizer`` (and the ``tokenizers`` package installed) also a byte-level BPE tokenizer of
     exactly ``vocab_size`` tokens (``runtime.tokenizer.write_tokenizer``), so text prompts work.
+    ``eos_token_id`` in ``config.json`` is that tokenizer's EOS (``tokenizer.eos_token``; written even
+    without the ``tokenizers`` package), so ``graphgen run``/``serve`` stop where it would.
 
     Scales keep activations and logits O(1): matrices ~ N(0, (1/sqrt(fan_in))^2) clipped to
     std 0.02..0.1, norms ~ 1 + N(0, 0.05^2), embeddings std 0.1 (normed right after), and a small
@@ -162,6 +164,10 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
     d = fam.dims_of(dims)
     cfg = fam.hf_config(d, str(dtype).replace("torch.", ""))
     layout = fam.checkpoint_layout(d)
+    from .tokenizer import eos_token
+
+    eos = eos_token(cfg["vocab_size"])  # the EOS of the tokenizer written below (None: no tokenizer fits)
+    cfg["eos_token_id"] = eos[1] if eos else None
     if cfg["tie_word_embeddings"]:
         layout.pop("lm_head.weight")  # tied checkpoints omit it; the loader re-adds it
 

@@ -4,8 +4,10 @@ Byte-level BPE trained with ``tokenizers`` on text the repository ships (``docs/
 README), to **exactly** the model's vocabulary size: 256 byte tokens (any text is encodable), then,
 when the vocabulary has room, the special tokens, then merges; if the text runs out of merges the
 rest is filled with ``<|reserved_N|>`` specials. A vocabulary of exactly 256 (the tiny specs) is the
-byte alphabet alone: no merges and no special tokens — the chat template then uses plain-text
-markers. Saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with a chat template), which
+byte alphabet alone: no merges, and one special token, the EOS: the NUL byte's token (``Ā`` in
+the byte-level alphabet; text never contains NUL) — the chat template then uses plain-text markers.
+:func:`eos_token` gives the EOS (text and id) of a vocabulary size without the ``tokenizers``
+package; ``write_random_hf_checkpoint`` writes that id as ``eos_token_id``. Saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with a chat template), which
 ``transformers.AutoTokenizer.from_pretrained(folder)`` loads. Deterministic: the same corpus and
 vocab size give byte-identical files (the corpus files are read in sorted order).
 """
@@ -17,10 +19,29 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-__all__ = ["write_tokenizer", "default_corpus", "CHAT_TEMPLATE_SPECIAL", "CHAT_TEMPLATE_PLAIN"]
+__all__ = ["write_tokenizer", "default_corpus", "eos_token", "CHAT_TEMPLATE_SPECIAL", "CHAT_TEMPLATE_PLAIN"]
 
 BYTE_ALPHABET = 256
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _byte_alphabet() -> list[str]:
+    """The byte-level pre-tokenizer's 256 characters (GPT-2's bytes -> unicode map), by byte value."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def eos_token(vocab_size: int) -> Optional[tuple[str, int]]:
+    """(text, id) of the EOS of the tokenizer `write_tokenizer` writes for ``vocab_size``, or None
+    (no tokenizer fits). With the specials: ``<|endoftext|>``, id 0 (the trainer puts specials
+    first); a byte vocabulary: the NUL byte's character, at its rank in the sorted alphabet."""
+    if vocab_size < BYTE_ALPHABET:
+        return None
+    if vocab_size >= BYTE_ALPHABET + len(SPECIALS):
+        return SPECIALS[0], 0
+    alphabet = _byte_alphabet()
+    return alphabet[0], sorted(alphabet).index(alphabet[0])
 
 # The ChatML layout when the specials exist; plain-text role markers otherwise (byte vocabularies).
 CHAT_TEMPLATE_SPECIAL = (
@@ -57,12 +78,16 @@ def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[Path]] =
     short = vocab_size - tok.get_vocab_size()
     if short > 0:  # the corpus ran out of merges: fill with reserved specials
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)])
+    eos, eos_id = eos_token(vocab_size)
+    if not specials:  # a byte vocabulary: its NUL byte's token is the EOS (marked special, no new id)
+        tok.add_special_tokens([eos])
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {vocab_size}")
+    if tok.token_to_id(eos) != eos_id:
+        raise RuntimeError(f"tokenizer's EOS {eos!r} has id {tok.token_to_id(eos)}, expected {eos_id}")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "tokenizer.json")
     tok.save(path, pretty=False)
-    eos = SPECIALS[0] if specials else None
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": 1 << 20,

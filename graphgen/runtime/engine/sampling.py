@@ -75,7 +75,11 @@ class Sampler:
         row = logits.detach().reshape(-1).float()
         if p.greedy:
             return int(torch.argmax(row))
-        row = row / float(p.temperature)
+        scaled = row / float(p.temperature)
+        if not bool(torch.isfinite(scaled).all()):  # a temperature so small it overflows float32: its limit
+            scaled = torch.full_like(row, float("-inf"))
+            scaled[torch.argmax(row)] = 0.0
+        row = scaled
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
