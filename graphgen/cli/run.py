@@ -31,6 +31,12 @@ def cmd_run(args) -> int:
     prompts = [_prompt_ids(p) for p in args.prompt_ids]  # before importing torch: fast errors
     if args.max_num_seqs < 1:
         return _usage("--max-num-seqs must be >= 1")
+    # a missing extra is one sentence and exit 2 (cli/common.py's dispatch): the runtime's is checked
+    # by importing graphgen.runtime; Mooncake's here too, before the engine loads, not at pool creation
+    if args.pool.startswith("mooncake://"):
+        from ..install import require
+
+        require("mooncake", "graphgen run")
     from ..runtime.parallel.launcher import RankFailure
     from ..runtime.engine.facade import Engine
     from ..runtime.core.faults import Faults

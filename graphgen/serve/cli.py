@@ -16,7 +16,7 @@ import socket
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 2, 3
+EXIT_OK, EXIT_INVALID = 0, 2  # as in cli/common.py (a missing extra is exit 2 too)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,14 +84,15 @@ def load_tokenizer(folder: Path):
 
 
 def cmd_serve(args) -> int:
-    try:
-        import uvicorn  # noqa: F401
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-    except ImportError as e:
-        print(f"graphgen serve: {e.name} is missing; install the serve extra: pip install -e '.[serve]'",
-              file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    from ..install import MissingExtra, require
+
+    try:  # before anything heavy loads; also when run alone (python -m graphgen.serve)
+        require("serve", "graphgen serve")
+        if args.pool.startswith("mooncake://"):
+            require("mooncake", "graphgen serve")
+    except MissingExtra as e:
+        print(e, file=sys.stderr)
+        return EXIT_INVALID
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.max_num_seqs < 1:
         return _err("--max-num-seqs must be >= 1")
