@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["EXTRAS", "NEEDS", "MissingExtra", "extra_of", "is_checkout", "require", "source_checkout"]
+__all__ = ["EXTRAS", "NEEDS", "MissingExtra", "extra_of", "is_checkout", "require", "sentence", "source_checkout"]
 
 EXTRAS: dict[str, tuple[str, ...]] = {
     # executing generated graphs: `graphgen run`, `Engine`, `compile --standin`, the random checkpoints

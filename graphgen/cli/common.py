@@ -34,10 +34,12 @@ def usage_error(command: str, msg: str) -> int:
 
 
 def dispatch(args) -> int:
-    """Run the handler a command module set on ``args``; a spec error or a failed pass exits 2.
+    """Run the handler a command module set on ``args``; a spec error, a failed pass or a missing
+    install extra exits 2.
 
-    Both errors carry their own rendering (file:line:col and the fix for a spec; the failing pass
-    and the ones before it for a pass), so they are printed as they are, with no traceback.
+    The first two carry their own rendering (file:line:col and the fix for a spec; the failing pass
+    and the ones before it for a pass), so they are printed as they are, with no traceback; a missing
+    extra is the one sentence of ``graphgen.install`` naming the command and the extra.
     """
     from ..install import MissingExtra, extra_of, sentence
     from ..modelspec.errors import SpecError
