@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--save-delay", type=float, default=0.03, help="seconds added to each layer's save")
     ap.add_argument("--mooncake-inner", metavar="CKPT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not Path(args.spec).is_file():  # the default is the repository's spec, relative to its root
+        ap.error(f"{args.spec}: no such spec; run the demo in a source checkout's root or pass --spec FILE")
     if args.mooncake_inner:
         return _mooncake_inner(args.spec, args.mooncake_inner)
 

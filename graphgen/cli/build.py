@@ -8,11 +8,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import EXIT_INVALID, EXIT_OK, EXIT_STALE, err
+from .common import EXIT_INVALID, EXIT_OK, EXIT_STALE, err, usage_error
 
 
 def _spec_args(args) -> list[Path] | None:
-    return [Path(p) for p in args.spec] if args.spec else None
+    """The named specs, or None for the default ``specs/*.yaml`` (which must not be empty: from a
+    wheel, in a folder without specs, generating nothing and saying ok would hide the mistake)."""
+    if args.spec:
+        return [Path(p) for p in args.spec]
+    from ..generate import DEFAULT_SPEC_DIR, default_spec_paths
+
+    if not default_spec_paths():
+        raise SystemExit(usage_error(args.command, f"no {DEFAULT_SPEC_DIR.as_posix()}/*.yaml in this folder: "
+                                                   "pass --spec FILE (or run where the specs are)"))
+    return None
 
 
 def _fix_command(args) -> str:
@@ -24,10 +33,14 @@ def _fix_command(args) -> str:
     return " ".join(cmd)
 
 
-def _schema_extra(args) -> dict:
-    """specs/schema.json and docs/spec.md's generated tables are checked with the generated files when
-    the default specs are used (paths relative to the working folder, as the defaults are)."""
-    if args.spec:
+def _derived_files(args) -> dict:
+    """The checkout's files derived from the code (specs/schema.json, docs/spec.md's tables): written
+    and checked with the generated files when the default specs are used in the root of a graphgen
+    source checkout. Anywhere else (a wheel's user, a scratch folder) they are not that folder's
+    business: ``graphgen schema`` prints the schema."""
+    from ..install import is_checkout
+
+    if args.spec or not is_checkout(Path(".")):
         return {}
     from ..modelspec.schema import derived_files
 
@@ -43,11 +56,10 @@ def cmd_generate(args) -> int:
         print(f"{verb} {Path(args.out) / rel}")
     for rel in report.removed:
         print(f"{'would remove' if args.dry_run else 'removed'} {Path(args.out) / rel}")
-    if not args.spec and not args.dry_run:
+    if not args.dry_run:
         from ..generate import write_atomic
-        from ..modelspec.schema import derived_files
 
-        for path, text in derived_files(Path(".")).items():
+        for path, text in _derived_files(args).items():
             if write_atomic(path, text):
                 print(f"wrote {path.as_posix()}")
     err(f"graphgen: {len(report.written)} {'to write' if args.dry_run else 'written'}, "
@@ -58,7 +70,7 @@ def cmd_generate(args) -> int:
 def cmd_check(args) -> int:
     from ..generate import check
 
-    res = check(_spec_args(args), Path(args.out), extra=_schema_extra(args))
+    res = check(_spec_args(args), Path(args.out), extra=_derived_files(args))
     if res.ok:
         print("graphgen check: generated files are up to date")
         return EXIT_OK

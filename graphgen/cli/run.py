@@ -54,6 +54,12 @@ def cmd_run(args) -> int:
     args.prompts = [(k, _prompt_ids(v) if k == "ids" else v) for k, v in args.prompts]
     if args.max_num_seqs < 1:
         return _usage("--max-num-seqs must be >= 1")
+    # a missing extra is one sentence and exit 2 (cli/common.py's dispatch): the runtime's is checked
+    # by importing graphgen.runtime; Mooncake's here too, before the engine loads, not at pool creation
+    if args.pool.startswith("mooncake://"):
+        from ..install import require
+
+        require("mooncake", "graphgen run")
     from ..runtime import Faults, RankFailure, open_engine
 
     try:

@@ -12,18 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
+from ..install import source_checkout
 from ..passes.manager import run_pipeline
 from .cpu import render_cpu
 from .npu import NpuOptions, render_npu
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("cpu", "npu")
 
 
 def display_path(path) -> str:
-    """Stable, machine-independent name of a spec file for headers (never an absolute path)."""
+    """Stable, machine-independent name of a spec file for headers (never an absolute path): relative
+    to the working folder, else to the source checkout (when there is one), else the bare name."""
     p = Path(path).resolve()
-    for base in (Path.cwd().resolve(), REPO_ROOT):
+    for base in (Path.cwd().resolve(), source_checkout()):
+        if base is None:  # an installed wheel: no checkout to be relative to
+            continue
         try:
             return p.relative_to(base).as_posix()
         except ValueError:

@@ -27,6 +27,7 @@ from . import model as m
 from .compat import check_compat
 from .errors import Diagnostic, SpecError
 from ..families import BY_HF_MODEL_TYPE
+from ..install import source_checkout
 from .dump import dump_spec_yaml
 from .loader import parse_spec_text
 
@@ -262,9 +263,10 @@ def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 12
     header = "\n".join([f"Imported from {hf_dir.name}/config.json (model_type {config['model_type']}) "
                         "by graphgen.modelspec.import_hf.", *notes])
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    repo = Path(__file__).resolve().parents[2]
+    repo = source_checkout()
     rel = None
-    if out_path.resolve().is_relative_to(repo):  # editors find the schema only inside the checkout
+    # editors find the schema only inside a source checkout (a wheel ships none: `graphgen schema`)
+    if repo is not None and out_path.resolve().is_relative_to(repo):
         rel = os.path.relpath(repo / "specs" / "schema.json", out_path.resolve().parent).replace(os.sep, "/")
     text_out = dump_spec_yaml(spec, header=header, schema=rel)
     if parse_spec_text(text_out, str(out_path)) != spec:  # the dump contract; never expected to fire

@@ -232,9 +232,13 @@ def derived_files(repo) -> dict:
 
 def _write_files() -> None:
     """Refresh specs/schema.json and the generated part of docs/spec.md in this checkout."""
-    from pathlib import Path
+    from ..install import source_checkout
 
-    for path, text in derived_files(Path(__file__).resolve().parents[2]).items():
+    repo = source_checkout()
+    if repo is None:
+        raise SystemExit("--write-doc refreshes a source checkout's specs/schema.json and docs/spec.md; "
+                         "this graphgen is an installed wheel (graphgen schema prints the schema)")
+    for path, text in derived_files(repo).items():
         path.write_text(text)
 
 

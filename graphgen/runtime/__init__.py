@@ -1,12 +1,19 @@
 """graphgen's runtime: the public face (what `graphgen serve`, the CLI, the demo and users import).
 
-Names are resolved lazily, so importing a torch-free part (``graphgen.runtime.pool``) never imports
-torch. Everything else under ``graphgen.runtime`` is internal: see docs/runtime.md for the parts.
+It needs the ``runtime`` extra (torch, safetensors, numpy): importing any part of it without that
+extra fails here, with one sentence naming the extra, rather than deep inside a submodule with a
+bare ``No module named 'torch'``. Names are resolved lazily, so a torch-free part
+(``graphgen.runtime.pool``) never imports torch itself. Everything else under ``graphgen.runtime``
+is internal: see docs/runtime.md for the parts.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from ..install import require
+
+require("runtime", "graphgen.runtime")
 
 # public name -> the module that defines it
 _EXPORTS = {

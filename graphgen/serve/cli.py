@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-EXIT_OK, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 2, 3
+EXIT_OK, EXIT_INVALID = 0, 2  # as in cli/common.py (a missing extra is exit 2 too)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "GRAPHGEN_API_KEY"
 
@@ -138,14 +138,15 @@ def bind_socket(host: str, port: int):
 
 
 def cmd_serve(args) -> int:
-    try:
-        import uvicorn  # noqa: F401
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-    except ImportError as e:
-        print(f"graphgen serve: {e.name} is missing; install the serve extra: pip install -e '.[serve]'",
-              file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    from ..install import MissingExtra, require
+
+    try:  # before anything heavy loads; also when run alone (python -m graphgen.serve)
+        require("serve", "graphgen serve")
+        if args.pool.startswith("mooncake://"):
+            require("mooncake", "graphgen serve")
+    except MissingExtra as e:
+        print(e, file=sys.stderr)
+        return EXIT_INVALID
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     problem, _spec = check_args(args)

@@ -1,19 +1,22 @@
 """A tokenizer for the random checkpoints, so text prompts work end to end.
 
-Byte-level BPE trained with ``tokenizers`` on text the repository ships (``docs/*.md`` and the
-README), to **exactly** the model's vocabulary size: 256 byte tokens (any text is encodable), then,
-when the vocabulary has room, the special tokens, then merges; if the text runs out of merges the
-rest is filled with ``<|reserved_N|>`` specials. A vocabulary of exactly 256 (the tiny specs) is the
-byte alphabet alone: no merges, and one special token, the EOS: the NUL byte's token (``Ā`` in
-the byte-level alphabet; text never contains NUL) — the chat template then uses plain-text markers.
-:func:`eos_token` gives the EOS (text and id) of a vocabulary size without the ``tokenizers``
-package; ``write_random_hf_checkpoint`` writes that id as ``eos_token_id``. Saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with a chat template), which
+Byte-level BPE trained with ``tokenizers`` on the package's own prose (every docstring of
+``graphgen/``: a wheel ships it as a checkout does, so both train the same tokenizer; the
+repository's ``docs/`` are not in a wheel), to **exactly** the model's vocabulary size: 256 byte
+tokens (any text is encodable), then, when the vocabulary has room, the special tokens, then
+merges; if the text runs out of merges the rest is filled with ``<|reserved_N|>`` specials. A
+vocabulary of exactly 256 (the tiny specs) is the byte alphabet alone: no merges, and one special
+token, the EOS: the NUL byte's token (``Ā`` in the byte-level alphabet; text never contains NUL) —
+the chat template then uses plain-text markers. :func:`eos_token` gives the EOS (text and id) of a
+vocabulary size without the ``tokenizers`` package; ``write_random_hf_checkpoint`` writes that id as
+``eos_token_id``. Saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with a chat template), which
 ``transformers.AutoTokenizer.from_pretrained(folder)`` loads. Deterministic: the same corpus and
-vocab size give byte-identical files (the corpus files are read in sorted order).
+vocab size give byte-identical files (the modules are read in sorted order).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -52,17 +55,25 @@ CHAT_TEMPLATE_PLAIN = (
     "{% if add_generation_prompt %}### assistant:\n{% endif %}")
 
 
-def default_corpus() -> list[Path]:
-    """The repository's own prose: docs/*.md and README.md (sorted, so training is reproducible)."""
-    root = Path(__file__).resolve().parents[3]
-    files = sorted((root / "docs").glob("*.md")) + [root / "README.md"]
-    return [f for f in files if f.is_file()]
+def default_corpus() -> list[str]:
+    """The docstrings of every module, class and function of the graphgen package (modules sorted by
+    their path inside it, so training is reproducible and independent of where it is installed)."""
+    package = Path(__file__).resolve().parents[2]
+    texts = []
+    for path in sorted(package.rglob("*.py"), key=lambda p: p.relative_to(package).as_posix()):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    texts.append(doc)
+    return texts
 
 
-def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[Path]] = None) -> Optional[str]:
+def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[str]] = None) -> Optional[str]:
     """Write a byte-level BPE tokenizer of exactly ``vocab_size`` tokens into ``out_dir``; returns
     the path of ``tokenizer.json``, or None when ``vocab_size < 256`` (no byte-level tokenizer fits:
-    such checkpoints take token-id prompts only)."""
+    such checkpoints take token-id prompts only). ``corpus``: the texts to train on (default:
+    :func:`default_corpus`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < BYTE_ALPHABET:
@@ -73,7 +84,7 @@ def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[Path]] =
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
-    texts = [Path(f).read_text(encoding="utf-8") for f in (default_corpus() if corpus is None else corpus)]
+    texts = list(default_corpus() if corpus is None else corpus)
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     short = vocab_size - tok.get_vocab_size()
     if short > 0:  # the corpus ran out of merges: fill with reserved specials

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from ...install import require
 from .base import PoolBackend, count_leading
 from .host import HostPool
 from .keys import KEY_SEP, BlockKey, KVShard, block_keys
@@ -29,6 +30,7 @@ def make_pool(url: str, *, capacity_bytes: int = DEFAULT_POOL_BYTES) -> PoolBack
         parts = urlsplit(url)
         if not parts.hostname or parts.port is None or parts.path not in ("", "/"):
             raise ValueError(f"bad pool URL {url!r}: expected mooncake://HOST:PORT[?option=value]")
+        require("mooncake", "--pool mooncake://")  # one sentence naming the extra, not a bare ImportError
         from .mooncake import MooncakeOptions, MooncakePool
 
         return MooncakePool(f"{parts.hostname}:{parts.port}", MooncakeOptions.from_query(parts.query))
