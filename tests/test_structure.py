@@ -288,7 +288,8 @@ IMPORT_RULES = {
                              "the NPU runner plugs into the engine's public types and the device model",
                              scope=f"{R}.**"),
     "serve": Rule("graphgen.serve.**", "only",
-                  ("graphgen.serve.**", R, "graphgen.trace", "graphgen.netutil", "graphgen.install",
+                  ("graphgen.serve.**", R, "graphgen.trace", "graphgen.netutil", "graphgen.install", "graphgen.engine_args",
+                   "graphgen.npu.run",  # registers the NPU target for --target npu
                    "graphgen.modelspec.**"),
                   "the server sees the runtime's public face (graphgen/runtime/__init__.py), not its rooms"),
 }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-EXIT_OK, EXIT_STALE, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 1, 2, 3
+from ..engine_args import EXIT_INVALID, EXIT_OK, EXIT_STALE, EXIT_UNAVAILABLE  # noqa: F401  (one home)
 
 EXIT_CODES_EPILOG = ("Exit codes: 0 ok; 1 stale (check) or races (verify); "
                      "2 invalid spec/graph/arguments; 3 toolchain unavailable.")

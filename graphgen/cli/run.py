@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..engine_args import add_engine_arguments, check_engine_arguments, engine_options
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -52,8 +53,9 @@ def cmd_run(args) -> int:
         return _usage("give at least one --prompt-ids IDS or --prompt TEXT")
     # --prompt-ids before importing torch: fast errors
     args.prompts = [(k, _prompt_ids(v) if k == "ids" else v) for k, v in args.prompts]
-    if args.max_num_seqs < 1:
-        return _usage("--max-num-seqs must be >= 1")
+    problem = check_engine_arguments(args)
+    if problem:
+        return _usage(problem)
     # a missing extra is one sentence and exit 2 (cli/common.py's dispatch): the runtime's is checked
     # by importing graphgen.runtime; Mooncake's here too, before the engine loads, not at pool creation
     if args.pool.startswith("mooncake://"):
@@ -66,9 +68,6 @@ def cmd_run(args) -> int:
         faults = Faults.parse(args.faults) if args.faults else None
     except ValueError as e:
         return _usage(f"--faults: {e}")
-    for flag in ("tp", "ep"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            return _usage(f"--{flag} must be >= 1")
     weights = Path(args.weights)
     if not weights.is_dir():
         return _usage(f"--weights {weights}: not a folder (expected a Hugging Face checkpoint folder)")
@@ -76,22 +75,12 @@ def cmd_run(args) -> int:
         return _usage("--max-new-tokens must be >= 1")
     prompts = _text_prompts(args, weights) if any(k == "text" for k, _ in args.prompts) else [
         v for _, v in args.prompts]
-    target = getattr(args, "target", "cpu")
-    target_kw = {}
-    if target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
-        import graphgen.npu.run.runner  # noqa: F401
-
-        target_kw = {"standin": args.standin}
-    elif getattr(args, "standin", False):
-        return _usage("--standin applies to --target npu only")
+    if args.target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
+        import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
     from ..npu.run.compile import NpuUnavailable
 
     try:
-        engine = open_engine(args.spec, weights, target=target, write=args.write, granularity=args.granularity,
-                             pool=args.pool, faults=faults, collect_logits=args.logits,
-                             num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                             async_scheduling=args.async_scheduling, tp=args.tp, ep=args.ep,
-                             **target_kw)
+        engine = open_engine(args.spec, weights, collect_logits=args.logits, **engine_options(args, faults))
     except NpuUnavailable as e:
         err(f"graphgen run: {e}")
         return EXIT_UNAVAILABLE
@@ -150,34 +139,13 @@ def _generate(engine, prompts, args) -> int:
 
 def register(sub) -> None:
     r = sub.add_parser("run", help="run prompts through the generated CPU graphs, an engine and a pool")
-    r.add_argument("--spec", required=True)
-    r.add_argument("--weights", required=True, help="Hugging Face checkpoint folder (config.json + safetensors)")
+    add_engine_arguments(r, max_num_seqs=256, async_scheduling=False)
     r.add_argument("--prompt-ids", action="append", dest="prompts", type=lambda v: ("ids", v), metavar="IDS",
                    help="comma-separated token ids; repeat for several prompts (run in order, one pool)")
     r.add_argument("--prompt", action="append", dest="prompts", type=lambda v: ("text", v), metavar="TEXT",
-                   help="a text prompt, tokenized with the checkpoint's tokenizer; repeatable, mixes with --prompt-ids")
-    r.add_argument("--ignore-eos", action="store_true",
-                   help="do not stop at the checkpoint's EOS ids (generation_config.json / config.json / tokenizer)")
+                   help="text, tokenized with the checkpoint's tokenizer; repeat for several prompts")
     r.add_argument("--max-new-tokens", type=int, default=16)
-    r.add_argument("--write", choices=("off", "sync", "async"), help="override pool.write")
-    r.add_argument("--granularity", choices=("forward", "layer"), help="override pool.granularity")
-    r.add_argument("--tp", type=int, help="override parallel.tp: tensor-parallel ranks (one process each)")
-    r.add_argument("--ep", type=int, help="override parallel.ep: expert-parallel ranks (1 or tp)")
-    r.add_argument("--pool", default="host", metavar="URL",
-                   help="pool backend: host (default, the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
-                        "(a Mooncake master, shared by processes; docs/mooncake.md)")
-    r.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
     r.add_argument("--batch", action="store_true", help="batch the prompts instead of running them in order")
-    r.add_argument("--max-num-seqs", type=int, default=256, help="requests admitted or running at once (--batch)")
-    r.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="prepare step N+1 while step N runs (tokens are identical either way)")
-    r.add_argument("--trace", metavar="FILE", help="write a Chrome trace-event JSON (Perfetto) of the run")
-    r.add_argument("--faults", help="fault injection, e.g. save_delay=0.05,put_fail=0.5,seed=1 (docs/runtime.md)")
     r.add_argument("--json", action="store_true", help="one JSON object per prompt")
     r.add_argument("--logits", action="store_true", help="with --json: the first generated position's logits")
-    r.add_argument("--target", choices=("cpu", "npu"), default="cpu",
-                   help="cpu (default): the generated CPU graphs; npu: the NPU model runner (needs torch_npu, "
-                        "or --standin)")
-    r.add_argument("--standin", action="store_true",
-                   help="with --target npu: run the NPU graphs on CPU through the torchair stand-in (never an NPU result)")
     r.set_defaults(handler=cmd_run)

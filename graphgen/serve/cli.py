@@ -18,33 +18,23 @@ import sys
 import threading
 from pathlib import Path
 
-EXIT_OK, EXIT_INVALID = 0, 2  # as in cli/common.py (a missing extra is exit 2 too)
+from ..engine_args import (
+    EXIT_INVALID,
+    EXIT_OK,
+    add_engine_arguments,
+    check_engine_arguments,
+    engine_options,
+)
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "GRAPHGEN_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", required=True, help="model spec (YAML)")
-    p.add_argument("--weights", required=True, help="Hugging Face checkpoint folder (a tokenizer in it enables text)")
+    add_engine_arguments(p, max_num_seqs=64, async_scheduling=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on stdout)")
-    p.add_argument("--write", choices=("off", "sync", "async"), default=None, help="override mempool.write")
-    p.add_argument("--granularity", choices=("forward", "layer"), default=None, help="override mempool.granularity")
-    p.add_argument("--pool", default="host", metavar="URL",
-                   help="pool backend: host (the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
-                        "(a Mooncake master shared by processes; docs/mooncake.md)")
-    p.add_argument("--tp", type=int, default=None,
-                   help="override parallel.tp: tensor-parallel ranks, one process each (docs/parallel.md)")
-    p.add_argument("--ep", type=int, default=None, help="override parallel.ep: expert-parallel ranks (1 or --tp)")
-    p.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests admitted or running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="tokens of one step (a prompt must fit: no chunked prefill)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="prepare step N+1 while step N runs (default on; tokens are identical either way)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the spec's name)")
-    p.add_argument("--faults", default=None, help="fault injection, e.g. save_delay=0.05 (see docs/runtime.md)")
-    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace-event JSON on exit")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
@@ -54,8 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"${API_KEY_ENV} if set); /health and /metrics stay open")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20,
                    help="larger request bodies get a 413 (checked before the body is read)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="do not stop at the checkpoint's EOS ids (a request's own stop ids still apply)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -97,8 +85,10 @@ def load_tokenizer(folder: Path):
 def check_args(args):
     """Every argument checked before anything heavy is imported or loaded; returns (an error
     message or None, the spec). The port is checked by binding it (``bind_socket``), also first."""
-    for flag, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_request_bytes", 1),
-                      ("tp", 1), ("ep", 1), ("torch_threads", 1)):
+    problem = check_engine_arguments(args)
+    if problem:
+        return problem, None
+    for flag, low in (("max_request_bytes", 1), ("torch_threads", 1)):
         v = getattr(args, flag)
         if v is not None and v < low:
             return f"--{flag.replace('_', '-')} must be >= {low}, got {v}", None
@@ -181,10 +171,9 @@ def _serve(args, weights: Path, sock, api_keys) -> int:
     # several ranks: a DistributedEngine (one process per rank, each with torch_threads threads)
     ranks = {"threads": args.torch_threads} if _ranks(args) > 1 else {}
     try:
-        engine = open_engine(args.spec, weights, write=args.write, granularity=args.granularity,
-                             pool=args.pool, faults=faults, num_blocks=args.num_blocks, tp=args.tp, ep=args.ep,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             async_scheduling=args.async_scheduling, **ranks)
+        if args.target == "npu":  # the NPU model runner registers the target
+            import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
+        engine = open_engine(args.spec, weights, **engine_options(args, faults), **ranks)
     except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
     from ..runtime import eos_token_ids

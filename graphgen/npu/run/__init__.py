@@ -1,0 +1,5 @@
+"""The NPU target at run time: compile with shape buckets, step inputs, staging ring, the model runner.
+
+Importing this package registers the target with the runtime (``open_engine(..., target="npu")``);
+the runtime itself never imports NPU code."""
+from . import runner  # noqa: F401  (registers the "npu" target)
