@@ -16,14 +16,12 @@ from collections import Counter
 import pytest
 import torch
 
-try:
-    from . import e2e_util as u
-except ImportError:
-    import e2e_util as u
+import e2e_util as u
 
 from graphgen.runtime.engine.facade import Engine
 from graphgen.runtime.core.faults import Faults
 from graphgen.runtime.pool import HostPool
+from support.hooks import drop_save_waits
 
 SAVE_DELAY = 0.03     # per save op: long next to a tiny forward (~1 ms), short for the suite
 FORWARD_DELAY = 0.04  # per KV write: a save that does not wait reads before this write
@@ -150,26 +148,6 @@ def test_reuse_check_detects_missing_pins(qwen):
 
 
 # ------------------------------------------------------------------------------------ acceptance 4
-
-def drop_save_waits(variant: str, source: str) -> str:
-    """Delete every ``rt.wait(ev[...])`` of the kv_save stream function in the mempool_prefill
-    module(s); everything else (the records, the host's wait) stays."""
-    if not variant.startswith("mempool_prefill"):
-        return source
-    out, inside, dropped = [], False, 0
-    for line in source.splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped.startswith("def kv_save_stream("):
-            inside = True
-        elif inside and stripped.startswith("rt.launch("):
-            inside = False
-        if inside and stripped.startswith("rt.wait(ev["):
-            dropped += 1
-            continue
-        out.append(line)
-    assert dropped >= 1, f"{variant}: no save-stream wait found to drop (generated code changed?)"
-    return "".join(out)
-
 
 def _pooled_kv_after_slow_forward(qwen, gran: str, mutate: bool):
     p = u.rand_prompt(torch.Generator().manual_seed(47), 9)   # 2 full blocks + 1 token

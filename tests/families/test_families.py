@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import ast
 import math
-from pathlib import Path
 
 import pytest
 
 from graphgen.families import FAMILIES
 from graphgen.ir.graph import Graph
 from graphgen.modelspec.loader import load_spec
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SPECS = {"qwen3_dense": "tiny_qwen3", "deepseek_v3": "tiny_deepseek_v3"}
 # The compatibility matrix is one declared table (rendered into docs/spec.md); its rows name the
 # families a feature applies to by design.

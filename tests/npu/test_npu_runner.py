@@ -26,10 +26,10 @@ torch = pytest.importorskip("torch")
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
 from graphgen.npu.standin import fakes as standin  # noqa: E402
+from support.paths import REPO
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 HW = Path(__file__).parent / "data/hw_tiny_qwen3.yaml"
-REPO = Path(__file__).resolve().parents[2]
 TOL = 0.25
 PROMPTS = [list(range(3, 200)), list(range(5, 40)), list(range(3, 200)) + [7, 8]]
 

@@ -18,10 +18,7 @@ from graphgen.runtime.core import ops as rt  # noqa: E402
 from graphgen.runtime.checkpoint.hf import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
 
-try:  # tests/runtime may or may not be a package
-    from . import hf_models as hfm
-except ImportError:
-    import hf_models as hfm
+import support.hf as hfm  # noqa: E402
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

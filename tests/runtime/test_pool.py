@@ -5,13 +5,11 @@ import struct
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from graphgen.runtime.pool import HostPool, PoolBackend, block_keys
-
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 
 # ------------------------------------------------------------------------------------------ pool

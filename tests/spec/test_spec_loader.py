@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,8 +12,8 @@ from graphgen.modelspec import model as m
 from graphgen.modelspec.compat import MATRIX, check_compat
 from graphgen.modelspec.errors import SpecError
 from graphgen.modelspec.loader import dump_spec, dump_spec_yaml, load_spec, load_specs, load_yaml_data, parse_spec_text
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "specs").glob("*.yaml"))
 
 
