@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -64,19 +65,24 @@ def test_delayed_save_pools_exact_kv_and_only_after_it_completes(family, gran, r
     p = u.rand_prompt(torch.Generator().manual_seed(41), 13)   # 3 full blocks + 1 token
     ref, ref_tokens = u.reference_blocks(spec, hf.dir, [p])
     pool = RecordingPool()
+    gate = threading.Event()   # every save op waits on it (then lags SAVE_DELAY): held until we looked
     with Engine.from_spec(spec, hf.dir, write="async", granularity=gran, pool=pool,
-                          faults=Faults(save_delay_s=SAVE_DELAY)) as eng:
+                          faults=Faults(save_delay_s=SAVE_DELAY, save_gate=gate)) as eng:
         copies = _record_save_copies(eng)
         keys = u.keys_of(eng, p)
-        r = eng.generate([p], 1)[0]
-        # generate() returned with the first token while the save still sleeps: nothing is visible
-        visible_early = [k for k in keys if pool.contains(k)]
+        try:
+            r = eng.generate([p], 1)[0]
+            # generate() returned with the first token while the save is held: nothing is visible
+            visible_early = [k for k in keys if pool.contains(k)]
+            held_copies = len(copies)
+        finally:
+            gate.set()
         eng.drain()
         missing, wrong = u.pooled_mismatches(pool, keys, ref)
         u.assert_blocks_match_hf_cache(hf.model, eng, p, ref)   # the reference is transformers' KV
     assert r.tokens == ref_tokens[0]
     assert len(keys) == 3 and r.saved_blocks == 3
-    assert visible_early == []
+    assert visible_early == [] and held_copies == 0   # the gate held every save op
     assert (missing, wrong) == ([], [])
     assert sorted(pool.keys()) == sorted(keys)
     # every commit began after the last copy into staging had finished
@@ -92,8 +98,9 @@ def _reuse_scenario(qwen, *, pins: bool):
     g = torch.Generator().manual_seed(43)
     a, b = u.rand_prompt(g, 8), u.rand_prompt(g, 8)
     ref, ref_tokens = u.reference_blocks(u.TINY_QWEN3, qwen.dir, [a, b])
+    gate = threading.Event()   # a's save is held until a's visibility was looked at, then lags SAVE_DELAY
     with Engine.from_spec(u.TINY_QWEN3, qwen.dir, write="async", num_blocks=3,
-                          faults=Faults(save_delay_s=SAVE_DELAY)) as eng:
+                          faults=Faults(save_delay_s=SAVE_DELAY, save_gate=gate)) as eng:
         alloc = eng.alloc
         orig_pin, orig_unpin, orig_alloc = alloc.pin, alloc.unpin, alloc.alloc
         pinned: Counter = Counter()   # our own account of what the engine pinned
@@ -117,8 +124,11 @@ def _reuse_scenario(qwen, *, pins: bool):
             return ids
 
         alloc.pin, alloc.unpin, alloc.alloc = pin, unpin, alloc_
-        ra = eng.generate([a], 1)[0]
-        a_visible = [k for k in u.keys_of(eng, a) if eng.pool.contains(k)]
+        try:
+            ra = eng.generate([a], 1)[0]
+            a_visible = [k for k in u.keys_of(eng, a) if eng.pool.contains(k)]
+        finally:
+            gate.set()
         rb = eng.generate([b], 1)[0]
         eng.drain()
         bad_a = u.pooled_mismatches(eng.pool, u.keys_of(eng, a), ref)

@@ -6,7 +6,7 @@ per rank at tp=2: with a slowed save (or a slowed pool), on EVERY rank
   its own key; for DeepSeek-V3's MLA latent rank 0's put under the shared key, which must equal what
   rank 1 computed too);
 * no block is visible in the shared pool before its save's event: right after ``generate`` returned
-  (the save still sleeping) none of the prompt's keys is in the pool, and every commit (put) of a
+  (every save op, or every put, held by a gate the test opens afterwards: a file) none of the prompt's keys is in the pool, and every commit (put) of a
   rank began after that rank's last copy into staging had finished.
 
 Negative control: the same byte check with the save stream's waits deleted from the generated
@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from graphgen.runtime.engine.facade import Engine
-from graphgen.runtime.core.faults import Faults
+from graphgen.runtime.core.faults import Faults, FileGate
 from support.hf import rand_prompt
 from support.hooks import drop_save_waits
 from support.paths import REPO
 
 TIMEOUT = 60          # seconds a rank may take to answer one command
-SAVE_DELAY = 0.15     # per save op: the save is still sleeping when generate() returns (IPC is ~ms)
-PUT_DELAY = 0.1       # per pool put: a slow pool
+SAVE_DELAY = 0.02     # per save op, after the gate: the save lags the forward
+PUT_DELAY = 0.02      # per pool put, after the gate: a slow pool
 FORWARD_DELAY = 0.04  # per KV write: a save that does not wait reads before this write
 
 SPECS = {"qwen3": "specs/tiny_qwen3_tp2.yaml", "deepseek": "specs/tiny_deepseek_v3_tp2ep2.yaml"}
@@ -91,15 +91,21 @@ def _prompt(seed: int, n: int = 13):
 
 @pytest.mark.parametrize("delay", ["save", "put"])
 @pytest.mark.parametrize("model", ["qwen3", "deepseek"])
-def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, delay, weights):
+def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, delay, weights, tmp_path):
     p = _prompt(41)
-    faults = Faults(save_delay_s=SAVE_DELAY) if delay == "save" else Faults(put_delay_s=PUT_DELAY)
+    # every rank's save ops (or pool puts) wait on a file this test creates once it has looked
+    gate = FileGate(tmp_path / "open", timeout_s=TIMEOUT)
+    faults = Faults(save_delay_s=SAVE_DELAY, save_gate=gate) if delay == "save" else \
+        Faults(put_delay_s=PUT_DELAY, put_gate=gate)
     t0 = time.monotonic()
     with Engine.from_spec(REPO / SPECS[model], weights[model], write="async", num_blocks=32, timeout=TIMEOUT,
                           faults=faults) as eng:
         eng.on_ranks(_install_recorders)
-        r = eng.generate([p], 1)[0]
-        visible_early = eng.on_ranks(_visible, p)   # generate returned; the saves still sleep
+        try:
+            r = eng.generate([p], 1)[0]
+            visible_early = eng.on_ranks(_visible, p)   # generate returned; the saves are held
+        finally:
+            gate.open()
         eng.drain()
         reports = eng.on_ranks(_report)
         stats = eng.rank_stats
