@@ -43,14 +43,16 @@ class Engine:
                  faults: Optional[Faults] = None, generated_dir: Optional[Path] = Path("generated"),
                  source_hook: Optional[Callable[[str, str], str]] = None, collect_logits: bool = False,
                  event_timeout: float = 120.0, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False,
+                 sources: Optional[dict] = None):
         self._setup(spec, faults, collect_logits, pool, pool_capacity_bytes)
         shapes = self._kv_shapes(num_blocks)
         self.cache = PagedKVCache(spec.dims.num_hidden_layers, {k: tuple(s[1:]) for k, s in shapes.items()},
                                   num_blocks, self.dtype)
         self.alloc = BlockAllocator(num_blocks)
         self.rt = self._make_runtime(event_timeout)
-        modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook)
+        modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook,
+                                   sources=sources)  # sources: compiled by the caller (a rank's launcher)
         weights = {k: v.to(self.dtype) for k, v in weights.items()}
         self.runner = CpuModelRunner(modules, weights, self.cache, self.rt, event_timeout=event_timeout)
         self.connector = self._make_connector()

@@ -41,6 +41,17 @@ def _start_rank(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs 
     importlib.import_module("graphgen.runtime.parallel.rank").rank_main(rank, cfg, conn)
 
 
+def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
+    """(variant -> CPU source, the weight names those graphs read), compiled here once for every rank
+    (the rank module differs per rank only in the ``rt.rank`` its runtime holds, not in its code)."""
+    from ...ir.weights import graph_weight_names
+    from ...lower.compile import render_graph
+    from ...passes.manager import run_pipeline
+
+    graphs = {v: run_pipeline(spec, v, spec_file=spec_file) for v in spec.variants}
+    return {v: render_graph(g, "cpu") for v, g in graphs.items()}, graph_weight_names(graphs.values())
+
+
 class DistributedLLM:
     """`LLMEngine`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
     ``stats``, ``shutdown`` (and setting ``sample_fn`` / ``eos_token_id``) run on every rank's own
@@ -121,9 +132,11 @@ class DistributedEngine:
                 raise RankFailure(f"the shared pool process did not start (exit code {self._pool_proc.exitcode}); "
                                   f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
         self._pool = connect_pool(pool_address, authkey)
+        sources, weight_names = _compile_once(spec, spec_file)
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
                "threads": threads or max(1, (os.cpu_count() or 1) // self.tp), "pool_address": pool_address,
-               "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs}
+               "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
+               "sources": sources, "weight_names": weight_names}
         self._conns, self._procs = [], []
         for r in range(self.tp):
             parent, child = ctx.Pipe()

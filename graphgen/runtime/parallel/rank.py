@@ -200,11 +200,11 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
             from ..checkpoint.hf import load_hf_weights
 
             weights = load_hf_weights(weights)
-        mine = rank_weights(weights, graph_weight_names(spec, cfg["spec_file"]), rank, spec.parallel.tp)
+        mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
         del weights
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
         engine = RankEngine(spec, mine, rank=rank, spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
-                            **cfg["engine_kwargs"])
+                            sources=cfg["sources"], **cfg["engine_kwargs"])
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
