@@ -187,13 +187,6 @@ def test_module_is_at_most_450_lines(rel):
     assert lines <= MAX_LINES, f"{rel}: {lines} lines (limit {MAX_LINES}); split it by concern"
 
 
-@pytest.mark.parametrize("known", [KNOWN_OVERSIZE, KNOWN_SPEC_IN_LOWER], ids=["oversize", "spec_in_lower"])
-def test_known_offenders_still_exist(known):
-    """An entry for a file that is gone would silently stop meaning anything: remove it."""
-    missing = [rel for rel in known if not (REPO / rel).is_file()]
-    assert not missing, f"known-offender entries for files that no longer exist: {missing}"
-
-
 # --- lowering takes the graph, never the spec --------------------------------------------------------
 
 def spec_uses(path: Path, rel: str) -> list[str]:
