@@ -8,6 +8,8 @@ the fixtures, so the torch-free folders (``ir``, ``spec``, ``passes``) stay torc
 - ``imported``: specs made from ``qwen`` and ``dsv3`` by ``graphgen import-hf`` run as a subprocess;
 - ``ckpt``: a checkpoint of ``specs/tiny_qwen3.yaml`` written by graphgen's own writer, with its
   tokenizer (what ``graphgen serve`` loads).
+
+Under CI (or ``GRAPHGEN_NO_SKIPS=1``) an unexpected skip fails the run (`support.skips`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from types import SimpleNamespace
 import pytest
 
 from support.paths import TINY_DSV3, TINY_QWEN3
+
+pytest_plugins = ["support.skips"]
 
 
 def _hf(tmp_path_factory, family: str, dims: dict, seed: int, name: str) -> SimpleNamespace:

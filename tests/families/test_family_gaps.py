@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
 
 import torch  # noqa: E402
 

@@ -125,7 +125,7 @@ def test_validate_prints_per_rank_memory_and_rejects_what_does_not_fit(tmp_path)
 def test_npu_collectives_are_ops_of_the_installed_torch():
     """The NPU modules' collectives (torch ops, outside the torch-npu manifest) exist in torch's op
     registry with the argument count the generated call passes."""
-    torch = pytest.importorskip("torch")
+    import torch
     import ast
 
     src = (REPO / "generated/qwen3_32b/npu/max_autotune/decode.py").read_text()

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
 
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
 from graphgen.runtime.core import ops as rt  # noqa: E402

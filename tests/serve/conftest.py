@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-pytest.importorskip("openai")
+import fastapi  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import uvicorn  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import prometheus_client  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import openai  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
 
 from serve_util import Server  # noqa: E402
 
