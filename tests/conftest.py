@@ -10,6 +10,10 @@ the fixtures, so the torch-free folders (``ir``, ``spec``, ``passes``) stay torc
   tokenizer (what ``graphgen serve`` loads).
 
 Under CI (or ``GRAPHGEN_NO_SKIPS=1``) an unexpected skip fails the run (`support.skips`).
+
+``slow`` marks the rank, server and Mooncake folders and the stand-in compile loops
+(``SLOW_FOLDERS``, ``SLOW_FILES``): ``./dev test -m "not slow"`` is the fast inner loop, ``./dev test``
+still runs everything.
 """
 
 from __future__ import annotations
@@ -22,6 +26,18 @@ import pytest
 from support.paths import TINY_DSV3, TINY_QWEN3
 
 pytest_plugins = ["support.skips"]
+
+SLOW_FOLDERS = ("parallel", "serve", "mooncake")       # rank processes, server subprocesses, Mooncake
+SLOW_FILES = ("npu/test_compile_steps_cli.py",)        # torch.compile through the stand-in, step by step
+
+
+def pytest_collection_modifyitems(config, items):
+    from support.paths import TESTS
+
+    for item in items:
+        rel = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+        if rel.split("/")[0] in SLOW_FOLDERS or rel in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 def _hf(tmp_path_factory, family: str, dims: dict, seed: int, name: str) -> SimpleNamespace:
