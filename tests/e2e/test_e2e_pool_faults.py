@@ -12,10 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-try:
-    from . import e2e_util as u
-except ImportError:
-    import e2e_util as u
+import e2e_util as u
 
 from graphgen.runtime import open_engine
 from graphgen.runtime.core.faults import Faults

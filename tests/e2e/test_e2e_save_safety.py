@@ -10,20 +10,19 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
 import pytest
 import torch
 
-try:
-    from . import e2e_util as u
-except ImportError:
-    import e2e_util as u
+import e2e_util as u
 
 from graphgen.runtime import Engine, open_engine
 from graphgen.runtime.core.faults import Faults
 from graphgen.runtime.pool import HostPool
+from support.hooks import drop_save_waits
 
 SAVE_DELAY = 0.03     # per save op: long next to a tiny forward (~1 ms), short for the suite
 FORWARD_DELAY = 0.04  # per KV write: a save that does not wait reads before this write
@@ -66,19 +65,24 @@ def test_delayed_save_pools_exact_kv_and_only_after_it_completes(family, gran, r
     p = u.rand_prompt(torch.Generator().manual_seed(41), 13)   # 3 full blocks + 1 token
     ref, ref_tokens = u.reference_blocks(spec, hf.dir, [p])
     pool = RecordingPool()
+    gate = threading.Event()   # every save op waits on it (then lags SAVE_DELAY): held until we looked
     with open_engine(spec, hf.dir, write="async", granularity=gran, pool=pool,
-                          faults=Faults(save_delay_s=SAVE_DELAY)) as eng:
+                          faults=Faults(save_delay_s=SAVE_DELAY, save_gate=gate)) as eng:
         copies = _record_save_copies(eng)
         keys = u.keys_of(eng, p)
-        r = eng.generate([p], 1)[0]
-        # generate() returned with the first token while the save still sleeps: nothing is visible
-        visible_early = [k for k in keys if pool.contains(k)]
+        try:
+            r = eng.generate([p], 1)[0]
+            # generate() returned with the first token while the save is held: nothing is visible
+            visible_early = [k for k in keys if pool.contains(k)]
+            held_copies = len(copies)
+        finally:
+            gate.set()
         eng.drain()
         missing, wrong = u.pooled_mismatches(pool, keys, ref)
         u.assert_blocks_match_hf_cache(hf.model, eng, p, ref)   # the reference is transformers' KV
     assert r.tokens == ref_tokens[0]
     assert len(keys) == 3 and r.saved_blocks == 3
-    assert visible_early == []
+    assert visible_early == [] and held_copies == 0   # the gate held every save op
     assert (missing, wrong) == ([], [])
     assert sorted(pool.keys()) == sorted(keys)
     # every commit began after the last copy into staging had finished
@@ -94,8 +98,9 @@ def _reuse_scenario(qwen, *, pins: bool):
     g = torch.Generator().manual_seed(43)
     a, b = u.rand_prompt(g, 8), u.rand_prompt(g, 8)
     ref, ref_tokens = u.reference_blocks(u.TINY_QWEN3, qwen.dir, [a, b])
+    gate = threading.Event()   # a's save is held until a's visibility was looked at, then lags SAVE_DELAY
     with open_engine(u.TINY_QWEN3, qwen.dir, write="async", num_blocks=3,
-                          faults=Faults(save_delay_s=SAVE_DELAY)) as eng:
+                          faults=Faults(save_delay_s=SAVE_DELAY, save_gate=gate)) as eng:
         alloc = eng.alloc
         orig_pin, orig_unpin, orig_alloc = alloc.pin, alloc.unpin, alloc.alloc
         pinned: Counter = Counter()   # our own account of what the engine pinned
@@ -119,8 +124,11 @@ def _reuse_scenario(qwen, *, pins: bool):
             return ids
 
         alloc.pin, alloc.unpin, alloc.alloc = pin, unpin, alloc_
-        ra = eng.generate([a], 1)[0]
-        a_visible = [k for k in u.keys_of(eng, a) if eng.pool.contains(k)]
+        try:
+            ra = eng.generate([a], 1)[0]
+            a_visible = [k for k in u.keys_of(eng, a) if eng.pool.contains(k)]
+        finally:
+            gate.set()
         rb = eng.generate([b], 1)[0]
         eng.drain()
         bad_a = u.pooled_mismatches(eng.pool, u.keys_of(eng, a), ref)
@@ -150,26 +158,6 @@ def test_reuse_check_detects_missing_pins(qwen):
 
 
 # ------------------------------------------------------------------------------------ acceptance 4
-
-def drop_save_waits(variant: str, source: str) -> str:
-    """Delete every ``rt.wait(ev[...])`` of the kv_save stream function in the mempool_prefill
-    module(s); everything else (the records, the host's wait) stays."""
-    if not variant.startswith("mempool_prefill"):
-        return source
-    out, inside, dropped = [], False, 0
-    for line in source.splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped.startswith("def kv_save_stream("):
-            inside = True
-        elif inside and stripped.startswith("rt.launch("):
-            inside = False
-        if inside and stripped.startswith("rt.wait(ev["):
-            dropped += 1
-            continue
-        out.append(line)
-    assert dropped >= 1, f"{variant}: no save-stream wait found to drop (generated code changed?)"
-    return "".join(out)
-
 
 def _pooled_kv_after_slow_forward(qwen, gran: str, mutate: bool):
     p = u.rand_prompt(torch.Generator().manual_seed(47), 9)   # 2 full blocks + 1 token

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import ast
 import math
-from pathlib import Path
 
 import pytest
 
 from graphgen.families import FAMILIES
 from graphgen.ir.graph import Graph
 from graphgen.modelspec.loader import load_spec
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SPECS = {"qwen3_dense": "tiny_qwen3", "deepseek_v3": "tiny_deepseek_v3"}
 # The compatibility matrix is one declared table (rendered into docs/spec.md); its rows name the
 # families a feature applies to by design.
@@ -70,7 +69,7 @@ def test_loader_output_is_the_stacked_layout(tmp_path):
     """Wiring, not meaning (the writer and the loader share the layout; the layout itself is checked
     against transformers in test_family_gaps.py): the loader returns exactly the stacked layout,
     empty shared experts dropped."""
-    pytest.importorskip("safetensors")
+    import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
     import dataclasses
 
     from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint

@@ -11,36 +11,25 @@ position's logits within 1e-4 and the greedy tokens.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
 
 import torch  # noqa: E402
 
 from graphgen.families import FAMILIES  # noqa: E402
+import support.hf as hfm  # noqa: E402
+from support.paths import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
 
 
-def _hf_models():
-    # tests/runtime is not a package: load its helper by path under a private name
-    spec = importlib.util.spec_from_file_location("graphgen_families_hf_models",
-                                                  REPO / "tests" / "runtime" / "hf_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-hfm = _hf_models()
 
 CASES = {
     "q_lora_null": dict(hfm.DSV3_DIMS, q_lora_rank=None),

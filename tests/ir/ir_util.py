@@ -1,20 +1,7 @@
-"""Helpers shared by the IR/CLI tests (a plain module, not a conftest: test folders share no conftest name)."""
+"""Helpers shared by the IR/CLI tests (``run_cli`` is `support.cli.run_cli`)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_cli(*args, cwd=REPO, env_extra=None):
-    """Run `python -m graphgen.cli ARGS` in a fresh process (like a user would)."""
-    env = dict(os.environ)
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "graphgen.cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+from support.cli import run_cli  # noqa: F401
+from support.paths import REPO
 
 
 def golden_files():

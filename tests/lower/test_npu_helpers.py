@@ -16,9 +16,7 @@ from graphgen.lower.compile import npu_options, render_graph
 from graphgen.modelspec.loader import load_spec
 from graphgen.passes.manager import run_pipeline
 
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 
 def test_helpers_file_compiles_and_uses_only_names_a_generated_module_has():
@@ -55,7 +53,7 @@ def test_generated_module_inlines_exactly_the_helpers_it_calls_verbatim(name):
     assert defined == want
 
 
-torch = pytest.importorskip("torch")
+import torch
 
 
 @pytest.fixture(scope="module")

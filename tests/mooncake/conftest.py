@@ -1,6 +1,6 @@
 import pytest
 
-from harness import Namespace
+from support.netns import Namespace
 
 
 @pytest.fixture

@@ -1,18 +1,13 @@
-"""An engine process driven by JSON lines on stdin (tests only; replies are ``@@{json}`` lines on
-stdout, anything else there is Mooncake's own output): one ``Engine`` on a pool URL, so two of
+"""An engine process driven by JSON lines on stdin (tests only; the loop and the ``@@{json}``
+replies are `support.jsonl`): one ``Engine`` on a pool URL, so two of
 these are two instances sharing (or not) a Mooncake master."""
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 import threading
 
-
-def reply(**kw):
-    sys.stdout.write("@@" + json.dumps(kw) + "\n")
-    sys.stdout.flush()
+from support.jsonl import commands, reply
 
 
 class _CountWarnings(logging.Handler):
@@ -41,9 +36,7 @@ def main():
     logging.getLogger().addHandler(warnings)
     logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
     eng = None
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd["op"]
+    for op, cmd in commands():
         if op == "open":
             faults = Faults.parse(cmd["faults"]) if cmd.get("faults") else None
             eng = open_engine(cmd["spec"], cmd["weights"], pool=cmd["pool"], write=cmd.get("write"),
@@ -60,9 +53,6 @@ def main():
             reply(ok=True)
         elif op == "stats":
             reply(engine=eng.stats, pool=eng.connector.pool_stats(), warnings=warnings.by_logger)
-        elif op == "exit":
-            reply(ok=True)
-            os._exit(0)     # Mooncake's close waits for a master that may be gone
         else:
             reply(error=f"unknown op {op}")
 

@@ -1,6 +1,6 @@
 """Engines sharing a Mooncake master, and its faults, end to end: real `mooncake_master` processes,
 engine processes (`graphgen run`, or `engine_worker.py` driven through a pipe), all inside a
-private network namespace per test (harness.py). The reference is a cold run of the same prompts
+private network namespace per test (tests/support/netns.py). The reference is a cold run of the same prompts
 in this process (write off, no pool): a prefix loaded from the pool must give exactly its tokens.
 
 The tiny model's KV block is ~2 KiB, so a SIGKILL lands between puts far more often than inside
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import ROOT
+from support.netns import ROOT
 
 PORT = 50110
 MASTER = f"127.0.0.1:{PORT}"

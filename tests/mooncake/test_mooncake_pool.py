@@ -1,5 +1,5 @@
 """MooncakePool against real `mooncake_master` processes, clients in separate processes, all in a
-private network namespace (see harness.py). Each test starts its own master on a free port."""
+private network namespace (see tests/support/netns.py). Each test starts its own master on a free port."""
 from __future__ import annotations
 
 import base64
@@ -172,9 +172,7 @@ def test_writer_killed_mid_put_leaves_nothing_a_reader_accepts(ns):
     w.kill(signal.SIGKILL)
     r = ns.worker(MASTER, name="reader", buffer_bytes=16 << 20)
     got = r.call(op="get", keys=ks, timeout=60)["sha"]
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from worker import value_of
+    from worker import value_of                      # tests/mooncake/worker.py (this folder)
     import hashlib
     present = [i for i, g in enumerate(got) if g is not None]
     assert len(present) >= 3 and len(present) < len(ks)

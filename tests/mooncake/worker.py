@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
-import os
 import random
-import sys
 import time
 
 from graphgen.runtime.pool.mooncake import MooncakeOptions, MooncakePool
+from support.jsonl import commands, reply
 
 
 def value_of(seed: int, key: str, size: int) -> bytes:
@@ -34,16 +32,9 @@ def kv_cache(blocks: int, seed: int):
     return cache
 
 
-def reply(**kw):
-    sys.stdout.write("@@" + json.dumps(kw) + "\n")
-    sys.stdout.flush()
-
-
 def main():
     pool = None
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd["op"]
+    for op, cmd in commands():
         t0 = time.monotonic()
         if op == "open":
             pool = MooncakePool(cmd["master"], MooncakeOptions(**cmd.get("opts", {})))
@@ -116,9 +107,6 @@ def main():
             reply(rc=rc)
         elif op == "stats":
             reply(stats=pool.stats())
-        elif op == "exit":
-            reply(ok=True)
-            os._exit(0)     # Mooncake's close waits for a master that may be gone
         else:
             reply(error=f"unknown op {op}")
 

@@ -3,11 +3,9 @@
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 
 def _compile(*args):

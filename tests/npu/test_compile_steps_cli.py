@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from graphgen.npu.standin import fakes as standin
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ROOT = Path(__file__).resolve().parents[2]
 HW = Path(__file__).parent / "data/hw_tiny_qwen3.yaml"
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")

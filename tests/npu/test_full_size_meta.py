@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from graphgen.npu.standin import fakes as standin  # noqa: E402
 
@@ -24,13 +24,15 @@ def _meta_weights(spec, mod):
     """Rank 0's weights on meta tensors: the family's full layout, sliced as the graph names them."""
     from graphgen.families import FAMILIES
     from graphgen.runtime.parallel.ops import rank_weights
-    from graphgen.runtime.parallel.rank import graph_weight_names
+    from graphgen.ir.weights import graph_weight_names
+    from graphgen.lower.compile import compile_spec
 
     fam = FAMILIES[spec.family]
     dtype = getattr(torch, spec.kv_cache.dtype)
     full = {k: torch.empty(s, dtype=torch.float32 if k.endswith(fam.fp32_suffixes) else dtype, device="meta")
             for k, s in fam.checkpoint_layout(spec.dims, stacked=True).items() if 0 not in s}
-    W = rank_weights(full, graph_weight_names(spec), rank=0, size=spec.parallel.tp)
+    names = graph_weight_names(c.graph for c in compile_spec(spec, targets=("cpu",), check=False))
+    W = rank_weights(full, names, rank=0, size=spec.parallel.tp)
     W[mod.ROPE_CACHE_KEY] = torch.empty(512, 2 * mod.ROPE["rot_dim"], dtype=dtype, device="meta")
     return W
 

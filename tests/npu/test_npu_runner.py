@@ -1,6 +1,6 @@
 """The NPU model runner (graphgen/npu/run/runner.py) on the CPU stand-in, through the runtime's engine.
 
-The hardware-shaped tiny Qwen3 (bf16, head_dim 128, block 128) runs through `NpuEngine` (scheduler,
+The hardware-shaped tiny Qwen3 (bf16, head_dim 128, block 128) runs through `npu_engine` (scheduler,
 KV connector, `LLMEngine`; steps padded to the spec's buckets, compiled once per bucket, commits via
 the staging ring) and through the CPU target with the same weights in float32.
 
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
 from graphgen.npu.standin import fakes as standin  # noqa: E402
+from support.paths import REPO
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 HW = Path(__file__).parent / "data/hw_tiny_qwen3.yaml"
-REPO = Path(__file__).resolve().parents[2]
 TOL = 0.25
 PROMPTS = [list(range(3, 200)), list(range(5, 40)), list(range(3, 200)) + [7, 8]]
 

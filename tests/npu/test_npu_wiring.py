@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from graphgen.npu.standin import fakes as standin  # noqa: E402
 

@@ -6,18 +6,12 @@ with the real spec loader; the check must report that field, the limit row and i
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import pytest
 
 from graphgen.modelspec.loader import parse_spec_text
 from graphgen.npu.check.limits import BY_KEY
 from graphgen.npu.check.speclimits import check_spec_limits
-
-ROOT = Path(__file__).resolve().parents[2]
-QWEN = (ROOT / "specs/qwen3_32b.yaml").read_text()
-DSV3 = (ROOT / "specs/deepseek_v3_1.yaml").read_text()
-
+from support.npu_limits import DSV3, LIMIT_CASES, QWEN
 
 def _edit(text: str, key: str, new: str) -> str:
     out, n = re.subn(rf"(?m)^(\s*{re.escape(key)}:)\s*\S.*$", rf"\1 {new}", text, count=1)
@@ -30,21 +24,7 @@ def test_full_size_specs_are_inside_the_documented_limits():
     assert check_spec_limits(parse_spec_text(DSV3, "deepseek_v3_1.yaml")) == []
 
 
-CASES = [  # (base, key, new value, field path, limit row)
-    ("qwen", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
-    ("dsv3", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
-    ("qwen", "block_size", "64", "kv_cache.block_size", "fia.pa.block_size"),
-    ("qwen", "block_size", "192", "kv_cache.block_size", "fia.pa.block_size"),
-    ("dsv3", "block_size", "64", "kv_cache.block_size", "fia.mla.block_size"),
-    ("qwen", "head_dim", "96", "dims.head_dim", "rope.head_dim"),
-    ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "interleave_rope.dim"),
-    ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
-    ("dsv3", "kv_lora_rank", "256", "dims.kv_lora_rank", "fia.mla.latent_dim"),
-    ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia.mla.num_heads"),
-    ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
-     "fia.tnd.reduce_overhead"),
-    ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
-]
+CASES = LIMIT_CASES  # one table, shared with the other limit test (tests/support/npu_limits.py)
 
 
 @pytest.mark.parametrize("base,key,new,path,row", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[4]}" for c in CASES])

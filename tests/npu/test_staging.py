@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
 from graphgen.npu.standin import fakes as standin  # noqa: E402

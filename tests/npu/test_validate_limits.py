@@ -15,10 +15,8 @@ import pytest
 
 from graphgen.cli import main
 from graphgen.npu.check.limits import BY_KEY
+from support.npu_limits import DSV3, LIMIT_CASES, QWEN
 
-ROOT = Path(__file__).resolve().parents[2]
-QWEN = (ROOT / "specs/qwen3_32b.yaml").read_text()
-DSV3 = (ROOT / "specs/deepseek_v3_1.yaml").read_text()
 HW = (Path(__file__).parent / "data/hw_tiny_qwen3.yaml").read_text()
 
 
@@ -48,22 +46,7 @@ def test_shipped_npu_specs_validate_clean(tmp_path, capsys, text, name):
     assert f"{p}: ok" in out and "NPU kernel limits ok" in out
 
 
-CASES = [  # (base, key, new value, field path, limit row)
-    ("qwen", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
-    ("dsv3", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
-    ("qwen", "block_size", "64", "kv_cache.block_size", "fia.pa.block_size"),
-    ("qwen", "block_size", "192", "kv_cache.block_size", "fia.pa.block_size"),
-    ("dsv3", "block_size", "64", "kv_cache.block_size", "fia.mla.block_size"),
-    ("qwen", "head_dim", "96", "dims.head_dim", "rope.head_dim"),
-    ("qwen", "head_dim", "256", "dims.head_dim", "rope.head_dim"),
-    ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "interleave_rope.dim"),
-    ("dsv3", "qk_rope_head_dim", "128", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
-    ("dsv3", "kv_lora_rank", "256", "dims.kv_lora_rank", "fia.mla.latent_dim"),
-    ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia.mla.num_heads"),
-    ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
-     "fia.tnd.reduce_overhead"),
-    ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
-]
+CASES = LIMIT_CASES  # one table, shared with the other limit test (tests/support/npu_limits.py)
 
 
 @pytest.mark.parametrize("base,key,new,path,row", CASES, ids=[f"{c[0]}-{c[1]}={c[2]}-{c[4]}" for c in CASES])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,8 @@ from graphgen.modelspec.loader import load_spec
 from graphgen.passes.manager import run_pipeline
 from graphgen.passes.verify import check
 from graphgen.passes.verify_parallel import parallel_problems
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 TP2 = sorted((REPO / "generated").glob("tiny_*_tp2*/*.graph"))
 COLL_LINE = re.compile(r"^node \S+ \S+ (all_reduce|all_gather) ")
 
@@ -126,7 +125,7 @@ def test_validate_prints_per_rank_memory_and_rejects_what_does_not_fit(tmp_path)
 def test_npu_collectives_are_ops_of_the_installed_torch():
     """The NPU modules' collectives (torch ops, outside the torch-npu manifest) exist in torch's op
     registry with the argument count the generated call passes."""
-    torch = pytest.importorskip("torch")
+    import torch
     import ast
 
     src = (REPO / "generated/qwen3_32b/npu/max_autotune/decode.py").read_text()

@@ -6,47 +6,32 @@ is bounded (``timeout``) and every test too (``TEST_TIMEOUT``)."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("transformers")
-import torch  # noqa: E402
+import support.hf as hfm
+from graphgen.runtime.parallel.launcher import RankFailure
+from graphgen.runtime import open_engine
+from support.cli import cli
+from support.hf import assert_steps_match_hf, hf_logits, rand_prompt
+from support.paths import REPO
 
-from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.runtime.parallel.launcher import RankFailure  # noqa: E402
-from graphgen.runtime import open_engine  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("graphgen_e2e_util_parallel", REPO / "tests" / "e2e" / "e2e_util.py")
-u = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(u)
 TIMEOUT = 60  # seconds a rank may take to answer one command
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    model, d = u.hfm.build_hf_model("qwen3_dense", u.hfm.QWEN3_DIMS, str(tmp_path_factory.mktemp("q")), seed=5)
-    return model, d
-
-
-@pytest.fixture(scope="module")
-def dsv3(tmp_path_factory):
-    dims = dataclasses.asdict(load_spec(REPO / "specs/tiny_deepseek_v3.yaml").dims)
-    model, d = u.hfm.build_hf_model("deepseek_v3", dims, str(tmp_path_factory.mktemp("d")), seed=6)
-    return model, d
+# the checkpoints are the session fixtures of tests/conftest.py: ``qwen`` (tiny_qwen3's dims) and
+# ``tiny_dsv3`` (tiny_deepseek_v3's dims)
 
 
 def _prompts(seed: int):
     g = torch.Generator().manual_seed(seed)
-    a = u.rand_prompt(g, 10)            # two full blocks of 4 + a partial one
-    b = a[:4] + u.rand_prompt(g, 5)     # shares the first block with a
+    a = rand_prompt(g, 10)            # two full blocks of 4 + a partial one
+    b = a[:4] + rand_prompt(g, 5)     # shares the first block with a
     return a, b
 
 
@@ -62,13 +47,13 @@ def _run(spec, weights, a, b, **kw):
 
 
 def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
-    model, d = qwen
+    model, d = qwen.model, qwen.dir
     a, b = _prompts(1)
     (ra, again, rb), stats, _ = _run("specs/tiny_qwen3.yaml", d, a, b, tp=2)
     assert (ra.variant, again.variant, again.hit_tokens, rb.hit_tokens) == ("mempool_prefill", "splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
-            u.assert_steps_match_hf(model, r, f"qwen3 tp=2 {what}")   # decode steps included
+            assert_steps_match_hf(model, r, f"qwen3 tp=2 {what}")   # decode steps included
     assert [s["hit_blocks"] for s in stats] == [3, 3]  # 2 blocks of a, 1 of b, on each rank
     assert all(s["puts"] > 0 and s["skipped_puts"] == 0 for s in stats)  # each rank saves its own heads
     with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
@@ -76,7 +61,7 @@ def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
 
 
 def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
-    _, d = qwen
+    d = qwen.dir
     a, b = _prompts(2)
     (sync_a, sync_again, _), _, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="sync")
     (off_a, off_again, _), stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="off")
@@ -90,16 +75,16 @@ def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
 
 
 @pytest.mark.parametrize("ep", [2, 1], ids=["ep2_local_experts", "ep1_width_sliced_experts"])
-def test_deepseek_tp2_matches_transformers_and_saves_the_latent_once(dsv3, ep):
+def test_deepseek_tp2_matches_transformers_and_saves_the_latent_once(tiny_dsv3, ep):
     """ep=2: each rank holds half the experts whole; ep=1: every expert is split by width over the two
     ranks (the layout deepseek_v3_1 ships with, at tp=32)."""
-    model, d = dsv3
+    model, d = tiny_dsv3.model, tiny_dsv3.dir
     a, b = _prompts(3)
     (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b, tp=2, ep=ep)
     assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
-            u.assert_steps_match_hf(model, r, f"deepseek tp=2 ep={ep} {what}")
+            assert_steps_match_hf(model, r, f"deepseek tp=2 ep={ep} {what}")
     # rank 0 puts each latent block once; rank 1 computes the same bytes and leaves them to rank 0
     assert stats[0]["puts"] == stats[1]["skipped_puts"] > 0 and stats[1]["puts"] == 0
     assert pool["num_keys"] == stats[0]["puts"]  # not tp times as many
@@ -113,7 +98,7 @@ def _kill_rank1(variant: str, source: str) -> str:
 
 
 def test_a_dying_rank_is_reported_not_a_hang(qwen):
-    _, d = qwen
+    d = qwen.dir
     t0 = time.monotonic()
     eng = open_engine(REPO / "specs/tiny_qwen3_tp2.yaml", d, num_blocks=32, timeout=30, source_hook=_kill_rank1)
     with pytest.raises(RankFailure, match=r"rank 1 exited \(code 3\)"):
@@ -122,7 +107,7 @@ def test_a_dying_rank_is_reported_not_a_hang(qwen):
 
 
 def test_cli_run_tp2_json_logits_match_transformers(qwen):
-    model, d = qwen
+    model, d = qwen.model, qwen.dir
     a, _ = _prompts(4)
     r = subprocess.run([sys.executable, "-m", "graphgen", "run", "--spec", "specs/tiny_qwen3.yaml", "--weights", str(d),
                         "--tp", "2", "--prompt-ids", ",".join(map(str, a)), "--max-new-tokens", "2", "--json",
@@ -130,7 +115,7 @@ def test_cli_run_tp2_json_logits_match_transformers(qwen):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[0])
     with torch.no_grad():
-        ref = u.hf_logits(model, a)[-1]
+        ref = hf_logits(model, a)[-1]
     assert (torch.tensor(out["logits"]) - ref).abs().max().item() <= 1e-4
     assert out["tokens"][0] == int(ref.argmax())
 
@@ -152,28 +137,28 @@ def test_serve_counts_the_ranks_of_the_layout():
 def test_qwen3_tp4_replicates_kv_heads_and_matches_transformers(qwen):
     """tp=4 over 2 KV heads: each KV head is replicated on two ranks (each rank keeps one query head and
     its KV head); logits still match transformers at every step."""
-    model, d = qwen
+    model, d = qwen.model, qwen.dir
     a, b = _prompts(4)
     (ra, again, rb), stats, _ = _run("specs/tiny_qwen3.yaml", d, a, b, tp=4)
     assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
-            u.assert_steps_match_hf(model, r, f"qwen3 tp=4 {what}")
+            assert_steps_match_hf(model, r, f"qwen3 tp=4 {what}")
     assert [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
 
 
 def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path):
     """vocab 257 over 2 ranks: the embedding and LM head are zero-padded to 2 x 129 rows; the padded
     logits are dropped, so every step's logits still match transformers."""
-    dims = dict(u.hfm.QWEN3_DIMS, vocab_size=257)
-    model, d = u.hfm.build_hf_model("qwen3_dense", dims, str(tmp_path / "hf"), seed=7)
+    dims = dict(hfm.QWEN3_DIMS, vocab_size=257)
+    model, d = hfm.build_hf_model("qwen3_dense", dims, str(tmp_path / "hf"), seed=7)
     spec = tmp_path / "q257.yaml"
-    res = u.cli("import-hf", str(d), "--out", str(spec), "--name", "q257", "--block-size", "4")
+    res = cli("import-hf", str(d), "--out", str(spec), "--name", "q257", "--block-size", "4")
     assert res.returncode == 0, res.stderr
     g = torch.Generator().manual_seed(9)
-    a = u.rand_prompt(g, 10, vocab=257)
+    a = rand_prompt(g, 10, vocab=257)
     with open_engine(spec, d, collect_logits=True, num_blocks=32, timeout=TIMEOUT, tp=2) as eng:
         r = eng.generate([a], 3)[0]
     assert all(row.shape[-1] == 257 for row in r.step_logits)  # the padding rows are not logits
     with torch.no_grad():
-        u.assert_steps_match_hf(model, r, "qwen3 tp=2 vocab 257")
+        assert_steps_match_hf(model, r, "qwen3 tp=2 vocab 257")

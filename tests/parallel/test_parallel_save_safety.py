@@ -6,7 +6,7 @@ per rank at tp=2: with a slowed save (or a slowed pool), on EVERY rank
   its own key; for DeepSeek-V3's MLA latent rank 0's put under the shared key, which must equal what
   rank 1 computed too);
 * no block is visible in the shared pool before its save's event: right after ``generate`` returned
-  (the save still sleeping) none of the prompt's keys is in the pool, and every commit (put) of a
+  (every save op, or every put, held by a gate the test opens afterwards: a file) none of the prompt's keys is in the pool, and every commit (put) of a
   rank began after that rank's last copy into staging had finished.
 
 Negative control: the same byte check with the save stream's waits deleted from the generated
@@ -17,39 +17,29 @@ reads KV the forward has not written yet. The probes run in the rank processes
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import time
-from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("transformers")
-import torch  # noqa: E402
+from graphgen.runtime import open_engine
+from graphgen.runtime.core.faults import Faults, FileGate
+from support.hf import rand_prompt
+from support.hooks import drop_save_waits
+from support.paths import REPO
 
-from graphgen.modelspec.loader import load_spec  # noqa: E402
-from graphgen.runtime import open_engine  # noqa: E402
-from graphgen.runtime.core.faults import Faults  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("graphgen_e2e_util_parallel_save", REPO / "tests" / "e2e" / "e2e_util.py")
-u = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(u)
 TIMEOUT = 60          # seconds a rank may take to answer one command
-SAVE_DELAY = 0.15     # per save op: the save is still sleeping when generate() returns (IPC is ~ms)
-PUT_DELAY = 0.1       # per pool put: a slow pool
+SAVE_DELAY = 0.02     # per save op, after the gate: the save lags the forward
+PUT_DELAY = 0.02      # per pool put, after the gate: a slow pool
 FORWARD_DELAY = 0.04  # per KV write: a save that does not wait reads before this write
 
 SPECS = {"qwen3": "specs/tiny_qwen3_tp2.yaml", "deepseek": "specs/tiny_deepseek_v3_tp2ep2.yaml"}
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("w")
-    _, q = u.hfm.build_hf_model("qwen3_dense", u.hfm.QWEN3_DIMS, str(tmp / "q"), seed=11)
-    dims = dataclasses.asdict(load_spec(REPO / "specs/tiny_deepseek_v3.yaml").dims)
-    _, d = u.hfm.build_hf_model("deepseek_v3", dims, str(tmp / "d"), seed=12)
-    return {"qwen3": q, "deepseek": d}
+def weights(qwen, tiny_dsv3):
+    """The session checkpoints of tests/conftest.py (tiny_qwen3's and tiny_deepseek_v3's dims)."""
+    return {"qwen3": qwen.dir, "deepseek": tiny_dsv3.dir}
 
 
 # ---- probes, run in each rank process ---------------------------------------------------------
@@ -93,43 +83,29 @@ def _report(eng) -> dict:
             "puts": rec["puts"], "layers": eng.cache.num_layers, "skipped": getattr(eng.connector.pool, "skipped_puts", 0)}
 
 
-def drop_save_waits(variant: str, source: str) -> str:
-    """source_hook (applied by every rank): delete every ``rt.wait(ev[...])`` of the kv_save
-    stream function in the mempool_prefill module(s); everything else stays."""
-    if not variant.startswith("mempool_prefill"):
-        return source
-    out, inside, dropped = [], False, 0
-    for line in source.splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped.startswith("def kv_save_stream("):
-            inside = True
-        elif inside and stripped.startswith("rt.launch("):
-            inside = False
-        if inside and stripped.startswith("rt.wait(ev["):
-            dropped += 1
-            continue
-        out.append(line)
-    assert dropped >= 1, f"{variant}: no save-stream wait found to drop (generated code changed?)"
-    return "".join(out)
-
-
 # ---- the tests ----------------------------------------------------------------------------------
 
 def _prompt(seed: int, n: int = 13):
-    return u.rand_prompt(torch.Generator().manual_seed(seed), n)   # 13: 3 full blocks of 4 + 1 token
+    return rand_prompt(torch.Generator().manual_seed(seed), n)   # 13: 3 full blocks of 4 + 1 token
 
 
 @pytest.mark.parametrize("delay", ["save", "put"])
 @pytest.mark.parametrize("model", ["qwen3", "deepseek"])
-def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, delay, weights):
+def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, delay, weights, tmp_path):
     p = _prompt(41)
-    faults = Faults(save_delay_s=SAVE_DELAY) if delay == "save" else Faults(put_delay_s=PUT_DELAY)
+    # every rank's save ops (or pool puts) wait on a file this test creates once it has looked
+    gate = FileGate(tmp_path / "open", timeout_s=TIMEOUT)
+    faults = Faults(save_delay_s=SAVE_DELAY, save_gate=gate) if delay == "save" else \
+        Faults(put_delay_s=PUT_DELAY, put_gate=gate)
     t0 = time.monotonic()
     with open_engine(REPO / SPECS[model], weights[model], write="async", num_blocks=32, timeout=TIMEOUT,
                           faults=faults) as eng:
         eng.on_ranks(_install_recorders)
-        r = eng.generate([p], 1)[0]
-        visible_early = eng.on_ranks(_visible, p)   # generate returned; the saves still sleep
+        try:
+            r = eng.generate([p], 1)[0]
+            visible_early = eng.on_ranks(_visible, p)   # generate returned; the saves are held
+        finally:
+            gate.open()
         eng.drain()
         reports = eng.on_ranks(_report)
         stats = eng.rank_stats

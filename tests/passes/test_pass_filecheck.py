@@ -8,15 +8,14 @@ nothing extra may appear. The expected lines were written from the design (docs/
 event per stream boundary.
 """
 
-from pathlib import Path
 
 import pytest
 
 from graphgen.ir.text import print_graph
 from graphgen.modelspec.loader import load_spec
 from graphgen.passes.manager import run_pipeline
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 WATCHED = ("record", "wait", "kv_save", "kv_load", "pool_put")
 
 

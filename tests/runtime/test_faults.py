@@ -1,10 +1,11 @@
 """Fault injection: parsing, deterministic put failures, FaultyPool visibility."""
+import pickle
 import threading
-import time
 
 import pytest
 
-from graphgen.runtime.core.faults import Faults
+import graphgen.runtime.core.faults as faults_mod
+from graphgen.runtime.core.faults import Faults, FileGate
 from graphgen.runtime.pool.faulty import FaultyPool, wrap_pool
 from graphgen.runtime.pool import HostPool
 
@@ -76,31 +77,94 @@ def test_callable_put_fail():
     assert pool.contains("a") and not pool.contains("bx")
 
 
-def test_put_delay_applies_and_is_concurrent():
-    pool = FaultyPool(HostPool(100), Faults(put_delay_s=0.05))
-    t0 = time.monotonic()
-    ts = [threading.Thread(target=pool.put, args=(f"k{i}", b"v")) for i in range(4)]
+class _AllAtOnce:
+    """A put gate that opens once ``n`` puts wait on it together: it breaks (BrokenBarrierError)
+    when the puts are serialised, so no timing bound is needed to see concurrency."""
+
+    def __init__(self, n: int, timeout_s: float):
+        self.barrier, self.timeout_s = threading.Barrier(n), timeout_s
+
+    def wait(self):
+        self.barrier.wait(timeout=self.timeout_s)
+
+
+def _four_puts(pool) -> list:
+    errors = []
+
+    def put(i):
+        try:
+            pool.put(f"k{i}", b"v")
+        except threading.BrokenBarrierError as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=put, args=(i,)) for i in range(4)]
     for t in ts:
         t.start()
     for t in ts:
-        t.join(5)
-    dt = time.monotonic() - t0
-    assert 0.045 <= dt < 0.2                             # slept, but not serialised under a lock
+        t.join(30)
+    return errors
+
+
+def test_put_delay_applies_and_is_concurrent(monkeypatch):
+    slept = []
+    monkeypatch.setattr(faults_mod.time, "sleep", lambda s: slept.append(s))
+    pool = FaultyPool(HostPool(100), Faults(put_delay_s=0.05, put_gate=_AllAtOnce(4, timeout_s=20)))
+    assert _four_puts(pool) == []                        # all four waited at once: not serialised under a lock
+    assert slept == [0.05] * 4                           # and each slept its delay
     assert len(pool.inner) == 4
 
 
-def test_sleep_hooks():
-    f = Faults(save_delay_s=0.03, forward_delay_s=0.02)
-    t0 = time.monotonic()
+def test_put_concurrency_check_sees_serialised_puts():
+    """Negative control for the test above: puts serialised under one lock break the gate."""
+    lock = threading.Lock()
+
+    class Serialised(FaultyPool):
+        def put(self, key, value):
+            with lock:
+                return super().put(key, value)
+
+    pool = Serialised(HostPool(100), Faults(put_gate=_AllAtOnce(4, timeout_s=0.5)))
+    assert _four_puts(pool)
+
+
+def test_sleep_hooks(monkeypatch):
+    slept = []
+    monkeypatch.setattr(faults_mod.time, "sleep", lambda s: slept.append(s))
+    f = Faults(save_delay_s=0.03, forward_delay_s=0.02, load_delay_s=0.01)
     f.save_sleep()
-    t1 = time.monotonic()
     f.forward_sleep()
-    t2 = time.monotonic()
-    assert t1 - t0 >= 0.025 and t2 - t1 >= 0.015
-    t3 = time.monotonic()
+    f.load_sleep()
+    assert slept == [0.03, 0.02, 0.01]                   # once per call, its own delay
     Faults().save_sleep()
     Faults().forward_sleep()
-    assert time.monotonic() - t3 < 0.01
+    Faults().load_sleep()
+    assert slept == [0.03, 0.02, 0.01]                   # no delay set: no sleep at all
+
+
+def test_save_gate_holds_the_save_until_it_opens():
+    gate = threading.Event()
+    f = Faults(save_gate=gate)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (f.save_sleep(), done.set()))
+    t.start()
+    assert not done.wait(0.05)                           # held (a closed gate is never passed)
+    gate.set()
+    assert done.wait(10)
+    t.join(10)
+    assert f.active and not Faults().active
+    with pytest.raises(ValueError, match="no text form"):
+        f.format()
+    with pytest.raises(ValueError, match="wait"):
+        Faults(put_gate=object())
+
+
+def test_file_gate_opens_on_the_file(tmp_path):
+    g = FileGate(tmp_path / "open", timeout_s=0.05)
+    with pytest.raises(TimeoutError):
+        g.wait()
+    g.open()
+    g.wait()                                             # returns: the file exists
+    assert pickle.loads(pickle.dumps(g)).path == g.path  # crosses to a rank process
 
 
 def test_wrap_pool_only_when_needed():
@@ -108,3 +172,4 @@ def test_wrap_pool_only_when_needed():
     assert wrap_pool(base, Faults(save_delay_s=1)) is base
     assert isinstance(wrap_pool(base, Faults(put_fail=0.1)), FaultyPool)
     assert isinstance(wrap_pool(base, Faults(put_delay_s=0.1)), FaultyPool)
+    assert isinstance(wrap_pool(base, Faults(put_gate=threading.Event())), FaultyPool)

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
 
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
 from graphgen.runtime.core import ops as rt  # noqa: E402
@@ -19,10 +19,7 @@ from graphgen.runtime.core.kvcache import kv_cache_shapes  # noqa: E402
 from graphgen.runtime.checkpoint.hf import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
 
-try:  # tests/runtime may or may not be a package
-    from . import hf_models as hfm
-except ImportError:
-    import hf_models as hfm
+import support.hf as hfm  # noqa: E402
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

@@ -5,13 +5,11 @@ import struct
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from graphgen.runtime.pool import HostPool, KVShard, PoolBackend, block_keys
-
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 
 # ------------------------------------------------------------------------------------------ pool
@@ -221,7 +219,7 @@ def test_key_argument_validation():
 
 
 def test_accepts_tensors():
-    torch = pytest.importorskip("torch")
+    import torch
     ids = list(range(8))
     assert block_keys(torch.tensor(ids), 4, **KW) == block_keys(ids, 4, **KW)
 

@@ -9,7 +9,6 @@ import dataclasses
 import threading
 import time
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,7 @@ from graphgen.runtime.core import kvcache
 from graphgen.runtime.core.cpu_runtime import CpuRuntime
 from graphgen.runtime.engine.runner import CpuModelRunner, StepHandles
 from graphgen.runtime.core.streams import EventAborted, EventTimeout
-
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 
 def fake_module(*, fail=False, launches=1, gate=None):

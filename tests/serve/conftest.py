@@ -1,30 +1,17 @@
 """A real server on 127.0.0.1: ``python -m graphgen.serve`` as a subprocess on a free port, on a tiny
-random Qwen3 checkpoint written with its tokenizer. Every wait is bounded."""
+random Qwen3 checkpoint written with its tokenizer (``ckpt``, a session fixture of tests/conftest.py).
+Every wait is bounded."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-pytest.importorskip("openai")
+import fastapi  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import uvicorn  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import prometheus_client  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
+import openai  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
 
-from serve_util import SPEC, Server  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    from graphgen.modelspec.loader import load_spec
-    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
-
-    spec = load_spec(SPEC)
-    d = tmp_path_factory.mktemp("serve_ckpt")
-    write_random_hf_checkpoint(str(d), spec.family, dataclasses.asdict(spec.dims), seed=0)
-    assert (d / "tokenizer.json").exists()
-    return d
+from serve_util import Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Two ``graphgen serve`` instances on one Mooncake master share a prefix: instance B's first
 request loads the blocks instance A's request saved, and both answer with the tokens of a cold run.
 
-Everything runs in a private network namespace (tests/mooncake/harness.py: held by an ``unshare -n``
+Everything runs in a private network namespace (tests/support/netns.py: held by an ``unshare -n``
 sleeper, entered with ``nsenter``): the master and its segment, both servers, and the ``openai``
 client (a process of its own, ``ns_client.py``, since the servers are reachable only in there).
 The reference tokens come from a cold ``Engine`` (write off, no pool) in this process."""
@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "mooncake"))
-
-from harness import Namespace, _env, _Proc  # noqa: E402
-
 from serve_util import SPEC
+from support.netns import Namespace, _env, _Proc
+
+HERE = Path(__file__).resolve().parent
 
 PORT = 50150
 URL = f"mooncake://127.0.0.1:{PORT}"

@@ -7,34 +7,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
-import subprocess
-import sys
 
-from serve_util import ROOT, SPEC, Server
+from serve_util import SPEC, Server
+from support.cli import graphgen, run_args, run_tokens
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], list(range(1, 14)), list(range(1, 9)) + [40, 41, 42],
            [200, 3, 5, 7, 11, 13, 17, 19, 23, 29], [255, 0, 128]]
 N_NEW = 8
 
 
-def _graphgen(*args, timeout=180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "graphgen", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def _run_args(ckpt, *extra):
-    args = ["run", "--spec", str(SPEC), "--weights", str(ckpt), "--json", "--max-new-tokens", str(N_NEW), *extra]
-    for p in PROMPTS:
-        args += ["--prompt-ids", ",".join(map(str, p))]
-    return args
+    return run_args(SPEC, ckpt, PROMPTS, N_NEW, *extra)
 
 
 def test_graphgen_run_tokens_equal_the_servers(ckpt):
-    res = _graphgen(*_run_args(ckpt, "--write", "async"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    want = [json.loads(s)["tokens"] for s in res.stdout.splitlines() if s.startswith("{")]
+    want = run_tokens(SPEC, ckpt, PROMPTS, N_NEW, "--write", "async")
     assert len(want) == len(PROMPTS)
     s = Server(ckpt, "--write", "async", cli=True)
     try:
@@ -54,7 +41,7 @@ def test_graphgen_run_tokens_equal_the_servers(ckpt):
 
 def test_graphgen_run_trace_shows_the_save_overlapping_the_forward(ckpt, tmp_path):
     trace = tmp_path / "run.trace.json"
-    res = _graphgen(*_run_args(ckpt, "--write", "async", "--granularity", "layer", "--batch",
+    res = graphgen(*_run_args(ckpt, "--write", "async", "--granularity", "layer", "--batch",
                                "--async-scheduling", "--faults", "save_delay=0.01", "--trace", str(trace)))
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads(trace.read_text())

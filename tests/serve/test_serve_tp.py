@@ -8,12 +8,9 @@ SIGTERM exits 0. Every wait is bounded."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
-import os
-import subprocess
-import sys
 
 from serve_util import ROOT, Server
+from support.cli import run_tokens
 
 SPEC_TP2 = ROOT / "specs" / "tiny_qwen3_tp2.yaml"
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], list(range(1, 14)), [255, 0, 128]]
@@ -21,14 +18,7 @@ N_NEW = 6
 
 
 def _run_tp2(ckpt) -> list[list[int]]:
-    args = [sys.executable, "-m", "graphgen", "run", "--spec", str(SPEC_TP2), "--weights", str(ckpt), "--tp", "2",
-            "--json", "--max-new-tokens", str(N_NEW)]
-    for p in PROMPTS:
-        args += ["--prompt-ids", ",".join(map(str, p))]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(s)["tokens"] for s in res.stdout.splitlines() if s.startswith("{")]
+    return run_tokens(SPEC_TP2, ckpt, PROMPTS, N_NEW, "--tp", "2", timeout=240)
 
 
 def test_serve_tp2_greedy_equals_run_tp2_and_seeded_sampling_repeats(ckpt):

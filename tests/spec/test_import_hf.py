@@ -13,9 +13,9 @@ from graphgen.modelspec import model as m
 from graphgen.modelspec.errors import SpecError
 from graphgen.modelspec.import_hf import import_hf, spec_from_hf_config
 from graphgen.modelspec.loader import load_spec, parse_spec_text
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
-transformers = pytest.importorskip("transformers")
+import transformers
 
 
 def _tiny_qwen3_config(**over):

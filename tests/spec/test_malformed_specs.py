@@ -16,8 +16,8 @@ import pytest
 
 from graphgen.modelspec.loader import load_spec, load_specs, parse_spec_text
 from graphgen.modelspec.errors import SpecError
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 BASE_QWEN = """\
 # a valid tiny Qwen3 spec (the cases edit it)

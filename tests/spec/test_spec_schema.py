@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -14,8 +13,8 @@ from graphgen.modelspec import model as m
 from graphgen.modelspec.errors import SpecError
 from graphgen.modelspec.loader import load_yaml_data, parse_spec_text
 from graphgen.modelspec.schema import schema_text, spec_json_schema
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "specs").glob("*.yaml"))
 
 

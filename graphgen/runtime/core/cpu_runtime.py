@@ -88,9 +88,10 @@ def load_module(source: str, filename: str, name: str) -> types.ModuleType:
 
 def load_cpu_modules(spec, spec_file: str, *, generated_dir: Optional[Path] = None,
                      source_hook: Optional[Callable[[str, str], str]] = None,
-                     sources: Optional[dict] = None) -> dict[str, types.ModuleType]:
+                     sources: Optional[dict[str, str]] = None) -> dict[str, types.ModuleType]:
     """The CPU module of every variant of ``spec``, compiled in memory (fast, torch-free), or taken
-    from ``sources`` ({variant: source}, e.g. compiled once by the parent of rank processes).
+    from ``sources`` (variant -> source) when the caller compiled them already (a rank process gets
+    them from the launcher, which compiled them once for every rank).
 
     When ``generated/`` holds the identical file, its path is used as the module's filename so
     tracebacks point at the checked-in code. ``source_hook(variant, source) -> source`` exists for
@@ -101,8 +102,7 @@ def load_cpu_modules(spec, spec_file: str, *, generated_dir: Optional[Path] = No
     mods = {}
     for variant in spec.variants:
         rel = module_path(spec.name, variant, "cpu")
-        source = sources[variant] if sources and variant in sources else \
-            compile_variant(spec, variant, "cpu", spec_file=spec_file)
+        source = sources[variant] if sources is not None else compile_variant(spec, variant, "cpu", spec_file=spec_file)
         filename = f"<graphgen:{rel}>"
         if generated_dir is not None:
             on_disk = Path(generated_dir) / rel

@@ -13,6 +13,10 @@
   draw is deterministic: a hash of (seed, key, attempt number of that key), so the outcome does not
   depend on thread interleaving and a retry of the same key gets a fresh draw.
 * ``seed``           -- seeds the ``put_fail`` draw.
+* ``save_gate`` / ``put_gate`` -- an object with ``wait()`` (a ``threading.Event``, or a `FileGate`
+  across processes) that each save op / each pool put waits on before its delay: a test holds the
+  save (or the commit) back for exactly as long as it looks, instead of hoping a sleep outlasts it.
+  No text form (`parse`/`format`).
 
 CLI form (`Faults.parse`): ``save_delay=0.05,put_fail=0.5,forward_delay=0.01,put_delay=0.02,load_delay=0.01,seed=1``
 (the ``_s`` suffix is optional; ``Faults.format`` writes this form back).
@@ -21,14 +25,35 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import threading
 import time
 from typing import Any, Callable, Union
 
 
-__all__ = ["Faults"]
+__all__ = ["Faults", "FileGate"]
 
 PutFail = Union[float, Callable[[str], bool]]
+
+
+class FileGate:
+    """A gate that opens when ``path`` exists: picklable, so a rank process can wait on a file the
+    test creates. ``wait()`` polls every ``poll_s`` and raises `TimeoutError` after ``timeout_s``
+    (a test that never opens it fails instead of hanging)."""
+
+    def __init__(self, path, timeout_s: float = 120.0, poll_s: float = 0.005):
+        self.path, self.timeout_s, self.poll_s = str(path), timeout_s, poll_s
+
+    def open(self) -> None:
+        with open(self.path, "w"):
+            pass
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gate {self.path} not opened within {self.timeout_s:g} s")
+            time.sleep(self.poll_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +64,8 @@ class Faults:
     put_fail: PutFail = 0.0
     seed: int = 0
     load_delay_s: float = 0.0
+    save_gate: Any = None
+    put_gate: Any = None
 
     # short CLI names -> field names
     _ALIASES = {"save_delay": "save_delay_s", "forward_delay": "forward_delay_s",
@@ -54,6 +81,10 @@ class Faults:
                                  or not 0.0 <= pf <= 1.0):
             raise ValueError(f"Faults.put_fail must be a probability in [0, 1] or a callable "
                              f"key -> bool, got {pf!r}")
+        for f in ("save_gate", "put_gate"):
+            g = getattr(self, f)
+            if g is not None and not callable(getattr(g, "wait", None)):
+                raise ValueError(f"Faults.{f} must have a wait() method (threading.Event, FileGate), got {g!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"Faults.seed must be an int, got {self.seed!r}")
 
@@ -82,7 +113,9 @@ class Faults:
         return cls(**kw)
 
     def format(self) -> str:
-        """The `parse` form of the non-default knobs (a callable ``put_fail`` cannot be written)."""
+        """The `parse` form of the non-default knobs (a callable ``put_fail`` or a gate cannot be written)."""
+        if self.save_gate is not None or self.put_gate is not None:
+            raise ValueError("a save/put gate has no text form")
         parts = []
         for short, field in (("save_delay", "save_delay_s"), ("forward_delay", "forward_delay_s"),
                              ("put_delay", "put_delay_s"), ("put_fail", "put_fail"),
@@ -99,10 +132,13 @@ class Faults:
     @property
     def active(self) -> bool:
         return bool(self.save_delay_s or self.forward_delay_s or self.put_delay_s or self.load_delay_s
-                    or callable(self.put_fail) or self.put_fail)
+                    or callable(self.put_fail) or self.put_fail
+                    or self.save_gate is not None or self.put_gate is not None)
 
     # hooks called by the runtime ------------------------------------------------------------
     def save_sleep(self) -> None:
+        if self.save_gate is not None:
+            self.save_gate.wait()
         if self.save_delay_s:
             time.sleep(self.save_delay_s)
 
@@ -115,6 +151,8 @@ class Faults:
             time.sleep(self.load_delay_s)
 
     def put_sleep(self) -> None:
+        if self.put_gate is not None:
+            self.put_gate.wait()
         if self.put_delay_s:
             time.sleep(self.put_delay_s)
 

@@ -35,6 +35,17 @@ class RankFailure(RuntimeError):
     """A rank process died, raised, or did not answer in time."""
 
 
+def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
+    """(variant -> CPU source, the weight names those graphs read), compiled here once for every rank
+    (the rank module differs per rank only in the ``rt.rank`` its runtime holds, not in its code)."""
+    from ...ir.weights import graph_weight_names
+    from ...lower.compile import compile_spec
+
+    compiled = compile_spec(spec, spec_file=spec_file, targets=("cpu",))
+    sources = {c.variant: next(iter(c.sources.values())) for c in compiled}
+    return sources, graph_weight_names(c.graph for c in compiled)
+
+
 class DistributedLLM:
     """`LLMEngine`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
     ``stats``, ``shutdown`` (and setting ``eos_token_ids``) run on every rank's own ``Engine.llm``,
@@ -118,9 +129,11 @@ class DistributedEngine:
                 raise RankFailure(f"the shared pool process did not start (exit code {self._pool_proc.exitcode}); "
                                   f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
         self._pool = connect_pool(pool_address, authkey)
+        sources, weight_names = _compile_once(spec, spec_file)
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
                "threads": threads or max(1, (os.cpu_count() or 1) // self.tp), "pool_address": pool_address,
-               "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs}
+               "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
+               "sources": sources, "weight_names": weight_names}
         self._conns, self._procs = [], []
         for r in range(self.tp):
             parent, child = ctx.Pipe()

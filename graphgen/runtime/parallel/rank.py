@@ -53,7 +53,7 @@ from ..pool.shared import connect_pool
 from . import ops as ops_parallel
 from .ops import rank_weights
 
-__all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine", "graph_weight_names",
+__all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine",
            "plan_fingerprint", "rank_main"]
 
 
@@ -185,17 +185,6 @@ def rank_engine(spec, weights: dict, *, rank: int, faults=None, event_timeout: f
                       event_timeout=event_timeout, **options)
 
 
-def graph_weight_names(spec, spec_file: str = "") -> set[str]:
-    """Every weight name (sliced ones as ``key[d<dim>/<parts>]``) the spec's graphs read."""
-    from ...passes.manager import run_pipeline
-
-    names = set()
-    for v in spec.variants:
-        g = run_pipeline(spec, v, spec_file=spec_file, until="shard")
-        names |= {val for n in g.nodes for k, val in n.attrs.items() if k.startswith("w_") and isinstance(val, str)}
-    return names
-
-
 def _llm_call(llm, method: str, args: tuple):
     """One `DistributedLLM` call on this rank's `LLMEngine`: ``("ok", result)``, or ``("invalid",
     message)`` when ``add_request`` refused its input (the same refusal on every rank: nothing was queued)."""
@@ -237,11 +226,11 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
             from ..checkpoint.hf import load_hf_weights
 
             weights = load_hf_weights(weights)
-        mine = rank_weights(weights, graph_weight_names(spec, cfg["spec_file"]), rank, spec.parallel.tp)
+        mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
         del weights
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
         engine = rank_engine(spec, mine, rank=rank, spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
-                             **cfg["engine_kwargs"])
+                             sources=cfg["sources"], **cfg["engine_kwargs"])
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))

@@ -1,4 +1,4 @@
-"""A pool with injected put faults (`graphgen.runtime.core.faults.Faults`: ``put_delay_s``, ``put_fail``)."""
+"""A pool with injected put faults (`graphgen.runtime.core.faults.Faults`: ``put_gate``, ``put_delay_s``, ``put_fail``)."""
 from __future__ import annotations
 
 import threading
@@ -12,13 +12,13 @@ __all__ = ["FaultyPool", "wrap_pool"]
 
 def wrap_pool(backend: PoolBackend, faults: Faults) -> PoolBackend:
     """``backend`` itself when no put fault is set, else a `FaultyPool` around it."""
-    if not (faults.put_delay_s or callable(faults.put_fail) or faults.put_fail):
+    if not (faults.put_delay_s or callable(faults.put_fail) or faults.put_fail or faults.put_gate is not None):
         return backend
     return FaultyPool(backend, faults)
 
 
 class FaultyPool(PoolBackend):
-    """Applies ``put_delay_s`` / ``put_fail`` of a `Faults` to any backend.
+    """Applies ``put_gate`` / ``put_delay_s`` / ``put_fail`` of a `Faults` to any backend.
 
     A failed put never reaches the inner backend, so nothing of it is visible (a clean failure, as the
     pool contract requires). Reads pass straight through.

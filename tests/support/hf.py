@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face reference models for the runtime tests.
+"""Tiny random Hugging Face reference models, and the transformers references the tests compare to.
 
 Dims use Hugging Face config names (the same dicts ``write_random_hf_checkpoint`` takes).
 transformers' own init (std 0.02, unit norms, zero routing bias) gives near-constant logits that
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+ATOL = 1e-4
 
 QWEN3_DIMS = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=256,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
@@ -95,3 +97,39 @@ def load_hf_model(family: str, hf_dir: str, **kw):
 def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits at the last position of one unpadded prompt (full forward, no cache)."""
     return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def rand_prompt(gen: torch.Generator, n: int, vocab: int = 256) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+@torch.no_grad()
+def hf_logits(model, seq: list[int]) -> torch.Tensor:
+    """Logits at every position of ``seq`` (one full forward, no cache): [len(seq), V]."""
+    return model(input_ids=torch.tensor([seq])).logits[0].float()
+
+
+def hf_step_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """HF logits for each generated step: the full sequence (prompt + generated tokens but the last)
+    in one forward; row i predicts generated token i."""
+    seq = list(prompt) + list(tokens[:-1])
+    return hf_logits(model, seq)[len(prompt) - 1:]
+
+
+def assert_greedy_by_hf(model, prompt: list[int], tokens: list[int], what: str = "") -> torch.Tensor:
+    """``tokens`` is transformers' greedy continuation of ``prompt``: with the tokens fed back
+    (teacher forcing, one forward), each must be the argmax at its position -- exactly the greedy
+    loop's condition. Returns the HF step logits for further checks."""
+    ref = hf_step_logits(model, prompt, tokens)
+    want = ref.argmax(-1).tolist()
+    assert list(tokens) == want, f"{what}: engine tokens {list(tokens)} != HF greedy {want}"
+    return ref
+
+
+def assert_steps_match_hf(model, result, what: str) -> None:
+    """Every generated step's engine logits vs transformers on the full sequence, atol 1e-4."""
+    assert len(result.step_logits) == len(result.tokens) > 0, what
+    ref = hf_step_logits(model, result.prompt, result.tokens)
+    for i, row in enumerate(result.step_logits):
+        err = (row - ref[i]).abs().max().item()
+        assert err <= ATOL, f"{what}: step {i} (position {len(result.prompt) - 1 + i}) max |diff| {err:.3g} > {ATOL}"

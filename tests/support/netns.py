@@ -17,16 +17,16 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-ENGINE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_worker.py")
+from .paths import REPO, TESTS, subprocess_env
+
+ROOT = str(REPO)
+WORKER = str(TESTS / "mooncake" / "worker.py")
+ENGINE_WORKER = str(TESTS / "mooncake" / "engine_worker.py")
 SERVER = "graphgen.runtime.pool.mooncake_server"
 
 
 def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return subprocess_env()   # the repo and tests/ (``support``) first on PYTHONPATH
 
 
 class _Proc:

@@ -1,0 +1,103 @@
+"""Fixtures shared by every test folder: the tiny Hugging Face checkpoints, built once per test run
+(session scope) and only by the tests that ask for them. torch and transformers are imported inside
+the fixtures, so the torch-free folders (``ir``, ``spec``, ``passes``) stay torch-free.
+
+- ``qwen``, ``dsv3``, ``tiny_dsv3``: random float32 HF models written with ``save_pretrained``
+  (weights re-drawn at O(1) scale so logits are not flat; `support.hf`), each as
+  ``SimpleNamespace(model, dir, family)``;
+- ``imported``: specs made from ``qwen`` and ``dsv3`` by ``graphgen import-hf`` run as a subprocess;
+- ``ckpt``: a checkpoint of ``specs/tiny_qwen3.yaml`` written by graphgen's own writer, with its
+  tokenizer (what ``graphgen serve`` loads).
+
+Under CI (or ``GRAPHGEN_NO_SKIPS=1``) an unexpected skip fails the run (`support.skips`).
+
+``slow`` marks the rank, server and Mooncake folders and the stand-in compile loops
+(``SLOW_FOLDERS``, ``SLOW_FILES``): ``./dev test -m "not slow"`` is the fast inner loop, ``./dev test``
+still runs everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from support.paths import TINY_DSV3, TINY_QWEN3
+
+pytest_plugins = ["support.skips"]
+
+SLOW_FOLDERS = ("parallel", "serve", "mooncake")       # rank processes, server subprocesses, Mooncake
+SLOW_FILES = ("npu/test_compile_steps_cli.py",)        # torch.compile through the stand-in, step by step
+
+
+def pytest_collection_modifyitems(config, items):
+    from support.paths import TESTS
+
+    for item in items:
+        rel = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+        if rel.split("/")[0] in SLOW_FOLDERS or rel in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
+def _hf(tmp_path_factory, family: str, dims: dict, seed: int, name: str) -> SimpleNamespace:
+    from support.hf import build_hf_model
+
+    out = tmp_path_factory.mktemp(name)
+    model, d = build_hf_model(family, dims, str(out), seed=seed)
+    return SimpleNamespace(model=model, dir=d, family=family)
+
+
+@pytest.fixture(scope="session")
+def qwen(tmp_path_factory):
+    """Qwen3 with the dims of specs/tiny_qwen3.yaml (support.hf.QWEN3_DIMS)."""
+    from support.hf import QWEN3_DIMS
+
+    return _hf(tmp_path_factory, "qwen3_dense", QWEN3_DIMS, 0, "hf_qwen3")
+
+
+@pytest.fixture(scope="session")
+def dsv3(tmp_path_factory):
+    """DeepSeek-V3, 2 layers: a dense first layer then MLA + MoE (support.hf.DSV3_DIMS)."""
+    from support.hf import DSV3_DIMS
+
+    return _hf(tmp_path_factory, "deepseek_v3", DSV3_DIMS, 1, "hf_dsv3")
+
+
+@pytest.fixture(scope="session")
+def tiny_dsv3(tmp_path_factory):
+    """DeepSeek-V3 with the dims of specs/tiny_deepseek_v3.yaml (3 layers, grouped routing)."""
+    from graphgen.modelspec.loader import load_spec
+
+    dims = dataclasses.asdict(load_spec(TINY_DSV3).dims)
+    return _hf(tmp_path_factory, "deepseek_v3", dims, 2, "hf_tiny_dsv3")
+
+
+@pytest.fixture(scope="session")
+def imported(tmp_path_factory, qwen, dsv3):
+    """family -> (spec path written by `graphgen import-hf`, the HF model it was imported from)."""
+    from graphgen.modelspec.loader import load_spec
+    from support.cli import cli
+
+    out = tmp_path_factory.mktemp("imported")
+    specs = {}
+    for hf, name in ((qwen, "e2e_qwen3"), (dsv3, "e2e_dsv3")):
+        path = out / f"{name}.yaml"
+        res = cli("import-hf", hf.dir, "--out", path, "--name", name)
+        assert res.returncode == 0, res.stderr
+        assert path.exists() and load_spec(path).family == hf.family
+        specs[hf.family] = SimpleNamespace(spec=path, hf=hf)
+    return specs
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """specs/tiny_qwen3.yaml's checkpoint by graphgen's writer, with tokenizer.json (for serve)."""
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
+
+    spec = load_spec(TINY_QWEN3)
+    d = tmp_path_factory.mktemp("serve_ckpt")
+    write_random_hf_checkpoint(str(d), spec.family, dataclasses.asdict(spec.dims), seed=0)
+    assert (d / "tokenizer.json").exists()
+    return d

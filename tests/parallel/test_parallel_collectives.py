@@ -1,0 +1,95 @@
+"""Every rank issues the same collectives in the same order: recorded, not assumed.
+
+Each rank process wraps its ``torch.distributed`` collectives (``all_reduce``, ``all_gather``,
+``barrier``: the forward's through `RankRuntime`, the connector's hit agreement and drain barrier)
+to log ``(op, shape, dtype)`` as it issues them, through a probe run in every rank
+(`DistributedEngine.on_ranks`); after a tp=2 run covering prefill, a pool hit (splitfuse) and
+decode, the logs must be equal across ranks and non-empty.
+
+Negative control: rank 1 skips one all_reduce of its forward (its ``rt.all_reduce`` replaced, in that
+rank only, by one that returns its input for the N-th call). The ranks' collectives then no longer
+pair up: rank 0 waits in an all_reduce that rank 1 never issues, and the run fails with
+`RankFailure` ("did not answer generate") within the engine's timeout -- what the real engine does
+(the comparison above is never reached: the mismatch cannot get past the collectives themselves).
+"""
+from __future__ import annotations
+
+import pytest
+
+from graphgen.runtime import open_engine
+from graphgen.runtime.parallel.launcher import RankFailure
+from support.paths import REPO
+
+SPEC = REPO / "specs/tiny_qwen3_tp2.yaml"
+TIMEOUT = 60
+SKIP_TIMEOUT = 20   # bounds the negative control (a prefill of 10 tokens takes well under 1 s)
+PROMPT = list(range(1, 11))   # two full blocks of 4 + 2 tokens
+
+
+# ---- probes, run in each rank process ----------------------------------------------------------
+
+def _install_collective_log(eng) -> None:
+    import torch.distributed as dist
+
+    log = eng._collective_log = []
+
+    def wrap(name, orig):
+        def issued(*args, **kwargs):
+            t = args[1] if name == "all_gather" else (args[0] if args else None)
+            log.append((name, tuple(t.shape), str(t.dtype)) if t is not None else (name,))
+            return orig(*args, **kwargs)
+        return issued
+
+    for name in ("all_reduce", "all_gather", "barrier"):   # rank.py and RankRuntime call dist.<name>
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def _collective_log(eng) -> list:
+    return list(eng._collective_log)
+
+
+def _skip_one_all_reduce(eng, n: int) -> None:
+    """On rank 1 only: its ``n``-th forward all_reduce returns its input (a rank that skips one)."""
+    if eng.rank != 1:
+        return
+    rt, orig = eng.runner.rt, eng.runner.rt.all_reduce
+    calls = [0]
+
+    def all_reduce(x, **kw):
+        calls[0] += 1
+        return x.contiguous().clone() if calls[0] == n else orig(x, **kw)
+
+    rt.all_reduce = all_reduce
+
+
+# ---- the tests ---------------------------------------------------------------------------------
+
+def _run(eng):
+    eng.generate([PROMPT], 3)
+    eng.drain()
+    eng.generate([PROMPT], 2)   # every full block in the pool: hit agreed by all_reduce MIN, splitfuse
+    eng.drain()
+
+
+def test_every_rank_issues_the_same_collectives_in_the_same_order(qwen):
+    with open_engine(SPEC, qwen.dir, num_blocks=32, timeout=TIMEOUT) as eng:
+        eng.on_ranks(_install_collective_log)
+        _run(eng)
+        logs = eng.on_ranks(_collective_log)
+    assert len(logs) == 2 and logs[0], "no collective recorded"
+    ops = {e[0] for e in logs[0]}
+    assert {"all_reduce", "all_gather", "barrier"} <= ops, ops
+    assert logs[1] == logs[0], next(((i, a, b) for i, (a, b) in enumerate(zip(*logs)) if a != b),
+                                    (len(logs[0]), len(logs[1])))
+
+
+def test_a_rank_that_skips_one_all_reduce_is_caught(qwen):
+    eng = open_engine(SPEC, qwen.dir, num_blocks=32, timeout=SKIP_TIMEOUT)   # started: not the failure
+    eng.on_ranks(_install_collective_log)
+    eng.on_ranks(_skip_one_all_reduce, 2)
+    try:
+        # rank 0 waits in a collective rank 1 never issues: gloo's timeout (the engine's) ends both
+        with pytest.raises(RankFailure, match=r"did not answer generate within"):
+            _run(eng)
+    finally:
+        eng.close()

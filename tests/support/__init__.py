@@ -1,0 +1,14 @@
+"""Helpers shared by the test folders (``pythonpath = ["tests"]`` in pyproject.toml makes this package
+importable as ``support``; subprocesses get ``tests/`` on their ``PYTHONPATH`` from ``support.cli``):
+
+- `paths`: the repository root and the shipped tiny specs;
+- `cli`: ``graphgen`` in a subprocess (and ``graphgen run --json`` -> tokens);
+- `hf`: tiny random Hugging Face checkpoints and the transformers references the tests compare to;
+- `hooks`: ``source_hook`` mutations of generated code (negative controls);
+- `gates`: a gate a rank process's save or put can wait on (a file the test creates);
+- `npu_limits`: the NPU kernel-limit cases (one table for the spec check and the CLI);
+- `jsonl`: the command loop of the worker processes driven through a pipe;
+- `netns`: a private network namespace with Mooncake processes in it.
+
+The session-scoped checkpoints themselves are fixtures of ``tests/conftest.py``.
+"""

@@ -1,0 +1,31 @@
+"""The NPU kernel-limit cases: each edits ONE field of a shipped full-size spec past one documented
+limit row (`graphgen.npu.check.limits.BY_KEY`). One table for the library check
+(tests/npu/test_spec_limits.py) and the CLI (tests/npu/test_validate_limits.py), so they cannot drift."""
+from __future__ import annotations
+
+from .paths import SPECS
+
+QWEN = (SPECS / "qwen3_32b.yaml").read_text()
+DSV3 = (SPECS / "deepseek_v3_1.yaml").read_text()
+
+LIMIT_CASES = [  # (base, key, new value, field path, limit row)
+    ("qwen", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
+    ("dsv3", "dtype", "float32", "kv_cache.dtype", "fia.dtype"),
+    ("qwen", "block_size", "64", "kv_cache.block_size", "fia.pa.block_size"),
+    ("qwen", "block_size", "192", "kv_cache.block_size", "fia.pa.block_size"),
+    ("dsv3", "block_size", "64", "kv_cache.block_size", "fia.mla.block_size"),
+    ("qwen", "head_dim", "96", "dims.head_dim", "rope.head_dim"),
+    ("qwen", "head_dim", "256", "dims.head_dim", "rope.head_dim"),
+    ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "interleave_rope.dim"),
+    ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
+    ("dsv3", "qk_rope_head_dim", "128", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
+    ("dsv3", "kv_lora_rank", "256", "dims.kv_lora_rank", "fia.mla.latent_dim"),
+    ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia.mla.num_heads"),
+    ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
+     "fia.tnd.reduce_overhead"),
+    ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
+]
+
+
+def base_text(base: str) -> str:
+    return QWEN if base == "qwen" else DSV3
