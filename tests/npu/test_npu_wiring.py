@@ -192,7 +192,7 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
     from graphgen.npu.run.compile import compile_module
     from graphgen.npu.run.inputs import random_weights
     from graphgen.runtime.core import ops
-    from graphgen.runtime.core.kvcache import PagedKVCache
+    from graphgen.runtime.core.kvcache import PagedKVCache, kv_cache_shapes
 
     spec, _ = _model(model)
     cpu_mod, npu_mod = _cpu_module(model, variant), _npu_module(model, variant, mode, src_edit)
@@ -200,7 +200,7 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
     W = random_weights(spec, seed=seed, rope=npu_mod.ROPE, max_positions=512)  # bf16 (tests/npu/conftest.py)
     W_cpu = {k: w.float() for k, w in W.items()}  # the same values in float32 for the reference
     # same random noise in both caches: unwritten slots must stay equal, wrong reads/writes differ
-    shapes = kvcache.kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), NUM_BLOCKS, spec.kv_cache.block_size)
+    shapes = kv_cache_shapes(spec.family, dataclasses.asdict(spec.dims), NUM_BLOCKS, spec.kv_cache.block_size)
     cache = PagedKVCache(spec.dims.num_hidden_layers, {k: s[1:] for k, s in shapes.items()}, NUM_BLOCKS)
     g = torch.Generator().manual_seed(seed + 1)
     for layer in cache:
