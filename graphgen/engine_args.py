@@ -51,7 +51,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
 
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
-    for flag in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "tp", "ep"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep"):  # --num-blocks: checked by each command against the spec
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"

@@ -50,7 +50,7 @@ def _collective_log(eng) -> list:
 
 def _skip_one_all_reduce(eng, n: int) -> None:
     """On rank 1 only: its ``n``-th forward all_reduce returns its input (a rank that skips one)."""
-    if eng.rank != 1:
+    if eng.runner.rt.rank != 1:
         return
     rt, orig = eng.runner.rt, eng.runner.rt.all_reduce
     calls = [0]
