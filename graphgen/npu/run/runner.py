@@ -37,6 +37,7 @@ import torch
 
 from ...runtime import register_target
 from ...runtime.core.kvcache import slot_mapping, token_shapes
+from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .staging import Committer, StagingExhausted, StagingRing
@@ -79,7 +80,8 @@ class _SaveHandle:
 class NpuModelRunner:
     """Runs the generated NPU modules of ``spec`` (one compile mode) on the connector's ``cache``.
 
-    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here).  ``pad_block``: a
+    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here, the family's
+    ``fp32_suffixes`` keys kept float32).  ``pad_block``: a
     cache block no sequence owns (`npu_engine` reserves it from the allocator); padding tokens write
     and read only it.  ``sources``: {variant: module source} (default: generated in memory)."""
 
@@ -115,7 +117,7 @@ class NpuModelRunner:
         rope = next(iter(self.modules.values())).ROPE
         from .inputs import ROPE_CACHE_KEY, rope_cache
 
-        self.W = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
+        self.W = cast_weights(weights, spec.family, self.dtype, self.device)  # fp32 keys stay fp32
         self.W[ROPE_CACHE_KEY] = rope_cache(rope, max_model_len(spec), device=self.device, dtype=self.dtype)
         mod = next(iter(self.modules.values()))
         # the connector's cache in the NPU modules' layout: views, same memory
