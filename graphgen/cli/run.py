@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..engine_args import add_engine_arguments, check_engine_arguments, engine_options
+from ..engine_args import add_engine_arguments, check_engine_arguments, engine_options, target_note
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -77,6 +77,8 @@ def cmd_run(args) -> int:
         v for _, v in args.prompts]
     if args.target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
         import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
+
+        err(f"graphgen run: {target_note(args)}")
     from ..npu.run.compile import NpuUnavailable
 
     try:

@@ -24,6 +24,7 @@ from ..engine_args import (
     add_engine_arguments,
     check_engine_arguments,
     engine_options,
+    target_note,
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -173,6 +174,8 @@ def _serve(args, weights: Path, sock, api_keys) -> int:
     try:
         if args.target == "npu":  # the NPU model runner registers the target
             import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
+
+            print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
         engine = open_engine(args.spec, weights, **engine_options(args, faults), **ranks)
     except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
