@@ -77,8 +77,6 @@ def cmd_run(args) -> int:
         v for _, v in args.prompts]
     if args.target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
         import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
-
-        err(f"graphgen run: {target_note(args)}")
     from ..npu.run.compile import NpuUnavailable
 
     try:
@@ -91,6 +89,8 @@ def cmd_run(args) -> int:
     except RankFailure as e:
         err(f"graphgen run: {e}")
         return EXIT_INVALID
+    if target_note(args):  # once the engine is up (a refusal stays one sentence)
+        err(f"graphgen run: {target_note(args)}")
     from ..runtime import eos_token_ids
 
     eos = [] if args.ignore_eos else eos_token_ids(weights)

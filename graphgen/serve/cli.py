@@ -174,11 +174,11 @@ def _serve(args, weights: Path, sock, api_keys) -> int:
     try:
         if args.target == "npu":  # the NPU model runner registers the target
             import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
-
-            print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
         engine = open_engine(args.spec, weights, **engine_options(args, faults), **ranks)
     except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
+    if target_note(args):  # once the engine is up
+        print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
     from ..runtime import eos_token_ids
 
     tokenizer = load_tokenizer(weights)
