@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "EXIT_OK", "EXIT_STALE",
+__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "target_note", "EXIT_OK", "EXIT_STALE",
            "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 # every command's exit codes (cli/common.py documents them; the server uses the same ones)
@@ -69,3 +69,15 @@ def engine_options(args, faults=None) -> dict:
     if args.target == "npu":
         opts["standin"] = args.standin
     return opts
+
+
+def target_note(args) -> Optional[str]:
+    """The one line ``run``/``serve --target npu`` print (stderr) on what is verified and what is not."""
+    if args.target != "npu":
+        return None
+    if args.standin:
+        return ("note: --target npu --standin runs the NPU graphs on CPU through graphgen's torchair stand-in "
+                "(kernels as graphgen reads their docs, checked against the CPU target in bf16; with --tp, "
+                "ranks on gloo): a wiring check, not an NPU result")
+    return ("note: --target npu has never run on an NPU (kernels, GE/aclgraph, hccl ranks, device events "
+            "unverified; docs/npu.md lists what was checked on CPU)")

@@ -28,7 +28,8 @@ from support.paths import TINY_DSV3, TINY_QWEN3
 pytest_plugins = ["support.skips"]
 
 SLOW_FOLDERS = ("parallel", "serve", "mooncake")       # rank processes, server subprocesses, Mooncake
-SLOW_FILES = ("npu/test_compile_steps_cli.py",)        # torch.compile through the stand-in, step by step
+SLOW_FILES = ("npu/test_compile_steps_cli.py",         # torch.compile through the stand-in, step by step
+              "npu/test_npu_ranks.py")                 # NPU rank processes through the stand-in
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,3 +102,23 @@ def ckpt(tmp_path_factory):
     write_random_hf_checkpoint(str(d), spec.family, dataclasses.asdict(spec.dims), seed=0)
     assert (d / "tokenizer.json").exists()
     return d
+
+
+@pytest.fixture(scope="session")
+def npu_ckpts(tmp_path_factory):
+    """spec name -> a bfloat16 checkpoint (graphgen's writer, with tokenizer) of each hardware-shaped
+    tiny NPU spec (specs/tiny_qwen3_npu.yaml, specs/tiny_deepseek_v3_npu.yaml); router weight and
+    score bias stored float32, as the family declares."""
+    import torch
+
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
+    from support.paths import SPECS
+
+    out = {}
+    for name in ("tiny_qwen3_npu", "tiny_deepseek_v3_npu"):
+        spec = load_spec(SPECS / f"{name}.yaml")
+        d = tmp_path_factory.mktemp(f"{name}_bf16")
+        write_random_hf_checkpoint(str(d), spec.family, dataclasses.asdict(spec.dims), seed=3, dtype=torch.bfloat16)
+        out[name] = d
+    return out

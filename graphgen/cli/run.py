@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..engine_args import add_engine_arguments, check_engine_arguments, engine_options
+from ..engine_args import add_engine_arguments, check_engine_arguments, engine_options, target_note
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -89,6 +89,8 @@ def cmd_run(args) -> int:
     except RankFailure as e:
         err(f"graphgen run: {e}")
         return EXIT_INVALID
+    if target_note(args):  # once the engine is up (a refusal stays one sentence)
+        err(f"graphgen run: {target_note(args)}")
     from ..runtime import eos_token_ids
 
     eos = [] if args.ignore_eos else eos_token_ids(weights)

@@ -23,6 +23,7 @@ _EXPORTS = {
     "SamplingParams": "engine.sampling",
     "RequestOutput": "engine.request", "RequestResult": "engine.request", "FINISH_REASONS": "engine.request",
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
+    "register_rank_target": "parallel.rank",
     "OutOfBlocks": "core.kvcache",
     "Faults": "core.faults",
     "PoolBackend": "pool", "HostPool": "pool", "make_pool": "pool", "DEFAULT_POOL_BYTES": "pool",

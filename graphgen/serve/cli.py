@@ -24,6 +24,7 @@ from ..engine_args import (
     add_engine_arguments,
     check_engine_arguments,
     engine_options,
+    target_note,
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -176,6 +177,8 @@ def _serve(args, weights: Path, sock, api_keys) -> int:
         engine = open_engine(args.spec, weights, **engine_options(args, faults), **ranks)
     except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
+    if target_note(args):  # once the engine is up
+        print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
     from ..runtime import eos_token_ids
 
     tokenizer = load_tokenizer(weights)

@@ -31,14 +31,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from ...runtime import register_target
+from ...runtime import register_rank_target, register_target
 from ...runtime.core.kvcache import slot_mapping, token_shapes
+from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
+from .ranks import launch_npu_ranks, setup_rank
 from .staging import Committer, StagingExhausted, StagingRing
 
 __all__ = ["NpuModelRunner", "npu_engine"]
@@ -79,12 +81,14 @@ class _SaveHandle:
 class NpuModelRunner:
     """Runs the generated NPU modules of ``spec`` (one compile mode) on the connector's ``cache``.
 
-    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here).  ``pad_block``: a
+    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here, the family's
+    ``fp32_suffixes`` keys kept float32).  ``pad_block``: a
     cache block no sequence owns (`npu_engine` reserves it from the allocator); padding tokens write
     and read only it.  ``sources``: {variant: module source} (default: generated in memory)."""
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
-                 standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True):
+                 standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
+                 plan_check: Optional[Callable] = None):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -97,6 +101,7 @@ class NpuModelRunner:
         self.observer = None  # the CPU runner's hooks (spans are not reported from the NPU runner yet)
         self.on_forward = None
         self.standin, self.check_limits = standin, check_limits
+        self.plan_check = plan_check  # a rank's: every rank planned this step alike (RankParts.check_plan)
         self.buckets = Buckets.from_spec(spec)
         self.block_size = spec.kv_cache.block_size
         self._standin_mod = None
@@ -115,7 +120,7 @@ class NpuModelRunner:
         rope = next(iter(self.modules.values())).ROPE
         from .inputs import ROPE_CACHE_KEY, rope_cache
 
-        self.W = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
+        self.W = cast_weights(weights, spec.family, self.dtype, self.device)  # fp32 keys stay fp32
         self.W[ROPE_CACHE_KEY] = rope_cache(rope, max_model_len(spec), device=self.device, dtype=self.dtype)
         mod = next(iter(self.modules.values()))
         # the connector's cache in the NPU modules' layout: views, same memory
@@ -162,6 +167,8 @@ class NpuModelRunner:
     def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
         """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
         here: the device runs asynchronously anyway) and start its commit copies."""
+        if self.plan_check is not None:
+            self.plan_check(plan)
         save = self.connector.prepare_save(plan.save_block_ids, plan.save_keys) if plan.saves else None
         try:
             fut = StepFuture(plan, save)
@@ -324,39 +331,60 @@ def _sequence(row, block_size: int) -> dict:
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               **options) -> Engine:
+               rank_parts=None, **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
     block is reserved for padding; the scheduler's limits come from the buckets (``max_num_seqs`` <= the
-    largest decode bucket, ``max_num_batched_tokens`` <= the largest prefill bucket - prefill_seqs)."""
+    largest decode bucket, ``max_num_batched_tokens`` <= the largest prefill bucket - prefill_seqs).
+    ``tp > 1``: the rank processes (`graphgen.npu.run.ranks`), each of which calls this with its
+    ``rank_parts`` (`graphgen.runtime.parallel.rank.RankParts`: KV shard, keys, plan check)."""
     if spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
-    if spec.parallel.tp > 1 or spec.parallel.ep > 1:
-        raise ValueError(f"spec {spec.name} runs on {spec.parallel.tp} ranks: the NPU target runs one rank "
-                         f"(tp=1, ep=1) so far; pass --tp 1 --ep 1 for a one-device run of a small spec")
+    if spec.parallel.ep > 1:
+        raise ValueError(f"spec {spec.name} runs expert-parallel (ep={spec.parallel.ep}): the NPU lowering has no "
+                         f"expert-parallel MoE yet; pass --ep 1 (experts sliced by width)")
     if not standin:  # before anything is put on the device: NpuUnavailable, one sentence
         from .compile import _import_torchair
 
         _import_torchair(False)
+    if spec.parallel.tp > 1 and rank_parts is None:
+        if sources is not None:
+            raise ValueError("sources= is for one process; NPU ranks compile their own modules")
+        return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                standin=standin, mode=mode, **options)
     if not isinstance(weights, dict):
         from ...runtime import load_hf_weights
 
         weights = load_hf_weights(weights)
     buckets = Buckets.from_spec(spec)
+    plan_check = rank_parts.check_plan if rank_parts is not None else None
 
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
         return NpuModelRunner(spec, weights, cache, connector, pad_block=reserved[0], mode=mode,
-                              standin=standin, sources=sources)
+                              standin=standin, sources=sources, plan_check=plan_check)
 
-    shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
-    return build_engine(spec, kv_shapes={k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()},
-                        make_runner=make_runner, pool=pool, num_blocks=num_blocks, reserved_blocks=1,
-                        device="cpu" if standin else "npu",
+    if rank_parts is not None:  # this rank's KV shard, keys, agreed hits (see RankParts)
+        kv_shapes = rank_parts.kv_shapes
+        options.update(make_loader=rank_parts.make_loader, make_connector=rank_parts.make_connector)
+        # no async scheduling on a rank: two threads' collectives need not pair up across ranks
+        options["async_scheduling"] = False
+    else:
+        shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
+        kv_shapes = {k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()}
+    return build_engine(spec, kv_shapes=kv_shapes, make_runner=make_runner, pool=pool, num_blocks=num_blocks,
+                        reserved_blocks=1, device="cpu" if standin else "npu",
                         max_num_seqs=min(max_num_seqs or buckets.decode_batch[-1], buckets.decode_batch[-1]),
                         max_num_batched_tokens=min(max_num_batched_tokens or 1 << 30,
                                                    buckets.prefill_tokens[-1] - buckets.prefill_seqs),
                         max_model_len=max_model_len(spec), **options)
 
 
+def npu_rank_engine(spec, weights: dict, *, rank: int, parts, **options) -> Engine:
+    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its `RankParts`."""
+    return npu_engine(spec, weights, rank_parts=parts, **options)
+
+
 register_target("npu", npu_engine)
+register_rank_target("npu", npu_rank_engine, setup=setup_rank)  # graphgen.npu.run.ranks

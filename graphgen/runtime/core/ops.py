@@ -62,6 +62,7 @@ def _rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox/Llama RoPE: the two halves of the last dim form the rotated pairs."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # float32 tables, cast to q/k's dtype as transformers does
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
@@ -71,6 +72,7 @@ def _interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     produces, caches and feeds to the attention; q and k get the same permutation so q.k holds."""
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]  # cos/sin are cat(freqs, freqs): first half = per pair
+    c, s = c.to(x.dtype), s.to(x.dtype)  # float32 tables, cast to q/k's dtype as transformers does
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
-from .rank import rank_main
+from .rank import RANK_TARGETS, rank_main
 from ...netutil import free_port
 
 __all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
@@ -100,8 +100,14 @@ class DistributedEngine:
 
     def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
-                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, **engine_kwargs):
+                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, target: str = "cpu", **engine_kwargs):
+        """``target``: the rank builder by name (`graphgen.runtime.parallel.rank.RANK_TARGETS`: ``"cpu"``,
+        or one a target registered, e.g. ``"npu"`` by ``graphgen.npu.run.ranks``); ``engine_kwargs`` go
+        to it in every rank process."""
         from ...families.parallel import parallel_rules
+
+        if target not in RANK_TARGETS:
+            raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
 
         # a --tp/--ep override is checked here (the loader checked the file's own layout)
         problems = list(parallel_rules(spec.family, spec.dims, spec.parallel.tp, spec.parallel.ep))
@@ -129,11 +135,13 @@ class DistributedEngine:
                 raise RankFailure(f"the shared pool process did not start (exit code {self._pool_proc.exitcode}); "
                                   f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
         self._pool = connect_pool(pool_address, authkey)
-        sources, weight_names = _compile_once(spec, spec_file)
+        sources, weight_names = _compile_once(spec, spec_file)  # the weight names are every target's
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
                "threads": threads or max(1, (os.cpu_count() or 1) // self.tp), "pool_address": pool_address,
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
-               "sources": sources, "weight_names": weight_names}
+               # another target's ranks compile their own modules (its modes are its business)
+               "sources": sources if target == "cpu" else None, "weight_names": weight_names,
+               "target": target, "target_module": RANK_TARGETS[target].module}
         self._conns, self._procs = [], []
         for r in range(self.tp):
             parent, child = ctx.Pipe()

@@ -27,16 +27,25 @@ Collectives run on the caller's (main) thread only, in the same order on every r
 check, the forward's (the graph's), then the connector's (lookup, load, drain), which the scheduler
 issues in the same deterministic order on every rank because every rank sees the same prompts and
 agreed hits.
+
+Targets. What a rank process builds is looked up by name in `RANK_TARGETS` (``"cpu"``:
+`rank_engine`); another target registers its builder with `register_rank_target` when its module is
+imported (the NPU's: ``graphgen.npu.run.ranks``), and the launcher names that module in the rank's
+config, so the rank process imports it without the runtime importing the target. The target's
+``setup`` picks the rank's device and the process group's backend (``gloo`` here, ``hccl`` on an NPU)
+before the group is made; the host-side agreement (plan check, hit MINs, drain barrier) always runs
+on a gloo group (`RankParts.group`: the world group when it is gloo, else a gloo group beside it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import os
 import signal
 import traceback
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,7 +63,8 @@ from . import ops as ops_parallel
 from .ops import rank_weights
 
 __all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine",
-           "plan_fingerprint", "rank_main"]
+           "plan_fingerprint", "check_plan", "RankParts", "rank_parts", "RankTarget", "RANK_TARGETS",
+           "register_rank_target", "rank_main"]
 
 
 class RankRuntime(CpuRuntime):
@@ -93,10 +103,10 @@ class RankRuntime(CpuRuntime):
         return super().__getattr__(name)
 
 
-def agree_min(n: int) -> int:
+def agree_min(n: int, group=None) -> int:
     """The smallest ``n`` over the ranks (a collective: every rank must call it)."""
     t = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 
 
@@ -120,21 +130,26 @@ class RankLoader(KVLoader):
     """Pool keys of this rank's KV shard (rank 0's key where every rank holds the same KV), hits
     agreed by every rank."""
 
-    def __init__(self, *args, rank: int, size: int, replicated: bool, **kwargs):
+    def __init__(self, *args, rank: int, size: int, replicated: bool, group=None, **kwargs):
         super().__init__(*args, shard=KVShard(0 if replicated else rank, size), **kwargs)
+        self.group = group
 
     def lookup(self, keys: Sequence[str]) -> int:
-        return agree_min(super().lookup(keys))
+        return agree_min(super().lookup(keys), self.group)
 
     def load(self, keys: Sequence[str]) -> list:
         loaded = super().load(keys)
-        return loaded[:agree_min(len(loaded))]  # loaded here, but not on every rank: recomputed
+        return loaded[:agree_min(len(loaded), self.group)]  # loaded here, but not on every rank: recomputed
 
 
 class RankConnector(KVConnector):
+    def __init__(self, *args, group=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
     def drain(self, timeout=None) -> None:
         super().drain(timeout)
-        dist.barrier()  # every rank's commits are visible before any rank looks the pool up again
+        dist.barrier(group=self.group)  # every rank's commits are visible before any rank looks the pool up again
 
 
 def plan_fingerprint(plan: StepPlan) -> int:
@@ -146,43 +161,97 @@ def plan_fingerprint(plan: StepPlan) -> int:
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
+def check_plan(plan: StepPlan, group=None) -> None:
+    """Compare the ranks' plans (all_gather of `plan_fingerprint`); a rank whose plan differs would
+    issue other collectives, so every rank raises instead (a collective: every rank calls it)."""
+    mine = torch.tensor([plan_fingerprint(plan)], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(int(t) != int(mine) for t in every):
+        raise RuntimeError(f"the ranks planned different steps (plan fingerprints {[int(t) for t in every]}): "
+                           f"lockstep lost (a rank got other requests or a sampler without a seed?)")
+
+
 class RankModelRunner(CpuModelRunner):
-    """The CPU runner of one rank: before each step, the ranks' plans are compared (all_gather of
-    `plan_fingerprint`); a rank whose plan differs would issue other collectives, so every rank
-    raises instead."""
+    """The CPU runner of one rank: `check_plan` before each step (CPU ranks' world group is gloo)."""
 
     def submit(self, plan: StepPlan, *, background: bool = False):
-        mine = torch.tensor([plan_fingerprint(plan)], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        if any(int(t) != int(mine) for t in every):
-            raise RuntimeError(f"the ranks planned different steps (plan fingerprints {[int(t) for t in every]}): "
-                               f"lockstep lost (a rank got other requests or a sampler without a seed?)")
+        check_plan(plan)
         return super().submit(plan, background=background)
 
 
-def rank_engine(spec, weights: dict, *, rank: int, faults=None, event_timeout: float = 120.0, **options) -> Engine:
-    """The engine of one rank (``spec.parallel`` gives the layout; ``rank`` is this process's)."""
+@dataclasses.dataclass
+class RankParts:
+    """What makes an engine one rank of a layout, for any target: this rank's KV shard
+    (``kv_shapes``: component -> per-block shape), its connector's two sides (per-shard keys, agreed
+    hits, save-once for replicated KV, the drain barrier) and the per-step plan check, all on
+    ``group`` (a gloo group; None: the world group)."""
+    rank: int
+    size: int
+    kv_shapes: dict
+    make_loader: Callable
+    make_connector: Callable
+    group: object = None
+
+    def check_plan(self, plan: StepPlan) -> None:
+        check_plan(plan, self.group)
+
+
+def rank_parts(spec, rank: int, group=None) -> RankParts:
     tp = spec.parallel.tp
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), tp)
     replicated = kv_replicated(spec.family)
-    runtime = RankRuntime(faults, event_timeout=event_timeout, rank=rank, size=tp)
 
     def make_loader(pool, cache, counters):
-        return RankLoader(pool, cache, model=spec.name, rank=rank, size=tp, replicated=replicated, stats=counters)
+        return RankLoader(pool, cache, model=spec.name, rank=rank, size=tp, replicated=replicated, group=group,
+                          stats=counters)
 
     def make_connector(pool, cache, alloc, counters):
         if replicated and rank != 0:
             pool = SaveOncePool(pool)
-        return RankConnector(pool, cache, alloc, write=spec.pool.write, stats=counters)
+        return RankConnector(pool, cache, alloc, write=spec.pool.write, stats=counters, group=group)
 
+    return RankParts(rank, tp, {name: (spec.kv_cache.block_size, *shape) for name, shape in comps},
+                     make_loader, make_connector, group)
+
+
+def rank_engine(spec, weights: dict, *, rank: int, parts: RankParts, faults=None, event_timeout: float = 120.0,
+                **options) -> Engine:
+    """The CPU engine of one rank (``spec.parallel`` gives the layout; ``rank`` is this process's)."""
+    runtime = RankRuntime(faults, event_timeout=event_timeout, rank=rank, size=spec.parallel.tp)
     # No async scheduling on a rank: it would plan step N+1 (whose pool lookup agrees hits with an
     # all_reduce) while step N's forward issues its own collectives on the forward thread, and two
     # threads' collectives on one group need not pair up across ranks.
     options["async_scheduling"] = False
-    return cpu_engine(spec, weights, runtime=runtime, kv_shapes={name: (spec.kv_cache.block_size, *shape) for name, shape in comps},
-                      make_loader=make_loader, make_connector=make_connector, runner_cls=RankModelRunner, faults=faults,
+    return cpu_engine(spec, weights, runtime=runtime, kv_shapes=parts.kv_shapes, make_loader=parts.make_loader,
+                      make_connector=parts.make_connector, runner_cls=RankModelRunner, faults=faults,
                       event_timeout=event_timeout, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTarget:
+    """A target's rank builder: ``build(spec, weights, *, rank, parts, spec_file, pool, faults, sources,
+    **engine_kwargs) -> Engine``; ``setup(local_rank, world, engine_kwargs) -> backend`` runs in the rank
+    process before the process group exists (selects the device, names the backend); ``module``: what
+    the rank process imports to find it (the builder's own module, which registers it)."""
+    build: Callable
+    setup: Callable
+    module: str
+
+
+def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
+    return "gloo"
+
+
+RANK_TARGETS: dict[str, RankTarget] = {}
+
+
+def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable] = None) -> None:
+    """Make ``DistributedEngine(..., target=name)`` build each rank with ``build`` (see `RankTarget`)."""
+    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__)
+
+
+register_rank_target("cpu", rank_engine)
 
 
 def _llm_call(llm, method: str, args: tuple):
@@ -219,8 +288,15 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
 
         torch.set_num_threads(cfg["threads"])
         spec = cfg["spec"]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                                world_size=spec.parallel.tp, timeout=datetime.timedelta(seconds=cfg["timeout"]))
+        importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
+        target = RANK_TARGETS[cfg["target"]]
+        # one node: the local rank is the rank (device choice and backend are the target's)
+        backend = target.setup(rank, spec.parallel.tp, cfg["engine_kwargs"])
+        timeout = datetime.timedelta(seconds=cfg["timeout"])
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
+                                world_size=spec.parallel.tp, timeout=timeout)
+        # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
+        group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         weights = cfg["weights"]
         if not isinstance(weights, dict):
             from ..checkpoint.hf import load_hf_weights
@@ -229,8 +305,8 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
         del weights
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
-        engine = rank_engine(spec, mine, rank=rank, spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
-                             sources=cfg["sources"], **cfg["engine_kwargs"])
+        engine = target.build(spec, mine, rank=rank, parts=rank_parts(spec, rank, group), spec_file=cfg["spec_file"],
+                              pool=pool, faults=cfg["faults"], sources=cfg["sources"], **cfg["engine_kwargs"])
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
