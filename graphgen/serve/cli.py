@@ -21,6 +21,7 @@ from pathlib import Path
 from ..engine_args import (
     EXIT_INVALID,
     EXIT_OK,
+    EXIT_UNAVAILABLE,
     add_engine_arguments,
     check_engine_arguments,
     engine_options,
@@ -171,10 +172,16 @@ def _serve(args, weights: Path, sock, api_keys) -> int:
         return _err(f"--faults: {e}")
     # several ranks: a DistributedEngine (one process per rank, each with torch_threads threads)
     ranks = {"threads": args.torch_threads} if _ranks(args) > 1 else {}
+    unavailable: tuple = ()
+    if args.target == "npu":  # the NPU model runner registers the target
+        from ..npu.run import NpuUnavailable
+
+        unavailable = (NpuUnavailable,)
     try:
-        if args.target == "npu":  # the NPU model runner registers the target
-            import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
         engine = open_engine(args.spec, weights, **engine_options(args, faults), **ranks)
+    except unavailable as e:  # no torch_npu here: one sentence, exit 3 (as graphgen run)
+        print(f"graphgen serve: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except (ValueError, FileNotFoundError, RankFailure) as e:  # RankFailure: a rank did not start
         return _err(str(e))
     if target_note(args):  # once the engine is up

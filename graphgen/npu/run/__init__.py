@@ -3,3 +3,4 @@
 Importing this package registers the target with the runtime (``open_engine(..., target="npu")``);
 the runtime itself never imports NPU code."""
 from . import runner  # noqa: F401  (registers the "npu" target)
+from .compile import NpuUnavailable  # noqa: F401  (what a caller of the NPU target catches)
