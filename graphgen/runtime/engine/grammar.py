@@ -80,7 +80,7 @@ class _Guide:
 
 
 def _guide(request, n_vocab: int) -> Optional[_Guide]:
-    spec = getattr(request.params, "structured", None)
+    spec = getattr(request.sampling, "structured", None)
     if spec is None:
         return None
     g = getattr(request, "_guide", None)
@@ -103,7 +103,12 @@ def guided_sample(logits: torch.Tensor, requests: Sequence, sample: Callable) ->
         logits = logits.clone()
         for i, g in enumerate(guides):
             if g is not None:
-                g.mask(logits[i])
+                try:
+                    g.mask(logits[i])
+                except Exception as e:  # this request's matcher alone: unmasked from here, logged
+                    g.failed = True
+                    guides[i] = None
+                    log.warning("structured output: mask failed for request %r: %s", requests[i].req_id, e)
     tokens, fallbacks = sample(logits, [r.sampler for r in requests])
     for g, t in zip(guides, tokens):
         if g is not None:
