@@ -303,7 +303,8 @@ def parse_chat(body: dict, ctx: Context) -> Parsed:
         raise ApiError(f"'messages' do not fit the chat template: {e}"[:300], param="messages",
                        code="invalid_value") from None
     tool_parser = setup.tool_parser if (setup is not None and tools is not None and choice != "none") else None
-    reasoning_parser = setup.reasoning_parser if setup is not None else None
+    forced = isinstance(choice, tuple) or choice == "required"  # the grammar starts the answer with the call
+    reasoning_parser = setup.reasoning_parser if setup is not None and not forced else None
     chat = None
     if tool_parser or reasoning_parser:
         chat = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser,

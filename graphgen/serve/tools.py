@@ -210,20 +210,22 @@ def check_tools(body: dict, setup: Optional[ChatSetup]):
 
 def forced_call_lark(parser: str, tools: list, only: Optional[str] = None) -> str:
     """A lark grammar (llguidance's, with ``%json``) for one call in the parser's format, to one of
-    ``tools`` (or ``only``), arguments valid against its ``parameters``."""
+    ``tools`` (or ``only``), arguments valid against its ``parameters``. The format's markers are
+    single tokens of the family's tokenizer, named as tokens (``<tool_call>``): llguidance matches
+    an added token only that way, not by its text."""
     fs = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if parser == "hermes":
+        p = HermesParser
         alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                   "arguments": f.get("parameters") or {"type": "object"}},
                  "required": ["name", "arguments"], "additionalProperties": False} for f in fs]
         schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
-        return (f'start: "<tool_call>\\n" call "\\n</tool_call>"\n'
-                f'call: %json {json.dumps(schema)}\n')
+        return f'start: {p.START} "\\n" call "\\n" {p.END}\ncall: %json {json.dumps(schema)}\n'
     p = DeepSeekV31Parser
-    rules = [f'start: {json.dumps(p.CALLS_BEGIN + p.CALL_BEGIN)} call {json.dumps(p.CALL_END + p.CALLS_END)}',
+    rules = [f"start: {p.CALLS_BEGIN} {p.CALL_BEGIN} call {p.CALL_END} {p.CALLS_END}",
              "call: " + " | ".join(f"c{i}" for i in range(len(fs)))]
     for i, f in enumerate(fs):
-        rules.append(f"c{i}: {json.dumps(f['name'] + p.SEP)} a{i}")
+        rules.append(f"c{i}: {json.dumps(f['name'])} {p.SEP} a{i}")
         rules.append(f"a{i}: %json {json.dumps(f.get('parameters') or {'type': 'object'})}")
     return "\n".join(rules) + "\n"
 

@@ -75,6 +75,7 @@ def test_tool_choice_none_returns_text(server):
 def test_named_tool_choice_is_forced_by_the_grammar(server):
     # the trained answer starts with its thought; the grammar forces the call first
     ch = _ask(server, tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    assert ch.message.tool_calls, ch
     (call,) = ch.message.tool_calls
     assert call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments).get("city"), str)
