@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..runtime import SamplingParams
+from .errors import ApiError  # noqa: F401  (re-exported: the routes and tests import it from here)
 
 MAX_STOP = 4
 MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (deeper: a 400, before json.loads)
@@ -22,16 +23,6 @@ MIN_TEMPERATURE = 1e-5  # below it (but not 0) the logits / temperature overflow
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 DEFAULT_COMPLETION_TOKENS = 16  # completions without max_tokens (OpenAI's default); chat: up to the context
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 status: int = 400, type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)

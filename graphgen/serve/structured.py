@@ -18,7 +18,7 @@ import json
 from typing import Optional
 
 from ..runtime import StructuredOutput
-from .protocol import ApiError
+from .errors import ApiError
 
 __all__ = ["response_format_grammar", "lark_grammar", "structured"]
 

@@ -31,7 +31,7 @@ import re
 import secrets
 from typing import Optional
 
-from .protocol import ApiError
+from .errors import ApiError
 from .reasoning import PARSERS as REASONING_PARSERS, held_back
 
 __all__ = ["PARSERS", "FAMILY_PARSERS", "FAMILY_REASONING", "ChatSetup", "ChatOutput", "check_tools",
