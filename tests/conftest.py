@@ -122,3 +122,22 @@ def npu_ckpts(tmp_path_factory):
         write_random_hf_checkpoint(str(d), spec.family, dataclasses.asdict(spec.dims), seed=3, dtype=torch.bfloat16)
         out[name] = d
     return out
+
+
+@pytest.fixture(scope="session")
+def chat_ckpt(tmp_path_factory):
+    """family -> a tiny checkpoint of specs/tiny_<family>_chat.yaml trained to answer
+    support.chat_ckpt's fixed prompt with a thought and a tool call in the family's format (trained
+    on first use, once per run; asserts greedy decoding reproduces the answer)."""
+    from support.chat_ckpt import train_chat_checkpoint
+    from support.paths import SPECS
+
+    done = {}
+
+    def get(spec_name: str):
+        if spec_name not in done:
+            out = tmp_path_factory.mktemp(f"chat_{spec_name}")
+            done[spec_name] = train_chat_checkpoint(out, SPECS / f"{spec_name}.yaml")
+        return done[spec_name]
+
+    return get

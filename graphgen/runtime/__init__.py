@@ -20,7 +20,7 @@ _EXPORTS = {
     "open_engine": "launch", "register_target": "launch",
     "Engine": "engine.facade",
     "LLMEngine": "engine.step_loop",
-    "SamplingParams": "engine.sampling",
+    "SamplingParams": "engine.sampling", "StructuredOutput": "engine.grammar",
     "RequestOutput": "engine.request", "RequestResult": "engine.request", "FINISH_REASONS": "engine.request",
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
     "register_rank_target": "parallel.rank",

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .stops import find_stop, holdback
+from .tools import ChatOutput
 from ..trace import NULL, TraceRecorder
 from .engine_api import RequestOutput, ServingEngine
 from .loop import EngineLoop
@@ -137,8 +138,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 class _Choice:
     """One prompt's output: its tokens, and the text already sent (stop strings held back)."""
 
-    def __init__(self, index: int, prompt_len: int, stops, tokenizer):
+    def __init__(self, index: int, prompt_len: int, stops, tokenizer, chat: Optional[dict] = None):
         self.index, self.prompt_len, self.stops, self.tok = index, prompt_len, stops, tokenizer
+        self.chat = ChatOutput(**chat) if chat else None  # tool calls / reasoning (serve/tools.py)
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0
@@ -173,7 +175,8 @@ class _Choice:
 
 def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = NULL,
                drain_timeout_s: float = 30.0, api_keys: Sequence[str] = (),
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_dir=None,
+               chat_setup=None) -> FastAPI:
     """``api_keys``: when given, every ``/v1/*`` request must send one (``Authorization: Bearer``).
     ``app.state.drain()`` (called by ``run_server`` on SIGTERM, from a thread) stops accepting —
     ``/health`` answers 503 from then on — and drains the engine loop while the socket still
@@ -181,6 +184,8 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
     metrics = ServerMetrics(engine.model_name)
     loop = EngineLoop(engine, metrics, trace)
     ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer)
+    ctx.tokenizer_dir = str(tokenizer_dir) if tokenizer_dir is not None and tokenizer is not None else None
+    ctx.chat_setup = chat_setup  # serve/tools.py ChatSetup (tool-call / reasoning parsers), or None
     ids = itertools.count()
     state = {"accepting": False}
 
@@ -246,7 +251,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
         q: asyncio.Queue = asyncio.Queue()
         base = f"{'chatcmpl' if chat else 'cmpl'}-{os.getpid():x}{next(ids):06x}"
         rids = [f"{base}-{i}" for i in range(len(parsed.prompts))]
-        choices = {rid: _Choice(i, len(p), parsed.params.stop, tokenizer)
+        choices = {rid: _Choice(i, len(p), parsed.params.stop, tokenizer, parsed.chat if chat else None)
                    for i, (rid, p) in enumerate(zip(rids, parsed.prompts))}
 
         def on_output(o: RequestOutput):
@@ -301,7 +306,11 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
                            type="server_error", code=e.finish_reason)
         out = []
         for c in sorted(choices.values(), key=lambda c: c.index):
-            if chat:
+            if chat and c.chat is not None:  # reasoning / tool calls parsed out of the text
+                msg, called = c.chat.message(c.text)
+                out.append({"index": c.index, "message": msg, "logprobs": None, "token_ids": c.tokens,
+                            "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason})
+            elif chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                             "finish_reason": c.finish_reason, "logprobs": None, "token_ids": c.tokens})
             else:
@@ -329,12 +338,18 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
                     continue
                 if not (delta or new_ids or done):
                     continue
-                if chat:
+                finish = c.finish_reason if done else None
+                if chat and c.chat is not None:  # reasoning / tool-call deltas (serve/tools.py)
+                    d = await asyncio.to_thread(c.chat.delta, c.text[:c.sent], done)
+                    if done and c.chat.calls_sent and finish == "stop":
+                        finish = "tool_calls"
+                else:
                     d = {"content": delta}
+                if chat:
                     if c.index is not None and rids[c.index] in first:
                         d["role"] = "assistant"
                         first.discard(rids[c.index])
-                    ch = {"index": c.index, "delta": d, "finish_reason": c.finish_reason if done else None,
+                    ch = {"index": c.index, "delta": d, "finish_reason": finish,
                           "logprobs": None, "token_ids": new_ids}
                 else:
                     ch = {"index": c.index, "text": delta, "finish_reason": c.finish_reason if done else None,

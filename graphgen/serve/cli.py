@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"${API_KEY_ENV} if set); /health and /metrics stay open")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20,
                    help="larger request bodies get a 413 (checked before the body is read)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="parse tool calls out of chat output: hermes (Qwen3) or deepseek_v31 (default: the spec "
+                        "family's when its features list function_call; otherwise requests with tools are a 400)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="move <think>...</think> to reasoning_content: qwen3, deepseek_v3 or deepseek_r1 (default: "
+                        "the spec family's when its features list reasoning_parser)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -109,6 +115,13 @@ def check_args(args):
         spec = load_spec(args.spec)
     except Exception as e:  # a spec error renders with its file:line
         return f"--spec {args.spec}: {e}", None
+    from .tools import PARSERS
+    from .reasoning import PARSERS as REASONING
+
+    for flag, known in (("tool_call_parser", PARSERS), ("reasoning_parser", REASONING)):
+        v = getattr(args, flag, None)
+        if v is not None and v not in known:
+            return f"--{flag.replace('_', '-')} {v}: not one of {', '.join(known)}", None
     bs = spec.kv_cache.block_size
     need = -(-2 // bs)  # one prompt token and one generated token
     if args.num_blocks < need:
@@ -141,7 +154,7 @@ def cmd_serve(args) -> int:
         return EXIT_INVALID
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    problem, _spec = check_args(args)
+    problem, spec = check_args(args)
     if problem:
         return _err(problem)
     weights = Path(args.weights)
@@ -151,12 +164,26 @@ def cmd_serve(args) -> int:
     if problem:
         return _err(problem)
     try:
-        return _serve(args, weights, sock, api_keys)
+        return _serve(args, weights, sock, api_keys, spec)
     finally:
         sock.close()
 
 
-def _serve(args, weights: Path, sock, api_keys) -> int:
+def chat_setup(args, spec):
+    """The tool-call and reasoning parsers: the flags, else the family's when the spec's features
+    list ``function_call`` / ``reasoning_parser``."""
+    from .tools import FAMILY_PARSERS, FAMILY_REASONING, ChatSetup
+
+    tool, reasoning = args.tool_call_parser, args.reasoning_parser
+    feats = set(getattr(spec, "features", ()) or ())
+    if tool is None and "function_call" in feats:
+        tool = FAMILY_PARSERS.get(spec.family)
+    if reasoning is None and "reasoning_parser" in feats:
+        reasoning = FAMILY_REASONING.get(spec.family)
+    return ChatSetup(tool, reasoning)
+
+
+def _serve(args, weights: Path, sock, api_keys, spec) -> int:
     import torch
 
     from ..runtime import Faults, RankFailure, open_engine
@@ -194,7 +221,8 @@ def _serve(args, weights: Path, sock, api_keys) -> int:
     eos = [] if args.ignore_eos else eos_token_ids(weights)
     adapter = LLMEngineAdapter(engine, eos_token_ids=eos, trace=trace, model_name=args.served_model_name)
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout,
-                     api_keys=api_keys, max_request_bytes=args.max_request_bytes)
+                     api_keys=api_keys, max_request_bytes=args.max_request_bytes, tokenizer_dir=weights,
+                     chat_setup=chat_setup(args, spec))
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
 
 

@@ -2,7 +2,8 @@
 
 Every rule here answers bad input with a 400 naming the field (``param``), the way OpenAI's API does;
 unknown fields are ignored. Unsupported features are refused, not silently dropped: ``n``/``best_of``
-other than 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, non-zero penalties, tools.
+other than 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, non-zero penalties, ``functions``,
+``tools`` on completions (chat's ``tools``: serve/tools.py; ``response_format``: serve/structured.py).
 """
 
 from __future__ import annotations
@@ -14,22 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..runtime import SamplingParams
+from .errors import ApiError  # noqa: F401  (re-exported: the routes and tests import it from here)
 
 MAX_STOP = 4
 MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (deeper: a 400, before json.loads)
 MIN_TEMPERATURE = 1e-5  # below it (but not 0) the logits / temperature overflow float32: a 400
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 DEFAULT_COMPLETION_TOKENS = 16  # completions without max_tokens (OpenAI's default); chat: up to the context
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 status: int = 400, type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -39,6 +32,7 @@ class Parsed:
     stream: bool
     include_usage: bool  # stream_options.include_usage
     model: str
+    chat: Optional[dict] = None  # chat output parsing (serve/tools.py ChatOutput's arguments), or None
 
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
@@ -127,6 +121,8 @@ class Context:
 
     def __init__(self, model_name: str, vocab_size: int, max_model_len: int, tokenizer=None):
         self.model_name, self.vocab_size, self.max_model_len, self.tokenizer = model_name, vocab_size, max_model_len, tokenizer
+        self.tokenizer_dir = None  # the tokenizer's folder (structured output's grammars are spelled in it)
+        self.chat_setup = None  # serve/tools.py ChatSetup: the tool-call and reasoning parsers (None: off)
 
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
@@ -162,7 +158,7 @@ def _common(body: dict, ctx: Context) -> tuple[dict, bool, bool, str]:
     for name in ("n", "best_of"):
         if _get(body, name, _is_int, "an integer", 1) != 1:
             raise ApiError(f"'{name}' other than 1 is not supported", param=name, code="unsupported_value")
-    for name in ("logprobs", "top_logprobs", "suffix", "tools", "functions", "response_format"):
+    for name in ("logprobs", "top_logprobs", "suffix", "functions"):
         if body.get(name) not in (None, False):
             raise ApiError(f"'{name}' is not supported", param=name, code="unsupported_value")
     if body.get("echo") not in (None, False):
@@ -213,6 +209,12 @@ def _common(body: dict, ctx: Context) -> tuple[dict, bool, bool, str]:
     include_usage = bool(opts.get("include_usage", False))
     kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
               stop=tuple(s for s in stop if s), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+    # ---- structured output (serve/structured.py): response_format -> a grammar for the engine's mask
+    from .structured import response_format_grammar, structured
+
+    kw["structured"] = structured(response_format_grammar(body.get("response_format")), ctx.tokenizer_dir,
+                                  "response_format")
+    # ----
     _params(dict(kw, max_tokens=1))  # every field checked before any tokenization
     return kw, stream, include_usage, ctx.model_name
 
@@ -239,6 +241,8 @@ def _check_ids(ids: list, ctx: Context, param: str, max_tokens: int) -> tuple[in
 
 
 def parse_completion(body: dict, ctx: Context) -> Parsed:
+    if body.get("tools") not in (None, False):
+        raise ApiError("'tools' is a chat completions field", param="tools", code="unsupported_value")
     kw, stream, include_usage, model = _common(body, ctx)
     if kw["max_tokens"] is None:
         kw["max_tokens"] = DEFAULT_COMPLETION_TOKENS
@@ -265,35 +269,44 @@ def parse_chat(body: dict, ctx: Context) -> Parsed:
     if tok is None or not getattr(tok, "chat_template", None):
         raise ApiError("chat completions need a tokenizer with a chat template in the checkpoint folder",
                        param="messages", code="no_chat_template")
-    msgs = body.get("messages")
-    if not (isinstance(msgs, list) and msgs):
-        raise ApiError("'messages' must be a non-empty list", param="messages", code="invalid_type")
-    clean = []
-    for i, m in enumerate(msgs):
-        if isinstance(m, dict) and isinstance(m.get("content"), list):  # content parts: text only
-            parts = m["content"]
-            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
-                       for x in parts):
-                raise ApiError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                               f"supported", param=f"messages[{i}].content", code="unsupported_value")
-            m = dict(m, content="".join(x["text"] for x in parts))
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'",
-                           param=f"messages[{i}]", code="invalid_type")
-        if m["role"] not in ("system", "user", "assistant", "developer"):
-            raise ApiError(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant, developer",
-                           param=f"messages[{i}].role", code="invalid_value")
-        clean.append({"role": m["role"], "content": m["content"]})
+    # ---- tools, tool messages, template kwargs, parsers (serve/tools.py)
+    from .tools import check_messages, check_tools, forced_call_lark
+    from .structured import lark_grammar, structured
+
+    clean = check_messages(body.get("messages"))
+    tools, choice = check_tools(body, ctx.chat_setup)
+    extra = _get(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    effort = _get(body, "reasoning_effort", lambda v: v in REASONING_EFFORTS,
+                  f"one of {', '.join(REASONING_EFFORTS)}", None)
+    if effort is not None:  # the templates read it; "none" also turns thinking off (enable_thinking/thinking)
+        extra = {"enable_thinking": effort != "none", "thinking": effort != "none", **extra,
+                 "reasoning_effort": effort}
+    setup = ctx.chat_setup
+    if isinstance(choice, tuple) or choice == "required":
+        if kw["structured"] is not None:
+            raise ApiError("'response_format' and a forced 'tool_choice' cannot be combined", param="tool_choice",
+                           code="invalid_value")
+        lark = forced_call_lark(setup.tool_parser, tools, choice[1] if isinstance(choice, tuple) else None)
+        kw["structured"] = structured(lark_grammar(lark, "tool_choice"), ctx.tokenizer_dir, "tool_choice")
     try:
-        text = tok.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(clean, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as e:  # the template refused these messages
         raise ApiError(f"'messages' do not fit the chat template: {e}"[:300], param="messages",
                        code="invalid_value") from None
+    tool_parser = setup.tool_parser if (setup is not None and tools is not None and choice != "none") else None
+    forced = isinstance(choice, tuple) or choice == "required"  # the grammar starts the answer with the call
+    reasoning_parser = setup.reasoning_parser if setup is not None and not forced else None
+    chat = None
+    if tool_parser or reasoning_parser:
+        chat = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser,
+                "opened_thought": text.rstrip().endswith("<think>")}
+    # ----
     ids = ctx.encode(text, "messages")
     if kw["max_tokens"] is None:  # chat without max_tokens: up to the context (as vLLM)
         kw["max_tokens"] = max(1, ctx.max_model_len - len(ids))
     params = _params(kw)
-    return Parsed((_check_ids(ids, ctx, "messages", params.max_tokens),), params, stream, include_usage, model)
+    return Parsed((_check_ids(ids, ctx, "messages", params.max_tokens),), params, stream, include_usage, model,
+                  chat)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -164,10 +164,10 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
     d = fam.dims_of(dims)
     cfg = fam.hf_config(d, str(dtype).replace("torch.", ""))
     layout = fam.checkpoint_layout(d)
-    from .tokenizer import eos_token
+    from .tokenizer import eos_token_ids_of
 
-    eos = eos_token(cfg["vocab_size"])  # the EOS of the tokenizer written below (None: no tokenizer fits)
-    cfg["eos_token_id"] = eos[1] if eos else None
+    eos = eos_token_ids_of(cfg["vocab_size"], family)  # the EOS of the tokenizer written below ([]: none fits)
+    cfg["eos_token_id"] = (eos[0] if len(eos) == 1 else eos) if eos else None
     if cfg["tie_word_embeddings"]:
         layout.pop("lm_head.weight")  # tied checkpoints omit it; the loader re-adds it
 
@@ -197,7 +197,7 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
     if tokenizer and importlib.util.find_spec("tokenizers") is not None:
         from .tokenizer import write_tokenizer
 
-        write_tokenizer(out_dir, cfg["vocab_size"])
+        write_tokenizer(out_dir, cfg["vocab_size"], family=family)
     return out_dir
 
 

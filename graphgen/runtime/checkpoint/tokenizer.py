@@ -10,7 +10,12 @@ token, the EOS: the NUL byte's token (``Ā`` in the byte-level alphabet; text ne
 the chat template then uses plain-text markers. :func:`eos_token` gives the EOS (text and id) of a
 vocabulary size without the ``tokenizers`` package; ``write_random_hf_checkpoint`` writes that id as
 ``eos_token_id``. Saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with a chat template), which
-``transformers.AutoTokenizer.from_pretrained(folder)`` loads. Deterministic: the same corpus and
+``transformers.AutoTokenizer.from_pretrained(folder)`` loads. With a ``family`` that has a chat format
+(``graphgen/families/chat.py``) and a vocabulary of at least ``FAMILY_VOCAB`` (512) tokens, the
+tokenizer instead carries that family's real special tokens (BOS/EOS, ``<|im_start|>``, ``<think>``,
+``<tool_call>``, DeepSeek's tool-call tokens: ids 0.. in the table's order; the "text tokens" are not
+special, so they survive detokenization for the tool and reasoning parsers) and its chat template.
+Deterministic: the same corpus and
 vocab size give byte-identical files (the modules are read in sorted order).
 """
 
@@ -22,10 +27,20 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-__all__ = ["write_tokenizer", "default_corpus", "eos_token", "CHAT_TEMPLATE_SPECIAL", "CHAT_TEMPLATE_PLAIN"]
+__all__ = ["write_tokenizer", "default_corpus", "eos_token", "eos_token_ids_of", "CHAT_TEMPLATE_SPECIAL",
+           "CHAT_TEMPLATE_PLAIN", "FAMILY_VOCAB"]
 
 BYTE_ALPHABET = 256
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+FAMILY_VOCAB = 512  # from this vocabulary size on, a family's own special tokens and chat template
+
+
+def _family_chat(vocab_size: int, family: Optional[str]):
+    if family is None or vocab_size < FAMILY_VOCAB:
+        return None
+    from ...families.chat import chat_format
+
+    return chat_format(family)
 
 
 def _byte_alphabet() -> list[str]:
@@ -35,10 +50,28 @@ def _byte_alphabet() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def eos_token(vocab_size: int) -> Optional[tuple[str, int]]:
+def _tokens(fmt) -> list[str]:
+    return list(fmt.specials) + list(fmt.text_tokens)
+
+
+def eos_token_ids_of(vocab_size: int, family: Optional[str] = None) -> list[int]:
+    """Every EOS id of the tokenizer `write_tokenizer` writes (``config.json``'s ``eos_token_id``):
+    a family format's EOS tokens (Qwen3: ``<|im_end|>``, ``<|endoftext|>``), else `eos_token`'s."""
+    fmt = _family_chat(vocab_size, family)
+    if fmt is not None:
+        return [_tokens(fmt).index(e) for e in fmt.eos]
+    eos = eos_token(vocab_size)
+    return [eos[1]] if eos else []
+
+
+def eos_token(vocab_size: int, family: Optional[str] = None) -> Optional[tuple[str, int]]:
     """(text, id) of the EOS of the tokenizer `write_tokenizer` writes for ``vocab_size``, or None
-    (no tokenizer fits). With the specials: ``<|endoftext|>``, id 0 (the trainer puts specials
-    first); a byte vocabulary: the NUL byte's character, at its rank in the sorted alphabet."""
+    (no tokenizer fits). A family format: its first EOS; with the specials: ``<|endoftext|>``, id 0
+    (the trainer puts specials first); a byte vocabulary: the NUL byte's character, at its rank in
+    the sorted alphabet."""
+    fmt = _family_chat(vocab_size, family)
+    if fmt is not None:
+        return fmt.eos[0], _tokens(fmt).index(fmt.eos[0])
     if vocab_size < BYTE_ALPHABET:
         return None
     if vocab_size >= BYTE_ALPHABET + len(SPECIALS):
@@ -69,16 +102,19 @@ def default_corpus() -> list[str]:
     return texts
 
 
-def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[str]] = None) -> Optional[str]:
+def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[str]] = None,
+                    family: Optional[str] = None) -> Optional[str]:
     """Write a byte-level BPE tokenizer of exactly ``vocab_size`` tokens into ``out_dir``; returns
     the path of ``tokenizer.json``, or None when ``vocab_size < 256`` (no byte-level tokenizer fits:
     such checkpoints take token-id prompts only). ``corpus``: the texts to train on (default:
-    :func:`default_corpus`)."""
+    :func:`default_corpus`). ``family``: its chat format's tokens and template (vocab >= 512)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < BYTE_ALPHABET:
         return None
-    specials = list(SPECIALS) if vocab_size >= BYTE_ALPHABET + len(SPECIALS) else []
+    fmt = _family_chat(vocab_size, family)
+    specials = (_tokens(fmt) if fmt is not None else
+                list(SPECIALS) if vocab_size >= BYTE_ALPHABET + len(SPECIALS) else [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -89,7 +125,7 @@ def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[str]] = 
     short = vocab_size - tok.get_vocab_size()
     if short > 0:  # the corpus ran out of merges: fill with reserved specials
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)])
-    eos, eos_id = eos_token(vocab_size)
+    eos, eos_id = eos_token(vocab_size, family)
     if not specials:  # a byte vocabulary: its NUL byte's token is the EOS (marked special, no new id)
         tok.add_special_tokens([eos])
     if tok.get_vocab_size() != vocab_size:
@@ -99,17 +135,24 @@ def write_tokenizer(out_dir, vocab_size: int, corpus: Optional[Iterable[str]] = 
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "tokenizer.json")
     tok.save(path, pretty=False)
+    if fmt is not None:  # the family's text tokens: single tokens, but not skipped when detokenizing
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        for a in doc["added_tokens"]:
+            if a["content"] in fmt.text_tokens:
+                a["special"] = False
+        Path(path).write_text(json.dumps(doc, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": 1 << 20,
         "add_bos_token": False,
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
-        "bos_token": None,
+        "bos_token": fmt.bos if fmt is not None else None,
         "eos_token": eos,
         "pad_token": eos,
         "unk_token": None,
-        "chat_template": CHAT_TEMPLATE_SPECIAL if specials else CHAT_TEMPLATE_PLAIN,
+        "chat_template": (fmt.chat_template if fmt is not None else
+                          CHAT_TEMPLATE_SPECIAL if specials else CHAT_TEMPLATE_PLAIN),
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)

@@ -36,6 +36,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (matched on detokenized text by the server; cut off)
     stop_token_ids: tuple[int, ...] = ()  # the token is emitted, then the request stops
     ignore_eos: bool = False  # the model's EOS does not stop the request (load generators use it)
+    # structured output: a grammar.StructuredOutput (llguidance grammar + tokenizer folder), or None
+    structured: Optional[object] = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -53,6 +55,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, {MAX_SEED}]")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.structured is not None and type(self.structured).__name__ != "StructuredOutput":
+            raise ValueError("structured must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from .request import Request, RequestOutput, RequestResult, StepPlan
+from .grammar import guided_sample
 from .sampling import Sampler, SamplingParams, sample_rows
 
 __all__ = ["LLMEngine"]
@@ -159,7 +160,8 @@ class LLMEngine:
         last = torch.stack([row_logits[i][-1] for i in sampling]) if sampling else None
         tokens: list[Optional[int]] = [None] * len(plan.rows)
         if last is not None:
-            sampled, fallbacks = sample_rows(last, [plan.rows[i].request.sampler for i in sampling])
+            # structured output (engine/grammar.py): grammar rows masked, then sampled, then advanced
+            sampled, fallbacks = guided_sample(last, [plan.rows[i].request for i in sampling], sample_rows)
             self._totals["sampling_fallbacks"] += fallbacks
             for i, tok in zip(sampling, sampled):
                 tokens[i] = int(tok)
