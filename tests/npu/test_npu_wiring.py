@@ -192,6 +192,7 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
     from graphgen.npu.run.compile import compile_module
     from graphgen.npu.run.inputs import random_weights
     from graphgen.runtime.core import ops
+    from graphgen.runtime.core import kvcache
     from graphgen.runtime.core.kvcache import PagedKVCache
 
     spec, _ = _model(model)

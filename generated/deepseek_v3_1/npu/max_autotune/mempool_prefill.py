@@ -12,7 +12,9 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
+logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -1003,7 +1005,8 @@ def forward(W, b, kv, staging=()):
         torch_npu.npu_scatter_nd_update_(staging[59][1], b.save_rows, kv[59][1].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[60][0], b.save_rows, kv[60][0].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[60][1], b.save_rows, kv[60][1].index_select(0, b.save_block_ids))  # save.kv_save
-        # ev.save.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [save.kv_save.record]
+        # ev.save.kv_save (kv_save -> host): the runner commits after the graph; explicit join on the main stream [save.kv_save.record]
+        ev_save_kv_save = torchair.ops.record()  # save.kv_save.record
     o_L60 = _mla_prefill(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight[d0/32]'], b.kv_index, b.actual_seq_lengths, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L60.attn
     h_L60_attn_partial = F.linear(o_L60.reshape(o_L60.shape[0], -1), W['model.layers.60.self_attn.o_proj.weight[d1/32]'])  # L60.o_proj
     h_L60_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L60_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L60.o_proj.all_reduce
@@ -1013,6 +1016,7 @@ def forward(W, b, kv, staging=()):
     h_L60_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L60_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L60.moe.all_reduce
     h_L60 = h_L60_attn + h_L60_sum  # L60.moe.residual
     logits_partial = F.linear(torch_npu.npu_rms_norm(h_L60.index_select(0, b.logits_indices), W['model.norm.weight'], 1e-06)[0], W['lm_head.weight[d0/32]'])  # lm_head
+    torchair.ops.wait([ev_save_kv_save])  # save.join
     logits = torch.cat(torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(logits_partial.contiguous(), 32, torch.distributed.group.WORLD.group_name)).chunk(32, dim=0), dim=-1).narrow(-1, 0, 129280)  # lm_head.all_gather
     return logits
 
