@@ -105,6 +105,14 @@ def _steps(args, spec) -> int:
     if args.ops_json:
         Path(args.ops_json).write_text(geops.dump_report(doc))
         print(f"{args.ops_json}: post-AOT op targets of {len(doc['graphs'])} graphs (one per variant, mode and bucket)")
+    join = _save_join_problems(results)
+    if join:
+        err(f"{args.spec}: post-AOT save join check failed (audit 2, row 8):")
+        for p in join:
+            err(f"  - {p}")
+        return EXIT_STALE
+    print(f"save join check ok: every captured graph with a save stream joins it to the main stream "
+          f"before the op producing the logits (graph structure only)")
     problems = geops.check_ops_report(doc)
     if problems:
         err(f"{args.spec}: GE converter check failed (torch-npu {geops.load_table()['wheel']['torch_npu_version']}"
@@ -115,6 +123,15 @@ def _steps(args, spec) -> int:
     print(f"GE converter check ok: every op of {len(doc['graphs'])} graphs has a torchair converter that does "
           f"not only raise (that it accepts these arguments is not checked)")
     return rc
+
+
+def _save_join_problems(results) -> list[str]:
+    """The explicit save join (graphgen.npu.check.aotcheck.check_save_join) on every captured graph."""
+    from ..npu.check.aotcheck import check_save_join
+
+    return [p for r in results for g in r.graphs
+            for p in check_save_join(g["captured"].gm, f"{r.variant} ({r.mode}, bucket batch={g['bucket']['batch']} "
+                                                       f"tokens={g['bucket']['tokens']})")]
 
 
 def register(sub) -> None:

@@ -60,10 +60,34 @@ def evname(event: str) -> str:
 def _record(n, ctx):
     ev = n.event
     if ctx.events[ev][1] == HOST_STREAM:
-        return [f"# {ev} ({n.stream} -> host) is no in-graph event: the runner commits after the graph completes"]
+        # NPU only: the save -> host event also becomes an in-graph record, waited on the main stream
+        # before the op producing the logits (render_npu emits that wait: "save join"), so the event the
+        # runner records after the graph covers the save whatever GE's end-of-graph semantics (audit 2,
+        # row 8).  The CPU target keeps the host-event commit: its first token never waits for the save.
+        head = f"# {ev} ({n.stream} -> host): the runner commits after the graph; explicit join on the main stream"
+        return [head, *_record_line(ev, ctx)]
+    return _record_line(ev, ctx)
+
+
+def _record_line(ev, ctx):
     if ctx.mode == "max-autotune":
         return [f"{evname(ev)} = torchair.ops.record()"]
     return [f"torchair.ops.npu_tagged_event_record({evname(ev)})"]
+
+
+def save_join_events(graph: Graph) -> list[str]:
+    """The save -> host events: recorded in the save scope, waited on the main stream (the save join)."""
+    return [n.event for n in graph.nodes if n.op == "record" and n.stream not in (HOST_STREAM, LOAD_STREAM)
+            and graph.events[n.event][1] == HOST_STREAM]
+
+
+def _save_join(events, ctx) -> list[str]:
+    """The main-stream wait on every save -> host event, placed just before the op producing the logits:
+    in GE, wait adds a control edge from the save stream's last op to the next main-stream op
+    (torchair fx2ge_converter.py:2096-2132), so the logits -- and the post-graph event -- follow the save."""
+    if ctx.mode == "max-autotune":
+        return [f"torchair.ops.wait([{', '.join(map(evname, events))}])"]
+    return [f"torchair.ops.npu_tagged_event_wait({evname(ev)})" for ev in events]
 
 
 def _wait(n, ctx):
@@ -276,9 +300,18 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     tag, prio = py(options.save_stream_tag), py(options.save_stream_priority)
     body: list[str] = []
     prev = None
+    joins, recorded = save_join_events(graph), set()
     for n in graph.nodes:
         if n.stream in (HOST_STREAM, LOAD_STREAM):  # host: the runner commits; load: load() (LOAD_EMIT)
             continue
+        if n.op == "record":
+            recorded.add(n.event)
+        if joins and n.stream == MAIN_STREAM and "logits" in n.writes:
+            if set(joins) - recorded:
+                raise LoweringError(f"{graph.name}: the save is issued after {n.id}, which produces the logits; "
+                                    f"the NPU save join needs the save recorded before it")
+            body += [f"    {line}  # save.join" for line in _save_join(joins, ctx)]
+            joins = []
         side = n.stream != MAIN_STREAM
         if side and prev != n.stream:
             body.append(f"    with torchair.scope.npu_stream_switch({tag}, {prio}):  # stream {n.stream} (SAVE_STREAM)")
@@ -286,6 +319,8 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
         ind = "        " if side else "    "
         body += [f"{ind}{line} [{n.id}]" if line.startswith("#") else f"{ind}{line}  # {n.id}"
                  for line in emit(n, ctx)]
+    if joins:
+        raise LoweringError(f"{graph.name}: no main-stream node writes 'logits': nowhere to join the save")
     load = [f"    {line} [{n.id}]" if line.startswith("#") else f"    {line}  # {n.id}"
             for n in graph.on_stream(LOAD_STREAM) for line in emit_with(LOAD_EMIT, "NPU load", n, ctx)]
     tagged = ""
@@ -293,7 +328,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
         tagged = "\n# Tagged events: created here, eagerly, once per process (torchair rejects a reused tag).\n" + "".join(
             f"{evname(ev)} = torchair.ops.npu_create_tagged_event("
             f"tag={py('graphgen.' + graph.meta['model'] + '.' + graph.meta['variant'] + '.' + ev)})  # {s} -> {d}\n"
-            for ev, (s, d) in graph.events.items() if HOST_STREAM != d and LOAD_STREAM != s)
+            for ev, (s, d) in graph.events.items() if LOAD_STREAM != s)
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],

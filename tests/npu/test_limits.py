@@ -50,13 +50,18 @@ def fia_mla(q_lens=(1, 1), heads=32, d=512, rope=64, bs=128):
                  num_key_value_heads=1, scale=0.1, input_layout="TND", sparse_mode=3 if multi else 0, block_size=bs))
 
 
-def fia_dense(dtype=BF, qk=192, v=128, kv_heads=4):
-    """The non-paged TND form (DeepSeek prefill/splitfuse on up-projected K/V)."""
+def fia_dense(dtype=BF, qk=192, v=128, kv_heads=None, heads=8, t=3, seqs=1, device="cpu"):
+    """The non-paged TND form (DeepSeek prefill/splitfuse on up-projected K/V).  ``device="meta"`` for
+    the calls too large to allocate (the limit check runs before the kernel, on meta tensors too)."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    q_cum = [t] if seqs == 1 else list(range(1, seqs + 1))
     return ("npu_fused_infer_attention_score",
-            (torch.randn(3, 4, qk, dtype=dtype), torch.randn(5, kv_heads, qk, dtype=dtype),
-             torch.randn(5, kv_heads, v, dtype=dtype)),
-            dict(atten_mask=MASK, actual_seq_lengths=[3], actual_seq_lengths_kv=[5], num_heads=4,
-                 num_key_value_heads=kv_heads, scale=0.1, input_layout="TND", sparse_mode=3))
+            (torch.randn(t, heads, qk, dtype=dtype, device=device),
+             torch.randn(t + 2, kv_heads, qk, dtype=dtype, device=device),
+             torch.randn(t + 2, kv_heads, v, dtype=dtype, device=device)),
+            dict(atten_mask=MASK.to(device), actual_seq_lengths=q_cum,
+                 actual_seq_lengths_kv=[x + 2 for x in q_cum] if seqs == 1 else q_cum[:-1] + [t + 2],
+                 num_heads=heads, num_key_value_heads=kv_heads, scale=0.1, input_layout="TND", sparse_mode=3))
 
 
 def rope(d=128, cos_dtype=BF):
@@ -91,9 +96,15 @@ def finalize(mode=2):
                                          torch.arange(6, dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32), mode), {})
 
 
+def unpermute(dtype=BF, idx_dtype=torch.int32, padded=False):
+    return ("npu_moe_token_unpermute", (torch.randn(6, 8, dtype=dtype), torch.randperm(6).to(idx_dtype)),
+            dict(probs=torch.rand(3, 2).to(dtype), padded_mode=padded))
+
+
 def _call(c, mode=None):
     op, args, kw = c
-    with oplib.tracing_mode(mode):
+    sink = mode == "tiling-sink"  # max-autotune with experimental_config.tiling_schedule_optimize=True
+    with oplib.tracing_mode("max-autotune" if sink else mode, sink):
         return getattr(torch.ops.npu, op)(*args, **kw)
 
 
@@ -111,6 +122,10 @@ CASES = {
     "fia.dense.dtype": (fia_dense(), fia_dense(dtype=torch.float16)),
     "fia.dense.head_dims": (fia_dense(), fia_dense(qk=128)),
     "fia.dense.heads": (fia_dense(), fia_dense(kv_heads=2)),
+    "fia.dense.head_count": (fia_dense(heads=8), fia_dense(heads=4)),  # DeepSeek-V3 at tp=32, unpadded
+    "fia.dense.tokens": (fia_dense(), fia_dense(t=65537, device="meta")),
+    "fia.tnd.sequences": (fia_dense(t=4096, seqs=4096, device="meta"), fia_dense(t=4097, seqs=4097, device="meta")),
+    "fia.tnd.tiling_sink": (fia_gqa(), (fia_gqa(), "tiling-sink")),
     "rope.head_dim": (rope(), rope(d=32)),
     "rope.same_dtype": (rope(), rope(cos_dtype=torch.float32)),
     "interleave_rope.dim": (irope(), irope(d=32)),
@@ -122,6 +137,8 @@ CASES = {
     "moe_gating.groups": (gating(), gating(groups=7)),
     "moe_gating.k_max": (gating(k=32, k_group=8), gating(k=33, k_group=8)),
     "moe_finalize.drop_pad_mode": (finalize(0), finalize(1)),
+    "moe_unpermute.dtype": (unpermute(), unpermute(dtype=torch.float16)),
+    "moe_unpermute.shape": (unpermute(), unpermute(padded=True)),
 }
 
 
@@ -185,3 +202,24 @@ def test_old_absorbed_mla_prefill_with_more_than_16_tokens_is_rejected_by_the_st
             assert run(16).shape == (16, n, v)
     finally:
         sys.modules.pop("graphgen.lower.npu_helpers", None)
+
+
+def test_unpermute_standin_reads_the_doc_example_and_matches_the_old_finalize_wiring():
+    """The stand-in kernel shares the doc's reading (wiring, not the kernel's meaning): the example of
+    the docstring torch_npu attaches (_op_plugin_docs.py:16966-16971) comes out as its gather reading
+    gives, and on init_routing_v2's row index it equals the finalize_routing call it replaced."""
+    perm = torch.tensor([[1, 1], [2, 2], [3, 3], [4, 4], [1, 1], [2, 2], [3, 3], [4, 4]], dtype=BF)
+    out = torch.ops.npu.npu_moe_token_unpermute(perm, torch.tensor([0, 4, 5, 1, 2, 6, 7, 3], dtype=torch.int32),
+                                               probs=torch.full((4, 2), 0.5, dtype=BF))
+    assert torch.equal(out, torch.tensor([[1, 1], [2, 2], [3, 3], [4, 4]], dtype=BF))
+    x, ids = torch.randn(5, 8, dtype=BF), torch.randint(0, 4, (5, 2), dtype=torch.int32)
+    rows, row_idx, _, _ = torch.ops.npu.npu_moe_init_routing_v2(x, ids, active_num=10, expert_num=4,
+                                                                expert_tokens_num_type=1, expert_tokens_num_flag=True,
+                                                                active_expert_range=[0, 4], quant_mode=-1)
+    w = torch.rand(5, 2).to(BF)
+    new = torch.ops.npu.npu_moe_token_unpermute(rows, row_idx, probs=w)
+    with oplib.enforce_limits(False):
+        old = torch.ops.npu.npu_moe_finalize_routing(rows, torch.zeros_like(x), None, None, w, row_idx, ids, 2)
+    assert torch.equal(new, old) and torch.allclose(new.float(), (x.float() * w.float().sum(1, keepdim=True)), atol=0.1)
+    bad = row_idx.flip(0)  # a miswired index must not pass
+    assert not torch.equal(torch.ops.npu.npu_moe_token_unpermute(rows, bad, probs=w), new)

@@ -15,7 +15,7 @@ import pytest
 
 from graphgen.cli import main
 from graphgen.npu.check.limits import BY_KEY
-from support.npu_limits import DSV3, LIMIT_CASES, QWEN
+from support.npu_limits import DSV3, INSERT_CASES, LIMIT_CASES, QWEN, insert_npu_field
 
 HW = (Path(__file__).parent / "data/hw_tiny_qwen3.yaml").read_text()
 
@@ -62,6 +62,25 @@ def test_validate_rejects_a_spec_outside_a_documented_limit(tmp_path, capsys, ba
     assert limit.text in hits[0] and f"source: {limit.source}" in hits[0] and path in hits[0]
     assert new.split(",")[0].strip("[") in hits[0]
     assert "fix: change" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("base,line,path,row", INSERT_CASES, ids=[c[3] for c in INSERT_CASES])
+def test_validate_rejects_a_bucket_field_outside_a_documented_limit(tmp_path, capsys, base, line, path, row):
+    text = insert_npu_field(QWEN if base == "qwen" else DSV3, line)
+    at = text.splitlines().index(line) + 1
+    rc, out, err, p = _validate(tmp_path, text, capsys)
+    assert rc == 2, (out, err)
+    hits = [l for l in err.splitlines() if f"[{row}]" in l]
+    assert hits and hits[0].startswith(f"{p}:{at}:"), err
+    assert BY_KEY[row].text in hits[0] and f"source: {BY_KEY[row].source}" in hits[0] and path in hits[0]
+    assert "fix: change" in err
+
+
+def test_every_limit_row_but_the_compile_option_has_a_spec_case():
+    """Each row a spec field can break has a failing-spec case; fia.tnd.tiling_sink is a compile option
+    (compile_module(tiling_sink=True)), refused by the stand-in (tests/npu/test_static_decode.py)."""
+    spec_rows = {c[4] for c in LIMIT_CASES} | {c[3] for c in INSERT_CASES}
+    assert {"fia.dense.head_count", "fia.dense.tokens", "fia.tnd.sequences", "moe_unpermute.dtype"} <= spec_rows
 
 
 def test_every_violation_of_a_spec_is_reported_at_once(tmp_path, capsys):

@@ -24,7 +24,22 @@ LIMIT_CASES = [  # (base, key, new value, field path, limit row)
     ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
      "fia.tnd.reduce_overhead"),
     ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
+    # 256 heads per rank at tp=32: more than the 128 the prefill helper can pad up to (v1 TND N set)
+    ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia.dense.head_count"),
 ]
+# Rows whose spec field is an NpuTarget bucket list the shipped specs leave at its default: the case
+# inserts the field under targets.npu (base, inserted line, field path, limit row).
+INSERT_CASES = [
+    ("dsv3", "    prefill_token_buckets: [128, 70000]", "targets.npu.prefill_token_buckets", "fia.dense.tokens"),
+    ("qwen", "    decode_batch_buckets: [1, 5000]", "targets.npu.decode_batch_buckets", "fia.tnd.sequences"),
+    ("dsv3", "    dtype: float16", "targets.npu.dtype", "moe_unpermute.dtype"),
+]
+
+
+def insert_npu_field(text: str, line: str) -> str:
+    head = "    compile_modes: [max-autotune]\n"
+    assert text.count(head) == 1
+    return text.replace(head, head + line + "\n")
 
 
 def base_text(base: str) -> str:

@@ -283,3 +283,51 @@ def model_torchair_reinplace(gm: GraphModule, mode: str) -> list[str]:
     gm.graph.lint()
     gm.recompile()
     return done
+
+
+# --------------------------------------------------------------------------- the explicit save join
+_EVENT_OPS = (RECORD, WAIT, TAGGED_RECORD, TAGGED_WAIT, SCOPE_ENTER, SCOPE_EXIT)
+
+
+def check_save_join(gm: GraphModule, graph: str, save_stream: str = "kv_save") -> list[str]:
+    """Problems with the explicit save -> main join of a post-AOT graph (empty when it holds, or when
+    the graph has no save stream).  The join (audit 2, row 8): a record on the save stream after its
+    last op, waited on the main stream, and the first main-stream op after that wait an ancestor of the
+    graph's output -- in GE, record/wait become a control edge from the save stream's last op to that
+    next op (torchair ``fx2ge_converter.py:2096-2132``), so the logits, and the event the runner records
+    after the graph, come after the save whatever GE does at the end of the graph.  One stream label is
+    one stream (FIFO): a record after the label's last op covers every earlier save scope."""
+    ctx = _ctx(gm)
+    nodes = list(gm.graph.nodes)
+    side = [n for n in nodes if ctx.labels[n] == save_stream and _t(n) not in _EVENT_OPS and n.op == "call_function"]
+    if not side:
+        return []
+    last = max(ctx.order[n] for n in side)
+    recs = [n for n in nodes if ctx.labels[n] == save_stream and ctx.order[n] > last
+            and _t(n) in (RECORD, TAGGED_RECORD)]
+    if not recs:
+        return [f"{graph}: the save stream's last op {nodes[last].name} is not joined to the main stream: no "
+                f"record on {save_stream!r} after it (AOT drops a record that nothing waits on); the save join is "
+                f"a record in the save scope, waited on the main stream before the op producing the logits"]
+    tags = {r.args[0] for r in recs if _t(r) == TAGGED_RECORD}
+    waits = [n for n in nodes if ctx.labels[n] is None and (
+        (_t(n) == WAIT and any(r in recs for r in n.args[0])) or (_t(n) == TAGGED_WAIT and n.args[0] in tags))]
+    if not waits:
+        return [f"{graph}: the save stream's last op {nodes[last].name} is not joined to the main stream: its "
+                f"record {recs[0].name} is not waited on the main stream (the save join's wait is missing)"]
+    out = next(n for n in nodes if n.op == "output")
+    ancestors, todo = set(), [x for x in out.all_input_nodes]
+    while todo:
+        x = todo.pop()
+        if x not in ancestors:
+            ancestors.add(x)
+            todo.extend(x.all_input_nodes)
+    problems = []
+    for w in waits:
+        nxt = next((n for n in nodes[ctx.order[w] + 1:] if ctx.labels[n] is None and n.op == "call_function"
+                    and _t(n) not in _EVENT_OPS and n.target is not operator.getitem), None)
+        if nxt is None or nxt not in ancestors:
+            problems.append(f"{graph}: the save join's wait {w.name} is followed on the main stream by "
+                            f"{'nothing' if nxt is None else nxt.name}, which the output does not depend on: "
+                            f"the wait must sit before the op producing the logits")
+    return problems if len(problems) == len(waits) else []

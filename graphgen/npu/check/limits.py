@@ -26,6 +26,7 @@ class Call:
     op: str
     args: dict
     mode: Optional[str] = None  # "max-autotune" / "reduce-overhead" while the stand-in backend traces
+    tiling_sink: bool = False   # the traced config's experimental_config.tiling_schedule_optimize
 
     def get(self, name, default=None):
         v = self.args.get(name, default)
@@ -143,6 +144,20 @@ LIMITS: tuple[Limit, ...] = (
           lambda c: _dense_tnd(c) and len({c.args["query"].shape[1], c.args["key"].shape[1], c.args["value"].shape[1],
                                              value(c.get("num_heads", 1)),
                                              value(c.get("num_key_value_heads", 0)) or value(c.get("num_heads", 1))}) != 1),
+    Limit("fia.dense.head_count", FIA, "TND without page attention and query D != 512 (v1 TND text): "
+          "N in 8/16/32/64/128", f"{DOCS}:8193-8195",
+          lambda c: _dense_tnd(c) and value(c.get("num_heads", 1)) not in (8, 16, 32, 64, 128)),
+    Limit("fia.dense.tokens", FIA, "TND without page attention and query D != 512 (v1 TND text): T <= 65536",
+          f"{DOCS}:8193-8194",
+          lambda c: _dense_tnd(c) and (c.args["query"].shape[0] > 65536 or c.args["key"].shape[0] > 65536)),
+    Limit("fia.tnd.sequences", FIA, "TND with query D != 512: actual_seq_lengths and actual_seq_lengths_kv "
+          "have at most 4096 elements", f"v2 {DOCS}:8738",
+          lambda c: c.get("input_layout", "BSH") == "TND" and _last(c.args.get("query")) != 512
+          and max(len(_ints(c.get("actual_seq_lengths"))), len(_ints(c.get("actual_seq_lengths_kv")))) > 4096),
+    Limit("fia.tnd.tiling_sink", FIA, "input_layout TND is not supported with graph-mode tiling schedule "
+          "optimisation (tiling_schedule_optimize=True): the static decode graph needs BSH/BSND/BNSD",
+          f"v1 {DOCS}:8113-8114; v2 {DOCS}:8632-8633,8737",
+          lambda c: c.tiling_sink and c.get("input_layout", "BSH") == "TND"),
     # ------------------------------------------------------------------ RoPE
     Limit("rope.head_dim", "npu_apply_rotary_pos_emb", "on Atlas A2/A3 the head dim D must be 64 or 128",
           f"{DOCS}:15790-15802",
@@ -181,6 +196,20 @@ LIMITS: tuple[Limit, ...] = (
           or not 1 <= value(c.args["k"]) <= _moe_e(c) // value(c.get("group_count", 1)) * value(c.get("k_group", 1))),
     Limit("moe_gating.k_max", "npu_moe_gating_top_k", "on Atlas A2/A3 k is in [1, 32]",
           f"{DOCS}:10816-10850", lambda c: not 1 <= value(c.args["k"]) <= 32),
+    Limit("moe_unpermute.dtype", "npu_moe_token_unpermute", "permuted_tokens and probs bfloat16 (the earlier "
+          "docstring; the one torch_npu attaches also allows float16/float32), sorted_indices int32",
+          f"{DOCS}:14342,14344; {DOCS}:16941-16943",
+          lambda c: _dtype(c.args.get("permuted_tokens")) != "bfloat16"
+          or (c.get("probs") is not None and _dtype(c.get("probs")) != "bfloat16")
+          or _dtype(c.args.get("sorted_indices")) != "int32"),
+    Limit("moe_unpermute.shape", "npu_moe_token_unpermute", "permuted_tokens [tokens*topK, H], sorted_indices "
+          "[tokens*topK], probs [tokens, topK] with topK <= 512; padded_mode False, restore_shape None only",
+          f"{DOCS}:16941-16945,16955-16956",
+          lambda c: c.get("padded_mode", False) or c.get("restore_shape") is not None
+          or c.args["sorted_indices"].dim() != 1
+          or c.args["sorted_indices"].shape[0] != c.args["permuted_tokens"].shape[0]
+          or (c.get("probs") is not None and (c.get("probs").numel() != c.args["permuted_tokens"].shape[0]
+                                              or c.get("probs").shape[-1] > 512))),
     Limit("moe_finalize.drop_pad_mode", "npu_moe_finalize_routing",
           "drop_pad_mode: only 0 is documented; 2 is accepted on usage evidence (vllm-ascend paired "
           "init_routing_v2(row_idx_type=0) with drop_pad_mode=2 until Dec 2025)",

@@ -50,6 +50,14 @@ def _model_dtype(s) -> str:
     return getattr(s.targets.npu, "dtype", None) or s.kv_cache.dtype
 
 
+def _max_prefill_tokens(s) -> int:
+    return max(getattr(s.targets.npu, "prefill_token_buckets", None) or (1024,))
+
+
+def _max_decode_batch(s) -> int:
+    return max(getattr(s.targets.npu, "decode_batch_buckets", None) or (8,))
+
+
 def _all(s) -> bool:
     return True
 
@@ -75,6 +83,16 @@ CHECKS: tuple[SpecCheck, ...] = (
     SpecCheck("fia.mla.num_heads", "dims.num_attention_heads", _mla,
               lambda s: s.dims.num_attention_heads // s.parallel.tp > 128,
               lambda s: f"{s.dims.num_attention_heads} heads over tp={s.parallel.tp} ranks"),
+    # un-absorbed MLA prefill/splitfuse: the helper pads a rank's heads up to the next of 8/16/32/64/128,
+    # so only more than 128 heads per rank cannot be padded into the v1 TND set
+    SpecCheck("fia.dense.head_count", "dims.num_attention_heads", _mla,
+              lambda s: s.dims.num_attention_heads // s.parallel.tp > 128,
+              lambda s: f"{s.dims.num_attention_heads} heads over tp={s.parallel.tp} ranks"),
+    SpecCheck("fia.dense.tokens", "targets.npu.prefill_token_buckets", _mla,
+              lambda s: _max_prefill_tokens(s) > 65536, _max_prefill_tokens),
+    SpecCheck("fia.tnd.sequences", "targets.npu.decode_batch_buckets", _gqa,
+              lambda s: _max_decode_batch(s) > 4096, _max_decode_batch),
+    SpecCheck("moe_unpermute.dtype", "targets.npu.dtype", _moe, lambda s: _model_dtype(s) != "bfloat16", _model_dtype),
     SpecCheck("fia.tnd.reduce_overhead", "targets.npu.compile_modes", _gqa,
               lambda s: "reduce-overhead" in s.targets.npu.compile_modes, lambda s: list(s.targets.npu.compile_modes)),
     SpecCheck("moe_gating.groups", "dims.n_group", _moe,

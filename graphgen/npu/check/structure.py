@@ -38,6 +38,7 @@ class Traced:
             caches = [self.graph.placeholder_for(t) for layer in self.kv for t in layer]
             stagings = [self.graph.placeholder_for(t) for layer in self.staging for t in layer]
             problems = aotcheck.check_kv_save_graph(self.graph.gm, caches, stagings)
+            problems += aotcheck.check_save_join(self.graph.gm, self.module.GRAPH)
         if "aten.copy_" in self.graph.gm.code:
             problems.append("a write into a graph input survived as aten.copy_ (functionalisation epilogue)")
         return problems

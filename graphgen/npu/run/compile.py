@@ -110,9 +110,11 @@ def _load(module_path_or_obj: Any) -> Any:
 
 
 def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: str | None = None, *,
-                   use_standin: bool = False, dynamic: bool = False, buckets: int | None = None):
+                   use_standin: bool = False, dynamic: bool = False, buckets: int | None = None,
+                   tiling_sink: bool = False):
     """Return ``(target, backend)`` where ``target.forward`` is the compiled forward.
 
+    ``tiling_sink``: set ``experimental_config.tiling_schedule_optimize`` (max-autotune only).
     ``module_path_or_obj``: a path to a generated ``npu/<mode_dir>/<variant>.py`` (the module defines
     ``Model``, an ``nn.Module`` class taking no arguments, or ``model``, an instance), a loaded module,
     or any object with a ``forward`` method.  ``mode``: ``"max-autotune"`` or ``"reduce-overhead"``;
@@ -148,6 +150,13 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 1)
     cfg = torchair.CompilerConfig()
     cfg.mode = mode
+    if tiling_sink:
+        # GE static graph with the tiling sunk (torchair path 4, docs/npu.md "Decode as a static graph"):
+        # the decided decode mode.  Documented only for BSH/BSND/BNSD attention; the stand-in refuses
+        # TND under it (limits row fia.tnd.tiling_sink), which is what the shipped decode modules emit today.
+        if mode != "max-autotune":
+            raise ValueError("tiling_sink (tiling_schedule_optimize) is a GE (max-autotune) option")
+        cfg.experimental_config.tiling_schedule_optimize = True
     backend = torchair.get_npu_backend(compiler_config=cfg)
     if cache_dir is not None:
         # cache_compile takes the bound method and handles compilation (and its backend) itself.

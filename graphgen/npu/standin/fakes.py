@@ -112,11 +112,13 @@ class _Option:
 
 
 class CompilerConfig:
-    """Stand-in: only ``mode`` (and a ``debug`` namespace) -- the options graphgen sets."""
+    """Stand-in: only ``mode``, ``experimental_config.tiling_schedule_optimize`` (torchair's default False,
+    ``air/configs/experimental_config.py:28``) and a ``debug`` namespace -- the options graphgen sets."""
 
     def __init__(self):
         object.__setattr__(self, "mode", _Option("max-autotune", ["max-autotune", "reduce-overhead", "npugraph_ex"]))
         object.__setattr__(self, "debug", types.SimpleNamespace(graph_dump=types.SimpleNamespace(type=None)))
+        object.__setattr__(self, "experimental_config", types.SimpleNamespace(tiling_schedule_optimize=False))
 
     def __setattr__(self, name, value):
         # torchair's config objects accept `cfg.mode = "reduce-overhead"` and validate it.
@@ -179,7 +181,10 @@ class StandinBackend:
             return aot_gm.forward
 
         # the mode-dependent limits (e.g. TND in reduce-overhead) are checked while AOT traces
-        with oplib.tracing_mode(mode):
+        # and the static-graph rule: TND attention is refused under tiling sink (docs/npu.md, "Decode as a
+        # static graph")
+        sink = bool(getattr(getattr(self.config, "experimental_config", None), "tiling_schedule_optimize", False))
+        with oplib.tracing_mode(mode, sink):
             return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
                                          inference_compiler=fw_compiler, keep_inference_input_mutations=True,
                                          decompositions=self.decompositions)

@@ -316,15 +316,19 @@ def _moe_gating_top_k_meta(x, k, **kw):
 def _moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
                          expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
                          quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
-    # Rows of x permuted so each expert's rows are contiguous (stable by expert id); expanded_row_idx[i]
-    # is the permuted position of flattened (token, k) pair i; expert_tokens = rows per expert
-    # (expert_tokens_num_type 1: counts; 0: cumulative).
+    # Rows of x permuted so each expert's rows are contiguous (stable by expert id); expert_tokens = rows
+    # per expert (expert_tokens_num_type 1: counts; 0: cumulative).  expanded_row_idx (docs.py:11105,11108):
+    # row_idx_type 0 ("gather" index) = the permuted position of flattened (token, k) pair i (what
+    # npu_moe_finalize_routing and npu_moe_token_unpermute take); row_idx_type 1 ("scatter" index) = the
+    # flattened pair of permuted row i (its inverse).
     t, k = expert_idx.shape
     flat = expert_idx.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
     expanded_x = x.index_select(0, order // k)
     row_idx = torch.empty_like(order)
     row_idx[order] = torch.arange(order.numel())
+    if row_idx_type == 1:
+        row_idx = order
     n = expert_num if expert_num > 0 else int(flat.max()) + 1
     counts = torch.bincount(flat, minlength=n)[:n]
     tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
@@ -367,7 +371,26 @@ def _moe_finalize_routing_meta(expanded_permuted_rows, skip1, skip2, bias, scale
     return expanded_permuted_rows.new_empty(scales.shape[0], expanded_permuted_rows.shape[-1])
 
 
+def _moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    # OUR reading of the docstring torch_npu attaches (docs.py:16931-16975; it shares the doc's reading:
+    # wiring, not the kernel's meaning): sorted_indices[j] is the position in permuted_tokens of flattened
+    # (token, k) pair j (:16942; the example at :16966-16971 only works as this gather), weighted by
+    # probs[token, k] (topK = probs.shape[-1]; 1 without probs), summed over k.  On Ascend 950 it is
+    # MoeFinalizeRoutingV2 with sorted_indices = expandedRowIdx (:16957): init_routing_v2's row index.
+    k = 1 if probs is None else probs.shape[-1]
+    rows = permuted_tokens.index_select(0, sorted_indices.long()).view(-1, k, permuted_tokens.shape[-1])
+    if probs is not None:
+        rows = rows * probs.unsqueeze(-1).to(rows.dtype)
+    return rows.sum(1)
+
+
+def _moe_token_unpermute_meta(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    k = 1 if probs is None else probs.shape[1]
+    return permuted_tokens.new_empty(permuted_tokens.shape[0] // k, permuted_tokens.shape[1])
+
+
 CPU_KERNELS: dict[str, Callable] = {
+    "npu_moe_token_unpermute": _moe_token_unpermute,
     "npu_moe_gating_top_k": _moe_gating_top_k,
     "npu_moe_init_routing_v2": _moe_init_routing_v2,
     "npu_grouped_matmul": _grouped_matmul,
@@ -395,4 +418,5 @@ META_KERNELS: dict[str, Callable] = {
     "npu_moe_init_routing_v2": _moe_init_routing_v2_meta,
     "npu_grouped_matmul": _grouped_matmul_meta,
     "npu_moe_finalize_routing": _moe_finalize_routing_meta,
+    "npu_moe_token_unpermute": _moe_token_unpermute_meta,
 }

@@ -33,11 +33,13 @@ NPU_OPS = ("npu_scatter_nd_update", "npu_scatter_nd_update_", "npu_scatter_pa_kv
            "npu_scatter_pa_kv_cache_functional", "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu",
            "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_fused_infer_attention_score",
            # DeepSeek-V3 MoE (real schemas from the manifest; CPU kernels are OUR reading of the docs)
-           "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing")
+           "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing",
+           "npu_moe_token_unpermute")
 
 # Process-wide registration state (torch.library registrations cannot be undone cheaply, so they are
 # made once); also the limits switch and the compile mode the stand-in backend is tracing.
-_state: dict[str, Any] = {"installed": False, "libs": [], "enforce": True, "only": None, "mode": None}
+_state: dict[str, Any] = {"installed": False, "libs": [], "enforce": True, "only": None, "mode": None,
+                          "tiling_sink": False}
 
 
 def _schema(manifest: dict, key: str) -> str:
@@ -57,14 +59,15 @@ def enforce_limits(on: bool, only: Optional[set] = None):
 
 
 @contextlib.contextmanager
-def tracing_mode(mode: Optional[str]):
-    """The compile mode being traced (limits that depend on it, e.g. TND in reduce-overhead)."""
-    saved = _state["mode"]
-    _state["mode"] = mode
+def tracing_mode(mode: Optional[str], tiling_sink: bool = False):
+    """The compile mode being traced, and whether its config sinks tiling (tiling_schedule_optimize):
+    limits that depend on them (TND in reduce-overhead, TND with tiling sink)."""
+    saved = _state["mode"], _state["tiling_sink"]
+    _state["mode"], _state["tiling_sink"] = mode, bool(tiling_sink)
     try:
         yield
     finally:
-        _state["mode"] = saved
+        _state["mode"], _state["tiling_sink"] = saved
 
 
 def limits_enforced() -> bool:
@@ -80,7 +83,7 @@ def _checked(op: str, kernel: Callable) -> Callable:
         if _state["enforce"] and limits.BY_OP.get(limit_op):
             bound = sig.bind_partial(*args, **kwargs).arguments
             extra = bound.pop("kw", None) or bound.pop("kwargs", None) or {}
-            limits.check_call(limits.Call(limit_op, {**bound, **extra}, _state["mode"]), _state["only"])
+            limits.check_call(limits.Call(limit_op, {**bound, **extra}, _state["mode"], _state["tiling_sink"]), _state["only"])
         return kernel(*args, **kwargs)
     return run
 

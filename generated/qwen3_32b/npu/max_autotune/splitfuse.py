@@ -12,7 +12,9 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
+logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -1095,7 +1097,8 @@ def forward(W, b, kv, staging=()):
         torch_npu.npu_scatter_nd_update_(staging[62][1], b.save_rows, kv[62][1].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[63][0], b.save_rows, kv[63][0].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[63][1], b.save_rows, kv[63][1].index_select(0, b.save_block_ids))  # save.kv_save
-        # ev.save.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [save.kv_save.record]
+        # ev.save.kv_save (kv_save -> host): the runner commits after the graph; explicit join on the main stream [save.kv_save.record]
+        ev_save_kv_save = torchair.ops.record()  # save.kv_save.record
     o_L63 = torch_npu.npu_fused_infer_attention_score(q_L63, kv[63][0], kv[63][1], atten_mask=b.atten_mask, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=3, block_size=128)[0]  # L63.attn
     h_L63_attn_partial = F.linear(o_L63.reshape(o_L63.shape[0], -1), W['model.layers.63.self_attn.o_proj.weight[d1/2]'])  # L63.o_proj
     h_L63_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L63_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L63.o_proj.all_reduce
@@ -1105,6 +1108,7 @@ def forward(W, b, kv, staging=()):
     h_L63_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L63_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L63.mlp.all_reduce
     h_L63 = h_L63_attn + h_L63_sum  # L63.mlp.residual
     logits_partial = F.linear(torch_npu.npu_rms_norm(h_L63.index_select(0, b.logits_indices), W['model.norm.weight'], 1e-06)[0], W['lm_head.weight[d0/2]'])  # lm_head
+    torchair.ops.wait([ev_save_kv_save])  # save.join
     logits = torch.cat(torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(logits_partial.contiguous(), 2, torch.distributed.group.WORLD.group_name)).chunk(2, dim=0), dim=-1).narrow(-1, 0, 151936)  # lm_head.all_gather
     return logits
 

@@ -12,7 +12,9 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
+logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -108,6 +110,11 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
                   top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
 
+    Unpermute with npu_moe_token_unpermute (torch-npu 2.14.0 _op_plugin_docs.py:16931-16975: sorted_indices
+    = the position in the permuted rows of each (token, k) pair, init_routing_v2's default gather-type row
+    index, :11105,11108; bfloat16 per the earlier docstring :14342), as vllm-ascend does since Sep 2025 -- not npu_moe_finalize_routing(drop_pad_mode=2), outside its documented drop_pad_mode 0
+    (:10618) and reported by vllm-ascend to lose accuracy (audit 2, row 5).
+
     The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
     happen here so the result does not depend on whether the kernel renormalises internally.
     """
@@ -129,9 +136,9 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
     down = torch_npu.npu_grouped_matmul([act], [w_down.transpose(1, 2)], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
     shared = None if w_shared_gate is None else _swiglu_mlp(x, w_shared_gate, w_shared_up, w_shared_down)
-    # residual + shared + sum_k weight_k * expert_k(x), unpermuted by row_idx
-    return torch_npu.npu_moe_finalize_routing(down, residual, shared, None, weights, row_idx, ids.int(),
-                                              drop_pad_mode=2)
+    # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
+    out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
+    return out if shared is None else out + shared
 
 
 def load(b, kv, loads):

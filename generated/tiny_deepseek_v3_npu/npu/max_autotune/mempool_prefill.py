@@ -12,7 +12,9 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
+logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -87,16 +89,23 @@ def _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cumula
     with V_D = 128/192, Q_N = K_N = V_N, bfloat16 only, actual_seq_lengths AND actual_seq_lengths_kv both
     cumulative, no page attention, not in reduce-overhead (torch-npu 2.14.0 _op_plugin_docs.py:8730-8737;
     op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md, "query的d不等于512").  This is
-    the form vllm-ascend uses for prefill (FIA / npu_ring_mla on decompressed K/V)."""
+    the form vllm-ascend uses for prefill (FIA / npu_ring_mla on decompressed K/V).
+    The v1 TND text also asks N in 8/16/32/64/128 (_op_plugin_docs.py:8193-8199): a tensor-parallel rank
+    holds num_heads / tp heads (4 for DeepSeek-V3 at tp=32), so q, k and v are padded with zero heads to
+    the next documented count and the padding's output dropped (a zero head attends uniformly to zero
+    values: its output is zero and never read)."""
     s = c_kv.shape[0]
     kv = F.linear(c_kv, w_kv_b).view(s, num_heads, qk_nope_head_dim + v_head_dim)
     k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
     k = torch.cat((k_nope, k_pe.view(s, 1, -1).expand(s, num_heads, k_pe.shape[-1])), dim=-1)
     q = torch.cat((q_nope, q_pe), dim=-1)
+    heads = next(n for n in (8, 16, 32, 64, 128) if n >= num_heads)
+    if heads != num_heads:
+        q, k, v = (F.pad(x, (0, 0, 0, heads - num_heads)) for x in (q, k, v))
     return torch_npu.npu_fused_infer_attention_score(
         q, k.contiguous(), v.contiguous(), atten_mask=atten_mask, actual_seq_lengths=actual_seq_lengths,
-        actual_seq_lengths_kv=cumulative_kv_lengths, num_heads=num_heads, num_key_value_heads=num_heads,
-        scale=scale, input_layout="TND", sparse_mode=3)[0]
+        actual_seq_lengths_kv=cumulative_kv_lengths, num_heads=heads, num_key_value_heads=heads,
+        scale=scale, input_layout="TND", sparse_mode=3)[0][:, :num_heads]
 
 
 def _mla_prefill(q_nope, q_pe, cache, w_kv_b, kv_index, actual_seq_lengths, atten_mask, *, num_heads,
@@ -112,6 +121,11 @@ def _mla_prefill(q_nope, q_pe, cache, w_kv_b, kv_index, actual_seq_lengths, atte
 def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, residual, *,
                   top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
+
+    Unpermute with npu_moe_token_unpermute (torch-npu 2.14.0 _op_plugin_docs.py:16931-16975: sorted_indices
+    = the position in the permuted rows of each (token, k) pair, init_routing_v2's default gather-type row
+    index, :11105,11108; bfloat16 per the earlier docstring :14342), as vllm-ascend does since Sep 2025 -- not npu_moe_finalize_routing(drop_pad_mode=2), outside its documented drop_pad_mode 0
+    (:10618) and reported by vllm-ascend to lose accuracy (audit 2, row 5).
 
     The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
     happen here so the result does not depend on whether the kernel renormalises internally.
@@ -134,9 +148,9 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
     down = torch_npu.npu_grouped_matmul([act], [w_down.transpose(1, 2)], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
     shared = None if w_shared_gate is None else _swiglu_mlp(x, w_shared_gate, w_shared_up, w_shared_down)
-    # residual + shared + sum_k weight_k * expert_k(x), unpermuted by row_idx
-    return torch_npu.npu_moe_finalize_routing(down, residual, shared, None, weights, row_idx, ids.int(),
-                                              drop_pad_mode=2)
+    # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
+    out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
+    return out if shared is None else out + shared
 
 
 def load(b, kv, loads):
@@ -171,11 +185,13 @@ def forward(W, b, kv, staging=()):
         torch_npu.npu_scatter_nd_update_(staging[0][1], b.save_rows, kv[0][1].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[1][0], b.save_rows, kv[1][0].index_select(0, b.save_block_ids))  # save.kv_save
         torch_npu.npu_scatter_nd_update_(staging[1][1], b.save_rows, kv[1][1].index_select(0, b.save_block_ids))  # save.kv_save
-        # ev.save.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [save.kv_save.record]
+        # ev.save.kv_save (kv_save -> host): the runner commits after the graph; explicit join on the main stream [save.kv_save.record]
+        ev_save_kv_save = torchair.ops.record()  # save.kv_save.record
     o_L01 = _mla_prefill(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.kv_index, b.actual_seq_lengths, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322)  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
     h_L01 = _moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['model.layers.1.mlp.experts.gate_proj.weight'], W['model.layers.1.mlp.experts.up_proj.weight'], W['model.layers.1.mlp.experts.down_proj.weight'], W['model.layers.1.mlp.shared_experts.gate_proj.weight'], W['model.layers.1.mlp.shared_experts.up_proj.weight'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=8)  # L01.moe
+    torchair.ops.wait([ev_save_kv_save])  # save.join
     logits = F.linear(torch_npu.npu_rms_norm(h_L01.index_select(0, b.logits_indices), W['model.norm.weight'], 1e-06)[0], W['lm_head.weight'])  # lm_head
     return logits
 

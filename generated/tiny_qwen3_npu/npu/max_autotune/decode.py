@@ -12,7 +12,9 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
+logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch

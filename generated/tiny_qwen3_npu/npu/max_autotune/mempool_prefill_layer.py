@@ -12,7 +12,9 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).
+blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
+logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
 """
 import torch
@@ -95,11 +97,13 @@ def forward(W, b, kv, staging=()):
         torchair.ops.wait([ev_L01_kv_write])  # L01.kv_save.wait
         torch_npu.npu_scatter_nd_update_(staging[1][0], b.save_rows, kv[1][0].index_select(0, b.save_block_ids))  # L01.kv_save
         torch_npu.npu_scatter_nd_update_(staging[1][1], b.save_rows, kv[1][1].index_select(0, b.save_block_ids))  # L01.kv_save
-        # ev.L01.kv_save (kv_save -> host) is no in-graph event: the runner commits after the graph completes [L01.kv_save.record]
+        # ev.L01.kv_save (kv_save -> host): the runner commits after the graph; explicit join on the main stream [L01.kv_save.record]
+        ev_L01_kv_save = torchair.ops.record()  # L01.kv_save.record
     o_L01 = torch_npu.npu_fused_infer_attention_score(q_L01, kv[1][0], kv[1][1], atten_mask=b.atten_mask, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=4, num_key_value_heads=2, scale=0.08838834764831845, input_layout="TND", sparse_mode=3, block_size=128)[0]  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
     h_L01 = h_L01_attn + _swiglu_mlp(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight'], W['model.layers.1.mlp.up_proj.weight'], W['model.layers.1.mlp.down_proj.weight'])  # L01.mlp
+    torchair.ops.wait([ev_L01_kv_save])  # save.join
     logits = F.linear(torch_npu.npu_rms_norm(h_L01.index_select(0, b.logits_indices), W['model.norm.weight'], 1e-06)[0], W['lm_head.weight'])  # lm_head
     return logits
 
