@@ -99,7 +99,7 @@ CHAT: dict[str, ChatFormat] = {
                      "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
                      "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
         bos="<｜begin▁of▁sentence｜>", eos=("<｜end▁of▁sentence｜>",), chat_template=_DSV31_TEMPLATE,
-        tool_parser="deepseek_v31", reasoning_parser="deepseek_v3"),
+        tool_parser="deepseek_v31", reasoning_parser="deepseek_r1"),
 }
 
 

@@ -29,6 +29,7 @@ _EXPORTS = {
     "PoolBackend": "pool", "HostPool": "pool", "make_pool": "pool", "DEFAULT_POOL_BYTES": "pool",
     "load_hf_weights": "checkpoint.hf", "write_random_hf_checkpoint": "checkpoint.hf",
     "eos_token_ids": "checkpoint.generation", "load_tokenizer": "checkpoint.generation",
+    "chat_parsers": "checkpoint.generation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -172,14 +172,16 @@ def cmd_serve(args) -> int:
 def chat_setup(args, spec):
     """The tool-call and reasoning parsers: the flags, else the family's when the spec's features
     list ``function_call`` / ``reasoning_parser``."""
-    from .tools import FAMILY_PARSERS, FAMILY_REASONING, ChatSetup
+    from ..runtime import chat_parsers
+    from .tools import ChatSetup
 
     tool, reasoning = args.tool_call_parser, args.reasoning_parser
     feats = set(getattr(spec, "features", ()) or ())
+    family_tool, family_reasoning = chat_parsers(spec.family)
     if tool is None and "function_call" in feats:
-        tool = FAMILY_PARSERS.get(spec.family)
+        tool = family_tool
     if reasoning is None and "reasoning_parser" in feats:
-        reasoning = FAMILY_REASONING.get(spec.family)
+        reasoning = family_reasoning
     return ChatSetup(tool, reasoning)
 
 

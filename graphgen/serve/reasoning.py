@@ -47,4 +47,4 @@ class ThinkParser:
         return body[:cut].lstrip("\n"), body[cut + len(END):].lstrip("\n")
 
 
-PARSERS = {"qwen3": ThinkParser, "deepseek_v3": ThinkParser, "deepseek_r1": ThinkParser}
+PARSERS = {"qwen3": ThinkParser, "deepseek_r1": ThinkParser}  # DeepSeek-V3.1 thinks in the R1 format

@@ -2,7 +2,7 @@
 messages, checked and handed to the chat template), the tool-call parsers, the forced-call
 grammars, and the chat output's assembly (reasoning, content, tool calls; streamed as deltas).
 
-Parsers (``--tool-call-parser NAME``, else the spec family's, ``FAMILY_PARSERS`` — the names
+Parsers (``--tool-call-parser NAME``, else the spec family's (``graphgen.runtime.chat_parsers`` — the names
 ``graphgen/families/chat.py`` gives; switched on by the spec's ``features: [function_call]`` or the flag):
 
 - ``hermes`` (Qwen3): ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``, repeatable;
@@ -34,13 +34,9 @@ from typing import Optional
 from .errors import ApiError
 from .reasoning import PARSERS as REASONING_PARSERS, held_back
 
-__all__ = ["PARSERS", "FAMILY_PARSERS", "FAMILY_REASONING", "ChatSetup", "ChatOutput", "check_tools",
+__all__ = ["PARSERS", "ChatSetup", "ChatOutput", "check_tools",
            "check_messages", "forced_call_lark"]
 
-# the spec family -> its parsers' names (the same names graphgen/families/chat.py gives; serve may
-# not import graphgen.families)
-FAMILY_PARSERS = {"qwen3_dense": "hermes", "deepseek_v3": "deepseek_v31"}
-FAMILY_REASONING = {"qwen3_dense": "qwen3", "deepseek_v3": "deepseek_v3"}
 
 
 def _json_value_end(s: str, i: int) -> int:

@@ -79,3 +79,12 @@ def load_tokenizer(ckpt_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(d))
+
+
+def chat_parsers(family: str) -> tuple:
+    """``(tool_parser, reasoning_parser)`` names of the family's chat format (``(None, None)``
+    without one): the family module is their one home (`graphgen.families.chat`)."""
+    from ...families.chat import chat_format
+
+    fmt = chat_format(family)
+    return (fmt.tool_parser, fmt.reasoning_parser) if fmt is not None else (None, None)
