@@ -34,7 +34,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests admitted or running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="tokens one step may hold (a prompt must fit one step)")
+                   help="tokens one step may hold (a longer prompt runs in chunks, see --chunked-prefill)")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a prompt longer than the step budget in chunks, one per step, a decode step "
+                        "between chunks (off: it runs as one oversized step)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="with chunked prefill: a prompt longer than N gets at most N tokens per step (0: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=async_scheduling,
                    help="prepare step N+1 while step N runs (tokens are identical either way)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -55,6 +60,8 @@ def check_engine_arguments(args) -> Optional[str]:
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"
+    if getattr(args, "long_prefill_token_threshold", 0) < 0:
+        return f"--long-prefill-token-threshold must be >= 0 (0: off), got {args.long_prefill_token_threshold}"
     if args.standin and args.target != "npu":
         return "--standin applies to --target npu only"
     return None
@@ -65,6 +72,7 @@ def engine_options(args, faults=None) -> dict:
     opts = dict(write=args.write, granularity=args.granularity, tp=args.tp, ep=args.ep, pool=args.pool,
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
+                chunked_prefill=args.chunked_prefill, long_prefill_token_threshold=args.long_prefill_token_threshold,
                 faults=faults, target=args.target)
     if args.target == "npu":
         opts["standin"] = args.standin

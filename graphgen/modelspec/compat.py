@@ -1,8 +1,9 @@
 """The compatibility matrix: one declared table of what graphgen implements and what combines.
 
 Mirrors the seed's documented rules (MindIE-LLM async write): pool writes need prefix caching;
-async write only for Qwen dense and DeepSeek-V3; async write does not combine with SplitFuse
-scheduling, Micro Batch or Multi-LoRA. Features graphgen does not implement are rejected, never
+async write only for Qwen dense and DeepSeek-V3; async write does not combine with Micro Batch or
+Multi-LoRA (the seed also excludes SplitFuse scheduling; graphgen's chunked prefill combines with every
+write mode: each chunk's step saves the blocks it completes, ordered by that step's events). Features graphgen does not implement are rejected, never
 silently ignored.
 
 Every combination rule lives in :data:`MATRIX` (rendered into ``docs/spec.md`` as is). The rest of
@@ -65,7 +66,8 @@ MATRIX: tuple[Row, ...] = (
         "multi-token prediction layer (its KV would be saved too)"),
     Row("yarn", "not_implemented", ("qwen3_dense",), WRITE_MODES, (),
         "YaRN for Qwen3 (DeepSeek-V3 YaRN is set in dims.rope_scaling)"),
-    Row("splitfuse_scheduling", "not_implemented", FAMILIES, _NO_ASYNC, (), "chunked-prefill scheduling"),
+    Row("splitfuse_scheduling", "implemented", FAMILIES, WRITE_MODES, (),
+        "chunked prefill: chunk k > 0 runs the history variant; each chunk saves the blocks it completes"),
     Row("micro_batch", "not_implemented", FAMILIES, _NO_ASYNC, (),
         "two micro-batches overlapping compute and communication"),
     Row("multi_lora", "not_implemented", FAMILIES, _NO_ASYNC, (), "LoRA adapters"),

@@ -134,10 +134,21 @@ def test_token_budget_and_max_num_seqs_are_respected(ckpt):
     assert sum(1 for v, _, _ in seen if v != "decode") >= 12 * 10 // 24  # prefills were split up
 
 
-def test_a_prompt_over_the_budget_is_refused(ckpt):
-    with engine(ckpt, max_num_batched_tokens=8) as e:
-        with pytest.raises(ValueError, match="max_num_batched_tokens"):
-            e.llm.add_request("x", list(range(9)))
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_prompt_over_the_budget_runs_in_chunks_or_as_one_oversized_step(ckpt, chunked):
+    ps = prompts(3, seed=9, lo=20, hi=30)
+    want = single(ckpt, ps, 4)
+    with engine(ckpt, max_num_batched_tokens=8, chunked_prefill=chunked, write="async") as e:
+        seen = record_steps(e)
+        got = [r.tokens for r in e.generate(ps, 4, batch=True)]
+        assert e.max_model_len > 8             # the step budget is no limit on a request's length
+    assert got == want
+    prefill_tokens = [t for v, t, _ in seen if v != "decode"]
+    assert sum(prefill_tokens) == sum(map(len, ps))
+    if chunked:
+        assert max(prefill_tokens) <= 8 and any(v == "splitfuse" for v, _, _ in seen)
+    else:
+        assert sorted(prefill_tokens) == sorted(map(len, ps))   # each prompt whole, in one step
 
 
 # ---- preemption ----------------------------------------------------------------------------------

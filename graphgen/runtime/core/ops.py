@@ -100,17 +100,32 @@ def _gather_seq(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
     return blocks.reshape(nblocks * block_size, *cache.shape[2:])[:seq_len]
 
 
-def _causal_mask(q_len: int, seq_len: int, device) -> Tensor:
-    """True where the key is visible: query i sits at position seq_len - q_len + i."""
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-    k_pos = torch.arange(seq_len, device=device)
-    return k_pos[None, :] <= q_pos[:, None]
+def _flash_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Fused attention with its log-sum-exp (torch's CPU flash kernel; GQA by head count):
+    q [H, q, D], k [Hkv, S, D], v [Hkv, S, D] -> ([H, q, D], [H, q])."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], 0.0, causal, scale=scale)[:2]
+    return out[0], lse[0]
 
 
-def _masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
-    # scores [H, q, S]; softmax in float32 like transformers' eager attention.
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal attention of ``q_len`` queries that sit at the last positions of ``S`` keys, fused
+    (no [q, S] score matrix, mask or repeated KV is built): q [H, q, D], k/v [Hkv, S, D/Dv]
+    -> [H, q, Dv]. A whole prompt (q == S) is one causal call; a decode row (q == 1) sees every
+    key; a chunk with history is the history part (no mask) and the chunk's own square causal
+    part, merged by their log-sum-exps."""
+    q_len, S, dv = q.shape[1], k.shape[1], v.shape[-1]
+    if v.shape[-1] != q.shape[-1]:  # the flash kernel wants one head size (MLA: v is narrower)
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    h = S - q_len
+    if h == 0 or q_len == 1:
+        out, _ = _flash_lse(q, k, v, h == 0 and q_len > 1, scale)
+    else:
+        o1, l1 = _flash_lse(q, k[:, :h], v[:, :h], False, scale)
+        o2, l2 = _flash_lse(q, k[:, h:], v[:, h:], True, scale)
+        lse = torch.logaddexp(l1, l2)
+        out = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    return out[..., :dv]
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,20 +228,14 @@ def paged_attention(q: Tensor, cache: Sequence[Tensor], block_tables: Tensor, se
     Hkv = k_cache.shape[2]
     if Hq % Hkv:
         raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
-    rep = Hq // Hkv
     out = q.new_empty(T, Hq, v_cache.shape[-1])
     for b, (start, q_len, seq_len) in enumerate(_seq_layout(seq_lens, query_lens)):
         if q_len == 0:
             continue
         k = _gather_seq(k_cache, block_tables[b], seq_len).to(q.dtype)  # [S, Hkv, D]
         v = _gather_seq(v_cache, block_tables[b], seq_len).to(q.dtype)
-        if rep > 1:  # GQA: query head h reads kv head h // rep
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q, D]
-        scores = torch.matmul(qb, k.permute(1, 2, 0)) * scale  # [Hq, q, S]
-        probs = _masked_softmax(scores, _causal_mask(q_len, seq_len, q.device))
-        out[start:start + q_len] = torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
+        qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q, D]; query head h reads kv head h // rep
+        out[start:start + q_len] = _attend(qb, k.transpose(0, 1), v.transpose(0, 1), scale).transpose(0, 1)
     return out
 
 
@@ -280,13 +289,12 @@ def mla_attention(q_nope: Tensor, q_pe: Tensor, cache: Sequence[Tensor], kv_b_w:
         ckv = _gather_seq(ckv_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, R]
         kpe = _gather_seq(kpe_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, r]
         kv = _linear(ckv, kv_b_w).view(seq_len, num_heads, qk_nope_head_dim + v_head_dim)
-        k_nope = kv[..., :qk_nope_head_dim].permute(1, 2, 0)  # [H, n, S]
+        # one head of size n + r: [q_nope, q_pe] . [k_nope, k_pe] (the RoPE key shared by all heads)
+        k = torch.cat((kv[..., :qk_nope_head_dim], kpe[:, None, :].expand(seq_len, num_heads, kpe.shape[-1])),
+                      dim=-1).transpose(0, 1)  # [H, S, n + r]
         v = kv[..., qk_nope_head_dim:].transpose(0, 1)  # [H, S, v]
-        qn = q_nope[start:start + q_len].transpose(0, 1)  # [H, q, n]
-        qp = q_pe[start:start + q_len].transpose(0, 1)  # [H, q, r]
-        scores = (torch.matmul(qn, k_nope) + torch.matmul(qp, kpe.t())) * scale
-        probs = _masked_softmax(scores, _causal_mask(q_len, seq_len, q_nope.device))
-        out[start:start + q_len] = torch.matmul(probs, v).transpose(0, 1)
+        qb = torch.cat((q_nope[start:start + q_len], q_pe[start:start + q_len]), dim=-1).transpose(0, 1)
+        out[start:start + q_len] = _attend(qb, k, v, scale).transpose(0, 1)
     return out
 
 

@@ -56,10 +56,11 @@ class Engine:
         self._closers = list(closers)
         self._target_max_len = max_model_len  # a target's own limit (the NPU's largest bucket)
         # prompt + generated tokens one request may have: the device blocks, the model's positions,
-        # the step token budget (no chunked prefill: a prompt must fit one step), a target's own limit
+        # a target's own limit. Not the step token budget: a longer prompt runs in chunks (or, with
+        # chunked prefill off, as one oversized step)
         self.max_model_len = min(alloc.num_free * self.block_size,
                                  getattr(spec.dims, "max_position_embeddings", None) or 1 << 30,
-                                 scheduler.max_num_batched_tokens, max_model_len or 1 << 30)
+                                 max_model_len or 1 << 30)
 
     @property
     def stats(self) -> dict:
@@ -144,6 +145,7 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
                  num_blocks: int = 512, reserved_blocks: int = 0, device: str = "cpu", dtype=None,
                  make_connector: Optional[Callable] = None, make_loader: Optional[Callable] = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False,
+                 chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  collect_logits: bool = False, eos_token_ids: Iterable[int] = (), closers: Sequence = (),
                  max_model_len: Optional[int] = None) -> Engine:
     """Wire an engine. ``kv_shapes``: cache component -> per-block shape (``[BS, ...]``);
@@ -170,7 +172,8 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
         pool, cache, alloc, counters)
     runner = make_runner(cache, alloc, connector, reserved)
     scheduler = Scheduler(spec, alloc, loader, reclaim=connector.wait_oldest, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked_prefill,
+                          long_prefill_token_threshold=long_prefill_token_threshold)
     llm = LLMEngine(scheduler, connector, runner, vocab_size=spec.dims.vocab_size,
                     async_scheduling=async_scheduling, eos_token_ids=eos_token_ids, collect_logits=collect_logits)
     return Engine(spec=spec, pool=pool, faults=faults, cache=cache, alloc=alloc, loader=loader, connector=connector,

@@ -184,6 +184,10 @@ class CpuModelRunner:
         try:
             inputs = build_inputs(plan, self.block_size)
             loads = stack_loads(plan)
+            if not loads and self.modules[plan.variant].META.get("history"):
+                # a history variant with nothing to load (a later chunk of a prompt: its history is
+                # in the cache already): its kv_load program copies zero blocks per layer
+                loads = self.cache.make_staging(0)
             fut = StepFuture(plan, save)
             if background:
                 if self._forward is None:

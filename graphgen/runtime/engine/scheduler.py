@@ -12,10 +12,19 @@ Policy (continuous batching; see docs/runtime.md):
   are admitted or running and the admitted prefill tokens fit ``max_num_batched_tokens``:
   the pool prefix is looked up and loaded through the loader.
 * **Prefill first.** If any admitted request awaits its prefill, the step is a prefill of the
-  variant of the oldest one (no history: ``mempool_prefill``; with a loaded prefix:
-  ``splitfuse``), holding every admitted request of that variant, in order, while the step's
-  tokens fit the budget (the first one always goes: a resumed request may exceed it alone).
-  Prefills never preempt: one whose blocks cannot be had waits.
+  variant of the oldest one (no history: ``mempool_prefill``; with a loaded prefix or an earlier
+  chunk in the cache: ``splitfuse``), holding every admitted request of that variant, in order,
+  while the step's tokens fit the budget. Prefills never preempt: one whose blocks cannot be had
+  waits.
+* **Chunked prefill** (``chunked_prefill``, on by default). A prompt longer than what is left of
+  the step's budget (or than ``long_prefill_token_threshold`` when set: a prompt longer than it
+  gets at most that many tokens per step) runs in chunks, one per step: chunk k > 0 is a
+  prefill with history (its history is the earlier chunks' KV, already in the device cache);
+  only the last chunk samples. Each chunk saves the full blocks it completes (a block that
+  straddles two chunks is saved by the step that completes it). **Decode first, then chunks**:
+  while a prompt is mid-way, every chunk step is followed by a decode step of the running
+  requests, so a long prompt arriving delays a decode by at most one chunk. Without chunking
+  the first request of a step always goes whole (a prompt over the budget is one oversized step).
 * **Decode** every running request whose next input is known or pending (at most one step
   ahead) and that still needs a token, oldest first, up to the budget.
 * **Preemption.** When a decode needs a block and none is free (after ``reclaim``: waiting for
@@ -58,9 +67,12 @@ class PrefixSource(Protocol):
 class Scheduler:
     def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
                  reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: off)")
         self.spec = spec
         self.block_size = spec.kv_cache.block_size
         self.alloc = alloc
@@ -68,6 +80,10 @@ class Scheduler:
         self.reclaim = reclaim  # release pinned blocks (True if it may have); False: nothing to wait for
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # chunks are prefills with history: without such a variant a prompt always runs whole
+        self.chunked_prefill = chunked_prefill and self.variant_for("prefill", True) is not None
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self._chunk_turn = False  # the last step left a prompt mid-way: a decode step goes next
         self.prefix_cache = "prefix_cache" in spec.features
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
@@ -121,7 +137,13 @@ class Scheduler:
     # ---- the step loop ----------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
         self._admit_waiting()
-        return self._schedule_prefill() or self._schedule_decode()
+        if self._chunk_turn:  # decode first while a prompt is mid-way: one chunk between decodes
+            plan = self._schedule_decode() or self._schedule_prefill()
+        else:
+            plan = self._schedule_prefill() or self._schedule_decode()
+        if plan is not None:
+            self._chunk_turn = plan.phase == "prefill" and not all(row.samples for row in plan.rows)
+        return plan
 
     def finalize(self, plan: StepPlan) -> Optional[StepPlan]:
         """Just before a plan made ahead runs: drop the rows of requests that finished or were
@@ -209,65 +231,88 @@ class Scheduler:
     def _schedule_prefill(self) -> Optional[StepPlan]:
         if not self.prefill:
             return None
-        history = self.prefill[0].hit_blocks > 0
+        history = self.prefill[0].cached > 0  # a loaded prefix or an earlier chunk: with history
         chosen, tokens = [], 0
-        for r in [r for r in self.prefill if (r.hit_blocks > 0) == history]:
-            n = len(r.seq) - r.cached
-            if chosen and tokens + n > self.max_num_batched_tokens:
+        for r in [r for r in self.prefill if (r.cached > 0) == history]:
+            n = self._chunk_tokens(r, self.max_num_batched_tokens - tokens, first=not chosen)
+            if n == 0:
                 break
-            if not self._try_blocks(r, len(r.seq)):
-                if not chosen and not self.running and not self.deferred:
-                    self._cannot_fit(r)  # nothing else holds blocks that will come back
+            if not self._try_blocks(r, r.cached + n):
+                if (not chosen and not self.running and not self.deferred
+                        and not any(o.in_steps for o in self.prefill)):  # no chunk in flight either
+                    self._cannot_fit(r, r.cached + n)  # nothing else holds blocks that will come back
                     return self._schedule_prefill()
                 break
-            chosen.append(r)
+            chosen.append((r, n))
             tokens += n
         if not chosen:
             return None
-        for r in chosen:
-            self.prefill.remove(r)
-            self.running.append(r)  # before building: an abort then frees their blocks
+        for r, n in chosen:
+            if r.cached + n == len(r.seq):  # its last chunk: it decodes from the next step on
+                self.prefill.remove(r)
+                self.running.append(r)  # before building: an abort then frees their blocks
         return self._prefill_step(chosen, history)
 
-    def _cannot_fit(self, r: Request) -> None:
+    def _chunk_tokens(self, r: Request, budget_left: int, first: bool) -> int:
+        """How many of ``r``'s remaining prompt tokens this step computes (0: none, the step is
+        full). Chunked: at most what is left of the budget and, for a prompt longer than
+        ``long_prefill_token_threshold``, at most that; whole otherwise (the first request of a
+        step always goes: an oversized prompt is one oversized step)."""
+        n = len(r.seq) - r.cached
+        if not self.chunked_prefill:
+            return n if first or n <= budget_left else 0
+        limit = budget_left
+        if self.long_prefill_token_threshold and len(r.seq) > self.long_prefill_token_threshold:
+            limit = min(limit, self.long_prefill_token_threshold)
+        return max(0, min(n, limit))
+
+    def _cannot_fit(self, r: Request, num_tokens: int) -> None:
         """Every other admitted request gives its blocks back; if ``r`` still does not fit it is
         failed (it can never run in this cache)."""
         for other in [o for o in self.prefill if o is not r][::-1]:
             self._preempt(other)
-        if self._try_blocks(r, len(r.seq)):
+        if self._try_blocks(r, num_tokens):
             return
         err = None
         try:
-            self._alloc(math.ceil(len(r.seq) / self.block_size) - len(r.table))
+            self._alloc(math.ceil(num_tokens / self.block_size) - len(r.table))
         except OutOfBlocks as e:
             err = e
         r.error = err
         self.abort(r, "error")
         self.failed.append(r)
 
-    def _prefill_step(self, reqs: list[Request], history: bool) -> StepPlan:
+    def _prefill_step(self, chosen: list[tuple[Request, int]], history: bool) -> StepPlan:
         variant = self.variant_for("prefill", history)
         saves = self.spec.variant_saves(self.spec.variants[variant])
         rows = []
-        for r in reqs:
-            seq = r.seq
-            n, start = len(seq), r.cached
-            save_ids, save_keys = (), ()
-            if saves:
-                new_full = range(r.hit_blocks, n // self.block_size)  # the new full blocks
-                keys = self._keys(r)
-                save_ids = tuple(r.table[j] for j in new_full)
-                save_keys = tuple(keys[j] for j in new_full)
-                r.result.saved_blocks += len(new_full)
-            rows.append(RowPlan(r, tuple(seq[start:]), start, tuple(r.table),
-                                load_block_ids=tuple(r.table[:r.hit_blocks]), loaded=tuple(r.loaded),
-                                save_block_ids=save_ids, save_keys=save_keys, logits_positions=(n - start - 1,)))
+        for r, n in chosen:
+            rows.append(self._prefill_row(r, r.cached, r.cached + n, saves))
             r.loaded = []  # the plan carries them now
             if not r.result.variant:
                 r.result.variant = variant
-            r.cached = n
+            r.cached += n
             r.in_steps += 1
         return StepPlan(variant, "prefill", tuple(rows), saves)
+
+    def _prefill_row(self, r: Request, start: int, end: int, saves: bool) -> RowPlan:
+        """``r`` computes positions ``[start, end)`` (its whole prompt or one chunk of it): it loads
+        its pool blocks with its first chunk, saves the full blocks this chunk completes (from the
+        first one not loaded or saved by an earlier chunk) and samples only with its last chunk."""
+        seq = r.seq
+        save_ids, save_keys = (), ()
+        if saves:
+            completed = range(max(r.hit_blocks, start // self.block_size), end // self.block_size)
+            keys = self._keys(r)
+            save_ids = tuple(r.table[j] for j in completed)
+            save_keys = tuple(keys[j] for j in completed)
+            r.result.saved_blocks += len(completed)
+        last = end == len(seq)
+        loads = len(r.loaded)  # non-empty only before its first chunk is planned
+        return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
+                       load_block_ids=tuple(r.table[:loads]), loaded=tuple(r.loaded),
+                       save_block_ids=save_ids, save_keys=save_keys,
+                       logits_positions=(end - start - 1,) if last else (), samples=last)
 
     # ---- internals: decode and preemption ---------------------------------------------------
     def _schedule_decode(self) -> Optional[StepPlan]:
@@ -312,6 +357,9 @@ class Scheduler:
             r.result.preemptions += 1
             self.num_preemptions += 1
         else:
+            if r.cached > r.hit_blocks * self.block_size:  # mid-prompt: its chunks are recomputed
+                r.result.preemptions += 1
+                self.num_preemptions += 1
             self.prefill.remove(r)
         self._release(r)
         r.cached, r.hit_blocks, r.keys, r.loaded = 0, 0, None, []

@@ -80,10 +80,8 @@ class LLMEngine:
             raise ValueError("empty prompt")
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
-        budget = self.scheduler.max_num_batched_tokens
-        if len(prompt) > budget:
-            raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens ({budget}); "
-                             f"chunked prefill is not supported")
+        # a prompt over max_num_batched_tokens runs in chunks (chunked prefill), or, with chunking
+        # off, as one oversized step: the step budget is no limit on a prompt's length
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
