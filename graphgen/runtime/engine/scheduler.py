@@ -55,6 +55,18 @@ class PrefixSource(Protocol):
     def load(self, keys: Sequence[str]) -> list: ...  # the leading blocks fetched, one staging each
 
 
+def _wants_prompt_logits(r: Request) -> bool:
+    """A request asking for prompt logprobs whose first token is not sampled yet."""
+    return r.sampling.prompt_logprobs is not None and not r.result.tokens
+
+
+def _prefill_logits_positions(r: Request, start: int, n: int) -> tuple[int, ...]:
+    """Its last position's logits; every position's for a prompt-logprobs request's first prefill."""
+    if start == 0 and _wants_prompt_logits(r):
+        return tuple(range(n))
+    return (n - start - 1,)
+
+
 class Scheduler:
     def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
                  reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -182,6 +194,8 @@ class Scheduler:
         seq = r.seq
         r.keys, r.cached, r.hit_blocks, r.loaded = None, 0, 0, []
         max_blocks = (len(seq) - 1) // self.block_size
+        if _wants_prompt_logits(r):
+            return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
         keys = self._keys(r)[:max_blocks]
@@ -261,7 +275,8 @@ class Scheduler:
                 r.result.saved_blocks += len(new_full)
             rows.append(RowPlan(r, tuple(seq[start:]), start, tuple(r.table),
                                 load_block_ids=tuple(r.table[:r.hit_blocks]), loaded=tuple(r.loaded),
-                                save_block_ids=save_ids, save_keys=save_keys, logits_positions=(n - start - 1,)))
+                                save_block_ids=save_ids, save_keys=save_keys,
+                                logits_positions=_prefill_logits_positions(r, start, n)))
             r.loaded = []  # the plan carries them now
             if not r.result.variant:
                 r.result.variant = variant
