@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"${API_KEY_ENV} if set); /health and /metrics stay open")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20,
                    help="larger request bodies get a 413 (checked before the body is read)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / top_logprobs a request may ask for (prompt logprobs too)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -184,7 +186,8 @@ def _serve(args, weights: Path, sock, api_keys) -> int:
     eos = [] if args.ignore_eos else eos_token_ids(weights)
     adapter = LLMEngineAdapter(engine, eos_token_ids=eos, trace=trace, model_name=args.served_model_name)
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout,
-                     api_keys=api_keys, max_request_bytes=args.max_request_bytes)
+                     api_keys=api_keys, max_request_bytes=args.max_request_bytes,
+                     max_logprobs=args.max_logprobs)
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
 
 
