@@ -60,7 +60,9 @@ class LogprobFormatter:
                 tops.append(None)
                 continue
             lps.append(_f(e[1]))
-            top = {self.token(i): _f(v) for i, v in e[2]}
+            top: dict = {}
+            for i, v in e[2]:  # best first: a token text shared by several ids keeps its best logprob
+                top.setdefault(self.token(i), _f(v))
             top.setdefault(s, _f(e[1]))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
