@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..runtime import SamplingParams
-from .sampling_fields import DEFAULT_MAX_LOGPROBS, FanOut, parse_fields, zero_max_tokens
+from .sampling_fields import DEFAULT_MAX_LOGPROBS, FanOut, FieldError, parse_fields, zero_max_tokens
 
 MAX_STOP = 1024  # OpenAI's cap is 4; vLLM has none (lm-eval's code tasks send 5): a bound on the matching work
 MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (deeper: a 400, before json.loads)
@@ -171,7 +171,10 @@ def _common(body: dict, ctx: Context, chat: bool = False) -> tuple[dict, bool, b
         body = dict(body, max_tokens=body["max_completion_tokens"])
     # ---- issue 16: logprobs, echo, n/best_of, penalties, logit_bias, ... (sampling_fields.py) ----
     body, zero = zero_max_tokens(body, chat)
-    fields = parse_fields(body, ctx, chat=chat, stream=body.get("stream") is True, drop_generated=zero)
+    try:
+        fields = parse_fields(body, ctx, chat=chat, stream=body.get("stream") is True, drop_generated=zero)
+    except FieldError as e:
+        raise ApiError(str(e), param=e.param, code=e.code) from None
     # ---- end issue 16 ----
     max_tokens = _get(body, "max_tokens", _is_int, "an integer", None)
     if max_tokens is not None and max_tokens <= 0:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["FanOut", "Fields", "parse_fields", "zero_max_tokens", "DEFAULT_MAX_LOGPROBS", "MAX_N"]
+__all__ = ["FanOut", "Fields", "FieldError", "parse_fields", "zero_max_tokens", "DEFAULT_MAX_LOGPROBS", "MAX_N"]
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 MAX_N = 128  # n and best_of, at most (each is one engine request)
@@ -35,10 +35,16 @@ class Fields:
     fan: FanOut = FanOut()
 
 
-def _err(msg, name, code="invalid_value"):
-    from .protocol import ApiError
+class FieldError(ValueError):
+    """A bad field: `protocol` answers it with a 400 naming ``param``."""
 
-    return ApiError(msg, param=name, code=code)
+    def __init__(self, message: str, param: str, code: str):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _err(msg, name, code="invalid_value"):
+    return FieldError(msg, name, code)
 
 
 def _int(v) -> bool:
@@ -128,7 +134,7 @@ def parse_fields(body: dict, ctx, *, chat: bool, stream: bool, drop_generated: b
             pairs.append((t, _num({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)))
         p["logit_bias"] = tuple(pairs)
     mt = _count(body, "min_tokens", 0, 0, 1 << 31)
-    if body.get("max_tokens") is not None and _int(body.get("max_tokens")) and mt > body["max_tokens"]:
+    if mt and _int(body.get("max_tokens")) and body["max_tokens"] >= 1 and mt > body["max_tokens"]:
         raise _err("'min_tokens' must not exceed 'max_tokens'", "min_tokens")
     p["min_tokens"] = mt
     bad = body.get("bad_words")
