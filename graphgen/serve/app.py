@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import itertools
 import json
@@ -21,6 +22,8 @@ from typing import Optional, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .logprobs import LogprobFormatter, cumulative
+from .sampling_fields import FanOut
 from .stops import find_stop, holdback
 from .tools import ChatOutput
 from ..trace import NULL, TraceRecorder
@@ -138,8 +141,16 @@ async def read_body(request: Request, limit: int) -> bytes:
 class _Choice:
     """One prompt's output: its tokens, and the text already sent (stop strings held back)."""
 
-    def __init__(self, index: int, prompt_len: int, stops, tokenizer, chat: Optional[dict] = None):
+    def __init__(self, index: int, prompt_len: int, stops, tokenizer, fan: FanOut = FanOut(),
+                 prompt=(), copy: int = 0, fmt: Optional[LogprobFormatter] = None,
+                 chat: Optional[dict] = None):
         self.index, self.prompt_len, self.stops, self.tok = index, prompt_len, stops, tokenizer
+        self.fan, self.prompt, self.copy, self.fmt = fan, tuple(prompt), copy, fmt or LogprobFormatter(tokenizer)
+        self.lps: list = []  # per generated token: the engine's logprob entry (when asked)
+        self.prompt_lps: Optional[tuple] = None  # echo with logprobs: per prompt token
+        self.echo_text: Optional[str] = None  # echo: the prompt's text (decoded at the first output)
+        self.new_lps: list = []  # entries of the last feed's tokens (streaming)
+        self.offset = 0  # text offset of the next streamed token (completions logprobs)
         self.chat = ChatOutput(**chat) if chat else None  # tool calls / reasoning (serve/tools.py)
         self.tokens: list[int] = []
         self.text = ""
@@ -151,12 +162,19 @@ class _Choice:
     def feed(self, o: RequestOutput) -> tuple[str, list[int], bool]:
         """Returns (new text, new token ids, stopped by a stop string). Detokenizes: the server calls
         it off the event loop (``asyncio.to_thread``)."""
-        self.tokens.extend(o.new_token_ids)
+        new = () if self.fan.drop_generated else tuple(o.new_token_ids)  # max_tokens 0 (echo)
+        self.tokens.extend(new)
+        self.new_lps = [] if self.fan.drop_generated else list(o.logprobs or ())
+        self.lps.extend(self.new_lps)
+        if o.prompt_logprobs is not None:
+            self.prompt_lps = o.prompt_logprobs
+        if self.fan.echo and self.echo_text is None:
+            self.echo_text = self.tok.decode(list(self.prompt)) if self.tok is not None else ""
         self.cached = max(self.cached, o.num_cached_tokens)
         stopped = False
         if self.tok is not None:
             text = self.tok.decode(self.tokens, skip_special_tokens=True)  # EOS is not text (as vLLM)
-            cut = find_stop(text, self.stops) if self.stops else -1
+            cut = find_stop(text, self.stops) if self.stops and len(self.tokens) > self.fan.min_tokens else -1
             if cut >= 0:
                 text, stopped = text[:cut], True
             upto = len(text) if (stopped or o.finished) else len(text) - holdback(text, self.stops)
@@ -170,20 +188,46 @@ class _Choice:
         elif o.finished:
             self.finish_reason = o.finish_reason
             self.error = o.error
-        return delta, list(o.new_token_ids), stopped
+        return delta, list(new), stopped
+
+    # ---- logprobs (issue 16; shapes in logprobs.py) ----
+    def _echoed(self, ids, entries):
+        return [*self.prompt, *ids], [*(self.prompt_lps or (None,) * len(self.prompt)), *entries]
+
+    def full_logprobs(self, chat: bool) -> Optional[dict]:
+        if self.fan.logprobs is None:
+            return None
+        if chat:
+            return self.fmt.chat(self.lps)
+        if self.fan.echo:
+            return self.fmt.completion(*self._echoed(self.tokens, self.lps))
+        return self.fmt.completion(self.tokens, self.lps)
+
+    def chunk_logprobs(self, new_ids: list, first: bool, chat: bool) -> Optional[dict]:
+        """The logprobs of a streamed chunk: its new tokens (and the echoed prompt in the first)."""
+        if self.fan.logprobs is None:
+            return None
+        if chat:
+            return self.fmt.chat(self.new_lps)
+        ids, entries = list(new_ids), list(self.new_lps)
+        if first and self.fan.echo:
+            ids, entries = self._echoed(ids, entries)
+        out = self.fmt.completion(ids, entries, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
 
 
 def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = NULL,
                drain_timeout_s: float = 30.0, api_keys: Sequence[str] = (),
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_dir=None,
-               chat_setup=None) -> FastAPI:
+               chat_setup=None, max_logprobs: int = 20) -> FastAPI:
     """``api_keys``: when given, every ``/v1/*`` request must send one (``Authorization: Bearer``).
     ``app.state.drain()`` (called by ``run_server`` on SIGTERM, from a thread) stops accepting —
     ``/health`` answers 503 from then on — and drains the engine loop while the socket still
     answers; the lifespan's shutdown is then only the rest (the trace)."""
     metrics = ServerMetrics(engine.model_name)
     loop = EngineLoop(engine, metrics, trace)
-    ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer)
+    ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer, max_logprobs=max_logprobs)
     ctx.tokenizer_dir = str(tokenizer_dir) if tokenizer_dir is not None and tokenizer is not None else None
     ctx.chat_setup = chat_setup  # serve/tools.py ChatSetup (tool-call / reasoning parsers), or None
     ids = itertools.count()
@@ -250,15 +294,24 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
         aio = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         base = f"{'chatcmpl' if chat else 'cmpl'}-{os.getpid():x}{next(ids):06x}"
-        rids = [f"{base}-{i}" for i in range(len(parsed.prompts))]
-        choices = {rid: _Choice(i, len(p), parsed.params.stop, tokenizer, parsed.chat if chat else None)
-                   for i, (rid, p) in enumerate(zip(rids, parsed.prompts))}
+        fan, fmt = parsed.fan, LogprobFormatter(tokenizer)
+        rids, choices, subs = [], {}, []  # n / best_of: best_of engine requests per prompt (fan-out)
+        for i, p in enumerate(parsed.prompts):
+            for j in range(fan.best_of):
+                rid = f"{base}-{i}" if fan.best_of == 1 else f"{base}-{i}-{j}"
+                rids.append(rid)
+                choices[rid] = _Choice(i * fan.n + j, len(p), parsed.params.stop, tokenizer, fan, p, j, fmt,
+                                       chat=parsed.chat if chat else None)
+                params = parsed.params
+                if j and params.seed is not None and not params.greedy:  # each copy its own draws
+                    params = dataclasses.replace(params, seed=(params.seed + j) % (1 << 63))
+                subs.append((rid, p, params))
 
         def on_output(o: RequestOutput):
             aio.call_soon_threadsafe(q.put_nowait, o)
 
-        for rid, p in zip(rids, parsed.prompts):
-            loop.submit(rid, p, parsed.params, on_output)
+        for rid, p, params in subs:
+            loop.submit(rid, p, params, on_output)
         created = int(time.time())
         if parsed.stream:
             return StreamingResponse(_stream(q, base, rids, choices, parsed, chat, created),
@@ -267,7 +320,8 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
 
     def _usage(choices) -> dict:
         cs = list(choices.values())
-        return usage(sum(c.prompt_len for c in cs), sum(len(c.tokens) for c in cs), sum(c.cached for c in cs))
+        firsts = [c for c in cs if c.copy == 0]  # n / best_of copies share their prompt: counted once
+        return usage(sum(c.prompt_len for c in firsts), sum(len(c.tokens) for c in cs), sum(c.cached for c in firsts))
 
     async def _take(o: RequestOutput, choices, open_ids: set):
         """Feed one output; returns (choice, delta, new ids, finished now) or None if stale."""
@@ -305,16 +359,28 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
             raise ApiError(f"the request could not be completed: {e.error or e.finish_reason}", status=503,
                            type="server_error", code=e.finish_reason)
         out = []
-        for c in sorted(choices.values(), key=lambda c: c.index):
+        fan = parsed.fan
+        kept = list(choices.values())
+        if fan.best_of > fan.n:  # per prompt, the n copies with the highest cumulative logprob
+            kept = []
+            for i in range(len(parsed.prompts)):
+                group = [choices[rid] for rid in rids[i * fan.best_of:(i + 1) * fan.best_of]]
+                group.sort(key=lambda c: -cumulative(c.lps))
+                for rank, c in enumerate(group[:fan.n]):
+                    c.index = i * fan.n + rank
+                    kept.append(c)
+        for c in sorted(kept, key=lambda c: c.index):
+            lp = await asyncio.to_thread(c.full_logprobs, chat) if fan.logprobs is not None else None
             if chat and c.chat is not None:  # reasoning / tool calls parsed out of the text
                 msg, called = c.chat.message(c.text)
-                out.append({"index": c.index, "message": msg, "logprobs": None, "token_ids": c.tokens,
+                out.append({"index": c.index, "message": msg, "logprobs": lp, "token_ids": c.tokens,
                             "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason})
             elif chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason, "logprobs": None, "token_ids": c.tokens})
+                            "finish_reason": c.finish_reason, "logprobs": lp, "token_ids": c.tokens})
             else:
-                out.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None,
+                text = (c.echo_text or "") + c.text if fan.echo else c.text
+                out.append({"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp,
                             "token_ids": c.tokens})
         return {"id": base, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": parsed.model, "choices": out, "usage": _usage(choices)}
@@ -336,24 +402,30 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
                     yield sse({"error": {"message": f"the request could not be completed: {c.error}",
                                          "type": "server_error", "param": None, "code": c.finish_reason}})
                     continue
-                if not (delta or new_ids or done):
+                is_first = rids[c.index] in first
+                if not (delta or new_ids or done or (is_first and c.fan.echo)):
                     continue
+                first.discard(rids[c.index])
+                lp = None
+                if c.fan.logprobs is not None:
+                    lp = await asyncio.to_thread(c.chunk_logprobs, new_ids, is_first, chat)
                 finish = c.finish_reason if done else None
-                if chat and c.chat is not None:  # reasoning / tool-call deltas (serve/tools.py)
-                    d = await asyncio.to_thread(c.chat.delta, c.text[:c.sent], done)
-                    if done and c.chat.calls_sent and finish == "stop":
-                        finish = "tool_calls"
-                else:
-                    d = {"content": delta}
                 if chat:
-                    if c.index is not None and rids[c.index] in first:
+                    if c.chat is not None:  # reasoning / tool-call deltas (serve/tools.py)
+                        d = await asyncio.to_thread(c.chat.delta, c.text[:c.sent], done)
+                        if done and c.chat.calls_sent and finish == "stop":
+                            finish = "tool_calls"
+                    else:
+                        d = {"content": delta}
+                    if is_first:
                         d["role"] = "assistant"
-                        first.discard(rids[c.index])
                     ch = {"index": c.index, "delta": d, "finish_reason": finish,
-                          "logprobs": None, "token_ids": new_ids}
+                          "logprobs": lp, "token_ids": new_ids}
                 else:
+                    if is_first and c.fan.echo:
+                        delta = (c.echo_text or "") + delta
                     ch = {"index": c.index, "text": delta, "finish_reason": c.finish_reason if done else None,
-                          "logprobs": None, "token_ids": new_ids}
+                          "logprobs": lp, "token_ids": new_ids}
                 yield sse({"id": base, "object": obj, "created": created, "model": parsed.model, "choices": [ch]})
             if parsed.include_usage and not failed:
                 yield sse({"id": base, "object": obj, "created": created, "model": parsed.model, "choices": [],

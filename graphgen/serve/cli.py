@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="parse tool calls out of chat output: hermes (Qwen3) or deepseek_v31 (default: the spec "
                         "family's when its features list function_call; otherwise requests with tools are a 400)")
     p.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="move <think>...</think> to reasoning_content: qwen3, deepseek_v3 or deepseek_r1 (default: "
+                   help="move <think>...</think> to reasoning_content: qwen3 or deepseek_r1 (default: "
                         "the spec family's when its features list reasoning_parser)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / top_logprobs a request may ask for (prompt logprobs too)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -224,7 +226,7 @@ def _serve(args, weights: Path, sock, api_keys, spec) -> int:
     adapter = LLMEngineAdapter(engine, eos_token_ids=eos, trace=trace, model_name=args.served_model_name)
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout,
                      api_keys=api_keys, max_request_bytes=args.max_request_bytes, tokenizer_dir=weights,
-                     chat_setup=chat_setup(args, spec))
+                     chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs)
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
 
 

@@ -1,9 +1,10 @@
 """OpenAI request parsing and validation: user input becomes a :class:`Parsed` or an :class:`ApiError`.
 
 Every rule here answers bad input with a 400 naming the field (``param``), the way OpenAI's API does;
-unknown fields are ignored. Unsupported features are refused, not silently dropped: ``n``/``best_of``
-other than 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, non-zero penalties, ``functions``,
-``tools`` on completions (chat's ``tools``: serve/tools.py; ``response_format``: serve/structured.py).
+unknown fields are ignored. Unsupported features are refused, not silently dropped: ``suffix``,
+``functions``, ``tools`` on completions. Logprobs, echo, ``n``/``best_of``, penalties, ``logit_bias``,
+``min_tokens``, ``bad_words`` and ``allowed_token_ids`` are parsed by `sampling_fields`; chat's
+``tools`` by serve/tools.py; ``response_format`` by serve/structured.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any, Optional
 
 from ..runtime import SamplingParams
 from .errors import ApiError  # noqa: F401  (re-exported: the routes and tests import it from here)
+from .sampling_fields import DEFAULT_MAX_LOGPROBS, FanOut, FieldError, parse_fields, zero_max_tokens
 
-MAX_STOP = 4
+MAX_STOP = 1024  # OpenAI's cap is 4; vLLM has none (lm-eval's code tasks send 5): a bound on the matching work
 MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (deeper: a 400, before json.loads)
 MIN_TEMPERATURE = 1e-5  # below it (but not 0) the logits / temperature overflow float32: a 400
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
@@ -33,6 +35,7 @@ class Parsed:
     include_usage: bool  # stream_options.include_usage
     model: str
     chat: Optional[dict] = None  # chat output parsing (serve/tools.py ChatOutput's arguments), or None
+    fan: FanOut = FanOut()  # n / best_of / echo / logprobs (sampling_fields)
 
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
@@ -119,10 +122,12 @@ def _get(body, name, check, what, default):
 class Context:
     """What validation needs to know about the model and the tokenizer."""
 
-    def __init__(self, model_name: str, vocab_size: int, max_model_len: int, tokenizer=None):
+    def __init__(self, model_name: str, vocab_size: int, max_model_len: int, tokenizer=None,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS):
         self.model_name, self.vocab_size, self.max_model_len, self.tokenizer = model_name, vocab_size, max_model_len, tokenizer
         self.tokenizer_dir = None  # the tokenizer's folder (structured output's grammars are spelled in it)
         self.chat_setup = None  # serve/tools.py ChatSetup: the tool-call and reasoning parsers (None: off)
+        self.max_logprobs = max_logprobs  # --max-logprobs: logprobs / top_logprobs at most (prompt ones too)
 
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
@@ -146,30 +151,27 @@ def _number(body, name, default: float) -> float:
     return f
 
 
-def _common(body: dict, ctx: Context) -> tuple[dict, bool, bool, str]:
+def _common(body: dict, ctx: Context, chat: bool = False) -> tuple[dict, bool, bool, str, FanOut]:
     """The fields both routes share: (SamplingParams keyword arguments — ``max_tokens`` None when
-    not given —, stream, include_usage, model)."""
+    not given —, stream, include_usage, model, fan-out)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model", code="invalid_type")
     if model not in (None, ctx.model_name):
         raise ApiError(f"the model '{model}' does not exist; this server serves '{ctx.model_name}'",
                        param="model", code="model_not_found", status=404)
-    for name in ("n", "best_of"):
-        if _get(body, name, _is_int, "an integer", 1) != 1:
-            raise ApiError(f"'{name}' other than 1 is not supported", param=name, code="unsupported_value")
-    for name in ("logprobs", "top_logprobs", "suffix", "functions"):
+    for name in ("functions",):
         if body.get(name) not in (None, False):
             raise ApiError(f"'{name}' is not supported", param=name, code="unsupported_value")
-    if body.get("echo") not in (None, False):
-        raise ApiError("'echo' is not supported", param="echo", code="unsupported_value")
-    if body.get("logit_bias") not in (None, {}):
-        raise ApiError("'logit_bias' is not supported", param="logit_bias", code="unsupported_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, _is_num, "a number", 0) != 0:
-            raise ApiError(f"non-zero '{name}' is not supported", param=name, code="unsupported_value")
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
         body = dict(body, max_tokens=body["max_completion_tokens"])
+    # ---- issue 16: logprobs, echo, n/best_of, penalties, logit_bias, ... (sampling_fields.py) ----
+    body, zero = zero_max_tokens(body, chat)
+    try:
+        fields = parse_fields(body, ctx, chat=chat, stream=body.get("stream") is True, drop_generated=zero)
+    except FieldError as e:
+        raise ApiError(str(e), param=e.param, code=e.code) from None
+    # ---- end issue 16 ----
     max_tokens = _get(body, "max_tokens", _is_int, "an integer", None)
     if max_tokens is not None and max_tokens <= 0:
         raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens", code="invalid_value")
@@ -208,7 +210,8 @@ def _common(body: dict, ctx: Context) -> tuple[dict, bool, bool, str]:
     opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = bool(opts.get("include_usage", False))
     kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-              stop=tuple(s for s in stop if s), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+              stop=tuple(s for s in stop if s), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
+              **fields.params)
     # ---- structured output (serve/structured.py): response_format -> a grammar for the engine's mask
     from .structured import response_format_grammar, structured
 
@@ -216,7 +219,7 @@ def _common(body: dict, ctx: Context) -> tuple[dict, bool, bool, str]:
                                   "response_format")
     # ----
     _params(dict(kw, max_tokens=1))  # every field checked before any tokenization
-    return kw, stream, include_usage, ctx.model_name
+    return kw, stream, include_usage, ctx.model_name, fields.fan
 
 
 def _params(kw: dict) -> SamplingParams:
@@ -243,7 +246,7 @@ def _check_ids(ids: list, ctx: Context, param: str, max_tokens: int) -> tuple[in
 def parse_completion(body: dict, ctx: Context) -> Parsed:
     if body.get("tools") not in (None, False):
         raise ApiError("'tools' is a chat completions field", param="tools", code="unsupported_value")
-    kw, stream, include_usage, model = _common(body, ctx)
+    kw, stream, include_usage, model, fan = _common(body, ctx)
     if kw["max_tokens"] is None:
         kw["max_tokens"] = DEFAULT_COMPLETION_TOKENS
     params = _params(kw)
@@ -260,11 +263,11 @@ def parse_completion(body: dict, ctx: Context) -> Parsed:
         raise ApiError("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                        param="prompt", code="invalid_type")
     prompts = tuple(_check_ids(ids, ctx, "prompt", params.max_tokens) for ids in raw)
-    return Parsed(prompts, params, stream, include_usage, model)
+    return Parsed(prompts, params, stream, include_usage, model, fan)
 
 
 def parse_chat(body: dict, ctx: Context) -> Parsed:
-    kw, stream, include_usage, model = _common(body, ctx)
+    kw, stream, include_usage, model, fan = _common(body, ctx, chat=True)
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise ApiError("chat completions need a tokenizer with a chat template in the checkpoint folder",
@@ -306,7 +309,7 @@ def parse_chat(body: dict, ctx: Context) -> Parsed:
         kw["max_tokens"] = max(1, ctx.max_model_len - len(ids))
     params = _params(kw)
     return Parsed((_check_ids(ids, ctx, "messages", params.max_tokens),), params, stream, include_usage, model,
-                  chat)
+                  chat=chat, fan=fan)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

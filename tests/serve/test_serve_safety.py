@@ -214,7 +214,9 @@ def test_a_tiny_temperature_is_refused_and_greedy_zero_still_works(server):
 # ---- fuzz -----------------------------------------------------------------------------------
 
 FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-          "ignore_eos", "n", "model", "stream_options", "messages", "presence_penalty", "logit_bias")
+          "ignore_eos", "n", "model", "stream_options", "messages", "presence_penalty", "logit_bias",
+          "logprobs", "top_logprobs", "echo", "best_of", "min_tokens", "repetition_penalty", "frequency_penalty",
+          "bad_words", "allowed_token_ids")
 BAD_VALUES = [None, True, False, -1, 0, 1.5, -1e308, 2 ** 63, 2 ** 64, 10 ** 200, "", "x", "\u0000", "\ud800",
               "é" * 300, [], [None], [[[]]], ["a"] * 50, [-1], [2 ** 70], {}, {"a": {"b": []}}, [1.0, 2.0],
               "1e-300", [[1, 2], "a"], {"include_usage": "yes"}]

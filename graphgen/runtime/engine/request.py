@@ -58,6 +58,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the pool (prefix hit)
     num_prompt_tokens: int = 0
     error: Optional[str] = None  # with finish_reason "error": why
+    # per new token, when the params ask for logprobs: (token id, logprob, ((id, logprob), ...top-k))
+    logprobs: Optional[tuple] = None
+    # with the first token, when the params ask for prompt_logprobs: per prompt token, None for the
+    # first, then (token id, logprob, top-k) as above
+    prompt_logprobs: Optional[tuple] = None
 
 
 @dataclass(eq=False)  # identity: two requests with the same prompt are still two requests

@@ -38,6 +38,16 @@ class SamplingParams:
     ignore_eos: bool = False  # the model's EOS does not stop the request (load generators use it)
     # structured output: a grammar.StructuredOutput (llguidance grammar + tokenizer folder), or None
     structured: Optional[object] = None
+    # ---- logprobs and logits processing (graphgen.runtime.engine.logits) ----
+    logprobs: Optional[int] = None  # per generated token: its logprob and the top-k (k = logprobs, 0: none)
+    prompt_logprobs: Optional[int] = None  # per prompt token: its logprob and the top-k (skips the pool lookup)
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # [0.01, 100]: prompt + generated tokens' logits divided (>0) / multiplied
+    logit_bias: tuple = ()  # ((token_id, bias in [-100, 100]), ...)
+    min_tokens: int = 0  # stop tokens (and EOS) are masked until this many tokens were generated
+    bad_words: tuple = ()  # token-id sequences: the last token of one is masked when the rest was just generated
+    allowed_token_ids: Optional[tuple] = None  # only these may be sampled
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -57,10 +67,45 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.structured is not None and type(self.structured).__name__ != "StructuredOutput":
             raise ValueError("structured must be a StructuredOutput")
+        _check_processing(self)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor applies (graphgen.runtime.engine.logits)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:
         return float(self.temperature) == 0.0
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_processing(p: "SamplingParams") -> None:
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, name)
+        if v is not None and (not _int(v) or v < 0):
+            raise ValueError(f"{name} must be None or an integer >= 0")
+    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                         ("repetition_penalty", 0.01, 100.0)):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= float(v) <= hi:
+            raise ValueError(f"{name} must be a number in [{lo}, {hi}]")
+    for pair in p.logit_bias:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and _int(pair[0]) and pair[0] >= 0
+                and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
+                and -100.0 <= float(pair[1]) <= 100.0):
+            raise ValueError("logit_bias must be (token_id >= 0, bias in [-100, 100]) pairs")
+    if not _int(p.min_tokens) or p.min_tokens < 0:
+        raise ValueError("min_tokens must be an integer >= 0")
+    if any(not isinstance(w, tuple) or not w or any(not _int(t) or t < 0 for t in w) for w in p.bad_words):
+        raise ValueError("bad_words must be non-empty token-id sequences")
+    a = p.allowed_token_ids
+    if a is not None and (not isinstance(a, tuple) or not a or any(not _int(t) or t < 0 for t in a)):
+        raise ValueError("allowed_token_ids must be a non-empty sequence of token ids")
 
 
 class Sampler:

@@ -64,6 +64,19 @@ class PrefixSource(Protocol):
     def load(self, keys: Sequence[str]) -> list: ...  # the leading blocks fetched, one staging each
 
 
+def _wants_prompt_logits(r: Request) -> bool:
+    """A request asking for prompt logprobs whose first token is not sampled yet."""
+    return r.sampling.prompt_logprobs is not None and not r.result.tokens
+
+
+def _prefill_logits_positions(r: Request, start: int, end: int) -> tuple[int, ...]:
+    """Its last position's logits; every position's for a prompt-logprobs request's first prefill
+    (such a request is never chunked: its prompt is one row)."""
+    if start == 0 and _wants_prompt_logits(r):
+        return tuple(range(end))
+    return (end - start - 1,)
+
+
 class Scheduler:
     def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
                  reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -204,6 +217,8 @@ class Scheduler:
         seq = r.seq
         r.keys, r.cached, r.hit_blocks, r.loaded = None, 0, 0, []
         max_blocks = (len(seq) - 1) // self.block_size
+        if _wants_prompt_logits(r):
+            return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
         keys = self._keys(r)[:max_blocks]
@@ -259,7 +274,7 @@ class Scheduler:
         ``long_prefill_token_threshold``, at most that; whole otherwise (the first request of a
         step always goes: an oversized prompt is one oversized step)."""
         n = len(r.seq) - r.cached
-        if not self.chunked_prefill:
+        if not self.chunked_prefill or _wants_prompt_logits(r):  # prompt logprobs: one row for the prompt
             return n if first or n <= budget_left else 0
         limit = budget_left
         if self.long_prefill_token_threshold and len(r.seq) > self.long_prefill_token_threshold:
@@ -312,7 +327,7 @@ class Scheduler:
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
                        load_block_ids=tuple(r.table[:loads]), loaded=tuple(r.loaded),
                        save_block_ids=save_ids, save_keys=save_keys,
-                       logits_positions=(end - start - 1,) if last else (), samples=last)
+                       logits_positions=_prefill_logits_positions(r, start, end) if last else (), samples=last)
 
     # ---- internals: decode and preemption ---------------------------------------------------
     def _schedule_decode(self) -> Optional[StepPlan]:

@@ -30,6 +30,7 @@ import torch
 
 from .request import Request, RequestOutput, RequestResult, StepPlan
 from .grammar import guided_sample
+from .logits import process_rows, prompt_logprobs, token_logprobs
 from .sampling import Sampler, SamplingParams, sample_rows
 
 __all__ = ["LLMEngine"]
@@ -80,6 +81,10 @@ class LLMEngine:
             raise ValueError("empty prompt")
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        ids = [t for t, _ in params.logit_bias] + [t for w in params.bad_words for t in w] \
+            + list(params.allowed_token_ids or ())
+        if any(t >= self.vocab_size for t in ids):
+            raise ValueError(f"logit_bias / bad_words / allowed_token_ids ids must be in [0, {self.vocab_size})")
         # a prompt over max_num_batched_tokens runs in chunks (chunked prefill), or, with chunking
         # off, as one oversized step: the step budget is no limit on a prompt's length
         stops = set(params.stop_token_ids)
@@ -157,12 +162,18 @@ class LLMEngine:
         sampling = [i for i, row in enumerate(plan.rows) if row.samples]
         last = torch.stack([row_logits[i][-1] for i in sampling]) if sampling else None
         tokens: list[Optional[int]] = [None] * len(plan.rows)
+        lps: list = [None] * len(plan.rows)
         if last is not None:
+            last = self._process(last, [plan.rows[i].request for i in sampling])
             # structured output (engine/grammar.py): grammar rows masked, then sampled, then advanced
             sampled, fallbacks = guided_sample(last, [plan.rows[i].request for i in sampling], sample_rows)
             self._totals["sampling_fallbacks"] += fallbacks
             for i, tok in zip(sampling, sampled):
                 tokens[i] = int(tok)
+            for i, lp in zip(sampling, token_logprobs(last, sampled, [plan.rows[i].sampling.logprobs
+                                                                     for i in sampling])):
+                lps[i] = lp
+        plps = self._prompt_logprobs(plan, row_logits)
         kept = None
         if self.collect_logits and last is not None:
             kept = [None] * len(plan.rows)
@@ -171,7 +182,7 @@ class LLMEngine:
         self.scheduler.update(plan, tokens, kept)
         self.connector.reap()
         self._totals["steps"] += 1
-        for row, tok in zip(plan.rows, tokens):
+        for j, (row, tok) in enumerate(zip(plan.rows, tokens)):
             r = row.request
             if tok is None or r.finish_reason == "abort":
                 continue  # a row without a token, or aborted while its step ran (the caller let it go)
@@ -181,7 +192,25 @@ class LLMEngine:
             if r.finished:
                 self._requests.pop(r.req_id, None)
             out.append(RequestOutput(r.req_id, (tok,), r.finished, r.finish_reason, r.result.hit_tokens,
-                                     len(r.prompt)))
+                                     len(r.prompt), logprobs=None if lps[j] is None else (lps[j],),
+                                     prompt_logprobs=plps[j] if len(r.tokens) == 1 else None))
+
+    def _process(self, last: torch.Tensor, requests: list) -> torch.Tensor:
+        """Each request's logits processors (penalties, bias, masks) on its sampled-position row."""
+        last, fallbacks = process_rows(last, requests)
+        self._totals["sampling_fallbacks"] += fallbacks
+        return last
+
+    @staticmethod
+    def _prompt_logprobs(plan: StepPlan, row_logits: list) -> list:
+        """Per row: the prompt logprobs of a prefill row that returned every prompt position's logits."""
+        out: list = [None] * len(plan.rows)
+        for i, row in enumerate(plan.rows):
+            k = row.sampling.prompt_logprobs
+            if k is not None and plan.phase == "prefill" and row.start == 0 and row.samples \
+                    and len(row.logits_positions) == row.num_tokens == len(row.request.prompt):
+                out[i] = prompt_logprobs(row_logits[i], row.token_ids, k)
+        return out
 
     def _forward_span(self, t0: float, t1: float) -> None:
         # called where the forward runs (the forward thread with async scheduling): list.append is safe
