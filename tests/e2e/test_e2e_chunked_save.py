@@ -27,21 +27,25 @@ BUDGET = 8  # two blocks of 4 per chunk
 
 class PerRequestPins(KVConnector):
     """The wrong rule: one save record per request (a single request runs here), replaced by the
-    next chunk's save, whose pins replace the old ones; the replaced save still commits."""
+    next chunk's save, whose pins replace the old ones; the replaced save still commits. (The
+    replacement is decided on the engine's thread only: a commit on the host stream never changes
+    which save is the request's record.)"""
 
-    _last = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._last = None
+        self._replaced: set[int] = set()
 
     def prepare_save(self, block_ids, keys):
         if self._last is not None and self._last.block_ids:
             self.alloc.unpin(self._last.block_ids)          # the overwritten record's pins go with it
+            self._replaced.add(id(self._last))
         self._last = super().prepare_save(block_ids, keys)
         return self._last
 
     def _commit(self, save, save_job, save_done):
-        if save is not self._last:
+        if id(save) in self._replaced:
             save = dataclasses.replace(save, block_ids=())  # already unpinned when it was replaced
-        else:
-            self._last = None
         super()._commit(save, save_job, save_done)
 
 
