@@ -263,7 +263,7 @@ def parse_completion(body: dict, ctx: Context) -> Parsed:
         raise ApiError("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                        param="prompt", code="invalid_type")
     prompts = tuple(_check_ids(ids, ctx, "prompt", params.max_tokens) for ids in raw)
-    return Parsed(prompts, params, stream, include_usage, model, fan)
+    return Parsed(prompts, params, stream, include_usage, model, fan=fan)
 
 
 def parse_chat(body: dict, ctx: Context) -> Parsed:
