@@ -43,13 +43,16 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script: one wheel reader
+from extract_npu_manifest import Wheel as _ManifestWheel, download_wheel  # noqa: E402
+
+from graphgen.npu.check.conformance import _dotted  # noqa: E402  (one dotted-name reader)
 
 TORCH_NPU_VERSION = "2.14.0"
 AIR = "torch_npu/dynamo/torchair/"
@@ -62,36 +65,15 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "graphgen" / "npu" / "che
 REGISTER = "register_fx_node_ge_converter"
 
 
-class Wheel:
-    """Read-only view of the wheel's text files (never extracted, never imported)."""
+class Wheel(_ManifestWheel):
+    """The manifest script's read-only wheel view (one home), with its files in sorted order and parsed."""
 
     def __init__(self, path: Path):
-        self.path = path
-        self.zf = zipfile.ZipFile(path)
-        self.names = sorted(self.zf.namelist())
-
-    def text(self, name: str) -> str:
-        return self.zf.read(name).decode("utf-8")
+        super().__init__(path)
+        self.names = sorted(self.names)
 
     def tree(self, name: str) -> ast.Module:
         return ast.parse(self.text(name), filename=name)
-
-    def sha256(self) -> str:
-        h = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-
-
-def download_wheel(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"torch-npu=={TORCH_NPU_VERSION}",
-                    "-d", str(dest)], check=True)
-    wheels = sorted(dest.glob(f"torch_npu-{TORCH_NPU_VERSION}-*.whl"))
-    if not wheels:
-        raise SystemExit(f"no torch_npu {TORCH_NPU_VERSION} wheel in {dest}")
-    return wheels[0]
 
 
 def _short(path: str) -> str:
@@ -100,17 +82,6 @@ def _short(path: str) -> str:
 
 
 # --------------------------------------------------------------------------- targets
-def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
 # Python callables torchair registers converters for, spelled as graphgen's check prints targets
 # (``module.qualname``): ``operator.add`` is ``_operator.add`` at run time.
 _CALLABLE_MODULES = {"operator": "_operator", "math": "math", "torch": "torch"}
