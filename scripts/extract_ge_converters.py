@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
