@@ -15,14 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..runtime import SamplingParams
+from ..runtime import MIN_TEMPERATURE, SEED_RANGE, SamplingParams  # one home: the engine's rules
 from .errors import ApiError  # noqa: F401  (re-exported: the routes and tests import it from here)
 from .sampling_fields import DEFAULT_MAX_LOGPROBS, FanOut, FieldError, parse_fields, zero_max_tokens
 
 MAX_STOP = 1024  # OpenAI's cap is 4; vLLM has none (lm-eval's code tasks send 5): a bound on the matching work
 MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (deeper: a 400, before json.loads)
-MIN_TEMPERATURE = 1e-5  # below it (but not 0) the logits / temperature overflow float32: a 400
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 DEFAULT_COMPLETION_TOKENS = 16  # completions without max_tokens (OpenAI's default); chat: up to the context
 

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..runtime import VALUE_RANGES  # the engine's ranges (one home)
+
 __all__ = ["FanOut", "Fields", "FieldError", "parse_fields", "zero_max_tokens", "DEFAULT_MAX_LOGPROBS", "MAX_N"]
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
@@ -115,9 +117,9 @@ def parse_fields(body: dict, ctx, *, chat: bool, stream: bool, drop_generated: b
         p["logprobs"] = engine_k
     if echo and k is not None:
         p["prompt_logprobs"] = k
-    p["presence_penalty"] = _num(body, "presence_penalty", 0.0, -2.0, 2.0)
-    p["frequency_penalty"] = _num(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    p["repetition_penalty"] = _num(body, "repetition_penalty", 1.0, 0.01, 100.0)
+    p["presence_penalty"] = _num(body, "presence_penalty", 0.0, *VALUE_RANGES["presence_penalty"])
+    p["frequency_penalty"] = _num(body, "frequency_penalty", 0.0, *VALUE_RANGES["frequency_penalty"])
+    p["repetition_penalty"] = _num(body, "repetition_penalty", 1.0, *VALUE_RANGES["repetition_penalty"])
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
@@ -131,7 +133,7 @@ def parse_fields(body: dict, ctx, *, chat: bool, stream: bool, drop_generated: b
             if not 0 <= t < vocab:
                 raise _err(f"'logit_bias' keys must be token ids in [0, {vocab}), got {str(key)[:40]!r}",
                            "logit_bias", "invalid_token_id")
-            pairs.append((t, _num({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)))
+            pairs.append((t, _num({"logit_bias": v}, "logit_bias", 0.0, *VALUE_RANGES["logit_bias"])))
         p["logit_bias"] = tuple(pairs)
     mt = _count(body, "min_tokens", 0, 0, 1 << 31)
     if mt and _int(body.get("max_tokens")) and body["max_tokens"] >= 1 and mt > body["max_tokens"]:

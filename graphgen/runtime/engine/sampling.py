@@ -19,9 +19,14 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "sample_rows", "MAX_SEED"]
+__all__ = ["SamplingParams", "Sampler", "sample_rows", "SEED_RANGE", "MIN_TEMPERATURE", "VALUE_RANGES"]
 
-MAX_SEED = 2 ** 63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+# below it (but not 0) logits / temperature overflow float32: such a request is refused, not guessed at
+MIN_TEMPERATURE = 1e-5
+# the closed ranges of the logits processors' numbers (graphgen.runtime.engine.logits), as OpenAI/vLLM
+VALUE_RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+                "repetition_penalty": (0.01, 100.0), "logit_bias": (-100.0, 100.0)}
 
 
 @dataclass(frozen=True)
@@ -53,16 +58,15 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError("max_tokens must be an integer >= 1")
         t = float(self.temperature)
-        if not (t == 0.0 or 1e-6 <= t <= 100.0) or math.isnan(t):
-            # below 1e-6 the scaled logits overflow to inf: greedy is what such a request means
-            raise ValueError("temperature must be 0 (greedy) or in [1e-06, 100]")
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0) or math.isnan(t):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
         if not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError("top_p must be in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError("top_k must be an integer >= -1 (-1 or 0: no limit)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}]")
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.structured is not None and type(self.structured).__name__ != "StructuredOutput":
@@ -89,15 +93,15 @@ def _check_processing(p: "SamplingParams") -> None:
         v = getattr(p, name)
         if v is not None and (not _int(v) or v < 0):
             raise ValueError(f"{name} must be None or an integer >= 0")
-    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
-                         ("repetition_penalty", 0.01, 100.0)):
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        lo, hi = VALUE_RANGES[name]
         v = getattr(p, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= float(v) <= hi:
             raise ValueError(f"{name} must be a number in [{lo}, {hi}]")
     for pair in p.logit_bias:
         if not (isinstance(pair, tuple) and len(pair) == 2 and _int(pair[0]) and pair[0] >= 0
                 and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
-                and -100.0 <= float(pair[1]) <= 100.0):
+                and VALUE_RANGES["logit_bias"][0] <= float(pair[1]) <= VALUE_RANGES["logit_bias"][1]):
             raise ValueError("logit_bias must be (token_id >= 0, bias in [-100, 100]) pairs")
     if not _int(p.min_tokens) or p.min_tokens < 0:
         raise ValueError("min_tokens must be an integer >= 0")
