@@ -1,14 +1,25 @@
 """Cost of logprobs / prompt logprobs, and n=4 vs four requests, against a live server (tiny_qwen3).
-Usage: PYTHONPATH=. python benchmarks/logprobs_n.py CKPT_DIR [REPEATS]"""
+Usage: PYTHONPATH=. python benchmarks/logprobs_n.py [CKPT_DIR|random] [REPEATS]
+(``random``, the default: a random tiny_qwen3 checkpoint, seed 0, written to a temp folder)."""
 import concurrent.futures as cf
+import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 
-sys.path.insert(0, "tests/serve")
+sys.path[:0] = ["tests", "tests/serve"]
 from serve_util import Server  # noqa: E402
 
-ck, reps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10
+ck = sys.argv[1] if len(sys.argv) > 1 else "random"
+reps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+if ck == "random":
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime import write_random_hf_checkpoint
+
+    spec = load_spec("specs/tiny_qwen3.yaml")
+    ck = tempfile.mkdtemp(prefix="bench_logprobs_")
+    write_random_hf_checkpoint(ck, spec.family, dataclasses.asdict(spec.dims), seed=0)
 prompt = list(range(1, 65))
 s = Server(ck, "--write", "off", "--num-blocks", "512")
 try:
