@@ -133,8 +133,9 @@ def main(argv=None) -> int:
         tokenizers = [("tiny_qwen3_chat", chat_tokenizer(Path(d) / "chat"))]
         for v in (int(x) for x in a.vocabs.split(",") if x):
             t = time.perf_counter()
-            tokenizers.append((f"bpe{v // 1000}k", trained_tokenizer(v, Path(d) / f"bpe{v}", a.corpus_mb)))
-            print(f"# trained bpe{v // 1000}k in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            tokenizers.append((f"BPE (asked {v})", trained_tokenizer(v, Path(d) / f"bpe{v}", a.corpus_mb)))
+            print(f"# trained a BPE of up to {v} tokens in {time.perf_counter() - t:.0f} s (fewer when the "
+                  "corpus runs out of merges: the vocab column says)", file=sys.stderr)
         print("| tokenizer | vocab | unmasked µs/token | masked µs/token (mean / p50 / max) | mask cost µs | ratio "
               "| matcher per request ms (requests) |")
         print("|---|---:|---:|---:|---:|---:|---:|")
