@@ -4,7 +4,7 @@ over the ranks), equal what ``graphgen run --tp 2 --json`` prints for the same p
 tests/parallel checks against transformers); a seeded sampled request gives the same tokens twice; an
 unseeded one completes (that its ranks drew the same tokens is not visible from outside: only rank 0's
 come back) and a greedy request after it, now a pool hit on both ranks, still gives ``run``'s tokens;
-SIGTERM exits 0. Every wait is bounded."""
+a ``json_schema`` request validates and gives a tp=1 engine's tokens for the same grammar; SIGTERM exits 0. Every wait is bounded."""
 from __future__ import annotations
 
 import concurrent.futures as cf
