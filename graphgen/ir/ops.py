@@ -125,7 +125,11 @@ OPS.update({o.name: o for o in (
     _op("all_reduce", ("x",), ("y",), (*_COLLECTIVE, "reduce"),
         doc="Collective: element-wise `reduce` (sum) of x over the ranks of `group` (`size` ranks)."),
     _op("all_gather", ("x",), ("y",), (*_COLLECTIVE, "dim", "length"),
-        doc="Collective: concatenate every rank's x along `dim`, keep the first `length` (vocab padding)."),
+        doc="Collective: concatenate every rank's x along `dim`, keep the first `length` (vocab padding; "
+            "null keeps all: the tokens of sequence parallel and of DP attention's MoE)."),
+    _op("reduce_scatter", ("x",), ("y",), (*_COLLECTIVE, "reduce", "dim"),
+        doc="Collective: element-wise `reduce` (sum) of x over the ranks of `group`, each rank keeping its "
+            "1/`size` chunk along `dim` (the tokens, padded by the runner to a multiple of `size`)."),
     _op("embedding_shard", ("input_ids:input",), ("partial",), ("w_embed", "vocab_size", *_COLLECTIVE),
         doc="Vocab-parallel lookup: rows of this rank's vocabulary slice, zeros elsewhere (a partial sum)."),
     _op("o_proj", ("attn",), ("partial",), ("w_o",), doc="Row-parallel output projection (a partial sum)."),
@@ -139,8 +143,8 @@ OPS.update({o.name: o for o in (
             "every expert), routing replicated, for all tokens (a partial sum)."),
     _op("residual_add", ("x", "residual"), ("h",), doc="h = x + residual."),
 )})
-COLLECTIVE_OPS = ("all_reduce", "all_gather")
-# Ops whose output is one rank's partial sum: only an all_reduce may read it.
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# Ops whose output is one rank's partial sum: only an all_reduce or a reduce_scatter may read it.
 PARTIAL_OPS = ("embedding_shard", "o_proj", "swiglu_mlp", "moe")
 
 

@@ -1,4 +1,4 @@
-"""Pass 3 of 5, `insert_kv_save` — insert the KV save.
+"""Pass 4 of 6, `insert_kv_save` — insert the KV save.
 
 requires: the forward as the builder makes it (:mod:`graphgen.families.build`): every node on ``main``
           (but the loads ``insert_kv_load`` put on ``kv_load``), one ``Lxx.kv_write`` per layer
@@ -11,7 +11,7 @@ ensures:  if the variant saves (prefill and pool.write != off):
             issued after the last layer's KV write (the seed's non-layered mode);
           - ``host.pool_put`` on the ``host`` stream reads every ``pool_staging.Lxx``: the host commits
             the blocks to the pool only after the save has completed.
-          No events are inserted here: without pass 2 the async graph is racy (only racy), and the
+          No events are inserted here: without ``insert_events`` the async graph is racy (only racy), and the
           sync one races only between the save and the host commit; ``verify`` says so.
           Otherwise the graph is unchanged; meta records write mode, granularity and ``saves``.
 """
