@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "target_note", "EXIT_OK", "EXIT_STALE",
-           "EXIT_INVALID", "EXIT_UNAVAILABLE"]
+__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "layout_refusal", "target_note",
+           "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 # every command's exit codes (cli/common.py documents them; the server uses the same ones)
 EXIT_OK, EXIT_STALE, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -63,7 +63,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
 
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp"):  # --num-blocks: checked by each command against the spec
+    # --num-blocks: checked by each command against the spec
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"
@@ -72,6 +73,15 @@ def check_engine_arguments(args) -> Optional[str]:
     if args.standin and args.target != "npu":
         return "--standin applies to --target npu only"
     return None
+
+
+def layout_refusal(spec, args) -> Optional[str]:
+    """The sentence refusing the spec's parallel layout with the flags' overrides applied, where the runtime
+    cannot run it yet (`graphgen.families.parallel.runtime_layout_gap`), or None; torch-free."""
+    from .families.parallel import runtime_layout_gap
+
+    overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
+    return runtime_layout_gap(spec.with_overrides(**overrides).parallel)
 
 
 def engine_options(args, faults=None) -> dict:

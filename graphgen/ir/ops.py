@@ -109,12 +109,14 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
          "topk_group", "routed_scaling_factor", "norm_topk_prob", "num_experts"),
         optional=("w_shared_gate", "w_shared_up", "w_shared_down")),
     _op("lm_head", ("h", "logits_indices:input"), ("logits",), ("w_norm", "eps", "w_head")),
-    _op("kv_save", ("caches...:kv_cache", "block_ids:input"), ("staging...:pool_staging",),
-        doc="Copy the saved blocks of each listed layer's cache into that layer's pool staging."),
+    _op("kv_save", ("caches...:kv_cache", "block_ids:input"), ("staging...:pool_staging",), optional=("writers",),
+        doc="Copy the saved blocks of each listed layer's cache into that layer's pool staging. writers: "
+            "cp0 when KV is replicated over CP ranks (only CP rank 0's ranks save; absent: every rank)."),
     _op("kv_load", ("loads...:pool_load", "block_ids:input"), ("caches...:kv_cache",),
         doc="Copy each listed layer's loaded history blocks (host-filled load staging) into that layer's "
             "cache at `block_ids`."),
-    _op("pool_put", ("staging...:pool_staging",), doc="Host: commit the staged blocks to the pool."),
+    _op("pool_put", ("staging...:pool_staging",), optional=("writers",),
+        doc="Host: commit the staged blocks to the pool (writers: as kv_save's)."),
 )}
 
 # Parallel ranks (graphgen.passes.shard): the rank-local halves of the fused ops above, and the

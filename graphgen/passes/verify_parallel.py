@@ -5,7 +5,8 @@ What they prove, on the one graph every rank runs:
 - **collectives are forward work**: every collective is on the main stream (never on the save stream
   or the host, whose work is not issued in the same order on every rank), in a group of the layout
   with its size: ``tp`` (size tp), ``dp`` (size dp: the MoE's token all-gather under DP attention),
-  ``ep`` (size ep = dp × tp: the MoE's reduce-scatter under DP attention);
+  ``ep`` (size ep = dp × tp: the MoE's reduce-scatter under DP attention), ``cp`` (size cp: the
+  prefill's KV all-gather);
 - **no rank-dependent graph**: no attribute names a rank (the rank enters only at run time, through
   the weights' slices), and the main stream has no data-dependent control flow, so every rank runs
   the same graph. That the ranks then really issue the same collectives in the same order is checked
@@ -19,6 +20,9 @@ What they prove, on the one graph every rank runs:
 - **no partial sum escapes**: the output of a row-parallel op (``PARTIAL_OPS``) is read only by an
   ``all_reduce`` or ``reduce_scatter`` with ``reduce=sum``, and the local logits of a sharded LM head
   only by an ``all_gather``;
+- **context parallel** (``cp``): every part a prefill's ``kv_write`` writes is all-gathered over group
+  ``cp`` first (each CP rank computed only its head-tail chunks), and the saves and the pool commit
+  carry ``writers=cp0`` (KV is replicated over CP: one writer), never without CP;
 - **no token shard escapes** (``sp``, ``dp``): a value holding 1/size of the step's tokens (a
   reduce-scatter's output, and the residual adds and norms computed from it) is read only by a
   residual add, a norm or the all-gather that restores the tokens; a residual add never mixes a shard
@@ -38,7 +42,8 @@ _SHARD_READERS = ("residual_add", "rms_norm", "all_gather")
 
 def _layout(graph: Graph) -> dict:
     m = graph.meta
-    return {"tp": m.get("tp", 1), "ep": m.get("ep", 1), "dp": m.get("dp", 1), "sp": m.get("sp", False)}
+    return {"tp": m.get("tp", 1), "ep": m.get("ep", 1), "dp": m.get("dp", 1), "cp": m.get("cp", 1),
+            "sp": m.get("sp", False), "prefill": m.get("phase") == "prefill"}
 
 
 def _sharded_head(n, tp: int) -> bool:
@@ -52,7 +57,9 @@ def expected_collectives(graph: Graph) -> list[tuple[str, str]]:
     reduce = ("reduce_scatter", "tp") if sp else ("all_reduce", "tp")
     out: list[tuple[str, str]] = []
     for n in graph.nodes:
-        if n.op == "moe" and dp > 1:
+        if n.op == "kv_write" and lay["cp"] > 1 and lay["prefill"]:
+            out += [("all_gather", "cp")] * len(n.input("parts"))
+        elif n.op == "moe" and dp > 1:
             out += [("all_gather", "dp"), ("reduce_scatter", "ep")] + ([("all_gather", "tp")] if tp > 1 else [])
         elif n.op in PARTIAL_OPS:
             out.append(reduce)
@@ -66,10 +73,10 @@ def expected_collectives(graph: Graph) -> list[tuple[str, str]]:
 def parallel_problems(graph: Graph) -> list[str]:
     lay = _layout(graph)
     tp = lay["tp"]
-    sizes = {"tp": tp, "dp": lay["dp"], "ep": lay["ep"]}
+    sizes = {"tp": tp, "dp": lay["dp"], "ep": lay["ep"], "cp": lay["cp"]}
     problems: list[str] = []
     colls = [n for n in graph.nodes if n.op in COLLECTIVE_OPS]
-    if tp == 1 and lay["ep"] == 1 and lay["dp"] == 1:
+    if tp == 1 and lay["ep"] == 1 and lay["dp"] == 1 and lay["cp"] == 1:
         return [f"collective {n.id} in a single-rank graph (meta has no tp)" for n in colls]
     for n in graph.nodes:
         bad = [k for k in n.attrs if k in _RANK_WORDS]
@@ -106,12 +113,14 @@ def parallel_problems(graph: Graph) -> list[str]:
             if not ok:
                 problems.append(f"partial result {out} of {n.id} is read by {u.id} ({u.op}) before an {want}")
     problems += _token_shard_problems(graph, writer, lay)
+    problems += _context_parallel_problems(graph, writer, lay)
     want, got = expected_collectives(graph), [(n.op, n.attrs.get("group")) for n in colls]
     if want != got:
         first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
         at = colls[first].id if first < len(colls) else "the end"
         problems.append(f"collectives: {len(got)} in the graph, expected {len(want)} for its layout "
-                        f"(tp={tp}, dp={lay['dp']}, ep={lay['ep']}, sp={str(lay['sp']).lower()}); first "
+                        f"(tp={tp}, dp={lay['dp']}, ep={lay['ep']}, cp={lay['cp']}, sp={str(lay['sp']).lower()}); "
+                        f"first "
                         f"difference at #{first + 1} ({at}): expected "
                         f"{' '.join(want[first]) if first < len(want) else 'none'}, got "
                         f"{' '.join(got[first]) if first < len(got) else 'none'}")
@@ -142,4 +151,24 @@ def _token_shard_problems(graph: Graph, writer: dict, lay: dict) -> list[str]:
             problems.append(f"{n.id} adds the token shard {sharded_in[0]} to the whole {whole[0]}")
         elif n.op != "all_gather":
             shard.update(n.writes)
+    return problems
+
+
+def _context_parallel_problems(graph: Graph, writer: dict, lay: dict) -> list[str]:
+    """CP: a prefill writes the whole step's KV (every part CP-all-gathered); KV is replicated over the
+    CP ranks, so only CP rank 0's ranks save it (``writers=cp0`` on the save and the pool commit)."""
+    problems = []
+    cp = lay["cp"]
+    for n in graph.nodes:
+        if n.op == "kv_write" and cp > 1 and lay["prefill"]:
+            for part in n.input("parts"):
+                src = writer.get(part)
+                if src is None or src.op != "all_gather" or src.attrs.get("group") != "cp":
+                    problems.append(f"{n.id} writes {part}, this CP rank's tokens only: its KV is not "
+                                    f"all-gathered over group cp")
+        if n.op in ("kv_save", "pool_put"):
+            want = "cp0" if cp > 1 else None
+            if n.attrs.get("writers") != want:
+                problems.append(f"{n.id} ({n.op}) has writers={n.attrs.get('writers')!r}, expected {want!r}"
+                                + (" (KV is replicated over the CP ranks: CP rank 0 saves it)" if cp > 1 else ""))
     return problems

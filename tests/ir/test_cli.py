@@ -140,3 +140,19 @@ def test_build_commands_never_import_torch(project):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"{[0] * len(calls)} []", res.stderr
     assert (project / "specs" / "imported.yaml").is_file()
+
+
+@pytest.mark.parametrize("cmd,flags,missing", [
+    ("run", ("--tp", "2", "--sp"), "sequence parallel (sp) does not run yet"),
+    ("run", ("--cp", "2"), "context parallel (cp > 1) does not run yet"),
+    ("serve", ("--dp", "2", "--ep", "2"), "data-parallel attention (dp > 1) does not run yet"),
+])
+def test_run_and_serve_refuse_a_layout_the_runtime_cannot_run(tmp_path, cmd, flags, missing):
+    """--dp/--cp/--sp override the spec like --tp; a layout the ranks cannot run is one sentence, exit 2
+    (before any weights load: the folder is empty)."""
+    spec = "specs/tiny_deepseek_v3.yaml" if cmd == "serve" else "specs/tiny_qwen3.yaml"
+    extra = ("--prompt-ids", "1,2") if cmd == "run" else ("--port", "0")
+    res = run_cli(cmd, "--spec", str(REPO / spec), "--weights", str(tmp_path), *extra, *flags, cwd=REPO)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and missing in lines[0] and "run with --" in lines[0], res.stderr

@@ -1,4 +1,5 @@
-"""Sequence parallel (``parallel.sp``) and DP attention + EP (``parallel.dp``) on the build path: the
+"""Sequence parallel (``parallel.sp``), DP attention + EP (``parallel.dp``) and context parallel
+(``parallel.cp``) on the build path: the
 goldens verify, deleting any collective or moving one fails verification, a token shard or partial
 sum read before its collective is caught, and the full-size DeepSeek-V3.1 DP/EP layout fits 64 GiB
 per device in ``graphgen validate`` where pure DP attention at ep=32 does not. Torch-free."""
@@ -19,23 +20,24 @@ from support.paths import REPO
 
 SP = sorted((REPO / "generated/tiny_qwen3_tp2_sp").glob("*.graph"))
 DP = sorted((REPO / "generated/tiny_deepseek_v3_dp2ep2").glob("*.graph"))
+CP = sorted((REPO / "generated").glob("tiny_*_cp2/*.graph"))
 COLL_LINE = re.compile(r"^node \S+ \S+ (all_reduce|all_gather|reduce_scatter) ")
 
 
 def _collective_mutants():
-    for p in SP + DP:
+    for p in SP + DP + CP:
         for i, line in enumerate(p.read_text().splitlines(keepends=True)):
             if COLL_LINE.match(line):
                 yield pytest.param(p, i, id=f"{p.parent.name}/{p.name}:{i + 1}")
 
 
 def test_goldens_verify_and_have_the_layouts_collectives():
-    assert len(SP) == 5 and len(DP) == 5
-    for p in SP + DP:
+    assert len(SP) == 5 and len(DP) == 5 and len(CP) == 10
+    for p in SP + DP + CP:
         g = parse_graph(p.read_text(), str(p))
         assert check(g) == [], p
         ops = [(n.op, n.attrs.get("group")) for n in g.nodes if COLL_LINE.match(f"node x y {n.op} ")]
-        assert ops == expected_collectives(g) and ops, p
+        assert ops == expected_collectives(g) and (ops or g.meta["phase"] == "decode" and "cp" in g.meta), p
     sp = parse_graph(SP[0].read_text())
     # two reduce-scatters and two all-gathers per layer, none left as an all_reduce
     assert sum(n.op == "reduce_scatter" for n in sp.nodes) == 1 + 2 * 2
@@ -119,3 +121,22 @@ def test_dp_ep_layout_fits_64_gib_and_pure_dp_attention_does_not(tmp_path):
             in r.stdout and "total 54.88 GiB" in r.stdout), r.stdout
     assert "pure_dp.yaml: error: per-rank weights 65.34 GiB + KV 256 blocks 2.14 GiB exceed --device-memory-gib" \
         in r.stderr, r.stderr
+
+
+def test_context_parallel_gathers_every_prefill_kv_part_and_saves_once():
+    for p in CP:
+        g = parse_graph(p.read_text(), str(p))
+        gathers = [n for n in g.nodes if n.op == "all_gather" and n.attrs["group"] == "cp"]
+        writes = [n for n in g.nodes if n.op == "kv_write"]
+        if g.meta["phase"] == "decode":  # KV replicated: decode is the single-rank graph
+            assert not gathers, p
+            continue
+        assert len(gathers) == sum(len(w.input("parts")) for w in writes), p  # chunked prefill included
+        saves = [n for n in g.nodes if n.op in ("kv_save", "pool_put")]
+        assert saves and all(n.attrs.get("writers") == "cp0" for n in saves), p
+    p = REPO / "generated/tiny_qwen3_cp2/splitfuse.graph"
+    text = p.read_text()
+    local = text.replace("reads=k.L00.cp,v.L00.cp,slot_mapping", "reads=k.L00,v.L00.cp,slot_mapping")
+    assert any("L00.kv_write writes k.L00, this CP rank's tokens only" in x for x in check(parse_graph(local, str(p))))
+    every = text.replace(" writers=cp0", "")
+    assert any("save.kv_save (kv_save) has writers=None, expected 'cp0'" in x for x in check(parse_graph(every, str(p))))
