@@ -81,7 +81,7 @@ def layout_refusal(spec, args) -> Optional[str]:
     from .families.parallel import runtime_layout_gap
 
     overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
-    return runtime_layout_gap(spec.with_overrides(**overrides).parallel)
+    return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"))
 
 
 def engine_options(args, faults=None) -> dict:

@@ -118,15 +118,18 @@ _RUNTIME_GAPS = (
                                    "MoE's token all-gather and idle ranks' dummy forwards are missing; run with --dp 1"),
     ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) does not run yet: the ranks have no head-tail prompt "
                                    "split and no per-layer KV all-gather; run with --cp 1"),
-    ("sp", lambda par: par.sp, "sequence parallel (sp) does not run yet: the ranks have no reduce-scatter and no "
-                               "token all-gather; run with --no-sp"),
+)
+# ... and what only the NPU target lacks (the CPU ranks run it)
+_NPU_GAPS = (
+    ("sp", lambda par: par.sp, "sequence parallel (sp) has no NPU lowering yet (reduce-scatter and the token "
+                               "all-gather); use --target cpu, or run with --no-sp"),
 )
 
 
-def runtime_layout_gap(par):
-    """The sentence refusing a layout the runtimes cannot run (``graphgen run``/``serve``: exit 2), or None.
-    The build path (generate, validate, verify) takes every layout the spec rules accept."""
-    for _, is_set, sentence in _RUNTIME_GAPS:
+def runtime_layout_gap(par, target: str = "cpu"):
+    """The sentence refusing a layout the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
+    or None. The build path (generate, validate, verify) takes every layout the spec rules accept."""
+    for _, is_set, sentence in _RUNTIME_GAPS + (_NPU_GAPS if target == "npu" else ()):
         if is_set(par):
             return sentence
     return None

@@ -74,7 +74,7 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
         spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep, dp=dp, cp=cp, sp=sp)
     from ..families.parallel import runtime_layout_gap
 
-    gap = runtime_layout_gap(spec.parallel)
+    gap = runtime_layout_gap(spec.parallel, target)
     if gap is not None:
         raise ValueError(gap)
     if weights is None:
