@@ -114,8 +114,9 @@ def layout_rules(family: str, d, par):
 
 # What the runtimes cannot run yet, per layout field (graphgen run/serve refuse it with this sentence).
 _RUNTIME_GAPS = (
-    ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) does not run yet: per-group schedulers, the "
-                                   "MoE's token all-gather and idle ranks' dummy forwards are missing; run with --dp 1"),
+    ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) does not run yet: per-group schedulers, "
+                                   "the MoE's token all-gather and idle ranks' dummy forwards are missing; "
+                                   "run with --dp 1"),
     ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) does not run yet: the ranks have no head-tail prompt "
                                    "split and no per-layer KV all-gather; run with --cp 1"),
 )

@@ -4,7 +4,8 @@
           -> insert_events -> verify
 
 (``shard`` changes nothing unless the spec's ``parallel`` has tp, ep or dp > 1; ``sequence_parallel``
-nothing unless it has ``sp``, ``context_parallel`` nothing unless ``cp`` > 1; ``insert_kv_load`` nothing unless the variant has ``history``.)
+nothing unless it has ``sp``, ``context_parallel`` nothing unless ``cp`` > 1; ``insert_kv_load``
+nothing unless the variant has ``history``.)
 
 ``run_pipeline`` can stop after any stage (``graphgen dump --after STAGE``; ``build_layers`` is kept
 as another name of ``build``), and reports a failure with the pass's name and the stages before it.

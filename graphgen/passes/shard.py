@@ -18,15 +18,16 @@ Megatron-style and op-level (no family names: what a family splits is ``graphgen
   tokens of every DP group (group ``dp``), runs the rank's ``num_experts/ep`` experts and ``1/ep`` of the
   shared experts' width on all of them, reduce-scatters the partial sums over group ``ep`` and
   all-gathers the rank's own group's tokens over ``tp`` (the runner pads every DP group's step to the
-  same token count, a multiple of ``tp``; an idle group runs a dummy step). (An all-to-all dispatch would send each token only to the ranks of its top-k
-  experts: less expert compute per rank for large batches, at the price of two all-to-alls.)
+  same token count, a multiple of ``tp``; an idle group runs a dummy step).
+  (An all-to-all dispatch would send each token only to the ranks of its top-k experts: less expert
+  compute per rank for large batches, at the price of two all-to-alls.)
 
 Sharded weights are named by their slice: ``<checkpoint key>[d<dim>/<parts>]`` is the checkpoint
 tensor cut along ``dim`` into ``parts`` equal chunks (the last zero-padded when it does not divide),
 of which rank ``r`` of ``tp`` holds chunk ``r * parts // tp`` (for expert weights under DP attention,
 ``r = dp_rank × tp + tp_rank`` of ``ep``). Nothing in the graph depends on the
 rank: every rank runs the same graph (rank-symmetric by construction; ``verify_parallel`` checks it).
-With ``tp == ep == 1`` the pass changes nothing. Pure Python, no torch.
+With ``tp == ep == dp == 1`` the pass changes nothing. Pure Python, no torch.
 """
 
 from __future__ import annotations

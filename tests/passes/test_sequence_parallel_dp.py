@@ -114,7 +114,8 @@ def test_dp_ep_layout_fits_64_gib_and_pure_dp_attention_does_not(tmp_path):
     assert load_spec(REPO / "specs/deepseek_v3_1.yaml").parallel.tp == 32  # the NPU issue's layout stays
     pure = tmp_path / "pure_dp.yaml"
     pure.write_text((REPO / "specs/deepseek_v3_1_dp_ep.yaml").read_text()
-                    .replace("  tp: 2\n  dp: 16\n", "  tp: 1\n  dp: 32\n").replace("name: deepseek_v3_1_dp_ep", "name: p"))
+                    .replace("  tp: 2\n  dp: 16\n", "  tp: 1\n  dp: 32\n")
+                    .replace("name: deepseek_v3_1_dp_ep", "name: p"))
     r = run_cli("validate", "--device-memory-gib", "64", "specs/deepseek_v3_1_dp_ep.yaml", str(pure), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert ("deepseek_v3_1_dp_ep.yaml: ok" in r.stdout and "per rank (tp=2, ep=32, dp=16): weights 52.73 GiB"
@@ -139,4 +140,21 @@ def test_context_parallel_gathers_every_prefill_kv_part_and_saves_once():
     local = text.replace("reads=k.L00.cp,v.L00.cp,slot_mapping", "reads=k.L00,v.L00.cp,slot_mapping")
     assert any("L00.kv_write writes k.L00, this CP rank's tokens only" in x for x in check(parse_graph(local, str(p))))
     every = text.replace(" writers=cp0", "")
-    assert any("save.kv_save (kv_save) has writers=None, expected 'cp0'" in x for x in check(parse_graph(every, str(p))))
+    assert any("save.kv_save (kv_save) has writers=None, expected 'cp0'" in x
+               for x in check(parse_graph(every, str(p))))
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("tiny_qwen3_tp2_sp", {}), ("tiny_deepseek_v3_tp2ep2", {"sp": True}), ("tiny_deepseek_v3_dp2ep2", {}),
+    ("tiny_qwen3_cp2", {}), ("tiny_deepseek_v3_cp2", {}), ("tiny_qwen3", {"tp": 2, "cp": 2}),
+])
+def test_contracts_hold_at_the_new_layouts(name, overrides):
+    """Checked mode (every pass's requires/ensures) for every variant under sync and async writes; DeepSeek
+    with sp (MoE at ep = tp: its partial sum reduce-scattered too) and cp inside a TP group (tp=2, cp=2)."""
+    base = load_spec(REPO / "specs" / f"{name}.yaml").with_overrides(**overrides)
+    for write in ("sync", "async"):
+        spec = base.with_overrides(write=write)
+        for variant in spec.variants:
+            g = run_pipeline(spec, variant, check=True)
+            no_collective = g.meta["phase"] == "decode" and g.meta.get("cp", 1) > 1 and g.meta.get("tp", 1) == 1
+            assert check(g) == [] and bool(expected_collectives(g)) != no_collective, (name, variant)
