@@ -77,9 +77,8 @@ MATRIX: tuple[Row, ...] = (
 )
 
 ROWS: dict[str, Row] = {r.subject: r for r in MATRIX}
-# derived feature -> (the ``parallel:`` setting that turns it on, is it on for this Parallel?)
-DERIVED = {"context_parallel": ("parallel.cp", "cp: 2", lambda par: par.cp > 1),
-           "sequence_parallel": ("parallel.sp", "sp: true", lambda par: par.sp)}
+# derived feature -> (the ``parallel:`` field that turns it on, an example setting for the fix)
+DERIVED = {"context_parallel": ("parallel.cp", "cp: 2"), "sequence_parallel": ("parallel.sp", "sp: true")}
 # feature -> (status, note): the feature rows of the matrix (kept for callers of the old table).
 FEATURES: dict[str, tuple[str, str]] = {r.subject: (r.status, r.note) for r in MATRIX if r.is_feature}
 # Features a spec may list (the JSON Schema's enum): everything not rejected outright or derived.
@@ -87,12 +86,6 @@ ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items()
                                          if st not in ("not_implemented", "derived"))
 
 _MISSING = object()
-
-
-def enabled_features(spec) -> tuple[str, ...]:
-    """The spec's listed features and the derived ones its ``parallel:`` turns on, in matrix order."""
-    on = set(spec.features) | {f for f, (_, _, is_on) in DERIVED.items() if is_on(spec.parallel)}
-    return tuple(r.subject for r in MATRIX if r.is_feature and r.subject in on)
 
 
 def _get(spec, name):
@@ -138,7 +131,7 @@ def _matrix_rules(spec):
             yield (where, f"pool.write: {write} does not combine with '{f}'",
                    f"remove '{f}' or set pool.write: {row.writes[-1]}")
         elif row.status == "derived":
-            setting, example, _ = DERIVED[f]
+            setting, example = DERIVED[f]
             yield (where, f"feature '{f}' is set by {setting}, not listed in features",
                    f"remove '{f}' from features and write parallel: {{{example}}}")
         elif row.status == "not_implemented":
