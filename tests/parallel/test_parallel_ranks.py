@@ -60,6 +60,21 @@ def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
         assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
 
 
+def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen):
+    """sp: reduce-scatter + norm on 1/tp of the tokens + all-gather (tiny_qwen3_tp2_sp); odd step sizes
+    (prompt b: 9 tokens, decode: 1) leave rank 1 a short or empty shard."""
+    model, d = qwen.model, qwen.dir
+    a, b = _prompts(1)
+    (ra, again, rb), stats, _ = _run("specs/tiny_qwen3_tp2_sp.yaml", d, a, b)
+    assert (ra.variant, again.variant, again.hit_tokens, rb.hit_tokens) == ("mempool_prefill", "splitfuse", 8, 4)
+    with torch.no_grad():
+        for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
+            assert_steps_match_hf(model, r, f"qwen3 tp=2 sp {what}")   # decode steps included
+    assert [s["hit_blocks"] for s in stats] == [3, 3]
+    with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
+        assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
+
+
 def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
     d = qwen.dir
     a, b = _prompts(2)

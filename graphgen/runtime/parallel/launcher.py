@@ -104,13 +104,13 @@ class DistributedEngine:
         """``target``: the rank builder by name (`graphgen.runtime.parallel.rank.RANK_TARGETS`: ``"cpu"``,
         or one a target registered, e.g. ``"npu"`` by ``graphgen.npu.run.ranks``); ``engine_kwargs`` go
         to it in every rank process."""
-        from ...families.parallel import parallel_rules
+        from ...families.parallel import layout_rules
 
         if target not in RANK_TARGETS:
             raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
 
         # a --tp/--ep override is checked here (the loader checked the file's own layout)
-        problems = list(parallel_rules(spec.family, spec.dims, spec.parallel.tp, spec.parallel.ep))
+        problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
         if problems:
             raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
         if weights is None:
