@@ -72,6 +72,12 @@ class PoolWrite:
         metadata=doc("forward: one bulk save after the last layer's KV write (the seed's non-layered "
                      "mode); layer: each layer saved as soon as its KV is written."),
     )
+    save_decode: bool = field(
+        default=False,
+        metadata=doc("Also save each KV block a decode step fills (so a conversation's next turn hits "
+                     "this turn's answer): copied from the cache after the step that fills it, "
+                     "committed on the host stream (async) or inline (sync). No effect with write: off."),
+    )
 
 
 @dataclass(frozen=True)

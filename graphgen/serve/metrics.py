@@ -33,7 +33,9 @@ _TOTALS = (("graphgen_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tok
            ("graphgen_kv_save_failures", "save_failures", "Saves that failed (nothing committed)."),
            ("graphgen_pool_errors", "pool_errors", "Pool lookups/loads that raised (recomputed)."),
            ("graphgen_engine_steps", "steps", "Engine steps (one generated graph each)."),
-           ("graphgen_preemptions", "preemptions", "Requests preempted (blocks taken back, recomputed later)."))
+           ("graphgen_preemptions", "preemptions", "Requests preempted (blocks taken back, recomputed later)."),
+           ("graphgen_prefills", "prefills", "Prompt prefills begun (n / best_of copies forked from one not counted)."),
+           ("graphgen_forked_requests", "forks", "Requests that shared another's prompt KV blocks (n / best_of)."))
 
 
 # vLLM's names for the same quantities (labelled model_name, as vLLM's are)

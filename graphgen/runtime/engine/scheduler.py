@@ -33,10 +33,24 @@ Policy (continuous batching; see docs/runtime.md):
   its next prefill recomputes prompt + tokens (pool hits included). A request that cannot fit
   even alone finishes with ``"error"`` (`OutOfBlocks` in ``error``).
 
+* **Forks** (``n`` / ``best_of``: ``add(child, fork_of=parent)``). A child of a parent with the
+  same prompt is *held* until the parent's prefill step that covers its first
+  ``(len(prompt) - 1) // block_size`` blocks (the shared blocks: full, and never the one holding
+  the last prompt token) has landed; then it takes one reference on each of them
+  (``BlockAllocator.share``) and is admitted with those positions cached: its prefill computes
+  only the rest of the prompt (1 to ``block_size`` tokens, recomputed per child rather than
+  copied: no cache copy exists in any runner) as a prefill with history, and samples its first
+  token from its own logits with its own sampler. The prompt runs once (the ``prefills`` count),
+  the tails once per child. Children forked bypass ``max_num_seqs`` (a group is admitted together).
+  A parent aborted or failed before that releases its held children as ordinary requests (the
+  engine aborts them first when the parent's abort covers its forks); a child preempted later
+  drops its references and is recomputed as an ordinary request (pool hits included).
+
 Block accounting: a request's ``table`` lists its device blocks (refcount 1 each, taken from the
-shared `BlockAllocator`); they go back when it finishes, is aborted or preempted — once no step
-in flight still writes them. Blocks whose save is still in flight stay pinned by the connector,
-so freeing never waits for a save.
+shared `BlockAllocator`, plus a forked child's shared references); they go back when it finishes,
+is aborted or preempted — once no step in flight still writes them — and a shared block returns
+to the free list only when its last holder drops it. Blocks whose save is still in flight stay
+pinned by the connector, so freeing never waits for a save.
 """
 
 from __future__ import annotations
@@ -98,31 +112,77 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self._chunk_turn = False  # the last step left a prompt mid-way: a decode step goes next
         self.prefix_cache = "prefix_cache" in spec.features
+        self.save_decode = spec.pool.save_decode and spec.pool.write != "off"
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
         self.running: list[Request] = []        # prefill scheduled; decoding, in arrival order
         self.failed: list[Request] = []         # finished with "error" since the last take_failed()
         self.deferred: list[Request] = []       # finished, blocks still written by a step in flight
+        self.held: list[Request] = []           # forks waiting for their parent's prompt blocks
         self.num_preemptions = 0
+        # prompt prefills begun (a forked child's tail not counted), children forked, prefill tokens
+        self.counts = {"prefills": 0, "forks": 0, "prefill_tokens": 0}
 
     # ---- queues -----------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, fork_of: Optional[Request] = None) -> None:
+        """Queue ``request``; with ``fork_of`` (a live request with the same prompt) it shares that
+        parent's prompt blocks once they are computed (see Forks above). A fork that cannot share
+        (the parent is finished, the prompt fits in one block, no prefill variant with history, or
+        it asks for prompt logprobs: its prefill must compute every position) is queued as usual."""
+        if fork_of is not None and self._can_fork(request, fork_of):
+            request.fork_parent = fork_of
+            if fork_of in self.running and fork_of.result.tokens:
+                self._fork(fork_of, [request])  # the parent's prefill has landed: share now
+            else:
+                self.held.append(request)
+            return
         self.waiting.append(request)
 
+    def _can_fork(self, r: Request, parent: Request) -> bool:
+        return (not parent.finished and parent.prompt == r.prompt and self._shared_blocks(parent) > 0
+                and self.variant_for("prefill", True) is not None
+                and not _wants_prompt_logits(r) and not _wants_prompt_logits(parent))
+
+    def _shared_blocks(self, parent: Request) -> int:
+        """The parent's leading blocks a fork shares: full prompt blocks, the last prompt token excluded."""
+        return (len(parent.prompt) - 1) // self.block_size
+
+    def _fork(self, parent: Request, children: list[Request]) -> None:
+        """``children`` take a reference on the parent's shared blocks (their KV is in the cache) and
+        are admitted ahead of the other prefills, those positions cached."""
+        n = self._shared_blocks(parent)
+        ids = parent.table[:n]
+        for c in children:
+            self.alloc.share(ids)
+            c.fork_parent, c.table, c.shared_blocks, c.cached = None, list(ids), n, n * self.block_size
+            c.keys, c.hit_blocks, c.loaded = None, 0, []
+        self.prefill[0:0] = children
+        self.counts["forks"] += len(children)
+
+    def _unhold(self, parent: Request) -> list[Request]:
+        """The children still held for ``parent``, no longer held."""
+        kids = [c for c in self.held if c.fork_parent is parent]
+        for c in kids:
+            self.held.remove(c)
+            c.fork_parent = None
+        return kids
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefill or self.running)
+        return bool(self.waiting or self.prefill or self.running or self.held)
 
     def requests(self) -> list[Request]:
-        return [*self.waiting, *self.prefill, *self.running]
+        return [*self.waiting, *self.prefill, *self.running, *self.held]
 
     def abort(self, r: Request, reason: str = "abort") -> None:
         """Finish ``r`` now. Its blocks go back at once, or — while a step in flight still writes
         them — when that step is updated (`update` / `finalize`). Pins keep in-flight saves safe."""
         if r.finished:
             return
-        for q in (self.waiting, self.prefill, self.running):
+        for q in (self.waiting, self.prefill, self.running, self.held):
             if r in q:
                 q.remove(r)
+        r.fork_parent = None
+        self.waiting.extend(self._unhold(r))  # its prompt blocks will never come: they run alone
         r.result.finish_reason = reason
         self._maybe_release(r)
 
@@ -187,6 +247,9 @@ class Scheduler:
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
+            if row.seq_len >= self._shared_blocks(r) * self.block_size and any(
+                    c.fork_parent is r for c in self.held):
+                self._fork(r, self._unhold(r))  # the shared blocks' KV is written: the forks take them
             tok = tokens[i]
             if tok is None:
                 continue
@@ -200,6 +263,26 @@ class Scheduler:
                 self.abort(r, reason)
                 done.append(r)
         return done
+
+    def decode_saves(self, plan: StepPlan) -> tuple[list[int], list[str]]:
+        """``pool.save_decode``: the blocks the decode rows of ``plan`` (a step that has landed, its
+        tokens finalized) filled, and their pool keys — a block ``j`` is filled by the row whose
+        positions hold its last slot. Empty for a prefill step (it saves through its variant)."""
+        ids: list[int] = []
+        keys: list[str] = []
+        if not self.save_decode or plan.phase != "decode":
+            return ids, keys
+        for row in plan.rows:
+            r = row.request
+            filled = range(row.start // self.block_size, row.seq_len // self.block_size)
+            if r.finished or not filled:
+                continue
+            seq_keys = self.loader.block_keys(r.seq[:row.seq_len])  # the chain through its last token
+            for j in filled:
+                ids.append(row.block_table[j])
+                keys.append(seq_keys[j])
+            r.result.saved_blocks += len(filled)
+        return ids, keys
 
     # ---- internals: admission and prefill ---------------------------------------------------
     def _admit_waiting(self) -> None:
@@ -302,6 +385,9 @@ class Scheduler:
         saves = self.spec.variant_saves(self.spec.variants[variant])
         rows = []
         for r, n in chosen:
+            if r.cached == r.hit_blocks * self.block_size and not r.shared_blocks:
+                self.counts["prefills"] += 1  # its first chunk (a fork's tail is not a prompt prefill)
+            self.counts["prefill_tokens"] += n
             rows.append(self._prefill_row(r, r.cached, r.cached + n, saves))
             r.loaded = []  # the plan carries them now
             if not r.result.variant:
@@ -317,7 +403,10 @@ class Scheduler:
         seq = r.seq
         save_ids, save_keys = (), ()
         if saves:
-            completed = range(max(r.hit_blocks, start // self.block_size), end // self.block_size)
+            first = max(r.hit_blocks, start // self.block_size)
+            if r.shared_blocks:  # a fork: every full prompt block is its parent's to save
+                first = max(first, len(r.prompt) // self.block_size)
+            completed = range(first, end // self.block_size)
             keys = self._keys(r)
             save_ids = tuple(r.table[j] for j in completed)
             save_keys = tuple(keys[j] for j in completed)
@@ -377,7 +466,7 @@ class Scheduler:
                 self.num_preemptions += 1
             self.prefill.remove(r)
         self._release(r)
-        r.cached, r.hit_blocks, r.keys, r.loaded = 0, 0, None, []
+        r.cached, r.hit_blocks, r.keys, r.loaded, r.shared_blocks = 0, 0, None, [], 0
         self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
 
     # ---- internals: blocks ------------------------------------------------------------------
