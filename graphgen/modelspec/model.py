@@ -33,6 +33,7 @@ from ..families.base import doc
 FamilyName = Literal[tuple(FAMILIES)]
 WriteMode = Literal["off", "sync", "async"]
 Granularity = Literal["forward", "layer"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 Phase = Literal["prefill", "decode"]
 KVDType = Literal["float32", "bfloat16", "float16"]
 CompileMode = Literal["max-autotune", "reduce-overhead"]
@@ -78,6 +79,16 @@ class PoolWrite:
                      "this turn's answer): copied from the cache after the step that fills it, "
                      "committed on the host stream (async) or inline (sync). No effect with write: off."),
     )
+    policy: WritePolicy = field(
+        default="write_through",
+        metadata=doc("When a full block is saved: write_through, when a step fills it; "
+                     "write_through_selective, the same but only once its key was computed min_uses "
+                     "times (counted in a bounded LRU map); write_back, when its device block leaves "
+                     "the device (freed by its last holder), never reused before that save committed."),
+    )
+    min_uses: int = field(
+        default=2, metadata=doc("write_through_selective: computations of a block's key before it is saved.",
+                                minimum=1))
 
 
 @dataclass(frozen=True)
@@ -201,11 +212,14 @@ class ModelSpec:
         return True if v.save is None else v.save
 
     def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None,
-                       tp: Optional[int] = None, ep: Optional[int] = None) -> "ModelSpec":
-        """The same model with the pool write mode, granularity and/or parallel layout forced
-        (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``, which
-        the distributed launcher calls)."""
+                       tp: Optional[int] = None, ep: Optional[int] = None,
+                       policy: Optional[str] = None) -> "ModelSpec":
+        """The same model with the pool write mode, granularity, write policy and/or parallel layout
+        forced (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``,
+        which the distributed launcher calls)."""
         spec = self
+        if policy is not None:
+            spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
         if tp is not None or ep is not None:
             spec = dataclasses.replace(spec, parallel=Parallel(tp=self.parallel.tp if tp is None else tp,
                                                                ep=self.parallel.ep if ep is None else ep))

@@ -46,6 +46,15 @@ Policy (continuous batching; see docs/runtime.md):
   engine aborts them first when the parent's abort covers its forks); a child preempted later
   drops its references and is recomputed as an ordinary request (pool hits included).
 
+* **Write policies** (``pool.policy``; the blocks a step would save, prefill or decode):
+  ``write_through`` saves them with the step that fills them; ``write_through_selective`` the
+  same, but a block only once its key has been computed ``pool.min_uses`` times (a count per key
+  in an LRU map of at most ``USES_CAPACITY`` keys: a key pushed out starts again at 0);
+  ``write_back`` saves none when filled: the step's blocks are marked dirty when it lands, and a
+  dirty block is saved when its last holder frees it (finish, abort, preemption) — pinned by that
+  save (``save_blocks``, the connector's ``save_filled``) before it is freed, so it is never reused
+  before its commit.
+
 Block accounting: a request's ``table`` lists its device blocks (refcount 1 each, taken from the
 shared `BlockAllocator`, plus a forked child's shared references); they go back when it finishes,
 is aborted or preempted — once no step in flight still writes them — and a shared block returns
@@ -57,7 +66,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -68,6 +77,7 @@ __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+USES_CAPACITY = 1 << 16  # write_through_selective: keys whose computations are counted (LRU)
 
 
 class PrefixSource(Protocol):
@@ -93,7 +103,9 @@ def _prefill_logits_positions(r: Request, start: int, end: int) -> tuple[int, ..
 
 class Scheduler:
     def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
-                 reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 reclaim: Callable[[], bool] = lambda: False,
+                 save_blocks: Callable[[list, list], None] = lambda ids, keys: None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -113,6 +125,11 @@ class Scheduler:
         self._chunk_turn = False  # the last step left a prompt mid-way: a decode step goes next
         self.prefix_cache = "prefix_cache" in spec.features
         self.save_decode = spec.pool.save_decode and spec.pool.write != "off"
+        self.policy = spec.pool.policy
+        self.min_uses = spec.pool.min_uses
+        self.save_blocks = save_blocks  # (block ids, keys): pin now, commit (write-back saves)
+        self._uses: OrderedDict[str, int] = OrderedDict()  # selective: key -> times computed
+        self._dirty: dict[int, str] = {}  # write_back: block id -> key, filled and not saved yet
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
         self.running: list[Request] = []        # prefill scheduled; decoding, in arrival order
@@ -247,6 +264,9 @@ class Scheduler:
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
+            if self.policy == "write_back" and plan.saves and plan.phase == "prefill":
+                keys = self._keys(r)  # its KV is written now: dirty until the block leaves the device
+                self._dirty.update((row.block_table[j], keys[j]) for j in self._completed(r, *row.chunk))
             if row.seq_len >= self._shared_blocks(r) * self.block_size and any(
                     c.fork_parent is r for c in self.held):
                 self._fork(r, self._unhold(r))  # the shared blocks' KV is written: the forks take them
@@ -268,21 +288,50 @@ class Scheduler:
         """``pool.save_decode``: the blocks the decode rows of ``plan`` (a step that has landed, its
         tokens finalized) filled, and their pool keys — a block ``j`` is filled by the row whose
         positions hold its last slot. Empty for a prefill step (it saves through its variant)."""
-        ids: list[int] = []
-        keys: list[str] = []
+        pairs: list[tuple[int, str]] = []
         if not self.save_decode or plan.phase != "decode":
-            return ids, keys
+            return [], []
         for row in plan.rows:
             r = row.request
             filled = range(row.start // self.block_size, row.seq_len // self.block_size)
             if r.finished or not filled:
                 continue
             seq_keys = self.loader.block_keys(r.seq[:row.seq_len])  # the chain through its last token
-            for j in filled:
-                ids.append(row.block_table[j])
-                keys.append(seq_keys[j])
-            r.result.saved_blocks += len(filled)
-        return ids, keys
+            pairs += [(row.block_table[j], seq_keys[j]) for j in filled]
+        if self.policy == "write_back":
+            self._dirty.update(pairs)  # the step has landed: saved when the block leaves
+            return [], []
+        pairs = self._selected(pairs)
+        for row in plan.rows:
+            row.request.result.saved_blocks += sum(1 for b, _ in pairs if b in row.block_table)
+        return [b for b, _ in pairs], [k for _, k in pairs]
+
+    def _selected(self, pairs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The (block, key) pairs a filling step saves: all (write_through), those whose key has now
+        been computed ``min_uses`` times (write_through_selective, counting this time), none
+        (write_back: saved when the block leaves the device)."""
+        if self.policy == "write_back":
+            return []
+        if self.policy != "write_through_selective":
+            return pairs
+        out = []
+        for b, k in pairs:
+            n = self._uses.pop(k, 0) + 1
+            self._uses[k] = n  # most recently used last
+            if n >= self.min_uses:
+                out.append((b, k))
+        while len(self._uses) > USES_CAPACITY:
+            self._uses.popitem(last=False)
+        return out
+
+    def _completed(self, r: Request, start: int, end: int) -> range:
+        """The full blocks a prefill row of ``r`` over ``[start, end)`` completes and saves: from the
+        first one not loaded nor saved by an earlier chunk (a fork: none of its prompt's blocks,
+        its parent saves them)."""
+        first = max(r.hit_blocks, start // self.block_size)
+        if r.shared_blocks:
+            first = max(first, len(r.prompt) // self.block_size)
+        return range(first, end // self.block_size)
 
     # ---- internals: admission and prefill ---------------------------------------------------
     def _admit_waiting(self) -> None:
@@ -403,14 +452,11 @@ class Scheduler:
         seq = r.seq
         save_ids, save_keys = (), ()
         if saves:
-            first = max(r.hit_blocks, start // self.block_size)
-            if r.shared_blocks:  # a fork: every full prompt block is its parent's to save
-                first = max(first, len(r.prompt) // self.block_size)
-            completed = range(first, end // self.block_size)
             keys = self._keys(r)
-            save_ids = tuple(r.table[j] for j in completed)
-            save_keys = tuple(keys[j] for j in completed)
-            r.result.saved_blocks += len(completed)
+            picked = self._selected([(r.table[j], keys[j]) for j in self._completed(r, start, end)])
+            save_ids = tuple(b for b, _ in picked)
+            save_keys = tuple(k for _, k in picked)
+            r.result.saved_blocks += len(picked)
         last = end == len(seq)
         loads = len(r.loaded)  # non-empty only before its first chunk is planned
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
@@ -490,6 +536,11 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         if r.table:
             r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
+            if self._dirty:  # write_back: its dirty blocks it holds last are saved (and pinned) first
+                out = [(b, self._dirty.pop(b)) for b in r.table
+                       if b in self._dirty and self.alloc.refcount(b) == 1]
+                if out:
+                    self.save_blocks([b for b, _ in out], [k for _, k in out])
             self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
             r.table = []
 
