@@ -89,6 +89,12 @@ class PoolWrite:
     min_uses: int = field(
         default=2, metadata=doc("write_through_selective: computations of a block's key before it is saved.",
                                 minimum=1))
+    device_cache: bool = field(
+        default=False,
+        metadata=doc("Keep the full KV blocks of finished requests on the device (LRU by key, evicted "
+                     "when blocks run out): a later prompt's leading blocks found there are shared, "
+                     "not loaded from the pool (device_hit_blocks). Needs features: [prefix_cache]."),
+    )
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ class EngineStats:
     steps: int = 0  # engine steps run (fewer than tokens generated when requests are batched)
     prefills: int = 0  # prompt prefills begun (n / best_of copies forked from one are not)
     forks: int = 0  # requests that shared another's prompt KV blocks (n / best_of copies)
+    device_hit_blocks: int = 0  # prompt blocks shared from the device prefix cache (not the pool)
+    device_cached_blocks: int = 0  # gauge: blocks the device prefix cache holds
     extra: dict = field(default_factory=dict)
 
 

@@ -95,6 +95,10 @@ class Request:
     fork_parent: Optional["Request"] = None
     forks: list = field(default_factory=list)
     shared_blocks: int = 0
+    # positions whose KV is in the cache for sure (their step landed, or found there); unlike
+    # ``cached`` never ahead of the steps that write it: what a device prefix cache may keep
+    computed: int = 0
+    device_blocks: int = 0  # leading blocks shared from the device prefix cache in this admission
 
     @property
     def max_new_tokens(self) -> int:

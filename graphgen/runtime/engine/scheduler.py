@@ -55,6 +55,13 @@ Policy (continuous batching; see docs/runtime.md):
   save (``save_blocks``, the connector's ``save_filled``) before it is freed, so it is never reused
   before its commit.
 
+* **Device prefix cache** (``pool.device_cache``, off by default; needs ``prefix_cache`` and a
+  prefill variant with history). A released request's full blocks whose KV has landed stay on the
+  device in a `DevicePrefixCache` (one reference of its own, LRU by key). Admission takes the
+  leading run of a prompt's keys found there first (shared, no load: ``device_hit_blocks``), then
+  looks the pool up for the rest. When an allocation finds no free block, the least recently used
+  cached blocks nobody else holds are evicted first (written back first under ``write_back``).
+
 Block accounting: a request's ``table`` lists its device blocks (refcount 1 each, taken from the
 shared `BlockAllocator`, plus a forked child's shared references); they go back when it finishes,
 is aborted or preempted — once no step in flight still writes them — and a shared block returns
@@ -71,6 +78,7 @@ from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
 from ..core.kvcache import BlockAllocator, OutOfBlocks
+from .device_cache import DevicePrefixCache
 from .request import PENDING, Request, RowPlan, StepPlan
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
@@ -130,6 +138,9 @@ class Scheduler:
         self.save_blocks = save_blocks  # (block ids, keys): pin now, commit (write-back saves)
         self._uses: OrderedDict[str, int] = OrderedDict()  # selective: key -> times computed
         self._dirty: dict[int, str] = {}  # write_back: block id -> key, filled and not saved yet
+        self.device_cache = (DevicePrefixCache(alloc, self._write_back)
+                             if spec.pool.device_cache and self.prefix_cache
+                             and self.variant_for("prefill", True) is not None else None)
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
         self.running: list[Request] = []        # prefill scheduled; decoding, in arrival order
@@ -138,7 +149,7 @@ class Scheduler:
         self.held: list[Request] = []           # forks waiting for their parent's prompt blocks
         self.num_preemptions = 0
         # prompt prefills begun (a forked child's tail not counted), children forked, prefill tokens
-        self.counts = {"prefills": 0, "forks": 0, "prefill_tokens": 0}
+        self.counts = {"prefills": 0, "forks": 0, "prefill_tokens": 0, "device_hit_blocks": 0}
 
     # ---- queues -----------------------------------------------------------------------------
     def add(self, request: Request, fork_of: Optional[Request] = None) -> None:
@@ -172,7 +183,7 @@ class Scheduler:
         for c in children:
             self.alloc.share(ids)
             c.fork_parent, c.table, c.shared_blocks, c.cached = None, list(ids), n, n * self.block_size
-            c.keys, c.hit_blocks, c.loaded = None, 0, []
+            c.keys, c.hit_blocks, c.loaded, c.computed, c.device_blocks = None, 0, [], n * self.block_size, 0
         self.prefill[0:0] = children
         self.counts["forks"] += len(children)
 
@@ -209,6 +220,8 @@ class Scheduler:
             r.in_steps = 0
             self.abort(r)
             self._maybe_release(r)
+        if self.device_cache is not None:
+            self.device_cache.clear()  # written back first under write_back
 
     def take_failed(self) -> list[Request]:
         out, self.failed = self.failed, []
@@ -261,6 +274,7 @@ class Scheduler:
         for i, row in enumerate(plan.rows):
             r = row.request
             r.in_steps -= 1
+            r.computed = max(r.computed, row.seq_len)  # the step ran: its KV is in the cache
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
@@ -347,25 +361,33 @@ class Scheduler:
         """Look the sequence's prefix up in the pool and load the leading run of hits. At most
         ``(len-1)//block_size`` blocks: the last token is always computed (its logits)."""
         seq = r.seq
-        r.keys, r.cached, r.hit_blocks, r.loaded = None, 0, 0, []
+        r.keys, r.cached, r.hit_blocks, r.loaded, r.computed, r.device_blocks = None, 0, 0, [], 0, 0
         max_blocks = (len(seq) - 1) // self.block_size
         if _wants_prompt_logits(r):
             return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
         keys = self._keys(r)[:max_blocks]
-        run = self.loader.lookup(keys)
-        if run == 0:
+        if self.device_cache is not None:  # device hits first: shared, nothing to load
+            r.table.extend(self.device_cache.leading(keys))
+            r.device_blocks = len(r.table)
+            r.computed = r.device_blocks * self.block_size
+            self.counts["device_hit_blocks"] += r.device_blocks
+        dev = r.device_blocks
+        run = self.loader.lookup(keys[dev:]) if dev < len(keys) else 0
+        if run:
+            try:
+                r.table.extend(self._alloc(run))
+            except OutOfBlocks:
+                run = 0  # no room to load into: recompute (the prefill may still find blocks later)
+        if run:
+            r.loaded = list(self.loader.load(keys[dev:dev + run]))
+            if len(r.loaded) < run:  # the rest of the run is recomputed into fresh blocks
+                self.alloc.free(r.table[dev + len(r.loaded):])
+                del r.table[dev + len(r.loaded):]
+        r.hit_blocks = dev + len(r.loaded)
+        if r.hit_blocks == 0:
             return
-        try:
-            r.table.extend(self._alloc(run))
-        except OutOfBlocks:
-            return  # no room to load into: recompute (the prefill may still find blocks later)
-        r.loaded = list(self.loader.load(keys[:run]))
-        r.hit_blocks = len(r.loaded)
-        if r.hit_blocks < run:  # the rest of the run is recomputed into fresh blocks
-            self.alloc.free(r.table[r.hit_blocks:])
-            del r.table[r.hit_blocks:]
         r.cached = r.hit_blocks * self.block_size
         if not r.result.tokens and not r.result.preemptions:
             r.result.hit_tokens = r.cached
@@ -460,7 +482,7 @@ class Scheduler:
         last = end == len(seq)
         loads = len(r.loaded)  # non-empty only before its first chunk is planned
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
-                       load_block_ids=tuple(r.table[:loads]), loaded=tuple(r.loaded),
+                       load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]), loaded=tuple(r.loaded),
                        save_block_ids=save_ids, save_keys=save_keys,
                        logits_positions=_prefill_logits_positions(r, start, end) if last else (), samples=last)
 
@@ -513,6 +535,7 @@ class Scheduler:
             self.prefill.remove(r)
         self._release(r)
         r.cached, r.hit_blocks, r.keys, r.loaded, r.shared_blocks = 0, 0, None, [], 0
+        r.computed = r.device_blocks = 0
         self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
 
     # ---- internals: blocks ------------------------------------------------------------------
@@ -521,6 +544,8 @@ class Scheduler:
             try:
                 return self.alloc.alloc(n)
             except OutOfBlocks:
+                if self.device_cache is not None and self.device_cache.evict(n - self.alloc.num_free):
+                    continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
                 if not self.reclaim():  # nothing in flight would ever give blocks back
                     raise
 
@@ -536,6 +561,11 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         if r.table:
             r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
+            if self.device_cache is not None:  # its landed full blocks stay on the device
+                full = min(r.computed // self.block_size, len(r.table))
+                keys = self.loader.block_keys(r.seq[:full * self.block_size]) if full else []
+                for j in range(full):
+                    self.device_cache.insert(r.table[j], keys[j])
             if self._dirty:  # write_back: its dirty blocks it holds last are saved (and pinned) first
                 out = [(b, self._dirty.pop(b)) for b in r.table
                        if b in self._dirty and self.alloc.refcount(b) == 1]
@@ -543,6 +573,11 @@ class Scheduler:
                     self.save_blocks([b for b, _ in out], [k for _, k in out])
             self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
             r.table = []
+
+    def _write_back(self, block_id: int, key: str) -> None:
+        """A block leaving the device cache: saved first when it is dirty (write_back)."""
+        if self._dirty.pop(block_id, None) is not None:
+            self.save_blocks([block_id], [key])
 
     def _maybe_release(self, r: Request) -> None:
         if r.in_steps > 0:

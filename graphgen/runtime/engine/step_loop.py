@@ -261,12 +261,15 @@ class LLMEngine:
         """Gauges (``running``, ``waiting``, ``saves_pending``, ``free_blocks``), totals since start
         (``prompt_tokens``, ``generation_tokens``, ``prefix_hit_tokens``, ``steps``,
         ``preemptions``, ``sampling_fallbacks``; the scheduler's ``prefills`` — prompt prefills
-        begun —, ``forks`` — children sharing a parent's prompt blocks — and ``prefill_tokens``)
+        begun —, ``forks`` — children sharing a parent's prompt blocks —, ``prefill_tokens`` and
+        ``device_hit_blocks`` — blocks shared from the device prefix cache, apart from the pool's
+        ``hit_blocks``; the gauge ``device_cached_blocks``)
         and the connector's counters (``puts``, ...)."""
         self.connector.reap()
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + len(s.prefill) + len(s.held),
                 "saves_pending": self.connector.pending, "free_blocks": s.alloc.num_free,
+                "device_cached_blocks": len(s.device_cache) if s.device_cache is not None else 0,
                 **self._totals, "preemptions": s.num_preemptions, **s.counts, **self.connector.stats}
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
