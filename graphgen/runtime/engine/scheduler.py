@@ -32,60 +32,34 @@ Policy (continuous batching; see docs/runtime.md):
   are freed and it goes back to the head of the waiting queue; its generated tokens are kept and
   its next prefill recomputes prompt + tokens (pool hits included). A request that cannot fit
   even alone finishes with ``"error"`` (`OutOfBlocks` in ``error``).
+* **Forks** (``add(child, fork_of=parent)``, `Forks`): held until the parent's prompt blocks
+  landed, then shared and admitted ahead of other prefills (outside ``max_num_seqs``).
+* **Saves, released blocks** (`BlockLife`: ``pool.policy``, ``save_decode``, ``device_cache``);
+  device prefix hits are taken before the pool lookup; an allocation evicts cached blocks first.
 
-* **Forks** (``n`` / ``best_of``: ``add(child, fork_of=parent)``). A child of a parent with the
-  same prompt is *held* until the parent's prefill step that covers its first
-  ``(len(prompt) - 1) // block_size`` blocks (the shared blocks: full, and never the one holding
-  the last prompt token) has landed; then it takes one reference on each of them
-  (``BlockAllocator.share``) and is admitted with those positions cached: its prefill computes
-  only the rest of the prompt (1 to ``block_size`` tokens, recomputed per child rather than
-  copied: no cache copy exists in any runner) as a prefill with history, and samples its first
-  token from its own logits with its own sampler. The prompt runs once (the ``prefills`` count),
-  the tails once per child. Children forked bypass ``max_num_seqs`` (a group is admitted together).
-  A parent aborted or failed before that releases its held children as ordinary requests (the
-  engine aborts them first when the parent's abort covers its forks); a child preempted later
-  drops its references and is recomputed as an ordinary request (pool hits included).
-
-* **Write policies** (``pool.policy``; the blocks a step would save, prefill or decode):
-  ``write_through`` saves them with the step that fills them; ``write_through_selective`` the
-  same, but a block only once its key has been computed ``pool.min_uses`` times (a count per key
-  in an LRU map of at most ``USES_CAPACITY`` keys: a key pushed out starts again at 0);
-  ``write_back`` saves none when filled: the step's blocks are marked dirty when it lands, and a
-  dirty block is saved when its last holder frees it (finish, abort, preemption) — pinned by that
-  save (``save_blocks``, the connector's ``save_filled``) before it is freed, so it is never reused
-  before its commit.
-
-* **Device prefix cache** (``pool.device_cache``, off by default; needs ``prefix_cache`` and a
-  prefill variant with history). A released request's full blocks whose KV has landed stay on the
-  device in a `DevicePrefixCache` (one reference of its own, LRU by key). Admission takes the
-  leading run of a prompt's keys found there first (shared, no load: ``device_hit_blocks``), then
-  looks the pool up for the rest. When an allocation finds no free block, the least recently used
-  cached blocks nobody else holds are evicted first (written back first under ``write_back``).
-
-Block accounting: a request's ``table`` lists its device blocks (refcount 1 each, taken from the
-shared `BlockAllocator`, plus a forked child's shared references); they go back when it finishes,
-is aborted or preempted — once no step in flight still writes them — and a shared block returns
-to the free list only when its last holder drops it. Blocks whose save is still in flight stay
-pinned by the connector, so freeing never waits for a save.
+Block accounting: a request's ``table`` lists its device blocks (its own, refcount 1, and a fork's
+shared references); they go back when it finishes, is aborted or preempted — once no step in
+flight still writes them —, a shared block when its last holder drops it. Blocks with a save in
+flight stay pinned by the connector, so freeing never waits for a save.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
 from ..core.kvcache import BlockAllocator, OutOfBlocks
-from .device_cache import DevicePrefixCache
+from .block_life import BlockLife
+from .forks import Forks
 from .request import PENDING, Request, RowPlan, StepPlan
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-USES_CAPACITY = 1 << 16  # write_through_selective: keys whose computations are counted (LRU)
 
 
 class PrefixSource(Protocol):
@@ -132,68 +106,37 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self._chunk_turn = False  # the last step left a prompt mid-way: a decode step goes next
         self.prefix_cache = "prefix_cache" in spec.features
-        self.save_decode = spec.pool.save_decode and spec.pool.write != "off"
-        self.policy = spec.pool.policy
-        self.min_uses = spec.pool.min_uses
-        self.save_blocks = save_blocks  # (block ids, keys): pin now, commit (write-back saves)
-        self._uses: OrderedDict[str, int] = OrderedDict()  # selective: key -> times computed
-        self._dirty: dict[int, str] = {}  # write_back: block id -> key, filled and not saved yet
-        self.device_cache = (DevicePrefixCache(alloc, self._write_back)
-                             if spec.pool.device_cache and self.prefix_cache
-                             and self.variant_for("prefill", True) is not None else None)
+        self.blocks = BlockLife(spec, alloc, loader.block_keys, save_blocks=save_blocks, device_cache=(
+            spec.pool.device_cache and self.prefix_cache and self.variant_for("prefill", True) is not None))
+        self.device_cache = self.blocks.device_cache
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
         self.running: list[Request] = []        # prefill scheduled; decoding, in arrival order
         self.failed: list[Request] = []         # finished with "error" since the last take_failed()
         self.deferred: list[Request] = []       # finished, blocks still written by a step in flight
-        self.held: list[Request] = []           # forks waiting for their parent's prompt blocks
+        self.forks = Forks(alloc, self.block_size)
+        self.held = self.forks.held             # forks waiting for their parent's prompt blocks
         self.num_preemptions = 0
-        # prompt prefills begun (a forked child's tail not counted), children forked, prefill tokens
         self.counts = {"prefills": 0, "forks": 0, "prefill_tokens": 0, "device_hit_blocks": 0}
 
     # ---- queues -----------------------------------------------------------------------------
     def add(self, request: Request, fork_of: Optional[Request] = None) -> None:
-        """Queue ``request``; with ``fork_of`` (a live request with the same prompt) it shares that
-        parent's prompt blocks once they are computed (see Forks above). A fork that cannot share
-        (the parent is finished, the prompt fits in one block, no prefill variant with history, or
-        it asks for prompt logprobs: its prefill must compute every position) is queued as usual."""
-        if fork_of is not None and self._can_fork(request, fork_of):
-            request.fork_parent = fork_of
+        """Queue ``request``; with ``fork_of`` it shares that parent's prompt blocks once computed,
+        unless it cannot (`Forks.can_share`, no history variant, prompt logprobs): then as usual."""
+        if (fork_of is not None and self.forks.can_share(request, fork_of)
+                and self.variant_for("prefill", True) is not None
+                and not _wants_prompt_logits(request) and not _wants_prompt_logits(fork_of)):
             if fork_of in self.running and fork_of.result.tokens:
-                self._fork(fork_of, [request])  # the parent's prefill has landed: share now
+                self._admit_forks(fork_of, [request])  # the parent's prefill has landed: share now
             else:
-                self.held.append(request)
+                self.forks.hold(request, fork_of)
             return
         self.waiting.append(request)
 
-    def _can_fork(self, r: Request, parent: Request) -> bool:
-        return (not parent.finished and parent.prompt == r.prompt and self._shared_blocks(parent) > 0
-                and self.variant_for("prefill", True) is not None
-                and not _wants_prompt_logits(r) and not _wants_prompt_logits(parent))
-
-    def _shared_blocks(self, parent: Request) -> int:
-        """The parent's leading blocks a fork shares: full prompt blocks, the last prompt token excluded."""
-        return (len(parent.prompt) - 1) // self.block_size
-
-    def _fork(self, parent: Request, children: list[Request]) -> None:
-        """``children`` take a reference on the parent's shared blocks (their KV is in the cache) and
-        are admitted ahead of the other prefills, those positions cached."""
-        n = self._shared_blocks(parent)
-        ids = parent.table[:n]
-        for c in children:
-            self.alloc.share(ids)
-            c.fork_parent, c.table, c.shared_blocks, c.cached = None, list(ids), n, n * self.block_size
-            c.keys, c.hit_blocks, c.loaded, c.computed, c.device_blocks = None, 0, [], n * self.block_size, 0
+    def _admit_forks(self, parent: Request, children: list[Request]) -> None:  # ahead of other prefills
+        self.forks.share(parent, children)
         self.prefill[0:0] = children
         self.counts["forks"] += len(children)
-
-    def _unhold(self, parent: Request) -> list[Request]:
-        """The children still held for ``parent``, no longer held."""
-        kids = [c for c in self.held if c.fork_parent is parent]
-        for c in kids:
-            self.held.remove(c)
-            c.fork_parent = None
-        return kids
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefill or self.running or self.held)
@@ -210,7 +153,7 @@ class Scheduler:
             if r in q:
                 q.remove(r)
         r.fork_parent = None
-        self.waiting.extend(self._unhold(r))  # its prompt blocks will never come: they run alone
+        self.waiting.extend(self.forks.take(r))  # its prompt blocks will never come: they run alone
         r.result.finish_reason = reason
         self._maybe_release(r)
 
@@ -220,8 +163,7 @@ class Scheduler:
             r.in_steps = 0
             self.abort(r)
             self._maybe_release(r)
-        if self.device_cache is not None:
-            self.device_cache.clear()  # written back first under write_back
+        self.blocks.clear()  # the device prefix cache, written back first under write_back
 
     def take_failed(self) -> list[Request]:
         out, self.failed = self.failed, []
@@ -278,12 +220,10 @@ class Scheduler:
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
-            if self.policy == "write_back" and plan.saves and plan.phase == "prefill":
-                keys = self._keys(r)  # its KV is written now: dirty until the block leaves the device
-                self._dirty.update((row.block_table[j], keys[j]) for j in self._completed(r, *row.chunk))
-            if row.seq_len >= self._shared_blocks(r) * self.block_size and any(
-                    c.fork_parent is r for c in self.held):
-                self._fork(r, self._unhold(r))  # the shared blocks' KV is written: the forks take them
+            if plan.saves and plan.phase == "prefill":
+                self.blocks.landed(row, self.blocks.completed(r, *row.chunk), self._keys(r))
+            if kids := self.forks.ready(r, row.seq_len):
+                self._admit_forks(r, kids)  # the shared blocks' KV is written: the forks take them
             tok = tokens[i]
             if tok is None:
                 continue
@@ -298,55 +238,6 @@ class Scheduler:
                 done.append(r)
         return done
 
-    def decode_saves(self, plan: StepPlan) -> tuple[list[int], list[str]]:
-        """``pool.save_decode``: the blocks the decode rows of ``plan`` (a step that has landed, its
-        tokens finalized) filled, and their pool keys — a block ``j`` is filled by the row whose
-        positions hold its last slot. Empty for a prefill step (it saves through its variant)."""
-        pairs: list[tuple[int, str]] = []
-        if not self.save_decode or plan.phase != "decode":
-            return [], []
-        for row in plan.rows:
-            r = row.request
-            filled = range(row.start // self.block_size, row.seq_len // self.block_size)
-            if r.finished or not filled:
-                continue
-            seq_keys = self.loader.block_keys(r.seq[:row.seq_len])  # the chain through its last token
-            pairs += [(row.block_table[j], seq_keys[j]) for j in filled]
-        if self.policy == "write_back":
-            self._dirty.update(pairs)  # the step has landed: saved when the block leaves
-            return [], []
-        pairs = self._selected(pairs)
-        for row in plan.rows:
-            row.request.result.saved_blocks += sum(1 for b, _ in pairs if b in row.block_table)
-        return [b for b, _ in pairs], [k for _, k in pairs]
-
-    def _selected(self, pairs: list[tuple[int, str]]) -> list[tuple[int, str]]:
-        """The (block, key) pairs a filling step saves: all (write_through), those whose key has now
-        been computed ``min_uses`` times (write_through_selective, counting this time), none
-        (write_back: saved when the block leaves the device)."""
-        if self.policy == "write_back":
-            return []
-        if self.policy != "write_through_selective":
-            return pairs
-        out = []
-        for b, k in pairs:
-            n = self._uses.pop(k, 0) + 1
-            self._uses[k] = n  # most recently used last
-            if n >= self.min_uses:
-                out.append((b, k))
-        while len(self._uses) > USES_CAPACITY:
-            self._uses.popitem(last=False)
-        return out
-
-    def _completed(self, r: Request, start: int, end: int) -> range:
-        """The full blocks a prefill row of ``r`` over ``[start, end)`` completes and saves: from the
-        first one not loaded nor saved by an earlier chunk (a fork: none of its prompt's blocks,
-        its parent saves them)."""
-        first = max(r.hit_blocks, start // self.block_size)
-        if r.shared_blocks:
-            first = max(first, len(r.prompt) // self.block_size)
-        return range(first, end // self.block_size)
-
     # ---- internals: admission and prefill ---------------------------------------------------
     def _admit_waiting(self) -> None:
         pending = sum(len(r.seq) - r.cached for r in self.prefill)
@@ -358,8 +249,9 @@ class Scheduler:
             pending += len(r.seq) - r.cached
 
     def _admit(self, r: Request) -> None:
-        """Look the sequence's prefix up in the pool and load the leading run of hits. At most
-        ``(len-1)//block_size`` blocks: the last token is always computed (its logits)."""
+        """Take the sequence's prefix: device prefix hits, then the leading run of pool hits loaded
+        (`BlockLife.take_prefix`). At most ``(len-1)//block_size`` blocks: the last token is always
+        computed (its logits)."""
         seq = r.seq
         r.keys, r.cached, r.hit_blocks, r.loaded, r.computed, r.device_blocks = None, 0, 0, [], 0, 0
         max_blocks = (len(seq) - 1) // self.block_size
@@ -367,25 +259,9 @@ class Scheduler:
             return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
-        keys = self._keys(r)[:max_blocks]
-        if self.device_cache is not None:  # device hits first: shared, nothing to load
-            r.table.extend(self.device_cache.leading(keys))
-            r.device_blocks = len(r.table)
-            r.computed = r.device_blocks * self.block_size
-            self.counts["device_hit_blocks"] += r.device_blocks
-        dev = r.device_blocks
-        run = self.loader.lookup(keys[dev:]) if dev < len(keys) else 0
-        if run:
-            try:
-                r.table.extend(self._alloc(run))
-            except OutOfBlocks:
-                run = 0  # no room to load into: recompute (the prefill may still find blocks later)
-        if run:
-            r.loaded = list(self.loader.load(keys[dev:dev + run]))
-            if len(r.loaded) < run:  # the rest of the run is recomputed into fresh blocks
-                self.alloc.free(r.table[dev + len(r.loaded):])
-                del r.table[dev + len(r.loaded):]
-        r.hit_blocks = dev + len(r.loaded)
+        self.blocks.take_prefix(r, self._keys(r)[:max_blocks], self.loader, self._alloc)
+        self.counts["device_hit_blocks"] += r.device_blocks
+        r.hit_blocks = r.device_blocks + len(r.loaded)
         if r.hit_blocks == 0:
             return
         r.cached = r.hit_blocks * self.block_size
@@ -475,7 +351,7 @@ class Scheduler:
         save_ids, save_keys = (), ()
         if saves:
             keys = self._keys(r)
-            picked = self._selected([(r.table[j], keys[j]) for j in self._completed(r, start, end)])
+            picked = self.blocks.selected([(r.table[j], keys[j]) for j in self.blocks.completed(r, start, end)])
             save_ids = tuple(b for b, _ in picked)
             save_keys = tuple(k for _, k in picked)
             r.result.saved_blocks += len(picked)
@@ -534,8 +410,7 @@ class Scheduler:
                 self.num_preemptions += 1
             self.prefill.remove(r)
         self._release(r)
-        r.cached, r.hit_blocks, r.keys, r.loaded, r.shared_blocks = 0, 0, None, [], 0
-        r.computed = r.device_blocks = 0
+        r.cached, r.hit_blocks, r.keys, r.loaded, r.shared_blocks, r.computed, r.device_blocks = 0, 0, None, [], 0, 0, 0
         self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
 
     # ---- internals: blocks ------------------------------------------------------------------
@@ -544,7 +419,7 @@ class Scheduler:
             try:
                 return self.alloc.alloc(n)
             except OutOfBlocks:
-                if self.device_cache is not None and self.device_cache.evict(n - self.alloc.num_free):
+                if self.blocks.evict(n - self.alloc.num_free):
                     continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
                 if not self.reclaim():  # nothing in flight would ever give blocks back
                     raise
@@ -561,23 +436,9 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         if r.table:
             r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
-            if self.device_cache is not None:  # its landed full blocks stay on the device
-                full = min(r.computed // self.block_size, len(r.table))
-                keys = self.loader.block_keys(r.seq[:full * self.block_size]) if full else []
-                for j in range(full):
-                    self.device_cache.insert(r.table[j], keys[j])
-            if self._dirty:  # write_back: its dirty blocks it holds last are saved (and pinned) first
-                out = [(b, self._dirty.pop(b)) for b in r.table
-                       if b in self._dirty and self.alloc.refcount(b) == 1]
-                if out:
-                    self.save_blocks([b for b, _ in out], [k for _, k in out])
+            self.blocks.release(r)  # device prefix cache, write-back: before the references go
             self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
             r.table = []
-
-    def _write_back(self, block_id: int, key: str) -> None:
-        """A block leaving the device cache: saved first when it is dirty (write_back)."""
-        if self._dirty.pop(block_id, None) is not None:
-            self.save_blocks([block_id], [key])
 
     def _maybe_release(self, r: Request) -> None:
         if r.in_steps > 0:

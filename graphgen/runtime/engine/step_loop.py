@@ -198,7 +198,7 @@ class LLMEngine:
             for j, i in enumerate(sampling):
                 kept[i] = last[j]
         # decode-time saves (pool.save_decode): pinned before update can free a finished request's blocks
-        self.connector.save_filled(*self.scheduler.decode_saves(plan))
+        self.connector.save_filled(*self.scheduler.blocks.decode_saves(plan))
         self.scheduler.update(plan, tokens, kept)
         self.connector.reap()
         self._totals["steps"] += 1
