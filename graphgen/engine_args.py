@@ -9,10 +9,14 @@ happens before anything heavy is imported.
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Optional, get_args
+
+from .modelspec.model import WritePolicy
 
 __all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "layout_refusal", "target_note",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
+
+WRITE_POLICIES = get_args(WritePolicy)  # pool.policy's values
 
 # every command's exit codes (cli/common.py documents them; the server uses the same ones)
 EXIT_OK, EXIT_STALE, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -25,6 +29,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                    help="Hugging Face checkpoint folder (config.json + safetensors; a tokenizer in it enables text)")
     p.add_argument("--write", choices=("off", "sync", "async"), default=None, help="override pool.write")
     p.add_argument("--granularity", choices=("forward", "layer"), default=None, help="override pool.granularity")
+    p.add_argument("--pool-policy", choices=WRITE_POLICIES, default=None,
+                   help="override pool.policy: when full blocks are saved (write_through: when filled; "
+                        "write_through_selective: once computed pool.min_uses times; write_back: when they "
+                        "leave the device)")
     p.add_argument("--tp", type=int, default=None,
                    help="override parallel.tp: tensor-parallel ranks (one process each)")
     p.add_argument("--ep", type=int, default=None,
@@ -88,6 +96,7 @@ def engine_options(args, faults=None) -> dict:
     """`open_engine`'s keyword arguments from the engine flags (the spec and weights aside)."""
     opts = dict(write=args.write, granularity=args.granularity, tp=args.tp, ep=args.ep, pool=args.pool,
                 **{k: getattr(args, k) for k in ("dp", "cp", "sp") if getattr(args, k, None) is not None},
+                pool_policy=args.pool_policy,
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
                 chunked_prefill=args.chunked_prefill, long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -102,6 +102,7 @@ def check_compat(spec):
     yield from _matrix_rules(spec)
     yield from _dims_rules(spec)
     yield from _variant_rules(spec)
+    yield from _pool_rules(spec)
     yield from _target_rules(spec)
     yield from _parallel_rules(spec)
 
@@ -180,6 +181,22 @@ def _variant_rules(spec):
                 "pool.write is off" if write == "off" else "save is false")
             yield (f"variants.{name}.granularity", f"variant {name}: granularity has no effect ({why})",
                    "remove granularity from this variant")
+
+
+def _pool_rules(spec):
+    pool, feats = _get(spec, "pool"), _get(spec, "features")
+    if pool is _MISSING:
+        return
+    if pool.write == "off":
+        if pool.save_decode:
+            yield "pool.save_decode", "save_decode has no effect: pool.write is off", \
+                "set pool.write: sync or async, or drop save_decode"
+        if pool.policy != "write_through":
+            yield "pool.policy", f"policy {pool.policy} has no effect: pool.write is off", \
+                "set pool.write: sync or async, or drop policy"
+    if pool.device_cache and feats is not _MISSING and "prefix_cache" not in feats:
+        yield "pool.device_cache", "the device prefix cache is looked up like the pool: it needs " \
+            "the 'prefix_cache' feature", "add prefix_cache to features, or drop device_cache"
 
 
 def _target_rules(spec):

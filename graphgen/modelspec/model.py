@@ -33,6 +33,7 @@ from ..families.base import doc
 FamilyName = Literal[tuple(FAMILIES)]
 WriteMode = Literal["off", "sync", "async"]
 Granularity = Literal["forward", "layer"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 Phase = Literal["prefill", "decode"]
 KVDType = Literal["float32", "bfloat16", "float16"]
 CompileMode = Literal["max-autotune", "reduce-overhead"]
@@ -71,6 +72,28 @@ class PoolWrite:
         default="forward",
         metadata=doc("forward: one bulk save after the last layer's KV write (the seed's non-layered "
                      "mode); layer: each layer saved as soon as its KV is written."),
+    )
+    save_decode: bool = field(
+        default=False,
+        metadata=doc("Also save each KV block a decode step fills (so a conversation's next turn hits "
+                     "this turn's answer): copied from the cache after the step that fills it, "
+                     "committed on the host stream (async) or inline (sync). No effect with write: off."),
+    )
+    policy: WritePolicy = field(
+        default="write_through",
+        metadata=doc("When a full block is saved: write_through, when a step fills it; "
+                     "write_through_selective, the same but only once its key was computed min_uses "
+                     "times (counted in a bounded LRU map); write_back, when its device block leaves "
+                     "the device (freed by its last holder), never reused before that save committed."),
+    )
+    min_uses: int = field(
+        default=2, metadata=doc("write_through_selective: computations of a block's key before it is saved.",
+                                minimum=1))
+    device_cache: bool = field(
+        default=False,
+        metadata=doc("Keep the full KV blocks of finished requests on the device (LRU by key, evicted "
+                     "when blocks run out): a later prompt's leading blocks found there are shared, "
+                     "not loaded from the pool (device_hit_blocks). Needs features: [prefix_cache]."),
     )
 
 
@@ -211,11 +234,14 @@ class ModelSpec:
 
     def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None,
                        tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
-                       cp: Optional[int] = None, sp: Optional[bool] = None) -> "ModelSpec":
-        """The same model with the pool write mode, granularity and/or parallel layout forced
-        (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``, which
-        the distributed launcher calls)."""
+                       cp: Optional[int] = None, sp: Optional[bool] = None,
+                       policy: Optional[str] = None) -> "ModelSpec":
+        """The same model with the pool write mode, granularity, write policy and/or parallel layout
+        forced (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``,
+        which the distributed launcher calls)."""
         spec = self
+        if policy is not None:
+            spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
         layout = {k: v for k, v in (("tp", tp), ("ep", ep), ("dp", dp), ("cp", cp), ("sp", sp)) if v is not None}
         if layout:
             spec = dataclasses.replace(spec, parallel=dataclasses.replace(self.parallel, **layout))

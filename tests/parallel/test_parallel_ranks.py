@@ -177,3 +177,43 @@ def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path
     assert all(row.shape[-1] == 257 for row in r.step_logits)  # the padding rows are not logits
     with torch.no_grad():
         assert_steps_match_hf(model, r, "qwen3 tp=2 vocab 257")
+
+
+def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1(qwen):
+    """Every block-lifetime decision (n forks sharing blocks, decode-time saves, write-back when a
+    block leaves the device, device prefix hits, LRU eviction) is made alike on every rank: the
+    per-step plan check passes, and tokens and counters equal the tp=1 run of the same spec."""
+    import dataclasses
+
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime import SamplingParams
+
+    base = load_spec(REPO / "specs/tiny_qwen3.yaml")
+    spec = dataclasses.replace(base, pool=dataclasses.replace(
+        base.pool, write="async", save_decode=True, policy="write_back", device_cache=True))
+    a, b = _prompts(3)
+
+    def go(**kw):
+        with open_engine(spec, qwen.dir, num_blocks=12, spec_file="specs/tiny_qwen3.yaml", **kw) as eng:
+            llm, got = eng.llm, {}
+
+            def drive():
+                while llm.has_work():
+                    for o in llm.step():
+                        got.setdefault(o.req_id, []).extend(o.new_token_ids)
+            llm.add_request("p", a, SamplingParams(max_tokens=6, temperature=1.0, seed=1))
+            llm.add_request("c", a, SamplingParams(max_tokens=6, temperature=1.0, seed=2), fork_of="p")
+            drive()
+            llm.add_request("again", a, SamplingParams(max_tokens=3))   # a device hit
+            drive()
+            for i in range(4):                                          # evict (write-back) under pressure
+                llm.add_request(f"b{i}", b, SamplingParams(max_tokens=8, temperature=1.0, seed=10 + i))
+            drive()
+            s = llm.stats()
+            eng.drain()
+            return got, {k: s[k] for k in ("forks", "prefills", "device_hit_blocks", "hit_blocks", "puts")}
+
+    tp2, tp1 = go(tp=2, timeout=TIMEOUT), go()
+    assert tp2 == tp1
+    assert tp2[1]["forks"] == 1 and tp2[1]["device_hit_blocks"] > 0
+    assert tp2[1]["puts"] > 0  # blocks evicted from the device cache were written back

@@ -230,6 +230,18 @@ CASES = [
      [("a", "num_key_value_heads (3) must divide num_attention_heads (4)", "pick a divisor of num_attention_heads")]),
     ("odd_head_dim", edit(BASE_QWEN, ("  head_dim: 16\n", "  head_dim: 15  # a\n")),
      [("a", "head_dim (15) must be even for RoPE", "use an even head_dim")]),
+    ("bad_pool_policy", edit(BASE_QWEN, ("  granularity: forward\nfeatures", "  granularity: forward\n"
+                                         "  policy: write_bak  # a\n  min_uses: 0  # b\nfeatures")),
+     [("a", "pool.policy: the string 'write_bak' is not one of write_through, write_through_selective, "
+            "write_back", "did you mean 'write_back'?"),
+      ("b", "pool.min_uses: must be >= 1, got 0", "use a value of at least 1")]),
+    ("pool_options_without_effect", edit(BASE_QWEN, ("  write: async\n  granularity: forward\nfeatures: [prefix_cache]\n",
+                                                     "  write: off\n  granularity: forward\n"
+                                                     "  save_decode: true  # a\n  device_cache: true  # b\n"
+                                                     "features: []\n"),
+                                         ("    history: true\n", "")),
+     [("a", "save_decode has no effect: pool.write is off", "set pool.write: sync or async"),
+      ("b", "the device prefix cache is looked up like the pool", "add prefix_cache to features")]),
     ("below_minimum", edit(BASE_QWEN, ("  num_hidden_layers: 2\n", "  num_hidden_layers: 0  # a\n")),
      [("a", "dims.num_hidden_layers: must be >= 1, got 0", "use a value of at least 1")]),
     ("negative_eps", edit(BASE_QWEN, ("  rms_norm_eps: 1.0e-6\n", "  rms_norm_eps: -1e-6  # a\n")),

@@ -32,11 +32,15 @@ Policy (continuous batching; see docs/runtime.md):
   are freed and it goes back to the head of the waiting queue; its generated tokens are kept and
   its next prefill recomputes prompt + tokens (pool hits included). A request that cannot fit
   even alone finishes with ``"error"`` (`OutOfBlocks` in ``error``).
+* **Forks** (``add(child, fork_of=parent)``, `Forks`): held until the parent's prompt blocks
+  landed, then shared and admitted ahead of other prefills (outside ``max_num_seqs``).
+* **Saves, released blocks** (`BlockLife`: ``pool.policy``, ``save_decode``, ``device_cache``);
+  device prefix hits are taken before the pool lookup; an allocation evicts cached blocks first.
 
-Block accounting: a request's ``table`` lists its device blocks (refcount 1 each, taken from the
-shared `BlockAllocator`); they go back when it finishes, is aborted or preempted — once no step
-in flight still writes them. Blocks whose save is still in flight stay pinned by the connector,
-so freeing never waits for a save.
+Block accounting: a request's ``table`` lists its device blocks (its own, refcount 1, and a fork's
+shared references); they go back when it finishes, is aborted or preempted — once no step in
+flight still writes them —, a shared block when its last holder drops it. Blocks with a save in
+flight stay pinned by the connector, so freeing never waits for a save.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
 from ..core.kvcache import BlockAllocator, OutOfBlocks
+from .block_life import BlockLife
+from .forks import Forks
 from .request import PENDING, Request, RowPlan, StepPlan
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
@@ -79,7 +85,9 @@ def _prefill_logits_positions(r: Request, start: int, end: int) -> tuple[int, ..
 
 class Scheduler:
     def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
-                 reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 reclaim: Callable[[], bool] = lambda: False,
+                 save_blocks: Callable[[list, list], None] = lambda ids, keys: None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -98,31 +106,54 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self._chunk_turn = False  # the last step left a prompt mid-way: a decode step goes next
         self.prefix_cache = "prefix_cache" in spec.features
+        self.blocks = BlockLife(spec, alloc, loader.block_keys, save_blocks=save_blocks, device_cache=(
+            spec.pool.device_cache and self.prefix_cache and self.variant_for("prefill", True) is not None))
+        self.device_cache = self.blocks.device_cache
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
         self.running: list[Request] = []        # prefill scheduled; decoding, in arrival order
         self.failed: list[Request] = []         # finished with "error" since the last take_failed()
         self.deferred: list[Request] = []       # finished, blocks still written by a step in flight
+        self.forks = Forks(alloc, self.block_size)
+        self.held = self.forks.held             # forks waiting for their parent's prompt blocks
         self.num_preemptions = 0
+        self.counts = {"prefills": 0, "forks": 0, "prefill_tokens": 0, "device_hit_blocks": 0}
 
     # ---- queues -----------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, fork_of: Optional[Request] = None) -> None:
+        """Queue ``request``; with ``fork_of`` it shares that parent's prompt blocks once computed,
+        unless it cannot (`Forks.can_share`, no history variant, prompt logprobs): then as usual."""
+        if (fork_of is not None and self.forks.can_share(request, fork_of)
+                and self.variant_for("prefill", True) is not None
+                and not _wants_prompt_logits(request) and not _wants_prompt_logits(fork_of)):
+            if fork_of in self.running and fork_of.result.tokens:
+                self._admit_forks(fork_of, [request])  # the parent's prefill has landed: share now
+            else:
+                self.forks.hold(request, fork_of)
+            return
         self.waiting.append(request)
 
+    def _admit_forks(self, parent: Request, children: list[Request]) -> None:  # ahead of other prefills
+        self.forks.share(parent, children)
+        self.prefill[0:0] = children
+        self.counts["forks"] += len(children)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefill or self.running)
+        return bool(self.waiting or self.prefill or self.running or self.held)
 
     def requests(self) -> list[Request]:
-        return [*self.waiting, *self.prefill, *self.running]
+        return [*self.waiting, *self.prefill, *self.running, *self.held]
 
     def abort(self, r: Request, reason: str = "abort") -> None:
         """Finish ``r`` now. Its blocks go back at once, or — while a step in flight still writes
         them — when that step is updated (`update` / `finalize`). Pins keep in-flight saves safe."""
         if r.finished:
             return
-        for q in (self.waiting, self.prefill, self.running):
+        for q in (self.waiting, self.prefill, self.running, self.held):
             if r in q:
                 q.remove(r)
+        r.fork_parent = None
+        self.waiting.extend(self.forks.take(r))  # its prompt blocks will never come: they run alone
         r.result.finish_reason = reason
         self._maybe_release(r)
 
@@ -132,6 +163,7 @@ class Scheduler:
             r.in_steps = 0
             self.abort(r)
             self._maybe_release(r)
+        self.blocks.clear()  # the device prefix cache, written back first under write_back
 
     def take_failed(self) -> list[Request]:
         out, self.failed = self.failed, []
@@ -184,9 +216,14 @@ class Scheduler:
         for i, row in enumerate(plan.rows):
             r = row.request
             r.in_steps -= 1
+            r.computed = max(r.computed, row.seq_len)  # the step ran: its KV is in the cache
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
+            if plan.saves and plan.phase == "prefill":
+                self.blocks.landed(row, self.blocks.completed(r, *row.chunk), self._keys(r))
+            if kids := self.forks.ready(r, row.seq_len):
+                self._admit_forks(r, kids)  # the shared blocks' KV is written: the forks take them
             tok = tokens[i]
             if tok is None:
                 continue
@@ -212,28 +249,21 @@ class Scheduler:
             pending += len(r.seq) - r.cached
 
     def _admit(self, r: Request) -> None:
-        """Look the sequence's prefix up in the pool and load the leading run of hits. At most
-        ``(len-1)//block_size`` blocks: the last token is always computed (its logits)."""
+        """Take the sequence's prefix: device prefix hits, then the leading run of pool hits loaded
+        (`BlockLife.take_prefix`). At most ``(len-1)//block_size`` blocks: the last token is always
+        computed (its logits)."""
         seq = r.seq
-        r.keys, r.cached, r.hit_blocks, r.loaded = None, 0, 0, []
+        r.keys, r.cached, r.hit_blocks, r.loaded, r.computed, r.device_blocks = None, 0, 0, [], 0, 0
         max_blocks = (len(seq) - 1) // self.block_size
         if _wants_prompt_logits(r):
             return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
-        keys = self._keys(r)[:max_blocks]
-        run = self.loader.lookup(keys)
-        if run == 0:
+        self.blocks.take_prefix(r, self._keys(r)[:max_blocks], self.loader, self._alloc)
+        self.counts["device_hit_blocks"] += r.device_blocks
+        r.hit_blocks = r.device_blocks + len(r.loaded)
+        if r.hit_blocks == 0:
             return
-        try:
-            r.table.extend(self._alloc(run))
-        except OutOfBlocks:
-            return  # no room to load into: recompute (the prefill may still find blocks later)
-        r.loaded = list(self.loader.load(keys[:run]))
-        r.hit_blocks = len(r.loaded)
-        if r.hit_blocks < run:  # the rest of the run is recomputed into fresh blocks
-            self.alloc.free(r.table[r.hit_blocks:])
-            del r.table[r.hit_blocks:]
         r.cached = r.hit_blocks * self.block_size
         if not r.result.tokens and not r.result.preemptions:
             r.result.hit_tokens = r.cached
@@ -302,6 +332,9 @@ class Scheduler:
         saves = self.spec.variant_saves(self.spec.variants[variant])
         rows = []
         for r, n in chosen:
+            if r.cached == r.hit_blocks * self.block_size and not r.shared_blocks:
+                self.counts["prefills"] += 1  # its first chunk (a fork's tail is not a prompt prefill)
+            self.counts["prefill_tokens"] += n
             rows.append(self._prefill_row(r, r.cached, r.cached + n, saves))
             r.loaded = []  # the plan carries them now
             if not r.result.variant:
@@ -317,15 +350,15 @@ class Scheduler:
         seq = r.seq
         save_ids, save_keys = (), ()
         if saves:
-            completed = range(max(r.hit_blocks, start // self.block_size), end // self.block_size)
             keys = self._keys(r)
-            save_ids = tuple(r.table[j] for j in completed)
-            save_keys = tuple(keys[j] for j in completed)
-            r.result.saved_blocks += len(completed)
+            picked = self.blocks.selected([(r.table[j], keys[j]) for j in self.blocks.completed(r, start, end)])
+            save_ids = tuple(b for b, _ in picked)
+            save_keys = tuple(k for _, k in picked)
+            r.result.saved_blocks += len(picked)
         last = end == len(seq)
         loads = len(r.loaded)  # non-empty only before its first chunk is planned
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
-                       load_block_ids=tuple(r.table[:loads]), loaded=tuple(r.loaded),
+                       load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]), loaded=tuple(r.loaded),
                        save_block_ids=save_ids, save_keys=save_keys,
                        logits_positions=_prefill_logits_positions(r, start, end) if last else (), samples=last)
 
@@ -377,7 +410,7 @@ class Scheduler:
                 self.num_preemptions += 1
             self.prefill.remove(r)
         self._release(r)
-        r.cached, r.hit_blocks, r.keys, r.loaded = 0, 0, None, []
+        r.cached, r.hit_blocks, r.keys, r.loaded, r.shared_blocks, r.computed, r.device_blocks = 0, 0, None, [], 0, 0, 0
         self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
 
     # ---- internals: blocks ------------------------------------------------------------------
@@ -386,6 +419,8 @@ class Scheduler:
             try:
                 return self.alloc.alloc(n)
             except OutOfBlocks:
+                if self.blocks.evict(n - self.alloc.num_free):
+                    continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
                 if not self.reclaim():  # nothing in flight would ever give blocks back
                     raise
 
@@ -401,6 +436,7 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         if r.table:
             r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
+            self.blocks.release(r)  # device prefix cache, write-back: before the references go
             self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
             r.table = []
 

@@ -72,11 +72,12 @@ class DistributedLLM:
 
     eos_token_ids = property(None, lambda self, ids: self._set("eos_token_ids", tuple(ids)))
 
-    def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None) -> None:
-        self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens)
+    def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None,
+                    fork_of=None) -> None:
+        self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens, fork_of)
 
-    def abort(self, req_id) -> None:
-        self._call("abort", req_id)
+    def abort(self, req_id, forks: bool = True) -> None:
+        self._call("abort", req_id, forks)
 
     def step(self) -> list:
         return self._call("step")

@@ -289,9 +289,9 @@ def _llm_call(llm, method: str, args: tuple):
         setattr(llm, name, value)
         return "ok", None
     if method == "add_request":
-        req_id, prompt, params, max_tokens = args
+        req_id, prompt, params, max_tokens, fork_of = args
         try:
-            llm.add_request(req_id, prompt, params, max_tokens=max_tokens)
+            llm.add_request(req_id, prompt, params, max_tokens=max_tokens, fork_of=fork_of)
         except ValueError as e:
             return "invalid", str(e)
         return "ok", None
