@@ -2,7 +2,8 @@
 ``python pd_client.py JOBS_JSON`` runs each job in order and prints one JSON line per job.
 
 Jobs: ``complete`` (the official ``openai`` client: greedy completion, streamed or not, extra body
-fields; prints the token ids, ``cached_tokens`` and any ``kv_transfer_params``), ``post`` / ``get``
+fields; prints the token ids, ``cached_tokens`` and any ``kv_transfer_params``), ``chat`` (greedy
+chat, streamed or not: token ids and text), ``post`` / ``get``
 (urllib: status and body), ``metrics`` (a server's Prometheus samples whose name starts with one of
 ``prefixes``: ``{"name{labels}": value}``)."""
 from __future__ import annotations
@@ -37,6 +38,22 @@ def complete(job):
         return {"status": e.status_code, "error": e.body}
 
 
+def chat(job):
+    import openai
+
+    client = openai.OpenAI(base_url=job["base"] + "/v1", api_key="unused", timeout=120, max_retries=0)
+    kw = dict(model="tiny_qwen3", messages=job["messages"], max_tokens=job["max_tokens"], temperature=0)
+    if not job.get("stream"):
+        r = client.chat.completions.create(**kw)
+        return {"tokens": r.choices[0].model_extra["token_ids"], "text": r.choices[0].message.content}
+    tokens, text = [], ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            tokens += c.model_extra.get("token_ids") or []
+            text += c.delta.content or ""
+    return {"tokens": tokens, "text": text}
+
+
 def http(job):
     data = json.dumps(job["json"]).encode() if "json" in job else None
     req = urllib.request.Request(job["url"], data=data, headers={"Content-Type": "application/json"})
@@ -62,6 +79,8 @@ def main() -> int:
         op = job["op"]
         if op == "complete":
             res = complete(job)
+        elif op == "chat":
+            res = chat(job)
         elif op in ("post", "get"):
             status, body = http(job)
             res = {"status": status, "body": body}

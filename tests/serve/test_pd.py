@@ -133,11 +133,17 @@ def test_router_tokens_equal_a_single_instance(cluster, reference):
     d = cluster.metrics("d", "graphgen_pd_handoff")
     assert d['graphgen_pd_handoffs_total{result="accepted"}'] == len(jobs)
     assert d['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 0
+    msgs = [{"role": "user", "content": "Tell me about the pool, in a few words please."}]
+    chats = [{"op": "chat", "base": base, "messages": msgs, "max_tokens": N_NEW, "stream": stream}
+             for base in (cluster.router, cluster.url["d"]) for stream in (False, True)]
+    out = cluster.jobs(*chats)
+    via_router, direct = out[:2], out[2:]  # D without a handoff serves as `both`
+    assert via_router == direct and direct[0] == direct[1] and len(direct[0]["tokens"]) == N_NEW
     r = cluster.metrics(cluster.router, "graphgen_route_")
     assert r["graphgen_route_prefill_fallbacks_total"] == 0
     cluster.assert_nothing_held()  # the router released every lease, well before P2's 30 s timeout
     assert cluster.metrics(cluster.router, "graphgen_route_lease")[
-        'graphgen_route_lease_releases_total{result="ok"}'] == len(jobs)
+        'graphgen_route_lease_releases_total{result="ok"}'] == len(jobs) + 2
 
 
 def test_prefill_handoff_lease_mismatch_and_expiry(cluster, reference):
