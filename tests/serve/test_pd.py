@@ -27,6 +27,7 @@ import pytest
 
 from serve_util import SPEC
 from support.netns import Namespace, _env, _Proc
+from support.paths import TINY_DSV3
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +52,8 @@ def _url(p: _Proc, what: str) -> str:
     return p.wait_line(f"graphgen {what}: listening on", 180).rsplit(" ", 1)[-1]
 
 
-def _serve_args(ckpt, role, *extra):
-    return ("serve", "--spec", str(SPEC), "--weights", str(ckpt), "--port", "0", "--pool", POOL,
+def _serve_args(ckpt, role, *extra, spec=SPEC):
+    return ("serve", "--spec", str(spec), "--weights", str(ckpt), "--port", "0", "--pool", POOL,
             "--torch-threads", "1", "--role", role, *extra)
 
 
@@ -118,8 +119,9 @@ def cluster(tmp_path_factory, ckpt):
         ns.close()
 
 
-def _complete(base, prompt, stream=False, **extra):
-    return {"op": "complete", "base": base, "prompt": prompt, "max_tokens": N_NEW, "stream": stream, "extra": extra}
+def _complete(base, prompt, stream=False, model="tiny_qwen3", **extra):
+    return {"op": "complete", "base": base, "prompt": prompt, "max_tokens": N_NEW, "stream": stream, "extra": extra,
+            "model": model}
 
 
 def test_router_tokens_equal_a_single_instance(cluster, reference):
@@ -200,6 +202,29 @@ def test_no_decode_up_is_a_clear_503(cluster):
     assert got["status"] == 503 and "no decode instance is up" in got["error"]["message"]
     assert time.monotonic() - t0 < 30
     cluster.assert_nothing_held()
+
+
+def test_deepseek_through_the_router_equals_a_single_instance(cluster, tiny_dsv3):
+    """MLA + MoE: a 1P1D pair of DeepSeek-V3 instances on the same store (other keys: another model)."""
+    import torch
+
+    from graphgen.runtime import open_engine
+
+    prompts = [PROMPTS[9], PROMPTS[29]]
+    procs = {k: _start(cluster.ns, f"ds_{k}", *_serve_args(tiny_dsv3.dir, k, spec=TINY_DSV3))
+             for k in ("prefill", "decode")}
+    torch.set_num_threads(1)
+    with open_engine(TINY_DSV3, tiny_dsv3.dir, write="off") as eng:  # loads while the servers start
+        ref = {tuple(p): eng.generate([p], N_NEW)[0].tokens for p in prompts}
+    url = {k: _url(p, "serve") for k, p in procs.items()}
+    router = cluster.route("router_ds", "--prefill", url["prefill"], decode=url["decode"])
+    jobs = [_complete(router, p, stream, model="tiny_deepseek_v3") for stream in (False, True) for p in prompts]
+    for job, got in zip(jobs, cluster.jobs(*jobs)):
+        assert got["tokens"] == ref[tuple(job["prompt"])], (len(job["prompt"]), job["stream"], got)
+        if not job["stream"]:
+            assert got["cached"] == (len(job["prompt"]) - 1) // BS * BS
+    for p in procs.values():
+        p.kill(signal.SIGTERM)
 
 
 def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):
