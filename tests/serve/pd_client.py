@@ -2,7 +2,8 @@
 ``python pd_client.py JOBS_JSON`` runs each job in order and prints one JSON line per job.
 
 Jobs: ``complete`` (the official ``openai`` client: greedy completion, streamed or not, extra body
-fields; prints the token ids, ``cached_tokens`` and any ``kv_transfer_params``), ``chat`` (greedy
+fields; prints the token ids, ``cached_tokens`` and any ``kv_transfer_params``; ``progress``: a
+line once the first chunk came), ``chat`` (greedy
 chat, streamed or not: token ids and text), ``post`` / ``get``
 (urllib: status and body), ``metrics`` (a server's Prometheus samples whose name starts with one of
 ``prefixes``: ``{"name{labels}": value}``)."""
@@ -30,12 +31,16 @@ def complete(job):
         tokens, cached = [], None
         for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
             for c in chunk.choices:
+                if job.get("progress") and not tokens:
+                    print(json.dumps({"first_chunk": True}), flush=True)  # the caller may act now
                 tokens += c.model_extra.get("token_ids") or []
             if chunk.usage is not None:
                 cached = chunk.usage.prompt_tokens_details.cached_tokens
         return {"tokens": tokens, "cached": cached}
     except openai.APIStatusError as e:
         return {"status": e.status_code, "error": e.body}
+    except openai.APIError as e:  # an error event in the stream
+        return {"error": e.message}
 
 
 def chat(job):

@@ -12,7 +12,9 @@ streamed and not) and D loads every handed-off block (``cached_tokens``); P answ
 blocks are visible; a lease is held until the router releases it, or until it expires; a handoff
 naming other blocks is not admitted (counted); a value corrupted in the pool is caught by its
 checksum and recomputed (counted); a P SIGKILLed mid-save costs a recompute, not the request; no
-decode instance up is a 503 at once. After each: no lease live on P, D's device blocks all free.
+decode instance up is a 503 at once; DeepSeek-V3 through the router equals its cold engine; the
+store's master SIGKILLed costs a recompute; D SIGKILLed mid-stream ends the stream with an error
+event (no hang). After each: no lease live on P, D's device blocks all free.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def _serve_args(ckpt, role, *extra, spec=SPEC):
 class Cluster:
     def __init__(self, ns, ckpt):
         self.ns = ns
-        ns.serve(PORT)
+        _, self.master_pid = ns.serve(PORT)
         procs = {"p1": _start(ns, "p1", *_serve_args(ckpt, "prefill", "--kv-lease-timeout", str(LEASE_S))),
                  "p2": _start(ns, "p2", *_serve_args(ckpt, "prefill", "--faults", "put_delay=0.3")),
                  "d": _start(ns, "d", *_serve_args(ckpt, "decode"))}
@@ -85,10 +87,13 @@ class Cluster:
     def assert_nothing_held(self):
         """No lease live on either P (the router released them), every device block of D free."""
         deadline = time.monotonic() + 10
-        while True:
-            leases = [self.metrics(p, "graphgen_pd_leases")["graphgen_pd_leases"] for p in ("p1", "p2")
-                      if self.procs[p].p.poll() is None]
-            d = self.metrics("d", "graphgen_kv_blocks_free", "graphgen_num_requests_running")
+        while True:  # one client process for every scrape
+            ps = [p for p in ("p1", "p2") if self.procs[p].p.poll() is None]
+            *got, d = self.jobs(*({"op": "metrics", "base": self.url[p], "prefixes": ["graphgen_pd_leases"]}
+                                  for p in ps),
+                                {"op": "metrics", "base": self.url["d"],
+                                 "prefixes": ["graphgen_kv_blocks_free", "graphgen_num_requests_running"]})
+            leases = [g["graphgen_pd_leases"] for g in got]
             if not any(leases) and d["graphgen_num_requests_running"] == 0 and d["graphgen_kv_blocks_free"] == 512:
                 return
             assert time.monotonic() < deadline, (leases, d)
@@ -103,7 +108,7 @@ def reference(ckpt):
 
     torch.set_num_threads(1)
     with open_engine(SPEC, ckpt, write="off") as eng:
-        return {tuple(p): eng.generate([p], N_NEW)[0].tokens for p in [*PROMPTS.values(), LONG, CORRUPT]}
+        return {tuple(p): eng.generate([p], N_NEW)[0].tokens for p in [*PROMPTS.values(), LONG, CORRUPT, [77, *PROMPTS[16][1:]]]}
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +247,28 @@ def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):
     fb = cluster.metrics(router, "graphgen_route_prefill_fallbacks_total")
     assert fb["graphgen_route_prefill_fallbacks_total"] == 1
     cluster.assert_nothing_held()
+
+
+def test_master_killed_requests_succeed_by_recompute(cluster, reference):
+    import os
+
+    os.kill(cluster.master_pid, signal.SIGKILL)
+    p = [77, *PROMPTS[16][1:]]
+    (got,) = cluster.jobs(_complete(cluster.router, p))
+    assert got["tokens"] == reference[tuple(p)] and got["cached"] == 0  # nothing could be handed off
+    cluster.assert_nothing_held()
+
+
+def test_decode_killed_mid_stream_is_a_clear_error_not_a_hang(cluster):
+    job = dict(_complete(cluster.router, PROMPTS[9], stream=True, ignore_eos=True), max_tokens=1500, progress=True)
+    client = subprocess.Popen(cluster.ns.argv(sys.executable, str(HERE / "pd_client.py"), json.dumps([job])),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert json.loads(client.stdout.readline()) == {"first_chunk": True}  # the stream is under way
+    cluster.procs["d"].kill(signal.SIGKILL)
+    out, err = client.communicate(timeout=60)
+    assert client.returncode == 0, err[-3000:]
+    got = json.loads(out.splitlines()[-1])
+    assert "the decode instance failed" in got["error"], got
+    (health, after) = cluster.jobs({"op": "get", "url": cluster.router + "/health"}, _complete(cluster.router, [1, 2]))
+    assert health["status"] == 503 and after["status"] == 503
+    assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 0  # released at D's first bytes
