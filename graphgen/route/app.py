@@ -53,7 +53,7 @@ class _Metrics:
         self.prefill_s = Histogram("graphgen_route_prefill_seconds", "Prefill round trip.", buckets=_BUCKETS,
                                    registry=r)
         self.first_byte_s = Histogram("graphgen_route_time_to_first_byte_seconds",
-                                      "Request arrival to decode's first bytes.", buckets=_BUCKETS, registry=r)
+                                      "Request arrival to decode's first body bytes.", buckets=_BUCKETS, registry=r)
         self.pools = {"prefill": prefill, "decode": decode}
         r.register(self)
 
@@ -158,11 +158,10 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
 
     async def run_prefill(path: str, body: dict) -> tuple[Optional[dict], Optional[Response], Optional[Backend]]:
         """(kv_transfer_params, None, P) on success, (None, P's 4xx answer, P) for a bad request,
-        (None, None, P or None) when no prefill could be done (D recomputes)."""
-        tried: list[Backend] = []
-        key = prefix_key(body)
-        while (p := prefill.pick(key, tried)) is not None:
-            tried.append(p)
+        (None, None, None) when no prefill could be done: one P is tried, a failed prefill costs D's
+        recompute, not a second prefill."""
+        p = prefill.pick(prefix_key(body))
+        if p is not None:
             t0 = time.perf_counter()
             p.begin()
             try:
@@ -182,7 +181,6 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
                 metrics.backend_errors.labels(kind="prefill_unreachable").inc()
             finally:
                 p.end()
-            break  # one P tried: a failed prefill costs D's recompute, not a second prefill
         return None, None, None
 
     async def release(p: Backend, params: dict) -> None:
@@ -239,9 +237,9 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
                 d.failures += 1
                 metrics.backend_errors.labels(kind="decode_unreachable").inc()
                 continue  # nothing was sent to the client yet: the next D
-            metrics.first_byte_s.observe(time.perf_counter() - t0)
-            if params and p is not None:
-                release_later(p, params)
+            # P's lease is released once D's first body bytes came (its prefill ran, so the blocks are
+            # loaded), not at its headers: a streaming D sends those before its prefill
+            done = (lambda: release_later(p, params)) if params and p is not None else (lambda: None)
             metrics.requests.labels(outcome="ok" if r.status == 200 else f"decode_{r.status}").inc()
             ctype = r.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream"):
@@ -250,17 +248,23 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
                 finally:
                     r.release()
                     d.end()
+                    done()
+                metrics.first_byte_s.observe(time.perf_counter() - t0)
                 return Response(data, status_code=r.status, media_type=ctype)
-            return StreamingResponse(_relay(r, d), status_code=r.status, media_type="text/event-stream",
+            return StreamingResponse(_relay(r, d, done, t0), status_code=r.status, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         if params and p is not None:
             release_later(p, params)
         metrics.requests.labels(outcome="no_decode").inc()
         return _error(503, "no decode instance is up", "unavailable")
 
-    async def _relay(r, d: Backend):
+    async def _relay(r, d: Backend, first, t0: float):
         try:
             async for chunk in r.content.iter_any():
+                if first is not None:
+                    metrics.first_byte_s.observe(time.perf_counter() - t0)
+                    release, first = first, None
+                    release()
                 yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # D died mid-stream: say so, end the stream
             metrics.backend_errors.labels(kind="decode_stream").inc()
@@ -270,5 +274,7 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
         finally:
             r.close()  # a client that went away: D sees the disconnect and aborts
             d.end()
+            if first is not None:  # D failed before its first bytes: the lease goes anyway
+                first()
 
     return app

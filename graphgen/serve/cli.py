@@ -257,7 +257,7 @@ def pd_factory(args, engine):
     naming = CacheNaming(bs, engine.cache.layout, lambda p: chain_digests(p, bs), engine.loader.block_keys)
     return lambda metrics: PD(args.role, engine.pool, naming, metrics.registry,
                               lease_timeout_s=args.kv_lease_timeout,
-                              saves_pending=lambda: engine.connector.pending)
+                              saves_pending=engine.connector.in_flight)
 
 
 def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0,
