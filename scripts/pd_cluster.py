@@ -3,8 +3,8 @@
 (``graphgen serve --role``, one torch thread each) and ``graphgen route`` over them, all on loopback
 inside a private network namespace (Mooncake binds some listeners on 0.0.0.0).
 
-    scripts/pd_cluster.py --spec specs/tiny_qwen3.yaml --weights CKPT [--prefill 2] [--decode 1]
-                          [--router-port 8080] [--policy round_robin] [--then CMD ...]
+    scripts/pd_cluster.py --spec specs/tiny_qwen3.yaml --weights CKPT [--prefill 2] [--decode 1] [--both N]
+                          [--router-port 8080] [--policy round_robin] [--write async|sync] [--then CMD ...]
 
 It prints ``pd_cluster: router http://127.0.0.1:PORT`` once the router accepts requests, with the
 ``nsenter`` prefix that reaches it (the namespace is private), and runs until Ctrl-C / SIGTERM,
@@ -34,6 +34,8 @@ def _parse(argv):
     ap.add_argument("--weights", required=True)
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--both", type=int, default=0,
+                    help="instead: N --role both instances behind the router (no prefill instances)")
     ap.add_argument("--store-port", type=int, default=50051)
     ap.add_argument("--segment", default="1GiB")
     ap.add_argument("--router-port", type=int, default=8080)
@@ -45,8 +47,8 @@ def _parse(argv):
     ap.add_argument("--no-netns", action="store_true")
     ap.add_argument("--then", nargs=argparse.REMAINDER, default=None)
     args = ap.parse_args(argv)
-    if args.prefill < 1 or args.decode < 1:
-        ap.error("--prefill and --decode must be >= 1")
+    if args.both < 0 or (not args.both and (args.prefill < 1 or args.decode < 1)):
+        ap.error("--prefill and --decode must be >= 1 (or --both N)")
     return args
 
 
@@ -101,7 +103,8 @@ def run(args) -> int:
         children.append(store)
         store.wait_line("ready", 60)
         pool = f"mooncake://127.0.0.1:{args.store_port}"
-        roles = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+        roles = ([("both", i) for i in range(args.both)] if args.both else
+                 [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)])
         for role, i in roles:  # started together: they load their models side by side
             children.append(_Child(f"{role}{i}", [py, "-m", "graphgen", "serve", "--spec", args.spec, "--weights",
                                                   args.weights, "--port", "0", "--pool", pool, "--write", args.write,

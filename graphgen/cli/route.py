@@ -23,8 +23,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("route", help="route OpenAI requests over prefill and decode instances (P/D)",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prefill", action="append", required=True, metavar="URL",
-                   help="a prefill instance (graphgen serve --role prefill), repeatable")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill instance (graphgen serve --role prefill), repeatable; none: the decode "
+                        "instances are only balanced (each serves as both)")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode instance (graphgen serve --role decode), repeatable")
     p.add_argument("--host", default="127.0.0.1")

@@ -8,7 +8,8 @@ first bytes: D's prefill has loaded the blocks), the router releases the lease o
 a recompute, not the request: the body goes to D as it came (counted). A P's 4xx is the client's
 error and is returned as is. No decode instance up: a 503 at once. Health: ``GET /health`` of
 every backend each ``health_interval_s``; a backend that fails a request is marked down until its
-next good check.
+next good check. Without prefill instances it only balances the decode ones (each serving as
+``both``): a data-parallel front.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
         if answer is not None:
             metrics.requests.labels(outcome="bad_request").inc()
             return answer
-        if params is None:
+        if params is None and prefill.backends:  # no --prefill: D serves as `both`, nothing fell back
             metrics.prefill_fallbacks.inc()
         dbody = {k: v for k, v in body.items() if k != KV_FIELD}  # only P's handoff reaches D
         if params:

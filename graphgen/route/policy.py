@@ -42,13 +42,12 @@ class Backend:
 
 
 class Pool:
-    """Backends of one kind (e.g. the prefill instances) and the policy that picks among them."""
+    """Backends of one kind (e.g. the prefill instances) and the policy that picks among them (none:
+    ``pick`` is always None)."""
 
     def __init__(self, urls: Sequence[str], policy: str = "round_robin"):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if not urls:
-            raise ValueError("a backend pool needs at least one URL")
         self.backends = [Backend(u.rstrip("/")) for u in urls]
         self.policy = policy
         self._turn = itertools.count()
