@@ -80,6 +80,16 @@ def prefill_body(body: dict) -> dict:
     return out
 
 
+def one_handoff(body: dict) -> bool:
+    """Whether P can hand this request off: one prompt, one choice (a handoff covers one sequence).
+    Others (``n``/``best_of`` > 1, a list of prompts) go straight to D, which serves them as ``both``."""
+    if any(body.get(k) not in (None, 1) for k in ("n", "best_of")):
+        return False
+    p = body.get("prompt")
+    return "messages" in body or isinstance(p, str) or (isinstance(p, list) and all(
+        isinstance(t, int) for t in p))
+
+
 def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, policy: str = "round_robin",
                   api_keys: Sequence[str] = (), backend_api_key: Optional[str] = None,
                   health_interval_s: float = 1.0, prefill_timeout_s: float = 120.0,
@@ -215,11 +225,12 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
         if not decode.healthy():
             metrics.requests.labels(outcome="no_decode").inc()
             return _error(503, "no decode instance is up", "unavailable")
-        params, answer, p = await run_prefill(path, body)
+        direct = not one_handoff(body)
+        params, answer, p = (None, None, None) if direct else await run_prefill(path, body)
         if answer is not None:
             metrics.requests.labels(outcome="bad_request").inc()
             return answer
-        if params is None and prefill.backends:  # no --prefill: D serves as `both`, nothing fell back
+        if params is None and prefill.backends and not direct:  # no --prefill: D serves as `both`
             metrics.prefill_fallbacks.inc()
         dbody = {k: v for k, v in body.items() if k != KV_FIELD}  # only P's handoff reaches D
         if params:

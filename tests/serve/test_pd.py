@@ -143,9 +143,13 @@ def test_router_tokens_equal_a_single_instance(cluster, reference):
     msgs = [{"role": "user", "content": "Tell me about the pool, in a few words please."}]
     chats = [{"op": "chat", "base": base, "messages": msgs, "max_tokens": N_NEW, "stream": stream}
              for base in (cluster.router, cluster.url["d"]) for stream in (False, True)]
-    out = cluster.jobs(*chats)
+    fan = {"op": "post", "url": cluster.router + "/v1/completions",  # n = 2: straight to D, as `both`
+           "json": {"prompt": PROMPTS[9], "max_tokens": N_NEW, "temperature": 0, "n": 2}}
+    *out, fanned = cluster.jobs(*chats, fan)
     via_router, direct = out[:2], out[2:]  # D without a handoff serves as `both`
     assert via_router == direct and direct[0] == direct[1] and len(direct[0]["tokens"]) == N_NEW
+    assert fanned["status"] == 200
+    assert [c["token_ids"] for c in json.loads(fanned["body"])["choices"]] == [reference[tuple(PROMPTS[9])]] * 2
     r = cluster.metrics(cluster.router, "graphgen_route_")
     assert r["graphgen_route_prefill_fallbacks_total"] == 0
     cluster.assert_nothing_held()  # the router released every lease, well before P2's 30 s timeout

@@ -10,6 +10,7 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
+from graphgen.route.app import one_handoff, prefill_body
 from graphgen.route.policy import Pool, prefix_key
 from graphgen.runtime import HostPool, chain_digests
 from graphgen.serve.errors import ApiError
@@ -28,6 +29,7 @@ def test_round_robin_and_least_loaded_skip_backends_that_are_down():
     for b in ll.backends:
         b.healthy = False
     assert ll.pick() is None
+    assert Pool([], "round_robin").pick() is None  # no --prefill: the router goes straight to D
 
 
 def test_prefix_policy_keeps_a_prefix_on_one_backend_and_moves_only_the_dead_ones_share():
@@ -103,3 +105,13 @@ def test_bad_role_flags_exit_2_before_the_model_loads(ckpt, args, msg):
 def test_bad_route_flags_exit_2():
     res = _cli("route", "--prefill", "localhost:1", "--decode", "http://127.0.0.1:2")
     assert res.returncode == 2 and "--prefill localhost:1: expected http://HOST:PORT" in res.stderr, res.stderr
+
+
+def test_router_prefill_body_and_which_requests_one_handoff_covers():
+    body = {"prompt": [1, 2], "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
+            "min_tokens": 5, "kv_transfer_params": {"x": 1}, "max_completion_tokens": 9, "top_k": 3}
+    assert prefill_body(body) == {"prompt": [1, 2], "max_tokens": 1, "stream": False, "max_completion_tokens": 1,
+                                  "top_k": 3}
+    assert one_handoff({"prompt": "text"}) and one_handoff({"messages": []}) and one_handoff({"prompt": [1, 2]})
+    assert not one_handoff({"prompt": [[1, 2], [3]]}) and not one_handoff({"prompt": ["a", "b"]})
+    assert not one_handoff({"prompt": [1], "n": 2}) and not one_handoff({"prompt": [1], "best_of": 3})
