@@ -151,8 +151,8 @@ class PD:
         self.blocks.labels(result="handed_off").inc(run)
         self.blocks.labels(result="not_visible").inc(len(keys) - run)
         digests = self.naming.digests(prompt)[:run]
-        for c in body["choices"]:
-            c["token_ids"], c["finish_reason"] = [], "length"
+        for c in body["choices"]:  # the token D recomputes: nothing of it is returned
+            c["token_ids"], c["finish_reason"], c["logprobs"] = [], "length", None
             if "message" in c:
                 c["message"] = {"role": "assistant", "content": ""}
             else:

@@ -204,10 +204,14 @@ def test_corrupt_value_is_recomputed(cluster, reference):
 
 
 def test_no_decode_up_is_a_clear_503(cluster):
-    router = cluster.route("router_no_d", "--prefill", cluster.url["p1"], decode="http://127.0.0.1:9")
+    router = cluster.route("router_no_d", "--prefill", cluster.url["p1"], "--api-key", "k1",
+                           decode="http://127.0.0.1:9")
     t0 = time.monotonic()
-    health, got = cluster.jobs({"op": "get", "url": router + "/health"}, _complete(router, PROMPTS[9]))
+    health, anon, got = cluster.jobs({"op": "get", "url": router + "/health"},  # /health needs no key
+                                     {"op": "post", "url": router + "/v1/completions", "json": {"prompt": [1]}},
+                                     dict(_complete(router, PROMPTS[9]), key="k1"))
     assert health["status"] == 503
+    assert anon["status"] == 401 and json.loads(anon["body"])["error"]["code"] == "invalid_api_key"
     assert got["status"] == 503 and "no decode instance is up" in got["error"]["message"]
     assert time.monotonic() - t0 < 30
     cluster.assert_nothing_held()
