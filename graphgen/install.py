@@ -24,7 +24,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "runtime": ("torch", "safetensors", "numpy"),
     # `graphgen serve`: the HTTP app, metrics, and the checkpoint's tokenizer (transformers'
     # AutoTokenizer applies its chat template)
-    "serve": ("fastapi", "uvicorn", "prometheus_client", "tokenizers", "transformers", "llguidance"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "tokenizers", "transformers", "llguidance", "aiohttp"),
     # `--pool mooncake://`: the Mooncake Store client and its value checksums
     "mooncake": ("mooncake", "xxhash"),
 }

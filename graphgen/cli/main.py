@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 
 from ..serve import cli as serve
-from . import build, npu, run
+from . import build, npu, route, run
 from .common import EXIT_CODES_EPILOG, dispatch
 
 # Order is the order of `graphgen --help`.
-COMMAND_MODULES = (build, run, serve, npu)
+COMMAND_MODULES = (build, run, serve, route, npu)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ _EXPORTS = {
     "OutOfBlocks": "core.kvcache",
     "Faults": "core.faults",
     "PoolBackend": "pool", "HostPool": "pool", "make_pool": "pool", "DEFAULT_POOL_BYTES": "pool",
+    "chain_digests": "pool.keys",
     "load_hf_weights": "checkpoint.hf", "write_random_hf_checkpoint": "checkpoint.hf",
     "eos_token_ids": "checkpoint.generation", "load_tokenizer": "checkpoint.generation",
     "chat_parsers": "checkpoint.generation",

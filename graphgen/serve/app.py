@@ -30,13 +30,14 @@ from ..trace import NULL, TraceRecorder
 from .engine_api import RequestOutput, ServingEngine
 from .loop import EngineLoop
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .pd import FIELD as KV_FIELD, Handoff, serve_with_role
 from .protocol import SSE_DONE, ApiError, Context, Parsed, parse_chat, parse_completion, parse_json, sse, usage
 
 log = logging.getLogger("graphgen.serve")
 access_log = logging.getLogger("graphgen.serve.access")
 DISCONNECT_POLL_S = 0.25
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/kv/release")
 
 
 def _json_response(status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()):
@@ -220,12 +221,13 @@ class _Choice:
 def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = NULL,
                drain_timeout_s: float = 30.0, api_keys: Sequence[str] = (),
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_dir=None,
-               chat_setup=None, max_logprobs: int = 20) -> FastAPI:
+               chat_setup=None, max_logprobs: int = 20, pd_factory=None) -> FastAPI:
     """``api_keys``: when given, every ``/v1/*`` request must send one (``Authorization: Bearer``).
     ``app.state.drain()`` (called by ``run_server`` on SIGTERM, from a thread) stops accepting —
     ``/health`` answers 503 from then on — and drains the engine loop while the socket still
-    answers; the lifespan's shutdown is then only the rest (the trace)."""
+    answers; the lifespan's shutdown is then only the rest (the trace). ``pd_factory(metrics)``: P/D (serve/pd.py)."""
     metrics = ServerMetrics(engine.model_name)
+    pd = pd_factory(metrics) if pd_factory is not None else None
     loop = EngineLoop(engine, metrics, trace)
     ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer, max_logprobs=max_logprobs)
     ctx.tokenizer_dir = str(tokenizer_dir) if tokenizer_dir is not None and tokenizer is not None else None
@@ -276,17 +278,24 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
 
     # JSON parsing, validation and tokenization run off the event loop: /health and other
     # requests are answered while a large prompt is tokenized
+    def _parse(raw: bytes, parse):  # the request, and its P/D handoff (serve/pd.py) if any
+        body = parse_json(_gate(raw))
+        return parse(body, ctx), Handoff.parse(body.get(KV_FIELD))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         raw = await read_body(request, max_request_bytes)
-        parsed = await asyncio.to_thread(lambda: parse_completion(parse_json(_gate(raw)), ctx))
-        return await _serve(request, parsed, chat=False)
+        parsed, handoff = await asyncio.to_thread(_parse, raw, parse_completion)
+        return await serve_with_role(pd, _serve, request, parsed, False, handoff)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         raw = await read_body(request, max_request_bytes)
-        parsed = await asyncio.to_thread(lambda: parse_chat(parse_json(_gate(raw)), ctx))
-        return await _serve(request, parsed, chat=True)
+        parsed, handoff = await asyncio.to_thread(_parse, raw, parse_chat)
+        return await serve_with_role(pd, _serve, request, parsed, True, handoff)
+
+    if pd is not None:  # POST /v1/kv/release
+        pd.add_routes(app, lambda request: read_body(request, max_request_bytes))
 
     async def _serve(request: Request, parsed: Parsed, chat: bool):
         if not state["accepting"] or not loop.alive:
@@ -315,8 +324,10 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
             loop.submit(rid, p, params, on_output, fork_of=parent)
         created = int(time.time())
         if parsed.stream:
-            return StreamingResponse(_stream(q, base, rids, choices, parsed, chat, created),
+            resp = StreamingResponse(_stream(q, base, rids, choices, parsed, chat, created),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            resp.choices = choices  # read by P/D's count once the stream ended
+            return resp
         return await _collect(request, q, base, rids, choices, parsed, chat, created)
 
     def _usage(choices) -> dict:

@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the spec family's when its features list reasoning_parser)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / top_logprobs a request may ask for (prompt logprobs too)")
+    p.add_argument("--role", default="both", choices=("prefill", "decode", "both"),
+                   help="P/D disaggregation (docs/pd.md): prefill answers with one dropped token and "
+                        "kv_transfer_params; decode loads a request's handed-off blocks from the shared pool")
+    p.add_argument("--kv-lease-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a prefill instance keeps handed-off blocks leased in the pool unless "
+                        "released first (POST /v1/kv/release)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -128,6 +134,14 @@ def check_args(args):
         v = getattr(args, flag, None)
         if v is not None and v not in known:
             return f"--{flag.replace('_', '-')} {v}: not one of {', '.join(known)}", None
+    if not args.kv_lease_timeout > 0:
+        return f"--kv-lease-timeout must be > 0, got {args.kv_lease_timeout}", None
+    if args.role != "both":  # the handoff goes through a pool both instances see
+        write = args.write or spec.pool.write
+        if write == "off" or args.pool == "host" or _ranks(args) > 1:
+            return (f"--role {args.role} hands the KV over through a shared pool: it needs --pool "
+                    f"mooncake://HOST:PORT (not host), a --write other than off, and one rank "
+                    f"(got --pool {args.pool}, write {write}, {_ranks(args)} rank(s))"), None
     bs = spec.kv_cache.block_size
     need = -(-2 // bs)  # one prompt token and one generated token
     if args.num_blocks < need:
@@ -230,12 +244,28 @@ def _serve(args, weights: Path, sock, api_keys, spec) -> int:
     adapter = LLMEngineAdapter(engine, eos_token_ids=eos, trace=trace, model_name=args.served_model_name)
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout,
                      api_keys=api_keys, max_request_bytes=args.max_request_bytes, tokenizer_dir=weights,
-                     chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs)
+                     chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs,
+                     pd_factory=pd_factory(args, engine))
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
 
 
+def pd_factory(args, engine):
+    """The server's P/D role over its engine's pool and block naming (one rank only: ranks hold
+    their caches in other processes, and --role needs one rank)."""
+    from ..runtime import DistributedEngine, chain_digests
+    from .pd import PD, CacheNaming
+
+    if isinstance(engine, DistributedEngine):
+        return None
+    bs = engine.block_size
+    naming = CacheNaming(bs, engine.cache.layout, lambda p: chain_digests(p, bs), engine.loader.block_keys)
+    return lambda metrics: PD(args.role, engine.pool, naming, metrics.registry,
+                              lease_timeout_s=args.kv_lease_timeout,
+                              saves_pending=engine.connector.in_flight)
+
+
 def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0,
-               sock=None) -> int:
+               sock=None, name: str = "graphgen serve") -> int:
     """Bind (``port`` 0: a free one; or serve ``sock``, bound already), announce, serve until
     SIGINT/SIGTERM. The first signal drains while the socket still answers (``/health`` 503, new
     requests 503, running ones get ``drain_timeout_s``, then are cut with an error event), then
@@ -254,7 +284,7 @@ def run_server(app, host: str, port: int, log_level: str = "warning", drain_time
 
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
-            print(f"graphgen serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
+            print(f"{name}: listening on http://{bound[0]}:{bound[1]}", flush=True)
 
         def handle_exit(self, sig, frame):
             if drain is None or self.draining or self.should_exit:

@@ -105,6 +105,12 @@ def main():
             # bypasses the header: what a foreign writer, a bug or a damaged transfer could leave
             rc = pool._store.put(cmd["key"], base64.b64decode(cmd["b64"]))
             reply(rc=rc)
+        elif op == "corrupt":
+            # one payload byte flipped in place (upsert overwrites; put would keep the old value):
+            # a value damaged in the store, which the reader's checksum must catch
+            raw = bytearray(pool._store.get(cmd["key"]))
+            raw[-1] ^= 0xFF
+            reply(rc=pool._store.upsert(cmd["key"], bytes(raw)), size=len(raw))
         elif op == "stats":
             reply(stats=pool.stats())
         else:

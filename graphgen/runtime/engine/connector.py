@@ -197,6 +197,14 @@ class KVConnector:
     def pending(self) -> int:
         return len(self._pending)
 
+    def in_flight(self) -> int:
+        """Commits not finished yet (``pending`` also counts finished ones not reaped); safe to call
+        from another thread (the P/D handoff waits on it)."""
+        try:
+            return sum(not job.done() for job in list(self._pending))
+        except RuntimeError:  # the deque changed while it was copied: say busy, ask again later
+            return 1
+
     def close(self) -> None:
         try:
             self.drain()

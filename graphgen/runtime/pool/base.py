@@ -34,14 +34,139 @@ What the caller (`graphgen.runtime.engine.connector.KVConnector`) guarantees a b
 * A value the cache cannot take (wrong size: a foreign or truncated block) is rejected by the
   loader (`kvcache.unpack_block_into`) and recomputed; a backend that can detect corruption itself
   (a checksum) should return None from ``get`` instead.
-* Nothing else: no pins, events, staging or layouts cross this interface.
+* Nothing else: no events, staging or layouts cross this interface.
+
+Leases (the P/D handoff, docs/pd.md): ``pin(keys, ttl_s) -> Lease`` protects ``keys`` from the
+pool's eviction until ``release(lease_id)`` or ``ttl_s`` has passed (a key pinned before its put is
+protected from the put on); ``release`` returns False for an unknown or expired lease. ``leases()``
+counts the live ones. The default (`LeaseBook`) only books them — a backend that evicts overrides
+``protects`` (HostPool: eviction skips leased keys; MooncakePool: the master's own read lease is
+renewed while the lease lives). ``pin`` never raises for a store failure: the lease is booked anyway.
 """
 from __future__ import annotations
 
 import abc
+import threading
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["PoolBackend", "count_leading"]
+__all__ = ["Lease", "LeaseBook", "LeaseKeeper", "PoolBackend", "count_leading"]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Keys held in a pool until ``expires_ms`` (wall clock, ms since the epoch: it crosses processes)."""
+
+    lease_id: str
+    keys: tuple[str, ...]
+    expires_ms: int
+
+
+class LeaseBook:
+    """Live leases and the keys they hold (expired ones drop out lazily, counted). Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._held: dict[str, int] = {}     # key -> live leases holding it
+        self.counts = dict(pinned=0, released=0, expired=0)
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def _expire(self) -> None:
+        now = self._now_ms()
+        for lease in [l for l in self._leases.values() if l.expires_ms <= now]:
+            self._drop(lease.lease_id)
+            self.counts["expired"] += 1
+
+    def _drop(self, lease_id: str) -> None:
+        lease = self._leases.pop(lease_id)
+        for k in lease.keys:
+            left = self._held[k] - 1
+            if left:
+                self._held[k] = left
+            else:
+                del self._held[k]
+
+    def pin(self, keys: Sequence[str], ttl_s: float) -> Lease:
+        if not ttl_s > 0:
+            raise ValueError(f"a lease needs ttl_s > 0, got {ttl_s!r}")
+        with self._lock:
+            self._expire()
+            lease = Lease(uuid.uuid4().hex, tuple(keys), self._now_ms() + int(ttl_s * 1000))
+            self._leases[lease.lease_id] = lease
+            for k in lease.keys:
+                self._held[k] = self._held.get(k, 0) + 1
+            self.counts["pinned"] += 1
+            return lease
+
+    def release(self, lease_id: str) -> bool:
+        with self._lock:
+            self._expire()
+            if lease_id not in self._leases:
+                return False
+            self._drop(lease_id)
+            self.counts["released"] += 1
+            return True
+
+    def held(self) -> set[str]:
+        """The keys under a live lease now."""
+        with self._lock:
+            self._expire()
+            return set(self._held)
+
+    def is_held(self, key: str) -> bool:
+        with self._lock:
+            self._expire()
+            return key in self._held
+
+    def live(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._leases)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._expire()
+            return dict(self.counts, leases=len(self._leases), leased_keys=len(self._held))
+
+
+class LeaseKeeper:
+    """A daemon thread that calls ``renew(keys)`` with the keys under a live lease every
+    ``interval_s`` (a store whose protection must be refreshed: Mooncake's read lease)."""
+
+    def __init__(self, book: LeaseBook, renew: Callable[[list[str]], None], interval_s: float):
+        self._book, self._renew, self._interval = book, renew, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def pin(self, keys: Sequence[str], ttl_s: float) -> Lease:
+        """Book a lease, renew its keys at once, and keep renewing every live lease's keys."""
+        lease = self._book.pin(list(keys), ttl_s)
+        if lease.keys:
+            self._renew(list(lease.keys))
+        self.start()
+        return lease
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, name="pool-leases", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            keys = sorted(self._book.held())
+            if keys:
+                self._renew(keys)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class PoolBackend(abc.ABC):
@@ -62,6 +187,23 @@ class PoolBackend(abc.ABC):
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    # -- leases (see the module docstring) --------------------------------------------------
+    @property
+    def lease_book(self) -> LeaseBook:
+        book = self.__dict__.get("_lease_book")
+        if book is None:
+            book = self.__dict__.setdefault("_lease_book", LeaseBook())
+        return book
+
+    def pin(self, keys: Sequence[str], ttl_s: float) -> Lease:
+        return self.lease_book.pin(list(keys), ttl_s)
+
+    def release(self, lease_id: str) -> bool:
+        return self.lease_book.release(lease_id)
+
+    def leases(self) -> int:
+        return self.lease_book.live()
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Any]) -> list[bool]:
         """Default: ``get`` each key and copy it into its destination (see the module docstring);

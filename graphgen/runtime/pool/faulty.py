@@ -51,6 +51,15 @@ class FaultyPool(PoolBackend):
     def leading_run(self, keys: list[str]) -> int:
         return self.inner.leading_run(keys)
 
+    def pin(self, keys, ttl_s):
+        return self.inner.pin(keys, ttl_s)
+
+    def release(self, lease_id: str) -> bool:
+        return self.inner.release(lease_id)
+
+    def leases(self) -> int:
+        return self.inner.leases()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             failed = self.failed_puts

@@ -24,7 +24,8 @@ class HostPool(PoolBackend):
 
     ``capacity_bytes`` bounds the sum of stored value sizes (keys are not counted). Recency is
     refreshed by a successful ``get``, by a ``contains``/``leading_run`` hit and by a duplicate put.
-    A value larger than the whole capacity is refused (put returns False) without evicting anything.
+    A value larger than the whole capacity is refused (put returns False) without evicting anything;
+    so is one that only evicting leased keys (``pin``, the P/D handoff) would make room for.
     """
 
     def __init__(self, capacity_bytes: int):
@@ -55,15 +56,33 @@ class HostPool(PoolBackend):
             if size > self.capacity_bytes:
                 self._c["put_refused"] += 1
                 return False
-            while self._used + size > self.capacity_bytes:
-                _, old = self._data.popitem(last=False)
-                self._used -= len(old)
-                self._c["evictions"] += 1
-                self._c["evicted_bytes"] += len(old)
+            if self._used + size > self.capacity_bytes and not self._evict_for(size):
+                self._c["put_refused"] += 1   # the rest is leased (a P/D handoff): never evicted
+                return False
             self._data[key] = value
             self._used += size
             self._c["puts"] += 1
             return True
+
+    def _evict_for(self, size: int) -> bool:
+        """Evict least recently used values, skipping leased keys, until ``size`` more bytes fit;
+        False (nothing evicted) when the unleased values cannot make room."""
+        held = self.lease_book.held()
+        need, victims = self._used + size - self.capacity_bytes, []
+        for key, value in self._data.items():   # oldest first
+            if need <= 0:
+                break
+            if key not in held:
+                victims.append(key)
+                need -= len(value)
+        if need > 0:
+            return False
+        for key in victims:
+            old = self._data.pop(key)
+            self._used -= len(old)
+            self._c["evictions"] += 1
+            self._c["evicted_bytes"] += len(old)
+        return True
 
     def get(self, key: str) -> bytes | None:
         key = self._check_key(key)
@@ -110,8 +129,9 @@ class HostPool(PoolBackend):
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._c, capacity_bytes=self.capacity_bytes, used_bytes=self._used,
-                        num_keys=len(self._data))
+            counts = dict(self._c, capacity_bytes=self.capacity_bytes, used_bytes=self._used,
+                          num_keys=len(self._data))
+        return dict(counts, **self.lease_book.stats())
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -17,6 +17,9 @@ fails at once without touching the network (``skipped_down``) until a backoff (0
 ``max_backoff_s``) expires; then a TCP probe of the master and a cheap existence query decide
 whether it is back (logged once: reconnected). The Mooncake client itself re-registers with a
 restarted master; when the first ``setup`` never succeeded, it is retried the same way.
+
+Leases (``pin``, P/D handoff): Mooncake pins only at put; a `LeaseKeeper` renews the master's read
+lease (``batch_is_exist``) of leased keys instead. Why and the limits: docs/pd.md "Leases".
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import time
 from typing import Any, Callable, Sequence
 from urllib.parse import parse_qsl, urlsplit
 
-from .base import PoolBackend
+from .base import Lease, LeaseKeeper, PoolBackend
 from .codec import HEADER, check_value, copy_with_checksum, parse_size, write_header
 
 __all__ = ["MooncakeOptions", "MooncakePool"]
@@ -41,6 +44,7 @@ E_NO_SPACE = -200          # no segment has room (NO_AVAILABLE_HANDLE)
 E_BUFFER = -600            # a buffer too small / invalid params
 E_NOT_FOUND = -704         # OBJECT_NOT_FOUND
 E_RPC = -900               # RPC_FAIL: master unreachable or timed out
+LEASE_RENEW_S = 1.0        # below the master's default read-lease TTL (default_kv_lease_ttl)
 
 @dataclasses.dataclass(frozen=True)
 class MooncakeOptions:
@@ -121,7 +125,7 @@ class MooncakePool(PoolBackend):
 
     _COUNTERS = ("puts", "put_failures", "segment_full", "too_large", "gets", "get_hits",
                  "get_misses", "get_failures", "rejected", "lookups", "lookup_failures", "errors",
-                 "skipped_down", "setups", "down_events", "reconnects")
+                 "skipped_down", "setups", "down_events", "reconnects", "lease_renewals")
 
     def __init__(self, master: str, options: MooncakeOptions | None = None, *,
                  store_factory: Callable[[], Any] = _default_store_factory):
@@ -139,6 +143,7 @@ class MooncakePool(PoolBackend):
         self._down, self._retry_at, self._backoff, self._last_error = False, 0.0, 0.5, ""
         self._put, self._get = _Arena(self.options.buffer_bytes), _Arena(self.options.buffer_bytes)
         self._slot = 0                         # largest value seen: get_many's slot size
+        self._keeper = LeaseKeeper(self.lease_book, self._renew, LEASE_RENEW_S)
         self._ensure_store()
 
     # -- state ---------------------------------------------------------------------------
@@ -413,14 +418,26 @@ class MooncakePool(PoolBackend):
             n += 1
         return n
 
+    def pin(self, keys: Sequence[str], ttl_s: float) -> Lease:
+        return self._keeper.pin(keys, ttl_s)   # booked, renewed at once, then each tick
+
+    def _renew(self, keys) -> None:   # batch_is_exist grants each object the master's read lease
+        store = self._available()
+        try:
+            if store is not None and store.batch_is_exist(list(keys)) is not None:
+                self._count("lease_renewals")
+        except Exception as e:   # noqa: BLE001 - retried next tick
+            self._failed("lookup_failures", repr(e))
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self._c, down=self._down, last_error=self._last_error,
-                        reject_reasons=dict(self._reject_reasons), master=self.master)
+            return dict(self._c, down=self._down, last_error=self._last_error, master=self.master,
+                        reject_reasons=dict(self._reject_reasons), **self.lease_book.stats())
 
     def close(self) -> None:
         """Unregister and close the client (Mooncake's close waits ~5 s when the master is
         gone; a process that exits without it loses nothing: the values live elsewhere)."""
+        self._keeper.stop()
         with self._setup_lock:
             store, self._store = self._store, None
         if store is not None:

@@ -54,6 +54,15 @@ class RemotePool(PoolBackend):
     def stats(self) -> dict:
         return self._proxy.stats()
 
+    def pin(self, keys, ttl_s):   # the leases live in the pool process, with its eviction
+        return self._proxy.pin(list(keys), ttl_s)
+
+    def release(self, lease_id) -> bool:
+        return self._proxy.release(lease_id)
+
+    def leases(self) -> int:
+        return self._proxy.leases()
+
 
 def connect_pool(address, authkey: bytes) -> RemotePool:
     _PoolManager.register("pool")

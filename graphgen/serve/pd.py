@@ -1,0 +1,232 @@
+"""Prefill/decode disaggregation over the shared pool: a server's role and the KV handoff (docs/pd.md).
+
+* ``prefill``: a request runs as ``max_tokens: 1`` (its sampled token is dropped: D recomputes the
+  last position), with the prompt's handed-off blocks (every full block but one holding the last
+  token) leased in the pool *before* the request is submitted; the answer waits until every one of
+  them is visible in the pool (the commit-visible rule: a block is visible only once its save's
+  event was recorded and its put returned) and carries ``kv_transfer_params`` — the blocks' hash
+  chain, the cache layout fingerprint and the lease. ``POST /v1/kv/release`` ends a lease early.
+* ``decode``: a request with ``kv_transfer_params`` is checked against this server's own hashing
+  of the prompt and its layout; a match is admitted by the engine's ordinary pool lookup (a
+  leading run, each value checksummed by the pool: a corrupt one is a miss), a mismatch is counted
+  and recomputed. Whatever was not loaded is recomputed, counted. Without the field: as ``both``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .errors import ApiError
+
+ROLES = ("prefill", "decode", "both")
+FIELD = "kv_transfer_params"
+VISIBLE_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """``kv_transfer_params``: what P hands D (the wire format of docs/pd.md)."""
+
+    block_hashes: tuple[str, ...]
+    num_blocks: int
+    layout: str
+    lease_id: str
+    lease_expires_ms: int
+
+    def body(self) -> dict:
+        return {"block_hashes": list(self.block_hashes), "num_blocks": self.num_blocks, "layout": self.layout,
+                "lease_id": self.lease_id, "lease_expires_ms": self.lease_expires_ms}
+
+    @classmethod
+    def parse(cls, value) -> Optional["Handoff"]:
+        """From a request body's field (None when absent or null); a 400 naming the bad part."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ApiError(f"'{FIELD}' must be an object", param=FIELD, code="invalid_type")
+
+        def want(name, ok, what):
+            v = value.get(name)
+            if not ok(v):
+                raise ApiError(f"'{FIELD}.{name}' must be {what}", param=f"{FIELD}.{name}", code="invalid_type")
+            return v
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        hashes = want("block_hashes", lambda v: isinstance(v, list) and all(isinstance(h, str) for h in v),
+                      "a list of strings")
+        n = want("num_blocks", lambda v: is_int(v) and v == len(hashes), "an integer equal to len(block_hashes)")
+        return cls(tuple(hashes), n, want("layout", lambda v: isinstance(v, str), "a string"),
+                   want("lease_id", lambda v: isinstance(v, str), "a string"),
+                   want("lease_expires_ms", is_int, "an integer >= 0"))
+
+
+@dataclass(frozen=True)
+class CacheNaming:
+    """How this server's engine names a prompt's blocks: chain digests, pool keys, layout."""
+
+    block_size: int
+    layout: str
+    digests: Callable[[Sequence[int]], list]   # chain digest of every full block
+    keys: Callable[[Sequence[int]], list]      # pool key of every full block
+
+    def handed_off(self, prompt: Sequence[int]) -> int:
+        """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
+        return (len(prompt) - 1) // self.block_size
+
+
+class PD:
+    """A server's role and its handoff counters (registered on the server's metrics)."""
+
+    def __init__(self, role: str, pool, naming: CacheNaming, registry, *, lease_timeout_s: float = 30.0,
+                 visible_timeout_s: float = 10.0, saves_pending: Callable[[], int] = lambda: 0):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role, self.pool, self.naming = role, pool, naming
+        self.lease_timeout_s, self.visible_timeout_s = lease_timeout_s, visible_timeout_s
+        self.saves_pending = saves_pending
+        self.handoffs = Counter("graphgen_pd_handoffs", "KV handoffs: made (P), accepted / mismatched (D).",
+                                ["result"], registry=registry)
+        self.blocks = Counter("graphgen_pd_handoff_blocks", "Handed-off blocks: loaded or recomputed (D), "
+                              "handed off or not visible in time (P).", ["result"], registry=registry)
+        self.releases = Counter("graphgen_pd_lease_releases", "POST /v1/kv/release: released or unknown.",
+                                ["result"], registry=registry)
+        registry.register(self)
+
+    def collect(self):  # the pool's live leases, read at scrape time
+        g = GaugeMetricFamily("graphgen_pd_leases", "Pool leases live now (handed-off blocks pinned).")
+        try:
+            g.add_metric([], self.pool.leases())
+        except Exception:  # noqa: BLE001 - a pool that is down has no answer: report none
+            g.add_metric([], 0)
+        yield g
+
+    # ---- P ------------------------------------------------------------------------------------
+    @staticmethod
+    def prefill_params(params):
+        """The request as P runs it: one token (never forced longer by ``min_tokens``)."""
+        kw = {"max_tokens": 1}
+        if getattr(params, "min_tokens", 0):
+            kw["min_tokens"] = 0
+        return dataclasses.replace(params, **kw)
+
+    def lease(self, prompt: Sequence[int]):
+        """Lease the prompt's handed-off blocks (before its prefill: none is evicted once visible)."""
+        n = self.naming.handed_off(prompt)
+        keys = self.naming.keys(prompt)[:n]
+        return keys, self.pool.pin(keys, self.lease_timeout_s)
+
+    def wait_visible(self, keys: Sequence[str]) -> int:
+        """Block until every key is visible in the pool; the leading run visible when the saves are
+        over (no commit pending) or ``visible_timeout_s`` passed first. Runs off the event loop."""
+        deadline = time.monotonic() + self.visible_timeout_s
+        idle = 0
+        while True:
+            try:
+                run = self.pool.leading_run(list(keys)) if keys else 0
+            except Exception:  # noqa: BLE001 - a pool that cannot answer hands off nothing
+                run = 0
+            if run == len(keys) or time.monotonic() > deadline:
+                return run
+            idle = idle + 1 if self.saves_pending() == 0 else 0
+            if idle > 3:  # no commit in flight for several polls: the missing blocks never come
+                return run
+            time.sleep(VISIBLE_POLL_S)
+
+    async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict) -> dict:
+        """P's answer: the generated token dropped, ``kv_transfer_params`` added."""
+        run = await asyncio.to_thread(self.wait_visible, keys)
+        self.handoffs.labels(result="made").inc()
+        self.blocks.labels(result="handed_off").inc(run)
+        self.blocks.labels(result="not_visible").inc(len(keys) - run)
+        digests = self.naming.digests(prompt)[:run]
+        for c in body["choices"]:  # the token D recomputes: nothing of it is returned
+            c["token_ids"], c["finish_reason"], c["logprobs"] = [], "length", None
+            if "message" in c:
+                c["message"] = {"role": "assistant", "content": ""}
+            else:
+                c["text"] = ""
+        u = body["usage"]
+        u["completion_tokens"], u["total_tokens"] = 0, u["prompt_tokens"]
+        body[FIELD] = Handoff(tuple(digests), run, self.naming.layout, lease.lease_id, lease.expires_ms).body()
+        return body
+
+    def release(self, lease_id: str) -> bool:
+        ok = bool(self.pool.release(lease_id))
+        self.releases.labels(result="released" if ok else "unknown").inc()
+        return ok
+
+    def add_routes(self, app, read_body) -> None:
+        """``POST /v1/kv/release {"lease_id"}``: ends a lease early (D has loaded the blocks)."""
+        from .protocol import parse_json
+
+        @app.post("/v1/kv/release")
+        async def kv_release(request: Request):
+            lease_id = parse_json(await read_body(request)).get("lease_id")
+            if not isinstance(lease_id, str) or not lease_id:
+                raise ApiError("'lease_id' must be a non-empty string", param="lease_id", code="invalid_type")
+            return {"lease_id": lease_id, "released": self.release(lease_id)}
+
+    # ---- D ------------------------------------------------------------------------------------
+    def accept(self, prompt: Sequence[int], h: Handoff) -> bool:
+        """Does the handoff name this prompt's blocks in this cache's layout? (Counted.)"""
+        ok = (h.layout == self.naming.layout and h.num_blocks <= self.naming.handed_off(prompt)
+              and list(h.block_hashes) == self.naming.digests(prompt)[:h.num_blocks])
+        self.handoffs.labels(result="accepted" if ok else "mismatch").inc()
+        if not ok:
+            self.blocks.labels(result="recomputed").inc(h.num_blocks)
+        return ok
+
+    def loaded(self, h: Handoff, cached_tokens: int) -> None:
+        """After D's prefill: how many handed-off blocks came from the pool; the rest was recomputed."""
+        got = min(h.num_blocks, cached_tokens // self.naming.block_size)
+        self.blocks.labels(result="loaded").inc(got)
+        self.blocks.labels(result="recomputed").inc(h.num_blocks - got)
+
+
+async def serve_with_role(pd: Optional[PD], serve, request, parsed, chat: bool, handoff: Optional[Handoff]):
+    """``serve(request, parsed, chat)`` (the app's own) under P/D: P leases, runs one token and
+    hands off; D checks a handoff and counts the blocks it loaded; otherwise as ``both``."""
+    if pd is None or (pd.role != "prefill" and handoff is None):
+        return await serve(request, parsed, chat)
+    if len(parsed.prompts) != 1 or parsed.fan.best_of != 1:
+        raise ApiError("a P/D handoff covers one prompt and one choice (n = best_of = 1)",
+                       param=FIELD if handoff is not None else "prompt", code="unsupported_value")
+    prompt = parsed.prompts[0]
+    if pd.role != "prefill":  # D: a handoff that names other blocks is not admitted (recomputed)
+        if not await asyncio.to_thread(pd.accept, prompt, handoff):
+            return await serve(request, parsed, chat)
+        out = await serve(request, parsed, chat)
+        if isinstance(out, StreamingResponse):
+            out.body_iterator = _counted(pd, out.body_iterator, handoff, out.choices)
+        elif isinstance(out, dict):
+            pd.loaded(handoff, out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return out
+    parsed = dataclasses.replace(parsed, params=pd.prefill_params(parsed.params), stream=False)
+    keys, lease = await asyncio.to_thread(pd.lease, prompt)
+    try:
+        out = await serve(request, parsed, chat)
+        if isinstance(out, dict):
+            return await pd.finish_prefill(prompt, keys, lease, out)
+    except BaseException:
+        pd.release(lease.lease_id)  # nothing handed off: nobody else will release it
+        raise
+    pd.release(lease.lease_id)  # the client went away
+    return out
+
+
+async def _counted(pd: PD, stream, handoff: Handoff, choices: dict):
+    async for chunk in stream:
+        yield chunk
+    pd.loaded(handoff, max((c.cached for c in choices.values()), default=0))

@@ -1,0 +1,282 @@
+"""Prefill/decode disaggregation (2P1D) over a real Mooncake pool: one cluster for the module.
+
+A private network namespace (tests/support/netns.py) holds a Mooncake master with its segment,
+two ``graphgen serve --role prefill`` instances (P2 with slow pool puts: ``put_delay``, so its
+saves are caught in flight), one ``--role decode`` instance and ``graphgen route`` over them; the
+official ``openai`` client and urllib run inside it (``pd_client.py``). The reference tokens come
+from a cold ``Engine`` (write off, no pool) in this process — the engine a single ``both``
+instance serves (``test_serve_run_parity.py`` holds the server to it).
+
+Proved here: through the router, greedy tokens equal the reference (several prompt lengths,
+streamed and not) and D loads every handed-off block (``cached_tokens``); P answers only once the
+blocks are visible; a lease is held until the router releases it, or until it expires; a handoff
+naming other blocks is not admitted (counted); a value corrupted in the pool is caught by its
+checksum and recomputed (counted); a P SIGKILLed mid-save costs a recompute, not the request; no
+decode instance up is a 503 at once; DeepSeek-V3 through the router equals its cold engine; the
+store's master SIGKILLed costs a recompute; D SIGKILLed mid-stream ends the stream with an error
+event (no hang). After each: no lease live on P, D's device blocks all free.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serve_util import SPEC
+from support.netns import Namespace, _env, _Proc
+from support.paths import TINY_DSV3
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+PORT = 50170
+POOL = f"mooncake://127.0.0.1:{PORT}"
+BS = 4
+N_NEW = 5
+LEASE_S = 3.0
+PROMPTS = {n: [(7 * n + 3 * i) % 150 + 1 for i in range(n)] for n in (3, 9, 16, 29)}
+LONG = [(11 * i) % 140 + 5 for i in range(41)]  # 10 blocks handed off: ~3 s of P2's slow puts
+CORRUPT = [9, *PROMPTS[16][1:]]  # a prompt no other test sends: its blocks are P1's alone
+
+
+def _start(ns, name, *args) -> _Proc:
+    p = _Proc(ns.argv(sys.executable, "-m", "graphgen", *args), log=ns._log(name))
+    ns.procs.append(p)
+    return p
+
+
+def _url(p: _Proc, what: str) -> str:
+    return p.wait_line(f"graphgen {what}: listening on", 180).rsplit(" ", 1)[-1]
+
+
+def _serve_args(ckpt, role, *extra, spec=SPEC):
+    return ("serve", "--spec", str(spec), "--weights", str(ckpt), "--port", "0", "--pool", POOL,
+            "--torch-threads", "1", "--role", role, *extra)
+
+
+class Cluster:
+    def __init__(self, ns, ckpt):
+        self.ns = ns
+        _, self.master_pid = ns.serve(PORT)
+        procs = {"p1": _start(ns, "p1", *_serve_args(ckpt, "prefill", "--kv-lease-timeout", str(LEASE_S))),
+                 "p2": _start(ns, "p2", *_serve_args(ckpt, "prefill", "--faults", "put_delay=0.3")),
+                 "d": _start(ns, "d", *_serve_args(ckpt, "decode"))}
+        self.procs = procs
+        self.url = {k: _url(p, "serve") for k, p in procs.items()}
+        self.router = self.route("router", "--prefill", self.url["p1"], "--prefill", self.url["p2"])
+
+    def route(self, name, *args, decode=None) -> str:
+        p = _start(self.ns, name, "route", *args, "--decode", decode or self.url["d"], "--port", "0",
+                   "--health-interval", "0.5")
+        return _url(p, "route")
+
+    def jobs(self, *jobs, timeout=180) -> list[dict]:
+        res = subprocess.run(self.ns.argv(sys.executable, str(HERE / "pd_client.py"), json.dumps(list(jobs))),
+                             env=_env(), capture_output=True, text=True, timeout=timeout)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return [json.loads(s) for s in res.stdout.splitlines() if s.startswith("{")]
+
+    def metrics(self, name, *prefixes) -> dict:
+        return self.jobs({"op": "metrics", "base": self.url.get(name, name), "prefixes": list(prefixes)})[0]
+
+    def assert_nothing_held(self):
+        """No lease live on either P (the router released them), every device block of D free."""
+        deadline = time.monotonic() + 10
+        while True:  # one client process for every scrape
+            ps = [p for p in ("p1", "p2") if self.procs[p].p.poll() is None]
+            *got, d = self.jobs(*({"op": "metrics", "base": self.url[p], "prefixes": ["graphgen_pd_leases"]}
+                                  for p in ps),
+                                {"op": "metrics", "base": self.url["d"],
+                                 "prefixes": ["graphgen_kv_blocks_free", "graphgen_num_requests_running"]})
+            leases = [g["graphgen_pd_leases"] for g in got]
+            if not any(leases) and d["graphgen_num_requests_running"] == 0 and d["graphgen_kv_blocks_free"] == 512:
+                return
+            assert time.monotonic() < deadline, (leases, d)
+            time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    import torch
+
+    from graphgen.runtime import open_engine
+
+    torch.set_num_threads(1)
+    with open_engine(SPEC, ckpt, write="off") as eng:
+        return {tuple(p): eng.generate([p], N_NEW)[0].tokens for p in [*PROMPTS.values(), LONG, CORRUPT, [77, *PROMPTS[16][1:]]]}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, ckpt):
+    try:
+        ns = Namespace()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)  # never a silent skip, as the Mooncake tests
+    ns.logdir = str(tmp_path_factory.mktemp("pd"))
+    try:
+        yield Cluster(ns, ckpt)
+    finally:
+        ns.close()
+
+
+def _complete(base, prompt, stream=False, model="tiny_qwen3", **extra):
+    return {"op": "complete", "base": base, "prompt": prompt, "max_tokens": N_NEW, "stream": stream, "extra": extra,
+            "model": model}
+
+
+def test_router_tokens_equal_a_single_instance(cluster, reference):
+    jobs = [_complete(cluster.router, p, stream) for stream in (False, True) for p in PROMPTS.values()]
+    out = cluster.jobs(*jobs)
+    for job, got in zip(jobs, out):
+        p = job["prompt"]
+        assert got["tokens"] == reference[tuple(p)], (len(p), job["stream"], got)
+        if not job["stream"]:  # the first pass: D loaded every handed-off block (P's, through the pool)
+            assert got["cached"] == (len(p) - 1) // BS * BS, (len(p), got)
+    d = cluster.metrics("d", "graphgen_pd_handoff")
+    assert d['graphgen_pd_handoffs_total{result="accepted"}'] == len(jobs)
+    assert d['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 0
+    msgs = [{"role": "user", "content": "Tell me about the pool, in a few words please."}]
+    chats = [{"op": "chat", "base": base, "messages": msgs, "max_tokens": N_NEW, "stream": stream}
+             for base in (cluster.router, cluster.url["d"]) for stream in (False, True)]
+    fan = {"op": "post", "url": cluster.router + "/v1/completions",  # n = 2: straight to D, as `both`
+           "json": {"prompt": PROMPTS[9], "max_tokens": N_NEW, "temperature": 0, "n": 2}}
+    *out, fanned = cluster.jobs(*chats, fan)
+    via_router, direct = out[:2], out[2:]  # D without a handoff serves as `both`
+    assert via_router == direct and direct[0] == direct[1] and len(direct[0]["tokens"]) == N_NEW
+    assert fanned["status"] == 200
+    assert [c["token_ids"] for c in json.loads(fanned["body"])["choices"]] == [reference[tuple(PROMPTS[9])]] * 2
+    r = cluster.metrics(cluster.router, "graphgen_route_")
+    assert r["graphgen_route_prefill_fallbacks_total"] == 0
+    cluster.assert_nothing_held()  # the router released every lease, well before P2's 30 s timeout
+    assert cluster.metrics(cluster.router, "graphgen_route_lease")[
+        'graphgen_route_lease_releases_total{result="ok"}'] == len(jobs) + 2
+
+
+def test_prefill_handoff_lease_mismatch_and_expiry(cluster, reference):
+    p = PROMPTS[16]
+    (pre,) = cluster.jobs(_complete(cluster.url["p1"], p))  # a plain request to P: one dropped token
+    kv = pre["kv"]
+    assert pre["tokens"] == [] and kv["num_blocks"] == 3 and len(kv["block_hashes"]) == 3
+    assert kv["lease_expires_ms"] > time.time() * 1000
+    assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 1
+    before = cluster.metrics("d", "graphgen_pd_handoff")
+    mismatch, ok = cluster.jobs(_complete(cluster.url["d"], PROMPTS[29], kv_transfer_params=kv),  # another prompt
+                                _complete(cluster.url["d"], p, kv_transfer_params=kv))
+    assert mismatch["tokens"] == reference[tuple(PROMPTS[29])]
+    assert ok["tokens"] == reference[tuple(p)] and ok["cached"] == 3 * BS
+    after = cluster.metrics("d", "graphgen_pd_handoff")
+    assert after['graphgen_pd_handoffs_total{result="mismatch"}'] == before.get(
+        'graphgen_pd_handoffs_total{result="mismatch"}', 0) + 1
+    (bad,) = cluster.jobs(_complete(cluster.url["d"], p, kv_transfer_params={"num_blocks": 1}))
+    assert bad["status"] == 400 and bad["error"]["param"] == "kv_transfer_params.block_hashes"
+    # nobody released it: the lease ends at its timeout
+    time.sleep(LEASE_S + 0.5)
+    assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 0
+    (rel,) = cluster.jobs({"op": "post", "url": cluster.url["p1"] + "/v1/kv/release",
+                           "json": {"lease_id": kv["lease_id"]}})
+    assert rel["status"] == 200 and json.loads(rel["body"])["released"] is False
+    cluster.assert_nothing_held()
+
+
+def test_corrupt_value_is_recomputed(cluster, reference):
+    from graphgen.runtime.pool.keys import BlockKey, KVShard
+
+    p = CORRUPT
+    (pre,) = cluster.jobs(_complete(cluster.url["p1"], p))
+    kv = pre["kv"]
+    w = cluster.ns.worker(f"127.0.0.1:{PORT}", name="corrupter")
+    key = BlockKey("tiny_qwen3", kv["layout"], KVShard(), kv["block_hashes"][0]).render()
+    assert w.call(op="corrupt", key=key)["rc"] == 0
+    before = cluster.metrics("d", "graphgen_pd_handoff_blocks")
+    (got,) = cluster.jobs(_complete(cluster.url["d"], p, kv_transfer_params=kv))
+    assert got["tokens"] == reference[tuple(p)]
+    assert got["cached"] == 0  # block 0 failed its checksum: the leading run stops there
+    after = cluster.metrics("d", "graphgen_pd_handoff_blocks")
+    name = 'graphgen_pd_handoff_blocks_total{result="recomputed"}'
+    assert after[name] == before.get(name, 0) + 3
+    cluster.jobs({"op": "post", "url": cluster.url["p1"] + "/v1/kv/release", "json": {"lease_id": kv["lease_id"]}})
+    cluster.assert_nothing_held()
+
+
+def test_no_decode_up_is_a_clear_503(cluster):
+    router = cluster.route("router_no_d", "--prefill", cluster.url["p1"], "--api-key", "k1",
+                           decode="http://127.0.0.1:9")
+    t0 = time.monotonic()
+    health, anon, got = cluster.jobs({"op": "get", "url": router + "/health"},  # /health needs no key
+                                     {"op": "post", "url": router + "/v1/completions", "json": {"prompt": [1]}},
+                                     dict(_complete(router, PROMPTS[9]), key="k1"))
+    assert health["status"] == 503
+    assert anon["status"] == 401 and json.loads(anon["body"])["error"]["code"] == "invalid_api_key"
+    assert got["status"] == 503 and "no decode instance is up" in got["error"]["message"]
+    assert time.monotonic() - t0 < 30
+    cluster.assert_nothing_held()
+
+
+def test_deepseek_through_the_router_equals_a_single_instance(cluster, tiny_dsv3):
+    """MLA + MoE: a 1P1D pair of DeepSeek-V3 instances on the same store (other keys: another model)."""
+    import torch
+
+    from graphgen.runtime import open_engine
+
+    prompts = [PROMPTS[9], PROMPTS[29]]
+    procs = {k: _start(cluster.ns, f"ds_{k}", *_serve_args(tiny_dsv3.dir, k, spec=TINY_DSV3))
+             for k in ("prefill", "decode")}
+    torch.set_num_threads(1)
+    with open_engine(TINY_DSV3, tiny_dsv3.dir, write="off") as eng:  # loads while the servers start
+        ref = {tuple(p): eng.generate([p], N_NEW)[0].tokens for p in prompts}
+    url = {k: _url(p, "serve") for k, p in procs.items()}
+    router = cluster.route("router_ds", "--prefill", url["prefill"], decode=url["decode"])
+    jobs = [_complete(router, p, stream, model="tiny_deepseek_v3") for stream in (False, True) for p in prompts]
+    for job, got in zip(jobs, cluster.jobs(*jobs)):
+        assert got["tokens"] == ref[tuple(job["prompt"])], (len(job["prompt"]), job["stream"], got)
+        if not job["stream"]:
+            assert got["cached"] == (len(job["prompt"]) - 1) // BS * BS
+    for p in procs.values():
+        p.kill(signal.SIGTERM)
+
+
+def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):
+    router = cluster.route("router_p2", "--prefill", cluster.url["p2"])
+    client = subprocess.Popen(cluster.ns.argv(sys.executable, str(HERE / "pd_client.py"),
+                                              json.dumps([_complete(router, LONG)])),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # P2's prefill ran; its puts (0.3 s each) are in flight
+    cluster.procs["p2"].kill(signal.SIGKILL)
+    out, err = client.communicate(timeout=120)
+    assert client.returncode == 0, err[-3000:]
+    got = json.loads(out.splitlines()[-1])
+    assert got["tokens"] == reference[tuple(LONG)]
+    assert got["cached"] < (len(LONG) - 1) // BS * BS  # what P2 committed before it died, at most
+    fb = cluster.metrics(router, "graphgen_route_prefill_fallbacks_total")
+    assert fb["graphgen_route_prefill_fallbacks_total"] == 1
+    cluster.assert_nothing_held()
+
+
+def test_master_killed_requests_succeed_by_recompute(cluster, reference):
+    import os
+
+    os.kill(cluster.master_pid, signal.SIGKILL)
+    p = [77, *PROMPTS[16][1:]]
+    (got,) = cluster.jobs(_complete(cluster.router, p))
+    assert got["tokens"] == reference[tuple(p)] and got["cached"] == 0  # nothing could be handed off
+    cluster.assert_nothing_held()
+
+
+def test_decode_killed_mid_stream_is_a_clear_error_not_a_hang(cluster):
+    job = dict(_complete(cluster.router, PROMPTS[9], stream=True, ignore_eos=True), max_tokens=1500, progress=True)
+    client = subprocess.Popen(cluster.ns.argv(sys.executable, str(HERE / "pd_client.py"), json.dumps([job])),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert json.loads(client.stdout.readline()) == {"first_chunk": True}  # the stream is under way
+    cluster.procs["d"].kill(signal.SIGKILL)
+    out, err = client.communicate(timeout=60)
+    assert client.returncode == 0, err[-3000:]
+    got = json.loads(out.splitlines()[-1])
+    assert "the decode instance failed" in got["error"], got
+    (health, after) = cluster.jobs({"op": "get", "url": cluster.router + "/health"}, _complete(cluster.router, [1, 2]))
+    assert health["status"] == 503 and after["status"] == 503
+    assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 0  # released at D's first bytes

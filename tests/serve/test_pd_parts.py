@@ -1,0 +1,117 @@
+"""The P/D parts that need no cluster: the router's policies, the handoff's wire format and the
+decode side's check of it, and the flags refused before anything loads (the cluster itself:
+test_pd.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from graphgen.route.app import one_handoff, prefill_body
+from graphgen.route.policy import Pool, prefix_key
+from graphgen.runtime import HostPool, chain_digests
+from graphgen.serve.errors import ApiError
+from graphgen.serve.pd import PD, CacheNaming, Handoff
+from serve_util import ROOT, SPEC
+
+
+def test_round_robin_and_least_loaded_skip_backends_that_are_down():
+    pool = Pool(["http://a", "http://b", "http://c"], "round_robin")
+    assert [pool.pick().url for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+    pool.backends[1].healthy = False
+    assert {pool.pick().url for _ in range(4)} == {"http://a", "http://c"}
+    ll = Pool(["http://a", "http://b"], "least_loaded")
+    ll.backends[0].begin()
+    assert {ll.pick().url for _ in range(3)} == {"http://b"}
+    for b in ll.backends:
+        b.healthy = False
+    assert ll.pick() is None
+    assert Pool([], "round_robin").pick() is None  # no --prefill: the router goes straight to D
+
+
+def test_prefix_policy_keeps_a_prefix_on_one_backend_and_moves_only_the_dead_ones_share():
+    pool = Pool([f"http://p{i}" for i in range(4)], "prefix")
+    keys = [prefix_key({"prompt": [i, 1, 2]}) for i in range(40)]
+    first = {k: pool.pick(k).url for k in keys}
+    assert all(pool.pick(k).url == first[k] for k in keys) and len(set(first.values())) > 1
+    pool.backends[0].healthy = False
+    moved = {k for k in keys if pool.pick(k).url != first[k]}
+    assert moved == {k for k in keys if first[k] == "http://p0"}
+
+
+def _pd(role="decode", bs=4):
+    naming = CacheNaming(bs, "L1", lambda p: chain_digests(p, bs), lambda p: [f"k{d}" for d in chain_digests(p, bs)])
+    return PD(role, HostPool(1 << 20), naming, CollectorRegistry(), lease_timeout_s=5)
+
+
+def test_handoff_wire_format_and_its_400s():
+    h = Handoff(("aa", "bb"), 2, "L1", "id", 5)
+    assert Handoff.parse(h.body()) == h and Handoff.parse(None) is None
+    for bad, param in (([], "kv_transfer_params"), ({"num_blocks": 1}, "kv_transfer_params.block_hashes"),
+                       ({**h.body(), "num_blocks": 3}, "kv_transfer_params.num_blocks"),
+                       ({**h.body(), "lease_expires_ms": -1}, "kv_transfer_params.lease_expires_ms")):
+        with pytest.raises(ApiError) as e:
+            Handoff.parse(bad)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_decode_accepts_only_its_own_hashing_and_layout():
+    pd = _pd()
+    prompt = list(range(1, 14))  # 13 tokens: 3 blocks handed off (the last token is recomputed)
+    own = chain_digests(prompt, 4)[:3]
+    assert pd.naming.handed_off(prompt) == 3
+    assert pd.accept(prompt, Handoff(tuple(own), 3, "L1", "x", 0))
+    assert pd.accept(prompt, Handoff(tuple(own[:2]), 2, "L1", "x", 0))  # a shorter run is fine
+    assert not pd.accept(prompt, Handoff(tuple(own), 3, "L2", "x", 0))  # another layout
+    assert not pd.accept([99, *prompt[1:]], Handoff(tuple(own), 3, "L1", "x", 0))  # another prompt
+    four = chain_digests(list(range(1, 17)), 4)
+    assert not pd.accept(list(range(1, 17)), Handoff(tuple(four), 4, "L1", "x", 0))  # the last block too
+    assert pd.handoffs.labels(result="mismatch")._value.get() == 3
+
+
+def test_prefill_leases_the_handed_off_blocks_and_waits_for_them():
+    pd = _pd("prefill")
+    pd.visible_timeout_s = 0.3
+    prompt = list(range(1, 14))
+    keys, lease = pd.lease(prompt)
+    assert len(keys) == 3 and pd.pool.leases() == 1
+    for k in keys[:2]:
+        pd.pool.put(k, b"v")
+    assert pd.wait_visible(keys) == 2  # no commit pending: the visible run, not a hang
+    pd.pool.put(keys[2], b"v")
+    assert pd.wait_visible(keys) == 3
+    assert pd.release(lease.lease_id) and pd.pool.leases() == 0
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "graphgen", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--role", "prefill"], "--role prefill hands the KV over through a shared pool"),
+    (["--role", "decode", "--pool", "mooncake://127.0.0.1:1", "--write", "off"], "write off"),
+    (["--kv-lease-timeout", "0"], "--kv-lease-timeout must be > 0"),
+])
+def test_bad_role_flags_exit_2_before_the_model_loads(ckpt, args, msg):
+    res = _cli("serve", "--spec", str(SPEC), "--weights", str(ckpt), *args)
+    assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_bad_route_flags_exit_2():
+    res = _cli("route", "--prefill", "localhost:1", "--decode", "http://127.0.0.1:2")
+    assert res.returncode == 2 and "--prefill localhost:1: expected http://HOST:PORT" in res.stderr, res.stderr
+
+
+def test_router_prefill_body_and_which_requests_one_handoff_covers():
+    body = {"prompt": [1, 2], "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
+            "min_tokens": 5, "kv_transfer_params": {"x": 1}, "max_completion_tokens": 9, "top_k": 3}
+    assert prefill_body(body) == {"prompt": [1, 2], "max_tokens": 1, "stream": False, "max_completion_tokens": 1,
+                                  "top_k": 3}
+    assert one_handoff({"prompt": "text"}) and one_handoff({"messages": []}) and one_handoff({"prompt": [1, 2]})
+    assert not one_handoff({"prompt": [[1, 2], [3]]}) and not one_handoff({"prompt": ["a", "b"]})
+    assert not one_handoff({"prompt": [1], "n": 2}) and not one_handoff({"prompt": [1], "best_of": 3})
