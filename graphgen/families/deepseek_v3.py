@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ..ir.graph import Graph, Node, layer_tag
+from .mtp import mtp_layout
 from .nodes import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
 from .base import doc
 from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
@@ -103,39 +104,48 @@ def mla_softmax_scale(d: DeepseekV3Dims) -> float:
     return scale
 
 
-def checkpoint_layout(d: DeepseekV3Dims, *, stacked: bool = False) -> dict[str, tuple]:
+def checkpoint_layout(d: DeepseekV3Dims, *, stacked: bool = False, mtp_layers: int = 0) -> dict[str, tuple]:
     """Checkpoint key -> shape; experts one key each as Hugging Face stores them, or ``stacked`` into
     ``mlp.experts.{gate,up,down}_proj.weight`` ``[E, ...]`` as the runtime holds them. With
-    ``n_shared_experts: 0`` the shared-expert projections are zero-size (transformers still writes them)."""
-    H, Hq = d.hidden_size, d.num_attention_heads
-    n, r, v, R, qr = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank, d.q_lora_rank
+    ``n_shared_experts: 0`` the shared-expert projections are zero-size (transformers still writes them).
+    ``mtp_layers``: also the MTP layers' keys, in DeepSeek-V3's published layout (``graphgen.families.mtp``)."""
     out = common_layout(d)
     for i in range(d.num_hidden_layers):
-        p = layer_prefix(i)
-        a = f"{p}.self_attn"
-        out[f"{p}.input_layernorm.weight"] = (H,)
-        out[f"{p}.post_attention_layernorm.weight"] = (H,)
-        if qr is None:
-            out[f"{a}.q_proj.weight"] = (Hq * (n + r), H)
-        else:
-            out.update({f"{a}.q_a_proj.weight": (qr, H), f"{a}.q_a_layernorm.weight": (qr,),
-                        f"{a}.q_b_proj.weight": (Hq * (n + r), qr)})
-        out.update({f"{a}.kv_a_proj_with_mqa.weight": (R + r, H), f"{a}.kv_a_layernorm.weight": (R,),
-                    f"{a}.kv_b_proj.weight": (Hq * (n + v), R), f"{a}.o_proj.weight": (H, Hq * v)})
-        if i < d.first_k_dense_replace:
-            mlp_layout(out, f"{p}.mlp", H, d.intermediate_size)
-            continue
-        E, I = d.n_routed_experts, d.moe_intermediate_size
-        out[f"{p}.mlp.gate.weight"] = (E, H)
-        out[f"{p}.mlp.gate.e_score_correction_bias"] = (E,)
-        if stacked:
-            out.update({f"{p}.mlp.experts.gate_proj.weight": (E, I, H), f"{p}.mlp.experts.up_proj.weight": (E, I, H),
-                        f"{p}.mlp.experts.down_proj.weight": (E, H, I)})
-        else:
-            for e in range(E):
-                mlp_layout(out, f"{p}.mlp.experts.{e}", H, I)
-        mlp_layout(out, f"{p}.mlp.shared_experts", H, I * d.n_shared_experts)
+        decoder_layer_layout(out, d, i, stacked=stacked)
+    if mtp_layers:
+        out.update(mtp_layout(d, mtp_layers, decoder_layer_layout, stacked=stacked))
     return out
+
+
+def decoder_layer_layout(out: dict, d: DeepseekV3Dims, i: int, *, stacked: bool = False) -> None:
+    """The keys of decoder layer ``i`` (dense MLP below ``first_k_dense_replace``, MoE from there; an
+    MTP layer's index is past ``num_hidden_layers``, so it is MoE, as DeepSeek-V3's is)."""
+    H, Hq = d.hidden_size, d.num_attention_heads
+    n, r, v, R, qr = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank, d.q_lora_rank
+    p = layer_prefix(i)
+    a = f"{p}.self_attn"
+    out[f"{p}.input_layernorm.weight"] = (H,)
+    out[f"{p}.post_attention_layernorm.weight"] = (H,)
+    if qr is None:
+        out[f"{a}.q_proj.weight"] = (Hq * (n + r), H)
+    else:
+        out.update({f"{a}.q_a_proj.weight": (qr, H), f"{a}.q_a_layernorm.weight": (qr,),
+                    f"{a}.q_b_proj.weight": (Hq * (n + r), qr)})
+    out.update({f"{a}.kv_a_proj_with_mqa.weight": (R + r, H), f"{a}.kv_a_layernorm.weight": (R,),
+                f"{a}.kv_b_proj.weight": (Hq * (n + v), R), f"{a}.o_proj.weight": (H, Hq * v)})
+    if i < d.first_k_dense_replace:
+        mlp_layout(out, f"{p}.mlp", H, d.intermediate_size)
+        return
+    E, I = d.n_routed_experts, d.moe_intermediate_size
+    out[f"{p}.mlp.gate.weight"] = (E, H)
+    out[f"{p}.mlp.gate.e_score_correction_bias"] = (E,)
+    if stacked:
+        out.update({f"{p}.mlp.experts.gate_proj.weight": (E, I, H), f"{p}.mlp.experts.up_proj.weight": (E, I, H),
+                    f"{p}.mlp.experts.down_proj.weight": (E, H, I)})
+    else:
+        for e in range(E):
+            mlp_layout(out, f"{p}.mlp.experts.{e}", H, I)
+    mlp_layout(out, f"{p}.mlp.shared_experts", H, I * d.n_shared_experts)
 
 
 def _scaling_attr(rs):
@@ -215,12 +225,12 @@ _HF_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_interm
             "rope_interleave", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
 
 
-def hf_config(d: DeepseekV3Dims, dtype: str) -> dict:
+def hf_config(d: DeepseekV3Dims, dtype: str, mtp_layers: int = 0) -> dict:
     import dataclasses
 
     cfg = hf_config_base(FAMILY, d, dtype, _HF_KEYS)
     # MLA has one shared latent "kv head"; transformers wants the attention-head count here
-    cfg.update(num_key_value_heads=d.num_attention_heads, num_nextn_predict_layers=0,
+    cfg.update(num_key_value_heads=d.num_attention_heads, num_nextn_predict_layers=mtp_layers,
                topk_method="noaux_tc", scoring_func="sigmoid")
     scaling = None
     if d.rope_scaling is not None:
@@ -231,11 +241,10 @@ def hf_config(d: DeepseekV3Dims, dtype: str) -> dict:
     return cfg
 
 
-def hf_notes(cfg: dict):
+def mtp_layers_of_config(cfg: dict) -> int:
+    """The MTP layers a config.json declares (``num_nextn_predict_layers``; 0: none)."""
     mtp = cfg.get("num_nextn_predict_layers") or 0
-    if isinstance(mtp, int) and mtp > 0:
-        yield (f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {mtp}) stay off: "
-               "MTP is not implemented yet.")
+    return mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0
 
 
 FAMILY = Family(
@@ -255,7 +264,7 @@ FAMILY = Family(
     kv_components=kv_components,
     dims_rules=dims_rules,
     hf_config=hf_config,
-    hf_notes=hf_notes,
+    mtp_layers_of_config=mtp_layers_of_config,
     # the router is precision-sensitive: transformers keeps it in float32 too
     fp32_suffixes=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
     attention="mla",

@@ -62,8 +62,9 @@ MATRIX: tuple[Row, ...] = (
     Row("context_parallel", "not_implemented", FAMILIES, WRITE_MODES, (),
         "needs sharded attention and per-rank pool keys"),
     Row("sequence_parallel", "not_implemented", FAMILIES, WRITE_MODES, (), "needs sharded activations"),
-    Row("mtp", "not_implemented", ("deepseek_v3",), WRITE_MODES, (),
-        "multi-token prediction layer (its KV would be saved too)"),
+    Row("mtp", "implemented", ("deepseek_v3",), WRITE_MODES, (),
+        "multi-token prediction layers, enabled by the `mtp:` section (not listed under features); "
+        "their KV is saved and loaded with the target's"),
     Row("yarn", "not_implemented", ("qwen3_dense",), WRITE_MODES, (),
         "YaRN for Qwen3 (DeepSeek-V3 YaRN is set in dims.rope_scaling)"),
     Row("splitfuse_scheduling", "implemented", FAMILIES, WRITE_MODES, (),
@@ -76,8 +77,11 @@ MATRIX: tuple[Row, ...] = (
 ROWS: dict[str, Row] = {r.subject: r for r in MATRIX}
 # feature -> (status, note): the feature rows of the matrix (kept for callers of the old table).
 FEATURES: dict[str, tuple[str, str]] = {r.subject: (r.status, r.note) for r in MATRIX if r.is_feature}
+# Rows a spec enables by a section of its own rather than under ``features:`` (the section's key).
+SECTION_ROWS: tuple[str, ...] = ("mtp",)
 # Features a spec may list (the JSON Schema's enum): everything not rejected outright.
-ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items() if st != "not_implemented")
+ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items()
+                                           if st != "not_implemented" and f not in SECTION_ROWS)
 
 _MISSING = object()
 
@@ -98,6 +102,17 @@ def check_compat(spec):
     yield from _variant_rules(spec)
     yield from _target_rules(spec)
     yield from _parallel_rules(spec)
+    yield from _mtp_rules(spec)
+
+
+def _mtp_rules(spec):
+    family, mtp = _get(spec, "family"), _get(spec, "mtp")
+    if family is _MISSING or mtp is _MISSING or mtp is None:
+        return
+    row = ROWS["mtp"]
+    if family not in row.families:
+        yield ("mtp", f"mtp: multi-token prediction layers exist for family {' or '.join(row.families)} "
+               f"only, not {family}", "remove the mtp: section")
 
 
 def _matrix_rules(spec):
@@ -126,6 +141,9 @@ def _matrix_rules(spec):
                    f"remove '{f}' or set pool.write: {row.writes[-1]}")
         elif row.status == "not_implemented":
             yield where, f"feature '{f}' is not implemented yet ({row.note})", f"remove '{f}' from features"
+        elif f in SECTION_ROWS:
+            yield (where, f"'{f}' is not a feature: it is enabled by the {f}: section",
+                   f"remove '{f}' from features and add '{f}: {{num_layers: 1}}' at the top level")
     if write is None:
         return
     mode = ROWS[f"write:{write}"]

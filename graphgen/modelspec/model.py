@@ -156,6 +156,15 @@ class Parallel:
 
 
 @dataclass(frozen=True)
+class Mtp:
+    """DeepSeek-V3's multi-token-prediction (MTP) layers, a draft model for speculative decoding (docs/mtp.md)."""
+
+    num_layers: int = field(metadata=doc(
+        "MTP layers in the checkpoint (config.json's num_nextn_predict_layers; DeepSeek-V3 ships 1): "
+        "model.layers.{num_hidden_layers + k}. Each is one more KV layer in every pool block.", minimum=1))
+
+
+@dataclass(frozen=True)
 class Targets:
     """Code generation targets; at least one must be enabled. Omit a key to disable that target."""
 
@@ -184,6 +193,19 @@ class ModelSpec:
     targets: Targets = field(default_factory=lambda: Targets(cpu=CpuTarget()), metadata=doc("Targets to lower to."))
     parallel: Parallel = field(default_factory=Parallel, metadata=doc("Tensor/expert parallel layout."))
     description: str = field(default="", metadata=doc("Free text for humans."))
+    mtp: Optional[Mtp] = field(default=None, metadata=doc(
+        "Multi-token prediction layers (DeepSeek-V3 only; omit for none): their KV is cached, saved and "
+        "loaded with the target's layers.", nullable=False))
+
+    @property
+    def mtp_layers(self) -> int:
+        """MTP layers the spec enables (0: none)."""
+        return self.mtp.num_layers if self.mtp is not None else 0
+
+    @property
+    def kv_layers(self) -> int:
+        """KV-cache layers: the decoder layers, then the MTP layers (one pool block holds them all)."""
+        return self.dims.num_hidden_layers + self.mtp_layers
 
     # ---- derived facts used by the IR builder and the runtime ----
     def variant_granularity(self, v: Variant) -> Granularity:

@@ -47,7 +47,7 @@ def rank_memory(spec, graphs) -> RankMemory:
             shape[dim] = math.ceil(shape[dim] / parts)
         weight_bytes += math.prod(shape) * size
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), spec.parallel.tp)
-    kv = spec.dims.num_hidden_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * size
+    kv = spec.kv_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * size
     return RankMemory(spec.parallel.tp, spec.parallel.ep, weight_bytes, kv)
 
 

@@ -39,7 +39,7 @@ def _cpu(spec, weights, *, spec_file: str, pool, **options):
     from .engine.facade import cpu_engine
 
     if not isinstance(weights, dict):
-        weights = load_hf_weights(weights)
+        weights = load_hf_weights(weights, mtp_layers=spec.mtp_layers)
     return cpu_engine(spec, weights, spec_file=spec_file, pool=pool, **options)
 
 
