@@ -78,6 +78,8 @@ class Family:
     hf_notes: Callable[[dict], Iterable[str]] = lambda cfg: ()
     # config.json -> the MTP layers its checkpoint holds (0: none; only DeepSeek-V3 has them).
     mtp_layers_of_config: Callable[[dict], int] = lambda cfg: 0
+    # The MTP layer k as a graph: (graph, dims, k, mode, *, block_size, kv_dtype); None: no MTP layers.
+    build_mtp: Optional[Callable[..., None]] = None
     # The attention kind ("gqa": per-head K/V cache; "mla": compressed latent cache) and whether any
     # layer is MoE: what target checks (e.g. the NPU kernels' documented limits) key on.
     attention: str = "gqa"

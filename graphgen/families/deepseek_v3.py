@@ -162,60 +162,92 @@ MLA_NORM_EPS = 1e-6
 
 
 def build(g: Graph, dims: DeepseekV3Dims, mode: str, *, block_size: int, kv_dtype: str) -> None:
-    n = dims.num_hidden_layers
-    eps = dims.rms_norm_eps
+    rope_head(g, dims, kv_dtype)
+    h = "h.embed"
+    for i in range(dims.num_hidden_layers):
+        h = decoder_layer(g, dims, i, h, mode, block_size=block_size, kv_dtype=kv_dtype)
+    tail(g, h, dims.rms_norm_eps, dims.tie_word_embeddings)
+
+
+def build_mtp(g: Graph, dims: DeepseekV3Dims, k: int, mode: str, *, block_size: int, kv_dtype: str) -> None:
+    """MTP layer ``k`` as a graph (docs/mtp.md): row t holds token t+1 (``input_ids``, embedded with
+    the layer's ``embed_tokens``) and reads the previous hidden state at t (``prev_hidden``: the
+    target's, or the previous draft step's); ``eh_proj``, one decoder layer whose KV is cache layer
+    ``num_hidden_layers + k`` at the same slots as the target's, then the shared head."""
+    from .mtp import PREV_HIDDEN, add_mtp_tail, mtp_prefix
+
+    p = mtp_prefix(dims, k)
+    i = dims.num_hidden_layers + k
+    common_head(g, dims.qk_rope_head_dim, dims.rope_theta, _scaling_attr(dims.rope_scaling), kv_dtype,
+                w_embed=f"{p}.embed_tokens.weight")
+    prev = g.declare(PREV_HIDDEN, "input")
+    x = g.declare(f"x.{layer_tag(i, dims.num_hidden_layers)}.eh_proj", "value")
+    g.add(Node(f"{layer_tag(i, dims.num_hidden_layers)}.eh_proj", "mtp_eh_proj", "main", reads=("h.embed", prev),
+               writes=(x,), layer=i, attrs={"w_enorm": f"{p}.enorm.weight", "w_hnorm": f"{p}.hnorm.weight",
+                                            "w_eh": f"{p}.eh_proj.weight", "eps": dims.rms_norm_eps}))
+    h = decoder_layer(g, dims, i, x, mode, block_size=block_size, kv_dtype=kv_dtype)
+    add_mtp_tail(g, h, dims, k)
+
+
+def rope_head(g: Graph, dims: DeepseekV3Dims, kv_dtype: str) -> None:
+    """The step inputs, the embedding and the RoPE tables (``common_head`` with this family's RoPE)."""
     common_head(g, dims.qk_rope_head_dim, dims.rope_theta, _scaling_attr(dims.rope_scaling), kv_dtype)
+
+
+def decoder_layer(g: Graph, dims: DeepseekV3Dims, i: int, h: str, mode: str, *, block_size: int,
+                  kv_dtype: str) -> str:
+    """Decoder layer ``i`` over the hidden state ``h`` (MLA, then a dense MLP below
+    ``first_k_dense_replace`` or MoE); returns the name of its output. An MTP layer is layer
+    ``num_hidden_layers + k`` (graphgen.families.mtp)."""
+    eps = dims.rms_norm_eps
     scale = mla_softmax_scale(dims)
     kv_layout = FAMILY.kv_layout_attrs(dims, block_size, kv_dtype)
     compressed_q = dims.q_lora_rank is not None
-    h = "h.embed"
-    for i in range(n):
-        tag, p = layer_tag(i, n), layer_prefix(i)
-        a = f"{p}.self_attn"
-        x = norm(g, tag, i, "attn_norm", h, f"{p}.input_layernorm.weight", eps)
-        q_nope, q_pe, c_kv, k_pe = (g.declare(f"{c}.{tag}", "value") for c in ("q_nope", "q_pe", "c_kv", "k_pe"))
-        g.add(Node(f"{tag}.mla_prolog", "mla_prolog", "main", reads=(x, "cos", "sin"),
-                   writes=(q_nope, q_pe, c_kv, k_pe), layer=i,
-                   attrs={"w_q_a": f"{a}.q_a_proj.weight" if compressed_q else None,
-                          "w_q_a_norm": f"{a}.q_a_layernorm.weight" if compressed_q else None,
-                          "w_q_b": f"{a}.q_b_proj.weight" if compressed_q else f"{a}.q_proj.weight",
-                          "w_kv_a": f"{a}.kv_a_proj_with_mqa.weight",
-                          "w_kv_a_norm": f"{a}.kv_a_layernorm.weight", "num_heads": dims.num_attention_heads,
-                          "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
-                          "kv_lora_rank": dims.kv_lora_rank, "eps": MLA_NORM_EPS,
-                          "interleave": dims.rope_interleave}))
-        cache = g.declare(kv_cache_name(tag), "kv_cache")
-        g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(c_kv, k_pe, "slot_mapping"), writes=(cache,), layer=i,
-                   attrs=kv_layout))
-        o = g.declare(f"o.{tag}", "value")
-        g.add(Node(f"{tag}.attn", "mla_attention", "main",
-                   reads=(q_nope, q_pe, cache, "block_tables", "seq_lens", "query_lens"), writes=(o,), layer=i,
-                   attrs={"mode": mode, "scale": scale, "w_kv_b": f"{a}.kv_b_proj.weight",
-                          "num_heads": dims.num_attention_heads, "qk_nope_head_dim": dims.qk_nope_head_dim,
-                          "v_head_dim": dims.v_head_dim, "kv_lora_rank": dims.kv_lora_rank,
-                          "qk_rope_head_dim": dims.qk_rope_head_dim, **kv_layout}))
-        h_attn = g.declare(f"h.{tag}.attn", "value")
-        g.add(Node(f"{tag}.o_proj", "o_proj_residual", "main", reads=(o, h), writes=(h_attn,), layer=i,
-                   attrs={"w_o": f"{a}.o_proj.weight"}))
-        x2 = norm(g, tag, i, "mlp_norm", h_attn, f"{p}.post_attention_layernorm.weight", eps)
-        if i < dims.first_k_dense_replace:
-            h = swiglu(g, tag, i, x2, h_attn, f"{p}.mlp")
-            continue
-        h = g.declare(f"h.{tag}", "value")
-        shared = dims.n_shared_experts > 0  # 0: the checkpoint's shared projections are empty
-        sp = f"{p}.mlp.shared_experts"
-        g.add(Node(f"{tag}.moe", "moe_residual", "main", reads=(x2, h_attn), writes=(h,), layer=i,
-                   attrs={"w_router": f"{p}.mlp.gate.weight", "w_bias": f"{p}.mlp.gate.e_score_correction_bias",
-                          "w_experts_gate": f"{p}.mlp.experts.gate_proj.weight",
-                          "w_experts_up": f"{p}.mlp.experts.up_proj.weight",
-                          "w_experts_down": f"{p}.mlp.experts.down_proj.weight",
-                          "w_shared_gate": f"{sp}.gate_proj.weight" if shared else None,
-                          "w_shared_up": f"{sp}.up_proj.weight" if shared else None,
-                          "w_shared_down": f"{sp}.down_proj.weight" if shared else None,
-                          "top_k": dims.num_experts_per_tok, "n_group": dims.n_group,
-                          "topk_group": dims.topk_group, "routed_scaling_factor": float(dims.routed_scaling_factor),
-                          "norm_topk_prob": dims.norm_topk_prob, "num_experts": dims.n_routed_experts}))
-    tail(g, h, eps, dims.tie_word_embeddings)
+    tag, p = layer_tag(i, dims.num_hidden_layers), layer_prefix(i)
+    a = f"{p}.self_attn"
+    x = norm(g, tag, i, "attn_norm", h, f"{p}.input_layernorm.weight", eps)
+    q_nope, q_pe, c_kv, k_pe = (g.declare(f"{c}.{tag}", "value") for c in ("q_nope", "q_pe", "c_kv", "k_pe"))
+    g.add(Node(f"{tag}.mla_prolog", "mla_prolog", "main", reads=(x, "cos", "sin"),
+               writes=(q_nope, q_pe, c_kv, k_pe), layer=i,
+               attrs={"w_q_a": f"{a}.q_a_proj.weight" if compressed_q else None,
+                      "w_q_a_norm": f"{a}.q_a_layernorm.weight" if compressed_q else None,
+                      "w_q_b": f"{a}.q_b_proj.weight" if compressed_q else f"{a}.q_proj.weight",
+                      "w_kv_a": f"{a}.kv_a_proj_with_mqa.weight",
+                      "w_kv_a_norm": f"{a}.kv_a_layernorm.weight", "num_heads": dims.num_attention_heads,
+                      "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
+                      "kv_lora_rank": dims.kv_lora_rank, "eps": MLA_NORM_EPS,
+                      "interleave": dims.rope_interleave}))
+    cache = g.declare(kv_cache_name(tag), "kv_cache")
+    g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(c_kv, k_pe, "slot_mapping"), writes=(cache,), layer=i,
+               attrs=kv_layout))
+    o = g.declare(f"o.{tag}", "value")
+    g.add(Node(f"{tag}.attn", "mla_attention", "main",
+               reads=(q_nope, q_pe, cache, "block_tables", "seq_lens", "query_lens"), writes=(o,), layer=i,
+               attrs={"mode": mode, "scale": scale, "w_kv_b": f"{a}.kv_b_proj.weight",
+                      "num_heads": dims.num_attention_heads, "qk_nope_head_dim": dims.qk_nope_head_dim,
+                      "v_head_dim": dims.v_head_dim, "kv_lora_rank": dims.kv_lora_rank,
+                      "qk_rope_head_dim": dims.qk_rope_head_dim, **kv_layout}))
+    h_attn = g.declare(f"h.{tag}.attn", "value")
+    g.add(Node(f"{tag}.o_proj", "o_proj_residual", "main", reads=(o, h), writes=(h_attn,), layer=i,
+               attrs={"w_o": f"{a}.o_proj.weight"}))
+    x2 = norm(g, tag, i, "mlp_norm", h_attn, f"{p}.post_attention_layernorm.weight", eps)
+    if i < dims.first_k_dense_replace:
+        return swiglu(g, tag, i, x2, h_attn, f"{p}.mlp")
+    h = g.declare(f"h.{tag}", "value")
+    shared = dims.n_shared_experts > 0  # 0: the checkpoint's shared projections are empty
+    sp = f"{p}.mlp.shared_experts"
+    g.add(Node(f"{tag}.moe", "moe_residual", "main", reads=(x2, h_attn), writes=(h,), layer=i,
+               attrs={"w_router": f"{p}.mlp.gate.weight", "w_bias": f"{p}.mlp.gate.e_score_correction_bias",
+                      "w_experts_gate": f"{p}.mlp.experts.gate_proj.weight",
+                      "w_experts_up": f"{p}.mlp.experts.up_proj.weight",
+                      "w_experts_down": f"{p}.mlp.experts.down_proj.weight",
+                      "w_shared_gate": f"{sp}.gate_proj.weight" if shared else None,
+                      "w_shared_up": f"{sp}.up_proj.weight" if shared else None,
+                      "w_shared_down": f"{sp}.down_proj.weight" if shared else None,
+                      "top_k": dims.num_experts_per_tok, "n_group": dims.n_group,
+                      "topk_group": dims.topk_group, "routed_scaling_factor": float(dims.routed_scaling_factor),
+                      "norm_topk_prob": dims.norm_topk_prob, "num_experts": dims.n_routed_experts}))
+    return h
 
 
 _HF_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
@@ -265,6 +297,7 @@ FAMILY = Family(
     dims_rules=dims_rules,
     hf_config=hf_config,
     mtp_layers_of_config=mtp_layers_of_config,
+    build_mtp=build_mtp,
     # the router is precision-sensitive: transformers keeps it in float32 too
     fp32_suffixes=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
     attention="mla",

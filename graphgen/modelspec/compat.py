@@ -106,13 +106,27 @@ def check_compat(spec):
 
 
 def _mtp_rules(spec):
-    family, mtp = _get(spec, "family"), _get(spec, "mtp")
+    family, mtp, variants, targets = (_get(spec, k) for k in ("family", "mtp", "variants", "targets"))
+    if variants is not _MISSING and mtp in (None, _MISSING):
+        for name, v in variants.items():
+            if v.phase == "mtp" and mtp is None:
+                yield (f"variants.{name}.phase", f"variant {name}: phase mtp needs the model's MTP layers",
+                       "add 'mtp: {num_layers: 1}' at the top level (DeepSeek-V3), or remove the variant")
     if family is _MISSING or mtp is _MISSING or mtp is None:
         return
     row = ROWS["mtp"]
     if family not in row.families:
         yield ("mtp", f"mtp: multi-token prediction layers exist for family {' or '.join(row.families)} "
                f"only, not {family}", "remove the mtp: section")
+    elif targets is not _MISSING and targets.npu is not None:
+        yield ("targets.npu", "the NPU target does not lower the MTP graphs yet (docs/mtp.md)",
+               "remove the mtp: section, or the npu target")
+    if variants is not _MISSING:
+        for name, v in variants.items():
+            if v.phase == "mtp" and (v.history or v.save or v.granularity is not None):
+                yield (f"variants.{name}", f"variant {name}: an mtp variant takes no history, save or granularity "
+                       "(its KV is in the cache already; the MTP graph saves nothing)",
+                       "write only 'phase: mtp' for it")
 
 
 def _matrix_rules(spec):

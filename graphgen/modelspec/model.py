@@ -33,7 +33,7 @@ from ..families.base import doc
 FamilyName = Literal[tuple(FAMILIES)]
 WriteMode = Literal["off", "sync", "async"]
 Granularity = Literal["forward", "layer"]
-Phase = Literal["prefill", "decode"]
+Phase = Literal["prefill", "decode", "mtp"]
 KVDType = Literal["float32", "bfloat16", "float16"]
 CompileMode = Literal["max-autotune", "reduce-overhead"]
 
@@ -78,7 +78,9 @@ class PoolWrite:
 class Variant:
     """One compiled graph of the model."""
 
-    phase: Phase = field(metadata=doc("prefill (new prompt tokens) or decode (one token per sequence)."))
+    phase: Phase = field(metadata=doc("prefill (new prompt tokens), decode (one token per sequence) or mtp "
+                                      "(the MTP draft layer over rows of tokens t+1 and the target's hidden "
+                                      "states at t; needs the mtp: section; docs/mtp.md)."))
     history: bool = field(
         default=False,
         metadata=doc("Prefill only: history KV is loaded from the pool first (splitfuse-style attention "
@@ -212,7 +214,7 @@ class ModelSpec:
         return v.granularity or self.pool.granularity
 
     def variant_saves(self, v: Variant) -> bool:
-        if v.phase == "decode" or self.pool.write == "off":
+        if v.phase in ("decode", "mtp") or self.pool.write == "off":
             return False
         return True if v.save is None else v.save
 

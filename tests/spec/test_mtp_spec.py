@@ -67,3 +67,17 @@ def test_schema_describes_the_section():
     schema = json.loads(schema_text())
     assert schema["$defs"]["Mtp"]["properties"]["num_layers"]["minimum"] == 1
     assert schema["properties"]["mtp"]["allOf"] == [{"$ref": "#/$defs/Mtp"}]
+
+
+def test_mtp_variant_needs_the_section_and_takes_no_save_settings():
+    text = (REPO / "specs" / "tiny_deepseek_v3.yaml").read_text().replace(
+        "  decode:\n    phase: decode\n", "  decode:\n    phase: decode\n  draft:\n    phase: mtp\n")
+    (line, msg, fix), = _errors(text)
+    assert line == _line_of(text, "phase: mtp") and "phase mtp needs the model's MTP layers" in msg
+    text = MTP_SPEC.read_text().replace("    phase: mtp\n", "    phase: mtp\n    history: true\n")
+    assert any("an mtp variant takes no history" in msg for _, msg, _ in _errors(text))
+
+
+def test_mtp_with_the_npu_target_is_refused_until_lowered():
+    text = MTP_SPEC.read_text().replace("  cpu: {}\n", "  cpu: {}\n  npu: {}\n")
+    assert any("the NPU target does not lower the MTP graphs yet" in msg for _, msg, _ in _errors(text))

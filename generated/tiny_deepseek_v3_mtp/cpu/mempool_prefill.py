@@ -50,4 +50,5 @@ def run(rt, W, b, kv, staging, loads, ev):
     x_L02_mlp_norm = rt.rms_norm(h_L02_attn, W['model.layers.2.post_attention_layernorm.weight'], 1e-06)  # L02.mlp_norm
     h_L02 = rt.moe_residual(x_L02_mlp_norm, W['model.layers.2.mlp.gate.weight'], W['model.layers.2.mlp.gate.e_score_correction_bias'], W['model.layers.2.mlp.experts.gate_proj.weight'], W['model.layers.2.mlp.experts.up_proj.weight'], W['model.layers.2.mlp.experts.down_proj.weight'], W['model.layers.2.mlp.shared_experts.gate_proj.weight'], W['model.layers.2.mlp.shared_experts.up_proj.weight'], W['model.layers.2.mlp.shared_experts.down_proj.weight'], h_L02_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L02.moe
     logits = rt.lm_head(h_L02, W['model.norm.weight'], 1e-06, W['lm_head.weight'], b.logits_indices)  # lm_head
-    return logits
+    hidden = rt.rms_norm(h_L02, W['model.norm.weight'], 1e-06)  # final_norm
+    return logits, hidden
