@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "target_note", "EXIT_OK", "EXIT_STALE",
+__all__ = ["add_engine_arguments", "add_speculative_arguments", "check_engine_arguments", "engine_options", "target_note", "EXIT_OK", "EXIT_STALE",
            "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 # every command's exit codes (cli/common.py documents them; the server uses the same ones)
@@ -54,6 +54,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                         "(graph structure only, never an NPU result)")
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding with DeepSeek-V3's MTP layer (docs/mtp.md; `graphgen run` only so far)."""
+    p.add_argument("--speculative", choices=("mtp",), default=None,
+                   help="speculative decoding: mtp drafts with the model's MTP layer, the target verifies "
+                        "(greedy; needs a spec with an mtp: section)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="with --speculative: draft tokens per step, 1..15 (K + 1 tokens per verify row; default 1)")
+
+
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
     for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep"):  # --num-blocks: checked by each command against the spec
@@ -64,6 +73,14 @@ def check_engine_arguments(args) -> Optional[str]:
         return f"--long-prefill-token-threshold must be >= 0 (0: off), got {args.long_prefill_token_threshold}"
     if args.standin and args.target != "npu":
         return "--standin applies to --target npu only"
+    spec_k = getattr(args, "num_speculative_tokens", None)
+    if spec_k is not None and getattr(args, "speculative", None) is None:
+        return "--num-speculative-tokens applies with --speculative mtp only"
+    if getattr(args, "speculative", None) is not None:
+        if spec_k is not None and not 1 <= spec_k <= 15:
+            return f"--num-speculative-tokens must be in [1, 15] (K + 1 tokens per verify row, at most 16), got {spec_k}"
+        if args.target != "cpu" or (args.tp or 1) > 1 or (args.ep or 1) > 1:
+            return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
     return None
 
 
