@@ -127,3 +127,52 @@ def test_run_cli_speculative_reports_acceptance_and_refuses_in_one_sentence(mtp_
                                   "--num-speculative-tokens", "16"), "in [1, 15]")):
         res = cli(*argv)
         assert res.returncode == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.parametrize("write", ["sync", "async"])
+def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
+    """The pool-hit regression (SGLang #31600): after a full prefix hit from the pool, the draft
+    logits of every step equal the cold run's (atol 1e-4) -- the MTP layer's KV came back with the
+    target's. Negative control: a pool that drops the MTP layer's KV (its part of each loaded block
+    zeroed) makes them differ."""
+    from support.hf import ATOL
+
+    L = SPEC.dims.num_hidden_layers
+    prompt = [5, 17, 99, 3, 42, 8, 8, 1, 250, 7, 19]  # 11 tokens: (11 - 1) // 4 = 2 blocks looked up
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write=write) as eng:
+        dec = SpeculativeDecoder(eng, 2)
+        cold = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        eng.drain()
+        assert cold.hit_tokens == 0 and cold.saved_blocks == 2 and eng.stats["puts"] == 2
+        warm = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        assert warm.hit_tokens == 8 and warm.tokens == cold.tokens
+        assert len(warm.draft_logits) == len(cold.draft_logits) > 0
+        for a, b in zip(cold.draft_logits, warm.draft_logits):
+            assert (a - b).abs().max().item() <= ATOL
+        assert (warm.num_draft_tokens, warm.num_accepted_tokens) == (cold.num_draft_tokens, cold.num_accepted_tokens)
+
+        real_load = eng.loader.load
+
+        def target_only(keys):  # what a pool that stores only the target model's KV hands back
+            blocks = real_load(keys)
+            for blk in blocks:
+                for part in blk[L]:
+                    part.zero_()
+            return blocks
+
+        eng.loader.load = target_only
+        lost = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        assert lost.hit_tokens == 8 and lost.tokens == cold.tokens  # the target verifies: output unchanged
+        worst = max((a - b).abs().max().item() for a, b in zip(cold.draft_logits, lost.draft_logits))
+        assert worst > 1e-3, "the drafts did not read the MTP layer's pooled KV"
+
+
+def test_mtp_block_keys_carry_the_successor():
+    from graphgen.runtime.engine.spec_decode import mtp_block_keys
+    from graphgen.runtime.pool.keys import block_keys
+
+    a = mtp_block_keys([1, 2, 3, 4, 5, 6], 1, 4, model="m", layout="x")
+    b = mtp_block_keys([1, 2, 3, 4, 9, 6], 1, 4, model="m", layout="x")
+    assert a != b and a[0].endswith("@la5") and a[0].startswith(block_keys([1, 2, 3, 4], 4, model="m", layout="x")[0])
+    with pytest.raises(ValueError, match="successor"):
+        mtp_block_keys([1, 2, 3, 4], 1, 4, model="m", layout="x")

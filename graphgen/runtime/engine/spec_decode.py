@@ -17,9 +17,21 @@ One cycle, for a sequence whose tokens ``x_0 .. x_m`` are final (``x_m`` not yet
    next cycle. The next draft run starts at ``p0 = m``, so the MTP KV at every verified position is
    recomputed from the target's hidden state there (the recursive runs' MTP KV is provisional).
 
+**The pool** (``pool.write`` sync or async): one pool object per block holds every cache layer, the
+MTP layer included (the connector packs all ``spec.kv_layers`` layers). The MTP KV at position i
+depends on token i+1, so a block's key carries its successor token (``BlockKey.lookahead``, as vLLM
+PR #50897): block b is saved under ``(chain of blocks 0..b, token (b+1)*block_size)`` once that token is
+final (after the first draft run, for every full block of the prompt -- the last one's successor is
+the first generated token), and a prompt looks its blocks up with its own successors (at most
+``(len - 1) // block_size`` blocks, so each successor is a prompt token). A hit loads target and MTP KV
+together; the target prefills the rest with the history variant and the first draft run starts at
+the first position not loaded, so the draft reads the MTP KV from the pool exactly as a cold run
+computed it. Only final tokens' KV is ever saved: the provisional MTP KV of the recursive draft runs
+and the rejected drafts' KV lie past every saved block.
+
 Greedy only: temperature > 0 is refused (rejection sampling, arXiv 2211.17192, is not built yet).
-The decoder drives the engine's runner, cache and allocator directly, one sequence at a time, and
-saves nothing to the pool (docs/mtp.md: what is not done).
+The decoder drives the engine's runner, cache, allocator and KV connector directly, one sequence at
+a time (not the scheduler: docs/mtp.md says what is not done).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..pool.keys import BlockKey, KVShard, chain_digests
 from .request import RowPlan, StepPlan
 from .runner import StepInputs, build_inputs
 
@@ -61,6 +74,8 @@ class SpecResult:
     # of each cycle (the MTP layer's prediction of the token after the next)
     target_logits: list = field(default_factory=list)
     draft_logits: list = field(default_factory=list)
+    hit_tokens: int = 0  # prompt tokens whose KV (target and MTP layers) came from the pool
+    saved_blocks: int = 0  # blocks handed to the pool's save
 
     @property
     def acceptance_rate(self) -> float:
@@ -92,11 +107,34 @@ def check_speculative(spec, num_speculative_tokens: int, temperature: float = 0.
     return mtp_variant(spec)
 
 
-def _first_variant(spec, phase: str, history: bool = False) -> str:
+def _first_variant(spec, phase: str, history: bool = False) -> Optional[str]:
     for name, v in spec.variants.items():
         if v.phase == phase and (phase == "decode" or v.history == history):
             return name
-    raise ValueError(f"spec {spec.name} has no {phase} variant{' without history' if phase == 'prefill' else ''}")
+    return None
+
+
+def mtp_block_keys(tokens: Sequence[int], num_blocks: int, block_size: int, *, model: str, layout: str,
+                   shard: KVShard = KVShard()) -> list[str]:
+    """Pool keys of the first ``num_blocks`` full blocks of ``tokens`` for a cache with MTP layers:
+    the hash chain plus the block's successor token (``BlockKey.lookahead``), which the MTP layer's KV
+    at the block's last position depends on. Every such successor must be in ``tokens``."""
+    if num_blocks * block_size >= len(tokens) and num_blocks:
+        raise ValueError(f"block {num_blocks - 1}'s successor (position {num_blocks * block_size}) is not among "
+                         f"the {len(tokens)} tokens")
+    chain = chain_digests(tokens, block_size)[:num_blocks]
+    return [BlockKey(model, layout, shard, d, lookahead=int(tokens[(b + 1) * block_size])).render()
+            for b, d in enumerate(chain)]
+
+
+class _Staged:
+    """The save handle of a save copied on the host before the handoff (nothing to wait for)."""
+
+    def exception(self, timeout=None):
+        return None
+
+    def wait(self, timeout=None):
+        return None
 
 
 class SpeculativeDecoder:
@@ -109,13 +147,21 @@ class SpeculativeDecoder:
         self.runner, self.cache, self.alloc = engine.runner, engine.cache, engine.alloc
         self.block_size = self.spec.kv_cache.block_size
         self.prefill = _first_variant(self.spec, "prefill")
+        self.history = _first_variant(self.spec, "prefill", history=True)  # None: no pool hits
         self.decode = _first_variant(self.spec, "decode")
+        if self.prefill is None or self.decode is None:
+            raise ValueError(f"spec {self.spec.name} needs a prefill variant without history and a decode variant "
+                             f"for --speculative mtp")
         self.eos = frozenset(getattr(engine.llm, "eos_token_ids", ()))
+        self.loader, self.connector = engine.loader, engine.connector
+        self.write = engine.write
+        self.layers = range(self.spec.kv_layers)
 
     # ---- one graph run ----------------------------------------------------------------------
     def _run(self, variant: str, token_ids: Sequence[int], start: int, table: Sequence[int],
              logits_positions: Sequence[int], prev_hidden: Optional[torch.Tensor] = None):
-        """(logits ``[len(logits_positions), V]``, hidden ``[len(token_ids), H]``) of one row."""
+        """(logits ``[len(logits_positions), V]``, hidden ``[len(token_ids), H]``) of one row. The
+        graph's own save (if it has one) stages nothing: `_save` saves whole blocks, every layer."""
         row = RowPlan(None, tuple(int(t) for t in token_ids), start, tuple(table),
                       logits_positions=tuple(logits_positions))
         base = build_inputs(StepPlan(variant, "decode", (row,), False), self.block_size)
@@ -123,7 +169,8 @@ class SpeculativeDecoder:
         # a saving module (write sync/async) gets an empty staging area: nothing of a speculative run
         # reaches the pool (docs/mtp.md)
         staging = self.cache.make_staging(0) if self.runner.saves(variant) else None
-        handles = self.runner.execute(variant, inputs, staging)
+        loads = self.cache.make_staging(0) if self.runner.modules[variant].META.get("history") else ()
+        handles = self.runner.execute(variant, inputs, staging, loads)
         if handles.save_job is not None:
             handles.save_job.wait()
         if handles.hidden is None:
@@ -156,18 +203,56 @@ class SpeculativeDecoder:
         finally:
             self.alloc.free(table)
 
+    def _keys(self, tokens, num_blocks):
+        return mtp_block_keys(tokens, num_blocks, self.block_size, model=self.loader.model,
+                              layout=self.cache.layout, shard=self.loader.shard)
+
+    def _load(self, prompt, table) -> int:
+        """Prompt tokens whose KV (every layer) is loaded from the pool into ``table``'s leading blocks."""
+        if self.write == "off" or self.history is None:
+            return 0
+        keys = self._keys(prompt, (len(prompt) - 1) // self.block_size)
+        hit = self.loader.lookup(keys) if keys else 0
+        loaded = self.loader.load(keys[:hit]) if hit else []
+        for j, blk in enumerate(loaded):
+            for layer, parts in zip(self.cache, blk):
+                for dst, src in zip(layer, parts):
+                    dst[table[j]].copy_(src[0])
+        return len(loaded) * self.block_size
+
+    def _save(self, tokens, n, hit, table) -> int:
+        """Save the prompt's full blocks not loaded from the pool, every layer (MTP included), keyed
+        with their successors."""
+        first, count = hit // self.block_size, n // self.block_size
+        if self.write == "off" or count <= first:
+            return 0
+        keys = self._keys(tokens, count)[first:]
+        save = self.connector.prepare_save(table[first:count], keys)
+        try:
+            self.runner.rt.kv_save_layers(self.cache, self.layers, torch.tensor(table[first:count]), save.staging)
+        except BaseException:
+            self.connector.cancel(save)
+            raise
+        self.connector.handoff(save, None, _Staged())
+        return count - first
+
     def _generate(self, prompt, max_new_tokens, table, ignore_eos, collect_logits) -> SpecResult:
         stops = frozenset() if ignore_eos else self.eos
         n = len(prompt)
-        logits, hidden = self._run(self.prefill, prompt, 0, table, (n - 1,))
+        hit = self._load(prompt, table)
+        variant = self.history if hit else self.prefill
+        logits, hidden = self._run(variant, prompt[hit:], hit, table, (n - hit - 1,))
         tokens = prompt + [int(logits[-1].argmax())]
-        res = SpecResult(tokens=[tokens[-1]], finish_reason="length", accepted_per_pos=[0] * self.k)
+        res = SpecResult(tokens=[tokens[-1]], finish_reason="length", accepted_per_pos=[0] * self.k,
+                         hit_tokens=hit)
         if collect_logits:
             res.target_logits.append(logits[-1])
-        p0 = 0  # first position whose MTP KV is not final
+        p0 = hit  # first position whose MTP KV is not final (before it: loaded from the pool)
         while len(res.tokens) < max_new_tokens and tokens[-1] not in stops:
             m = len(tokens) - 1
             drafts, dlogits = self.draft(tokens, p0, hidden, table)
+            if p0 == hit:  # every prompt position's MTP KV is final now: the prompt's blocks can go
+                res.saved_blocks = self._save(tokens, n, hit, table)
             if collect_logits:
                 res.draft_logits.append(dlogits[0])
             logits, verify_hidden = self._run(self.decode, [tokens[m], *drafts], m, table, range(self.k + 1))
