@@ -236,3 +236,12 @@ def layer_tags(graph: "Graph") -> list[str]:
         return [layer_tag(graph.meta["mtp_layer"], n)]
     return [layer_tag(i, n) for i in range(n)]
 
+
+def saved_layer_tags(graph: "Graph") -> list[str]:
+    """The layers a graph's save copies: its own, and for an MTP graph every layer up to its own --
+    the MTP graph is the last to write a block's KV, so it saves the whole block (one pool object
+    holds every layer, docs/mtp.md)."""
+    if graph.meta.get("mtp_layer") is not None:
+        return [layer_tag(i, graph.meta["layers"]) for i in range(graph.meta["mtp_layer"] + 1)]
+    return layer_tags(graph)
+

@@ -123,9 +123,9 @@ def _mtp_rules(spec):
                "remove the mtp: section, or the npu target")
     if variants is not _MISSING:
         for name, v in variants.items():
-            if v.phase == "mtp" and (v.history or v.save or v.granularity is not None):
+            if v.phase == "mtp" and (v.history or v.save is not None or v.granularity is not None):
                 yield (f"variants.{name}", f"variant {name}: an mtp variant takes no history, save or granularity "
-                       "(its KV is in the cache already; the MTP graph saves nothing)",
+                       "(the target's KV is in the cache already; it saves whole blocks as pool.write says)",
                        "write only 'phase: mtp' for it")
 
 

@@ -11,7 +11,8 @@ Supported: ``model_type`` ``qwen3`` and ``deepseek_v3``, in both the transformer
 type, a missing field, Qwen3 with RoPE scaling, DeepSeek routing other than ``noaux_tc`` +
 ``sigmoid``, quantized checkpoints, ...) is a :class:`SpecError` naming the config file, the field
 and why -- never silently dropped. DeepSeek-V3's MTP layers (``num_nextn_predict_layers``) become
-the ``mtp:`` section when the checkpoint holds their tensors (or the folder has no weights at all).
+the ``mtp:`` section (plus an ``mtp_draft`` variant, cpu target only) when the checkpoint holds their
+tensors.
 Torch-free: the config is read with ``json`` (and a safetensors header as JSON).
 """
 
@@ -223,17 +224,20 @@ def _checkpoint_keys(hf_dir: Path) -> set[str] | None:
 
 def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
     """The ``mtp:`` section for the MTP layers the config declares -- if the checkpoint holds them
-    (transformers' DeepseekV3Config declares one by default, and ``save_pretrained`` writes none)."""
+    (transformers' DeepseekV3Config declares one by default, and ``save_pretrained`` writes none; a
+    folder without weights cannot tell)."""
     declared = fam.mtp_layers_of_config(config)
     if not declared:
         return None
     first = f"model.layers.{config.get('num_hidden_layers')}.eh_proj.weight"
-    if keys is not None and first not in keys:
-        rep.notes.append(f"config.json declares num_nextn_predict_layers: {declared}, but the checkpoint holds "
-                         f"no MTP tensors ({first}): no mtp: section.")
+    if keys is None or first not in keys:
+        why = "there are no weights to check" if keys is None else f"the checkpoint holds no MTP tensors ({first})"
+        rep.notes.append(f"config.json declares num_nextn_predict_layers: {declared}, but {why}: no mtp: section "
+                         f"(add 'mtp: {{num_layers: {declared}}}' and a 'phase: mtp' variant by hand; docs/mtp.md).")
         return None
-    rep.notes.append(f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {declared}) are the mtp: "
-                     "section (speculative decoding: graphgen run --speculative mtp; docs/mtp.md).")
+    rep.notes.append(f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {declared}) are the mtp: section "
+                     "and the mtp_draft variant (speculative decoding: graphgen run --speculative mtp; docs/mtp.md); "
+                     "no npu target: the NPU target does not lower the MTP graphs yet.")
     return m.Mtp(num_layers=declared)
 
 
@@ -260,7 +264,8 @@ def _convert(config, name: str, source: str, text: str | None, *, block_size=128
                           f"Imported from a Hugging Face {model_type} config.", block_size, compile_modes)
     mtp = _mtp_section(config, fam, checkpoint_keys, rep)
     if mtp is not None:
-        spec = dataclasses.replace(spec, mtp=mtp)
+        spec = dataclasses.replace(spec, mtp=mtp, variants={**spec.variants, "mtp_draft": m.Variant(phase="mtp")},
+                                   targets=m.Targets(cpu=m.CpuTarget()))
     # Shape rules (heads divide, even RoPE dims, expert groups, ...): dims keep HF's names, so
     # each problem names the config field.
     for where, message, fix in check_compat(spec):

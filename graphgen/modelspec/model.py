@@ -88,8 +88,9 @@ class Variant:
     )
     save: Optional[bool] = field(
         default=None,
-        metadata=doc("Save this graph's new full KV blocks to the pool. Default: true for prefill when "
-                     "pool.write is not off; decode graphs never save."),
+        metadata=doc("Save this graph's new full KV blocks to the pool. Default: true for prefill and mtp "
+                     "when pool.write is not off (an mtp graph saves whole blocks, every layer); decode "
+                     "graphs never save."),
     )
     granularity: Optional[Granularity] = field(
         default=None, metadata=doc("Overrides pool.granularity for this variant."))
@@ -211,10 +212,12 @@ class ModelSpec:
 
     # ---- derived facts used by the IR builder and the runtime ----
     def variant_granularity(self, v: Variant) -> Granularity:
+        if v.phase == "mtp":  # it saves whole blocks of every layer once its own layer is written
+            return "forward"
         return v.granularity or self.pool.granularity
 
     def variant_saves(self, v: Variant) -> bool:
-        if v.phase in ("decode", "mtp") or self.pool.write == "off":
+        if v.phase == "decode" or self.pool.write == "off":
             return False
         return True if v.save is None else v.save
 

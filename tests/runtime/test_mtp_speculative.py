@@ -82,11 +82,12 @@ def test_acceptance_counters_with_perfect_and_useless_drafts(mtp_ckpt):
         want = eng.generate([prompt], NEW)[0].tokens
         dec = SpeculativeDecoder(eng, 2)
         done = lambda tokens: len(tokens) - len(prompt)  # noqa: E731 (tokens generated so far)
-        dec.draft = lambda tokens, p0, hidden, table: ([want[done(tokens)], want[done(tokens) + 1]], [None] * 2)
+        dec.draft = lambda tokens, p0, hidden, table, save=None: ([want[done(tokens)], want[done(tokens) + 1]],
+                                                                     [None] * 2)
         res = dec.generate(prompt, NEW, ignore_eos=True)
         assert res.tokens == want and res.num_draft_tokens == 6 == res.num_accepted_tokens  # 1 + 3 cycles x 3
         assert res.accepted_per_pos == [3, 3]
-        dec.draft = lambda tokens, p0, hidden, table: ([(want[done(tokens)] + 1) % 256] * 2, [None] * 2)
+        dec.draft = lambda tokens, p0, hidden, table, save=None: ([(want[done(tokens)] + 1) % 256] * 2, [None] * 2)
         res = dec.generate(prompt, NEW, ignore_eos=True)
         assert res.tokens == want and res.num_accepted_tokens == 0 and res.num_draft_tokens == 2 * (NEW - 1)
 
@@ -129,7 +130,7 @@ def test_run_cli_speculative_reports_acceptance_and_refuses_in_one_sentence(mtp_
         assert res.returncode == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-@pytest.mark.parametrize("write", ["sync", "async"])
+@pytest.mark.parametrize("write", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
     """The pool-hit regression (SGLang #31600): after a full prefix hit from the pool, the draft
     logits of every step equal the cold run's (atol 1e-4) -- the MTP layer's KV came back with the

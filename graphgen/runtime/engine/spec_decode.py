@@ -23,10 +23,12 @@ depends on token i+1, so a block's key carries its successor token (``BlockKey.l
 PR #50897): block b is saved under ``(chain of blocks 0..b, token (b+1)*block_size)`` once that token is
 final (after the first draft run, for every full block of the prompt -- the last one's successor is
 the first generated token), and a prompt looks its blocks up with its own successors (at most
-``(len - 1) // block_size`` blocks, so each successor is a prompt token). A hit loads target and MTP KV
-together; the target prefills the rest with the history variant and the first draft run starts at
-the first position not loaded, so the draft reads the MTP KV from the pool exactly as a cold run
-computed it. Only final tokens' KV is ever saved: the provisional MTP KV of the recursive draft runs
+``(len - 1) // block_size`` blocks, so each successor is a prompt token). The first draft run's graph saves them
+(its save program copies every layer of those blocks after its own layer's KV write, ordered by
+record/wait events the race verifier checks; the connector commits after its event). A hit loads
+target and MTP KV together; the target prefills the rest with the history variant and the first
+draft run starts at the first position not loaded, so the draft reads the MTP KV from the pool
+exactly as a cold run computed it. Only final tokens' KV is ever saved: the provisional MTP KV of the recursive draft runs
 and the rejected drafts' KV lie past every saved block.
 
 Greedy only: temperature > 0 is refused (rejection sampling, arXiv 2211.17192, is not built yet).
@@ -127,16 +129,6 @@ def mtp_block_keys(tokens: Sequence[int], num_blocks: int, block_size: int, *, m
             for b, d in enumerate(chain)]
 
 
-class _Staged:
-    """The save handle of a save copied on the host before the handoff (nothing to wait for)."""
-
-    def exception(self, timeout=None):
-        return None
-
-    def wait(self, timeout=None):
-        return None
-
-
 class SpeculativeDecoder:
     """Greedy speculative decoding with the MTP layer on an engine's CPU runner (module docstring)."""
 
@@ -155,33 +147,43 @@ class SpeculativeDecoder:
         self.eos = frozenset(getattr(engine.llm, "eos_token_ids", ()))
         self.loader, self.connector = engine.loader, engine.connector
         self.write = engine.write
-        self.layers = range(self.spec.kv_layers)
 
     # ---- one graph run ----------------------------------------------------------------------
     def _run(self, variant: str, token_ids: Sequence[int], start: int, table: Sequence[int],
-             logits_positions: Sequence[int], prev_hidden: Optional[torch.Tensor] = None):
-        """(logits ``[len(logits_positions), V]``, hidden ``[len(token_ids), H]``) of one row. The
-        graph's own save (if it has one) stages nothing: `_save` saves whole blocks, every layer."""
+             logits_positions: Sequence[int], prev_hidden: Optional[torch.Tensor] = None, save=None):
+        """(logits ``[len(logits_positions), V]``, hidden ``[len(token_ids), H]``) of one row. Only an
+        MTP run is given a ``save`` (the connector's `PendingSave`: whole blocks, every layer, staged by
+        the graph's save program and committed after its event); any other saving module stages nothing."""
         row = RowPlan(None, tuple(int(t) for t in token_ids), start, tuple(table),
-                      logits_positions=tuple(logits_positions))
+                      logits_positions=tuple(logits_positions), save_block_ids=save.block_ids if save else ())
         base = build_inputs(StepPlan(variant, "decode", (row,), False), self.block_size)
         inputs = MtpInputs(**{f: getattr(base, f) for f in StepInputs.__dataclass_fields__}, prev_hidden=prev_hidden)
-        # a saving module (write sync/async) gets an empty staging area: nothing of a speculative run
-        # reaches the pool (docs/mtp.md)
-        staging = self.cache.make_staging(0) if self.runner.saves(variant) else None
+        if save is not None:
+            staging = save.staging
+        else:
+            staging = self.cache.make_staging(0) if self.runner.saves(variant) else None
         loads = self.cache.make_staging(0) if self.runner.modules[variant].META.get("history") else ()
-        handles = self.runner.execute(variant, inputs, staging, loads)
-        if handles.save_job is not None:
+        try:
+            handles = self.runner.execute(variant, inputs, staging, loads)
+        except BaseException:
+            if save is not None:
+                self.connector.cancel(save)
+            raise
+        if save is not None:
+            self.connector.handoff(save, handles.save_job, handles.save_done)
+        elif handles.save_job is not None:
             handles.save_job.wait()
         if handles.hidden is None:
             raise RuntimeError(f"{variant}: the module returned no hidden state (regenerate: graphgen generate)")
         return handles.logits, handles.hidden
 
-    def draft(self, tokens: Sequence[int], p0: int, hidden: torch.Tensor, table: Sequence[int]):
+    def draft(self, tokens: Sequence[int], p0: int, hidden: torch.Tensor, table: Sequence[int], save=None):
         """Drafts ``d_1 .. d_K`` after ``tokens`` (all final; ``hidden``: the target's hidden states
-        at positions ``p0 .. len(tokens) - 2``), and the logits of each draft."""
+        at positions ``p0 .. len(tokens) - 2``), and the logits of each draft. ``save``: blocks the
+        first MTP run saves (their every layer final once it has run)."""
         m = len(tokens) - 1
-        logits, g = self._run(self.mtp, tokens[p0 + 1:m + 1], p0, table, (m - p0 - 1,), prev_hidden=hidden)
+        logits, g = self._run(self.mtp, tokens[p0 + 1:m + 1], p0, table, (m - p0 - 1,), prev_hidden=hidden,
+                              save=save)
         drafts, all_logits = [int(logits[-1].argmax())], [logits[-1]]
         for j in range(1, self.k):  # the same MTP layer again, on its own hidden state
             logits, g = self._run(self.mtp, (drafts[-1],), m + j - 1, table, (0,), prev_hidden=g[-1:])
@@ -220,21 +222,14 @@ class SpeculativeDecoder:
                     dst[table[j]].copy_(src[0])
         return len(loaded) * self.block_size
 
-    def _save(self, tokens, n, hit, table) -> int:
-        """Save the prompt's full blocks not loaded from the pool, every layer (MTP included), keyed
-        with their successors."""
+    def _prompt_save(self, tokens, n, hit, table):
+        """The save of the prompt's full blocks not loaded from the pool, keyed with their successors
+        (``tokens`` holds the first generated token): staged by the first MTP run, which writes the
+        last MTP KV they need. None when nothing is saved."""
         first, count = hit // self.block_size, n // self.block_size
-        if self.write == "off" or count <= first:
-            return 0
-        keys = self._keys(tokens, count)[first:]
-        save = self.connector.prepare_save(table[first:count], keys)
-        try:
-            self.runner.rt.kv_save_layers(self.cache, self.layers, torch.tensor(table[first:count]), save.staging)
-        except BaseException:
-            self.connector.cancel(save)
-            raise
-        self.connector.handoff(save, None, _Staged())
-        return count - first
+        if self.write == "off" or count <= first or not self.runner.saves(self.mtp):
+            return None
+        return self.connector.prepare_save(table[first:count], self._keys(tokens, count)[first:])
 
     def _generate(self, prompt, max_new_tokens, table, ignore_eos, collect_logits) -> SpecResult:
         stops = frozenset() if ignore_eos else self.eos
@@ -250,9 +245,13 @@ class SpeculativeDecoder:
         p0 = hit  # first position whose MTP KV is not final (before it: loaded from the pool)
         while len(res.tokens) < max_new_tokens and tokens[-1] not in stops:
             m = len(tokens) - 1
-            drafts, dlogits = self.draft(tokens, p0, hidden, table)
-            if p0 == hit:  # every prompt position's MTP KV is final now: the prompt's blocks can go
-                res.saved_blocks = self._save(tokens, n, hit, table)
+            # the first draft run completes every prompt position's MTP KV: it saves the prompt's blocks
+            save = self._prompt_save(tokens, n, hit, table) if p0 == hit else None
+            if save is not None:
+                res.saved_blocks = len(save.block_ids)
+                drafts, dlogits = self.draft(tokens, p0, hidden, table, save=save)
+            else:
+                drafts, dlogits = self.draft(tokens, p0, hidden, table)
             if collect_logits:
                 res.draft_logits.append(dlogits[0])
             logits, verify_hidden = self._run(self.decode, [tokens[m], *drafts], m, table, range(self.k + 1))
