@@ -121,6 +121,10 @@ def _mtp_rules(spec):
     elif targets is not _MISSING and targets.npu is not None:
         yield ("targets.npu", "the NPU target does not lower the MTP graphs yet (docs/mtp.md)",
                "remove the mtp: section, or the npu target")
+    par = _get(spec, "parallel")
+    if family in row.families and par is not _MISSING and (par.tp > 1 or par.ep > 1):
+        yield ("parallel", "the MTP layers are not sharded over ranks yet (docs/mtp.md)",
+               "remove the mtp: section, or use parallel tp: 1 and ep: 1")
     if variants is not _MISSING:
         for name, v in variants.items():
             if v.phase == "mtp" and (v.history or v.save is not None or v.granularity is not None):

@@ -70,6 +70,9 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
         spec = load_spec(path)
     if write is not None or granularity is not None or tp is not None or ep is not None:
         spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep)
+    if spec.mtp is not None and (spec.parallel.tp > 1 or spec.parallel.ep > 1):
+        raise ValueError(f"spec {spec.name} has MTP layers, which are not sharded over ranks yet: run it with "
+                         f"--tp 1 --ep 1 (docs/mtp.md)")
     if weights is None:
         raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
     if target not in TARGETS:

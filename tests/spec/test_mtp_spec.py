@@ -81,3 +81,8 @@ def test_mtp_variant_needs_the_section_and_takes_no_save_settings():
 def test_mtp_with_the_npu_target_is_refused_until_lowered():
     text = MTP_SPEC.read_text().replace("  cpu: {}\n", "  cpu: {}\n  npu: {}\n")
     assert any("the NPU target does not lower the MTP graphs yet" in msg for _, msg, _ in _errors(text))
+
+
+def test_mtp_with_ranks_is_refused_until_sharded():
+    text = MTP_SPEC.read_text() + "parallel:\n  tp: 2\n  ep: 2\n"
+    assert any("not sharded over ranks yet" in msg for _, msg, _ in _errors(text))
