@@ -13,7 +13,7 @@ from typing import Optional, get_args
 
 from .modelspec.model import WritePolicy
 
-__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "layout_refusal", "target_note",
+__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "target_note",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 WRITE_POLICIES = get_args(WritePolicy)  # pool.policy's values
@@ -69,6 +69,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                         "(graph structure only, never an NPU result)")
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding with DeepSeek-V3's MTP layer (docs/mtp.md; `graphgen run` only so far)."""
+    p.add_argument("--speculative", choices=("mtp",), default=None,
+                   help="speculative decoding: mtp drafts with the model's MTP layer, the target verifies "
+                        "(greedy; needs a spec with an mtp: section)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="with --speculative: draft tokens per step, 1..15 (K + 1 tokens per verify row; default 1)")
+
+
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
     # --num-blocks: checked by each command against the spec
@@ -80,6 +89,14 @@ def check_engine_arguments(args) -> Optional[str]:
         return f"--long-prefill-token-threshold must be >= 0 (0: off), got {args.long_prefill_token_threshold}"
     if args.standin and args.target != "npu":
         return "--standin applies to --target npu only"
+    spec_k = getattr(args, "num_speculative_tokens", None)
+    if spec_k is not None and getattr(args, "speculative", None) is None:
+        return "--num-speculative-tokens applies with --speculative mtp only"
+    if getattr(args, "speculative", None) is not None:
+        if spec_k is not None and not 1 <= spec_k <= 15:
+            return f"--num-speculative-tokens must be in [1, 15] (K + 1 tokens per verify row, at most 16), got {spec_k}"
+        if args.target != "cpu" or (args.tp or 1) > 1 or (args.ep or 1) > 1:
+            return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
     return None
 
 

@@ -10,7 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..engine_args import add_engine_arguments, check_engine_arguments, engine_options, target_note
+from ..engine_args import (add_engine_arguments, add_speculative_arguments, check_engine_arguments, engine_options,
+                           target_note)
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -103,6 +104,8 @@ def cmd_run(args) -> int:
         trace = TraceRecorder(args.trace, process_name="graphgen run")
         engine.observe(StepObserver(trace))
     try:
+        if args.speculative is not None:
+            return _generate_speculative(engine, prompts, args)
         return _generate(engine, prompts, args)
     finally:
         if trace is not None:
@@ -139,9 +142,38 @@ def _generate(engine, prompts, args) -> int:
     return EXIT_OK
 
 
+def _generate_speculative(engine, prompts, args) -> int:
+    """Greedy speculative decoding with the MTP layer, prompt by prompt (graphgen.runtime.engine.spec_decode)."""
+    from ..runtime import OutOfBlocks
+    from ..runtime.engine.spec_decode import speculative_generate
+
+    with engine:
+        if args.batch or args.logits:
+            return _usage(f"--speculative does not combine with --{'batch' if args.batch else 'logits'} yet")
+        try:
+            results = speculative_generate(engine, prompts, args.max_new_tokens,
+                                           num_speculative_tokens=args.num_speculative_tokens or 1,
+                                           ignore_eos=args.ignore_eos)
+        except (ValueError, OutOfBlocks) as e:
+            hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
+            return _usage(f"{e}{hint}")
+        for prompt, r in zip(prompts, results):
+            counters = {"spec_decode_num_draft_tokens": r.num_draft_tokens,
+                        "spec_decode_num_accepted_tokens": r.num_accepted_tokens,
+                        "spec_decode_num_accepted_tokens_per_pos": r.accepted_per_pos}
+            if args.json:
+                print(json.dumps({"prompt": list(prompt), "tokens": r.tokens, "finish_reason": r.finish_reason,
+                                  "speculative": "mtp", **counters, "acceptance_rate": r.acceptance_rate}))
+            else:
+                print(f"prompt[{len(prompt)}] -> {r.tokens}  (mtp: {r.num_accepted_tokens}/{r.num_draft_tokens} "
+                      f"drafts accepted, {r.finish_reason})")
+    return EXIT_OK
+
+
 def register(sub) -> None:
     r = sub.add_parser("run", help="run prompts through the generated CPU graphs, an engine and a pool")
     add_engine_arguments(r, max_num_seqs=256, async_scheduling=False)
+    add_speculative_arguments(r)
     r.add_argument("--prompt-ids", action="append", dest="prompts", type=lambda v: ("ids", v), metavar="IDS",
                    help="comma-separated token ids; repeat for several prompts (run in order, one pool)")
     r.add_argument("--prompt", action="append", dest="prompts", type=lambda v: ("text", v), metavar="TEXT",

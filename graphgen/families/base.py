@@ -10,7 +10,7 @@ name families (``graphgen.modelspec.compat.MATRIX``: ``write:async``, ``mtp``, `
 - ``hf_*``: the Hugging Face ``model_type``, architecture class, the defaults transformers assumes
   for omitted config fields, the config values graphgen reproduces, and the config writer;
 - ``build``: the forward as IR nodes (shared node helpers are in ``graphgen.families.nodes``);
-- ``checkpoint_layout``: checkpoint key -> shape, the one layout the weight loader, the random
+- ``checkpoint_layout``: checkpoint key -> shape (``mtp_layers=N``: with the MTP layers, DeepSeek-V3 only), the one layout the weight loader, the random
   checkpoint writer and the NPU inputs use. A zero-size shape is a weight the model does not have
   but transformers still writes (an empty ``nn.Linear``); consumers accept it absent or empty and
   never hand it to generated code;
@@ -68,14 +68,18 @@ class Family:
     # Whether the family accepts YaRN rope scaling (in dims.rope_scaling).
     rope_scaling: bool
     build: Callable[..., None]  # (graph, dims, mode, *, block_size, kv_dtype)
-    checkpoint_layout: Callable[..., dict]  # (dims, *, stacked=False) -> {key: shape}
+    checkpoint_layout: Callable[..., dict]  # (dims, *, stacked=False[, mtp_layers=N]) -> {key: shape}
     kv_components: Callable[[Any], tuple]  # dims -> ((name, per-token shape), ...)
     dims_rules: Callable[[Any], Iterable[Rule]]
-    hf_config: Callable[[Any, str], dict]  # (dims, dtype name) -> config.json dict
+    hf_config: Callable[..., dict]  # (dims, dtype name[, mtp_layers]) -> config.json dict
     # Checkpoint keys (by suffix) kept in float32 whatever the load dtype, as transformers keeps them.
     fp32_suffixes: tuple[str, ...] = ()
     hf_checks: Callable[[dict], Iterable[tuple[str, str, str]]] = lambda cfg: ()  # (key, message, fix)
     hf_notes: Callable[[dict], Iterable[str]] = lambda cfg: ()
+    # config.json -> the MTP layers its checkpoint holds (0: none; only DeepSeek-V3 has them).
+    mtp_layers_of_config: Callable[[dict], int] = lambda cfg: 0
+    # The MTP layer k as a graph: (graph, dims, k, mode, *, block_size, kv_dtype); None: no MTP layers.
+    build_mtp: Optional[Callable[..., None]] = None
     # The attention kind ("gqa": per-head K/V cache; "mla": compressed latent cache) and whether any
     # layer is MoE: what target checks (e.g. the NPU kernels' documented limits) key on.
     attention: str = "gqa"

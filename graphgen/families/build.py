@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from . import FAMILIES
 from ..ir.graph import Graph
+from .mtp import add_hidden_output
 from .nodes import attention_mode
 
 
@@ -30,7 +31,13 @@ def build_graph(spec, variant_name: str, spec_file: str = "") -> Graph:
         "block_size": spec.kv_cache.block_size,
         "kv_dtype": spec.kv_cache.dtype,
     })
-    mode = attention_mode(v.phase, v.history)
-    FAMILIES[spec.family].build(graph, spec.dims, mode, block_size=spec.kv_cache.block_size,
-                                 kv_dtype=spec.kv_cache.dtype)
+    family = FAMILIES[spec.family]
+    layout = {"block_size": spec.kv_cache.block_size, "kv_dtype": spec.kv_cache.dtype}
+    if v.phase == "mtp":  # the MTP draft layer alone (graphgen.families.mtp; docs/mtp.md)
+        graph.meta["mtp_layer"] = spec.dims.num_hidden_layers
+        family.build_mtp(graph, spec.dims, 0, attention_mode("prefill", True), **layout)
+        return graph
+    family.build(graph, spec.dims, attention_mode(v.phase, v.history), **layout)
+    if spec.mtp is not None:  # the MTP layer drafts from the target's last hidden state
+        add_hidden_output(graph, spec.dims.rms_norm_eps)
     return graph

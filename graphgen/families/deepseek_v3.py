@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ..ir.graph import Graph, Node, layer_tag
+from .mtp import mtp_layout
 from .nodes import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
 from .base import doc
 from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
@@ -103,39 +104,48 @@ def mla_softmax_scale(d: DeepseekV3Dims) -> float:
     return scale
 
 
-def checkpoint_layout(d: DeepseekV3Dims, *, stacked: bool = False) -> dict[str, tuple]:
+def checkpoint_layout(d: DeepseekV3Dims, *, stacked: bool = False, mtp_layers: int = 0) -> dict[str, tuple]:
     """Checkpoint key -> shape; experts one key each as Hugging Face stores them, or ``stacked`` into
     ``mlp.experts.{gate,up,down}_proj.weight`` ``[E, ...]`` as the runtime holds them. With
-    ``n_shared_experts: 0`` the shared-expert projections are zero-size (transformers still writes them)."""
-    H, Hq = d.hidden_size, d.num_attention_heads
-    n, r, v, R, qr = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank, d.q_lora_rank
+    ``n_shared_experts: 0`` the shared-expert projections are zero-size (transformers still writes them).
+    ``mtp_layers``: also the MTP layers' keys, in DeepSeek-V3's published layout (``graphgen.families.mtp``)."""
     out = common_layout(d)
     for i in range(d.num_hidden_layers):
-        p = layer_prefix(i)
-        a = f"{p}.self_attn"
-        out[f"{p}.input_layernorm.weight"] = (H,)
-        out[f"{p}.post_attention_layernorm.weight"] = (H,)
-        if qr is None:
-            out[f"{a}.q_proj.weight"] = (Hq * (n + r), H)
-        else:
-            out.update({f"{a}.q_a_proj.weight": (qr, H), f"{a}.q_a_layernorm.weight": (qr,),
-                        f"{a}.q_b_proj.weight": (Hq * (n + r), qr)})
-        out.update({f"{a}.kv_a_proj_with_mqa.weight": (R + r, H), f"{a}.kv_a_layernorm.weight": (R,),
-                    f"{a}.kv_b_proj.weight": (Hq * (n + v), R), f"{a}.o_proj.weight": (H, Hq * v)})
-        if i < d.first_k_dense_replace:
-            mlp_layout(out, f"{p}.mlp", H, d.intermediate_size)
-            continue
-        E, I = d.n_routed_experts, d.moe_intermediate_size
-        out[f"{p}.mlp.gate.weight"] = (E, H)
-        out[f"{p}.mlp.gate.e_score_correction_bias"] = (E,)
-        if stacked:
-            out.update({f"{p}.mlp.experts.gate_proj.weight": (E, I, H), f"{p}.mlp.experts.up_proj.weight": (E, I, H),
-                        f"{p}.mlp.experts.down_proj.weight": (E, H, I)})
-        else:
-            for e in range(E):
-                mlp_layout(out, f"{p}.mlp.experts.{e}", H, I)
-        mlp_layout(out, f"{p}.mlp.shared_experts", H, I * d.n_shared_experts)
+        decoder_layer_layout(out, d, i, stacked=stacked)
+    if mtp_layers:
+        out.update(mtp_layout(d, mtp_layers, decoder_layer_layout, stacked=stacked))
     return out
+
+
+def decoder_layer_layout(out: dict, d: DeepseekV3Dims, i: int, *, stacked: bool = False) -> None:
+    """The keys of decoder layer ``i`` (dense MLP below ``first_k_dense_replace``, MoE from there; an
+    MTP layer's index is past ``num_hidden_layers``, so it is MoE, as DeepSeek-V3's is)."""
+    H, Hq = d.hidden_size, d.num_attention_heads
+    n, r, v, R, qr = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank, d.q_lora_rank
+    p = layer_prefix(i)
+    a = f"{p}.self_attn"
+    out[f"{p}.input_layernorm.weight"] = (H,)
+    out[f"{p}.post_attention_layernorm.weight"] = (H,)
+    if qr is None:
+        out[f"{a}.q_proj.weight"] = (Hq * (n + r), H)
+    else:
+        out.update({f"{a}.q_a_proj.weight": (qr, H), f"{a}.q_a_layernorm.weight": (qr,),
+                    f"{a}.q_b_proj.weight": (Hq * (n + r), qr)})
+    out.update({f"{a}.kv_a_proj_with_mqa.weight": (R + r, H), f"{a}.kv_a_layernorm.weight": (R,),
+                f"{a}.kv_b_proj.weight": (Hq * (n + v), R), f"{a}.o_proj.weight": (H, Hq * v)})
+    if i < d.first_k_dense_replace:
+        mlp_layout(out, f"{p}.mlp", H, d.intermediate_size)
+        return
+    E, I = d.n_routed_experts, d.moe_intermediate_size
+    out[f"{p}.mlp.gate.weight"] = (E, H)
+    out[f"{p}.mlp.gate.e_score_correction_bias"] = (E,)
+    if stacked:
+        out.update({f"{p}.mlp.experts.gate_proj.weight": (E, I, H), f"{p}.mlp.experts.up_proj.weight": (E, I, H),
+                    f"{p}.mlp.experts.down_proj.weight": (E, H, I)})
+    else:
+        for e in range(E):
+            mlp_layout(out, f"{p}.mlp.experts.{e}", H, I)
+    mlp_layout(out, f"{p}.mlp.shared_experts", H, I * d.n_shared_experts)
 
 
 def _scaling_attr(rs):
@@ -152,60 +162,92 @@ MLA_NORM_EPS = 1e-6
 
 
 def build(g: Graph, dims: DeepseekV3Dims, mode: str, *, block_size: int, kv_dtype: str) -> None:
-    n = dims.num_hidden_layers
-    eps = dims.rms_norm_eps
+    rope_head(g, dims, kv_dtype)
+    h = "h.embed"
+    for i in range(dims.num_hidden_layers):
+        h = decoder_layer(g, dims, i, h, mode, block_size=block_size, kv_dtype=kv_dtype)
+    tail(g, h, dims.rms_norm_eps, dims.tie_word_embeddings)
+
+
+def build_mtp(g: Graph, dims: DeepseekV3Dims, k: int, mode: str, *, block_size: int, kv_dtype: str) -> None:
+    """MTP layer ``k`` as a graph (docs/mtp.md): row t holds token t+1 (``input_ids``, embedded with
+    the layer's ``embed_tokens``) and reads the previous hidden state at t (``prev_hidden``: the
+    target's, or the previous draft step's); ``eh_proj``, one decoder layer whose KV is cache layer
+    ``num_hidden_layers + k`` at the same slots as the target's, then the shared head."""
+    from .mtp import PREV_HIDDEN, add_mtp_tail, mtp_prefix
+
+    p = mtp_prefix(dims, k)
+    i = dims.num_hidden_layers + k
+    common_head(g, dims.qk_rope_head_dim, dims.rope_theta, _scaling_attr(dims.rope_scaling), kv_dtype,
+                w_embed=f"{p}.embed_tokens.weight")
+    prev = g.declare(PREV_HIDDEN, "input")
+    x = g.declare(f"x.{layer_tag(i, dims.num_hidden_layers)}.eh_proj", "value")
+    g.add(Node(f"{layer_tag(i, dims.num_hidden_layers)}.eh_proj", "mtp_eh_proj", "main", reads=("h.embed", prev),
+               writes=(x,), layer=i, attrs={"w_enorm": f"{p}.enorm.weight", "w_hnorm": f"{p}.hnorm.weight",
+                                            "w_eh": f"{p}.eh_proj.weight", "eps": dims.rms_norm_eps}))
+    h = decoder_layer(g, dims, i, x, mode, block_size=block_size, kv_dtype=kv_dtype)
+    add_mtp_tail(g, h, dims, k)
+
+
+def rope_head(g: Graph, dims: DeepseekV3Dims, kv_dtype: str) -> None:
+    """The step inputs, the embedding and the RoPE tables (``common_head`` with this family's RoPE)."""
     common_head(g, dims.qk_rope_head_dim, dims.rope_theta, _scaling_attr(dims.rope_scaling), kv_dtype)
+
+
+def decoder_layer(g: Graph, dims: DeepseekV3Dims, i: int, h: str, mode: str, *, block_size: int,
+                  kv_dtype: str) -> str:
+    """Decoder layer ``i`` over the hidden state ``h`` (MLA, then a dense MLP below
+    ``first_k_dense_replace`` or MoE); returns the name of its output. An MTP layer is layer
+    ``num_hidden_layers + k`` (graphgen.families.mtp)."""
+    eps = dims.rms_norm_eps
     scale = mla_softmax_scale(dims)
     kv_layout = FAMILY.kv_layout_attrs(dims, block_size, kv_dtype)
     compressed_q = dims.q_lora_rank is not None
-    h = "h.embed"
-    for i in range(n):
-        tag, p = layer_tag(i, n), layer_prefix(i)
-        a = f"{p}.self_attn"
-        x = norm(g, tag, i, "attn_norm", h, f"{p}.input_layernorm.weight", eps)
-        q_nope, q_pe, c_kv, k_pe = (g.declare(f"{c}.{tag}", "value") for c in ("q_nope", "q_pe", "c_kv", "k_pe"))
-        g.add(Node(f"{tag}.mla_prolog", "mla_prolog", "main", reads=(x, "cos", "sin"),
-                   writes=(q_nope, q_pe, c_kv, k_pe), layer=i,
-                   attrs={"w_q_a": f"{a}.q_a_proj.weight" if compressed_q else None,
-                          "w_q_a_norm": f"{a}.q_a_layernorm.weight" if compressed_q else None,
-                          "w_q_b": f"{a}.q_b_proj.weight" if compressed_q else f"{a}.q_proj.weight",
-                          "w_kv_a": f"{a}.kv_a_proj_with_mqa.weight",
-                          "w_kv_a_norm": f"{a}.kv_a_layernorm.weight", "num_heads": dims.num_attention_heads,
-                          "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
-                          "kv_lora_rank": dims.kv_lora_rank, "eps": MLA_NORM_EPS,
-                          "interleave": dims.rope_interleave}))
-        cache = g.declare(kv_cache_name(tag), "kv_cache")
-        g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(c_kv, k_pe, "slot_mapping"), writes=(cache,), layer=i,
-                   attrs=kv_layout))
-        o = g.declare(f"o.{tag}", "value")
-        g.add(Node(f"{tag}.attn", "mla_attention", "main",
-                   reads=(q_nope, q_pe, cache, "block_tables", "seq_lens", "query_lens"), writes=(o,), layer=i,
-                   attrs={"mode": mode, "scale": scale, "w_kv_b": f"{a}.kv_b_proj.weight",
-                          "num_heads": dims.num_attention_heads, "qk_nope_head_dim": dims.qk_nope_head_dim,
-                          "v_head_dim": dims.v_head_dim, "kv_lora_rank": dims.kv_lora_rank,
-                          "qk_rope_head_dim": dims.qk_rope_head_dim, **kv_layout}))
-        h_attn = g.declare(f"h.{tag}.attn", "value")
-        g.add(Node(f"{tag}.o_proj", "o_proj_residual", "main", reads=(o, h), writes=(h_attn,), layer=i,
-                   attrs={"w_o": f"{a}.o_proj.weight"}))
-        x2 = norm(g, tag, i, "mlp_norm", h_attn, f"{p}.post_attention_layernorm.weight", eps)
-        if i < dims.first_k_dense_replace:
-            h = swiglu(g, tag, i, x2, h_attn, f"{p}.mlp")
-            continue
-        h = g.declare(f"h.{tag}", "value")
-        shared = dims.n_shared_experts > 0  # 0: the checkpoint's shared projections are empty
-        sp = f"{p}.mlp.shared_experts"
-        g.add(Node(f"{tag}.moe", "moe_residual", "main", reads=(x2, h_attn), writes=(h,), layer=i,
-                   attrs={"w_router": f"{p}.mlp.gate.weight", "w_bias": f"{p}.mlp.gate.e_score_correction_bias",
-                          "w_experts_gate": f"{p}.mlp.experts.gate_proj.weight",
-                          "w_experts_up": f"{p}.mlp.experts.up_proj.weight",
-                          "w_experts_down": f"{p}.mlp.experts.down_proj.weight",
-                          "w_shared_gate": f"{sp}.gate_proj.weight" if shared else None,
-                          "w_shared_up": f"{sp}.up_proj.weight" if shared else None,
-                          "w_shared_down": f"{sp}.down_proj.weight" if shared else None,
-                          "top_k": dims.num_experts_per_tok, "n_group": dims.n_group,
-                          "topk_group": dims.topk_group, "routed_scaling_factor": float(dims.routed_scaling_factor),
-                          "norm_topk_prob": dims.norm_topk_prob, "num_experts": dims.n_routed_experts}))
-    tail(g, h, eps, dims.tie_word_embeddings)
+    tag, p = layer_tag(i, dims.num_hidden_layers), layer_prefix(i)
+    a = f"{p}.self_attn"
+    x = norm(g, tag, i, "attn_norm", h, f"{p}.input_layernorm.weight", eps)
+    q_nope, q_pe, c_kv, k_pe = (g.declare(f"{c}.{tag}", "value") for c in ("q_nope", "q_pe", "c_kv", "k_pe"))
+    g.add(Node(f"{tag}.mla_prolog", "mla_prolog", "main", reads=(x, "cos", "sin"),
+               writes=(q_nope, q_pe, c_kv, k_pe), layer=i,
+               attrs={"w_q_a": f"{a}.q_a_proj.weight" if compressed_q else None,
+                      "w_q_a_norm": f"{a}.q_a_layernorm.weight" if compressed_q else None,
+                      "w_q_b": f"{a}.q_b_proj.weight" if compressed_q else f"{a}.q_proj.weight",
+                      "w_kv_a": f"{a}.kv_a_proj_with_mqa.weight",
+                      "w_kv_a_norm": f"{a}.kv_a_layernorm.weight", "num_heads": dims.num_attention_heads,
+                      "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
+                      "kv_lora_rank": dims.kv_lora_rank, "eps": MLA_NORM_EPS,
+                      "interleave": dims.rope_interleave}))
+    cache = g.declare(kv_cache_name(tag), "kv_cache")
+    g.add(Node(f"{tag}.kv_write", "kv_write", "main", reads=(c_kv, k_pe, "slot_mapping"), writes=(cache,), layer=i,
+               attrs=kv_layout))
+    o = g.declare(f"o.{tag}", "value")
+    g.add(Node(f"{tag}.attn", "mla_attention", "main",
+               reads=(q_nope, q_pe, cache, "block_tables", "seq_lens", "query_lens"), writes=(o,), layer=i,
+               attrs={"mode": mode, "scale": scale, "w_kv_b": f"{a}.kv_b_proj.weight",
+                      "num_heads": dims.num_attention_heads, "qk_nope_head_dim": dims.qk_nope_head_dim,
+                      "v_head_dim": dims.v_head_dim, "kv_lora_rank": dims.kv_lora_rank,
+                      "qk_rope_head_dim": dims.qk_rope_head_dim, **kv_layout}))
+    h_attn = g.declare(f"h.{tag}.attn", "value")
+    g.add(Node(f"{tag}.o_proj", "o_proj_residual", "main", reads=(o, h), writes=(h_attn,), layer=i,
+               attrs={"w_o": f"{a}.o_proj.weight"}))
+    x2 = norm(g, tag, i, "mlp_norm", h_attn, f"{p}.post_attention_layernorm.weight", eps)
+    if i < dims.first_k_dense_replace:
+        return swiglu(g, tag, i, x2, h_attn, f"{p}.mlp")
+    h = g.declare(f"h.{tag}", "value")
+    shared = dims.n_shared_experts > 0  # 0: the checkpoint's shared projections are empty
+    sp = f"{p}.mlp.shared_experts"
+    g.add(Node(f"{tag}.moe", "moe_residual", "main", reads=(x2, h_attn), writes=(h,), layer=i,
+               attrs={"w_router": f"{p}.mlp.gate.weight", "w_bias": f"{p}.mlp.gate.e_score_correction_bias",
+                      "w_experts_gate": f"{p}.mlp.experts.gate_proj.weight",
+                      "w_experts_up": f"{p}.mlp.experts.up_proj.weight",
+                      "w_experts_down": f"{p}.mlp.experts.down_proj.weight",
+                      "w_shared_gate": f"{sp}.gate_proj.weight" if shared else None,
+                      "w_shared_up": f"{sp}.up_proj.weight" if shared else None,
+                      "w_shared_down": f"{sp}.down_proj.weight" if shared else None,
+                      "top_k": dims.num_experts_per_tok, "n_group": dims.n_group,
+                      "topk_group": dims.topk_group, "routed_scaling_factor": float(dims.routed_scaling_factor),
+                      "norm_topk_prob": dims.norm_topk_prob, "num_experts": dims.n_routed_experts}))
+    return h
 
 
 _HF_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
@@ -215,12 +257,12 @@ _HF_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_interm
             "rope_interleave", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
 
 
-def hf_config(d: DeepseekV3Dims, dtype: str) -> dict:
+def hf_config(d: DeepseekV3Dims, dtype: str, mtp_layers: int = 0) -> dict:
     import dataclasses
 
     cfg = hf_config_base(FAMILY, d, dtype, _HF_KEYS)
     # MLA has one shared latent "kv head"; transformers wants the attention-head count here
-    cfg.update(num_key_value_heads=d.num_attention_heads, num_nextn_predict_layers=0,
+    cfg.update(num_key_value_heads=d.num_attention_heads, num_nextn_predict_layers=mtp_layers,
                topk_method="noaux_tc", scoring_func="sigmoid")
     scaling = None
     if d.rope_scaling is not None:
@@ -231,11 +273,10 @@ def hf_config(d: DeepseekV3Dims, dtype: str) -> dict:
     return cfg
 
 
-def hf_notes(cfg: dict):
+def mtp_layers_of_config(cfg: dict) -> int:
+    """The MTP layers a config.json declares (``num_nextn_predict_layers``; 0: none)."""
     mtp = cfg.get("num_nextn_predict_layers") or 0
-    if isinstance(mtp, int) and mtp > 0:
-        yield (f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {mtp}) stay off: "
-               "MTP is not implemented yet.")
+    return mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0
 
 
 FAMILY = Family(
@@ -255,7 +296,8 @@ FAMILY = Family(
     kv_components=kv_components,
     dims_rules=dims_rules,
     hf_config=hf_config,
-    hf_notes=hf_notes,
+    mtp_layers_of_config=mtp_layers_of_config,
+    build_mtp=build_mtp,
     # the router is precision-sensitive: transformers keeps it in float32 too
     fp32_suffixes=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
     attention="mla",

@@ -29,12 +29,14 @@ def kv_cache_name(tag: str) -> str:
     return f"kv_cache.{tag}"
 
 
-def common_head(g: Graph, rot_dim: int, theta: float, scaling, dtype: str) -> None:
-    """Step inputs, the token embedding and the RoPE tables (``dtype``: the model/KV dtype they are used in)."""
+def common_head(g: Graph, rot_dim: int, theta: float, scaling, dtype: str,
+                w_embed: str = "model.embed_tokens.weight") -> None:
+    """Step inputs, the token embedding and the RoPE tables (``dtype``: the model/KV dtype they are
+    used in; ``w_embed``: the embedding, an MTP layer's own)."""
     for name in STEP_INPUTS:
         g.declare(name, "input")
     g.add(Node("embed", "embedding", "main", reads=("input_ids",), writes=(g.declare("h.embed", "value"),),
-               attrs={"w_embed": "model.embed_tokens.weight"}))
+               attrs={"w_embed": w_embed}))
     g.add(Node("rope", "rope_cos_sin", "main", reads=("positions",),
                writes=(g.declare("cos", "value"), g.declare("sin", "value")),
                attrs={"rot_dim": rot_dim, "theta": float(theta), "scaling": scaling, "dtype": dtype}))

@@ -36,6 +36,10 @@ HOST_STREAM = "host"
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_lens",
                "logits_indices")
 SAVE_INPUTS = ("save_block_ids",)
+# The last hidden state (after the final norm) a graph of a spec with MTP layers also returns, and
+# the MTP graph's input of the previous one (graphgen.families.mtp; docs/mtp.md).
+HIDDEN = "hidden"
+PREV_HIDDEN = "prev_hidden"
 LOAD_INPUTS = ("load_block_ids",)
 
 NAME_KINDS = ("input", "value", "kv_cache", "pool_staging", "pool_load")
@@ -225,7 +229,19 @@ def layer_tag(layer: int, num_layers: int) -> str:
 
 
 def layer_tags(graph: "Graph") -> list[str]:
-    """Every layer's tag of a built graph (``meta["layers"]`` layers), in layer order."""
+    """Every layer's tag of a built graph (``meta["layers"]`` layers), in layer order; an MTP graph
+    (``meta["mtp_layer"]``, graphgen.families.mtp) holds that one layer, numbered after the decoder layers."""
     n = graph.meta["layers"]
+    if graph.meta.get("mtp_layer") is not None:
+        return [layer_tag(graph.meta["mtp_layer"], n)]
     return [layer_tag(i, n) for i in range(n)]
+
+
+def saved_layer_tags(graph: "Graph") -> list[str]:
+    """The layers a graph's save copies: its own, and for an MTP graph every layer up to its own --
+    the MTP graph is the last to write a block's KV, so it saves the whole block (one pool object
+    holds every layer, docs/mtp.md)."""
+    if graph.meta.get("mtp_layer") is not None:
+        return [layer_tag(i, graph.meta["layers"]) for i in range(graph.meta["mtp_layer"] + 1)]
+    return layer_tags(graph)
 

@@ -109,6 +109,8 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
          "topk_group", "routed_scaling_factor", "norm_topk_prob", "num_experts"),
         optional=("w_shared_gate", "w_shared_up", "w_shared_down")),
     _op("lm_head", ("h", "logits_indices:input"), ("logits",), ("w_norm", "eps", "w_head")),
+    _op("mtp_eh_proj", ("embed", "hidden:input"), ("h",), ("w_enorm", "w_hnorm", "w_eh", "eps"),
+        doc="An MTP layer's input: eh_proj(cat[enorm(embedding of token t+1), hnorm(previous hidden at t)])."),
     _op("kv_save", ("caches...:kv_cache", "block_ids:input"), ("staging...:pool_staging",), optional=("writers",),
         doc="Copy the saved blocks of each listed layer's cache into that layer's pool staging. writers: "
             "cp0 when KV is replicated over CP ranks (only CP rank 0's ranks save; absent: every rank)."),

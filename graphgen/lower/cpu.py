@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
+from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu_parallel import EMIT_PARALLEL
 from .render import MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, moe_kwargs, py, render_frame, weight
 
@@ -105,6 +105,11 @@ def _lm_head(n, ctx):
                  weight(n, "w_head"), ctx.ref(n.input("logits_indices")))
 
 
+def _mtp_eh_proj(n, ctx):
+    return _call(n, ctx, "mtp_eh_proj", ctx.ref(n.input("embed")), ctx.ref(n.input("hidden")), weight(n, "w_enorm"),
+                 weight(n, "w_hnorm"), weight(n, "w_eh"), py(n.attrs["eps"]))
+
+
 def _kv_save(n, ctx):
     r, caches, staging = ctx.ref, n.input("caches"), n.output("staging")
     if len(caches) == 1:  # one layer's save (layer granularity)
@@ -125,6 +130,7 @@ EMIT: dict[str, Emitter] = {
     "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
     "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "kv_load": _kv_load,
+    "mtp_eh_proj": _mtp_eh_proj,
 }
 EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 
@@ -152,5 +158,8 @@ def render_cpu(graph: Graph) -> str:
     streams_note = "".join(f"; {s} runs on a worker thread, launched\nfirst so that only "
                            + ("the forward's waits order it before the KV writes" if s == LOAD_STREAM
                               else "its waits order it after the forward") for s in side)
+    # graphs of a spec with MTP layers also return the last hidden state the MTP layer drafts from
+    returns = f"logits, {ctx.ref(HIDDEN)}" if HIDDEN in graph.names else "logits"
     return render_frame("cpu/variant.py.j2", graph=graph, meta=graph.meta, streams_note=streams_note,
-                        events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body))
+                        events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body),
+                        returns=returns)

@@ -213,6 +213,15 @@ def _lm_head(n, ctx):
             f"{weight(n, 'w_head')})"]
 
 
+def _mtp_eh_proj(n, ctx):
+    # Not lowered by any shipped spec yet (compat refuses mtp with the npu target; docs/mtp.md): the
+    # same calls as _rms_norm and _lm_head, never traced.
+    r, eps = ctx.ref, py(n.attrs["eps"])
+    return [f"{_out(n, ctx)} = F.linear(torch.cat((torch_npu.npu_rms_norm({r(n.input('embed'))}, "
+            f"{weight(n, 'w_enorm')}, {eps})[0], torch_npu.npu_rms_norm({r(n.input('hidden'))}, "
+            f"{weight(n, 'w_hnorm')}, {eps})[0]), dim=-1), {weight(n, 'w_eh')})"]
+
+
 def _kv_save(n, ctx):
     """Copy each listed layer's cache components (as many as its kv_write fills) into its staging."""
     r, ids = ctx.ref, ctx.ref(n.input("block_ids"))
@@ -235,6 +244,7 @@ EMIT: dict[str, Emitter] = {
     "paged_attention": _paged_attention, "mla_prolog": _mla_prolog, "mla_attention": _mla_attention,
     "o_proj_residual": _o_proj_residual, "swiglu_mlp_residual": _swiglu_mlp_residual,
     "moe_residual": _moe_residual, "lm_head": _lm_head, "kv_save": _kv_save, "kv_load": _kv_load,
+    "mtp_eh_proj": _mtp_eh_proj,
 }
 EMIT.update(EMIT_PARALLEL)  # the parallel-rank ops (collectives, partial sums)
 

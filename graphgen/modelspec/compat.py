@@ -65,8 +65,9 @@ MATRIX: tuple[Row, ...] = (
         "decode KV replicated (docs/parallel.md)"),
     Row("sequence_parallel", "derived", FAMILIES, WRITE_MODES, (),
         "on when parallel.sp is true: reduce-scatter + norm + all-gather inside the TP group (docs/parallel.md)"),
-    Row("mtp", "not_implemented", ("deepseek_v3",), WRITE_MODES, (),
-        "multi-token prediction layer (its KV would be saved too)"),
+    Row("mtp", "implemented", ("deepseek_v3",), WRITE_MODES, (),
+        "multi-token prediction layers, enabled by the `mtp:` section (not listed under features); "
+        "their KV is saved and loaded with the target's"),
     Row("yarn", "not_implemented", ("qwen3_dense",), WRITE_MODES, (),
         "YaRN for Qwen3 (DeepSeek-V3 YaRN is set in dims.rope_scaling)"),
     Row("splitfuse_scheduling", "implemented", FAMILIES, WRITE_MODES, (),
@@ -81,9 +82,11 @@ ROWS: dict[str, Row] = {r.subject: r for r in MATRIX}
 DERIVED = {"context_parallel": ("parallel.cp", "cp: 2"), "sequence_parallel": ("parallel.sp", "sp: true")}
 # feature -> (status, note): the feature rows of the matrix (kept for callers of the old table).
 FEATURES: dict[str, tuple[str, str]] = {r.subject: (r.status, r.note) for r in MATRIX if r.is_feature}
-# Features a spec may list (the JSON Schema's enum): everything not rejected outright or derived.
+# Rows a spec enables by a section of its own rather than under ``features:`` (the section's key).
+SECTION_ROWS: tuple[str, ...] = ("mtp",)
+# Features a spec may list (the JSON Schema's enum): everything not rejected outright, derived or a section's.
 ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items()
-                                         if st not in ("not_implemented", "derived"))
+                                         if st not in ("not_implemented", "derived") and f not in SECTION_ROWS)
 
 _MISSING = object()
 
@@ -105,6 +108,35 @@ def check_compat(spec):
     yield from _pool_rules(spec)
     yield from _target_rules(spec)
     yield from _parallel_rules(spec)
+    yield from _mtp_rules(spec)
+
+
+def _mtp_rules(spec):
+    family, mtp, variants, targets = (_get(spec, k) for k in ("family", "mtp", "variants", "targets"))
+    if variants is not _MISSING and mtp in (None, _MISSING):
+        for name, v in variants.items():
+            if v.phase == "mtp" and mtp is None:
+                yield (f"variants.{name}.phase", f"variant {name}: phase mtp needs the model's MTP layers",
+                       "add 'mtp: {num_layers: 1}' at the top level (DeepSeek-V3), or remove the variant")
+    if family is _MISSING or mtp is _MISSING or mtp is None:
+        return
+    row = ROWS["mtp"]
+    if family not in row.families:
+        yield ("mtp", f"mtp: multi-token prediction layers exist for family {' or '.join(row.families)} "
+               f"only, not {family}", "remove the mtp: section")
+    elif targets is not _MISSING and targets.npu is not None:
+        yield ("targets.npu", "the NPU target does not lower the MTP graphs yet (docs/mtp.md)",
+               "remove the mtp: section, or the npu target")
+    par = _get(spec, "parallel")
+    if family in row.families and par is not _MISSING and (par.tp > 1 or par.ep > 1):
+        yield ("parallel", "the MTP layers are not sharded over ranks yet (docs/mtp.md)",
+               "remove the mtp: section, or use parallel tp: 1 and ep: 1")
+    if variants is not _MISSING:
+        for name, v in variants.items():
+            if v.phase == "mtp" and (v.history or v.save is not None or v.granularity is not None):
+                yield (f"variants.{name}", f"variant {name}: an mtp variant takes no history, save or granularity "
+                       "(the target's KV is in the cache already; it saves whole blocks as pool.write says)",
+                       "write only 'phase: mtp' for it")
 
 
 def _matrix_rules(spec):
@@ -137,6 +169,9 @@ def _matrix_rules(spec):
                    f"remove '{f}' from features and write parallel: {{{example}}}")
         elif row.status == "not_implemented":
             yield where, f"feature '{f}' is not implemented yet ({row.note})", f"remove '{f}' from features"
+        elif f in SECTION_ROWS:
+            yield (where, f"'{f}' is not a feature: it is enabled by the {f}: section",
+                   f"remove '{f}' from features and add '{f}: {{num_layers: 1}}' at the top level")
     if write is None:
         return
     mode = ROWS[f"write:{write}"]

@@ -10,7 +10,10 @@ Supported: ``model_type`` ``qwen3`` and ``deepseek_v3``, in both the transformer
 (``rope_parameters``, ``dtype``). Anything graphgen would not reproduce exactly (another model
 type, a missing field, Qwen3 with RoPE scaling, DeepSeek routing other than ``noaux_tc`` +
 ``sigmoid``, quantized checkpoints, ...) is a :class:`SpecError` naming the config file, the field
-and why -- never silently dropped. Torch-free: the config is read with ``json``.
+and why -- never silently dropped. DeepSeek-V3's MTP layers (``num_nextn_predict_layers``) become
+the ``mtp:`` section (plus an ``mtp_draft`` variant, cpu target only) when the checkpoint holds their
+tensors.
+Torch-free: the config is read with ``json`` (and a safetensors header as JSON).
 """
 
 from __future__ import annotations
@@ -202,8 +205,44 @@ def _standard_spec(name, family, dims, dtype, description, block_size, compile_m
     )
 
 
+def _checkpoint_keys(hf_dir: Path) -> set[str] | None:
+    """The tensor names of the checkpoint in ``hf_dir`` (the safetensors index, or the header of
+    ``model.safetensors``: JSON after an 8-byte length, no torch needed); None when it holds no weights."""
+    index = hf_dir / "model.safetensors.index.json"
+    single = hf_dir / "model.safetensors"
+    try:
+        if index.exists():
+            return set(json.loads(index.read_text())["weight_map"])
+        if single.exists():
+            with open(single, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                return set(json.loads(f.read(size))) - {"__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
+
+
+def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
+    """The ``mtp:`` section for the MTP layers the config declares -- if the checkpoint holds them
+    (transformers' DeepseekV3Config declares one by default, and ``save_pretrained`` writes none; a
+    folder without weights cannot tell)."""
+    declared = fam.mtp_layers_of_config(config)
+    if not declared:
+        return None
+    first = f"model.layers.{config.get('num_hidden_layers')}.eh_proj.weight"
+    if keys is None or first not in keys:
+        why = "there are no weights to check" if keys is None else f"the checkpoint holds no MTP tensors ({first})"
+        rep.notes.append(f"config.json declares num_nextn_predict_layers: {declared}, but {why}: no mtp: section "
+                         f"(add 'mtp: {{num_layers: {declared}}}' and a 'phase: mtp' variant by hand; docs/mtp.md).")
+        return None
+    rep.notes.append(f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {declared}) are the mtp: section "
+                     "and the mtp_draft variant (speculative decoding: graphgen run --speculative mtp; docs/mtp.md); "
+                     "no npu target: the NPU target does not lower the MTP graphs yet.")
+    return m.Mtp(num_layers=declared)
+
+
 def _convert(config, name: str, source: str, text: str | None, *, block_size=128,
-             compile_modes=("max-autotune",)):
+             compile_modes=("max-autotune",), checkpoint_keys: set[str] | None = None):
     rep = _Report(source, text)
     if not isinstance(config, dict):
         raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
@@ -223,6 +262,10 @@ def _convert(config, name: str, source: str, text: str | None, *, block_size=128
         raise SpecError(rep.diags)
     spec = _standard_spec(name, fam.name, dims, dtype,
                           f"Imported from a Hugging Face {model_type} config.", block_size, compile_modes)
+    mtp = _mtp_section(config, fam, checkpoint_keys, rep)
+    if mtp is not None:
+        spec = dataclasses.replace(spec, mtp=mtp, variants={**spec.variants, "mtp_draft": m.Variant(phase="mtp")},
+                                   targets=m.Targets(cpu=m.CpuTarget()))
     # Shape rules (heads divide, even RoPE dims, expert groups, ...): dims keep HF's names, so
     # each problem names the config field.
     for where, message, fix in check_compat(spec):
@@ -259,7 +302,8 @@ def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 12
         raise SpecError([Diagnostic(str(source), e.lineno, e.colno, f"invalid JSON: {e.msg}",
                                     "fix the JSON syntax")]) from None
     spec, notes = _convert(config, name or _default_name(hf_dir), str(source), text,
-                           block_size=block_size, compile_modes=compile_modes)
+                           block_size=block_size, compile_modes=compile_modes,
+                           checkpoint_keys=_checkpoint_keys(hf_dir))
     header = "\n".join([f"Imported from {hf_dir.name}/config.json (model_type {config['model_type']}) "
                         "by graphgen.modelspec.import_hf.", *notes])
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ FamilyName = Literal[tuple(FAMILIES)]
 WriteMode = Literal["off", "sync", "async"]
 Granularity = Literal["forward", "layer"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
-Phase = Literal["prefill", "decode"]
+Phase = Literal["prefill", "decode", "mtp"]
 KVDType = Literal["float32", "bfloat16", "float16"]
 CompileMode = Literal["max-autotune", "reduce-overhead"]
 
@@ -101,7 +101,9 @@ class PoolWrite:
 class Variant:
     """One compiled graph of the model."""
 
-    phase: Phase = field(metadata=doc("prefill (new prompt tokens) or decode (one token per sequence)."))
+    phase: Phase = field(metadata=doc("prefill (new prompt tokens), decode (one token per sequence) or mtp "
+                                      "(the MTP draft layer over rows of tokens t+1 and the target's hidden "
+                                      "states at t; needs the mtp: section; docs/mtp.md)."))
     history: bool = field(
         default=False,
         metadata=doc("Prefill only: history KV is loaded from the pool first (splitfuse-style attention "
@@ -109,8 +111,9 @@ class Variant:
     )
     save: Optional[bool] = field(
         default=None,
-        metadata=doc("Save this graph's new full KV blocks to the pool. Default: true for prefill when "
-                     "pool.write is not off; decode graphs never save."),
+        metadata=doc("Save this graph's new full KV blocks to the pool. Default: true for prefill and mtp "
+                     "when pool.write is not off (an mtp graph saves whole blocks, every layer); decode "
+                     "graphs never save."),
     )
     granularity: Optional[Granularity] = field(
         default=None, metadata=doc("Overrides pool.granularity for this variant."))
@@ -194,6 +197,15 @@ class Parallel:
 
 
 @dataclass(frozen=True)
+class Mtp:
+    """DeepSeek-V3's multi-token-prediction (MTP) layers, a draft model for speculative decoding (docs/mtp.md)."""
+
+    num_layers: int = field(metadata=doc(
+        "MTP layers in the checkpoint (config.json's num_nextn_predict_layers; DeepSeek-V3 ships 1): "
+        "model.layers.{num_hidden_layers + k}. Each is one more KV layer in every pool block.", minimum=1))
+
+
+@dataclass(frozen=True)
 class Targets:
     """Code generation targets; at least one must be enabled. Omit a key to disable that target."""
 
@@ -222,9 +234,24 @@ class ModelSpec:
     targets: Targets = field(default_factory=lambda: Targets(cpu=CpuTarget()), metadata=doc("Targets to lower to."))
     parallel: Parallel = field(default_factory=Parallel, metadata=doc("Tensor/expert parallel layout."))
     description: str = field(default="", metadata=doc("Free text for humans."))
+    mtp: Optional[Mtp] = field(default=None, metadata=doc(
+        "Multi-token prediction layers (DeepSeek-V3 only; omit for none): their KV is cached, saved and "
+        "loaded with the target's layers.", nullable=False))
+
+    @property
+    def mtp_layers(self) -> int:
+        """MTP layers the spec enables (0: none)."""
+        return self.mtp.num_layers if self.mtp is not None else 0
+
+    @property
+    def kv_layers(self) -> int:
+        """KV-cache layers: the decoder layers, then the MTP layers (one pool block holds them all)."""
+        return self.dims.num_hidden_layers + self.mtp_layers
 
     # ---- derived facts used by the IR builder and the runtime ----
     def variant_granularity(self, v: Variant) -> Granularity:
+        if v.phase == "mtp":  # it saves whole blocks of every layer once its own layer is written
+            return "forward"
         return v.granularity or self.pool.granularity
 
     def variant_saves(self, v: Variant) -> bool:

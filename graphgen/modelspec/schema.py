@@ -143,7 +143,7 @@ DOC_END = "<!-- END GENERATED -->"
 
 # Order in the reference: the document's own nesting, top to bottom.
 _DOC_CLASSES = (m.ModelSpec, *(f.dims_cls for f in FAMILIES.values()), m.RopeScaling, m.KVCacheLayout,
-                m.PoolWrite, m.Variant, m.Targets, m.CpuTarget, m.NpuTarget)
+                m.PoolWrite, m.Variant, m.Targets, m.CpuTarget, m.NpuTarget, m.Mtp)
 
 
 def _md_type(tp, meta) -> str:

@@ -20,7 +20,7 @@ ensures:  if the variant saves (prefill and pool.write != off):
 
 from __future__ import annotations
 
-from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Node, layer_tags
+from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Node, layer_tags, saved_layer_tags
 from ..ir.graph import SAVE_INPUTS
 from .base import Pass
 from .verify import check
@@ -64,9 +64,9 @@ class InsertKvSave(Pass):
         graph.add_stream(HOST_STREAM)
         for name in SAVE_INPUTS:
             graph.declare(name, "input")
-        tags = layer_tags(graph)
+        tags = saved_layer_tags(graph)
         staging = [graph.declare(f"pool_staging.{t}", "pool_staging") for t in tags]
-        caches = [f"kv_cache.{t}" for t in tags]
+        caches = [graph.declare(f"kv_cache.{t}", "kv_cache") for t in tags]
         if gran == "layer":
             graph.splice(after={f"{t}.kv_write": [Node(f"{t}.kv_save", "kv_save", stream, layer=i,
                                                          reads=(caches[i], "save_block_ids"), writes=(staging[i],),
@@ -88,7 +88,7 @@ class InsertKvSave(Pass):
                 problems.append("a variant that saves nothing got a save, a pool commit or another stream")
             return problems + races
         stream = SAVE_STREAM if m["write"] == "async" else MAIN_STREAM
-        tags = layer_tags(graph)
+        tags = saved_layer_tags(graph)
         index = {n.id: i for i, n in enumerate(graph.nodes)}
         groups = [[t] for t in tags] if m["granularity"] == "layer" else [tags]
         if len(saves) != len(groups):

@@ -72,7 +72,7 @@ def rank_memory(spec, graphs) -> RankMemory:
             shape[dim] = math.ceil(shape[dim] / parts)
         weight_bytes += math.prod(shape) * size
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), spec.parallel.tp)
-    kv = spec.dims.num_hidden_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * size
+    kv = spec.kv_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * size
     par = spec.parallel
     return RankMemory(par.tp, par.ep, weight_bytes, kv, kv_blocks_needed(spec), par.dp, par.cp)
 

@@ -39,7 +39,7 @@ def _cpu(spec, weights, *, spec_file: str, pool, **options):
     from .engine.facade import cpu_engine
 
     if not isinstance(weights, dict):
-        weights = load_hf_weights(weights)
+        weights = load_hf_weights(weights, mtp_layers=spec.mtp_layers)
     return cpu_engine(spec, weights, spec_file=spec_file, pool=pool, **options)
 
 
@@ -73,6 +73,9 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
     if any(x is not None for x in (write, granularity, tp, ep, dp, cp, sp, pool_policy)):
         spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep, dp=dp, cp=cp, sp=sp,
                                    policy=pool_policy)
+    if spec.mtp is not None and (spec.parallel.tp > 1 or spec.parallel.ep > 1):
+        raise ValueError(f"spec {spec.name} has MTP layers, which are not sharded over ranks yet: run it with "
+                         f"--tp 1 --ep 1 (docs/mtp.md)")
     from ..families.parallel import runtime_layout_gap
 
     gap = runtime_layout_gap(spec.parallel, target)

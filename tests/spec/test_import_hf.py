@@ -66,8 +66,8 @@ def test_deepseek_matches_tiny_spec_and_notes_mtp(tmp_path):
     assert spec.dims == load_spec(REPO / "specs" / "tiny_deepseek_v3.yaml").dims
     assert spec.kv_cache.dtype == "bfloat16"
     text = out.read_text()
-    assert "num_nextn_predict_layers: 1" in text and "MTP is not implemented yet" in text
-    assert "mtp" not in spec.features
+    assert "num_nextn_predict_layers: 1" in text and "no weights to check: no mtp: section" in text
+    assert "mtp" not in spec.features and spec.mtp is None
     assert parse_spec_text(text) == spec
 
 

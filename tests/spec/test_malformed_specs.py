@@ -130,7 +130,7 @@ CASES = [
      [("a", "missing required key 'dims.vocab_size'", "add 'vocab_size: <integer>' under 'dims'")]),
     ("missing_variant_phase", edit(BASE_QWEN, ("  mempool_prefill:\n    phase: prefill\n",
                                                "  mempool_prefill:  # a\n")),
-     [("a", "missing required key 'variants.mempool_prefill.phase'", "add 'phase: prefill|decode'")]),
+     [("a", "missing required key 'variants.mempool_prefill.phase'", "add 'phase: prefill|decode|mtp'")]),
     ("missing_family", edit(BASE_QWEN, ("name: m_qwen\n", "name: m_qwen  # a\n"), ("family: qwen3_dense\n", "")),
      [("a", "missing required key 'family'", "add 'family: qwen3_dense|deepseek_v3' at the top level")]),
     ("int_as_string", edit(BASE_QWEN, ("  hidden_size: 64\n", '  hidden_size: "64"  # a\n')),

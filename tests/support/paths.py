@@ -9,6 +9,7 @@ TESTS = REPO / "tests"
 SPECS = REPO / "specs"
 TINY_QWEN3 = SPECS / "tiny_qwen3.yaml"
 TINY_DSV3 = SPECS / "tiny_deepseek_v3.yaml"
+TINY_DSV3_MTP = SPECS / "tiny_deepseek_v3_mtp.yaml"
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -46,13 +46,15 @@ def _family(name: str):
     return FAMILIES[name]
 
 
-def checkpoint_layout(family: str, dims) -> dict[str, tuple]:
+def checkpoint_layout(family: str, dims, mtp_layers: int = 0) -> dict[str, tuple]:
     """Checkpoint key -> shape, as a Hugging Face checkpoint of this family stores it (experts
     unstacked, ``lm_head.weight`` included even when tied); ``dims`` is a dims object or a
-    config.json dict. The family's layout (graphgen/families) is the one source."""
+    config.json dict; ``mtp_layers``: with that many MTP layers (DeepSeek-V3). The family's layout
+    (graphgen/families) is the one source."""
     fam = _family(family)
     try:
-        return fam.checkpoint_layout(fam.dims_of(dims))
+        extra = {"mtp_layers": mtp_layers} if mtp_layers else {}
+        return fam.checkpoint_layout(fam.dims_of(dims), **extra)
     except TypeError as e:  # a required dim is missing from the config
         raise WeightsError(f"config.json does not describe a {family} model: {e}") from None
 
@@ -89,24 +91,38 @@ def _read_tensors(hf_dir: str) -> dict[str, Tensor]:
     return out
 
 
-def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """Flat ``{checkpoint key: tensor}`` in ``dtype``, validated against config.json."""
+def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32, mtp_layers: int = 0) -> dict[str, Tensor]:
+    """Flat ``{checkpoint key: tensor}`` in ``dtype``, validated against config.json. ``mtp_layers``:
+    also load that many of DeepSeek-V3's MTP layers (``model.layers.{num_hidden_layers + k}.*``,
+    graphgen.families.mtp); an MTP layer's ``embed_tokens`` / ``shared_head.head`` the checkpoint
+    omits is the target's tensor (shared, not copied)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     family = family_of_config(config)
-    layout = checkpoint_layout(family, config)
+    declared = FAMILIES[family].mtp_layers_of_config(config)
+    if mtp_layers > declared:
+        raise WeightsError(f"{hf_dir}: the spec has {mtp_layers} MTP layer(s) but config.json declares "
+                           f"num_nextn_predict_layers: {declared}; use a checkpoint with MTP layers or remove "
+                           f"the spec's mtp: section")
+    layout = checkpoint_layout(family, config, mtp_layers)
     fp32 = FAMILIES[family].fp32_suffixes
     raw = _read_tensors(hf_dir)
     L = config["num_hidden_layers"]
 
     if config.get("tie_word_embeddings") and "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw:
         raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
+    if mtp_layers:
+        from ...families.mtp import shared_keys
 
-    # keys a loader may skip: layers past num_hidden_layers are DeepSeek's MTP module, and
-    # rotary inv_freq buffers are recomputed from the config
+        for key, target in shared_keys(FAMILIES[family].dims_of(config), mtp_layers).items():
+            if key not in raw and target in raw:
+                raw[key] = raw[target]
+
+    # keys a loader may skip: layers past the loaded ones are DeepSeek's MTP module (not asked
+    # for), and rotary inv_freq buffers are recomputed from the config
     def ignorable(key: str) -> bool:
         m = _LAYER_KEY.match(key)
-        return (m is not None and int(m.group(1)) >= L) or key.endswith("rotary_emb.inv_freq")
+        return (m is not None and int(m.group(1)) >= L + mtp_layers) or key.endswith("rotary_emb.inv_freq")
 
     # zero-size entries are weights the model does not have (n_shared_experts: 0): transformers
     # writes them empty, other writers leave them out; either way they are not loaded
@@ -128,6 +144,7 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32) -> dict[str
 
     out: dict[str, Tensor] = {}
     stacks: dict[tuple[int, str], dict[int, Tensor]] = {}
+    converted: dict[int, Tensor] = {}  # one converted tensor per source tensor: shared stays shared
     for key, shape in layout.items():
         if _empty(shape):
             continue
@@ -136,7 +153,9 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32) -> dict[str
         if m:
             stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
             continue
-        out[key] = t.to(torch.float32 if fp32 and key.endswith(fp32) else dtype)
+        if id(t) not in converted:
+            converted[id(t)] = t.to(torch.float32 if fp32 and key.endswith(fp32) else dtype)
+        out[key] = converted[id(t)]
     for (layer, proj), per_expert in sorted(stacks.items()):
         tensors = [per_expert[e] for e in range(len(per_expert))]
         out[f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"] = torch.stack(tensors).to(dtype)
@@ -148,7 +167,8 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32) -> dict[str
 # --------------------------------------------------------------------------------------------
 
 def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int = 0,
-                               dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> str:
+                               dtype: torch.dtype = torch.float32, tokenizer: bool = True,
+                               mtp_layers: int = 0, mtp_copies: bool = True) -> str:
     """Write ``config.json`` + ``model.safetensors`` with random weights; returns ``out_dir``.
     With ``tokenizer`` (and the ``tokenizers`` package installed) also a byte-level BPE tokenizer of
     exactly ``vocab_size`` tokens (``runtime.tokenizer.write_tokenizer``), so text prompts work.
@@ -157,13 +177,27 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
 
     Scales keep activations and logits O(1): matrices ~ N(0, (1/sqrt(fan_in))^2) clipped to
     std 0.02..0.1, norms ~ 1 + N(0, 0.05^2), embeddings std 0.1 (normed right after), and a small
-    random e_score_correction_bias so the biased routing choice is exercised."""
+    random e_score_correction_bias so the biased routing choice is exercised.
+
+    ``mtp_layers``: also that many DeepSeek-V3 MTP layers (``num_nextn_predict_layers`` in
+    config.json), drawn after every target tensor (so the target's weights equal the checkpoint's
+    without MTP of the same seed); their ``embed_tokens`` / ``shared_head.head`` are copies of the
+    target's, as DeepSeek publishes them, or left out (``mtp_copies=False``: the loader shares the
+    target's)."""
     from safetensors.torch import save_file
 
     fam = _family(family)
     d = fam.dims_of(dims)
-    cfg = fam.hf_config(d, str(dtype).replace("torch.", ""))
-    layout = fam.checkpoint_layout(d)
+    dtype_name = str(dtype).replace("torch.", "")
+    cfg = fam.hf_config(d, dtype_name, mtp_layers) if mtp_layers else fam.hf_config(d, dtype_name)
+    layout = checkpoint_layout(family, d, mtp_layers)
+    copies = {}
+    if mtp_layers:
+        from ...families.mtp import shared_keys
+
+        copies = shared_keys(d, mtp_layers)
+        for key in copies:
+            layout.pop(key)
     from .tokenizer import eos_token_ids_of
 
     eos = eos_token_ids_of(cfg["vocab_size"], family)  # the EOS of the tokenizer written below ([]: none fits)
@@ -188,6 +222,9 @@ def write_random_hf_checkpoint(out_dir: str, family: str, dims: dict, seed: int 
             t = std * torch.randn(shape, generator=g)
         fp32 = fam.fp32_suffixes
         tensors[key] = t.to(torch.float32 if fp32 and key.endswith(fp32) else dtype).contiguous()
+    if mtp_copies:
+        for key, target in copies.items():
+            tensors[key] = tensors[target if target in tensors else "model.embed_tokens.weight"].clone()
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -230,3 +267,8 @@ def check_config(spec, hf_dir) -> None:
     if wrong:
         desc = ", ".join(f"{k}: checkpoint {a} vs spec {b}" for k, a, b in wrong)
         raise ValueError(f"{cfg_path} does not match spec {spec.name} ({desc}); {fix}")
+    declared = FAMILIES[family].mtp_layers_of_config(cfg)
+    if spec.mtp_layers > declared:
+        raise ValueError(f"{cfg_path} does not match spec {spec.name}: the spec has mtp: {{num_layers: "
+                         f"{spec.mtp_layers}}} but the checkpoint declares num_nextn_predict_layers: {declared}; "
+                         f"use a checkpoint with MTP layers, or remove the spec's mtp: section")

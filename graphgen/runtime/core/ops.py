@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 __all__ = [
     "embedding", "rms_norm", "rope_cos_sin", "qwen3_attn_prolog", "kv_write", "paged_attention",
     "o_proj_residual", "swiglu_mlp_residual", "mla_prolog", "mla_attention", "moe_residual",
-    "lm_head", "kv_save",
+    "lm_head", "kv_save", "mtp_eh_proj",
 ]
 
 
@@ -380,3 +380,10 @@ def kv_load(cache: Sequence[Tensor], loads: Sequence[Tensor], block_ids: Tensor)
             raise ValueError(f"kv_load: load staging holds {s.shape[0]} blocks, {n} requested")
         c.index_copy_(0, ids, s[:n])
 
+
+def mtp_eh_proj(embed: Tensor, hidden: Tensor, enorm_w: Tensor, hnorm_w: Tensor, eh_w: Tensor,
+                eps: float) -> Tensor:
+    """An MTP layer's input (DeepSeek-V3, transformers' ``MtpLayer``): ``eh_proj`` over
+    ``cat[enorm(embedding of token t+1), hnorm(previous hidden state at t)]`` (embedding first)."""
+    return _linear(torch.cat((rms_norm(embed, enorm_w, eps), rms_norm(hidden.to(embed.dtype), hnorm_w, eps)),
+                             dim=-1), eh_w)

@@ -163,7 +163,7 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
         pool = wrap_pool(pool, faults)
     dtype = dtype or getattr(torch, spec.kv_cache.dtype)
     total = num_blocks + reserved_blocks
-    cache = PagedKVCache(spec.dims.num_hidden_layers, kv_shapes, total, dtype, device=device)
+    cache = PagedKVCache(spec.kv_layers, kv_shapes, total, dtype, device=device)
     alloc = BlockAllocator(total)
     reserved = alloc.alloc(reserved_blocks) if reserved_blocks else []  # never freed
     counters = Counters()

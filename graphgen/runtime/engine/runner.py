@@ -107,6 +107,9 @@ class StepHandles:
     logits: torch.Tensor
     save_job: Optional[Job] = None
     save_done: Optional[BoundEvent] = None
+    # every row's last hidden state, from the modules of a spec with MTP layers (what the MTP
+    # layer drafts from; graphgen.runtime.engine.spec_decode); None otherwise
+    hidden: Optional[torch.Tensor] = None
 
 
 class StepRuntime:
@@ -252,7 +255,7 @@ class CpuModelRunner:
         rt = StepRuntime(self.rt, obs, t0, self._gen, mod.HOST_EVENT)
         try:
             with torch.inference_mode():
-                logits = mod.run(rt, self.W, inputs, self.cache, staging, loads, ev)
+                out = mod.run(rt, self.W, inputs, self.cache, staging, loads, ev)
         except BaseException:
             ev.abort("the forward failed")
             for job in rt.launched.values():
@@ -261,5 +264,6 @@ class CpuModelRunner:
         if obs is not None:
             obs.forward(variant, t0, time.perf_counter(), tokens=int(inputs.input_ids.numel()),
                         seqs=int(inputs.seq_lens.numel()), step=self._gen)
+        logits, hidden = out if isinstance(out, tuple) else (out, None)
         return StepHandles(logits, rt.launched.get(SAVE_STREAM),
-                           ev[mod.HOST_EVENT] if mod.HOST_EVENT is not None else None)
+                           ev[mod.HOST_EVENT] if mod.HOST_EVENT is not None else None, hidden)

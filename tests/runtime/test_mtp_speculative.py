@@ -1,0 +1,179 @@
+"""Greedy speculative decoding with the MTP layer: the tokens equal non-speculative greedy decoding
+and transformers' greedy continuation (wherever transformers' top-2 logit margin exceeds 1e-4: a K+1-row
+verify GEMM rounds differently from a 1-row one), for K = 1..3, several prompt lengths and every
+write mode; the acceptance counters add up; Qwen3 specs, checkpoints without MTP layers and
+temperature > 0 are refused in one sentence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graphgen.modelspec.loader import load_spec
+from graphgen.runtime import open_engine
+from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
+from graphgen.runtime.engine.spec_decode import SpeculativeDecoder, check_speculative, speculative_generate
+from support.hf import hf_logits, load_hf_model, rand_prompt
+from support.paths import TINY_DSV3_MTP, TINY_QWEN3
+
+SPEC = load_spec(TINY_DSV3_MTP)
+MARGIN = 1e-4
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    return write_random_hf_checkpoint(str(tmp_path_factory.mktemp("mtp_spec") / "ckpt"), "deepseek_v3",
+                                      dataclasses.asdict(SPEC.dims), seed=11, tokenizer=False, mtp_layers=1)
+
+
+@pytest.fixture(scope="module")
+def hf_main(mtp_ckpt):
+    return load_hf_model("deepseek_v3", mtp_ckpt).eval()
+
+
+def _agrees_with_hf(model, prompt, tokens):
+    """Each token is transformers' argmax at its position (teacher-forced), up to the first position
+    whose top-2 margin is within MARGIN (rounding may pick either there; later tokens then follow it)."""
+    ref = hf_logits(model, list(prompt) + list(tokens[:-1]))[len(prompt) - 1:]
+    for i, tok in enumerate(tokens):
+        top2 = ref[i].topk(2).values
+        if (top2[0] - top2[1]).item() <= MARGIN:
+            return True
+        if tok != int(ref[i].argmax()):
+            return False
+    return True
+
+
+def _check(eng, hf_main, prompts, ks, new, what):
+    plain = [r.tokens for r in eng.generate(prompts, new)]
+    for k in ks:
+        results = speculative_generate(eng, prompts, new, num_speculative_tokens=k, ignore_eos=True)
+        for prompt, want, res in zip(prompts, plain, results):
+            where = f"{what} K={k} prompt of {len(prompt)}"
+            assert res.tokens == want and len(res.tokens) == new, where
+            assert _agrees_with_hf(hf_main, prompt, res.tokens), where
+            assert res.num_accepted_tokens == sum(res.accepted_per_pos) <= res.num_draft_tokens, where
+            # a draft at position j is accepted only after every draft before it was
+            assert all(a >= b for a, b in zip(res.accepted_per_pos, res.accepted_per_pos[1:])), where
+
+
+def test_speculative_equals_greedy_and_transformers(mtp_ckpt, hf_main):
+    gen = torch.Generator().manual_seed(3)
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off") as eng:
+        _check(eng, hf_main, [rand_prompt(gen, n) for n in (3, 9)], (1, 3), 6, "write=off")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("write", ["off", "sync", "async"])
+def test_speculative_equals_greedy_every_write_mode(write, mtp_ckpt, hf_main):
+    gen = torch.Generator().manual_seed(4)
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write=write) as eng:
+        _check(eng, hf_main, [rand_prompt(gen, n) for n in (3, 8, 13)], (1, 2, 3), NEW, f"write={write}")
+
+
+def test_acceptance_counters_with_perfect_and_useless_drafts(mtp_ckpt):
+    """The counters' controls: drafts that are the greedy continuation are all accepted (3 tokens per
+    cycle), drafts that never match none (1 token per cycle); the output is greedy's either way."""
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off") as eng:
+        prompt = [5, 17, 99, 3, 42]
+        want = eng.generate([prompt], NEW)[0].tokens
+        dec = SpeculativeDecoder(eng, 2)
+        done = lambda tokens: len(tokens) - len(prompt)  # noqa: E731 (tokens generated so far)
+        dec.draft = lambda tokens, p0, hidden, table, save=None: ([want[done(tokens)], want[done(tokens) + 1]],
+                                                                     [None] * 2)
+        res = dec.generate(prompt, NEW, ignore_eos=True)
+        assert res.tokens == want and res.num_draft_tokens == 6 == res.num_accepted_tokens  # 1 + 3 cycles x 3
+        assert res.accepted_per_pos == [3, 3]
+        dec.draft = lambda tokens, p0, hidden, table, save=None: ([(want[done(tokens)] + 1) % 256] * 2, [None] * 2)
+        res = dec.generate(prompt, NEW, ignore_eos=True)
+        assert res.tokens == want and res.num_accepted_tokens == 0 and res.num_draft_tokens == 2 * (NEW - 1)
+
+
+def test_refusals_are_one_sentence(mtp_ckpt, tmp_path):
+    for bad, match in (((SPEC, 0), "in \\[1, 15\\]"), ((SPEC, 16), "in \\[1, 15\\]"),
+                       ((load_spec(TINY_QWEN3), 1), "has no MTP layers")):
+        with pytest.raises(ValueError, match=match):
+            check_speculative(*bad)
+    with pytest.raises(ValueError, match="greedily only"):
+        check_speculative(SPEC, 1, temperature=0.7)
+    plain = write_random_hf_checkpoint(str(tmp_path / "plain"), "deepseek_v3", dataclasses.asdict(SPEC.dims),
+                                       tokenizer=False)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers: 0"):
+        open_engine(TINY_DSV3_MTP, plain)
+
+
+@pytest.mark.slow  # three CLI processes
+def test_run_cli_speculative_reports_acceptance_and_refuses_in_one_sentence(mtp_ckpt, tmp_path):
+    import json
+
+    from support.cli import cli, run_args
+
+    prompts = [[5, 17, 99, 3, 42], [7, 7, 1]]
+    res = cli(*run_args(TINY_DSV3_MTP, mtp_ckpt, prompts, 5, "--ignore-eos", "--speculative", "mtp",
+                        "--num-speculative-tokens", "2"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(s) for s in res.stdout.splitlines() if s.startswith("{")]
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt) as eng:
+        assert [r["tokens"] for r in rows] == [r.tokens for r in eng.generate(prompts, 5)]
+    for r in rows:
+        assert r["speculative"] == "mtp" and len(r["spec_decode_num_accepted_tokens_per_pos"]) == 2
+        assert 0 <= r["spec_decode_num_accepted_tokens"] <= r["spec_decode_num_draft_tokens"]
+    qwen = write_random_hf_checkpoint(str(tmp_path / "qwen"), "qwen3_dense",
+                                      dataclasses.asdict(load_spec(TINY_QWEN3).dims), tokenizer=False)
+    for argv, words in ((run_args(TINY_QWEN3, qwen, prompts[:1], 2, "--speculative", "mtp"), "has no MTP layers"),
+                        (run_args(TINY_DSV3_MTP, mtp_ckpt, prompts[:1], 2, "--speculative", "mtp",
+                                  "--num-speculative-tokens", "16"), "in [1, 15]")):
+        res = cli(*argv)
+        assert res.returncode == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.parametrize("write", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
+    """The pool-hit regression (SGLang #31600): after a full prefix hit from the pool, the draft
+    logits of every step equal the cold run's (atol 1e-4) -- the MTP layer's KV came back with the
+    target's. Negative control: a pool that drops the MTP layer's KV (its part of each loaded block
+    zeroed) makes them differ."""
+    from support.hf import ATOL
+
+    L = SPEC.dims.num_hidden_layers
+    prompt = [5, 17, 99, 3, 42, 8, 8, 1, 250, 7, 19]  # 11 tokens: (11 - 1) // 4 = 2 blocks looked up
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write=write) as eng:
+        dec = SpeculativeDecoder(eng, 2)
+        cold = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        eng.drain()
+        assert cold.hit_tokens == 0 and cold.saved_blocks == 2 and eng.stats["puts"] == 2
+        warm = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        assert warm.hit_tokens == 8 and warm.tokens == cold.tokens
+        assert len(warm.draft_logits) == len(cold.draft_logits) > 0
+        for a, b in zip(cold.draft_logits, warm.draft_logits):
+            assert (a - b).abs().max().item() <= ATOL
+        assert (warm.num_draft_tokens, warm.num_accepted_tokens) == (cold.num_draft_tokens, cold.num_accepted_tokens)
+
+        real_load = eng.loader.load
+
+        def target_only(keys):  # what a pool that stores only the target model's KV hands back
+            blocks = real_load(keys)
+            for blk in blocks:
+                for part in blk[L]:
+                    part.zero_()
+            return blocks
+
+        eng.loader.load = target_only
+        lost = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        assert lost.hit_tokens == 8 and lost.tokens == cold.tokens  # the target verifies: output unchanged
+        worst = max((a - b).abs().max().item() for a, b in zip(cold.draft_logits, lost.draft_logits))
+        assert worst > 1e-3, "the drafts did not read the MTP layer's pooled KV"
+
+
+def test_mtp_block_keys_carry_the_successor():
+    from graphgen.runtime.engine.spec_decode import mtp_block_keys
+    from graphgen.runtime.pool.keys import block_keys
+
+    a = mtp_block_keys([1, 2, 3, 4, 5, 6], 1, 4, model="m", layout="x")
+    b = mtp_block_keys([1, 2, 3, 4, 9, 6], 1, 4, model="m", layout="x")
+    assert a != b and a[0].endswith("@la5") and a[0].startswith(block_keys([1, 2, 3, 4], 4, model="m", layout="x")[0])
+    with pytest.raises(ValueError, match="successor"):
+        mtp_block_keys([1, 2, 3, 4], 1, 4, model="m", layout="x")

@@ -1,0 +1,88 @@
+"""The spec's mtp: section (DeepSeek-V3's multi-token-prediction layers): parsed, validated with
+file:line errors, in the schema; refused for Qwen3 and under features:; written by import-hf."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graphgen.modelspec import model as m
+from graphgen.modelspec.compat import ACCEPTED_FEATURES
+from graphgen.modelspec.errors import SpecError
+from graphgen.modelspec.loader import load_spec, parse_spec_text
+from graphgen.modelspec.schema import schema_text
+from support.paths import REPO
+
+MTP_SPEC = REPO / "specs" / "tiny_deepseek_v3_mtp.yaml"
+
+
+def _errors(text):
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "s.yaml")
+    return [(d.line, d.message, d.fix) for d in info.value.diagnostics]
+
+
+def _line_of(text, needle):
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_mtp_section_parses_and_counts_kv_layers():
+    spec = load_spec(MTP_SPEC)
+    assert spec.mtp == m.Mtp(num_layers=1) and spec.mtp_layers == 1
+    assert spec.kv_layers == spec.dims.num_hidden_layers + 1
+    plain = load_spec(REPO / "specs" / "tiny_deepseek_v3.yaml")
+    assert plain.mtp is None and plain.kv_layers == plain.dims.num_hidden_layers
+
+
+@pytest.mark.parametrize("edit, needle, message", [
+    ("mtp:\n  num_layers: 0\n", "num_layers: 0", "mtp.num_layers: must be >= 1, got 0"),
+    ("mtp:\n  num_layer: 1\n", "num_layer: 1", "unknown key 'num_layer' in 'mtp'"),
+    ("mtp:\n", "mtp:", "mtp: an empty value does not enable this"),
+    ("mtp:\n  num_layers: one\n", "num_layers: one", "mtp.num_layers: expected an integer"),
+])
+def test_bad_mtp_section_is_a_positioned_error(edit, needle, message):
+    text = MTP_SPEC.read_text().replace("mtp:\n  num_layers: 1\n", edit)
+    errors = _errors(text)
+    assert any(line == _line_of(text, needle) and message in msg for line, msg, _ in errors), errors
+
+
+def test_qwen3_with_mtp_is_refused_at_its_line():
+    text = (REPO / "specs" / "tiny_qwen3.yaml").read_text() + "mtp:\n  num_layers: 1\n"
+    errors = _errors(text)
+    assert errors == [(_line_of(text, "mtp:"), "mtp: multi-token prediction layers exist for family "
+                       "deepseek_v3 only, not qwen3_dense", "remove the mtp: section")]
+
+
+def test_mtp_under_features_points_to_the_section():
+    text = (REPO / "specs" / "tiny_deepseek_v3.yaml").read_text().replace(
+        "features: [prefix_cache]", "features: [prefix_cache, mtp]")
+    (line, msg, fix), = _errors(text)
+    assert line == _line_of(text, "features:") and "'mtp' is not a feature" in msg
+    assert "mtp: {num_layers: 1}" in fix
+    assert "mtp" not in ACCEPTED_FEATURES
+
+
+def test_schema_describes_the_section():
+    schema = json.loads(schema_text())
+    assert schema["$defs"]["Mtp"]["properties"]["num_layers"]["minimum"] == 1
+    assert schema["properties"]["mtp"]["allOf"] == [{"$ref": "#/$defs/Mtp"}]
+
+
+def test_mtp_variant_needs_the_section_and_takes_no_save_settings():
+    text = (REPO / "specs" / "tiny_deepseek_v3.yaml").read_text().replace(
+        "  decode:\n    phase: decode\n", "  decode:\n    phase: decode\n  draft:\n    phase: mtp\n")
+    (line, msg, fix), = _errors(text)
+    assert line == _line_of(text, "phase: mtp") and "phase mtp needs the model's MTP layers" in msg
+    text = MTP_SPEC.read_text().replace("    phase: mtp\n", "    phase: mtp\n    history: true\n")
+    assert any("an mtp variant takes no history" in msg for _, msg, _ in _errors(text))
+
+
+def test_mtp_with_the_npu_target_is_refused_until_lowered():
+    text = MTP_SPEC.read_text().replace("  cpu: {}\n", "  cpu: {}\n  npu: {}\n")
+    assert any("the NPU target does not lower the MTP graphs yet" in msg for _, msg, _ in _errors(text))
+
+
+def test_mtp_with_ranks_is_refused_until_sharded():
+    text = MTP_SPEC.read_text() + "parallel:\n  tp: 2\n  ep: 2\n"
+    assert any("not sharded over ranks yet" in msg for _, msg, _ in _errors(text))
