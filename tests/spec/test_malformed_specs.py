@@ -197,10 +197,8 @@ CASES = [
      [("a", "cp (2) with sp: true is not implemented", "set sp: false, or cp: 1")]),
     ("sp_with_dp", BASE_DS + "parallel:\n  tp: 2\n  dp: 2\n  ep: 4\n  sp: true  # a\n",
      [("a", "sp: true with dp (2) > 1 is not implemented", "set sp: false, or dp: 1")]),
-    ("cp_with_mtp", edit(BASE_DS, ("features: [prefix_cache]\n", "features: [prefix_cache, mtp]  # a\n"))
-     + "parallel:\n  cp: 2  # b\n",
-     [("a", "feature 'mtp' is not implemented yet", "remove 'mtp' from features"),
-      ("b", "cp (2) with MTP is not implemented", "set cp: 1, or turn MTP off")]),
+    ("cp_with_mtp", BASE_DS + "mtp:\n  num_layers: 1\nparallel:\n  cp: 2  # b\n",
+     [("b", "cp (2) with MTP is not implemented", "set cp: 1, or turn MTP off")]),
     ("dp_heads_per_group", BASE_DS + "parallel:\n  tp: 8  # a\n  dp: 2\n  ep: 16  # b\n",
      [("a", "tp (8) must divide num_attention_heads (4", "use a tp that divides 4"),
       ("b", "ep (16) must divide n_routed_experts (8)", "use an ep that divides 8")]),
