@@ -96,7 +96,6 @@ class Scheduler:
         # chunks are prefills with history: without such a variant a prompt always runs whole
         self.chunked_prefill = chunked_prefill and self.variant_for("prefill", True) is not None
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self._chunk_turn = False  # the last step left a prompt mid-way: a decode step goes next
         self.prefix_cache = "prefix_cache" in spec.features
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
@@ -150,13 +149,9 @@ class Scheduler:
     # ---- the step loop ----------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
         self._admit_waiting()
-        if self._chunk_turn:  # decode first while a prompt is mid-way: one chunk between decodes
-            plan = self._schedule_decode() or self._schedule_prefill()
-        else:
-            plan = self._schedule_prefill() or self._schedule_decode()
-        if plan is not None:
-            self._chunk_turn = plan.phase == "prefill" and not all(row.samples for row in plan.rows)
-        return plan
+        if self.chunked_prefill:  # mixed batches: decode rows first, then chunks, in one forward
+            return self._schedule_mixed()
+        return self._schedule_prefill() or self._schedule_decode()  # one variant per step
 
     def finalize(self, plan: StepPlan) -> Optional[StepPlan]:
         """Just before a plan made ahead runs: drop the rows of requests that finished or were
@@ -244,29 +239,49 @@ class Scheduler:
         return r.keys
 
     def _schedule_prefill(self) -> Optional[StepPlan]:
-        if not self.prefill:
-            return None
-        history = self.prefill[0].cached > 0  # a loaded prefix or an earlier chunk: with history
+        """A prefill-only step of the oldest admitted request's variant (no history, or history)."""
+        while self.prefill:
+            history = self.prefill[0].cached > 0  # a loaded prefix or an earlier chunk: with history
+            chosen = self._choose_chunks(self.max_num_batched_tokens, history)
+            if chosen is not None:
+                return self._step(chosen, [], history) if chosen else None
+        return None
+
+    def _schedule_mixed(self) -> Optional[StepPlan]:
+        """Decode first, then chunks: every running request that can decode gets its row (one
+        token each; a verify row would take k+1), and admitted prompts fill what is left of the
+        budget, on the history variant (a decode row is a row with history and one query token).
+        With no decode row this is a prefill-only step as without mixing; with no room for a
+        chunk, a decode step."""
+        decodes = self._choose_decodes(self.max_num_batched_tokens)
+        if not decodes:
+            return self._schedule_prefill()
+        left = self.max_num_batched_tokens - len(decodes)
+        chosen = (self._choose_chunks(left, None) or []) if left > 0 else []
+        return self._step(chosen, decodes, True)
+
+    def _choose_chunks(self, budget: int, history: Optional[bool]) -> Optional[list[tuple[Request, int]]]:
+        """The admitted requests (of ``history``'s kind; None: any) and how many tokens each
+        computes in this step, in order, within ``budget``; those whose prompt this step finishes
+        move to running. None: a request that could never fit was failed, choose again."""
         chosen, tokens = [], 0
-        for r in [r for r in self.prefill if (r.cached > 0) == history]:
-            n = self._chunk_tokens(r, self.max_num_batched_tokens - tokens, first=not chosen)
+        for r in [r for r in self.prefill if history is None or (r.cached > 0) == history]:
+            n = self._chunk_tokens(r, budget - tokens, first=not chosen)
             if n == 0:
                 break
             if not self._try_blocks(r, r.cached + n):
                 if (not chosen and not self.running and not self.deferred
                         and not any(o.in_steps for o in self.prefill)):  # no chunk in flight either
                     self._cannot_fit(r, r.cached + n)  # nothing else holds blocks that will come back
-                    return self._schedule_prefill()
+                    return None
                 break
             chosen.append((r, n))
             tokens += n
-        if not chosen:
-            return None
         for r, n in chosen:
             if r.cached + n == len(r.seq):  # its last chunk: it decodes from the next step on
                 self.prefill.remove(r)
                 self.running.append(r)  # before building: an abort then frees their blocks
-        return self._prefill_step(chosen, history)
+        return chosen
 
     def _chunk_tokens(self, r: Request, budget_left: int, first: bool) -> int:
         """How many of ``r``'s remaining prompt tokens this step computes (0: none, the step is
@@ -297,10 +312,17 @@ class Scheduler:
         self.abort(r, "error")
         self.failed.append(r)
 
-    def _prefill_step(self, chosen: list[tuple[Request, int]], history: bool) -> StepPlan:
-        variant = self.variant_for("prefill", history)
+    def _step(self, chosen: list[tuple[Request, int]], decodes: list[Request], history: bool) -> StepPlan:
+        """The plan of ``decodes`` (one decode row each, first) and ``chosen`` (a prefill row each:
+        a prompt or a chunk of one). Prefill rows run a prefill variant (with history when
+        ``history`` or when decode rows share the step); decode rows alone the decode variant."""
+        stalled = self._stalled([*decodes, *(r for r, _ in chosen)])
+        rows = [self._decode_row(r) for r in decodes]
+        if not chosen:
+            return StepPlan(self.variant_for("decode", False), "decode", tuple(rows), False,
+                            decode_rows_stalled=stalled)
+        variant = self.variant_for("prefill", history or bool(decodes))
         saves = self.spec.variant_saves(self.spec.variants[variant])
-        rows = []
         for r, n in chosen:
             rows.append(self._prefill_row(r, r.cached, r.cached + n, saves))
             r.loaded = []  # the plan carries them now
@@ -308,7 +330,13 @@ class Scheduler:
                 r.result.variant = variant
             r.cached += n
             r.in_steps += 1
-        return StepPlan(variant, "prefill", tuple(rows), saves)
+        return StepPlan(variant, "prefill", tuple(rows), saves, decode_rows_stalled=stalled)
+
+    def _stalled(self, in_step: list[Request]) -> int:
+        """Running requests that could decode in this step but are not in it (the step's budget or
+        blocks ran out, or the step is a prefill without mixing): the decode stall it causes."""
+        return sum(1 for r in self.running
+                   if r not in in_step and r.in_steps <= 1 and len(r.tokens) + r.in_steps < r.max_new_tokens)
 
     def _prefill_row(self, r: Request, start: int, end: int, saves: bool) -> RowPlan:
         """``r`` computes positions ``[start, end)`` (its whole prompt or one chunk of it): it loads
@@ -331,9 +359,15 @@ class Scheduler:
 
     # ---- internals: decode and preemption ---------------------------------------------------
     def _schedule_decode(self) -> Optional[StepPlan]:
+        decodes = self._choose_decodes(self.max_num_batched_tokens)
+        return self._step([], decodes, False) if decodes else None
+
+    def _choose_decodes(self, budget: int) -> list[Request]:
+        """The running requests that decode in this step, oldest first, one token each within
+        ``budget``, each with a block for its token (preempting the newest when none is free)."""
         chosen: list[Request] = []
         for r in list(self.running):
-            if len(chosen) >= self.max_num_batched_tokens:
+            if len(chosen) >= budget:
                 break
             if r not in self.running or r.in_steps > 1 or len(r.tokens) + r.in_steps >= r.max_new_tokens:
                 continue  # preempted meanwhile, or its last token is already on its way
@@ -346,17 +380,16 @@ class Scheduler:
                     break
             else:
                 chosen.append(r)
-        if not chosen:
-            return None
-        rows = []
-        for r in chosen:
-            p = r.cached
-            # PENDING: sampled by the step in flight, filled in by finalize
-            rows.append(RowPlan(r, (r.seq[p] if p < len(r.seq) else PENDING,), p, tuple(r.table),
-                                logits_positions=(0,)))
-            r.cached = p + 1
-            r.in_steps += 1
-        return StepPlan(self.variant_for("decode", False), "decode", tuple(rows), False)
+        return chosen
+
+    def _decode_row(self, r: Request) -> RowPlan:
+        p = r.cached
+        # PENDING: sampled by the step in flight, filled in by finalize
+        row = RowPlan(r, (r.seq[p] if p < len(r.seq) else PENDING,), p, tuple(r.table),
+                      logits_positions=(0,), decode=True)
+        r.cached = p + 1
+        r.in_steps += 1
+        return row
 
     def _victim(self, exclude: list[Request]) -> Optional[Request]:
         """The newest request holding blocks that no step in flight uses: admitted ones first
