@@ -11,20 +11,24 @@ Policy (continuous batching; see docs/runtime.md):
 * **Admission.** Waiting requests are admitted in arrival order while fewer than ``max_num_seqs``
   are admitted or running and the admitted prefill tokens fit ``max_num_batched_tokens``:
   the pool prefix is looked up and loaded through the loader.
-* **Prefill first.** If any admitted request awaits its prefill, the step is a prefill of the
-  variant of the oldest one (no history: ``mempool_prefill``; with a loaded prefix or an earlier
-  chunk in the cache: ``splitfuse``), holding every admitted request of that variant, in order,
-  while the step's tokens fit the budget. Prefills never preempt: one whose blocks cannot be had
-  waits.
-* **Chunked prefill** (``chunked_prefill``, on by default). A prompt longer than what is left of
-  the step's budget (or than ``long_prefill_token_threshold`` when set: a prompt longer than it
-  gets at most that many tokens per step) runs in chunks, one per step: chunk k > 0 is a
-  prefill with history (its history is the earlier chunks' KV, already in the device cache);
-  only the last chunk samples. Each chunk saves the full blocks it completes (a block that
-  straddles two chunks is saved by the step that completes it). **Decode first, then chunks**:
-  while a prompt is mid-way, every chunk step is followed by a decode step of the running
-  requests, so a long prompt arriving delays a decode by at most one chunk. Without chunking
-  the first request of a step always goes whole (a prompt over the budget is one oversized step).
+* **Mixed batches: decode first, then chunks** (``chunked_prefill``, on by default). Every
+  running request that can decode gets its decode row (one token; oldest first, within the
+  budget), then the admitted prompts fill what is left of the budget, in order, in one forward of
+  the history variant (``splitfuse``): a decode row is a row with history and one query token,
+  which that graph already takes (per-row query lengths). A prompt longer than what is left of
+  the budget (or than ``long_prefill_token_threshold`` when set: a prompt longer than it gets at
+  most that many tokens per step) runs in chunks, one per step: chunk k > 0 is a prefill with
+  history (its history is the earlier chunks' KV, already in the device cache); only the last
+  chunk samples. Each chunk saves the full blocks it completes (a block that straddles two chunks
+  is saved by the step that completes it). A long prompt so delays a decode by one forward with
+  at most a budget's (or the threshold's) prompt tokens. Without decode rows the step is a
+  prefill-only step as below; with no budget left after the decode rows, a decode step.
+* **Without chunking** a step is one variant, prefill first: if any admitted request awaits its
+  prefill, the step is a prefill of the variant of the oldest one (no history:
+  ``mempool_prefill``; with a loaded prefix: ``splitfuse``), holding every admitted request of
+  that variant, in order, while the step's tokens fit the budget; the first request of a step
+  always goes whole (a prompt over the budget is one oversized step). Prefills never preempt:
+  one whose blocks cannot be had waits.
 * **Decode** every running request whose next input is known or pending (at most one step
   ahead) and that still needs a token, oldest first, up to the budget.
 * **Preemption.** When a decode needs a block and none is free (after ``reclaim``: waiting for
