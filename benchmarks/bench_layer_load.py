@@ -24,12 +24,9 @@ configurations every round.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,9 +35,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench_ttft import Prompts, bench_spec, rotated  # noqa: E402  (the same bench model)
+from bench_ttft import Prompts, add_model_args, bench_spec, bench_weights, rotated  # noqa: E402  (the same bench model)
 from graphgen.runtime import open_engine  # noqa: E402
-from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint  # noqa: E402
 from graphgen.runtime.core.faults import Faults  # noqa: E402
 
 
@@ -75,14 +71,7 @@ def section(engs: dict, prompts: Prompts, reps: int, frac: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_model_args(ap)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--reps", type=int, default=7)
@@ -95,12 +84,7 @@ def main(argv=None) -> int:
           f"({torch.get_num_threads()} threads); command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"model: {args.layers} layers, hidden {args.hidden}, block {args.block_size}; prompt {args.prompt_len}, "
           f"budget {args.budget}, reps {args.reps}")
-    tmp = Path(tempfile.mkdtemp(prefix="bench_layer_load_"))
-    try:
-        write_random_hf_checkpoint(tmp, spec.family, dataclasses.asdict(spec.dims), seed=0)
-        weights = load_hf_weights(str(tmp))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    weights = bench_weights(spec)
     prompts = Prompts(1, args.vocab, args.prompt_len)
     rows = {}
     for delay in (0.0, args.load_delay):

@@ -51,6 +51,15 @@ class PerRequestPins(KVConnector):
         super()._commit(save, save_job, save_done)
 
 
+def _overwrite_free_blocks(eng) -> None:
+    """Write garbage into every block the allocator hands out now (what another request would do)."""
+    taken = eng.alloc.alloc(eng.alloc.num_free)
+    for layer in eng.cache:
+        for comp in layer:
+            comp[taken] = 1e3
+    eng.alloc.free(taken)
+
+
 def _abort_mid_prompt(spec, weights, connector_cls):
     """Two chunks of a 24-token prompt run with their saves held back, the prompt is aborted, every
     block the allocator hands out is overwritten (what another request would do), then the saves go.
@@ -69,11 +78,7 @@ def _abort_mid_prompt(spec, weights, connector_cls):
         held = list(r.table)
         llm.abort("a")
         freed = [b for b in held if not alloc.is_pinned(b)]
-        taken = alloc.alloc(alloc.num_free)          # every block another request could get now
-        for layer in eng.cache:
-            for comp in layer:
-                comp[taken] = 1e3
-        alloc.free(taken)
+        _overwrite_free_blocks(eng)
         gate.set()
         eng.drain()
         assert alloc.num_free == alloc.num_blocks    # every pin went with its commit
@@ -150,11 +155,7 @@ def _preempt_mid_prompt(spec, weights, connector_cls, finish: bool):
         assert r.result.preemptions == 1 and r in s.waiting and r.table == [] and mixed >= 2
         assert len(saved) >= 2 and set(saved) <= set(held) and len(pool) == 0   # preempted between chunks
         freed = [b for b in saved if not alloc.is_pinned(b)]
-        taken = alloc.alloc(alloc.num_free)          # every block another request could get now
-        for layer in eng.cache:
-            for comp in layer:
-                comp[taken] = 1e3
-        alloc.free(taken)
+        _overwrite_free_blocks(eng)
         keys = u.keys_of(eng, prompt)[:len(saved)]
         gate.set()
         eng.drain()
