@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from graphgen.modelspec.loader import load_spec
-from graphgen.npu.run.bucketing import Buckets, bucketed_step, run_standin_loop, stable_seed
+from graphgen.npu.run.bucketing import PAD_BLOCK, Buckets, bucketed_step, run_standin_loop, stable_seed
 from graphgen.npu.run.compile import load_module
 from graphgen.npu.run.inputs import StepPadding
 from graphgen.npu.run.mixed_grid import MixedCell, MixedGrid, MixedStep
@@ -56,7 +56,7 @@ def test_every_step_of_a_cell_has_the_same_static_shapes():
              MixedStep(((200, 2), (9, 2), (33, 2)), ((2 * BS, 77), (0, 1)))]
     shapes = set()
     for s in steps:
-        pad = grid.padding(s)
+        pad = grid.padding(s, PAD_BLOCK)
         assert grid.cell_for(s) == MixedCell(128, 4, 2)
         b, _ = bucketed_step(mod, SPEC, bk, s.seqs, pad=pad)
         shapes.add((tuple(b.input_ids.shape), tuple(b.block_tables.shape), len(b.actual_seq_lengths),
@@ -104,9 +104,9 @@ def test_a_varying_mix_compiles_one_graph_per_visited_cell_and_exact_padding_one
     steps = grid.steps(5, BS, seed=stable_seed("test", "mixed"))
     cells = {grid.cell_for(s) for s in steps}
     assert len(cells) == 2                                  # both decode-row columns visited
-    assert _count_graphs(bk, steps, grid.padding) == len(cells)
+    assert _count_graphs(bk, steps, lambda s: grid.padding(s, PAD_BLOCK)) == len(cells)
     # the negative control: each step padded only to its own size (one padding sequence, no grid)
-    exact = lambda s: StepPadding(len(s.seqs) + 1, sum(q for _, q in s.seqs) + 1, bk.max_blocks, 0,   # noqa: E731
+    exact = lambda s: StepPadding(len(s.seqs) + 1, sum(q for _, q in s.seqs) + 1, bk.max_blocks, PAD_BLOCK,   # noqa: E731
                                   bk.save_rows)
     assert _count_graphs(bk, steps, exact) > len(cells)
 

@@ -236,7 +236,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                 with torch.no_grad(), standin.enforce_limits(check_limits):
                     for i, step in enumerate(plan + batches):
                         seqs = getattr(step, "seqs", step)  # a plain step is its rows; a MixedStep has .seqs
-                        pad = grid.padding(step) if isinstance(step, MixedStep) else \
+                        pad = grid.padding(step, PAD_BLOCK) if isinstance(step, MixedStep) else \
                             buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
                         b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad)
                         before = len(backend.graphs)

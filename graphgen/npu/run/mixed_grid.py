@@ -25,7 +25,6 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from .bucketing import PAD_BLOCK, Buckets
 from .inputs import StepPadding
 
 __all__ = ["MixedCell", "MixedGrid", "MixedPadding", "MixedStep"]
@@ -81,9 +80,9 @@ class MixedGrid:
     save_rows: int = 8
 
     @classmethod
-    def from_buckets(cls, buckets: Buckets, tokens_per_row: Sequence[int] = (1,)) -> "MixedGrid":
-        """The grid over a spec's buckets: its prefill token buckets x its decode batch buckets x
-        ``tokens_per_row`` (1; with speculative decoding also k + 1)."""
+    def from_buckets(cls, buckets, tokens_per_row: Sequence[int] = (1,)) -> "MixedGrid":
+        """The grid over a spec's buckets (a `bucketing.Buckets`): its prefill token buckets x its
+        decode batch buckets x ``tokens_per_row`` (1; with speculative decoding also k + 1)."""
         return cls(tuple(buckets.prefill_tokens), tuple(buckets.decode_batch), tuple(sorted(set(tokens_per_row))),
                    buckets.prefill_seqs, buckets.max_blocks, buckets.save_rows)
 
@@ -118,7 +117,8 @@ class MixedGrid:
                              f"token bucket {self.tokens[-1]}")
         return MixedCell(t, d, k)
 
-    def padding(self, step: MixedStep, pad_block: int = PAD_BLOCK) -> MixedPadding:
+    def padding(self, step: MixedStep, pad_block: int) -> MixedPadding:
+        """``step`` padded to its cell; padding rows write and read only ``pad_block`` (`bucketing.PAD_BLOCK`)."""
         cell = self.cell_for(step)
         return MixedPadding(self.batch(cell), cell.tokens, self.max_blocks, pad_block, self.save_rows,
                             logits_rows=cell.decode_rows * cell.tokens_per_row + self.prefill_seqs + 1)

@@ -243,8 +243,7 @@ class Scheduler:
         return r.keys
 
     def _schedule_prefill(self) -> Optional[StepPlan]:
-        """A prefill-only step of the oldest admitted request's variant (no history, or history)."""
-        while self.prefill:
+        while self.prefill:  # a prefill-only step of the oldest admitted request's variant
             history = self.prefill[0].cached > 0  # a loaded prefix or an earlier chunk: with history
             chosen = self._choose_chunks(self.max_num_batched_tokens, history)
             if chosen is not None:
