@@ -1,4 +1,5 @@
-"""Cost of logprobs / prompt logprobs, and n=4 vs four requests, against a live server (tiny_qwen3).
+"""Cost of logprobs / prompt logprobs, and n=4 (one prefill, forked copies) vs four requests, against a live
+server (tiny_qwen3).
 Usage: PYTHONPATH=. python benchmarks/logprobs_n.py [CKPT_DIR|random] [REPEATS]
 (``random``, the default: a random tiny_qwen3 checkpoint, seed 0, written to a temp folder)."""
 import concurrent.futures as cf
@@ -52,6 +53,17 @@ try:
             list(ex.map(lambda i: c.completions.create(**dict(base, temperature=1.0, seed=i)), range(4)))
 
     rows.append(("4 concurrent requests, 16 tokens, T=1", four))
+    # prefill-bound: a long prompt, one token each (the forks' one prefill shows here)
+    long_base = dict(model="tiny_qwen3", prompt=list(range(1, 256)) + list(range(1, 130)), max_tokens=1,
+                     temperature=1.0, extra_body={"ignore_eos": True})
+    rows.append(("n=4, 384-token prompt, max_tokens=1, T=1",
+                 lambda: c.completions.create(n=4, **dict(long_base, seed=1))))
+
+    def four_long():
+        with cf.ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda i: c.completions.create(**dict(long_base, seed=i)), range(4)))
+
+    rows.append(("4 concurrent requests, 384-token prompt, max_tokens=1, T=1", four_long))
     print(f"| request (64-token prompt) | median ms | min ms |  (repeats={reps})")
     for name, fn in rows:
         med, mn = t(fn)

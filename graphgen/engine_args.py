@@ -9,10 +9,14 @@ happens before anything heavy is imported.
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Optional, get_args
 
-__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "target_note", "EXIT_OK", "EXIT_STALE",
-           "EXIT_INVALID", "EXIT_UNAVAILABLE"]
+from .modelspec.model import WritePolicy
+
+__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "layout_refusal", "target_note",
+           "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
+
+WRITE_POLICIES = get_args(WritePolicy)  # pool.policy's values
 
 # every command's exit codes (cli/common.py documents them; the server uses the same ones)
 EXIT_OK, EXIT_STALE, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -25,9 +29,20 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                    help="Hugging Face checkpoint folder (config.json + safetensors; a tokenizer in it enables text)")
     p.add_argument("--write", choices=("off", "sync", "async"), default=None, help="override pool.write")
     p.add_argument("--granularity", choices=("forward", "layer"), default=None, help="override pool.granularity")
+    p.add_argument("--pool-policy", choices=WRITE_POLICIES, default=None,
+                   help="override pool.policy: when full blocks are saved (write_through: when filled; "
+                        "write_through_selective: once computed pool.min_uses times; write_back: when they "
+                        "leave the device)")
     p.add_argument("--tp", type=int, default=None,
                    help="override parallel.tp: tensor-parallel ranks (one process each)")
-    p.add_argument("--ep", type=int, default=None, help="override parallel.ep: expert-parallel ranks (1 or --tp)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="override parallel.ep: expert-parallel ranks (1 or --tp; --dp x --tp under DP attention)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="override parallel.dp: data-parallel attention groups of --tp ranks (docs/parallel.md)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="override parallel.cp: context-parallel groups of --tp ranks (docs/parallel.md)")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="override parallel.sp: sequence parallel inside the TP group (needs --tp > 1)")
     p.add_argument("--pool", default="host", metavar="URL",
                    help="pool backend: host (the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
                         "(a Mooncake master, shared by processes; docs/mooncake.md)")
@@ -56,7 +71,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
 
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep"):  # --num-blocks: checked by each command against the spec
+    # --num-blocks: checked by each command against the spec
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"
@@ -67,9 +83,20 @@ def check_engine_arguments(args) -> Optional[str]:
     return None
 
 
+def layout_refusal(spec, args) -> Optional[str]:
+    """The sentence refusing the spec's parallel layout with the flags' overrides applied, where the runtime
+    cannot run it yet (`graphgen.families.parallel.runtime_layout_gap`), or None; torch-free."""
+    from .families.parallel import runtime_layout_gap
+
+    overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
+    return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"))
+
+
 def engine_options(args, faults=None) -> dict:
     """`open_engine`'s keyword arguments from the engine flags (the spec and weights aside)."""
     opts = dict(write=args.write, granularity=args.granularity, tp=args.tp, ep=args.ep, pool=args.pool,
+                **{k: getattr(args, k) for k in ("dp", "cp", "sp") if getattr(args, k, None) is not None},
+                pool_policy=args.pool_policy,
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
                 chunked_prefill=args.chunked_prefill, long_prefill_token_threshold=args.long_prefill_token_threshold,

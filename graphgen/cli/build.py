@@ -92,6 +92,9 @@ def cmd_validate(args) -> int:
     from ..npu.check.speclimits import limit_diagnostics
     from ..passes.memory import memory_problems, rank_memory
 
+    if args.device_memory_gib is not None and not args.device_memory_gib > 0:
+        err(f"graphgen validate: --device-memory-gib must be > 0, got {args.device_memory_gib}")
+        return EXIT_INVALID
     specs = load_specs([Path(p) for p in args.specs])
     status = EXIT_OK
     limits = []  # a spec declaring the NPU target must stay inside the kernels' documented limits
@@ -100,7 +103,7 @@ def cmd_validate(args) -> int:
         found = limit_diagnostics(path, spec)
         limits += found
         mem = rank_memory(spec, graphs)
-        problems = memory_problems(spec, mem)
+        problems = memory_problems(spec, mem, getattr(args, "device_memory_gib", None))
         for p in problems:
             err(f"{path}: error: {p}")
         status = EXIT_INVALID if problems else status
@@ -198,6 +201,9 @@ def register(sub) -> None:
 
     v = sub.add_parser("validate", help="load, check and build every variant of the given specs")
     v.add_argument("specs", nargs="+")
+    v.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                   help="memory of one device: reject a layout whose per-rank weights + KV exceed it "
+                        "(default: each spec's targets.npu.device_memory_gib)")
     v.set_defaults(handler=cmd_validate)
 
     from ..passes.manager import AFTER_CHOICES

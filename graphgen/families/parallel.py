@@ -53,8 +53,9 @@ PLANS: dict[str, ParallelPlan] = {
 }
 
 
-def parallel_rules(family: str, d, tp: int, ep: int):
-    """Yield ``(path, message, fix)`` for every way ``tp``/``ep`` does not fit the family's dims."""
+def parallel_rules(family: str, d, tp: int, ep: int, *, dp: int = 1, cp: int = 1, sp: bool = False):
+    """Yield ``(path, message, fix)`` for every way the layout does not fit the family's dims, or
+    combines modes graphgen does not implement together (docs/parallel.md, "Layouts")."""
     plan = PLANS[family]
     for name, what in plan.tp_divides:
         n = getattr(d, name)
@@ -67,16 +68,72 @@ def parallel_rules(family: str, d, tp: int, ep: int):
             yield ("parallel.tp", f"tp ({tp}) and {plan.kv_heads} ({kv}): KV heads are split when tp divides "
                    f"them and replicated when tp is a multiple of them; neither holds",
                    f"use a tp that divides {kv} or a multiple of {kv}")
-    if ep > 1:
-        if plan.experts is None:
+    yield from _ep_rules(plan, d, tp, ep, dp)
+    if sp and tp == 1:
+        yield ("parallel.sp", "sp: true needs tp > 1 (sequence parallelism splits the tokens over the TP group)",
+               "set tp: 2 or more, or sp: false")
+    if sp and dp > 1:
+        yield ("parallel.sp", f"sp: true with dp ({dp}) > 1 is not implemented (the MoE's DP all-gather would "
+               f"need the tokens gathered over the TP group first)", "set sp: false, or dp: 1")
+    if cp > 1 and dp > 1:
+        yield ("parallel.cp", f"cp ({cp}) with dp ({dp}) is not implemented (both would split the MoE's "
+               f"tokens; no rank order for it is defined)", "set cp: 1 or dp: 1")
+    if cp > 1 and sp:
+        yield ("parallel.cp", f"cp ({cp}) with sp: true is not implemented (sequence parallelism would split "
+               f"the head-tail chunks again)", "set sp: false, or cp: 1")
+
+
+def _ep_rules(plan, d, tp: int, ep: int, dp: int):
+    """EP reuses the TP ranks (ep 1 or tp); under DP attention the MoE spans every DP group (ep = dp × tp)."""
+    if plan.experts is None:
+        if ep > 1:
             yield "parallel.ep", f"ep ({ep}) needs routed experts; this family has none", "set ep: 1"
-        else:
-            e = getattr(d, plan.experts)
-            if e % ep:
-                yield ("parallel.ep", f"ep ({ep}) must divide {plan.experts} ({e})", f"use an ep that divides {e}")
-            if ep != tp:
-                yield ("parallel.ep", f"ep ({ep}) must be 1 or equal tp ({tp}): expert parallelism reuses the "
-                       f"tensor-parallel ranks", f"set ep: {tp} or ep: 1")
+        return
+    e = getattr(d, plan.experts)
+    if dp > 1:
+        if ep != dp * tp:
+            yield ("parallel.ep", f"ep ({ep}) must equal dp × tp ({dp} × {tp} = {dp * tp}) under DP attention: "
+                   f"the MoE runs over every rank of the DP groups", f"set ep: {dp * tp}")
+            return
+        shared = getattr(d, "moe_intermediate_size") * getattr(d, "n_shared_experts", 0)
+        if shared % ep:
+            yield ("parallel.ep", f"ep ({ep}) must divide the shared experts' width ({shared}): under DP "
+                   f"attention they are split over the EP group with the routed experts",
+                   f"use a dp × tp that divides {shared}")
+    elif ep > 1 and ep != tp:
+        yield ("parallel.ep", f"ep ({ep}) must be 1 or equal tp ({tp}): expert parallelism reuses the "
+               f"tensor-parallel ranks (or set dp > 1 for DP attention with ep = dp × tp)", f"set ep: {tp} or ep: 1")
+    if ep > 1 and e % ep:
+        yield ("parallel.ep", f"ep ({ep}) must divide {plan.experts} ({e})", f"use an ep that divides {e}")
+
+
+def layout_rules(family: str, d, par):
+    """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`)."""
+    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp)
+
+
+# What the runtimes cannot run yet, per layout field (graphgen run/serve refuse it with this sentence).
+_RUNTIME_GAPS = (
+    ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) does not run yet: per-group schedulers, "
+                                   "the MoE's token all-gather and idle ranks' dummy forwards are missing; "
+                                   "run with --dp 1"),
+    ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) does not run yet: the ranks have no head-tail prompt "
+                                   "split and no per-layer KV all-gather; run with --cp 1"),
+)
+# ... and what only the NPU target lacks (the CPU ranks run it)
+_NPU_GAPS = (
+    ("sp", lambda par: par.sp, "sequence parallel (sp) has no NPU lowering yet (reduce-scatter and the token "
+                               "all-gather); use --target cpu, or run with --no-sp"),
+)
+
+
+def runtime_layout_gap(par, target: str = "cpu"):
+    """The sentence refusing a layout the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
+    or None. The build path (generate, validate, verify) takes every layout the spec rules accept."""
+    for _, is_set, sentence in _RUNTIME_GAPS + (_NPU_GAPS if target == "npu" else ()):
+        if is_set(par):
+            return sentence
+    return None
 
 
 def rank_kv_components(family: str, d, tp: int) -> tuple:

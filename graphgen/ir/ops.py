@@ -109,12 +109,14 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
          "topk_group", "routed_scaling_factor", "norm_topk_prob", "num_experts"),
         optional=("w_shared_gate", "w_shared_up", "w_shared_down")),
     _op("lm_head", ("h", "logits_indices:input"), ("logits",), ("w_norm", "eps", "w_head")),
-    _op("kv_save", ("caches...:kv_cache", "block_ids:input"), ("staging...:pool_staging",),
-        doc="Copy the saved blocks of each listed layer's cache into that layer's pool staging."),
+    _op("kv_save", ("caches...:kv_cache", "block_ids:input"), ("staging...:pool_staging",), optional=("writers",),
+        doc="Copy the saved blocks of each listed layer's cache into that layer's pool staging. writers: "
+            "cp0 when KV is replicated over CP ranks (only CP rank 0's ranks save; absent: every rank)."),
     _op("kv_load", ("loads...:pool_load", "block_ids:input"), ("caches...:kv_cache",),
         doc="Copy each listed layer's loaded history blocks (host-filled load staging) into that layer's "
             "cache at `block_ids`."),
-    _op("pool_put", ("staging...:pool_staging",), doc="Host: commit the staged blocks to the pool."),
+    _op("pool_put", ("staging...:pool_staging",), optional=("writers",),
+        doc="Host: commit the staged blocks to the pool (writers: as kv_save's)."),
 )}
 
 # Parallel ranks (graphgen.passes.shard): the rank-local halves of the fused ops above, and the
@@ -125,7 +127,11 @@ OPS.update({o.name: o for o in (
     _op("all_reduce", ("x",), ("y",), (*_COLLECTIVE, "reduce"),
         doc="Collective: element-wise `reduce` (sum) of x over the ranks of `group` (`size` ranks)."),
     _op("all_gather", ("x",), ("y",), (*_COLLECTIVE, "dim", "length"),
-        doc="Collective: concatenate every rank's x along `dim`, keep the first `length` (vocab padding)."),
+        doc="Collective: concatenate every rank's x along `dim`, keep the first `length` (vocab padding; "
+            "null keeps all: the tokens of sequence parallel and of DP attention's MoE)."),
+    _op("reduce_scatter", ("x",), ("y",), (*_COLLECTIVE, "reduce", "dim"),
+        doc="Collective: element-wise `reduce` (sum) of x over the ranks of `group`, each rank keeping its "
+            "1/`size` chunk along `dim` (the tokens, padded by the runner to a multiple of `size`)."),
     _op("embedding_shard", ("input_ids:input",), ("partial",), ("w_embed", "vocab_size", *_COLLECTIVE),
         doc="Vocab-parallel lookup: rows of this rank's vocabulary slice, zeros elsewhere (a partial sum)."),
     _op("o_proj", ("attn",), ("partial",), ("w_o",), doc="Row-parallel output projection (a partial sum)."),
@@ -139,8 +145,8 @@ OPS.update({o.name: o for o in (
             "every expert), routing replicated, for all tokens (a partial sum)."),
     _op("residual_add", ("x", "residual"), ("h",), doc="h = x + residual."),
 )})
-COLLECTIVE_OPS = ("all_reduce", "all_gather")
-# Ops whose output is one rank's partial sum: only an all_reduce may read it.
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# Ops whose output is one rank's partial sum: only an all_reduce or a reduce_scatter may read it.
 PARTIAL_OPS = ("embedding_shard", "o_proj", "swiglu_mlp", "moe")
 
 

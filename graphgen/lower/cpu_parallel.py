@@ -28,6 +28,12 @@ def _all_gather(n, ctx):
                  f"dim={a['dim']}", f"length={a['length']}")
 
 
+def _reduce_scatter(n, ctx):
+    a = n.attrs
+    return _call(n, ctx, "reduce_scatter", ctx.ref(n.input("x")), f"group={a['group']!r}", f"size={a['size']}",
+                 f"reduce={a['reduce']!r}", f"dim={a['dim']}")
+
+
 def _embedding_shard(n, ctx):
     return _call(n, ctx, "embedding_shard", weight(n, "w_embed"), ctx.ref(n.input("input_ids")),
                  f"vocab_size={n.attrs['vocab_size']}")
@@ -53,6 +59,7 @@ def _residual_add(n, ctx):
 
 
 EMIT_PARALLEL: dict[str, Emitter] = {
-    "all_reduce": _all_reduce, "all_gather": _all_gather, "embedding_shard": _embedding_shard,
+    "all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+    "embedding_shard": _embedding_shard,
     "o_proj": _o_proj, "swiglu_mlp": _swiglu_mlp, "moe": _moe, "residual_add": _residual_add,
 }

@@ -25,6 +25,7 @@ def _out(n, ctx) -> str:
 
 
 def _all_reduce(n, ctx):
+    _tp_group_only(n)
     if n.attrs["reduce"] != "sum":
         raise LoweringError(f"node {n.id}: no NPU lowering for all_reduce {n.attrs['reduce']!r}")
     x = ctx.ref(n.input("x"))
@@ -32,7 +33,22 @@ def _all_reduce(n, ctx):
             f"torch.ops._c10d_functional.all_reduce({x}, 'sum', {_GROUP}))"]
 
 
+def _tp_group_only(n) -> None:
+    """The NPU lowering knows one group, the world = the TP group: sequence parallel's token gathers and
+    the dp/ep/cp groups (docs/parallel.md) are CPU-only so far (graphgen run/serve refuse them on npu)."""
+    a = n.attrs
+    if a["group"] != "tp" or (n.op == "all_gather" and a["length"] is None) or n.op == "reduce_scatter":
+        raise LoweringError(f"node {n.id}: no NPU lowering for {n.op} in group {a['group']!r}"
+                            f"{' over the tokens' if a.get('dim') == 0 else ''} (sequence, context and "
+                            f"data-parallel layouts are CPU-only so far)")
+
+
+def _reduce_scatter(n, ctx):
+    _tp_group_only(n)
+
+
 def _all_gather(n, ctx):
+    _tp_group_only(n)
     a, x = n.attrs, ctx.ref(n.input("x"))
     # gathered along dim 0 (rank-major), then moved to the attribute's dim
     return [f"{_out(n, ctx)} = torch.cat(torch.ops._c10d_functional.wait_tensor("
@@ -72,6 +88,7 @@ def _residual_add(n, ctx):
 
 
 EMIT_PARALLEL: dict[str, Emitter] = {
-    "all_reduce": _all_reduce, "all_gather": _all_gather, "embedding_shard": _embedding_shard,
+    "all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+    "embedding_shard": _embedding_shard,
     "o_proj": _o_proj, "swiglu_mlp": _swiglu_mlp, "moe": _moe, "residual_add": _residual_add,
 }

@@ -23,7 +23,7 @@ from .model import FamilyName, WriteMode
 FAMILIES: tuple[str, ...] = get_args(FamilyName)
 WRITE_MODES: tuple[str, ...] = get_args(WriteMode)
 
-STATUSES = ("implemented", "graph_neutral", "not_implemented")
+STATUSES = ("implemented", "graph_neutral", "derived", "not_implemented")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class Row:
     """
 
     subject: str
-    status: str  # implemented | graph_neutral (accepted, changes no graph) | not_implemented (rejected)
+    status: str  # implemented | graph_neutral (accepted, changes no graph) | derived (on when the spec's
+    # ``parallel:`` says so, never listed: see DERIVED) | not_implemented (rejected)
     families: tuple[str, ...]
     writes: tuple[str, ...]
     required_by: tuple[str, ...]
@@ -59,9 +60,11 @@ MATRIX: tuple[Row, ...] = (
     Row("async_scheduling", "graph_neutral", FAMILIES, WRITE_MODES, (), "scheduler-side; graphs are unchanged"),
     Row("function_call", "graph_neutral", FAMILIES, WRITE_MODES, (), "output parsing; graphs are unchanged"),
     Row("reasoning_parser", "graph_neutral", FAMILIES, WRITE_MODES, (), "output parsing; graphs are unchanged"),
-    Row("context_parallel", "not_implemented", FAMILIES, WRITE_MODES, (),
-        "needs sharded attention and per-rank pool keys"),
-    Row("sequence_parallel", "not_implemented", FAMILIES, WRITE_MODES, (), "needs sharded activations"),
+    Row("context_parallel", "derived", FAMILIES, WRITE_MODES, (),
+        "on when parallel.cp > 1: prefill split head-tail over the CP ranks, KV all-gathered per layer, "
+        "decode KV replicated (docs/parallel.md)"),
+    Row("sequence_parallel", "derived", FAMILIES, WRITE_MODES, (),
+        "on when parallel.sp is true: reduce-scatter + norm + all-gather inside the TP group (docs/parallel.md)"),
     Row("mtp", "not_implemented", ("deepseek_v3",), WRITE_MODES, (),
         "multi-token prediction layer (its KV would be saved too)"),
     Row("yarn", "not_implemented", ("qwen3_dense",), WRITE_MODES, (),
@@ -74,10 +77,13 @@ MATRIX: tuple[Row, ...] = (
 )
 
 ROWS: dict[str, Row] = {r.subject: r for r in MATRIX}
+# derived feature -> (the ``parallel:`` field that turns it on, an example setting for the fix)
+DERIVED = {"context_parallel": ("parallel.cp", "cp: 2"), "sequence_parallel": ("parallel.sp", "sp: true")}
 # feature -> (status, note): the feature rows of the matrix (kept for callers of the old table).
 FEATURES: dict[str, tuple[str, str]] = {r.subject: (r.status, r.note) for r in MATRIX if r.is_feature}
-# Features a spec may list (the JSON Schema's enum): everything not rejected outright.
-ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items() if st != "not_implemented")
+# Features a spec may list (the JSON Schema's enum): everything not rejected outright or derived.
+ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items()
+                                         if st not in ("not_implemented", "derived"))
 
 _MISSING = object()
 
@@ -96,6 +102,7 @@ def check_compat(spec):
     yield from _matrix_rules(spec)
     yield from _dims_rules(spec)
     yield from _variant_rules(spec)
+    yield from _pool_rules(spec)
     yield from _target_rules(spec)
     yield from _parallel_rules(spec)
 
@@ -124,6 +131,10 @@ def _matrix_rules(spec):
         elif write is not None and write not in row.writes:
             yield (where, f"pool.write: {write} does not combine with '{f}'",
                    f"remove '{f}' or set pool.write: {row.writes[-1]}")
+        elif row.status == "derived":
+            setting, example = DERIVED[f]
+            yield (where, f"feature '{f}' is set by {setting}, not listed in features",
+                   f"remove '{f}' from features and write parallel: {{{example}}}")
         elif row.status == "not_implemented":
             yield where, f"feature '{f}' is not implemented yet ({row.note})", f"remove '{f}' from features"
     if write is None:
@@ -170,6 +181,22 @@ def _variant_rules(spec):
                 "pool.write is off" if write == "off" else "save is false")
             yield (f"variants.{name}.granularity", f"variant {name}: granularity has no effect ({why})",
                    "remove granularity from this variant")
+
+
+def _pool_rules(spec):
+    pool, feats = _get(spec, "pool"), _get(spec, "features")
+    if pool is _MISSING:
+        return
+    if pool.write == "off":
+        if pool.save_decode:
+            yield "pool.save_decode", "save_decode has no effect: pool.write is off", \
+                "set pool.write: sync or async, or drop save_decode"
+        if pool.policy != "write_through":
+            yield "pool.policy", f"policy {pool.policy} has no effect: pool.write is off", \
+                "set pool.write: sync or async, or drop policy"
+    if pool.device_cache and feats is not _MISSING and "prefix_cache" not in feats:
+        yield "pool.device_cache", "the device prefix cache is looked up like the pool: it needs " \
+            "the 'prefix_cache' feature", "add prefix_cache to features, or drop device_cache"
 
 
 def _target_rules(spec):
@@ -223,6 +250,13 @@ def _parallel_rules(spec):
     family, d, par = _get(spec, "family"), _get(spec, "dims"), _get(spec, "parallel")
     if family is _MISSING or d is _MISSING or par is _MISSING:
         return
-    from ..families.parallel import parallel_rules
+    from ..families.parallel import layout_rules
 
-    yield from parallel_rules(family, d, par.tp, par.ep)
+    yield from layout_rules(family, d, par)
+    mtp = _get(spec, "mtp")  # the MTP layer's spec field (absent, null or off: no MTP)
+    feats = _get(spec, "features")
+    has_mtp = getattr(mtp, "num_layers", 0) > 0 or (feats is not _MISSING and "mtp" in feats)
+    for field_name, n in (("cp", par.cp), ("dp", par.dp)):
+        if n > 1 and has_mtp:
+            yield (f"parallel.{field_name}", f"{field_name} ({n}) with MTP is not implemented (the MTP layer's "
+                   f"draft tokens would need the same split)", f"set {field_name}: 1, or turn MTP off")

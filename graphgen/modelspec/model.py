@@ -33,6 +33,7 @@ from ..families.base import doc
 FamilyName = Literal[tuple(FAMILIES)]
 WriteMode = Literal["off", "sync", "async"]
 Granularity = Literal["forward", "layer"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 Phase = Literal["prefill", "decode"]
 KVDType = Literal["float32", "bfloat16", "float16"]
 CompileMode = Literal["max-autotune", "reduce-overhead"]
@@ -71,6 +72,28 @@ class PoolWrite:
         default="forward",
         metadata=doc("forward: one bulk save after the last layer's KV write (the seed's non-layered "
                      "mode); layer: each layer saved as soon as its KV is written."),
+    )
+    save_decode: bool = field(
+        default=False,
+        metadata=doc("Also save each KV block a decode step fills (so a conversation's next turn hits "
+                     "this turn's answer): copied from the cache after the step that fills it, "
+                     "committed on the host stream (async) or inline (sync). No effect with write: off."),
+    )
+    policy: WritePolicy = field(
+        default="write_through",
+        metadata=doc("When a full block is saved: write_through, when a step fills it; "
+                     "write_through_selective, the same but only once its key was computed min_uses "
+                     "times (counted in a bounded LRU map); write_back, when its device block leaves "
+                     "the device (freed by its last holder), never reused before that save committed."),
+    )
+    min_uses: int = field(
+        default=2, metadata=doc("write_through_selective: computations of a block's key before it is saved.",
+                                minimum=1))
+    device_cache: bool = field(
+        default=False,
+        metadata=doc("Keep the full KV blocks of finished requests on the device (LRU by key, evicted "
+                     "when blocks run out): a later prompt's leading blocks found there are shared, "
+                     "not loaded from the pool (device_hit_blocks). Needs features: [prefix_cache]."),
     )
 
 
@@ -151,8 +174,23 @@ class Parallel:
 
     tp: int = field(default=1, metadata=doc("Tensor-parallel ranks: attention heads, MLP width and vocabulary are "
                                             "split Megatron-style; partial sums meet in all-reduces.", minimum=1))
-    ep: int = field(default=1, metadata=doc("Expert-parallel ranks (1 or tp: EP reuses the TP ranks): each rank "
-                                            "holds n_routed_experts / ep whole experts.", minimum=1))
+    ep: int = field(default=1, metadata=doc("Expert-parallel ranks: each holds n_routed_experts / ep whole experts. "
+                                            "1 or tp (EP reuses the TP ranks); under DP attention (dp > 1) "
+                                            "dp × tp (the MoE spans every DP group).", minimum=1))
+    dp: int = field(default=1, metadata=doc("Data-parallel attention groups of tp ranks each: every group has its "
+                                            "own requests, scheduler and KV; only hidden states cross groups, "
+                                            "around the MoE.", minimum=1))
+    cp: int = field(default=1, metadata=doc("Context-parallel groups of tp ranks each: a prefill's tokens are "
+                                            "split head-tail into 2 × cp chunks, each layer's KV all-gathered "
+                                            "before the cache write; decode KV is replicated.", minimum=1))
+    sp: bool = field(default=False, metadata=doc("Sequence parallel inside the TP group: each all-reduce becomes a "
+                                                 "reduce-scatter over the tokens, the norms run on 1/tp of them, "
+                                                 "an all-gather restores them (needs tp > 1)."))
+
+    @property
+    def world(self) -> int:
+        """Ranks of the layout: dp × cp × tp (rank = (dp_rank × cp + cp_rank) × tp + tp_rank)."""
+        return self.dp * self.cp * self.tp
 
 
 @dataclass(frozen=True)
@@ -195,14 +233,18 @@ class ModelSpec:
         return True if v.save is None else v.save
 
     def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None,
-                       tp: Optional[int] = None, ep: Optional[int] = None) -> "ModelSpec":
-        """The same model with the pool write mode, granularity and/or parallel layout forced
-        (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``, which
-        the distributed launcher calls)."""
+                       tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
+                       cp: Optional[int] = None, sp: Optional[bool] = None,
+                       policy: Optional[str] = None) -> "ModelSpec":
+        """The same model with the pool write mode, granularity, write policy and/or parallel layout
+        forced (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``,
+        which the distributed launcher calls)."""
         spec = self
-        if tp is not None or ep is not None:
-            spec = dataclasses.replace(spec, parallel=Parallel(tp=self.parallel.tp if tp is None else tp,
-                                                               ep=self.parallel.ep if ep is None else ep))
+        if policy is not None:
+            spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
+        layout = {k: v for k, v in (("tp", tp), ("ep", ep), ("dp", dp), ("cp", cp), ("sp", sp)) if v is not None}
+        if layout:
+            spec = dataclasses.replace(spec, parallel=dataclasses.replace(self.parallel, **layout))
         if write is not None:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, write=write))
         if granularity is not None:

@@ -1,4 +1,4 @@
-"""Pass 3 of 5, `insert_kv_save` — insert the KV save.
+"""Pass 5 of 7, `insert_kv_save` — insert the KV save.
 
 requires: the forward as the builder makes it (:mod:`graphgen.families.build`): every node on ``main``
           (but the loads ``insert_kv_load`` put on ``kv_load``), one ``Lxx.kv_write`` per layer
@@ -9,9 +9,11 @@ ensures:  if the variant saves (prefill and pool.write != off):
             ``pool_staging.Lxx``), issued right after that layer's KV write, so it can start as soon
             as the layer's KV exists; granularity ``forward``: one bulk ``save.kv_save`` of every layer,
             issued after the last layer's KV write (the seed's non-layered mode);
+          - at ``cp > 1`` (KV replicated over the CP ranks) the save and the commit carry
+            ``writers=cp0``: only CP rank 0's ranks save;
           - ``host.pool_put`` on the ``host`` stream reads every ``pool_staging.Lxx``: the host commits
             the blocks to the pool only after the save has completed.
-          No events are inserted here: without pass 2 the async graph is racy (only racy), and the
+          No events are inserted here: without ``insert_events`` the async graph is racy (only racy), and the
           sync one races only between the save and the host commit; ``verify`` says so.
           Otherwise the graph is unchanged; meta records write mode, granularity and ``saves``.
 """
@@ -56,6 +58,8 @@ class InsertKvSave(Pass):
         if not saves:
             return
         stream = SAVE_STREAM if spec.pool.write == "async" else MAIN_STREAM
+        # KV replicated over the CP ranks (context_parallel): CP rank 0's ranks are its one writer
+        owner = {"writers": "cp0"} if graph.meta.get("cp", 1) > 1 else {}
         graph.add_stream(stream)
         graph.add_stream(HOST_STREAM)
         for name in SAVE_INPUTS:
@@ -65,12 +69,13 @@ class InsertKvSave(Pass):
         caches = [f"kv_cache.{t}" for t in tags]
         if gran == "layer":
             graph.splice(after={f"{t}.kv_write": [Node(f"{t}.kv_save", "kv_save", stream, layer=i,
-                                                         reads=(caches[i], "save_block_ids"), writes=(staging[i],))]
+                                                         reads=(caches[i], "save_block_ids"), writes=(staging[i],),
+                                                         attrs=dict(owner))]
                                 for i, t in enumerate(tags)})
         else:
             graph.add(Node("save.kv_save", "kv_save", stream, reads=(*caches, "save_block_ids"),
-                           writes=tuple(staging)), after=f"{tags[-1]}.kv_write")
-        graph.add(Node("host.pool_put", "pool_put", HOST_STREAM, reads=tuple(staging)))
+                           writes=tuple(staging), attrs=dict(owner)), after=f"{tags[-1]}.kv_write")
+        graph.add(Node("host.pool_put", "pool_put", HOST_STREAM, reads=tuple(staging), attrs=dict(owner)))
 
     def ensures(self, graph, ctx) -> list[str]:
         m = graph.meta

@@ -1,8 +1,10 @@
 """The pass pipeline: the builder, then one explicit list of passes, the same for every variant.
 
-    build -> shard -> insert_kv_load -> insert_kv_save -> insert_events -> verify
+    build -> shard -> sequence_parallel -> context_parallel -> insert_kv_load -> insert_kv_save
+          -> insert_events -> verify
 
-(``shard`` changes nothing unless the spec's ``parallel`` has tp or ep > 1; ``insert_kv_load``
+(``shard`` changes nothing unless the spec's ``parallel`` has tp, ep or dp > 1; ``sequence_parallel``
+nothing unless it has ``sp``, ``context_parallel`` nothing unless ``cp`` > 1; ``insert_kv_load``
 nothing unless the variant has ``history``.)
 
 ``run_pipeline`` can stop after any stage (``graphgen dump --after STAGE``; ``build_layers`` is kept
@@ -22,11 +24,13 @@ from .base import ContractError, PassContext, PassError
 from .insert_events import InsertEvents
 from .insert_kv_load import InsertKvLoad
 from .insert_kv_save import InsertKvSave
+from .context_parallel import ContextParallel
+from .sequence_parallel import SequenceParallel
 from .shard import Shard
 from .verify import Verify
 
 BUILD = "build"
-PIPELINE = (Shard(), InsertKvLoad(), InsertKvSave(), InsertEvents(), Verify())
+PIPELINE = (Shard(), SequenceParallel(), ContextParallel(), InsertKvLoad(), InsertKvSave(), InsertEvents(), Verify())
 PASS_NAMES = (BUILD, *(p.name for p in PIPELINE))  # the stages on_pass reports, in order
 ALIASES = {"build_layers": BUILD}  # the builder's name when it was a pass
 AFTER_CHOICES = (*PASS_NAMES, *ALIASES)  # what ``until`` (``graphgen dump --after``) accepts

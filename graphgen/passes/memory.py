@@ -18,18 +18,43 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 
 
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.2f} MiB"
+
+
 @dataclass(frozen=True)
 class RankMemory:
     tp: int
     ep: int
     weight_bytes: int  # one rank's weights (the largest rank: padded chunks count whole)
     kv_bytes_per_block: int  # one rank's KV of one block, all layers
+    kv_blocks: int = 0  # blocks one rank must hold: the largest decode batch at max_model_len
+    dp: int = 1
+    cp: int = 1
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_blocks * self.kv_bytes_per_block
 
     def text(self) -> str:
-        w = (f"{self.weight_bytes / GIB:.2f} GiB" if self.weight_bytes >= GIB / 10
-             else f"{self.weight_bytes / (1 << 20):.2f} MiB")
-        return (f"per rank (tp={self.tp}, ep={self.ep}): weights {w}, "
-                f"KV {self.kv_bytes_per_block / 1024:.1f} KiB per block")
+        layout = f"tp={self.tp}, ep={self.ep}" + "".join(f", {k}={v}" for k, v in (("dp", self.dp), ("cp", self.cp))
+                                                        if v > 1)
+        return (f"per rank ({layout}): weights {_size(self.weight_bytes)}, "
+                f"KV {self.kv_bytes_per_block / 1024:.1f} KiB per block, "
+                f"{self.kv_blocks} blocks {_size(self.kv_blocks * self.kv_bytes_per_block)}, "
+                f"total {_size(self.total_bytes)}")
+
+
+def kv_blocks_needed(spec) -> int:
+    """Blocks one rank holds for the NPU target's largest decode batch at its max_model_len (the target's
+    defaults when the spec has no NPU target): every DP group has a batch of its own, and KV is replicated
+    over the CP and TP ranks (the MLA latent) or split by KV heads, so the count is per rank either way."""
+    from ..modelspec.model import NpuTarget
+
+    npu = spec.targets.npu or NpuTarget()
+    # the max_model_len default of graphgen.npu.run.bucketing.max_model_len (not imported: it is torch-side)
+    max_len = npu.max_model_len or min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
+    return npu.decode_batch_buckets[-1] * math.ceil(max_len / spec.kv_cache.block_size)
 
 
 def rank_memory(spec, graphs) -> RankMemory:
@@ -48,15 +73,22 @@ def rank_memory(spec, graphs) -> RankMemory:
         weight_bytes += math.prod(shape) * size
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), spec.parallel.tp)
     kv = spec.dims.num_hidden_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * size
-    return RankMemory(spec.parallel.tp, spec.parallel.ep, weight_bytes, kv)
+    par = spec.parallel
+    return RankMemory(par.tp, par.ep, weight_bytes, kv, kv_blocks_needed(spec), par.dp, par.cp)
 
 
-def memory_problems(spec, mem: RankMemory) -> list[str]:
+def memory_problems(spec, mem: RankMemory, device_memory_gib=None) -> list[str]:
+    """The layout's per-rank weights + KV against ``device_memory_gib`` (default: the spec's
+    ``targets.npu.device_memory_gib``; none: nothing to check)."""
     npu = spec.targets.npu
-    if npu is None or npu.device_memory_gib is None:
+    where = "--device-memory-gib" if device_memory_gib is not None else "targets.npu.device_memory_gib"
+    if device_memory_gib is None:
+        device_memory_gib = npu.device_memory_gib if npu is not None else None
+    if device_memory_gib is None:
         return []
-    limit = npu.device_memory_gib * GIB
-    if mem.weight_bytes > limit:
-        return [f"per-rank weights {mem.weight_bytes / GIB:.2f} GiB exceed targets.npu.device_memory_gib "
-                f"({npu.device_memory_gib:g} GiB); fix: raise parallel.tp (and ep for MoE)"]
+    limit = device_memory_gib * GIB
+    if mem.total_bytes > limit:
+        return [f"per-rank weights {mem.weight_bytes / GIB:.2f} GiB + KV {mem.kv_blocks} blocks "
+                f"{mem.kv_blocks * mem.kv_bytes_per_block / GIB:.2f} GiB exceed {where} "
+                f"({device_memory_gib:g} GiB); fix: raise parallel.tp (and ep for MoE), or dp with ep = dp × tp"]
     return []

@@ -1,4 +1,4 @@
-"""Pass 1 of 5, ``shard``: the single-device forward -> the graph every tensor/expert-parallel rank runs.
+"""Pass 1 of 7, ``shard``: the single-device forward -> the graph every tensor/expert-parallel rank runs.
 
 Megatron-style and op-level (no family names: what a family splits is ``graphgen.families.parallel``):
 
@@ -12,14 +12,22 @@ Megatron-style and op-level (no family names: what a family splits is ``graphgen
   logits, then an ``all_gather`` over the vocabulary;
 - MoE: ``ep > 1`` (= tp) gives each rank ``num_experts/ep`` whole experts, run for all tokens with
   the replicated routing, the reduction being the same all_reduce; ``ep == 1`` slices every expert's
-  width like an MLP. (An all-to-all dispatch would send each token only to the ranks of its top-k
-  experts: less expert compute per rank for large batches, at the price of two all-to-alls.)
+  width like an MLP;
+- DP attention (``dp > 1``, ``ep = dp × tp``): attention, dense MLPs, embedding and LM head are split
+  over the ``tp`` ranks of one DP group as above (not at all when ``tp == 1``); each MoE all-gathers the
+  tokens of every DP group (group ``dp``), runs the rank's ``num_experts/ep`` experts and ``1/ep`` of the
+  shared experts' width on all of them, reduce-scatters the partial sums over group ``ep`` and
+  all-gathers the rank's own group's tokens over ``tp`` (the runner pads every DP group's step to the
+  same token count, a multiple of ``tp``; an idle group runs a dummy step).
+  (An all-to-all dispatch would send each token only to the ranks of its top-k experts: less expert
+  compute per rank for large batches, at the price of two all-to-alls.)
 
 Sharded weights are named by their slice: ``<checkpoint key>[d<dim>/<parts>]`` is the checkpoint
 tensor cut along ``dim`` into ``parts`` equal chunks (the last zero-padded when it does not divide),
-of which rank ``r`` of ``tp`` holds chunk ``r * parts // tp``. Nothing in the graph depends on the
+of which rank ``r`` of ``tp`` holds chunk ``r * parts // tp`` (for expert weights under DP attention,
+``r = dp_rank × tp + tp_rank`` of ``ep``). Nothing in the graph depends on the
 rank: every rank runs the same graph (rank-symmetric by construction; ``verify_parallel`` checks it).
-With ``tp == ep == 1`` the pass changes nothing. Pure Python, no torch.
+With ``tp == ep == dp == 1`` the pass changes nothing. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -33,10 +41,19 @@ from ..ir.ops import check_node
 from ..ir.weights import parse_shard, shard_index, shard_name  # noqa: F401  (the pass names sharded weights)
 from .base import Pass
 
-GROUP = "tp"  # the one process group: EP reuses the TP ranks
+GROUP = "tp"  # the TP group (EP reuses it when dp == 1)
+DP_GROUP = "dp"  # the ranks with the same TP rank in every DP group (the MoE's token all-gather)
+EP_GROUP = "ep"  # every rank of the DP groups (dp × tp): the MoE's experts under DP attention
+
+
 def parallel_of(spec) -> tuple[int, int]:
     par = getattr(spec, "parallel", None)
     return (par.tp, par.ep) if par is not None else (1, 1)
+
+
+def dp_of(spec) -> int:
+    par = getattr(spec, "parallel", None)
+    return getattr(par, "dp", 1) if par is not None else 1
 
 
 class Shard(Pass):
@@ -52,7 +69,8 @@ class Shard(Pass):
 
     def run(self, graph: Graph, ctx) -> None:
         tp, ep = parallel_of(ctx.spec)
-        if tp == 1 and ep == 1:
+        dp = dp_of(ctx.spec)
+        if tp == 1 and ep == 1 and dp == 1:
             return
         family = FAMILIES[graph.meta["family"]]
         plan = PLANS[family.name]
@@ -60,7 +78,7 @@ class Shard(Pass):
         rank_dims = plan.rank_dims(dims, tp)
         widths = family.kv_widths(rank_dims)
         kv_parts = min(tp, getattr(dims, plan.kv_heads)) if plan.kv_heads else 1
-        graph.meta.update({"tp": tp, "ep": ep})
+        graph.meta.update({"tp": tp, "ep": ep, **({"dp": dp} if dp > 1 else {})})
         coll = {"group": GROUP, "size": tp}
         out: list[Node] = []
 
@@ -80,10 +98,40 @@ class Shard(Pass):
             new(Node(f"{n.id}.residual", "residual_add", MAIN_STREAM, reads=(total, residual), writes=(h,),
                      layer=n.layer))
 
+        def dp_moe(n: Node, a: dict) -> None:
+            """DP attention + EP: gather every DP group's tokens, run this rank's experts (and its width
+            slice of the shared experts) on all of them, reduce-scatter the partial sums over the EP group
+            (each rank gets 1/tp of its own group's tokens), all-gather them inside the TP group."""
+            h, x = n.writes[0], n.input("x")
+            gathered, partial = graph.declare(f"{h}.dp_tokens", "value"), graph.declare(f"{h}.partial", "value")
+            mine = graph.declare(f"{h}.sum" if tp == 1 else f"{h}.tp_tokens", "value")
+            new(Node(f"{n.id}.dp_gather", "all_gather", MAIN_STREAM, reads=(x,), writes=(gathered,),
+                     attrs={"group": DP_GROUP, "size": dp, "dim": 0, "length": None}, layer=n.layer))
+            experts = {k: shard_name(a[k], 0, ep) for k in ("w_experts_gate", "w_experts_up", "w_experts_down")}
+            shared = {k: (None if a.get(k) is None else shard_name(a[k], d, ep)) for k, d in
+                      (("w_shared_gate", 0), ("w_shared_up", 0), ("w_shared_down", 1))}
+            new(Node(n.id, "moe", MAIN_STREAM, reads=(gathered,), writes=(partial,),
+                     attrs={**a, **experts, **shared, "ep": ep}, layer=n.layer))
+            new(Node(f"{n.id}.reduce_scatter", "reduce_scatter", MAIN_STREAM, reads=(partial,), writes=(mine,),
+                     attrs={"group": EP_GROUP, "size": ep, "reduce": "sum", "dim": 0}, layer=n.layer))
+            total = mine
+            if tp > 1:
+                total = graph.declare(f"{h}.sum", "value")
+                new(Node(f"{n.id}.tp_gather", "all_gather", MAIN_STREAM, reads=(mine,), writes=(total,),
+                         attrs={**coll, "dim": 0, "length": None}, layer=n.layer))
+            new(Node(f"{n.id}.residual", "residual_add", MAIN_STREAM, reads=(total, n.input("residual")),
+                     writes=(h,), layer=n.layer))
+
         col = lambda w: shard_name(w, 0, tp)  # noqa: E731 - output rows split
         row = lambda w: shard_name(w, 1, tp)  # noqa: E731 - input columns split
         for n in graph.nodes:
             a = dict(n.attrs)
+            if n.op == "moe_residual" and dp > 1:
+                dp_moe(n, a)
+                continue
+            if tp == 1:  # pure DP attention: only the MoE crosses ranks
+                new(Node(n.id, n.op, n.stream, n.reads, n.writes, a, n.layer))
+                continue
             if n.op == "embedding":
                 h = n.writes[0]
                 partial = graph.declare(f"{h}.partial", "value")
@@ -138,8 +186,8 @@ class Shard(Pass):
         from .verify_parallel import parallel_problems
 
         tp, ep = parallel_of(ctx.spec)
-        if tp == 1 and ep == 1:
+        if tp == 1 and ep == 1 and dp_of(ctx.spec) == 1:
             return [f"node {n.id} ({n.op}) in a single-rank graph" for n in graph.nodes
-                    if n.op in ("all_reduce", "all_gather", "embedding_shard")]
+                    if n.op in ("all_reduce", "all_gather", "reduce_scatter", "embedding_shard")]
         return parallel_problems(graph)
 

@@ -1,4 +1,4 @@
-"""Pass 5 of 5, `verify` — prove the schedule has no race, and that every event is used correctly.
+"""Pass 7 of 7, `verify` — prove the schedule has no race, and that every event is used correctly.
 
 requires: any graph (also one parsed from a hand-edited golden file).
 ensures:  raises :class:`VerificationError` listing *every* problem found:
@@ -102,7 +102,7 @@ def check(graph: Graph) -> list[str]:
         problems.append(f"happens-before has a cycle (deadlock): {path}")
         return problems
     problems.extend(_races(graph, hb, order))
-    if "tp" in graph.meta or any(n.op in COLLECTIVE_OPS for n in graph.nodes):
+    if "tp" in graph.meta or "cp" in graph.meta or any(n.op in COLLECTIVE_OPS for n in graph.nodes):
         problems.extend(parallel_problems(graph))
     return problems
 

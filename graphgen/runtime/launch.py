@@ -48,12 +48,14 @@ register_target("cpu", _cpu)
 
 def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = None,
                 granularity: Optional[str] = None, tp: Optional[int] = None, ep: Optional[int] = None,
-                pool="host", spec_file: Optional[str] = None, **options):
+                dp: Optional[int] = None, cp: Optional[int] = None, sp: Optional[bool] = None,
+                pool="host", spec_file: Optional[str] = None, pool_policy: Optional[str] = None, **options):
     """An engine for ``spec`` (a spec file, or a loaded `ModelSpec`) on ``weights`` (a Hugging Face
     checkpoint folder, or a dict of tensors by checkpoint name).
 
-    ``write`` / ``granularity`` / ``tp`` / ``ep`` override the spec's settings for this run (the code
-    for the overridden spec is generated on the fly); ``pool``: ``"host"`` (the embedded pool),
+    ``write`` / ``granularity`` / ``tp`` / ``ep`` / ``dp`` / ``cp`` / ``sp`` / ``pool_policy`` (``pool.policy``)
+    override the spec's settings for this run (the code for the overridden spec is generated on the fly; a
+    layout the runtime cannot run yet raises ValueError, `families.parallel.runtime_layout_gap`); ``pool``: ``"host"`` (the embedded pool),
     ``"mooncake://HOST:PORT"`` or a `PoolBackend`. ``options`` go to the target's builder
     (`graphgen.runtime.engine.facade.build_engine`'s: ``num_blocks``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``async_scheduling``, ``collect_logits``, ``eos_token_ids``, ``faults``,
@@ -68,8 +70,14 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
         path = Path(spec)
         spec_file = spec_file or display_path(path)
         spec = load_spec(path)
-    if write is not None or granularity is not None or tp is not None or ep is not None:
-        spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep)
+    if any(x is not None for x in (write, granularity, tp, ep, dp, cp, sp, pool_policy)):
+        spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep, dp=dp, cp=cp, sp=sp,
+                                   policy=pool_policy)
+    from ..families.parallel import runtime_layout_gap
+
+    gap = runtime_layout_gap(spec.parallel, target)
+    if gap is not None:
+        raise ValueError(gap)
     if weights is None:
         raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
     if target not in TARGETS:

@@ -31,7 +31,7 @@ from .engine_api import EngineStats
 log = logging.getLogger("graphgen.serve")
 
 # LLMEngine.stats() keys the server shows besides EngineStats' own fields
-_EXTRA = ("hit_blocks", "loaded_blocks")
+_EXTRA = ("hit_blocks", "loaded_blocks", "prefill_tokens")
 
 
 class LLMEngineAdapter:
@@ -49,16 +49,17 @@ class LLMEngineAdapter:
             engine.observe(self.observer)
 
     # ---- the interface ------------------------------------------------------------------------
-    def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    fork_of: Optional[str] = None) -> None:
         prompt = [int(t) for t in prompt_ids]
         if not params.greedy and params.seed is None:  # not reproducible for the client, as OpenAI's API
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds {self.max_model_len}")
-        self.llm.add_request(req_id, prompt, params)
+        self.llm.add_request(req_id, prompt, params, fork_of=fork_of)
 
-    def abort(self, req_id: str) -> None:
-        self.llm.abort(req_id)
+    def abort(self, req_id: str, forks: bool = True) -> None:
+        self.llm.abort(req_id, forks)
 
     def has_work(self) -> bool:
         return self.llm.has_work()
@@ -75,6 +76,8 @@ class LLMEngineAdapter:
                            puts=s["puts"], put_failures=s["put_failures"], save_failures=s["save_failures"],
                            pool_errors=s["pool_errors"], preemptions=s["preemptions"], steps=s["steps"],
                            mixed_steps=s["mixed_steps"], decode_rows_stalled=s["decode_rows_stalled"],
+                           prefills=s["prefills"], forks=s["forks"], device_hit_blocks=s["device_hit_blocks"],
+                           device_cached_blocks=s["device_cached_blocks"],
                            extra={k: s[k] for k in _EXTRA if k in s})
 
     def take_timings(self) -> list[tuple[str, float]]:

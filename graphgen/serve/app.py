@@ -295,7 +295,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
         q: asyncio.Queue = asyncio.Queue()
         base = f"{'chatcmpl' if chat else 'cmpl'}-{os.getpid():x}{next(ids):06x}"
         fan, fmt = parsed.fan, LogprobFormatter(tokenizer)
-        rids, choices, subs = [], {}, []  # n / best_of: best_of engine requests per prompt (fan-out)
+        rids, choices, subs = [], {}, []  # n / best_of: best_of engine requests per prompt, forks of the first
         for i, p in enumerate(parsed.prompts):
             for j in range(fan.best_of):
                 rid = f"{base}-{i}" if fan.best_of == 1 else f"{base}-{i}-{j}"
@@ -305,13 +305,14 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
                 params = parsed.params
                 if j and params.seed is not None and not params.greedy:  # each copy its own draws
                     params = dataclasses.replace(params, seed=(params.seed + j) % (1 << 63))
-                subs.append((rid, p, params))
+                # copies after the first fork it: they share its prompt's KV blocks (one prefill)
+                subs.append((rid, p, params, subs[-j][0] if j else None))
 
         def on_output(o: RequestOutput):
             aio.call_soon_threadsafe(q.put_nowait, o)
 
-        for rid, p, params in subs:
-            loop.submit(rid, p, params, on_output)
+        for rid, p, params, parent in subs:
+            loop.submit(rid, p, params, on_output, fork_of=parent)
         created = int(time.time())
         if parsed.stream:
             return StreamingResponse(_stream(q, base, rids, choices, parsed, chat, created),
@@ -333,7 +334,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
         else:
             delta, new_ids, stopped = c.feed(o)
         if stopped:
-            loop.abort(o.req_id)
+            loop.abort(o.req_id, forks=False)  # this choice only: its forks go on
         done = stopped or o.finished
         if done:
             open_ids.discard(o.req_id)

@@ -25,6 +25,7 @@ from ..engine_args import (
     add_engine_arguments,
     check_engine_arguments,
     engine_options,
+    layout_refusal,
     target_note,
 )
 
@@ -117,6 +118,9 @@ def check_args(args):
         spec = load_spec(args.spec)
     except Exception as e:  # a spec error renders with its file:line
         return f"--spec {args.spec}: {e}", None
+    refusal = layout_refusal(spec, args)
+    if refusal is not None:  # before the port and the weights: one sentence, exit 2
+        return refusal, None
     from .tools import PARSERS
     from .reasoning import PARSERS as REASONING
 

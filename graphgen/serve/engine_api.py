@@ -25,7 +25,7 @@ has the text) — it aborts the request when one appears.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 from ..runtime import FINISH_REASONS, RequestOutput, SamplingParams
 
@@ -53,6 +53,10 @@ class EngineStats:
     steps: int = 0  # engine steps run (fewer than tokens generated when requests are batched)
     mixed_steps: int = 0  # steps with decode rows and prefill rows in one forward (mixed batches)
     decode_rows_stalled: int = 0  # per step, running requests that could decode but were not in it, summed
+    prefills: int = 0  # prompt prefills begun (n / best_of copies forked from one are not)
+    forks: int = 0  # requests that shared another's prompt KV blocks (n / best_of copies)
+    device_hit_blocks: int = 0  # prompt blocks shared from the device prefix cache (not the pool)
+    device_cached_blocks: int = 0  # gauge: blocks the device prefix cache holds
     extra: dict = field(default_factory=dict)
 
 
@@ -61,9 +65,12 @@ class ServingEngine(Protocol):
     vocab_size: int
     max_model_len: int  # prompt + generated tokens, at most
 
-    def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None: ...
+    # fork_of: the id of an earlier request with the same prompt whose prompt KV this one shares
+    # (n / best_of: one prefill); aborting that parent with forks=True aborts its children too
+    def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    fork_of: Optional[str] = None) -> None: ...
 
-    def abort(self, req_id: str) -> None: ...
+    def abort(self, req_id: str, forks: bool = True) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 

@@ -56,11 +56,12 @@ class EngineLoop:
         self._ready.wait(timeout_s)
 
     def submit(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-               on_output: Callable[[RequestOutput], None]) -> None:
-        self._inbox.put(("add", req_id, list(prompt_ids), params, on_output, time.perf_counter()))
+               on_output: Callable[[RequestOutput], None], fork_of: Optional[str] = None) -> None:
+        self._inbox.put(("add", req_id, list(prompt_ids), params, on_output, time.perf_counter(), fork_of))
 
-    def abort(self, req_id: str) -> None:
-        self._inbox.put(("abort", req_id))
+    def abort(self, req_id: str, forks: bool = True) -> None:
+        """``forks=False``: only this request (one choice cut at a stop string), not its forks."""
+        self._inbox.put(("abort", req_id, forks))
 
     def stop(self, drain_timeout_s: float = 30.0, join_timeout_s: float = 120.0) -> None:
         """Let running requests finish for up to ``drain_timeout_s``, abort the rest, commit every
@@ -119,24 +120,24 @@ class EngineLoop:
     def _apply(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, on_output, arrived = cmd
+            _, rid, ids, params, on_output, arrived, fork_of = cmd
             if self._stop_deadline is not None:
                 on_output(RequestOutput(rid, (), True, "abort", error="server is shutting down"))
                 return
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, fork_of=fork_of)
             except ValueError as e:  # the server validates first; this is the engine's own check
                 on_output(RequestOutput(rid, (), True, "error", num_prompt_tokens=len(ids), error=str(e)))
                 return
             self._tracks[rid] = _Track(on_output, arrived, prompt_len=len(ids))
         elif kind == "abort":
-            self._abort(cmd[1])
+            self._abort(cmd[1], forks=cmd[2])
         elif kind == "stop":
             self._stop_deadline = cmd[1]
 
-    def _abort(self, rid: str, error: Optional[str] = None) -> None:
+    def _abort(self, rid: str, error: Optional[str] = None, forks: bool = True) -> None:
         if rid in self._tracks:
-            self.engine.abort(rid)
+            self.engine.abort(rid, forks)
             self._finish(rid, RequestOutput(rid, (), True, "abort", error=error))
 
     def _step(self) -> None:

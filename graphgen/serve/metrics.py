@@ -24,7 +24,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _GAUGES = (("graphgen_num_requests_running", "running", "Requests being generated."),
            ("graphgen_num_requests_waiting", "waiting", "Requests queued for their prefill."),
            ("graphgen_kv_saves_pending", "saves_pending", "Host commits of saved KV still in flight."),
-           ("graphgen_kv_blocks_free", "free_blocks", "Device KV blocks free (pinned blocks are not)."))
+           ("graphgen_kv_blocks_free", "free_blocks", "Device KV blocks free (pinned blocks are not)."),
+           ("graphgen_device_prefix_cached_blocks", "device_cached_blocks",
+            "Device KV blocks the device prefix cache holds (pool.device_cache)."))
 _TOTALS = (("graphgen_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens loaded from the KV pool."),
            ("graphgen_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled."),
            ("graphgen_generation_tokens", "generation_tokens", "Tokens generated."),
@@ -36,7 +38,11 @@ _TOTALS = (("graphgen_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tok
            ("graphgen_preemptions", "preemptions", "Requests preempted (blocks taken back, recomputed later)."),
            ("graphgen_mixed_steps", "mixed_steps", "Engine steps carrying decode rows and prompt chunks together."),
            ("graphgen_decode_rows_stalled", "decode_rows_stalled",
-            "Per step, running requests that could decode but were not in it (summed): the decode stall."))
+            "Per step, running requests that could decode but were not in it (summed): the decode stall."),
+           ("graphgen_prefills", "prefills", "Prompt prefills begun (n / best_of copies forked from one not counted)."),
+           ("graphgen_forked_requests", "forks", "Requests that shared another's prompt KV blocks (n / best_of)."),
+           ("graphgen_device_prefix_hit_blocks", "device_hit_blocks",
+            "Prompt blocks shared from the device prefix cache (not loaded from the pool)."))
 
 
 # vLLM's names for the same quantities (labelled model_name, as vLLM's are)

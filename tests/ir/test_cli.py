@@ -140,3 +140,39 @@ def test_build_commands_never_import_torch(project):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"{[0] * len(calls)} []", res.stderr
     assert (project / "specs" / "imported.yaml").is_file()
+
+
+@pytest.mark.parametrize("cmd,flags,missing", [
+    ("run", ("--tp", "2", "--sp", "--target", "npu", "--standin"), "sequence parallel (sp) has no NPU lowering yet"),
+    ("run", ("--cp", "2"), "context parallel (cp > 1) does not run yet"),
+    ("serve", ("--dp", "2", "--ep", "2"), "data-parallel attention (dp > 1) does not run yet"),
+])
+def test_run_and_serve_refuse_a_layout_the_runtime_cannot_run(tmp_path, cmd, flags, missing):
+    """--dp/--cp/--sp override the spec like --tp; a layout the ranks cannot run is one sentence, exit 2
+    (before any weights load: the folder is empty)."""
+    spec = "specs/tiny_deepseek_v3.yaml" if cmd == "serve" else "specs/tiny_qwen3.yaml"
+    extra = ("--prompt-ids", "1,2") if cmd == "run" else ("--port", "0")
+    res = run_cli(cmd, "--spec", str(REPO / spec), "--weights", str(tmp_path), *extra, *flags, cwd=REPO)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and missing in lines[0] and "run with --" in lines[0], res.stderr
+
+
+def test_layout_flags_reach_open_engine_and_override_the_spec():
+    import argparse
+
+    from graphgen.engine_args import add_engine_arguments, check_engine_arguments, engine_options, layout_refusal
+    from graphgen.modelspec.loader import load_spec
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p, max_num_seqs=8, async_scheduling=False)
+    base = ["--spec", "s.yaml", "--weights", "w"]
+    args = p.parse_args([*base, "--tp", "2", "--sp", "--cp", "1"])
+    opts = engine_options(args)
+    assert (opts["tp"], opts["sp"], opts["cp"]) == (2, True, 1) and "dp" not in opts  # absent: the spec's value
+    sp = load_spec(REPO / "specs/tiny_qwen3_tp2_sp.yaml")
+    assert layout_refusal(sp, args) is None  # sp runs on the CPU ranks
+    assert "no NPU lowering" in layout_refusal(sp, p.parse_args([*base, "--target", "npu"]))
+    assert layout_refusal(sp, p.parse_args([*base, "--no-sp"])) is None
+    assert sp.with_overrides(sp=False).parallel == type(sp.parallel)(tp=2)
+    assert check_engine_arguments(p.parse_args([*base, "--dp", "0"])) == "--dp must be >= 1, got 0"

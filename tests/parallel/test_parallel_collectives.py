@@ -71,8 +71,11 @@ def _run(eng):
     eng.drain()
 
 
-def test_every_rank_issues_the_same_collectives_in_the_same_order(qwen):
-    with open_engine(SPEC, qwen.dir, num_blocks=32, timeout=TIMEOUT) as eng:
+@pytest.mark.parametrize("spec", [SPEC, REPO / "specs/tiny_qwen3_tp2_sp.yaml"], ids=["tp2", "tp2_sp"])
+def test_every_rank_issues_the_same_collectives_in_the_same_order(qwen, spec):
+    """tp2_sp: sequence parallel, whose token shards differ in length across ranks at odd step sizes
+    (decode: 1 token): the gathers are padded, so every rank issues the same shapes."""
+    with open_engine(spec, qwen.dir, num_blocks=32, timeout=TIMEOUT) as eng:
         eng.on_ranks(_install_collective_log)
         _run(eng)
         logs = eng.on_ranks(_collective_log)

@@ -27,7 +27,7 @@ def _cli(*args):
 
 
 def test_tp2_goldens_exist_and_verify():
-    assert {p.parent.name for p in TP2} == {"tiny_qwen3_tp2", "tiny_deepseek_v3_tp2ep2"}
+    assert {p.parent.name for p in TP2} == {"tiny_qwen3_tp2", "tiny_qwen3_tp2_sp", "tiny_deepseek_v3_tp2ep2"}
     for p in TP2:
         g = parse_graph(p.read_text(), str(p))
         assert check(g) == [], p

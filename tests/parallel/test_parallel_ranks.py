@@ -60,6 +60,21 @@ def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
         assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
 
 
+def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen):
+    """sp: reduce-scatter + norm on 1/tp of the tokens + all-gather (tiny_qwen3_tp2_sp); odd step sizes
+    (prompt b: 9 tokens, decode: 1) leave rank 1 a short or empty shard."""
+    model, d = qwen.model, qwen.dir
+    a, b = _prompts(1)
+    (ra, again, rb), stats, _ = _run("specs/tiny_qwen3_tp2_sp.yaml", d, a, b)
+    assert (ra.variant, again.variant, again.hit_tokens, rb.hit_tokens) == ("mempool_prefill", "splitfuse", 8, 4)
+    with torch.no_grad():
+        for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
+            assert_steps_match_hf(model, r, f"qwen3 tp=2 sp {what}")   # decode steps included
+    assert [s["hit_blocks"] for s in stats] == [3, 3]
+    with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
+        assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
+
+
 def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
     d = qwen.dir
     a, b = _prompts(2)
@@ -180,3 +195,43 @@ def test_qwen3_tp2_mixed_batches_match_transformers_on_every_rank(qwen):
     assert mixed[0] == mixed[1] > 0, mixed
     for what, r in zip(("short", "long"), rs):
         assert_steps_match_hf(qwen.model, r, f"qwen3 tp=2 mixed batch {what}")
+
+
+def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1(qwen):
+    """Every block-lifetime decision (n forks sharing blocks, decode-time saves, write-back when a
+    block leaves the device, device prefix hits, LRU eviction) is made alike on every rank: the
+    per-step plan check passes, and tokens and counters equal the tp=1 run of the same spec."""
+    import dataclasses
+
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime import SamplingParams
+
+    base = load_spec(REPO / "specs/tiny_qwen3.yaml")
+    spec = dataclasses.replace(base, pool=dataclasses.replace(
+        base.pool, write="async", save_decode=True, policy="write_back", device_cache=True))
+    a, b = _prompts(3)
+
+    def go(**kw):
+        with open_engine(spec, qwen.dir, num_blocks=12, spec_file="specs/tiny_qwen3.yaml", **kw) as eng:
+            llm, got = eng.llm, {}
+
+            def drive():
+                while llm.has_work():
+                    for o in llm.step():
+                        got.setdefault(o.req_id, []).extend(o.new_token_ids)
+            llm.add_request("p", a, SamplingParams(max_tokens=6, temperature=1.0, seed=1))
+            llm.add_request("c", a, SamplingParams(max_tokens=6, temperature=1.0, seed=2), fork_of="p")
+            drive()
+            llm.add_request("again", a, SamplingParams(max_tokens=3))   # a device hit
+            drive()
+            for i in range(4):                                          # evict (write-back) under pressure
+                llm.add_request(f"b{i}", b, SamplingParams(max_tokens=8, temperature=1.0, seed=10 + i))
+            drive()
+            s = llm.stats()
+            eng.drain()
+            return got, {k: s[k] for k in ("forks", "prefills", "device_hit_blocks", "hit_blocks", "puts")}
+
+    tp2, tp1 = go(tp=2, timeout=TIMEOUT), go()
+    assert tp2 == tp1
+    assert tp2[1]["forks"] == 1 and tp2[1]["device_hit_blocks"] > 0
+    assert tp2[1]["puts"] > 0  # blocks evicted from the device cache were written back

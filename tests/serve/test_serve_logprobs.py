@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+import time
 
 import pytest
 
@@ -95,6 +96,26 @@ def test_chat_logprobs_streamed_equal_non_streamed(server):
     assert [t.token for t in streamed] == [t.token for t in content]
     # the second request's prompt hits the pool (another variant): equal up to float32 rounding
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+
+
+def test_n4_runs_one_prefill_and_the_copies_share_its_blocks(server):
+    """The copies of an ``n`` request fork the first (one prefill of the prompt, tails per copy):
+    the server's counters move by one prefill and three forks, and every block comes back."""
+    from http_util import metric
+
+    c = server.client()
+    before = {k: metric(server.base, f"graphgen_{k}_total") for k in ("prefills", "forked_requests")}
+    free = metric(server.base, "graphgen_kv_blocks_free")
+    r = c.completions.create(model=M, prompt=PROMPT * 2, max_tokens=5, n=4, temperature=1.0, seed=3)
+    assert len(r.choices) == 4 and len({tuple(_ids(ch)) for ch in r.choices}) > 1  # each copy its own draws
+    assert metric(server.base, "graphgen_prefills_total") == before["prefills"] + 1
+    assert metric(server.base, "graphgen_forked_requests_total") == before["forked_requests"] + 3
+    alone = c.completions.create(model=M, prompt=PROMPT * 2, max_tokens=5, temperature=1.0, seed=3 + 2)
+    assert _ids(r.choices[2]) == _ids(alone.choices[0])  # copy j draws with seed + j, forked or not
+    deadline = time.monotonic() + 10  # the gauge is refreshed after the step that finished it
+    while metric(server.base, "graphgen_kv_blocks_free") != free and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server.base, "graphgen_kv_blocks_free") == free
 
 
 def test_n_and_best_of(server):

@@ -84,3 +84,25 @@ def test_vllm_aliases_equal_the_graphgen_series(server):
     assert g("http_requests_total", handler="/v1/completions", method="POST", status="2xx") == 2
     assert g("http_requests_total", handler="/v1/completions", method="POST", status="4xx") == 1
     assert g("graphgen_http_requests_total", route="/metrics", method="GET", status="200") >= 1
+
+
+@pytest.mark.slow  # a second server (pool.device_cache: true)
+def test_device_prefix_hits_are_counted_apart_from_pool_hits(ckpt, tmp_path):
+    from serve_util import SPEC
+
+    spec = tmp_path / "tiny_qwen3_device_cache.yaml"
+    text = SPEC.read_text()
+    assert text.count("  granularity: forward\n") == 1
+    spec.write_text(text.replace("  granularity: forward\n", "  granularity: forward\n  device_cache: true\n"))
+    s = Server(ckpt, "--write", "sync", "--num-blocks", "64", spec=spec)
+    try:
+        c = s.client()
+        prompt = list(range(1, 18))  # 17 tokens: 4 full blocks of 4 may hit
+        for _ in range(2):
+            c.completions.create(model="tiny_qwen3", prompt=prompt, max_tokens=2, temperature=0)
+        m = h.metrics(s.base)
+        assert m[("graphgen_device_prefix_hit_blocks_total", frozenset())] == 4
+        assert m[("graphgen_prefix_cache_hit_tokens_total", frozenset())] == 16  # the device hit's tokens
+        assert m[("graphgen_device_prefix_cached_blocks", frozenset())] > 0
+    finally:
+        assert s.terminate() == 0, s.proc.stderr.read()[-3000:]

@@ -54,11 +54,30 @@ class SaveHandle(Protocol):
 
 @dataclass(frozen=True)
 class PendingSave:
-    """One step's save: cache blocks ``block_ids`` (pinned) go to ``keys``, via ``staging``."""
+    """One step's save: cache blocks ``block_ids`` (pinned) go to ``keys``, via ``staging`` (or
+    straight from the cache, ``from_cache``: a decode-time save of a step that has landed)."""
 
     block_ids: tuple[int, ...]
     keys: tuple[str, ...]
-    staging: list  # per layer, per component: [len(block_ids), *shape]
+    staging: list  # per layer, per component: [len(block_ids), *shape]; the cache when from_cache
+    from_cache: bool = False
+
+    def pack(self, j: int) -> bytes:
+        """The pool value of the ``j``-th saved block."""
+        return pack_block(self.staging, self.block_ids[j] if self.from_cache else j)
+
+
+class _Landed:
+    """The `SaveHandle` of KV already in the cache (the step that wrote it has landed)."""
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        return None
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        return None
+
+
+_LANDED = _Landed()
 
 
 class KVConnector:
@@ -125,7 +144,7 @@ class KVConnector:
             puts = 0
             for j, key in enumerate(save.keys):
                 try:
-                    ok = self.pool.put(key, pack_block(save.staging, j))
+                    ok = self.pool.put(key, save.pack(j))
                 except Exception as e:
                     log.warning("pool put failed: %s", e)
                     ok = False
@@ -136,6 +155,22 @@ class KVConnector:
         finally:
             if save.block_ids:
                 self.alloc.unpin(save.block_ids)
+
+    def save_filled(self, block_ids: Sequence[int], keys: Sequence[str]) -> None:
+        """Save blocks a step that has *landed* filled (decode-time saves: decode graphs have no save
+        program). The step's forward is done, so its KV is in the cache: the blocks are pinned now
+        (before the step's requests can free them), packed straight from the cache and put, then
+        unpinned — on the host stream for ``async`` (after every earlier commit), inline otherwise."""
+        if self.write == "off" or not block_ids:
+            return
+        if len(block_ids) != len(keys):
+            raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
+        self.alloc.pin(block_ids)
+        save = PendingSave(tuple(block_ids), tuple(keys), self.cache, from_cache=True)
+        if self.write == "async":
+            self._pending.append(self.host_stream.launch(self._commit, save, None, _LANDED))
+        else:
+            self._commit(save, None, _LANDED)
 
     # ---- commits in flight ------------------------------------------------------------------
     def wait_oldest(self) -> bool:

@@ -171,7 +171,8 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     connector = (make_connector or (lambda p, c, a, n: KVConnector(p, c, a, write=spec.pool.write, stats=n)))(
         pool, cache, alloc, counters)
     runner = make_runner(cache, alloc, connector, reserved)
-    scheduler = Scheduler(spec, alloc, loader, reclaim=connector.wait_oldest, max_num_seqs=max_num_seqs,
+    scheduler = Scheduler(spec, alloc, loader, reclaim=connector.wait_oldest, save_blocks=connector.save_filled,
+                          max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked_prefill,
                           long_prefill_token_threshold=long_prefill_token_threshold)
     llm = LLMEngine(scheduler, connector, runner, vocab_size=spec.dims.vocab_size,

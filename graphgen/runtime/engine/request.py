@@ -88,6 +88,17 @@ class Request:
     keys: Optional[list[str]] = None  # pool keys of the current prefill sequence's full blocks
     in_steps: int = 0
     error: Optional[BaseException] = None  # with finish_reason "error"
+    # n / best_of (forks): a child names the request whose prompt KV it shares (``fork_parent``)
+    # until it holds those blocks; the parent lists its children (``forks``: an abort of the parent
+    # aborts them). ``shared_blocks``: leading prompt blocks this request shares from its parent
+    # (one reference each, freed like its own), set when it is forked, 0 after a preemption.
+    fork_parent: Optional["Request"] = None
+    forks: list = field(default_factory=list)
+    shared_blocks: int = 0
+    # positions whose KV is in the cache for sure (their step landed, or found there); unlike
+    # ``cached`` never ahead of the steps that write it: what a device prefix cache may keep
+    computed: int = 0
+    device_blocks: int = 0  # leading blocks shared from the device prefix cache in this admission
 
     @property
     def max_new_tokens(self) -> int:

@@ -11,24 +11,12 @@ Policy (continuous batching; see docs/runtime.md):
 * **Admission.** Waiting requests are admitted in arrival order while fewer than ``max_num_seqs``
   are admitted or running and the admitted prefill tokens fit ``max_num_batched_tokens``:
   the pool prefix is looked up and loaded through the loader.
-* **Mixed batches: decode first, then chunks** (``chunked_prefill``, on by default). Every
-  running request that can decode gets its decode row (one token; oldest first, within the
-  budget), then the admitted prompts fill what is left of the budget, in order, in one forward of
-  the history variant (``splitfuse``): a decode row is a row with history and one query token,
-  which that graph already takes (per-row query lengths). A prompt longer than what is left of
-  the budget (or than ``long_prefill_token_threshold`` when set: a prompt longer than it gets at
-  most that many tokens per step) runs in chunks, one per step: chunk k > 0 is a prefill with
-  history (its history is the earlier chunks' KV, already in the device cache); only the last
-  chunk samples. Each chunk saves the full blocks it completes (a block that straddles two chunks
-  is saved by the step that completes it). A long prompt so delays a decode by one forward with
-  at most a budget's (or the threshold's) prompt tokens. Without decode rows the step is a
-  prefill-only step as below; with no budget left after the decode rows, a decode step.
-* **Without chunking** a step is one variant, prefill first: if any admitted request awaits its
-  prefill, the step is a prefill of the variant of the oldest one (no history:
-  ``mempool_prefill``; with a loaded prefix: ``splitfuse``), holding every admitted request of
-  that variant, in order, while the step's tokens fit the budget; the first request of a step
-  always goes whole (a prompt over the budget is one oversized step). Prefills never preempt:
-  one whose blocks cannot be had waits.
+* **Mixed batches** (``chunked_prefill``, on by default): decode rows first (one token each,
+  oldest first), then admitted prompts in what is left of the budget, in one forward of the
+  history variant; a prompt longer than that (or than ``long_prefill_token_threshold``) runs in
+  chunks, each saving the full blocks it completes; only the last chunk samples.
+* **Without chunking** a step is one variant, prefill first (the oldest admitted request's
+  variant, whole prompts; the first always goes, oversized or not). Prefills never preempt.
 * **Decode** every running request whose next input is known or pending (at most one step
   ahead) and that still needs a token, oldest first, up to the budget.
 * **Preemption.** When a decode needs a block and none is free (after ``reclaim``: waiting for
@@ -36,11 +24,15 @@ Policy (continuous batching; see docs/runtime.md):
   are freed and it goes back to the head of the waiting queue; its generated tokens are kept and
   its next prefill recomputes prompt + tokens (pool hits included). A request that cannot fit
   even alone finishes with ``"error"`` (`OutOfBlocks` in ``error``).
+* **Forks** (``add(child, fork_of=parent)``, `Forks`): held until the parent's prompt blocks
+  landed, then shared and admitted ahead of other prefills (outside ``max_num_seqs``).
+* **Saves, released blocks** (`BlockLife`: ``pool.policy``, ``save_decode``, ``device_cache``);
+  device prefix hits are taken before the pool lookup; an allocation evicts cached blocks first.
 
-Block accounting: a request's ``table`` lists its device blocks (refcount 1 each, taken from the
-shared `BlockAllocator`); they go back when it finishes, is aborted or preempted — once no step
-in flight still writes them. Blocks whose save is still in flight stay pinned by the connector,
-so freeing never waits for a save.
+Block accounting: a request's ``table`` lists its device blocks (its own, refcount 1, and a fork's
+shared references); they go back when it finishes, is aborted or preempted — once no step in
+flight still writes them —, a shared block when its last holder drops it. Blocks with a save in
+flight stay pinned by the connector, so freeing never waits for a save.
 """
 
 from __future__ import annotations
@@ -52,6 +44,9 @@ from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
 from ..core.kvcache import BlockAllocator, OutOfBlocks
+from .block_life import BlockLife
+from .chunking import chunk_tokens, prefill_logits_positions, wants_prompt_logits
+from .forks import Forks
 from .request import PENDING, Request, RowPlan, StepPlan
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
@@ -68,22 +63,11 @@ class PrefixSource(Protocol):
     def load(self, keys: Sequence[str]) -> list: ...  # the leading blocks fetched, one staging each
 
 
-def _wants_prompt_logits(r: Request) -> bool:
-    """A request asking for prompt logprobs whose first token is not sampled yet."""
-    return r.sampling.prompt_logprobs is not None and not r.result.tokens
-
-
-def _prefill_logits_positions(r: Request, start: int, end: int) -> tuple[int, ...]:
-    """Its last position's logits; every position's for a prompt-logprobs request's first prefill
-    (such a request is never chunked: its prompt is one row)."""
-    if start == 0 and _wants_prompt_logits(r):
-        return tuple(range(end))
-    return (end - start - 1,)
-
-
 class Scheduler:
     def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
-                 reclaim: Callable[[], bool] = lambda: False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 reclaim: Callable[[], bool] = lambda: False,
+                 save_blocks: Callable[[list, list], None] = lambda ids, keys: None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -101,31 +85,54 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill and self.variant_for("prefill", True) is not None
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefix_cache = "prefix_cache" in spec.features
+        self.blocks = BlockLife(spec, alloc, loader.block_keys, save_blocks=save_blocks, device_cache=(
+            spec.pool.device_cache and self.prefix_cache and self.variant_for("prefill", True) is not None))
+        self.device_cache = self.blocks.device_cache
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
         self.running: list[Request] = []        # prefill scheduled; decoding, in arrival order
         self.failed: list[Request] = []         # finished with "error" since the last take_failed()
         self.deferred: list[Request] = []       # finished, blocks still written by a step in flight
+        self.forks = Forks(alloc, self.block_size)
+        self.held = self.forks.held             # forks waiting for their parent's prompt blocks
         self.num_preemptions = 0
+        self.counts = {"prefills": 0, "forks": 0, "prefill_tokens": 0, "device_hit_blocks": 0}
 
     # ---- queues -----------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, fork_of: Optional[Request] = None) -> None:
+        """Queue ``request``; with ``fork_of`` it shares that parent's prompt blocks once computed,
+        unless it cannot (`Forks.can_share`, no history variant, prompt logprobs): then as usual."""
+        if (fork_of is not None and self.forks.can_share(request, fork_of)
+                and self.variant_for("prefill", True) is not None
+                and not wants_prompt_logits(request) and not wants_prompt_logits(fork_of)):
+            if fork_of in self.running and fork_of.result.tokens:
+                self._admit_forks(fork_of, [request])  # the parent's prefill has landed: share now
+            else:
+                self.forks.hold(request, fork_of)
+            return
         self.waiting.append(request)
 
+    def _admit_forks(self, parent: Request, children: list[Request]) -> None:  # ahead of other prefills
+        self.forks.share(parent, children)
+        self.prefill[0:0] = children
+        self.counts["forks"] += len(children)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefill or self.running)
+        return bool(self.waiting or self.prefill or self.running or self.held)
 
     def requests(self) -> list[Request]:
-        return [*self.waiting, *self.prefill, *self.running]
+        return [*self.waiting, *self.prefill, *self.running, *self.held]
 
     def abort(self, r: Request, reason: str = "abort") -> None:
         """Finish ``r`` now. Its blocks go back at once, or — while a step in flight still writes
         them — when that step is updated (`update` / `finalize`). Pins keep in-flight saves safe."""
         if r.finished:
             return
-        for q in (self.waiting, self.prefill, self.running):
+        for q in (self.waiting, self.prefill, self.running, self.held):
             if r in q:
                 q.remove(r)
+        r.fork_parent = None
+        self.waiting.extend(self.forks.take(r))  # its prompt blocks will never come: they run alone
         r.result.finish_reason = reason
         self._maybe_release(r)
 
@@ -135,6 +142,7 @@ class Scheduler:
             r.in_steps = 0
             self.abort(r)
             self._maybe_release(r)
+        self.blocks.clear()  # the device prefix cache, written back first under write_back
 
     def take_failed(self) -> list[Request]:
         out, self.failed = self.failed, []
@@ -183,9 +191,14 @@ class Scheduler:
         for i, row in enumerate(plan.rows):
             r = row.request
             r.in_steps -= 1
+            r.computed = max(r.computed, row.seq_len)  # the step ran: its KV is in the cache
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
+            if plan.saves and not row.decode:  # a prefill row (a decode row saves as in decode_saves)
+                self.blocks.landed(row, self.blocks.completed(r, *row.chunk), self._keys(r))
+            if kids := self.forks.ready(r, row.seq_len):
+                self._admit_forks(r, kids)  # the shared blocks' KV is written: the forks take them
             tok = tokens[i]
             if tok is None:
                 continue
@@ -211,28 +224,21 @@ class Scheduler:
             pending += len(r.seq) - r.cached
 
     def _admit(self, r: Request) -> None:
-        """Look the sequence's prefix up in the pool and load the leading run of hits. At most
-        ``(len-1)//block_size`` blocks: the last token is always computed (its logits)."""
+        """Take the sequence's prefix: device prefix hits, then the leading run of pool hits loaded
+        (`BlockLife.take_prefix`). At most ``(len-1)//block_size`` blocks: the last token is always
+        computed (its logits)."""
         seq = r.seq
-        r.keys, r.cached, r.hit_blocks, r.loaded = None, 0, 0, []
+        r.keys, r.cached, r.hit_blocks, r.loaded, r.computed, r.device_blocks = None, 0, 0, [], 0, 0
         max_blocks = (len(seq) - 1) // self.block_size
-        if _wants_prompt_logits(r):
+        if wants_prompt_logits(r):
             return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
-        keys = self._keys(r)[:max_blocks]
-        run = self.loader.lookup(keys)
-        if run == 0:
+        self.blocks.take_prefix(r, self._keys(r)[:max_blocks], self.loader, self._alloc)
+        self.counts["device_hit_blocks"] += r.device_blocks
+        r.hit_blocks = r.device_blocks + len(r.loaded)
+        if r.hit_blocks == 0:
             return
-        try:
-            r.table.extend(self._alloc(run))
-        except OutOfBlocks:
-            return  # no room to load into: recompute (the prefill may still find blocks later)
-        r.loaded = list(self.loader.load(keys[:run]))
-        r.hit_blocks = len(r.loaded)
-        if r.hit_blocks < run:  # the rest of the run is recomputed into fresh blocks
-            self.alloc.free(r.table[r.hit_blocks:])
-            del r.table[r.hit_blocks:]
         r.cached = r.hit_blocks * self.block_size
         if not r.result.tokens and not r.result.preemptions:
             r.result.hit_tokens = r.cached
@@ -251,11 +257,8 @@ class Scheduler:
         return None
 
     def _schedule_mixed(self) -> Optional[StepPlan]:
-        """Decode first, then chunks: every running request that can decode gets its row (one
-        token each; a verify row would take k+1), and admitted prompts fill what is left of the
-        budget, on the history variant (a decode row is a row with history and one query token).
-        With no decode row this is a prefill-only step as without mixing; with no room for a
-        chunk, a decode step."""
+        """Decode rows first (a verify row would take k+1 tokens), then chunks in what is left; no
+        decode row: a prefill-only step; no room for a chunk: a decode step."""
         decodes = self._choose_decodes(self.max_num_batched_tokens)
         if not decodes:
             return self._schedule_prefill()
@@ -269,7 +272,8 @@ class Scheduler:
         move to running. None: a request that could never fit was failed, choose again."""
         chosen, tokens = [], 0
         for r in [r for r in self.prefill if history is None or (r.cached > 0) == history]:
-            n = self._chunk_tokens(r, budget - tokens, first=not chosen)
+            n = chunk_tokens(r, budget - tokens, not chosen, chunked=self.chunked_prefill,
+                             threshold=self.long_prefill_token_threshold)
             if n == 0:
                 break
             if not self._try_blocks(r, r.cached + n):
@@ -285,19 +289,6 @@ class Scheduler:
                 self.prefill.remove(r)
                 self.running.append(r)  # before building: an abort then frees their blocks
         return chosen
-
-    def _chunk_tokens(self, r: Request, budget_left: int, first: bool) -> int:
-        """How many of ``r``'s remaining prompt tokens this step computes (0: none, the step is
-        full). Chunked: at most what is left of the budget and, for a prompt longer than
-        ``long_prefill_token_threshold``, at most that; whole otherwise (the first request of a
-        step always goes: an oversized prompt is one oversized step)."""
-        n = len(r.seq) - r.cached
-        if not self.chunked_prefill or _wants_prompt_logits(r):  # prompt logprobs: one row for the prompt
-            return n if first or n <= budget_left else 0
-        limit = budget_left
-        if self.long_prefill_token_threshold and len(r.seq) > self.long_prefill_token_threshold:
-            limit = min(limit, self.long_prefill_token_threshold)
-        return max(0, min(n, limit))
 
     def _cannot_fit(self, r: Request, num_tokens: int) -> None:
         """Every other admitted request gives its blocks back; if ``r`` still does not fit it is
@@ -316,9 +307,8 @@ class Scheduler:
         self.failed.append(r)
 
     def _step(self, chosen: list[tuple[Request, int]], decodes: list[Request], history: bool) -> StepPlan:
-        """The plan of ``decodes`` (one decode row each, first) and ``chosen`` (a prefill row each:
-        a prompt or a chunk of one). Prefill rows run a prefill variant (with history when
-        ``history`` or when decode rows share the step); decode rows alone the decode variant."""
+        """``decodes``' rows, then ``chosen``'s (a prompt or a chunk each): the decode variant for
+        decode rows alone, else the prefill variant (with history when mixed)."""
         stalled = self._stalled([*decodes, *(r for r, _ in chosen)])
         rows = [self._decode_row(r) for r in decodes]
         if not chosen:
@@ -327,6 +317,9 @@ class Scheduler:
         variant = self.variant_for("prefill", history or bool(decodes))
         saves = self.spec.variant_saves(self.spec.variants[variant])
         for r, n in chosen:
+            if r.cached == r.hit_blocks * self.block_size and not r.shared_blocks:
+                self.counts["prefills"] += 1  # its first chunk (a fork's tail is not a prompt prefill)
+            self.counts["prefill_tokens"] += n
             rows.append(self._prefill_row(r, r.cached, r.cached + n, saves))
             r.loaded = []  # the plan carries them now
             if not r.result.variant:
@@ -336,8 +329,7 @@ class Scheduler:
         return StepPlan(variant, "prefill", tuple(rows), saves, decode_rows_stalled=stalled)
 
     def _stalled(self, in_step: list[Request]) -> int:
-        """Running requests that could decode in this step but are not in it (the step's budget or
-        blocks ran out, or the step is a prefill without mixing): the decode stall it causes."""
+        """Running requests that could decode but are not in this step: the decode stall."""
         return sum(1 for r in self.running
                    if r not in in_step and r.in_steps <= 1 and len(r.tokens) + r.in_steps < r.max_new_tokens)
 
@@ -348,17 +340,17 @@ class Scheduler:
         seq = r.seq
         save_ids, save_keys = (), ()
         if saves:
-            completed = range(max(r.hit_blocks, start // self.block_size), end // self.block_size)
             keys = self._keys(r)
-            save_ids = tuple(r.table[j] for j in completed)
-            save_keys = tuple(keys[j] for j in completed)
-            r.result.saved_blocks += len(completed)
+            picked = self.blocks.selected([(r.table[j], keys[j]) for j in self.blocks.completed(r, start, end)])
+            save_ids = tuple(b for b, _ in picked)
+            save_keys = tuple(k for _, k in picked)
+            r.result.saved_blocks += len(picked)
         last = end == len(seq)
         loads = len(r.loaded)  # non-empty only before its first chunk is planned
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
-                       load_block_ids=tuple(r.table[:loads]), loaded=tuple(r.loaded),
+                       load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]), loaded=tuple(r.loaded),
                        save_block_ids=save_ids, save_keys=save_keys,
-                       logits_positions=_prefill_logits_positions(r, start, end) if last else (), samples=last)
+                       logits_positions=prefill_logits_positions(r, start, end) if last else (), samples=last)
 
     # ---- internals: decode and preemption ---------------------------------------------------
     def _schedule_decode(self) -> Optional[StepPlan]:
@@ -413,7 +405,7 @@ class Scheduler:
                 self.num_preemptions += 1
             self.prefill.remove(r)
         self._release(r)
-        r.cached, r.hit_blocks, r.keys, r.loaded = 0, 0, None, []
+        r.cached, r.hit_blocks, r.keys, r.loaded, r.shared_blocks, r.computed, r.device_blocks = 0, 0, None, [], 0, 0, 0
         self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
 
     # ---- internals: blocks ------------------------------------------------------------------
@@ -422,6 +414,8 @@ class Scheduler:
             try:
                 return self.alloc.alloc(n)
             except OutOfBlocks:
+                if self.blocks.evict(n - self.alloc.num_free):
+                    continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
                 if not self.reclaim():  # nothing in flight would ever give blocks back
                     raise
 
@@ -437,6 +431,7 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         if r.table:
             r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
+            self.blocks.release(r)  # device prefix cache, write-back: before the references go
             self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
             r.table = []
 

@@ -66,11 +66,19 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req_id: Any, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *,
-                    max_tokens: Optional[int] = None) -> Request:
+                    max_tokens: Optional[int] = None, fork_of: Any = None) -> Request:
         """Queue a request with its `SamplingParams` (default: greedy, 16 tokens); ``max_tokens=`` wins
-        over the params' own. Raises ``ValueError`` (naming the problem) for input it cannot run."""
+        over the params' own. Raises ``ValueError`` (naming the problem) for input it cannot run.
+
+        ``fork_of``: the id of a request with the same prompt (``n`` / ``best_of``): this one shares
+        its prompt's KV blocks instead of computing them again (one prefill; see the scheduler's
+        Forks), samples with its own params (give each child its own seed), and is aborted with the
+        parent (`abort`). A parent that is unknown or finished: it runs as an ordinary request."""
         if req_id is not None and req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
+        parent = self._requests.get(fork_of) if fork_of is not None else None
+        if parent is not None and list(prompt_ids) != parent.prompt:
+            raise ValueError(f"a fork of request {fork_of!r} must have its prompt")
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -93,18 +101,28 @@ class LLMEngine:
             stops.update(self.eos_token_ids)
         r = Request(RequestResult(prompt=prompt), params, req_id=req_id, stop_token_ids=frozenset(stops),
                     sampler=None if params.greedy else Sampler(params))
-        self.scheduler.add(r)
+        self.scheduler.add(r, fork_of=parent)
+        if parent is not None:
+            parent.forks.append(r)
         if req_id is not None:
             self._requests[req_id] = r
         self._totals["prompt_tokens"] += len(prompt)
         return r
 
-    def abort(self, req_id: Any) -> None:
+    def abort(self, req_id: Any, forks: bool = True) -> None:
         """Finish the request ("abort"); its blocks go back (those a step in flight writes once it
-        lands, those with a save in flight once the commit lands). Unknown / finished ids: ignored."""
+        lands, those with a save in flight once the commit lands). With ``forks`` its forked
+        children are aborted too (without: they go on; a server cutting one choice at a stop
+        string). Unknown / finished ids: ignored."""
         r = self._requests.pop(req_id, None)
-        if r is not None:
-            self.scheduler.abort(r)
+        if r is None:
+            return
+        if forks:
+            for c in r.forks:
+                if not c.finished:
+                    self._requests.pop(c.req_id, None)
+                    self.scheduler.abort(c)
+        self.scheduler.abort(r)
 
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work() or bool(self.scheduler.failed)
@@ -180,6 +198,8 @@ class LLMEngine:
             kept = [None] * len(plan.rows)
             for j, i in enumerate(sampling):
                 kept[i] = last[j]
+        # decode-time saves (pool.save_decode): pinned before update can free a finished request's blocks
+        self.connector.save_filled(*self.scheduler.blocks.decode_saves(plan))
         self.scheduler.update(plan, tokens, kept)
         self.connector.reap()
         self._totals["steps"] += 1
@@ -246,12 +266,17 @@ class LLMEngine:
         """Gauges (``running``, ``waiting``, ``saves_pending``, ``free_blocks``), totals since start
         (``prompt_tokens``, ``generation_tokens``, ``prefix_hit_tokens``, ``steps``, ``mixed_steps``:
         steps with decode and prefill rows, ``decode_rows_stalled``: per step, the running requests
-        that could decode but were not in it, summed; ``preemptions``, ``sampling_fallbacks``) and the connector's counters (``puts``, ...)."""
+        that could decode but were not in it, summed; ``preemptions``, ``sampling_fallbacks``; the
+        scheduler's ``prefills`` — prompt prefills begun —, ``forks`` — children sharing a parent's
+        prompt blocks —, ``prefill_tokens`` and ``device_hit_blocks`` — blocks shared from the device
+        prefix cache, apart from the pool's ``hit_blocks``; the gauge ``device_cached_blocks``)
+        and the connector's counters (``puts``, ...)."""
         self.connector.reap()
         s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting) + len(s.prefill),
+        return {"running": len(s.running), "waiting": len(s.waiting) + len(s.prefill) + len(s.held),
                 "saves_pending": self.connector.pending, "free_blocks": s.alloc.num_free,
-                **self._totals, "preemptions": s.num_preemptions, **self.connector.stats}
+                "device_cached_blocks": len(s.device_cache) if s.device_cache is not None else 0,
+                **self._totals, "preemptions": s.num_preemptions, **s.counts, **self.connector.stats}
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Abort every request (the step in flight lands first), commit every pending save."""

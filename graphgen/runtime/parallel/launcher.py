@@ -72,11 +72,12 @@ class DistributedLLM:
 
     eos_token_ids = property(None, lambda self, ids: self._set("eos_token_ids", tuple(ids)))
 
-    def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None) -> None:
-        self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens)
+    def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None,
+                    fork_of=None) -> None:
+        self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens, fork_of)
 
-    def abort(self, req_id) -> None:
-        self._call("abort", req_id)
+    def abort(self, req_id, forks: bool = True) -> None:
+        self._call("abort", req_id, forks)
 
     def step(self) -> list:
         return self._call("step")
@@ -104,13 +105,13 @@ class DistributedEngine:
         """``target``: the rank builder by name (`graphgen.runtime.parallel.rank.RANK_TARGETS`: ``"cpu"``,
         or one a target registered, e.g. ``"npu"`` by ``graphgen.npu.run.ranks``); ``engine_kwargs`` go
         to it in every rank process."""
-        from ...families.parallel import parallel_rules
+        from ...families.parallel import layout_rules
 
         if target not in RANK_TARGETS:
             raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
 
         # a --tp/--ep override is checked here (the loader checked the file's own layout)
-        problems = list(parallel_rules(spec.family, spec.dims, spec.parallel.tp, spec.parallel.ep))
+        problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
         if problems:
             raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
         if weights is None:

@@ -71,6 +71,7 @@ class RankRuntime(CpuRuntime):
     def __init__(self, *args, rank: int, size: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.rank, self.size = rank, size
+        self._sp_tokens = 0  # the step's token count (sequence parallel, see reduce_scatter)
 
     def _check(self, size: int) -> None:
         if size != self.size:  # a module generated for another layout
@@ -84,12 +85,38 @@ class RankRuntime(CpuRuntime):
         dist.all_reduce(y, op=dist.ReduceOp.SUM)
         return y
 
-    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length: int) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
         self._check(size)
+        if length is None:  # the step's tokens (sequence parallel): the shards reduce_scatter cut
+            return self._gather_tokens(x, size, dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x)
         return torch.cat(parts, dim=dim).narrow(dim, 0, length)
+
+    # Sequence parallel. The step's T tokens are cut in ceil(T/size)-row chunks, rank r taking chunk r
+    # (the last ones short or empty when size does not divide T: no padding of the step's inputs).
+    # gloo has no reduce_scatter: an all_reduce and this rank's rows give the same sums (the wire cost
+    # of a reduce-scatter is not what the CPU ranks show). T is the same on every rank (replicated
+    # inputs) and is kept from the step's first reduce_scatter for the all-gathers that follow it.
+    def reduce_scatter(self, x: torch.Tensor, *, group: str, size: int, reduce: str, dim: int) -> torch.Tensor:
+        if dim != 0:
+            raise ValueError(f"reduce_scatter: only the tokens (dim 0) are scattered, got dim {dim}")
+        total = self.all_reduce(x, group=group, size=size, reduce=reduce)
+        self._sp_tokens = t = total.shape[0]
+        chunk = -(-t // size)
+        return total[min(self.rank * chunk, t):min((self.rank + 1) * chunk, t)]
+
+    def _gather_tokens(self, x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+        if dim != 0:
+            raise ValueError(f"all_gather of tokens: dim must be 0, got {dim}")
+        t = self._sp_tokens
+        chunk = -(-t // size)
+        padded = x.new_zeros((chunk, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat(parts, dim=0)[:t]
 
     def embedding_shard(self, weight, input_ids, *, vocab_size: int):
         return ops_parallel.embedding_shard(weight, input_ids, vocab_size=vocab_size, rank=self.rank, size=self.size)
@@ -262,9 +289,9 @@ def _llm_call(llm, method: str, args: tuple):
         setattr(llm, name, value)
         return "ok", None
     if method == "add_request":
-        req_id, prompt, params, max_tokens = args
+        req_id, prompt, params, max_tokens, fork_of = args
         try:
-            llm.add_request(req_id, prompt, params, max_tokens=max_tokens)
+            llm.add_request(req_id, prompt, params, max_tokens=max_tokens, fork_of=fork_of)
         except ValueError as e:
             return "invalid", str(e)
         return "ok", None

@@ -1,0 +1,159 @@
+"""What happens to a full KV block after the step that fills it: whether and when it is saved to the
+pool (``pool.policy``, ``pool.save_decode``) and where it goes when its request lets it go (the
+device prefix cache, ``pool.device_cache``). The scheduler's block bookkeeping; docs/runtime.md
+(scheduling policy, items 9-11) has the rules and the tests that prove them.
+
+* **Write policies** — of the blocks a step would save (a prefill chunk's completed blocks, the
+  blocks decode rows fill): ``write_through`` saves them with that step; ``write_through_selective``
+  the same, but a block only once its key has been computed ``pool.min_uses`` times (a count per
+  key in an LRU map of at most ``USES_CAPACITY`` keys: a key pushed out starts again at 0);
+  ``write_back`` saves none when filled: the step's blocks are marked dirty when it lands, and a
+  dirty block is saved when it leaves the device (its last holder frees it, or the device prefix
+  cache evicts it), pinned by that save (``save_blocks``: the connector's ``save_filled``) before it
+  is freed, so it is never reused before its commit.
+* **Decode-time saves** — a decode row whose positions hold a block's last slot filled it; decode
+  graphs have no save program, so such blocks are saved once the step has landed (`decode_saves`).
+* **Device prefix cache** — a released request's full blocks whose KV has landed
+  (``Request.computed``) stay on the device (`DevicePrefixCache`, one reference of its own).
+
+Every rank of a tensor-parallel engine sees the same steps, so every rank decides alike (each for
+its own shard's keys).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Optional
+
+from ..core.kvcache import BlockAllocator, OutOfBlocks
+from .device_cache import DevicePrefixCache
+from .request import Request, RowPlan, StepPlan
+
+__all__ = ["BlockLife", "USES_CAPACITY"]
+
+USES_CAPACITY = 1 << 16  # write_through_selective: keys whose computations are counted (LRU)
+
+
+class BlockLife:
+    def __init__(self, spec, alloc: BlockAllocator, block_keys: Callable, *, device_cache: bool,
+                 save_blocks: Callable[[list, list], None] = lambda ids, keys: None):
+        pool = spec.pool
+        self.alloc = alloc
+        self.block_size = spec.kv_cache.block_size
+        self.block_keys = block_keys  # the loader's: pool keys of a sequence's full blocks
+        self.save_decode = pool.save_decode and pool.write != "off"
+        self.policy = pool.policy
+        self.min_uses = pool.min_uses
+        self.save_blocks = save_blocks  # (block ids, keys): pinned now, committed later
+        self._uses: OrderedDict[str, int] = OrderedDict()  # selective: key -> times computed
+        self._dirty: dict[int, str] = {}  # write_back: block id -> key, filled and not saved yet
+        self.device_cache: Optional[DevicePrefixCache] = \
+            DevicePrefixCache(alloc, self._write_back) if device_cache else None
+
+    # ---- when a block is saved ----------------------------------------------------------------
+    def selected(self, pairs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The (block, key) pairs a filling step saves: all (write_through), those whose key has now
+        been computed ``min_uses`` times (write_through_selective, counting this time), none
+        (write_back: see `landed`)."""
+        if self.policy == "write_back":
+            return []
+        if self.policy != "write_through_selective":
+            return pairs
+        out = []
+        for b, k in pairs:
+            n = self._uses.pop(k, 0) + 1
+            self._uses[k] = n  # most recently used last
+            if n >= self.min_uses:
+                out.append((b, k))
+        while len(self._uses) > USES_CAPACITY:
+            self._uses.popitem(last=False)
+        return out
+
+    def landed(self, row: RowPlan, blocks: range, keys: list[str]) -> None:
+        """A prefill row that would have saved ``blocks`` ran: under write_back they are dirty now
+        (their KV is in the cache) until they leave the device."""
+        if self.policy == "write_back":
+            self._dirty.update((row.block_table[j], keys[j]) for j in blocks)
+
+    def decode_saves(self, plan: StepPlan) -> tuple[list[int], list[str]]:
+        """``pool.save_decode``: the blocks the decode rows of ``plan`` (a step that has landed, its
+        tokens final) filled and their keys, to save now — a block ``j`` is filled by the row whose
+        positions hold its last slot. Prefill rows (a mixed batch's too) save through their variant."""
+        if not self.save_decode:
+            return [], []
+        pairs: list[tuple[int, str]] = []
+        for row in plan.rows:
+            r = row.request
+            if not row.decode:
+                continue
+            filled = range(row.start // self.block_size, row.seq_len // self.block_size)
+            if r.finished or not filled:
+                continue
+            seq_keys = self.block_keys(r.seq[:row.seq_len])  # the chain through its last token
+            pairs += [(row.block_table[j], seq_keys[j]) for j in filled]
+        if self.policy == "write_back":
+            self._dirty.update(pairs)  # the step has landed: saved when the block leaves
+            return [], []
+        pairs = self.selected(pairs)
+        for row in plan.rows:
+            row.request.result.saved_blocks += sum(1 for b, _ in pairs if b in row.block_table)
+        return [b for b, _ in pairs], [k for _, k in pairs]
+
+    def completed(self, r: Request, start: int, end: int) -> range:
+        """The full blocks a prefill row of ``r`` over ``[start, end)`` completes and would save: from
+        the first one not loaded nor saved by an earlier chunk (a fork: none of its prompt's
+        blocks, its parent saves them)."""
+        first = max(r.hit_blocks, start // self.block_size)
+        if r.shared_blocks:
+            first = max(first, len(r.prompt) // self.block_size)
+        return range(first, end // self.block_size)
+
+    # ---- where a released block goes, and how it comes back ----------------------------------
+    def take_prefix(self, r: Request, keys: list[str], loader, alloc: Callable[[int], list[int]]) -> None:
+        """Admission of ``r`` (table empty) whose leading full blocks have ``keys``: the leading run
+        found in the device prefix cache is shared (nothing to load: ``r.device_blocks``), then the
+        pool is looked up for the rest and its leading run loaded into fresh blocks after them
+        (``r.loaded``; a load cut short leaves the rest to recompute). ``alloc``: the scheduler's
+        (it evicts cached blocks first)."""
+        if self.device_cache is not None:
+            r.table.extend(self.device_cache.leading(keys))
+            r.device_blocks = len(r.table)
+            r.computed = r.device_blocks * self.block_size
+        dev = r.device_blocks
+        run = loader.lookup(keys[dev:]) if dev < len(keys) else 0
+        if run:
+            try:
+                r.table.extend(alloc(run))
+            except OutOfBlocks:
+                return  # no room to load into: recompute (the prefill may still find blocks later)
+            r.loaded = list(loader.load(keys[dev:dev + run]))
+            if len(r.loaded) < run:  # the rest of the run is recomputed into fresh blocks
+                self.alloc.free(r.table[dev + len(r.loaded):])
+                del r.table[dev + len(r.loaded):]
+
+    def release(self, r: Request) -> None:
+        """Before ``r``'s table is freed: its landed full blocks go to the device prefix cache, and
+        the dirty blocks it holds last (not kept there) are written back — pinned first."""
+        if self.device_cache is not None:
+            full = min(r.computed // self.block_size, len(r.table))
+            keys = self.block_keys(r.seq[:full * self.block_size]) if full else []
+            for j in range(full):
+                self.device_cache.insert(r.table[j], keys[j])
+        if self._dirty:
+            out = [(b, self._dirty.pop(b)) for b in r.table if b in self._dirty and self.alloc.refcount(b) == 1]
+            if out:
+                self.save_blocks([b for b, _ in out], [k for _, k in out])
+
+    def evict(self, n: int) -> bool:
+        """Free up to ``n`` device-cached blocks nobody uses (LRU); whether any went."""
+        return self.device_cache is not None and self.device_cache.evict(n) > 0
+
+    def clear(self) -> None:
+        """Drop the device prefix cache (shutdown, after an error): written back first."""
+        if self.device_cache is not None:
+            self.device_cache.clear()
+
+    def _write_back(self, block_id: int, key: str) -> None:
+        """A block leaving the device cache: saved first when it is dirty (write_back)."""
+        if self._dirty.pop(block_id, None) is not None:
+            self.save_blocks([block_id], [key])

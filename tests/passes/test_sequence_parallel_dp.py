@@ -1,0 +1,160 @@
+"""Sequence parallel (``parallel.sp``), DP attention + EP (``parallel.dp``) and context parallel
+(``parallel.cp``) on the build path: the
+goldens verify, deleting any collective or moving one fails verification, a token shard or partial
+sum read before its collective is caught, and the full-size DeepSeek-V3.1 DP/EP layout fits 64 GiB
+per device in ``graphgen validate`` where pure DP attention at ep=32 does not. Torch-free."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from graphgen.ir.text import parse_graph
+from graphgen.modelspec.loader import load_spec
+from graphgen.passes.manager import run_pipeline
+from graphgen.passes.verify import check
+from graphgen.passes.verify_parallel import expected_collectives
+from support.cli import run_cli
+from support.paths import REPO
+
+SP = sorted((REPO / "generated/tiny_qwen3_tp2_sp").glob("*.graph"))
+DP = sorted((REPO / "generated/tiny_deepseek_v3_dp2ep2").glob("*.graph"))
+CP = sorted((REPO / "generated").glob("tiny_*_cp2/*.graph"))
+COLL_LINE = re.compile(r"^node \S+ \S+ (all_reduce|all_gather|reduce_scatter) ")
+
+
+def _collective_mutants():
+    for p in SP + DP + CP:
+        for i, line in enumerate(p.read_text().splitlines(keepends=True)):
+            if COLL_LINE.match(line):
+                yield pytest.param(p, i, id=f"{p.parent.name}/{p.name}:{i + 1}")
+
+
+def test_goldens_verify_and_have_the_layouts_collectives():
+    assert len(SP) == 5 and len(DP) == 5 and len(CP) == 10
+    for p in SP + DP + CP:
+        g = parse_graph(p.read_text(), str(p))
+        assert check(g) == [], p
+        ops = [(n.op, n.attrs.get("group")) for n in g.nodes if COLL_LINE.match(f"node x y {n.op} ")]
+        assert ops == expected_collectives(g) and (ops or g.meta["phase"] == "decode" and "cp" in g.meta), p
+    sp = parse_graph(SP[0].read_text())
+    # two reduce-scatters and two all-gathers per layer, none left as an all_reduce
+    assert sum(n.op == "reduce_scatter" for n in sp.nodes) == 1 + 2 * 2
+    assert not [n for n in sp.nodes if n.op == "all_reduce"]
+    dp = parse_graph(DP[0].read_text())
+    groups = {(n.op, n.attrs["group"], n.attrs["size"]) for n in dp.nodes if n.op in ("all_gather", "reduce_scatter")}
+    assert groups == {("all_gather", "dp", 2), ("reduce_scatter", "ep", 2)}  # tp 1: attention stays whole
+
+
+@pytest.mark.parametrize("path,index", list(_collective_mutants()))
+def test_deleting_any_collective_line_fails_verification(path, index):
+    lines = path.read_text().splitlines(keepends=True)
+    deleted = lines.pop(index)
+    problems = check(parse_graph("".join(lines), str(path)))
+    assert problems, f"deleting {deleted!r} went unnoticed"
+    assert any(p.startswith("collectives:") and "expected" in p for p in problems), problems
+
+
+def test_swapping_two_collectives_breaks_the_order():
+    p = SP[0]
+    lines = p.read_text().splitlines(keepends=True)
+    idx = [i for i, line in enumerate(lines) if COLL_LINE.match(line)]
+    a, b = idx[1], idx[2]  # an all_gather and the reduce_scatter after it: same counts, other order
+    assert lines[a].split()[3] != lines[b].split()[3]
+    lines[a], lines[b] = lines[b], lines[a]
+    problems = check(parse_graph("".join(lines), str(p)))
+    assert any("first difference at #2" in x for x in problems), problems
+
+
+def test_a_token_shard_read_before_its_all_gather_is_rejected():
+    p = REPO / "generated/tiny_qwen3_tp2_sp/decode.graph"
+    text = p.read_text()
+    assert "reads=x.L00.mlp_norm.all writes=h.L00.partial" in text
+    bypass = text.replace("reads=x.L00.mlp_norm.all writes=h.L00.partial", "reads=x.L00.mlp_norm writes=h.L00.partial")
+    problems = check(parse_graph(bypass, str(p)))
+    assert any("L00.mlp (swiglu_mlp) reads the token shard x.L00.mlp_norm before its all_gather" in x
+               for x in problems), problems
+    mixed = text.replace("reads=h.L00.attn.sum,h.embed", "reads=h.L00.attn.sum,x.L00.attn_norm.all")
+    assert any("adds the token shard h.L00.attn.sum to the whole x.L00.attn_norm.all" in x
+               for x in check(parse_graph(mixed, str(p))))
+
+
+def test_a_partial_sum_read_before_its_reduce_scatter_is_rejected():
+    p = REPO / "generated/tiny_deepseek_v3_dp2ep2/decode.graph"
+    text = p.read_text().replace("reads=h.L01.sum,h.L01.attn", "reads=h.L01.partial,h.L01.attn")
+    problems = check(parse_graph(text, str(p)))
+    assert any("partial result h.L01.partial of L01.moe is read by L01.moe.residual" in x for x in problems), problems
+
+
+def test_a_collective_on_the_save_stream_or_in_a_wrong_group_is_rejected():
+    p = REPO / "generated/tiny_qwen3_tp2_sp/splitfuse.graph"
+    text = p.read_text()
+    save = text.replace("node L00.mlp.reduce_scatter main", "node L00.mlp.reduce_scatter kv_save")
+    assert any("L00.mlp.reduce_scatter is on stream kv_save" in x for x in check(parse_graph(save, str(p))))
+    q = REPO / "generated/tiny_deepseek_v3_dp2ep2/decode.graph"
+    wrong = q.read_text().replace("dim=0 group=ep reduce=sum size=2", "dim=0 group=dp reduce=sum size=2", 1)
+    assert any("collectives:" in x and "expected reduce_scatter ep, got reduce_scatter dp" in x
+               for x in check(parse_graph(wrong, str(q))))
+
+
+def test_sp_off_leaves_the_tp_graph_unchanged():
+    sp = load_spec(REPO / "specs/tiny_qwen3_tp2_sp.yaml")
+    tp = load_spec(REPO / "specs/tiny_qwen3_tp2.yaml")
+    a = run_pipeline(sp.with_overrides(sp=False), "splitfuse")
+    b = run_pipeline(tp, "splitfuse")
+    assert [(n.id, n.op, n.reads, n.writes) for n in a.nodes] == [(n.id, n.op, n.reads, n.writes) for n in b.nodes]
+
+
+def test_dp_ep_layout_fits_64_gib_and_pure_dp_attention_does_not(tmp_path):
+    spec = load_spec(REPO / "specs/deepseek_v3_1_dp_ep.yaml")
+    par = spec.parallel
+    assert (par.dp, par.tp, par.ep, par.world) == (16, 2, 32, 32)
+    assert spec.dims.num_attention_heads // par.tp in (8, 16, 32, 64, 128)  # the FIA head set, unpadded
+    assert load_spec(REPO / "specs/deepseek_v3_1.yaml").parallel.tp == 32  # the NPU issue's layout stays
+    pure = tmp_path / "pure_dp.yaml"
+    pure.write_text((REPO / "specs/deepseek_v3_1_dp_ep.yaml").read_text()
+                    .replace("  tp: 2\n  dp: 16\n", "  tp: 1\n  dp: 32\n")
+                    .replace("name: deepseek_v3_1_dp_ep", "name: p"))
+    r = run_cli("validate", "--device-memory-gib", "64", "specs/deepseek_v3_1_dp_ep.yaml", str(pure), timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("deepseek_v3_1_dp_ep.yaml: ok" in r.stdout and "per rank (tp=2, ep=32, dp=16): weights 52.73 GiB"
+            in r.stdout and "total 54.88 GiB" in r.stdout), r.stdout
+    assert "pure_dp.yaml: error: per-rank weights 65.34 GiB + KV 256 blocks 2.14 GiB exceed --device-memory-gib" \
+        in r.stderr, r.stderr
+
+
+def test_context_parallel_gathers_every_prefill_kv_part_and_saves_once():
+    for p in CP:
+        g = parse_graph(p.read_text(), str(p))
+        gathers = [n for n in g.nodes if n.op == "all_gather" and n.attrs["group"] == "cp"]
+        writes = [n for n in g.nodes if n.op == "kv_write"]
+        if g.meta["phase"] == "decode":  # KV replicated: decode is the single-rank graph
+            assert not gathers, p
+            continue
+        assert len(gathers) == sum(len(w.input("parts")) for w in writes), p  # chunked prefill included
+        saves = [n for n in g.nodes if n.op in ("kv_save", "pool_put")]
+        assert saves and all(n.attrs.get("writers") == "cp0" for n in saves), p
+    p = REPO / "generated/tiny_qwen3_cp2/splitfuse.graph"
+    text = p.read_text()
+    local = text.replace("reads=k.L00.cp,v.L00.cp,slot_mapping", "reads=k.L00,v.L00.cp,slot_mapping")
+    assert any("L00.kv_write writes k.L00, this CP rank's tokens only" in x for x in check(parse_graph(local, str(p))))
+    every = text.replace(" writers=cp0", "")
+    assert any("save.kv_save (kv_save) has writers=None, expected 'cp0'" in x
+               for x in check(parse_graph(every, str(p))))
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("tiny_qwen3_tp2_sp", {}), ("tiny_deepseek_v3_tp2ep2", {"sp": True}), ("tiny_deepseek_v3_dp2ep2", {}),
+    ("tiny_qwen3_cp2", {}), ("tiny_deepseek_v3_cp2", {}), ("tiny_qwen3", {"tp": 2, "cp": 2}),
+])
+def test_contracts_hold_at_the_new_layouts(name, overrides):
+    """Checked mode (every pass's requires/ensures) for every variant under sync and async writes; DeepSeek
+    with sp (MoE at ep = tp: its partial sum reduce-scattered too) and cp inside a TP group (tp=2, cp=2)."""
+    base = load_spec(REPO / "specs" / f"{name}.yaml").with_overrides(**overrides)
+    for write in ("sync", "async"):
+        spec = base.with_overrides(write=write)
+        for variant in spec.variants:
+            g = run_pipeline(spec, variant, check=True)
+            no_collective = g.meta["phase"] == "decode" and g.meta.get("cp", 1) > 1 and g.meta.get("tp", 1) == 1
+            assert check(g) == [] and bool(expected_collectives(g)) != no_collective, (name, variant)
