@@ -1,7 +1,7 @@
 """Chunked prefill on the CPU target (issue 17), side by side in one run, medians and ratios.
 
-(a) Decode inter-token latency of a running request while a long prompt arrives: chunked (a decode
-    step between every two chunks) vs unchunked (the long prompt is one oversized step). Reported:
+(a) Decode inter-token latency of a running request while a long prompt arrives: chunked (mixed
+    batches: its decode row in every chunk's step) vs unchunked (the long prompt is one oversized step). Reported:
     the running request's median and max gap between tokens.
 (b) The engine vs transformers (attn_implementation="sdpa") on the same model and thread count:
     prefill of one prompt (the engine chunked and unchunked), and greedy decode per token.

@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -91,9 +89,8 @@ def report(title, ttft, base, ratios, commit=None):
 
 def bench(args):
     import torch
-    from bench_ttft import Prompts, bench_spec, one
+    from bench_ttft import Prompts, bench_spec, bench_weights, one
     from graphgen.runtime import open_engine
-    from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
 
     torch.set_num_threads(args.threads)
     server = subprocess.Popen([sys.executable, "-m", "graphgen.runtime.pool.mooncake_server", "serve",
@@ -105,12 +102,7 @@ def bench(args):
         assert line.startswith("ready"), line
         url = f"mooncake://127.0.0.1:{PORT}?buffer={args.buffer}"
         spec = bench_spec(args)
-        tmp = Path(tempfile.mkdtemp(prefix="bench_mc_ttft_"))
-        try:
-            write_random_hf_checkpoint(tmp, spec.family, dataclasses.asdict(spec.dims), seed=0)
-            weights = load_hf_weights(str(tmp))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        weights = bench_weights(spec)
         d = spec.dims
         kv_bytes = 2 * d.num_hidden_layers * spec.kv_cache.block_size * d.num_key_value_heads * d.head_dim * 4
         nb = args.prompt_len // spec.kv_cache.block_size
@@ -169,14 +161,9 @@ def bench(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=16)
+    from bench_ttft import add_model_args
+
+    add_model_args(ap)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

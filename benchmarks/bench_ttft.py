@@ -68,6 +68,18 @@ def label(c) -> str:
     return "off" if c[0] == "off" else f"{c[0]}/{c[1]}"
 
 
+def add_model_args(ap) -> None:
+    """The bench model's dimensions (what `bench_spec` reads)."""
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+
+
 def bench_spec(args):
     base = load_spec(REPO / "specs/tiny_qwen3.yaml")  # variants incl. *_layer, prefix_cache feature
     dims = dataclasses.replace(
@@ -77,6 +89,16 @@ def bench_spec(args):
     return dataclasses.replace(base, name="bench_qwen3", dims=dims,
                                kv_cache=KVCacheLayout(block_size=args.block_size, dtype="float32"),
                                description="benchmark model (random weights)")
+
+
+def bench_weights(spec, seed: int = 0) -> dict:
+    """Random weights for ``spec``, written as a Hugging Face checkpoint and loaded back (the engine's loader)."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
+    try:
+        write_random_hf_checkpoint(tmp, spec.family, dataclasses.asdict(spec.dims), seed=seed)
+        return load_hf_weights(str(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def make_engines(spec, weights, faults=None, configs=CONFIGS) -> dict:
@@ -255,14 +277,7 @@ def raw(name: str, d: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_model_args(ap)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--reps", type=int, default=15, help="rounds per section")
     ap.add_argument("--save-delay", type=float, default=0.005, help="seconds slept in each per-layer save (2, 5)")
@@ -291,12 +306,7 @@ def main(argv=None) -> int:
           f"{d.vocab_size}, block size {spec.kv_cache.block_size}, float32; prompt {args.prompt_len} tokens "
           f"({args.prompt_len // spec.kv_cache.block_size} full blocks); {args.reps} rounds per section")
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_ttft_"))
-    try:
-        write_random_hf_checkpoint(tmp, spec.family, dataclasses.asdict(spec.dims), seed=args.seed)
-        weights = load_hf_weights(str(tmp))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    weights = bench_weights(spec, args.seed)
 
     correctness_check(spec, weights, args.prompt_len, args.vocab)
     seed = args.seed * 1000

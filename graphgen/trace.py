@@ -12,6 +12,9 @@ Track names the runtime uses (constants below, so writers and readers agree):
 - ``forward`` — the forward of one generated graph (``forward:<variant>``);
 - ``save`` — the save stream's copy into staging (``kv_save``);
 - ``host`` — the host commit of one step's saved blocks (``commit``);
+- ``prefill`` — per step, over its forward: one ``chunk`` span per prefill row (a prompt or a chunk
+  of one: ``req``, ``positions`` [start, end), ``last``) and a ``decode_stall`` span when running requests
+  that could decode are not in the step (``rows``);
 - ``server`` — HTTP-side events (``request`` spans from arrival to the last token).
 
 ``NULL`` is a recorder that records nothing, so call sites need no ``if trace:``.
@@ -20,7 +23,7 @@ Track names the runtime uses (constants below, so writers and readers agree):
 model runner (forward spans, save copies, save done), the KV connector (commits) and the step
 engine (scheduling). It turns those reports into trace spans and ``(name, seconds)`` timing samples
 (``forward``: one step's graph; ``save``: forward start -> the step's KV in staging; ``commit``: the save's event seen -> every
-block put). With no observer attached the runtime pays one ``is None`` test per report.
+block put) and per-step counts (``prefill_tokens``: a step's prompt tokens; ``decode_rows_stalled``). With no observer attached the runtime pays one ``is None`` test per report.
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ from contextlib import contextmanager
 from typing import Optional
 
 __all__ = ["TraceRecorder", "NULL", "StepObserver", "TRACK_SCHEDULER", "TRACK_FORWARD", "TRACK_SAVE", "TRACK_HOST",
-           "TRACK_SERVER"]
+           "TRACK_SERVER", "TRACK_PREFILL"]
 
 TRACK_SCHEDULER = "scheduler"
 TRACK_FORWARD = "forward"
 TRACK_SAVE = "save"
 TRACK_HOST = "host"
 TRACK_SERVER = "server"
-_TRACK_ORDER = (TRACK_SCHEDULER, TRACK_FORWARD, TRACK_SAVE, TRACK_HOST, TRACK_SERVER)
+TRACK_PREFILL = "prefill"
+_TRACK_ORDER = (TRACK_SCHEDULER, TRACK_FORWARD, TRACK_PREFILL, TRACK_SAVE, TRACK_HOST, TRACK_SERVER)
 
 
 class TraceRecorder:
@@ -180,6 +184,20 @@ class StepObserver:
             self.trace.complete(TRACK_SCHEDULER, "schedule", start, end, step=step_no)
         elif what == "launch":
             self.trace.complete(TRACK_SCHEDULER, "launch", start, end, step=step_no)
+
+    def step_rows(self, plan, step_no: int, start: float, end: float) -> None:
+        """What one step's forward (``start`` .. ``end``) carried: its prefill rows (chunks) and the
+        decode rows it stalled (see `StepPlan`); only steps with prompt work are sampled."""
+        for row in plan.rows:
+            if not row.decode:
+                self.trace.complete(TRACK_PREFILL, "chunk", start, end, req=str(row.request.req_id),
+                                    positions=list(row.chunk), last=row.samples, step=step_no)
+        if plan.decode_rows_stalled:
+            self.trace.complete(TRACK_PREFILL, "decode_stall", start, end, rows=plan.decode_rows_stalled,
+                                step=step_no)
+        if self._timings is not None and plan.prefill_tokens:
+            self._timings.append(("prefill_tokens", float(plan.prefill_tokens)))
+            self._timings.append(("decode_rows_stalled", float(plan.decode_rows_stalled)))
 
     def take_timings(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []

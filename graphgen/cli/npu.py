@@ -28,6 +28,9 @@ def cmd_compile(args) -> int:
         return EXIT_INVALID
     if args.steps is not None:
         return _steps(args, spec)
+    if args.mixed_batches:
+        err("graphgen compile: error: --mixed-batches needs --standin --steps N")
+        return EXIT_INVALID
     if args.variant is None:
         err("graphgen compile: error: --variant is required (all variants only with --standin --steps N)")
         return EXIT_INVALID
@@ -64,6 +67,9 @@ def _steps(args, spec) -> int:
     if args.steps < 1:
         err("graphgen compile: error: --steps must be >= 1")
         return EXIT_INVALID
+    if args.mixed_batches < 0:
+        err("graphgen compile: error: --mixed-batches must be >= 0")
+        return EXIT_INVALID
     if not args.standin:
         from ..npu.run.compile import NpuUnavailable, _import_torchair
 
@@ -88,7 +94,8 @@ def _steps(args, spec) -> int:
     print(f"{args.spec}: {args.steps} mixed steps per variant and mode through the CPU stand-in "
           f"(kernel limits enforced)")
     try:
-        results = run_standin_loop(spec, variants, modes, args.steps, every_bucket=bool(args.ops_json))
+        results = run_standin_loop(spec, variants, modes, args.steps, every_bucket=bool(args.ops_json),
+                                   mixed_batches=args.mixed_batches)
     except Exception as e:  # Dynamo wraps a stand-in kernel's KernelLimitError raised while tracing
         cause = e
         while cause is not None and not isinstance(cause, KernelLimitError):
@@ -148,6 +155,10 @@ def register(sub) -> None:
                    help="with --standin: run N mixed steps per variant and mode padded to the spec's shape "
                         "buckets and print the graphs compiled per variant and mode (exit 1: more than buckets, "
                         "or an op without a working GE converter)")
+    c.add_argument("--mixed-batches", type=int, default=0, metavar="M",
+                   help="with --standin --steps N: also run M mixed batches (decode rows and prefill chunks in one "
+                        "forward) through each history prefill variant, padded to the mixed grid "
+                        "(graphgen.npu.run.mixed_grid); its buckets then count the grid's cells")
     c.add_argument("--ops-json", metavar="FILE",
                    help="with --standin --steps N: also run one step per bucket of every variant and mode and "
                         "write each graph's post-AOT op targets to FILE (the GE converter check's input)")

@@ -75,6 +75,7 @@ class LLMEngineAdapter:
                            prompt_tokens=s["prompt_tokens"], generation_tokens=s["generation_tokens"],
                            puts=s["puts"], put_failures=s["put_failures"], save_failures=s["save_failures"],
                            pool_errors=s["pool_errors"], preemptions=s["preemptions"], steps=s["steps"],
+                           mixed_steps=s["mixed_steps"], decode_rows_stalled=s["decode_rows_stalled"],
                            prefills=s["prefills"], forks=s["forks"], device_hit_blocks=s["device_hit_blocks"],
                            device_cached_blocks=s["device_cached_blocks"],
                            extra={k: s[k] for k in _EXTRA if k in s})

@@ -10,8 +10,8 @@ The server never touches engine internals; it talks to a :class:`ServingEngine`:
   a token or finished during the step.
 - ``has_work()`` — anything waiting or running.
 - ``stats()`` — an :class:`EngineStats` snapshot (gauges and monotonically increasing totals).
-- ``take_timings()`` — latency samples measured since the last call, ``(name, seconds)`` with
-  ``name`` in ``TIMING_NAMES``, for the histograms of ``/metrics``.
+- ``take_timings()`` — samples measured since the last call, ``(name, value)`` (seconds; counts for
+  ``prefill_tokens`` and ``decode_rows_stalled``) with ``name`` in ``TIMING_NAMES``, for the histograms of ``/metrics``.
 - ``shutdown()`` — abort what is left, commit every pending save, release the engine.
 
 Threading: every method is called from ONE thread, the server's engine-loop thread. Token-level
@@ -33,7 +33,7 @@ __all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "T
 # forward: one step's generated graph (any phase); save: forward start -> the step's saved KV is in
 # staging (the host event);
 # commit: host event -> every block of the step put into the pool.
-TIMING_NAMES = ("forward", "save", "commit")
+TIMING_NAMES = ("forward", "save", "commit", "prefill_tokens", "decode_rows_stalled")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class EngineStats:
     pool_errors: int = 0
     preemptions: int = 0  # requests whose blocks were taken back (recomputed later)
     steps: int = 0  # engine steps run (fewer than tokens generated when requests are batched)
+    mixed_steps: int = 0  # steps with decode rows and prefill rows in one forward (mixed batches)
+    decode_rows_stalled: int = 0  # per step, running requests that could decode but were not in it, summed
     prefills: int = 0  # prompt prefills begun (n / best_of copies forked from one are not)
     forks: int = 0  # requests that shared another's prompt KV blocks (n / best_of copies)
     device_hit_blocks: int = 0  # prompt blocks shared from the device prefix cache (not the pool)

@@ -36,6 +36,9 @@ _TOTALS = (("graphgen_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tok
            ("graphgen_pool_errors", "pool_errors", "Pool lookups/loads that raised (recomputed)."),
            ("graphgen_engine_steps", "steps", "Engine steps (one generated graph each)."),
            ("graphgen_preemptions", "preemptions", "Requests preempted (blocks taken back, recomputed later)."),
+           ("graphgen_mixed_steps", "mixed_steps", "Engine steps carrying decode rows and prompt chunks together."),
+           ("graphgen_decode_rows_stalled", "decode_rows_stalled",
+            "Per step, running requests that could decode but were not in it (summed): the decode stall."),
            ("graphgen_prefills", "prefills", "Prompt prefills begun (n / best_of copies forked from one not counted)."),
            ("graphgen_forked_requests", "forks", "Requests that shared another's prompt KV blocks (n / best_of)."),
            ("graphgen_device_prefix_hit_blocks", "device_hit_blocks",
@@ -136,6 +139,12 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.commit = Histogram("graphgen_kv_commit_latency_seconds", "KV saved to staging to every block in the pool.",
                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_prefill_tokens = Histogram("graphgen_step_prefill_tokens",
+                                             "Prompt tokens (whole prompts and chunks) of one step with prompt work.",
+                                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.step_stalled = Histogram("graphgen_step_decode_rows_stalled",
+                                      "Running requests left out of one step with prompt work (decode stall).",
+                                      buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.requests = Counter("graphgen_requests", "Finished requests by finish reason.", ["finish_reason"],
                                 registry=r)
         self.bad_requests = Counter("graphgen_bad_requests", "Requests refused with a 4xx.", registry=r)
@@ -155,8 +164,10 @@ class ServerMetrics:
     def update_stats(self, stats: EngineStats) -> None:
         self._stats.snapshot = stats  # one reference swap: a scrape sees one whole snapshot
 
-    def observe_timing(self, name: str, seconds: float) -> None:
-        {"forward": self.forward, "save": self.save, "commit": self.commit}[name].observe(seconds)
+    def observe_timing(self, name: str, value: float) -> None:
+        """One sample from the engine's timings: seconds, or a per-step count (prefill tokens, stalls)."""
+        {"forward": self.forward, "save": self.save, "commit": self.commit,
+         "prefill_tokens": self.step_prefill_tokens, "decode_rows_stalled": self.step_stalled}[name].observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,8 +4,10 @@ middle with several chunks' saves held back (a closed ``save_gate``) keeps all o
 of the free list, and what lands in the pool is exactly the KV an independent engine computes.
 Negative control: the per-request rule (one save record per request, replaced by the next chunk's,
 LMCache #3640) lets the first chunk's blocks go while its save still has to read them: a block
-reused meanwhile ends up in the pool with the wrong bytes. And a later request hits the first
-chunks of a prompt that is still being prefilled, once they are committed."""
+reused meanwhile ends up in the pool with the wrong bytes. The same holds for a prompt preempted
+between its chunks (mixed batches: a running decode needs the blocks) with its chunks' saves held
+back. And a later request hits the first chunks of a prompt that is still being prefilled, once
+they are committed."""
 
 from __future__ import annotations
 
@@ -49,6 +51,15 @@ class PerRequestPins(KVConnector):
         super()._commit(save, save_job, save_done)
 
 
+def _overwrite_free_blocks(eng) -> None:
+    """Write garbage into every block the allocator hands out now (what another request would do)."""
+    taken = eng.alloc.alloc(eng.alloc.num_free)
+    for layer in eng.cache:
+        for comp in layer:
+            comp[taken] = 1e3
+    eng.alloc.free(taken)
+
+
 def _abort_mid_prompt(spec, weights, connector_cls):
     """Two chunks of a 24-token prompt run with their saves held back, the prompt is aborted, every
     block the allocator hands out is overwritten (what another request would do), then the saves go.
@@ -67,11 +78,7 @@ def _abort_mid_prompt(spec, weights, connector_cls):
         held = list(r.table)
         llm.abort("a")
         freed = [b for b in held if not alloc.is_pinned(b)]
-        taken = alloc.alloc(alloc.num_free)          # every block another request could get now
-        for layer in eng.cache:
-            for comp in layer:
-                comp[taken] = 1e3
-        alloc.free(taken)
+        _overwrite_free_blocks(eng)
         gate.set()
         eng.drain()
         assert alloc.num_free == alloc.num_blocks    # every pin went with its commit
@@ -109,3 +116,77 @@ def test_a_later_request_hits_the_first_chunks_of_a_prompt_still_being_prefilled
     with open_engine(spec, hf.dir, write="off") as ref:
         want = [r.tokens for r in ref.generate([a, b], 2)]
     assert [ra.tokens, rb.tokens] == want
+
+
+def _preempt_mid_prompt(spec, weights, connector_cls, finish: bool):
+    """A short request decodes while a 24-token prompt arrives; they share mixed steps (its decode
+    row, then a 7-token chunk) with every chunk's save held back (a closed ``save_gate``), until the
+    decode needs a block that only the prompt holds: the prompt is preempted between its chunks.
+    ``reclaim`` is off, so the preemption happens with the saves still held (the engine's own
+    reclaim would first wait for every pending commit: a second line of defence, not tested here).
+    Every block the allocator hands out then is overwritten, the saves go, and (``finish``) both
+    requests finish. Returns (saved blocks of the held saves that were in the free list, pool, their keys, prompt,
+    tokens per request, the reference tokens of each request alone)."""
+    g = torch.Generator().manual_seed(7)
+    short, prompt = u.rand_prompt(g, 3), u.rand_prompt(g, 3 * BUDGET)
+    gate, pool = threading.Event(), HostPool(1 << 24)
+    make = lambda p, c, a, n: connector_cls(p, c, a, write="async", stats=n)   # noqa: E731
+    with open_engine(spec, weights, write="async", pool=pool, max_num_batched_tokens=BUDGET, num_blocks=8,
+                     make_connector=make, faults=Faults(save_gate=gate)) as eng:
+        llm, alloc, s = eng.llm, eng.alloc, eng.scheduler
+        s.reclaim = lambda: False
+        r0 = llm.add_request("short", short, max_tokens=20)
+        for _ in range(6):
+            llm.step()                               # r0: prefill and 5 decodes (8 tokens cached)
+        r = llm.add_request("long", prompt, max_tokens=4)
+        saved, held, mixed = [], [], 0
+        for _ in range(20):
+            if r.result.preemptions:
+                break
+            held = list(r.table)                     # its blocks before this step
+            inner = eng.runner.submit
+            plans = []
+            eng.runner.submit = lambda plan, **kw: (plans.append(plan), inner(plan, **kw))[1]   # noqa: E731
+            llm.step()
+            eng.runner.submit = inner
+            for p in plans:
+                mixed += p.mixed
+                saved += [b for row in p.rows if row.request is r for b in row.save_block_ids]
+        assert r.result.preemptions == 1 and r in s.waiting and r.table == [] and mixed >= 2
+        assert len(saved) >= 2 and set(saved) <= set(held) and len(pool) == 0   # preempted between chunks
+        freed = [b for b in saved if not alloc.is_pinned(b)]
+        _overwrite_free_blocks(eng)
+        keys = u.keys_of(eng, prompt)[:len(saved)]
+        gate.set()
+        eng.drain()
+        pooled = {k: pool.get(k) for k in keys}
+        if not finish:
+            return freed, pooled, keys, prompt, None, None
+        while llm.has_work():
+            llm.step()                               # the prompt is recomputed (a pool hit if saved right)
+        eng.drain()
+        assert alloc.num_free == alloc.num_blocks    # every pin went with its commit
+        assert eng.llm.stats()["loaded_blocks"] >= len(saved)   # the recompute loaded what the chunks saved
+        tokens = [r0.tokens, r.tokens]
+    with open_engine(spec, weights, write="off") as ref:
+        want = [ref.generate([short], 20)[0].tokens, ref.generate([prompt], 4)[0].tokens]
+    return freed, pooled, keys, prompt, tokens, want
+
+
+@pytest.mark.parametrize("connector_cls,safe", [(KVConnector, True), (PerRequestPins, False)])
+def test_a_prompt_preempted_between_chunks_keeps_each_chunks_blocks_until_its_own_save_lands(
+        request, connector_cls, safe):
+    spec, hf = u.TINY_QWEN3, request.getfixturevalue("qwen")
+    freed, pooled, keys, prompt, tokens, want = _preempt_mid_prompt(spec, hf.dir, connector_cls, finish=safe)
+    ref, _ = u.reference_blocks(spec, hf.dir, [prompt], max_num_batched_tokens=BUDGET)
+    # the chunks here are 7 tokens (a decode row shares each step), the reference's 8: the same KV
+    # up to float rounding (other GEMM shapes), so the blocks are compared at 1e-4, not bit for bit
+    as_floats = lambda b: torch.frombuffer(bytearray(b), dtype=torch.float32)   # noqa: E731 (float32 KV)
+    missing = [k for k in keys if pooled[k] is None]
+    wrong = [k for k in keys if pooled[k] is not None
+             and not torch.allclose(as_floats(pooled[k]), as_floats(ref[k]), rtol=0, atol=u.ATOL)]
+    if safe:
+        assert freed == [] and missing == [] and wrong == []
+        assert tokens == want                        # and both requests still give their own tokens
+    else:                                            # the negative control: the check catches it
+        assert freed and wrong, (freed, missing, wrong)

@@ -4,7 +4,9 @@ layer by layer, and only its events keep the forward from reading history blocks
 A cold engine puts a prompt's blocks into a pool; a second engine, with an empty cache, prefills the
 same prompt with those blocks as history (``splitfuse``), its load slowed by fault injection. The
 second engine's runtime is instrumented to time each layer's load and attention and to look at the
-loaded block when layer 0's attention starts.
+loaded block when layer 0's attention starts. Without timing (issue 17 item 6): a long hit loaded
+with the first chunk, its last layer's load held by a gate, still computes layer 0 (layer-wise
+load); loaded as a whole prefix (granularity forward) it computes nothing until the gate opens.
 """
 
 from __future__ import annotations
@@ -117,3 +119,71 @@ def test_without_the_load_wait_the_forward_reads_a_stale_block(qwen, pooled):
     attn0 = next(e for e in log if e[0] == "attn" and e[1] == 0)
     assert not attn0[4], "without the wait, layer 0's attention must run before its block is loaded"
     assert not torch.allclose(warm.step_logits[0], cold.step_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def _gated_warm_run(qwen, prompt, pool, granularity: str, wait_s: float):
+    """A warm prefill (its first chunk: the pool hit is loaded with it, budget 8) whose load of the
+    LAST layer is held back by a gate. Returns (whether layer 0's attention finished while the gate
+    was closed, within ``wait_s``; the log at that moment; the request's result)."""
+    gate, attn0 = threading.Event(), threading.Event()
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", granularity=granularity, pool=pool,
+                     max_num_batched_tokens=8, collect_logits=True) as eng:
+        log = _instrument(eng)
+        rt, last = eng.runner.rt, len(list(eng.cache)) - 1
+        load, attention = rt.kv_load, rt.paged_attention
+        layer_of = {id(layer): i for i, layer in enumerate(eng.cache)}
+
+        def gated_load(cache, loads, block_ids):
+            if layer_of[id(cache)] == last:
+                gate.wait(30)
+            load(cache, loads, block_ids)
+
+        def seen_attention(q, cache, *args, **kw):
+            out = attention(q, cache, *args, **kw)
+            if layer_of[id(cache)] == 0:
+                attn0.set()
+            return out
+
+        rt.kv_load, rt.paged_attention = gated_load, seen_attention
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=eng.generate([prompt], 1)[0]))
+        t.start()
+        computed = attn0.wait(wait_s)
+        snapshot = list(log)
+        gate.set()
+        t.join(60)
+        eng.drain()
+    return computed, snapshot, box["r"]
+
+
+@pytest.fixture(scope="module")
+def long_pooled(qwen):
+    prompt = u.rand_prompt(torch.Generator().manual_seed(54), 30)  # 7 full blocks + 2 tokens
+    pool = HostPool(1 << 24)
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", granularity="layer", pool=pool,
+                     max_num_batched_tokens=8, collect_logits=True) as eng:
+        cold = eng.generate([prompt], 1)[0]
+        eng.drain()
+    return prompt, pool, cold
+
+
+def test_layer_wise_load_of_a_long_hit_computes_earlier_layers_while_a_later_layers_load_is_held(qwen, long_pooled):
+    """Layer i's attention waits for layer i's load only: with the last layer's load gated shut,
+    layer 0's attention over the loaded history completes (on the loaded blocks), and nothing of the
+    last layer runs before the gate opens."""
+    prompt, pool, cold = long_pooled
+    computed, log, warm = _gated_warm_run(qwen, prompt, pool, "layer", wait_s=30)
+    assert computed and warm.variant == "splitfuse" and warm.hit_tokens == 28
+    assert [e[1] for e in log if e[0] == "load"] == [0] and [e[1] for e in log if e[0] == "attn"] == [0]
+    assert log[-1][4], "layer 0 attended to blocks other than the loaded ones"
+    assert warm.tokens == cold.tokens
+    torch.testing.assert_close(warm.step_logits[0], cold.step_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_whole_prefix_load_holds_every_layer_until_the_last_layers_load(qwen, long_pooled):
+    """The comparison (granularity forward): one load event for the whole prefix, so the gated last
+    layer holds layer 0's attention too: the test above can tell the two apart."""
+    prompt, pool, cold = long_pooled
+    computed, log, warm = _gated_warm_run(qwen, prompt, pool, "forward", wait_s=1.0)
+    assert not computed and not [e for e in log if e[0] == "attn"]
+    assert warm.variant == "splitfuse" and warm.tokens == cold.tokens

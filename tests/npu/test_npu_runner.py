@@ -123,3 +123,48 @@ def test_run_target_npu_standin_matches_the_cpu_run(tmp_path):
     if top2[0] - top2[1] >= 2 * TOL:
         assert a["tokens"][0] == b["tokens"][0]
     assert len(b["tokens"]) == 4
+
+
+def _arrive_while_decoding(eng, short, long, n_short):
+    """``short`` decodes; ``long`` arrives after its second step (mixed batches from then on)."""
+    llm, plans, inner = eng.llm, [], eng.runner.submit
+    eng.runner.submit = lambda plan, **kw: (plans.append(plan), inner(plan, **kw))[1]
+    rs = [llm.add_request("short", short, max_tokens=n_short)]
+    llm.step()
+    llm.step()
+    rs.append(llm.add_request("long", long, max_tokens=3))
+    while llm.has_work():
+        llm.step()
+    return [r.result for r in rs], plans
+
+
+@pytest.mark.slow
+def test_mixed_batches_with_chunks_run_on_the_npu_runner_and_match_the_cpu_target():
+    """A 150-token prompt arriving while a request decodes runs in chunks of a 64-token budget,
+    each in one step with the decode row (a mixed batch on splitfuse; the chunks before the last ask
+    for no logits); logits within TOL of the CPU target on the same schedule, as above."""
+    from graphgen.npu.run.inputs import random_weights
+    from graphgen.npu.run.runner import npu_engine
+    from graphgen.runtime import open_engine
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()  # graphs compiled by earlier tests in this process count against the recompile limit
+    spec = load_spec(HW)
+    W = random_weights(spec, seed=1, scale=0.1)
+    cpu_spec = dataclasses.replace(spec, kv_cache=dataclasses.replace(spec.kv_cache, dtype="float32"))
+    short, long = list(range(3, 20)), list(range(30, 180))
+    with open_engine(cpu_spec, dict(W), collect_logits=True, num_blocks=64, max_num_batched_tokens=64) as e:
+        cpu, cpu_plans = _arrive_while_decoding(e, short, long, 8)
+    with npu_engine(spec, dict(W), collect_logits=True, num_blocks=64, standin=True, max_num_batched_tokens=64) as e:
+        npu, plans = _arrive_while_decoding(e, short, long, 8)
+    mixed = [p for p in plans if p.mixed]
+    assert len(mixed) >= 2 and any(not row.samples for p in mixed for row in p.rows), plans
+    assert [(p.variant, [r.chunk for r in p.rows]) for p in plans] == \
+        [(p.variant, [r.chunk for r in p.rows]) for p in cpu_plans]     # the same schedule on both targets
+    for c, n in zip(cpu, npu):
+        for step, (x, y) in enumerate(zip(c.step_logits, n.step_logits)):
+            assert (x - y).abs().max() <= TOL, (step, float((x - y).abs().max()))
+            if c.tokens[step] != n.tokens[step]:
+                top2 = x.topk(2).values
+                assert top2[0] - top2[1] < 2 * TOL, f"token flip at step {step} with a clear margin"
+                break

@@ -179,6 +179,24 @@ def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path
         assert_steps_match_hf(model, r, "qwen3 tp=2 vocab 257")
 
 
+def _mixed_steps(rank_engine) -> int:  # on every rank (module-level: pickled by name)
+    return rank_engine.llm.stats()["mixed_steps"]
+
+
+def test_qwen3_tp2_mixed_batches_match_transformers_on_every_rank(qwen):
+    """Decode rows and prompt chunks in one forward on every rank (the plan fingerprint covers the
+    row kinds, so a rank that mixed differently would raise): transformers' logits at every step."""
+    g = torch.Generator().manual_seed(7)
+    short, long = rand_prompt(g, 5), rand_prompt(g, 40)
+    with open_engine(REPO / "specs/tiny_qwen3.yaml", qwen.dir, tp=2, collect_logits=True, num_blocks=64,
+                     timeout=TIMEOUT, max_num_batched_tokens=8) as eng:
+        rs = eng.generate([short, long], 6, batch=True)
+        mixed = eng.on_ranks(_mixed_steps)
+    assert mixed[0] == mixed[1] > 0, mixed
+    for what, r in zip(("short", "long"), rs):
+        assert_steps_match_hf(qwen.model, r, f"qwen3 tp=2 mixed batch {what}")
+
+
 def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1(qwen):
     """Every block-lifetime decision (n forks sharing blocks, decode-time saves, write-back when a
     block leaves the device, device prefix hits, LRU eviction) is made alike on every rank: the

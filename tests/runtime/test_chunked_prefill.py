@@ -1,6 +1,6 @@
 """Chunked prefill in the scheduler alone (the fake connector of test_scheduler.py): how a prompt
 longer than the step budget is cut, which variant each chunk runs, what each chunk loads, saves
-and samples, the decode-first interleaving, the long-prompt threshold, and preemption / abort in
+and samples, the mixed batches (decode rows first, then chunks), the long-prompt threshold, and preemption / abort in
 the middle of a prompt. Every expectation is derived from the prompt length, the budget and the
 block size, not copied from the scheduler."""
 from __future__ import annotations
@@ -102,30 +102,66 @@ def test_long_prefill_token_threshold_caps_long_prompts_only():
     chunks = []
     while long.cached < 30:
         p = s.schedule()
-        if p.phase == "prefill":
-            chunks.append(p.rows[0].chunk)
+        chunks += [row.chunk for row in p.rows if row.request is long]
+        assert p.prefill_tokens <= 8                  # what a running decode waits for, at most
         s.update(p, [7 if row.samples else None for row in p.rows])
     assert chunks == expected_chunks(8, 30, 8)
 
 
-def test_decode_first_while_a_prompt_is_mid_way():
-    """A running request decodes between every two chunks of a long prompt that arrived."""
-    s, _ = sched(8)
+def test_mixed_batches_decode_first_then_a_chunk_in_the_same_step():
+    """A running request decodes in every step while a long prompt arrives: each step carries its
+    decode row first, then a chunk of the prompt in what is left of the budget, on the history
+    variant (a mixed batch: a decode row is a row with history and one query token)."""
+    budget = 8
+    s, _ = sched(budget)
     r0 = req(1, 5, max_new=20)
     s.add(r0)
     s.update(s.schedule(), [7])       # r0 prefilled: it decodes from now on
     long = req(2, 30)
     s.add(long)
-    phases = []
+    plans = []
     while long.cached < 30:
         p = s.schedule()
-        phases.append((p.phase, p.requests))
+        plans.append(p)
         s.update(p, [7 if row.samples else None for row in p.rows])
-    n_chunks = len(expected_chunks(0, 30, 8))
-    # a new prompt's first chunk goes first (prefill first), then decode and chunk alternate
-    want = [("prefill", (long,))] + [("decode", (r0,)), ("prefill", (long,))] * (n_chunks - 1)
-    assert phases == want
-    assert s.schedule().requests == (r0, long)   # both decode together once the prompt is in
+    chunks = expected_chunks(0, 30, budget - 1)   # the decode row takes one token of each step
+    assert len(plans) == len(chunks)
+    for k, (p, (lo, hi)) in enumerate(zip(plans, chunks)):
+        dec, chunk = p.rows
+        assert (p.variant, p.phase, p.mixed, p.decode_rows, p.decode_rows_stalled) == ("splitfuse", "prefill", True, 1, 0)
+        assert dec.request is r0 and dec.decode and dec.start == 5 + k and dec.save_block_ids == ()
+        assert chunk.request is long and not chunk.decode and chunk.chunk == (lo, hi)
+        assert p.num_tokens == 1 + hi - lo <= budget and p.prefill_tokens == hi - lo
+        x = inp(p)
+        assert x.query_lens.tolist() == [1, hi - lo] and x.seq_lens.tolist() == [6 + k, hi]
+        assert x.positions.tolist() == [5 + k, *range(lo, hi)]
+        assert x.logits_indices.tolist() == ([0, hi - lo] if hi == 30 else [0])
+        assert chunk.save_keys == tuple(f"p2.b{j}" for j in range(lo // BS, hi // BS))
+    assert [k for p in plans for k in p.save_keys] == [f"p2.b{j}" for j in range(30 // BS)]
+    after = s.schedule()
+    assert after.requests == (r0, long) and after.variant == "decode" and after.decode_rows == 2
+
+
+def test_without_chunking_a_prompt_step_stalls_the_running_decodes():
+    """The comparison: one variant per step, so a prompt's step holds no decode row."""
+    s, _ = sched(8, chunked_prefill=False)
+    r0 = req(1, 5, max_new=20)
+    s.add(r0)
+    s.update(s.schedule(), [7])
+    s.add(long := req(2, 30))
+    p = s.schedule()
+    assert p.requests == (long,) and p.num_tokens == 30 and p.decode_rows_stalled == 1 and not p.mixed
+
+
+def test_decode_rows_that_fill_the_budget_leave_the_prompt_waiting():
+    s, _ = sched(2)
+    a, b = req(1, 1, max_new=9), req(2, 1, max_new=9)
+    s.add(a)
+    s.add(b)
+    s.update(p := s.schedule(), [7] * len(p.rows))   # both prompts in one step
+    s.add(late := req(3, 6))
+    p = s.schedule()
+    assert p.variant == "decode" and p.requests == (a, b) and late in s.prefill and late.cached == 0
 
 
 def test_the_step_budget_is_shared_and_a_second_prompt_gets_the_rest():

@@ -68,11 +68,11 @@ def drive(llm, max_steps=2000) -> dict:
 
 
 def record_steps(eng) -> list:
-    """Wrap the runner: every submitted step plan's (variant, tokens, rows)."""
+    """Wrap the runner: every submitted step plan's (variant, tokens, rows, prefill tokens)."""
     seen, inner = [], eng.runner.submit
 
     def submit(plan, **kw):
-        seen.append((plan.variant, plan.num_tokens, len(plan.rows)))
+        seen.append((plan.variant, plan.num_tokens, len(plan.rows), plan.prefill_tokens))
         return inner(plan, **kw)
     eng.runner.submit = submit
     return seen
@@ -87,7 +87,7 @@ def test_16_concurrent_requests_equal_single_runs_and_logits_agree(ckpt, async_s
     with engine(ckpt, collect_logits=True, async_scheduling=async_scheduling) as e:
         seen = record_steps(e)
         got = e.generate(ps, 8, batch=True)
-    assert max(rows for _, _, rows in seen) == 16          # they really ran together
+    assert max(rows for _, _, rows, _ in seen) == 16          # they really ran together
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     worst = max((a - b).abs().max().item() for x, y in zip(got, ref) for a, b in zip(x.step_logits, y.step_logits))
     assert worst <= 1e-4, f"batch composition moved logits by {worst}"
@@ -110,11 +110,9 @@ def test_requests_join_and_leave_between_steps(ckpt):
         step()
         step()                                      # a: prefill, then one decode alone
         llm.add_request("b", b, max_tokens=6)       # joins while a decodes
-        outs = step()
-        assert [o.req_id for o in outs] == ["b"] and seen[-1][0] == "mempool_prefill"
-        outs = step()                               # both decode in one step; a leaves with it
-        assert {o.req_id: o.finished for o in outs} == {"a": True, "b": False} and seen[-1][2] == 2
-        assert outs[0].finish_reason == "length"
+        outs = step()                               # a mixed batch: a's decode and b's prompt; a leaves
+        assert {o.req_id: o.finished for o in outs} == {"a": True, "b": False}
+        assert seen[-1][0] == "splitfuse" and seen[-1][2:] == (2, len(b)) and outs[0].finish_reason == "length"
         rest = drive(llm)
         toks["b"] += rest["b"][0]
         assert seen[-1][2] == 1 and rest["b"][1] == "length"   # b goes on alone
@@ -129,9 +127,9 @@ def test_token_budget_and_max_num_seqs_are_respected(ckpt):
         seen = record_steps(e)
         got = [r.tokens for r in e.generate(ps, 5, batch=True)]
     assert got == want
-    assert all(tokens <= 24 for _, tokens, _ in seen), seen
-    assert all(rows <= 5 for _, _, rows in seen), seen
-    assert sum(1 for v, _, _ in seen if v != "decode") >= 12 * 10 // 24  # prefills were split up
+    assert all(tokens <= 24 for _, tokens, _, _ in seen), seen
+    assert all(rows <= 5 for _, _, rows, _ in seen), seen
+    assert sum(1 for v, _, _, _ in seen if v != "decode") >= 12 * 10 // 24  # prefills were split up
 
 
 @pytest.mark.parametrize("chunked", [True, False])
@@ -143,10 +141,10 @@ def test_a_prompt_over_the_budget_runs_in_chunks_or_as_one_oversized_step(ckpt, 
         got = [r.tokens for r in e.generate(ps, 4, batch=True)]
         assert e.max_model_len > 8             # the step budget is no limit on a request's length
     assert got == want
-    prefill_tokens = [t for v, t, _ in seen if v != "decode"]
+    prefill_tokens = [t for v, _, _, t in seen if v != "decode"]
     assert sum(prefill_tokens) == sum(map(len, ps))
     if chunked:
-        assert max(prefill_tokens) <= 8 and any(v == "splitfuse" for v, _, _ in seen)
+        assert max(t for _, t, _, _ in seen) <= 8 and any(v == "splitfuse" for v, _, _, _ in seen)
     else:
         assert sorted(prefill_tokens) == sorted(map(len, ps))   # each prompt whole, in one step
 
@@ -319,7 +317,7 @@ def test_each_row_samples_with_its_own_params_in_a_batch(ckpt):
         for i, (p, sp) in enumerate(zip(ps, params)):
             e.llm.add_request(i, p, sp)
         together = drive(e.llm)
-    assert max(rows for _, _, rows in seen) == 3                # they shared steps
+    assert max(rows for _, _, rows, _ in seen) == 3                # they shared steps
     assert {k: len(v[0]) for k, v in together.items()} == {0: 2, 1: 3, 2: 4}
     assert {k: v[0] for k, v in together.items()} == {k: v[0] for k, v in alone.items()}
     with engine(ckpt) as e:                                     # negative control: another seed differs

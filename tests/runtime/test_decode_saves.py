@@ -65,3 +65,22 @@ def test_a_block_with_a_decode_save_in_flight_is_not_freed_before_its_commit(ckp
         assert held == (len(TURN1) + ANSWER - 1) // BS   # prefill's 2 + the decode-filled blocks
     else:
         assert held == 0                                 # without pins they were reusable at once
+
+
+def test_blocks_decode_rows_fill_in_mixed_batches_are_saved_too(ckpt):
+    """Turn 1 decodes while a long prompt is chunked next to it (budget 8: every step a mixed batch
+    of its decode row and a chunk): the blocks its decode rows fill are saved as in decode steps."""
+    long = prompts(1, seed=32, lo=60, hi=61)[0]
+    with _engine(ckpt, True, "sync", max_num_batched_tokens=8) as e:
+        llm, plans, inner = e.llm, [], e.runner.submit
+        e.runner.submit = lambda plan, **kw: (plans.append(plan), inner(plan, **kw))[1]
+        r = llm.add_request("t1", TURN1, max_tokens=ANSWER)
+        llm.step()
+        llm.add_request("long", long, max_tokens=1)
+        while llm.has_work():
+            llm.step()
+        e.drain()
+        assert sum(p.mixed for p in plans) >= 8                # most of turn 1's decodes shared steps with chunks
+        turn2 = TURN1 + r.tokens + [7, 8, 9]
+        hit = e.generate([turn2], 1)[0].hit_tokens
+    assert hit == (len(TURN1) + ANSWER - 1) // BS * BS           # every block its decode rows filled

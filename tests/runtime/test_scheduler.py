@@ -44,9 +44,9 @@ def req(first: int, n: int, max_new: int = 2) -> Request:
     return Request(RequestResult(prompt=[first] + list(range(100, 100 + n - 1))), SamplingParams(max_tokens=max_new))
 
 
-def sched(num_blocks=64, hits=None, reclaim=lambda: False):
+def sched(num_blocks=64, hits=None, reclaim=lambda: False, **kw):
     alloc = BlockAllocator(num_blocks)
-    return Scheduler(SPEC, alloc, FakePrefix(hits), reclaim=reclaim), alloc
+    return Scheduler(SPEC, alloc, FakePrefix(hits), reclaim=reclaim, **kw), alloc
 
 
 def answer(step, token=7):
@@ -59,7 +59,7 @@ def inp(plan):
 
 
 def test_step_composition_prefill_by_history_then_decode_together():
-    s, alloc = sched(hits={2: 2})
+    s, alloc = sched(hits={2: 2}, chunked_prefill=False)   # one variant per step: no mixed batches
     a, b = req(1, 10), req(2, 13)          # a: cold; b: 2 leading blocks in the pool
     s.add(a)
     s.add(b)
@@ -95,7 +95,7 @@ def test_step_composition_prefill_by_history_then_decode_together():
 
 
 def test_a_request_added_between_steps_joins_at_the_next_step():
-    s, _ = sched()
+    s, _ = sched(chunked_prefill=False)     # one variant per step (mixed: test_chunked_prefill.py)
     a = req(1, 5, max_new=3)
     s.add(a)
     s.update(step := s.schedule(), answer(step))
@@ -191,7 +191,7 @@ def test_collected_logits_rows_go_to_their_request():
 
 def test_prefill_takes_the_oldest_variant_within_the_token_budget():
     alloc = BlockAllocator(64)
-    s = Scheduler(SPEC, alloc, FakePrefix({2: 1}), max_num_batched_tokens=12)
+    s = Scheduler(SPEC, alloc, FakePrefix({2: 1}), max_num_batched_tokens=12, chunked_prefill=False)
     a, warm, b, c = req(1, 5), req(2, 9), req(3, 6), req(4, 6)
     for r in (a, warm, b, c):
         s.add(r)

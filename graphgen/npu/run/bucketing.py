@@ -69,8 +69,9 @@ def max_model_len(spec) -> int:
     return min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
 
 
-def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0):
-    """Step inputs for sequences ``(history, new_tokens)``, blocks 1.. in order, padded to their bucket."""
+def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0, pad=None):
+    """Step inputs for sequences ``(history, new_tokens)``, blocks 1.. in order, padded to their bucket
+    (or to ``pad``: a mixed batch's cell, `mixed_grid.MixedGrid.padding`)."""
     import torch
 
     from .inputs import npu_step_inputs
@@ -100,7 +101,7 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
     return npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                            query_lens=qlens, logits_indices=logit_idx, block_size=bs, save_block_ids=saves,
                            load_block_ids=loads, decode=phase == "decode",
-                           pad=buckets.padding(phase, len(seqs), len(ids))), next_block
+                           pad=pad or buckets.padding(phase, len(seqs), len(ids))), next_block
 
 
 def mixed_steps(phase: str, history: bool, buckets: Buckets, block_size: int, steps: int, seed: int = 0):
@@ -164,6 +165,7 @@ class LoopResult:
     compilations: int
     buckets: int
     graphs: list = field(default_factory=list)  # [{"bucket": {"batch", "tokens"}, "captured": CapturedGraph}]
+    mixed: int = 0  # mixed-batch steps run after the plain ones (history prefill variants; mixed_grid.py)
 
     @property
     def ok(self) -> bool:
@@ -172,8 +174,12 @@ class LoopResult:
 
 def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Optional[Sequence[str]] = None,
                      steps: int = 24, buckets: Optional[Buckets] = None, *, check_limits: bool = True,
-                     sources: Optional[dict] = None, every_bucket: bool = False) -> list[LoopResult]:
+                     sources: Optional[dict] = None, every_bucket: bool = False,
+                     mixed_batches: int = 0) -> list[LoopResult]:
     """Run ``steps`` mixed steps per (variant, mode) through the CPU stand-in; count compiled graphs.
+    ``mixed_batches``: a history prefill variant (the one mixed batches run on) then also runs that many
+    mixed batches (decode rows and chunks, `mixed_grid.MixedGrid`); its buckets are then the plain
+    ones plus the grid's cells.
 
     Each bucket's first captured post-AOT graph is kept in ``LoopResult.graphs`` (the GE converter
     check's input); ``every_bucket``: also run one deterministic step per bucket (``bucket_steps``)
@@ -187,8 +193,10 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     from ..standin import fakes as standin
     from .compile import compile_module, load_module
     from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, random_weights, rope_cache
+    from .mixed_grid import MixedGrid, MixedStep
 
     buckets = buckets or Buckets.from_spec(spec)
+    grid = MixedGrid.from_buckets(buckets)
     variants = list(variants or spec.variants)
     modes = list(modes or spec.targets.npu.compile_modes)
     dtype = getattr(torch, spec.kv_cache.dtype)
@@ -198,7 +206,8 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     try:
         for variant in variants:
             v = spec.variants[variant]
-            n_buckets = buckets.count(v.phase)
+            mixes = mixed_batches > 0 and v.phase == "prefill" and bool(v.history)
+            n_buckets = buckets.count(v.phase) + (grid.count() if mixes else 0)
             for mode in modes:
                 src = (sources or {}).get((variant, mode))
                 if src is None:
@@ -212,7 +221,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                 max_pos = buckets.max_blocks * spec.kv_cache.block_size
                 W = {k: t.to(dtype) for k, t in random_weights(spec).items()}
                 W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype)
-                nb = 1 + max(buckets.prefill_seqs, buckets.decode_batch[-1]) * buckets.max_blocks
+                nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
                 kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
                                          staging_rows=buckets.save_rows if mod.META["saves"] else 0)
                 loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
@@ -221,11 +230,15 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                 n_mixed = len(plan)
                 if every_bucket:
                     plan = plan + bucket_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size)
+                batches = grid.steps(mixed_batches, spec.kv_cache.block_size, seed=stable_seed(variant, mode, "mixed")) \
+                    if mixes else []
                 by_bucket: dict = {}
                 with torch.no_grad(), standin.enforce_limits(check_limits):
-                    for i, seqs in enumerate(plan):
-                        b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i)
-                        pad = buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
+                    for i, step in enumerate(plan + batches):
+                        seqs = getattr(step, "seqs", step)  # a plain step is its rows; a MixedStep has .seqs
+                        pad = grid.padding(step, PAD_BLOCK) if isinstance(step, MixedStep) else \
+                            buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
+                        b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad)
                         before = len(backend.graphs)
                         mod.load(b, kv, loads)
                         target.forward(W, b, kv, staging)
@@ -234,7 +247,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                             by_bucket.setdefault(key, backend.graphs[before])
                 results.append(LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
                                           [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
-                                           for k in sorted(by_bucket)]))
+                                           for k in sorted(by_bucket)], mixed=len(batches)))
     finally:
         standin.uninstall()
     return results
@@ -244,7 +257,8 @@ def report(results: Sequence[LoopResult], out=print) -> int:
     """Print one line per (variant, mode); the exit status for ``graphgen compile --standin --steps N``:
     0, or 1 when any variant compiled more graphs than it has buckets."""
     for r in results:
-        out(f"{r.variant:24} {r.mode:16} steps={r.steps:<4} graphs compiled={r.compilations:<3} "
+        out(f"{r.variant:24} {r.mode:16} steps={r.steps:<4} {f'mixed={r.mixed:<4} ' if r.mixed else ''}"
+            f"graphs compiled={r.compilations:<3} "
             f"buckets={r.buckets:<3} {'ok' if r.ok else 'MORE GRAPHS THAN BUCKETS'}")
     out("(CPU stand-in: Dynamo/AOT graph count only; nothing ran on an NPU)")
     return 0 if all(r.ok for r in results) else 1

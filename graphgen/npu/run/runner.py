@@ -181,11 +181,12 @@ class NpuModelRunner:
 
     def collect(self, fut: StepFuture) -> list:
         """Hand the step's save to the connector (it commits once the copies are done) and return
-        each row's logits (``[1, vocab]``: the last position)."""
+        each row's logits (``[1, vocab]``: the last position; ``[0, vocab]`` for a chunk that samples
+        nothing, as the CPU runner returns)."""
         logits, handle = fut.handles
         if fut.save is not None:
             self.connector.handoff(fut.save, handle, handle)
-        return list(logits.split(1))
+        return [x[:len(row.logits_positions)] for x, row in zip(logits.split(1), fut.plan.rows)]
 
     def settle(self, fut: StepFuture) -> None:
         self.collect(fut)
@@ -197,8 +198,8 @@ class NpuModelRunner:
         if (staging is None) == saves:
             raise ValueError(f"{variant}: a staging area is needed exactly when the module saves "
                              f"(saves={saves}, staging given: {staging is not None})")
-        for row in plan.rows:
-            if tuple(row.logits_positions) != (row.num_tokens - 1,):
+        for row in plan.rows:  # a chunk before a prompt's last asks for none: its row's logits are dropped
+            if tuple(row.logits_positions) not in ((), (row.num_tokens - 1,)):
                 raise ValueError("the NPU modules return the last position's logits of each sequence only; "
                                  f"a row asked for positions {row.logits_positions}")
         phase = mod.META["phase"]

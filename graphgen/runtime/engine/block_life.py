@@ -1,7 +1,7 @@
 """What happens to a full KV block after the step that fills it: whether and when it is saved to the
 pool (``pool.policy``, ``pool.save_decode``) and where it goes when its request lets it go (the
 device prefix cache, ``pool.device_cache``). The scheduler's block bookkeeping; docs/runtime.md
-(scheduling policy, items 8-10) has the rules and the tests that prove them.
+(scheduling policy, items 9-11) has the rules and the tests that prove them.
 
 * **Write policies** — of the blocks a step would save (a prefill chunk's completed blocks, the
   blocks decode rows fill): ``write_through`` saves them with that step; ``write_through_selective``
@@ -78,12 +78,14 @@ class BlockLife:
     def decode_saves(self, plan: StepPlan) -> tuple[list[int], list[str]]:
         """``pool.save_decode``: the blocks the decode rows of ``plan`` (a step that has landed, its
         tokens final) filled and their keys, to save now — a block ``j`` is filled by the row whose
-        positions hold its last slot. Empty for a prefill step (it saves through its variant)."""
-        if not self.save_decode or plan.phase != "decode":
+        positions hold its last slot. Prefill rows (a mixed batch's too) save through their variant."""
+        if not self.save_decode:
             return [], []
         pairs: list[tuple[int, str]] = []
         for row in plan.rows:
             r = row.request
+            if not row.decode:
+                continue
             filled = range(row.start // self.block_size, row.seq_len // self.block_size)
             if r.finished or not filled:
                 continue

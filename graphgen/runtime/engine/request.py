@@ -136,7 +136,13 @@ class RowPlan:
     ``load_block_ids`` (cache blocks of its history) from ``loaded`` (their pool blocks, fetched at
     admission) before its own KV, and its step saves ``save_block_ids`` under ``save_keys``. Logits
     come back for ``logits_positions`` (offsets into ``token_ids``); the row samples its next token
-    from the last of them when ``samples``. A ``PENDING`` token id is filled by `Scheduler.finalize`."""
+    from the last of them when ``samples``. A ``PENDING`` token id is filled by `Scheduler.finalize`.
+
+    ``decode`` marks a decode row: it feeds the tokens after its request's computed KV (one token;
+    speculative decoding's verify rows feed k+1, with a logits position each) and attends to all of
+    it as history. In a mixed batch (see `StepPlan.mixed`) decode rows and prefill rows (a prompt
+    or a chunk of one) share one forward of the history variant: both are rows with history, only
+    their query lengths differ."""
 
     request: Request
     token_ids: tuple[int, ...]
@@ -148,6 +154,7 @@ class RowPlan:
     save_keys: tuple[str, ...] = ()
     logits_positions: tuple[int, ...] = ()
     samples: bool = True
+    decode: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -180,12 +187,14 @@ class StepPlan:
     """One step: the variant to run and its rows (row i's logits are the step's i-th group).
 
     ``saves`` says whether the variant has a save program at all (it may have one with zero
-    blocks: a prompt shorter than a block)."""
+    blocks: a prompt shorter than a block). ``phase`` is the variant's: a mixed batch (decode rows
+    and prefill rows together) runs the prefill-with-history variant, so its phase is "prefill"."""
 
     variant: str
     phase: str  # "prefill" | "decode"
     rows: tuple[RowPlan, ...]
     saves: bool
+    decode_rows_stalled: int = 0  # running requests that could decode but are not in this step
 
     @property
     def requests(self) -> tuple[Request, ...]:
@@ -194,6 +203,20 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(1 for r in self.rows if r.decode)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The tokens of its prefill rows (prompts and chunks): the step's share of prompt work."""
+        return sum(r.num_tokens for r in self.rows if not r.decode)
+
+    @property
+    def mixed(self) -> bool:
+        """Decode rows and prefill rows in one forward (a mixed batch)."""
+        return 0 < self.decode_rows < len(self.rows)
 
     @property
     def save_block_ids(self) -> tuple[int, ...]:

@@ -11,20 +11,12 @@ Policy (continuous batching; see docs/runtime.md):
 * **Admission.** Waiting requests are admitted in arrival order while fewer than ``max_num_seqs``
   are admitted or running and the admitted prefill tokens fit ``max_num_batched_tokens``:
   the pool prefix is looked up and loaded through the loader.
-* **Prefill first.** If any admitted request awaits its prefill, the step is a prefill of the
-  variant of the oldest one (no history: ``mempool_prefill``; with a loaded prefix or an earlier
-  chunk in the cache: ``splitfuse``), holding every admitted request of that variant, in order,
-  while the step's tokens fit the budget. Prefills never preempt: one whose blocks cannot be had
-  waits.
-* **Chunked prefill** (``chunked_prefill``, on by default). A prompt longer than what is left of
-  the step's budget (or than ``long_prefill_token_threshold`` when set: a prompt longer than it
-  gets at most that many tokens per step) runs in chunks, one per step: chunk k > 0 is a
-  prefill with history (its history is the earlier chunks' KV, already in the device cache);
-  only the last chunk samples. Each chunk saves the full blocks it completes (a block that
-  straddles two chunks is saved by the step that completes it). **Decode first, then chunks**:
-  while a prompt is mid-way, every chunk step is followed by a decode step of the running
-  requests, so a long prompt arriving delays a decode by at most one chunk. Without chunking
-  the first request of a step always goes whole (a prompt over the budget is one oversized step).
+* **Mixed batches** (``chunked_prefill``, on by default): decode rows first (one token each,
+  oldest first), then admitted prompts in what is left of the budget, in one forward of the
+  history variant; a prompt longer than that (or than ``long_prefill_token_threshold``) runs in
+  chunks, each saving the full blocks it completes; only the last chunk samples.
+* **Without chunking** a step is one variant, prefill first (the oldest admitted request's
+  variant, whole prompts; the first always goes, oversized or not). Prefills never preempt.
 * **Decode** every running request whose next input is known or pending (at most one step
   ahead) and that still needs a token, oldest first, up to the budget.
 * **Preemption.** When a decode needs a block and none is free (after ``reclaim``: waiting for
@@ -53,6 +45,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from ..core.kvcache import BlockAllocator, OutOfBlocks
 from .block_life import BlockLife
+from .chunking import chunk_tokens, prefill_logits_positions, wants_prompt_logits
 from .forks import Forks
 from .request import PENDING, Request, RowPlan, StepPlan
 
@@ -68,19 +61,6 @@ class PrefixSource(Protocol):
     def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
     def lookup(self, keys: Sequence[str]) -> int: ...
     def load(self, keys: Sequence[str]) -> list: ...  # the leading blocks fetched, one staging each
-
-
-def _wants_prompt_logits(r: Request) -> bool:
-    """A request asking for prompt logprobs whose first token is not sampled yet."""
-    return r.sampling.prompt_logprobs is not None and not r.result.tokens
-
-
-def _prefill_logits_positions(r: Request, start: int, end: int) -> tuple[int, ...]:
-    """Its last position's logits; every position's for a prompt-logprobs request's first prefill
-    (such a request is never chunked: its prompt is one row)."""
-    if start == 0 and _wants_prompt_logits(r):
-        return tuple(range(end))
-    return (end - start - 1,)
 
 
 class Scheduler:
@@ -104,7 +84,6 @@ class Scheduler:
         # chunks are prefills with history: without such a variant a prompt always runs whole
         self.chunked_prefill = chunked_prefill and self.variant_for("prefill", True) is not None
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self._chunk_turn = False  # the last step left a prompt mid-way: a decode step goes next
         self.prefix_cache = "prefix_cache" in spec.features
         self.blocks = BlockLife(spec, alloc, loader.block_keys, save_blocks=save_blocks, device_cache=(
             spec.pool.device_cache and self.prefix_cache and self.variant_for("prefill", True) is not None))
@@ -125,7 +104,7 @@ class Scheduler:
         unless it cannot (`Forks.can_share`, no history variant, prompt logprobs): then as usual."""
         if (fork_of is not None and self.forks.can_share(request, fork_of)
                 and self.variant_for("prefill", True) is not None
-                and not _wants_prompt_logits(request) and not _wants_prompt_logits(fork_of)):
+                and not wants_prompt_logits(request) and not wants_prompt_logits(fork_of)):
             if fork_of in self.running and fork_of.result.tokens:
                 self._admit_forks(fork_of, [request])  # the parent's prefill has landed: share now
             else:
@@ -182,13 +161,9 @@ class Scheduler:
     # ---- the step loop ----------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
         self._admit_waiting()
-        if self._chunk_turn:  # decode first while a prompt is mid-way: one chunk between decodes
-            plan = self._schedule_decode() or self._schedule_prefill()
-        else:
-            plan = self._schedule_prefill() or self._schedule_decode()
-        if plan is not None:
-            self._chunk_turn = plan.phase == "prefill" and not all(row.samples for row in plan.rows)
-        return plan
+        if self.chunked_prefill:  # mixed batches: decode rows first, then chunks, in one forward
+            return self._schedule_mixed()
+        return self._schedule_prefill() or self._schedule_decode()  # one variant per step
 
     def finalize(self, plan: StepPlan) -> Optional[StepPlan]:
         """Just before a plan made ahead runs: drop the rows of requests that finished or were
@@ -220,7 +195,7 @@ class Scheduler:
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
-            if plan.saves and plan.phase == "prefill":
+            if plan.saves and not row.decode:  # a prefill row (a decode row saves as in decode_saves)
                 self.blocks.landed(row, self.blocks.completed(r, *row.chunk), self._keys(r))
             if kids := self.forks.ready(r, row.seq_len):
                 self._admit_forks(r, kids)  # the shared blocks' KV is written: the forks take them
@@ -255,7 +230,7 @@ class Scheduler:
         seq = r.seq
         r.keys, r.cached, r.hit_blocks, r.loaded, r.computed, r.device_blocks = None, 0, 0, [], 0, 0
         max_blocks = (len(seq) - 1) // self.block_size
-        if _wants_prompt_logits(r):
+        if wants_prompt_logits(r):
             return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
             return
@@ -274,42 +249,46 @@ class Scheduler:
         return r.keys
 
     def _schedule_prefill(self) -> Optional[StepPlan]:
-        if not self.prefill:
-            return None
-        history = self.prefill[0].cached > 0  # a loaded prefix or an earlier chunk: with history
+        while self.prefill:  # a prefill-only step of the oldest admitted request's variant
+            history = self.prefill[0].cached > 0  # a loaded prefix or an earlier chunk: with history
+            chosen = self._choose_chunks(self.max_num_batched_tokens, history)
+            if chosen is not None:
+                return self._step(chosen, [], history) if chosen else None
+        return None
+
+    def _schedule_mixed(self) -> Optional[StepPlan]:
+        """Decode rows first (a verify row would take k+1 tokens), then chunks in what is left; no
+        decode row: a prefill-only step; no room for a chunk: a decode step."""
+        decodes = self._choose_decodes(self.max_num_batched_tokens)
+        if not decodes:
+            return self._schedule_prefill()
+        left = self.max_num_batched_tokens - len(decodes)
+        chosen = (self._choose_chunks(left, None) or []) if left > 0 else []
+        return self._step(chosen, decodes, True)
+
+    def _choose_chunks(self, budget: int, history: Optional[bool]) -> Optional[list[tuple[Request, int]]]:
+        """The admitted requests (of ``history``'s kind; None: any) and how many tokens each
+        computes in this step, in order, within ``budget``; those whose prompt this step finishes
+        move to running. None: a request that could never fit was failed, choose again."""
         chosen, tokens = [], 0
-        for r in [r for r in self.prefill if (r.cached > 0) == history]:
-            n = self._chunk_tokens(r, self.max_num_batched_tokens - tokens, first=not chosen)
+        for r in [r for r in self.prefill if history is None or (r.cached > 0) == history]:
+            n = chunk_tokens(r, budget - tokens, not chosen, chunked=self.chunked_prefill,
+                             threshold=self.long_prefill_token_threshold)
             if n == 0:
                 break
             if not self._try_blocks(r, r.cached + n):
                 if (not chosen and not self.running and not self.deferred
                         and not any(o.in_steps for o in self.prefill)):  # no chunk in flight either
                     self._cannot_fit(r, r.cached + n)  # nothing else holds blocks that will come back
-                    return self._schedule_prefill()
+                    return None
                 break
             chosen.append((r, n))
             tokens += n
-        if not chosen:
-            return None
         for r, n in chosen:
             if r.cached + n == len(r.seq):  # its last chunk: it decodes from the next step on
                 self.prefill.remove(r)
                 self.running.append(r)  # before building: an abort then frees their blocks
-        return self._prefill_step(chosen, history)
-
-    def _chunk_tokens(self, r: Request, budget_left: int, first: bool) -> int:
-        """How many of ``r``'s remaining prompt tokens this step computes (0: none, the step is
-        full). Chunked: at most what is left of the budget and, for a prompt longer than
-        ``long_prefill_token_threshold``, at most that; whole otherwise (the first request of a
-        step always goes: an oversized prompt is one oversized step)."""
-        n = len(r.seq) - r.cached
-        if not self.chunked_prefill or _wants_prompt_logits(r):  # prompt logprobs: one row for the prompt
-            return n if first or n <= budget_left else 0
-        limit = budget_left
-        if self.long_prefill_token_threshold and len(r.seq) > self.long_prefill_token_threshold:
-            limit = min(limit, self.long_prefill_token_threshold)
-        return max(0, min(n, limit))
+        return chosen
 
     def _cannot_fit(self, r: Request, num_tokens: int) -> None:
         """Every other admitted request gives its blocks back; if ``r`` still does not fit it is
@@ -327,10 +306,16 @@ class Scheduler:
         self.abort(r, "error")
         self.failed.append(r)
 
-    def _prefill_step(self, chosen: list[tuple[Request, int]], history: bool) -> StepPlan:
-        variant = self.variant_for("prefill", history)
+    def _step(self, chosen: list[tuple[Request, int]], decodes: list[Request], history: bool) -> StepPlan:
+        """``decodes``' rows, then ``chosen``'s (a prompt or a chunk each): the decode variant for
+        decode rows alone, else the prefill variant (with history when mixed)."""
+        stalled = self._stalled([*decodes, *(r for r, _ in chosen)])
+        rows = [self._decode_row(r) for r in decodes]
+        if not chosen:
+            return StepPlan(self.variant_for("decode", False), "decode", tuple(rows), False,
+                            decode_rows_stalled=stalled)
+        variant = self.variant_for("prefill", history or bool(decodes))
         saves = self.spec.variant_saves(self.spec.variants[variant])
-        rows = []
         for r, n in chosen:
             if r.cached == r.hit_blocks * self.block_size and not r.shared_blocks:
                 self.counts["prefills"] += 1  # its first chunk (a fork's tail is not a prompt prefill)
@@ -341,7 +326,12 @@ class Scheduler:
                 r.result.variant = variant
             r.cached += n
             r.in_steps += 1
-        return StepPlan(variant, "prefill", tuple(rows), saves)
+        return StepPlan(variant, "prefill", tuple(rows), saves, decode_rows_stalled=stalled)
+
+    def _stalled(self, in_step: list[Request]) -> int:
+        """Running requests that could decode but are not in this step: the decode stall."""
+        return sum(1 for r in self.running
+                   if r not in in_step and r.in_steps <= 1 and len(r.tokens) + r.in_steps < r.max_new_tokens)
 
     def _prefill_row(self, r: Request, start: int, end: int, saves: bool) -> RowPlan:
         """``r`` computes positions ``[start, end)`` (its whole prompt or one chunk of it): it loads
@@ -360,13 +350,19 @@ class Scheduler:
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
                        load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]), loaded=tuple(r.loaded),
                        save_block_ids=save_ids, save_keys=save_keys,
-                       logits_positions=_prefill_logits_positions(r, start, end) if last else (), samples=last)
+                       logits_positions=prefill_logits_positions(r, start, end) if last else (), samples=last)
 
     # ---- internals: decode and preemption ---------------------------------------------------
     def _schedule_decode(self) -> Optional[StepPlan]:
+        decodes = self._choose_decodes(self.max_num_batched_tokens)
+        return self._step([], decodes, False) if decodes else None
+
+    def _choose_decodes(self, budget: int) -> list[Request]:
+        """The running requests that decode in this step, oldest first, one token each within
+        ``budget``, each with a block for its token (preempting the newest when none is free)."""
         chosen: list[Request] = []
         for r in list(self.running):
-            if len(chosen) >= self.max_num_batched_tokens:
+            if len(chosen) >= budget:
                 break
             if r not in self.running or r.in_steps > 1 or len(r.tokens) + r.in_steps >= r.max_new_tokens:
                 continue  # preempted meanwhile, or its last token is already on its way
@@ -379,17 +375,16 @@ class Scheduler:
                     break
             else:
                 chosen.append(r)
-        if not chosen:
-            return None
-        rows = []
-        for r in chosen:
-            p = r.cached
-            # PENDING: sampled by the step in flight, filled in by finalize
-            rows.append(RowPlan(r, (r.seq[p] if p < len(r.seq) else PENDING,), p, tuple(r.table),
-                                logits_positions=(0,)))
-            r.cached = p + 1
-            r.in_steps += 1
-        return StepPlan(self.variant_for("decode", False), "decode", tuple(rows), False)
+        return chosen
+
+    def _decode_row(self, r: Request) -> RowPlan:
+        p = r.cached
+        # PENDING: sampled by the step in flight, filled in by finalize
+        row = RowPlan(r, (r.seq[p] if p < len(r.seq) else PENDING,), p, tuple(r.table),
+                      logits_positions=(0,), decode=True)
+        r.cached = p + 1
+        r.in_steps += 1
+        return row
 
     def _victim(self, exclude: list[Request]) -> Optional[Request]:
         """The newest request holding blocks that no step in flight uses: admitted ones first

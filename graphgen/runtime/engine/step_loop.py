@@ -59,9 +59,10 @@ class LLMEngine:
         self._inflight = None  # (future, step_no): the step on the forward thread
         self._sched_no = 0  # ids of scheduled steps, in schedule order (the timeline's step_no)
         self._forward_sid = 0
+        self._forward_plan: Optional[StepPlan] = None  # the plan of the forward running now
         runner.on_forward = self._forward_span
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_hit_tokens": 0, "steps": 0,
-                        "sampling_fallbacks": 0}
+                        "sampling_fallbacks": 0, "mixed_steps": 0, "decode_rows_stalled": 0}
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req_id: Any, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *,
@@ -136,7 +137,7 @@ class LLMEngine:
                 if plan is not None:
                     plan = self.scheduler.finalize(plan)
                 if plan is not None:
-                    self._forward_sid = sid
+                    self._forward_sid, self._forward_plan = sid, plan
                     self._land(plan, self.runner.collect(self.runner.submit(plan)), out)
             else:
                 if self._inflight is None:
@@ -171,7 +172,7 @@ class LLMEngine:
         plan = self.scheduler.finalize(plan)
         if plan is None:
             return
-        self._forward_sid = sid
+        self._forward_sid, self._forward_plan = sid, plan
         fut = self.runner.submit(plan, background=True)
         self._span("launch", sid, time.perf_counter())
         self._inflight = (fut, sid)
@@ -202,6 +203,8 @@ class LLMEngine:
         self.scheduler.update(plan, tokens, kept)
         self.connector.reap()
         self._totals["steps"] += 1
+        self._totals["mixed_steps"] += plan.mixed
+        self._totals["decode_rows_stalled"] += plan.decode_rows_stalled
         for j, (row, tok) in enumerate(zip(plan.rows, tokens)):
             r = row.request
             if tok is None or r.finish_reason == "abort":
@@ -238,6 +241,8 @@ class LLMEngine:
             self.timeline.append(("forward", self._forward_sid, t0, t1))
         if self.observer is not None:
             self.observer.step("forward", self._forward_sid, t0, t1)
+            if self._forward_plan is not None:
+                self.observer.step_rows(self._forward_plan, self._forward_sid, t0, t1)
 
     def _span(self, what: str, sid: int, t0: float) -> None:
         if self.timeline is not None:
@@ -259,11 +264,12 @@ class LLMEngine:
     # ---- the rest ---------------------------------------------------------------------------
     def stats(self) -> dict:
         """Gauges (``running``, ``waiting``, ``saves_pending``, ``free_blocks``), totals since start
-        (``prompt_tokens``, ``generation_tokens``, ``prefix_hit_tokens``, ``steps``,
-        ``preemptions``, ``sampling_fallbacks``; the scheduler's ``prefills`` — prompt prefills
-        begun —, ``forks`` — children sharing a parent's prompt blocks —, ``prefill_tokens`` and
-        ``device_hit_blocks`` — blocks shared from the device prefix cache, apart from the pool's
-        ``hit_blocks``; the gauge ``device_cached_blocks``)
+        (``prompt_tokens``, ``generation_tokens``, ``prefix_hit_tokens``, ``steps``, ``mixed_steps``:
+        steps with decode and prefill rows, ``decode_rows_stalled``: per step, the running requests
+        that could decode but were not in it, summed; ``preemptions``, ``sampling_fallbacks``; the
+        scheduler's ``prefills`` — prompt prefills begun —, ``forks`` — children sharing a parent's
+        prompt blocks —, ``prefill_tokens`` and ``device_hit_blocks`` — blocks shared from the device
+        prefix cache, apart from the pool's ``hit_blocks``; the gauge ``device_cached_blocks``)
         and the connector's counters (``puts``, ...)."""
         self.connector.reap()
         s = self.scheduler

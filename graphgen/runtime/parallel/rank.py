@@ -184,7 +184,7 @@ def plan_fingerprint(plan: StepPlan) -> int:
     h = hashlib.sha256(plan.variant.encode())
     for row in plan.rows:
         h.update(repr((row.start, row.token_ids, row.block_table, row.load_block_ids, row.save_block_ids,
-                       row.logits_positions, row.samples)).encode())
+                       row.logits_positions, row.samples, row.decode)).encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
