@@ -27,7 +27,9 @@ def _setup(variant, buckets):
 
     assert standin.install()
     mod = load_module(Path(f"hw/{variant}.py"), compile_variant(SPEC, variant, "npu", mode="max-autotune"))
-    W = {k: t.to(torch.bfloat16) for k, t in random_weights(SPEC).items()}
+    from graphgen.npu.run.weights import load_time_weights
+
+    W = load_time_weights({k: t.to(torch.bfloat16) for k, t in random_weights(SPEC).items()}, [mod])
     W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, 512, dtype=torch.bfloat16)
     kv, staging = kv_buffers(mod, SPEC.dims.num_hidden_layers, 9, staging_rows=buckets.save_rows if mod.META["saves"] else 0)
     return mod, W, kv, staging, compile_module, load_module

@@ -51,7 +51,9 @@ def tiny():
     assert standin.install()
     spec = load_spec(ROOT / "specs/tiny_qwen3_npu.yaml")
     mod = load_module(ROOT / "generated/tiny_qwen3_npu/npu/max_autotune/mempool_prefill.py")
-    return spec, mod, random_weights(spec, rope=mod.ROPE)
+    from graphgen.npu.run.weights import load_time_weights
+
+    return spec, mod, load_time_weights(random_weights(spec, rope=mod.ROPE), [mod])
 
 
 def _run(tiny, schedule: str, *, wait_for_save: bool = True, broken_ring: bool = False):

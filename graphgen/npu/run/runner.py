@@ -43,6 +43,7 @@ from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .ranks import launch_npu_ranks, setup_rank
 from .staging import CommitPath, NpuStreams, StagingRing
+from .weights import load_time_weights
 
 __all__ = ["NpuModelRunner", "npu_engine"]
 
@@ -89,7 +90,8 @@ class NpuModelRunner:
         rope = next(iter(self.modules.values())).ROPE
         from .inputs import ROPE_CACHE_KEY, rope_cache
 
-        self.W = cast_weights(weights, spec.family, self.dtype, self.device)  # fp32 keys stay fp32
+        # fp32 keys stay fp32; merged q/k/v, gate/up and pre-transposed experts built once here
+        self.W = load_time_weights(cast_weights(weights, spec.family, self.dtype, self.device), self.modules.values())
         self.W[ROPE_CACHE_KEY] = rope_cache(rope, max_model_len(spec), device=self.device, dtype=self.dtype)
         mod = next(iter(self.modules.values()))
         # the connector's cache in the NPU modules' layout: views, same memory
