@@ -15,6 +15,7 @@ rank's ``active_expert_range`` and the grouped matmuls its local expert ids; a T
 
 from __future__ import annotations
 
+from .npu_calls import moe_call, swiglu_mlp_call
 from .render import Emitter, LoweringError, weight
 
 _GROUP = "torch.distributed.group.WORLD.group_name"
@@ -53,8 +54,6 @@ def _o_proj(n, ctx):
 
 
 def _swiglu_mlp(n, ctx):
-    from .npu import swiglu_mlp_call
-
     return [f"{_out(n, ctx)} = {swiglu_mlp_call(n, ctx)}"]
 
 
@@ -62,8 +61,6 @@ def _moe(n, ctx):
     if n.attrs["ep"] > 1:
         raise LoweringError(f"node {n.id}: no NPU lowering for expert-parallel MoE (ep={n.attrs['ep']}); "
                             f"use ep: 1 (experts sliced by width) for the npu target")
-    from .npu import moe_call
-
     return [f"{_out(n, ctx)} = {moe_call(n, ctx, 'torch.zeros_like(' + ctx.ref(n.input('x')) + ')')}"]
 
 
