@@ -144,6 +144,19 @@ def rank_kv_components(family: str, d, tp: int) -> tuple:
     return fam.kv_components(PLANS[family].rank_dims(fam.dims_of(d), tp) if tp > 1 else fam.dims_of(d))
 
 
-def kv_replicated(family: str) -> bool:
-    """True when every TP rank holds the same KV (saved once, by rank 0, loaded on every rank)."""
-    return not PLANS[family].kv_split()
+def kv_shard_owner(family: str, d, tp: int, rank: int) -> int:
+    """The lowest rank holding the same KV shard as ``rank``: it alone puts that shard, and every
+    rank holding it uses its pool keys. The MLA latent (the same on every rank): 0. KV heads split
+    by ``tp``: ``rank`` itself. KV heads replicated because ``tp`` exceeds them (Qwen3 with 2 KV heads
+    at tp=4: ranks 0,1 hold head 0, ranks 2,3 head 1): the first rank of the group (0 or 2), as the
+    shard pass slices them (rank ``r`` holds chunk ``r * parts // tp`` of ``parts = min(tp, heads)``)."""
+    from . import FAMILIES
+
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside a world of {tp}")
+    plan = PLANS[family]
+    if plan.kv_heads is None:
+        return 0
+    parts = min(tp, getattr(FAMILIES[family].dims_of(d), plan.kv_heads))
+    chunk = rank * parts // tp
+    return next(r for r in range(tp) if r * parts // tp == chunk)

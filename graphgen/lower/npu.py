@@ -18,12 +18,13 @@ from __future__ import annotations
 import ast
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .npu_parallel import EMIT_PARALLEL
-from .render import MOE_WEIGHTS, Emitter, LoweringError, Names, emit_with, moe_kwargs, py, render_frame, weight
+from .npu_calls import moe_call, swiglu_mlp_call
+from .render import Emitter, LoweringError, Names, emit_with, load_time_weight, py, render_frame, weight
 
 COMPILE_MODES = ("max-autotune", "reduce-overhead")
 HELPERS_FILE = Path(__file__).with_name("npu_helpers.py")
@@ -49,6 +50,7 @@ class NpuCtx:
     mode: str
     events: dict  # event -> (from stream, to stream)
     components: dict  # kv_cache name -> its component names (from the kv_write that fills it)
+    loaded: dict = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
 
 
 def evname(event: str) -> str:
@@ -121,7 +123,8 @@ def _rms_norm(n, ctx):
 
 def _qwen3_attn_prolog(n, ctx):
     a, r = n.attrs, ctx.ref
-    args = [r(n.input("x")), *(weight(n, w) for w in ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm")),
+    qkv = load_time_weight(n, ctx.loaded, ("w_q", "w_k", "w_v"), dim=0)  # one matmul, split after
+    args = [r(n.input("x")), qkv, *(weight(n, w) for w in ("w_q_norm", "w_k_norm")),
             r(n.input("cos")), r(n.input("sin")), f"num_heads={a['num_heads']}", f"num_kv_heads={a['num_kv_heads']}",
             f"head_dim={a['head_dim']}", f"eps={py(a['eps'])}"]
     return [f"{_out(n, ctx)} = _qwen3_attn_prolog({', '.join(args)})"]
@@ -197,14 +200,11 @@ def _o_proj_residual(n, ctx):
 
 
 def _swiglu_mlp_residual(n, ctx):
-    return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + _swiglu_mlp({ctx.ref(n.input('x'))}, "
-            f"{weight(n, 'w_gate')}, {weight(n, 'w_up')}, {weight(n, 'w_down')})"]
+    return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + {swiglu_mlp_call(n, ctx)}"]
 
 
 def _moe_residual(n, ctx):
-    args = [ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS), ctx.ref(n.input("residual")),
-            *moe_kwargs(n.attrs), f"num_experts={n.attrs['num_experts']}"]
-    return [f"{_out(n, ctx)} = _moe_residual({', '.join(args)})"]
+    return [f"{_out(n, ctx)} = {moe_call(n, ctx, ctx.ref(n.input('residual')))}"]
 
 
 def _lm_head(n, ctx):
@@ -343,5 +343,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
         save_stream=f"({tag}, {prio})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
+        load_time_weights="{" + "".join(f"\n    {k!r}: {py(ctx.loaded[k])}," for k in sorted(ctx.loaded))
+        + ("\n}" if ctx.loaded else "}"),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),
         load_body="\n".join(load) or "    pass  # this graph loads nothing")

@@ -11,20 +11,23 @@ import torch.nn.functional as F
 import torch_npu
 
 
-def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
-    """q/k/v projections, per-head RMSNorm of q and k, then half-rotation RoPE (layout BSND, B=1, S=T)."""
+def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
+    """q/k/v in one matmul (w_qkv: [q; k; v] merged at load), split; per-head RMSNorm of q and k, then
+    half-rotation RoPE (layout BSND, B=1, S=T)."""
     t = x.shape[0]
-    q = torch_npu.npu_rms_norm(F.linear(x, w_q).view(t, num_heads, head_dim), w_q_norm, eps)[0]
-    k = torch_npu.npu_rms_norm(F.linear(x, w_k).view(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
-    v = F.linear(x, w_v).view(t, num_kv_heads, head_dim)
+    q, k, v = F.linear(x, w_qkv).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = torch_npu.npu_rms_norm(q.reshape(t, num_heads, head_dim), w_q_norm, eps)[0]
+    k = torch_npu.npu_rms_norm(k.reshape(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
+    v = v.reshape(t, num_kv_heads, head_dim)
     q, k = torch_npu.npu_apply_rotary_pos_emb(q.unsqueeze(0), k.unsqueeze(0), cos.view(1, t, 1, head_dim),
                                               sin.view(1, t, 1, head_dim), layout="BSND", rotary_mode="half")
     return q.squeeze(0), k.squeeze(0), v
 
 
-def _swiglu_mlp(x, w_gate, w_up, w_down):
-    """down(silu(gate(x)) * up(x)); npu_swiglu takes [gate | up] concatenated on the last dim."""
-    return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
+def _swiglu_mlp(x, w_gate_up, w_down):
+    """down(silu(gate(x)) * up(x)) with gate/up merged at load (w_gate_up = [gate; up]): one matmul whose
+    output is the [gate | up] npu_swiglu takes on the last dim."""
+    return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
 
 
 def _interleaved_rope(x, cos, sin):
@@ -143,9 +146,13 @@ def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, kv_gather_rows, actual_seq_lengt
                            num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale)
 
 
-def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, residual, *,
+def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, w_shared_down, residual, *,
                   top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
+
+    Expert weights come in npu_grouped_matmul's layout, built once at load: w_gate_up_t [E, H, 2I]
+    (gate and up merged, so one GMM yields [gate | up] for npu_swiglu) and w_down_t [E, I, H] -- no
+    per-step transpose, which torchair folds into GMM's transpose_weight for fp8/mxfp4 only (audit 2 row 10).
 
     Unpermute with npu_moe_token_unpermute (torch-npu 2.14.0 _op_plugin_docs.py:16931-16975: sorted_indices
     = the position in the permuted rows of each (token, k) pair, init_routing_v2's default gather-type row
@@ -165,14 +172,12 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
     rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
         x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
         expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
-    gate = torch_npu.npu_grouped_matmul([rows], [w_gate.transpose(1, 2)], group_list=tokens_per_expert,
+    gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=tokens_per_expert,
+                                           group_list_type=1, group_type=0, split_item=2)[0]
+    act = torch_npu.npu_swiglu(gate_up, dim=-1)
+    down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
-    up = torch_npu.npu_grouped_matmul([rows], [w_up.transpose(1, 2)], group_list=tokens_per_expert,
-                                      group_list_type=1, group_type=0, split_item=2)[0]
-    act = torch_npu.npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
-    down = torch_npu.npu_grouped_matmul([act], [w_down.transpose(1, 2)], group_list=tokens_per_expert,
-                                        group_list_type=1, group_type=0, split_item=2)[0]
-    shared = None if w_shared_gate is None else _swiglu_mlp(x, w_shared_gate, w_shared_up, w_shared_down)
+    shared = None if w_shared_gate_up is None else _swiglu_mlp(x, w_shared_gate_up, w_shared_down)
     # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
     out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
     return out if shared is None else out + shared

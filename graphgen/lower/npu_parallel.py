@@ -15,7 +15,8 @@ rank's ``active_expert_range`` and the grouped matmuls its local expert ids; a T
 
 from __future__ import annotations
 
-from .render import MOE_WEIGHTS, Emitter, LoweringError, moe_kwargs, weight
+from .npu_calls import moe_call, swiglu_mlp_call
+from .render import Emitter, LoweringError, weight
 
 _GROUP = "torch.distributed.group.WORLD.group_name"
 
@@ -69,18 +70,14 @@ def _o_proj(n, ctx):
 
 
 def _swiglu_mlp(n, ctx):
-    return [f"{_out(n, ctx)} = _swiglu_mlp({ctx.ref(n.input('x'))}, {weight(n, 'w_gate')}, {weight(n, 'w_up')}, "
-            f"{weight(n, 'w_down')})"]
+    return [f"{_out(n, ctx)} = {swiglu_mlp_call(n, ctx)}"]
 
 
 def _moe(n, ctx):
     if n.attrs["ep"] > 1:
         raise LoweringError(f"node {n.id}: no NPU lowering for expert-parallel MoE (ep={n.attrs['ep']}); "
                             f"use ep: 1 (experts sliced by width) for the npu target")
-    x = ctx.ref(n.input("x"))
-    args = [x, *(weight(n, w) for w in MOE_WEIGHTS), f"torch.zeros_like({x})", *moe_kwargs(n.attrs),
-            f"num_experts={n.attrs['num_experts']}"]
-    return [f"{_out(n, ctx)} = _moe_residual({', '.join(args)})"]
+    return [f"{_out(n, ctx)} = {moe_call(n, ctx, 'torch.zeros_like(' + ctx.ref(n.input('x')) + ')')}"]
 
 
 def _residual_add(n, ctx):

@@ -111,6 +111,24 @@ def weight(node: Node, attr: str) -> str:
     return "None" if key is None else f"W[{key!r}]"
 
 
+LOAD_KEY_PREFIX = "graphgen.load:"
+
+
+def load_time_weight(node: Node, loaded: dict, attrs: tuple[str, ...], *, dim: int, transpose12: bool = False) -> str:
+    """``W['<key>']`` of a weight built once at load time (NPU: ``graphgen.npu.run.weights``) from the
+    checkpoint tensors of ``attrs``: concatenated along ``dim``, then ``transpose(1, 2)`` made contiguous
+    when ``transpose12``. The recipe is recorded in ``loaded`` (the module's ``LOAD_TIME_WEIGHTS``);
+    ``None`` when every attribute is absent (an optional weight)."""
+    keys = [node.attrs.get(a) for a in attrs]
+    if all(k is None for k in keys):
+        return "None"
+    if any(k is None for k in keys):
+        raise LoweringError(f"node {node.id}: {attrs} must be all present or all absent to merge them")
+    key = f"{LOAD_KEY_PREFIX}{'+'.join(keys)}:cat{dim}" + (":t12" if transpose12 else "")
+    loaded[key] = {"cat": tuple(keys), "dim": dim, "transpose12": transpose12}
+    return f"W[{key!r}]"
+
+
 def emit_with(table: dict[str, Emitter], target: str, node: Node, ctx) -> list[str]:
     fn = table.get(node.op)
     if fn is None:

@@ -127,7 +127,7 @@ def test_unknown_op_and_unknown_mode_are_clear_errors():
 
 def test_every_device_op_has_an_emitter_and_the_host_commit_none():
     """pool_put (the host stream's commit) stays in the IR for the race verifier but is lowered on
-    neither target: the engine commits after HOST_EVENT (CPU) or through the Committer (NPU)."""
+    neither target: the engine commits after HOST_EVENT (CPU) or through the commit path (NPU, graphgen.npu.run.staging)."""
     from graphgen.ir.ops import OPS
     assert set(cpu.EMIT) | {"pool_put"} == set(OPS) and "pool_put" not in cpu.EMIT
     assert set(npu.EMIT) | {"pool_put"} == set(OPS) and "pool_put" not in npu.EMIT

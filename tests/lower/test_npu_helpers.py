@@ -89,7 +89,10 @@ def test_qwen3_attn_prolog_matches_reference(helpers):
           torch.rand(d) + .5]
     cos, sin = _cos_sin(t, d)
     kw = dict(num_heads=h, num_kv_heads=kvh, head_dim=d, eps=1e-6)
-    got = helpers._qwen3_attn_prolog(x, *ws, cos, sin, **kw)
+    from graphgen.npu.run.weights import build_load_time_weight
+
+    qkv = build_load_time_weight(ws[:3], dim=0, transpose12=False)  # merged at load, as the runner does
+    got = helpers._qwen3_attn_prolog(x, qkv, *ws[3:], cos, sin, **kw)
     want = ops.qwen3_attn_prolog(x, *ws, cos, sin, **kw)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
@@ -120,5 +123,30 @@ def test_swiglu_mlp_matches_reference(helpers):
     torch.manual_seed(2)
     x, wg, wu, wd = torch.randn(4, 8), torch.randn(12, 8), torch.randn(12, 8), torch.randn(8, 12)
     res = torch.randn(4, 8)
-    torch.testing.assert_close(res + helpers._swiglu_mlp(x, wg, wu, wd), ops.swiglu_mlp_residual(x, wg, wu, wd, res),
+    from graphgen.npu.run.weights import build_load_time_weight
+
+    gate_up = build_load_time_weight([wg, wu], dim=0, transpose12=False)
+    torch.testing.assert_close(res + helpers._swiglu_mlp(x, gate_up, wd), ops.swiglu_mlp_residual(x, wg, wu, wd, res),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_moe_residual_with_load_time_expert_layouts_matches_reference(helpers):
+    """Experts merged and pre-transposed at load ([E, H, 2I], [E, I, H]), shared gate/up merged; router
+    and bias float32: the stand-in's MoE kernels (our reading of the docs) against the CPU MoE."""
+    from graphgen.npu.run.weights import build_load_time_weight
+    from graphgen.runtime.core import ops
+
+    torch.manual_seed(3)
+    t, hid, inter, e = 5, 16, 8, 8
+    x, res = torch.randn(t, hid), torch.randn(t, hid)
+    router, bias = torch.randn(e, hid), torch.randn(e) * 0.1
+    eg, eu, ed = torch.randn(e, inter, hid), torch.randn(e, inter, hid), torch.randn(e, hid, inter)
+    sg, su, sd = torch.randn(inter, hid), torch.randn(inter, hid), torch.randn(hid, inter)
+    kw = dict(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    gate_up_t = build_load_time_weight([eg, eu], dim=1, transpose12=True)
+    down_t = build_load_time_weight([ed], dim=0, transpose12=True)
+    assert gate_up_t.shape == (e, hid, 2 * inter) and gate_up_t.is_contiguous() and down_t.shape == (e, inter, hid)
+    got = helpers._moe_residual(x, router, bias, gate_up_t, down_t, build_load_time_weight([sg, su], dim=0,
+                                transpose12=False), sd, res, num_experts=e, **kw)
+    want = ops.moe_residual(x, router, bias, eg, eu, ed, sg, su, sd, res, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

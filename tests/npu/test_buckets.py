@@ -27,7 +27,9 @@ def _setup(variant, buckets):
 
     assert standin.install()
     mod = load_module(Path(f"hw/{variant}.py"), compile_variant(SPEC, variant, "npu", mode="max-autotune"))
-    W = {k: t.to(torch.bfloat16) for k, t in random_weights(SPEC).items()}
+    from graphgen.npu.run.weights import load_time_weights
+
+    W = load_time_weights({k: t.to(torch.bfloat16) for k, t in random_weights(SPEC).items()}, [mod])
     W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, 512, dtype=torch.bfloat16)
     kv, staging = kv_buffers(mod, SPEC.dims.num_hidden_layers, 9, staging_rows=buckets.save_rows if mod.META["saves"] else 0)
     return mod, W, kv, staging, compile_module, load_module
@@ -87,3 +89,23 @@ def test_mixed_loop_never_compiles_more_graphs_than_buckets():
 
 def test_report_exits_1_when_a_variant_compiled_more_graphs_than_buckets():
     assert report([LoopResult("decode", "max-autotune", 24, 5, 4)], lambda s: None) == 1
+
+
+def test_the_causal_mask_is_built_once_per_device_and_shared_by_steps_and_buckets():
+    """Audit 2 row 15a: the 2048^2 sparse_mode=3 mask was built and copied every prefill step."""
+    from graphgen.npu.run.inputs import causal_mask, npu_step_inputs
+
+    def step(n_tokens: int, bucket: int):
+        from graphgen.npu.run.inputs import StepPadding
+
+        pad = StepPadding(batch=2, tokens=bucket, max_blocks=1, pad_block=7, save_rows=1)
+        return npu_step_inputs(input_ids=list(range(n_tokens)), positions=list(range(n_tokens)),
+                               slot_mapping=list(range(n_tokens)), block_tables=[[0]], seq_lens=[n_tokens],
+                               query_lens=[n_tokens], logits_indices=[n_tokens - 1], block_size=128, pad=pad)
+
+    a, b, c = step(5, 16), step(9, 16), step(20, 32)  # two steps of one bucket, one of another
+    assert a.atten_mask is b.atten_mask is c.atten_mask is causal_mask("cpu")
+    assert torch.equal(a.atten_mask, torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+    assert step(5, 16).atten_mask is not None and npu_step_inputs(
+        input_ids=[1], positions=[3], slot_mapping=[3], block_tables=[[0]], seq_lens=[4], query_lens=[1],
+        logits_indices=[0], block_size=128, decode=True).atten_mask is None  # decode reads no mask

@@ -34,7 +34,9 @@ def _meta_weights(spec, mod):
     names = graph_weight_names(c.graph for c in compile_spec(spec, targets=("cpu",), check=False))
     W = rank_weights(full, names, rank=0, size=spec.parallel.tp)
     W[mod.ROPE_CACHE_KEY] = torch.empty(512, 2 * mod.ROPE["rot_dim"], dtype=dtype, device="meta")
-    return W
+    from graphgen.npu.run.weights import load_time_weights
+
+    return load_time_weights(W, [mod])
 
 
 @pytest.fixture

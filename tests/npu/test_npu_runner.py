@@ -52,7 +52,7 @@ def runs():
         npu_stats = dict(e.stats)
         batched = e.generate([list(range(9, 150)), list(range(11, 60)), list(range(13, 30))], 3, batch=True)
         e.drain()
-        ring_free = e.runner.ring.in_flight == 0
+        ring_free = e.runner.commits.ring.in_flight == 0
     return cpu, npu, cpu_stats, npu_stats, batched, ring_free
 
 

@@ -191,6 +191,7 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
     the NPU side's host quantities, ``src_edit(source)`` the NPU module itself (negative controls)."""
     from graphgen.npu.run.compile import compile_module
     from graphgen.npu.run.inputs import random_weights
+    from graphgen.npu.run.weights import load_time_weights
     from graphgen.runtime.core import ops
     from graphgen.runtime.core.kvcache import PagedKVCache, kv_cache_shapes
 
@@ -239,7 +240,7 @@ def _wiring_step(model, variant, mode, *, compiled=False, seed=0, npu_edit=None,
         target, backend = compile_module(npu_mod, npu_mod.COMPILE_MODE, use_standin=True)
     with torch.no_grad():
         npu_mod.load(b, kv_npu, loads_npu)  # eager, before the graph (the NPU module's load())
-        logits_npu = target.forward(W, b, kv_npu, staging_npu)
+        logits_npu = target.forward(load_time_weights(W, [npu_mod]), b, kv_npu, staging_npu)
     if compiled:
         assert len(backend.graphs) == 1  # fullgraph, one graph: the numbers above are the compiled graph's
     slots = torch.tensor(h["slot_mapping"])

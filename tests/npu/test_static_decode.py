@@ -32,7 +32,9 @@ def _decode(tiling_sink, mode="max-autotune"):
         target, _ = compile_module(mod, mode, use_standin=True, tiling_sink=tiling_sink)
         b = tiny_step(mod, spec, SAMPLE_SEQS[("decode", False)], NUM_BLOCKS)
         kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, NUM_BLOCKS, staging_rows=0)
-        W = {k: t.to(torch.bfloat16) for k, t in random_weights(spec, rope=mod.ROPE).items()}
+        from graphgen.npu.run.weights import load_time_weights
+
+        W = load_time_weights({k: t.to(torch.bfloat16) for k, t in random_weights(spec, rope=mod.ROPE).items()}, [mod])
         torch._dynamo.reset()
         with torch.no_grad():
             return target.forward(W, b, kv, staging)

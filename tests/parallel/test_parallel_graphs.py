@@ -136,3 +136,19 @@ def test_npu_collectives_are_ops_of_the_installed_torch():
     for c in calls:
         op = getattr(torch.ops._c10d_functional, ast.unparse(c.func).rsplit(".", 1)[1]).default
         assert len(c.args) == len(op._schema.arguments), ast.unparse(c)
+
+
+def test_kv_shard_owner_names_one_rank_per_distinct_kv_shard():
+    """The rank whose keys a KV shard is saved under (and the only one that puts it): the shard pass's
+    slicing (rank r holds KV-head chunk r * parts // tp) decides which ranks hold the same shard."""
+    import dataclasses
+
+    from graphgen.families.parallel import kv_shard_owner
+    from graphgen.modelspec.loader import load_spec
+
+    q = load_spec(REPO / "specs/tiny_qwen3.yaml")  # 2 KV heads
+    qd = dataclasses.asdict(q.dims)
+    assert [kv_shard_owner(q.family, qd, 4, r) for r in range(4)] == [0, 0, 2, 2]  # replicated heads
+    assert [kv_shard_owner(q.family, qd, 2, r) for r in range(2)] == [0, 1]        # split heads
+    ds = load_spec(REPO / "specs/tiny_deepseek_v3.yaml")
+    assert [kv_shard_owner(ds.family, dataclasses.asdict(ds.dims), 2, r) for r in range(2)] == [0, 0]  # MLA latent

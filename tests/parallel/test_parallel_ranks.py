@@ -151,15 +151,21 @@ def test_serve_counts_the_ranks_of_the_layout():
 
 def test_qwen3_tp4_replicates_kv_heads_and_matches_transformers(qwen):
     """tp=4 over 2 KV heads: each KV head is replicated on two ranks (each rank keeps one query head and
-    its KV head); logits still match transformers at every step."""
+    its KV head); logits still match transformers at every step. Each distinct KV shard is saved once
+    (audit 2 row 11): ranks 0 and 2 put head 0 and head 1, ranks 1 and 3 (same heads) put nothing and
+    load the owners' blocks, so the pool holds 2 keys per block, not 4."""
     model, d = qwen.model, qwen.dir
     a, b = _prompts(4)
-    (ra, again, rb), stats, _ = _run("specs/tiny_qwen3.yaml", d, a, b, tp=4)
+    (ra, again, rb), stats, pool = _run("specs/tiny_qwen3.yaml", d, a, b, tp=4)
     assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
             assert_steps_match_hf(model, r, f"qwen3 tp=4 {what}")
     assert [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
+    saved = stats[0]["puts"]
+    assert saved > 0 and [s["puts"] for s in stats] == [saved, 0, saved, 0]
+    assert [s["skipped_puts"] for s in stats] == [0, saved, 0, saved]
+    assert pool["num_keys"] == 2 * saved  # one put per distinct shard and block
 
 
 def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path):

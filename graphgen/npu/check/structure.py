@@ -69,7 +69,9 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None, *, check_
                                  staging_rows=NUM_BLOCKS if meta["saves"] else 0)
         loads = load_buffers(mod, spec.dims.num_hidden_layers,
                              0 if b.load_rows is None else b.load_rows.shape[0])
-        W = random_weights(spec, rope=mod.ROPE)
+        from ..run.weights import load_time_weights
+
+        W = load_time_weights(random_weights(spec, rope=mod.ROPE), [mod])
         torch._dynamo.reset()
         with torch.no_grad(), standin.enforce_limits(check_limits):
             mod.load(b, kv, loads)  # eager, before the graph (see the module's load())

@@ -194,6 +194,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     from .compile import compile_module, load_module
     from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, random_weights, rope_cache
     from .mixed_grid import MixedGrid, MixedStep
+    from .weights import load_time_weights
 
     buckets = buckets or Buckets.from_spec(spec)
     grid = MixedGrid.from_buckets(buckets)
@@ -219,7 +220,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                     mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
                     target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
                 max_pos = buckets.max_blocks * spec.kv_cache.block_size
-                W = {k: t.to(dtype) for k, t in random_weights(spec).items()}
+                W = load_time_weights({k: t.to(dtype) for k, t in random_weights(spec).items()}, [mod])
                 W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype)
                 nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
                 kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,

@@ -69,7 +69,7 @@ def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_len
         block_tables=torch.as_tensor(block_tables, dtype=torch.int32).to(dev),
         actual_seq_lengths=cum,
         actual_seq_lengths_kv=[int(x) for x in torch.as_tensor(seq_lens).tolist()],
-        atten_mask=None if decode else torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool), 1).to(dev),
+        atten_mask=None if decode else causal_mask(dev),
         logits_indices=torch.as_tensor(logits_indices, dtype=torch.int64).to(dev),
         save_block_ids=None if save is None else save.to(dev),
         save_rows=None if save is None else torch.arange(save.numel(), dtype=torch.int64).view(-1, 1).to(dev),
@@ -77,6 +77,20 @@ def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_len
         load_rows=None if load is None else load.view(-1, 1).to(dev),
         kv_gather_rows=None if gather is None else torch.as_tensor(gather, dtype=torch.int64).to(dev),
     )
+
+
+_MASKS: dict[str, torch.Tensor] = {}
+
+
+def causal_mask(device=None) -> torch.Tensor:
+    """The compressed causal mask of ``sparse_mode=3`` (``[2048, 2048]`` bool, True above the
+    diagonal), built once per device and shared by every step and bucket (audit 2 row 15a: it was
+    built on the host and copied to the device every prefill step). Read-only: no graph writes it."""
+    key = str(torch.device(device) if device is not None else torch.device("cpu"))
+    mask = _MASKS.get(key)
+    if mask is None:
+        mask = _MASKS.setdefault(key, torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool), 1).to(key))
+    return mask
 
 
 def gather_rows(block_tables, seq_lens, block_size: int, rows: Optional[int] = None, pad_block: int = 0) -> list:

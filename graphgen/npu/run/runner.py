@@ -14,11 +14,13 @@ side (pin and stage the save, hand it off) and adapts at the runner boundary:
 * **the KV cache in the NPU layout**: the connector's `PagedKVCache` (CPU layout ``[NB, BS, Hkv, D]``,
   what the pool (de)serialises) is handed to the NPU module as views in its layout (``KV_SHAPES``,
   ``[NB, BS, Hkv*D]``): the same memory, so pool loads land where the kernels read;
-* **commits off the critical path**: a saving step writes into a buffer of a `StagingRing` (persistent
-  buffers, never one whose commit is in flight); a `Committer` thread waits for the step's save event
-  (on an NPU: an event recorded after the graph), copies the saved rows into the connector's staging
-  and frees the buffer; the connector then puts the blocks (inline for sync, host stream for async).
-  ``submit`` returns without waiting for any of it.
+* **commits off the critical path** (`graphgen.npu.run.staging.CommitPath`): a saving graph call
+  writes into a slot of a `StagingRing` (persistent, never one whose commit is in flight); after the
+  call a save event is recorded, a dedicated copy stream waits on it and issues one non-blocking D2H
+  per (layer, component) into the slot's pinned host rows; the connector puts from those rows after
+  the copy event (inline for sync, host stream for async) and then frees the slot. ``submit``
+  returns once the copies are issued. On the stand-in the copy stream is modelled
+  (`graphgen.npu.standin.streams`) and the host rows are pageable.
 
 `npu_engine` builds the runtime `Engine` with this runner through the runtime's one assembly
 function (`build_engine`) and registers itself as ``open_engine(..., target="npu")``.
@@ -29,7 +31,6 @@ result); without it, torch_npu must import (`NpuUnavailable` otherwise).  The re
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,41 +42,10 @@ from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .ranks import launch_npu_ranks, setup_rank
-from .staging import Committer, StagingExhausted, StagingRing
+from .staging import CommitPath, NpuStreams, StagingRing
+from .weights import load_time_weights
 
 __all__ = ["NpuModelRunner", "npu_engine"]
-
-
-class _SaveHandle:
-    """One step's commit copies (one per graph call) as the connector sees them: ``exception()``
-    (the save job) and ``wait()`` (the save event), both blocking until every copy is done."""
-
-    def __init__(self, parts: int):
-        self._left, self._errors = parts, []
-        self._cv = threading.Condition()
-
-    def _part_done(self, error: Optional[BaseException] = None) -> None:
-        with self._cv:
-            self._left -= 1
-            if error is not None:
-                self._errors.append(error)
-            self._cv.notify_all()
-
-    def done(self) -> bool:
-        with self._cv:
-            return self._left == 0
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._left == 0, timeout):
-                raise TimeoutError("NPU save commit not done in time")
-        if self._errors:
-            raise self._errors[0]
-
-    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        with self._cv:
-            self._cv.wait_for(lambda: self._left == 0, timeout)
-            return self._errors[0] if self._errors else None
 
 
 class NpuModelRunner:
@@ -120,20 +90,25 @@ class NpuModelRunner:
         rope = next(iter(self.modules.values())).ROPE
         from .inputs import ROPE_CACHE_KEY, rope_cache
 
-        self.W = cast_weights(weights, spec.family, self.dtype, self.device)  # fp32 keys stay fp32
+        # fp32 keys stay fp32; merged q/k/v, gate/up and pre-transposed experts built once here
+        self.W = load_time_weights(cast_weights(weights, spec.family, self.dtype, self.device), self.modules.values())
         self.W[ROPE_CACHE_KEY] = rope_cache(rope, max_model_len(spec), device=self.device, dtype=self.dtype)
         mod = next(iter(self.modules.values()))
         # the connector's cache in the NPU modules' layout: views, same memory
         self.kv = [tuple(t.view(t.shape[0], *s) for t, s in zip(layer, mod.KV_SHAPES)) for layer in cache]
-        self.ring = self.committer = None
+        self.commits = None
         if any(m.META["saves"] for m in self.modules.values()):
             from .inputs import kv_buffers
 
+            if standin:  # the copy stream and events modelled on CPU (a host thread); host rows pageable
+                from ..standin.streams import ModelledStreams
+
+                streams = ModelledStreams()
+            else:
+                streams = NpuStreams()
             bufs = [kv_buffers(mod, spec.dims.num_hidden_layers, 0, staging_rows=self.buckets.save_rows,
                                device=self.device)[1] for _ in range(npu.staging_buffers)]
-            self.ring = StagingRing(bufs)
-            self.committer = Committer(self.ring)
-        self._inflight: list[_SaveHandle] = []
+            self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams)
 
     def _load(self, sources: dict) -> dict:
         import contextlib
@@ -166,38 +141,29 @@ class NpuModelRunner:
 
     def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
         """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
-        here: the device runs asynchronously anyway) and start its commit copies."""
+        here: the device runs asynchronously anyway), each saving call's copies issued and its save
+        handed to the connector (`CommitPath.save_call`)."""
         if self.plan_check is not None:
             self.plan_check(plan)
-        save = self.connector.prepare_save(plan.save_block_ids, plan.save_keys) if plan.saves else None
-        try:
-            fut = StepFuture(plan, save)
-            fut.handles = self._run(plan, save.staging if save is not None else None)
-            return fut
-        except BaseException:
-            if save is not None:
-                self.connector.cancel(save)
-            raise
+        fut = StepFuture(plan, None)
+        fut.handles = self._run(plan)
+        return fut
 
     def collect(self, fut: StepFuture) -> list:
-        """Hand the step's save to the connector (it commits once the copies are done) and return
-        each row's logits (``[1, vocab]``: the last position; ``[0, vocab]`` for a chunk that samples
-        nothing, as the CPU runner returns)."""
-        logits, handle = fut.handles
-        if fut.save is not None:
-            self.connector.handoff(fut.save, handle, handle)
-        return [x[:len(row.logits_positions)] for x, row in zip(logits.split(1), fut.plan.rows)]
+        """Each row's logits (``[1, vocab]``: the last position; ``[0, vocab]`` for a chunk that samples
+        nothing, as the CPU runner returns); the saves were handed off at submit."""
+        return [x[:len(row.logits_positions)] for x, row in zip(fut.handles.split(1), fut.plan.rows)]
 
     def settle(self, fut: StepFuture) -> None:
         self.collect(fut)
 
-    def _run(self, plan: StepPlan, staging):
+    def _run(self, plan: StepPlan):
         variant = plan.variant
         mod = self.modules[variant]
         saves = bool(mod.META["saves"])
-        if (staging is None) == saves:
-            raise ValueError(f"{variant}: a staging area is needed exactly when the module saves "
-                             f"(saves={saves}, staging given: {staging is not None})")
+        if plan.saves != saves:
+            raise ValueError(f"{variant}: a plan saves exactly when its module saves "
+                             f"(module saves={saves}, plan saves={plan.saves})")
         for row in plan.rows:  # a chunk before a prompt's last asks for none: its row's logits are dropped
             if tuple(row.logits_positions) not in ((), (row.num_tokens - 1,)):
                 raise ValueError("the NPU modules return the last position's logits of each sequence only; "
@@ -205,29 +171,31 @@ class NpuModelRunner:
         phase = mod.META["phase"]
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
         chunks = self._chunks(phase, seqs)
-        handle = _SaveHandle(len(chunks)) if saves else None
         target = self.compiled(variant)
         logits, offset = [], 0
         history = bool(mod.META.get("history"))
         for chunk in chunks:
             b, n_save = self._step_inputs(phase, chunk, saves, history)
-            idx, buf = self._acquire() if saves else (None, ())
-            with torch.no_grad(), self._limits():
-                if history:  # eager, before the graph (see the generated module's load())
-                    mod.load(b, self.kv, self._chunk_loads(mod, chunk))
-                out = target.forward(self.W, b, self.kv, buf)
-            logits.append(out[:len(chunk)].float())
-            if saves:
-                self.committer.submit(self._save_event(), idx, self._copy_out(staging, offset, n_save, handle))
+
+            def graph(staging, b=b, chunk=chunk):
+                with torch.no_grad(), self._limits():
+                    if history:  # eager, before the graph (see the generated module's load())
+                        mod.load(b, self.kv, self._chunk_loads(mod, chunk))
+                    return target.forward(self.W, b, self.kv, staging)
+
+            if saves:  # this call's blocks are plan.save_block_ids[offset:offset + n_save], in row order
+                out = self.commits.save_call(self.connector, plan.save_block_ids[offset:offset + n_save],
+                                             plan.save_keys[offset:offset + n_save], graph)
                 offset += n_save
-        if saves:
-            self._inflight.append(handle)
-        return torch.cat(logits), handle
+            else:
+                out = graph(())
+            logits.append(out[:len(chunk)].float())
+        return torch.cat(logits)
 
     def close(self) -> None:
-        if self.committer is not None:
-            self.committer.close()
-            self.committer = None
+        if self.commits is not None:
+            self.commits.close()
+            self.commits = None
 
     # ---- internals --------------------------------------------------------------------------
     def _limits(self):
@@ -283,40 +251,6 @@ class NpuModelRunner:
                             load_block_ids=[b for s in chunk for b in s["load"]] if history else None,
                             decode=phase == "decode", device=self.device, pad=pad)
         return b, len(save or ())
-
-    def _acquire(self):
-        while True:
-            try:
-                return self.ring.acquire()
-            except StagingExhausted:
-                # more commits in flight than staging_buffers - 1: wait for the oldest (never
-                # happens with enough buffers; on the CPU stand-in commits finish at once)
-                self._inflight = [h for h in self._inflight if not h.done()]
-                if not self._inflight:
-                    raise
-                self._inflight[0].wait()
-
-    def _save_event(self):
-        """What the commit waits for: the graph's save done.  Stand-in: the forward ran synchronously.
-        NPU: an event recorded on the current stream after the graph (unverified on hardware)."""
-        if self.standin:
-            return lambda: None
-        ev = torch.npu.Event()  # type: ignore[attr-defined]  (torch_npu registers torch.npu)
-        ev.record(torch.npu.current_stream())  # type: ignore[attr-defined]
-        return ev.synchronize
-
-    def _copy_out(self, staging, offset: int, n: int, handle: _SaveHandle):
-        """The commit of one graph call: its saved rows, ring buffer -> the connector's staging."""
-        def commit(buf):
-            try:
-                for dst_layer, src_layer in zip(staging, buf):
-                    for dst, src in zip(dst_layer, src_layer):
-                        dst[offset:offset + n].copy_(src[:n].view(n, *dst.shape[1:]))
-            except BaseException as e:  # the connector counts it (save_failures); nothing is put
-                handle._part_done(e)
-                return
-            handle._part_done()
-        return commit
 
 
 def _sequence(row, block_size: int) -> dict:

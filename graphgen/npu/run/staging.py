@@ -1,31 +1,42 @@
-"""A save/commit contract that stays right when steps overlap (audit risk 4).
+"""The NPU commit path: the saved blocks from the graph's device staging to the pool, off the
+critical path and safe when steps overlap (audit 2 rows 4, 7, 8; issue 15 item 7).
 
-The generated saving graphs copy the blocks they save into a ``staging`` graph input on the save
-stream; the pool commit reads staging after the graph.  With ONE staging buffer reused every step, an
-engine that launches step N+1 before step N's commit has run (any async engine) commits step N+1's KV
-under step N's keys.  Here:
+A saving graph copies the blocks it saves into a ``staging`` graph input on its save stream (in the
+graph, joined to the main stream before the logits: the save join). After the graph:
 
-* ``StagingRing``: a fixed set of K persistent staging buffers (fixed addresses: aclgraph replays a
-  capture only while its mutated inputs keep their addresses, so K captures at most).  A step takes a
-  free buffer; a buffer is free again only when the commit that reads it has completed.  ``acquire``
-  never waits: with K >= commits in flight + 1 a free one exists; otherwise it raises (size K up).
-* ``Committer``: a host thread per engine; ``submit(wait_saved, index, commit)`` returns at once (the
-  next step's launch never waits for a commit); the thread waits for the step's save (an NPU event's
-  ``synchronize`` on hardware), commits from that step's buffer, then releases it.
+1. the runner records the **save event** on the current (main) stream after the graph call;
+2. a dedicated **copy stream** waits on that event, then issues **one** ``non_blocking`` D2H copy
+   per (layer, component) over all saved rows, from the slot's device staging into the slot's
+   **pinned host ring** memory, and records its own **copy event**;
+3. the connector (`graphgen.runtime.engine.connector.KVConnector`: inline for ``write: sync``, on its
+   host stream for ``async``) waits for the copy event, then puts each block from the host rows
+   (no device-side connector staging, no per-block device copy);
+4. the ring slot (its device staging and its host rows) is free again only when its copy completed
+   **and** its puts finished (the connector's ``on_committed``).
 
-vllm-ascend's alternative (no staging: an event after the KV writes, a thread that puts straight from
-the cache blocks, the blocks pinned until the put completes) needs the lowering to drop the staging
-copy; see docs/npu.md.  Nothing here ran on an NPU: the tests drive it with the CPU stand-in.
+``StagingRing``: a fixed set of K persistent slots (fixed addresses: aclgraph replays a capture only
+while its mutated inputs keep their addresses); ``acquire`` never waits (it raises when every slot is
+in flight; `CommitPath` then waits for the connector's oldest commit).
+
+The launch never waits for a commit: ``submit`` returns once the copies are issued. Nothing here
+ran on an NPU. On the CPU stand-in the copy stream and the events are **modelled**
+(`graphgen.npu.standin.streams`: a host thread per stream, FIFO, cross-stream waits), and the host
+ring is ordinary pageable memory (CPU torch refuses ``pin_memory=True``): the ordering logic is
+exercised (tests/npu/test_staging.py, overlapping steps with gated streams), the NPU's streams,
+pinned memory and asynchronous D2H are not. vllm-ascend's alternative (put straight from registered
+device addresses, no D2H in Python) would need a pool that takes device memory; see docs/npu.md.
 """
 from __future__ import annotations
 
-import queue
 import threading
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+__all__ = ["StagingExhausted", "StagingRing", "RingSlot", "NpuStreams", "CopyDone", "CommitPath"]
 
 
 class StagingExhausted(RuntimeError):
-    """Every staging buffer still has a commit in flight: K is smaller than the commits in flight + 1."""
+    """Every ring slot still has a commit in flight: K is smaller than the commits in flight + 1."""
 
 
 class StagingRing:
@@ -37,7 +48,7 @@ class StagingRing:
         self._lock = threading.Lock()
 
     def acquire(self) -> tuple[int, object]:
-        """A staging buffer no commit is reading; never blocks."""
+        """A slot no commit is using; never blocks."""
         with self._lock:
             if not self._free:
                 raise StagingExhausted(f"all {len(self.buffers)} staging buffers have a commit in flight; "
@@ -57,38 +68,126 @@ class StagingRing:
             return len(self.buffers) - len(self._free)
 
 
-class Committer:
-    """Host thread running commits in submission order, off the launch path."""
+@dataclass(frozen=True)
+class RingSlot:
+    """One ring slot: per layer a tuple of ``[S, *KV_SHAPES[i]]`` tensors on the device (the graph's
+    ``staging`` input) and the same shapes in pinned host memory (the D2H target the puts read)."""
+    device: list
+    host: list
 
-    def __init__(self, ring: StagingRing):
-        self.ring = ring
-        self._q: queue.Queue = queue.Queue()
-        self.errors: list[BaseException] = []
-        self._t = threading.Thread(target=self._run, name="graphgen-npu-commit", daemon=True)
-        self._t.start()
 
-    def submit(self, wait_saved: Callable[[], None], index: int, commit: Callable[[object], None]) -> None:
-        """Queue step's commit: ``wait_saved()`` (the save event), ``commit(staging)``, then release."""
-        self._q.put((wait_saved, index, commit))
+class NpuStreams:
+    """The commit path's device interface on an NPU (torch_npu's CUDA-like stream API). Never run:
+    no NPU here; `graphgen.npu.standin.streams.ModelledStreams` models it on the stand-in."""
 
-    def _run(self):
+    modelled = False
+
+    def __init__(self):
+        import torch
+
+        self._npu = torch.npu  # type: ignore[attr-defined]  (torch_npu registers torch.npu)
+        self._torch = torch
+
+    def current_stream(self):
+        return self._npu.current_stream()
+
+    def new_stream(self, name: str):
+        return self._npu.Stream()
+
+    def event(self):
+        return self._npu.Event()
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def copy(self, stream, dst, src) -> None:
+        with self._npu.stream(stream):
+            dst.copy_(src, non_blocking=True)  # pinned dst: an async D2H on ``stream``
+
+    def host_empty(self, shape, dtype):
+        return self._torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+
+class CopyDone:
+    """A slot's copies as the connector waits on them (its `SaveHandle`): the copy event."""
+
+    def __init__(self, event):
+        self._event = event
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._event.synchronize()
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        try:
+            self._event.synchronize()
+        except BaseException as e:  # the connector counts it (save_failures); nothing is put
+            return e
+        return None
+
+
+class CommitPath:
+    """The ring, the copy stream and the hand-off to the connector (see the module doc).
+
+    ``wait_for_save=False`` drops the copy stream's wait on the save event: only for the negative
+    control of tests/npu/test_staging.py (the copies may then read a slot the save has not written)."""
+
+    def __init__(self, ring: StagingRing, streams, *, wait_for_save: bool = True):
+        self.ring, self.streams, self.wait_for_save = ring, streams, wait_for_save
+        self.copy_stream = streams.new_stream("kv_copy")
+
+    @staticmethod
+    def slots(device_buffers: Sequence[list], streams) -> list[RingSlot]:
+        """One slot per device staging set, its host rows allocated once (pinned on an NPU)."""
+        return [RingSlot(dev, [tuple(streams.host_empty(t.shape, t.dtype) for t in layer) for layer in dev])
+                for dev in device_buffers]
+
+    def save_call(self, connector, block_ids: Sequence[int], keys: Sequence[str], graph: Callable[[list], object]):
+        """One saving graph call: take a slot, pin the blocks, run ``graph(slot.device)``, record the
+        save event after it, issue the slot's copies and hand the save to the connector (which puts
+        after the copy event and then frees the slot). Returns what ``graph`` returned."""
+        idx, slot = self._acquire(connector)
+        n = len(block_ids)
+        try:
+            staging = [tuple(h[:n].view(n, *shape) for h, shape in zip(layer, connector.cache.component_shapes.values()))
+                       for layer in slot.host]
+            pending = connector.prepare_save(block_ids, keys, staging=staging,
+                                             on_committed=lambda: self.ring.release(idx))
+        except BaseException:
+            self.ring.release(idx)
+            raise
+        try:
+            out = graph(slot.device)
+            saved = self.streams.event()
+            saved.record(self.streams.current_stream())  # after the graph: covers its save (the join)
+            done = self._copy(slot, n, saved)
+        except BaseException:
+            connector.cancel(pending)  # frees the slot: nothing was copied from it
+            raise
+        connector.handoff(pending, done, done)
+        return out
+
+    def _acquire(self, connector):
         while True:
-            item = self._q.get()
-            if item is None:
-                return
-            wait_saved, index, commit = item
             try:
-                wait_saved()
-                commit(self.ring.buffers[index])
-            except BaseException as e:  # recorded, surfaced by close(): a lost commit must not pass silently
-                self.errors.append(e)
-            finally:
-                self.ring.release(index)
-                self._q.task_done()
+                return self.ring.acquire()
+            except StagingExhausted:
+                # more commits in flight than slots: wait for the oldest (it frees its slot)
+                if not connector.wait_oldest():
+                    raise
+
+    def _copy(self, slot: RingSlot, n: int, saved) -> CopyDone:
+        s = self.copy_stream
+        if self.wait_for_save:
+            self.streams.wait(s, saved)
+        for dev_layer, host_layer in zip(slot.device, slot.host):
+            for d, h in zip(dev_layer, host_layer):
+                if n:
+                    self.streams.copy(s, h[:n], d[:n])  # one D2H per (layer, component), all n rows
+        done = self.streams.event()
+        done.record(s)
+        return CopyDone(done)
 
     def close(self) -> None:
-        self._q.join()
-        self._q.put(None)
-        self._t.join()
-        if self.errors:
-            raise RuntimeError(f"{len(self.errors)} commit(s) failed: {self.errors[0]!r}") from self.errors[0]
+        close = getattr(self.copy_stream, "close", None)  # the modelled stream's thread
+        if close is not None:
+            close()

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from ...ir.graph import HOST_STREAM
 from ..core.kvcache import BlockAllocator, PagedKVCache, pack_block
@@ -61,6 +61,9 @@ class PendingSave:
     keys: tuple[str, ...]
     staging: list  # per layer, per component: [len(block_ids), *shape]; the cache when from_cache
     from_cache: bool = False
+    # called once the commit is over (puts done, failed or cancelled): the NPU runner frees the
+    # host-ring slot its staging lives in (graphgen.npu.run.staging)
+    on_committed: Optional[Callable[[], None]] = None
 
     def pack(self, j: int) -> bytes:
         """The pool value of the ``j``-th saved block."""
@@ -108,19 +111,27 @@ class KVConnector:
             return {"error": str(e)}
 
     # ---- save -------------------------------------------------------------------------------
-    def prepare_save(self, block_ids: Sequence[int], keys: Sequence[str]) -> PendingSave:
-        """Before the step runs: pin the blocks its save reads and make the staging it writes."""
+    def prepare_save(self, block_ids: Sequence[int], keys: Sequence[str], *, staging: Optional[list] = None,
+                     on_committed: Optional[Callable[[], None]] = None) -> PendingSave:
+        """Before the step runs: pin the blocks its save reads and make the staging it writes
+        (``staging``: the runner's own, e.g. the NPU runner's pinned host-ring rows; then none is made)."""
         if len(block_ids) != len(keys):
             raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
-        save = PendingSave(tuple(block_ids), tuple(keys), self.cache.make_staging(len(block_ids)))
+        if staging is None:
+            staging = self.cache.make_staging(len(block_ids))
+        save = PendingSave(tuple(block_ids), tuple(keys), staging, on_committed)
         if save.block_ids:
             self.alloc.pin(save.block_ids)
         return save
 
     def cancel(self, save: PendingSave) -> None:
         """The step failed before its save was handed off: nothing is committed, pins go."""
-        if save.block_ids:
-            self.alloc.unpin(save.block_ids)
+        try:
+            if save.block_ids:
+                self.alloc.unpin(save.block_ids)
+        finally:
+            if save.on_committed is not None:
+                save.on_committed()
 
     def handoff(self, save: PendingSave, save_job: Optional[SaveHandle], save_done: SaveHandle) -> None:
         """After the step: commit ``save`` once ``save_done`` (the save's event, bound to this step)
@@ -155,6 +166,8 @@ class KVConnector:
         finally:
             if save.block_ids:
                 self.alloc.unpin(save.block_ids)
+            if save.on_committed is not None:
+                save.on_committed()
 
     def save_filled(self, block_ids: Sequence[int], keys: Sequence[str]) -> None:
         """Save blocks a step that has *landed* filled (decode-time saves: decode graphs have no save

@@ -6,9 +6,12 @@ A rank is an ordinary CPU engine (`graphgen.runtime.engine.facade.cpu_engine`) g
 * `RankRuntime`: ``rt`` of the generated module, plus ``all_reduce``/``all_gather`` (gloo) and the
   rank-aware ops of `graphgen.runtime.parallel.ops` (given this rank);
 * the KV cache holds this rank's shard (`graphgen.families.parallel.rank_kv_components`);
-* `RankLoader` / `RankConnector`: pool keys ``{model}@{layout}@r{rank}of{tp}@{chained hash}`` where each rank's KV
-  differs; where it is the same on every rank (the MLA latent) every rank uses rank 0's key and only
-  rank 0 puts it (`SaveOncePool`): saved once, loaded on every rank. A prefix hit counts only as far
+* `RankLoader` / `RankConnector`: pool keys ``{model}@{layout}@r{owner}of{tp}@{chained hash}``, ``owner`` the
+  lowest rank holding the same KV shard (`graphgen.families.parallel.kv_shard_owner`): the rank itself where
+  each rank's KV differs; rank 0 where it is the same on every rank (the MLA latent); the first rank
+  of its group where KV heads are replicated because tp exceeds them (Qwen3 with 2 KV heads at tp=4:
+  ranks 0,1 use r0of4, ranks 2,3 r2of4). Only the owner puts (`SaveOncePool` on the others): each
+  distinct shard is saved once, and loaded on every rank that holds it. A prefix hit counts only as far
   as every rank hits: the leading-run length is agreed with an all_reduce MIN before loading, and
   the loaded length again after (a block evicted between lookup and load on one rank shortens the
   hit for all). Each rank commits its own blocks after its own save event (the connector's rule).
@@ -50,7 +53,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ...families.parallel import kv_replicated, rank_kv_components
+from ...families.parallel import kv_shard_owner, rank_kv_components
 from ..core.cpu_runtime import CpuRuntime
 from ..engine.connector import KVConnector
 from ..engine.kv_load import KVLoader
@@ -138,8 +141,9 @@ def agree_min(n: int, group=None) -> int:
 
 
 class SaveOncePool:
-    """A pool as a rank other than 0 sees it when every rank's KV is the same (the MLA latent):
-    reads go to the pool, puts are dropped (rank 0 puts the same bytes under the same key)."""
+    """A pool as a rank sees it when a lower rank holds the same KV shard (the MLA latent, or KV heads
+    replicated because tp exceeds them): reads go to the pool, puts are dropped (the shard's owner
+    puts the same bytes under the same key)."""
 
     def __init__(self, pool):
         self._pool = pool
@@ -154,11 +158,11 @@ class SaveOncePool:
 
 
 class RankLoader(KVLoader):
-    """Pool keys of this rank's KV shard (rank 0's key where every rank holds the same KV), hits
-    agreed by every rank."""
+    """Pool keys of this rank's KV shard (named by ``owner``, the lowest rank holding the same shard),
+    hits agreed by every rank."""
 
-    def __init__(self, *args, rank: int, size: int, replicated: bool, group=None, **kwargs):
-        super().__init__(*args, shard=KVShard(0 if replicated else rank, size), **kwargs)
+    def __init__(self, *args, owner: int, size: int, group=None, **kwargs):
+        super().__init__(*args, shard=KVShard(owner, size), **kwargs)
         self.group = group
 
     def lookup(self, keys: Sequence[str]) -> int:
@@ -227,14 +231,13 @@ class RankParts:
 def rank_parts(spec, rank: int, group=None) -> RankParts:
     tp = spec.parallel.tp
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), tp)
-    replicated = kv_replicated(spec.family)
+    owner = kv_shard_owner(spec.family, dataclasses.asdict(spec.dims), tp, rank)
 
     def make_loader(pool, cache, counters):
-        return RankLoader(pool, cache, model=spec.name, rank=rank, size=tp, replicated=replicated, group=group,
-                          stats=counters)
+        return RankLoader(pool, cache, model=spec.name, owner=owner, size=tp, group=group, stats=counters)
 
     def make_connector(pool, cache, alloc, counters):
-        if replicated and rank != 0:
+        if owner != rank:  # a lower rank holds the same shard and puts it
             pool = SaveOncePool(pool)
         return RankConnector(pool, cache, alloc, write=spec.pool.write, stats=counters, group=group)
 

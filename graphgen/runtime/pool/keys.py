@@ -8,8 +8,10 @@ for one model, one cache layout and one KV shard:
 * ``model``: the spec's name; ``layout``: the cache layout fingerprint (dtype, component shapes,
   version: `graphgen.runtime.core.kvcache.layout_version`), so a cache of another shape never
   reads a foreign value;
-* ``shard``: which part of the layer's KV this block holds (`KVShard`: ``r{index}of{count}``; a KV
-  that every rank holds whole, such as the MLA latent, is ``r0of{count}`` on every rank);
+* ``shard``: which part of the layer's KV this block holds (`KVShard`: ``r{index}of{count}``, ``index``
+  the lowest of the ``count`` ranks holding that same KV: `graphgen.families.parallel.kv_shard_owner`).
+  Ranks holding the same KV share its keys: the MLA latent is ``r0of{count}`` on every rank, KV heads
+  replicated because tp exceeds them ``r0of4`` on ranks 0,1 and ``r2of4`` on ranks 2,3 (2 KV heads, tp=4);
 * ``chain``: sha256 over the parent's digest and this block's token ids (little-endian int64),
   from a versioned root, so two prompts share key i only if they agree on blocks 0..i; stable across
   processes and ``PYTHONHASHSEED`` (never Python ``hash()``);
@@ -35,7 +37,8 @@ _CHAIN_ROOT = hashlib.sha256(b"graphgen.block_keys.v1").digest()
 
 @dataclass(frozen=True)
 class KVShard:
-    """Part ``index`` of ``count`` of each layer's KV (``KVShard()``: the whole KV, one rank)."""
+    """The KV shard held by rank ``index`` of ``count`` (and by every rank whose shard owner it is:
+    `graphgen.families.parallel.kv_shard_owner`); ``KVShard()``: the whole KV, one rank."""
 
     index: int = 0
     count: int = 1

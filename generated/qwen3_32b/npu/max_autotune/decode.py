@@ -12,7 +12,7 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+blocks once the graph's device work has finished (graphgen.npu.run.staging.CommitPath).  Saving graphs join the
 save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
 logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
@@ -36,6 +36,140 @@ KV_DTYPE = 'bfloat16'
 # graphgen.npu.run.inputs.rope_cache(ROPE, max_positions) (same tables as the CPU reference).
 ROPE = {'dtype': 'bfloat16', 'rot_dim': 128, 'scaling': None, 'theta': 1000000.0}
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
+# Weights built once at load time (graphgen.npu.run.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then transpose(1, 2) made contiguous if "transpose12"
+# (merged q/k/v and gate/up projections: one matmul; MoE experts in npu_grouped_matmul's [E, K, N] layout).
+# Their source tensors are not read by forward.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.0.mlp.gate_proj.weight[d0/2]', 'model.layers.0.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.q_proj.weight[d0/2]+model.layers.0.self_attn.k_proj.weight[d0/2]+model.layers.0.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.0.self_attn.q_proj.weight[d0/2]', 'model.layers.0.self_attn.k_proj.weight[d0/2]', 'model.layers.0.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.1.mlp.gate_proj.weight[d0/2]', 'model.layers.1.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.q_proj.weight[d0/2]+model.layers.1.self_attn.k_proj.weight[d0/2]+model.layers.1.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.1.self_attn.q_proj.weight[d0/2]', 'model.layers.1.self_attn.k_proj.weight[d0/2]', 'model.layers.1.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.10.mlp.gate_proj.weight[d0/2]+model.layers.10.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.10.mlp.gate_proj.weight[d0/2]', 'model.layers.10.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.10.self_attn.q_proj.weight[d0/2]+model.layers.10.self_attn.k_proj.weight[d0/2]+model.layers.10.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.10.self_attn.q_proj.weight[d0/2]', 'model.layers.10.self_attn.k_proj.weight[d0/2]', 'model.layers.10.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.11.mlp.gate_proj.weight[d0/2]+model.layers.11.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.11.mlp.gate_proj.weight[d0/2]', 'model.layers.11.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.11.self_attn.q_proj.weight[d0/2]+model.layers.11.self_attn.k_proj.weight[d0/2]+model.layers.11.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.11.self_attn.q_proj.weight[d0/2]', 'model.layers.11.self_attn.k_proj.weight[d0/2]', 'model.layers.11.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.12.mlp.gate_proj.weight[d0/2]+model.layers.12.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.12.mlp.gate_proj.weight[d0/2]', 'model.layers.12.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.12.self_attn.q_proj.weight[d0/2]+model.layers.12.self_attn.k_proj.weight[d0/2]+model.layers.12.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.12.self_attn.q_proj.weight[d0/2]', 'model.layers.12.self_attn.k_proj.weight[d0/2]', 'model.layers.12.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.13.mlp.gate_proj.weight[d0/2]+model.layers.13.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.13.mlp.gate_proj.weight[d0/2]', 'model.layers.13.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.13.self_attn.q_proj.weight[d0/2]+model.layers.13.self_attn.k_proj.weight[d0/2]+model.layers.13.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.13.self_attn.q_proj.weight[d0/2]', 'model.layers.13.self_attn.k_proj.weight[d0/2]', 'model.layers.13.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.14.mlp.gate_proj.weight[d0/2]+model.layers.14.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.14.mlp.gate_proj.weight[d0/2]', 'model.layers.14.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.14.self_attn.q_proj.weight[d0/2]+model.layers.14.self_attn.k_proj.weight[d0/2]+model.layers.14.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.14.self_attn.q_proj.weight[d0/2]', 'model.layers.14.self_attn.k_proj.weight[d0/2]', 'model.layers.14.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.15.mlp.gate_proj.weight[d0/2]+model.layers.15.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.15.mlp.gate_proj.weight[d0/2]', 'model.layers.15.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.15.self_attn.q_proj.weight[d0/2]+model.layers.15.self_attn.k_proj.weight[d0/2]+model.layers.15.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.15.self_attn.q_proj.weight[d0/2]', 'model.layers.15.self_attn.k_proj.weight[d0/2]', 'model.layers.15.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.16.mlp.gate_proj.weight[d0/2]+model.layers.16.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.16.mlp.gate_proj.weight[d0/2]', 'model.layers.16.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.16.self_attn.q_proj.weight[d0/2]+model.layers.16.self_attn.k_proj.weight[d0/2]+model.layers.16.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.16.self_attn.q_proj.weight[d0/2]', 'model.layers.16.self_attn.k_proj.weight[d0/2]', 'model.layers.16.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.17.mlp.gate_proj.weight[d0/2]+model.layers.17.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.17.mlp.gate_proj.weight[d0/2]', 'model.layers.17.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.17.self_attn.q_proj.weight[d0/2]+model.layers.17.self_attn.k_proj.weight[d0/2]+model.layers.17.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.17.self_attn.q_proj.weight[d0/2]', 'model.layers.17.self_attn.k_proj.weight[d0/2]', 'model.layers.17.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.18.mlp.gate_proj.weight[d0/2]+model.layers.18.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.18.mlp.gate_proj.weight[d0/2]', 'model.layers.18.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.18.self_attn.q_proj.weight[d0/2]+model.layers.18.self_attn.k_proj.weight[d0/2]+model.layers.18.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.18.self_attn.q_proj.weight[d0/2]', 'model.layers.18.self_attn.k_proj.weight[d0/2]', 'model.layers.18.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.19.mlp.gate_proj.weight[d0/2]+model.layers.19.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.19.mlp.gate_proj.weight[d0/2]', 'model.layers.19.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.19.self_attn.q_proj.weight[d0/2]+model.layers.19.self_attn.k_proj.weight[d0/2]+model.layers.19.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.19.self_attn.q_proj.weight[d0/2]', 'model.layers.19.self_attn.k_proj.weight[d0/2]', 'model.layers.19.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/2]+model.layers.2.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.2.mlp.gate_proj.weight[d0/2]', 'model.layers.2.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.q_proj.weight[d0/2]+model.layers.2.self_attn.k_proj.weight[d0/2]+model.layers.2.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.2.self_attn.q_proj.weight[d0/2]', 'model.layers.2.self_attn.k_proj.weight[d0/2]', 'model.layers.2.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.20.mlp.gate_proj.weight[d0/2]+model.layers.20.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.20.mlp.gate_proj.weight[d0/2]', 'model.layers.20.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.20.self_attn.q_proj.weight[d0/2]+model.layers.20.self_attn.k_proj.weight[d0/2]+model.layers.20.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.20.self_attn.q_proj.weight[d0/2]', 'model.layers.20.self_attn.k_proj.weight[d0/2]', 'model.layers.20.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.21.mlp.gate_proj.weight[d0/2]+model.layers.21.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.21.mlp.gate_proj.weight[d0/2]', 'model.layers.21.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.21.self_attn.q_proj.weight[d0/2]+model.layers.21.self_attn.k_proj.weight[d0/2]+model.layers.21.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.21.self_attn.q_proj.weight[d0/2]', 'model.layers.21.self_attn.k_proj.weight[d0/2]', 'model.layers.21.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.22.mlp.gate_proj.weight[d0/2]+model.layers.22.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.22.mlp.gate_proj.weight[d0/2]', 'model.layers.22.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.22.self_attn.q_proj.weight[d0/2]+model.layers.22.self_attn.k_proj.weight[d0/2]+model.layers.22.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.22.self_attn.q_proj.weight[d0/2]', 'model.layers.22.self_attn.k_proj.weight[d0/2]', 'model.layers.22.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.23.mlp.gate_proj.weight[d0/2]+model.layers.23.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.23.mlp.gate_proj.weight[d0/2]', 'model.layers.23.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.23.self_attn.q_proj.weight[d0/2]+model.layers.23.self_attn.k_proj.weight[d0/2]+model.layers.23.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.23.self_attn.q_proj.weight[d0/2]', 'model.layers.23.self_attn.k_proj.weight[d0/2]', 'model.layers.23.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.24.mlp.gate_proj.weight[d0/2]+model.layers.24.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.24.mlp.gate_proj.weight[d0/2]', 'model.layers.24.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.24.self_attn.q_proj.weight[d0/2]+model.layers.24.self_attn.k_proj.weight[d0/2]+model.layers.24.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.24.self_attn.q_proj.weight[d0/2]', 'model.layers.24.self_attn.k_proj.weight[d0/2]', 'model.layers.24.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.25.mlp.gate_proj.weight[d0/2]+model.layers.25.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.25.mlp.gate_proj.weight[d0/2]', 'model.layers.25.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.25.self_attn.q_proj.weight[d0/2]+model.layers.25.self_attn.k_proj.weight[d0/2]+model.layers.25.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.25.self_attn.q_proj.weight[d0/2]', 'model.layers.25.self_attn.k_proj.weight[d0/2]', 'model.layers.25.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.26.mlp.gate_proj.weight[d0/2]+model.layers.26.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.26.mlp.gate_proj.weight[d0/2]', 'model.layers.26.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.26.self_attn.q_proj.weight[d0/2]+model.layers.26.self_attn.k_proj.weight[d0/2]+model.layers.26.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.26.self_attn.q_proj.weight[d0/2]', 'model.layers.26.self_attn.k_proj.weight[d0/2]', 'model.layers.26.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.27.mlp.gate_proj.weight[d0/2]+model.layers.27.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.27.mlp.gate_proj.weight[d0/2]', 'model.layers.27.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.27.self_attn.q_proj.weight[d0/2]+model.layers.27.self_attn.k_proj.weight[d0/2]+model.layers.27.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.27.self_attn.q_proj.weight[d0/2]', 'model.layers.27.self_attn.k_proj.weight[d0/2]', 'model.layers.27.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.28.mlp.gate_proj.weight[d0/2]+model.layers.28.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.28.mlp.gate_proj.weight[d0/2]', 'model.layers.28.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.28.self_attn.q_proj.weight[d0/2]+model.layers.28.self_attn.k_proj.weight[d0/2]+model.layers.28.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.28.self_attn.q_proj.weight[d0/2]', 'model.layers.28.self_attn.k_proj.weight[d0/2]', 'model.layers.28.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.29.mlp.gate_proj.weight[d0/2]+model.layers.29.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.29.mlp.gate_proj.weight[d0/2]', 'model.layers.29.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.29.self_attn.q_proj.weight[d0/2]+model.layers.29.self_attn.k_proj.weight[d0/2]+model.layers.29.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.29.self_attn.q_proj.weight[d0/2]', 'model.layers.29.self_attn.k_proj.weight[d0/2]', 'model.layers.29.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.3.mlp.gate_proj.weight[d0/2]+model.layers.3.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.3.mlp.gate_proj.weight[d0/2]', 'model.layers.3.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.3.self_attn.q_proj.weight[d0/2]+model.layers.3.self_attn.k_proj.weight[d0/2]+model.layers.3.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.3.self_attn.q_proj.weight[d0/2]', 'model.layers.3.self_attn.k_proj.weight[d0/2]', 'model.layers.3.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.30.mlp.gate_proj.weight[d0/2]+model.layers.30.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.30.mlp.gate_proj.weight[d0/2]', 'model.layers.30.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.30.self_attn.q_proj.weight[d0/2]+model.layers.30.self_attn.k_proj.weight[d0/2]+model.layers.30.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.30.self_attn.q_proj.weight[d0/2]', 'model.layers.30.self_attn.k_proj.weight[d0/2]', 'model.layers.30.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.31.mlp.gate_proj.weight[d0/2]+model.layers.31.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.31.mlp.gate_proj.weight[d0/2]', 'model.layers.31.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.31.self_attn.q_proj.weight[d0/2]+model.layers.31.self_attn.k_proj.weight[d0/2]+model.layers.31.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.31.self_attn.q_proj.weight[d0/2]', 'model.layers.31.self_attn.k_proj.weight[d0/2]', 'model.layers.31.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.32.mlp.gate_proj.weight[d0/2]+model.layers.32.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.32.mlp.gate_proj.weight[d0/2]', 'model.layers.32.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.32.self_attn.q_proj.weight[d0/2]+model.layers.32.self_attn.k_proj.weight[d0/2]+model.layers.32.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.32.self_attn.q_proj.weight[d0/2]', 'model.layers.32.self_attn.k_proj.weight[d0/2]', 'model.layers.32.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.33.mlp.gate_proj.weight[d0/2]+model.layers.33.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.33.mlp.gate_proj.weight[d0/2]', 'model.layers.33.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.33.self_attn.q_proj.weight[d0/2]+model.layers.33.self_attn.k_proj.weight[d0/2]+model.layers.33.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.33.self_attn.q_proj.weight[d0/2]', 'model.layers.33.self_attn.k_proj.weight[d0/2]', 'model.layers.33.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.34.mlp.gate_proj.weight[d0/2]+model.layers.34.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.34.mlp.gate_proj.weight[d0/2]', 'model.layers.34.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.34.self_attn.q_proj.weight[d0/2]+model.layers.34.self_attn.k_proj.weight[d0/2]+model.layers.34.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.34.self_attn.q_proj.weight[d0/2]', 'model.layers.34.self_attn.k_proj.weight[d0/2]', 'model.layers.34.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.35.mlp.gate_proj.weight[d0/2]+model.layers.35.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.35.mlp.gate_proj.weight[d0/2]', 'model.layers.35.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.35.self_attn.q_proj.weight[d0/2]+model.layers.35.self_attn.k_proj.weight[d0/2]+model.layers.35.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.35.self_attn.q_proj.weight[d0/2]', 'model.layers.35.self_attn.k_proj.weight[d0/2]', 'model.layers.35.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.36.mlp.gate_proj.weight[d0/2]+model.layers.36.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.36.mlp.gate_proj.weight[d0/2]', 'model.layers.36.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.36.self_attn.q_proj.weight[d0/2]+model.layers.36.self_attn.k_proj.weight[d0/2]+model.layers.36.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.36.self_attn.q_proj.weight[d0/2]', 'model.layers.36.self_attn.k_proj.weight[d0/2]', 'model.layers.36.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.37.mlp.gate_proj.weight[d0/2]+model.layers.37.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.37.mlp.gate_proj.weight[d0/2]', 'model.layers.37.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.37.self_attn.q_proj.weight[d0/2]+model.layers.37.self_attn.k_proj.weight[d0/2]+model.layers.37.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.37.self_attn.q_proj.weight[d0/2]', 'model.layers.37.self_attn.k_proj.weight[d0/2]', 'model.layers.37.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.38.mlp.gate_proj.weight[d0/2]+model.layers.38.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.38.mlp.gate_proj.weight[d0/2]', 'model.layers.38.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.38.self_attn.q_proj.weight[d0/2]+model.layers.38.self_attn.k_proj.weight[d0/2]+model.layers.38.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.38.self_attn.q_proj.weight[d0/2]', 'model.layers.38.self_attn.k_proj.weight[d0/2]', 'model.layers.38.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.39.mlp.gate_proj.weight[d0/2]+model.layers.39.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.39.mlp.gate_proj.weight[d0/2]', 'model.layers.39.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.39.self_attn.q_proj.weight[d0/2]+model.layers.39.self_attn.k_proj.weight[d0/2]+model.layers.39.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.39.self_attn.q_proj.weight[d0/2]', 'model.layers.39.self_attn.k_proj.weight[d0/2]', 'model.layers.39.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.4.mlp.gate_proj.weight[d0/2]+model.layers.4.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.4.mlp.gate_proj.weight[d0/2]', 'model.layers.4.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.4.self_attn.q_proj.weight[d0/2]+model.layers.4.self_attn.k_proj.weight[d0/2]+model.layers.4.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.4.self_attn.q_proj.weight[d0/2]', 'model.layers.4.self_attn.k_proj.weight[d0/2]', 'model.layers.4.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.40.mlp.gate_proj.weight[d0/2]+model.layers.40.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.40.mlp.gate_proj.weight[d0/2]', 'model.layers.40.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.40.self_attn.q_proj.weight[d0/2]+model.layers.40.self_attn.k_proj.weight[d0/2]+model.layers.40.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.40.self_attn.q_proj.weight[d0/2]', 'model.layers.40.self_attn.k_proj.weight[d0/2]', 'model.layers.40.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.41.mlp.gate_proj.weight[d0/2]+model.layers.41.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.41.mlp.gate_proj.weight[d0/2]', 'model.layers.41.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.41.self_attn.q_proj.weight[d0/2]+model.layers.41.self_attn.k_proj.weight[d0/2]+model.layers.41.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.41.self_attn.q_proj.weight[d0/2]', 'model.layers.41.self_attn.k_proj.weight[d0/2]', 'model.layers.41.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.42.mlp.gate_proj.weight[d0/2]+model.layers.42.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.42.mlp.gate_proj.weight[d0/2]', 'model.layers.42.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.42.self_attn.q_proj.weight[d0/2]+model.layers.42.self_attn.k_proj.weight[d0/2]+model.layers.42.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.42.self_attn.q_proj.weight[d0/2]', 'model.layers.42.self_attn.k_proj.weight[d0/2]', 'model.layers.42.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.43.mlp.gate_proj.weight[d0/2]+model.layers.43.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.43.mlp.gate_proj.weight[d0/2]', 'model.layers.43.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.43.self_attn.q_proj.weight[d0/2]+model.layers.43.self_attn.k_proj.weight[d0/2]+model.layers.43.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.43.self_attn.q_proj.weight[d0/2]', 'model.layers.43.self_attn.k_proj.weight[d0/2]', 'model.layers.43.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.44.mlp.gate_proj.weight[d0/2]+model.layers.44.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.44.mlp.gate_proj.weight[d0/2]', 'model.layers.44.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.44.self_attn.q_proj.weight[d0/2]+model.layers.44.self_attn.k_proj.weight[d0/2]+model.layers.44.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.44.self_attn.q_proj.weight[d0/2]', 'model.layers.44.self_attn.k_proj.weight[d0/2]', 'model.layers.44.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.45.mlp.gate_proj.weight[d0/2]+model.layers.45.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.45.mlp.gate_proj.weight[d0/2]', 'model.layers.45.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.45.self_attn.q_proj.weight[d0/2]+model.layers.45.self_attn.k_proj.weight[d0/2]+model.layers.45.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.45.self_attn.q_proj.weight[d0/2]', 'model.layers.45.self_attn.k_proj.weight[d0/2]', 'model.layers.45.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.46.mlp.gate_proj.weight[d0/2]+model.layers.46.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.46.mlp.gate_proj.weight[d0/2]', 'model.layers.46.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.46.self_attn.q_proj.weight[d0/2]+model.layers.46.self_attn.k_proj.weight[d0/2]+model.layers.46.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.46.self_attn.q_proj.weight[d0/2]', 'model.layers.46.self_attn.k_proj.weight[d0/2]', 'model.layers.46.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.47.mlp.gate_proj.weight[d0/2]+model.layers.47.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.47.mlp.gate_proj.weight[d0/2]', 'model.layers.47.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.47.self_attn.q_proj.weight[d0/2]+model.layers.47.self_attn.k_proj.weight[d0/2]+model.layers.47.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.47.self_attn.q_proj.weight[d0/2]', 'model.layers.47.self_attn.k_proj.weight[d0/2]', 'model.layers.47.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.48.mlp.gate_proj.weight[d0/2]+model.layers.48.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.48.mlp.gate_proj.weight[d0/2]', 'model.layers.48.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.48.self_attn.q_proj.weight[d0/2]+model.layers.48.self_attn.k_proj.weight[d0/2]+model.layers.48.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.48.self_attn.q_proj.weight[d0/2]', 'model.layers.48.self_attn.k_proj.weight[d0/2]', 'model.layers.48.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.49.mlp.gate_proj.weight[d0/2]+model.layers.49.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.49.mlp.gate_proj.weight[d0/2]', 'model.layers.49.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.49.self_attn.q_proj.weight[d0/2]+model.layers.49.self_attn.k_proj.weight[d0/2]+model.layers.49.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.49.self_attn.q_proj.weight[d0/2]', 'model.layers.49.self_attn.k_proj.weight[d0/2]', 'model.layers.49.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.5.mlp.gate_proj.weight[d0/2]+model.layers.5.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.5.mlp.gate_proj.weight[d0/2]', 'model.layers.5.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.5.self_attn.q_proj.weight[d0/2]+model.layers.5.self_attn.k_proj.weight[d0/2]+model.layers.5.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.5.self_attn.q_proj.weight[d0/2]', 'model.layers.5.self_attn.k_proj.weight[d0/2]', 'model.layers.5.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.50.mlp.gate_proj.weight[d0/2]+model.layers.50.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.50.mlp.gate_proj.weight[d0/2]', 'model.layers.50.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.50.self_attn.q_proj.weight[d0/2]+model.layers.50.self_attn.k_proj.weight[d0/2]+model.layers.50.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.50.self_attn.q_proj.weight[d0/2]', 'model.layers.50.self_attn.k_proj.weight[d0/2]', 'model.layers.50.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.51.mlp.gate_proj.weight[d0/2]+model.layers.51.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.51.mlp.gate_proj.weight[d0/2]', 'model.layers.51.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.51.self_attn.q_proj.weight[d0/2]+model.layers.51.self_attn.k_proj.weight[d0/2]+model.layers.51.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.51.self_attn.q_proj.weight[d0/2]', 'model.layers.51.self_attn.k_proj.weight[d0/2]', 'model.layers.51.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.52.mlp.gate_proj.weight[d0/2]+model.layers.52.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.52.mlp.gate_proj.weight[d0/2]', 'model.layers.52.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.52.self_attn.q_proj.weight[d0/2]+model.layers.52.self_attn.k_proj.weight[d0/2]+model.layers.52.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.52.self_attn.q_proj.weight[d0/2]', 'model.layers.52.self_attn.k_proj.weight[d0/2]', 'model.layers.52.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.53.mlp.gate_proj.weight[d0/2]+model.layers.53.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.53.mlp.gate_proj.weight[d0/2]', 'model.layers.53.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.53.self_attn.q_proj.weight[d0/2]+model.layers.53.self_attn.k_proj.weight[d0/2]+model.layers.53.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.53.self_attn.q_proj.weight[d0/2]', 'model.layers.53.self_attn.k_proj.weight[d0/2]', 'model.layers.53.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.54.mlp.gate_proj.weight[d0/2]+model.layers.54.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.54.mlp.gate_proj.weight[d0/2]', 'model.layers.54.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.54.self_attn.q_proj.weight[d0/2]+model.layers.54.self_attn.k_proj.weight[d0/2]+model.layers.54.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.54.self_attn.q_proj.weight[d0/2]', 'model.layers.54.self_attn.k_proj.weight[d0/2]', 'model.layers.54.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.55.mlp.gate_proj.weight[d0/2]+model.layers.55.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.55.mlp.gate_proj.weight[d0/2]', 'model.layers.55.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.55.self_attn.q_proj.weight[d0/2]+model.layers.55.self_attn.k_proj.weight[d0/2]+model.layers.55.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.55.self_attn.q_proj.weight[d0/2]', 'model.layers.55.self_attn.k_proj.weight[d0/2]', 'model.layers.55.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.56.mlp.gate_proj.weight[d0/2]+model.layers.56.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.56.mlp.gate_proj.weight[d0/2]', 'model.layers.56.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.56.self_attn.q_proj.weight[d0/2]+model.layers.56.self_attn.k_proj.weight[d0/2]+model.layers.56.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.56.self_attn.q_proj.weight[d0/2]', 'model.layers.56.self_attn.k_proj.weight[d0/2]', 'model.layers.56.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.57.mlp.gate_proj.weight[d0/2]+model.layers.57.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.57.mlp.gate_proj.weight[d0/2]', 'model.layers.57.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.57.self_attn.q_proj.weight[d0/2]+model.layers.57.self_attn.k_proj.weight[d0/2]+model.layers.57.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.57.self_attn.q_proj.weight[d0/2]', 'model.layers.57.self_attn.k_proj.weight[d0/2]', 'model.layers.57.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.58.mlp.gate_proj.weight[d0/2]+model.layers.58.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.58.mlp.gate_proj.weight[d0/2]', 'model.layers.58.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.58.self_attn.q_proj.weight[d0/2]+model.layers.58.self_attn.k_proj.weight[d0/2]+model.layers.58.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.58.self_attn.q_proj.weight[d0/2]', 'model.layers.58.self_attn.k_proj.weight[d0/2]', 'model.layers.58.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.59.mlp.gate_proj.weight[d0/2]+model.layers.59.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.59.mlp.gate_proj.weight[d0/2]', 'model.layers.59.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.59.self_attn.q_proj.weight[d0/2]+model.layers.59.self_attn.k_proj.weight[d0/2]+model.layers.59.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.59.self_attn.q_proj.weight[d0/2]', 'model.layers.59.self_attn.k_proj.weight[d0/2]', 'model.layers.59.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.6.mlp.gate_proj.weight[d0/2]+model.layers.6.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.6.mlp.gate_proj.weight[d0/2]', 'model.layers.6.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.6.self_attn.q_proj.weight[d0/2]+model.layers.6.self_attn.k_proj.weight[d0/2]+model.layers.6.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.6.self_attn.q_proj.weight[d0/2]', 'model.layers.6.self_attn.k_proj.weight[d0/2]', 'model.layers.6.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.60.mlp.gate_proj.weight[d0/2]+model.layers.60.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.60.mlp.gate_proj.weight[d0/2]', 'model.layers.60.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.60.self_attn.q_proj.weight[d0/2]+model.layers.60.self_attn.k_proj.weight[d0/2]+model.layers.60.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.60.self_attn.q_proj.weight[d0/2]', 'model.layers.60.self_attn.k_proj.weight[d0/2]', 'model.layers.60.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.61.mlp.gate_proj.weight[d0/2]+model.layers.61.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.61.mlp.gate_proj.weight[d0/2]', 'model.layers.61.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.61.self_attn.q_proj.weight[d0/2]+model.layers.61.self_attn.k_proj.weight[d0/2]+model.layers.61.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.61.self_attn.q_proj.weight[d0/2]', 'model.layers.61.self_attn.k_proj.weight[d0/2]', 'model.layers.61.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.62.mlp.gate_proj.weight[d0/2]+model.layers.62.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.62.mlp.gate_proj.weight[d0/2]', 'model.layers.62.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.62.self_attn.q_proj.weight[d0/2]+model.layers.62.self_attn.k_proj.weight[d0/2]+model.layers.62.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.62.self_attn.q_proj.weight[d0/2]', 'model.layers.62.self_attn.k_proj.weight[d0/2]', 'model.layers.62.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.63.mlp.gate_proj.weight[d0/2]+model.layers.63.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.63.mlp.gate_proj.weight[d0/2]', 'model.layers.63.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.63.self_attn.q_proj.weight[d0/2]+model.layers.63.self_attn.k_proj.weight[d0/2]+model.layers.63.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.63.self_attn.q_proj.weight[d0/2]', 'model.layers.63.self_attn.k_proj.weight[d0/2]', 'model.layers.63.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.7.mlp.gate_proj.weight[d0/2]+model.layers.7.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.7.mlp.gate_proj.weight[d0/2]', 'model.layers.7.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.7.self_attn.q_proj.weight[d0/2]+model.layers.7.self_attn.k_proj.weight[d0/2]+model.layers.7.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.7.self_attn.q_proj.weight[d0/2]', 'model.layers.7.self_attn.k_proj.weight[d0/2]', 'model.layers.7.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.8.mlp.gate_proj.weight[d0/2]+model.layers.8.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.8.mlp.gate_proj.weight[d0/2]', 'model.layers.8.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.8.self_attn.q_proj.weight[d0/2]+model.layers.8.self_attn.k_proj.weight[d0/2]+model.layers.8.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.8.self_attn.q_proj.weight[d0/2]', 'model.layers.8.self_attn.k_proj.weight[d0/2]', 'model.layers.8.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.9.mlp.gate_proj.weight[d0/2]+model.layers.9.mlp.up_proj.weight[d0/2]:cat0': {'cat': ('model.layers.9.mlp.gate_proj.weight[d0/2]', 'model.layers.9.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.9.self_attn.q_proj.weight[d0/2]+model.layers.9.self_attn.k_proj.weight[d0/2]+model.layers.9.self_attn.v_proj.weight[d0/2]:cat0': {'cat': ('model.layers.9.self_attn.q_proj.weight[d0/2]', 'model.layers.9.self_attn.k_proj.weight[d0/2]', 'model.layers.9.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose12': False},
+}
 # Fields of the step inputs `b` (graphgen.npu.run.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
@@ -46,20 +180,23 @@ STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq
                "kv_gather_rows")
 
 
-def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
-    """q/k/v projections, per-head RMSNorm of q and k, then half-rotation RoPE (layout BSND, B=1, S=T)."""
+def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
+    """q/k/v in one matmul (w_qkv: [q; k; v] merged at load), split; per-head RMSNorm of q and k, then
+    half-rotation RoPE (layout BSND, B=1, S=T)."""
     t = x.shape[0]
-    q = torch_npu.npu_rms_norm(F.linear(x, w_q).view(t, num_heads, head_dim), w_q_norm, eps)[0]
-    k = torch_npu.npu_rms_norm(F.linear(x, w_k).view(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
-    v = F.linear(x, w_v).view(t, num_kv_heads, head_dim)
+    q, k, v = F.linear(x, w_qkv).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = torch_npu.npu_rms_norm(q.reshape(t, num_heads, head_dim), w_q_norm, eps)[0]
+    k = torch_npu.npu_rms_norm(k.reshape(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
+    v = v.reshape(t, num_kv_heads, head_dim)
     q, k = torch_npu.npu_apply_rotary_pos_emb(q.unsqueeze(0), k.unsqueeze(0), cos.view(1, t, 1, head_dim),
                                               sin.view(1, t, 1, head_dim), layout="BSND", rotary_mode="half")
     return q.squeeze(0), k.squeeze(0), v
 
 
-def _swiglu_mlp(x, w_gate, w_up, w_down):
-    """down(silu(gate(x)) * up(x)); npu_swiglu takes [gate | up] concatenated on the last dim."""
-    return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
+def _swiglu_mlp(x, w_gate_up, w_down):
+    """down(silu(gate(x)) * up(x)) with gate/up merged at load (w_gate_up = [gate; up]): one matmul whose
+    output is the [gate | up] npu_swiglu takes on the last dim."""
+    return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
 
 
 def load(b, kv, loads):
@@ -78,7 +215,7 @@ def forward(W, b, kv, staging=()):
     h_embed = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_embed_partial, 'sum', torch.distributed.group.WORLD.group_name))  # embed.all_reduce
     cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope
     x_L00_attn_norm = torch_npu.npu_rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)[0]  # L00.attn_norm
-    q_L00, k_L00, v_L00 = _qwen3_attn_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_proj.weight[d0/2]'], W['model.layers.0.self_attn.k_proj.weight[d0/2]'], W['model.layers.0.self_attn.v_proj.weight[d0/2]'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L00.qkv
+    q_L00, k_L00, v_L00 = _qwen3_attn_prolog(x_L00_attn_norm, W['graphgen.load:model.layers.0.self_attn.q_proj.weight[d0/2]+model.layers.0.self_attn.k_proj.weight[d0/2]+model.layers.0.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L00.qkv
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, k_L00.reshape(k_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, v_L00.reshape(v_L00.shape[0], -1))  # L00.kv_write
     o_L00 = torch_npu.npu_fused_infer_attention_score(q_L00, kv[0][0], kv[0][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L00.attn
@@ -86,11 +223,11 @@ def forward(W, b, kv, staging=()):
     h_L00_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L00_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L00.o_proj.all_reduce
     h_L00_attn = h_embed + h_L00_attn_sum  # L00.o_proj.residual
     x_L00_mlp_norm = torch_npu.npu_rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)[0]  # L00.mlp_norm
-    h_L00_partial = _swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight[d0/2]'], W['model.layers.0.mlp.up_proj.weight[d0/2]'], W['model.layers.0.mlp.down_proj.weight[d1/2]'])  # L00.mlp
+    h_L00_partial = _swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.0.mlp.down_proj.weight[d1/2]'])  # L00.mlp
     h_L00_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L00_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L00.mlp.all_reduce
     h_L00 = h_L00_attn + h_L00_sum  # L00.mlp.residual
     x_L01_attn_norm = torch_npu.npu_rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)[0]  # L01.attn_norm
-    q_L01, k_L01, v_L01 = _qwen3_attn_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_proj.weight[d0/2]'], W['model.layers.1.self_attn.k_proj.weight[d0/2]'], W['model.layers.1.self_attn.v_proj.weight[d0/2]'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L01.qkv
+    q_L01, k_L01, v_L01 = _qwen3_attn_prolog(x_L01_attn_norm, W['graphgen.load:model.layers.1.self_attn.q_proj.weight[d0/2]+model.layers.1.self_attn.k_proj.weight[d0/2]+model.layers.1.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L01.qkv
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, k_L01.reshape(k_L01.shape[0], -1))  # L01.kv_write
     torch_npu.npu_scatter_nd_update_(kv[1][1], b.kv_index, v_L01.reshape(v_L01.shape[0], -1))  # L01.kv_write
     o_L01 = torch_npu.npu_fused_infer_attention_score(q_L01, kv[1][0], kv[1][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L01.attn
@@ -98,11 +235,11 @@ def forward(W, b, kv, staging=()):
     h_L01_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L01_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L01.o_proj.all_reduce
     h_L01_attn = h_L00 + h_L01_attn_sum  # L01.o_proj.residual
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
-    h_L01_partial = _swiglu_mlp(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight[d0/2]'], W['model.layers.1.mlp.up_proj.weight[d0/2]'], W['model.layers.1.mlp.down_proj.weight[d1/2]'])  # L01.mlp
+    h_L01_partial = _swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.1.mlp.down_proj.weight[d1/2]'])  # L01.mlp
     h_L01_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L01_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L01.mlp.all_reduce
     h_L01 = h_L01_attn + h_L01_sum  # L01.mlp.residual
     x_L02_attn_norm = torch_npu.npu_rms_norm(h_L01, W['model.layers.2.input_layernorm.weight'], 1e-06)[0]  # L02.attn_norm
-    q_L02, k_L02, v_L02 = _qwen3_attn_prolog(x_L02_attn_norm, W['model.layers.2.self_attn.q_proj.weight[d0/2]'], W['model.layers.2.self_attn.k_proj.weight[d0/2]'], W['model.layers.2.self_attn.v_proj.weight[d0/2]'], W['model.layers.2.self_attn.q_norm.weight'], W['model.layers.2.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L02.qkv
+    q_L02, k_L02, v_L02 = _qwen3_attn_prolog(x_L02_attn_norm, W['graphgen.load:model.layers.2.self_attn.q_proj.weight[d0/2]+model.layers.2.self_attn.k_proj.weight[d0/2]+model.layers.2.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.2.self_attn.q_norm.weight'], W['model.layers.2.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L02.qkv
     torch_npu.npu_scatter_nd_update_(kv[2][0], b.kv_index, k_L02.reshape(k_L02.shape[0], -1))  # L02.kv_write
     torch_npu.npu_scatter_nd_update_(kv[2][1], b.kv_index, v_L02.reshape(v_L02.shape[0], -1))  # L02.kv_write
     o_L02 = torch_npu.npu_fused_infer_attention_score(q_L02, kv[2][0], kv[2][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L02.attn
@@ -110,11 +247,11 @@ def forward(W, b, kv, staging=()):
     h_L02_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L02_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L02.o_proj.all_reduce
     h_L02_attn = h_L01 + h_L02_attn_sum  # L02.o_proj.residual
     x_L02_mlp_norm = torch_npu.npu_rms_norm(h_L02_attn, W['model.layers.2.post_attention_layernorm.weight'], 1e-06)[0]  # L02.mlp_norm
-    h_L02_partial = _swiglu_mlp(x_L02_mlp_norm, W['model.layers.2.mlp.gate_proj.weight[d0/2]'], W['model.layers.2.mlp.up_proj.weight[d0/2]'], W['model.layers.2.mlp.down_proj.weight[d1/2]'])  # L02.mlp
+    h_L02_partial = _swiglu_mlp(x_L02_mlp_norm, W['graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/2]+model.layers.2.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.2.mlp.down_proj.weight[d1/2]'])  # L02.mlp
     h_L02_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L02_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L02.mlp.all_reduce
     h_L02 = h_L02_attn + h_L02_sum  # L02.mlp.residual
     x_L03_attn_norm = torch_npu.npu_rms_norm(h_L02, W['model.layers.3.input_layernorm.weight'], 1e-06)[0]  # L03.attn_norm
-    q_L03, k_L03, v_L03 = _qwen3_attn_prolog(x_L03_attn_norm, W['model.layers.3.self_attn.q_proj.weight[d0/2]'], W['model.layers.3.self_attn.k_proj.weight[d0/2]'], W['model.layers.3.self_attn.v_proj.weight[d0/2]'], W['model.layers.3.self_attn.q_norm.weight'], W['model.layers.3.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L03.qkv
+    q_L03, k_L03, v_L03 = _qwen3_attn_prolog(x_L03_attn_norm, W['graphgen.load:model.layers.3.self_attn.q_proj.weight[d0/2]+model.layers.3.self_attn.k_proj.weight[d0/2]+model.layers.3.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.3.self_attn.q_norm.weight'], W['model.layers.3.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L03.qkv
     torch_npu.npu_scatter_nd_update_(kv[3][0], b.kv_index, k_L03.reshape(k_L03.shape[0], -1))  # L03.kv_write
     torch_npu.npu_scatter_nd_update_(kv[3][1], b.kv_index, v_L03.reshape(v_L03.shape[0], -1))  # L03.kv_write
     o_L03 = torch_npu.npu_fused_infer_attention_score(q_L03, kv[3][0], kv[3][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L03.attn
@@ -122,11 +259,11 @@ def forward(W, b, kv, staging=()):
     h_L03_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L03_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L03.o_proj.all_reduce
     h_L03_attn = h_L02 + h_L03_attn_sum  # L03.o_proj.residual
     x_L03_mlp_norm = torch_npu.npu_rms_norm(h_L03_attn, W['model.layers.3.post_attention_layernorm.weight'], 1e-06)[0]  # L03.mlp_norm
-    h_L03_partial = _swiglu_mlp(x_L03_mlp_norm, W['model.layers.3.mlp.gate_proj.weight[d0/2]'], W['model.layers.3.mlp.up_proj.weight[d0/2]'], W['model.layers.3.mlp.down_proj.weight[d1/2]'])  # L03.mlp
+    h_L03_partial = _swiglu_mlp(x_L03_mlp_norm, W['graphgen.load:model.layers.3.mlp.gate_proj.weight[d0/2]+model.layers.3.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.3.mlp.down_proj.weight[d1/2]'])  # L03.mlp
     h_L03_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L03_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L03.mlp.all_reduce
     h_L03 = h_L03_attn + h_L03_sum  # L03.mlp.residual
     x_L04_attn_norm = torch_npu.npu_rms_norm(h_L03, W['model.layers.4.input_layernorm.weight'], 1e-06)[0]  # L04.attn_norm
-    q_L04, k_L04, v_L04 = _qwen3_attn_prolog(x_L04_attn_norm, W['model.layers.4.self_attn.q_proj.weight[d0/2]'], W['model.layers.4.self_attn.k_proj.weight[d0/2]'], W['model.layers.4.self_attn.v_proj.weight[d0/2]'], W['model.layers.4.self_attn.q_norm.weight'], W['model.layers.4.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L04.qkv
+    q_L04, k_L04, v_L04 = _qwen3_attn_prolog(x_L04_attn_norm, W['graphgen.load:model.layers.4.self_attn.q_proj.weight[d0/2]+model.layers.4.self_attn.k_proj.weight[d0/2]+model.layers.4.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.4.self_attn.q_norm.weight'], W['model.layers.4.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L04.qkv
     torch_npu.npu_scatter_nd_update_(kv[4][0], b.kv_index, k_L04.reshape(k_L04.shape[0], -1))  # L04.kv_write
     torch_npu.npu_scatter_nd_update_(kv[4][1], b.kv_index, v_L04.reshape(v_L04.shape[0], -1))  # L04.kv_write
     o_L04 = torch_npu.npu_fused_infer_attention_score(q_L04, kv[4][0], kv[4][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L04.attn
@@ -134,11 +271,11 @@ def forward(W, b, kv, staging=()):
     h_L04_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L04_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L04.o_proj.all_reduce
     h_L04_attn = h_L03 + h_L04_attn_sum  # L04.o_proj.residual
     x_L04_mlp_norm = torch_npu.npu_rms_norm(h_L04_attn, W['model.layers.4.post_attention_layernorm.weight'], 1e-06)[0]  # L04.mlp_norm
-    h_L04_partial = _swiglu_mlp(x_L04_mlp_norm, W['model.layers.4.mlp.gate_proj.weight[d0/2]'], W['model.layers.4.mlp.up_proj.weight[d0/2]'], W['model.layers.4.mlp.down_proj.weight[d1/2]'])  # L04.mlp
+    h_L04_partial = _swiglu_mlp(x_L04_mlp_norm, W['graphgen.load:model.layers.4.mlp.gate_proj.weight[d0/2]+model.layers.4.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.4.mlp.down_proj.weight[d1/2]'])  # L04.mlp
     h_L04_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L04_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L04.mlp.all_reduce
     h_L04 = h_L04_attn + h_L04_sum  # L04.mlp.residual
     x_L05_attn_norm = torch_npu.npu_rms_norm(h_L04, W['model.layers.5.input_layernorm.weight'], 1e-06)[0]  # L05.attn_norm
-    q_L05, k_L05, v_L05 = _qwen3_attn_prolog(x_L05_attn_norm, W['model.layers.5.self_attn.q_proj.weight[d0/2]'], W['model.layers.5.self_attn.k_proj.weight[d0/2]'], W['model.layers.5.self_attn.v_proj.weight[d0/2]'], W['model.layers.5.self_attn.q_norm.weight'], W['model.layers.5.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L05.qkv
+    q_L05, k_L05, v_L05 = _qwen3_attn_prolog(x_L05_attn_norm, W['graphgen.load:model.layers.5.self_attn.q_proj.weight[d0/2]+model.layers.5.self_attn.k_proj.weight[d0/2]+model.layers.5.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.5.self_attn.q_norm.weight'], W['model.layers.5.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L05.qkv
     torch_npu.npu_scatter_nd_update_(kv[5][0], b.kv_index, k_L05.reshape(k_L05.shape[0], -1))  # L05.kv_write
     torch_npu.npu_scatter_nd_update_(kv[5][1], b.kv_index, v_L05.reshape(v_L05.shape[0], -1))  # L05.kv_write
     o_L05 = torch_npu.npu_fused_infer_attention_score(q_L05, kv[5][0], kv[5][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L05.attn
@@ -146,11 +283,11 @@ def forward(W, b, kv, staging=()):
     h_L05_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L05_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L05.o_proj.all_reduce
     h_L05_attn = h_L04 + h_L05_attn_sum  # L05.o_proj.residual
     x_L05_mlp_norm = torch_npu.npu_rms_norm(h_L05_attn, W['model.layers.5.post_attention_layernorm.weight'], 1e-06)[0]  # L05.mlp_norm
-    h_L05_partial = _swiglu_mlp(x_L05_mlp_norm, W['model.layers.5.mlp.gate_proj.weight[d0/2]'], W['model.layers.5.mlp.up_proj.weight[d0/2]'], W['model.layers.5.mlp.down_proj.weight[d1/2]'])  # L05.mlp
+    h_L05_partial = _swiglu_mlp(x_L05_mlp_norm, W['graphgen.load:model.layers.5.mlp.gate_proj.weight[d0/2]+model.layers.5.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.5.mlp.down_proj.weight[d1/2]'])  # L05.mlp
     h_L05_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L05_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L05.mlp.all_reduce
     h_L05 = h_L05_attn + h_L05_sum  # L05.mlp.residual
     x_L06_attn_norm = torch_npu.npu_rms_norm(h_L05, W['model.layers.6.input_layernorm.weight'], 1e-06)[0]  # L06.attn_norm
-    q_L06, k_L06, v_L06 = _qwen3_attn_prolog(x_L06_attn_norm, W['model.layers.6.self_attn.q_proj.weight[d0/2]'], W['model.layers.6.self_attn.k_proj.weight[d0/2]'], W['model.layers.6.self_attn.v_proj.weight[d0/2]'], W['model.layers.6.self_attn.q_norm.weight'], W['model.layers.6.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L06.qkv
+    q_L06, k_L06, v_L06 = _qwen3_attn_prolog(x_L06_attn_norm, W['graphgen.load:model.layers.6.self_attn.q_proj.weight[d0/2]+model.layers.6.self_attn.k_proj.weight[d0/2]+model.layers.6.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.6.self_attn.q_norm.weight'], W['model.layers.6.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L06.qkv
     torch_npu.npu_scatter_nd_update_(kv[6][0], b.kv_index, k_L06.reshape(k_L06.shape[0], -1))  # L06.kv_write
     torch_npu.npu_scatter_nd_update_(kv[6][1], b.kv_index, v_L06.reshape(v_L06.shape[0], -1))  # L06.kv_write
     o_L06 = torch_npu.npu_fused_infer_attention_score(q_L06, kv[6][0], kv[6][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L06.attn
@@ -158,11 +295,11 @@ def forward(W, b, kv, staging=()):
     h_L06_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L06_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L06.o_proj.all_reduce
     h_L06_attn = h_L05 + h_L06_attn_sum  # L06.o_proj.residual
     x_L06_mlp_norm = torch_npu.npu_rms_norm(h_L06_attn, W['model.layers.6.post_attention_layernorm.weight'], 1e-06)[0]  # L06.mlp_norm
-    h_L06_partial = _swiglu_mlp(x_L06_mlp_norm, W['model.layers.6.mlp.gate_proj.weight[d0/2]'], W['model.layers.6.mlp.up_proj.weight[d0/2]'], W['model.layers.6.mlp.down_proj.weight[d1/2]'])  # L06.mlp
+    h_L06_partial = _swiglu_mlp(x_L06_mlp_norm, W['graphgen.load:model.layers.6.mlp.gate_proj.weight[d0/2]+model.layers.6.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.6.mlp.down_proj.weight[d1/2]'])  # L06.mlp
     h_L06_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L06_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L06.mlp.all_reduce
     h_L06 = h_L06_attn + h_L06_sum  # L06.mlp.residual
     x_L07_attn_norm = torch_npu.npu_rms_norm(h_L06, W['model.layers.7.input_layernorm.weight'], 1e-06)[0]  # L07.attn_norm
-    q_L07, k_L07, v_L07 = _qwen3_attn_prolog(x_L07_attn_norm, W['model.layers.7.self_attn.q_proj.weight[d0/2]'], W['model.layers.7.self_attn.k_proj.weight[d0/2]'], W['model.layers.7.self_attn.v_proj.weight[d0/2]'], W['model.layers.7.self_attn.q_norm.weight'], W['model.layers.7.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L07.qkv
+    q_L07, k_L07, v_L07 = _qwen3_attn_prolog(x_L07_attn_norm, W['graphgen.load:model.layers.7.self_attn.q_proj.weight[d0/2]+model.layers.7.self_attn.k_proj.weight[d0/2]+model.layers.7.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.7.self_attn.q_norm.weight'], W['model.layers.7.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L07.qkv
     torch_npu.npu_scatter_nd_update_(kv[7][0], b.kv_index, k_L07.reshape(k_L07.shape[0], -1))  # L07.kv_write
     torch_npu.npu_scatter_nd_update_(kv[7][1], b.kv_index, v_L07.reshape(v_L07.shape[0], -1))  # L07.kv_write
     o_L07 = torch_npu.npu_fused_infer_attention_score(q_L07, kv[7][0], kv[7][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L07.attn
@@ -170,11 +307,11 @@ def forward(W, b, kv, staging=()):
     h_L07_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L07_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L07.o_proj.all_reduce
     h_L07_attn = h_L06 + h_L07_attn_sum  # L07.o_proj.residual
     x_L07_mlp_norm = torch_npu.npu_rms_norm(h_L07_attn, W['model.layers.7.post_attention_layernorm.weight'], 1e-06)[0]  # L07.mlp_norm
-    h_L07_partial = _swiglu_mlp(x_L07_mlp_norm, W['model.layers.7.mlp.gate_proj.weight[d0/2]'], W['model.layers.7.mlp.up_proj.weight[d0/2]'], W['model.layers.7.mlp.down_proj.weight[d1/2]'])  # L07.mlp
+    h_L07_partial = _swiglu_mlp(x_L07_mlp_norm, W['graphgen.load:model.layers.7.mlp.gate_proj.weight[d0/2]+model.layers.7.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.7.mlp.down_proj.weight[d1/2]'])  # L07.mlp
     h_L07_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L07_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L07.mlp.all_reduce
     h_L07 = h_L07_attn + h_L07_sum  # L07.mlp.residual
     x_L08_attn_norm = torch_npu.npu_rms_norm(h_L07, W['model.layers.8.input_layernorm.weight'], 1e-06)[0]  # L08.attn_norm
-    q_L08, k_L08, v_L08 = _qwen3_attn_prolog(x_L08_attn_norm, W['model.layers.8.self_attn.q_proj.weight[d0/2]'], W['model.layers.8.self_attn.k_proj.weight[d0/2]'], W['model.layers.8.self_attn.v_proj.weight[d0/2]'], W['model.layers.8.self_attn.q_norm.weight'], W['model.layers.8.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L08.qkv
+    q_L08, k_L08, v_L08 = _qwen3_attn_prolog(x_L08_attn_norm, W['graphgen.load:model.layers.8.self_attn.q_proj.weight[d0/2]+model.layers.8.self_attn.k_proj.weight[d0/2]+model.layers.8.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.8.self_attn.q_norm.weight'], W['model.layers.8.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L08.qkv
     torch_npu.npu_scatter_nd_update_(kv[8][0], b.kv_index, k_L08.reshape(k_L08.shape[0], -1))  # L08.kv_write
     torch_npu.npu_scatter_nd_update_(kv[8][1], b.kv_index, v_L08.reshape(v_L08.shape[0], -1))  # L08.kv_write
     o_L08 = torch_npu.npu_fused_infer_attention_score(q_L08, kv[8][0], kv[8][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L08.attn
@@ -182,11 +319,11 @@ def forward(W, b, kv, staging=()):
     h_L08_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L08_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L08.o_proj.all_reduce
     h_L08_attn = h_L07 + h_L08_attn_sum  # L08.o_proj.residual
     x_L08_mlp_norm = torch_npu.npu_rms_norm(h_L08_attn, W['model.layers.8.post_attention_layernorm.weight'], 1e-06)[0]  # L08.mlp_norm
-    h_L08_partial = _swiglu_mlp(x_L08_mlp_norm, W['model.layers.8.mlp.gate_proj.weight[d0/2]'], W['model.layers.8.mlp.up_proj.weight[d0/2]'], W['model.layers.8.mlp.down_proj.weight[d1/2]'])  # L08.mlp
+    h_L08_partial = _swiglu_mlp(x_L08_mlp_norm, W['graphgen.load:model.layers.8.mlp.gate_proj.weight[d0/2]+model.layers.8.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.8.mlp.down_proj.weight[d1/2]'])  # L08.mlp
     h_L08_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L08_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L08.mlp.all_reduce
     h_L08 = h_L08_attn + h_L08_sum  # L08.mlp.residual
     x_L09_attn_norm = torch_npu.npu_rms_norm(h_L08, W['model.layers.9.input_layernorm.weight'], 1e-06)[0]  # L09.attn_norm
-    q_L09, k_L09, v_L09 = _qwen3_attn_prolog(x_L09_attn_norm, W['model.layers.9.self_attn.q_proj.weight[d0/2]'], W['model.layers.9.self_attn.k_proj.weight[d0/2]'], W['model.layers.9.self_attn.v_proj.weight[d0/2]'], W['model.layers.9.self_attn.q_norm.weight'], W['model.layers.9.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L09.qkv
+    q_L09, k_L09, v_L09 = _qwen3_attn_prolog(x_L09_attn_norm, W['graphgen.load:model.layers.9.self_attn.q_proj.weight[d0/2]+model.layers.9.self_attn.k_proj.weight[d0/2]+model.layers.9.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.9.self_attn.q_norm.weight'], W['model.layers.9.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L09.qkv
     torch_npu.npu_scatter_nd_update_(kv[9][0], b.kv_index, k_L09.reshape(k_L09.shape[0], -1))  # L09.kv_write
     torch_npu.npu_scatter_nd_update_(kv[9][1], b.kv_index, v_L09.reshape(v_L09.shape[0], -1))  # L09.kv_write
     o_L09 = torch_npu.npu_fused_infer_attention_score(q_L09, kv[9][0], kv[9][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L09.attn
@@ -194,11 +331,11 @@ def forward(W, b, kv, staging=()):
     h_L09_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L09_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L09.o_proj.all_reduce
     h_L09_attn = h_L08 + h_L09_attn_sum  # L09.o_proj.residual
     x_L09_mlp_norm = torch_npu.npu_rms_norm(h_L09_attn, W['model.layers.9.post_attention_layernorm.weight'], 1e-06)[0]  # L09.mlp_norm
-    h_L09_partial = _swiglu_mlp(x_L09_mlp_norm, W['model.layers.9.mlp.gate_proj.weight[d0/2]'], W['model.layers.9.mlp.up_proj.weight[d0/2]'], W['model.layers.9.mlp.down_proj.weight[d1/2]'])  # L09.mlp
+    h_L09_partial = _swiglu_mlp(x_L09_mlp_norm, W['graphgen.load:model.layers.9.mlp.gate_proj.weight[d0/2]+model.layers.9.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.9.mlp.down_proj.weight[d1/2]'])  # L09.mlp
     h_L09_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L09_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L09.mlp.all_reduce
     h_L09 = h_L09_attn + h_L09_sum  # L09.mlp.residual
     x_L10_attn_norm = torch_npu.npu_rms_norm(h_L09, W['model.layers.10.input_layernorm.weight'], 1e-06)[0]  # L10.attn_norm
-    q_L10, k_L10, v_L10 = _qwen3_attn_prolog(x_L10_attn_norm, W['model.layers.10.self_attn.q_proj.weight[d0/2]'], W['model.layers.10.self_attn.k_proj.weight[d0/2]'], W['model.layers.10.self_attn.v_proj.weight[d0/2]'], W['model.layers.10.self_attn.q_norm.weight'], W['model.layers.10.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L10.qkv
+    q_L10, k_L10, v_L10 = _qwen3_attn_prolog(x_L10_attn_norm, W['graphgen.load:model.layers.10.self_attn.q_proj.weight[d0/2]+model.layers.10.self_attn.k_proj.weight[d0/2]+model.layers.10.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.10.self_attn.q_norm.weight'], W['model.layers.10.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L10.qkv
     torch_npu.npu_scatter_nd_update_(kv[10][0], b.kv_index, k_L10.reshape(k_L10.shape[0], -1))  # L10.kv_write
     torch_npu.npu_scatter_nd_update_(kv[10][1], b.kv_index, v_L10.reshape(v_L10.shape[0], -1))  # L10.kv_write
     o_L10 = torch_npu.npu_fused_infer_attention_score(q_L10, kv[10][0], kv[10][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L10.attn
@@ -206,11 +343,11 @@ def forward(W, b, kv, staging=()):
     h_L10_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L10_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L10.o_proj.all_reduce
     h_L10_attn = h_L09 + h_L10_attn_sum  # L10.o_proj.residual
     x_L10_mlp_norm = torch_npu.npu_rms_norm(h_L10_attn, W['model.layers.10.post_attention_layernorm.weight'], 1e-06)[0]  # L10.mlp_norm
-    h_L10_partial = _swiglu_mlp(x_L10_mlp_norm, W['model.layers.10.mlp.gate_proj.weight[d0/2]'], W['model.layers.10.mlp.up_proj.weight[d0/2]'], W['model.layers.10.mlp.down_proj.weight[d1/2]'])  # L10.mlp
+    h_L10_partial = _swiglu_mlp(x_L10_mlp_norm, W['graphgen.load:model.layers.10.mlp.gate_proj.weight[d0/2]+model.layers.10.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.10.mlp.down_proj.weight[d1/2]'])  # L10.mlp
     h_L10_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L10_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L10.mlp.all_reduce
     h_L10 = h_L10_attn + h_L10_sum  # L10.mlp.residual
     x_L11_attn_norm = torch_npu.npu_rms_norm(h_L10, W['model.layers.11.input_layernorm.weight'], 1e-06)[0]  # L11.attn_norm
-    q_L11, k_L11, v_L11 = _qwen3_attn_prolog(x_L11_attn_norm, W['model.layers.11.self_attn.q_proj.weight[d0/2]'], W['model.layers.11.self_attn.k_proj.weight[d0/2]'], W['model.layers.11.self_attn.v_proj.weight[d0/2]'], W['model.layers.11.self_attn.q_norm.weight'], W['model.layers.11.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L11.qkv
+    q_L11, k_L11, v_L11 = _qwen3_attn_prolog(x_L11_attn_norm, W['graphgen.load:model.layers.11.self_attn.q_proj.weight[d0/2]+model.layers.11.self_attn.k_proj.weight[d0/2]+model.layers.11.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.11.self_attn.q_norm.weight'], W['model.layers.11.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L11.qkv
     torch_npu.npu_scatter_nd_update_(kv[11][0], b.kv_index, k_L11.reshape(k_L11.shape[0], -1))  # L11.kv_write
     torch_npu.npu_scatter_nd_update_(kv[11][1], b.kv_index, v_L11.reshape(v_L11.shape[0], -1))  # L11.kv_write
     o_L11 = torch_npu.npu_fused_infer_attention_score(q_L11, kv[11][0], kv[11][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L11.attn
@@ -218,11 +355,11 @@ def forward(W, b, kv, staging=()):
     h_L11_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L11_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L11.o_proj.all_reduce
     h_L11_attn = h_L10 + h_L11_attn_sum  # L11.o_proj.residual
     x_L11_mlp_norm = torch_npu.npu_rms_norm(h_L11_attn, W['model.layers.11.post_attention_layernorm.weight'], 1e-06)[0]  # L11.mlp_norm
-    h_L11_partial = _swiglu_mlp(x_L11_mlp_norm, W['model.layers.11.mlp.gate_proj.weight[d0/2]'], W['model.layers.11.mlp.up_proj.weight[d0/2]'], W['model.layers.11.mlp.down_proj.weight[d1/2]'])  # L11.mlp
+    h_L11_partial = _swiglu_mlp(x_L11_mlp_norm, W['graphgen.load:model.layers.11.mlp.gate_proj.weight[d0/2]+model.layers.11.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.11.mlp.down_proj.weight[d1/2]'])  # L11.mlp
     h_L11_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L11_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L11.mlp.all_reduce
     h_L11 = h_L11_attn + h_L11_sum  # L11.mlp.residual
     x_L12_attn_norm = torch_npu.npu_rms_norm(h_L11, W['model.layers.12.input_layernorm.weight'], 1e-06)[0]  # L12.attn_norm
-    q_L12, k_L12, v_L12 = _qwen3_attn_prolog(x_L12_attn_norm, W['model.layers.12.self_attn.q_proj.weight[d0/2]'], W['model.layers.12.self_attn.k_proj.weight[d0/2]'], W['model.layers.12.self_attn.v_proj.weight[d0/2]'], W['model.layers.12.self_attn.q_norm.weight'], W['model.layers.12.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L12.qkv
+    q_L12, k_L12, v_L12 = _qwen3_attn_prolog(x_L12_attn_norm, W['graphgen.load:model.layers.12.self_attn.q_proj.weight[d0/2]+model.layers.12.self_attn.k_proj.weight[d0/2]+model.layers.12.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.12.self_attn.q_norm.weight'], W['model.layers.12.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L12.qkv
     torch_npu.npu_scatter_nd_update_(kv[12][0], b.kv_index, k_L12.reshape(k_L12.shape[0], -1))  # L12.kv_write
     torch_npu.npu_scatter_nd_update_(kv[12][1], b.kv_index, v_L12.reshape(v_L12.shape[0], -1))  # L12.kv_write
     o_L12 = torch_npu.npu_fused_infer_attention_score(q_L12, kv[12][0], kv[12][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L12.attn
@@ -230,11 +367,11 @@ def forward(W, b, kv, staging=()):
     h_L12_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L12_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L12.o_proj.all_reduce
     h_L12_attn = h_L11 + h_L12_attn_sum  # L12.o_proj.residual
     x_L12_mlp_norm = torch_npu.npu_rms_norm(h_L12_attn, W['model.layers.12.post_attention_layernorm.weight'], 1e-06)[0]  # L12.mlp_norm
-    h_L12_partial = _swiglu_mlp(x_L12_mlp_norm, W['model.layers.12.mlp.gate_proj.weight[d0/2]'], W['model.layers.12.mlp.up_proj.weight[d0/2]'], W['model.layers.12.mlp.down_proj.weight[d1/2]'])  # L12.mlp
+    h_L12_partial = _swiglu_mlp(x_L12_mlp_norm, W['graphgen.load:model.layers.12.mlp.gate_proj.weight[d0/2]+model.layers.12.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.12.mlp.down_proj.weight[d1/2]'])  # L12.mlp
     h_L12_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L12_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L12.mlp.all_reduce
     h_L12 = h_L12_attn + h_L12_sum  # L12.mlp.residual
     x_L13_attn_norm = torch_npu.npu_rms_norm(h_L12, W['model.layers.13.input_layernorm.weight'], 1e-06)[0]  # L13.attn_norm
-    q_L13, k_L13, v_L13 = _qwen3_attn_prolog(x_L13_attn_norm, W['model.layers.13.self_attn.q_proj.weight[d0/2]'], W['model.layers.13.self_attn.k_proj.weight[d0/2]'], W['model.layers.13.self_attn.v_proj.weight[d0/2]'], W['model.layers.13.self_attn.q_norm.weight'], W['model.layers.13.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L13.qkv
+    q_L13, k_L13, v_L13 = _qwen3_attn_prolog(x_L13_attn_norm, W['graphgen.load:model.layers.13.self_attn.q_proj.weight[d0/2]+model.layers.13.self_attn.k_proj.weight[d0/2]+model.layers.13.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.13.self_attn.q_norm.weight'], W['model.layers.13.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L13.qkv
     torch_npu.npu_scatter_nd_update_(kv[13][0], b.kv_index, k_L13.reshape(k_L13.shape[0], -1))  # L13.kv_write
     torch_npu.npu_scatter_nd_update_(kv[13][1], b.kv_index, v_L13.reshape(v_L13.shape[0], -1))  # L13.kv_write
     o_L13 = torch_npu.npu_fused_infer_attention_score(q_L13, kv[13][0], kv[13][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L13.attn
@@ -242,11 +379,11 @@ def forward(W, b, kv, staging=()):
     h_L13_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L13_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L13.o_proj.all_reduce
     h_L13_attn = h_L12 + h_L13_attn_sum  # L13.o_proj.residual
     x_L13_mlp_norm = torch_npu.npu_rms_norm(h_L13_attn, W['model.layers.13.post_attention_layernorm.weight'], 1e-06)[0]  # L13.mlp_norm
-    h_L13_partial = _swiglu_mlp(x_L13_mlp_norm, W['model.layers.13.mlp.gate_proj.weight[d0/2]'], W['model.layers.13.mlp.up_proj.weight[d0/2]'], W['model.layers.13.mlp.down_proj.weight[d1/2]'])  # L13.mlp
+    h_L13_partial = _swiglu_mlp(x_L13_mlp_norm, W['graphgen.load:model.layers.13.mlp.gate_proj.weight[d0/2]+model.layers.13.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.13.mlp.down_proj.weight[d1/2]'])  # L13.mlp
     h_L13_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L13_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L13.mlp.all_reduce
     h_L13 = h_L13_attn + h_L13_sum  # L13.mlp.residual
     x_L14_attn_norm = torch_npu.npu_rms_norm(h_L13, W['model.layers.14.input_layernorm.weight'], 1e-06)[0]  # L14.attn_norm
-    q_L14, k_L14, v_L14 = _qwen3_attn_prolog(x_L14_attn_norm, W['model.layers.14.self_attn.q_proj.weight[d0/2]'], W['model.layers.14.self_attn.k_proj.weight[d0/2]'], W['model.layers.14.self_attn.v_proj.weight[d0/2]'], W['model.layers.14.self_attn.q_norm.weight'], W['model.layers.14.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L14.qkv
+    q_L14, k_L14, v_L14 = _qwen3_attn_prolog(x_L14_attn_norm, W['graphgen.load:model.layers.14.self_attn.q_proj.weight[d0/2]+model.layers.14.self_attn.k_proj.weight[d0/2]+model.layers.14.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.14.self_attn.q_norm.weight'], W['model.layers.14.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L14.qkv
     torch_npu.npu_scatter_nd_update_(kv[14][0], b.kv_index, k_L14.reshape(k_L14.shape[0], -1))  # L14.kv_write
     torch_npu.npu_scatter_nd_update_(kv[14][1], b.kv_index, v_L14.reshape(v_L14.shape[0], -1))  # L14.kv_write
     o_L14 = torch_npu.npu_fused_infer_attention_score(q_L14, kv[14][0], kv[14][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L14.attn
@@ -254,11 +391,11 @@ def forward(W, b, kv, staging=()):
     h_L14_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L14_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L14.o_proj.all_reduce
     h_L14_attn = h_L13 + h_L14_attn_sum  # L14.o_proj.residual
     x_L14_mlp_norm = torch_npu.npu_rms_norm(h_L14_attn, W['model.layers.14.post_attention_layernorm.weight'], 1e-06)[0]  # L14.mlp_norm
-    h_L14_partial = _swiglu_mlp(x_L14_mlp_norm, W['model.layers.14.mlp.gate_proj.weight[d0/2]'], W['model.layers.14.mlp.up_proj.weight[d0/2]'], W['model.layers.14.mlp.down_proj.weight[d1/2]'])  # L14.mlp
+    h_L14_partial = _swiglu_mlp(x_L14_mlp_norm, W['graphgen.load:model.layers.14.mlp.gate_proj.weight[d0/2]+model.layers.14.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.14.mlp.down_proj.weight[d1/2]'])  # L14.mlp
     h_L14_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L14_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L14.mlp.all_reduce
     h_L14 = h_L14_attn + h_L14_sum  # L14.mlp.residual
     x_L15_attn_norm = torch_npu.npu_rms_norm(h_L14, W['model.layers.15.input_layernorm.weight'], 1e-06)[0]  # L15.attn_norm
-    q_L15, k_L15, v_L15 = _qwen3_attn_prolog(x_L15_attn_norm, W['model.layers.15.self_attn.q_proj.weight[d0/2]'], W['model.layers.15.self_attn.k_proj.weight[d0/2]'], W['model.layers.15.self_attn.v_proj.weight[d0/2]'], W['model.layers.15.self_attn.q_norm.weight'], W['model.layers.15.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L15.qkv
+    q_L15, k_L15, v_L15 = _qwen3_attn_prolog(x_L15_attn_norm, W['graphgen.load:model.layers.15.self_attn.q_proj.weight[d0/2]+model.layers.15.self_attn.k_proj.weight[d0/2]+model.layers.15.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.15.self_attn.q_norm.weight'], W['model.layers.15.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L15.qkv
     torch_npu.npu_scatter_nd_update_(kv[15][0], b.kv_index, k_L15.reshape(k_L15.shape[0], -1))  # L15.kv_write
     torch_npu.npu_scatter_nd_update_(kv[15][1], b.kv_index, v_L15.reshape(v_L15.shape[0], -1))  # L15.kv_write
     o_L15 = torch_npu.npu_fused_infer_attention_score(q_L15, kv[15][0], kv[15][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L15.attn
@@ -266,11 +403,11 @@ def forward(W, b, kv, staging=()):
     h_L15_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L15_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L15.o_proj.all_reduce
     h_L15_attn = h_L14 + h_L15_attn_sum  # L15.o_proj.residual
     x_L15_mlp_norm = torch_npu.npu_rms_norm(h_L15_attn, W['model.layers.15.post_attention_layernorm.weight'], 1e-06)[0]  # L15.mlp_norm
-    h_L15_partial = _swiglu_mlp(x_L15_mlp_norm, W['model.layers.15.mlp.gate_proj.weight[d0/2]'], W['model.layers.15.mlp.up_proj.weight[d0/2]'], W['model.layers.15.mlp.down_proj.weight[d1/2]'])  # L15.mlp
+    h_L15_partial = _swiglu_mlp(x_L15_mlp_norm, W['graphgen.load:model.layers.15.mlp.gate_proj.weight[d0/2]+model.layers.15.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.15.mlp.down_proj.weight[d1/2]'])  # L15.mlp
     h_L15_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L15_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L15.mlp.all_reduce
     h_L15 = h_L15_attn + h_L15_sum  # L15.mlp.residual
     x_L16_attn_norm = torch_npu.npu_rms_norm(h_L15, W['model.layers.16.input_layernorm.weight'], 1e-06)[0]  # L16.attn_norm
-    q_L16, k_L16, v_L16 = _qwen3_attn_prolog(x_L16_attn_norm, W['model.layers.16.self_attn.q_proj.weight[d0/2]'], W['model.layers.16.self_attn.k_proj.weight[d0/2]'], W['model.layers.16.self_attn.v_proj.weight[d0/2]'], W['model.layers.16.self_attn.q_norm.weight'], W['model.layers.16.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L16.qkv
+    q_L16, k_L16, v_L16 = _qwen3_attn_prolog(x_L16_attn_norm, W['graphgen.load:model.layers.16.self_attn.q_proj.weight[d0/2]+model.layers.16.self_attn.k_proj.weight[d0/2]+model.layers.16.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.16.self_attn.q_norm.weight'], W['model.layers.16.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L16.qkv
     torch_npu.npu_scatter_nd_update_(kv[16][0], b.kv_index, k_L16.reshape(k_L16.shape[0], -1))  # L16.kv_write
     torch_npu.npu_scatter_nd_update_(kv[16][1], b.kv_index, v_L16.reshape(v_L16.shape[0], -1))  # L16.kv_write
     o_L16 = torch_npu.npu_fused_infer_attention_score(q_L16, kv[16][0], kv[16][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L16.attn
@@ -278,11 +415,11 @@ def forward(W, b, kv, staging=()):
     h_L16_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L16_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L16.o_proj.all_reduce
     h_L16_attn = h_L15 + h_L16_attn_sum  # L16.o_proj.residual
     x_L16_mlp_norm = torch_npu.npu_rms_norm(h_L16_attn, W['model.layers.16.post_attention_layernorm.weight'], 1e-06)[0]  # L16.mlp_norm
-    h_L16_partial = _swiglu_mlp(x_L16_mlp_norm, W['model.layers.16.mlp.gate_proj.weight[d0/2]'], W['model.layers.16.mlp.up_proj.weight[d0/2]'], W['model.layers.16.mlp.down_proj.weight[d1/2]'])  # L16.mlp
+    h_L16_partial = _swiglu_mlp(x_L16_mlp_norm, W['graphgen.load:model.layers.16.mlp.gate_proj.weight[d0/2]+model.layers.16.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.16.mlp.down_proj.weight[d1/2]'])  # L16.mlp
     h_L16_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L16_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L16.mlp.all_reduce
     h_L16 = h_L16_attn + h_L16_sum  # L16.mlp.residual
     x_L17_attn_norm = torch_npu.npu_rms_norm(h_L16, W['model.layers.17.input_layernorm.weight'], 1e-06)[0]  # L17.attn_norm
-    q_L17, k_L17, v_L17 = _qwen3_attn_prolog(x_L17_attn_norm, W['model.layers.17.self_attn.q_proj.weight[d0/2]'], W['model.layers.17.self_attn.k_proj.weight[d0/2]'], W['model.layers.17.self_attn.v_proj.weight[d0/2]'], W['model.layers.17.self_attn.q_norm.weight'], W['model.layers.17.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L17.qkv
+    q_L17, k_L17, v_L17 = _qwen3_attn_prolog(x_L17_attn_norm, W['graphgen.load:model.layers.17.self_attn.q_proj.weight[d0/2]+model.layers.17.self_attn.k_proj.weight[d0/2]+model.layers.17.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.17.self_attn.q_norm.weight'], W['model.layers.17.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L17.qkv
     torch_npu.npu_scatter_nd_update_(kv[17][0], b.kv_index, k_L17.reshape(k_L17.shape[0], -1))  # L17.kv_write
     torch_npu.npu_scatter_nd_update_(kv[17][1], b.kv_index, v_L17.reshape(v_L17.shape[0], -1))  # L17.kv_write
     o_L17 = torch_npu.npu_fused_infer_attention_score(q_L17, kv[17][0], kv[17][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L17.attn
@@ -290,11 +427,11 @@ def forward(W, b, kv, staging=()):
     h_L17_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L17_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L17.o_proj.all_reduce
     h_L17_attn = h_L16 + h_L17_attn_sum  # L17.o_proj.residual
     x_L17_mlp_norm = torch_npu.npu_rms_norm(h_L17_attn, W['model.layers.17.post_attention_layernorm.weight'], 1e-06)[0]  # L17.mlp_norm
-    h_L17_partial = _swiglu_mlp(x_L17_mlp_norm, W['model.layers.17.mlp.gate_proj.weight[d0/2]'], W['model.layers.17.mlp.up_proj.weight[d0/2]'], W['model.layers.17.mlp.down_proj.weight[d1/2]'])  # L17.mlp
+    h_L17_partial = _swiglu_mlp(x_L17_mlp_norm, W['graphgen.load:model.layers.17.mlp.gate_proj.weight[d0/2]+model.layers.17.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.17.mlp.down_proj.weight[d1/2]'])  # L17.mlp
     h_L17_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L17_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L17.mlp.all_reduce
     h_L17 = h_L17_attn + h_L17_sum  # L17.mlp.residual
     x_L18_attn_norm = torch_npu.npu_rms_norm(h_L17, W['model.layers.18.input_layernorm.weight'], 1e-06)[0]  # L18.attn_norm
-    q_L18, k_L18, v_L18 = _qwen3_attn_prolog(x_L18_attn_norm, W['model.layers.18.self_attn.q_proj.weight[d0/2]'], W['model.layers.18.self_attn.k_proj.weight[d0/2]'], W['model.layers.18.self_attn.v_proj.weight[d0/2]'], W['model.layers.18.self_attn.q_norm.weight'], W['model.layers.18.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L18.qkv
+    q_L18, k_L18, v_L18 = _qwen3_attn_prolog(x_L18_attn_norm, W['graphgen.load:model.layers.18.self_attn.q_proj.weight[d0/2]+model.layers.18.self_attn.k_proj.weight[d0/2]+model.layers.18.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.18.self_attn.q_norm.weight'], W['model.layers.18.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L18.qkv
     torch_npu.npu_scatter_nd_update_(kv[18][0], b.kv_index, k_L18.reshape(k_L18.shape[0], -1))  # L18.kv_write
     torch_npu.npu_scatter_nd_update_(kv[18][1], b.kv_index, v_L18.reshape(v_L18.shape[0], -1))  # L18.kv_write
     o_L18 = torch_npu.npu_fused_infer_attention_score(q_L18, kv[18][0], kv[18][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L18.attn
@@ -302,11 +439,11 @@ def forward(W, b, kv, staging=()):
     h_L18_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L18_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L18.o_proj.all_reduce
     h_L18_attn = h_L17 + h_L18_attn_sum  # L18.o_proj.residual
     x_L18_mlp_norm = torch_npu.npu_rms_norm(h_L18_attn, W['model.layers.18.post_attention_layernorm.weight'], 1e-06)[0]  # L18.mlp_norm
-    h_L18_partial = _swiglu_mlp(x_L18_mlp_norm, W['model.layers.18.mlp.gate_proj.weight[d0/2]'], W['model.layers.18.mlp.up_proj.weight[d0/2]'], W['model.layers.18.mlp.down_proj.weight[d1/2]'])  # L18.mlp
+    h_L18_partial = _swiglu_mlp(x_L18_mlp_norm, W['graphgen.load:model.layers.18.mlp.gate_proj.weight[d0/2]+model.layers.18.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.18.mlp.down_proj.weight[d1/2]'])  # L18.mlp
     h_L18_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L18_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L18.mlp.all_reduce
     h_L18 = h_L18_attn + h_L18_sum  # L18.mlp.residual
     x_L19_attn_norm = torch_npu.npu_rms_norm(h_L18, W['model.layers.19.input_layernorm.weight'], 1e-06)[0]  # L19.attn_norm
-    q_L19, k_L19, v_L19 = _qwen3_attn_prolog(x_L19_attn_norm, W['model.layers.19.self_attn.q_proj.weight[d0/2]'], W['model.layers.19.self_attn.k_proj.weight[d0/2]'], W['model.layers.19.self_attn.v_proj.weight[d0/2]'], W['model.layers.19.self_attn.q_norm.weight'], W['model.layers.19.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L19.qkv
+    q_L19, k_L19, v_L19 = _qwen3_attn_prolog(x_L19_attn_norm, W['graphgen.load:model.layers.19.self_attn.q_proj.weight[d0/2]+model.layers.19.self_attn.k_proj.weight[d0/2]+model.layers.19.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.19.self_attn.q_norm.weight'], W['model.layers.19.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L19.qkv
     torch_npu.npu_scatter_nd_update_(kv[19][0], b.kv_index, k_L19.reshape(k_L19.shape[0], -1))  # L19.kv_write
     torch_npu.npu_scatter_nd_update_(kv[19][1], b.kv_index, v_L19.reshape(v_L19.shape[0], -1))  # L19.kv_write
     o_L19 = torch_npu.npu_fused_infer_attention_score(q_L19, kv[19][0], kv[19][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L19.attn
@@ -314,11 +451,11 @@ def forward(W, b, kv, staging=()):
     h_L19_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L19_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L19.o_proj.all_reduce
     h_L19_attn = h_L18 + h_L19_attn_sum  # L19.o_proj.residual
     x_L19_mlp_norm = torch_npu.npu_rms_norm(h_L19_attn, W['model.layers.19.post_attention_layernorm.weight'], 1e-06)[0]  # L19.mlp_norm
-    h_L19_partial = _swiglu_mlp(x_L19_mlp_norm, W['model.layers.19.mlp.gate_proj.weight[d0/2]'], W['model.layers.19.mlp.up_proj.weight[d0/2]'], W['model.layers.19.mlp.down_proj.weight[d1/2]'])  # L19.mlp
+    h_L19_partial = _swiglu_mlp(x_L19_mlp_norm, W['graphgen.load:model.layers.19.mlp.gate_proj.weight[d0/2]+model.layers.19.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.19.mlp.down_proj.weight[d1/2]'])  # L19.mlp
     h_L19_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L19_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L19.mlp.all_reduce
     h_L19 = h_L19_attn + h_L19_sum  # L19.mlp.residual
     x_L20_attn_norm = torch_npu.npu_rms_norm(h_L19, W['model.layers.20.input_layernorm.weight'], 1e-06)[0]  # L20.attn_norm
-    q_L20, k_L20, v_L20 = _qwen3_attn_prolog(x_L20_attn_norm, W['model.layers.20.self_attn.q_proj.weight[d0/2]'], W['model.layers.20.self_attn.k_proj.weight[d0/2]'], W['model.layers.20.self_attn.v_proj.weight[d0/2]'], W['model.layers.20.self_attn.q_norm.weight'], W['model.layers.20.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L20.qkv
+    q_L20, k_L20, v_L20 = _qwen3_attn_prolog(x_L20_attn_norm, W['graphgen.load:model.layers.20.self_attn.q_proj.weight[d0/2]+model.layers.20.self_attn.k_proj.weight[d0/2]+model.layers.20.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.20.self_attn.q_norm.weight'], W['model.layers.20.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L20.qkv
     torch_npu.npu_scatter_nd_update_(kv[20][0], b.kv_index, k_L20.reshape(k_L20.shape[0], -1))  # L20.kv_write
     torch_npu.npu_scatter_nd_update_(kv[20][1], b.kv_index, v_L20.reshape(v_L20.shape[0], -1))  # L20.kv_write
     o_L20 = torch_npu.npu_fused_infer_attention_score(q_L20, kv[20][0], kv[20][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L20.attn
@@ -326,11 +463,11 @@ def forward(W, b, kv, staging=()):
     h_L20_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L20_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L20.o_proj.all_reduce
     h_L20_attn = h_L19 + h_L20_attn_sum  # L20.o_proj.residual
     x_L20_mlp_norm = torch_npu.npu_rms_norm(h_L20_attn, W['model.layers.20.post_attention_layernorm.weight'], 1e-06)[0]  # L20.mlp_norm
-    h_L20_partial = _swiglu_mlp(x_L20_mlp_norm, W['model.layers.20.mlp.gate_proj.weight[d0/2]'], W['model.layers.20.mlp.up_proj.weight[d0/2]'], W['model.layers.20.mlp.down_proj.weight[d1/2]'])  # L20.mlp
+    h_L20_partial = _swiglu_mlp(x_L20_mlp_norm, W['graphgen.load:model.layers.20.mlp.gate_proj.weight[d0/2]+model.layers.20.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.20.mlp.down_proj.weight[d1/2]'])  # L20.mlp
     h_L20_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L20_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L20.mlp.all_reduce
     h_L20 = h_L20_attn + h_L20_sum  # L20.mlp.residual
     x_L21_attn_norm = torch_npu.npu_rms_norm(h_L20, W['model.layers.21.input_layernorm.weight'], 1e-06)[0]  # L21.attn_norm
-    q_L21, k_L21, v_L21 = _qwen3_attn_prolog(x_L21_attn_norm, W['model.layers.21.self_attn.q_proj.weight[d0/2]'], W['model.layers.21.self_attn.k_proj.weight[d0/2]'], W['model.layers.21.self_attn.v_proj.weight[d0/2]'], W['model.layers.21.self_attn.q_norm.weight'], W['model.layers.21.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L21.qkv
+    q_L21, k_L21, v_L21 = _qwen3_attn_prolog(x_L21_attn_norm, W['graphgen.load:model.layers.21.self_attn.q_proj.weight[d0/2]+model.layers.21.self_attn.k_proj.weight[d0/2]+model.layers.21.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.21.self_attn.q_norm.weight'], W['model.layers.21.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L21.qkv
     torch_npu.npu_scatter_nd_update_(kv[21][0], b.kv_index, k_L21.reshape(k_L21.shape[0], -1))  # L21.kv_write
     torch_npu.npu_scatter_nd_update_(kv[21][1], b.kv_index, v_L21.reshape(v_L21.shape[0], -1))  # L21.kv_write
     o_L21 = torch_npu.npu_fused_infer_attention_score(q_L21, kv[21][0], kv[21][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L21.attn
@@ -338,11 +475,11 @@ def forward(W, b, kv, staging=()):
     h_L21_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L21_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L21.o_proj.all_reduce
     h_L21_attn = h_L20 + h_L21_attn_sum  # L21.o_proj.residual
     x_L21_mlp_norm = torch_npu.npu_rms_norm(h_L21_attn, W['model.layers.21.post_attention_layernorm.weight'], 1e-06)[0]  # L21.mlp_norm
-    h_L21_partial = _swiglu_mlp(x_L21_mlp_norm, W['model.layers.21.mlp.gate_proj.weight[d0/2]'], W['model.layers.21.mlp.up_proj.weight[d0/2]'], W['model.layers.21.mlp.down_proj.weight[d1/2]'])  # L21.mlp
+    h_L21_partial = _swiglu_mlp(x_L21_mlp_norm, W['graphgen.load:model.layers.21.mlp.gate_proj.weight[d0/2]+model.layers.21.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.21.mlp.down_proj.weight[d1/2]'])  # L21.mlp
     h_L21_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L21_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L21.mlp.all_reduce
     h_L21 = h_L21_attn + h_L21_sum  # L21.mlp.residual
     x_L22_attn_norm = torch_npu.npu_rms_norm(h_L21, W['model.layers.22.input_layernorm.weight'], 1e-06)[0]  # L22.attn_norm
-    q_L22, k_L22, v_L22 = _qwen3_attn_prolog(x_L22_attn_norm, W['model.layers.22.self_attn.q_proj.weight[d0/2]'], W['model.layers.22.self_attn.k_proj.weight[d0/2]'], W['model.layers.22.self_attn.v_proj.weight[d0/2]'], W['model.layers.22.self_attn.q_norm.weight'], W['model.layers.22.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L22.qkv
+    q_L22, k_L22, v_L22 = _qwen3_attn_prolog(x_L22_attn_norm, W['graphgen.load:model.layers.22.self_attn.q_proj.weight[d0/2]+model.layers.22.self_attn.k_proj.weight[d0/2]+model.layers.22.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.22.self_attn.q_norm.weight'], W['model.layers.22.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L22.qkv
     torch_npu.npu_scatter_nd_update_(kv[22][0], b.kv_index, k_L22.reshape(k_L22.shape[0], -1))  # L22.kv_write
     torch_npu.npu_scatter_nd_update_(kv[22][1], b.kv_index, v_L22.reshape(v_L22.shape[0], -1))  # L22.kv_write
     o_L22 = torch_npu.npu_fused_infer_attention_score(q_L22, kv[22][0], kv[22][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L22.attn
@@ -350,11 +487,11 @@ def forward(W, b, kv, staging=()):
     h_L22_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L22_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L22.o_proj.all_reduce
     h_L22_attn = h_L21 + h_L22_attn_sum  # L22.o_proj.residual
     x_L22_mlp_norm = torch_npu.npu_rms_norm(h_L22_attn, W['model.layers.22.post_attention_layernorm.weight'], 1e-06)[0]  # L22.mlp_norm
-    h_L22_partial = _swiglu_mlp(x_L22_mlp_norm, W['model.layers.22.mlp.gate_proj.weight[d0/2]'], W['model.layers.22.mlp.up_proj.weight[d0/2]'], W['model.layers.22.mlp.down_proj.weight[d1/2]'])  # L22.mlp
+    h_L22_partial = _swiglu_mlp(x_L22_mlp_norm, W['graphgen.load:model.layers.22.mlp.gate_proj.weight[d0/2]+model.layers.22.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.22.mlp.down_proj.weight[d1/2]'])  # L22.mlp
     h_L22_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L22_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L22.mlp.all_reduce
     h_L22 = h_L22_attn + h_L22_sum  # L22.mlp.residual
     x_L23_attn_norm = torch_npu.npu_rms_norm(h_L22, W['model.layers.23.input_layernorm.weight'], 1e-06)[0]  # L23.attn_norm
-    q_L23, k_L23, v_L23 = _qwen3_attn_prolog(x_L23_attn_norm, W['model.layers.23.self_attn.q_proj.weight[d0/2]'], W['model.layers.23.self_attn.k_proj.weight[d0/2]'], W['model.layers.23.self_attn.v_proj.weight[d0/2]'], W['model.layers.23.self_attn.q_norm.weight'], W['model.layers.23.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L23.qkv
+    q_L23, k_L23, v_L23 = _qwen3_attn_prolog(x_L23_attn_norm, W['graphgen.load:model.layers.23.self_attn.q_proj.weight[d0/2]+model.layers.23.self_attn.k_proj.weight[d0/2]+model.layers.23.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.23.self_attn.q_norm.weight'], W['model.layers.23.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L23.qkv
     torch_npu.npu_scatter_nd_update_(kv[23][0], b.kv_index, k_L23.reshape(k_L23.shape[0], -1))  # L23.kv_write
     torch_npu.npu_scatter_nd_update_(kv[23][1], b.kv_index, v_L23.reshape(v_L23.shape[0], -1))  # L23.kv_write
     o_L23 = torch_npu.npu_fused_infer_attention_score(q_L23, kv[23][0], kv[23][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L23.attn
@@ -362,11 +499,11 @@ def forward(W, b, kv, staging=()):
     h_L23_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L23_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L23.o_proj.all_reduce
     h_L23_attn = h_L22 + h_L23_attn_sum  # L23.o_proj.residual
     x_L23_mlp_norm = torch_npu.npu_rms_norm(h_L23_attn, W['model.layers.23.post_attention_layernorm.weight'], 1e-06)[0]  # L23.mlp_norm
-    h_L23_partial = _swiglu_mlp(x_L23_mlp_norm, W['model.layers.23.mlp.gate_proj.weight[d0/2]'], W['model.layers.23.mlp.up_proj.weight[d0/2]'], W['model.layers.23.mlp.down_proj.weight[d1/2]'])  # L23.mlp
+    h_L23_partial = _swiglu_mlp(x_L23_mlp_norm, W['graphgen.load:model.layers.23.mlp.gate_proj.weight[d0/2]+model.layers.23.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.23.mlp.down_proj.weight[d1/2]'])  # L23.mlp
     h_L23_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L23_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L23.mlp.all_reduce
     h_L23 = h_L23_attn + h_L23_sum  # L23.mlp.residual
     x_L24_attn_norm = torch_npu.npu_rms_norm(h_L23, W['model.layers.24.input_layernorm.weight'], 1e-06)[0]  # L24.attn_norm
-    q_L24, k_L24, v_L24 = _qwen3_attn_prolog(x_L24_attn_norm, W['model.layers.24.self_attn.q_proj.weight[d0/2]'], W['model.layers.24.self_attn.k_proj.weight[d0/2]'], W['model.layers.24.self_attn.v_proj.weight[d0/2]'], W['model.layers.24.self_attn.q_norm.weight'], W['model.layers.24.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L24.qkv
+    q_L24, k_L24, v_L24 = _qwen3_attn_prolog(x_L24_attn_norm, W['graphgen.load:model.layers.24.self_attn.q_proj.weight[d0/2]+model.layers.24.self_attn.k_proj.weight[d0/2]+model.layers.24.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.24.self_attn.q_norm.weight'], W['model.layers.24.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L24.qkv
     torch_npu.npu_scatter_nd_update_(kv[24][0], b.kv_index, k_L24.reshape(k_L24.shape[0], -1))  # L24.kv_write
     torch_npu.npu_scatter_nd_update_(kv[24][1], b.kv_index, v_L24.reshape(v_L24.shape[0], -1))  # L24.kv_write
     o_L24 = torch_npu.npu_fused_infer_attention_score(q_L24, kv[24][0], kv[24][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L24.attn
@@ -374,11 +511,11 @@ def forward(W, b, kv, staging=()):
     h_L24_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L24_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L24.o_proj.all_reduce
     h_L24_attn = h_L23 + h_L24_attn_sum  # L24.o_proj.residual
     x_L24_mlp_norm = torch_npu.npu_rms_norm(h_L24_attn, W['model.layers.24.post_attention_layernorm.weight'], 1e-06)[0]  # L24.mlp_norm
-    h_L24_partial = _swiglu_mlp(x_L24_mlp_norm, W['model.layers.24.mlp.gate_proj.weight[d0/2]'], W['model.layers.24.mlp.up_proj.weight[d0/2]'], W['model.layers.24.mlp.down_proj.weight[d1/2]'])  # L24.mlp
+    h_L24_partial = _swiglu_mlp(x_L24_mlp_norm, W['graphgen.load:model.layers.24.mlp.gate_proj.weight[d0/2]+model.layers.24.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.24.mlp.down_proj.weight[d1/2]'])  # L24.mlp
     h_L24_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L24_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L24.mlp.all_reduce
     h_L24 = h_L24_attn + h_L24_sum  # L24.mlp.residual
     x_L25_attn_norm = torch_npu.npu_rms_norm(h_L24, W['model.layers.25.input_layernorm.weight'], 1e-06)[0]  # L25.attn_norm
-    q_L25, k_L25, v_L25 = _qwen3_attn_prolog(x_L25_attn_norm, W['model.layers.25.self_attn.q_proj.weight[d0/2]'], W['model.layers.25.self_attn.k_proj.weight[d0/2]'], W['model.layers.25.self_attn.v_proj.weight[d0/2]'], W['model.layers.25.self_attn.q_norm.weight'], W['model.layers.25.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L25.qkv
+    q_L25, k_L25, v_L25 = _qwen3_attn_prolog(x_L25_attn_norm, W['graphgen.load:model.layers.25.self_attn.q_proj.weight[d0/2]+model.layers.25.self_attn.k_proj.weight[d0/2]+model.layers.25.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.25.self_attn.q_norm.weight'], W['model.layers.25.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L25.qkv
     torch_npu.npu_scatter_nd_update_(kv[25][0], b.kv_index, k_L25.reshape(k_L25.shape[0], -1))  # L25.kv_write
     torch_npu.npu_scatter_nd_update_(kv[25][1], b.kv_index, v_L25.reshape(v_L25.shape[0], -1))  # L25.kv_write
     o_L25 = torch_npu.npu_fused_infer_attention_score(q_L25, kv[25][0], kv[25][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L25.attn
@@ -386,11 +523,11 @@ def forward(W, b, kv, staging=()):
     h_L25_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L25_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L25.o_proj.all_reduce
     h_L25_attn = h_L24 + h_L25_attn_sum  # L25.o_proj.residual
     x_L25_mlp_norm = torch_npu.npu_rms_norm(h_L25_attn, W['model.layers.25.post_attention_layernorm.weight'], 1e-06)[0]  # L25.mlp_norm
-    h_L25_partial = _swiglu_mlp(x_L25_mlp_norm, W['model.layers.25.mlp.gate_proj.weight[d0/2]'], W['model.layers.25.mlp.up_proj.weight[d0/2]'], W['model.layers.25.mlp.down_proj.weight[d1/2]'])  # L25.mlp
+    h_L25_partial = _swiglu_mlp(x_L25_mlp_norm, W['graphgen.load:model.layers.25.mlp.gate_proj.weight[d0/2]+model.layers.25.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.25.mlp.down_proj.weight[d1/2]'])  # L25.mlp
     h_L25_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L25_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L25.mlp.all_reduce
     h_L25 = h_L25_attn + h_L25_sum  # L25.mlp.residual
     x_L26_attn_norm = torch_npu.npu_rms_norm(h_L25, W['model.layers.26.input_layernorm.weight'], 1e-06)[0]  # L26.attn_norm
-    q_L26, k_L26, v_L26 = _qwen3_attn_prolog(x_L26_attn_norm, W['model.layers.26.self_attn.q_proj.weight[d0/2]'], W['model.layers.26.self_attn.k_proj.weight[d0/2]'], W['model.layers.26.self_attn.v_proj.weight[d0/2]'], W['model.layers.26.self_attn.q_norm.weight'], W['model.layers.26.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L26.qkv
+    q_L26, k_L26, v_L26 = _qwen3_attn_prolog(x_L26_attn_norm, W['graphgen.load:model.layers.26.self_attn.q_proj.weight[d0/2]+model.layers.26.self_attn.k_proj.weight[d0/2]+model.layers.26.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.26.self_attn.q_norm.weight'], W['model.layers.26.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L26.qkv
     torch_npu.npu_scatter_nd_update_(kv[26][0], b.kv_index, k_L26.reshape(k_L26.shape[0], -1))  # L26.kv_write
     torch_npu.npu_scatter_nd_update_(kv[26][1], b.kv_index, v_L26.reshape(v_L26.shape[0], -1))  # L26.kv_write
     o_L26 = torch_npu.npu_fused_infer_attention_score(q_L26, kv[26][0], kv[26][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L26.attn
@@ -398,11 +535,11 @@ def forward(W, b, kv, staging=()):
     h_L26_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L26_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L26.o_proj.all_reduce
     h_L26_attn = h_L25 + h_L26_attn_sum  # L26.o_proj.residual
     x_L26_mlp_norm = torch_npu.npu_rms_norm(h_L26_attn, W['model.layers.26.post_attention_layernorm.weight'], 1e-06)[0]  # L26.mlp_norm
-    h_L26_partial = _swiglu_mlp(x_L26_mlp_norm, W['model.layers.26.mlp.gate_proj.weight[d0/2]'], W['model.layers.26.mlp.up_proj.weight[d0/2]'], W['model.layers.26.mlp.down_proj.weight[d1/2]'])  # L26.mlp
+    h_L26_partial = _swiglu_mlp(x_L26_mlp_norm, W['graphgen.load:model.layers.26.mlp.gate_proj.weight[d0/2]+model.layers.26.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.26.mlp.down_proj.weight[d1/2]'])  # L26.mlp
     h_L26_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L26_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L26.mlp.all_reduce
     h_L26 = h_L26_attn + h_L26_sum  # L26.mlp.residual
     x_L27_attn_norm = torch_npu.npu_rms_norm(h_L26, W['model.layers.27.input_layernorm.weight'], 1e-06)[0]  # L27.attn_norm
-    q_L27, k_L27, v_L27 = _qwen3_attn_prolog(x_L27_attn_norm, W['model.layers.27.self_attn.q_proj.weight[d0/2]'], W['model.layers.27.self_attn.k_proj.weight[d0/2]'], W['model.layers.27.self_attn.v_proj.weight[d0/2]'], W['model.layers.27.self_attn.q_norm.weight'], W['model.layers.27.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L27.qkv
+    q_L27, k_L27, v_L27 = _qwen3_attn_prolog(x_L27_attn_norm, W['graphgen.load:model.layers.27.self_attn.q_proj.weight[d0/2]+model.layers.27.self_attn.k_proj.weight[d0/2]+model.layers.27.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.27.self_attn.q_norm.weight'], W['model.layers.27.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L27.qkv
     torch_npu.npu_scatter_nd_update_(kv[27][0], b.kv_index, k_L27.reshape(k_L27.shape[0], -1))  # L27.kv_write
     torch_npu.npu_scatter_nd_update_(kv[27][1], b.kv_index, v_L27.reshape(v_L27.shape[0], -1))  # L27.kv_write
     o_L27 = torch_npu.npu_fused_infer_attention_score(q_L27, kv[27][0], kv[27][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L27.attn
@@ -410,11 +547,11 @@ def forward(W, b, kv, staging=()):
     h_L27_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L27_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L27.o_proj.all_reduce
     h_L27_attn = h_L26 + h_L27_attn_sum  # L27.o_proj.residual
     x_L27_mlp_norm = torch_npu.npu_rms_norm(h_L27_attn, W['model.layers.27.post_attention_layernorm.weight'], 1e-06)[0]  # L27.mlp_norm
-    h_L27_partial = _swiglu_mlp(x_L27_mlp_norm, W['model.layers.27.mlp.gate_proj.weight[d0/2]'], W['model.layers.27.mlp.up_proj.weight[d0/2]'], W['model.layers.27.mlp.down_proj.weight[d1/2]'])  # L27.mlp
+    h_L27_partial = _swiglu_mlp(x_L27_mlp_norm, W['graphgen.load:model.layers.27.mlp.gate_proj.weight[d0/2]+model.layers.27.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.27.mlp.down_proj.weight[d1/2]'])  # L27.mlp
     h_L27_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L27_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L27.mlp.all_reduce
     h_L27 = h_L27_attn + h_L27_sum  # L27.mlp.residual
     x_L28_attn_norm = torch_npu.npu_rms_norm(h_L27, W['model.layers.28.input_layernorm.weight'], 1e-06)[0]  # L28.attn_norm
-    q_L28, k_L28, v_L28 = _qwen3_attn_prolog(x_L28_attn_norm, W['model.layers.28.self_attn.q_proj.weight[d0/2]'], W['model.layers.28.self_attn.k_proj.weight[d0/2]'], W['model.layers.28.self_attn.v_proj.weight[d0/2]'], W['model.layers.28.self_attn.q_norm.weight'], W['model.layers.28.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L28.qkv
+    q_L28, k_L28, v_L28 = _qwen3_attn_prolog(x_L28_attn_norm, W['graphgen.load:model.layers.28.self_attn.q_proj.weight[d0/2]+model.layers.28.self_attn.k_proj.weight[d0/2]+model.layers.28.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.28.self_attn.q_norm.weight'], W['model.layers.28.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L28.qkv
     torch_npu.npu_scatter_nd_update_(kv[28][0], b.kv_index, k_L28.reshape(k_L28.shape[0], -1))  # L28.kv_write
     torch_npu.npu_scatter_nd_update_(kv[28][1], b.kv_index, v_L28.reshape(v_L28.shape[0], -1))  # L28.kv_write
     o_L28 = torch_npu.npu_fused_infer_attention_score(q_L28, kv[28][0], kv[28][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L28.attn
@@ -422,11 +559,11 @@ def forward(W, b, kv, staging=()):
     h_L28_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L28_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L28.o_proj.all_reduce
     h_L28_attn = h_L27 + h_L28_attn_sum  # L28.o_proj.residual
     x_L28_mlp_norm = torch_npu.npu_rms_norm(h_L28_attn, W['model.layers.28.post_attention_layernorm.weight'], 1e-06)[0]  # L28.mlp_norm
-    h_L28_partial = _swiglu_mlp(x_L28_mlp_norm, W['model.layers.28.mlp.gate_proj.weight[d0/2]'], W['model.layers.28.mlp.up_proj.weight[d0/2]'], W['model.layers.28.mlp.down_proj.weight[d1/2]'])  # L28.mlp
+    h_L28_partial = _swiglu_mlp(x_L28_mlp_norm, W['graphgen.load:model.layers.28.mlp.gate_proj.weight[d0/2]+model.layers.28.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.28.mlp.down_proj.weight[d1/2]'])  # L28.mlp
     h_L28_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L28_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L28.mlp.all_reduce
     h_L28 = h_L28_attn + h_L28_sum  # L28.mlp.residual
     x_L29_attn_norm = torch_npu.npu_rms_norm(h_L28, W['model.layers.29.input_layernorm.weight'], 1e-06)[0]  # L29.attn_norm
-    q_L29, k_L29, v_L29 = _qwen3_attn_prolog(x_L29_attn_norm, W['model.layers.29.self_attn.q_proj.weight[d0/2]'], W['model.layers.29.self_attn.k_proj.weight[d0/2]'], W['model.layers.29.self_attn.v_proj.weight[d0/2]'], W['model.layers.29.self_attn.q_norm.weight'], W['model.layers.29.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L29.qkv
+    q_L29, k_L29, v_L29 = _qwen3_attn_prolog(x_L29_attn_norm, W['graphgen.load:model.layers.29.self_attn.q_proj.weight[d0/2]+model.layers.29.self_attn.k_proj.weight[d0/2]+model.layers.29.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.29.self_attn.q_norm.weight'], W['model.layers.29.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L29.qkv
     torch_npu.npu_scatter_nd_update_(kv[29][0], b.kv_index, k_L29.reshape(k_L29.shape[0], -1))  # L29.kv_write
     torch_npu.npu_scatter_nd_update_(kv[29][1], b.kv_index, v_L29.reshape(v_L29.shape[0], -1))  # L29.kv_write
     o_L29 = torch_npu.npu_fused_infer_attention_score(q_L29, kv[29][0], kv[29][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L29.attn
@@ -434,11 +571,11 @@ def forward(W, b, kv, staging=()):
     h_L29_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L29_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L29.o_proj.all_reduce
     h_L29_attn = h_L28 + h_L29_attn_sum  # L29.o_proj.residual
     x_L29_mlp_norm = torch_npu.npu_rms_norm(h_L29_attn, W['model.layers.29.post_attention_layernorm.weight'], 1e-06)[0]  # L29.mlp_norm
-    h_L29_partial = _swiglu_mlp(x_L29_mlp_norm, W['model.layers.29.mlp.gate_proj.weight[d0/2]'], W['model.layers.29.mlp.up_proj.weight[d0/2]'], W['model.layers.29.mlp.down_proj.weight[d1/2]'])  # L29.mlp
+    h_L29_partial = _swiglu_mlp(x_L29_mlp_norm, W['graphgen.load:model.layers.29.mlp.gate_proj.weight[d0/2]+model.layers.29.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.29.mlp.down_proj.weight[d1/2]'])  # L29.mlp
     h_L29_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L29_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L29.mlp.all_reduce
     h_L29 = h_L29_attn + h_L29_sum  # L29.mlp.residual
     x_L30_attn_norm = torch_npu.npu_rms_norm(h_L29, W['model.layers.30.input_layernorm.weight'], 1e-06)[0]  # L30.attn_norm
-    q_L30, k_L30, v_L30 = _qwen3_attn_prolog(x_L30_attn_norm, W['model.layers.30.self_attn.q_proj.weight[d0/2]'], W['model.layers.30.self_attn.k_proj.weight[d0/2]'], W['model.layers.30.self_attn.v_proj.weight[d0/2]'], W['model.layers.30.self_attn.q_norm.weight'], W['model.layers.30.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L30.qkv
+    q_L30, k_L30, v_L30 = _qwen3_attn_prolog(x_L30_attn_norm, W['graphgen.load:model.layers.30.self_attn.q_proj.weight[d0/2]+model.layers.30.self_attn.k_proj.weight[d0/2]+model.layers.30.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.30.self_attn.q_norm.weight'], W['model.layers.30.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L30.qkv
     torch_npu.npu_scatter_nd_update_(kv[30][0], b.kv_index, k_L30.reshape(k_L30.shape[0], -1))  # L30.kv_write
     torch_npu.npu_scatter_nd_update_(kv[30][1], b.kv_index, v_L30.reshape(v_L30.shape[0], -1))  # L30.kv_write
     o_L30 = torch_npu.npu_fused_infer_attention_score(q_L30, kv[30][0], kv[30][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L30.attn
@@ -446,11 +583,11 @@ def forward(W, b, kv, staging=()):
     h_L30_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L30_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L30.o_proj.all_reduce
     h_L30_attn = h_L29 + h_L30_attn_sum  # L30.o_proj.residual
     x_L30_mlp_norm = torch_npu.npu_rms_norm(h_L30_attn, W['model.layers.30.post_attention_layernorm.weight'], 1e-06)[0]  # L30.mlp_norm
-    h_L30_partial = _swiglu_mlp(x_L30_mlp_norm, W['model.layers.30.mlp.gate_proj.weight[d0/2]'], W['model.layers.30.mlp.up_proj.weight[d0/2]'], W['model.layers.30.mlp.down_proj.weight[d1/2]'])  # L30.mlp
+    h_L30_partial = _swiglu_mlp(x_L30_mlp_norm, W['graphgen.load:model.layers.30.mlp.gate_proj.weight[d0/2]+model.layers.30.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.30.mlp.down_proj.weight[d1/2]'])  # L30.mlp
     h_L30_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L30_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L30.mlp.all_reduce
     h_L30 = h_L30_attn + h_L30_sum  # L30.mlp.residual
     x_L31_attn_norm = torch_npu.npu_rms_norm(h_L30, W['model.layers.31.input_layernorm.weight'], 1e-06)[0]  # L31.attn_norm
-    q_L31, k_L31, v_L31 = _qwen3_attn_prolog(x_L31_attn_norm, W['model.layers.31.self_attn.q_proj.weight[d0/2]'], W['model.layers.31.self_attn.k_proj.weight[d0/2]'], W['model.layers.31.self_attn.v_proj.weight[d0/2]'], W['model.layers.31.self_attn.q_norm.weight'], W['model.layers.31.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L31.qkv
+    q_L31, k_L31, v_L31 = _qwen3_attn_prolog(x_L31_attn_norm, W['graphgen.load:model.layers.31.self_attn.q_proj.weight[d0/2]+model.layers.31.self_attn.k_proj.weight[d0/2]+model.layers.31.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.31.self_attn.q_norm.weight'], W['model.layers.31.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L31.qkv
     torch_npu.npu_scatter_nd_update_(kv[31][0], b.kv_index, k_L31.reshape(k_L31.shape[0], -1))  # L31.kv_write
     torch_npu.npu_scatter_nd_update_(kv[31][1], b.kv_index, v_L31.reshape(v_L31.shape[0], -1))  # L31.kv_write
     o_L31 = torch_npu.npu_fused_infer_attention_score(q_L31, kv[31][0], kv[31][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L31.attn
@@ -458,11 +595,11 @@ def forward(W, b, kv, staging=()):
     h_L31_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L31_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L31.o_proj.all_reduce
     h_L31_attn = h_L30 + h_L31_attn_sum  # L31.o_proj.residual
     x_L31_mlp_norm = torch_npu.npu_rms_norm(h_L31_attn, W['model.layers.31.post_attention_layernorm.weight'], 1e-06)[0]  # L31.mlp_norm
-    h_L31_partial = _swiglu_mlp(x_L31_mlp_norm, W['model.layers.31.mlp.gate_proj.weight[d0/2]'], W['model.layers.31.mlp.up_proj.weight[d0/2]'], W['model.layers.31.mlp.down_proj.weight[d1/2]'])  # L31.mlp
+    h_L31_partial = _swiglu_mlp(x_L31_mlp_norm, W['graphgen.load:model.layers.31.mlp.gate_proj.weight[d0/2]+model.layers.31.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.31.mlp.down_proj.weight[d1/2]'])  # L31.mlp
     h_L31_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L31_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L31.mlp.all_reduce
     h_L31 = h_L31_attn + h_L31_sum  # L31.mlp.residual
     x_L32_attn_norm = torch_npu.npu_rms_norm(h_L31, W['model.layers.32.input_layernorm.weight'], 1e-06)[0]  # L32.attn_norm
-    q_L32, k_L32, v_L32 = _qwen3_attn_prolog(x_L32_attn_norm, W['model.layers.32.self_attn.q_proj.weight[d0/2]'], W['model.layers.32.self_attn.k_proj.weight[d0/2]'], W['model.layers.32.self_attn.v_proj.weight[d0/2]'], W['model.layers.32.self_attn.q_norm.weight'], W['model.layers.32.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L32.qkv
+    q_L32, k_L32, v_L32 = _qwen3_attn_prolog(x_L32_attn_norm, W['graphgen.load:model.layers.32.self_attn.q_proj.weight[d0/2]+model.layers.32.self_attn.k_proj.weight[d0/2]+model.layers.32.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.32.self_attn.q_norm.weight'], W['model.layers.32.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L32.qkv
     torch_npu.npu_scatter_nd_update_(kv[32][0], b.kv_index, k_L32.reshape(k_L32.shape[0], -1))  # L32.kv_write
     torch_npu.npu_scatter_nd_update_(kv[32][1], b.kv_index, v_L32.reshape(v_L32.shape[0], -1))  # L32.kv_write
     o_L32 = torch_npu.npu_fused_infer_attention_score(q_L32, kv[32][0], kv[32][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L32.attn
@@ -470,11 +607,11 @@ def forward(W, b, kv, staging=()):
     h_L32_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L32_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L32.o_proj.all_reduce
     h_L32_attn = h_L31 + h_L32_attn_sum  # L32.o_proj.residual
     x_L32_mlp_norm = torch_npu.npu_rms_norm(h_L32_attn, W['model.layers.32.post_attention_layernorm.weight'], 1e-06)[0]  # L32.mlp_norm
-    h_L32_partial = _swiglu_mlp(x_L32_mlp_norm, W['model.layers.32.mlp.gate_proj.weight[d0/2]'], W['model.layers.32.mlp.up_proj.weight[d0/2]'], W['model.layers.32.mlp.down_proj.weight[d1/2]'])  # L32.mlp
+    h_L32_partial = _swiglu_mlp(x_L32_mlp_norm, W['graphgen.load:model.layers.32.mlp.gate_proj.weight[d0/2]+model.layers.32.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.32.mlp.down_proj.weight[d1/2]'])  # L32.mlp
     h_L32_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L32_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L32.mlp.all_reduce
     h_L32 = h_L32_attn + h_L32_sum  # L32.mlp.residual
     x_L33_attn_norm = torch_npu.npu_rms_norm(h_L32, W['model.layers.33.input_layernorm.weight'], 1e-06)[0]  # L33.attn_norm
-    q_L33, k_L33, v_L33 = _qwen3_attn_prolog(x_L33_attn_norm, W['model.layers.33.self_attn.q_proj.weight[d0/2]'], W['model.layers.33.self_attn.k_proj.weight[d0/2]'], W['model.layers.33.self_attn.v_proj.weight[d0/2]'], W['model.layers.33.self_attn.q_norm.weight'], W['model.layers.33.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L33.qkv
+    q_L33, k_L33, v_L33 = _qwen3_attn_prolog(x_L33_attn_norm, W['graphgen.load:model.layers.33.self_attn.q_proj.weight[d0/2]+model.layers.33.self_attn.k_proj.weight[d0/2]+model.layers.33.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.33.self_attn.q_norm.weight'], W['model.layers.33.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L33.qkv
     torch_npu.npu_scatter_nd_update_(kv[33][0], b.kv_index, k_L33.reshape(k_L33.shape[0], -1))  # L33.kv_write
     torch_npu.npu_scatter_nd_update_(kv[33][1], b.kv_index, v_L33.reshape(v_L33.shape[0], -1))  # L33.kv_write
     o_L33 = torch_npu.npu_fused_infer_attention_score(q_L33, kv[33][0], kv[33][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L33.attn
@@ -482,11 +619,11 @@ def forward(W, b, kv, staging=()):
     h_L33_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L33_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L33.o_proj.all_reduce
     h_L33_attn = h_L32 + h_L33_attn_sum  # L33.o_proj.residual
     x_L33_mlp_norm = torch_npu.npu_rms_norm(h_L33_attn, W['model.layers.33.post_attention_layernorm.weight'], 1e-06)[0]  # L33.mlp_norm
-    h_L33_partial = _swiglu_mlp(x_L33_mlp_norm, W['model.layers.33.mlp.gate_proj.weight[d0/2]'], W['model.layers.33.mlp.up_proj.weight[d0/2]'], W['model.layers.33.mlp.down_proj.weight[d1/2]'])  # L33.mlp
+    h_L33_partial = _swiglu_mlp(x_L33_mlp_norm, W['graphgen.load:model.layers.33.mlp.gate_proj.weight[d0/2]+model.layers.33.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.33.mlp.down_proj.weight[d1/2]'])  # L33.mlp
     h_L33_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L33_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L33.mlp.all_reduce
     h_L33 = h_L33_attn + h_L33_sum  # L33.mlp.residual
     x_L34_attn_norm = torch_npu.npu_rms_norm(h_L33, W['model.layers.34.input_layernorm.weight'], 1e-06)[0]  # L34.attn_norm
-    q_L34, k_L34, v_L34 = _qwen3_attn_prolog(x_L34_attn_norm, W['model.layers.34.self_attn.q_proj.weight[d0/2]'], W['model.layers.34.self_attn.k_proj.weight[d0/2]'], W['model.layers.34.self_attn.v_proj.weight[d0/2]'], W['model.layers.34.self_attn.q_norm.weight'], W['model.layers.34.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L34.qkv
+    q_L34, k_L34, v_L34 = _qwen3_attn_prolog(x_L34_attn_norm, W['graphgen.load:model.layers.34.self_attn.q_proj.weight[d0/2]+model.layers.34.self_attn.k_proj.weight[d0/2]+model.layers.34.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.34.self_attn.q_norm.weight'], W['model.layers.34.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L34.qkv
     torch_npu.npu_scatter_nd_update_(kv[34][0], b.kv_index, k_L34.reshape(k_L34.shape[0], -1))  # L34.kv_write
     torch_npu.npu_scatter_nd_update_(kv[34][1], b.kv_index, v_L34.reshape(v_L34.shape[0], -1))  # L34.kv_write
     o_L34 = torch_npu.npu_fused_infer_attention_score(q_L34, kv[34][0], kv[34][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L34.attn
@@ -494,11 +631,11 @@ def forward(W, b, kv, staging=()):
     h_L34_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L34_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L34.o_proj.all_reduce
     h_L34_attn = h_L33 + h_L34_attn_sum  # L34.o_proj.residual
     x_L34_mlp_norm = torch_npu.npu_rms_norm(h_L34_attn, W['model.layers.34.post_attention_layernorm.weight'], 1e-06)[0]  # L34.mlp_norm
-    h_L34_partial = _swiglu_mlp(x_L34_mlp_norm, W['model.layers.34.mlp.gate_proj.weight[d0/2]'], W['model.layers.34.mlp.up_proj.weight[d0/2]'], W['model.layers.34.mlp.down_proj.weight[d1/2]'])  # L34.mlp
+    h_L34_partial = _swiglu_mlp(x_L34_mlp_norm, W['graphgen.load:model.layers.34.mlp.gate_proj.weight[d0/2]+model.layers.34.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.34.mlp.down_proj.weight[d1/2]'])  # L34.mlp
     h_L34_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L34_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L34.mlp.all_reduce
     h_L34 = h_L34_attn + h_L34_sum  # L34.mlp.residual
     x_L35_attn_norm = torch_npu.npu_rms_norm(h_L34, W['model.layers.35.input_layernorm.weight'], 1e-06)[0]  # L35.attn_norm
-    q_L35, k_L35, v_L35 = _qwen3_attn_prolog(x_L35_attn_norm, W['model.layers.35.self_attn.q_proj.weight[d0/2]'], W['model.layers.35.self_attn.k_proj.weight[d0/2]'], W['model.layers.35.self_attn.v_proj.weight[d0/2]'], W['model.layers.35.self_attn.q_norm.weight'], W['model.layers.35.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L35.qkv
+    q_L35, k_L35, v_L35 = _qwen3_attn_prolog(x_L35_attn_norm, W['graphgen.load:model.layers.35.self_attn.q_proj.weight[d0/2]+model.layers.35.self_attn.k_proj.weight[d0/2]+model.layers.35.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.35.self_attn.q_norm.weight'], W['model.layers.35.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L35.qkv
     torch_npu.npu_scatter_nd_update_(kv[35][0], b.kv_index, k_L35.reshape(k_L35.shape[0], -1))  # L35.kv_write
     torch_npu.npu_scatter_nd_update_(kv[35][1], b.kv_index, v_L35.reshape(v_L35.shape[0], -1))  # L35.kv_write
     o_L35 = torch_npu.npu_fused_infer_attention_score(q_L35, kv[35][0], kv[35][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L35.attn
@@ -506,11 +643,11 @@ def forward(W, b, kv, staging=()):
     h_L35_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L35_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L35.o_proj.all_reduce
     h_L35_attn = h_L34 + h_L35_attn_sum  # L35.o_proj.residual
     x_L35_mlp_norm = torch_npu.npu_rms_norm(h_L35_attn, W['model.layers.35.post_attention_layernorm.weight'], 1e-06)[0]  # L35.mlp_norm
-    h_L35_partial = _swiglu_mlp(x_L35_mlp_norm, W['model.layers.35.mlp.gate_proj.weight[d0/2]'], W['model.layers.35.mlp.up_proj.weight[d0/2]'], W['model.layers.35.mlp.down_proj.weight[d1/2]'])  # L35.mlp
+    h_L35_partial = _swiglu_mlp(x_L35_mlp_norm, W['graphgen.load:model.layers.35.mlp.gate_proj.weight[d0/2]+model.layers.35.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.35.mlp.down_proj.weight[d1/2]'])  # L35.mlp
     h_L35_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L35_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L35.mlp.all_reduce
     h_L35 = h_L35_attn + h_L35_sum  # L35.mlp.residual
     x_L36_attn_norm = torch_npu.npu_rms_norm(h_L35, W['model.layers.36.input_layernorm.weight'], 1e-06)[0]  # L36.attn_norm
-    q_L36, k_L36, v_L36 = _qwen3_attn_prolog(x_L36_attn_norm, W['model.layers.36.self_attn.q_proj.weight[d0/2]'], W['model.layers.36.self_attn.k_proj.weight[d0/2]'], W['model.layers.36.self_attn.v_proj.weight[d0/2]'], W['model.layers.36.self_attn.q_norm.weight'], W['model.layers.36.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L36.qkv
+    q_L36, k_L36, v_L36 = _qwen3_attn_prolog(x_L36_attn_norm, W['graphgen.load:model.layers.36.self_attn.q_proj.weight[d0/2]+model.layers.36.self_attn.k_proj.weight[d0/2]+model.layers.36.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.36.self_attn.q_norm.weight'], W['model.layers.36.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L36.qkv
     torch_npu.npu_scatter_nd_update_(kv[36][0], b.kv_index, k_L36.reshape(k_L36.shape[0], -1))  # L36.kv_write
     torch_npu.npu_scatter_nd_update_(kv[36][1], b.kv_index, v_L36.reshape(v_L36.shape[0], -1))  # L36.kv_write
     o_L36 = torch_npu.npu_fused_infer_attention_score(q_L36, kv[36][0], kv[36][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L36.attn
@@ -518,11 +655,11 @@ def forward(W, b, kv, staging=()):
     h_L36_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L36_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L36.o_proj.all_reduce
     h_L36_attn = h_L35 + h_L36_attn_sum  # L36.o_proj.residual
     x_L36_mlp_norm = torch_npu.npu_rms_norm(h_L36_attn, W['model.layers.36.post_attention_layernorm.weight'], 1e-06)[0]  # L36.mlp_norm
-    h_L36_partial = _swiglu_mlp(x_L36_mlp_norm, W['model.layers.36.mlp.gate_proj.weight[d0/2]'], W['model.layers.36.mlp.up_proj.weight[d0/2]'], W['model.layers.36.mlp.down_proj.weight[d1/2]'])  # L36.mlp
+    h_L36_partial = _swiglu_mlp(x_L36_mlp_norm, W['graphgen.load:model.layers.36.mlp.gate_proj.weight[d0/2]+model.layers.36.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.36.mlp.down_proj.weight[d1/2]'])  # L36.mlp
     h_L36_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L36_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L36.mlp.all_reduce
     h_L36 = h_L36_attn + h_L36_sum  # L36.mlp.residual
     x_L37_attn_norm = torch_npu.npu_rms_norm(h_L36, W['model.layers.37.input_layernorm.weight'], 1e-06)[0]  # L37.attn_norm
-    q_L37, k_L37, v_L37 = _qwen3_attn_prolog(x_L37_attn_norm, W['model.layers.37.self_attn.q_proj.weight[d0/2]'], W['model.layers.37.self_attn.k_proj.weight[d0/2]'], W['model.layers.37.self_attn.v_proj.weight[d0/2]'], W['model.layers.37.self_attn.q_norm.weight'], W['model.layers.37.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L37.qkv
+    q_L37, k_L37, v_L37 = _qwen3_attn_prolog(x_L37_attn_norm, W['graphgen.load:model.layers.37.self_attn.q_proj.weight[d0/2]+model.layers.37.self_attn.k_proj.weight[d0/2]+model.layers.37.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.37.self_attn.q_norm.weight'], W['model.layers.37.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L37.qkv
     torch_npu.npu_scatter_nd_update_(kv[37][0], b.kv_index, k_L37.reshape(k_L37.shape[0], -1))  # L37.kv_write
     torch_npu.npu_scatter_nd_update_(kv[37][1], b.kv_index, v_L37.reshape(v_L37.shape[0], -1))  # L37.kv_write
     o_L37 = torch_npu.npu_fused_infer_attention_score(q_L37, kv[37][0], kv[37][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L37.attn
@@ -530,11 +667,11 @@ def forward(W, b, kv, staging=()):
     h_L37_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L37_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L37.o_proj.all_reduce
     h_L37_attn = h_L36 + h_L37_attn_sum  # L37.o_proj.residual
     x_L37_mlp_norm = torch_npu.npu_rms_norm(h_L37_attn, W['model.layers.37.post_attention_layernorm.weight'], 1e-06)[0]  # L37.mlp_norm
-    h_L37_partial = _swiglu_mlp(x_L37_mlp_norm, W['model.layers.37.mlp.gate_proj.weight[d0/2]'], W['model.layers.37.mlp.up_proj.weight[d0/2]'], W['model.layers.37.mlp.down_proj.weight[d1/2]'])  # L37.mlp
+    h_L37_partial = _swiglu_mlp(x_L37_mlp_norm, W['graphgen.load:model.layers.37.mlp.gate_proj.weight[d0/2]+model.layers.37.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.37.mlp.down_proj.weight[d1/2]'])  # L37.mlp
     h_L37_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L37_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L37.mlp.all_reduce
     h_L37 = h_L37_attn + h_L37_sum  # L37.mlp.residual
     x_L38_attn_norm = torch_npu.npu_rms_norm(h_L37, W['model.layers.38.input_layernorm.weight'], 1e-06)[0]  # L38.attn_norm
-    q_L38, k_L38, v_L38 = _qwen3_attn_prolog(x_L38_attn_norm, W['model.layers.38.self_attn.q_proj.weight[d0/2]'], W['model.layers.38.self_attn.k_proj.weight[d0/2]'], W['model.layers.38.self_attn.v_proj.weight[d0/2]'], W['model.layers.38.self_attn.q_norm.weight'], W['model.layers.38.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L38.qkv
+    q_L38, k_L38, v_L38 = _qwen3_attn_prolog(x_L38_attn_norm, W['graphgen.load:model.layers.38.self_attn.q_proj.weight[d0/2]+model.layers.38.self_attn.k_proj.weight[d0/2]+model.layers.38.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.38.self_attn.q_norm.weight'], W['model.layers.38.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L38.qkv
     torch_npu.npu_scatter_nd_update_(kv[38][0], b.kv_index, k_L38.reshape(k_L38.shape[0], -1))  # L38.kv_write
     torch_npu.npu_scatter_nd_update_(kv[38][1], b.kv_index, v_L38.reshape(v_L38.shape[0], -1))  # L38.kv_write
     o_L38 = torch_npu.npu_fused_infer_attention_score(q_L38, kv[38][0], kv[38][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L38.attn
@@ -542,11 +679,11 @@ def forward(W, b, kv, staging=()):
     h_L38_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L38_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L38.o_proj.all_reduce
     h_L38_attn = h_L37 + h_L38_attn_sum  # L38.o_proj.residual
     x_L38_mlp_norm = torch_npu.npu_rms_norm(h_L38_attn, W['model.layers.38.post_attention_layernorm.weight'], 1e-06)[0]  # L38.mlp_norm
-    h_L38_partial = _swiglu_mlp(x_L38_mlp_norm, W['model.layers.38.mlp.gate_proj.weight[d0/2]'], W['model.layers.38.mlp.up_proj.weight[d0/2]'], W['model.layers.38.mlp.down_proj.weight[d1/2]'])  # L38.mlp
+    h_L38_partial = _swiglu_mlp(x_L38_mlp_norm, W['graphgen.load:model.layers.38.mlp.gate_proj.weight[d0/2]+model.layers.38.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.38.mlp.down_proj.weight[d1/2]'])  # L38.mlp
     h_L38_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L38_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L38.mlp.all_reduce
     h_L38 = h_L38_attn + h_L38_sum  # L38.mlp.residual
     x_L39_attn_norm = torch_npu.npu_rms_norm(h_L38, W['model.layers.39.input_layernorm.weight'], 1e-06)[0]  # L39.attn_norm
-    q_L39, k_L39, v_L39 = _qwen3_attn_prolog(x_L39_attn_norm, W['model.layers.39.self_attn.q_proj.weight[d0/2]'], W['model.layers.39.self_attn.k_proj.weight[d0/2]'], W['model.layers.39.self_attn.v_proj.weight[d0/2]'], W['model.layers.39.self_attn.q_norm.weight'], W['model.layers.39.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L39.qkv
+    q_L39, k_L39, v_L39 = _qwen3_attn_prolog(x_L39_attn_norm, W['graphgen.load:model.layers.39.self_attn.q_proj.weight[d0/2]+model.layers.39.self_attn.k_proj.weight[d0/2]+model.layers.39.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.39.self_attn.q_norm.weight'], W['model.layers.39.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L39.qkv
     torch_npu.npu_scatter_nd_update_(kv[39][0], b.kv_index, k_L39.reshape(k_L39.shape[0], -1))  # L39.kv_write
     torch_npu.npu_scatter_nd_update_(kv[39][1], b.kv_index, v_L39.reshape(v_L39.shape[0], -1))  # L39.kv_write
     o_L39 = torch_npu.npu_fused_infer_attention_score(q_L39, kv[39][0], kv[39][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L39.attn
@@ -554,11 +691,11 @@ def forward(W, b, kv, staging=()):
     h_L39_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L39_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L39.o_proj.all_reduce
     h_L39_attn = h_L38 + h_L39_attn_sum  # L39.o_proj.residual
     x_L39_mlp_norm = torch_npu.npu_rms_norm(h_L39_attn, W['model.layers.39.post_attention_layernorm.weight'], 1e-06)[0]  # L39.mlp_norm
-    h_L39_partial = _swiglu_mlp(x_L39_mlp_norm, W['model.layers.39.mlp.gate_proj.weight[d0/2]'], W['model.layers.39.mlp.up_proj.weight[d0/2]'], W['model.layers.39.mlp.down_proj.weight[d1/2]'])  # L39.mlp
+    h_L39_partial = _swiglu_mlp(x_L39_mlp_norm, W['graphgen.load:model.layers.39.mlp.gate_proj.weight[d0/2]+model.layers.39.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.39.mlp.down_proj.weight[d1/2]'])  # L39.mlp
     h_L39_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L39_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L39.mlp.all_reduce
     h_L39 = h_L39_attn + h_L39_sum  # L39.mlp.residual
     x_L40_attn_norm = torch_npu.npu_rms_norm(h_L39, W['model.layers.40.input_layernorm.weight'], 1e-06)[0]  # L40.attn_norm
-    q_L40, k_L40, v_L40 = _qwen3_attn_prolog(x_L40_attn_norm, W['model.layers.40.self_attn.q_proj.weight[d0/2]'], W['model.layers.40.self_attn.k_proj.weight[d0/2]'], W['model.layers.40.self_attn.v_proj.weight[d0/2]'], W['model.layers.40.self_attn.q_norm.weight'], W['model.layers.40.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L40.qkv
+    q_L40, k_L40, v_L40 = _qwen3_attn_prolog(x_L40_attn_norm, W['graphgen.load:model.layers.40.self_attn.q_proj.weight[d0/2]+model.layers.40.self_attn.k_proj.weight[d0/2]+model.layers.40.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.40.self_attn.q_norm.weight'], W['model.layers.40.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L40.qkv
     torch_npu.npu_scatter_nd_update_(kv[40][0], b.kv_index, k_L40.reshape(k_L40.shape[0], -1))  # L40.kv_write
     torch_npu.npu_scatter_nd_update_(kv[40][1], b.kv_index, v_L40.reshape(v_L40.shape[0], -1))  # L40.kv_write
     o_L40 = torch_npu.npu_fused_infer_attention_score(q_L40, kv[40][0], kv[40][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L40.attn
@@ -566,11 +703,11 @@ def forward(W, b, kv, staging=()):
     h_L40_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L40_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L40.o_proj.all_reduce
     h_L40_attn = h_L39 + h_L40_attn_sum  # L40.o_proj.residual
     x_L40_mlp_norm = torch_npu.npu_rms_norm(h_L40_attn, W['model.layers.40.post_attention_layernorm.weight'], 1e-06)[0]  # L40.mlp_norm
-    h_L40_partial = _swiglu_mlp(x_L40_mlp_norm, W['model.layers.40.mlp.gate_proj.weight[d0/2]'], W['model.layers.40.mlp.up_proj.weight[d0/2]'], W['model.layers.40.mlp.down_proj.weight[d1/2]'])  # L40.mlp
+    h_L40_partial = _swiglu_mlp(x_L40_mlp_norm, W['graphgen.load:model.layers.40.mlp.gate_proj.weight[d0/2]+model.layers.40.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.40.mlp.down_proj.weight[d1/2]'])  # L40.mlp
     h_L40_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L40_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L40.mlp.all_reduce
     h_L40 = h_L40_attn + h_L40_sum  # L40.mlp.residual
     x_L41_attn_norm = torch_npu.npu_rms_norm(h_L40, W['model.layers.41.input_layernorm.weight'], 1e-06)[0]  # L41.attn_norm
-    q_L41, k_L41, v_L41 = _qwen3_attn_prolog(x_L41_attn_norm, W['model.layers.41.self_attn.q_proj.weight[d0/2]'], W['model.layers.41.self_attn.k_proj.weight[d0/2]'], W['model.layers.41.self_attn.v_proj.weight[d0/2]'], W['model.layers.41.self_attn.q_norm.weight'], W['model.layers.41.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L41.qkv
+    q_L41, k_L41, v_L41 = _qwen3_attn_prolog(x_L41_attn_norm, W['graphgen.load:model.layers.41.self_attn.q_proj.weight[d0/2]+model.layers.41.self_attn.k_proj.weight[d0/2]+model.layers.41.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.41.self_attn.q_norm.weight'], W['model.layers.41.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L41.qkv
     torch_npu.npu_scatter_nd_update_(kv[41][0], b.kv_index, k_L41.reshape(k_L41.shape[0], -1))  # L41.kv_write
     torch_npu.npu_scatter_nd_update_(kv[41][1], b.kv_index, v_L41.reshape(v_L41.shape[0], -1))  # L41.kv_write
     o_L41 = torch_npu.npu_fused_infer_attention_score(q_L41, kv[41][0], kv[41][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L41.attn
@@ -578,11 +715,11 @@ def forward(W, b, kv, staging=()):
     h_L41_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L41_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L41.o_proj.all_reduce
     h_L41_attn = h_L40 + h_L41_attn_sum  # L41.o_proj.residual
     x_L41_mlp_norm = torch_npu.npu_rms_norm(h_L41_attn, W['model.layers.41.post_attention_layernorm.weight'], 1e-06)[0]  # L41.mlp_norm
-    h_L41_partial = _swiglu_mlp(x_L41_mlp_norm, W['model.layers.41.mlp.gate_proj.weight[d0/2]'], W['model.layers.41.mlp.up_proj.weight[d0/2]'], W['model.layers.41.mlp.down_proj.weight[d1/2]'])  # L41.mlp
+    h_L41_partial = _swiglu_mlp(x_L41_mlp_norm, W['graphgen.load:model.layers.41.mlp.gate_proj.weight[d0/2]+model.layers.41.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.41.mlp.down_proj.weight[d1/2]'])  # L41.mlp
     h_L41_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L41_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L41.mlp.all_reduce
     h_L41 = h_L41_attn + h_L41_sum  # L41.mlp.residual
     x_L42_attn_norm = torch_npu.npu_rms_norm(h_L41, W['model.layers.42.input_layernorm.weight'], 1e-06)[0]  # L42.attn_norm
-    q_L42, k_L42, v_L42 = _qwen3_attn_prolog(x_L42_attn_norm, W['model.layers.42.self_attn.q_proj.weight[d0/2]'], W['model.layers.42.self_attn.k_proj.weight[d0/2]'], W['model.layers.42.self_attn.v_proj.weight[d0/2]'], W['model.layers.42.self_attn.q_norm.weight'], W['model.layers.42.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L42.qkv
+    q_L42, k_L42, v_L42 = _qwen3_attn_prolog(x_L42_attn_norm, W['graphgen.load:model.layers.42.self_attn.q_proj.weight[d0/2]+model.layers.42.self_attn.k_proj.weight[d0/2]+model.layers.42.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.42.self_attn.q_norm.weight'], W['model.layers.42.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L42.qkv
     torch_npu.npu_scatter_nd_update_(kv[42][0], b.kv_index, k_L42.reshape(k_L42.shape[0], -1))  # L42.kv_write
     torch_npu.npu_scatter_nd_update_(kv[42][1], b.kv_index, v_L42.reshape(v_L42.shape[0], -1))  # L42.kv_write
     o_L42 = torch_npu.npu_fused_infer_attention_score(q_L42, kv[42][0], kv[42][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L42.attn
@@ -590,11 +727,11 @@ def forward(W, b, kv, staging=()):
     h_L42_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L42_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L42.o_proj.all_reduce
     h_L42_attn = h_L41 + h_L42_attn_sum  # L42.o_proj.residual
     x_L42_mlp_norm = torch_npu.npu_rms_norm(h_L42_attn, W['model.layers.42.post_attention_layernorm.weight'], 1e-06)[0]  # L42.mlp_norm
-    h_L42_partial = _swiglu_mlp(x_L42_mlp_norm, W['model.layers.42.mlp.gate_proj.weight[d0/2]'], W['model.layers.42.mlp.up_proj.weight[d0/2]'], W['model.layers.42.mlp.down_proj.weight[d1/2]'])  # L42.mlp
+    h_L42_partial = _swiglu_mlp(x_L42_mlp_norm, W['graphgen.load:model.layers.42.mlp.gate_proj.weight[d0/2]+model.layers.42.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.42.mlp.down_proj.weight[d1/2]'])  # L42.mlp
     h_L42_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L42_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L42.mlp.all_reduce
     h_L42 = h_L42_attn + h_L42_sum  # L42.mlp.residual
     x_L43_attn_norm = torch_npu.npu_rms_norm(h_L42, W['model.layers.43.input_layernorm.weight'], 1e-06)[0]  # L43.attn_norm
-    q_L43, k_L43, v_L43 = _qwen3_attn_prolog(x_L43_attn_norm, W['model.layers.43.self_attn.q_proj.weight[d0/2]'], W['model.layers.43.self_attn.k_proj.weight[d0/2]'], W['model.layers.43.self_attn.v_proj.weight[d0/2]'], W['model.layers.43.self_attn.q_norm.weight'], W['model.layers.43.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L43.qkv
+    q_L43, k_L43, v_L43 = _qwen3_attn_prolog(x_L43_attn_norm, W['graphgen.load:model.layers.43.self_attn.q_proj.weight[d0/2]+model.layers.43.self_attn.k_proj.weight[d0/2]+model.layers.43.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.43.self_attn.q_norm.weight'], W['model.layers.43.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L43.qkv
     torch_npu.npu_scatter_nd_update_(kv[43][0], b.kv_index, k_L43.reshape(k_L43.shape[0], -1))  # L43.kv_write
     torch_npu.npu_scatter_nd_update_(kv[43][1], b.kv_index, v_L43.reshape(v_L43.shape[0], -1))  # L43.kv_write
     o_L43 = torch_npu.npu_fused_infer_attention_score(q_L43, kv[43][0], kv[43][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L43.attn
@@ -602,11 +739,11 @@ def forward(W, b, kv, staging=()):
     h_L43_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L43_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L43.o_proj.all_reduce
     h_L43_attn = h_L42 + h_L43_attn_sum  # L43.o_proj.residual
     x_L43_mlp_norm = torch_npu.npu_rms_norm(h_L43_attn, W['model.layers.43.post_attention_layernorm.weight'], 1e-06)[0]  # L43.mlp_norm
-    h_L43_partial = _swiglu_mlp(x_L43_mlp_norm, W['model.layers.43.mlp.gate_proj.weight[d0/2]'], W['model.layers.43.mlp.up_proj.weight[d0/2]'], W['model.layers.43.mlp.down_proj.weight[d1/2]'])  # L43.mlp
+    h_L43_partial = _swiglu_mlp(x_L43_mlp_norm, W['graphgen.load:model.layers.43.mlp.gate_proj.weight[d0/2]+model.layers.43.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.43.mlp.down_proj.weight[d1/2]'])  # L43.mlp
     h_L43_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L43_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L43.mlp.all_reduce
     h_L43 = h_L43_attn + h_L43_sum  # L43.mlp.residual
     x_L44_attn_norm = torch_npu.npu_rms_norm(h_L43, W['model.layers.44.input_layernorm.weight'], 1e-06)[0]  # L44.attn_norm
-    q_L44, k_L44, v_L44 = _qwen3_attn_prolog(x_L44_attn_norm, W['model.layers.44.self_attn.q_proj.weight[d0/2]'], W['model.layers.44.self_attn.k_proj.weight[d0/2]'], W['model.layers.44.self_attn.v_proj.weight[d0/2]'], W['model.layers.44.self_attn.q_norm.weight'], W['model.layers.44.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L44.qkv
+    q_L44, k_L44, v_L44 = _qwen3_attn_prolog(x_L44_attn_norm, W['graphgen.load:model.layers.44.self_attn.q_proj.weight[d0/2]+model.layers.44.self_attn.k_proj.weight[d0/2]+model.layers.44.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.44.self_attn.q_norm.weight'], W['model.layers.44.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L44.qkv
     torch_npu.npu_scatter_nd_update_(kv[44][0], b.kv_index, k_L44.reshape(k_L44.shape[0], -1))  # L44.kv_write
     torch_npu.npu_scatter_nd_update_(kv[44][1], b.kv_index, v_L44.reshape(v_L44.shape[0], -1))  # L44.kv_write
     o_L44 = torch_npu.npu_fused_infer_attention_score(q_L44, kv[44][0], kv[44][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L44.attn
@@ -614,11 +751,11 @@ def forward(W, b, kv, staging=()):
     h_L44_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L44_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L44.o_proj.all_reduce
     h_L44_attn = h_L43 + h_L44_attn_sum  # L44.o_proj.residual
     x_L44_mlp_norm = torch_npu.npu_rms_norm(h_L44_attn, W['model.layers.44.post_attention_layernorm.weight'], 1e-06)[0]  # L44.mlp_norm
-    h_L44_partial = _swiglu_mlp(x_L44_mlp_norm, W['model.layers.44.mlp.gate_proj.weight[d0/2]'], W['model.layers.44.mlp.up_proj.weight[d0/2]'], W['model.layers.44.mlp.down_proj.weight[d1/2]'])  # L44.mlp
+    h_L44_partial = _swiglu_mlp(x_L44_mlp_norm, W['graphgen.load:model.layers.44.mlp.gate_proj.weight[d0/2]+model.layers.44.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.44.mlp.down_proj.weight[d1/2]'])  # L44.mlp
     h_L44_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L44_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L44.mlp.all_reduce
     h_L44 = h_L44_attn + h_L44_sum  # L44.mlp.residual
     x_L45_attn_norm = torch_npu.npu_rms_norm(h_L44, W['model.layers.45.input_layernorm.weight'], 1e-06)[0]  # L45.attn_norm
-    q_L45, k_L45, v_L45 = _qwen3_attn_prolog(x_L45_attn_norm, W['model.layers.45.self_attn.q_proj.weight[d0/2]'], W['model.layers.45.self_attn.k_proj.weight[d0/2]'], W['model.layers.45.self_attn.v_proj.weight[d0/2]'], W['model.layers.45.self_attn.q_norm.weight'], W['model.layers.45.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L45.qkv
+    q_L45, k_L45, v_L45 = _qwen3_attn_prolog(x_L45_attn_norm, W['graphgen.load:model.layers.45.self_attn.q_proj.weight[d0/2]+model.layers.45.self_attn.k_proj.weight[d0/2]+model.layers.45.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.45.self_attn.q_norm.weight'], W['model.layers.45.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L45.qkv
     torch_npu.npu_scatter_nd_update_(kv[45][0], b.kv_index, k_L45.reshape(k_L45.shape[0], -1))  # L45.kv_write
     torch_npu.npu_scatter_nd_update_(kv[45][1], b.kv_index, v_L45.reshape(v_L45.shape[0], -1))  # L45.kv_write
     o_L45 = torch_npu.npu_fused_infer_attention_score(q_L45, kv[45][0], kv[45][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L45.attn
@@ -626,11 +763,11 @@ def forward(W, b, kv, staging=()):
     h_L45_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L45_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L45.o_proj.all_reduce
     h_L45_attn = h_L44 + h_L45_attn_sum  # L45.o_proj.residual
     x_L45_mlp_norm = torch_npu.npu_rms_norm(h_L45_attn, W['model.layers.45.post_attention_layernorm.weight'], 1e-06)[0]  # L45.mlp_norm
-    h_L45_partial = _swiglu_mlp(x_L45_mlp_norm, W['model.layers.45.mlp.gate_proj.weight[d0/2]'], W['model.layers.45.mlp.up_proj.weight[d0/2]'], W['model.layers.45.mlp.down_proj.weight[d1/2]'])  # L45.mlp
+    h_L45_partial = _swiglu_mlp(x_L45_mlp_norm, W['graphgen.load:model.layers.45.mlp.gate_proj.weight[d0/2]+model.layers.45.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.45.mlp.down_proj.weight[d1/2]'])  # L45.mlp
     h_L45_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L45_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L45.mlp.all_reduce
     h_L45 = h_L45_attn + h_L45_sum  # L45.mlp.residual
     x_L46_attn_norm = torch_npu.npu_rms_norm(h_L45, W['model.layers.46.input_layernorm.weight'], 1e-06)[0]  # L46.attn_norm
-    q_L46, k_L46, v_L46 = _qwen3_attn_prolog(x_L46_attn_norm, W['model.layers.46.self_attn.q_proj.weight[d0/2]'], W['model.layers.46.self_attn.k_proj.weight[d0/2]'], W['model.layers.46.self_attn.v_proj.weight[d0/2]'], W['model.layers.46.self_attn.q_norm.weight'], W['model.layers.46.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L46.qkv
+    q_L46, k_L46, v_L46 = _qwen3_attn_prolog(x_L46_attn_norm, W['graphgen.load:model.layers.46.self_attn.q_proj.weight[d0/2]+model.layers.46.self_attn.k_proj.weight[d0/2]+model.layers.46.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.46.self_attn.q_norm.weight'], W['model.layers.46.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L46.qkv
     torch_npu.npu_scatter_nd_update_(kv[46][0], b.kv_index, k_L46.reshape(k_L46.shape[0], -1))  # L46.kv_write
     torch_npu.npu_scatter_nd_update_(kv[46][1], b.kv_index, v_L46.reshape(v_L46.shape[0], -1))  # L46.kv_write
     o_L46 = torch_npu.npu_fused_infer_attention_score(q_L46, kv[46][0], kv[46][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L46.attn
@@ -638,11 +775,11 @@ def forward(W, b, kv, staging=()):
     h_L46_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L46_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L46.o_proj.all_reduce
     h_L46_attn = h_L45 + h_L46_attn_sum  # L46.o_proj.residual
     x_L46_mlp_norm = torch_npu.npu_rms_norm(h_L46_attn, W['model.layers.46.post_attention_layernorm.weight'], 1e-06)[0]  # L46.mlp_norm
-    h_L46_partial = _swiglu_mlp(x_L46_mlp_norm, W['model.layers.46.mlp.gate_proj.weight[d0/2]'], W['model.layers.46.mlp.up_proj.weight[d0/2]'], W['model.layers.46.mlp.down_proj.weight[d1/2]'])  # L46.mlp
+    h_L46_partial = _swiglu_mlp(x_L46_mlp_norm, W['graphgen.load:model.layers.46.mlp.gate_proj.weight[d0/2]+model.layers.46.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.46.mlp.down_proj.weight[d1/2]'])  # L46.mlp
     h_L46_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L46_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L46.mlp.all_reduce
     h_L46 = h_L46_attn + h_L46_sum  # L46.mlp.residual
     x_L47_attn_norm = torch_npu.npu_rms_norm(h_L46, W['model.layers.47.input_layernorm.weight'], 1e-06)[0]  # L47.attn_norm
-    q_L47, k_L47, v_L47 = _qwen3_attn_prolog(x_L47_attn_norm, W['model.layers.47.self_attn.q_proj.weight[d0/2]'], W['model.layers.47.self_attn.k_proj.weight[d0/2]'], W['model.layers.47.self_attn.v_proj.weight[d0/2]'], W['model.layers.47.self_attn.q_norm.weight'], W['model.layers.47.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L47.qkv
+    q_L47, k_L47, v_L47 = _qwen3_attn_prolog(x_L47_attn_norm, W['graphgen.load:model.layers.47.self_attn.q_proj.weight[d0/2]+model.layers.47.self_attn.k_proj.weight[d0/2]+model.layers.47.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.47.self_attn.q_norm.weight'], W['model.layers.47.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L47.qkv
     torch_npu.npu_scatter_nd_update_(kv[47][0], b.kv_index, k_L47.reshape(k_L47.shape[0], -1))  # L47.kv_write
     torch_npu.npu_scatter_nd_update_(kv[47][1], b.kv_index, v_L47.reshape(v_L47.shape[0], -1))  # L47.kv_write
     o_L47 = torch_npu.npu_fused_infer_attention_score(q_L47, kv[47][0], kv[47][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L47.attn
@@ -650,11 +787,11 @@ def forward(W, b, kv, staging=()):
     h_L47_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L47_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L47.o_proj.all_reduce
     h_L47_attn = h_L46 + h_L47_attn_sum  # L47.o_proj.residual
     x_L47_mlp_norm = torch_npu.npu_rms_norm(h_L47_attn, W['model.layers.47.post_attention_layernorm.weight'], 1e-06)[0]  # L47.mlp_norm
-    h_L47_partial = _swiglu_mlp(x_L47_mlp_norm, W['model.layers.47.mlp.gate_proj.weight[d0/2]'], W['model.layers.47.mlp.up_proj.weight[d0/2]'], W['model.layers.47.mlp.down_proj.weight[d1/2]'])  # L47.mlp
+    h_L47_partial = _swiglu_mlp(x_L47_mlp_norm, W['graphgen.load:model.layers.47.mlp.gate_proj.weight[d0/2]+model.layers.47.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.47.mlp.down_proj.weight[d1/2]'])  # L47.mlp
     h_L47_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L47_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L47.mlp.all_reduce
     h_L47 = h_L47_attn + h_L47_sum  # L47.mlp.residual
     x_L48_attn_norm = torch_npu.npu_rms_norm(h_L47, W['model.layers.48.input_layernorm.weight'], 1e-06)[0]  # L48.attn_norm
-    q_L48, k_L48, v_L48 = _qwen3_attn_prolog(x_L48_attn_norm, W['model.layers.48.self_attn.q_proj.weight[d0/2]'], W['model.layers.48.self_attn.k_proj.weight[d0/2]'], W['model.layers.48.self_attn.v_proj.weight[d0/2]'], W['model.layers.48.self_attn.q_norm.weight'], W['model.layers.48.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L48.qkv
+    q_L48, k_L48, v_L48 = _qwen3_attn_prolog(x_L48_attn_norm, W['graphgen.load:model.layers.48.self_attn.q_proj.weight[d0/2]+model.layers.48.self_attn.k_proj.weight[d0/2]+model.layers.48.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.48.self_attn.q_norm.weight'], W['model.layers.48.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L48.qkv
     torch_npu.npu_scatter_nd_update_(kv[48][0], b.kv_index, k_L48.reshape(k_L48.shape[0], -1))  # L48.kv_write
     torch_npu.npu_scatter_nd_update_(kv[48][1], b.kv_index, v_L48.reshape(v_L48.shape[0], -1))  # L48.kv_write
     o_L48 = torch_npu.npu_fused_infer_attention_score(q_L48, kv[48][0], kv[48][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L48.attn
@@ -662,11 +799,11 @@ def forward(W, b, kv, staging=()):
     h_L48_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L48_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L48.o_proj.all_reduce
     h_L48_attn = h_L47 + h_L48_attn_sum  # L48.o_proj.residual
     x_L48_mlp_norm = torch_npu.npu_rms_norm(h_L48_attn, W['model.layers.48.post_attention_layernorm.weight'], 1e-06)[0]  # L48.mlp_norm
-    h_L48_partial = _swiglu_mlp(x_L48_mlp_norm, W['model.layers.48.mlp.gate_proj.weight[d0/2]'], W['model.layers.48.mlp.up_proj.weight[d0/2]'], W['model.layers.48.mlp.down_proj.weight[d1/2]'])  # L48.mlp
+    h_L48_partial = _swiglu_mlp(x_L48_mlp_norm, W['graphgen.load:model.layers.48.mlp.gate_proj.weight[d0/2]+model.layers.48.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.48.mlp.down_proj.weight[d1/2]'])  # L48.mlp
     h_L48_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L48_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L48.mlp.all_reduce
     h_L48 = h_L48_attn + h_L48_sum  # L48.mlp.residual
     x_L49_attn_norm = torch_npu.npu_rms_norm(h_L48, W['model.layers.49.input_layernorm.weight'], 1e-06)[0]  # L49.attn_norm
-    q_L49, k_L49, v_L49 = _qwen3_attn_prolog(x_L49_attn_norm, W['model.layers.49.self_attn.q_proj.weight[d0/2]'], W['model.layers.49.self_attn.k_proj.weight[d0/2]'], W['model.layers.49.self_attn.v_proj.weight[d0/2]'], W['model.layers.49.self_attn.q_norm.weight'], W['model.layers.49.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L49.qkv
+    q_L49, k_L49, v_L49 = _qwen3_attn_prolog(x_L49_attn_norm, W['graphgen.load:model.layers.49.self_attn.q_proj.weight[d0/2]+model.layers.49.self_attn.k_proj.weight[d0/2]+model.layers.49.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.49.self_attn.q_norm.weight'], W['model.layers.49.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L49.qkv
     torch_npu.npu_scatter_nd_update_(kv[49][0], b.kv_index, k_L49.reshape(k_L49.shape[0], -1))  # L49.kv_write
     torch_npu.npu_scatter_nd_update_(kv[49][1], b.kv_index, v_L49.reshape(v_L49.shape[0], -1))  # L49.kv_write
     o_L49 = torch_npu.npu_fused_infer_attention_score(q_L49, kv[49][0], kv[49][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L49.attn
@@ -674,11 +811,11 @@ def forward(W, b, kv, staging=()):
     h_L49_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L49_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L49.o_proj.all_reduce
     h_L49_attn = h_L48 + h_L49_attn_sum  # L49.o_proj.residual
     x_L49_mlp_norm = torch_npu.npu_rms_norm(h_L49_attn, W['model.layers.49.post_attention_layernorm.weight'], 1e-06)[0]  # L49.mlp_norm
-    h_L49_partial = _swiglu_mlp(x_L49_mlp_norm, W['model.layers.49.mlp.gate_proj.weight[d0/2]'], W['model.layers.49.mlp.up_proj.weight[d0/2]'], W['model.layers.49.mlp.down_proj.weight[d1/2]'])  # L49.mlp
+    h_L49_partial = _swiglu_mlp(x_L49_mlp_norm, W['graphgen.load:model.layers.49.mlp.gate_proj.weight[d0/2]+model.layers.49.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.49.mlp.down_proj.weight[d1/2]'])  # L49.mlp
     h_L49_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L49_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L49.mlp.all_reduce
     h_L49 = h_L49_attn + h_L49_sum  # L49.mlp.residual
     x_L50_attn_norm = torch_npu.npu_rms_norm(h_L49, W['model.layers.50.input_layernorm.weight'], 1e-06)[0]  # L50.attn_norm
-    q_L50, k_L50, v_L50 = _qwen3_attn_prolog(x_L50_attn_norm, W['model.layers.50.self_attn.q_proj.weight[d0/2]'], W['model.layers.50.self_attn.k_proj.weight[d0/2]'], W['model.layers.50.self_attn.v_proj.weight[d0/2]'], W['model.layers.50.self_attn.q_norm.weight'], W['model.layers.50.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L50.qkv
+    q_L50, k_L50, v_L50 = _qwen3_attn_prolog(x_L50_attn_norm, W['graphgen.load:model.layers.50.self_attn.q_proj.weight[d0/2]+model.layers.50.self_attn.k_proj.weight[d0/2]+model.layers.50.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.50.self_attn.q_norm.weight'], W['model.layers.50.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L50.qkv
     torch_npu.npu_scatter_nd_update_(kv[50][0], b.kv_index, k_L50.reshape(k_L50.shape[0], -1))  # L50.kv_write
     torch_npu.npu_scatter_nd_update_(kv[50][1], b.kv_index, v_L50.reshape(v_L50.shape[0], -1))  # L50.kv_write
     o_L50 = torch_npu.npu_fused_infer_attention_score(q_L50, kv[50][0], kv[50][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L50.attn
@@ -686,11 +823,11 @@ def forward(W, b, kv, staging=()):
     h_L50_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L50_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L50.o_proj.all_reduce
     h_L50_attn = h_L49 + h_L50_attn_sum  # L50.o_proj.residual
     x_L50_mlp_norm = torch_npu.npu_rms_norm(h_L50_attn, W['model.layers.50.post_attention_layernorm.weight'], 1e-06)[0]  # L50.mlp_norm
-    h_L50_partial = _swiglu_mlp(x_L50_mlp_norm, W['model.layers.50.mlp.gate_proj.weight[d0/2]'], W['model.layers.50.mlp.up_proj.weight[d0/2]'], W['model.layers.50.mlp.down_proj.weight[d1/2]'])  # L50.mlp
+    h_L50_partial = _swiglu_mlp(x_L50_mlp_norm, W['graphgen.load:model.layers.50.mlp.gate_proj.weight[d0/2]+model.layers.50.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.50.mlp.down_proj.weight[d1/2]'])  # L50.mlp
     h_L50_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L50_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L50.mlp.all_reduce
     h_L50 = h_L50_attn + h_L50_sum  # L50.mlp.residual
     x_L51_attn_norm = torch_npu.npu_rms_norm(h_L50, W['model.layers.51.input_layernorm.weight'], 1e-06)[0]  # L51.attn_norm
-    q_L51, k_L51, v_L51 = _qwen3_attn_prolog(x_L51_attn_norm, W['model.layers.51.self_attn.q_proj.weight[d0/2]'], W['model.layers.51.self_attn.k_proj.weight[d0/2]'], W['model.layers.51.self_attn.v_proj.weight[d0/2]'], W['model.layers.51.self_attn.q_norm.weight'], W['model.layers.51.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L51.qkv
+    q_L51, k_L51, v_L51 = _qwen3_attn_prolog(x_L51_attn_norm, W['graphgen.load:model.layers.51.self_attn.q_proj.weight[d0/2]+model.layers.51.self_attn.k_proj.weight[d0/2]+model.layers.51.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.51.self_attn.q_norm.weight'], W['model.layers.51.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L51.qkv
     torch_npu.npu_scatter_nd_update_(kv[51][0], b.kv_index, k_L51.reshape(k_L51.shape[0], -1))  # L51.kv_write
     torch_npu.npu_scatter_nd_update_(kv[51][1], b.kv_index, v_L51.reshape(v_L51.shape[0], -1))  # L51.kv_write
     o_L51 = torch_npu.npu_fused_infer_attention_score(q_L51, kv[51][0], kv[51][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L51.attn
@@ -698,11 +835,11 @@ def forward(W, b, kv, staging=()):
     h_L51_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L51_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L51.o_proj.all_reduce
     h_L51_attn = h_L50 + h_L51_attn_sum  # L51.o_proj.residual
     x_L51_mlp_norm = torch_npu.npu_rms_norm(h_L51_attn, W['model.layers.51.post_attention_layernorm.weight'], 1e-06)[0]  # L51.mlp_norm
-    h_L51_partial = _swiglu_mlp(x_L51_mlp_norm, W['model.layers.51.mlp.gate_proj.weight[d0/2]'], W['model.layers.51.mlp.up_proj.weight[d0/2]'], W['model.layers.51.mlp.down_proj.weight[d1/2]'])  # L51.mlp
+    h_L51_partial = _swiglu_mlp(x_L51_mlp_norm, W['graphgen.load:model.layers.51.mlp.gate_proj.weight[d0/2]+model.layers.51.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.51.mlp.down_proj.weight[d1/2]'])  # L51.mlp
     h_L51_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L51_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L51.mlp.all_reduce
     h_L51 = h_L51_attn + h_L51_sum  # L51.mlp.residual
     x_L52_attn_norm = torch_npu.npu_rms_norm(h_L51, W['model.layers.52.input_layernorm.weight'], 1e-06)[0]  # L52.attn_norm
-    q_L52, k_L52, v_L52 = _qwen3_attn_prolog(x_L52_attn_norm, W['model.layers.52.self_attn.q_proj.weight[d0/2]'], W['model.layers.52.self_attn.k_proj.weight[d0/2]'], W['model.layers.52.self_attn.v_proj.weight[d0/2]'], W['model.layers.52.self_attn.q_norm.weight'], W['model.layers.52.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L52.qkv
+    q_L52, k_L52, v_L52 = _qwen3_attn_prolog(x_L52_attn_norm, W['graphgen.load:model.layers.52.self_attn.q_proj.weight[d0/2]+model.layers.52.self_attn.k_proj.weight[d0/2]+model.layers.52.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.52.self_attn.q_norm.weight'], W['model.layers.52.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L52.qkv
     torch_npu.npu_scatter_nd_update_(kv[52][0], b.kv_index, k_L52.reshape(k_L52.shape[0], -1))  # L52.kv_write
     torch_npu.npu_scatter_nd_update_(kv[52][1], b.kv_index, v_L52.reshape(v_L52.shape[0], -1))  # L52.kv_write
     o_L52 = torch_npu.npu_fused_infer_attention_score(q_L52, kv[52][0], kv[52][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L52.attn
@@ -710,11 +847,11 @@ def forward(W, b, kv, staging=()):
     h_L52_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L52_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L52.o_proj.all_reduce
     h_L52_attn = h_L51 + h_L52_attn_sum  # L52.o_proj.residual
     x_L52_mlp_norm = torch_npu.npu_rms_norm(h_L52_attn, W['model.layers.52.post_attention_layernorm.weight'], 1e-06)[0]  # L52.mlp_norm
-    h_L52_partial = _swiglu_mlp(x_L52_mlp_norm, W['model.layers.52.mlp.gate_proj.weight[d0/2]'], W['model.layers.52.mlp.up_proj.weight[d0/2]'], W['model.layers.52.mlp.down_proj.weight[d1/2]'])  # L52.mlp
+    h_L52_partial = _swiglu_mlp(x_L52_mlp_norm, W['graphgen.load:model.layers.52.mlp.gate_proj.weight[d0/2]+model.layers.52.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.52.mlp.down_proj.weight[d1/2]'])  # L52.mlp
     h_L52_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L52_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L52.mlp.all_reduce
     h_L52 = h_L52_attn + h_L52_sum  # L52.mlp.residual
     x_L53_attn_norm = torch_npu.npu_rms_norm(h_L52, W['model.layers.53.input_layernorm.weight'], 1e-06)[0]  # L53.attn_norm
-    q_L53, k_L53, v_L53 = _qwen3_attn_prolog(x_L53_attn_norm, W['model.layers.53.self_attn.q_proj.weight[d0/2]'], W['model.layers.53.self_attn.k_proj.weight[d0/2]'], W['model.layers.53.self_attn.v_proj.weight[d0/2]'], W['model.layers.53.self_attn.q_norm.weight'], W['model.layers.53.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L53.qkv
+    q_L53, k_L53, v_L53 = _qwen3_attn_prolog(x_L53_attn_norm, W['graphgen.load:model.layers.53.self_attn.q_proj.weight[d0/2]+model.layers.53.self_attn.k_proj.weight[d0/2]+model.layers.53.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.53.self_attn.q_norm.weight'], W['model.layers.53.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L53.qkv
     torch_npu.npu_scatter_nd_update_(kv[53][0], b.kv_index, k_L53.reshape(k_L53.shape[0], -1))  # L53.kv_write
     torch_npu.npu_scatter_nd_update_(kv[53][1], b.kv_index, v_L53.reshape(v_L53.shape[0], -1))  # L53.kv_write
     o_L53 = torch_npu.npu_fused_infer_attention_score(q_L53, kv[53][0], kv[53][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L53.attn
@@ -722,11 +859,11 @@ def forward(W, b, kv, staging=()):
     h_L53_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L53_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L53.o_proj.all_reduce
     h_L53_attn = h_L52 + h_L53_attn_sum  # L53.o_proj.residual
     x_L53_mlp_norm = torch_npu.npu_rms_norm(h_L53_attn, W['model.layers.53.post_attention_layernorm.weight'], 1e-06)[0]  # L53.mlp_norm
-    h_L53_partial = _swiglu_mlp(x_L53_mlp_norm, W['model.layers.53.mlp.gate_proj.weight[d0/2]'], W['model.layers.53.mlp.up_proj.weight[d0/2]'], W['model.layers.53.mlp.down_proj.weight[d1/2]'])  # L53.mlp
+    h_L53_partial = _swiglu_mlp(x_L53_mlp_norm, W['graphgen.load:model.layers.53.mlp.gate_proj.weight[d0/2]+model.layers.53.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.53.mlp.down_proj.weight[d1/2]'])  # L53.mlp
     h_L53_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L53_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L53.mlp.all_reduce
     h_L53 = h_L53_attn + h_L53_sum  # L53.mlp.residual
     x_L54_attn_norm = torch_npu.npu_rms_norm(h_L53, W['model.layers.54.input_layernorm.weight'], 1e-06)[0]  # L54.attn_norm
-    q_L54, k_L54, v_L54 = _qwen3_attn_prolog(x_L54_attn_norm, W['model.layers.54.self_attn.q_proj.weight[d0/2]'], W['model.layers.54.self_attn.k_proj.weight[d0/2]'], W['model.layers.54.self_attn.v_proj.weight[d0/2]'], W['model.layers.54.self_attn.q_norm.weight'], W['model.layers.54.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L54.qkv
+    q_L54, k_L54, v_L54 = _qwen3_attn_prolog(x_L54_attn_norm, W['graphgen.load:model.layers.54.self_attn.q_proj.weight[d0/2]+model.layers.54.self_attn.k_proj.weight[d0/2]+model.layers.54.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.54.self_attn.q_norm.weight'], W['model.layers.54.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L54.qkv
     torch_npu.npu_scatter_nd_update_(kv[54][0], b.kv_index, k_L54.reshape(k_L54.shape[0], -1))  # L54.kv_write
     torch_npu.npu_scatter_nd_update_(kv[54][1], b.kv_index, v_L54.reshape(v_L54.shape[0], -1))  # L54.kv_write
     o_L54 = torch_npu.npu_fused_infer_attention_score(q_L54, kv[54][0], kv[54][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L54.attn
@@ -734,11 +871,11 @@ def forward(W, b, kv, staging=()):
     h_L54_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L54_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L54.o_proj.all_reduce
     h_L54_attn = h_L53 + h_L54_attn_sum  # L54.o_proj.residual
     x_L54_mlp_norm = torch_npu.npu_rms_norm(h_L54_attn, W['model.layers.54.post_attention_layernorm.weight'], 1e-06)[0]  # L54.mlp_norm
-    h_L54_partial = _swiglu_mlp(x_L54_mlp_norm, W['model.layers.54.mlp.gate_proj.weight[d0/2]'], W['model.layers.54.mlp.up_proj.weight[d0/2]'], W['model.layers.54.mlp.down_proj.weight[d1/2]'])  # L54.mlp
+    h_L54_partial = _swiglu_mlp(x_L54_mlp_norm, W['graphgen.load:model.layers.54.mlp.gate_proj.weight[d0/2]+model.layers.54.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.54.mlp.down_proj.weight[d1/2]'])  # L54.mlp
     h_L54_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L54_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L54.mlp.all_reduce
     h_L54 = h_L54_attn + h_L54_sum  # L54.mlp.residual
     x_L55_attn_norm = torch_npu.npu_rms_norm(h_L54, W['model.layers.55.input_layernorm.weight'], 1e-06)[0]  # L55.attn_norm
-    q_L55, k_L55, v_L55 = _qwen3_attn_prolog(x_L55_attn_norm, W['model.layers.55.self_attn.q_proj.weight[d0/2]'], W['model.layers.55.self_attn.k_proj.weight[d0/2]'], W['model.layers.55.self_attn.v_proj.weight[d0/2]'], W['model.layers.55.self_attn.q_norm.weight'], W['model.layers.55.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L55.qkv
+    q_L55, k_L55, v_L55 = _qwen3_attn_prolog(x_L55_attn_norm, W['graphgen.load:model.layers.55.self_attn.q_proj.weight[d0/2]+model.layers.55.self_attn.k_proj.weight[d0/2]+model.layers.55.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.55.self_attn.q_norm.weight'], W['model.layers.55.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L55.qkv
     torch_npu.npu_scatter_nd_update_(kv[55][0], b.kv_index, k_L55.reshape(k_L55.shape[0], -1))  # L55.kv_write
     torch_npu.npu_scatter_nd_update_(kv[55][1], b.kv_index, v_L55.reshape(v_L55.shape[0], -1))  # L55.kv_write
     o_L55 = torch_npu.npu_fused_infer_attention_score(q_L55, kv[55][0], kv[55][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L55.attn
@@ -746,11 +883,11 @@ def forward(W, b, kv, staging=()):
     h_L55_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L55_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L55.o_proj.all_reduce
     h_L55_attn = h_L54 + h_L55_attn_sum  # L55.o_proj.residual
     x_L55_mlp_norm = torch_npu.npu_rms_norm(h_L55_attn, W['model.layers.55.post_attention_layernorm.weight'], 1e-06)[0]  # L55.mlp_norm
-    h_L55_partial = _swiglu_mlp(x_L55_mlp_norm, W['model.layers.55.mlp.gate_proj.weight[d0/2]'], W['model.layers.55.mlp.up_proj.weight[d0/2]'], W['model.layers.55.mlp.down_proj.weight[d1/2]'])  # L55.mlp
+    h_L55_partial = _swiglu_mlp(x_L55_mlp_norm, W['graphgen.load:model.layers.55.mlp.gate_proj.weight[d0/2]+model.layers.55.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.55.mlp.down_proj.weight[d1/2]'])  # L55.mlp
     h_L55_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L55_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L55.mlp.all_reduce
     h_L55 = h_L55_attn + h_L55_sum  # L55.mlp.residual
     x_L56_attn_norm = torch_npu.npu_rms_norm(h_L55, W['model.layers.56.input_layernorm.weight'], 1e-06)[0]  # L56.attn_norm
-    q_L56, k_L56, v_L56 = _qwen3_attn_prolog(x_L56_attn_norm, W['model.layers.56.self_attn.q_proj.weight[d0/2]'], W['model.layers.56.self_attn.k_proj.weight[d0/2]'], W['model.layers.56.self_attn.v_proj.weight[d0/2]'], W['model.layers.56.self_attn.q_norm.weight'], W['model.layers.56.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L56.qkv
+    q_L56, k_L56, v_L56 = _qwen3_attn_prolog(x_L56_attn_norm, W['graphgen.load:model.layers.56.self_attn.q_proj.weight[d0/2]+model.layers.56.self_attn.k_proj.weight[d0/2]+model.layers.56.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.56.self_attn.q_norm.weight'], W['model.layers.56.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L56.qkv
     torch_npu.npu_scatter_nd_update_(kv[56][0], b.kv_index, k_L56.reshape(k_L56.shape[0], -1))  # L56.kv_write
     torch_npu.npu_scatter_nd_update_(kv[56][1], b.kv_index, v_L56.reshape(v_L56.shape[0], -1))  # L56.kv_write
     o_L56 = torch_npu.npu_fused_infer_attention_score(q_L56, kv[56][0], kv[56][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L56.attn
@@ -758,11 +895,11 @@ def forward(W, b, kv, staging=()):
     h_L56_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L56_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L56.o_proj.all_reduce
     h_L56_attn = h_L55 + h_L56_attn_sum  # L56.o_proj.residual
     x_L56_mlp_norm = torch_npu.npu_rms_norm(h_L56_attn, W['model.layers.56.post_attention_layernorm.weight'], 1e-06)[0]  # L56.mlp_norm
-    h_L56_partial = _swiglu_mlp(x_L56_mlp_norm, W['model.layers.56.mlp.gate_proj.weight[d0/2]'], W['model.layers.56.mlp.up_proj.weight[d0/2]'], W['model.layers.56.mlp.down_proj.weight[d1/2]'])  # L56.mlp
+    h_L56_partial = _swiglu_mlp(x_L56_mlp_norm, W['graphgen.load:model.layers.56.mlp.gate_proj.weight[d0/2]+model.layers.56.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.56.mlp.down_proj.weight[d1/2]'])  # L56.mlp
     h_L56_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L56_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L56.mlp.all_reduce
     h_L56 = h_L56_attn + h_L56_sum  # L56.mlp.residual
     x_L57_attn_norm = torch_npu.npu_rms_norm(h_L56, W['model.layers.57.input_layernorm.weight'], 1e-06)[0]  # L57.attn_norm
-    q_L57, k_L57, v_L57 = _qwen3_attn_prolog(x_L57_attn_norm, W['model.layers.57.self_attn.q_proj.weight[d0/2]'], W['model.layers.57.self_attn.k_proj.weight[d0/2]'], W['model.layers.57.self_attn.v_proj.weight[d0/2]'], W['model.layers.57.self_attn.q_norm.weight'], W['model.layers.57.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L57.qkv
+    q_L57, k_L57, v_L57 = _qwen3_attn_prolog(x_L57_attn_norm, W['graphgen.load:model.layers.57.self_attn.q_proj.weight[d0/2]+model.layers.57.self_attn.k_proj.weight[d0/2]+model.layers.57.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.57.self_attn.q_norm.weight'], W['model.layers.57.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L57.qkv
     torch_npu.npu_scatter_nd_update_(kv[57][0], b.kv_index, k_L57.reshape(k_L57.shape[0], -1))  # L57.kv_write
     torch_npu.npu_scatter_nd_update_(kv[57][1], b.kv_index, v_L57.reshape(v_L57.shape[0], -1))  # L57.kv_write
     o_L57 = torch_npu.npu_fused_infer_attention_score(q_L57, kv[57][0], kv[57][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L57.attn
@@ -770,11 +907,11 @@ def forward(W, b, kv, staging=()):
     h_L57_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L57_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L57.o_proj.all_reduce
     h_L57_attn = h_L56 + h_L57_attn_sum  # L57.o_proj.residual
     x_L57_mlp_norm = torch_npu.npu_rms_norm(h_L57_attn, W['model.layers.57.post_attention_layernorm.weight'], 1e-06)[0]  # L57.mlp_norm
-    h_L57_partial = _swiglu_mlp(x_L57_mlp_norm, W['model.layers.57.mlp.gate_proj.weight[d0/2]'], W['model.layers.57.mlp.up_proj.weight[d0/2]'], W['model.layers.57.mlp.down_proj.weight[d1/2]'])  # L57.mlp
+    h_L57_partial = _swiglu_mlp(x_L57_mlp_norm, W['graphgen.load:model.layers.57.mlp.gate_proj.weight[d0/2]+model.layers.57.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.57.mlp.down_proj.weight[d1/2]'])  # L57.mlp
     h_L57_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L57_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L57.mlp.all_reduce
     h_L57 = h_L57_attn + h_L57_sum  # L57.mlp.residual
     x_L58_attn_norm = torch_npu.npu_rms_norm(h_L57, W['model.layers.58.input_layernorm.weight'], 1e-06)[0]  # L58.attn_norm
-    q_L58, k_L58, v_L58 = _qwen3_attn_prolog(x_L58_attn_norm, W['model.layers.58.self_attn.q_proj.weight[d0/2]'], W['model.layers.58.self_attn.k_proj.weight[d0/2]'], W['model.layers.58.self_attn.v_proj.weight[d0/2]'], W['model.layers.58.self_attn.q_norm.weight'], W['model.layers.58.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L58.qkv
+    q_L58, k_L58, v_L58 = _qwen3_attn_prolog(x_L58_attn_norm, W['graphgen.load:model.layers.58.self_attn.q_proj.weight[d0/2]+model.layers.58.self_attn.k_proj.weight[d0/2]+model.layers.58.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.58.self_attn.q_norm.weight'], W['model.layers.58.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L58.qkv
     torch_npu.npu_scatter_nd_update_(kv[58][0], b.kv_index, k_L58.reshape(k_L58.shape[0], -1))  # L58.kv_write
     torch_npu.npu_scatter_nd_update_(kv[58][1], b.kv_index, v_L58.reshape(v_L58.shape[0], -1))  # L58.kv_write
     o_L58 = torch_npu.npu_fused_infer_attention_score(q_L58, kv[58][0], kv[58][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L58.attn
@@ -782,11 +919,11 @@ def forward(W, b, kv, staging=()):
     h_L58_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L58_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L58.o_proj.all_reduce
     h_L58_attn = h_L57 + h_L58_attn_sum  # L58.o_proj.residual
     x_L58_mlp_norm = torch_npu.npu_rms_norm(h_L58_attn, W['model.layers.58.post_attention_layernorm.weight'], 1e-06)[0]  # L58.mlp_norm
-    h_L58_partial = _swiglu_mlp(x_L58_mlp_norm, W['model.layers.58.mlp.gate_proj.weight[d0/2]'], W['model.layers.58.mlp.up_proj.weight[d0/2]'], W['model.layers.58.mlp.down_proj.weight[d1/2]'])  # L58.mlp
+    h_L58_partial = _swiglu_mlp(x_L58_mlp_norm, W['graphgen.load:model.layers.58.mlp.gate_proj.weight[d0/2]+model.layers.58.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.58.mlp.down_proj.weight[d1/2]'])  # L58.mlp
     h_L58_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L58_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L58.mlp.all_reduce
     h_L58 = h_L58_attn + h_L58_sum  # L58.mlp.residual
     x_L59_attn_norm = torch_npu.npu_rms_norm(h_L58, W['model.layers.59.input_layernorm.weight'], 1e-06)[0]  # L59.attn_norm
-    q_L59, k_L59, v_L59 = _qwen3_attn_prolog(x_L59_attn_norm, W['model.layers.59.self_attn.q_proj.weight[d0/2]'], W['model.layers.59.self_attn.k_proj.weight[d0/2]'], W['model.layers.59.self_attn.v_proj.weight[d0/2]'], W['model.layers.59.self_attn.q_norm.weight'], W['model.layers.59.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L59.qkv
+    q_L59, k_L59, v_L59 = _qwen3_attn_prolog(x_L59_attn_norm, W['graphgen.load:model.layers.59.self_attn.q_proj.weight[d0/2]+model.layers.59.self_attn.k_proj.weight[d0/2]+model.layers.59.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.59.self_attn.q_norm.weight'], W['model.layers.59.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L59.qkv
     torch_npu.npu_scatter_nd_update_(kv[59][0], b.kv_index, k_L59.reshape(k_L59.shape[0], -1))  # L59.kv_write
     torch_npu.npu_scatter_nd_update_(kv[59][1], b.kv_index, v_L59.reshape(v_L59.shape[0], -1))  # L59.kv_write
     o_L59 = torch_npu.npu_fused_infer_attention_score(q_L59, kv[59][0], kv[59][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L59.attn
@@ -794,11 +931,11 @@ def forward(W, b, kv, staging=()):
     h_L59_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L59_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L59.o_proj.all_reduce
     h_L59_attn = h_L58 + h_L59_attn_sum  # L59.o_proj.residual
     x_L59_mlp_norm = torch_npu.npu_rms_norm(h_L59_attn, W['model.layers.59.post_attention_layernorm.weight'], 1e-06)[0]  # L59.mlp_norm
-    h_L59_partial = _swiglu_mlp(x_L59_mlp_norm, W['model.layers.59.mlp.gate_proj.weight[d0/2]'], W['model.layers.59.mlp.up_proj.weight[d0/2]'], W['model.layers.59.mlp.down_proj.weight[d1/2]'])  # L59.mlp
+    h_L59_partial = _swiglu_mlp(x_L59_mlp_norm, W['graphgen.load:model.layers.59.mlp.gate_proj.weight[d0/2]+model.layers.59.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.59.mlp.down_proj.weight[d1/2]'])  # L59.mlp
     h_L59_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L59_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L59.mlp.all_reduce
     h_L59 = h_L59_attn + h_L59_sum  # L59.mlp.residual
     x_L60_attn_norm = torch_npu.npu_rms_norm(h_L59, W['model.layers.60.input_layernorm.weight'], 1e-06)[0]  # L60.attn_norm
-    q_L60, k_L60, v_L60 = _qwen3_attn_prolog(x_L60_attn_norm, W['model.layers.60.self_attn.q_proj.weight[d0/2]'], W['model.layers.60.self_attn.k_proj.weight[d0/2]'], W['model.layers.60.self_attn.v_proj.weight[d0/2]'], W['model.layers.60.self_attn.q_norm.weight'], W['model.layers.60.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L60.qkv
+    q_L60, k_L60, v_L60 = _qwen3_attn_prolog(x_L60_attn_norm, W['graphgen.load:model.layers.60.self_attn.q_proj.weight[d0/2]+model.layers.60.self_attn.k_proj.weight[d0/2]+model.layers.60.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.60.self_attn.q_norm.weight'], W['model.layers.60.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L60.qkv
     torch_npu.npu_scatter_nd_update_(kv[60][0], b.kv_index, k_L60.reshape(k_L60.shape[0], -1))  # L60.kv_write
     torch_npu.npu_scatter_nd_update_(kv[60][1], b.kv_index, v_L60.reshape(v_L60.shape[0], -1))  # L60.kv_write
     o_L60 = torch_npu.npu_fused_infer_attention_score(q_L60, kv[60][0], kv[60][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L60.attn
@@ -806,11 +943,11 @@ def forward(W, b, kv, staging=()):
     h_L60_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L60_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L60.o_proj.all_reduce
     h_L60_attn = h_L59 + h_L60_attn_sum  # L60.o_proj.residual
     x_L60_mlp_norm = torch_npu.npu_rms_norm(h_L60_attn, W['model.layers.60.post_attention_layernorm.weight'], 1e-06)[0]  # L60.mlp_norm
-    h_L60_partial = _swiglu_mlp(x_L60_mlp_norm, W['model.layers.60.mlp.gate_proj.weight[d0/2]'], W['model.layers.60.mlp.up_proj.weight[d0/2]'], W['model.layers.60.mlp.down_proj.weight[d1/2]'])  # L60.mlp
+    h_L60_partial = _swiglu_mlp(x_L60_mlp_norm, W['graphgen.load:model.layers.60.mlp.gate_proj.weight[d0/2]+model.layers.60.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.60.mlp.down_proj.weight[d1/2]'])  # L60.mlp
     h_L60_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L60_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L60.mlp.all_reduce
     h_L60 = h_L60_attn + h_L60_sum  # L60.mlp.residual
     x_L61_attn_norm = torch_npu.npu_rms_norm(h_L60, W['model.layers.61.input_layernorm.weight'], 1e-06)[0]  # L61.attn_norm
-    q_L61, k_L61, v_L61 = _qwen3_attn_prolog(x_L61_attn_norm, W['model.layers.61.self_attn.q_proj.weight[d0/2]'], W['model.layers.61.self_attn.k_proj.weight[d0/2]'], W['model.layers.61.self_attn.v_proj.weight[d0/2]'], W['model.layers.61.self_attn.q_norm.weight'], W['model.layers.61.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L61.qkv
+    q_L61, k_L61, v_L61 = _qwen3_attn_prolog(x_L61_attn_norm, W['graphgen.load:model.layers.61.self_attn.q_proj.weight[d0/2]+model.layers.61.self_attn.k_proj.weight[d0/2]+model.layers.61.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.61.self_attn.q_norm.weight'], W['model.layers.61.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L61.qkv
     torch_npu.npu_scatter_nd_update_(kv[61][0], b.kv_index, k_L61.reshape(k_L61.shape[0], -1))  # L61.kv_write
     torch_npu.npu_scatter_nd_update_(kv[61][1], b.kv_index, v_L61.reshape(v_L61.shape[0], -1))  # L61.kv_write
     o_L61 = torch_npu.npu_fused_infer_attention_score(q_L61, kv[61][0], kv[61][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L61.attn
@@ -818,11 +955,11 @@ def forward(W, b, kv, staging=()):
     h_L61_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L61_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L61.o_proj.all_reduce
     h_L61_attn = h_L60 + h_L61_attn_sum  # L61.o_proj.residual
     x_L61_mlp_norm = torch_npu.npu_rms_norm(h_L61_attn, W['model.layers.61.post_attention_layernorm.weight'], 1e-06)[0]  # L61.mlp_norm
-    h_L61_partial = _swiglu_mlp(x_L61_mlp_norm, W['model.layers.61.mlp.gate_proj.weight[d0/2]'], W['model.layers.61.mlp.up_proj.weight[d0/2]'], W['model.layers.61.mlp.down_proj.weight[d1/2]'])  # L61.mlp
+    h_L61_partial = _swiglu_mlp(x_L61_mlp_norm, W['graphgen.load:model.layers.61.mlp.gate_proj.weight[d0/2]+model.layers.61.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.61.mlp.down_proj.weight[d1/2]'])  # L61.mlp
     h_L61_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L61_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L61.mlp.all_reduce
     h_L61 = h_L61_attn + h_L61_sum  # L61.mlp.residual
     x_L62_attn_norm = torch_npu.npu_rms_norm(h_L61, W['model.layers.62.input_layernorm.weight'], 1e-06)[0]  # L62.attn_norm
-    q_L62, k_L62, v_L62 = _qwen3_attn_prolog(x_L62_attn_norm, W['model.layers.62.self_attn.q_proj.weight[d0/2]'], W['model.layers.62.self_attn.k_proj.weight[d0/2]'], W['model.layers.62.self_attn.v_proj.weight[d0/2]'], W['model.layers.62.self_attn.q_norm.weight'], W['model.layers.62.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L62.qkv
+    q_L62, k_L62, v_L62 = _qwen3_attn_prolog(x_L62_attn_norm, W['graphgen.load:model.layers.62.self_attn.q_proj.weight[d0/2]+model.layers.62.self_attn.k_proj.weight[d0/2]+model.layers.62.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.62.self_attn.q_norm.weight'], W['model.layers.62.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L62.qkv
     torch_npu.npu_scatter_nd_update_(kv[62][0], b.kv_index, k_L62.reshape(k_L62.shape[0], -1))  # L62.kv_write
     torch_npu.npu_scatter_nd_update_(kv[62][1], b.kv_index, v_L62.reshape(v_L62.shape[0], -1))  # L62.kv_write
     o_L62 = torch_npu.npu_fused_infer_attention_score(q_L62, kv[62][0], kv[62][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L62.attn
@@ -830,11 +967,11 @@ def forward(W, b, kv, staging=()):
     h_L62_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L62_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L62.o_proj.all_reduce
     h_L62_attn = h_L61 + h_L62_attn_sum  # L62.o_proj.residual
     x_L62_mlp_norm = torch_npu.npu_rms_norm(h_L62_attn, W['model.layers.62.post_attention_layernorm.weight'], 1e-06)[0]  # L62.mlp_norm
-    h_L62_partial = _swiglu_mlp(x_L62_mlp_norm, W['model.layers.62.mlp.gate_proj.weight[d0/2]'], W['model.layers.62.mlp.up_proj.weight[d0/2]'], W['model.layers.62.mlp.down_proj.weight[d1/2]'])  # L62.mlp
+    h_L62_partial = _swiglu_mlp(x_L62_mlp_norm, W['graphgen.load:model.layers.62.mlp.gate_proj.weight[d0/2]+model.layers.62.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.62.mlp.down_proj.weight[d1/2]'])  # L62.mlp
     h_L62_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L62_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L62.mlp.all_reduce
     h_L62 = h_L62_attn + h_L62_sum  # L62.mlp.residual
     x_L63_attn_norm = torch_npu.npu_rms_norm(h_L62, W['model.layers.63.input_layernorm.weight'], 1e-06)[0]  # L63.attn_norm
-    q_L63, k_L63, v_L63 = _qwen3_attn_prolog(x_L63_attn_norm, W['model.layers.63.self_attn.q_proj.weight[d0/2]'], W['model.layers.63.self_attn.k_proj.weight[d0/2]'], W['model.layers.63.self_attn.v_proj.weight[d0/2]'], W['model.layers.63.self_attn.q_norm.weight'], W['model.layers.63.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L63.qkv
+    q_L63, k_L63, v_L63 = _qwen3_attn_prolog(x_L63_attn_norm, W['graphgen.load:model.layers.63.self_attn.q_proj.weight[d0/2]+model.layers.63.self_attn.k_proj.weight[d0/2]+model.layers.63.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.63.self_attn.q_norm.weight'], W['model.layers.63.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L63.qkv
     torch_npu.npu_scatter_nd_update_(kv[63][0], b.kv_index, k_L63.reshape(k_L63.shape[0], -1))  # L63.kv_write
     torch_npu.npu_scatter_nd_update_(kv[63][1], b.kv_index, v_L63.reshape(v_L63.shape[0], -1))  # L63.kv_write
     o_L63 = torch_npu.npu_fused_infer_attention_score(q_L63, kv[63][0], kv[63][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L63.attn
@@ -842,7 +979,7 @@ def forward(W, b, kv, staging=()):
     h_L63_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L63_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L63.o_proj.all_reduce
     h_L63_attn = h_L62 + h_L63_attn_sum  # L63.o_proj.residual
     x_L63_mlp_norm = torch_npu.npu_rms_norm(h_L63_attn, W['model.layers.63.post_attention_layernorm.weight'], 1e-06)[0]  # L63.mlp_norm
-    h_L63_partial = _swiglu_mlp(x_L63_mlp_norm, W['model.layers.63.mlp.gate_proj.weight[d0/2]'], W['model.layers.63.mlp.up_proj.weight[d0/2]'], W['model.layers.63.mlp.down_proj.weight[d1/2]'])  # L63.mlp
+    h_L63_partial = _swiglu_mlp(x_L63_mlp_norm, W['graphgen.load:model.layers.63.mlp.gate_proj.weight[d0/2]+model.layers.63.mlp.up_proj.weight[d0/2]:cat0'], W['model.layers.63.mlp.down_proj.weight[d1/2]'])  # L63.mlp
     h_L63_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L63_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L63.mlp.all_reduce
     h_L63 = h_L63_attn + h_L63_sum  # L63.mlp.residual
     logits_partial = F.linear(torch_npu.npu_rms_norm(h_L63.index_select(0, b.logits_indices), W['model.norm.weight'], 1e-06)[0], W['lm_head.weight[d0/2]'])  # lm_head

@@ -12,7 +12,7 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+blocks once the graph's device work has finished (graphgen.npu.run.staging.CommitPath).  Saving graphs join the
 save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
 logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
@@ -36,6 +36,16 @@ KV_DTYPE = 'bfloat16'
 # graphgen.npu.run.inputs.rope_cache(ROPE, max_positions) (same tables as the CPU reference).
 ROPE = {'dtype': 'bfloat16', 'rot_dim': 64, 'scaling': None, 'theta': 10000.0}
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
+# Weights built once at load time (graphgen.npu.run.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then transpose(1, 2) made contiguous if "transpose12"
+# (merged q/k/v and gate/up projections: one matmul; MoE experts in npu_grouped_matmul's [E, K, N] layout).
+# Their source tensors are not read by forward.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0': {'cat': ('model.layers.0.mlp.gate_proj.weight', 'model.layers.0.mlp.up_proj.weight'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.experts.down_proj.weight:cat0:t12': {'cat': ('model.layers.1.mlp.experts.down_proj.weight',), 'dim': 0, 'transpose12': True},
+    'graphgen.load:model.layers.1.mlp.experts.gate_proj.weight+model.layers.1.mlp.experts.up_proj.weight:cat1:t12': {'cat': ('model.layers.1.mlp.experts.gate_proj.weight', 'model.layers.1.mlp.experts.up_proj.weight'), 'dim': 1, 'transpose12': True},
+    'graphgen.load:model.layers.1.mlp.shared_experts.gate_proj.weight+model.layers.1.mlp.shared_experts.up_proj.weight:cat0': {'cat': ('model.layers.1.mlp.shared_experts.gate_proj.weight', 'model.layers.1.mlp.shared_experts.up_proj.weight'), 'dim': 0, 'transpose12': False},
+}
 # Fields of the step inputs `b` (graphgen.npu.run.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
@@ -46,9 +56,10 @@ STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq
                "kv_gather_rows")
 
 
-def _swiglu_mlp(x, w_gate, w_up, w_down):
-    """down(silu(gate(x)) * up(x)); npu_swiglu takes [gate | up] concatenated on the last dim."""
-    return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
+def _swiglu_mlp(x, w_gate_up, w_down):
+    """down(silu(gate(x)) * up(x)) with gate/up merged at load (w_gate_up = [gate; up]): one matmul whose
+    output is the [gate | up] npu_swiglu takes on the last dim."""
+    return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
 
 
 def _interleaved_rope(x, cos, sin):
@@ -118,9 +129,13 @@ def _mla_prefill(q_nope, q_pe, cache, w_kv_b, kv_index, actual_seq_lengths, atte
                            v_head_dim=v_head_dim, scale=scale)
 
 
-def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_shared_up, w_shared_down, residual, *,
+def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, w_shared_down, residual, *,
                   top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
+
+    Expert weights come in npu_grouped_matmul's layout, built once at load: w_gate_up_t [E, H, 2I]
+    (gate and up merged, so one GMM yields [gate | up] for npu_swiglu) and w_down_t [E, I, H] -- no
+    per-step transpose, which torchair folds into GMM's transpose_weight for fp8/mxfp4 only (audit 2 row 10).
 
     Unpermute with npu_moe_token_unpermute (torch-npu 2.14.0 _op_plugin_docs.py:16931-16975: sorted_indices
     = the position in the permuted rows of each (token, k) pair, init_routing_v2's default gather-type row
@@ -140,14 +155,12 @@ def _moe_residual(x, w_router, w_bias, w_gate, w_up, w_down, w_shared_gate, w_sh
     rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
         x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
         expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
-    gate = torch_npu.npu_grouped_matmul([rows], [w_gate.transpose(1, 2)], group_list=tokens_per_expert,
+    gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=tokens_per_expert,
+                                           group_list_type=1, group_type=0, split_item=2)[0]
+    act = torch_npu.npu_swiglu(gate_up, dim=-1)
+    down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
-    up = torch_npu.npu_grouped_matmul([rows], [w_up.transpose(1, 2)], group_list=tokens_per_expert,
-                                      group_list_type=1, group_type=0, split_item=2)[0]
-    act = torch_npu.npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
-    down = torch_npu.npu_grouped_matmul([act], [w_down.transpose(1, 2)], group_list=tokens_per_expert,
-                                        group_list_type=1, group_type=0, split_item=2)[0]
-    shared = None if w_shared_gate is None else _swiglu_mlp(x, w_shared_gate, w_shared_up, w_shared_down)
+    shared = None if w_shared_gate_up is None else _swiglu_mlp(x, w_shared_gate_up, w_shared_down)
     # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
     out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
     return out if shared is None else out + shared
@@ -178,7 +191,7 @@ def forward(W, b, kv, staging=()):
     o_L00 = _mla_prefill(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.kv_index, b.actual_seq_lengths, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322)  # L00.attn
     h_L00_attn = h_embed + F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight'])  # L00.o_proj
     x_L00_mlp_norm = torch_npu.npu_rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)[0]  # L00.mlp_norm
-    h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight'], W['model.layers.0.mlp.up_proj.weight'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
+    h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
     x_L01_attn_norm = torch_npu.npu_rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)[0]  # L01.attn_norm
     q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = _mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L01.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, c_kv_L01.reshape(c_kv_L01.shape[0], -1))  # L01.kv_write
@@ -193,7 +206,7 @@ def forward(W, b, kv, staging=()):
     o_L01 = _mla_prefill(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.kv_index, b.actual_seq_lengths, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.07216878364870322)  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
-    h_L01 = _moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['model.layers.1.mlp.experts.gate_proj.weight'], W['model.layers.1.mlp.experts.up_proj.weight'], W['model.layers.1.mlp.experts.down_proj.weight'], W['model.layers.1.mlp.shared_experts.gate_proj.weight'], W['model.layers.1.mlp.shared_experts.up_proj.weight'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=8)  # L01.moe
+    h_L01 = _moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['graphgen.load:model.layers.1.mlp.experts.gate_proj.weight+model.layers.1.mlp.experts.up_proj.weight:cat1:t12'], W['graphgen.load:model.layers.1.mlp.experts.down_proj.weight:cat0:t12'], W['graphgen.load:model.layers.1.mlp.shared_experts.gate_proj.weight+model.layers.1.mlp.shared_experts.up_proj.weight:cat0'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=8)  # L01.moe
     torchair.ops.wait([ev_L01_kv_save])  # save.join
     logits = F.linear(torch_npu.npu_rms_norm(h_L01.index_select(0, b.logits_indices), W['model.norm.weight'], 1e-06)[0], W['lm_head.weight'])  # lm_head
     return logits

@@ -12,7 +12,7 @@ torchair backend (fullgraph).  Nodes appear in IR issue order, each line tagged 
 save-stream work sits in torchair.scope.npu_stream_switch(*SAVE_STREAM) blocks.
 Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.
 The host-stream nodes (the pool commit after the save) are not part of the graph: the runner commits the staged
-blocks once the graph's device work has finished (graphgen.npu.run.staging.Committer).  Saving graphs join the
+blocks once the graph's device work has finished (graphgen.npu.run.staging.CommitPath).  Saving graphs join the
 save explicitly: a record at the end of the save scope, waited on the main stream before the op producing the
 logits (lines tagged "save.join"), so the event recorded after the graph covers the save.
 The load-stream nodes (history blocks from the pool) are not either: call load() before forward.
@@ -36,6 +36,16 @@ KV_DTYPE = 'bfloat16'
 # graphgen.npu.run.inputs.rope_cache(ROPE, max_positions) (same tables as the CPU reference).
 ROPE = {'dtype': 'bfloat16', 'rot_dim': 128, 'scaling': None, 'theta': 1000000.0}
 ROPE_CACHE_KEY = "graphgen.rope_cos_sin_cache"
+# Weights built once at load time (graphgen.npu.run.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then transpose(1, 2) made contiguous if "transpose12"
+# (merged q/k/v and gate/up projections: one matmul; MoE experts in npu_grouped_matmul's [E, K, N] layout).
+# Their source tensors are not read by forward.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0': {'cat': ('model.layers.0.mlp.gate_proj.weight', 'model.layers.0.mlp.up_proj.weight'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.q_proj.weight+model.layers.0.self_attn.k_proj.weight+model.layers.0.self_attn.v_proj.weight:cat0': {'cat': ('model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.k_proj.weight', 'model.layers.0.self_attn.v_proj.weight'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.gate_proj.weight+model.layers.1.mlp.up_proj.weight:cat0': {'cat': ('model.layers.1.mlp.gate_proj.weight', 'model.layers.1.mlp.up_proj.weight'), 'dim': 0, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.q_proj.weight+model.layers.1.self_attn.k_proj.weight+model.layers.1.self_attn.v_proj.weight:cat0': {'cat': ('model.layers.1.self_attn.q_proj.weight', 'model.layers.1.self_attn.k_proj.weight', 'model.layers.1.self_attn.v_proj.weight'), 'dim': 0, 'transpose12': False},
+}
 # Fields of the step inputs `b` (graphgen.npu.run.inputs.NpuStepInputs): kv_index [T,2] = (slot // block_size,
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
@@ -46,20 +56,23 @@ STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq
                "kv_gather_rows")
 
 
-def _qwen3_attn_prolog(x, w_q, w_k, w_v, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
-    """q/k/v projections, per-head RMSNorm of q and k, then half-rotation RoPE (layout BSND, B=1, S=T)."""
+def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
+    """q/k/v in one matmul (w_qkv: [q; k; v] merged at load), split; per-head RMSNorm of q and k, then
+    half-rotation RoPE (layout BSND, B=1, S=T)."""
     t = x.shape[0]
-    q = torch_npu.npu_rms_norm(F.linear(x, w_q).view(t, num_heads, head_dim), w_q_norm, eps)[0]
-    k = torch_npu.npu_rms_norm(F.linear(x, w_k).view(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
-    v = F.linear(x, w_v).view(t, num_kv_heads, head_dim)
+    q, k, v = F.linear(x, w_qkv).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = torch_npu.npu_rms_norm(q.reshape(t, num_heads, head_dim), w_q_norm, eps)[0]
+    k = torch_npu.npu_rms_norm(k.reshape(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
+    v = v.reshape(t, num_kv_heads, head_dim)
     q, k = torch_npu.npu_apply_rotary_pos_emb(q.unsqueeze(0), k.unsqueeze(0), cos.view(1, t, 1, head_dim),
                                               sin.view(1, t, 1, head_dim), layout="BSND", rotary_mode="half")
     return q.squeeze(0), k.squeeze(0), v
 
 
-def _swiglu_mlp(x, w_gate, w_up, w_down):
-    """down(silu(gate(x)) * up(x)); npu_swiglu takes [gate | up] concatenated on the last dim."""
-    return F.linear(torch_npu.npu_swiglu(torch.cat((F.linear(x, w_gate), F.linear(x, w_up)), dim=-1), dim=-1), w_down)
+def _swiglu_mlp(x, w_gate_up, w_down):
+    """down(silu(gate(x)) * up(x)) with gate/up merged at load (w_gate_up = [gate; up]): one matmul whose
+    output is the [gate | up] npu_swiglu takes on the last dim."""
+    return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
 
 
 def load(b, kv, loads):
@@ -76,15 +89,15 @@ def forward(W, b, kv, staging=()):
     h_embed = F.embedding(b.input_ids, W['model.embed_tokens.weight'])  # embed
     cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope
     x_L00_attn_norm = torch_npu.npu_rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)[0]  # L00.attn_norm
-    q_L00, k_L00, v_L00 = _qwen3_attn_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_proj.weight'], W['model.layers.0.self_attn.k_proj.weight'], W['model.layers.0.self_attn.v_proj.weight'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L00.qkv
+    q_L00, k_L00, v_L00 = _qwen3_attn_prolog(x_L00_attn_norm, W['graphgen.load:model.layers.0.self_attn.q_proj.weight+model.layers.0.self_attn.k_proj.weight+model.layers.0.self_attn.v_proj.weight:cat0'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L00.qkv
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, k_L00.reshape(k_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, v_L00.reshape(v_L00.shape[0], -1))  # L00.kv_write
     o_L00 = torch_npu.npu_fused_infer_attention_score(q_L00, kv[0][0], kv[0][1], atten_mask=b.atten_mask, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=4, num_key_value_heads=2, scale=0.08838834764831845, input_layout="TND", sparse_mode=3, block_size=128)[0]  # L00.attn
     h_L00_attn = h_embed + F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight'])  # L00.o_proj
     x_L00_mlp_norm = torch_npu.npu_rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)[0]  # L00.mlp_norm
-    h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight'], W['model.layers.0.mlp.up_proj.weight'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
+    h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
     x_L01_attn_norm = torch_npu.npu_rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)[0]  # L01.attn_norm
-    q_L01, k_L01, v_L01 = _qwen3_attn_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_proj.weight'], W['model.layers.1.self_attn.k_proj.weight'], W['model.layers.1.self_attn.v_proj.weight'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L01.qkv
+    q_L01, k_L01, v_L01 = _qwen3_attn_prolog(x_L01_attn_norm, W['graphgen.load:model.layers.1.self_attn.q_proj.weight+model.layers.1.self_attn.k_proj.weight+model.layers.1.self_attn.v_proj.weight:cat0'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L01.qkv
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, k_L01.reshape(k_L01.shape[0], -1))  # L01.kv_write
     torch_npu.npu_scatter_nd_update_(kv[1][1], b.kv_index, v_L01.reshape(v_L01.shape[0], -1))  # L01.kv_write
     ev_L01_kv_write = torchair.ops.record()  # L01.kv_write.record
@@ -99,7 +112,7 @@ def forward(W, b, kv, staging=()):
     o_L01 = torch_npu.npu_fused_infer_attention_score(q_L01, kv[1][0], kv[1][1], atten_mask=b.atten_mask, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=4, num_key_value_heads=2, scale=0.08838834764831845, input_layout="TND", sparse_mode=3, block_size=128)[0]  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
-    h_L01 = h_L01_attn + _swiglu_mlp(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight'], W['model.layers.1.mlp.up_proj.weight'], W['model.layers.1.mlp.down_proj.weight'])  # L01.mlp
+    h_L01 = h_L01_attn + _swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight+model.layers.1.mlp.up_proj.weight:cat0'], W['model.layers.1.mlp.down_proj.weight'])  # L01.mlp
     torchair.ops.wait([ev_save_kv_save])  # save.join
     logits = F.linear(torch_npu.npu_rms_norm(h_L01.index_select(0, b.logits_indices), W['model.norm.weight'], 1e-06)[0], W['lm_head.weight'])  # lm_head
     return logits
