@@ -54,7 +54,7 @@ def _stop_ids(params, eos=()):
     """The stop tokens the engine gives a request (what `Scheduler.update` finishes it on)."""
     import types
 
-    sched = types.SimpleNamespace(max_num_batched_tokens=64, add=lambda r: None)
+    sched = types.SimpleNamespace(max_num_batched_tokens=64, add=lambda r, fork_of=None: None)
     llm = LLMEngine(sched, None, types.SimpleNamespace(), vocab_size=16, eos_token_ids=eos)
     return llm.add_request(None, [1, 2], params).stop_token_ids
 
