@@ -119,7 +119,7 @@ class KVConnector:
             raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
         if staging is None:
             staging = self.cache.make_staging(len(block_ids))
-        save = PendingSave(tuple(block_ids), tuple(keys), staging, on_committed)
+        save = PendingSave(tuple(block_ids), tuple(keys), staging, on_committed=on_committed)
         if save.block_ids:
             self.alloc.pin(save.block_ids)
         return save
