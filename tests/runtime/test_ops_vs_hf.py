@@ -218,6 +218,31 @@ def test_kv_save_and_cache_shapes():
         assert torch.equal(s[0], c[5]) and torch.equal(s[1], c[1]) and not s[2].any()
 
 
+@pytest.mark.parametrize("q_len", [1, 5, 37])
+def test_paged_attention_block_layouts(q_len):
+    """Decode rows read runs of consecutive blocks in place, more fragmented tables are gathered:
+    one run, two runs and a scattered table (over ``_MAX_RUNS`` runs) all equal torch's own sdpa
+    with an explicit causal mask and repeated KV."""
+    g = torch.Generator().manual_seed(q_len)
+    bs, Hkv, Hq, D, S = 4, 2, 8, 16, 37
+    nb = (S + bs - 1) // bs
+    k, v, q = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g), torch.randn(q_len, Hq, D, generator=g)
+    mask = torch.ones(q_len, S, dtype=torch.bool).tril(S - q_len)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(Hq // Hkv, 1).transpose(0, 1),
+        v.repeat_interleave(Hq // Hkv, 1).transpose(0, 1), attn_mask=mask, scale=0.25).transpose(0, 1)
+    layouts = {"one run": torch.arange(nb) + 3, "two runs": torch.cat([torch.arange(5, nb + 3), torch.arange(3, 5)]),
+               "scattered": torch.randperm(nb, generator=g) * 2}
+    for name, table in layouts.items():
+        kc = torch.full((2 * nb + 3, bs, Hkv, D), float("nan"))
+        vc = kc.clone()
+        rt.kv_write((kc, vc), (k, v), (table[:, None] * bs + torch.arange(bs)).flatten()[:S])
+        runs = len(rt._seq_runs(kc, table, S))
+        assert runs == {"one run": 1, "two runs": 2, "scattered": 1}[name], (name, runs)
+        out = rt.paged_attention(q, (kc, vc), table[None], torch.tensor([S]), torch.tensor([q_len]), scale=0.25)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=name)
+
+
 def test_kv_write_rejects_out_of_range_slot():
     cache = (torch.zeros(2, 4, 3),)
     with pytest.raises((IndexError, RuntimeError)):

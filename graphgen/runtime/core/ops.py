@@ -36,6 +36,14 @@ def _linear(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 
+# In-place elementwise steps (``add_``/``mul_``/``silu_`` on a buffer the op just made) instead of
+# expressions that allocate a new activation per operation: on a long prefill every fresh
+# multi-MB buffer is new pages to the C allocator (page faults and zeroing cost more than the
+# elementwise op itself, ~5x on a [2048, 1536] silu). Each in-place form computes the same IEEE
+# operation on the same operands as transformers' expression (a + b == b + a, a * b == b * a), so
+# the results are bit-identical.
+
+
 def _as_dict(obj) -> Optional[dict]:
     """Accept a plain dict or a spec dataclass (e.g. ``RopeScaling``) for config-like arguments."""
     if obj is None:
@@ -63,7 +71,10 @@ def _rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # float32 tables, cast to q/k's dtype as transformers does
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    # transformers' x * cos + rotate_half(x) * sin: the same operations, two of them in place (the
+    # note under ``_linear``)
+    out = x * cos
+    return out.add_(torch.cat((-x2, x1), dim=-1).mul_(sin))
 
 
 def _interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -92,12 +103,42 @@ def _seq_layout(seq_lens: Tensor, query_lens: Tensor) -> list[tuple[int, int, in
     return out
 
 
+# at most this many runs of consecutive blocks are attended as views; a more fragmented table is gathered
+_MAX_RUNS = 8
+
+
+def _seq_runs(cache: Tensor, block_table: Tensor, seq_len: int) -> list[Tensor]:
+    """The first ``seq_len`` cached positions of one sequence as views of the cache, one per run of
+    consecutive blocks ([len, *rest] each, in order), or one gathered copy when the table has more
+    than ``_MAX_RUNS`` runs. A FIFO allocator hands a request long runs, so a decode step reads the
+    KV in place instead of copying the sequence's whole KV once per layer."""
+    block_size = cache.shape[1]
+    nblocks = (seq_len + block_size - 1) // block_size
+    table = block_table[:nblocks].long()
+    breaks = (torch.nonzero(table[1:] - table[:-1] != 1).flatten() + 1).tolist() if nblocks > 1 else []
+    if len(breaks) >= _MAX_RUNS:
+        return [_gather_seq(cache, table, seq_len)]
+    flat = cache.view(cache.shape[0] * block_size, *cache.shape[2:])
+    ids = table.tolist()
+    runs, lo = [], 0
+    for hi in (*breaks, nblocks):
+        first = ids[lo] * block_size
+        n = min(hi * block_size, seq_len) - lo * block_size
+        runs.append(flat[first:first + n])
+        lo = hi
+    return runs
+
+
 def _gather_seq(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
-    """The first ``seq_len`` cached positions of one sequence: [seq_len, *rest]."""
+    """The first ``seq_len`` cached positions of one sequence, copied: [seq_len, *rest]."""
     block_size = cache.shape[1]
     nblocks = (seq_len + block_size - 1) // block_size
     blocks = cache.index_select(0, block_table[:nblocks].long())
     return blocks.reshape(nblocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def _one_tensor(runs: list[Tensor], dim: int = 0) -> Tensor:
+    return runs[0] if len(runs) == 1 else torch.cat(runs, dim=dim)
 
 
 def _flash_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -108,6 +149,26 @@ def _flash_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> t
     return out[0], lse[0]
 
 
+def _attend_one(q: Tensor, ks: list[Tensor], vs: list[Tensor], scale: float) -> Tensor:
+    """One query per head (a decode row) over all S keys, given as runs ``ks``/``vs`` ([Hkv, len,
+    D/Dv] each, together the S keys in order): batched matmuls over the KV heads (the query heads of
+    one KV head are that matmul's rows; no repeated KV) and one softmax of the [H, S] scores, which
+    are small for one query. Measured ~2x faster than the flash kernel for one query at S = 512
+    and 2048 on one thread (``benchmarks/bench_cpu_kernels.py``'s decode rows)."""
+    Hq, D = q.shape[0], q.shape[-1]
+    Hkv = ks[0].shape[0]
+    qg = q.reshape(Hkv, Hq // Hkv, D)  # query head h reads kv head h // rep
+    scores = torch.cat([torch.matmul(qg, k.transpose(1, 2)) for k in ks], dim=-1) if len(ks) > 1 \
+        else torch.matmul(qg, ks[0].transpose(1, 2))
+    probs = torch.softmax(scores.mul_(scale), dim=-1, dtype=torch.float32).to(vs[0].dtype)  # [Hkv, rep, S]
+    out, at = None, 0
+    for v in vs:
+        part = torch.matmul(probs[..., at:at + v.shape[1]], v)
+        out = part if out is None else out.add_(part)
+        at += v.shape[1]
+    return out.reshape(Hq, 1, vs[0].shape[-1])
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Causal attention of ``q_len`` queries that sit at the last positions of ``S`` keys, fused
     (no [q, S] score matrix, mask or repeated KV is built): q [H, q, D], k/v [Hkv, S, D/Dv]
@@ -115,11 +176,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     key; a chunk with history is the history part (no mask) and the chunk's own square causal
     part, merged by their log-sum-exps."""
     q_len, S, dv = q.shape[1], k.shape[1], v.shape[-1]
+    if q_len == 1:
+        return _attend_one(q, [k], [v], scale)
     if v.shape[-1] != q.shape[-1]:  # the flash kernel wants one head size (MLA: v is narrower)
         v = F.pad(v, (0, q.shape[-1] - dv))
     h = S - q_len
-    if h == 0 or q_len == 1:
-        out, _ = _flash_lse(q, k, v, h == 0 and q_len > 1, scale)
+    if h == 0:
+        out, _ = _flash_lse(q, k, v, True, scale)
     else:
         o1, l1 = _flash_lse(q, k[:, :h], v[:, :h], False, scale)
         o2, l2 = _flash_lse(q, k[:, h:], v[:, h:], True, scale)
@@ -140,6 +203,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if dtype == torch.float32:  # weight * xf, in place (bit-identical)
+        return xf.mul_(weight) if weight.dtype == torch.float32 else weight * xf
     return weight * xf.to(dtype)
 
 
@@ -232,24 +297,34 @@ def paged_attention(q: Tensor, cache: Sequence[Tensor], block_tables: Tensor, se
     for b, (start, q_len, seq_len) in enumerate(_seq_layout(seq_lens, query_lens)):
         if q_len == 0:
             continue
-        k = _gather_seq(k_cache, block_tables[b], seq_len).to(q.dtype)  # [S, Hkv, D]
-        v = _gather_seq(v_cache, block_tables[b], seq_len).to(q.dtype)
+        ks = [k.to(q.dtype).transpose(0, 1) for k in _seq_runs(k_cache, block_tables[b], seq_len)]  # [Hkv, len, D]
+        vs = [v.to(q.dtype).transpose(0, 1) for v in _seq_runs(v_cache, block_tables[b], seq_len)]
         qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q, D]; query head h reads kv head h // rep
-        out[start:start + q_len] = _attend(qb, k.transpose(0, 1), v.transpose(0, 1), scale).transpose(0, 1)
+        # a decode row reads the runs in place; a prompt chunk's attention is matmul-bound, one copy is noise
+        o = _attend_one(qb, ks, vs, scale) if q_len == 1 else _attend(qb, _one_tensor(ks, 1), _one_tensor(vs, 1), scale)
+        out[start:start + q_len] = o.transpose(0, 1)
     return out
 
 
+def _add_residual(y: Tensor, residual: Tensor) -> Tensor:
+    """``residual + y`` into ``y`` (a fresh op output) when the types allow it."""
+    if y.dtype == residual.dtype and y.shape == residual.shape:
+        return y.add_(residual)
+    return residual + y
+
+
 def o_proj_residual(attn: Tensor, o_w: Tensor, residual: Tensor) -> Tensor:
-    return residual + _linear(attn.reshape(attn.shape[0], -1), o_w)
+    return _add_residual(_linear(attn.reshape(attn.shape[0], -1), o_w), residual)
 
 
 def _swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
-    return _linear(F.silu(_linear(x, gate_w)) * _linear(x, up_w), down_w)
+    # down(silu(gate(x)) * up(x)), silu and the product in place
+    return _linear(F.silu(_linear(x, gate_w), inplace=True).mul_(_linear(x, up_w)), down_w)
 
 
 def swiglu_mlp_residual(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
                         residual: Tensor) -> Tensor:
-    return residual + _swiglu(x, gate_w, up_w, down_w)
+    return _add_residual(_swiglu(x, gate_w, up_w, down_w), residual)
 
 
 def mla_prolog(x: Tensor, q_a_w: Optional[Tensor], q_a_norm_w: Optional[Tensor], q_b_w: Tensor,
