@@ -105,28 +105,57 @@ def _seq_layout(seq_lens: Tensor, query_lens: Tensor) -> list[tuple[int, int, in
 
 # at most this many runs of consecutive blocks are attended as views; a more fragmented table is gathered
 _MAX_RUNS = 8
+# the last step's (key, plan): every layer of a step passes the same three input tensors
+_plan_memo: tuple = (None, None)
 
 
-def _seq_runs(cache: Tensor, block_table: Tensor, seq_len: int) -> list[Tensor]:
+def _block_runs(table: list[int], seq_len: int, block_size: int) -> Optional[list[tuple[int, int]]]:
+    """(first slot, length) per run of consecutive blocks covering the first ``seq_len`` positions,
+    or None when the table has more than ``_MAX_RUNS`` runs (then the sequence is gathered)."""
+    nblocks = (seq_len + block_size - 1) // block_size
+    runs, lo = [], 0
+    for i in range(1, nblocks + 1):
+        if i == nblocks or table[i] != table[i - 1] + 1:
+            runs.append((table[lo] * block_size, min(i * block_size, seq_len) - lo * block_size))
+            if len(runs) > _MAX_RUNS:
+                return None
+            lo = i
+    return runs
+
+
+def _step_plan(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, block_size: int) -> list:
+    """(start, query_len, seq_len, runs) per sequence (`_seq_layout` plus `_block_runs`), computed
+    once per step: the key is the three tensors' identity and version (an in-place change to one of
+    them is a new key), and the memo holds them, so an id is never reused while it is the key."""
+    global _plan_memo
+    key = (block_tables, block_tables._version, seq_lens, seq_lens._version, query_lens, query_lens._version,
+           block_size)
+    memo_key, plan = _plan_memo
+    if memo_key is not None and len(memo_key) == len(key) and all(a is b or (type(a) is int and a == b)
+                                                                   for a, b in zip(memo_key, key)):
+        return plan
+    layout = _seq_layout(seq_lens, query_lens)
+    tables = block_tables.tolist()
+    plan = [(start, q, S, _block_runs(tables[b], S, block_size) if q else None)
+            for b, (start, q, S) in enumerate(layout)]
+    _plan_memo = (key, plan)
+    return plan
+
+
+def _seq_runs(cache: Tensor, block_table: Tensor, seq_len: int,
+              runs: Optional[list[tuple[int, int]]] = ()) -> list[Tensor]:
     """The first ``seq_len`` cached positions of one sequence as views of the cache, one per run of
     consecutive blocks ([len, *rest] each, in order), or one gathered copy when the table has more
     than ``_MAX_RUNS`` runs. A FIFO allocator hands a request long runs, so a decode step reads the
-    KV in place instead of copying the sequence's whole KV once per layer."""
+    KV in place instead of copying the sequence's whole KV once per layer. ``runs``: the table's
+    `_block_runs` when the caller has them."""
     block_size = cache.shape[1]
-    nblocks = (seq_len + block_size - 1) // block_size
-    table = block_table[:nblocks].long()
-    breaks = (torch.nonzero(table[1:] - table[:-1] != 1).flatten() + 1).tolist() if nblocks > 1 else []
-    if len(breaks) >= _MAX_RUNS:
-        return [_gather_seq(cache, table, seq_len)]
+    if runs == ():
+        runs = _block_runs(block_table.tolist(), seq_len, block_size)
+    if runs is None:
+        return [_gather_seq(cache, block_table, seq_len)]
     flat = cache.view(cache.shape[0] * block_size, *cache.shape[2:])
-    ids = table.tolist()
-    runs, lo = [], 0
-    for hi in (*breaks, nblocks):
-        first = ids[lo] * block_size
-        n = min(hi * block_size, seq_len) - lo * block_size
-        runs.append(flat[first:first + n])
-        lo = hi
-    return runs
+    return [flat[first:first + n] for first, n in runs]
 
 
 def _gather_seq(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -294,11 +323,12 @@ def paged_attention(q: Tensor, cache: Sequence[Tensor], block_tables: Tensor, se
     if Hq % Hkv:
         raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
     out = q.new_empty(T, Hq, v_cache.shape[-1])
-    for b, (start, q_len, seq_len) in enumerate(_seq_layout(seq_lens, query_lens)):
+    for b, (start, q_len, seq_len, runs) in enumerate(_step_plan(block_tables, seq_lens, query_lens,
+                                                                 k_cache.shape[1])):
         if q_len == 0:
             continue
-        ks = [k.to(q.dtype).transpose(0, 1) for k in _seq_runs(k_cache, block_tables[b], seq_len)]  # [Hkv, len, D]
-        vs = [v.to(q.dtype).transpose(0, 1) for v in _seq_runs(v_cache, block_tables[b], seq_len)]
+        ks = [k.to(q.dtype).transpose(0, 1) for k in _seq_runs(k_cache, block_tables[b], seq_len, runs)]  # [Hkv, len, D]
+        vs = [v.to(q.dtype).transpose(0, 1) for v in _seq_runs(v_cache, block_tables[b], seq_len, runs)]
         qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q, D]; query head h reads kv head h // rep
         # a decode row reads the runs in place; a prompt chunk's attention is matmul-bound, one copy is noise
         o = _attend_one(qb, ks, vs, scale) if q_len == 1 else _attend(qb, _one_tensor(ks, 1), _one_tensor(vs, 1), scale)
