@@ -3,7 +3,8 @@
 ``EMIT`` maps an op to its emitter, ``emitter(node, ctx) -> list of code lines`` (no indentation, no
 trailing ``# <node id>``: :func:`render_cpu` adds both). Operands are taken by role
 (``node.input("cache")``), never by position. Save- and load-stream work each run in a nested
-function launched first (``rt.launch``), so that only waits order them against the forward.
+function launched first (``rt.launch``), so that only waits order them against the forward. After
+a main-stream line, ``del`` drops the local values that line used last (`_frees`).
 """
 
 from __future__ import annotations
