@@ -15,6 +15,7 @@ import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails,
 
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
 from graphgen.runtime.core import ops as rt  # noqa: E402
+from graphgen.runtime.core.attention import seq_runs  # noqa: E402
 from graphgen.runtime.core.kvcache import kv_cache_shapes  # noqa: E402
 from graphgen.runtime.checkpoint.hf import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
@@ -237,7 +238,7 @@ def test_paged_attention_block_layouts(q_len):
         kc = torch.full((2 * nb + 3, bs, Hkv, D), float("nan"))
         vc = kc.clone()
         rt.kv_write((kc, vc), (k, v), (table[:, None] * bs + torch.arange(bs)).flatten()[:S])
-        runs = len(rt._seq_runs(kc, table, S))
+        runs = len(seq_runs(kc, table, S))
         assert runs == {"one run": 1, "two runs": 2, "scattered": 1}[name], (name, runs)
         out = rt.paged_attention(q, (kc, vc), table[None], torch.tensor([S]), torch.tensor([q_len]), scale=0.25)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=name)
