@@ -244,6 +244,21 @@ def test_paged_attention_block_layouts(q_len):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=name)
 
 
+def test_paged_attention_step_plan_follows_in_place_changes():
+    """The per-step plan is memoised on the input tensors: a block table changed in place (same
+    object) must be planned again, not served from the memo."""
+    g = torch.Generator().manual_seed(7)
+    bs, H, D, S = 4, 2, 8, 12
+    kc, vc = torch.randn(8, bs, H, D, generator=g), torch.randn(8, bs, H, D, generator=g)
+    q = torch.randn(1, H, D, generator=g)
+    table, seq, ql = torch.tensor([[0, 1, 2]]), torch.tensor([S]), torch.tensor([1])
+    first = rt.paged_attention(q, (kc, vc), table, seq, ql, scale=0.3)
+    table[0] = torch.tensor([5, 6, 7])  # in place: same tensor object, new blocks
+    moved = rt.paged_attention(q, (kc, vc), table, seq, ql, scale=0.3)
+    fresh = rt.paged_attention(q, (kc, vc), torch.tensor([[5, 6, 7]]), seq, ql, scale=0.3)
+    assert torch.equal(moved, fresh) and not torch.allclose(moved, first)
+
+
 def test_kv_write_rejects_out_of_range_slot():
     cache = (torch.zeros(2, 4, 3),)
     with pytest.raises((IndexError, RuntimeError)):
