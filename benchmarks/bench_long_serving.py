@@ -13,8 +13,9 @@ every request's prompt and tokens at once, so nothing is preempted) and the same
       chunking on vs off (off: a prompt runs as one oversized step), both ``async``.
   (c) TTFT p50 / p90 at a 50 % prefix hit (each prompt's first half was run and saved first) with
       ``async`` vs the same prompts with no prefix cache (``write: off``), no fault injection.
-  (a) needs the device prefix cache (``pool.device_cache``); ``--device-cache`` is refused on a
-      branch whose spec has no such field.
+  (a) TTFT of one ``--long-len``-token prompt: cold / 50 % pool hit / full pool hit, and with
+      ``--device-cache`` (the device prefix cache, ``pool.device_cache``; refused, exit 2, on a
+      branch whose spec has no such field) a full device hit, and pool-hit / device-hit.
 
     .venv/bin/python benchmarks/bench_long_serving.py [--clients 32,64 --prompt-len 2048 --new 16]
 """
@@ -84,6 +85,55 @@ def wave(spec, weights, prompts, args, *, write, chunked, faults=None, warm_halv
     return {"ttft": ttft, "itl": gaps, "step_ms": steps, "hit_tokens": sum(hits.values())}
 
 
+def long_ttft(spec, weights, args, device_spec) -> None:
+    """(a) TTFT of one ``--long-len``-token prompt: cold, 50 % pool hit, full pool hit (device cache
+    off) and full device hit (``device_spec``: the spec with ``pool.device_cache`` on; None when the
+    branch has no device cache). Medians over ``--long-reps`` fresh prompts, write ``async``."""
+    n, gen = args.long_len, Prompts(args.seed * 1000 + 7, args.vocab, args.long_len)
+    opts = dict(spec_file="benchmarks/bench_long_serving.py", generated_dir=None, pool_capacity_bytes=8 << 30,
+                num_blocks=4 * (n // spec.kv_cache.block_size + 4), max_num_batched_tokens=args.budget)
+    rows = {"cold": [], "50% pool hit": [], "full pool hit": [], "full device hit": []}
+    hits = {k: [] for k in rows}
+    engines = {"pool": open_engine(spec.with_overrides(write="async"), weights, **opts)}
+    if device_spec is not None:
+        engines["device"] = open_engine(device_spec.with_overrides(write="async"), weights, **opts)
+    try:
+        def ttft(eng, p, name):
+            r = eng.generate([p], 1)[0]
+            eng.drain()
+            rows[name].append(r.ttft_ms)
+            hits[name].append(r.hit_tokens)
+
+        for _ in range(args.long_reps):
+            p, q = gen.next(), gen.next()
+            pool = engines["pool"]
+            ttft(pool, p, "cold")
+            pool.generate([q[:n // 2]], 1)
+            pool.drain()
+            ttft(pool, q, "50% pool hit")
+            ttft(pool, q, "full pool hit")
+            if "device" in engines:
+                dev = engines["device"]
+                dev.generate([q], 1)
+                dev.drain()
+                before = dev.stats.get("device_hit_blocks", 0)
+                ttft(dev, q, "full device hit")
+                hits["full device hit"][-1] = (dev.stats.get("device_hit_blocks", 0) - before) * spec.kv_cache.block_size
+    finally:
+        for e in engines.values():
+            e.close()
+    print(f"\n## (a) TTFT of one {n}-token prompt, write async, medians of {args.long_reps}\n")
+    print("| case | TTFT ms | raw | hit tokens (pool; device row: device blocks x block size) |\n|---|---|---|---|")
+    for k, v in rows.items():
+        if v:
+            print(f"| {k} | {statistics.median(v):.1f} | {[round(x, 1) for x in v]} | {hits[k]} |")
+        else:
+            print(f"| {k} | – | not run: this branch's spec has no pool.device_cache | – |")
+    if rows["full device hit"]:
+        print(f"pool-hit / device-hit TTFT {statistics.median(rows['full pool hit']) / statistics.median(rows['full device hit']):.2f} "
+              f"(goal <= 1.15)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=6)
@@ -102,16 +152,22 @@ def main(argv=None) -> int:
     ap.add_argument("--save-delay", type=float, default=0.002, help="seconds slept per layer save in (b)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device-cache", action="store_true", help="(a): needs pool.device_cache in the spec")
+    ap.add_argument("--device-cache", action="store_true",
+                    help="(a) also measures a full device hit: needs pool.device_cache in the spec")
+    ap.add_argument("--sections", default="a,b", help="a: long-prompt TTFT rows; b: the (b)/(c) waves")
+    ap.add_argument("--long-len", type=int, default=2048, help="(a): the long prompt's tokens")
+    ap.add_argument("--long-reps", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = bench_spec(args)
+    device_spec = None
     if args.device_cache:
         if not any(f.name == "device_cache" for f in dataclasses.fields(spec.pool)):
             print("--device-cache: this branch's spec has no pool.device_cache (the device prefix cache of "
-                  "issue 17 item 5); row (a) cannot run here", file=sys.stderr)
+                  "issue 17 item 5); run without it for the pool rows", file=sys.stderr)
             return 2
-        spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, device_cache=True))
+        device_spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, device_cache=True))
+    sections = set(args.sections.split(","))
     d = spec.dims
     print(f"# bench_long_serving — {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, torch {torch.__version__} "
           f"({torch.get_num_threads()} thread), {os.cpu_count()} CPUs ({platform.machine()}), load average "
@@ -129,8 +185,10 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     slow = Faults(save_delay_s=args.save_delay)
     t_all = time.perf_counter()
+    if "a" in sections:
+        long_ttft(spec, weights, args, device_spec)
     out, raw = [], {}
-    for n in [int(x) for x in args.clients.split(",")]:
+    for n in ([int(x) for x in args.clients.split(",")] if "b" in sections else []):
         gen = Prompts(args.seed * 1000 + n, args.vocab, args.prompt_len)
         prompts = [gen.next() for _ in range(n)]
         nb = args.num_blocks or n * ((args.prompt_len + args.new) // spec.kv_cache.block_size + 2)
@@ -156,8 +214,9 @@ def main(argv=None) -> int:
                    f"(c) 50% hit async / no prefix cache TTFT p50 {pct(h['ttft'], 50) / pct(o['ttft'], 50):.2f}, "
                    f"p90 {pct(h['ttft'], 90) / pct(o['ttft'], 90):.2f}; save = {save_share:.0%} of the mean "
                    f"write-off step")
-    print("\n" + "\n".join(out))
-    print(f"\nraw TTFT ms: {json.dumps(raw)}")
+    if out:
+        print("\n" + "\n".join(out))
+        print(f"\nraw TTFT ms: {json.dumps(raw)}")
     print(f"wall {time.perf_counter() - t_all:.0f} s; load average after {os.getloadavg()[0]:.1f}")
     return 0
 
