@@ -116,9 +116,9 @@ def long_ttft(spec, weights, args, device_spec) -> None:
                 dev = engines["device"]
                 dev.generate([q], 1)
                 dev.drain()
-                before = dev.stats.get("device_hit_blocks", 0)
+                before = dev.llm.stats()["device_hit_blocks"]
                 ttft(dev, q, "full device hit")
-                hits["full device hit"][-1] = (dev.stats.get("device_hit_blocks", 0) - before) * spec.kv_cache.block_size
+                hits["full device hit"][-1] = (dev.llm.stats()["device_hit_blocks"] - before) * spec.kv_cache.block_size
     finally:
         for e in engines.values():
             e.close()
