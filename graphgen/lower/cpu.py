@@ -3,7 +3,8 @@
 ``EMIT`` maps an op to its emitter, ``emitter(node, ctx) -> list of code lines`` (no indentation, no
 trailing ``# <node id>``: :func:`render_cpu` adds both). Operands are taken by role
 (``node.input("cache")``), never by position. Save- and load-stream work each run in a nested
-function launched first (``rt.launch``), so that only waits order them against the forward.
+function launched first (``rt.launch``), so that only waits order them against the forward. After
+a main-stream line, ``del`` drops the local values that line used last (`_frees`).
 """
 
 from __future__ import annotations
@@ -139,8 +140,33 @@ def emit(node: Node, ctx: CpuCtx) -> list[str]:
     return emit_with(EMIT, "CPU", node, ctx)
 
 
-def _lines(nodes, ctx: CpuCtx, indent: str) -> list[str]:
-    return [f"{indent}{line}  # {n.id}" for n in nodes for line in emit(n, ctx)]
+def _lines(nodes, ctx: CpuCtx, indent: str, frees: dict | None = None) -> list[str]:
+    out = []
+    for i, n in enumerate(nodes):
+        out += [f"{indent}{line}  # {n.id}" for line in emit(n, ctx)]
+        if frees and frees.get(i):
+            out.append(f"{indent}del {', '.join(frees[i])}")
+    return out
+
+
+def _frees(graph: Graph, main: list[Node], side_reads: set[str]) -> dict[int, list[str]]:
+    """Main-stream node index -> the local values to drop right after it (their last use).
+    Holding every layer's activations until ``run`` returns keeps hundreds of MB alive on a long
+    prefill, so each new activation lands in fresh pages (page faults, zeroing) instead of memory
+    the allocator just got back: the elementwise ops then cost 2-3x. Values a side stream reads
+    (its closure) and the returned ``logits`` are kept."""
+    last: dict[str, int] = {}
+    for i, n in enumerate(main):
+        for name in (*n.reads, *n.writes):
+            if graph.names.get(name) == "value":
+                last[name] = i
+    out: dict[int, list[str]] = {}
+    for name, i in last.items():
+        local = Names(graph)(name)
+        if name in side_reads or local == "logits":
+            continue
+        out.setdefault(i, []).append(local)
+    return out
 
 
 def render_cpu(graph: Graph) -> str:
@@ -151,7 +177,9 @@ def render_cpu(graph: Graph) -> str:
     for s in side:
         run_body += ["", f"    def {s}_stream():", *_lines(by_stream[s], ctx, "        "), "",
                      f"    rt.launch({s!r}, {s}_stream)", ""]
-    run_body += _lines(by_stream[MAIN_STREAM], ctx, "    ")
+    side_reads = {r for s in side for n in by_stream[s] for r in n.reads}
+    main = list(by_stream[MAIN_STREAM])
+    run_body += _lines(main, ctx, "    ", _frees(graph, main, side_reads))
     # The host stream (its wait and host.pool_put) is not lowered: the engine's KV connector commits
     # the staged blocks once HOST_EVENT is recorded. The IR keeps the nodes for the race verifier.
     host_event = next((n.event for n in by_stream.get(HOST_STREAM, ()) if n.op == "wait"), None)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graphgen.runtime.core.kvcache import (
-    BlockAllocator, OutOfBlocks, PagedKVCache, layout_version, make_staging, pack_block,
+    BlockAllocator, OutOfBlocks, PackedStaging, PagedKVCache, layout_version, make_staging, pack_block,
     slot_mapping, unpack_block_into,
 )
 from graphgen.runtime.pool import HostPool, block_keys
@@ -189,13 +189,17 @@ def test_pack_unpack_roundtrip_bit_exact(shapes, dtype):
 
 
 @pytest.mark.parametrize("shapes", [QWEN, DSV3], ids=["qwen", "deepseek"])
-def test_staging_block_packs_like_cache_block(shapes):
-    # engine path: kv_save copies cache blocks into staging; block j of staging -> pool -> new block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staging_block_packs_like_cache_block(shapes, dtype):
+    # engine path: kv_save copies cache blocks into staging; block j of staging -> pool -> new block.
+    # The host staging is packed (a block's value is one row); the cache packs per component: the
+    # two layouts must give the same bytes both ways.
     g = torch.Generator().manual_seed(1)
-    cache = PagedKVCache(2, shapes, num_blocks=8)
+    cache = PagedKVCache(2, shapes, num_blocks=8, dtype=dtype)
     _fill(cache, g)
     saved = [5, 2, 7]
-    staging = make_staging(shapes, 2, len(saved), torch.float32)
+    staging = make_staging(shapes, 2, len(saved), dtype)
+    assert isinstance(staging, PackedStaging)
     assert [t.shape[0] for t in staging[0]] == [3, 3]
     for li in range(2):
         for ci, t in enumerate(cache[li]):
@@ -203,11 +207,15 @@ def test_staging_block_packs_like_cache_block(shapes):
     assert cache.make_staging(3)[1][1].shape == staging[1][1].shape
     for j, b in enumerate(saved):
         assert pack_block(staging, j) == pack_block(cache, b)
-    dst = PagedKVCache(2, shapes, num_blocks=8)
+    dst = PagedKVCache(2, shapes, num_blocks=8, dtype=dtype)
     unpack_block_into(dst, 0, pack_block(staging, 2))
+    loads = make_staging(shapes, 2, 2, dtype)                # the load path's staging, packed too
+    unpack_block_into(loads, 1, pack_block(cache, 7))
     for li in range(2):
         for ci in range(2):
             assert torch.equal(_bits(dst[li][ci][0]), _bits(cache[li][ci][7]))
+            assert torch.equal(_bits(loads[li][ci][1]), _bits(cache[li][ci][7]))
+            assert not _bits(loads[li][ci][0]).any()         # only row 1 was written
 
 
 def test_distinct_blocks_pack_differently():

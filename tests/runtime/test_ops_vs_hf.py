@@ -15,6 +15,7 @@ import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails,
 
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
 from graphgen.runtime.core import ops as rt  # noqa: E402
+from graphgen.runtime.core.attention import seq_runs  # noqa: E402
 from graphgen.runtime.core.kvcache import kv_cache_shapes  # noqa: E402
 from graphgen.runtime.checkpoint.hf import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
@@ -216,6 +217,46 @@ def test_kv_save_and_cache_shapes():
     rt.kv_save(cache, torch.tensor([5, 1]), staging)
     for c, s in zip(cache, staging):
         assert torch.equal(s[0], c[5]) and torch.equal(s[1], c[1]) and not s[2].any()
+
+
+@pytest.mark.parametrize("q_len", [1, 5, 37])
+def test_paged_attention_block_layouts(q_len):
+    """Decode rows read runs of consecutive blocks in place, more fragmented tables are gathered:
+    one run, two runs and a scattered table (over ``_MAX_RUNS`` runs) all equal torch's own sdpa
+    with an explicit causal mask and repeated KV."""
+    g = torch.Generator().manual_seed(q_len)
+    bs, Hkv, Hq, D, S = 4, 2, 8, 16, 37
+    nb = (S + bs - 1) // bs
+    k, v, q = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g), torch.randn(q_len, Hq, D, generator=g)
+    mask = torch.ones(q_len, S, dtype=torch.bool).tril(S - q_len)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(Hq // Hkv, 1).transpose(0, 1),
+        v.repeat_interleave(Hq // Hkv, 1).transpose(0, 1), attn_mask=mask, scale=0.25).transpose(0, 1)
+    layouts = {"one run": torch.arange(nb) + 3, "two runs": torch.cat([torch.arange(5, nb + 3), torch.arange(3, 5)]),
+               "scattered": torch.randperm(nb, generator=g) * 2}
+    for name, table in layouts.items():
+        kc = torch.full((2 * nb + 3, bs, Hkv, D), float("nan"))
+        vc = kc.clone()
+        rt.kv_write((kc, vc), (k, v), (table[:, None] * bs + torch.arange(bs)).flatten()[:S])
+        runs = len(seq_runs(kc, table, S))
+        assert runs == {"one run": 1, "two runs": 2, "scattered": 1}[name], (name, runs)
+        out = rt.paged_attention(q, (kc, vc), table[None], torch.tensor([S]), torch.tensor([q_len]), scale=0.25)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0, msg=name)
+
+
+def test_paged_attention_step_plan_follows_in_place_changes():
+    """The per-step plan is memoised on the input tensors: a block table changed in place (same
+    object) must be planned again, not served from the memo."""
+    g = torch.Generator().manual_seed(7)
+    bs, H, D, S = 4, 2, 8, 12
+    kc, vc = torch.randn(8, bs, H, D, generator=g), torch.randn(8, bs, H, D, generator=g)
+    q = torch.randn(1, H, D, generator=g)
+    table, seq, ql = torch.tensor([[0, 1, 2]]), torch.tensor([S]), torch.tensor([1])
+    first = rt.paged_attention(q, (kc, vc), table, seq, ql, scale=0.3)
+    table[0] = torch.tensor([5, 6, 7])  # in place: same tensor object, new blocks
+    moved = rt.paged_attention(q, (kc, vc), table, seq, ql, scale=0.3)
+    fresh = rt.paged_attention(q, (kc, vc), torch.tensor([[5, 6, 7]]), seq, ql, scale=0.3)
+    assert torch.equal(moved, fresh) and not torch.allclose(moved, first)
 
 
 def test_kv_write_rejects_out_of_range_slot():

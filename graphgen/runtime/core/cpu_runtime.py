@@ -67,11 +67,14 @@ class CpuRuntime:
             self.kv_load(kv[i], loads[i], block_ids)
 
     def __getattr__(self, name: str):
-        # Every other op is the reference op itself.
+        # Every other op is the reference op itself, bound on first use so that later calls are a
+        # plain attribute lookup (a decode step makes ~200 ``rt.<op>`` calls).
         try:
-            return getattr(_ops, name)
+            op = getattr(_ops, name)
         except AttributeError:
             raise AttributeError(f"generated code called rt.{name}, which graphgen.runtime.core.ops lacks") from None
+        setattr(self, name, op)
+        return op
 
     def close(self) -> None:
         for s in self.streams.values():

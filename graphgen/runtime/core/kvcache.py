@@ -22,7 +22,7 @@ import torch
 __all__ = [
     "kv_cache_shapes", "token_shapes",
     "OutOfBlocks", "BlockAllocator", "PagedKVCache", "layout_version", "slot_mapping",
-    "make_staging", "block_nbytes", "pack_block", "unpack_block_into",
+    "make_staging", "PackedStaging", "block_nbytes", "pack_block", "unpack_block_into",
 ]
 
 LAYOUT_FORMAT = "kv1"   # bump when the byte order of a packed block changes
@@ -185,13 +185,41 @@ def slot_mapping(block_table: Sequence[int] | torch.Tensor, start: int, end: int
     return table[pos // block_size] * block_size + pos % block_size
 
 
+class PackedStaging(list):
+    """A host staging area laid out as pool values: per layer a tuple of component views (as
+    `make_staging` returns) into one ``packed`` uint8 tensor ``[num_blocks, block bytes]`` whose row
+    ``j`` is block ``j``'s pool value (layers, then components, in cache order: `pack_block`'s
+    layout). The save kernels write the views; the commit reads a row as bytes — one memcpy per
+    block and no per-component torch call, so the host commit thread barely needs the GIL."""
+
+    def __init__(self, layers, packed: torch.Tensor):
+        super().__init__(layers)
+        self.packed = packed
+        # the same memory as a numpy array: reading a row as bytes is then one memcpy with no
+        # torch call (each torch call drops and re-takes the GIL: a convoy against the forward)
+        self.rows = packed.numpy()
+
+
 def make_staging(component_shapes: Mapping[str, Sequence[int]], num_layers: int,
                  num_save_blocks: int, dtype: torch.dtype,
                  device: torch.device | str | None = None) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer a tuple ``[num_save_blocks, *shape]`` per component (same order as the cache)."""
+    """Per layer a tuple ``[num_save_blocks, *shape]`` per component (same order as the cache).
+    On the host it is a `PackedStaging` (the same views, over one buffer in pool-value layout)."""
     shapes = _norm_shapes(component_shapes)
-    return [tuple(torch.zeros((num_save_blocks, *s), dtype=dtype, device=device)
-                  for s in shapes.values()) for _ in range(num_layers)]
+    if device is not None and torch.device(device).type != "cpu":
+        return [tuple(torch.zeros((num_save_blocks, *s), dtype=dtype, device=device)
+                      for s in shapes.values()) for _ in range(num_layers)]
+    esize = torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(s) * esize for s in shapes.values()]
+    packed = torch.zeros((num_save_blocks, sum(sizes) * num_layers), dtype=torch.uint8)
+    layers, off = [], 0
+    for _ in range(num_layers):
+        views = []
+        for shape, n in zip(shapes.values(), sizes):
+            views.append(packed[:, off:off + n].view(dtype).view(num_save_blocks, *shape))
+            off += n
+        layers.append(tuple(views))
+    return PackedStaging(layers, packed)
 
 
 class PagedKVCache:
@@ -254,6 +282,11 @@ def block_nbytes(layers: Sequence[Sequence[torch.Tensor]]) -> int:
 def pack_block(layers: Sequence[Sequence[torch.Tensor]], index: int) -> bytes:
     """Bytes of block ``index`` of a cache (``PagedKVCache`` or its list of layers) or of a staging
     area (then ``index`` is the position in the staging, not a cache block id)."""
+    packed = getattr(layers, "packed", None)
+    if packed is not None:  # a PackedStaging: the row is the value already
+        if not 0 <= index < packed.shape[0]:
+            raise IndexError(f"block {index} out of range for a staging of {packed.shape[0]} blocks")
+        return layers.rows[index].tobytes()
     flat = _components(layers)
     out = torch.empty(block_nbytes(layers), dtype=torch.uint8)
     off = 0
@@ -279,6 +312,12 @@ def unpack_block_into(cache: Sequence[Sequence[torch.Tensor]], block_id: int,
     # bytearray: torch.frombuffer wants a writable buffer; this is the one host copy of the load
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else \
         torch.empty(0, dtype=torch.uint8)
+    packed = getattr(cache, "packed", None)
+    if packed is not None:  # a PackedStaging: one copy into the block's row
+        if not 0 <= block_id < packed.shape[0]:
+            raise IndexError(f"block {block_id} out of range for a staging of {packed.shape[0]} blocks")
+        packed[block_id].copy_(buf)
+        return
     off = 0
     for t in flat:
         if not 0 <= block_id < t.shape[0]:

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .attention import attend, attend_one, cat_runs, gather_seq, seq_layout, seq_runs, step_plan
+
 Tensor = torch.Tensor
 
 __all__ = [
@@ -34,6 +36,14 @@ __all__ = [
 
 def _linear(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
+
+
+# In-place elementwise steps (``add_``/``mul_``/``silu_`` on a buffer the op just made) instead of
+# expressions that allocate a new activation per operation: on a long prefill every fresh
+# multi-MB buffer is new pages to the C allocator (page faults and zeroing cost more than the
+# elementwise op itself, ~5x on a [2048, 1536] silu). Each in-place form computes the same IEEE
+# operation on the same operands as transformers' expression (a + b == b + a, a * b == b * a), so
+# the results are bit-identical.
 
 
 def _as_dict(obj) -> Optional[dict]:
@@ -63,7 +73,10 @@ def _rotate_half_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # float32 tables, cast to q/k's dtype as transformers does
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    # transformers' x * cos + rotate_half(x) * sin: the same operations, two of them in place (the
+    # note under ``_linear``)
+    out = x * cos
+    return out.add_(torch.cat((-x2, x1), dim=-1).mul_(sin))
 
 
 def _interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -75,57 +88,6 @@ def _interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     c, s = c.to(x.dtype), s.to(x.dtype)  # float32 tables, cast to q/k's dtype as transformers does
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-def _seq_layout(seq_lens: Tensor, query_lens: Tensor) -> list[tuple[int, int, int]]:
-    """(token offset in the flat batch, query_len, seq_len) per sequence."""
-    q_list = [int(v) for v in query_lens.tolist()]
-    s_list = [int(v) for v in seq_lens.tolist()]
-    if len(q_list) != len(s_list):
-        raise ValueError(f"seq_lens has {len(s_list)} sequences but query_lens has {len(q_list)}")
-    out, start = [], 0
-    for q, s in zip(q_list, s_list):
-        if q > s:
-            raise ValueError(f"query_len {q} exceeds seq_len {s}")
-        out.append((start, q, s))
-        start += q
-    return out
-
-
-def _gather_seq(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
-    """The first ``seq_len`` cached positions of one sequence: [seq_len, *rest]."""
-    block_size = cache.shape[1]
-    nblocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:nblocks].long())
-    return blocks.reshape(nblocks * block_size, *cache.shape[2:])[:seq_len]
-
-
-def _flash_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Fused attention with its log-sum-exp (torch's CPU flash kernel; GQA by head count):
-    q [H, q, D], k [Hkv, S, D], v [Hkv, S, D] -> ([H, q, D], [H, q])."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q[None], k[None], v[None], 0.0, causal, scale=scale)[:2]
-    return out[0], lse[0]
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Causal attention of ``q_len`` queries that sit at the last positions of ``S`` keys, fused
-    (no [q, S] score matrix, mask or repeated KV is built): q [H, q, D], k/v [Hkv, S, D/Dv]
-    -> [H, q, Dv]. A whole prompt (q == S) is one causal call; a decode row (q == 1) sees every
-    key; a chunk with history is the history part (no mask) and the chunk's own square causal
-    part, merged by their log-sum-exps."""
-    q_len, S, dv = q.shape[1], k.shape[1], v.shape[-1]
-    if v.shape[-1] != q.shape[-1]:  # the flash kernel wants one head size (MLA: v is narrower)
-        v = F.pad(v, (0, q.shape[-1] - dv))
-    h = S - q_len
-    if h == 0 or q_len == 1:
-        out, _ = _flash_lse(q, k, v, h == 0 and q_len > 1, scale)
-    else:
-        o1, l1 = _flash_lse(q, k[:, :h], v[:, :h], False, scale)
-        o2, l2 = _flash_lse(q, k[:, h:], v[:, h:], True, scale)
-        lse = torch.logaddexp(l1, l2)
-        out = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
-    return out[..., :dv]
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,6 +102,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if dtype == torch.float32:  # weight * xf, in place (bit-identical)
+        return xf.mul_(weight) if weight.dtype == torch.float32 else weight * xf
     return weight * xf.to(dtype)
 
 
@@ -229,27 +193,38 @@ def paged_attention(q: Tensor, cache: Sequence[Tensor], block_tables: Tensor, se
     if Hq % Hkv:
         raise ValueError(f"num_heads {Hq} is not a multiple of num_kv_heads {Hkv}")
     out = q.new_empty(T, Hq, v_cache.shape[-1])
-    for b, (start, q_len, seq_len) in enumerate(_seq_layout(seq_lens, query_lens)):
+    for b, (start, q_len, seq_len, runs) in enumerate(step_plan(block_tables, seq_lens, query_lens,
+                                                                 k_cache.shape[1])):
         if q_len == 0:
             continue
-        k = _gather_seq(k_cache, block_tables[b], seq_len).to(q.dtype)  # [S, Hkv, D]
-        v = _gather_seq(v_cache, block_tables[b], seq_len).to(q.dtype)
+        ks = [k.to(q.dtype).transpose(0, 1) for k in seq_runs(k_cache, block_tables[b], seq_len, runs)]  # [Hkv, len, D]
+        vs = [v.to(q.dtype).transpose(0, 1) for v in seq_runs(v_cache, block_tables[b], seq_len, runs)]
         qb = q[start:start + q_len].transpose(0, 1)  # [Hq, q, D]; query head h reads kv head h // rep
-        out[start:start + q_len] = _attend(qb, k.transpose(0, 1), v.transpose(0, 1), scale).transpose(0, 1)
+        # a decode row reads the runs in place; a prompt chunk's attention is matmul-bound, one copy is noise
+        o = attend_one(qb, ks, vs, scale) if q_len == 1 else attend(qb, cat_runs(ks, 1), cat_runs(vs, 1), scale)
+        out[start:start + q_len] = o.transpose(0, 1)
     return out
 
 
+def _add_residual(y: Tensor, residual: Tensor) -> Tensor:
+    """``residual + y`` into ``y`` (a fresh op output) when the types allow it."""
+    if y.dtype == residual.dtype and y.shape == residual.shape:
+        return y.add_(residual)
+    return residual + y
+
+
 def o_proj_residual(attn: Tensor, o_w: Tensor, residual: Tensor) -> Tensor:
-    return residual + _linear(attn.reshape(attn.shape[0], -1), o_w)
+    return _add_residual(_linear(attn.reshape(attn.shape[0], -1), o_w), residual)
 
 
 def _swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
-    return _linear(F.silu(_linear(x, gate_w)) * _linear(x, up_w), down_w)
+    # down(silu(gate(x)) * up(x)), silu and the product in place
+    return _linear(F.silu(_linear(x, gate_w), inplace=True).mul_(_linear(x, up_w)), down_w)
 
 
 def swiglu_mlp_residual(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
                         residual: Tensor) -> Tensor:
-    return residual + _swiglu(x, gate_w, up_w, down_w)
+    return _add_residual(_swiglu(x, gate_w, up_w, down_w), residual)
 
 
 def mla_prolog(x: Tensor, q_a_w: Optional[Tensor], q_a_norm_w: Optional[Tensor], q_b_w: Tensor,
@@ -283,18 +258,18 @@ def mla_attention(q_nope: Tensor, q_pe: Tensor, cache: Sequence[Tensor], kv_b_w:
     ckv_cache, kpe_cache = cache
     T = q_nope.shape[0]
     out = q_nope.new_empty(T, num_heads, v_head_dim)
-    for b, (start, q_len, seq_len) in enumerate(_seq_layout(seq_lens, query_lens)):
+    for b, (start, q_len, seq_len) in enumerate(seq_layout(seq_lens, query_lens)):
         if q_len == 0:
             continue
-        ckv = _gather_seq(ckv_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, R]
-        kpe = _gather_seq(kpe_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, r]
+        ckv = gather_seq(ckv_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, R]
+        kpe = gather_seq(kpe_cache, block_tables[b], seq_len).to(q_nope.dtype)  # [S, r]
         kv = _linear(ckv, kv_b_w).view(seq_len, num_heads, qk_nope_head_dim + v_head_dim)
         # one head of size n + r: [q_nope, q_pe] . [k_nope, k_pe] (the RoPE key shared by all heads)
         k = torch.cat((kv[..., :qk_nope_head_dim], kpe[:, None, :].expand(seq_len, num_heads, kpe.shape[-1])),
                       dim=-1).transpose(0, 1)  # [H, S, n + r]
         v = kv[..., qk_nope_head_dim:].transpose(0, 1)  # [H, S, v]
         qb = torch.cat((q_nope[start:start + q_len], q_pe[start:start + q_len]), dim=-1).transpose(0, 1)
-        out[start:start + q_len] = _attend(qb, k, v, scale).transpose(0, 1)
+        out[start:start + q_len] = attend(qb, k, v, scale).transpose(0, 1)
     return out
 
 
