@@ -28,14 +28,22 @@ def run(rt, W, b, kv, staging, loads, ev):
     h_embed = rt.embedding(W['model.layers.3.embed_tokens.weight'], b.input_ids)  # embed
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=8, theta=10000.0, scaling=None)  # rope
     x_L03_eh_proj = rt.mtp_eh_proj(h_embed, b.prev_hidden, W['model.layers.3.enorm.weight'], W['model.layers.3.hnorm.weight'], W['model.layers.3.eh_proj.weight'], 1e-06)  # L03.eh_proj
+    del h_embed
     x_L03_attn_norm = rt.rms_norm(x_L03_eh_proj, W['model.layers.3.input_layernorm.weight'], 1e-06)  # L03.attn_norm
     q_nope_L03, q_pe_L03, c_kv_L03, k_pe_L03 = rt.mla_prolog(x_L03_attn_norm, W['model.layers.3.self_attn.q_a_proj.weight'], W['model.layers.3.self_attn.q_a_layernorm.weight'], W['model.layers.3.self_attn.q_b_proj.weight'], W['model.layers.3.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.3.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=16, eps=1e-06, interleave=True)  # L03.mla_prolog
+    del cos, sin, x_L03_attn_norm
     rt.kv_write(kv[3], (c_kv_L03, k_pe_L03), b.slot_mapping)  # L03.kv_write
+    del c_kv_L03, k_pe_L03
     rt.record(ev['ev.L03.kv_write'])  # L03.kv_write.record
     o_L03 = rt.mla_attention(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L03.attn
+    del q_nope_L03, q_pe_L03
     h_L03_attn = rt.o_proj_residual(o_L03, W['model.layers.3.self_attn.o_proj.weight'], x_L03_eh_proj)  # L03.o_proj
+    del x_L03_eh_proj, o_L03
     x_L03_mlp_norm = rt.rms_norm(h_L03_attn, W['model.layers.3.post_attention_layernorm.weight'], 1e-06)  # L03.mlp_norm
     h_L03 = rt.moe_residual(x_L03_mlp_norm, W['model.layers.3.mlp.gate.weight'], W['model.layers.3.mlp.gate.e_score_correction_bias'], W['model.layers.3.mlp.experts.gate_proj.weight'], W['model.layers.3.mlp.experts.up_proj.weight'], W['model.layers.3.mlp.experts.down_proj.weight'], W['model.layers.3.mlp.shared_experts.gate_proj.weight'], W['model.layers.3.mlp.shared_experts.up_proj.weight'], W['model.layers.3.mlp.shared_experts.down_proj.weight'], h_L03_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L03.moe
+    del h_L03_attn, x_L03_mlp_norm
     hidden = rt.rms_norm(h_L03, W['model.layers.3.shared_head.norm.weight'], 1e-06)  # mtp.shared_norm
+    del hidden
     logits = rt.lm_head(h_L03, W['model.layers.3.shared_head.norm.weight'], 1e-06, W['model.layers.3.shared_head.head.weight'], b.logits_indices)  # lm_head
+    del h_L03
     return logits, hidden
