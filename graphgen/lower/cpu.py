@@ -149,12 +149,12 @@ def _lines(nodes, ctx: CpuCtx, indent: str, frees: dict | None = None) -> list[s
     return out
 
 
-def _frees(graph: Graph, main: list[Node], side_reads: set[str]) -> dict[int, list[str]]:
+def _frees(graph: Graph, main: list[Node], side_reads: set[str], returned: tuple[str, ...]) -> dict[int, list[str]]:
     """Main-stream node index -> the local values to drop right after it (their last use).
     Holding every layer's activations until ``run`` returns keeps hundreds of MB alive on a long
     prefill, so each new activation lands in fresh pages (page faults, zeroing) instead of memory
     the allocator just got back: the elementwise ops then cost 2-3x. Values a side stream reads
-    (its closure) and the returned ``logits`` are kept."""
+    (its closure) and the returned values (``returned``: logits, and the MTP hidden state) are kept."""
     last: dict[str, int] = {}
     for i, n in enumerate(main):
         for name in (*n.reads, *n.writes):
@@ -163,7 +163,7 @@ def _frees(graph: Graph, main: list[Node], side_reads: set[str]) -> dict[int, li
     out: dict[int, list[str]] = {}
     for name, i in last.items():
         local = Names(graph)(name)
-        if name in side_reads or local == "logits":
+        if name in side_reads or name in returned or local == "logits":
             continue
         out.setdefault(i, []).append(local)
     return out
@@ -179,7 +179,8 @@ def render_cpu(graph: Graph) -> str:
                      f"    rt.launch({s!r}, {s}_stream)", ""]
     side_reads = {r for s in side for n in by_stream[s] for r in n.reads}
     main = list(by_stream[MAIN_STREAM])
-    run_body += _lines(main, ctx, "    ", _frees(graph, main, side_reads))
+    returned = (HIDDEN,) if HIDDEN in graph.names else ()
+    run_body += _lines(main, ctx, "    ", _frees(graph, main, side_reads, returned))
     # The host stream (its wait and host.pool_put) is not lowered: the engine's KV connector commits
     # the staged blocks once HOST_EVENT is recorded. The IR keeps the nodes for the race verifier.
     host_event = next((n.event for n in by_stream.get(HOST_STREAM, ()) if n.op == "wait"), None)
@@ -187,7 +188,7 @@ def render_cpu(graph: Graph) -> str:
                            + ("the forward's waits order it before the KV writes" if s == LOAD_STREAM
                               else "its waits order it after the forward") for s in side)
     # graphs of a spec with MTP layers also return the last hidden state the MTP layer drafts from
-    returns = f"logits, {ctx.ref(HIDDEN)}" if HIDDEN in graph.names else "logits"
+    returns = f"logits, {ctx.ref(HIDDEN)}" if returned else "logits"
     return render_frame("cpu/variant.py.j2", graph=graph, meta=graph.meta, streams_note=streams_note,
                         events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body),
                         returns=returns)

@@ -56,5 +56,5 @@ def run(rt, W, b, kv, staging, loads, ev):
     del h_L02_attn, x_L02_mlp_norm
     logits = rt.lm_head(h_L02, W['model.norm.weight'], 1e-06, W['lm_head.weight'], b.logits_indices)  # lm_head
     hidden = rt.rms_norm(h_L02, W['model.norm.weight'], 1e-06)  # final_norm
-    del h_L02, hidden
+    del h_L02
     return logits, hidden

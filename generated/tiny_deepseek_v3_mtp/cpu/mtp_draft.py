@@ -43,7 +43,6 @@ def run(rt, W, b, kv, staging, loads, ev):
     h_L03 = rt.moe_residual(x_L03_mlp_norm, W['model.layers.3.mlp.gate.weight'], W['model.layers.3.mlp.gate.e_score_correction_bias'], W['model.layers.3.mlp.experts.gate_proj.weight'], W['model.layers.3.mlp.experts.up_proj.weight'], W['model.layers.3.mlp.experts.down_proj.weight'], W['model.layers.3.mlp.shared_experts.gate_proj.weight'], W['model.layers.3.mlp.shared_experts.up_proj.weight'], W['model.layers.3.mlp.shared_experts.down_proj.weight'], h_L03_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L03.moe
     del h_L03_attn, x_L03_mlp_norm
     hidden = rt.rms_norm(h_L03, W['model.layers.3.shared_head.norm.weight'], 1e-06)  # mtp.shared_norm
-    del hidden
     logits = rt.lm_head(h_L03, W['model.layers.3.shared_head.norm.weight'], 1e-06, W['model.layers.3.shared_head.head.weight'], b.logits_indices)  # lm_head
     del h_L03
     return logits, hidden
