@@ -61,6 +61,11 @@ class Buckets:
         return StepPadding(batch, t, self.max_blocks, pad_block, self.save_rows)
 
 
+def step_bucket(b) -> tuple[int, int]:
+    """(batch, tokens) of padded step inputs ``b``: the shape bucket its graph was compiled for."""
+    return int(b.block_tables.shape[0]), int(b.input_ids.shape[0])
+
+
 def max_model_len(spec) -> int:
     """``targets.npu.max_model_len``, or the model's max_position_embeddings capped at 4096."""
     npu = spec.targets.npu
@@ -164,6 +169,7 @@ class LoopResult:
     compilations: int
     buckets: int
     graphs: list = field(default_factory=list)  # [{"bucket": {"batch", "tokens"}, "captured": CapturedGraph}]
+    tiling_sink: bool = False  # compiled with tiling_schedule_optimize (the module's TILING_SINK): a static graph
 
     @property
     def ok(self) -> bool:
@@ -234,7 +240,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                             by_bucket.setdefault(key, backend.graphs[before])
                 results.append(LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
                                           [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
-                                           for k in sorted(by_bucket)]))
+                                           for k in sorted(by_bucket)], bool(getattr(mod, "TILING_SINK", False))))
     finally:
         standin.uninstall()
     return results

@@ -287,6 +287,76 @@ def _fia_paged_meta(query, key, value, **kw):
     return query.new_empty(query.shape[0], n, dv), query.new_empty(1, dtype=torch.float32)
 
 
+# ---- npu_fused_infer_attention_score_v2: the static decode graph's attention (BSH / BNSD, page attention, one
+# query token per sequence).  Written from the v2 doc (torch-npu 2.14.0 _op_plugin_docs.py:8577-8823), the same
+# reading the decode emitters were written from: it proves the wiring (layouts, heads, block tables, lengths),
+# not the kernel's meaning.  What the decode graph does not use is refused, not ignored.
+_FIA2_UNMODELLED = ("pse_shift", "dequant_scale_query", "dequant_scale_key", "dequant_offset_key",
+                    "dequant_scale_value", "dequant_offset_value", "dequant_scale_key_rope", "quant_scale_out",
+                    "quant_offset_out", "quant_scale_p", "learnable_sink", "query_dtype", "key_dtype", "value_dtype",
+                    "query_rope_dtype", "key_rope_dtype", "out_dtype")
+
+
+def _v2_decode_as_paged(query, key, value, kw):
+    """The v2 decode call restated in the paged-TND terms of :func:`_fia_paged` (same formula, :8581):
+    query BSH (B, 1, N*D) or BNSD (B, N, 1, D) -> [B, N, D] with cumulative lengths 1..B (S = 1 each);
+    cache (blocknum, blocksize, KV_N*D) as is, or BNSD's (blocknum, KV_N, blocksize, D) -> the former."""
+    for name in _FIA2_UNMODELLED:
+        if kw.get(name) is not None:
+            raise NotImplementedError(f"stand-in npu_fused_infer_attention_score_v2 does not model {name}")
+    if kw.get("return_softmax_lse", False):
+        raise NotImplementedError("stand-in npu_fused_infer_attention_score_v2 does not model return_softmax_lse")
+    layout, n = kw.get("input_layout", "BSH"), int(kw.get("num_query_heads", 1))
+    nkv = int(kw.get("num_key_value_heads", 0)) or n
+    if layout not in ("BSH", "BNSD") or kw.get("block_table") is None:
+        raise NotImplementedError("stand-in npu_fused_infer_attention_score_v2 models BSH/BNSD page attention only")
+    if layout == "BSH":
+        if query.dim() != 3 or query.shape[2] % n:
+            raise ValueError(f"BSH query must be (B, S, H = N*D); got {tuple(query.shape)} with N={n}")
+        b, s = query.shape[0], query.shape[1]
+        q = query.reshape(b, s, n, query.shape[2] // n)
+        if key.dim() != 3:  # :8822: BSH/BSND take the (blocknum, blocksize, H) cache only
+            raise ValueError("BSH page attention takes the (blocknum, blocksize, H) cache layout only")
+    else:
+        if query.dim() != 4 or query.shape[1] != n:  # :8626: num_query_heads equals the query's N axis (BNSD)
+            raise ValueError(f"BNSD query must be (B, N={n}, S, D); got {tuple(query.shape)}")
+        b, s = query.shape[0], query.shape[2]
+        q = query.transpose(1, 2)
+    if s != 1:
+        raise NotImplementedError(f"stand-in models one query token per sequence (decode), got S={s}")
+
+    def paged3(cache):
+        if cache is None or cache.dim() == 3:
+            return cache
+        if cache.dim() != 4 or cache.shape[1] != nkv:
+            raise ValueError(f"BNSD cache must be (blocknum, KV_N={nkv}, blocksize, D); got {tuple(cache.shape)}")
+        return cache.transpose(1, 2).reshape(cache.shape[0], cache.shape[2], -1)
+
+    rope = kw.get("query_rope")
+    q_rope = None if rope is None else (rope.reshape(b, 1, n, -1) if layout == "BSH" else rope.transpose(1, 2))
+    v1 = {"num_heads": n, "num_key_value_heads": nkv, "scale": kw.get("softmax_scale", 1.0), "input_layout": "TND",
+          "block_table": kw["block_table"], "block_size": kw.get("block_size", 0), "sparse_mode": kw.get("sparse_mode", 0),
+          "atten_mask": kw.get("atten_mask"), "actual_seq_lengths": list(range(1, b + 1)),
+          "actual_seq_lengths_kv": kw.get("actual_seq_kvlen"),
+          "query_rope": None if q_rope is None else q_rope.reshape(b, n, -1), "key_rope": paged3(kw.get("key_rope"))}
+    return q.reshape(b, n, -1), paged3(key), paged3(value), v1, layout
+
+
+def _fia_v2(query, key, value, **kw):
+    q, k, v, v1, layout = _v2_decode_as_paged(query, key, value, kw)
+    if v1["actual_seq_lengths_kv"] is None:  # :8779: page attention needs actual_seq_kvlen
+        raise ValueError("page attention needs actual_seq_kvlen")
+    out, lse = _fia_paged(q, k, v, **v1)  # [B, N, Dv]
+    # attention_out: the query's shape with value's D (:8677)
+    return (out.reshape(out.shape[0], 1, -1) if layout == "BSH" else out.unsqueeze(2)), lse
+
+
+def _fia_v2_meta(query, key, value, **kw):
+    q, k, v, v1, layout = _v2_decode_as_paged(query, key, value, kw)
+    out, lse = _fia_paged_meta(q, k, v, **v1)
+    return (out.reshape(out.shape[0], 1, -1) if layout == "BSH" else out.unsqueeze(2)), lse
+
+
 # MoE kernels.  Semantics are our reading of the torch_npu docs / vllm-ascend usage, never checked
 # against the NPU kernels; they exist so the DeepSeek graph traces and its shapes/wiring are exercised.
 def _moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
@@ -405,6 +475,7 @@ CPU_KERNELS: dict[str, Callable] = {
     "npu_apply_rotary_pos_emb": _apply_rotary_pos_emb,
     "npu_interleave_rope": _interleave_rope,
     "npu_fused_infer_attention_score": _fia,
+    "npu_fused_infer_attention_score_v2": _fia_v2,
 }
 # Meta kernels: the CPU reference kernels are shape-faithful, so most run on meta tensors as-is.
 META_KERNELS: dict[str, Callable] = {
@@ -414,6 +485,7 @@ META_KERNELS: dict[str, Callable] = {
     "npu_scatter_pa_kv_cache_functional": lambda key, value, kc, vc, sm, **k: (torch.empty_like(kc),
                                                                               torch.empty_like(vc)),
     "npu_fused_infer_attention_score": _fia_meta,
+    "npu_fused_infer_attention_score_v2": _fia_v2_meta,
     "npu_moe_gating_top_k": _moe_gating_top_k_meta,
     "npu_moe_init_routing_v2": _moe_init_routing_v2_meta,
     "npu_grouped_matmul": _grouped_matmul_meta,
