@@ -52,6 +52,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--standin", action="store_true",
                    help="with --target npu: run the NPU graphs on CPU through the torchair stand-in "
                         "(graph structure only, never an NPU result)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --target npu: compile every bucket of every variant at engine start, one line per "
+                        "bucket on stderr (default: on, off with --standin)")
 
 
 def check_engine_arguments(args) -> Optional[str]:
@@ -64,6 +67,8 @@ def check_engine_arguments(args) -> Optional[str]:
         return f"--long-prefill-token-threshold must be >= 0 (0: off), got {args.long_prefill_token_threshold}"
     if args.standin and args.target != "npu":
         return "--standin applies to --target npu only"
+    if getattr(args, "warmup", None) is not None and args.target != "npu":
+        return "--warmup/--no-warmup applies to --target npu only"
     return None
 
 
@@ -76,6 +81,7 @@ def engine_options(args, faults=None) -> dict:
                 faults=faults, target=args.target)
     if args.target == "npu":
         opts["standin"] = args.standin
+        opts["warmup"] = getattr(args, "warmup", None)
     return opts
 
 
