@@ -61,11 +61,6 @@ class Buckets:
         return StepPadding(batch, t, self.max_blocks, pad_block, self.save_rows)
 
 
-def step_bucket(b) -> tuple[int, int]:
-    """(batch, tokens) of padded step inputs ``b``: the shape bucket its graph was compiled for."""
-    return int(b.block_tables.shape[0]), int(b.input_ids.shape[0])
-
-
 def max_model_len(spec) -> int:
     """``targets.npu.max_model_len``, or the model's max_position_embeddings capped at 4096."""
     npu = spec.targets.npu

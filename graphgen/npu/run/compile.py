@@ -58,6 +58,12 @@ class StaticShapeForward:
         return self.compiled(*args)
 
 
+def step_bucket(b) -> tuple[int, int]:
+    """(batch, tokens) of padded step inputs ``b`` (``graphgen.npu.run.bucketing``): the shape bucket its
+    graph was compiled for."""
+    return int(b.block_tables.shape[0]), int(b.input_ids.shape[0])
+
+
 def bucket_method(target, name: str):
     """``target.forward`` rebound as a method whose code object is new and named ``name``.
 
@@ -75,7 +81,7 @@ def bucket_method(target, name: str):
 
 
 class BucketCachedForward:
-    """``cache_compile`` per shape bucket: the step inputs' bucket (``bucketing.step_bucket``) picks the
+    """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`step_bucket`) picks the
     entry, each built on its own code object (:func:`bucket_method`), so ``--cache-dir`` keeps one graph per
     bucket instead of one unguarded graph for all of them."""
 
@@ -84,8 +90,6 @@ class BucketCachedForward:
         self.entries: dict = {}
 
     def __call__(self, W, b, *rest):
-        from .bucketing import step_bucket
-
         key = step_bucket(b)
         fn = self.entries.get(key)
         if fn is None:

@@ -172,7 +172,8 @@ class NpuModelRunner:
         line per bucket on ``out`` (stderr).  Returns the number of warm-up steps."""
         import sys
 
-        from .bucketing import bucket_steps, step_bucket
+        from .bucketing import bucket_steps
+        from .compile import step_bucket
 
         out = out or sys.stderr
         plans = [(v, seqs) for v, mod in self.modules.items()
