@@ -67,6 +67,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--standin", action="store_true",
                    help="with --target npu: run the NPU graphs on CPU through the torchair stand-in "
                         "(graph structure only, never an NPU result)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --target npu: compile every bucket of every variant at engine start, one line per "
+                        "bucket on stderr (default: on, off with --standin)")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,6 +100,8 @@ def check_engine_arguments(args) -> Optional[str]:
             return f"--num-speculative-tokens must be in [1, 15] (K + 1 tokens per verify row, at most 16), got {spec_k}"
         if args.target != "cpu" or (args.tp or 1) > 1 or (args.ep or 1) > 1:
             return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
+    if getattr(args, "warmup", None) is not None and args.target != "npu":
+        return "--warmup/--no-warmup applies to --target npu only"
     return None
 
 
@@ -120,6 +125,7 @@ def engine_options(args, faults=None) -> dict:
                 faults=faults, target=args.target)
     if args.target == "npu":
         opts["standin"] = args.standin
+        opts["warmup"] = getattr(args, "warmup", None)
     return opts
 
 

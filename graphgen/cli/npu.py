@@ -120,6 +120,16 @@ def _steps(args, spec) -> int:
         return EXIT_STALE
     print(f"save join check ok: every captured graph with a save stream joins it to the main stream "
           f"before the op producing the logits (graph structure only)")
+    static = _static_graph_problems(results)
+    if static:
+        err(f"{args.spec}: post-AOT static graph check failed (tiling sink, docs/npu.md \"Decode as a static graph\"):")
+        for p in static:
+            err(f"  - {p}")
+        return EXIT_STALE
+    n_static = sum(len(r.graphs) for r in results if r.tiling_sink)
+    if n_static:
+        print(f"static graph check ok: {n_static} tiling-sunk graphs have static shapes, BSH/BNSD attention and "
+              f"symbolic ints only as its lengths (graph structure only)")
     problems = geops.check_ops_report(doc)
     if problems:
         err(f"{args.spec}: GE converter check failed (torch-npu {geops.load_table()['wheel']['torch_npu_version']}"
@@ -132,13 +142,24 @@ def _steps(args, spec) -> int:
     return rc
 
 
+def _bucket_name(r, g) -> str:
+    return f"{r.variant} ({r.mode}, bucket batch={g['bucket']['batch']} tokens={g['bucket']['tokens']})"
+
+
+def _static_graph_problems(results) -> list[str]:
+    """graphgen.npu.check.aotcheck.check_static_graph on every graph compiled with tiling sink."""
+    from ..npu.check.aotcheck import check_static_graph
+
+    return [p for r in results if r.tiling_sink for g in r.graphs
+            for p in check_static_graph(g["captured"].gm, _bucket_name(r, g))]
+
+
 def _save_join_problems(results) -> list[str]:
     """The explicit save join (graphgen.npu.check.aotcheck.check_save_join) on every captured graph."""
     from ..npu.check.aotcheck import check_save_join
 
     return [p for r in results for g in r.graphs
-            for p in check_save_join(g["captured"].gm, f"{r.variant} ({r.mode}, bucket batch={g['bucket']['batch']} "
-                                                       f"tokens={g['bucket']['tokens']})")]
+            for p in check_save_join(g["captured"].gm, _bucket_name(r, g))]
 
 
 def register(sub) -> None:

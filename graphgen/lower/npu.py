@@ -151,6 +151,12 @@ def _mask(sparse: int) -> str:
 def _paged_attention(n, ctx):
     a, r, sparse = n.attrs, ctx.ref, _sparse_mode(n)
     cache = r(n.input("cache"))
+    if n.attrs["mode"] == "decode":
+        # the static decode graph (tiling sink): BSH through the v2 API, docs/npu.md "Decode as a static graph"
+        args = [r(n.input("q")), cache, r(n.input("block_tables")), "b.actual_seq_lengths_kv",
+                f"num_heads={a['num_heads']}", f"num_kv_heads={a['num_kv_heads']}", f"head_dim={a['head_dim']}",
+                f"scale={py(a['scale'])}", f"block_size={a['block_size']}"]
+        return [f"{_out(n, ctx)} = _gqa_decode_attention({', '.join(args)})"]
     return [f"{_out(n, ctx)} = torch_npu.npu_fused_infer_attention_score({r(n.input('q'))}, {cache}[0], {cache}[1], "
             f"atten_mask={_mask(sparse)}, actual_seq_lengths=b.actual_seq_lengths, "
             f"actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table={r(n.input('block_tables'))}, "
@@ -168,8 +174,8 @@ def _mla_prolog(n, ctx):
 
 
 def _mla_attention(n, ctx):
-    """MLA by phase (the KV cache always holds the compressed latent): decode -> absorbed FIA over the
-    paged latent (documented for 1-16 query tokens per sequence); prefill/splitfuse -> un-absorbed
+    """MLA by phase (the KV cache always holds the compressed latent): decode -> absorbed FIA v2 (BNSD, for
+    the static decode graph) over the paged latent (documented for 1-16 query tokens per sequence); prefill/splitfuse -> un-absorbed
     (kv_b_proj up-projection, non-paged TND FIA, Q_D = K_D = qk_nope + qk_rope, V_D = v_head_dim);
     splitfuse gathers the history latent by host-packed rows.  See docs/npu.md, "MLA by phase"."""
     a, r, mode = n.attrs, ctx.ref, n.attrs["mode"]
@@ -178,8 +184,8 @@ def _mla_attention(n, ctx):
              f"v_head_dim={a['v_head_dim']}"]
     q_nope, q_pe, cache = r(n.input("q_nope")), r(n.input("q_pe")), r(n.input("cache"))
     if mode == "decode":
-        args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), r(n.input("block_tables")), "b.actual_seq_lengths",
-                "b.actual_seq_lengths_kv", *heads, f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
+        args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), r(n.input("block_tables")), "b.actual_seq_lengths_kv",
+                *heads, f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
                 f"block_size={a['block_size']}"]
         return [f"{_out(n, ctx)} = _mla_attention_absorbed({', '.join(args)})"]
     if mode == "prefill":
@@ -296,6 +302,12 @@ def _kv_layout(graph: Graph) -> dict:
     return {"kv_components": comps, "kv_shapes": tuple((bs, w) for w in widths), "kv_dtype": dtype}
 
 
+def tiling_sink(graph: Graph, mode: str) -> bool:
+    """Whether the module compiles with the tiling sunk (GE static graph, torchair's path 4): decode in
+    max-autotune, whose attention the emitters spell BSH/BNSD; prefill and splitfuse keep TND (host tiling)."""
+    return mode == "max-autotune" and graph.meta.get("phase") == "decode"
+
+
 EVENTS_DOC = {
     "max-autotune": "Events: torchair.ops.record() on the recording stream, torchair.ops.wait([...]) on the waiting one.",
     "reduce-overhead": "Events: tagged events created once at import (outside the compiled region; tags are "
@@ -342,7 +354,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
-        save_stream=f"({tag}, {prio})", rope=rope, tagged_events=tagged, **_kv_layout(graph),
+        save_stream=f"({tag}, {prio})", rope=rope, tiling_sink=tiling_sink(graph, options.mode), tagged_events=tagged, **_kv_layout(graph),
         load_time_weights="{" + "".join(f"\n    {k!r}: {py(ctx.loaded[k])}," for k in sorted(ctx.loaded))
         + ("\n}" if ctx.loaded else "}"),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),

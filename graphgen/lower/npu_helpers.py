@@ -59,30 +59,50 @@ def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, n
     return q_nope.contiguous(), q_pe.contiguous(), c_kv.contiguous(), k_pe.contiguous()
 
 
-def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv,
+def _gqa_decode_attention(q, cache, block_table, seq_lens, *, num_heads, num_kv_heads, head_dim, scale, block_size):
+    """DECODE ONLY (one query token per sequence, T = B). Paged GQA attention in layout BSH for the static
+    decode graph: TND is not supported with tiling sink (tiling_schedule_optimize=True; torch-npu 2.14.0
+    _op_plugin_docs.py:8632-8633), BSH is (:8631 BSH = (B, Q_S, H)).  The v2 API:
+    q [T, N, D] -> [B, 1, N*D]; cache = (k, v), each (blocknum, blocksize, KV_N*D), the one cache layout
+    BSH page attention takes (:8822); actual_seq_kvlen = per-sequence KV lengths (page attention needs
+    it, :8780-8821); actual_seq_qlen left out (ignored for Q_S = 1, :8609); no mask, sparse_mode 0.
+    Every tensor shape is static per batch bucket (B, block_table [B, max_blocks]); only the KV length
+    values vary, which tiling sink computes on the device (torchair's path 4)."""
+    t = q.shape[0]
+    return torch_npu.npu_fused_infer_attention_score_v2(
+        q.reshape(t, 1, num_heads * head_dim), cache[0], cache[1], atten_mask=None, actual_seq_kvlen=seq_lens,
+        block_table=block_table, num_query_heads=num_heads, num_key_value_heads=num_kv_heads, softmax_scale=scale,
+        input_layout="BSH", sparse_mode=0, block_size=block_size)[0].view(t, num_heads, head_dim)
+
+
+def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
                             *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, block_size):
-    """DECODE ONLY. Absorbed MLA: q_nope . W_uk -> attention over the paged latent cache (ckv as key and
-    value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns
-    [T, H, v_head_dim].  The kernel's documented envelope with query_rope (torch-npu 2.14.0
-    _op_plugin_docs.py:8174-8176, v2 :8697-8703/:8722-8724): 1-16 query tokens per sequence, sparse_mode 0
-    without a mask for one token, query N in 32/64/128, D = 512, key N = 1, page attention with block size
-    16 or 128 -- a decode step (one token per sequence) sits inside it, a prefill chunk does not.
+    """DECODE ONLY (one query token per sequence, T = B). Absorbed MLA: q_nope . W_uk -> attention over the
+    paged latent cache (ckv as key and value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R],
+    kpe [NB, BS, r]); returns [T, H, v_head_dim].
+    The v2 API in layout BNSD (B, N, S, D) for the static decode graph (TND is not supported with tiling
+    sink, torch-npu 2.14.0 _op_plugin_docs.py:8632-8633), as vllm-ascend's MLA decode does
+    (mla_v1.py:1373-1500, v2).  Its documented envelope with query_rope, query D = 512 (:8694-8703): query
+    S 1-16 and N in 1/2/4/8/16/32/64/128, rope D 64, key N 1 and D 512, page attention with block size 16
+    or 128, sparse_mode 0 without a mask for S = 1 (:8697).  The latent cache is viewed (blocknum, KV_N=1,
+    blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same bytes for KV_N = 1).
     A tensor-parallel rank holds num_heads / tp heads (4 for DeepSeek-V3 at tp=32): the query is padded
-    with zero heads to the next documented count and the padding's output dropped (every head reads the
-    same latent; the extra heads cost compute, not KV traffic)."""
+    with zero heads to the next power of two only when it is not one (the extra heads cost compute, not
+    KV traffic, and are dropped)."""
     w = w_kv_b.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w.split([qk_nope_head_dim, v_head_dim], dim=1)
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-    heads = next(n for n in (32, 64, 128) if n >= num_heads)
+    heads = next(n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n >= num_heads)
     if heads != num_heads:
         q_lat = torch.nn.functional.pad(q_lat, (0, 0, 0, heads - num_heads))
         q_pe = torch.nn.functional.pad(q_pe, (0, 0, 0, heads - num_heads))
-    o_lat = torch_npu.npu_fused_infer_attention_score(
-        q_lat, cache[0], cache[0], query_rope=q_pe, key_rope=cache[1], atten_mask=None,
-        actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv, block_table=block_table,
-        num_heads=heads, num_key_value_heads=1, scale=scale, input_layout="TND", sparse_mode=0,
-        block_size=block_size)[0]
-    return torch.einsum("thr,hvr->thv", o_lat[:, :num_heads], w_uv)
+    nb, bs = cache[0].shape[0], cache[0].shape[1]
+    ckv, kpe = cache[0].view(nb, 1, bs, kv_lora_rank), cache[1].view(nb, 1, bs, cache[1].shape[-1])
+    o_lat = torch_npu.npu_fused_infer_attention_score_v2(
+        q_lat.unsqueeze(2).contiguous(), ckv, ckv, query_rope=q_pe.unsqueeze(2).contiguous(), key_rope=kpe,
+        atten_mask=None, actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads,
+        num_key_value_heads=1, softmax_scale=scale, input_layout="BNSD", sparse_mode=0, block_size=block_size)[0]
+    return torch.einsum("thr,hvr->thv", o_lat.squeeze(2)[:, :num_heads], w_uv)
 
 
 def _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cumulative_kv_lengths, atten_mask, *,

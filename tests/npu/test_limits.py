@@ -50,6 +50,34 @@ def fia_mla(q_lens=(1, 1), heads=32, d=512, rope=64, bs=128):
                  num_key_value_heads=1, scale=0.1, input_layout="TND", sparse_mode=3 if multi else 0, block_size=bs))
 
 
+def fia2_gqa(b=2, heads=4, kv_heads=2, d=128, bs=128, dtype=BF, layout="BSH", cache4=False, cols=2, device="cpu"):
+    """The static decode graph's v2 call: BSH (B, 1, N*D) query over a (blocknum, blocksize, KV_N*D) cache."""
+    q = torch.randn(b, 1, heads * d, dtype=dtype, device=device) if layout == "BSH" else \
+        torch.randn(b, heads, 1, d, dtype=dtype, device=device)
+    kv = torch.randn(4, kv_heads, bs, d, dtype=dtype, device=device) if cache4 else \
+        torch.randn(4, bs, kv_heads * d, dtype=dtype, device=device)
+    return ("npu_fused_infer_attention_score_v2", (q, kv, kv),
+            dict(actual_seq_kvlen=[3] * b, block_table=torch.zeros(b, cols, dtype=torch.int32, device=device),
+                 num_query_heads=heads, num_key_value_heads=kv_heads, softmax_scale=0.1, input_layout=layout,
+                 sparse_mode=0, block_size=bs))
+
+
+def fia2_mla(heads=32, d=512, rope=64, bs=128, mask=None):
+    """The absorbed MLA decode: BNSD (B, N, 1, 512) with query_rope over the latent cache (NB, 1, BS, 512)."""
+    ckv = torch.randn(4, 1, bs, d, dtype=BF)
+    return ("npu_fused_infer_attention_score_v2", (torch.randn(2, heads, 1, d, dtype=BF), ckv, ckv),
+            dict(query_rope=torch.randn(2, heads, 1, rope, dtype=BF), key_rope=torch.randn(4, 1, bs, rope, dtype=BF),
+                 atten_mask=mask, actual_seq_kvlen=[3, 5], block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                 num_query_heads=heads, num_key_value_heads=1, softmax_scale=0.1, input_layout="BNSD", sparse_mode=0,
+                 block_size=bs))
+
+
+def fia2_tnd():
+    """A v2 TND call (the form vllm-ascend uses for multi-token decode): refused only under tiling sink."""
+    t = fia2_gqa()
+    return (t[0], (torch.randn(2, 4, 128, dtype=BF),) + t[1][1:], {**t[2], "input_layout": "TND"})
+
+
 def fia_dense(dtype=BF, qk=192, v=128, kv_heads=None, heads=8, t=3, seqs=1, device="cpu"):
     """The non-paged TND form (DeepSeek prefill/splitfuse on up-projected K/V).  ``device="meta"`` for
     the calls too large to allocate (the limit check runs before the kernel, on meta tensors too)."""
@@ -126,6 +154,14 @@ CASES = {
     "fia.dense.tokens": (fia_dense(), fia_dense(t=65537, device="meta")),
     "fia.tnd.sequences": (fia_dense(t=4096, seqs=4096, device="meta"), fia_dense(t=4097, seqs=4097, device="meta")),
     "fia.tnd.tiling_sink": (fia_gqa(), (fia_gqa(), "tiling-sink")),
+    "fia2.dtype": (fia2_gqa(), fia2_gqa(dtype=torch.float32)),
+    "fia2.tnd.tiling_sink": ((fia2_gqa(), "tiling-sink"), (fia2_tnd(), "tiling-sink")),
+    "fia2.decode.dims": (fia2_gqa(), fia2_gqa(b=65537, heads=1, kv_heads=1, d=16, bs=16, cols=1, device="meta")),
+    "fia2.gqa.ratio": (fia2_gqa(heads=64, kv_heads=1, d=16), fia2_gqa(heads=65, kv_heads=1, d=16)),
+    "fia2.pa.bsh_cache": ((fia2_gqa(layout="BNSD", cache4=True)), fia2_gqa(cache4=True)),
+    "fia2.mla.heads": (fia2_mla(heads=4), fia2_mla(heads=6)),
+    "fia2.mla.block_size": (fia2_mla(bs=16), fia2_mla(bs=64)),
+    "fia2.mla.sparse": (fia2_mla(), fia2_mla(mask=MASK)),
     "rope.head_dim": (rope(), rope(d=32)),
     "rope.same_dtype": (rope(), rope(cos_dtype=torch.float32)),
     "interleave_rope.dim": (irope(), irope(d=32)),
@@ -172,34 +208,28 @@ def test_enforce_limits_off_is_explicit():
         _call(rope(d=32))
 
 
-def test_old_absorbed_mla_prefill_with_more_than_16_tokens_is_rejected_by_the_standin():
-    """The old lowering ran every MLA phase through the absorbed form (``_mla_attention_absorbed``, now
-    decode only).  That helper fed a 20-token prefill chunk fails under the stand-in naming the MLA
-    query-length limit (the stand-in would have caught the old lowering); 16 tokens runs.  Shapes are the
-    hardware-shaped tiny DeepSeek's (32 heads, latent 512, rope 64, block 128, bf16)."""
+def test_absorbed_mla_decode_helper_runs_inside_the_v2_limits_at_tp32_heads():
+    """The absorbed MLA decode helper (v2, BNSD) with the hardware-shaped tiny DeepSeek's dims (latent 512,
+    rope 64, block 128, bf16) and every limit row enforced: 32 heads, and 4 (DeepSeek-V3.1 at tp=32), which
+    v2 takes unpadded (n 1/2/4/.../128, _op_plugin_docs.py:8699); 6 heads are padded to 8.  The old v1
+    lowering padded 4 to 32 (v1's N 32/64/128); 17+ query tokens per sequence stay refused (fia.mla.query_len)."""
     import importlib
     import sys
 
     sys.modules.pop("graphgen.lower.npu_helpers", None)  # its torch_npu import must bind the stand-in
     helpers = importlib.import_module("graphgen.lower.npu_helpers")
     try:
-        n, nope, v, r, rope, bs = 32, 128, 128, 512, 64, 128
+        nope, v, r, rope, bs = 128, 128, 512, 64, 128
         bf = torch.bfloat16
-        cache = (torch.zeros(2, bs, r, dtype=bf), torch.zeros(2, bs, rope, dtype=bf))
-        w_kv_b = torch.zeros(n * (nope + v), r, dtype=bf)
-
-        def run(t):
-            return helpers._mla_attention_absorbed(
-                torch.zeros(t, n, nope, dtype=bf), torch.zeros(t, n, rope, dtype=bf), cache, w_kv_b,
-                torch.tensor([[0]], dtype=torch.int32), [t], [t], num_heads=n, qk_nope_head_dim=nope,
-                v_head_dim=v, kv_lora_rank=r, scale=1.0, block_size=bs)
-
-        with pytest.raises(Exception) as e, torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
-            run(20)
-        msg = str(e.value)
-        assert "[fia.mla.query_len]" in msg and "_op_plugin_docs.py:8174-8176" in msg, msg
-        with torch.no_grad(), oplib.enforce_limits(True, only={"fia.mla.query_len"}):
-            assert run(16).shape == (16, n, v)
+        cache = (torch.zeros(3, bs, r, dtype=bf), torch.zeros(3, bs, rope, dtype=bf))
+        for n in (32, 4, 6):
+            w_kv_b = torch.zeros(n * (nope + v), r, dtype=bf)
+            with torch.no_grad(), oplib.enforce_limits(True):
+                out = helpers._mla_attention_absorbed(
+                    torch.zeros(2, n, nope, dtype=bf), torch.zeros(2, n, rope, dtype=bf), cache, w_kv_b,
+                    torch.tensor([[1], [2]], dtype=torch.int32), [5, 7], num_heads=n, qk_nope_head_dim=nope,
+                    v_head_dim=v, kv_lora_rank=r, scale=1.0, block_size=bs)
+            assert out.shape == (2, n, v)
     finally:
         sys.modules.pop("graphgen.lower.npu_helpers", None)
 

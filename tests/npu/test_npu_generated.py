@@ -312,9 +312,8 @@ DSV3 = "tiny_deepseek_v3_npu/npu/max_autotune/{}.py"
 FULL_DSV3 = "deepseek_v3_1/npu/max_autotune/{}.py"
 
 
-def _fia_calls(src):
-    return [c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Call)
-            and ast.unparse(c.func) == "torch_npu.npu_fused_infer_attention_score"]
+def _fia_calls(src, api="torch_npu.npu_fused_infer_attention_score"):
+    return [c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Call) and ast.unparse(c.func) == api]
 
 
 @pytest.mark.parametrize("name", [f.format(v) for f in (DSV3, FULL_DSV3)
@@ -336,9 +335,12 @@ def test_deepseek_prefill_and_splitfuse_have_no_absorbed_mla(name):
 @pytest.mark.parametrize("fmt", [DSV3, FULL_DSV3])
 def test_deepseek_decode_keeps_absorbed_mla_and_splitfuse_gathers_history(fmt):
     decode, prefill, splitfuse = (NPU[fmt.format(v)] for v in ("decode", "mempool_prefill", "splitfuse"))
-    (call,) = _fia_calls(decode)
+    # the static decode graph: v2 in BNSD (docs/npu.md "Decode as a static graph"), no v1 call left
+    assert _fia_calls(decode) == []
+    (call,) = _fia_calls(decode, "torch_npu.npu_fused_infer_attention_score_v2")
     kws = {k.arg: ast.unparse(k.value) for k in call.keywords}
-    assert {"query_rope", "key_rope", "block_table"} <= set(kws) and kws["sparse_mode"] == "0"
+    assert {"query_rope", "key_rope", "block_table", "actual_seq_kvlen"} <= set(kws) and kws["sparse_mode"] == "0"
+    assert kws["input_layout"] == "'BNSD'" and "TILING_SINK = True" in decode
     assert "_mla_unabsorbed" not in decode
     # the history gather (block table -> latent rows) is what makes splitfuse differ from prefill
     assert "_paged_rows(" in splitfuse and "_paged_rows(" not in prefill

@@ -64,10 +64,10 @@ def test_validate_rejects_a_spec_outside_a_documented_limit(tmp_path, capsys, ba
     assert "fix: change" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("base,line,path,row", INSERT_CASES, ids=[c[3] for c in INSERT_CASES])
+@pytest.mark.parametrize("base,line,path,row", INSERT_CASES, ids=[f"{c[0]}-{c[3]}" for c in INSERT_CASES])
 def test_validate_rejects_a_bucket_field_outside_a_documented_limit(tmp_path, capsys, base, line, path, row):
     text = insert_npu_field(QWEN if base == "qwen" else DSV3, line)
-    at = text.splitlines().index(line) + 1
+    at = text.splitlines().index(line.splitlines()[0]) + 1  # the offending field is the first inserted line
     rc, out, err, p = _validate(tmp_path, text, capsys)
     assert rc == 2, (out, err)
     hits = [l for l in err.splitlines() if f"[{row}]" in l]
@@ -77,10 +77,15 @@ def test_validate_rejects_a_bucket_field_outside_a_documented_limit(tmp_path, ca
 
 
 def test_every_limit_row_but_the_compile_option_has_a_spec_case():
-    """Each row a spec field can break has a failing-spec case; fia.tnd.tiling_sink is a compile option
-    (compile_module(tiling_sink=True)), refused by the stand-in (tests/npu/test_static_decode.py)."""
+    """Each row a spec field can break has a failing-spec case; fia.tnd.tiling_sink / fia2.tnd.tiling_sink
+    are a compile option (the module's TILING_SINK), refused by the stand-in (tests/npu/test_static_decode.py)."""
+    from graphgen.npu.check.speclimits import CHECKS
+
     spec_rows = {c[4] for c in LIMIT_CASES} | {c[3] for c in INSERT_CASES}
-    assert {"fia.dense.head_count", "fia.dense.tokens", "fia.tnd.sequences", "moe_unpermute.dtype"} <= spec_rows
+    # moe_gating.groups: the spec loader itself rejects every spec that would break it (e.g. "num_experts_per_tok
+    # (8) exceeds the 4 experts in the topk_group (4) groups kept per token"), so no spec reaches the row
+    assert {c.row for c in CHECKS} - {"moe_gating.groups"} <= spec_rows, {c.row for c in CHECKS} - spec_rows
+    assert {"fia2.decode.dims", "fia2.gqa.ratio", "fia2.mla.heads", "fia.tnd.sequences"} <= spec_rows
 
 
 def test_every_violation_of_a_spec_is_reported_at_once(tmp_path, capsys):

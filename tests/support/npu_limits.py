@@ -20,7 +20,9 @@ LIMIT_CASES = [  # (base, key, new value, field path, limit row)
     ("dsv3", "qk_rope_head_dim", "32", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
     ("dsv3", "qk_rope_head_dim", "128", "dims.qk_rope_head_dim", "fia.mla.rope_dim"),
     ("dsv3", "kv_lora_rank", "256", "dims.kv_lora_rank", "fia.mla.latent_dim"),
-    ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia.mla.num_heads"),
+    ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia2.mla.heads"),
+    # 512 query heads over 4 KV heads per rank at tp=2: more than 64 per KV head (v2 decode, GQA)
+    ("qwen", "num_attention_heads", "1024", "dims.num_attention_heads", "fia2.gqa.ratio"),
     ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
      "fia.tnd.reduce_overhead"),
     ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
@@ -31,7 +33,10 @@ LIMIT_CASES = [  # (base, key, new value, field path, limit row)
 # inserts the field under targets.npu (base, inserted line, field path, limit row).
 INSERT_CASES = [
     ("dsv3", "    prefill_token_buckets: [128, 70000]", "targets.npu.prefill_token_buckets", "fia.dense.tokens"),
-    ("qwen", "    decode_batch_buckets: [1, 5000]", "targets.npu.decode_batch_buckets", "fia.tnd.sequences"),
+    ("qwen", "    prefill_seqs: 4096\n    prefill_token_buckets: [8192]", "targets.npu.prefill_seqs",
+     "fia.tnd.sequences"),
+    ("qwen", "    decode_batch_buckets: [1, 70000]", "targets.npu.decode_batch_buckets", "fia2.decode.dims"),
+    ("dsv3", "    decode_batch_buckets: [1, 70000]", "targets.npu.decode_batch_buckets", "fia2.decode.dims"),
     ("dsv3", "    dtype: float16", "targets.npu.dtype", "moe_unpermute.dtype"),
 ]
 

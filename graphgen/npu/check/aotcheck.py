@@ -331,3 +331,34 @@ def check_save_join(gm: GraphModule, graph: str, save_stream: str = "kv_save") -
                             f"{'nothing' if nxt is None else nxt.name}, which the output does not depend on: "
                             f"the wait must sit before the op producing the logits")
     return problems if len(problems) == len(waits) else []
+
+
+# The attention ops the static decode graph may feed its only symbolic values to: their SymInt[] length
+# arguments are what torchair turns into a host Data input whose values tiling sink reads on the device
+# (path 4; audit 2 §2.1), so changing lengths neither recompiles nor makes the GE graph dynamic.
+_SINK_LENGTH_ARGS = {"npu.npu_fused_infer_attention_score_v2.default": ("actual_seq_qlen", "actual_seq_kvlen")}
+
+
+def check_static_graph(gm: GraphModule, graph: str) -> list[str]:
+    """Problems that keep a graph compiled with tiling sink (``TILING_SINK``) from being one static GE graph:
+    a tensor with a symbolic dimension; a symbolic int used anywhere but as a length argument of the
+    tiling-sunk attention (``_SINK_LENGTH_ARGS``); a TND attention call (tiling sink does not support it,
+    ``_op_plugin_docs.py:8113-8114``, ``:8632-8633``).  The graph structure only: what GE builds is unverified."""
+    import torch
+
+    problems = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in v.shape):
+            problems.append(f"{graph}: {n.name} ({_t(n)}) has a symbolic shape {tuple(v.shape)}")
+        if n.op == "call_function" and "fused_infer_attention_score" in _t(n) and n.kwargs.get("input_layout", "BSH") \
+                in ("TND", "TND_NTD", "NTD_TND"):
+            problems.append(f"{graph}: {n.name} ({_t(n)}) uses input_layout {n.kwargs['input_layout']!r}, "
+                            f"which tiling sink does not support")
+        if n.op == "placeholder" and isinstance(v, torch.SymInt):
+            for u in n.users:
+                allowed = _SINK_LENGTH_ARGS.get(_t(u), ())
+                if not any(n in (u.kwargs.get(k) or ()) for k in allowed):
+                    problems.append(f"{graph}: symbolic int {n.name} feeds {u.name} ({_t(u)}), not a length "
+                                    f"argument of the tiling-sunk attention")
+    return problems

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 DOCS = "torch_npu/_op_plugin_docs.py"
 FIA = "npu_fused_infer_attention_score"
+FIA2 = "npu_fused_infer_attention_score_v2"  # the static decode graph's BSH/BNSD attention
 HALF = ("float16", "bfloat16")
 
 
@@ -94,6 +95,21 @@ def _last(t) -> Optional[int]:
     return t.shape[-1] if _tensor(t) else None
 
 
+def _v2_decode_dims(c: Call) -> tuple[int, int, int, int]:
+    """(B, query N, KV S, D) of a v2 BSH/BNSD page-attention call (KV S = block_table columns x block size)."""
+    q, n = c.args.get("query"), value(c.get("num_query_heads", 1))
+    d = q.shape[-1] // n if c.get("input_layout", "BSH") == "BSH" else q.shape[-1]
+    table = c.get("block_table")
+    kv_s = table.shape[1] * value(c.get("block_size", 0)) if _tensor(table) else 0
+    return q.shape[0], n, kv_s, d
+
+
+def _v2_one_token(c: Call) -> bool:
+    q = c.args.get("query")
+    layout = c.get("input_layout", "BSH")
+    return _tensor(q) and ((layout in ("BSH", "BSND") and q.shape[1] == 1) or (layout == "BNSD" and q.shape[2] == 1))
+
+
 def _moe_e(c: Call) -> int:
     return c.args["x"].shape[-1]
 
@@ -158,6 +174,39 @@ LIMITS: tuple[Limit, ...] = (
           "optimisation (tiling_schedule_optimize=True): the static decode graph needs BSH/BSND/BNSD",
           f"v1 {DOCS}:8113-8114; v2 {DOCS}:8632-8633,8737",
           lambda c: c.tiling_sink and c.get("input_layout", "BSH") == "TND"),
+    # -------------------------------------------- fused_infer_attention_score_v2 (decode: BSH / BNSD, Q_S = 1)
+    Limit("fia2.dtype", FIA2, "query/key/value must be float16, bfloat16 or int8 (never float32)",
+          f"{DOCS}:8589-8595",
+          lambda c: any(_dtype(c.args.get(n)) not in (*HALF, "int8") for n in ("query", "key", "value"))),
+    Limit("fia2.tnd.tiling_sink", FIA2, "input_layout TND is not supported with graph-mode tiling schedule "
+          "optimisation (tiling_schedule_optimize=True): the static decode graph needs BSH/BSND/BNSD",
+          f"v2 {DOCS}:8632-8633,8737",
+          lambda c: c.tiling_sink and c.get("input_layout", "BSH").startswith("TND")),
+    Limit("fia2.decode.dims", FIA2, "one query token per sequence (Q_S = 1): B <= 65536, N <= 256, "
+          "KV S <= 262144, D <= 512", f"{DOCS}:8806-8808",
+          lambda c: _v2_one_token(c) and any(x > m for x, m in zip(_v2_decode_dims(c), (65536, 256, 262144, 512)))),
+    Limit("fia2.gqa.ratio", FIA2, "num_query_heads must be a multiple of num_key_value_heads, at most 64 times it",
+          f"{DOCS}:8627",
+          lambda c: value(c.get("num_key_value_heads", 0)) > 0 and (
+              value(c.get("num_query_heads", 1)) % value(c.get("num_key_value_heads", 0))
+              or value(c.get("num_query_heads", 1)) // value(c.get("num_key_value_heads", 0)) > 64)),
+    Limit("fia2.pa.bsh_cache", FIA2, "BSH/BSND page attention takes the (blocknum, blocksize, H) KV cache only",
+          f"{DOCS}:8822",
+          lambda c: _paged(c) and c.get("input_layout", "BSH") in ("BSH", "BSND") and _tensor(c.args.get("key"))
+          and c.args["key"].dim() != 3),
+    Limit("fia2.mla.heads", FIA2, "with query_rope (MLA) and query D 512: query S 1-16 and N in "
+          "1/2/4/8/16/32/64/128; key N 1 and D 512; rope D 64", f"{DOCS}:8694-8700",
+          lambda c: _mla(c) and _v2_decode_dims(c)[3] == 512 and (
+              value(c.get("num_query_heads", 1)) not in (1, 2, 4, 8, 16, 32, 64, 128)
+              or value(c.get("num_key_value_heads", 0)) != 1 or _last(c.args.get("key")) != 512
+              or _last(c.get("query_rope")) != 64 or _last(c.get("key_rope")) != 64)),
+    Limit("fia2.mla.block_size", FIA2, "with query_rope (MLA) page attention is required, block_size 16 or 128",
+          f"{DOCS}:8703",
+          lambda c: _mla(c) and (not _paged(c) or value(c.get("block_size", 0)) not in (16, 128))),
+    Limit("fia2.mla.sparse", FIA2, "with query_rope (MLA), one query token: sparse_mode 0 and no atten_mask",
+          f"{DOCS}:8697",
+          lambda c: _mla(c) and _v2_one_token(c) and (value(c.get("sparse_mode", 0)) != 0
+                                                       or c.get("atten_mask") is not None)),
     # ------------------------------------------------------------------ RoPE
     Limit("rope.head_dim", "npu_apply_rotary_pos_emb", "on Atlas A2/A3 the head dim D must be 64 or 128",
           f"{DOCS}:15790-15802",

@@ -58,6 +58,12 @@ def _max_decode_batch(s) -> int:
     return max(getattr(s.targets.npu, "decode_batch_buckets", None) or (8,))
 
 
+def _gqa_heads(s) -> tuple[int, int]:
+    """(query heads, KV heads) on one tensor-parallel rank: KV heads fewer than tp are replicated."""
+    tp = s.parallel.tp
+    return s.dims.num_attention_heads // tp, max(1, s.dims.num_key_value_heads // tp)
+
+
 def _all(s) -> bool:
     return True
 
@@ -79,8 +85,8 @@ CHECKS: tuple[SpecCheck, ...] = (
               lambda s: s.dims.qk_rope_head_dim),
     SpecCheck("fia.mla.latent_dim", "dims.kv_lora_rank", _mla, lambda s: s.dims.kv_lora_rank != 512,
               lambda s: s.dims.kv_lora_rank),
-    # per rank (num_heads / tp); the decode helper pads a rank's heads up to the next documented count
-    SpecCheck("fia.mla.num_heads", "dims.num_attention_heads", _mla,
+    # per rank (num_heads / tp); the decode helper pads a rank's heads up to the next power of two (v2 BNSD)
+    SpecCheck("fia2.mla.heads", "dims.num_attention_heads", _mla,
               lambda s: s.dims.num_attention_heads // s.parallel.tp > 128,
               lambda s: f"{s.dims.num_attention_heads} heads over tp={s.parallel.tp} ranks"),
     # un-absorbed MLA prefill/splitfuse: the helper pads a rank's heads up to the next of 8/16/32/64/128,
@@ -90,8 +96,16 @@ CHECKS: tuple[SpecCheck, ...] = (
               lambda s: f"{s.dims.num_attention_heads} heads over tp={s.parallel.tp} ranks"),
     SpecCheck("fia.dense.tokens", "targets.npu.prefill_token_buckets", _mla,
               lambda s: _max_prefill_tokens(s) > 65536, _max_prefill_tokens),
-    SpecCheck("fia.tnd.sequences", "targets.npu.decode_batch_buckets", _gqa,
-              lambda s: _max_decode_batch(s) > 4096, _max_decode_batch),
+    # TND (prefill/splitfuse, both families) runs prefill_seqs + 1 sequences; decode is BSH/BNSD (v2)
+    SpecCheck("fia.tnd.sequences", "targets.npu.prefill_seqs", _all,
+              lambda s: s.targets.npu.prefill_seqs + 1 > 4096, lambda s: s.targets.npu.prefill_seqs),
+    # the static decode graph: v2 BSH/BNSD with one query token per sequence, B = the decode batch bucket
+    SpecCheck("fia2.decode.dims", "targets.npu.decode_batch_buckets", _all,
+              lambda s: _max_decode_batch(s) > 65536, _max_decode_batch),
+    SpecCheck("fia2.gqa.ratio", "dims.num_attention_heads", _gqa,
+              lambda s: _gqa_heads(s)[0] % _gqa_heads(s)[1] or _gqa_heads(s)[0] // _gqa_heads(s)[1] > 64,
+              lambda s: f"{s.dims.num_attention_heads} heads over {s.dims.num_key_value_heads} KV heads at tp={s.parallel.tp}: "
+                        "{} per {} on a rank".format(*_gqa_heads(s))),
     SpecCheck("moe_unpermute.dtype", "targets.npu.dtype", _moe, lambda s: _model_dtype(s) != "bfloat16", _model_dtype),
     SpecCheck("fia.tnd.reduce_overhead", "targets.npu.compile_modes", _gqa,
               lambda s: "reduce-overhead" in s.targets.npu.compile_modes, lambda s: list(s.targets.npu.compile_modes)),

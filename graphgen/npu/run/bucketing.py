@@ -166,6 +166,7 @@ class LoopResult:
     buckets: int
     graphs: list = field(default_factory=list)  # [{"bucket": {"batch", "tokens"}, "captured": CapturedGraph}]
     mixed: int = 0  # mixed-batch steps run after the plain ones (history prefill variants; mixed_grid.py)
+    tiling_sink: bool = False  # compiled with tiling_schedule_optimize (the module's TILING_SINK): a static graph
 
     @property
     def ok(self) -> bool:
@@ -248,7 +249,8 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                             by_bucket.setdefault(key, backend.graphs[before])
                 results.append(LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
                                           [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
-                                           for k in sorted(by_bucket)], mixed=len(batches)))
+                                           for k in sorted(by_bucket)], bool(getattr(mod, "TILING_SINK", False)),
+                                          mixed=len(batches)))
     finally:
         standin.uninstall()
     return results

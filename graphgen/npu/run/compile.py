@@ -17,8 +17,9 @@ from typing import Any
 
 MODES = ("max-autotune", "reduce-overhead")
 # GE runs a graph with dynamic shapes single-stream unless this is set (torchair docs,
-# docs/zh/ascend_ir/features/advanced/multi_stream.md): with dynamic=True the length lists become
-# SymInt graph inputs, so it is set to keep the KV-save stream overlapped even if GE counts them.
+# docs/zh/ascend_ir/features/advanced/multi_stream.md:22-26): with dynamic=True and host tiling (the TND
+# prefill/splitfuse modules, torchair's path 3) the graph is dynamic, so it is set to keep the KV-save
+# stream overlapped.  The tiling-sunk decode graphs (path 4) are static and do not need it.
 MULTI_STREAM_ENV = ("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM", "1")
 
 
@@ -55,6 +56,46 @@ class StaticShapeForward:
     def __call__(self, *args):
         mark_all_static(*args)
         return self.compiled(*args)
+
+
+def step_bucket(b) -> tuple[int, int]:
+    """(batch, tokens) of padded step inputs ``b`` (``graphgen.npu.run.bucketing``): the shape bucket its
+    graph was compiled for."""
+    return int(b.block_tables.shape[0]), int(b.input_ids.shape[0])
+
+
+def bucket_method(target, name: str):
+    """``target.forward`` rebound as a method whose code object is new and named ``name``.
+
+    torchair's ``cache_compile`` keeps one compiled function per code object and names the entry by
+    ``func.__name__`` (``air/inference/_cache_compiler.py:234``); a second graph from the same code object
+    drops the cache ("Skip cache as ... recompiled", ``:555-573``), and a later process would load that one
+    unguarded graph for every bucket (audit 2, row 9).  A distinct code object per bucket gives each bucket
+    its own entry, as vllm-ascend's torchair runner did (``0b65ac6c4b:torchair_model_runner.py:443-465``)."""
+    import types
+
+    fwd = type(target).forward
+    code = fwd.__code__.replace(co_name=name, co_qualname=f"{type(target).__qualname__}.{name}")
+    fn = types.FunctionType(code, fwd.__globals__, name, fwd.__defaults__, fwd.__closure__)
+    return types.MethodType(fn, target)
+
+
+class BucketCachedForward:
+    """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`step_bucket`) picks the
+    entry, each built on its own code object (:func:`bucket_method`), so ``--cache-dir`` keeps one graph per
+    bucket instead of one unguarded graph for all of them."""
+
+    def __init__(self, target, cache_compile, **options):
+        self.target, self.cache_compile, self.options = target, cache_compile, options
+        self.entries: dict = {}
+
+    def __call__(self, W, b, *rest):
+        key = step_bucket(b)
+        fn = self.entries.get(key)
+        if fn is None:
+            name = "forward_bucket_b{}_t{}".format(*key)
+            fn = self.entries[key] = self.cache_compile(bucket_method(self.target, name), **self.options)
+        return fn(W, b, *rest)
 
 
 class NpuUnavailable(RuntimeError):
@@ -111,10 +152,12 @@ def _load(module_path_or_obj: Any) -> Any:
 
 def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: str | None = None, *,
                    use_standin: bool = False, dynamic: bool = False, buckets: int | None = None,
-                   tiling_sink: bool = False):
+                   tiling_sink: bool | None = None):
     """Return ``(target, backend)`` where ``target.forward`` is the compiled forward.
 
-    ``tiling_sink``: set ``experimental_config.tiling_schedule_optimize`` (max-autotune only).
+    ``tiling_sink``: set ``experimental_config.tiling_schedule_optimize`` (max-autotune only); ``None`` takes
+    the generated module's ``TILING_SINK`` (True for decode: the static decode graph), else False.
+    ``cache_dir`` with ``buckets``: one ``cache_compile`` entry per bucket (:class:`BucketCachedForward`).
     ``module_path_or_obj``: a path to a generated ``npu/<mode_dir>/<variant>.py`` (the module defines
     ``Model``, an ``nn.Module`` class taking no arguments, or ``model``, an instance), a loaded module,
     or any object with a ``forward`` method.  ``mode``: ``"max-autotune"`` or ``"reduce-overhead"``;
@@ -142,23 +185,29 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
         target = getattr(obj, "model", None) or getattr(obj, "Model")()
     else:
         target = obj
+    if tiling_sink is None:
+        tiling_sink = bool(getattr(obj, "TILING_SINK", False)) if isinstance(obj, ModuleType) else False
     if buckets is not None:
         import os
 
         dynamic = True
-        os.environ.setdefault(*MULTI_STREAM_ENV)
+        if not tiling_sink:  # a static (tiling-sunk) graph runs on GE's static executor: multi-stream as is
+            os.environ.setdefault(*MULTI_STREAM_ENV)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 1)
     cfg = torchair.CompilerConfig()
     cfg.mode = mode
     if tiling_sink:
         # GE static graph with the tiling sunk (torchair path 4, docs/npu.md "Decode as a static graph"):
-        # the decided decode mode.  Documented only for BSH/BSND/BNSD attention; the stand-in refuses
-        # TND under it (limits row fia.tnd.tiling_sink), which is what the shipped decode modules emit today.
+        # the decode modules (BSH/BNSD attention).  Not documented for TND attention; the stand-in refuses
+        # TND under it (limits rows fia.tnd.tiling_sink, fia2.tnd.tiling_sink).
         if mode != "max-autotune":
             raise ValueError("tiling_sink (tiling_schedule_optimize) is a GE (max-autotune) option")
         cfg.experimental_config.tiling_schedule_optimize = True
     backend = torchair.get_npu_backend(compiler_config=cfg)
-    if cache_dir is not None:
+    if cache_dir is not None and buckets is not None:
+        target.forward = BucketCachedForward(target, torchair.inference.cache_compile, config=cfg, dynamic=dynamic,
+                                             cache_dir=str(cache_dir))
+    elif cache_dir is not None:
         # cache_compile takes the bound method and handles compilation (and its backend) itself.
         target.forward = torchair.inference.cache_compile(target.forward, config=cfg, dynamic=dynamic,
                                                           cache_dir=str(cache_dir))

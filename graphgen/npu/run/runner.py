@@ -139,6 +139,48 @@ class NpuModelRunner:
             self._compiled[variant] = target
         return self._compiled[variant]
 
+    def warm_up(self, out=None) -> int:
+        """Compile every variant for every bucket now, not on first use mid-serving (a GE compile takes
+        minutes; vllm-ascend warms every graph size at start, audit 2 row 15f): one step per bucket
+        (``bucketing.bucket_steps``) whose sequences live only in the reserved pad block, so nothing but
+        the pad block and one staging buffer (never committed) is written and nothing is committed.  One
+        line per bucket on ``out`` (stderr).  Returns the number of warm-up steps."""
+        import sys
+
+        from .bucketing import bucket_steps
+        from .compile import step_bucket
+
+        out = out or sys.stderr
+        plans = [(v, seqs) for v, mod in self.modules.items()
+                 for seqs in bucket_steps(mod.META["phase"], bool(mod.META.get("history")), self.buckets,
+                                          self.block_size)]
+        for i, (variant, seqs) in enumerate(plans, 1):
+            mod = self.modules[variant]
+            phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
+            chunk = [self._pad_sequence(hist, q) for hist, q in seqs]
+            b, _ = self._step_inputs(phase, chunk, saves, history)
+            target = self.compiled(variant)
+            idx, buf = self._acquire() if saves else (None, ())
+            try:
+                with torch.no_grad(), self._limits():
+                    if history:
+                        mod.load(b, self.kv, self._chunk_loads(mod, chunk))
+                    target.forward(self.W, b, self.kv, buf)
+            finally:
+                if saves:  # the next graph writing this buffer is queued after this one (same stream)
+                    self.ring.release(idx)
+            batch, tokens = step_bucket(b)
+            print(f"warm-up {i}/{len(plans)}: {variant} bucket batch={batch} tokens={tokens} compiled",
+                  file=out, flush=True)
+        return len(plans)
+
+    def _pad_sequence(self, hist: int, q: int) -> dict:
+        """A warm-up sequence of ``hist`` history and ``q`` new tokens stored only in the pad block."""
+        pos = list(range(hist, hist + q))
+        return {"ids": [0] * q, "pos": pos, "slots": [self.pad_block * self.block_size + p % self.block_size for p in pos],
+                "table": [self.pad_block] * -(-(hist + q) // self.block_size), "seq_len": hist + q, "save": [],
+                "load": [], "loaded": []}
+
     def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
         """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
         here: the device runs asynchronously anyway), each saving call's copies issued and its save
@@ -266,14 +308,16 @@ def _sequence(row, block_size: int) -> dict:
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               rank_parts=None, **options) -> Engine:
+               rank_parts=None, warmup: Optional[bool] = None, **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
     block is reserved for padding; the scheduler's limits come from the buckets (``max_num_seqs`` <= the
     largest decode bucket, ``max_num_batched_tokens`` <= the largest prefill bucket - prefill_seqs).
     ``tp > 1``: the rank processes (`graphgen.npu.run.ranks`), each of which calls this with its
-    ``rank_parts`` (`graphgen.runtime.parallel.rank.RankParts`: KV shard, keys, plan check)."""
+    ``rank_parts`` (`graphgen.runtime.parallel.rank.RankParts`: KV shard, keys, plan check).
+    ``warmup``: compile every bucket of every variant before the first request (`NpuModelRunner.warm_up`,
+    progress on stderr); ``None``: on an NPU, off with ``standin``."""
     if spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
     if spec.parallel.ep > 1:
@@ -288,7 +332,7 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
             raise ValueError("sources= is for one process; NPU ranks compile their own modules")
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                standin=standin, mode=mode, **options)
+                                standin=standin, mode=mode, warmup=warmup, **options)
     if not isinstance(weights, dict):
         from ...runtime import load_hf_weights
 
@@ -297,8 +341,11 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
     plan_check = rank_parts.check_plan if rank_parts is not None else None
 
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
-        return NpuModelRunner(spec, weights, cache, connector, pad_block=reserved[0], mode=mode,
-                              standin=standin, sources=sources, plan_check=plan_check)
+        runner = NpuModelRunner(spec, weights, cache, connector, pad_block=reserved[0], mode=mode,
+                                standin=standin, sources=sources, plan_check=plan_check)
+        if warmup if warmup is not None else not standin:
+            runner.warm_up()
+        return runner
 
     if rank_parts is not None:  # this rank's KV shard, keys, agreed hits (see RankParts)
         kv_shapes = rank_parts.kv_shapes

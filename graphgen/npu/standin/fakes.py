@@ -191,13 +191,61 @@ class StandinBackend:
 
 
 def _get_npu_backend(*, compiler_config=None, custom_decompositions=None):
-    return StandinBackend(compiler_config, custom_decompositions)
+    backend = StandinBackend(compiler_config, custom_decompositions)
+    if compiler_config is not None:  # cache_compile(config=...) compiles with it: its graphs stay inspectable
+        compiler_config.standin_backend = backend
+    return backend
 
 
-def _cache_compile(func, *, config=None, dynamic=True, cache_dir=None, global_rank=None, tp_rank=None,
+class StandinCachedModel:
+    """torchair.inference.cache_compile's bookkeeping, modelled (air/inference/_cache_compiler.py), not its
+    serialisation: only a bound ``nn.Module`` method is accepted (:699-703); the entry lives at
+    ``cache_dir/<class>_<dynamic|static>_<md5>/<func.__name__>/compiled_module`` (:203-235); it is written after
+    the first graph compiles, and a second graph from the same code object logs "Skip cache as ... recompiled"
+    and removes it (:555-573).  The file written is a marker naming the graph, not a loadable cache."""
+
+    FILE = "compiled_module"
+
+    def __init__(self, func, config, dynamic: bool, cache_dir: str):
+        import hashlib
+        import os
+        import types as _types
+
+        if not isinstance(func, _types.MethodType):
+            raise ValueError(f"Only method can be cached now, got {func}")
+        if not isinstance(func.__self__, torch.nn.Module):
+            raise ValueError(f"Only torch.nn.Module method can be cached now, got {func}")
+        config = config or CompilerConfig()
+        self.backend = getattr(config, "standin_backend", None) or _get_npu_backend(compiler_config=config)
+        md5 = hashlib.md5((str(func.__self__) + config.mode.value).encode()).hexdigest()  # nosec: a name
+        cache_dir = cache_dir or os.path.join(os.getcwd(), ".torchair_cache")
+        self.cache_bin = Path(cache_dir) / "_".join([type(func.__self__).__name__, "dynamic" if dynamic else "static",
+                                                     md5]) / func.__name__ / self.FILE
+        self.compiled = torch.compile(func, backend=self.backend, fullgraph=True, dynamic=dynamic)
+        self.graphs = 0  # graphs this code object compiled
+        self.skipped = False
+
+    def __call__(self, *args, **kwargs):
+        before = len(self.backend.graphs)
+        out = self.compiled(*args, **kwargs)
+        if len(self.backend.graphs) > before:
+            self.graphs += 1
+            if self.graphs == 1:
+                self.cache_bin.parent.mkdir(parents=True, exist_ok=True)
+                self.cache_bin.write_text(f"{STANDIN_LABEL}: cache entry of {self.cache_bin.parent.name}\n")
+            elif not self.skipped:
+                import shutil
+                import warnings
+
+                warnings.warn(f"Skip cache as {self.cache_bin.parent.name} recompiled", UserWarning)
+                shutil.rmtree(self.cache_bin.parent, ignore_errors=True)
+                self.skipped = True
+        return out
+
+
+def _cache_compile(func, *, config=None, backend=None, dynamic=True, cache_dir=None, global_rank=None, tp_rank=None,
                    pp_rank=None, **kwargs):
-    # Pass-through: the stand-in has no disk cache.
-    return func
+    return StandinCachedModel(func, config, dynamic, cache_dir)
 
 
 def _build_modules() -> dict[str, types.ModuleType]:

@@ -32,6 +32,7 @@ _AIR_SIDE_EFFECT = ("scope_enter", "scope_exit", "wait", "tagged_event_record", 
 NPU_OPS = ("npu_scatter_nd_update", "npu_scatter_nd_update_", "npu_scatter_pa_kv_cache",
            "npu_scatter_pa_kv_cache_functional", "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu",
            "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_fused_infer_attention_score",
+           "npu_fused_infer_attention_score_v2",  # the static decode graph's BSH/BNSD attention
            # DeepSeek-V3 MoE (real schemas from the manifest; CPU kernels are OUR reading of the docs)
            "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing",
            "npu_moe_token_unpermute")

@@ -26,6 +26,10 @@ GRAPH = 'deepseek_v3_1.splitfuse'
 META = {'block_size': 128, 'ep': 1, 'family': 'deepseek_v3', 'granularity': 'forward', 'history': True, 'kv_dtype': 'bfloat16', 'layers': 61, 'model': 'deepseek_v3_1', 'phase': 'prefill', 'saves': True, 'spec': 'specs/deepseek_v3_1.yaml', 'tp': 32, 'variant': 'splitfuse', 'write': 'async'}
 COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
+# Compile with experimental_config.tiling_schedule_optimize (compile_module reads it): True for a GE decode
+# graph, whose attention is BSH/BNSD with static shapes per batch bucket (torchair's path 4, a static graph);
+# False for TND attention, which tiling sink does not support (docs/npu.md, "Decode as a static graph").
+TILING_SINK = False
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
 # Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.

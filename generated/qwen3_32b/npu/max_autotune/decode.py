@@ -26,6 +26,10 @@ GRAPH = 'qwen3_32b.decode'
 META = {'block_size': 128, 'ep': 1, 'family': 'qwen3_dense', 'granularity': 'none', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 64, 'model': 'qwen3_32b', 'phase': 'decode', 'saves': False, 'spec': 'specs/qwen3_32b.yaml', 'tp': 2, 'variant': 'decode', 'write': 'off'}
 COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
+# Compile with experimental_config.tiling_schedule_optimize (compile_module reads it): True for a GE decode
+# graph, whose attention is BSH/BNSD with static shapes per batch bucket (torchair's path 4, a static graph);
+# False for TND attention, which tiling sink does not support (docs/npu.md, "Decode as a static graph").
+TILING_SINK = True
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
 # Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
@@ -199,6 +203,22 @@ def _swiglu_mlp(x, w_gate_up, w_down):
     return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
 
 
+def _gqa_decode_attention(q, cache, block_table, seq_lens, *, num_heads, num_kv_heads, head_dim, scale, block_size):
+    """DECODE ONLY (one query token per sequence, T = B). Paged GQA attention in layout BSH for the static
+    decode graph: TND is not supported with tiling sink (tiling_schedule_optimize=True; torch-npu 2.14.0
+    _op_plugin_docs.py:8632-8633), BSH is (:8631 BSH = (B, Q_S, H)).  The v2 API:
+    q [T, N, D] -> [B, 1, N*D]; cache = (k, v), each (blocknum, blocksize, KV_N*D), the one cache layout
+    BSH page attention takes (:8822); actual_seq_kvlen = per-sequence KV lengths (page attention needs
+    it, :8780-8821); actual_seq_qlen left out (ignored for Q_S = 1, :8609); no mask, sparse_mode 0.
+    Every tensor shape is static per batch bucket (B, block_table [B, max_blocks]); only the KV length
+    values vary, which tiling sink computes on the device (torchair's path 4)."""
+    t = q.shape[0]
+    return torch_npu.npu_fused_infer_attention_score_v2(
+        q.reshape(t, 1, num_heads * head_dim), cache[0], cache[1], atten_mask=None, actual_seq_kvlen=seq_lens,
+        block_table=block_table, num_query_heads=num_heads, num_key_value_heads=num_kv_heads, softmax_scale=scale,
+        input_layout="BSH", sparse_mode=0, block_size=block_size)[0].view(t, num_heads, head_dim)
+
+
 def load(b, kv, loads):
     """Load stream: NOT in the compiled graph.  Call before forward, eagerly, on the stream forward
     will run on: a cache input written by the load and by the graph's KV write is not re-inplaced by
@@ -218,7 +238,7 @@ def forward(W, b, kv, staging=()):
     q_L00, k_L00, v_L00 = _qwen3_attn_prolog(x_L00_attn_norm, W['graphgen.load:model.layers.0.self_attn.q_proj.weight[d0/2]+model.layers.0.self_attn.k_proj.weight[d0/2]+model.layers.0.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L00.qkv
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, k_L00.reshape(k_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, v_L00.reshape(v_L00.shape[0], -1))  # L00.kv_write
-    o_L00 = torch_npu.npu_fused_infer_attention_score(q_L00, kv[0][0], kv[0][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L00.attn
+    o_L00 = _gqa_decode_attention(q_L00, kv[0], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L00.attn
     h_L00_attn_partial = F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight[d1/2]'])  # L00.o_proj
     h_L00_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L00_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L00.o_proj.all_reduce
     h_L00_attn = h_embed + h_L00_attn_sum  # L00.o_proj.residual
@@ -230,7 +250,7 @@ def forward(W, b, kv, staging=()):
     q_L01, k_L01, v_L01 = _qwen3_attn_prolog(x_L01_attn_norm, W['graphgen.load:model.layers.1.self_attn.q_proj.weight[d0/2]+model.layers.1.self_attn.k_proj.weight[d0/2]+model.layers.1.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L01.qkv
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, k_L01.reshape(k_L01.shape[0], -1))  # L01.kv_write
     torch_npu.npu_scatter_nd_update_(kv[1][1], b.kv_index, v_L01.reshape(v_L01.shape[0], -1))  # L01.kv_write
-    o_L01 = torch_npu.npu_fused_infer_attention_score(q_L01, kv[1][0], kv[1][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L01.attn
+    o_L01 = _gqa_decode_attention(q_L01, kv[1], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L01.attn
     h_L01_attn_partial = F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight[d1/2]'])  # L01.o_proj
     h_L01_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L01_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L01.o_proj.all_reduce
     h_L01_attn = h_L00 + h_L01_attn_sum  # L01.o_proj.residual
@@ -242,7 +262,7 @@ def forward(W, b, kv, staging=()):
     q_L02, k_L02, v_L02 = _qwen3_attn_prolog(x_L02_attn_norm, W['graphgen.load:model.layers.2.self_attn.q_proj.weight[d0/2]+model.layers.2.self_attn.k_proj.weight[d0/2]+model.layers.2.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.2.self_attn.q_norm.weight'], W['model.layers.2.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L02.qkv
     torch_npu.npu_scatter_nd_update_(kv[2][0], b.kv_index, k_L02.reshape(k_L02.shape[0], -1))  # L02.kv_write
     torch_npu.npu_scatter_nd_update_(kv[2][1], b.kv_index, v_L02.reshape(v_L02.shape[0], -1))  # L02.kv_write
-    o_L02 = torch_npu.npu_fused_infer_attention_score(q_L02, kv[2][0], kv[2][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L02.attn
+    o_L02 = _gqa_decode_attention(q_L02, kv[2], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L02.attn
     h_L02_attn_partial = F.linear(o_L02.reshape(o_L02.shape[0], -1), W['model.layers.2.self_attn.o_proj.weight[d1/2]'])  # L02.o_proj
     h_L02_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L02_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L02.o_proj.all_reduce
     h_L02_attn = h_L01 + h_L02_attn_sum  # L02.o_proj.residual
@@ -254,7 +274,7 @@ def forward(W, b, kv, staging=()):
     q_L03, k_L03, v_L03 = _qwen3_attn_prolog(x_L03_attn_norm, W['graphgen.load:model.layers.3.self_attn.q_proj.weight[d0/2]+model.layers.3.self_attn.k_proj.weight[d0/2]+model.layers.3.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.3.self_attn.q_norm.weight'], W['model.layers.3.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L03.qkv
     torch_npu.npu_scatter_nd_update_(kv[3][0], b.kv_index, k_L03.reshape(k_L03.shape[0], -1))  # L03.kv_write
     torch_npu.npu_scatter_nd_update_(kv[3][1], b.kv_index, v_L03.reshape(v_L03.shape[0], -1))  # L03.kv_write
-    o_L03 = torch_npu.npu_fused_infer_attention_score(q_L03, kv[3][0], kv[3][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L03.attn
+    o_L03 = _gqa_decode_attention(q_L03, kv[3], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L03.attn
     h_L03_attn_partial = F.linear(o_L03.reshape(o_L03.shape[0], -1), W['model.layers.3.self_attn.o_proj.weight[d1/2]'])  # L03.o_proj
     h_L03_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L03_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L03.o_proj.all_reduce
     h_L03_attn = h_L02 + h_L03_attn_sum  # L03.o_proj.residual
@@ -266,7 +286,7 @@ def forward(W, b, kv, staging=()):
     q_L04, k_L04, v_L04 = _qwen3_attn_prolog(x_L04_attn_norm, W['graphgen.load:model.layers.4.self_attn.q_proj.weight[d0/2]+model.layers.4.self_attn.k_proj.weight[d0/2]+model.layers.4.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.4.self_attn.q_norm.weight'], W['model.layers.4.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L04.qkv
     torch_npu.npu_scatter_nd_update_(kv[4][0], b.kv_index, k_L04.reshape(k_L04.shape[0], -1))  # L04.kv_write
     torch_npu.npu_scatter_nd_update_(kv[4][1], b.kv_index, v_L04.reshape(v_L04.shape[0], -1))  # L04.kv_write
-    o_L04 = torch_npu.npu_fused_infer_attention_score(q_L04, kv[4][0], kv[4][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L04.attn
+    o_L04 = _gqa_decode_attention(q_L04, kv[4], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L04.attn
     h_L04_attn_partial = F.linear(o_L04.reshape(o_L04.shape[0], -1), W['model.layers.4.self_attn.o_proj.weight[d1/2]'])  # L04.o_proj
     h_L04_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L04_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L04.o_proj.all_reduce
     h_L04_attn = h_L03 + h_L04_attn_sum  # L04.o_proj.residual
@@ -278,7 +298,7 @@ def forward(W, b, kv, staging=()):
     q_L05, k_L05, v_L05 = _qwen3_attn_prolog(x_L05_attn_norm, W['graphgen.load:model.layers.5.self_attn.q_proj.weight[d0/2]+model.layers.5.self_attn.k_proj.weight[d0/2]+model.layers.5.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.5.self_attn.q_norm.weight'], W['model.layers.5.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L05.qkv
     torch_npu.npu_scatter_nd_update_(kv[5][0], b.kv_index, k_L05.reshape(k_L05.shape[0], -1))  # L05.kv_write
     torch_npu.npu_scatter_nd_update_(kv[5][1], b.kv_index, v_L05.reshape(v_L05.shape[0], -1))  # L05.kv_write
-    o_L05 = torch_npu.npu_fused_infer_attention_score(q_L05, kv[5][0], kv[5][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L05.attn
+    o_L05 = _gqa_decode_attention(q_L05, kv[5], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L05.attn
     h_L05_attn_partial = F.linear(o_L05.reshape(o_L05.shape[0], -1), W['model.layers.5.self_attn.o_proj.weight[d1/2]'])  # L05.o_proj
     h_L05_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L05_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L05.o_proj.all_reduce
     h_L05_attn = h_L04 + h_L05_attn_sum  # L05.o_proj.residual
@@ -290,7 +310,7 @@ def forward(W, b, kv, staging=()):
     q_L06, k_L06, v_L06 = _qwen3_attn_prolog(x_L06_attn_norm, W['graphgen.load:model.layers.6.self_attn.q_proj.weight[d0/2]+model.layers.6.self_attn.k_proj.weight[d0/2]+model.layers.6.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.6.self_attn.q_norm.weight'], W['model.layers.6.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L06.qkv
     torch_npu.npu_scatter_nd_update_(kv[6][0], b.kv_index, k_L06.reshape(k_L06.shape[0], -1))  # L06.kv_write
     torch_npu.npu_scatter_nd_update_(kv[6][1], b.kv_index, v_L06.reshape(v_L06.shape[0], -1))  # L06.kv_write
-    o_L06 = torch_npu.npu_fused_infer_attention_score(q_L06, kv[6][0], kv[6][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L06.attn
+    o_L06 = _gqa_decode_attention(q_L06, kv[6], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L06.attn
     h_L06_attn_partial = F.linear(o_L06.reshape(o_L06.shape[0], -1), W['model.layers.6.self_attn.o_proj.weight[d1/2]'])  # L06.o_proj
     h_L06_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L06_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L06.o_proj.all_reduce
     h_L06_attn = h_L05 + h_L06_attn_sum  # L06.o_proj.residual
@@ -302,7 +322,7 @@ def forward(W, b, kv, staging=()):
     q_L07, k_L07, v_L07 = _qwen3_attn_prolog(x_L07_attn_norm, W['graphgen.load:model.layers.7.self_attn.q_proj.weight[d0/2]+model.layers.7.self_attn.k_proj.weight[d0/2]+model.layers.7.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.7.self_attn.q_norm.weight'], W['model.layers.7.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L07.qkv
     torch_npu.npu_scatter_nd_update_(kv[7][0], b.kv_index, k_L07.reshape(k_L07.shape[0], -1))  # L07.kv_write
     torch_npu.npu_scatter_nd_update_(kv[7][1], b.kv_index, v_L07.reshape(v_L07.shape[0], -1))  # L07.kv_write
-    o_L07 = torch_npu.npu_fused_infer_attention_score(q_L07, kv[7][0], kv[7][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L07.attn
+    o_L07 = _gqa_decode_attention(q_L07, kv[7], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L07.attn
     h_L07_attn_partial = F.linear(o_L07.reshape(o_L07.shape[0], -1), W['model.layers.7.self_attn.o_proj.weight[d1/2]'])  # L07.o_proj
     h_L07_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L07_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L07.o_proj.all_reduce
     h_L07_attn = h_L06 + h_L07_attn_sum  # L07.o_proj.residual
@@ -314,7 +334,7 @@ def forward(W, b, kv, staging=()):
     q_L08, k_L08, v_L08 = _qwen3_attn_prolog(x_L08_attn_norm, W['graphgen.load:model.layers.8.self_attn.q_proj.weight[d0/2]+model.layers.8.self_attn.k_proj.weight[d0/2]+model.layers.8.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.8.self_attn.q_norm.weight'], W['model.layers.8.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L08.qkv
     torch_npu.npu_scatter_nd_update_(kv[8][0], b.kv_index, k_L08.reshape(k_L08.shape[0], -1))  # L08.kv_write
     torch_npu.npu_scatter_nd_update_(kv[8][1], b.kv_index, v_L08.reshape(v_L08.shape[0], -1))  # L08.kv_write
-    o_L08 = torch_npu.npu_fused_infer_attention_score(q_L08, kv[8][0], kv[8][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L08.attn
+    o_L08 = _gqa_decode_attention(q_L08, kv[8], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L08.attn
     h_L08_attn_partial = F.linear(o_L08.reshape(o_L08.shape[0], -1), W['model.layers.8.self_attn.o_proj.weight[d1/2]'])  # L08.o_proj
     h_L08_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L08_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L08.o_proj.all_reduce
     h_L08_attn = h_L07 + h_L08_attn_sum  # L08.o_proj.residual
@@ -326,7 +346,7 @@ def forward(W, b, kv, staging=()):
     q_L09, k_L09, v_L09 = _qwen3_attn_prolog(x_L09_attn_norm, W['graphgen.load:model.layers.9.self_attn.q_proj.weight[d0/2]+model.layers.9.self_attn.k_proj.weight[d0/2]+model.layers.9.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.9.self_attn.q_norm.weight'], W['model.layers.9.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L09.qkv
     torch_npu.npu_scatter_nd_update_(kv[9][0], b.kv_index, k_L09.reshape(k_L09.shape[0], -1))  # L09.kv_write
     torch_npu.npu_scatter_nd_update_(kv[9][1], b.kv_index, v_L09.reshape(v_L09.shape[0], -1))  # L09.kv_write
-    o_L09 = torch_npu.npu_fused_infer_attention_score(q_L09, kv[9][0], kv[9][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L09.attn
+    o_L09 = _gqa_decode_attention(q_L09, kv[9], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L09.attn
     h_L09_attn_partial = F.linear(o_L09.reshape(o_L09.shape[0], -1), W['model.layers.9.self_attn.o_proj.weight[d1/2]'])  # L09.o_proj
     h_L09_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L09_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L09.o_proj.all_reduce
     h_L09_attn = h_L08 + h_L09_attn_sum  # L09.o_proj.residual
@@ -338,7 +358,7 @@ def forward(W, b, kv, staging=()):
     q_L10, k_L10, v_L10 = _qwen3_attn_prolog(x_L10_attn_norm, W['graphgen.load:model.layers.10.self_attn.q_proj.weight[d0/2]+model.layers.10.self_attn.k_proj.weight[d0/2]+model.layers.10.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.10.self_attn.q_norm.weight'], W['model.layers.10.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L10.qkv
     torch_npu.npu_scatter_nd_update_(kv[10][0], b.kv_index, k_L10.reshape(k_L10.shape[0], -1))  # L10.kv_write
     torch_npu.npu_scatter_nd_update_(kv[10][1], b.kv_index, v_L10.reshape(v_L10.shape[0], -1))  # L10.kv_write
-    o_L10 = torch_npu.npu_fused_infer_attention_score(q_L10, kv[10][0], kv[10][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L10.attn
+    o_L10 = _gqa_decode_attention(q_L10, kv[10], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L10.attn
     h_L10_attn_partial = F.linear(o_L10.reshape(o_L10.shape[0], -1), W['model.layers.10.self_attn.o_proj.weight[d1/2]'])  # L10.o_proj
     h_L10_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L10_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L10.o_proj.all_reduce
     h_L10_attn = h_L09 + h_L10_attn_sum  # L10.o_proj.residual
@@ -350,7 +370,7 @@ def forward(W, b, kv, staging=()):
     q_L11, k_L11, v_L11 = _qwen3_attn_prolog(x_L11_attn_norm, W['graphgen.load:model.layers.11.self_attn.q_proj.weight[d0/2]+model.layers.11.self_attn.k_proj.weight[d0/2]+model.layers.11.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.11.self_attn.q_norm.weight'], W['model.layers.11.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L11.qkv
     torch_npu.npu_scatter_nd_update_(kv[11][0], b.kv_index, k_L11.reshape(k_L11.shape[0], -1))  # L11.kv_write
     torch_npu.npu_scatter_nd_update_(kv[11][1], b.kv_index, v_L11.reshape(v_L11.shape[0], -1))  # L11.kv_write
-    o_L11 = torch_npu.npu_fused_infer_attention_score(q_L11, kv[11][0], kv[11][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L11.attn
+    o_L11 = _gqa_decode_attention(q_L11, kv[11], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L11.attn
     h_L11_attn_partial = F.linear(o_L11.reshape(o_L11.shape[0], -1), W['model.layers.11.self_attn.o_proj.weight[d1/2]'])  # L11.o_proj
     h_L11_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L11_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L11.o_proj.all_reduce
     h_L11_attn = h_L10 + h_L11_attn_sum  # L11.o_proj.residual
@@ -362,7 +382,7 @@ def forward(W, b, kv, staging=()):
     q_L12, k_L12, v_L12 = _qwen3_attn_prolog(x_L12_attn_norm, W['graphgen.load:model.layers.12.self_attn.q_proj.weight[d0/2]+model.layers.12.self_attn.k_proj.weight[d0/2]+model.layers.12.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.12.self_attn.q_norm.weight'], W['model.layers.12.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L12.qkv
     torch_npu.npu_scatter_nd_update_(kv[12][0], b.kv_index, k_L12.reshape(k_L12.shape[0], -1))  # L12.kv_write
     torch_npu.npu_scatter_nd_update_(kv[12][1], b.kv_index, v_L12.reshape(v_L12.shape[0], -1))  # L12.kv_write
-    o_L12 = torch_npu.npu_fused_infer_attention_score(q_L12, kv[12][0], kv[12][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L12.attn
+    o_L12 = _gqa_decode_attention(q_L12, kv[12], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L12.attn
     h_L12_attn_partial = F.linear(o_L12.reshape(o_L12.shape[0], -1), W['model.layers.12.self_attn.o_proj.weight[d1/2]'])  # L12.o_proj
     h_L12_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L12_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L12.o_proj.all_reduce
     h_L12_attn = h_L11 + h_L12_attn_sum  # L12.o_proj.residual
@@ -374,7 +394,7 @@ def forward(W, b, kv, staging=()):
     q_L13, k_L13, v_L13 = _qwen3_attn_prolog(x_L13_attn_norm, W['graphgen.load:model.layers.13.self_attn.q_proj.weight[d0/2]+model.layers.13.self_attn.k_proj.weight[d0/2]+model.layers.13.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.13.self_attn.q_norm.weight'], W['model.layers.13.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L13.qkv
     torch_npu.npu_scatter_nd_update_(kv[13][0], b.kv_index, k_L13.reshape(k_L13.shape[0], -1))  # L13.kv_write
     torch_npu.npu_scatter_nd_update_(kv[13][1], b.kv_index, v_L13.reshape(v_L13.shape[0], -1))  # L13.kv_write
-    o_L13 = torch_npu.npu_fused_infer_attention_score(q_L13, kv[13][0], kv[13][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L13.attn
+    o_L13 = _gqa_decode_attention(q_L13, kv[13], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L13.attn
     h_L13_attn_partial = F.linear(o_L13.reshape(o_L13.shape[0], -1), W['model.layers.13.self_attn.o_proj.weight[d1/2]'])  # L13.o_proj
     h_L13_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L13_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L13.o_proj.all_reduce
     h_L13_attn = h_L12 + h_L13_attn_sum  # L13.o_proj.residual
@@ -386,7 +406,7 @@ def forward(W, b, kv, staging=()):
     q_L14, k_L14, v_L14 = _qwen3_attn_prolog(x_L14_attn_norm, W['graphgen.load:model.layers.14.self_attn.q_proj.weight[d0/2]+model.layers.14.self_attn.k_proj.weight[d0/2]+model.layers.14.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.14.self_attn.q_norm.weight'], W['model.layers.14.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L14.qkv
     torch_npu.npu_scatter_nd_update_(kv[14][0], b.kv_index, k_L14.reshape(k_L14.shape[0], -1))  # L14.kv_write
     torch_npu.npu_scatter_nd_update_(kv[14][1], b.kv_index, v_L14.reshape(v_L14.shape[0], -1))  # L14.kv_write
-    o_L14 = torch_npu.npu_fused_infer_attention_score(q_L14, kv[14][0], kv[14][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L14.attn
+    o_L14 = _gqa_decode_attention(q_L14, kv[14], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L14.attn
     h_L14_attn_partial = F.linear(o_L14.reshape(o_L14.shape[0], -1), W['model.layers.14.self_attn.o_proj.weight[d1/2]'])  # L14.o_proj
     h_L14_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L14_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L14.o_proj.all_reduce
     h_L14_attn = h_L13 + h_L14_attn_sum  # L14.o_proj.residual
@@ -398,7 +418,7 @@ def forward(W, b, kv, staging=()):
     q_L15, k_L15, v_L15 = _qwen3_attn_prolog(x_L15_attn_norm, W['graphgen.load:model.layers.15.self_attn.q_proj.weight[d0/2]+model.layers.15.self_attn.k_proj.weight[d0/2]+model.layers.15.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.15.self_attn.q_norm.weight'], W['model.layers.15.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L15.qkv
     torch_npu.npu_scatter_nd_update_(kv[15][0], b.kv_index, k_L15.reshape(k_L15.shape[0], -1))  # L15.kv_write
     torch_npu.npu_scatter_nd_update_(kv[15][1], b.kv_index, v_L15.reshape(v_L15.shape[0], -1))  # L15.kv_write
-    o_L15 = torch_npu.npu_fused_infer_attention_score(q_L15, kv[15][0], kv[15][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L15.attn
+    o_L15 = _gqa_decode_attention(q_L15, kv[15], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L15.attn
     h_L15_attn_partial = F.linear(o_L15.reshape(o_L15.shape[0], -1), W['model.layers.15.self_attn.o_proj.weight[d1/2]'])  # L15.o_proj
     h_L15_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L15_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L15.o_proj.all_reduce
     h_L15_attn = h_L14 + h_L15_attn_sum  # L15.o_proj.residual
@@ -410,7 +430,7 @@ def forward(W, b, kv, staging=()):
     q_L16, k_L16, v_L16 = _qwen3_attn_prolog(x_L16_attn_norm, W['graphgen.load:model.layers.16.self_attn.q_proj.weight[d0/2]+model.layers.16.self_attn.k_proj.weight[d0/2]+model.layers.16.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.16.self_attn.q_norm.weight'], W['model.layers.16.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L16.qkv
     torch_npu.npu_scatter_nd_update_(kv[16][0], b.kv_index, k_L16.reshape(k_L16.shape[0], -1))  # L16.kv_write
     torch_npu.npu_scatter_nd_update_(kv[16][1], b.kv_index, v_L16.reshape(v_L16.shape[0], -1))  # L16.kv_write
-    o_L16 = torch_npu.npu_fused_infer_attention_score(q_L16, kv[16][0], kv[16][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L16.attn
+    o_L16 = _gqa_decode_attention(q_L16, kv[16], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L16.attn
     h_L16_attn_partial = F.linear(o_L16.reshape(o_L16.shape[0], -1), W['model.layers.16.self_attn.o_proj.weight[d1/2]'])  # L16.o_proj
     h_L16_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L16_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L16.o_proj.all_reduce
     h_L16_attn = h_L15 + h_L16_attn_sum  # L16.o_proj.residual
@@ -422,7 +442,7 @@ def forward(W, b, kv, staging=()):
     q_L17, k_L17, v_L17 = _qwen3_attn_prolog(x_L17_attn_norm, W['graphgen.load:model.layers.17.self_attn.q_proj.weight[d0/2]+model.layers.17.self_attn.k_proj.weight[d0/2]+model.layers.17.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.17.self_attn.q_norm.weight'], W['model.layers.17.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L17.qkv
     torch_npu.npu_scatter_nd_update_(kv[17][0], b.kv_index, k_L17.reshape(k_L17.shape[0], -1))  # L17.kv_write
     torch_npu.npu_scatter_nd_update_(kv[17][1], b.kv_index, v_L17.reshape(v_L17.shape[0], -1))  # L17.kv_write
-    o_L17 = torch_npu.npu_fused_infer_attention_score(q_L17, kv[17][0], kv[17][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L17.attn
+    o_L17 = _gqa_decode_attention(q_L17, kv[17], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L17.attn
     h_L17_attn_partial = F.linear(o_L17.reshape(o_L17.shape[0], -1), W['model.layers.17.self_attn.o_proj.weight[d1/2]'])  # L17.o_proj
     h_L17_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L17_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L17.o_proj.all_reduce
     h_L17_attn = h_L16 + h_L17_attn_sum  # L17.o_proj.residual
@@ -434,7 +454,7 @@ def forward(W, b, kv, staging=()):
     q_L18, k_L18, v_L18 = _qwen3_attn_prolog(x_L18_attn_norm, W['graphgen.load:model.layers.18.self_attn.q_proj.weight[d0/2]+model.layers.18.self_attn.k_proj.weight[d0/2]+model.layers.18.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.18.self_attn.q_norm.weight'], W['model.layers.18.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L18.qkv
     torch_npu.npu_scatter_nd_update_(kv[18][0], b.kv_index, k_L18.reshape(k_L18.shape[0], -1))  # L18.kv_write
     torch_npu.npu_scatter_nd_update_(kv[18][1], b.kv_index, v_L18.reshape(v_L18.shape[0], -1))  # L18.kv_write
-    o_L18 = torch_npu.npu_fused_infer_attention_score(q_L18, kv[18][0], kv[18][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L18.attn
+    o_L18 = _gqa_decode_attention(q_L18, kv[18], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L18.attn
     h_L18_attn_partial = F.linear(o_L18.reshape(o_L18.shape[0], -1), W['model.layers.18.self_attn.o_proj.weight[d1/2]'])  # L18.o_proj
     h_L18_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L18_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L18.o_proj.all_reduce
     h_L18_attn = h_L17 + h_L18_attn_sum  # L18.o_proj.residual
@@ -446,7 +466,7 @@ def forward(W, b, kv, staging=()):
     q_L19, k_L19, v_L19 = _qwen3_attn_prolog(x_L19_attn_norm, W['graphgen.load:model.layers.19.self_attn.q_proj.weight[d0/2]+model.layers.19.self_attn.k_proj.weight[d0/2]+model.layers.19.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.19.self_attn.q_norm.weight'], W['model.layers.19.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L19.qkv
     torch_npu.npu_scatter_nd_update_(kv[19][0], b.kv_index, k_L19.reshape(k_L19.shape[0], -1))  # L19.kv_write
     torch_npu.npu_scatter_nd_update_(kv[19][1], b.kv_index, v_L19.reshape(v_L19.shape[0], -1))  # L19.kv_write
-    o_L19 = torch_npu.npu_fused_infer_attention_score(q_L19, kv[19][0], kv[19][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L19.attn
+    o_L19 = _gqa_decode_attention(q_L19, kv[19], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L19.attn
     h_L19_attn_partial = F.linear(o_L19.reshape(o_L19.shape[0], -1), W['model.layers.19.self_attn.o_proj.weight[d1/2]'])  # L19.o_proj
     h_L19_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L19_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L19.o_proj.all_reduce
     h_L19_attn = h_L18 + h_L19_attn_sum  # L19.o_proj.residual
@@ -458,7 +478,7 @@ def forward(W, b, kv, staging=()):
     q_L20, k_L20, v_L20 = _qwen3_attn_prolog(x_L20_attn_norm, W['graphgen.load:model.layers.20.self_attn.q_proj.weight[d0/2]+model.layers.20.self_attn.k_proj.weight[d0/2]+model.layers.20.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.20.self_attn.q_norm.weight'], W['model.layers.20.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L20.qkv
     torch_npu.npu_scatter_nd_update_(kv[20][0], b.kv_index, k_L20.reshape(k_L20.shape[0], -1))  # L20.kv_write
     torch_npu.npu_scatter_nd_update_(kv[20][1], b.kv_index, v_L20.reshape(v_L20.shape[0], -1))  # L20.kv_write
-    o_L20 = torch_npu.npu_fused_infer_attention_score(q_L20, kv[20][0], kv[20][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L20.attn
+    o_L20 = _gqa_decode_attention(q_L20, kv[20], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L20.attn
     h_L20_attn_partial = F.linear(o_L20.reshape(o_L20.shape[0], -1), W['model.layers.20.self_attn.o_proj.weight[d1/2]'])  # L20.o_proj
     h_L20_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L20_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L20.o_proj.all_reduce
     h_L20_attn = h_L19 + h_L20_attn_sum  # L20.o_proj.residual
@@ -470,7 +490,7 @@ def forward(W, b, kv, staging=()):
     q_L21, k_L21, v_L21 = _qwen3_attn_prolog(x_L21_attn_norm, W['graphgen.load:model.layers.21.self_attn.q_proj.weight[d0/2]+model.layers.21.self_attn.k_proj.weight[d0/2]+model.layers.21.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.21.self_attn.q_norm.weight'], W['model.layers.21.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L21.qkv
     torch_npu.npu_scatter_nd_update_(kv[21][0], b.kv_index, k_L21.reshape(k_L21.shape[0], -1))  # L21.kv_write
     torch_npu.npu_scatter_nd_update_(kv[21][1], b.kv_index, v_L21.reshape(v_L21.shape[0], -1))  # L21.kv_write
-    o_L21 = torch_npu.npu_fused_infer_attention_score(q_L21, kv[21][0], kv[21][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L21.attn
+    o_L21 = _gqa_decode_attention(q_L21, kv[21], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L21.attn
     h_L21_attn_partial = F.linear(o_L21.reshape(o_L21.shape[0], -1), W['model.layers.21.self_attn.o_proj.weight[d1/2]'])  # L21.o_proj
     h_L21_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L21_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L21.o_proj.all_reduce
     h_L21_attn = h_L20 + h_L21_attn_sum  # L21.o_proj.residual
@@ -482,7 +502,7 @@ def forward(W, b, kv, staging=()):
     q_L22, k_L22, v_L22 = _qwen3_attn_prolog(x_L22_attn_norm, W['graphgen.load:model.layers.22.self_attn.q_proj.weight[d0/2]+model.layers.22.self_attn.k_proj.weight[d0/2]+model.layers.22.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.22.self_attn.q_norm.weight'], W['model.layers.22.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L22.qkv
     torch_npu.npu_scatter_nd_update_(kv[22][0], b.kv_index, k_L22.reshape(k_L22.shape[0], -1))  # L22.kv_write
     torch_npu.npu_scatter_nd_update_(kv[22][1], b.kv_index, v_L22.reshape(v_L22.shape[0], -1))  # L22.kv_write
-    o_L22 = torch_npu.npu_fused_infer_attention_score(q_L22, kv[22][0], kv[22][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L22.attn
+    o_L22 = _gqa_decode_attention(q_L22, kv[22], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L22.attn
     h_L22_attn_partial = F.linear(o_L22.reshape(o_L22.shape[0], -1), W['model.layers.22.self_attn.o_proj.weight[d1/2]'])  # L22.o_proj
     h_L22_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L22_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L22.o_proj.all_reduce
     h_L22_attn = h_L21 + h_L22_attn_sum  # L22.o_proj.residual
@@ -494,7 +514,7 @@ def forward(W, b, kv, staging=()):
     q_L23, k_L23, v_L23 = _qwen3_attn_prolog(x_L23_attn_norm, W['graphgen.load:model.layers.23.self_attn.q_proj.weight[d0/2]+model.layers.23.self_attn.k_proj.weight[d0/2]+model.layers.23.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.23.self_attn.q_norm.weight'], W['model.layers.23.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L23.qkv
     torch_npu.npu_scatter_nd_update_(kv[23][0], b.kv_index, k_L23.reshape(k_L23.shape[0], -1))  # L23.kv_write
     torch_npu.npu_scatter_nd_update_(kv[23][1], b.kv_index, v_L23.reshape(v_L23.shape[0], -1))  # L23.kv_write
-    o_L23 = torch_npu.npu_fused_infer_attention_score(q_L23, kv[23][0], kv[23][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L23.attn
+    o_L23 = _gqa_decode_attention(q_L23, kv[23], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L23.attn
     h_L23_attn_partial = F.linear(o_L23.reshape(o_L23.shape[0], -1), W['model.layers.23.self_attn.o_proj.weight[d1/2]'])  # L23.o_proj
     h_L23_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L23_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L23.o_proj.all_reduce
     h_L23_attn = h_L22 + h_L23_attn_sum  # L23.o_proj.residual
@@ -506,7 +526,7 @@ def forward(W, b, kv, staging=()):
     q_L24, k_L24, v_L24 = _qwen3_attn_prolog(x_L24_attn_norm, W['graphgen.load:model.layers.24.self_attn.q_proj.weight[d0/2]+model.layers.24.self_attn.k_proj.weight[d0/2]+model.layers.24.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.24.self_attn.q_norm.weight'], W['model.layers.24.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L24.qkv
     torch_npu.npu_scatter_nd_update_(kv[24][0], b.kv_index, k_L24.reshape(k_L24.shape[0], -1))  # L24.kv_write
     torch_npu.npu_scatter_nd_update_(kv[24][1], b.kv_index, v_L24.reshape(v_L24.shape[0], -1))  # L24.kv_write
-    o_L24 = torch_npu.npu_fused_infer_attention_score(q_L24, kv[24][0], kv[24][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L24.attn
+    o_L24 = _gqa_decode_attention(q_L24, kv[24], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L24.attn
     h_L24_attn_partial = F.linear(o_L24.reshape(o_L24.shape[0], -1), W['model.layers.24.self_attn.o_proj.weight[d1/2]'])  # L24.o_proj
     h_L24_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L24_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L24.o_proj.all_reduce
     h_L24_attn = h_L23 + h_L24_attn_sum  # L24.o_proj.residual
@@ -518,7 +538,7 @@ def forward(W, b, kv, staging=()):
     q_L25, k_L25, v_L25 = _qwen3_attn_prolog(x_L25_attn_norm, W['graphgen.load:model.layers.25.self_attn.q_proj.weight[d0/2]+model.layers.25.self_attn.k_proj.weight[d0/2]+model.layers.25.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.25.self_attn.q_norm.weight'], W['model.layers.25.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L25.qkv
     torch_npu.npu_scatter_nd_update_(kv[25][0], b.kv_index, k_L25.reshape(k_L25.shape[0], -1))  # L25.kv_write
     torch_npu.npu_scatter_nd_update_(kv[25][1], b.kv_index, v_L25.reshape(v_L25.shape[0], -1))  # L25.kv_write
-    o_L25 = torch_npu.npu_fused_infer_attention_score(q_L25, kv[25][0], kv[25][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L25.attn
+    o_L25 = _gqa_decode_attention(q_L25, kv[25], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L25.attn
     h_L25_attn_partial = F.linear(o_L25.reshape(o_L25.shape[0], -1), W['model.layers.25.self_attn.o_proj.weight[d1/2]'])  # L25.o_proj
     h_L25_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L25_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L25.o_proj.all_reduce
     h_L25_attn = h_L24 + h_L25_attn_sum  # L25.o_proj.residual
@@ -530,7 +550,7 @@ def forward(W, b, kv, staging=()):
     q_L26, k_L26, v_L26 = _qwen3_attn_prolog(x_L26_attn_norm, W['graphgen.load:model.layers.26.self_attn.q_proj.weight[d0/2]+model.layers.26.self_attn.k_proj.weight[d0/2]+model.layers.26.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.26.self_attn.q_norm.weight'], W['model.layers.26.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L26.qkv
     torch_npu.npu_scatter_nd_update_(kv[26][0], b.kv_index, k_L26.reshape(k_L26.shape[0], -1))  # L26.kv_write
     torch_npu.npu_scatter_nd_update_(kv[26][1], b.kv_index, v_L26.reshape(v_L26.shape[0], -1))  # L26.kv_write
-    o_L26 = torch_npu.npu_fused_infer_attention_score(q_L26, kv[26][0], kv[26][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L26.attn
+    o_L26 = _gqa_decode_attention(q_L26, kv[26], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L26.attn
     h_L26_attn_partial = F.linear(o_L26.reshape(o_L26.shape[0], -1), W['model.layers.26.self_attn.o_proj.weight[d1/2]'])  # L26.o_proj
     h_L26_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L26_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L26.o_proj.all_reduce
     h_L26_attn = h_L25 + h_L26_attn_sum  # L26.o_proj.residual
@@ -542,7 +562,7 @@ def forward(W, b, kv, staging=()):
     q_L27, k_L27, v_L27 = _qwen3_attn_prolog(x_L27_attn_norm, W['graphgen.load:model.layers.27.self_attn.q_proj.weight[d0/2]+model.layers.27.self_attn.k_proj.weight[d0/2]+model.layers.27.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.27.self_attn.q_norm.weight'], W['model.layers.27.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L27.qkv
     torch_npu.npu_scatter_nd_update_(kv[27][0], b.kv_index, k_L27.reshape(k_L27.shape[0], -1))  # L27.kv_write
     torch_npu.npu_scatter_nd_update_(kv[27][1], b.kv_index, v_L27.reshape(v_L27.shape[0], -1))  # L27.kv_write
-    o_L27 = torch_npu.npu_fused_infer_attention_score(q_L27, kv[27][0], kv[27][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L27.attn
+    o_L27 = _gqa_decode_attention(q_L27, kv[27], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L27.attn
     h_L27_attn_partial = F.linear(o_L27.reshape(o_L27.shape[0], -1), W['model.layers.27.self_attn.o_proj.weight[d1/2]'])  # L27.o_proj
     h_L27_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L27_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L27.o_proj.all_reduce
     h_L27_attn = h_L26 + h_L27_attn_sum  # L27.o_proj.residual
@@ -554,7 +574,7 @@ def forward(W, b, kv, staging=()):
     q_L28, k_L28, v_L28 = _qwen3_attn_prolog(x_L28_attn_norm, W['graphgen.load:model.layers.28.self_attn.q_proj.weight[d0/2]+model.layers.28.self_attn.k_proj.weight[d0/2]+model.layers.28.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.28.self_attn.q_norm.weight'], W['model.layers.28.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L28.qkv
     torch_npu.npu_scatter_nd_update_(kv[28][0], b.kv_index, k_L28.reshape(k_L28.shape[0], -1))  # L28.kv_write
     torch_npu.npu_scatter_nd_update_(kv[28][1], b.kv_index, v_L28.reshape(v_L28.shape[0], -1))  # L28.kv_write
-    o_L28 = torch_npu.npu_fused_infer_attention_score(q_L28, kv[28][0], kv[28][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L28.attn
+    o_L28 = _gqa_decode_attention(q_L28, kv[28], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L28.attn
     h_L28_attn_partial = F.linear(o_L28.reshape(o_L28.shape[0], -1), W['model.layers.28.self_attn.o_proj.weight[d1/2]'])  # L28.o_proj
     h_L28_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L28_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L28.o_proj.all_reduce
     h_L28_attn = h_L27 + h_L28_attn_sum  # L28.o_proj.residual
@@ -566,7 +586,7 @@ def forward(W, b, kv, staging=()):
     q_L29, k_L29, v_L29 = _qwen3_attn_prolog(x_L29_attn_norm, W['graphgen.load:model.layers.29.self_attn.q_proj.weight[d0/2]+model.layers.29.self_attn.k_proj.weight[d0/2]+model.layers.29.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.29.self_attn.q_norm.weight'], W['model.layers.29.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L29.qkv
     torch_npu.npu_scatter_nd_update_(kv[29][0], b.kv_index, k_L29.reshape(k_L29.shape[0], -1))  # L29.kv_write
     torch_npu.npu_scatter_nd_update_(kv[29][1], b.kv_index, v_L29.reshape(v_L29.shape[0], -1))  # L29.kv_write
-    o_L29 = torch_npu.npu_fused_infer_attention_score(q_L29, kv[29][0], kv[29][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L29.attn
+    o_L29 = _gqa_decode_attention(q_L29, kv[29], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L29.attn
     h_L29_attn_partial = F.linear(o_L29.reshape(o_L29.shape[0], -1), W['model.layers.29.self_attn.o_proj.weight[d1/2]'])  # L29.o_proj
     h_L29_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L29_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L29.o_proj.all_reduce
     h_L29_attn = h_L28 + h_L29_attn_sum  # L29.o_proj.residual
@@ -578,7 +598,7 @@ def forward(W, b, kv, staging=()):
     q_L30, k_L30, v_L30 = _qwen3_attn_prolog(x_L30_attn_norm, W['graphgen.load:model.layers.30.self_attn.q_proj.weight[d0/2]+model.layers.30.self_attn.k_proj.weight[d0/2]+model.layers.30.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.30.self_attn.q_norm.weight'], W['model.layers.30.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L30.qkv
     torch_npu.npu_scatter_nd_update_(kv[30][0], b.kv_index, k_L30.reshape(k_L30.shape[0], -1))  # L30.kv_write
     torch_npu.npu_scatter_nd_update_(kv[30][1], b.kv_index, v_L30.reshape(v_L30.shape[0], -1))  # L30.kv_write
-    o_L30 = torch_npu.npu_fused_infer_attention_score(q_L30, kv[30][0], kv[30][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L30.attn
+    o_L30 = _gqa_decode_attention(q_L30, kv[30], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L30.attn
     h_L30_attn_partial = F.linear(o_L30.reshape(o_L30.shape[0], -1), W['model.layers.30.self_attn.o_proj.weight[d1/2]'])  # L30.o_proj
     h_L30_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L30_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L30.o_proj.all_reduce
     h_L30_attn = h_L29 + h_L30_attn_sum  # L30.o_proj.residual
@@ -590,7 +610,7 @@ def forward(W, b, kv, staging=()):
     q_L31, k_L31, v_L31 = _qwen3_attn_prolog(x_L31_attn_norm, W['graphgen.load:model.layers.31.self_attn.q_proj.weight[d0/2]+model.layers.31.self_attn.k_proj.weight[d0/2]+model.layers.31.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.31.self_attn.q_norm.weight'], W['model.layers.31.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L31.qkv
     torch_npu.npu_scatter_nd_update_(kv[31][0], b.kv_index, k_L31.reshape(k_L31.shape[0], -1))  # L31.kv_write
     torch_npu.npu_scatter_nd_update_(kv[31][1], b.kv_index, v_L31.reshape(v_L31.shape[0], -1))  # L31.kv_write
-    o_L31 = torch_npu.npu_fused_infer_attention_score(q_L31, kv[31][0], kv[31][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L31.attn
+    o_L31 = _gqa_decode_attention(q_L31, kv[31], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L31.attn
     h_L31_attn_partial = F.linear(o_L31.reshape(o_L31.shape[0], -1), W['model.layers.31.self_attn.o_proj.weight[d1/2]'])  # L31.o_proj
     h_L31_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L31_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L31.o_proj.all_reduce
     h_L31_attn = h_L30 + h_L31_attn_sum  # L31.o_proj.residual
@@ -602,7 +622,7 @@ def forward(W, b, kv, staging=()):
     q_L32, k_L32, v_L32 = _qwen3_attn_prolog(x_L32_attn_norm, W['graphgen.load:model.layers.32.self_attn.q_proj.weight[d0/2]+model.layers.32.self_attn.k_proj.weight[d0/2]+model.layers.32.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.32.self_attn.q_norm.weight'], W['model.layers.32.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L32.qkv
     torch_npu.npu_scatter_nd_update_(kv[32][0], b.kv_index, k_L32.reshape(k_L32.shape[0], -1))  # L32.kv_write
     torch_npu.npu_scatter_nd_update_(kv[32][1], b.kv_index, v_L32.reshape(v_L32.shape[0], -1))  # L32.kv_write
-    o_L32 = torch_npu.npu_fused_infer_attention_score(q_L32, kv[32][0], kv[32][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L32.attn
+    o_L32 = _gqa_decode_attention(q_L32, kv[32], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L32.attn
     h_L32_attn_partial = F.linear(o_L32.reshape(o_L32.shape[0], -1), W['model.layers.32.self_attn.o_proj.weight[d1/2]'])  # L32.o_proj
     h_L32_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L32_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L32.o_proj.all_reduce
     h_L32_attn = h_L31 + h_L32_attn_sum  # L32.o_proj.residual
@@ -614,7 +634,7 @@ def forward(W, b, kv, staging=()):
     q_L33, k_L33, v_L33 = _qwen3_attn_prolog(x_L33_attn_norm, W['graphgen.load:model.layers.33.self_attn.q_proj.weight[d0/2]+model.layers.33.self_attn.k_proj.weight[d0/2]+model.layers.33.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.33.self_attn.q_norm.weight'], W['model.layers.33.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L33.qkv
     torch_npu.npu_scatter_nd_update_(kv[33][0], b.kv_index, k_L33.reshape(k_L33.shape[0], -1))  # L33.kv_write
     torch_npu.npu_scatter_nd_update_(kv[33][1], b.kv_index, v_L33.reshape(v_L33.shape[0], -1))  # L33.kv_write
-    o_L33 = torch_npu.npu_fused_infer_attention_score(q_L33, kv[33][0], kv[33][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L33.attn
+    o_L33 = _gqa_decode_attention(q_L33, kv[33], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L33.attn
     h_L33_attn_partial = F.linear(o_L33.reshape(o_L33.shape[0], -1), W['model.layers.33.self_attn.o_proj.weight[d1/2]'])  # L33.o_proj
     h_L33_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L33_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L33.o_proj.all_reduce
     h_L33_attn = h_L32 + h_L33_attn_sum  # L33.o_proj.residual
@@ -626,7 +646,7 @@ def forward(W, b, kv, staging=()):
     q_L34, k_L34, v_L34 = _qwen3_attn_prolog(x_L34_attn_norm, W['graphgen.load:model.layers.34.self_attn.q_proj.weight[d0/2]+model.layers.34.self_attn.k_proj.weight[d0/2]+model.layers.34.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.34.self_attn.q_norm.weight'], W['model.layers.34.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L34.qkv
     torch_npu.npu_scatter_nd_update_(kv[34][0], b.kv_index, k_L34.reshape(k_L34.shape[0], -1))  # L34.kv_write
     torch_npu.npu_scatter_nd_update_(kv[34][1], b.kv_index, v_L34.reshape(v_L34.shape[0], -1))  # L34.kv_write
-    o_L34 = torch_npu.npu_fused_infer_attention_score(q_L34, kv[34][0], kv[34][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L34.attn
+    o_L34 = _gqa_decode_attention(q_L34, kv[34], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L34.attn
     h_L34_attn_partial = F.linear(o_L34.reshape(o_L34.shape[0], -1), W['model.layers.34.self_attn.o_proj.weight[d1/2]'])  # L34.o_proj
     h_L34_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L34_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L34.o_proj.all_reduce
     h_L34_attn = h_L33 + h_L34_attn_sum  # L34.o_proj.residual
@@ -638,7 +658,7 @@ def forward(W, b, kv, staging=()):
     q_L35, k_L35, v_L35 = _qwen3_attn_prolog(x_L35_attn_norm, W['graphgen.load:model.layers.35.self_attn.q_proj.weight[d0/2]+model.layers.35.self_attn.k_proj.weight[d0/2]+model.layers.35.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.35.self_attn.q_norm.weight'], W['model.layers.35.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L35.qkv
     torch_npu.npu_scatter_nd_update_(kv[35][0], b.kv_index, k_L35.reshape(k_L35.shape[0], -1))  # L35.kv_write
     torch_npu.npu_scatter_nd_update_(kv[35][1], b.kv_index, v_L35.reshape(v_L35.shape[0], -1))  # L35.kv_write
-    o_L35 = torch_npu.npu_fused_infer_attention_score(q_L35, kv[35][0], kv[35][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L35.attn
+    o_L35 = _gqa_decode_attention(q_L35, kv[35], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L35.attn
     h_L35_attn_partial = F.linear(o_L35.reshape(o_L35.shape[0], -1), W['model.layers.35.self_attn.o_proj.weight[d1/2]'])  # L35.o_proj
     h_L35_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L35_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L35.o_proj.all_reduce
     h_L35_attn = h_L34 + h_L35_attn_sum  # L35.o_proj.residual
@@ -650,7 +670,7 @@ def forward(W, b, kv, staging=()):
     q_L36, k_L36, v_L36 = _qwen3_attn_prolog(x_L36_attn_norm, W['graphgen.load:model.layers.36.self_attn.q_proj.weight[d0/2]+model.layers.36.self_attn.k_proj.weight[d0/2]+model.layers.36.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.36.self_attn.q_norm.weight'], W['model.layers.36.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L36.qkv
     torch_npu.npu_scatter_nd_update_(kv[36][0], b.kv_index, k_L36.reshape(k_L36.shape[0], -1))  # L36.kv_write
     torch_npu.npu_scatter_nd_update_(kv[36][1], b.kv_index, v_L36.reshape(v_L36.shape[0], -1))  # L36.kv_write
-    o_L36 = torch_npu.npu_fused_infer_attention_score(q_L36, kv[36][0], kv[36][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L36.attn
+    o_L36 = _gqa_decode_attention(q_L36, kv[36], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L36.attn
     h_L36_attn_partial = F.linear(o_L36.reshape(o_L36.shape[0], -1), W['model.layers.36.self_attn.o_proj.weight[d1/2]'])  # L36.o_proj
     h_L36_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L36_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L36.o_proj.all_reduce
     h_L36_attn = h_L35 + h_L36_attn_sum  # L36.o_proj.residual
@@ -662,7 +682,7 @@ def forward(W, b, kv, staging=()):
     q_L37, k_L37, v_L37 = _qwen3_attn_prolog(x_L37_attn_norm, W['graphgen.load:model.layers.37.self_attn.q_proj.weight[d0/2]+model.layers.37.self_attn.k_proj.weight[d0/2]+model.layers.37.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.37.self_attn.q_norm.weight'], W['model.layers.37.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L37.qkv
     torch_npu.npu_scatter_nd_update_(kv[37][0], b.kv_index, k_L37.reshape(k_L37.shape[0], -1))  # L37.kv_write
     torch_npu.npu_scatter_nd_update_(kv[37][1], b.kv_index, v_L37.reshape(v_L37.shape[0], -1))  # L37.kv_write
-    o_L37 = torch_npu.npu_fused_infer_attention_score(q_L37, kv[37][0], kv[37][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L37.attn
+    o_L37 = _gqa_decode_attention(q_L37, kv[37], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L37.attn
     h_L37_attn_partial = F.linear(o_L37.reshape(o_L37.shape[0], -1), W['model.layers.37.self_attn.o_proj.weight[d1/2]'])  # L37.o_proj
     h_L37_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L37_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L37.o_proj.all_reduce
     h_L37_attn = h_L36 + h_L37_attn_sum  # L37.o_proj.residual
@@ -674,7 +694,7 @@ def forward(W, b, kv, staging=()):
     q_L38, k_L38, v_L38 = _qwen3_attn_prolog(x_L38_attn_norm, W['graphgen.load:model.layers.38.self_attn.q_proj.weight[d0/2]+model.layers.38.self_attn.k_proj.weight[d0/2]+model.layers.38.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.38.self_attn.q_norm.weight'], W['model.layers.38.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L38.qkv
     torch_npu.npu_scatter_nd_update_(kv[38][0], b.kv_index, k_L38.reshape(k_L38.shape[0], -1))  # L38.kv_write
     torch_npu.npu_scatter_nd_update_(kv[38][1], b.kv_index, v_L38.reshape(v_L38.shape[0], -1))  # L38.kv_write
-    o_L38 = torch_npu.npu_fused_infer_attention_score(q_L38, kv[38][0], kv[38][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L38.attn
+    o_L38 = _gqa_decode_attention(q_L38, kv[38], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L38.attn
     h_L38_attn_partial = F.linear(o_L38.reshape(o_L38.shape[0], -1), W['model.layers.38.self_attn.o_proj.weight[d1/2]'])  # L38.o_proj
     h_L38_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L38_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L38.o_proj.all_reduce
     h_L38_attn = h_L37 + h_L38_attn_sum  # L38.o_proj.residual
@@ -686,7 +706,7 @@ def forward(W, b, kv, staging=()):
     q_L39, k_L39, v_L39 = _qwen3_attn_prolog(x_L39_attn_norm, W['graphgen.load:model.layers.39.self_attn.q_proj.weight[d0/2]+model.layers.39.self_attn.k_proj.weight[d0/2]+model.layers.39.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.39.self_attn.q_norm.weight'], W['model.layers.39.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L39.qkv
     torch_npu.npu_scatter_nd_update_(kv[39][0], b.kv_index, k_L39.reshape(k_L39.shape[0], -1))  # L39.kv_write
     torch_npu.npu_scatter_nd_update_(kv[39][1], b.kv_index, v_L39.reshape(v_L39.shape[0], -1))  # L39.kv_write
-    o_L39 = torch_npu.npu_fused_infer_attention_score(q_L39, kv[39][0], kv[39][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L39.attn
+    o_L39 = _gqa_decode_attention(q_L39, kv[39], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L39.attn
     h_L39_attn_partial = F.linear(o_L39.reshape(o_L39.shape[0], -1), W['model.layers.39.self_attn.o_proj.weight[d1/2]'])  # L39.o_proj
     h_L39_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L39_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L39.o_proj.all_reduce
     h_L39_attn = h_L38 + h_L39_attn_sum  # L39.o_proj.residual
@@ -698,7 +718,7 @@ def forward(W, b, kv, staging=()):
     q_L40, k_L40, v_L40 = _qwen3_attn_prolog(x_L40_attn_norm, W['graphgen.load:model.layers.40.self_attn.q_proj.weight[d0/2]+model.layers.40.self_attn.k_proj.weight[d0/2]+model.layers.40.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.40.self_attn.q_norm.weight'], W['model.layers.40.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L40.qkv
     torch_npu.npu_scatter_nd_update_(kv[40][0], b.kv_index, k_L40.reshape(k_L40.shape[0], -1))  # L40.kv_write
     torch_npu.npu_scatter_nd_update_(kv[40][1], b.kv_index, v_L40.reshape(v_L40.shape[0], -1))  # L40.kv_write
-    o_L40 = torch_npu.npu_fused_infer_attention_score(q_L40, kv[40][0], kv[40][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L40.attn
+    o_L40 = _gqa_decode_attention(q_L40, kv[40], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L40.attn
     h_L40_attn_partial = F.linear(o_L40.reshape(o_L40.shape[0], -1), W['model.layers.40.self_attn.o_proj.weight[d1/2]'])  # L40.o_proj
     h_L40_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L40_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L40.o_proj.all_reduce
     h_L40_attn = h_L39 + h_L40_attn_sum  # L40.o_proj.residual
@@ -710,7 +730,7 @@ def forward(W, b, kv, staging=()):
     q_L41, k_L41, v_L41 = _qwen3_attn_prolog(x_L41_attn_norm, W['graphgen.load:model.layers.41.self_attn.q_proj.weight[d0/2]+model.layers.41.self_attn.k_proj.weight[d0/2]+model.layers.41.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.41.self_attn.q_norm.weight'], W['model.layers.41.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L41.qkv
     torch_npu.npu_scatter_nd_update_(kv[41][0], b.kv_index, k_L41.reshape(k_L41.shape[0], -1))  # L41.kv_write
     torch_npu.npu_scatter_nd_update_(kv[41][1], b.kv_index, v_L41.reshape(v_L41.shape[0], -1))  # L41.kv_write
-    o_L41 = torch_npu.npu_fused_infer_attention_score(q_L41, kv[41][0], kv[41][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L41.attn
+    o_L41 = _gqa_decode_attention(q_L41, kv[41], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L41.attn
     h_L41_attn_partial = F.linear(o_L41.reshape(o_L41.shape[0], -1), W['model.layers.41.self_attn.o_proj.weight[d1/2]'])  # L41.o_proj
     h_L41_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L41_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L41.o_proj.all_reduce
     h_L41_attn = h_L40 + h_L41_attn_sum  # L41.o_proj.residual
@@ -722,7 +742,7 @@ def forward(W, b, kv, staging=()):
     q_L42, k_L42, v_L42 = _qwen3_attn_prolog(x_L42_attn_norm, W['graphgen.load:model.layers.42.self_attn.q_proj.weight[d0/2]+model.layers.42.self_attn.k_proj.weight[d0/2]+model.layers.42.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.42.self_attn.q_norm.weight'], W['model.layers.42.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L42.qkv
     torch_npu.npu_scatter_nd_update_(kv[42][0], b.kv_index, k_L42.reshape(k_L42.shape[0], -1))  # L42.kv_write
     torch_npu.npu_scatter_nd_update_(kv[42][1], b.kv_index, v_L42.reshape(v_L42.shape[0], -1))  # L42.kv_write
-    o_L42 = torch_npu.npu_fused_infer_attention_score(q_L42, kv[42][0], kv[42][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L42.attn
+    o_L42 = _gqa_decode_attention(q_L42, kv[42], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L42.attn
     h_L42_attn_partial = F.linear(o_L42.reshape(o_L42.shape[0], -1), W['model.layers.42.self_attn.o_proj.weight[d1/2]'])  # L42.o_proj
     h_L42_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L42_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L42.o_proj.all_reduce
     h_L42_attn = h_L41 + h_L42_attn_sum  # L42.o_proj.residual
@@ -734,7 +754,7 @@ def forward(W, b, kv, staging=()):
     q_L43, k_L43, v_L43 = _qwen3_attn_prolog(x_L43_attn_norm, W['graphgen.load:model.layers.43.self_attn.q_proj.weight[d0/2]+model.layers.43.self_attn.k_proj.weight[d0/2]+model.layers.43.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.43.self_attn.q_norm.weight'], W['model.layers.43.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L43.qkv
     torch_npu.npu_scatter_nd_update_(kv[43][0], b.kv_index, k_L43.reshape(k_L43.shape[0], -1))  # L43.kv_write
     torch_npu.npu_scatter_nd_update_(kv[43][1], b.kv_index, v_L43.reshape(v_L43.shape[0], -1))  # L43.kv_write
-    o_L43 = torch_npu.npu_fused_infer_attention_score(q_L43, kv[43][0], kv[43][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L43.attn
+    o_L43 = _gqa_decode_attention(q_L43, kv[43], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L43.attn
     h_L43_attn_partial = F.linear(o_L43.reshape(o_L43.shape[0], -1), W['model.layers.43.self_attn.o_proj.weight[d1/2]'])  # L43.o_proj
     h_L43_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L43_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L43.o_proj.all_reduce
     h_L43_attn = h_L42 + h_L43_attn_sum  # L43.o_proj.residual
@@ -746,7 +766,7 @@ def forward(W, b, kv, staging=()):
     q_L44, k_L44, v_L44 = _qwen3_attn_prolog(x_L44_attn_norm, W['graphgen.load:model.layers.44.self_attn.q_proj.weight[d0/2]+model.layers.44.self_attn.k_proj.weight[d0/2]+model.layers.44.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.44.self_attn.q_norm.weight'], W['model.layers.44.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L44.qkv
     torch_npu.npu_scatter_nd_update_(kv[44][0], b.kv_index, k_L44.reshape(k_L44.shape[0], -1))  # L44.kv_write
     torch_npu.npu_scatter_nd_update_(kv[44][1], b.kv_index, v_L44.reshape(v_L44.shape[0], -1))  # L44.kv_write
-    o_L44 = torch_npu.npu_fused_infer_attention_score(q_L44, kv[44][0], kv[44][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L44.attn
+    o_L44 = _gqa_decode_attention(q_L44, kv[44], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L44.attn
     h_L44_attn_partial = F.linear(o_L44.reshape(o_L44.shape[0], -1), W['model.layers.44.self_attn.o_proj.weight[d1/2]'])  # L44.o_proj
     h_L44_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L44_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L44.o_proj.all_reduce
     h_L44_attn = h_L43 + h_L44_attn_sum  # L44.o_proj.residual
@@ -758,7 +778,7 @@ def forward(W, b, kv, staging=()):
     q_L45, k_L45, v_L45 = _qwen3_attn_prolog(x_L45_attn_norm, W['graphgen.load:model.layers.45.self_attn.q_proj.weight[d0/2]+model.layers.45.self_attn.k_proj.weight[d0/2]+model.layers.45.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.45.self_attn.q_norm.weight'], W['model.layers.45.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L45.qkv
     torch_npu.npu_scatter_nd_update_(kv[45][0], b.kv_index, k_L45.reshape(k_L45.shape[0], -1))  # L45.kv_write
     torch_npu.npu_scatter_nd_update_(kv[45][1], b.kv_index, v_L45.reshape(v_L45.shape[0], -1))  # L45.kv_write
-    o_L45 = torch_npu.npu_fused_infer_attention_score(q_L45, kv[45][0], kv[45][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L45.attn
+    o_L45 = _gqa_decode_attention(q_L45, kv[45], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L45.attn
     h_L45_attn_partial = F.linear(o_L45.reshape(o_L45.shape[0], -1), W['model.layers.45.self_attn.o_proj.weight[d1/2]'])  # L45.o_proj
     h_L45_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L45_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L45.o_proj.all_reduce
     h_L45_attn = h_L44 + h_L45_attn_sum  # L45.o_proj.residual
@@ -770,7 +790,7 @@ def forward(W, b, kv, staging=()):
     q_L46, k_L46, v_L46 = _qwen3_attn_prolog(x_L46_attn_norm, W['graphgen.load:model.layers.46.self_attn.q_proj.weight[d0/2]+model.layers.46.self_attn.k_proj.weight[d0/2]+model.layers.46.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.46.self_attn.q_norm.weight'], W['model.layers.46.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L46.qkv
     torch_npu.npu_scatter_nd_update_(kv[46][0], b.kv_index, k_L46.reshape(k_L46.shape[0], -1))  # L46.kv_write
     torch_npu.npu_scatter_nd_update_(kv[46][1], b.kv_index, v_L46.reshape(v_L46.shape[0], -1))  # L46.kv_write
-    o_L46 = torch_npu.npu_fused_infer_attention_score(q_L46, kv[46][0], kv[46][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L46.attn
+    o_L46 = _gqa_decode_attention(q_L46, kv[46], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L46.attn
     h_L46_attn_partial = F.linear(o_L46.reshape(o_L46.shape[0], -1), W['model.layers.46.self_attn.o_proj.weight[d1/2]'])  # L46.o_proj
     h_L46_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L46_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L46.o_proj.all_reduce
     h_L46_attn = h_L45 + h_L46_attn_sum  # L46.o_proj.residual
@@ -782,7 +802,7 @@ def forward(W, b, kv, staging=()):
     q_L47, k_L47, v_L47 = _qwen3_attn_prolog(x_L47_attn_norm, W['graphgen.load:model.layers.47.self_attn.q_proj.weight[d0/2]+model.layers.47.self_attn.k_proj.weight[d0/2]+model.layers.47.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.47.self_attn.q_norm.weight'], W['model.layers.47.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L47.qkv
     torch_npu.npu_scatter_nd_update_(kv[47][0], b.kv_index, k_L47.reshape(k_L47.shape[0], -1))  # L47.kv_write
     torch_npu.npu_scatter_nd_update_(kv[47][1], b.kv_index, v_L47.reshape(v_L47.shape[0], -1))  # L47.kv_write
-    o_L47 = torch_npu.npu_fused_infer_attention_score(q_L47, kv[47][0], kv[47][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L47.attn
+    o_L47 = _gqa_decode_attention(q_L47, kv[47], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L47.attn
     h_L47_attn_partial = F.linear(o_L47.reshape(o_L47.shape[0], -1), W['model.layers.47.self_attn.o_proj.weight[d1/2]'])  # L47.o_proj
     h_L47_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L47_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L47.o_proj.all_reduce
     h_L47_attn = h_L46 + h_L47_attn_sum  # L47.o_proj.residual
@@ -794,7 +814,7 @@ def forward(W, b, kv, staging=()):
     q_L48, k_L48, v_L48 = _qwen3_attn_prolog(x_L48_attn_norm, W['graphgen.load:model.layers.48.self_attn.q_proj.weight[d0/2]+model.layers.48.self_attn.k_proj.weight[d0/2]+model.layers.48.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.48.self_attn.q_norm.weight'], W['model.layers.48.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L48.qkv
     torch_npu.npu_scatter_nd_update_(kv[48][0], b.kv_index, k_L48.reshape(k_L48.shape[0], -1))  # L48.kv_write
     torch_npu.npu_scatter_nd_update_(kv[48][1], b.kv_index, v_L48.reshape(v_L48.shape[0], -1))  # L48.kv_write
-    o_L48 = torch_npu.npu_fused_infer_attention_score(q_L48, kv[48][0], kv[48][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L48.attn
+    o_L48 = _gqa_decode_attention(q_L48, kv[48], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L48.attn
     h_L48_attn_partial = F.linear(o_L48.reshape(o_L48.shape[0], -1), W['model.layers.48.self_attn.o_proj.weight[d1/2]'])  # L48.o_proj
     h_L48_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L48_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L48.o_proj.all_reduce
     h_L48_attn = h_L47 + h_L48_attn_sum  # L48.o_proj.residual
@@ -806,7 +826,7 @@ def forward(W, b, kv, staging=()):
     q_L49, k_L49, v_L49 = _qwen3_attn_prolog(x_L49_attn_norm, W['graphgen.load:model.layers.49.self_attn.q_proj.weight[d0/2]+model.layers.49.self_attn.k_proj.weight[d0/2]+model.layers.49.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.49.self_attn.q_norm.weight'], W['model.layers.49.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L49.qkv
     torch_npu.npu_scatter_nd_update_(kv[49][0], b.kv_index, k_L49.reshape(k_L49.shape[0], -1))  # L49.kv_write
     torch_npu.npu_scatter_nd_update_(kv[49][1], b.kv_index, v_L49.reshape(v_L49.shape[0], -1))  # L49.kv_write
-    o_L49 = torch_npu.npu_fused_infer_attention_score(q_L49, kv[49][0], kv[49][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L49.attn
+    o_L49 = _gqa_decode_attention(q_L49, kv[49], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L49.attn
     h_L49_attn_partial = F.linear(o_L49.reshape(o_L49.shape[0], -1), W['model.layers.49.self_attn.o_proj.weight[d1/2]'])  # L49.o_proj
     h_L49_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L49_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L49.o_proj.all_reduce
     h_L49_attn = h_L48 + h_L49_attn_sum  # L49.o_proj.residual
@@ -818,7 +838,7 @@ def forward(W, b, kv, staging=()):
     q_L50, k_L50, v_L50 = _qwen3_attn_prolog(x_L50_attn_norm, W['graphgen.load:model.layers.50.self_attn.q_proj.weight[d0/2]+model.layers.50.self_attn.k_proj.weight[d0/2]+model.layers.50.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.50.self_attn.q_norm.weight'], W['model.layers.50.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L50.qkv
     torch_npu.npu_scatter_nd_update_(kv[50][0], b.kv_index, k_L50.reshape(k_L50.shape[0], -1))  # L50.kv_write
     torch_npu.npu_scatter_nd_update_(kv[50][1], b.kv_index, v_L50.reshape(v_L50.shape[0], -1))  # L50.kv_write
-    o_L50 = torch_npu.npu_fused_infer_attention_score(q_L50, kv[50][0], kv[50][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L50.attn
+    o_L50 = _gqa_decode_attention(q_L50, kv[50], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L50.attn
     h_L50_attn_partial = F.linear(o_L50.reshape(o_L50.shape[0], -1), W['model.layers.50.self_attn.o_proj.weight[d1/2]'])  # L50.o_proj
     h_L50_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L50_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L50.o_proj.all_reduce
     h_L50_attn = h_L49 + h_L50_attn_sum  # L50.o_proj.residual
@@ -830,7 +850,7 @@ def forward(W, b, kv, staging=()):
     q_L51, k_L51, v_L51 = _qwen3_attn_prolog(x_L51_attn_norm, W['graphgen.load:model.layers.51.self_attn.q_proj.weight[d0/2]+model.layers.51.self_attn.k_proj.weight[d0/2]+model.layers.51.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.51.self_attn.q_norm.weight'], W['model.layers.51.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L51.qkv
     torch_npu.npu_scatter_nd_update_(kv[51][0], b.kv_index, k_L51.reshape(k_L51.shape[0], -1))  # L51.kv_write
     torch_npu.npu_scatter_nd_update_(kv[51][1], b.kv_index, v_L51.reshape(v_L51.shape[0], -1))  # L51.kv_write
-    o_L51 = torch_npu.npu_fused_infer_attention_score(q_L51, kv[51][0], kv[51][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L51.attn
+    o_L51 = _gqa_decode_attention(q_L51, kv[51], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L51.attn
     h_L51_attn_partial = F.linear(o_L51.reshape(o_L51.shape[0], -1), W['model.layers.51.self_attn.o_proj.weight[d1/2]'])  # L51.o_proj
     h_L51_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L51_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L51.o_proj.all_reduce
     h_L51_attn = h_L50 + h_L51_attn_sum  # L51.o_proj.residual
@@ -842,7 +862,7 @@ def forward(W, b, kv, staging=()):
     q_L52, k_L52, v_L52 = _qwen3_attn_prolog(x_L52_attn_norm, W['graphgen.load:model.layers.52.self_attn.q_proj.weight[d0/2]+model.layers.52.self_attn.k_proj.weight[d0/2]+model.layers.52.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.52.self_attn.q_norm.weight'], W['model.layers.52.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L52.qkv
     torch_npu.npu_scatter_nd_update_(kv[52][0], b.kv_index, k_L52.reshape(k_L52.shape[0], -1))  # L52.kv_write
     torch_npu.npu_scatter_nd_update_(kv[52][1], b.kv_index, v_L52.reshape(v_L52.shape[0], -1))  # L52.kv_write
-    o_L52 = torch_npu.npu_fused_infer_attention_score(q_L52, kv[52][0], kv[52][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L52.attn
+    o_L52 = _gqa_decode_attention(q_L52, kv[52], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L52.attn
     h_L52_attn_partial = F.linear(o_L52.reshape(o_L52.shape[0], -1), W['model.layers.52.self_attn.o_proj.weight[d1/2]'])  # L52.o_proj
     h_L52_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L52_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L52.o_proj.all_reduce
     h_L52_attn = h_L51 + h_L52_attn_sum  # L52.o_proj.residual
@@ -854,7 +874,7 @@ def forward(W, b, kv, staging=()):
     q_L53, k_L53, v_L53 = _qwen3_attn_prolog(x_L53_attn_norm, W['graphgen.load:model.layers.53.self_attn.q_proj.weight[d0/2]+model.layers.53.self_attn.k_proj.weight[d0/2]+model.layers.53.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.53.self_attn.q_norm.weight'], W['model.layers.53.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L53.qkv
     torch_npu.npu_scatter_nd_update_(kv[53][0], b.kv_index, k_L53.reshape(k_L53.shape[0], -1))  # L53.kv_write
     torch_npu.npu_scatter_nd_update_(kv[53][1], b.kv_index, v_L53.reshape(v_L53.shape[0], -1))  # L53.kv_write
-    o_L53 = torch_npu.npu_fused_infer_attention_score(q_L53, kv[53][0], kv[53][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L53.attn
+    o_L53 = _gqa_decode_attention(q_L53, kv[53], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L53.attn
     h_L53_attn_partial = F.linear(o_L53.reshape(o_L53.shape[0], -1), W['model.layers.53.self_attn.o_proj.weight[d1/2]'])  # L53.o_proj
     h_L53_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L53_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L53.o_proj.all_reduce
     h_L53_attn = h_L52 + h_L53_attn_sum  # L53.o_proj.residual
@@ -866,7 +886,7 @@ def forward(W, b, kv, staging=()):
     q_L54, k_L54, v_L54 = _qwen3_attn_prolog(x_L54_attn_norm, W['graphgen.load:model.layers.54.self_attn.q_proj.weight[d0/2]+model.layers.54.self_attn.k_proj.weight[d0/2]+model.layers.54.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.54.self_attn.q_norm.weight'], W['model.layers.54.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L54.qkv
     torch_npu.npu_scatter_nd_update_(kv[54][0], b.kv_index, k_L54.reshape(k_L54.shape[0], -1))  # L54.kv_write
     torch_npu.npu_scatter_nd_update_(kv[54][1], b.kv_index, v_L54.reshape(v_L54.shape[0], -1))  # L54.kv_write
-    o_L54 = torch_npu.npu_fused_infer_attention_score(q_L54, kv[54][0], kv[54][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L54.attn
+    o_L54 = _gqa_decode_attention(q_L54, kv[54], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L54.attn
     h_L54_attn_partial = F.linear(o_L54.reshape(o_L54.shape[0], -1), W['model.layers.54.self_attn.o_proj.weight[d1/2]'])  # L54.o_proj
     h_L54_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L54_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L54.o_proj.all_reduce
     h_L54_attn = h_L53 + h_L54_attn_sum  # L54.o_proj.residual
@@ -878,7 +898,7 @@ def forward(W, b, kv, staging=()):
     q_L55, k_L55, v_L55 = _qwen3_attn_prolog(x_L55_attn_norm, W['graphgen.load:model.layers.55.self_attn.q_proj.weight[d0/2]+model.layers.55.self_attn.k_proj.weight[d0/2]+model.layers.55.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.55.self_attn.q_norm.weight'], W['model.layers.55.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L55.qkv
     torch_npu.npu_scatter_nd_update_(kv[55][0], b.kv_index, k_L55.reshape(k_L55.shape[0], -1))  # L55.kv_write
     torch_npu.npu_scatter_nd_update_(kv[55][1], b.kv_index, v_L55.reshape(v_L55.shape[0], -1))  # L55.kv_write
-    o_L55 = torch_npu.npu_fused_infer_attention_score(q_L55, kv[55][0], kv[55][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L55.attn
+    o_L55 = _gqa_decode_attention(q_L55, kv[55], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L55.attn
     h_L55_attn_partial = F.linear(o_L55.reshape(o_L55.shape[0], -1), W['model.layers.55.self_attn.o_proj.weight[d1/2]'])  # L55.o_proj
     h_L55_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L55_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L55.o_proj.all_reduce
     h_L55_attn = h_L54 + h_L55_attn_sum  # L55.o_proj.residual
@@ -890,7 +910,7 @@ def forward(W, b, kv, staging=()):
     q_L56, k_L56, v_L56 = _qwen3_attn_prolog(x_L56_attn_norm, W['graphgen.load:model.layers.56.self_attn.q_proj.weight[d0/2]+model.layers.56.self_attn.k_proj.weight[d0/2]+model.layers.56.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.56.self_attn.q_norm.weight'], W['model.layers.56.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L56.qkv
     torch_npu.npu_scatter_nd_update_(kv[56][0], b.kv_index, k_L56.reshape(k_L56.shape[0], -1))  # L56.kv_write
     torch_npu.npu_scatter_nd_update_(kv[56][1], b.kv_index, v_L56.reshape(v_L56.shape[0], -1))  # L56.kv_write
-    o_L56 = torch_npu.npu_fused_infer_attention_score(q_L56, kv[56][0], kv[56][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L56.attn
+    o_L56 = _gqa_decode_attention(q_L56, kv[56], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L56.attn
     h_L56_attn_partial = F.linear(o_L56.reshape(o_L56.shape[0], -1), W['model.layers.56.self_attn.o_proj.weight[d1/2]'])  # L56.o_proj
     h_L56_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L56_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L56.o_proj.all_reduce
     h_L56_attn = h_L55 + h_L56_attn_sum  # L56.o_proj.residual
@@ -902,7 +922,7 @@ def forward(W, b, kv, staging=()):
     q_L57, k_L57, v_L57 = _qwen3_attn_prolog(x_L57_attn_norm, W['graphgen.load:model.layers.57.self_attn.q_proj.weight[d0/2]+model.layers.57.self_attn.k_proj.weight[d0/2]+model.layers.57.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.57.self_attn.q_norm.weight'], W['model.layers.57.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L57.qkv
     torch_npu.npu_scatter_nd_update_(kv[57][0], b.kv_index, k_L57.reshape(k_L57.shape[0], -1))  # L57.kv_write
     torch_npu.npu_scatter_nd_update_(kv[57][1], b.kv_index, v_L57.reshape(v_L57.shape[0], -1))  # L57.kv_write
-    o_L57 = torch_npu.npu_fused_infer_attention_score(q_L57, kv[57][0], kv[57][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L57.attn
+    o_L57 = _gqa_decode_attention(q_L57, kv[57], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L57.attn
     h_L57_attn_partial = F.linear(o_L57.reshape(o_L57.shape[0], -1), W['model.layers.57.self_attn.o_proj.weight[d1/2]'])  # L57.o_proj
     h_L57_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L57_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L57.o_proj.all_reduce
     h_L57_attn = h_L56 + h_L57_attn_sum  # L57.o_proj.residual
@@ -914,7 +934,7 @@ def forward(W, b, kv, staging=()):
     q_L58, k_L58, v_L58 = _qwen3_attn_prolog(x_L58_attn_norm, W['graphgen.load:model.layers.58.self_attn.q_proj.weight[d0/2]+model.layers.58.self_attn.k_proj.weight[d0/2]+model.layers.58.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.58.self_attn.q_norm.weight'], W['model.layers.58.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L58.qkv
     torch_npu.npu_scatter_nd_update_(kv[58][0], b.kv_index, k_L58.reshape(k_L58.shape[0], -1))  # L58.kv_write
     torch_npu.npu_scatter_nd_update_(kv[58][1], b.kv_index, v_L58.reshape(v_L58.shape[0], -1))  # L58.kv_write
-    o_L58 = torch_npu.npu_fused_infer_attention_score(q_L58, kv[58][0], kv[58][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L58.attn
+    o_L58 = _gqa_decode_attention(q_L58, kv[58], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L58.attn
     h_L58_attn_partial = F.linear(o_L58.reshape(o_L58.shape[0], -1), W['model.layers.58.self_attn.o_proj.weight[d1/2]'])  # L58.o_proj
     h_L58_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L58_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L58.o_proj.all_reduce
     h_L58_attn = h_L57 + h_L58_attn_sum  # L58.o_proj.residual
@@ -926,7 +946,7 @@ def forward(W, b, kv, staging=()):
     q_L59, k_L59, v_L59 = _qwen3_attn_prolog(x_L59_attn_norm, W['graphgen.load:model.layers.59.self_attn.q_proj.weight[d0/2]+model.layers.59.self_attn.k_proj.weight[d0/2]+model.layers.59.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.59.self_attn.q_norm.weight'], W['model.layers.59.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L59.qkv
     torch_npu.npu_scatter_nd_update_(kv[59][0], b.kv_index, k_L59.reshape(k_L59.shape[0], -1))  # L59.kv_write
     torch_npu.npu_scatter_nd_update_(kv[59][1], b.kv_index, v_L59.reshape(v_L59.shape[0], -1))  # L59.kv_write
-    o_L59 = torch_npu.npu_fused_infer_attention_score(q_L59, kv[59][0], kv[59][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L59.attn
+    o_L59 = _gqa_decode_attention(q_L59, kv[59], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L59.attn
     h_L59_attn_partial = F.linear(o_L59.reshape(o_L59.shape[0], -1), W['model.layers.59.self_attn.o_proj.weight[d1/2]'])  # L59.o_proj
     h_L59_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L59_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L59.o_proj.all_reduce
     h_L59_attn = h_L58 + h_L59_attn_sum  # L59.o_proj.residual
@@ -938,7 +958,7 @@ def forward(W, b, kv, staging=()):
     q_L60, k_L60, v_L60 = _qwen3_attn_prolog(x_L60_attn_norm, W['graphgen.load:model.layers.60.self_attn.q_proj.weight[d0/2]+model.layers.60.self_attn.k_proj.weight[d0/2]+model.layers.60.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.60.self_attn.q_norm.weight'], W['model.layers.60.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L60.qkv
     torch_npu.npu_scatter_nd_update_(kv[60][0], b.kv_index, k_L60.reshape(k_L60.shape[0], -1))  # L60.kv_write
     torch_npu.npu_scatter_nd_update_(kv[60][1], b.kv_index, v_L60.reshape(v_L60.shape[0], -1))  # L60.kv_write
-    o_L60 = torch_npu.npu_fused_infer_attention_score(q_L60, kv[60][0], kv[60][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L60.attn
+    o_L60 = _gqa_decode_attention(q_L60, kv[60], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L60.attn
     h_L60_attn_partial = F.linear(o_L60.reshape(o_L60.shape[0], -1), W['model.layers.60.self_attn.o_proj.weight[d1/2]'])  # L60.o_proj
     h_L60_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L60_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L60.o_proj.all_reduce
     h_L60_attn = h_L59 + h_L60_attn_sum  # L60.o_proj.residual
@@ -950,7 +970,7 @@ def forward(W, b, kv, staging=()):
     q_L61, k_L61, v_L61 = _qwen3_attn_prolog(x_L61_attn_norm, W['graphgen.load:model.layers.61.self_attn.q_proj.weight[d0/2]+model.layers.61.self_attn.k_proj.weight[d0/2]+model.layers.61.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.61.self_attn.q_norm.weight'], W['model.layers.61.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L61.qkv
     torch_npu.npu_scatter_nd_update_(kv[61][0], b.kv_index, k_L61.reshape(k_L61.shape[0], -1))  # L61.kv_write
     torch_npu.npu_scatter_nd_update_(kv[61][1], b.kv_index, v_L61.reshape(v_L61.shape[0], -1))  # L61.kv_write
-    o_L61 = torch_npu.npu_fused_infer_attention_score(q_L61, kv[61][0], kv[61][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L61.attn
+    o_L61 = _gqa_decode_attention(q_L61, kv[61], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L61.attn
     h_L61_attn_partial = F.linear(o_L61.reshape(o_L61.shape[0], -1), W['model.layers.61.self_attn.o_proj.weight[d1/2]'])  # L61.o_proj
     h_L61_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L61_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L61.o_proj.all_reduce
     h_L61_attn = h_L60 + h_L61_attn_sum  # L61.o_proj.residual
@@ -962,7 +982,7 @@ def forward(W, b, kv, staging=()):
     q_L62, k_L62, v_L62 = _qwen3_attn_prolog(x_L62_attn_norm, W['graphgen.load:model.layers.62.self_attn.q_proj.weight[d0/2]+model.layers.62.self_attn.k_proj.weight[d0/2]+model.layers.62.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.62.self_attn.q_norm.weight'], W['model.layers.62.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L62.qkv
     torch_npu.npu_scatter_nd_update_(kv[62][0], b.kv_index, k_L62.reshape(k_L62.shape[0], -1))  # L62.kv_write
     torch_npu.npu_scatter_nd_update_(kv[62][1], b.kv_index, v_L62.reshape(v_L62.shape[0], -1))  # L62.kv_write
-    o_L62 = torch_npu.npu_fused_infer_attention_score(q_L62, kv[62][0], kv[62][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L62.attn
+    o_L62 = _gqa_decode_attention(q_L62, kv[62], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L62.attn
     h_L62_attn_partial = F.linear(o_L62.reshape(o_L62.shape[0], -1), W['model.layers.62.self_attn.o_proj.weight[d1/2]'])  # L62.o_proj
     h_L62_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L62_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L62.o_proj.all_reduce
     h_L62_attn = h_L61 + h_L62_attn_sum  # L62.o_proj.residual
@@ -974,7 +994,7 @@ def forward(W, b, kv, staging=()):
     q_L63, k_L63, v_L63 = _qwen3_attn_prolog(x_L63_attn_norm, W['graphgen.load:model.layers.63.self_attn.q_proj.weight[d0/2]+model.layers.63.self_attn.k_proj.weight[d0/2]+model.layers.63.self_attn.v_proj.weight[d0/2]:cat0'], W['model.layers.63.self_attn.q_norm.weight'], W['model.layers.63.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L63.qkv
     torch_npu.npu_scatter_nd_update_(kv[63][0], b.kv_index, k_L63.reshape(k_L63.shape[0], -1))  # L63.kv_write
     torch_npu.npu_scatter_nd_update_(kv[63][1], b.kv_index, v_L63.reshape(v_L63.shape[0], -1))  # L63.kv_write
-    o_L63 = torch_npu.npu_fused_infer_attention_score(q_L63, kv[63][0], kv[63][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=32, num_key_value_heads=4, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L63.attn
+    o_L63 = _gqa_decode_attention(q_L63, kv[63], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, num_kv_heads=4, head_dim=128, scale=0.08838834764831845, block_size=128)  # L63.attn
     h_L63_attn_partial = F.linear(o_L63.reshape(o_L63.shape[0], -1), W['model.layers.63.self_attn.o_proj.weight[d1/2]'])  # L63.o_proj
     h_L63_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L63_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L63.o_proj.all_reduce
     h_L63_attn = h_L62 + h_L63_attn_sum  # L63.o_proj.residual

@@ -26,6 +26,10 @@ GRAPH = 'tiny_deepseek_v3_npu.decode'
 META = {'block_size': 128, 'family': 'deepseek_v3', 'granularity': 'none', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 2, 'model': 'tiny_deepseek_v3_npu', 'phase': 'decode', 'saves': False, 'spec': 'specs/tiny_deepseek_v3_npu.yaml', 'variant': 'decode', 'write': 'off'}
 COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
+# Compile with experimental_config.tiling_schedule_optimize (compile_module reads it): True for a GE decode
+# graph, whose attention is BSH/BNSD with static shapes per batch bucket (torchair's path 4, a static graph);
+# False for TND attention, which tiling sink does not support (docs/npu.md, "Decode as a static graph").
+TILING_SINK = True
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
 # Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
@@ -91,30 +95,34 @@ def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, n
     return q_nope.contiguous(), q_pe.contiguous(), c_kv.contiguous(), k_pe.contiguous()
 
 
-def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, actual_seq_lengths, actual_seq_lengths_kv,
+def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
                             *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, block_size):
-    """DECODE ONLY. Absorbed MLA: q_nope . W_uk -> attention over the paged latent cache (ckv as key and
-    value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns
-    [T, H, v_head_dim].  The kernel's documented envelope with query_rope (torch-npu 2.14.0
-    _op_plugin_docs.py:8174-8176, v2 :8697-8703/:8722-8724): 1-16 query tokens per sequence, sparse_mode 0
-    without a mask for one token, query N in 32/64/128, D = 512, key N = 1, page attention with block size
-    16 or 128 -- a decode step (one token per sequence) sits inside it, a prefill chunk does not.
+    """DECODE ONLY (one query token per sequence, T = B). Absorbed MLA: q_nope . W_uk -> attention over the
+    paged latent cache (ckv as key and value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R],
+    kpe [NB, BS, r]); returns [T, H, v_head_dim].
+    The v2 API in layout BNSD (B, N, S, D) for the static decode graph (TND is not supported with tiling
+    sink, torch-npu 2.14.0 _op_plugin_docs.py:8632-8633), as vllm-ascend's MLA decode does
+    (mla_v1.py:1373-1500, v2).  Its documented envelope with query_rope, query D = 512 (:8694-8703): query
+    S 1-16 and N in 1/2/4/8/16/32/64/128, rope D 64, key N 1 and D 512, page attention with block size 16
+    or 128, sparse_mode 0 without a mask for S = 1 (:8697).  The latent cache is viewed (blocknum, KV_N=1,
+    blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same bytes for KV_N = 1).
     A tensor-parallel rank holds num_heads / tp heads (4 for DeepSeek-V3 at tp=32): the query is padded
-    with zero heads to the next documented count and the padding's output dropped (every head reads the
-    same latent; the extra heads cost compute, not KV traffic)."""
+    with zero heads to the next power of two only when it is not one (the extra heads cost compute, not
+    KV traffic, and are dropped)."""
     w = w_kv_b.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w.split([qk_nope_head_dim, v_head_dim], dim=1)
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-    heads = next(n for n in (32, 64, 128) if n >= num_heads)
+    heads = next(n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n >= num_heads)
     if heads != num_heads:
         q_lat = torch.nn.functional.pad(q_lat, (0, 0, 0, heads - num_heads))
         q_pe = torch.nn.functional.pad(q_pe, (0, 0, 0, heads - num_heads))
-    o_lat = torch_npu.npu_fused_infer_attention_score(
-        q_lat, cache[0], cache[0], query_rope=q_pe, key_rope=cache[1], atten_mask=None,
-        actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv, block_table=block_table,
-        num_heads=heads, num_key_value_heads=1, scale=scale, input_layout="TND", sparse_mode=0,
-        block_size=block_size)[0]
-    return torch.einsum("thr,hvr->thv", o_lat[:, :num_heads], w_uv)
+    nb, bs = cache[0].shape[0], cache[0].shape[1]
+    ckv, kpe = cache[0].view(nb, 1, bs, kv_lora_rank), cache[1].view(nb, 1, bs, cache[1].shape[-1])
+    o_lat = torch_npu.npu_fused_infer_attention_score_v2(
+        q_lat.unsqueeze(2).contiguous(), ckv, ckv, query_rope=q_pe.unsqueeze(2).contiguous(), key_rope=kpe,
+        atten_mask=None, actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads,
+        num_key_value_heads=1, softmax_scale=scale, input_layout="BNSD", sparse_mode=0, block_size=block_size)[0]
+    return torch.einsum("thr,hvr->thv", o_lat.squeeze(2)[:, :num_heads], w_uv)
 
 
 def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, w_shared_down, residual, *,
@@ -171,7 +179,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = _mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, c_kv_L00.reshape(c_kv_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, k_pe_L00.reshape(k_pe_L00.shape[0], -1))  # L00.kv_write
-    o_L00 = _mla_attention_absorbed(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L00.attn
+    o_L00 = _mla_attention_absorbed(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L00.attn
     h_L00_attn = h_embed + F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight'])  # L00.o_proj
     x_L00_mlp_norm = torch_npu.npu_rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)[0]  # L00.mlp_norm
     h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
@@ -179,7 +187,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = _mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L01.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, c_kv_L01.reshape(c_kv_L01.shape[0], -1))  # L01.kv_write
     torch_npu.npu_scatter_nd_update_(kv[1][1], b.kv_index, k_pe_L01.reshape(k_pe_L01.shape[0], -1))  # L01.kv_write
-    o_L01 = _mla_attention_absorbed(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths, b.actual_seq_lengths_kv, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L01.attn
+    o_L01 = _mla_attention_absorbed(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
     h_L01 = _moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['graphgen.load:model.layers.1.mlp.experts.gate_proj.weight+model.layers.1.mlp.experts.up_proj.weight:cat1:t12'], W['graphgen.load:model.layers.1.mlp.experts.down_proj.weight:cat0:t12'], W['graphgen.load:model.layers.1.mlp.shared_experts.gate_proj.weight+model.layers.1.mlp.shared_experts.up_proj.weight:cat0'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=8)  # L01.moe

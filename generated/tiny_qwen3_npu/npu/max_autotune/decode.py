@@ -26,6 +26,10 @@ GRAPH = 'tiny_qwen3_npu.decode'
 META = {'block_size': 128, 'family': 'qwen3_dense', 'granularity': 'none', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 2, 'model': 'tiny_qwen3_npu', 'phase': 'decode', 'saves': False, 'spec': 'specs/tiny_qwen3_npu.yaml', 'variant': 'decode', 'write': 'off'}
 COMPILE_MODE = 'max-autotune'
 SAVE_STREAM = ('kv_save', 0)  # (stream_tag, stream_priority) for npu_stream_switch
+# Compile with experimental_config.tiling_schedule_optimize (compile_module reads it): True for a GE decode
+# graph, whose attention is BSH/BNSD with static shapes per batch bucket (torchair's path 4, a static graph);
+# False for TND attention, which tiling sink does not support (docs/npu.md, "Decode as a static graph").
+TILING_SINK = True
 # KV cache per layer: kv[L] = tuple of components, component i is [num_blocks, *KV_SHAPES[i]] (dtype KV_DTYPE).
 # Staging per layer (saving variants): staging[L][i] is [S_max, *KV_SHAPES[i]].
 # Loads per layer (history variants): loads[L][i] is [R, *KV_SHAPES[i]], the host-filled pool blocks.
@@ -75,6 +79,22 @@ def _swiglu_mlp(x, w_gate_up, w_down):
     return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
 
 
+def _gqa_decode_attention(q, cache, block_table, seq_lens, *, num_heads, num_kv_heads, head_dim, scale, block_size):
+    """DECODE ONLY (one query token per sequence, T = B). Paged GQA attention in layout BSH for the static
+    decode graph: TND is not supported with tiling sink (tiling_schedule_optimize=True; torch-npu 2.14.0
+    _op_plugin_docs.py:8632-8633), BSH is (:8631 BSH = (B, Q_S, H)).  The v2 API:
+    q [T, N, D] -> [B, 1, N*D]; cache = (k, v), each (blocknum, blocksize, KV_N*D), the one cache layout
+    BSH page attention takes (:8822); actual_seq_kvlen = per-sequence KV lengths (page attention needs
+    it, :8780-8821); actual_seq_qlen left out (ignored for Q_S = 1, :8609); no mask, sparse_mode 0.
+    Every tensor shape is static per batch bucket (B, block_table [B, max_blocks]); only the KV length
+    values vary, which tiling sink computes on the device (torchair's path 4)."""
+    t = q.shape[0]
+    return torch_npu.npu_fused_infer_attention_score_v2(
+        q.reshape(t, 1, num_heads * head_dim), cache[0], cache[1], atten_mask=None, actual_seq_kvlen=seq_lens,
+        block_table=block_table, num_query_heads=num_heads, num_key_value_heads=num_kv_heads, softmax_scale=scale,
+        input_layout="BSH", sparse_mode=0, block_size=block_size)[0].view(t, num_heads, head_dim)
+
+
 def load(b, kv, loads):
     """Load stream: NOT in the compiled graph.  Call before forward, eagerly, on the stream forward
     will run on: a cache input written by the load and by the graph's KV write is not re-inplaced by
@@ -92,7 +112,7 @@ def forward(W, b, kv, staging=()):
     q_L00, k_L00, v_L00 = _qwen3_attn_prolog(x_L00_attn_norm, W['graphgen.load:model.layers.0.self_attn.q_proj.weight+model.layers.0.self_attn.k_proj.weight+model.layers.0.self_attn.v_proj.weight:cat0'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L00.qkv
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, k_L00.reshape(k_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, v_L00.reshape(v_L00.shape[0], -1))  # L00.kv_write
-    o_L00 = torch_npu.npu_fused_infer_attention_score(q_L00, kv[0][0], kv[0][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=4, num_key_value_heads=2, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L00.attn
+    o_L00 = _gqa_decode_attention(q_L00, kv[0], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, num_kv_heads=2, head_dim=128, scale=0.08838834764831845, block_size=128)  # L00.attn
     h_L00_attn = h_embed + F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight'])  # L00.o_proj
     x_L00_mlp_norm = torch_npu.npu_rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)[0]  # L00.mlp_norm
     h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
@@ -100,7 +120,7 @@ def forward(W, b, kv, staging=()):
     q_L01, k_L01, v_L01 = _qwen3_attn_prolog(x_L01_attn_norm, W['graphgen.load:model.layers.1.self_attn.q_proj.weight+model.layers.1.self_attn.k_proj.weight+model.layers.1.self_attn.v_proj.weight:cat0'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=4, num_kv_heads=2, head_dim=128, eps=1e-06)  # L01.qkv
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, k_L01.reshape(k_L01.shape[0], -1))  # L01.kv_write
     torch_npu.npu_scatter_nd_update_(kv[1][1], b.kv_index, v_L01.reshape(v_L01.shape[0], -1))  # L01.kv_write
-    o_L01 = torch_npu.npu_fused_infer_attention_score(q_L01, kv[1][0], kv[1][1], atten_mask=None, actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, block_table=b.block_tables, num_heads=4, num_key_value_heads=2, scale=0.08838834764831845, input_layout="TND", sparse_mode=0, block_size=128)[0]  # L01.attn
+    o_L01 = _gqa_decode_attention(q_L01, kv[1], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, num_kv_heads=2, head_dim=128, scale=0.08838834764831845, block_size=128)  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
     h_L01 = h_L01_attn + _swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight+model.layers.1.mlp.up_proj.weight:cat0'], W['model.layers.1.mlp.down_proj.weight'])  # L01.mlp
