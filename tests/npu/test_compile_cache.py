@@ -44,7 +44,9 @@ def _decode_steps(cache_dir, batches, per_bucket=True):
             target.forward = StaticShapeForward(torchair.inference.cache_compile(
                 target.forward, config=cfg, dynamic=True, cache_dir=str(cache_dir)))
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8)
-        W = {k: t.to(torch.bfloat16) for k, t in random_weights(spec).items()}
+        from graphgen.npu.run.weights import load_time_weights
+
+        W = load_time_weights({k: t.to(torch.bfloat16) for k, t in random_weights(spec).items()}, [mod])
         W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, buckets.max_blocks * spec.kv_cache.block_size, dtype=torch.bfloat16)
         kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, 1 + 8 * buckets.max_blocks, staging_rows=0)
         with torch.no_grad(), warnings.catch_warnings():

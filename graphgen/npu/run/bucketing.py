@@ -249,7 +249,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                             by_bucket.setdefault(key, backend.graphs[before])
                 results.append(LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
                                           [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
-                                           for k in sorted(by_bucket)], bool(getattr(mod, "TILING_SINK", False)),
+                                           for k in sorted(by_bucket)], tiling_sink=bool(getattr(mod, "TILING_SINK", False)),
                                           mixed=len(batches)))
     finally:
         standin.uninstall()

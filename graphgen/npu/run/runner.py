@@ -160,15 +160,16 @@ class NpuModelRunner:
             chunk = [self._pad_sequence(hist, q) for hist, q in seqs]
             b, _ = self._step_inputs(phase, chunk, saves, history)
             target = self.compiled(variant)
-            idx, buf = self._acquire() if saves else (None, ())
+            idx, slot = self.commits.ring.acquire() if saves else (None, None)
+            buf = slot.device if saves else ()
             try:
                 with torch.no_grad(), self._limits():
                     if history:
                         mod.load(b, self.kv, self._chunk_loads(mod, chunk))
                     target.forward(self.W, b, self.kv, buf)
             finally:
-                if saves:  # the next graph writing this buffer is queued after this one (same stream)
-                    self.ring.release(idx)
+                if saves:  # the next graph writing this slot is queued after this one (same stream)
+                    self.commits.ring.release(idx)
             batch, tokens = step_bucket(b)
             print(f"warm-up {i}/{len(plans)}: {variant} bucket batch={batch} tokens={tokens} compiled",
                   file=out, flush=True)
