@@ -86,10 +86,10 @@ def test_npu_kv_write_one_scatter_per_component():
 
 def test_npu_attention_takes_heads_and_block_size_from_the_node():
     line, = _npu(_graph(), _attn("decode"))
-    assert line == ("o_L00 = torch_npu.npu_fused_infer_attention_score(q_L00, kv[1][0], kv[1][1], atten_mask=None, "
-                    "actual_seq_lengths=b.actual_seq_lengths, actual_seq_lengths_kv=b.actual_seq_lengths_kv, "
-                    "block_table=b.block_tables, num_heads=8, num_key_value_heads=2, scale=0.125, "
-                    "input_layout=\"TND\", sparse_mode=0, block_size=16)[0]")
+    # decode: the static graph's v2 BSH attention (npu_helpers._gqa_decode_attention), heads and
+    # block size from the node, head_dim from the node's dims
+    assert line == ("o_L00 = _gqa_decode_attention(q_L00, kv[1], b.block_tables, b.actual_seq_lengths_kv, "
+                    "num_heads=8, num_kv_heads=2, head_dim=16, scale=0.125, block_size=16)")
     with pytest.raises(LoweringError, match="unknown attention mode 'chunked'"):
         _npu(_graph(), _attn("chunked"))
 

@@ -81,7 +81,9 @@ def _count_graphs(buckets, steps, pad_of):
             mod = load_module(Path("hw/splitfuse.py"), compile_variant(SPEC, "splitfuse", "npu", mode="max-autotune"))
             target, backend = compile_module(mod, "max-autotune", use_standin=True, buckets=len(steps) + 1)
         dtype = torch.bfloat16
-        W = {k: t.to(dtype) for k, t in random_weights(SPEC).items()}
+        from graphgen.npu.run.weights import load_time_weights
+
+        W = load_time_weights({k: t.to(dtype) for k, t in random_weights(SPEC).items()}, [mod])
         W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, buckets.max_blocks * BS, dtype=dtype)
         nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
         kv, staging = kv_buffers(mod, SPEC.dims.num_hidden_layers, nb, staging_rows=buckets.save_rows)

@@ -14,7 +14,7 @@ naming other blocks is not admitted (counted); a value corrupted in the pool is 
 checksum and recomputed (counted); a P SIGKILLed mid-save costs a recompute, not the request; no
 decode instance up is a 503 at once; DeepSeek-V3 through the router equals its cold engine; the
 store's master SIGKILLed costs a recompute; D SIGKILLed mid-stream ends the stream with an error
-event (no hang). After each: no lease live on P, D's device blocks all free.
+event (no hang), and D restarted on its port serves through the router again. After each: no lease live on P, D's device blocks all free.
 """
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ def test_master_killed_requests_succeed_by_recompute(cluster, reference):
     cluster.assert_nothing_held()
 
 
-def test_decode_killed_mid_stream_is_a_clear_error_not_a_hang(cluster):
+def test_decode_killed_mid_stream_is_a_clear_error_then_restarted_it_serves_again(cluster, ckpt, reference):
     job = dict(_complete(cluster.router, PROMPTS[9], stream=True, ignore_eos=True), max_tokens=1500, progress=True)
     client = subprocess.Popen(cluster.ns.argv(sys.executable, str(HERE / "pd_client.py"), json.dumps([job])),
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -277,6 +277,25 @@ def test_decode_killed_mid_stream_is_a_clear_error_not_a_hang(cluster):
     assert client.returncode == 0, err[-3000:]
     got = json.loads(out.splitlines()[-1])
     assert "the decode instance failed" in got["error"], got
-    (health, after) = cluster.jobs({"op": "get", "url": cluster.router + "/health"}, _complete(cluster.router, [1, 2]))
-    assert health["status"] == 503 and after["status"] == 503
+    # the router's health check (every 0.5 s here) notices the dead instance; until then a request
+    # may still be tried on it and fail: only the state after the check is asserted
+    deadline = time.monotonic() + 15
+    while cluster.jobs({"op": "get", "url": cluster.router + "/health"})[0]["status"] != 503:
+        assert time.monotonic() < deadline, "the router kept reporting a dead decode instance healthy"
+        time.sleep(0.3)
+    (after,) = cluster.jobs(_complete(cluster.router, [1, 2]))
+    assert after["status"] == 503
     assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 0  # released at D's first bytes
+
+    # D restarted on its old port: the router's health check finds it again, and requests go through
+    args = list(_serve_args(ckpt, "decode"))
+    args[args.index("--port") + 1] = cluster.url["d"].rsplit(":", 1)[-1]
+    cluster.procs["d"] = _start(cluster.ns, "d_restarted", *args)
+    _url(cluster.procs["d"], "serve")
+    deadline = time.monotonic() + 30
+    while cluster.jobs({"op": "get", "url": cluster.router + "/health"})[0]["status"] != 200:
+        assert time.monotonic() < deadline, "the router never saw the restarted decode instance"
+        time.sleep(0.5)
+    got = cluster.jobs(_complete(cluster.router, PROMPTS[16]), _complete(cluster.router, PROMPTS[29], stream=True))
+    assert [g["tokens"] for g in got] == [reference[tuple(PROMPTS[16])], reference[tuple(PROMPTS[29])]]
+    cluster.assert_nothing_held()
