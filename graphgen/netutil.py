@@ -1,9 +1,12 @@
-"""Loopback helpers shared by the rank launcher, the Mooncake launcher, the demo and the server."""
+"""Loopback helpers shared by the rank launcher, the Mooncake launcher, the demo and the server, and
+the API-key check the server and the router share."""
 from __future__ import annotations
 
+import hmac
 import socket
+from typing import Sequence
 
-__all__ = ["free_port", "port_is_free"]
+__all__ = ["free_port", "port_is_free", "is_api_path", "bearer_authorized"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,3 +24,18 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def is_api_path(path: str) -> bool:
+    """The routes an API key guards: ``/v1`` and below (``/health`` and ``/metrics`` stay open)."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def bearer_authorized(authorization: bytes, keys: Sequence[bytes]) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <one of keys>``. Every key is compared, in
+    constant time, with no early exit: the time taken says nothing about which key (or prefix) matched."""
+    token = authorization[7:] if authorization[:7].lower() == b"bearer " else b""
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(token, k)
+    return ok

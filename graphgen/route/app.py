@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -28,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ..netutil import bearer_authorized, is_api_path
 from .policy import Backend, Pool, prefix_key
 
 log = logging.getLogger("graphgen.route")
@@ -131,10 +131,8 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if keys and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            token = got[7:].encode() if got[:7].lower() == "bearer " else b""
-            if not any([hmac.compare_digest(token, k) for k in keys]):  # every key compared
+        if keys and is_api_path(request.url.path):
+            if not bearer_authorized(request.headers.get("authorization", "").encode(), keys):
                 return _error(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
                               "invalid_api_key", "invalid_request_error")
         return await call_next(request)

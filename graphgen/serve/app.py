@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import itertools
 import json
 import logging
@@ -26,6 +25,7 @@ from .logprobs import LogprobFormatter, cumulative
 from .sampling_fields import FanOut
 from .stops import find_stop, holdback
 from .tools import ChatOutput
+from ..netutil import bearer_authorized, is_api_path
 from ..trace import NULL, TraceRecorder
 from .engine_api import RequestOutput, ServingEngine
 from .loop import EngineLoop
@@ -59,14 +59,6 @@ class _Gate:
         self.app, self.metrics, self.max_bytes = app, metrics, max_request_bytes
         self.keys = [k.encode() for k in api_keys]
 
-    def _authorized(self, headers: dict) -> bool:
-        got = headers.get(b"authorization", b"")
-        token = got[7:] if got[:7].lower() == b"bearer " else b""
-        ok = False
-        for k in self.keys:  # every key compared, in constant time: no early exit
-            ok |= hmac.compare_digest(token, k)
-        return ok
-
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
@@ -82,7 +74,7 @@ class _Gate:
         try:
             headers = dict(scope.get("headers") or ())
             refuse = None
-            if self.keys and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(headers):
+            if self.keys and is_api_path(path) and not bearer_authorized(headers.get(b"authorization", b""), self.keys):
                 refuse = _json_response(401, {"error": {
                     "message": "Incorrect API key provided: send 'Authorization: Bearer <key>'",
                     "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}},
