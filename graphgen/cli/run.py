@@ -6,7 +6,6 @@ fast and building the parser stays torch-free.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 

@@ -32,7 +32,6 @@ With ``tp == ep == dp == 1`` the pass changes nothing. Pure Python, no torch.
 
 from __future__ import annotations
 
-import math
 
 from ..families import FAMILIES
 from ..families.parallel import PLANS

@@ -17,7 +17,7 @@ the `Engine` calls (``generate``, ``llm``, ``drain``, ``stats``, ``close``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 __all__ = ["open_engine", "register_target", "TARGETS"]
 

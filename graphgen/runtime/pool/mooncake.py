@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from typing import Any, Callable, Sequence
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 from .base import Lease, LeaseKeeper, PoolBackend
 from .codec import HEADER, check_value, copy_with_checksum, parse_size, write_header
