@@ -31,6 +31,10 @@ def register_target(name: str, builder: Callable) -> None:
 
 
 def _cpu(spec, weights, *, spec_file: str, pool, **options):
+    if spec.parallel.dp > 1:  # DP attention: one process per DP rank, each with its own requests
+        from .parallel.data_parallel import DataParallelEngine
+
+        return DataParallelEngine(spec, weights, spec_file=spec_file, pool=pool, **options)
     if spec.parallel.tp > 1 or spec.parallel.ep > 1:  # each rank process loads its own slices
         from .parallel.launcher import DistributedEngine
 

@@ -145,7 +145,8 @@ def test_build_commands_never_import_torch(project):
 @pytest.mark.parametrize("cmd,flags,missing", [
     ("run", ("--tp", "2", "--sp", "--target", "npu", "--standin"), "sequence parallel (sp) has no NPU lowering yet"),
     ("run", ("--cp", "2"), "context parallel (cp > 1) does not run yet"),
-    ("serve", ("--dp", "2", "--ep", "2"), "data-parallel attention (dp > 1) does not run yet"),
+    ("serve", ("--dp", "2", "--ep", "2", "--target", "npu"), "data-parallel attention (dp > 1) has no NPU lowering"),
+    ("serve", ("--dp", "2", "--tp", "2", "--ep", "4"), "data-parallel attention runs with tp 1 inside each DP group"),
 ])
 def test_run_and_serve_refuse_a_layout_the_runtime_cannot_run(tmp_path, cmd, flags, missing):
     """--dp/--cp/--sp override the spec like --tp; a layout the ranks cannot run is one sentence, exit 2

@@ -321,10 +321,10 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
         target = RANK_TARGETS[cfg["target"]]
         # one node: the local rank is the rank (device choice and backend are the target's)
-        backend = target.setup(rank, spec.parallel.tp, cfg["engine_kwargs"])
+        backend = target.setup(rank, spec.parallel.world, cfg["engine_kwargs"])
         timeout = datetime.timedelta(seconds=cfg["timeout"])
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                                world_size=spec.parallel.tp, timeout=timeout)
+                                world_size=spec.parallel.world, timeout=timeout)
         # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
         group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         weights = cfg["weights"]
@@ -332,11 +332,18 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
             from ..checkpoint.hf import load_hf_weights
 
             weights = load_hf_weights(weights)
-        mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
-        del weights
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
-        engine = target.build(spec, mine, rank=rank, parts=rank_parts(spec, rank, group), spec_file=cfg["spec_file"],
-                              pool=pool, faults=cfg["faults"], sources=cfg["sources"], **cfg["engine_kwargs"])
+        if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (data_parallel.py)
+            from .data_parallel import build_dp_rank
+
+            engine = build_dp_rank(spec, weights, rank, cfg, pool)
+            del weights
+        else:
+            mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
+            del weights
+            engine = target.build(spec, mine, rank=rank, parts=rank_parts(spec, rank, group),
+                                  spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
+                                  sources=cfg["sources"], **cfg["engine_kwargs"])
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
