@@ -25,7 +25,7 @@ processes, so a dead DP rank raises `RankFailure` on the caller, never a hang.
 through one DP rank hits on every other; the facade drains every rank and then barriers before the
 next prompt looks the pool up (`generate` without ``batch``).
 
-**Which rank serves a request** (`DataParallelEngine.choose_rank`): prefix affinity by rendezvous
+**Which rank serves a request** (`DPRouter`): prefix affinity by rendezvous
 hashing of the prompt's leading full blocks over the DP ranks (`graphgen.route.policy.Pool`, policy
 ``prefix``), unless that rank already holds ``max_imbalance`` more requests than the least-loaded one
 (then the least loaded): a shared prefix stays on one rank's device cache while load stays bounded.
@@ -52,7 +52,7 @@ from .ops import slice_weight
 from .rank import RankRuntime
 
 __all__ = ["DPLayout", "DPRankRuntime", "DPSync", "DPModelRunner", "dp_rank_weights", "dp_rank_engine",
-           "DataParallelEngine", "DataParallelLLM", "prefix_affinity_key"]
+           "DataParallelEngine", "DataParallelLLM", "DPRouter", "prefix_affinity_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,9 +307,37 @@ def prefix_affinity_key(prompt: Sequence[int], block_size: int, blocks: int = 4)
     return ",".join(map(str, prompt[:n]))
 
 
+class DPRouter:
+    """Which DP rank a request goes to: prefix affinity (rendezvous hashing of `prefix_affinity_key` over
+    the ranks, `graphgen.route.policy.Pool` with policy ``prefix``: a shared prefix keeps going to one
+    rank, whose device cache holds it), unless that rank has ``max_imbalance`` more requests in flight
+    than the least-loaded one (then the least loaded, lowest first). ``load``: requests in flight per
+    rank, kept by the caller (`begin`/`end`). Torch-free."""
+
+    def __init__(self, dp: int, block_size: int, *, max_imbalance: int = 2):
+        from ...route.policy import Pool
+
+        if max_imbalance < 1:
+            raise ValueError(f"max_imbalance must be >= 1, got {max_imbalance}")
+        self.block_size, self.max_imbalance = block_size, max_imbalance
+        self._pool = Pool([f"dp{r}" for r in range(dp)], policy="prefix")
+        self.load = [0] * dp
+
+    def choose(self, prompt: Sequence[int]) -> int:
+        r = self._pool.backends.index(self._pool.pick(prefix_affinity_key(prompt, self.block_size)))
+        low = min(range(len(self.load)), key=lambda i: (self.load[i], i))
+        return low if self.load[r] - self.load[low] >= self.max_imbalance else r
+
+    def begin(self, r: int) -> None:
+        self.load[r] += 1
+
+    def end(self, r: int) -> None:
+        self.load[r] -= 1
+
+
 class DataParallelLLM:
     """`LLMEngine`'s step API over the DP ranks (what ``graphgen serve`` drives): ``add_request`` goes
-    to the rank `DataParallelEngine.choose_rank` picks; ``step`` is one tick on every rank (each steps
+    to the rank `DPRouter` picks; ``step`` is one tick on every rank (each steps
     its own requests; an idle one runs dummy forwards) and returns every rank's outputs; ``has_work``
     is any rank's. Request ids must be unique across ranks (the server's are)."""
 
@@ -330,21 +358,22 @@ class DataParallelLLM:
                     fork_of=None) -> None:
         prompt = [int(t) for t in prompt_ids]
         r = self.owner.get(fork_of) if fork_of is not None else None  # a fork shares its parent's blocks
-        r = self._engine.choose_rank(prompt) if r is None else r
+        r = self._engine.router.choose(prompt) if r is None else r
         self._call(r, "add_request", req_id, prompt, params, max_tokens, fork_of)
         self.owner[req_id] = r
-        self._engine.load[r] += 1
+        self._engine.router.begin(r)
 
     def abort(self, req_id, forks: bool = True) -> None:
-        r = self.owner.get(req_id)
+        r = self.owner.pop(req_id, None)
         if r is not None:
+            self._engine.router.end(r)
             self._call(r, "abort", req_id, forks)
 
     def step(self) -> list:
         outs = [o for rank_out in self._call(None, "step") for o in rank_out]
         for o in outs:
             if o.finished and o.req_id in self.owner:
-                self._engine.load[self.owner.pop(o.req_id)] -= 1
+                self._engine.router.end(self.owner.pop(o.req_id))
         return outs
 
     def has_work(self) -> bool:
@@ -363,32 +392,20 @@ class DataParallelLLM:
 class DataParallelEngine(DistributedEngine):
     """``dp`` rank processes, each a DP group with its own requests (see the module doc). The `Engine`
     calls: ``generate`` spreads the prompts over the ranks (``ranks=``: the DP rank of each prompt,
-    else `choose_rank`) and returns the results in prompt order; ``llm``: `DataParallelLLM`;
+    else `DPRouter.choose`) and returns the results in prompt order; ``llm``: `DataParallelLLM`;
     ``stats``: the ranks' connector counters summed."""
 
     def __init__(self, spec, weights, *, max_imbalance: int = 2, **kwargs):
+        self.router = DPRouter(spec.parallel.dp, spec.kv_cache.block_size, max_imbalance=max_imbalance)
         super().__init__(spec, weights, **kwargs)
-        from ...route.policy import Pool
-
         self.dp = spec.parallel.dp
-        self.max_imbalance = max_imbalance
-        self._router = Pool([f"dp{r}" for r in range(self.dp)], policy="prefix")
-        self.load = [0] * self.dp  # requests in flight per DP rank (DataParallelLLM)
         self.last_ranks: list[int] = []  # the DP rank of each prompt of the last generate
         self.llm = DataParallelLLM(self)
-
-    def choose_rank(self, prompt: Sequence[int]) -> int:
-        """Prefix affinity (rendezvous hash of the leading blocks), unless that rank holds
-        ``max_imbalance`` more requests in flight than the least-loaded one."""
-        key = prefix_affinity_key(prompt, self.spec.kv_cache.block_size)
-        r = self._router.backends.index(self._router.pick(key))
-        low = min(range(self.dp), key=lambda i: (self.load[i], i))
-        return low if self.load[r] - self.load[low] >= self.max_imbalance else r
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, *, batch: bool = False,
                  settle: bool = True, ranks: Optional[Sequence[int]] = None):
         """As `Engine.generate` (``batch``: all prompts at once, each rank batching its own), over the
-        DP ranks: prompt ``i`` runs on DP rank ``ranks[i]`` (default: `choose_rank`)."""
+        DP ranks: prompt ``i`` runs on DP rank ``ranks[i]`` (default: `DPRouter.choose`)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         prompts = [list(p) for p in prompts]
@@ -401,10 +418,10 @@ class DataParallelEngine(DistributedEngine):
         if ranks is None:
             ranks = []
             for p in prompts:  # spread as they come: a batch's load counts
-                ranks.append(self.choose_rank(p))
-                self.load[ranks[-1]] += 1
+                ranks.append(self.router.choose(p))
+                self.router.begin(ranks[-1])
             for r in ranks:
-                self.load[r] -= 1
+                self.router.end(r)
         elif len(ranks) != len(prompts) or any(not 0 <= r < self.dp for r in ranks):
             raise ValueError(f"ranks: one DP rank in [0, {self.dp}) per prompt")
         tagged = [(i, r, p) for i, (r, p) in enumerate(zip(ranks, prompts))]

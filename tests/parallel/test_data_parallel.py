@@ -1,0 +1,116 @@
+"""DP attention + EP on CPU ranks (``tiny_deepseek_v3_dp2ep2``: dp 2, ep 2, tp 1 per group): each DP rank
+has its own requests and scheduler, the MoE all-gathers both ranks' tokens, runs the rank's 4 of 8
+experts and reduce-scatters; an idle rank runs dummy forwards. Numerics against transformers (fp32,
+atol 1e-4) at every step of prefill, splitfuse and decode, with both ranks busy at once (different
+token counts) and with one idle; tokens equal a tp=1 engine's and across write modes; a prefix saved
+through one DP rank hits on the other; a repeated prompt hits on every rank; swapping the ranks'
+expert ownership breaks the logits (negative control); a DP rank dying in its dummy forward is a
+`RankFailure`, bounded. Few engine starts on purpose (each costs seconds on 2 loaded cores)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from graphgen.runtime import open_engine
+from graphgen.runtime.parallel.launcher import RankFailure
+from graphgen.runtime.engine.sampling import SamplingParams
+from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
+from support.paths import REPO
+
+SPEC = REPO / "specs/tiny_deepseek_v3_dp2ep2.yaml"
+TIMEOUT = 60  # seconds a rank may take to answer one command
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    a = rand_prompt(g, 10)            # two full blocks of 4 + a partial one
+    b = a[:4] + rand_prompt(g, 5)     # shares the first block with a
+    c, d = rand_prompt(g, 7), rand_prompt(g, 3)
+    return a, b, c, d
+
+
+def _open(weights, **kw):
+    return open_engine(SPEC, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw)
+
+
+def _run(eng, a, b):
+    """a on rank 0, then a on rank 1 (rank 0's blocks from the pool), a again on rank 0, b on rank 1."""
+    out = []
+    for p, r in ((a, 0), (a, 1), (a, 0), (b, 1)):
+        out.append(eng.generate([p], 3, ranks=[r])[0])
+        eng.drain()
+    return out
+
+
+def _swap_experts(rank_engine):  # on every rank (module-level: pickled by name)
+    rt = rank_engine.runner.rt
+    rt.expert_owner = rt.layout.ep - 1 - rt.expert_owner  # the weights stay this rank's: wrong experts
+
+
+def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3):
+    model, w = tiny_dsv3.model, tiny_dsv3.dir
+    a, b, c, d = _prompts()
+    with _open(w) as eng:
+        ra0, ra1, ra0_again, rb1 = _run(eng, a, b)
+        # both ranks busy at once (7 and 3 + 10 tokens, then decodes), rank 0 idle once c is done
+        rc, rd, ra = eng.generate([c, d, a], 5, batch=True, ranks=[0, 1, 1])
+        # the step API (what graphgen serve drives): the router picks the rank, a tick steps every rank
+        eng.llm.add_request("x", c, SamplingParams(max_tokens=2))
+        eng.llm.add_request("y", d, SamplingParams(max_tokens=2))
+        outs = []
+        while eng.llm.has_work():
+            outs += eng.llm.step()
+        stats = eng.rank_stats
+        eng.on_ranks(_swap_experts)
+        wrong = eng.generate([c], 2, ranks=[0])[0]
+    assert [r.variant for r in (ra0, ra1, ra0_again, rb1)] == ["mempool_prefill", "splitfuse", "splitfuse",
+                                                               "splitfuse"]
+    assert (ra1.hit_tokens, ra0_again.hit_tokens, rb1.hit_tokens) == (8, 8, 4)  # rank 0's blocks hit on rank 1
+    assert stats[0]["puts"] > 0 and stats[1]["hit_blocks"] >= 3  # keys carry no DP rank
+    with torch.no_grad():
+        for what, r in (("prefill", ra0), ("splitfuse on the other rank", ra1), ("splitfuse", ra0_again),
+                        ("shared prefix", rb1), ("batch rank 0", rc), ("batch rank 1", rd), ("batch rank 1 hit", ra)):
+            assert_steps_match_hf(model, r, f"dp=2 ep=2 {what}")
+        ref = hf_step_logits(model, c, wrong.tokens)
+    assert (wrong.step_logits[0] - ref[0]).abs().max().item() > 100 * ATOL  # negative control: swapped experts
+    got = {o.req_id: [] for o in outs}
+    for o in outs:
+        got[o.req_id] += list(o.new_token_ids)
+    assert got == {"x": rc.tokens[:2], "y": rd.tokens[:2]}
+    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", w, num_blocks=32) as one:  # tp = dp = 1
+        assert [r.tokens for r in one.generate([a, b], 3)] == [ra0.tokens, rb1.tokens]
+        assert [r.tokens for r in one.generate([c, d], 5)] == [rc.tokens, rd.tokens]
+    assert ra0.tokens == ra1.tokens == ra0_again.tokens == ra.tokens[:3]
+
+
+def _die_in_dummy(variant: str, source: str) -> str:
+    """source_hook: a rank whose ``die_in_dummy`` is set exits in its next dummy forward (zero tokens),
+    while the other rank waits in the MoE's all-gather."""
+    return source.replace("    h_embed = ", "    import os\n    if getattr(rt, 'die_in_dummy', False) and "
+                          "b.input_ids.numel() == 0:\n        os._exit(3)\n    h_embed = ", 1)
+
+
+def _arm(rank_engine):  # on every rank: only DP rank 1 will die
+    rank_engine.runner.rt.die_in_dummy = rank_engine.runner.rt.layout.dp_rank == 1
+
+
+def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3):
+    w = tiny_dsv3.dir
+    a, b, _, _ = _prompts()
+    runs = {}
+    for write in ("off", "sync"):
+        with _open(w, write=write, source_hook=_die_in_dummy) as eng:
+            runs[write] = _run(eng, a, b)
+            if write == "off":
+                eng.on_ranks(_arm)
+                t0 = time.monotonic()
+                with pytest.raises(RankFailure, match=r"rank 1 exited \(code 3\)"):
+                    eng.generate([a], 2, ranks=[0])
+                assert time.monotonic() - t0 < 30
+    assert [r.hit_tokens for r in runs["off"]] == [0, 0, 0, 0]
+    assert [r.hit_tokens for r in runs["sync"]] == [0, 8, 8, 4]  # a repeated prompt hits on every rank
+    assert [r.tokens for r in runs["off"]] == [r.tokens for r in runs["sync"]]
+    assert runs["sync"][0].tokens == runs["sync"][1].tokens
