@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from graphgen.modelspec.model import Parallel
-from graphgen.runtime.parallel.data_parallel import DPLayout, DPRouter, dp_rank_weights, prefix_affinity_key
+from graphgen.runtime.parallel.data_parallel import DPRouter, prefix_affinity_key
+from graphgen.runtime.parallel.dp_rank import DPLayout, dp_rank_weights
 from graphgen.runtime.parallel.ops import rank_weights
 
 

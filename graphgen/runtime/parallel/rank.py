@@ -333,8 +333,8 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
 
             weights = load_hf_weights(weights)
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
-        if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (data_parallel.py)
-            from .data_parallel import build_dp_rank
+        if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (dp_rank.py)
+            from .dp_rank import build_dp_rank
 
             engine = build_dp_rank(spec, weights, rank, cfg, pool)
             del weights
