@@ -76,7 +76,7 @@ class DataParallelLLM:
         self._last_stats: dict = {}
 
     def _call(self, dp_rank: Optional[int], method: str, *args) -> list:
-        replies = self._engine.on_ranks(rank_llm, dp_rank, method, args)
+        replies = self._engine.every_rank(rank_llm, dp_rank, method, args)
         for status, value in replies:
             if status == "invalid":
                 raise ValueError(value)
@@ -135,6 +135,12 @@ class DataParallelEngine(DistributedEngine):
         self.last_ranks: list[int] = []  # the DP rank of each prompt of the last generate
         self.llm = DataParallelLLM(self)
 
+    def every_rank(self, fn, *args) -> list:
+        """``fn(rank_engine, *args)`` in every rank process, each rank's result: as `on_ranks`, but ``fn``
+        may call collectives (the ticks' handshakes, the MoE's), every rank running the same ``fn`` on
+        the same arguments (each picks its own share by its DP rank), so they pair up."""
+        return self._command("call", fn, *args)
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, *, batch: bool = False,
                  settle: bool = True, ranks: Optional[Sequence[int]] = None):
         """As `Engine.generate` (``batch``: all prompts at once, each rank batching its own), over the
@@ -160,7 +166,7 @@ class DataParallelEngine(DistributedEngine):
         tagged = [(i, r, p) for i, (r, p) in enumerate(zip(ranks, prompts))]
         groups = [tagged] if batch else [[t] for t in tagged]
         merged: dict = {}
-        for res in self.on_ranks(rank_generate, groups, max_new_tokens, settle):
+        for res in self.every_rank(rank_generate, groups, max_new_tokens, settle):
             if "error" in res:
                 j, err, tb = res["error"]
                 raise RuntimeError(f"prompt {j}: {err}\n{tb}")

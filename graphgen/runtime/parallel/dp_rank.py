@@ -44,6 +44,7 @@ from ..core.cpu_runtime import CpuRuntime
 from ..engine.facade import Engine, cpu_engine
 from ..engine.runner import CpuModelRunner, StepInputs
 from . import ops as ops_parallel
+from .llm_calls import llm_call
 from .ops import slice_weight
 
 __all__ = ["DPLayout", "DPRankRuntime", "DPSync", "DPModelRunner", "dp_rank_weights", "dp_rank_engine",
@@ -277,21 +278,6 @@ def rank_llm(engine, dp_rank: Optional[int], method: str, args: tuple):
     or ``("invalid", message)`` (add_request refused the input)."""
     if dp_rank is not None and dp_rank != _dp_rank(engine):
         return "ok", None
-    llm = engine.llm
-    if method == "add_request":
-        req_id, prompt, params, max_tokens, fork_of = args
-        try:
-            llm.add_request(req_id, prompt, params, max_tokens=max_tokens, fork_of=fork_of)
-        except ValueError as e:
-            return "invalid", str(e)
-        return "ok", None
-    if method == "set":
-        setattr(llm, args[0], args[1])
-        return "ok", None
-    if method == "step":
+    if method == "step":  # a tick: this rank's step, then dummy forwards while another rank runs
         return "ok", dp_tick(engine)
-    if method == "has_work":
-        return "ok", llm.has_work()
-    if method in ("abort", "stats", "shutdown"):
-        return "ok", getattr(llm, method)(*args)
-    raise ValueError(f"unknown step-API call {method!r}")
+    return llm_call(engine.llm, method, args)

@@ -63,6 +63,7 @@ from ..engine.runner import CpuModelRunner
 from ..pool.keys import KVShard
 from ..pool.shared import connect_pool
 from . import ops as ops_parallel
+from .llm_calls import llm_call as _llm_call
 from .ops import rank_weights
 
 __all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine",
@@ -282,25 +283,6 @@ def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable
 
 
 register_rank_target("cpu", rank_engine)
-
-
-def _llm_call(llm, method: str, args: tuple):
-    """One `DistributedLLM` call on this rank's `LLMEngine`: ``("ok", result)``, or ``("invalid",
-    message)`` when ``add_request`` refused its input (the same refusal on every rank: nothing was queued)."""
-    if method == "set":
-        name, value = args
-        setattr(llm, name, value)
-        return "ok", None
-    if method == "add_request":
-        req_id, prompt, params, max_tokens, fork_of = args
-        try:
-            llm.add_request(req_id, prompt, params, max_tokens=max_tokens, fork_of=fork_of)
-        except ValueError as e:
-            return "invalid", str(e)
-        return "ok", None
-    if method not in ("abort", "step", "has_work", "stats", "shutdown"):
-        raise ValueError(f"unknown step-API call {method!r}")
-    return "ok", getattr(llm, method)(*args)
 
 
 def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
