@@ -50,6 +50,10 @@ def _swap_experts(rank_engine):  # on every rank (module-level: pickled by name)
     rt.expert_owner = rt.layout.ep - 1 - rt.expert_owner  # the weights stay this rank's: wrong experts
 
 
+def _dummy_forwards(rank_engine):
+    return rank_engine.runner.dummy_forwards
+
+
 def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3):
     model, w = tiny_dsv3.model, tiny_dsv3.dir
     a, b, c, d = _prompts()
@@ -57,9 +61,14 @@ def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_
         ra0, ra1, ra0_again, rb1 = _run(eng, a, b)
         # both ranks busy at once (7 and 3 + 10 tokens, then decodes), rank 0 idle once c is done
         rc, rd, ra = eng.generate([c, d, a], 5, batch=True, ranks=[0, 1, 1])
+        dummies = eng.on_ranks(_dummy_forwards)
         # the step API (what graphgen serve drives): the router picks the rank, a tick steps every rank
+        long = a + a  # 20 tokens: its first 4 blocks name its prefix; z shares them, so goes to the same rank
+        eng.llm.add_request("w", long, SamplingParams(max_tokens=1))
+        eng.llm.add_request("z", long[:16] + c, SamplingParams(max_tokens=1))
         eng.llm.add_request("x", c, SamplingParams(max_tokens=2))
         eng.llm.add_request("y", d, SamplingParams(max_tokens=2))
+        owners = dict(eng.llm.owner)
         outs = []
         while eng.llm.has_work():
             outs += eng.llm.step()
@@ -76,10 +85,12 @@ def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_
             assert_steps_match_hf(model, r, f"dp=2 ep=2 {what}")
         ref = hf_step_logits(model, c, wrong.tokens)
     assert (wrong.step_logits[0] - ref[0]).abs().max().item() > 100 * ATOL  # negative control: swapped experts
+    assert all(n > 0 for n in dummies)  # each rank idled while the other ran (its experts still worked)
     got = {o.req_id: [] for o in outs}
     for o in outs:
         got[o.req_id] += list(o.new_token_ids)
-    assert got == {"x": rc.tokens[:2], "y": rd.tokens[:2]}
+    assert {k: got[k] for k in "xy"} == {"x": rc.tokens[:2], "y": rd.tokens[:2]}
+    assert owners["w"] == owners["z"] and not eng.llm.owner  # prefix affinity; finished requests let go
     with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", w, num_blocks=32) as one:  # tp = dp = 1
         assert [r.tokens for r in one.generate([a, b], 3)] == [ra0.tokens, rb1.tokens]
         assert [r.tokens for r in one.generate([c, d], 5)] == [rc.tokens, rd.tokens]

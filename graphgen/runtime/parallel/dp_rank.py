@@ -185,6 +185,8 @@ class DPModelRunner(CpuModelRunner):
     """The CPU runner of a DP rank: every real forward begins with the handshake (`DPSync`);
     `dummy_forward` is what an idle rank runs meanwhile."""
 
+    dummy_forwards = 0  # how many this rank ran (a probe for tests)
+
     def submit(self, plan, *, background: bool = False):
         if background:  # the handshake and the forward's collectives must stay on one thread
             raise RuntimeError("a DP rank runs its forwards inline (async scheduling is off on ranks)")
@@ -207,6 +209,7 @@ class DPModelRunner(CpuModelRunner):
                             query_lens=none, logits_indices=none, save_block_ids=none)
         staging = self.cache.make_staging(0) if self.saves(v) else None
         handles = self.execute(v, inputs, staging)
+        self.dummy_forwards += 1
         if handles.save_job is not None:  # a save program of zero blocks: let it finish
             handles.save_job.wait()
 
