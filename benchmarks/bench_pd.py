@@ -38,8 +38,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = (("2P1D async", ["--prefill", "2", "--decode", "1", "--write", "async"]),
-           ("2P1D sync", ["--prefill", "2", "--decode", "1", "--write", "sync"]),
+# async vs sync is P's save alone: D saves async in both (its own saves are not the comparison)
+CONFIGS = (("2P1D async", ["--prefill", "2", "--decode", "1", "--write", "async", "--decode-write", "async"]),
+           ("2P1D sync", ["--prefill", "2", "--decode", "1", "--write", "sync", "--decode-write", "async"]),
            ("1 both", ["--both", "1", "--write", "async"]),
            ("2 both", ["--both", "2", "--write", "async"]))
 
@@ -56,6 +57,19 @@ def _with_block_size(spec: str, block_size: int, folder: str) -> str:
     return str(out)
 
 
+def _router_sums(url: str) -> dict:
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    want = ("graphgen_route_prefill_seconds_count", "graphgen_route_prefill_seconds_sum")
+    out = dict.fromkeys(want, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in want:
+            out[name] = float(value)
+    return out
+
+
 def load(args) -> int:
     import random
 
@@ -65,7 +79,11 @@ def load(args) -> int:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, 150) for _ in range(args.prompt_len)] for _ in range(args.requests + args.warmup)]
     run_load(port, prompts[:args.warmup], 4, args.max_tokens, 300)  # warm-up: every instance's first steps
+    before = _router_sums(os.environ["ROUTER_URL"])
     out = run_load(port, prompts[args.warmup:], args.clients, args.max_tokens, args.budget)
+    after = _router_sums(os.environ["ROUTER_URL"])
+    prefill_n = after["graphgen_route_prefill_seconds_count"] - before["graphgen_route_prefill_seconds_count"]
+    prefill_s = after["graphgen_route_prefill_seconds_sum"] - before["graphgen_route_prefill_seconds_sum"]
     ttft = [r[0] * 1e3 for r in out["results"]]
     itl = [g * 1e3 for r in out["results"] for g in r[1]]
     tokens = sum(r[2] for r in out["results"])
@@ -73,7 +91,9 @@ def load(args) -> int:
            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
            "itl_p99": _pct(itl, 99), "tokens_per_s": tokens / out["wall_s"],
            "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"),
-           "error_samples": sorted(set(out["errors"]))[:3]}
+           "error_samples": sorted(set(out["errors"]))[:3],
+           # the router's P round trip (prefill + waiting for the blocks to be visible), per request
+           "prefill_mean_ms": prefill_s / prefill_n * 1e3 if prefill_n else float("nan")}
     Path(args.out).write_text(json.dumps(res))
     return 0
 
@@ -99,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(n for n, _ in CONFIGS),
                     help="which configurations, comma-separated (default: all four)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of the configurations, interleaved (the machine's load drifts between runs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--load", action="store_true", help="(internal) the clients, inside the namespace")
     ap.add_argument("--out", default=None)
@@ -124,10 +146,12 @@ def main(argv=None) -> int:
     unknown = set(chosen) - {n for n, _ in CONFIGS}
     if unknown:
         ap.error(f"--configs: unknown {sorted(unknown)}; expected some of {[n for n, _ in CONFIGS]}")
-    for i, (name, flags) in enumerate(CONFIGS):
-        if name not in chosen:
-            continue
-        out = os.path.join(tmp, f"{i}.json")
+    runs = [(r, i, name, flags) for r in range(args.repeat) for i, (name, flags) in enumerate(CONFIGS)
+            if name in chosen]
+    for rnd, i, name, flags in runs:
+        if args.repeat > 1:
+            name = f"{name} #{rnd + 1}"
+        out = os.path.join(tmp, f"{rnd}.{i}.json")
         then = [sys.executable, __file__, "--load", "--out", out, "--requests", str(args.requests),
                 "--clients", str(args.clients), "--prompt-len", str(args.prompt_len), "--warmup", str(args.warmup),
                 "--max-tokens", str(args.max_tokens), "--budget", str(args.budget), "--seed", str(args.seed)]
@@ -141,20 +165,23 @@ def main(argv=None) -> int:
             return 1
         rows[name] = dict(json.loads(Path(out).read_text()), run_s=time.perf_counter() - t0)
         print(name, rows[name], flush=True)
-    print("| config | requests | errors | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| config | requests | errors | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s "
+          "| P round trip mean ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['requests']} | {r['errors']} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | "
-              f"{r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {r['tokens_per_s']:.0f} |")
+              f"{r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {r['tokens_per_s']:.0f} | {r['prefill_mean_ms']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": {
             "prompt_len": args.prompt_len, "requests": args.requests, "warmup": args.warmup, "clients": args.clients,
             "max_tokens": args.max_tokens, "num_blocks": blocks, "block_size": block,
             "max_num_batched_tokens": args.max_num_batched_tokens, "spec": args.spec}, "rows": rows}, indent=1))
-    if "2P1D async" in rows and "2P1D sync" in rows:
-        a, s = rows["2P1D async"], rows["2P1D sync"]
-        print(f"2P1D async/sync TTFT p50 {a['ttft_p50'] / s['ttft_p50']:.3f}, p99 {a['ttft_p99'] / s['ttft_p99']:.3f}, "
-              f"mean {a['ttft_mean'] / s['ttft_mean']:.3f}")
+    for rnd in range(args.repeat):
+        tag = f" #{rnd + 1}" if args.repeat > 1 else ""
+        a, s = rows.get("2P1D async" + tag), rows.get("2P1D sync" + tag)
+        if a and s:
+            print(f"2P1D async/sync{tag} TTFT p50 {a['ttft_p50'] / s['ttft_p50']:.3f}, "
+                  f"p99 {a['ttft_p99'] / s['ttft_p99']:.3f}, mean {a['ttft_mean'] / s['ttft_mean']:.3f}")
     return 0
 
 

@@ -32,7 +32,8 @@ from .errors import ApiError
 
 ROLES = ("prefill", "decode", "both")
 FIELD = "kv_transfer_params"
-VISIBLE_POLL_S = 0.005
+VISIBLE_POLL_S = 0.005      # the first pause between visibility polls; each next one 1.5x longer,
+VISIBLE_POLL_MAX_S = 0.05   # up to this: a long prompt's puts take a while, and every poll is a pool call
 
 
 @dataclass(frozen=True)
@@ -129,27 +130,33 @@ class PD:
         keys = self.naming.keys(prompt)[:n]
         return keys, self.pool.pin(keys, self.lease_timeout_s)
 
-    def wait_visible(self, keys: Sequence[str]) -> int:
-        """Block until every key is visible in the pool; the leading run visible when the saves are
-        over (no commit pending) or ``visible_timeout_s`` passed first. Runs off the event loop."""
+    async def wait_visible(self, keys: Sequence[str]) -> int:
+        """Until every key is visible in the pool; the leading run visible when the saves are over
+        (no commit pending) or ``visible_timeout_s`` passed first. Each poll runs off the event loop,
+        but the pauses do not hold a thread: many prefills waiting at once would otherwise take
+        every worker of the server's thread pool, which also parses and tokenizes requests."""
         deadline = time.monotonic() + self.visible_timeout_s
-        idle = 0
+        idle, pause = 0, VISIBLE_POLL_S
         while True:
-            try:
-                run = self.pool.leading_run(list(keys)) if keys else 0
-            except Exception:  # noqa: BLE001 - a pool that cannot answer hands off nothing
-                run = 0
+            run = await asyncio.to_thread(self._visible_run, keys)
             if run == len(keys) or time.monotonic() > deadline:
                 return run
             idle = idle + 1 if self.saves_pending() == 0 else 0
             if idle > 3:  # no commit in flight for several polls: the missing blocks never come
                 return run
-            time.sleep(VISIBLE_POLL_S)
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, VISIBLE_POLL_MAX_S)
+
+    def _visible_run(self, keys: Sequence[str]) -> int:
+        try:
+            return self.pool.leading_run(list(keys)) if keys else 0
+        except Exception:  # noqa: BLE001 - a pool that cannot answer hands off nothing
+            return 0
 
     async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict, n: int = 1) -> dict:
         """P's answer: the generated token dropped, ``kv_transfer_params`` added; ``n`` (empty)
         choices for a request of ``n`` choices, all from its one prefill."""
-        run = await asyncio.to_thread(self.wait_visible, keys)
+        run = await self.wait_visible(keys)
         self.handoffs.labels(result="made").inc()
         self.blocks.labels(result="handed_off").inc(run)
         self.blocks.labels(result="not_visible").inc(len(keys) - run)

@@ -3,6 +3,7 @@ decode side's check of it, and the flags refused before anything loads (the clus
 test_pd.py)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -80,15 +81,13 @@ def test_prefill_leases_the_handed_off_blocks_and_waits_for_them():
     assert len(keys) == 3 and pd.pool.leases() == 1
     for k in keys[:2]:
         pd.pool.put(k, b"v")
-    assert pd.wait_visible(keys) == 2  # no commit pending: the visible run, not a hang
+    assert asyncio.run(pd.wait_visible(keys)) == 2  # no commit pending: the visible run, not a hang
     pd.pool.put(keys[2], b"v")
-    assert pd.wait_visible(keys) == 3
+    assert asyncio.run(pd.wait_visible(keys)) == 3
     assert pd.release(lease.lease_id) and pd.pool.leases() == 0
 
 
 def test_prefill_answer_of_n_choices_is_one_handoff_and_n_empty_choices():
-    import asyncio
-
     pd = _pd("prefill")
     prompt = list(range(1, 14))
     keys, lease = pd.lease(prompt)
