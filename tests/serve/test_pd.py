@@ -14,7 +14,11 @@ naming other blocks is not admitted (counted); a value corrupted in the pool is 
 checksum and recomputed (counted); a P SIGKILLed mid-save costs a recompute, not the request; no
 decode instance up is a 503 at once; DeepSeek-V3 through the router equals its cold engine; the
 store's master SIGKILLed costs a recompute; D SIGKILLed mid-stream ends the stream with an error
-event (no hang), and D restarted on its port serves through the router again. After each: no lease live on P, D's device blocks all free.
+event (no hang), and D restarted on its port serves through the router again; ``n = 2`` through
+the router is one prefill on P and a fork on D; the router's own key and the backends' key stay
+apart (401s from the router, a 502 for a wrong backend key, no answer carrying it). After each:
+every instance's counters back at their start (no lease, nothing running or saving, every device
+block free) and no request in flight on a router.
 """
 from __future__ import annotations
 
