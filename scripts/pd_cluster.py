@@ -4,7 +4,8 @@
 inside a private network namespace (Mooncake binds some listeners on 0.0.0.0).
 
     scripts/pd_cluster.py --spec specs/tiny_qwen3.yaml --weights CKPT [--prefill 2] [--decode 1] [--both N]
-                          [--router-port 8080] [--policy round_robin] [--write async|sync] [--then CMD ...]
+                          [--router-port 8080] [--policy round_robin] [--write async|sync]
+                          [--decode-write async|sync] [--then CMD ...]
 
 It prints ``pd_cluster: router http://127.0.0.1:PORT`` once the router accepts requests, with the
 ``nsenter`` prefix that reaches it (the namespace is private), and runs until Ctrl-C / SIGTERM,
@@ -41,6 +42,8 @@ def _parse(argv):
     ap.add_argument("--router-port", type=int, default=8080)
     ap.add_argument("--policy", default="round_robin")
     ap.add_argument("--write", default="async", choices=("sync", "async"))
+    ap.add_argument("--decode-write", default=None, choices=("sync", "async"),
+                    help="the decode instances' write mode (default: --write), e.g. to vary P's save alone")
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for every instance (repeatable), e.g. --serve-arg=--num-blocks=256")
     ap.add_argument("--log-dir", default=None)
@@ -95,8 +98,13 @@ def run(args) -> int:
     py = sys.executable
     children: list[_Child] = []
     stop = threading.Event()
+
+    def on_signal(signum, _frame):  # while starting or running --then too: stop now (the finally below)
+        stop.set()
+        raise SystemExit(128 + signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         store = _Child("store", [py, "-m", "graphgen.runtime.pool.mooncake_server", "serve", "--port",
                                  str(args.store_port), "--segment", args.segment], log_dir)
@@ -107,7 +115,9 @@ def run(args) -> int:
                  [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)])
         for role, i in roles:  # started together: they load their models side by side
             children.append(_Child(f"{role}{i}", [py, "-m", "graphgen", "serve", "--spec", args.spec, "--weights",
-                                                  args.weights, "--port", "0", "--pool", pool, "--write", args.write,
+                                                  args.weights, "--port", "0", "--pool", pool, "--write",
+                                                  args.decode_write if role == "decode" and args.decode_write
+                                                  else args.write,
                                                   "--torch-threads", "1", "--role", role, *args.serve_arg], log_dir))
         urls = {c.name: c.wait_line("graphgen serve: listening on").rsplit(" ", 1)[-1] for c in children[1:]}
         route = [py, "-m", "graphgen", "route", "--port", str(args.router_port), "--policy", args.policy]
@@ -123,7 +133,7 @@ def run(args) -> int:
         print(f"pd_cluster: router {url}{reach}", flush=True)
         if args.then:
             return subprocess.run(args.then, env=dict(os.environ, ROUTER_URL=url)).returncode
-        while not stop.wait(0.5):
+        while not stop.wait(0.5):  # a signal raises SystemExit out of the wait
             dead = [c.name for c in children if c.p.poll() is not None]
             if dead:
                 print(f"pd_cluster: {', '.join(dead)} exited (see {log_dir}); stopping", file=sys.stderr)

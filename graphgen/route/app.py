@@ -6,7 +6,8 @@ instance gets, whose answer (streamed or not) is passed through untouched. Once 
 first bytes: D's prefill has loaded the blocks), the router releases the lease on P
 (``POST /v1/kv/release``). A prefill that cannot be reached, times out or fails with a 5xx costs
 a recompute, not the request: the body goes to D as it came (counted). A P's 4xx is the client's
-error and is returned as is. No decode instance up: a 503 at once. Health: ``GET /health`` of
+error and is returned as is, but a backend's 401/403 refuses the router's own ``backend_api_key``:
+a 502 naming the flag (never the key). No decode instance up: a 503 at once. Health: ``GET /health`` of
 every backend each ``health_interval_s``; a backend that fails a request is marked down until its
 next good check. Without prefill instances it only balances the decode ones (each serving as
 ``both``): a data-parallel front.
@@ -39,6 +40,16 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 def _error(status: int, message: str, code: str, type_: str = "server_error", param=None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status)
+
+
+AUTH_REFUSED = (401, 403)
+
+
+def _key_refused(kind: str, url: str) -> JSONResponse:
+    """A backend refused the router's own credentials: the router is misconfigured, not the client
+    (whose key the router already checked) — a 502 that names the flag, never the key."""
+    return _error(502, f"the {kind} instance {url} refused the router's credentials: check "
+                       "--backend-api-key (or $GRAPHGEN_BACKEND_API_KEY)", "backend_auth_failed")
 
 
 class _Metrics:
@@ -81,10 +92,8 @@ def prefill_body(body: dict) -> dict:
 
 
 def one_handoff(body: dict) -> bool:
-    """Whether P can hand this request off: one prompt, one choice (a handoff covers one sequence).
-    Others (``n``/``best_of`` > 1, a list of prompts) go straight to D, which serves them as ``both``."""
-    if any(body.get(k) not in (None, 1) for k in ("n", "best_of")):
-        return False
+    """Whether P can hand this request off: one prompt (a handoff covers one prompt's blocks; ``n`` /
+    ``best_of`` copies are D's forks of it). A list of prompts goes straight to D, served as ``both``."""
     p = body.get("prompt")
     return "messages" in body or isinstance(p, str) or (isinstance(p, list) and all(
         isinstance(t, int) for t in p))
@@ -152,6 +161,8 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
         for b in decode.healthy() + prefill.healthy():
             try:
                 async with state["http"].get(b.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    if r.status in AUTH_REFUSED:
+                        return _key_refused("prefill" if b in prefill.backends else "decode", b.url)
                     return JSONResponse(await r.json(), status_code=r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
                 b.healthy = False
@@ -177,6 +188,9 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
                 async with state["http"].post(p.url + path, json=prefill_body(body),
                                               timeout=aiohttp.ClientTimeout(total=prefill_timeout_s)) as r:
                     data = await r.read()
+                    if r.status in AUTH_REFUSED:
+                        metrics.backend_errors.labels(kind="prefill_auth").inc()
+                        return None, _key_refused("prefill", p.url), p
                     if 400 <= r.status < 500:
                         return None, Response(data, status_code=r.status, media_type="application/json"), p
                     if r.status == 200:
@@ -226,7 +240,7 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
         direct = not one_handoff(body)
         params, answer, p = (None, None, None) if direct else await run_prefill(path, body)
         if answer is not None:
-            metrics.requests.labels(outcome="bad_request").inc()
+            metrics.requests.labels(outcome="bad_request" if answer.status_code < 500 else "backend_auth").inc()
             return answer
         if params is None and prefill.backends and not direct:  # no --prefill: D serves as `both`
             metrics.prefill_fallbacks.inc()
@@ -250,6 +264,13 @@ def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, po
             # P's lease is released once D's first body bytes came (its prefill ran, so the blocks are
             # loaded), not at its headers: a streaming D sends those before its prefill
             done = (lambda: release_later(p, params)) if params and p is not None else (lambda: None)
+            if r.status in AUTH_REFUSED:
+                r.release()
+                d.end()
+                done()
+                metrics.backend_errors.labels(kind="decode_auth").inc()
+                metrics.requests.labels(outcome="backend_auth").inc()
+                return _key_refused("decode", d.url)
             metrics.requests.labels(outcome="ok" if r.status == 200 else f"decode_{r.status}").inc()
             ctype = r.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream"):

@@ -6,6 +6,8 @@
   them is visible in the pool (the commit-visible rule: a block is visible only once its save's
   event was recorded and its put returned) and carries ``kv_transfer_params`` — the blocks' hash
   chain, the cache layout fingerprint and the lease. ``POST /v1/kv/release`` ends a lease early.
+  ``n`` / ``best_of`` > 1: the prompt is prefilled once, the answer has ``n`` empty choices and one
+  handoff; D serves the copies as forks of the first (sharing its blocks), as any server does.
 * ``decode``: a request with ``kv_transfer_params`` is checked against this server's own hashing
   of the prompt and its layout; a match is admitted by the engine's ordinary pool lookup (a
   leading run, each value checksummed by the pool: a corrupt one is a miss), a mismatch is counted
@@ -30,7 +32,8 @@ from .errors import ApiError
 
 ROLES = ("prefill", "decode", "both")
 FIELD = "kv_transfer_params"
-VISIBLE_POLL_S = 0.005
+VISIBLE_POLL_S = 0.005      # the first pause between visibility polls; each next one 1.5x longer,
+VISIBLE_POLL_MAX_S = 0.05   # up to this: a long prompt's puts take a while, and every poll is a pool call
 
 
 @dataclass(frozen=True)
@@ -127,26 +130,33 @@ class PD:
         keys = self.naming.keys(prompt)[:n]
         return keys, self.pool.pin(keys, self.lease_timeout_s)
 
-    def wait_visible(self, keys: Sequence[str]) -> int:
-        """Block until every key is visible in the pool; the leading run visible when the saves are
-        over (no commit pending) or ``visible_timeout_s`` passed first. Runs off the event loop."""
+    async def wait_visible(self, keys: Sequence[str]) -> int:
+        """Until every key is visible in the pool; the leading run visible when the saves are over
+        (no commit pending) or ``visible_timeout_s`` passed first. Each poll runs off the event loop,
+        but the pauses do not hold a thread: many prefills waiting at once would otherwise take
+        every worker of the server's thread pool, which also parses and tokenizes requests."""
         deadline = time.monotonic() + self.visible_timeout_s
-        idle = 0
+        idle, pause = 0, VISIBLE_POLL_S
         while True:
-            try:
-                run = self.pool.leading_run(list(keys)) if keys else 0
-            except Exception:  # noqa: BLE001 - a pool that cannot answer hands off nothing
-                run = 0
+            run = await asyncio.to_thread(self._visible_run, keys)
             if run == len(keys) or time.monotonic() > deadline:
                 return run
             idle = idle + 1 if self.saves_pending() == 0 else 0
             if idle > 3:  # no commit in flight for several polls: the missing blocks never come
                 return run
-            time.sleep(VISIBLE_POLL_S)
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, VISIBLE_POLL_MAX_S)
 
-    async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict) -> dict:
-        """P's answer: the generated token dropped, ``kv_transfer_params`` added."""
-        run = await asyncio.to_thread(self.wait_visible, keys)
+    def _visible_run(self, keys: Sequence[str]) -> int:
+        try:
+            return self.pool.leading_run(list(keys)) if keys else 0
+        except Exception:  # noqa: BLE001 - a pool that cannot answer hands off nothing
+            return 0
+
+    async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict, n: int = 1) -> dict:
+        """P's answer: the generated token dropped, ``kv_transfer_params`` added; ``n`` (empty)
+        choices for a request of ``n`` choices, all from its one prefill."""
+        run = await self.wait_visible(keys)
         self.handoffs.labels(result="made").inc()
         self.blocks.labels(result="handed_off").inc(run)
         self.blocks.labels(result="not_visible").inc(len(keys) - run)
@@ -157,6 +167,7 @@ class PD:
                 c["message"] = {"role": "assistant", "content": ""}
             else:
                 c["text"] = ""
+        body["choices"] = [dict(body["choices"][0], index=i) for i in range(n)]
         u = body["usage"]
         u["completion_tokens"], u["total_tokens"] = 0, u["prompt_tokens"]
         body[FIELD] = Handoff(tuple(digests), run, self.naming.layout, lease.lease_id, lease.expires_ms).body()
@@ -200,8 +211,8 @@ async def serve_with_role(pd: Optional[PD], serve, request, parsed, chat: bool, 
     hands off; D checks a handoff and counts the blocks it loaded; otherwise as ``both``."""
     if pd is None or (pd.role != "prefill" and handoff is None):
         return await serve(request, parsed, chat)
-    if len(parsed.prompts) != 1 or parsed.fan.best_of != 1:
-        raise ApiError("a P/D handoff covers one prompt and one choice (n = best_of = 1)",
+    if len(parsed.prompts) != 1:
+        raise ApiError("a P/D handoff covers one prompt (send a list of prompts to a decode or both instance)",
                        param=FIELD if handoff is not None else "prompt", code="unsupported_value")
     prompt = parsed.prompts[0]
     if pd.role != "prefill":  # D: a handoff that names other blocks is not admitted (recomputed)
@@ -213,12 +224,15 @@ async def serve_with_role(pd: Optional[PD], serve, request, parsed, chat: bool, 
         elif isinstance(out, dict):
             pd.loaded(handoff, out["usage"]["prompt_tokens_details"]["cached_tokens"])
         return out
-    parsed = dataclasses.replace(parsed, params=pd.prefill_params(parsed.params), stream=False)
+    # n / best_of > 1: one prefill of the prompt (D forks its copies from the handed-off blocks)
+    n = parsed.fan.n
+    parsed = dataclasses.replace(parsed, params=pd.prefill_params(parsed.params), stream=False,
+                                 fan=dataclasses.replace(parsed.fan, n=1, best_of=1))
     keys, lease = await asyncio.to_thread(pd.lease, prompt)
     try:
         out = await serve(request, parsed, chat)
         if isinstance(out, dict):
-            return await pd.finish_prefill(prompt, keys, lease, out)
+            return await pd.finish_prefill(prompt, keys, lease, out, n)
     except BaseException:
         pd.release(lease.lease_id)  # nothing handed off: nobody else will release it
         raise

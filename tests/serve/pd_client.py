@@ -5,7 +5,7 @@ Jobs: ``complete`` (the official ``openai`` client: greedy completion, streamed 
 fields; prints the token ids, ``cached_tokens`` and any ``kv_transfer_params``; ``progress``: a
 line once the first chunk came), ``chat`` (greedy
 chat, streamed or not: token ids and text), ``post`` / ``get``
-(urllib: status and body), ``metrics`` (a server's Prometheus samples whose name starts with one of
+(urllib, ``key``: a bearer key; status, body and headers), ``metrics`` (a server's Prometheus samples whose name starts with one of
 ``prefixes``: ``{"name{labels}": value}``)."""
 from __future__ import annotations
 
@@ -61,16 +61,19 @@ def chat(job):
 
 def http(job):
     data = json.dumps(job["json"]).encode() if "json" in job else None
-    req = urllib.request.Request(job["url"], data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if job.get("key"):
+        headers["Authorization"] = f"Bearer {job['key']}"
+    req = urllib.request.Request(job["url"], data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
+            return r.status, r.read().decode(), dict(r.headers)
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        return e.code, e.read().decode(), dict(e.headers)
 
 
 def metrics(job):
-    _, text = http({"url": job["base"] + "/metrics"})
+    _, text, _ = http({"url": job["base"] + "/metrics"})
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#") and line.startswith(tuple(job["prefixes"])):
@@ -87,8 +90,8 @@ def main() -> int:
         elif op == "chat":
             res = chat(job)
         elif op in ("post", "get"):
-            status, body = http(job)
-            res = {"status": status, "body": body}
+            status, body, headers = http(job)
+            res = {"status": status, "body": body, "headers": headers}
         elif op == "metrics":
             res = metrics(job)
         else:

@@ -14,7 +14,11 @@ naming other blocks is not admitted (counted); a value corrupted in the pool is 
 checksum and recomputed (counted); a P SIGKILLed mid-save costs a recompute, not the request; no
 decode instance up is a 503 at once; DeepSeek-V3 through the router equals its cold engine; the
 store's master SIGKILLed costs a recompute; D SIGKILLed mid-stream ends the stream with an error
-event (no hang), and D restarted on its port serves through the router again. After each: no lease live on P, D's device blocks all free.
+event (no hang), and D restarted on its port serves through the router again; ``n = 2`` through
+the router is one prefill on P and a fork on D; the router's own key and the backends' key stay
+apart (401s from the router, a 502 for a wrong backend key, no answer carrying it). After each:
+every instance's counters back at their start (no lease, nothing running or saving, every device
+block free) and no request in flight on a router.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ POOL = f"mooncake://127.0.0.1:{PORT}"
 BS = 4
 N_NEW = 5
 LEASE_S = 3.0
+CLIENT_KEY, BACKEND_KEY = "client-key-5e1f", "backend-key-9c2d"  # the router's, the instances'
 PROMPTS = {n: [(7 * n + 3 * i) % 150 + 1 for i in range(n)] for n in (3, 9, 16, 29)}
 LONG = [(11 * i) % 140 + 5 for i in range(41)]  # 10 blocks handed off: ~3 s of P2's slow puts
 CORRUPT = [9, *PROMPTS[16][1:]]  # a prompt no other test sends: its blocks are P1's alone
@@ -59,6 +64,13 @@ def _serve_args(ckpt, role, *extra, spec=SPEC):
             "--torch-threads", "1", "--role", role, *extra)
 
 
+# what a request holds while it runs and must give back: the pool's leases (booked in the P that
+# pinned them), the engine's running / waiting requests, saves in flight and device blocks
+HELD = ("graphgen_pd_leases", "graphgen_num_requests_running", "graphgen_num_requests_waiting",
+        "graphgen_kv_saves_pending", "graphgen_kv_blocks_free")
+INFLIGHT = "graphgen_route_backend_inflight"
+
+
 class Cluster:
     def __init__(self, ns, ckpt):
         self.ns = ns
@@ -68,12 +80,15 @@ class Cluster:
                  "d": _start(ns, "d", *_serve_args(ckpt, "decode"))}
         self.procs = procs
         self.url = {k: _url(p, "serve") for k, p in procs.items()}
+        self.routers: list[str] = []
         self.router = self.route("router", "--prefill", self.url["p1"], "--prefill", self.url["p2"])
+        self.start = self.counters(self.url)  # every fault test ends with these back
 
     def route(self, name, *args, decode=None) -> str:
         p = _start(self.ns, name, "route", *args, "--decode", decode or self.url["d"], "--port", "0",
                    "--health-interval", "0.5")
-        return _url(p, "route")
+        self.routers.append(_url(p, "route"))
+        return self.routers[-1]
 
     def jobs(self, *jobs, timeout=180) -> list[dict]:
         res = subprocess.run(self.ns.argv(sys.executable, str(HERE / "pd_client.py"), json.dumps(list(jobs))),
@@ -84,19 +99,30 @@ class Cluster:
     def metrics(self, name, *prefixes) -> dict:
         return self.jobs({"op": "metrics", "base": self.url.get(name, name), "prefixes": list(prefixes)})[0]
 
-    def assert_nothing_held(self):
-        """No lease live on either P (the router released them), every device block of D free."""
+    def counters(self, bases: dict) -> dict:
+        """name -> its HELD samples (or the router's in-flight ones), one client process for all."""
+        got = self.jobs(*({"op": "metrics", "base": b, "prefixes": [INFLIGHT] if n in self.routers else list(HELD)}
+                          for n, b in bases.items()))
+        return {n: {k: v for k, v in g.items() if k in HELD or k.startswith(INFLIGHT)} for n, g in zip(bases, got)}
+
+    def held(self, start=None, bases=None) -> dict:
+        """What is not back at its start: per live instance its HELD counters that differ from
+        ``start`` (default: the cluster's at start-up), per router any request still in flight."""
+        start = start or self.start
+        bases = bases or {n: u for n, u in self.url.items() if self.procs[n].p.poll() is None}
+        now = self.counters({**bases, **{r: r for r in self.routers}})
+        out = {n: {k: (start[n].get(k), v) for k, v in c.items() if v != start[n].get(k)}
+               for n, c in now.items() if n not in self.routers}
+        out.update({r: {k: v for k, v in c.items() if v} for r, c in now.items() if r in self.routers})
+        return {n: d for n, d in out.items() if d}
+
+    def assert_nothing_held(self, start=None, bases=None):
+        """No block leaked, no lease left: every instance's counters back at their start (no lease
+        live on a P, nothing running, waiting or saving, every device block free), no router request
+        in flight. Polled: a release or a free may land just after the answer."""
         deadline = time.monotonic() + 10
-        while True:  # one client process for every scrape
-            ps = [p for p in ("p1", "p2") if self.procs[p].p.poll() is None]
-            *got, d = self.jobs(*({"op": "metrics", "base": self.url[p], "prefixes": ["graphgen_pd_leases"]}
-                                  for p in ps),
-                                {"op": "metrics", "base": self.url["d"],
-                                 "prefixes": ["graphgen_kv_blocks_free", "graphgen_num_requests_running"]})
-            leases = [g["graphgen_pd_leases"] for g in got]
-            if not any(leases) and d["graphgen_num_requests_running"] == 0 and d["graphgen_kv_blocks_free"] == 512:
-                return
-            assert time.monotonic() < deadline, (leases, d)
+        while held := self.held(start, bases):
+            assert time.monotonic() < deadline, held
             time.sleep(0.3)
 
 
@@ -143,18 +169,23 @@ def test_router_tokens_equal_a_single_instance(cluster, reference):
     msgs = [{"role": "user", "content": "Tell me about the pool, in a few words please."}]
     chats = [{"op": "chat", "base": base, "messages": msgs, "max_tokens": N_NEW, "stream": stream}
              for base in (cluster.router, cluster.url["d"]) for stream in (False, True)]
-    fan = {"op": "post", "url": cluster.router + "/v1/completions",  # n = 2: straight to D, as `both`
+    fan = {"op": "post", "url": cluster.router + "/v1/completions",  # n = 2: P prefills once, D forks
            "json": {"prompt": PROMPTS[9], "max_tokens": N_NEW, "temperature": 0, "n": 2}}
     *out, fanned = cluster.jobs(*chats, fan)
     via_router, direct = out[:2], out[2:]  # D without a handoff serves as `both`
     assert via_router == direct and direct[0] == direct[1] and len(direct[0]["tokens"]) == N_NEW
     assert fanned["status"] == 200
-    assert [c["token_ids"] for c in json.loads(fanned["body"])["choices"]] == [reference[tuple(PROMPTS[9])]] * 2
+    fanned = json.loads(fanned["body"])
+    assert [c["token_ids"] for c in fanned["choices"]] == [reference[tuple(PROMPTS[9])]] * 2
+    assert fanned["usage"]["prompt_tokens_details"]["cached_tokens"] == 8  # P's 2 blocks, loaded once
+    d = cluster.metrics("d", "graphgen_pd_handoff", "graphgen_forked")
+    assert d['graphgen_pd_handoffs_total{result="accepted"}'] == len(jobs) + 3  # + 2 chats + the fan
+    assert d["graphgen_forked_requests_total"] == 1 and d['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 0
     r = cluster.metrics(cluster.router, "graphgen_route_")
     assert r["graphgen_route_prefill_fallbacks_total"] == 0
     cluster.assert_nothing_held()  # the router released every lease, well before P2's 30 s timeout
     assert cluster.metrics(cluster.router, "graphgen_route_lease")[
-        'graphgen_route_lease_releases_total{result="ok"}'] == len(jobs) + 2
+        'graphgen_route_lease_releases_total{result="ok"}'] == len(jobs) + 3
 
 
 def test_prefill_handoff_lease_mismatch_and_expiry(cluster, reference):
@@ -164,6 +195,7 @@ def test_prefill_handoff_lease_mismatch_and_expiry(cluster, reference):
     assert pre["tokens"] == [] and kv["num_blocks"] == 3 and len(kv["block_hashes"]) == 3
     assert kv["lease_expires_ms"] > time.time() * 1000
     assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 1
+    assert cluster.held()["p1"]["graphgen_pd_leases"] == (0, 1)  # negative control: the leak check sees it
     before = cluster.metrics("d", "graphgen_pd_handoff")
     mismatch, ok = cluster.jobs(_complete(cluster.url["d"], PROMPTS[29], kv_transfer_params=kv),  # another prompt
                                 _complete(cluster.url["d"], p, kv_transfer_params=kv))
@@ -217,27 +249,58 @@ def test_no_decode_up_is_a_clear_503(cluster):
     cluster.assert_nothing_held()
 
 
-def test_deepseek_through_the_router_equals_a_single_instance(cluster, tiny_dsv3):
-    """MLA + MoE: a 1P1D pair of DeepSeek-V3 instances on the same store (other keys: another model)."""
+def test_deepseek_through_the_router_equals_a_single_instance_and_keys_stay_apart(cluster, tiny_dsv3):
+    """MLA + MoE: a 1P1D pair of DeepSeek-V3 instances on the same store (other keys: another model),
+    each requiring the backend key; the router requires its own key of clients and sends the backend
+    key to the instances. A missing or wrong client key (the backend key too) is the router's 401; a
+    router sent with a wrong backend key answers a 502 naming the flag; no answer carries the
+    backend key."""
     import torch
 
     from graphgen.runtime import open_engine
 
     prompts = [PROMPTS[9], PROMPTS[29]]
-    procs = {k: _start(cluster.ns, f"ds_{k}", *_serve_args(tiny_dsv3.dir, k, spec=TINY_DSV3))
+    procs = {k: _start(cluster.ns, f"ds_{k}", *_serve_args(tiny_dsv3.dir, k, "--api-key", BACKEND_KEY,
+                                                           spec=TINY_DSV3))
              for k in ("prefill", "decode")}
     torch.set_num_threads(1)
     with open_engine(TINY_DSV3, tiny_dsv3.dir, write="off") as eng:  # loads while the servers start
         ref = {tuple(p): eng.generate([p], N_NEW)[0].tokens for p in prompts}
     url = {k: _url(p, "serve") for k, p in procs.items()}
-    router = cluster.route("router_ds", "--prefill", url["prefill"], decode=url["decode"])
-    jobs = [_complete(router, p, stream, model="tiny_deepseek_v3") for stream in (False, True) for p in prompts]
-    for job, got in zip(jobs, cluster.jobs(*jobs)):
-        assert got["tokens"] == ref[tuple(job["prompt"])], (len(job["prompt"]), job["stream"], got)
+    start = cluster.counters(url)
+    router = cluster.route("router_ds", "--prefill", url["prefill"], "--api-key", CLIENT_KEY,
+                           "--backend-api-key", BACKEND_KEY, decode=url["decode"])
+    misconfigured = cluster.route("router_ds_bad", "--prefill", url["prefill"], "--api-key", CLIENT_KEY,
+                                  "--backend-api-key", "not-the-backend-key", decode=url["decode"])
+    jobs = [dict(_complete(router, p, stream, model="tiny_deepseek_v3"), key=CLIENT_KEY)
+            for stream in (False, True) for p in prompts]
+    body = {"model": "tiny_deepseek_v3", "prompt": PROMPTS[9], "max_tokens": 2}
+    probes = [{"op": "post", "url": router + "/v1/completions", "json": body},                  # no key
+              {"op": "post", "url": router + "/v1/completions", "json": body, "key": "wrong"},
+              {"op": "post", "url": router + "/v1/completions", "json": body, "key": BACKEND_KEY},
+              {"op": "get", "url": router + "/v1/models", "key": CLIENT_KEY},
+              {"op": "post", "url": misconfigured + "/v1/completions", "json": body, "key": CLIENT_KEY},
+              {"op": "post", "url": misconfigured + "/v1/completions",                          # no P: D refuses
+               "json": {**body, "prompt": [PROMPTS[9], PROMPTS[3]]}, "key": CLIENT_KEY}]
+    *got, none, wrong, backend, models, bad_p, bad_d = cluster.jobs(*jobs, *probes)
+    for job, g in zip(jobs, got):
+        assert g["tokens"] == ref[tuple(job["prompt"])], (len(job["prompt"]), job["stream"], g)
         if not job["stream"]:
-            assert got["cached"] == (len(job["prompt"]) - 1) // BS * BS
+            assert g["cached"] == (len(job["prompt"]) - 1) // BS * BS
+    for r in (none, wrong, backend):
+        assert r["status"] == 401 and json.loads(r["body"])["error"]["code"] == "invalid_api_key", r
+    assert models["status"] == 200 and json.loads(models["body"])["data"][0]["id"] == "tiny_deepseek_v3"
+    for r, kind in ((bad_p, "prefill"), (bad_d, "decode")):
+        err = json.loads(r["body"])["error"]
+        assert r["status"] == 502 and err["code"] == "backend_auth_failed" and kind in err["message"], r
+        assert "--backend-api-key" in err["message"]
+    for r in (none, wrong, backend, models, bad_p, bad_d):
+        assert BACKEND_KEY not in json.dumps(r) and "not-the-backend-key" not in json.dumps(r)
+    cluster.assert_nothing_held(start, url)  # the pair's leases released (with the backend key), blocks free
     for p in procs.values():
         p.kill(signal.SIGTERM)
+    cluster.routers.remove(router)  # their backends are gone
+    cluster.routers.remove(misconfigured)
 
 
 def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):

@@ -3,6 +3,7 @@ decode side's check of it, and the flags refused before anything loads (the clus
 test_pd.py)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -80,10 +81,25 @@ def test_prefill_leases_the_handed_off_blocks_and_waits_for_them():
     assert len(keys) == 3 and pd.pool.leases() == 1
     for k in keys[:2]:
         pd.pool.put(k, b"v")
-    assert pd.wait_visible(keys) == 2  # no commit pending: the visible run, not a hang
+    assert asyncio.run(pd.wait_visible(keys)) == 2  # no commit pending: the visible run, not a hang
     pd.pool.put(keys[2], b"v")
-    assert pd.wait_visible(keys) == 3
+    assert asyncio.run(pd.wait_visible(keys)) == 3
     assert pd.release(lease.lease_id) and pd.pool.leases() == 0
+
+
+def test_prefill_answer_of_n_choices_is_one_handoff_and_n_empty_choices():
+    pd = _pd("prefill")
+    prompt = list(range(1, 14))
+    keys, lease = pd.lease(prompt)
+    for k in keys:
+        pd.pool.put(k, b"v")
+    body = {"choices": [{"index": 0, "text": "x", "token_ids": [5], "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 13, "completion_tokens": 1, "total_tokens": 14}}
+    out = asyncio.run(pd.finish_prefill(prompt, keys, lease, body, n=3))
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(c["token_ids"] == [] and c["text"] == "" for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 0 and out["kv_transfer_params"]["num_blocks"] == 3
+    assert out["kv_transfer_params"]["block_hashes"] == chain_digests(prompt, 4)[:3]
 
 
 def _cli(*args):
@@ -114,4 +130,4 @@ def test_router_prefill_body_and_which_requests_one_handoff_covers():
                                   "top_k": 3}
     assert one_handoff({"prompt": "text"}) and one_handoff({"messages": []}) and one_handoff({"prompt": [1, 2]})
     assert not one_handoff({"prompt": [[1, 2], [3]]}) and not one_handoff({"prompt": ["a", "b"]})
-    assert not one_handoff({"prompt": [1], "n": 2}) and not one_handoff({"prompt": [1], "best_of": 3})
+    assert one_handoff({"prompt": [1], "n": 2}) and one_handoff({"prompt": [1], "best_of": 3})  # D forks
