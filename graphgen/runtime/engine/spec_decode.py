@@ -149,6 +149,10 @@ class MtpDrafter:
         self.totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
                        "spec_decode_num_accepted_tokens_per_pos": [0] * self.k}
 
+    def stats(self) -> dict:
+        """The engine's acceptance totals since start (vLLM's names; per position: a copy)."""
+        return {k: list(v) if isinstance(v, list) else v for k, v in self.totals.items()}
+
     # ---- verify -----------------------------------------------------------------------------
     def verify(self, row: RowPlan, logits: torch.Tensor) -> tuple[int, ...]:
         """The tokens a verify row emits (its ``K' + 1`` logits ``[K'+1, V]``, ``K'`` drafts):

@@ -291,14 +291,16 @@ class LLMEngine:
         scheduler's ``prefills`` — prompt prefills begun —, ``forks`` — children sharing a parent's
         prompt blocks —, ``prefill_tokens`` and ``device_hit_blocks`` — blocks shared from the device
         prefix cache, apart from the pool's ``hit_blocks``; the gauge ``device_cached_blocks``)
-        and the connector's counters (``puts``, ...)."""
+        and the connector's counters (``puts``, ...); with speculative decoding vLLM's
+        ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+        ``spec_decode_num_accepted_tokens_per_pos`` (a list, per draft position)."""
         self.connector.reap()
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + len(s.prefill) + len(s.held),
                 "saves_pending": self.connector.pending, "free_blocks": s.alloc.num_free,
                 "device_cached_blocks": len(s.device_cache) if s.device_cache is not None else 0,
                 **self._totals, "preemptions": s.num_preemptions, **s.counts, **self.connector.stats,
-                **(self.drafter.totals if self.drafter is not None else {})}
+                **(self.drafter.stats() if self.drafter is not None else {})}
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Abort every request (the step in flight lands first), commit every pending save."""
