@@ -48,16 +48,18 @@ def _agrees_with_hf(model, prompt, tokens):
     return True
 
 
-def _check(ckpt, hf_main, prompts, ks, new, what, **options):
+def _check(ckpt, hf_main, prompts, ks, new, what, budget=8, **options):
     """Each K: all prompts at once through the scheduler (continuous batching; a step budget of 8
-    tokens: longer prompts run in chunks, verify rows share steps with them)."""
+    tokens: longer prompts run in chunks, verify rows share steps with them; a budget of 3: verify
+    rows cut to the drafts that fit)."""
     with open_engine(TINY_DSV3_MTP, ckpt, write=options.get("write")) as eng:
         plain = [r.tokens for r in eng.generate(prompts, new)]
     for k in ks:
-        with open_engine(TINY_DSV3_MTP, ckpt, num_speculative_tokens=k, max_num_batched_tokens=8, **options) as eng:
+        with open_engine(TINY_DSV3_MTP, ckpt, num_speculative_tokens=k, max_num_batched_tokens=budget,
+                         **options) as eng:
             results = eng.generate(prompts, new, batch=True)
             stats = eng.llm.stats()
-        assert stats["mixed_steps"] > 0, what  # verify rows and prompt chunks shared steps
+        assert stats["mixed_steps"] > 0 or budget < 8, what  # verify rows and prompt chunks shared steps
         assert stats["spec_decode_num_draft_tokens"] == sum(r.num_draft_tokens for r in results) > 0
         for prompt, want, res in zip(prompts, plain, results):
             where = f"{what} K={k} prompt of {len(prompt)}"
@@ -70,15 +72,16 @@ def _check(ckpt, hf_main, prompts, ks, new, what, **options):
 
 def test_speculative_equals_greedy_and_transformers(mtp_ckpt, hf_main):
     gen = torch.Generator().manual_seed(3)
-    _check(mtp_ckpt, hf_main, [rand_prompt(gen, n) for n in (3, 9, 14)], (1, 3), 6, "write=off", write="off")
+    _check(mtp_ckpt, hf_main, [rand_prompt(gen, n) for n in (3, 14)], (1, 3), 6, "write=off", write="off")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("write,async_scheduling", [("off", True), ("sync", False), ("async", True)])
-def test_speculative_equals_greedy_every_write_mode(write, async_scheduling, mtp_ckpt, hf_main):
+@pytest.mark.parametrize("write,async_scheduling,budget", [("off", True, 8), ("sync", False, 3), ("async", True, 8)])
+def test_speculative_equals_greedy_every_write_mode(write, async_scheduling, budget, mtp_ckpt, hf_main):
     gen = torch.Generator().manual_seed(4)
     _check(mtp_ckpt, hf_main, [rand_prompt(gen, n) for n in (3, 8, 13)], (1, 2, 3), NEW,
-           f"write={write} async={async_scheduling}", write=write, async_scheduling=async_scheduling)
+           f"write={write} async={async_scheduling} budget={budget}", budget, write=write,
+           async_scheduling=async_scheduling)
 
 
 def test_acceptance_counters_with_perfect_and_useless_drafts(mtp_ckpt):
@@ -107,10 +110,10 @@ def test_acceptance_counters_with_perfect_and_useless_drafts(mtp_ckpt):
         del drafter._pick
         sampled = []
         for seed in (5, 5, 6):
-            r = eng.llm.add_request(None, prompt, SamplingParams(max_tokens=NEW, temperature=0.8, seed=seed))
+            r = eng.llm.add_request(None, prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=seed))
             while eng.llm.has_work():
                 eng.llm.step()
-            assert r.result.num_draft_tokens > 0 and len(r.tokens) == NEW
+            assert r.result.num_draft_tokens > 0 and len(r.tokens) == 6
             sampled.append(r.tokens)
         assert sampled[0] == sampled[1] != sampled[2]
 

@@ -189,9 +189,8 @@ class Scheduler:
         return plan.keep(rows) if rows else None
 
     def update(self, plan: StepPlan, tokens: list, logits=None) -> list[Request]:
-        """Take the step's tokens (per row: a token, a verify row's tuple of them, cut in place to
-        those taken; None for a row that does not sample); returns the requests that finished (their
-        blocks are freed). ``logits``: per row, its sampled positions' logits, kept when collected."""
+        """Take the step's tokens (per row: a token, a verify row's tuple cut in place to those taken,
+        or None); returns the requests that finished (blocks freed); ``logits``: kept when collected."""
         now = time.perf_counter()
         done = []
         for i, row in enumerate(plan.rows):
@@ -212,7 +211,8 @@ class Scheduler:
                 continue
             toks = verified or (tokens[i],)
             taken, reason = r.take(toks, None if logits is None else logits[i].reshape(len(toks), -1), now)
-            tokens[i] = taken if verified else tokens[i]
+            if verified:  # a verify row's entry: the tokens taken (tokens may be a tuple otherwise)
+                tokens[i] = taken
             if reason is not None:
                 self.abort(r, reason)
                 done.append(r)
@@ -369,8 +369,8 @@ class Scheduler:
         chosen: list[Request] = []
         used = 0
         for r in list(self.running):
-            width = 1 + len(r.drafts)  # a verify row: its last token and its drafts
-            if used + width > budget:
+            width = min(1 + len(r.drafts), budget - used)  # a verify row: its last token and the drafts that fit
+            if width < 1:
                 break
             if r not in self.running or r.in_steps > (0 if self.num_speculative_tokens else 1) \
                     or len(r.tokens) + r.in_steps >= r.max_new_tokens:
@@ -384,7 +384,7 @@ class Scheduler:
                     break
             else:
                 chosen.append(r)
-                used += width
+                r.drafts, used = r.drafts[:width - 1], used + width
         return chosen
 
     def reserve(self, r: Request, num_tokens: int) -> bool:
