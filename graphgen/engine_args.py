@@ -98,7 +98,7 @@ def check_engine_arguments(args) -> Optional[str]:
     if getattr(args, "speculative", None) is not None:
         if spec_k is not None and not 1 <= spec_k <= 15:
             return f"--num-speculative-tokens must be in [1, 15] (K + 1 tokens per verify row, at most 16), got {spec_k}"
-        if args.target != "cpu" or (args.tp or 1) > 1 or (args.ep or 1) > 1:
+        if args.target != "cpu" or any((getattr(args, f, None) or 1) > 1 for f in ("tp", "ep", "dp", "cp")):
             return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
     if getattr(args, "warmup", None) is not None and args.target != "npu":
         return "--warmup/--no-warmup applies to --target npu only"
