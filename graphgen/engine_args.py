@@ -73,10 +73,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding with DeepSeek-V3's MTP layer (docs/mtp.md; `graphgen run` only so far)."""
+    """Speculative decoding with DeepSeek-V3's MTP layer (docs/mtp.md; `graphgen run` and `graphgen serve`)."""
     p.add_argument("--speculative", choices=("mtp",), default=None,
                    help="speculative decoding: mtp drafts with the model's MTP layer, the target verifies "
-                        "(greedy; needs a spec with an mtp: section)")
+                        "(greedy, or rejection sampling at temperature > 0; needs a spec with an mtp: section)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="with --speculative: draft tokens per step, 1..15 (K + 1 tokens per verify row; default 1)")
 
@@ -98,7 +98,7 @@ def check_engine_arguments(args) -> Optional[str]:
     if getattr(args, "speculative", None) is not None:
         if spec_k is not None and not 1 <= spec_k <= 15:
             return f"--num-speculative-tokens must be in [1, 15] (K + 1 tokens per verify row, at most 16), got {spec_k}"
-        if args.target != "cpu" or (args.tp or 1) > 1 or (args.ep or 1) > 1:
+        if args.target != "cpu" or any((getattr(args, f, None) or 1) > 1 for f in ("tp", "ep", "dp", "cp")):
             return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
     if getattr(args, "warmup", None) is not None and args.target != "npu":
         return "--warmup/--no-warmup applies to --target npu only"
@@ -123,6 +123,8 @@ def engine_options(args, faults=None) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
                 chunked_prefill=args.chunked_prefill, long_prefill_token_threshold=args.long_prefill_token_threshold,
                 faults=faults, target=args.target)
+    if getattr(args, "speculative", None) is not None:
+        opts["num_speculative_tokens"] = args.num_speculative_tokens or 1
     if args.target == "npu":
         opts["standin"] = args.standin
         opts["warmup"] = getattr(args, "warmup", None)

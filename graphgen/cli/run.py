@@ -103,8 +103,6 @@ def cmd_run(args) -> int:
         trace = TraceRecorder(args.trace, process_name="graphgen run")
         engine.observe(StepObserver(trace))
     try:
-        if args.speculative is not None:
-            return _generate_speculative(engine, prompts, args)
         return _generate(engine, prompts, args)
     finally:
         if trace is not None:
@@ -125,11 +123,14 @@ def _generate(engine, prompts, args) -> int:
             return EXIT_INVALID
         engine.drain()
         for r in results:
+            spec = _speculative_counters(r) if args.speculative is not None else {}
             if args.json:
-                print(json.dumps(dict(r.to_json(with_logits=args.logits), finish_reason=r.finish_reason)))
+                print(json.dumps(dict(r.to_json(with_logits=args.logits), finish_reason=r.finish_reason, **spec)))
             else:
+                mtp = (f", mtp: {r.num_accepted_tokens}/{r.num_draft_tokens} drafts accepted"
+                       if args.speculative is not None else "")
                 print(f"prompt[{len(r.prompt)}] -> {r.tokens}  (hit {r.hit_tokens} tokens, {r.variant}, "
-                      f"TTFT {r.ttft_ms:.1f} ms, {r.finish_reason})")
+                      f"TTFT {r.ttft_ms:.1f} ms{mtp}, {r.finish_reason})")
         if not args.json:
             err(f"pool: {engine.stats['puts']} blocks committed, {engine.stats['put_failures']} put failures, "
                 f"{engine.stats['hit_blocks']} blocks hit")
@@ -141,32 +142,12 @@ def _generate(engine, prompts, args) -> int:
     return EXIT_OK
 
 
-def _generate_speculative(engine, prompts, args) -> int:
-    """Greedy speculative decoding with the MTP layer, prompt by prompt (graphgen.runtime.engine.spec_decode)."""
-    from ..runtime import OutOfBlocks
-    from ..runtime.engine.spec_decode import speculative_generate
-
-    with engine:
-        if args.batch or args.logits:
-            return _usage(f"--speculative does not combine with --{'batch' if args.batch else 'logits'} yet")
-        try:
-            results = speculative_generate(engine, prompts, args.max_new_tokens,
-                                           num_speculative_tokens=args.num_speculative_tokens or 1,
-                                           ignore_eos=args.ignore_eos)
-        except (ValueError, OutOfBlocks) as e:
-            hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
-            return _usage(f"{e}{hint}")
-        for prompt, r in zip(prompts, results):
-            counters = {"spec_decode_num_draft_tokens": r.num_draft_tokens,
-                        "spec_decode_num_accepted_tokens": r.num_accepted_tokens,
-                        "spec_decode_num_accepted_tokens_per_pos": r.accepted_per_pos}
-            if args.json:
-                print(json.dumps({"prompt": list(prompt), "tokens": r.tokens, "finish_reason": r.finish_reason,
-                                  "speculative": "mtp", **counters, "acceptance_rate": r.acceptance_rate}))
-            else:
-                print(f"prompt[{len(prompt)}] -> {r.tokens}  (mtp: {r.num_accepted_tokens}/{r.num_draft_tokens} "
-                      f"drafts accepted, {r.finish_reason})")
-    return EXIT_OK
+def _speculative_counters(r) -> dict:
+    """``run --json``'s acceptance fields of one request (vLLM's counter names)."""
+    return {"speculative": "mtp", "spec_decode_num_draft_tokens": r.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": r.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(r.accepted_per_pos),
+            "acceptance_rate": r.acceptance_rate}
 
 
 def register(sub) -> None:

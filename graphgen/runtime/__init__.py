@@ -22,6 +22,7 @@ _EXPORTS = {
     "LLMEngine": "engine.step_loop",
     "SamplingParams": "engine.sampling", "SEED_RANGE": "engine.sampling", "MIN_TEMPERATURE": "engine.sampling",
     "VALUE_RANGES": "engine.sampling", "StructuredOutput": "engine.grammar",
+    "speculative_refusal": "engine.spec_decode",
     "RequestOutput": "engine.request", "RequestResult": "engine.request", "FINISH_REASONS": "engine.request",
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
     "register_rank_target": "parallel.rank",

@@ -63,7 +63,8 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
     ``"mooncake://HOST:PORT"`` or a `PoolBackend`. ``options`` go to the target's builder
     (`graphgen.runtime.engine.facade.build_engine`'s: ``num_blocks``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``async_scheduling``, ``collect_logits``, ``eos_token_ids``, ``faults``,
-    ...; the NPU target's: ``standin``, ``mode``)."""
+    ``num_speculative_tokens`` (speculative decoding with the spec's MTP layer, docs/mtp.md), ...; the
+    NPU target's: ``standin``, ``mode``)."""
     from ..lower.compile import display_path
     from ..modelspec.loader import load_spec
     from ..modelspec.model import ModelSpec

@@ -24,7 +24,7 @@ import logging
 import secrets
 from typing import Iterable, Optional, Sequence
 
-from ..runtime import DistributedEngine, Engine, RequestOutput, SamplingParams
+from ..runtime import DistributedEngine, Engine, RequestOutput, SamplingParams, speculative_refusal
 from ..trace import NULL, TRACK_SCHEDULER, StepObserver, TraceRecorder
 from .engine_api import EngineStats
 
@@ -58,6 +58,11 @@ class LLMEngineAdapter:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds {self.max_model_len}")
         self.llm.add_request(req_id, prompt, params, fork_of=fork_of)
 
+    def refusal(self, params: SamplingParams) -> Optional[tuple[str, str]]:
+        """``(field, sentence)`` when this engine cannot run ``params`` (speculative decoding's
+        limits, `speculative_refusal`), checked by the server before the request is queued."""
+        return speculative_refusal(params) if getattr(self.llm, "drafter", None) is not None else None
+
     def abort(self, req_id: str, forks: bool = True) -> None:
         self.llm.abort(req_id, forks)
 
@@ -78,6 +83,10 @@ class LLMEngineAdapter:
                            mixed_steps=s["mixed_steps"], decode_rows_stalled=s["decode_rows_stalled"],
                            prefills=s["prefills"], forks=s["forks"], device_hit_blocks=s["device_hit_blocks"],
                            device_cached_blocks=s["device_cached_blocks"],
+                           spec_decode_num_draft_tokens=s.get("spec_decode_num_draft_tokens", 0),
+                           spec_decode_num_accepted_tokens=s.get("spec_decode_num_accepted_tokens", 0),
+                           spec_decode_num_accepted_tokens_per_pos=tuple(
+                               s.get("spec_decode_num_accepted_tokens_per_pos", ())),
                            extra={k: s[k] for k in _EXTRA if k in s})
 
     def take_timings(self) -> list[tuple[str, float]]:

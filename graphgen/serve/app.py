@@ -224,6 +224,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
     ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer, max_logprobs=max_logprobs)
     ctx.tokenizer_dir = str(tokenizer_dir) if tokenizer_dir is not None and tokenizer is not None else None
     ctx.chat_setup = chat_setup  # serve/tools.py ChatSetup (tool-call / reasoning parsers), or None
+    ctx.refusal = getattr(engine, "refusal", None)  # the engine's own limits (speculative decoding)
     ids = itertools.count()
     state = {"accepting": False}
 

@@ -23,6 +23,7 @@ from ..engine_args import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     add_engine_arguments,
+    add_speculative_arguments,
     check_engine_arguments,
     engine_options,
     layout_refusal,
@@ -35,6 +36,7 @@ API_KEY_ENV = "GRAPHGEN_API_KEY"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, max_num_seqs=64, async_scheduling=True)
+    add_speculative_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on stdout)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the spec's name)")
@@ -136,6 +138,8 @@ def check_args(args):
             return f"--{flag.replace('_', '-')} {v}: not one of {', '.join(known)}", None
     if not args.kv_lease_timeout > 0:
         return f"--kv-lease-timeout must be > 0, got {args.kv_lease_timeout}", None
+    if args.role != "both" and getattr(args, "speculative", None) is not None:
+        return f"--speculative mtp does not combine with --role {args.role} yet (docs/mtp.md)", None
     if args.role != "both":  # the handoff goes through a pool both instances see
         write = args.write or spec.pool.write
         if write == "off" or args.pool == "host" or _ranks(args) > 1:

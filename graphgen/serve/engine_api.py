@@ -57,6 +57,11 @@ class EngineStats:
     forks: int = 0  # requests that shared another's prompt KV blocks (n / best_of copies)
     device_hit_blocks: int = 0  # prompt blocks shared from the device prefix cache (not the pool)
     device_cached_blocks: int = 0  # gauge: blocks the device prefix cache holds
+    # speculative decoding (--speculative mtp; vLLM's counters): drafts verified, drafts accepted,
+    # accepted per draft position (empty: the engine does not decode speculatively)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple = ()
     extra: dict = field(default_factory=dict)
 
 

@@ -83,6 +83,23 @@ class _StatsCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, getattr(s, attr))
             yield c
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding: graphgen's and vLLM's names
+            yield from self._spec_decode(s, "graphgen_", [], [])
+            yield from self._spec_decode(s, "vllm:", ["model_name"], m)
+
+    @staticmethod
+    def _spec_decode(s: EngineStats, prefix: str, labels: list, values: list):
+        for attr, doc in (("num_draft_tokens", "Draft tokens verified (speculative decoding)."),
+                          ("num_accepted_tokens", "Draft tokens accepted (speculative decoding).")):
+            c = CounterMetricFamily(f"{prefix}spec_decode_{attr}", doc, labels=labels)
+            c.add_metric(values, getattr(s, f"spec_decode_{attr}"))
+            yield c
+        c = CounterMetricFamily(f"{prefix}spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by draft position (0: the first draft).",
+                                labels=[*labels, "position"])
+        for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            c.add_metric([*values, str(pos)], n)
+        yield c
 
 
 class _Both:

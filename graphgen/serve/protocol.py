@@ -126,6 +126,8 @@ class Context:
         self.tokenizer_dir = None  # the tokenizer's folder (structured output's grammars are spelled in it)
         self.chat_setup = None  # serve/tools.py ChatSetup: the tool-call and reasoning parsers (None: off)
         self.max_logprobs = max_logprobs  # --max-logprobs: logprobs / top_logprobs at most (prompt ones too)
+        # params -> (field, sentence) when the engine cannot run them (speculative decoding), or None
+        self.refusal = None
 
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
@@ -216,7 +218,13 @@ def _common(body: dict, ctx: Context, chat: bool = False) -> tuple[dict, bool, b
     kw["structured"] = structured(response_format_grammar(body.get("response_format")), ctx.tokenizer_dir,
                                   "response_format")
     # ----
-    _params(dict(kw, max_tokens=1))  # every field checked before any tokenization
+    params = _params(dict(kw, max_tokens=1))  # every field checked before any tokenization
+    why = ctx.refusal(params) if ctx.refusal is not None else None
+    if why is not None:  # e.g. speculative decoding: a 400 naming the field the client sent
+        param, sentence = why
+        if param == "logprobs" and fields.fan.logprobs is None:  # asked for by best_of > n, not the client
+            param, sentence = "best_of", "best_of > n (it ranks choices by logprobs) " + sentence.split(" ", 1)[1]
+        raise ApiError(sentence, param=param, code="unsupported_value")
     return kw, stream, include_usage, ctx.model_name, fields.fan
 
 

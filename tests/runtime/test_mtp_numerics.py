@@ -13,7 +13,8 @@ import torch
 from graphgen.modelspec.loader import load_spec
 from graphgen.runtime import open_engine
 from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
-from graphgen.runtime.engine.spec_decode import SpeculativeDecoder
+from graphgen.runtime.engine.request import RowPlan
+from graphgen.runtime.engine.spec_decode import mtp_variant, run_rows
 from support.hf import ATOL, load_hf_model
 from support.paths import TINY_DSV3_MTP
 
@@ -64,21 +65,26 @@ def test_mtp_graph_matches_transformers_mtp_model(name, tmp_path):
         logits_ref = mtp._project_to_logits(g_ref)[0]
 
     with open_engine(spec, load_hf_weights(ckpt, mtp_layers=1), spec_file="mtp.yaml") as eng:
-        dec = SpeculativeDecoder(eng, 1)
         table = eng.alloc.alloc(4)
         x = ids[0].tolist()
-        _, h = dec._run(dec.prefill, x[:n], 0, table, (n - 1,))
+        prefill, mtp_graph = eng.scheduler.variant_for("prefill", False), mtp_variant(spec)
+
+        def run(variant, tokens, start, logits_positions, prev_hidden=None):  # one row through one graph
+            row = RowPlan(None, tuple(tokens), start, tuple(table), logits_positions=tuple(logits_positions))
+            return run_rows(eng.runner, variant, [row], prev_hidden=prev_hidden)
+
+        _, h = run(prefill, x[:n], 0, (n - 1,))
         assert (h - h_ref[0]).abs().max().item() <= ATOL, "target hidden state"
-        logits, g = dec._run(dec.mtp, x[1:], 0, table, range(n), prev_hidden=h)
+        logits, g = run(mtp_graph, x[1:], 0, range(n), prev_hidden=h)
         assert (g - g_ref[0]).abs().max().item() <= ATOL, "MTP hidden state"
         err = (logits - logits_ref).abs().max().item()
         assert err <= ATOL, f"{name}: MTP logits max |diff| {err:.3g}"
         # in two pieces: rows 8.. attend to rows 0..7's MTP KV through the cache
-        _, _ = dec._run(dec.mtp, x[1:9], 0, table, (7,), prev_hidden=h[:8])
-        tail, _ = dec._run(dec.mtp, x[9:], 8, table, range(n - 8), prev_hidden=h[8:])
+        run(mtp_graph, x[1:9], 0, (7,), prev_hidden=h[:8])
+        tail, _ = run(mtp_graph, x[9:], 8, range(n - 8), prev_hidden=h[8:])
         assert (tail - logits_ref[8:]).abs().max().item() <= ATOL
         # negative control: the MTP layer's KV of rows 0..7 zeroed -> the tail's logits differ
         for part in eng.cache[L]:
             part[table[0]].zero_()
-        bad, _ = dec._run(dec.mtp, x[9:], 8, table, range(n - 8), prev_hidden=h[8:])
+        bad, _ = run(mtp_graph, x[9:], 8, range(n - 8), prev_hidden=h[8:])
         assert (bad - logits_ref[8:]).abs().max().item() > 1e-3

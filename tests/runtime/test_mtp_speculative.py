@@ -1,8 +1,9 @@
-"""Greedy speculative decoding with the MTP layer: the tokens equal non-speculative greedy decoding
-and transformers' greedy continuation (wherever transformers' top-2 logit margin exceeds 1e-4: a K+1-row
-verify GEMM rounds differently from a 1-row one), for K = 1..3, several prompt lengths and every
-write mode; the acceptance counters add up; Qwen3 specs, checkpoints without MTP layers and
-temperature > 0 are refused in one sentence."""
+"""Greedy speculative decoding with the MTP layer, through the scheduler: the tokens equal
+non-speculative greedy decoding and transformers' greedy continuation (wherever transformers' top-2
+margin exceeds 1e-4: a K+1-row verify GEMM rounds differently from a 1-row one), for K = 1..3,
+several prompt lengths batched together (chunked prefill and mixed steps), every write mode and
+async scheduling; the acceptance counters add up; Qwen3 specs and checkpoints without MTP layers
+are refused in one sentence."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 from graphgen.modelspec.loader import load_spec
-from graphgen.runtime import open_engine
+from graphgen.runtime import SamplingParams, open_engine
 from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
-from graphgen.runtime.engine.spec_decode import SpeculativeDecoder, check_speculative, speculative_generate
+from graphgen.runtime.engine.spec_decode import check_speculative
 from support.hf import hf_logits, load_hf_model, rand_prompt
 from support.paths import TINY_DSV3_MTP, TINY_QWEN3
 
@@ -47,10 +48,19 @@ def _agrees_with_hf(model, prompt, tokens):
     return True
 
 
-def _check(eng, hf_main, prompts, ks, new, what):
-    plain = [r.tokens for r in eng.generate(prompts, new)]
+def _check(ckpt, hf_main, prompts, ks, new, what, budget=8, **options):
+    """Each K: all prompts at once through the scheduler (continuous batching; a step budget of 8
+    tokens: longer prompts run in chunks, verify rows share steps with them; a budget of 3: verify
+    rows cut to the drafts that fit)."""
+    with open_engine(TINY_DSV3_MTP, ckpt, write=options.get("write")) as eng:
+        plain = [r.tokens for r in eng.generate(prompts, new)]
     for k in ks:
-        results = speculative_generate(eng, prompts, new, num_speculative_tokens=k, ignore_eos=True)
+        with open_engine(TINY_DSV3_MTP, ckpt, num_speculative_tokens=k, max_num_batched_tokens=budget,
+                         **options) as eng:
+            results = eng.generate(prompts, new, batch=True)
+            stats = eng.llm.stats()
+        assert stats["mixed_steps"] > 0 or budget < 8, what  # verify rows and prompt chunks shared steps
+        assert stats["spec_decode_num_draft_tokens"] == sum(r.num_draft_tokens for r in results) > 0
         for prompt, want, res in zip(prompts, plain, results):
             where = f"{what} K={k} prompt of {len(prompt)}"
             assert res.tokens == want and len(res.tokens) == new, where
@@ -62,34 +72,50 @@ def _check(eng, hf_main, prompts, ks, new, what):
 
 def test_speculative_equals_greedy_and_transformers(mtp_ckpt, hf_main):
     gen = torch.Generator().manual_seed(3)
-    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off") as eng:
-        _check(eng, hf_main, [rand_prompt(gen, n) for n in (3, 9)], (1, 3), 6, "write=off")
+    _check(mtp_ckpt, hf_main, [rand_prompt(gen, n) for n in (3, 14)], (1, 3), 6, "write=off", write="off")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("write", ["off", "sync", "async"])
-def test_speculative_equals_greedy_every_write_mode(write, mtp_ckpt, hf_main):
+@pytest.mark.parametrize("write,async_scheduling,budget", [("off", True, 8), ("sync", False, 3), ("async", True, 8)])
+def test_speculative_equals_greedy_every_write_mode(write, async_scheduling, budget, mtp_ckpt, hf_main):
     gen = torch.Generator().manual_seed(4)
-    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write=write) as eng:
-        _check(eng, hf_main, [rand_prompt(gen, n) for n in (3, 8, 13)], (1, 2, 3), NEW, f"write={write}")
+    _check(mtp_ckpt, hf_main, [rand_prompt(gen, n) for n in (3, 8, 13)], (1, 2, 3), NEW,
+           f"write={write} async={async_scheduling} budget={budget}", budget, write=write,
+           async_scheduling=async_scheduling)
 
 
 def test_acceptance_counters_with_perfect_and_useless_drafts(mtp_ckpt):
     """The counters' controls: drafts that are the greedy continuation are all accepted (3 tokens per
-    cycle), drafts that never match none (1 token per cycle); the output is greedy's either way."""
+    cycle), drafts that never match none (1 token per cycle); the output is greedy's either way. And a
+    sampled request (temperature > 0) is reproducible from its seed."""
+    prompt = [5, 17, 99, 3, 42]
     with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off") as eng:
-        prompt = [5, 17, 99, 3, 42]
         want = eng.generate([prompt], NEW)[0].tokens
-        dec = SpeculativeDecoder(eng, 2)
-        done = lambda tokens: len(tokens) - len(prompt)  # noqa: E731 (tokens generated so far)
-        dec.draft = lambda tokens, p0, hidden, table, save=None: ([want[done(tokens)], want[done(tokens) + 1]],
-                                                                     [None] * 2)
-        res = dec.generate(prompt, NEW, ignore_eos=True)
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off", num_speculative_tokens=2) as eng:
+        drafter = eng.llm.drafter
+
+        def perfect(r, logits, drafts, probs):  # the greedy continuation after what is drafted so far
+            drafts[id(r)].append(want[len(r.tokens) + len(drafts[id(r)])])
+
+        drafter._pick = perfect
+        res = eng.generate([prompt], NEW)[0]
         assert res.tokens == want and res.num_draft_tokens == 6 == res.num_accepted_tokens  # 1 + 3 cycles x 3
         assert res.accepted_per_pos == [3, 3]
-        dec.draft = lambda tokens, p0, hidden, table, save=None: ([(want[done(tokens)] + 1) % 256] * 2, [None] * 2)
-        res = dec.generate(prompt, NEW, ignore_eos=True)
-        assert res.tokens == want and res.num_accepted_tokens == 0 and res.num_draft_tokens == 2 * (NEW - 1)
+        drafter._pick = lambda r, logits, drafts, probs: drafts[id(r)].append((want[len(r.tokens)] + 1) % 256)
+        res = eng.generate([prompt], NEW)[0]
+        # every cycle emits one token; the drafts stop where no more tokens are needed
+        assert res.tokens == want and res.num_accepted_tokens == 0 and res.num_draft_tokens == 2 * (NEW - 3) + 1
+        # temperature > 0: the drafts are drawn from the MTP distribution and verified by rejection
+        # sampling (tests/runtime/test_rejection_sampling.py proves its distribution), seeded per request
+        del drafter._pick
+        sampled = []
+        for seed in (5, 5, 6):
+            r = eng.llm.add_request(None, prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=seed))
+            while eng.llm.has_work():
+                eng.llm.step()
+            assert r.result.num_draft_tokens > 0 and len(r.tokens) == 6
+            sampled.append(r.tokens)
+        assert sampled[0] == sampled[1] != sampled[2]
 
 
 def test_refusals_are_one_sentence(mtp_ckpt, tmp_path):
@@ -97,8 +123,6 @@ def test_refusals_are_one_sentence(mtp_ckpt, tmp_path):
                        ((load_spec(TINY_QWEN3), 1), "has no MTP layers")):
         with pytest.raises(ValueError, match=match):
             check_speculative(*bad)
-    with pytest.raises(ValueError, match="greedily only"):
-        check_speculative(SPEC, 1, temperature=0.7)
     plain = write_random_hf_checkpoint(str(tmp_path / "plain"), "deepseek_v3", dataclasses.asdict(SPEC.dims),
                                        tokenizer=False)
     with pytest.raises(ValueError, match="num_nextn_predict_layers: 0"):
@@ -140,12 +164,11 @@ def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
 
     L = SPEC.dims.num_hidden_layers
     prompt = [5, 17, 99, 3, 42, 8, 8, 1, 250, 7, 19]  # 11 tokens: (11 - 1) // 4 = 2 blocks looked up
-    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write=write) as eng:
-        dec = SpeculativeDecoder(eng, 2)
-        cold = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write=write, num_speculative_tokens=2, collect_logits=True) as eng:
+        cold = eng.generate([prompt], 6)[0]
         eng.drain()
         assert cold.hit_tokens == 0 and cold.saved_blocks == 2 and eng.stats["puts"] == 2
-        warm = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        warm = eng.generate([prompt], 6)[0]
         assert warm.hit_tokens == 8 and warm.tokens == cold.tokens
         assert len(warm.draft_logits) == len(cold.draft_logits) > 0
         for a, b in zip(cold.draft_logits, warm.draft_logits):
@@ -162,7 +185,7 @@ def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
             return blocks
 
         eng.loader.load = target_only
-        lost = dec.generate(prompt, 6, ignore_eos=True, collect_logits=True)
+        lost = eng.generate([prompt], 6)[0]
         assert lost.hit_tokens == 8 and lost.tokens == cold.tokens  # the target verifies: output unchanged
         worst = max((a - b).abs().max().item() for a, b in zip(cold.draft_logits, lost.draft_logits))
         assert worst > 1e-3, "the drafts did not read the MTP layer's pooled KV"

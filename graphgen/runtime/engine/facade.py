@@ -35,6 +35,7 @@ from .kv_load import Counters, KVLoader
 from .request import RequestResult
 from .runner import CpuModelRunner
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, Scheduler
+from .spec_decode import MtpDrafter, check_speculative
 from .step_loop import LLMEngine
 
 __all__ = ["Engine", "build_engine", "cpu_engine"]
@@ -147,16 +148,20 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False,
                  chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  collect_logits: bool = False, eos_token_ids: Iterable[int] = (), closers: Sequence = (),
-                 max_model_len: Optional[int] = None) -> Engine:
+                 max_model_len: Optional[int] = None, num_speculative_tokens: int = 0) -> Engine:
     """Wire an engine. ``kv_shapes``: cache component -> per-block shape (``[BS, ...]``);
     ``make_runner(cache, alloc, connector, reserved)`` -> the model runner (``reserved``: blocks
     taken from the allocator for the target's own use, e.g. the NPU's padding block);
     ``make_loader(pool, cache, counters)`` -> the connector's scheduler side (default: a `KVLoader`
     keyed by the spec's name); ``make_connector(pool, cache, alloc, counters)`` -> its worker side
-    (default: a `KVConnector` writing as ``pool.write``)."""
+    (default: a `KVConnector` writing as ``pool.write``). ``num_speculative_tokens`` K > 0: every
+    request decodes speculatively with the spec's MTP layer, K drafts per verify row
+    (`spec_decode.MtpDrafter`; ValueError in one sentence for a spec without MTP layers)."""
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
         raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
     faults = faults or Faults()
+    if num_speculative_tokens:
+        check_speculative(spec, num_speculative_tokens)  # before anything is started
     if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
         pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
     if faults.active:
@@ -174,9 +179,13 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     scheduler = Scheduler(spec, alloc, loader, reclaim=connector.wait_oldest, save_blocks=connector.save_filled,
                           max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked_prefill,
-                          long_prefill_token_threshold=long_prefill_token_threshold)
+                          long_prefill_token_threshold=long_prefill_token_threshold,
+                          num_speculative_tokens=num_speculative_tokens)
+    drafter = MtpDrafter(spec, num_speculative_tokens, runner, cache, connector, scheduler) \
+        if num_speculative_tokens else None
     llm = LLMEngine(scheduler, connector, runner, vocab_size=spec.dims.vocab_size,
-                    async_scheduling=async_scheduling, eos_token_ids=eos_token_ids, collect_logits=collect_logits)
+                    async_scheduling=async_scheduling, eos_token_ids=eos_token_ids, collect_logits=collect_logits,
+                    drafter=drafter)
     return Engine(spec=spec, pool=pool, faults=faults, cache=cache, alloc=alloc, loader=loader, connector=connector,
                   runner=runner, scheduler=scheduler, llm=llm, closers=closers, max_model_len=max_model_len)
 

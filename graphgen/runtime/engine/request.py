@@ -38,6 +38,16 @@ class RequestResult:
     step_logits: list = field(default_factory=list)  # per generated token, when collect_logits
     finish_reason: Optional[str] = None  # one of FINISH_REASONS once finished
     preemptions: int = 0  # times its blocks were taken back and its KV recomputed later
+    # speculative decoding (spec_decode.py), vLLM's counters: drafts verified, drafts accepted,
+    # accepted per draft position; with collect_logits each draft run's first-draft logits
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list = field(default_factory=list)
+    draft_logits: list = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def to_json(self, with_logits: bool = False) -> dict:
         d = {"tokens": self.tokens, "hit_tokens": self.hit_tokens, "ttft_ms": round(self.ttft_ms, 3),
@@ -99,6 +109,43 @@ class Request:
     # ``cached`` never ahead of the steps that write it: what a device prefix cache may keep
     computed: int = 0
     device_blocks: int = 0  # leading blocks shared from the device prefix cache in this admission
+    # speculative decoding (spec_decode.py): the target's hidden states at positions
+    # ``spec_p0 ..`` whose MTP KV is not final yet (the next draft run's input), the drafts the
+    # next verify row carries, and (temperature > 0) their draft distributions ``[len(drafts), V]``
+    spec_hidden: Optional[Any] = None
+    spec_p0: int = 0
+    drafts: tuple = ()
+    draft_probs: Optional[Any] = None
+
+    def plan_decode(self) -> "RowPlan":
+        """Its decode row for the next step: the token after its KV (``PENDING`` when the step in
+        flight samples it: `Scheduler.finalize` fills it in) and its drafts, a logits position each
+        (a verify row, speculative decoding). ``cached`` advances provisionally past them:
+        `Scheduler.update` rolls it back to the accepted prefix."""
+        p = self.cached
+        ids = (self.seq[p] if p < len(self.seq) else PENDING, *self.drafts)
+        self.drafts = ()  # verified by this row (the draft distributions stay for its rejection sampling)
+        self.cached = p + len(ids)
+        self.in_steps += 1
+        return RowPlan(self, ids, p, tuple(self.table), logits_positions=tuple(range(len(ids))), decode=True)
+
+    def take(self, tokens, logits, now: float) -> tuple[tuple[int, ...], Optional[str]]:
+        """Append a step's ``tokens`` (one, or a verify row's emitted ones) up to the first that
+        finishes the request; ``logits``: their rows ``[len(tokens), V]`` to keep, or None. Returns
+        the tokens taken and the finish reason ("stop", "length") or None."""
+        res, taken = self.result, []
+        for j, tok in enumerate(int(t) for t in tokens):
+            taken.append(tok)
+            res.tokens.append(tok)
+            if logits is not None:
+                res.step_logits.append(logits[j].detach().float().clone())
+            if len(res.tokens) == 1:
+                res.ttft_ms = (now - self.t0) * 1e3
+            reason = "stop" if tok in self.stop_token_ids else "length" if len(res.tokens) >= self.max_new_tokens \
+                else None
+            if reason is not None:
+                return tuple(taken), reason
+        return tuple(taken), None
 
     @property
     def max_new_tokens(self) -> int:

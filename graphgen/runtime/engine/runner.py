@@ -98,6 +98,9 @@ class StepFuture:
     save: Any = None  # the connector's PendingSave, when the variant saves
     job: Optional[Job] = None  # the forward on the worker thread (async scheduling)
     handles: Optional["StepHandles"] = None  # the forward's result when it ran inline
+    # after collect, for a spec with MTP layers: each row's hidden states ``[num_tokens, H]`` (what
+    # speculative decoding drafts from); None otherwise
+    hidden_rows: Optional[list] = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,8 @@ class CpuModelRunner:
             raise
         if fut.save is not None:
             self.connector.handoff(fut.save, handles.save_job, handles.save_done)
+        if handles.hidden is not None:
+            fut.hidden_rows = list(torch.split(handles.hidden, [r.num_tokens for r in fut.plan.rows]))
         counts = [len(r.logits_positions) for r in fut.plan.rows]
         return list(torch.split(handles.logits, counts))
 

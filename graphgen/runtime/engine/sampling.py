@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "sample_rows", "SEED_RANGE", "MIN_TEMPERATURE", "VALUE_RANGES"]
+__all__ = ["SamplingParams", "Sampler", "sample_rows", "rejection_sample", "SEED_RANGE", "MIN_TEMPERATURE", "VALUE_RANGES"]
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 # below it (but not 0) logits / temperature overflow float32: such a request is refused, not guessed at
@@ -124,10 +124,19 @@ class Sampler:
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
 
     def __call__(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(torch.argmax(logits.detach().reshape(-1)))
+        return int(torch.multinomial(self._weights(logits), 1, generator=self.generator))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a draw samples from (temperature, top-k, top-p applied), ``[V]`` float32,
+        summing to 1: speculative decoding's rejection sampling compares the target's with the draft's."""
+        w = self._weights(logits)
+        return w / w.sum()
+
+    def _weights(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         row = logits.detach().reshape(-1).float()
-        if p.greedy:
-            return int(torch.argmax(row))
         scaled = row / float(p.temperature)
         if not bool(torch.isfinite(scaled).all()):  # a temperature so small it overflows float32: its limit
             scaled = torch.full_like(row, float("-inf"))
@@ -142,7 +151,7 @@ class Sampler:
             before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of the tokens ranked above each one
             sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)  # the top token always stays
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return probs
 
 
 def sample_rows(logits: torch.Tensor, samplers: Sequence[Optional[Sampler]]) -> tuple[list[int], int]:
@@ -159,3 +168,29 @@ def sample_rows(logits: torch.Tensor, samplers: Sequence[Optional[Sampler]]) -> 
         except (RuntimeError, ValueError):
             fallbacks += 1
     return tokens, fallbacks
+
+
+def rejection_sample(target: torch.Tensor, draft: torch.Tensor, drafts: Sequence[int],
+                     generator: Optional[torch.Generator]) -> tuple[list[int], int]:
+    """Speculative sampling (Leviathan et al., arXiv 2211.17192, Algorithm 1): ``target`` ``[K+1, V]``
+    the target's distributions at the verify row's positions, ``draft`` ``[K, V]`` the distributions
+    the ``K`` drafts were drawn from. Draft ``x`` at position i is accepted with probability
+    ``min(1, p_i(x) / q_i(x))``; the first rejected one is replaced by a draw from
+    ``norm(max(0, p_i - q_i))`` and ends the row; when all are accepted a bonus token is drawn from
+    ``p_K``. Each emitted token is then distributed exactly as ``p`` (the paper's Theorem).
+    Returns ``(emitted tokens, drafts accepted)``."""
+    out: list[int] = []
+    for i, x in enumerate(int(d) for d in drafts):
+        p, q = target[i], draft[i]
+        u = float(torch.rand((), generator=generator))
+        if u * float(q[x]) < float(p[x]):  # u < p/q, without dividing by a q that may be 0
+            out.append(x)
+            continue
+        residual = (p - q).clamp_min(0.0)
+        total = float(residual.sum())
+        # p == q everywhere but at x, in rounding: a rejection there has no residual mass left
+        dist = residual / total if total > 0 else p
+        out.append(int(torch.multinomial(dist, 1, generator=generator)))
+        return out, i
+    out.append(int(torch.multinomial(target[len(out)], 1, generator=generator)))
+    return out, len(out) - 1

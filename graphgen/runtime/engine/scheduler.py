@@ -28,6 +28,8 @@ Policy (continuous batching; see docs/runtime.md):
   landed, then shared and admitted ahead of other prefills (outside ``max_num_seqs``).
 * **Saves, released blocks** (`BlockLife`: ``pool.policy``, ``save_decode``, ``device_cache``);
   device prefix hits are taken before the pool lookup; an allocation evicts cached blocks first.
+* **Speculative decoding** (`spec_decode`): a decode row carries the drafts (a verify row), one step
+  of a request in flight at most; ``update`` rolls ``cached`` back to the accepted prefix.
 
 Block accounting: a request's ``table`` lists its device blocks (its own, refcount 1, and a fork's
 shared references); they go back when it finishes, is aborted or preempted — once no step in
@@ -48,6 +50,7 @@ from .block_life import BlockLife
 from .chunking import chunk_tokens, prefill_logits_positions, wants_prompt_logits
 from .forks import Forks
 from .request import PENDING, Request, RowPlan, StepPlan
+from .spec_decode import successor_keys
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 
@@ -69,7 +72,7 @@ class Scheduler:
                  save_blocks: Callable[[list, list], None] = lambda ids, keys: None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, num_speculative_tokens: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if long_prefill_token_threshold < 0:
@@ -85,8 +88,11 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill and self.variant_for("prefill", True) is not None
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefix_cache = "prefix_cache" in spec.features
+        self.num_speculative_tokens = num_speculative_tokens
         self.blocks = BlockLife(spec, alloc, loader.block_keys, save_blocks=save_blocks, device_cache=(
-            spec.pool.device_cache and self.prefix_cache and self.variant_for("prefill", True) is not None))
+            spec.pool.device_cache and self.prefix_cache and self.variant_for("prefill", True) is not None
+            and not num_speculative_tokens))  # device blocks are keyed without their successor token
+        self.blocks.save_decode &= not num_speculative_tokens  # a verify row's KV is final only in part
         self.device_cache = self.blocks.device_cache
         self.waiting: deque[Request] = deque()  # added or preempted, not admitted
         self.prefill: list[Request] = []        # admitted (prefix loaded), awaiting their prefill
@@ -102,7 +108,7 @@ class Scheduler:
     def add(self, request: Request, fork_of: Optional[Request] = None) -> None:
         """Queue ``request``; with ``fork_of`` it shares that parent's prompt blocks once computed,
         unless it cannot (`Forks.can_share`, no history variant, prompt logprobs): then as usual."""
-        if (fork_of is not None and self.forks.can_share(request, fork_of)
+        if (fork_of is not None and self.forks.can_share(request, fork_of) and not self.num_speculative_tokens
                 and self.variant_for("prefill", True) is not None
                 and not wants_prompt_logits(request) and not wants_prompt_logits(fork_of)):
             if fork_of in self.running and fork_of.result.tokens:
@@ -182,16 +188,18 @@ class Scheduler:
             rows.append(row)
         return plan.keep(rows) if rows else None
 
-    def update(self, plan: StepPlan, tokens: Sequence[Optional[int]], logits=None) -> list[Request]:
-        """Take the step's tokens (one per row; None for a row that does not sample); returns the
-        requests that finished (their blocks are freed). ``logits``: per row, the sampled position's
-        logits, kept when the caller collects them."""
+    def update(self, plan: StepPlan, tokens: list, logits=None) -> list[Request]:
+        """Take the step's tokens (per row: a token, a verify row's tuple cut in place to those taken,
+        or None); returns the requests that finished (blocks freed); ``logits``: kept when collected."""
         now = time.perf_counter()
         done = []
         for i, row in enumerate(plan.rows):
             r = row.request
             r.in_steps -= 1
-            r.computed = max(r.computed, row.seq_len)  # the step ran: its KV is in the cache
+            verified = tokens[i] if isinstance(tokens[i], tuple) else None
+            if verified is not None:  # a verify row: its KV is final up to the accepted prefix
+                r.cached = row.start + len(verified)  # roll back: the rejected drafts' KV is overwritten
+            r.computed = max(r.computed, row.seq_len if verified is None else r.cached)  # its KV is in the cache
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
@@ -199,15 +207,12 @@ class Scheduler:
                 self.blocks.landed(row, self.blocks.completed(r, *row.chunk), self._keys(r))
             if kids := self.forks.ready(r, row.seq_len):
                 self._admit_forks(r, kids)  # the shared blocks' KV is written: the forks take them
-            tok = tokens[i]
-            if tok is None:
+            if tokens[i] is None:
                 continue
-            r.result.tokens.append(int(tok))
-            if logits is not None:
-                r.result.step_logits.append(logits[i].detach().float().clone())
-            if len(r.result.tokens) == 1:
-                r.result.ttft_ms = (now - r.t0) * 1e3
-            reason = "stop" if tok in r.stop_token_ids else "length" if len(r.tokens) >= r.max_new_tokens else None
+            toks = verified or (tokens[i],)
+            taken, reason = r.take(toks, None if logits is None else logits[i].reshape(len(toks), -1), now)
+            if verified:  # a verify row's entry: the tokens taken (tokens may be a tuple otherwise)
+                tokens[i] = taken
             if reason is not None:
                 self.abort(r, reason)
                 done.append(r)
@@ -245,7 +250,8 @@ class Scheduler:
 
     def _keys(self, r: Request) -> list[str]:
         if r.keys is None:
-            r.keys = self.loader.block_keys(r.seq)
+            r.keys = successor_keys(self.loader, r.seq, (len(r.seq) - 1) // self.block_size) \
+                if self.num_speculative_tokens else self.loader.block_keys(r.seq)
         return r.keys
 
     def _schedule_prefill(self) -> Optional[StepPlan]:
@@ -262,7 +268,7 @@ class Scheduler:
         decodes = self._choose_decodes(self.max_num_batched_tokens)
         if not decodes:
             return self._schedule_prefill()
-        left = self.max_num_batched_tokens - len(decodes)
+        left = self.max_num_batched_tokens - sum(1 + len(r.drafts) for r in decodes)
         chosen = (self._choose_chunks(left, None) or []) if left > 0 else []
         return self._step(chosen, decodes, True)
 
@@ -310,7 +316,7 @@ class Scheduler:
         """``decodes``' rows, then ``chosen``'s (a prompt or a chunk each): the decode variant for
         decode rows alone, else the prefill variant (with history when mixed)."""
         stalled = self._stalled([*decodes, *(r for r, _ in chosen)])
-        rows = [self._decode_row(r) for r in decodes]
+        rows = [r.plan_decode() for r in decodes]
         if not chosen:
             return StepPlan(self.variant_for("decode", False), "decode", tuple(rows), False,
                             decode_rows_stalled=stalled)
@@ -339,7 +345,7 @@ class Scheduler:
         first one not loaded or saved by an earlier chunk) and samples only with its last chunk."""
         seq = r.seq
         save_ids, save_keys = (), ()
-        if saves:
+        if saves and not self.num_speculative_tokens:  # speculative: the first draft run saves them
             keys = self._keys(r)
             picked = self.blocks.selected([(r.table[j], keys[j]) for j in self.blocks.completed(r, start, end)])
             save_ids = tuple(b for b, _ in picked)
@@ -361,12 +367,15 @@ class Scheduler:
         """The running requests that decode in this step, oldest first, one token each within
         ``budget``, each with a block for its token (preempting the newest when none is free)."""
         chosen: list[Request] = []
+        used = 0
         for r in list(self.running):
-            if len(chosen) >= budget:
+            width = min(1 + len(r.drafts), budget - used)  # a verify row: its last token and the drafts that fit
+            if width < 1:
                 break
-            if r not in self.running or r.in_steps > 1 or len(r.tokens) + r.in_steps >= r.max_new_tokens:
-                continue  # preempted meanwhile, or its last token is already on its way
-            while not self._try_blocks(r, r.cached + 1):
+            if r not in self.running or r.in_steps > (0 if self.num_speculative_tokens else 1) \
+                    or len(r.tokens) + r.in_steps >= r.max_new_tokens:
+                continue  # preempted meanwhile, its last token on its way, or (speculative) its start unknown
+            while not self._try_blocks(r, r.cached + width):
                 victim = self._victim(exclude=chosen)
                 if victim is None:
                     break
@@ -375,16 +384,12 @@ class Scheduler:
                     break
             else:
                 chosen.append(r)
+                r.drafts, used = r.drafts[:width - 1], used + width
         return chosen
 
-    def _decode_row(self, r: Request) -> RowPlan:
-        p = r.cached
-        # PENDING: sampled by the step in flight, filled in by finalize
-        row = RowPlan(r, (r.seq[p] if p < len(r.seq) else PENDING,), p, tuple(r.table),
-                      logits_positions=(0,), decode=True)
-        r.cached = p + 1
-        r.in_steps += 1
-        return row
+    def reserve(self, r: Request, num_tokens: int) -> bool:
+        """Blocks for ``r``'s first ``num_tokens`` positions if free (the recursive drafts' MTP KV)."""
+        return self._try_blocks(r, num_tokens)
 
     def _victim(self, exclude: list[Request]) -> Optional[Request]:
         """The newest request holding blocks that no step in flight uses: admitted ones first

@@ -1,55 +1,63 @@
-"""Speculative decoding with DeepSeek-V3's MTP layer on the CPU target (docs/mtp.md).
+"""Speculative decoding with DeepSeek-V3's MTP layer on the CPU target, through the scheduler (docs/mtp.md).
 
-One cycle, for a sequence whose tokens ``x_0 .. x_m`` are final (``x_m`` not yet fed to the target):
+Every request of an engine built with ``num_speculative_tokens`` K > 0 decodes speculatively. One
+cycle, for a request whose tokens ``x_0 .. x_m`` are final (``x_m`` not yet fed to the target):
 
-1. **draft**: the MTP graph (the spec's ``phase: mtp`` variant) runs over the positions whose MTP KV
-   is not final yet, ``p0 .. m-1``: row ``t`` holds token ``x_{t+1}`` and the target's hidden state
-   at ``t``; the last row's logits give draft ``d_1`` (for ``x_{m+1}``). For ``K > 1`` the same layer
-   runs again, one row at position ``m + j - 1`` holding ``d_j`` and the previous MTP run's own
-   hidden state, giving ``d_{j+1}`` (one MTP layer reused recursively, as vLLM does);
-2. **verify**: the target's decode graph runs one multi-token decode row of ``K + 1`` tokens
-   ``[x_m, d_1 .. d_K]`` at positions ``m .. m+K``; ``t_i`` = the target's argmax at row ``i``.
-   The longest prefix with ``d_{i+1} == t_i`` is accepted, and ``t_a`` after it is the bonus (all
-   matched) or the correction: the cycle emits ``t_0 .. t_a``, exactly the tokens greedy
-   non-speculative decoding emits;
-3. **roll back**: the sequence length becomes ``m + a + 1``; the KV the rejected drafts wrote at
-   later positions (target and MTP layers) lies past it, is never read and is overwritten by the
-   next cycle. The next draft run starts at ``p0 = m``, so the MTP KV at every verified position is
-   recomputed from the target's hidden state there (the recursive runs' MTP KV is provisional).
+1. **draft** (`MtpDrafter.after_step`, once the step that produced ``x_m`` has landed): the MTP
+   graph (the spec's ``phase: mtp`` variant) runs over the positions whose MTP KV is not final yet,
+   ``p0 .. m-1``: row ``t`` holds token ``x_{t+1}`` and the target's hidden state at ``t`` (kept
+   per request in ``Request.spec_hidden`` from the steps that computed them: a whole prompt, its
+   chunks, a verify row's accepted prefix); the last row's logits give draft ``d_1``. For ``K > 1``
+   the same layer runs again, one row at position ``m + j - 1`` holding ``d_j`` and the previous
+   MTP run's own hidden state, giving ``d_{j+1}`` (one MTP layer reused recursively, as vLLM
+   does). Every request drafting after the same step shares each of these forwards (one row each).
+   A draft is the MTP logits' argmax for a greedy request, a draw from its own sampler (and its
+   distribution kept) otherwise;
+2. **verify**: the scheduler gives the request a decode row of ``K + 1`` tokens ``[x_m, d_1 .. d_K]``
+   at positions ``m .. m+K`` (a verify row, batched with other requests' rows, prompt chunks
+   included, in one forward); `MtpDrafter.verify` takes the longest prefix with ``d_{i+1} == t_i``
+   (``t_i``: the target's argmax at row i) plus ``t_a`` after it (the bonus or the correction) —
+   exactly the tokens greedy non-speculative decoding emits — or, at temperature > 0, rejection
+   sampling (`sampling.rejection_sample`, arXiv 2211.17192) with the request's own generator;
+3. **roll back**: `Scheduler.update` sets the request's ``cached`` to ``m + a + 1``; the KV the
+   rejected drafts wrote at later positions (target and MTP layers) lies past it, is never read and
+   is overwritten by the next cycle. The next draft run starts at ``p0 = m``, so the MTP KV at every
+   verified position is recomputed from the target's hidden state there (the recursive runs' MTP KV
+   is provisional).
 
 **The pool** (``pool.write`` sync or async): one pool object per block holds every cache layer, the
 MTP layer included (the connector packs all ``spec.kv_layers`` layers). The MTP KV at position i
 depends on token i+1, so a block's key carries its successor token (``BlockKey.lookahead``, as vLLM
 PR #50897): block b is saved under ``(chain of blocks 0..b, token (b+1)*block_size)`` once that token is
-final (after the first draft run, for every full block of the prompt -- the last one's successor is
-the first generated token), and a prompt looks its blocks up with its own successors (at most
-``(len - 1) // block_size`` blocks, so each successor is a prompt token). The first draft run's graph saves them
-(its save program copies every layer of those blocks after its own layer's KV write, ordered by
-record/wait events the race verifier checks; the connector commits after its event). A hit loads
-target and MTP KV together; the target prefills the rest with the history variant and the first
-draft run starts at the first position not loaded, so the draft reads the MTP KV from the pool
-exactly as a cold run computed it. Only final tokens' KV is ever saved: the provisional MTP KV of the recursive draft runs
-and the rejected drafts' KV lie past every saved block.
+final — by the first draft run after a prompt's prefill, for every full block of the prompt not
+loaded (the last one's successor is the first generated token) — and a prompt looks its blocks up
+with its own successors (at most ``(len - 1) // block_size`` blocks, so each successor is a prompt
+token). That draft run's graph saves them (its save program copies every layer of those blocks after
+its own layer's KV write, ordered by record/wait events the race verifier checks; the connector
+commits after its event); the target's graphs save nothing under speculation. A hit loads target
+and MTP KV together; the first draft run starts at the first position not loaded, so the draft reads
+the MTP KV from the pool exactly as a cold run computed it. Only final tokens' KV is ever saved.
 
-Greedy only: temperature > 0 is refused (rejection sampling, arXiv 2211.17192, is not built yet).
-The decoder drives the engine's runner, cache, allocator and KV connector directly, one sequence at
-a time (not the scheduler: docs/mtp.md says what is not done).
+Not under speculation (refused by `speculative_refusal` with the field's name): logprobs, logits
+processors (penalties, logit_bias, min_tokens, bad_words, allowed_token_ids), structured output —
+each would have to be applied at every verify position against the accepted prefix. The draft runs are not
+counted in ``max_num_batched_tokens``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
 from ..pool.keys import BlockKey, KVShard, chain_digests
-from .request import RowPlan, StepPlan
+from .request import Request, RowPlan, StepPlan
 from .runner import StepInputs, build_inputs
+from .sampling import SamplingParams, rejection_sample
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "MtpInputs", "SpecResult", "SpeculativeDecoder", "check_speculative",
-           "mtp_variant"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "MtpInputs", "MtpDrafter", "check_speculative", "mtp_variant",
+           "speculative_refusal", "mtp_block_keys", "successor_keys", "run_rows"]
 
 # K + 1 <= 16: a verify row stays inside absorbed FIA's 1-16-token multi-token decode envelope (docs/npu.md)
 MAX_SPECULATIVE_TOKENS = 15
@@ -60,28 +68,6 @@ class MtpInputs(StepInputs):
     """The MTP graph's inputs: the step inputs plus each row's previous hidden state ``[T, H]``."""
 
     prev_hidden: Optional[torch.Tensor] = None
-
-
-@dataclass
-class SpecResult:
-    """One prompt's speculative greedy generation, with vLLM's acceptance counters
-    (``spec_decode_num_draft_tokens``, ``..._num_accepted_tokens``, ``..._per_pos``)."""
-
-    tokens: list[int]
-    finish_reason: str
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    # with collect_logits: the target's logits of every emitted token, and the first draft's logits
-    # of each cycle (the MTP layer's prediction of the token after the next)
-    target_logits: list = field(default_factory=list)
-    draft_logits: list = field(default_factory=list)
-    hit_tokens: int = 0  # prompt tokens whose KV (target and MTP layers) came from the pool
-    saved_blocks: int = 0  # blocks handed to the pool's save
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 def mtp_variant(spec) -> str:
@@ -96,24 +82,43 @@ def mtp_variant(spec) -> str:
                      f"'mtp_draft: {{phase: mtp}}' under variants")
 
 
-def check_speculative(spec, num_speculative_tokens: int, temperature: float = 0.0) -> str:
-    """The MTP variant of ``spec`` if it can decode speculatively with these settings; ValueError
-    (one sentence) otherwise."""
+def check_speculative(spec, num_speculative_tokens: int) -> str:
+    """The MTP variant of ``spec`` if it can decode speculatively with K drafts; ValueError (one
+    sentence) otherwise."""
     k = num_speculative_tokens
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"--num-speculative-tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] "
                          f"(K + 1 tokens per verify row, at most 16), got {k!r}")
-    if temperature > 0:
-        raise ValueError("--speculative mtp decodes greedily only (temperature 0): rejection sampling for "
-                         "temperature > 0 is not implemented yet")
+    if spec.pool.write != "off" and spec.pool.policy == "write_back":
+        raise ValueError("--speculative mtp does not combine with pool.policy write_back yet: a block's MTP KV "
+                         "is saved by the draft run that completes it (use write_through)")
     return mtp_variant(spec)
 
 
-def _first_variant(spec, phase: str, history: bool = False) -> Optional[str]:
-    for name, v in spec.variants.items():
-        if v.phase == phase and (phase == "decode" or v.history == history):
-            return name
+def speculative_refusal(params: SamplingParams) -> Optional[tuple[str, str]]:
+    """``(field, sentence)`` refusing ``params`` under speculative decoding, or None: each of these
+    would have to be applied at every verify position against the accepted prefix (not built)."""
+    def no(name: str, what: str = ""):
+        return name, f"{what or name} is not supported with --speculative mtp (docs/mtp.md)"
+
+    if params.logprobs is not None:
+        return no("logprobs")
+    if params.structured is not None:
+        return no("response_format", "structured output (response_format)")
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "bad_words",
+                 "allowed_token_ids"):
+        if getattr(params, name) not in (0, 0.0, (), None):
+            return no(name)
+    if params.repetition_penalty != 1.0:
+        return no("repetition_penalty")
     return None
+
+
+def successor_keys(loader, seq: Sequence[int], num_blocks: int) -> list[str]:
+    """`mtp_block_keys` of ``seq``'s first ``num_blocks`` blocks in ``loader``'s naming (model,
+    cache layout, KV shard): what a speculative engine looks up and saves."""
+    return mtp_block_keys(seq, num_blocks, loader.cache.block_size, model=loader.model, layout=loader.cache.layout,
+                          shard=loader.shard)
 
 
 def mtp_block_keys(tokens: Sequence[int], num_blocks: int, block_size: int, *, model: str, layout: str,
@@ -129,156 +134,176 @@ def mtp_block_keys(tokens: Sequence[int], num_blocks: int, block_size: int, *, m
             for b, d in enumerate(chain)]
 
 
-class SpeculativeDecoder:
-    """Greedy speculative decoding with the MTP layer on an engine's CPU runner (module docstring)."""
+class MtpDrafter:
+    """The draft and verify halves of speculative decoding for an `LLMEngine` (module docstring):
+    ``verify`` turns a verify row's logits into the tokens it emits, ``after_step`` keeps each
+    request's hidden states and runs the MTP graph for the requests that got tokens."""
 
-    def __init__(self, engine, num_speculative_tokens: int = 1):
-        self.spec = engine.spec
-        self.mtp = check_speculative(self.spec, num_speculative_tokens)
+    def __init__(self, spec, num_speculative_tokens: int, runner, cache, connector, scheduler):
+        self.mtp = check_speculative(spec, num_speculative_tokens)
         self.k = num_speculative_tokens
-        self.runner, self.cache, self.alloc = engine.runner, engine.cache, engine.alloc
-        self.block_size = self.spec.kv_cache.block_size
-        self.prefill = _first_variant(self.spec, "prefill")
-        self.history = _first_variant(self.spec, "prefill", history=True)  # None: no pool hits
-        self.decode = _first_variant(self.spec, "decode")
-        if self.prefill is None or self.decode is None:
-            raise ValueError(f"spec {self.spec.name} needs a prefill variant without history and a decode variant "
-                             f"for --speculative mtp")
-        self.eos = frozenset(getattr(engine.llm, "eos_token_ids", ()))
-        self.loader, self.connector = engine.loader, engine.connector
-        self.write = engine.write
+        self.runner, self.cache, self.connector, self.scheduler = runner, cache, connector, scheduler
+        self.block_size = spec.kv_cache.block_size
+        self.target_layers = spec.dims.num_hidden_layers  # cache layers from here on are the MTP layers'
+        self.saves = spec.pool.write != "off" and runner.saves(self.mtp)
+        self.totals = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
+                       "spec_decode_num_accepted_tokens_per_pos": [0] * self.k}
 
-    # ---- one graph run ----------------------------------------------------------------------
-    def _run(self, variant: str, token_ids: Sequence[int], start: int, table: Sequence[int],
-             logits_positions: Sequence[int], prev_hidden: Optional[torch.Tensor] = None, save=None):
-        """(logits ``[len(logits_positions), V]``, hidden ``[len(token_ids), H]``) of one row. Only an
-        MTP run is given a ``save`` (the connector's `PendingSave`: whole blocks, every layer, staged by
-        the graph's save program and committed after its event); any other saving module stages nothing."""
-        row = RowPlan(None, tuple(int(t) for t in token_ids), start, tuple(table),
-                      logits_positions=tuple(logits_positions), save_block_ids=save.block_ids if save else ())
-        base = build_inputs(StepPlan(variant, "decode", (row,), False), self.block_size)
-        inputs = MtpInputs(**{f: getattr(base, f) for f in StepInputs.__dataclass_fields__}, prev_hidden=prev_hidden)
-        if save is not None:
-            staging = save.staging
-        else:
-            staging = self.cache.make_staging(0) if self.runner.saves(variant) else None
-        loads = self.cache.make_staging(0) if self.runner.modules[variant].META.get("history") else ()
-        try:
-            handles = self.runner.execute(variant, inputs, staging, loads)
-        except BaseException:
-            if save is not None:
-                self.connector.cancel(save)
-            raise
-        if save is not None:
-            self.connector.handoff(save, handles.save_job, handles.save_done)
-        elif handles.save_job is not None:
-            handles.save_job.wait()
-        if handles.hidden is None:
-            raise RuntimeError(f"{variant}: the module returned no hidden state (regenerate: graphgen generate)")
-        return handles.logits, handles.hidden
+    def stats(self) -> dict:
+        """The engine's acceptance totals since start (vLLM's names; per position: a copy)."""
+        return {k: list(v) if isinstance(v, list) else v for k, v in self.totals.items()}
 
-    def draft(self, tokens: Sequence[int], p0: int, hidden: torch.Tensor, table: Sequence[int], save=None):
-        """Drafts ``d_1 .. d_K`` after ``tokens`` (all final; ``hidden``: the target's hidden states
-        at positions ``p0 .. len(tokens) - 2``), and the logits of each draft. ``save``: blocks the
-        first MTP run saves (their every layer final once it has run)."""
-        m = len(tokens) - 1
-        logits, g = self._run(self.mtp, tokens[p0 + 1:m + 1], p0, table, (m - p0 - 1,), prev_hidden=hidden,
-                              save=save)
-        drafts, all_logits = [int(logits[-1].argmax())], [logits[-1]]
-        for j in range(1, self.k):  # the same MTP layer again, on its own hidden state
-            logits, g = self._run(self.mtp, (drafts[-1],), m + j - 1, table, (0,), prev_hidden=g[-1:])
-            drafts.append(int(logits[-1].argmax()))
-            all_logits.append(logits[-1])
-        return drafts, all_logits
-
-    # ---- a whole generation -----------------------------------------------------------------
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, ignore_eos: bool = False,
-                 collect_logits: bool = False) -> SpecResult:
-        prompt = [int(t) for t in prompt]
-        if not prompt or max_new_tokens < 1:
-            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
-        n = len(prompt)
-        need = math.ceil((n + max_new_tokens + self.k + 1) / self.block_size)
-        table = self.alloc.alloc(need)  # OutOfBlocks when the cache is too small
-        try:
-            return self._generate(prompt, max_new_tokens, table, ignore_eos, collect_logits)
-        finally:
-            self.alloc.free(table)
-
-    def _keys(self, tokens, num_blocks):
-        return mtp_block_keys(tokens, num_blocks, self.block_size, model=self.loader.model,
-                              layout=self.cache.layout, shard=self.loader.shard)
-
-    def _load(self, prompt, table) -> int:
-        """Prompt tokens whose KV (every layer) is loaded from the pool into ``table``'s leading blocks."""
-        if self.write == "off" or self.history is None:
-            return 0
-        keys = self._keys(prompt, (len(prompt) - 1) // self.block_size)
-        hit = self.loader.lookup(keys) if keys else 0
-        loaded = self.loader.load(keys[:hit]) if hit else []
-        for j, blk in enumerate(loaded):
-            for layer, parts in zip(self.cache, blk):
-                for dst, src in zip(layer, parts):
-                    dst[table[j]].copy_(src[0])
-        return len(loaded) * self.block_size
-
-    def _prompt_save(self, tokens, n, hit, table):
-        """The save of the prompt's full blocks not loaded from the pool, keyed with their successors
-        (``tokens`` holds the first generated token): staged by the first MTP run, which writes the
-        last MTP KV they need. None when nothing is saved."""
-        first, count = hit // self.block_size, n // self.block_size
-        if self.write == "off" or count <= first or not self.runner.saves(self.mtp):
-            return None
-        return self.connector.prepare_save(table[first:count], self._keys(tokens, count)[first:])
-
-    def _generate(self, prompt, max_new_tokens, table, ignore_eos, collect_logits) -> SpecResult:
-        stops = frozenset() if ignore_eos else self.eos
-        n = len(prompt)
-        hit = self._load(prompt, table)
-        variant = self.history if hit else self.prefill
-        logits, hidden = self._run(variant, prompt[hit:], hit, table, (n - hit - 1,))
-        tokens = prompt + [int(logits[-1].argmax())]
-        res = SpecResult(tokens=[tokens[-1]], finish_reason="length", accepted_per_pos=[0] * self.k,
-                         hit_tokens=hit)
-        if collect_logits:
-            res.target_logits.append(logits[-1])
-        p0 = hit  # first position whose MTP KV is not final (before it: loaded from the pool)
-        while len(res.tokens) < max_new_tokens and tokens[-1] not in stops:
-            m = len(tokens) - 1
-            # the first draft run completes every prompt position's MTP KV: it saves the prompt's blocks
-            save = self._prompt_save(tokens, n, hit, table) if p0 == hit else None
-            if save is not None:
-                res.saved_blocks = len(save.block_ids)
-                drafts, dlogits = self.draft(tokens, p0, hidden, table, save=save)
-            else:
-                drafts, dlogits = self.draft(tokens, p0, hidden, table)
-            if collect_logits:
-                res.draft_logits.append(dlogits[0])
-            logits, verify_hidden = self._run(self.decode, [tokens[m], *drafts], m, table, range(self.k + 1))
+    # ---- verify -----------------------------------------------------------------------------
+    def verify(self, row: RowPlan, logits: torch.Tensor) -> tuple[int, ...]:
+        """The tokens a verify row emits (its ``K' + 1`` logits ``[K'+1, V]``, ``K'`` drafts):
+        greedy, the accepted prefix and the target's next token; else rejection sampling."""
+        r, drafts = row.request, [int(t) for t in row.token_ids[1:]]
+        if r.sampler is None:
             targets = logits.argmax(-1).tolist()
             a = 0
-            while a < self.k and drafts[a] == targets[a]:
-                res.accepted_per_pos[a] += 1
+            while a < len(drafts) and drafts[a] == targets[a]:
                 a += 1
-            res.num_draft_tokens += self.k
-            res.num_accepted_tokens += a
-            for i, t in enumerate(targets[:a + 1]):
-                if len(res.tokens) >= max_new_tokens or tokens[-1] in stops:
-                    break
-                tokens.append(int(t))
-                res.tokens.append(int(t))
-                if collect_logits:
-                    res.target_logits.append(logits[i])
-            # the hidden states of the verified positions m .. m+a (their inputs were all accepted)
-            hidden, p0 = verify_hidden[:a + 1], m
-        if res.tokens[-1] in stops:
-            res.finish_reason = "stop"
-        return res
+            emitted = tuple(int(t) for t in targets[:a + 1])
+        else:
+            target = torch.stack([r.sampler.probs(lg) for lg in logits])
+            emitted, a = rejection_sample(target, r.draft_probs[:len(drafts)], drafts, r.sampler.generator)
+        res = r.result
+        res.num_draft_tokens += len(drafts)
+        res.num_accepted_tokens += a
+        self.totals["spec_decode_num_draft_tokens"] += len(drafts)
+        self.totals["spec_decode_num_accepted_tokens"] += a
+        for i in range(a):
+            res.accepted_per_pos[i] += 1
+            self.totals["spec_decode_num_accepted_tokens_per_pos"][i] += 1
+        return tuple(emitted)
+
+    # ---- draft ------------------------------------------------------------------------------
+    def after_step(self, plan: StepPlan, tokens: list, hidden_rows: Optional[list], collect_logits: bool) -> None:
+        """A step has landed and the scheduler took its ``tokens`` (per row: the tokens taken, or
+        None): keep each row's hidden states of final positions, then draft for every request that
+        got a token and goes on."""
+        if hidden_rows is None:
+            raise RuntimeError(f"{plan.variant}: the module returned no hidden state (regenerate: graphgen generate)")
+        todo = []
+        for row, tok, h in zip(plan.rows, tokens, hidden_rows):
+            r = row.request
+            if r.finished:
+                r.spec_hidden = None
+                continue
+            taken = 0 if tok is None else len(tok) if isinstance(tok, tuple) else 1
+            if row.decode:  # positions start .. start + taken - 1 are verified (their inputs final)
+                r.spec_hidden, r.spec_p0 = h[:taken], row.start
+            elif r.spec_hidden is None or row.start != r.spec_p0 + len(r.spec_hidden):
+                # a prompt or its first chunk (also when recomputed after a preemption)
+                r.spec_hidden, r.spec_p0 = h, row.start
+            else:  # a later chunk
+                r.spec_hidden = torch.cat([r.spec_hidden, h])
+            if row.loaded:
+                self._load_mtp_layers(row)
+            if taken:
+                todo.append((r, not row.decode))
+        if todo:
+            self._draft(todo, collect_logits)
+
+    def _load_mtp_layers(self, row: RowPlan) -> None:
+        """The MTP layers' part of the pool blocks a prefill row loaded, into the cache: the target's
+        graphs load their own layers only (their kv_load program), and the next draft run, on this
+        thread after the step has landed, is the first to read these."""
+        for block, staged in zip(row.load_block_ids, row.loaded):
+            for layer in range(self.target_layers, len(staged)):
+                for dst, src in zip(self.cache[layer], staged[layer]):
+                    dst[block].copy_(src[0])
+
+    def _prompt_save(self, r: Request) -> list[tuple[int, str]]:
+        """(block, key) of the prompt's full blocks not loaded from the pool, keyed with their
+        successors (``r.seq`` holds the first generated token), as the write policy selects them."""
+        first, count = r.hit_blocks, len(r.prompt) // self.block_size
+        if not self.saves or count <= first:
+            return []
+        keys = successor_keys(self.scheduler.loader, r.seq, count)
+        return self.scheduler.blocks.selected([(r.table[j], keys[j]) for j in range(first, count)])
+
+    def _draft(self, todo: list[tuple[Request, bool]], collect_logits: bool) -> None:
+        rows, hidden, plans, save_pairs = [], [], [], []
+        for r, after_prompt in todo:
+            m = len(r.seq) - 1
+            if r.spec_hidden.shape[0] != m - r.spec_p0:
+                raise RuntimeError(f"request {r.req_id!r}: {r.spec_hidden.shape[0]} hidden states for draft positions "
+                                   f"{r.spec_p0}..{m - 1}")
+            # drafts worth verifying (the last token needs none), as many as the blocks allow
+            k = min(self.k, r.max_new_tokens - len(r.tokens) - 1)
+            if k > 1 and not self.scheduler.reserve(r, m + k - 1):
+                k = 1  # the recursive runs would write past its blocks: one draft only
+            pairs = self._prompt_save(r) if after_prompt else []
+            save_pairs += pairs
+            r.result.saved_blocks += len(pairs)
+            rows.append(RowPlan(r, tuple(r.seq[r.spec_p0 + 1:m + 1]), r.spec_p0, tuple(r.table),
+                                logits_positions=(m - r.spec_p0 - 1,), save_block_ids=tuple(b for b, _ in pairs),
+                                save_keys=tuple(key for _, key in pairs)))
+            hidden.append(r.spec_hidden)
+            plans.append((r, k, m))
+            r.spec_hidden = None
+        save = self.connector.prepare_save([b for b, _ in save_pairs], [k for _, k in save_pairs]) \
+            if save_pairs else None
+        logits, g = self._run(rows, torch.cat(hidden), save)
+        last = torch.tensor([sum(len(x.token_ids) for x in rows[:i + 1]) - 1 for i in range(len(rows))])
+        g = g[last]
+        drafts: dict = {id(r): [] for r, _, _ in plans}
+        probs: dict = {id(r): [] for r, _, _ in plans}
+        for i, (r, k, _) in enumerate(plans):
+            if collect_logits:
+                r.result.draft_logits.append(logits[i])
+            if k > 0:
+                self._pick(r, logits[i], drafts, probs)
+        for j in range(1, self.k):  # the same MTP layer again, on its own hidden state
+            live = [i for i, (_, k, _) in enumerate(plans) if k > j]
+            if not live:
+                break
+            rows = [RowPlan(plans[i][0], (drafts[id(plans[i][0])][-1],), plans[i][2] + j - 1,
+                            tuple(plans[i][0].table), logits_positions=(0,)) for i in live]
+            logits, gj = self._run(rows, g[live], None)
+            g = g.clone()
+            g[live] = gj
+            for n, i in enumerate(live):
+                self._pick(plans[i][0], logits[n], drafts, probs)
+        for r, k, _ in plans:
+            r.drafts = tuple(drafts[id(r)])
+            r.draft_probs = torch.stack(probs[id(r)]) if probs[id(r)] else None
+
+    def _run(self, rows: list[RowPlan], prev_hidden: torch.Tensor, save):
+        return run_rows(self.runner, self.mtp, rows, prev_hidden=prev_hidden, save=save, connector=self.connector)
+
+    @staticmethod
+    def _pick(r: Request, logits: torch.Tensor, drafts: dict, probs: dict) -> None:
+        if r.sampler is None:
+            drafts[id(r)].append(int(logits.argmax()))
+            return
+        q = r.sampler.probs(logits)
+        drafts[id(r)].append(int(torch.multinomial(q, 1, generator=r.sampler.generator)))
+        probs[id(r)].append(q)
 
 
-def speculative_generate(engine, prompts: Iterable[Sequence[int]], max_new_tokens: int, *,
-                         num_speculative_tokens: int = 1, ignore_eos: bool = False,
-                         collect_logits: bool = False) -> list[SpecResult]:
-    """Greedy speculative generation of each prompt in turn (`SpeculativeDecoder`)."""
-    dec = SpeculativeDecoder(engine, num_speculative_tokens)
-    return [dec.generate(p, max_new_tokens, ignore_eos=ignore_eos, collect_logits=collect_logits) for p in prompts]
+def run_rows(runner, variant: str, rows: Sequence[RowPlan], *, prev_hidden: Optional[torch.Tensor] = None,
+             save=None, connector=None):
+    """(logits ``[logits positions, V]``, hidden ``[tokens, H]``) of one forward of ``variant``
+    over ``rows`` outside the step loop (the MTP draft runs; tests of single graphs). ``save``: the
+    connector's `PendingSave` of the blocks the rows save (staged by the graph's save program,
+    committed after its event); without one a saving module stages nothing."""
+    plan = StepPlan(variant, "decode", tuple(rows), save is not None)
+    base = build_inputs(plan, runner.block_size)
+    inputs = MtpInputs(**{f: getattr(base, f) for f in StepInputs.__dataclass_fields__}, prev_hidden=prev_hidden)
+    staging = save.staging if save is not None else (runner.cache.make_staging(0) if runner.saves(variant) else None)
+    loads = runner.cache.make_staging(0) if runner.modules[variant].META.get("history") else ()
+    try:
+        handles = runner.execute(variant, inputs, staging, loads)
+    except BaseException:
+        if save is not None:
+            connector.cancel(save)
+        raise
+    if save is not None:
+        connector.handoff(save, handles.save_job, handles.save_done)
+    elif handles.save_job is not None:
+        handles.save_job.wait()
+    if handles.hidden is None:
+        raise RuntimeError(f"{variant}: the module returned no hidden state (regenerate: graphgen generate)")
+    return handles.logits, handles.hidden

@@ -17,6 +17,11 @@ in by ``Scheduler.finalize`` once step N's logits are sampled; rows of requests 
 step N are dropped there. Tokens are identical either way: the same steps run in the same order
 on the same inputs; only *when* they are prepared changes.
 
+With a ``drafter`` (speculative decoding, `spec_decode.MtpDrafter`) a verify row's K + 1 logits
+become the tokens it emits (`MtpDrafter.verify`), and once a step has landed the MTP graph drafts
+for every request that got a token (`MtpDrafter.after_step`, on the caller's thread, before the
+next step is launched).
+
 Threading: every method is called from one thread (the caller's); only the forward runs elsewhere.
 """
 
@@ -32,6 +37,7 @@ from .request import Request, RequestOutput, RequestResult, StepPlan
 from .grammar import guided_sample
 from .logits import process_rows, prompt_logprobs, token_logprobs
 from .sampling import Sampler, SamplingParams, sample_rows
+from .spec_decode import speculative_refusal
 
 __all__ = ["LLMEngine"]
 
@@ -47,13 +53,14 @@ class LLMEngine:
 
     def __init__(self, scheduler, connector, runner, *, vocab_size: int, async_scheduling: bool = False,
                  eos_token_ids: Iterable[int] = (), collect_logits: bool = False,
-                 timeline: Optional[list] = None):
+                 timeline: Optional[list] = None, drafter=None):
         self.scheduler, self.connector, self.runner = scheduler, connector, runner
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
         self.eos_token_ids = tuple(eos_token_ids)
         self.collect_logits = collect_logits
         self.timeline = timeline
+        self.drafter = drafter  # spec_decode.MtpDrafter: every request decodes speculatively
         self.observer = None  # a graphgen.trace.StepObserver: scheduling spans (Engine.observe sets it)
         self._requests: dict[Any, Request] = {}
         self._inflight = None  # (future, step_no): the step on the forward thread
@@ -85,6 +92,8 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=max_tokens)  # validated again there
+        if self.drafter is not None and (why := speculative_refusal(params)) is not None:
+            raise ValueError(why[1])
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("empty prompt")
@@ -101,6 +110,8 @@ class LLMEngine:
             stops.update(self.eos_token_ids)
         r = Request(RequestResult(prompt=prompt), params, req_id=req_id, stop_token_ids=frozenset(stops),
                     sampler=None if params.greedy else Sampler(params))
+        if self.drafter is not None:
+            r.result.accepted_per_pos = [0] * self.drafter.k
         self.scheduler.add(r, fork_of=parent)
         if parent is not None:
             parent.forks.append(r)
@@ -138,7 +149,8 @@ class LLMEngine:
                     plan = self.scheduler.finalize(plan)
                 if plan is not None:
                     self._forward_sid, self._forward_plan = sid, plan
-                    self._land(plan, self.runner.collect(self.runner.submit(plan)), out)
+                    fut = self.runner.submit(plan)
+                    self._land(plan, self.runner.collect(fut), out, fut.hidden_rows)
             else:
                 if self._inflight is None:
                     plan, sid = self._schedule()
@@ -148,7 +160,7 @@ class LLMEngine:
                     nxt, nsid = self._schedule()  # while the step in flight runs on the forward thread
                     fut, _ = self._inflight
                     self._inflight = None
-                    self._land(fut.plan, self.runner.collect(fut), out)
+                    self._land(fut.plan, self.runner.collect(fut), out, fut.hidden_rows)
                     if nxt is not None:
                         self._launch(nxt, nsid)
         except BaseException:
@@ -177,10 +189,14 @@ class LLMEngine:
         self._span("launch", sid, time.perf_counter())
         self._inflight = (fut, sid)
 
-    def _land(self, plan: StepPlan, row_logits: list, out: list) -> None:
-        sampling = [i for i, row in enumerate(plan.rows) if row.samples]
+    def _land(self, plan: StepPlan, row_logits: list, out: list, hidden_rows: Optional[list] = None) -> None:
+        tokens: list = [None] * len(plan.rows)
+        # verify rows (a decode row with drafts): the drafter turns their logits into tokens
+        verify = [i for i, row in enumerate(plan.rows) if row.samples and row.decode and row.num_tokens > 1]
+        for i in verify:
+            tokens[i] = self.drafter.verify(plan.rows[i], row_logits[i])
+        sampling = [i for i, row in enumerate(plan.rows) if row.samples and i not in verify]
         last = torch.stack([row_logits[i][-1] for i in sampling]) if sampling else None
-        tokens: list[Optional[int]] = [None] * len(plan.rows)
         lps: list = [None] * len(plan.rows)
         if last is not None:
             last = self._process(last, [plan.rows[i].request for i in sampling])
@@ -194,13 +210,17 @@ class LLMEngine:
                 lps[i] = lp
         plps = self._prompt_logprobs(plan, row_logits)
         kept = None
-        if self.collect_logits and last is not None:
+        if self.collect_logits and (last is not None or verify):
             kept = [None] * len(plan.rows)
             for j, i in enumerate(sampling):
                 kept[i] = last[j]
+            for i in verify:
+                kept[i] = row_logits[i]
         # decode-time saves (pool.save_decode): pinned before update can free a finished request's blocks
         self.connector.save_filled(*self.scheduler.blocks.decode_saves(plan))
-        self.scheduler.update(plan, tokens, kept)
+        self.scheduler.update(plan, tokens, kept)  # a verify row's entry becomes the tokens taken
+        if self.drafter is not None:
+            self.drafter.after_step(plan, tokens, hidden_rows, self.collect_logits)
         self.connector.reap()
         self._totals["steps"] += 1
         self._totals["mixed_steps"] += plan.mixed
@@ -209,12 +229,13 @@ class LLMEngine:
             r = row.request
             if tok is None or r.finish_reason == "abort":
                 continue  # a row without a token, or aborted while its step ran (the caller let it go)
+            new = tok if isinstance(tok, tuple) else (tok,)
             if len(r.tokens) == 1 and plan.phase == "prefill" and not r.result.preemptions:
                 self._totals["prefix_hit_tokens"] += r.result.hit_tokens
-            self._totals["generation_tokens"] += 1
+            self._totals["generation_tokens"] += len(new)
             if r.finished:
                 self._requests.pop(r.req_id, None)
-            out.append(RequestOutput(r.req_id, (tok,), r.finished, r.finish_reason, r.result.hit_tokens,
+            out.append(RequestOutput(r.req_id, new, r.finished, r.finish_reason, r.result.hit_tokens,
                                      len(r.prompt), logprobs=None if lps[j] is None else (lps[j],),
                                      prompt_logprobs=plps[j] if len(r.tokens) == 1 else None))
 
@@ -270,13 +291,16 @@ class LLMEngine:
         scheduler's ``prefills`` — prompt prefills begun —, ``forks`` — children sharing a parent's
         prompt blocks —, ``prefill_tokens`` and ``device_hit_blocks`` — blocks shared from the device
         prefix cache, apart from the pool's ``hit_blocks``; the gauge ``device_cached_blocks``)
-        and the connector's counters (``puts``, ...)."""
+        and the connector's counters (``puts``, ...); with speculative decoding vLLM's
+        ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+        ``spec_decode_num_accepted_tokens_per_pos`` (a list, per draft position)."""
         self.connector.reap()
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + len(s.prefill) + len(s.held),
                 "saves_pending": self.connector.pending, "free_blocks": s.alloc.num_free,
                 "device_cached_blocks": len(s.device_cache) if s.device_cache is not None else 0,
-                **self._totals, "preemptions": s.num_preemptions, **s.counts, **self.connector.stats}
+                **self._totals, "preemptions": s.num_preemptions, **s.counts, **self.connector.stats,
+                **(self.drafter.stats() if self.drafter is not None else {})}
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Abort every request (the step in flight lands first), commit every pending save."""
