@@ -18,8 +18,8 @@ was made by another implementation):
    ``eh_proj``, the decoder layer, ``shared_head.norm`` = its ``post_norm``; embedding and head are
    the target's, frozen); row ``t`` reads ``h_t`` and the embedding of ``x_{t+1}`` and is trained
    to predict ``x_{t+2}``: cross-entropy against the target's own distribution there,
-   ``softmax(z_{t+1})``, whose argmax is ``x_{t+2}`` (greedy) -- only rows whose ``x_{t+2}`` the
-   target generated (not a random prompt token);
+   ``softmax(z_{t+1} / T)`` (T = 0.5), whose argmax is ``x_{t+2}`` (greedy) -- only rows whose
+   ``x_{t+2}`` the target generated (not a random prompt token);
 4. the trained decoder layer goes back through an ``(L+1)``-layer transformers model's
    ``save_pretrained`` (which writes the experts one key per expert, the published layout) and is
    written as ``model.layers.{L}.*`` with every other tensor unchanged.
@@ -112,8 +112,9 @@ def _greedy_sequences(main, n, prompt_lens, seq_len, vocab, gen):
     return torch.cat(rows)[:n], torch.tensor(lens[:n])
 
 
-def _mtp_loss(mtp, ids, hidden, teacher, mask):
-    """Soft cross-entropy of the MTP rows against the target's distribution, and top-1 hits/rows.
+def _mtp_loss(mtp, ids, hidden, teacher, mask, temperature=1.0):
+    """Soft cross-entropy of the MTP rows against the target's distribution (sharpened by
+    ``temperature`` < 1: the argmax is what speculative decoding must match), and top-1 hits/rows.
     Row t: hidden[t] and ids[t+1] -> x_{t+2}; teacher[t+1] is the target's logits for it."""
     import torch
 
@@ -121,7 +122,7 @@ def _mtp_loss(mtp, ids, hidden, teacher, mask):
     pos = torch.arange(S - 2)[None].expand(ids.shape[0], -1)
     g = mtp.forward_layer(0, hidden[:, :S - 2], pos, None, input_ids=ids[:, 1:S - 1])
     logits = mtp._project_to_logits(g)
-    target = torch.softmax(teacher[:, 1:S - 1], -1)
+    target = torch.softmax(teacher[:, 1:S - 1] / temperature, -1)
     ce = -(target * torch.log_softmax(logits, -1)).sum(-1)
     m = mask[:, :S - 2]
     loss = (ce * m).sum() / m.sum()
@@ -129,9 +130,11 @@ def _mtp_loss(mtp, ids, hidden, teacher, mask):
     return loss, hits, int(m.sum().item())
 
 
-def distill(out_dir, *, spec_path=TINY_MTP_SPEC, target_dir=None, seed: int = 11, steps: int = 300,
-            sequences: int = 96, heldout: int = 16, seq_len: int = 56, prompt_lens=(8, 16), batch: int = 16,
-            lr: float = 3e-3, threads: int = 1, log=print) -> DistillResult:
+def distill(out_dir, *, spec_path=TINY_MTP_SPEC, target_dir=None, seed: int = 11, steps: int = 1000,
+            sequences: int = 1024, heldout: int = 32, seq_len: int = 56, prompt_lens=(8, 16), batch: int = 32,
+            lr: float = 1e-2, temperature: float = 0.5, threads: int = 1, log=print) -> DistillResult:
+    """Distil; defaults: ~3-5 minutes on one loaded core (held-out top-1 ~0.17 seen at 1500 steps).
+    The random head's top-1 is ~1/vocab."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -169,7 +172,7 @@ def distill(out_dir, *, spec_path=TINY_MTP_SPEC, target_dir=None, seed: int = 11
 
         def evaluate():
             with torch.no_grad():
-                loss, hits, rows = _mtp_loss(mtp, ids[ho], hidden[ho], teacher[ho], mask[ho])
+                loss, hits, rows = _mtp_loss(mtp, ids[ho], hidden[ho], teacher[ho], mask[ho], temperature)
             return loss.item(), hits / rows, rows
 
         before = evaluate()
@@ -179,13 +182,14 @@ def distill(out_dir, *, spec_path=TINY_MTP_SPEC, target_dir=None, seed: int = 11
         order = torch.Generator().manual_seed(seed + 1)
         for step in range(steps):
             pick = torch.randperm(sequences, generator=order)[:batch]
-            loss, _, _ = _mtp_loss(mtp, ids[tr][pick], hidden[tr][pick], teacher[tr][pick], mask[tr][pick])
+            loss, _, _ = _mtp_loss(mtp, ids[tr][pick], hidden[tr][pick], teacher[tr][pick], mask[tr][pick],
+                                  temperature)
             opt.zero_grad()
             loss.backward()
             opt.step()
             last = loss.item()
             first = last if step == 0 else first
-            if step % 50 == 49:
+            if step % 100 == 99:
                 log(f"step {step + 1}: train loss {last:.4f}")
         mtp.eval()
         after = evaluate()
@@ -229,8 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default=str(TINY_MTP_SPEC))
     ap.add_argument("--target", default=None, help="an existing checkpoint of the spec with MTP layers")
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--sequences", type=int, default=96)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--sequences", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     r = distill(args.out, spec_path=args.spec, target_dir=args.target, seed=args.seed, steps=args.steps,
