@@ -42,4 +42,5 @@ def test_distilled_head_is_accepted_more_than_the_random_one(tmp_path):
         tokens[head] = [r.tokens for r in out]
     assert tokens["random"] == tokens["distilled"]  # the same target: the drafts change no token
     (acc_d, _), (acc_r, _) = counts["distilled"], counts["random"]
+    # fixed seeds, one thread while training: seen (distilled, random) = (5, 0) accepted of ~120 drafts
     assert acc_d >= 3 and acc_d > 2 * acc_r, counts
