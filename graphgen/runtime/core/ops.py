@@ -214,7 +214,7 @@ def _add_residual(y: Tensor, residual: Tensor) -> Tensor:
 
 
 def o_proj_residual(attn: Tensor, o_w: Tensor, residual: Tensor) -> Tensor:
-    return _add_residual(_linear(attn.reshape(attn.shape[0], -1), o_w), residual)
+    return _add_residual(_linear(attn.flatten(1), o_w), residual)
 
 
 def _swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:

@@ -121,6 +121,7 @@ class DistributedEngine:
         if not isinstance(weights, dict):  # (open_engine has checked its config.json)
             weights = str(weights)
         self.spec, self.tp, self.timeout = spec, spec.parallel.tp, timeout
+        self.world = spec.parallel.world  # rank processes: dp × cp × tp
         self._closed = False
         ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no forked torch/thread state
         authkey = os.urandom(16)
@@ -138,13 +139,13 @@ class DistributedEngine:
         self._pool = connect_pool(pool_address, authkey)
         sources, weight_names = _compile_once(spec, spec_file)  # the weight names are every target's
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
-               "threads": threads or max(1, (os.cpu_count() or 1) // self.tp), "pool_address": pool_address,
+               "threads": threads or max(1, (os.cpu_count() or 1) // self.world), "pool_address": pool_address,
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
                # another target's ranks compile their own modules (its modes are its business)
                "sources": sources if target == "cpu" else None, "weight_names": weight_names,
                "target": target, "target_module": RANK_TARGETS[target].module}
         self._conns, self._procs = [], []
-        for r in range(self.tp):
+        for r in range(self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=rank_main, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
             p.start()
@@ -163,7 +164,7 @@ class DistributedEngine:
         """Every rank's reply to the last command; a rank that fails or is late ends all of them."""
         deadline = time.monotonic() + self.timeout
         replies: dict[int, object] = {}
-        while len(replies) < self.tp:
+        while len(replies) < self.world:
             for r, (c, p) in enumerate(zip(self._conns, self._procs)):
                 if r in replies:
                     continue
@@ -182,11 +183,11 @@ class DistributedEngine:
                 elif not p.is_alive():
                     self._kill()
                     raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}")
-            if time.monotonic() > deadline and len(replies) < self.tp:
-                late = [r for r in range(self.tp) if r not in replies]
+            if time.monotonic() > deadline and len(replies) < self.world:
+                late = [r for r in range(self.world) if r not in replies]
                 self._kill()
                 raise RankFailure(f"rank(s) {late} did not answer {what} within {self.timeout:.0f} s")
-        return [replies[r] for r in range(self.tp)]
+        return [replies[r] for r in range(self.world)]
 
     def _dead(self, grace: float) -> str:
         """``rank N exited (code C); `` for every rank that has exited (waiting up to ``grace``)."""

@@ -229,6 +229,10 @@ class RankParts:
 
 
 def rank_parts(spec, rank: int, group=None) -> RankParts:
+    if spec.parallel.cp > 1:  # context parallel: replicated KV, CP rank 0 writes
+        from .context import cp_rank_parts
+
+        return cp_rank_parts(spec, rank, group)
     tp = spec.parallel.tp
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), tp)
     owner = kv_shard_owner(spec.family, dataclasses.asdict(spec.dims), tp, rank)
@@ -248,6 +252,11 @@ def rank_parts(spec, rank: int, group=None) -> RankParts:
 def rank_engine(spec, weights: dict, *, rank: int, parts: RankParts, faults=None, event_timeout: float = 120.0,
                 **options) -> Engine:
     """The CPU engine of one rank (``spec.parallel`` gives the layout; ``rank`` is this process's)."""
+    if spec.parallel.cp > 1:
+        from .context import cp_rank_engine
+
+        return cp_rank_engine(spec, weights, rank=rank, parts=parts, faults=faults, event_timeout=event_timeout,
+                              **options)
     runtime = RankRuntime(faults, event_timeout=event_timeout, rank=rank, size=spec.parallel.tp)
     # No async scheduling on a rank: it would plan step N+1 (whose pool lookup agrees hits with an
     # all_reduce) while step N's forward issues its own collectives on the forward thread, and two
@@ -321,10 +330,10 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
         target = RANK_TARGETS[cfg["target"]]
         # one node: the local rank is the rank (device choice and backend are the target's)
-        backend = target.setup(rank, spec.parallel.tp, cfg["engine_kwargs"])
+        backend = target.setup(rank, spec.parallel.world, cfg["engine_kwargs"])
         timeout = datetime.timedelta(seconds=cfg["timeout"])
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                                world_size=spec.parallel.tp, timeout=timeout)
+                                world_size=spec.parallel.world, timeout=timeout)
         # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
         group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         weights = cfg["weights"]

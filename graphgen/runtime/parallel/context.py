@@ -1,0 +1,187 @@
+"""Context-parallel (``parallel.cp``) CPU ranks: the head-tail split of a prefill step over the CP
+ranks, the per-layer KV all-gather, and replicated KV saved by CP rank 0 only.
+
+The graphs are `graphgen.passes.context_parallel`'s: every prefill variant (each chunk of a chunked
+prefill too) all-gathers each layer's KV parts over group ``cp`` before its ``kv_write``; the decode
+graph is the single-group one. What this module adds is the runner side of that contract:
+
+* **the split** (`head_tail_pieces`): each prefill row's ``n`` new tokens are cut into ``2 × cp``
+  chunks (sizes differ by at most one) and CP rank ``i`` computes chunks ``i`` and ``2cp - 1 - i``,
+  so every rank gets the same causal work. Its step inputs (`cp_step_inputs`) hold only its tokens
+  and positions; each of its pieces is one attention row over the request's block table whose
+  ``seq_len`` is the piece's end (so ``attend``'s "queries sit at the last positions" is the causal
+  mask of the split: a piece sees the history, the earlier pieces of every rank and itself, causally);
+* **the gather** (`ContextRankRuntime.all_gather`): ranks may hold different token counts (a prompt
+  that ``2 × cp`` does not divide, a decode row of a mixed batch: one token, on rank 0), so each
+  rank pads its part to the step's largest, gathers, and keeps every rank's real rows, in rank order.
+  The ``slot_mapping`` lists every rank's slots in that order, the same tensor on every rank, so
+  every CP rank writes the whole step's KV into its own cache;
+* **the logits**: a rank has the LM-head rows of the sampled positions it computed (the last token
+  of a prompt is in chunk ``2cp - 1``: rank 0's); `ContextRankRunner` scatters them into the step's
+  full ``[rows, vocab]`` logits, zero elsewhere, and all-reduces (a sum with zeros: exact), so every
+  rank samples from the same logits and the schedulers stay in lockstep;
+* **decode** runs unsplit and replicated (every rank the same inputs), as the graph is;
+* **pool**: KV is the same on every CP rank, so keys are those of one group (no CP rank in them,
+  ``r0of1``) and only CP rank 0 puts (the graph's ``writers=cp0``; `SaveOncePool` on the others);
+  every rank looks up and loads, hits agreed by MIN (`RankLoader`), commits made visible to all
+  before the next lookup (`RankConnector`'s drain barrier).
+
+cp with tp > 1 is refused (`graphgen.families.parallel.runtime_layout_gap`): the TP collectives
+would need per-group process groups here, which the TP rank runtime does not have yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..core.cpu_runtime import CpuRuntime
+from ..core.kvcache import slot_mapping
+from ..engine.facade import Engine, cpu_engine
+from ..engine.request import StepPlan
+from ..engine.runner import StepInputs, build_inputs
+from .rank import RankConnector, RankLoader, RankModelRunner, RankParts, SaveOncePool
+
+__all__ = ["head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextRankRuntime", "ContextRankRunner",
+           "cp_rank_parts", "cp_rank_engine"]
+
+CP_GROUP = "cp"  # the IR's group name (graphgen.passes.context_parallel.CP_GROUP)
+
+
+def head_tail_pieces(n: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two ``[lo, hi)`` token ranges of ``n`` that CP rank ``cp_rank`` of ``cp`` computes: chunks
+    ``cp_rank`` and ``2cp - 1 - cp_rank`` of ``2cp`` chunks whose sizes differ by at most one (the
+    first ``n mod 2cp`` one longer). Either may be empty (``n < 2cp``)."""
+    parts = 2 * cp
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+    head, tail = cp_rank, parts - 1 - cp_rank
+    return (bounds[head], bounds[head + 1]), (bounds[tail], bounds[tail + 1])
+
+
+@dataclass
+class CpStepInputs(StepInputs):
+    """A CP rank's inputs of one prefill step: `StepInputs` over its own tokens (attention rows =
+    its pieces), plus ``cp_counts`` (every rank's token count: the gather's shapes), ``logits_rows``
+    (the row of the step's full logits each of its local logits fills) and ``num_logits``."""
+
+    cp_counts: tuple[int, ...] = ()
+    logits_rows: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    num_logits: int = 0
+
+
+def cp_step_inputs(plan: StepPlan, block_size: int, cp_rank: int, cp: int) -> CpStepInputs:
+    """CP rank ``cp_rank``'s inputs for the prefill step ``plan`` (the same plan on every rank)."""
+    long = torch.long
+    pieces = [[[p for p in head_tail_pieces(row.num_tokens, cp, r) if p[1] > p[0]] for row in plan.rows]
+              for r in range(cp)]
+    # the gathered order: rank 0's tokens, then rank 1's, ...; each rank's row by row, piece by piece
+    slots = [slot_mapping(row.block_table, row.start + lo, row.start + hi, block_size)
+             for mine in pieces for row, ps in zip(plan.rows, mine) for lo, hi in ps]
+    ids, pos, tables, seq_lens, query_lens, logit_idx, logit_rows = [], [], [], [], [], [], []
+    offset, first_logit = 0, 0
+    for row, ps in zip(plan.rows, pieces[cp_rank]):
+        for lo, hi in ps:
+            ids.extend(row.token_ids[lo:hi])
+            pos.extend(range(row.start + lo, row.start + hi))
+            tables.append(row.block_table)
+            seq_lens.append(row.start + hi)   # the piece's causal mask: everything before its end
+            query_lens.append(hi - lo)
+            for j, p in enumerate(row.logits_positions):
+                if lo <= p < hi:
+                    logit_idx.append(offset + p - lo)
+                    logit_rows.append(first_logit + j)
+            offset += hi - lo
+        first_logit += len(row.logits_positions)
+    width = max(len(r.block_table) for r in plan.rows)
+    block_tables = torch.zeros((len(tables), width), dtype=long)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = torch.tensor(t, dtype=long)
+    return CpStepInputs(
+        input_ids=torch.tensor(ids, dtype=long), positions=torch.tensor(pos, dtype=long),
+        slot_mapping=torch.cat(slots) if slots else torch.zeros(0, dtype=long), block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=long), query_lens=torch.tensor(query_lens, dtype=long),
+        logits_indices=torch.tensor(logit_idx, dtype=long),
+        save_block_ids=torch.tensor(plan.save_block_ids, dtype=long),
+        load_block_ids=torch.tensor(plan.load_block_ids, dtype=long),
+        cp_counts=tuple(sum(hi - lo for ps in mine for lo, hi in ps) for mine in pieces),
+        logits_rows=torch.tensor(logit_rows, dtype=long), num_logits=first_logit)
+
+
+class ContextRankRuntime(CpuRuntime):
+    """``rt`` of a CP rank: the CPU ops plus the CP all-gather (world group = the CP group at tp=1).
+    ``cp_counts`` is set by the runner before each prefill step (every rank's token count)."""
+
+    def __init__(self, *args, rank: int, size: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rank, self.size = rank, size
+        self.cp_counts: tuple[int, ...] = ()
+
+    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
+        if group != CP_GROUP or size != self.size or dim != 0 or length is not None:
+            raise RuntimeError(f"all_gather(group={group!r}, size={size}, dim={dim}) on a {self.size}-rank CP "
+                               f"runtime: only the CP KV gather (group 'cp', dim 0) runs here")
+        counts = self.cp_counts
+        if len(counts) != self.size or x.shape[0] != counts[self.rank]:
+            raise RuntimeError(f"CP gather of {x.shape[0]} rows, but the step's split gives this rank "
+                               f"{counts[self.rank] if len(counts) == self.size else '?'} (counts {counts})")
+        padded = x.new_zeros((max(counts), *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)], dim=0)
+
+
+class ContextRankRunner(RankModelRunner):
+    """The runner of a CP rank: the plan check (`RankModelRunner`), this rank's share of each prefill
+    step (`cp_step_inputs`), and the step's full logits from every rank's rows (an all_reduce)."""
+
+    def step_inputs(self, plan: StepPlan) -> StepInputs:
+        if plan.phase == "decode":   # replicated: every rank the whole step
+            return build_inputs(plan, self.block_size)
+        return cp_step_inputs(plan, self.block_size, self.rt.rank, self.rt.size)
+
+    def execute(self, variant: str, inputs, staging=None, loads=()):
+        if not isinstance(inputs, CpStepInputs):
+            return super().execute(variant, inputs, staging, loads)
+        self.rt.cp_counts = inputs.cp_counts
+        handles = super().execute(variant, inputs, staging, loads)
+        local = handles.logits
+        full = local.new_zeros((inputs.num_logits, local.shape[-1]))
+        full[inputs.logits_rows] = local
+        dist.all_reduce(full, op=dist.ReduceOp.SUM)  # every other rank adds zeros to a row: exact
+        return dataclasses.replace(handles, logits=full)
+
+
+def cp_rank_parts(spec, rank: int, group=None) -> RankParts:
+    """A CP rank's KV (the whole of it: replicated), keys of one group, puts by CP rank 0 only."""
+    from ...families.parallel import rank_kv_components
+
+    cp = spec.parallel.cp
+    comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), 1)
+
+    def make_loader(pool, cache, counters):  # owner 0 of 1: the keys a single group uses
+        return RankLoader(pool, cache, model=spec.name, owner=0, size=1, group=group, stats=counters)
+
+    def make_connector(pool, cache, alloc, counters):
+        if rank != 0:  # writers=cp0: CP rank 0 puts the same bytes under the same keys
+            pool = SaveOncePool(pool)
+        return RankConnector(pool, cache, alloc, write=spec.pool.write, stats=counters, group=group)
+
+    return RankParts(rank, cp, {name: (spec.kv_cache.block_size, *shape) for name, shape in comps},
+                     make_loader, make_connector, group)
+
+
+def cp_rank_engine(spec, weights: dict, *, rank: int, parts: RankParts, faults=None, event_timeout: float = 120.0,
+                   **options) -> Engine:
+    """The CPU engine of CP rank ``rank`` (tp = 1: the world is the CP group)."""
+    runtime = ContextRankRuntime(faults, event_timeout=event_timeout, rank=rank, size=spec.parallel.cp)
+    options["async_scheduling"] = False  # as `rank_engine`: collectives on one thread only
+    return cpu_engine(spec, weights, runtime=runtime, kv_shapes=parts.kv_shapes, make_loader=parts.make_loader,
+                      make_connector=parts.make_connector, runner_cls=ContextRankRunner, faults=faults,
+                      event_timeout=event_timeout, **options)
