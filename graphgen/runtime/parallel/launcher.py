@@ -2,7 +2,8 @@
 
 `DistributedEngine` is the facade a caller holds (``open_engine(..., tp=2)`` returns one): it
 serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
-latent must be visible to rank 1), starts ``tp`` rank processes, and sends every rank the same
+latent must be visible to rank 1), starts a rank process per rank of the world (``parallel.world``:
+tp, or cp; `graphgen.runtime.parallel.context` for cp), and sends every rank the same
 command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.parallel.rank`) and
 the facade returns rank 0's results. It has the `Engine` calls a driver needs (``generate``,
 ``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way,
@@ -97,7 +98,7 @@ def _max_model_len(engine) -> int:  # a probe run in every rank process (module-
 
 
 class DistributedEngine:
-    """``tp`` rank processes driven in lockstep; results are rank 0's. See the module doc."""
+    """``parallel.world`` rank processes driven in lockstep; results are rank 0's. See the module doc."""
 
     def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
