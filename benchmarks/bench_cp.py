@@ -5,11 +5,13 @@ TTFT and pool bytes per prompt, for tiny_qwen3 and tiny_deepseek_v3.
 
 Per model the cp=1 engine (in this process, ``--cores`` torch threads) and the cp=2 engine (two rank
 processes, ``--cores // 2`` threads each) are started once, warmed up, then measured interleaved
-(order alternating each round), each round a fresh prompt (no pool hit), ``write: sync`` so each
+(order rotated and reversed each round), each round a fresh prompt (no pool hit), ``write: sync`` so each
 prompt's blocks are in the pool when it returns. Pool bytes per prompt: what the pool grew by. At
 cp=2 the KV is replicated on both ranks and saved by CP rank 0 only, so it equals cp=1; the line
 after the table gives what the other replicated layout (every CP rank saving under its own keys)
-would store: cp times as much, counted from rank 1's skipped puts. Tiny random float32 models: on
+would store: cp times as much, counted from rank 1's skipped puts. A control row runs the cp=1 engine
+with one thread (on a shared machine a 2-thread forward waits at each intra-op barrier for a
+descheduled thread, which single-threaded ranks never do: bench_tp.py found the same). Tiny random float32 models: on
 a machine of 2 cores shared with other jobs, 2 rank processes prove correctness, not speed.
 """
 
@@ -50,7 +52,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.cores)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (a.prompt_len,), generator=g).tolist() for _ in range(2 * a.reps + 1)]
+    prompts = [torch.randint(0, 256, (a.prompt_len,), generator=g).tolist() for _ in range(3 * a.reps + 1)]
     rows, raw, extra = [], [], []
     blocks = 2 * (a.prompt_len // 4 + 8)
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,19 +67,26 @@ def main():
                 for eng in (one, two):  # warm-up: first forwards, first collectives
                     eng.generate([prompts[-1][:16]], 1)
                     eng.drain()
-                res = {"cp1": [], "cp2": []}
+                conf = {"cp1": (one, a.cores), "cp1_1t": (one, 1), "cp2": (two, a.cores)}
+                res = {k: [] for k in conf}
                 for rep in range(a.reps):
-                    order = ("cp1", "cp2") if rep % 2 == 0 else ("cp2", "cp1")
-                    for k in order:
-                        res[k].append(measure(one if k == "cp1" else two, prompts[2 * rep + (k == "cp2")]))
+                    order = list(conf)[rep % 3:] + list(conf)[:rep % 3]   # rotate: each goes first alike
+                    for k in (order if rep % 2 == 0 else order[::-1]):
+                        eng, threads = conf[k]
+                        torch.set_num_threads(threads)  # this process's (the cp=2 ranks have their own)
+                        res[k].append(measure(eng, prompts[3 * rep + list(conf).index(k)]))  # fresh: no hit
+                torch.set_num_threads(a.cores)
                 stats = two.rank_stats
                 puts, skipped = stats[0]["puts"], stats[1]["skipped_puts"]
             med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in res.items()}
             rows.append(f"| {name} | cp=1 | {a.cores} | {med['cp1'][0]:.1f} | {int(med['cp1'][1])} |")
+            rows.append(f"| {name} | cp=1 (control) | 1 | {med['cp1_1t'][0]:.1f} | {int(med['cp1_1t'][1])} |")
             rows.append(f"| {name} | cp=2 | {max(1, a.cores // 2)} per rank | {med['cp2'][0]:.1f} | "
                         f"{int(med['cp2'][1])} |")
             rows.append(f"| {name} | **cp2/cp1** | | **{med['cp2'][0] / med['cp1'][0]:.2f}** | "
                         f"{med['cp2'][1] / med['cp1'][1]:.2f} |")
+            rows.append(f"| {name} | **cp2/control** | | **{med['cp2'][0] / med['cp1_1t'][0]:.2f}** | "
+                        f"{med['cp2'][1] / med['cp1_1t'][1]:.2f} |")
             for k, v in res.items():
                 raw.append(f"{name} {k}: TTFT ms {[round(x[0], 1) for x in v]}, pool bytes {[x[1] for x in v]}")
             per_rank = int(med["cp2"][1]) * (puts + skipped) // max(puts, 1)

@@ -43,12 +43,13 @@ from ..core.kvcache import slot_mapping
 from ..engine.facade import Engine, cpu_engine
 from ..engine.request import StepPlan
 from ..engine.runner import StepInputs, build_inputs
-from .rank import RankConnector, RankLoader, RankModelRunner, RankParts, SaveOncePool
+from .rank import RankConnector, RankLoader, RankModelRunner, RankParts, SaveOncePool, register_rank_target
 
-__all__ = ["head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextRankRuntime", "ContextRankRunner",
+__all__ = ["CP_RANK_TARGET", "head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextRankRuntime", "ContextRankRunner",
            "cp_rank_parts", "cp_rank_engine"]
 
 CP_GROUP = "cp"  # the IR's group name (graphgen.passes.context_parallel.CP_GROUP)
+CP_RANK_TARGET = "cpu_cp"  # the rank builder the launcher uses for target "cpu" at cp > 1
 
 
 def head_tail_pieces(n: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -185,3 +186,6 @@ def cp_rank_engine(spec, weights: dict, *, rank: int, parts: RankParts, faults=N
     return cpu_engine(spec, weights, runtime=runtime, kv_shapes=parts.kv_shapes, make_loader=parts.make_loader,
                       make_connector=parts.make_connector, runner_cls=ContextRankRunner, faults=faults,
                       event_timeout=event_timeout, **options)
+
+
+register_rank_target(CP_RANK_TARGET, cp_rank_engine, parts=cp_rank_parts)

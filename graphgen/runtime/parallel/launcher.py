@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
+from .context import CP_RANK_TARGET
 from .rank import RANK_TARGETS, rank_main
 from ...netutil import free_port
 
@@ -108,6 +109,9 @@ class DistributedEngine:
         to it in every rank process."""
         from ...families.parallel import layout_rules
 
+        cpu_modules = target == "cpu"  # the CPU ranks run the modules compiled here once
+        if cpu_modules and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context)
+            target = CP_RANK_TARGET
         if target not in RANK_TARGETS:
             raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
 
@@ -143,7 +147,7 @@ class DistributedEngine:
                "threads": threads or max(1, (os.cpu_count() or 1) // self.world), "pool_address": pool_address,
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
                # another target's ranks compile their own modules (its modes are its business)
-               "sources": sources if target == "cpu" else None, "weight_names": weight_names,
+               "sources": sources if cpu_modules else None, "weight_names": weight_names,
                "target": target, "target_module": RANK_TARGETS[target].module}
         self._conns, self._procs = [], []
         for r in range(self.world):

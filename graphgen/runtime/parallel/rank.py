@@ -229,10 +229,6 @@ class RankParts:
 
 
 def rank_parts(spec, rank: int, group=None) -> RankParts:
-    if spec.parallel.cp > 1:  # context parallel: replicated KV, CP rank 0 writes
-        from .context import cp_rank_parts
-
-        return cp_rank_parts(spec, rank, group)
     tp = spec.parallel.tp
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), tp)
     owner = kv_shard_owner(spec.family, dataclasses.asdict(spec.dims), tp, rank)
@@ -252,11 +248,6 @@ def rank_parts(spec, rank: int, group=None) -> RankParts:
 def rank_engine(spec, weights: dict, *, rank: int, parts: RankParts, faults=None, event_timeout: float = 120.0,
                 **options) -> Engine:
     """The CPU engine of one rank (``spec.parallel`` gives the layout; ``rank`` is this process's)."""
-    if spec.parallel.cp > 1:
-        from .context import cp_rank_engine
-
-        return cp_rank_engine(spec, weights, rank=rank, parts=parts, faults=faults, event_timeout=event_timeout,
-                              **options)
     runtime = RankRuntime(faults, event_timeout=event_timeout, rank=rank, size=spec.parallel.tp)
     # No async scheduling on a rank: it would plan step N+1 (whose pool lookup agrees hits with an
     # all_reduce) while step N's forward issues its own collectives on the forward thread, and two
@@ -272,10 +263,12 @@ class RankTarget:
     """A target's rank builder: ``build(spec, weights, *, rank, parts, spec_file, pool, faults, sources,
     **engine_kwargs) -> Engine``; ``setup(local_rank, world, engine_kwargs) -> backend`` runs in the rank
     process before the process group exists (selects the device, names the backend); ``module``: what
-    the rank process imports to find it (the builder's own module, which registers it)."""
+    the rank process imports to find it (the builder's own module, which registers it); ``parts(spec,
+    rank, group) -> RankParts``: the rank's KV shard and connector (`rank_parts`, or context parallel's)."""
     build: Callable
     setup: Callable
     module: str
+    parts: Callable = None
 
 
 def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
@@ -285,9 +278,10 @@ def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
 RANK_TARGETS: dict[str, RankTarget] = {}
 
 
-def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable] = None) -> None:
+def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable] = None,
+                         parts: Optional[Callable] = None) -> None:
     """Make ``DistributedEngine(..., target=name)`` build each rank with ``build`` (see `RankTarget`)."""
-    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__)
+    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__, parts or rank_parts)
 
 
 register_rank_target("cpu", rank_engine)
@@ -344,7 +338,7 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
         del weights
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
-        engine = target.build(spec, mine, rank=rank, parts=rank_parts(spec, rank, group), spec_file=cfg["spec_file"],
+        engine = target.build(spec, mine, rank=rank, parts=target.parts(spec, rank, group), spec_file=cfg["spec_file"],
                               pool=pool, faults=cfg["faults"], sources=cfg["sources"], **cfg["engine_kwargs"])
         conn.send(("ok", None))
     except BaseException:
