@@ -117,9 +117,6 @@ _RUNTIME_GAPS = (
     ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) does not run yet: per-group schedulers, "
                                    "the MoE's token all-gather and idle ranks' dummy forwards are missing; "
                                    "run with --dp 1"),
-    ("cp", lambda par: par.cp > 1 and par.tp > 1, "context parallel with tensor parallel (cp > 1 and tp > 1) does "
-                                                  "not run yet: the CP ranks have no per-group TP process groups; "
-                                                  "run with --tp 1 or --cp 1"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it)
 _NPU_GAPS = (

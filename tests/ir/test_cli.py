@@ -145,7 +145,6 @@ def test_build_commands_never_import_torch(project):
 @pytest.mark.parametrize("cmd,flags,missing", [
     ("run", ("--tp", "2", "--sp", "--target", "npu", "--standin"), "sequence parallel (sp) has no NPU lowering yet"),
     ("run", ("--cp", "2", "--target", "npu", "--standin"), "context parallel (cp > 1) has no NPU lowering yet"),
-    ("run", ("--cp", "2", "--tp", "2"), "context parallel with tensor parallel (cp > 1 and tp > 1) does not run yet"),
     ("serve", ("--dp", "2", "--ep", "2"), "data-parallel attention (dp > 1) does not run yet"),
 ])
 def test_run_and_serve_refuse_a_layout_the_runtime_cannot_run(tmp_path, cmd, flags, missing):

@@ -39,7 +39,7 @@ def _swap_slices(rank_engine) -> None:
     rt = runner.rt
     real = runner.step_inputs
     runner.step_inputs = lambda plan: (real(plan) if plan.phase == "decode" else
-                                       cp_step_inputs(plan, runner.block_size, rt.size - 1 - rt.rank, rt.size))
+                                       cp_step_inputs(plan, runner.block_size, rt.cp_size - 1 - rt.cp_rank, rt.cp_size))
 
 
 def _mixed_steps(rank_engine) -> int:   # probe, in each rank
@@ -114,3 +114,24 @@ def test_qwen3_cp2_write_off_gives_the_tokens_of_cp1(qwen):
     cp1 = _cp1_tokens(SPECS["qwen3"], qwen.dir, p)
     assert [r.tokens for r in rs] == [cp1["shorter"], cp1["equal"], cp1["longer"], cp1["longer"]]
     assert rs[3].hit_tokens == 0 and all(s["puts"] == 0 for s in stats)
+
+
+def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen):
+    """cp=2 × tp=2, four ranks (rank = cp_rank × 2 + tp_rank): each TP group splits the heads, each CP
+    group the tokens; each TP rank's KV heads are saved by CP rank 0's rank of that TP rank only."""
+    p = _prompts(7)
+    with open_engine(REPO / SPECS["qwen3"], qwen.dir, cp=2, tp=2, write="async", collect_logits=True,
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+        out = {k: eng.generate([p[k]], 3)[0] for k in ("shorter", "longer")}
+        eng.drain()
+        out["repeated"] = eng.generate([p["longer"]], 3)[0]
+        stats, pool = eng.rank_stats, eng.pool_stats()
+    assert (out["repeated"].variant, out["repeated"].hit_tokens) == ("splitfuse", 12)
+    with torch.no_grad():
+        for what, r in out.items():
+            assert_steps_match_hf(qwen.model, r, f"qwen3 cp=2 tp=2 {what}")
+    cp1 = _cp1_tokens(SPECS["qwen3"], qwen.dir, p)
+    assert [out[k].tokens for k in ("shorter", "longer", "repeated")] == [cp1["shorter"], cp1["longer"], cp1["longer"]]
+    # 1 + 3 blocks per TP rank's heads, put by ranks 0 and 1 (CP rank 0), left by ranks 2 and 3
+    assert [s["puts"] for s in stats] == [4, 4, 0, 0] and [s["skipped_puts"] for s in stats] == [0, 0, 4, 4]
+    assert pool["num_keys"] == 8 and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]

@@ -33,7 +33,7 @@ def embedding_shard(weight: Tensor, input_ids: Tensor, *, vocab_size: int, rank:
 
 
 def o_proj(attn: Tensor, o_w: Tensor) -> Tensor:
-    return F.linear(attn.reshape(attn.shape[0], -1), o_w)
+    return F.linear(attn.flatten(1), o_w)
 
 
 def swiglu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:

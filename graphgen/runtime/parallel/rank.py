@@ -71,9 +71,11 @@ __all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "Sav
 
 
 class RankRuntime(CpuRuntime):
-    def __init__(self, *args, rank: int, size: int, **kwargs):
+    def __init__(self, *args, rank: int, size: int, group=None, **kwargs):
+        """``rank`` of ``size``: this rank in its TP group; ``group``: that group's process group
+        (None: the world, which is the TP group unless cp > 1)."""
         super().__init__(*args, **kwargs)
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.group = rank, size, group
         self._sp_tokens = 0  # the step's token count (sequence parallel, see reduce_scatter)
 
     def _check(self, size: int) -> None:
@@ -85,7 +87,7 @@ class RankRuntime(CpuRuntime):
         if reduce != "sum":
             raise ValueError(f"all_reduce: unsupported reduce {reduce!r}")
         y = x.contiguous().clone()
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         return y
 
     def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
@@ -94,7 +96,7 @@ class RankRuntime(CpuRuntime):
             return self._gather_tokens(x, size, dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim).narrow(dim, 0, length)
 
     # Sequence parallel. The step's T tokens are cut in ceil(T/size)-row chunks, rank r taking chunk r
@@ -118,7 +120,7 @@ class RankRuntime(CpuRuntime):
         padded = x.new_zeros((chunk, *x.shape[1:]))
         padded[:x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous())
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
         return torch.cat(parts, dim=0)[:t]
 
     def embedding_shard(self, weight, input_ids, *, vocab_size: int):
@@ -335,7 +337,8 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
             from ..checkpoint.hf import load_hf_weights
 
             weights = load_hf_weights(weights)
-        mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
+        # this rank's slices by its TP rank (innermost in the rank order), of the names the launcher compiled
+        mine = rank_weights(weights, cfg["weight_names"], rank % spec.parallel.tp, spec.parallel.tp)
         del weights
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
         engine = target.build(spec, mine, rank=rank, parts=target.parts(spec, rank, group), spec_file=cfg["spec_file"],
