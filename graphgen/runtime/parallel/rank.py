@@ -270,7 +270,7 @@ class RankTarget:
     build: Callable
     setup: Callable
     module: str
-    parts: Callable = None
+    parts: Optional[Callable] = None
 
 
 def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
