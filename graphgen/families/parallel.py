@@ -117,13 +117,14 @@ _RUNTIME_GAPS = (
     ("dp", lambda par: par.dp > 1 and par.tp > 1, "data-parallel attention runs with tp 1 inside each DP group "
                                                   "only so far (no TP gather after the MoE's reduce-scatter, no "
                                                   "per-group plan check); run with --tp 1"),
-    ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) does not run yet: the ranks have no head-tail prompt "
-                                   "split and no per-layer KV all-gather; run with --cp 1"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it)
 _NPU_GAPS = (
     ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) has no NPU lowering yet (expert-parallel "
                                    "MoE and the DP token all-gather); use --target cpu, or run with --dp 1"),
+    ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
+                                   "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
+                                   "with --cp 1"),
     ("sp", lambda par: par.sp, "sequence parallel (sp) has no NPU lowering yet (reduce-scatter and the token "
                                "all-gather); use --target cpu, or run with --no-sp"),
 )

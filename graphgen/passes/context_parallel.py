@@ -1,15 +1,16 @@
 """Pass 3 of 7, ``context_parallel``: a prefill split over the CP ranks (``parallel.cp``), PCP-style.
 
 What vLLM and vllm-ascend do for long prefill (not ring attention): the runner cuts each sequence's
-new tokens into ``2 × cp`` equal chunks (padded) and gives CP rank ``i`` chunks ``i`` and
-``2 × cp - 1 - i`` (head-tail: every rank gets the same causal work); every op is per token but
-attention, so the graph changes only around the KV:
+new tokens into ``2 × cp`` chunks (sizes within one; the gather pads) and gives CP rank ``i`` chunks
+``i`` and ``2 × cp - 1 - i`` (head-tail: every rank gets the same causal work); every op is per token
+but attention, so the graph changes only around the KV:
 
 - before each layer's ``kv_write`` its parts (Qwen3's K and V, MLA's latent and RoPE key) are
   all-gathered over the CP group (``all_gather`` group ``cp``, dim 0): every CP rank writes the whole
   step's KV into its cache (the runner's ``slot_mapping`` lists the slots in gathered order);
 - attention then reads this rank's queries against the whole cache; the runner describes the two
-  chunks of a sequence as two query ranges over the same block table (causal by position).
+  chunks of a sequence as two query ranges over the same block table (causal by position; the CPU
+  ranks' runner: ``graphgen.runtime.parallel.context``).
 
 The same holds for every chunk of a chunked prefill (the history variants: history KV is already in
 every rank's cache), so the pass applies to every prefill variant. **Decode** at ``cp > 1`` keeps

@@ -35,7 +35,7 @@ def _cpu(spec, weights, *, spec_file: str, pool, **options):
         from .parallel.data_parallel import DataParallelEngine
 
         return DataParallelEngine(spec, weights, spec_file=spec_file, pool=pool, **options)
-    if spec.parallel.tp > 1 or spec.parallel.ep > 1:  # each rank process loads its own slices
+    if spec.parallel.world > 1 or spec.parallel.ep > 1:  # each rank process loads its own slices (or, cp: all)
         from .parallel.launcher import DistributedEngine
 
         return DistributedEngine(spec, weights, spec_file=spec_file, pool=pool, **options)

@@ -81,8 +81,8 @@ def _err(msg: str) -> int:
 
 def _ranks(args) -> int:
     """How many rank processes the layout asks for (the overrides, else the spec's ``parallel:``)."""
-    tp, ep = args.tp, args.ep
-    if tp is None or ep is None:  # not given: the spec's own layout decides
+    tp, ep, cp = args.tp, args.ep, getattr(args, "cp", 1)
+    if tp is None or ep is None or cp is None:  # not given: the spec's own layout decides
         try:
             from ..modelspec.loader import load_spec
 
@@ -91,7 +91,8 @@ def _ranks(args) -> int:
             par = None
         tp = tp if tp is not None else getattr(par, "tp", 1)
         ep = ep if ep is not None else getattr(par, "ep", 1)
-    return max(tp, ep)
+        cp = cp if cp is not None else getattr(par, "cp", 1)
+    return max(tp, ep) * cp
 
 
 def load_tokenizer(folder: Path):

@@ -144,7 +144,7 @@ def test_build_commands_never_import_torch(project):
 
 @pytest.mark.parametrize("cmd,flags,missing", [
     ("run", ("--tp", "2", "--sp", "--target", "npu", "--standin"), "sequence parallel (sp) has no NPU lowering yet"),
-    ("run", ("--cp", "2"), "context parallel (cp > 1) does not run yet"),
+    ("run", ("--cp", "2", "--target", "npu", "--standin"), "context parallel (cp > 1) has no NPU lowering yet"),
     ("serve", ("--dp", "2", "--ep", "2", "--target", "npu"), "data-parallel attention (dp > 1) has no NPU lowering"),
     ("serve", ("--dp", "2", "--tp", "2", "--ep", "4"), "data-parallel attention runs with tp 1 inside each DP group"),
 ])

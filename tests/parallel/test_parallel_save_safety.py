@@ -33,13 +33,14 @@ SAVE_DELAY = 0.02     # per save op, after the gate: the save lags the forward
 PUT_DELAY = 0.02      # per pool put, after the gate: a slow pool
 FORWARD_DELAY = 0.04  # per KV write: a save that does not wait reads before this write
 
-SPECS = {"qwen3": "specs/tiny_qwen3_tp2.yaml", "deepseek": "specs/tiny_deepseek_v3_tp2ep2.yaml"}
+SPECS = {"qwen3": "specs/tiny_qwen3_tp2.yaml", "deepseek": "specs/tiny_deepseek_v3_tp2ep2.yaml",
+         "qwen3_cp2": "specs/tiny_qwen3_cp2.yaml"}  # cp: KV replicated over the CP ranks, CP rank 0 writes
 
 
 @pytest.fixture(scope="module")
 def weights(qwen, tiny_dsv3):
     """The session checkpoints of tests/conftest.py (tiny_qwen3's and tiny_deepseek_v3's dims)."""
-    return {"qwen3": qwen.dir, "deepseek": tiny_dsv3.dir}
+    return {"qwen3": qwen.dir, "deepseek": tiny_dsv3.dir, "qwen3_cp2": qwen.dir}
 
 
 # ---- probes, run in each rank process ---------------------------------------------------------
@@ -89,8 +90,8 @@ def _prompt(seed: int, n: int = 13):
     return rand_prompt(torch.Generator().manual_seed(seed), n)   # 13: 3 full blocks of 4 + 1 token
 
 
-@pytest.mark.parametrize("delay", ["save", "put"])
-@pytest.mark.parametrize("model", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("model,delay", [("qwen3", "save"), ("qwen3", "put"), ("deepseek", "save"),
+                                         ("deepseek", "put"), ("qwen3_cp2", "save")])
 def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, delay, weights, tmp_path):
     p = _prompt(41)
     # every rank's save ops (or pool puts) wait on a file this test creates once it has looked
@@ -121,7 +122,7 @@ def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, dela
     if model == "qwen3":   # each rank's half of the heads under its own keys
         assert set(reports[0]["keys"]).isdisjoint(reports[1]["keys"])
         assert [s["puts"] for s in stats] == [3, 3]
-    else:                  # the latent: one key set, put by rank 0 only, equal to rank 1's cache too
+    else:                  # the latent (or cp: all KV): one key set, put by rank 0 only, equal to rank 1's cache
         assert reports[0]["keys"] == reports[1]["keys"]
         assert [s["puts"] for s in stats] == [3, 0] and reports[1]["skipped"] == 3
 

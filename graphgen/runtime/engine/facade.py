@@ -201,8 +201,8 @@ def cpu_engine(spec: ModelSpec, weights: dict, *, spec_file: str = "", generated
     source} compiled by a parent process (default: compiled here). ``options``: `build_engine`'s."""
     faults = faults or Faults()
     if runtime is None:
-        if spec.parallel.tp > 1 or spec.parallel.ep > 1:
-            raise ValueError(f"spec {spec.name} runs on {spec.parallel.tp} ranks: use "
+        if spec.parallel.world > 1 or spec.parallel.ep > 1:
+            raise ValueError(f"spec {spec.name} runs on {spec.parallel.world} ranks: use "
                              f"graphgen.runtime.open_engine (it starts the rank processes)")
         runtime = CpuRuntime(faults, event_timeout=event_timeout)
     if kv_shapes is None:

@@ -182,13 +182,17 @@ class CpuModelRunner:
         """Whether the variant's module has a save program (then it takes a staging area)."""
         return self.modules[variant].HOST_EVENT is not None
 
+    def step_inputs(self, plan: StepPlan) -> StepInputs:
+        """The module's inputs for ``plan`` (a context-parallel rank builds only its share of a prefill)."""
+        return build_inputs(plan, self.block_size)
+
     # ---- the runner interface (CPU, rank and NPU runners alike) ----------------------------------
     def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
         """Start ``plan``: pin and stage its save, build its inputs, run it (``background``: on the
         forward thread, so the caller can schedule the next step meanwhile)."""
         save = self.connector.prepare_save(plan.save_block_ids, plan.save_keys) if plan.saves else None
         try:
-            inputs = build_inputs(plan, self.block_size)
+            inputs = self.step_inputs(plan)
             loads = stack_loads(plan)
             if not loads and self.modules[plan.variant].META.get("history"):
                 # a history variant with nothing to load (a later chunk of a prompt: its history is

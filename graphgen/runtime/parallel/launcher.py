@@ -2,7 +2,8 @@
 
 `DistributedEngine` is the facade a caller holds (``open_engine(..., tp=2)`` returns one): it
 serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
-latent must be visible to rank 1), starts ``tp`` rank processes, and sends every rank the same
+latent must be visible to rank 1), starts a rank process per rank of the world (``parallel.world``:
+tp, or cp; `graphgen.runtime.parallel.context` for cp), and sends every rank the same
 command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.parallel.rank`) and
 the facade returns rank 0's results. It has the `Engine` calls a driver needs (``generate``,
 ``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way,
@@ -25,6 +26,7 @@ from typing import Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
+from .context import CP_RANK_TARGET
 from .rank import RANK_TARGETS, rank_main
 from ...netutil import free_port
 
@@ -97,7 +99,7 @@ def _max_model_len(engine) -> int:  # a probe run in every rank process (module-
 
 
 class DistributedEngine:
-    """``tp`` rank processes driven in lockstep; results are rank 0's. See the module doc."""
+    """``parallel.world`` rank processes driven in lockstep; results are rank 0's. See the module doc."""
 
     def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
@@ -107,6 +109,9 @@ class DistributedEngine:
         to it in every rank process."""
         from ...families.parallel import layout_rules
 
+        cpu_modules = target == "cpu"  # the CPU ranks run the modules compiled here once
+        if cpu_modules and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context)
+            target = CP_RANK_TARGET
         if target not in RANK_TARGETS:
             raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
 
@@ -142,7 +147,7 @@ class DistributedEngine:
                "threads": threads or max(1, (os.cpu_count() or 1) // self.world), "pool_address": pool_address,
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
                # another target's ranks compile their own modules (its modes are its business)
-               "sources": sources if target == "cpu" else None, "weight_names": weight_names,
+               "sources": sources if cpu_modules else None, "weight_names": weight_names,
                "target": target, "target_module": RANK_TARGETS[target].module}
         self._conns, self._procs = [], []
         for r in range(self.world):

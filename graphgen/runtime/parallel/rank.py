@@ -72,9 +72,11 @@ __all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "Sav
 
 
 class RankRuntime(CpuRuntime):
-    def __init__(self, *args, rank: int, size: int, **kwargs):
+    def __init__(self, *args, rank: int, size: int, group=None, **kwargs):
+        """``rank`` of ``size``: this rank in its TP group; ``group``: that group's process group
+        (None: the world, which is the TP group unless cp > 1)."""
         super().__init__(*args, **kwargs)
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.group = rank, size, group
         self._sp_tokens = 0  # the step's token count (sequence parallel, see reduce_scatter)
 
     def _check(self, size: int) -> None:
@@ -86,7 +88,7 @@ class RankRuntime(CpuRuntime):
         if reduce != "sum":
             raise ValueError(f"all_reduce: unsupported reduce {reduce!r}")
         y = x.contiguous().clone()
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         return y
 
     def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
@@ -95,7 +97,7 @@ class RankRuntime(CpuRuntime):
             return self._gather_tokens(x, size, dim)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim).narrow(dim, 0, length)
 
     # Sequence parallel. The step's T tokens are cut in ceil(T/size)-row chunks, rank r taking chunk r
@@ -119,7 +121,7 @@ class RankRuntime(CpuRuntime):
         padded = x.new_zeros((chunk, *x.shape[1:]))
         padded[:x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous())
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
         return torch.cat(parts, dim=0)[:t]
 
     def embedding_shard(self, weight, input_ids, *, vocab_size: int):
@@ -264,10 +266,12 @@ class RankTarget:
     """A target's rank builder: ``build(spec, weights, *, rank, parts, spec_file, pool, faults, sources,
     **engine_kwargs) -> Engine``; ``setup(local_rank, world, engine_kwargs) -> backend`` runs in the rank
     process before the process group exists (selects the device, names the backend); ``module``: what
-    the rank process imports to find it (the builder's own module, which registers it)."""
+    the rank process imports to find it (the builder's own module, which registers it); ``parts(spec,
+    rank, group) -> RankParts``: the rank's KV shard and connector (`rank_parts`, or context parallel's)."""
     build: Callable
     setup: Callable
     module: str
+    parts: Optional[Callable] = None
 
 
 def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
@@ -277,9 +281,10 @@ def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
 RANK_TARGETS: dict[str, RankTarget] = {}
 
 
-def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable] = None) -> None:
+def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable] = None,
+                         parts: Optional[Callable] = None) -> None:
     """Make ``DistributedEngine(..., target=name)`` build each rank with ``build`` (see `RankTarget`)."""
-    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__)
+    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__, parts or rank_parts)
 
 
 register_rank_target("cpu", rank_engine)
@@ -321,9 +326,10 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
             engine = build_dp_rank(spec, weights, rank, cfg, pool)
             del weights
         else:
-            mine = rank_weights(weights, cfg["weight_names"], rank, spec.parallel.tp)  # compiled by the launcher
+            # this rank's slices by its TP rank (innermost in the rank order), of the names the launcher compiled
+            mine = rank_weights(weights, cfg["weight_names"], rank % spec.parallel.tp, spec.parallel.tp)
             del weights
-            engine = target.build(spec, mine, rank=rank, parts=rank_parts(spec, rank, group),
+            engine = target.build(spec, mine, rank=rank, parts=target.parts(spec, rank, group),
                                   spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
                                   sources=cfg["sources"], **cfg["engine_kwargs"])
         conn.send(("ok", None))

@@ -1,0 +1,208 @@
+"""Context-parallel (``parallel.cp``) CPU ranks: the head-tail split of a prefill step over the CP
+ranks, the per-layer KV all-gather, and replicated KV saved by CP rank 0 only.
+
+The graphs are `graphgen.passes.context_parallel`'s: every prefill variant (each chunk of a chunked
+prefill too) all-gathers each layer's KV parts over group ``cp`` before its ``kv_write``; the decode
+graph is the single-group one. What this module adds is the runner side of that contract:
+
+* **the split** (`head_tail_pieces`): each prefill row's ``n`` new tokens are cut into ``2 × cp``
+  chunks (sizes differ by at most one) and CP rank ``i`` computes chunks ``i`` and ``2cp - 1 - i``,
+  so every rank gets the same causal work. Its step inputs (`cp_step_inputs`) hold only its tokens
+  and positions; each of its pieces is one attention row over the request's block table whose
+  ``seq_len`` is the piece's end (so ``attend``'s "queries sit at the last positions" is the causal
+  mask of the split: a piece sees the history, the earlier pieces of every rank and itself, causally);
+* **the gather** (`ContextRankRuntime.all_gather`): ranks may hold different token counts (a prompt
+  that ``2 × cp`` does not divide, a decode row of a mixed batch: one token, on rank 0), so each
+  rank pads its part to the step's largest, gathers, and keeps every rank's real rows, in rank order.
+  The ``slot_mapping`` lists every rank's slots in that order, the same tensor on every rank, so
+  every CP rank writes the whole step's KV into its own cache;
+* **the logits**: a rank has the LM-head rows of the sampled positions it computed (the last token
+  of a prompt is in chunk ``2cp - 1``: rank 0's); `ContextRankRunner` scatters them into the step's
+  full ``[rows, vocab]`` logits, zero elsewhere, and all-reduces (a sum with zeros: exact), so every
+  rank samples from the same logits and the schedulers stay in lockstep;
+* **decode** runs unsplit and replicated (every rank the same inputs), as the graph is;
+* **pool**: KV is the same on every CP rank, so keys are those of one group (no CP rank in them:
+  ``r0of1`` at tp = 1) and only CP rank 0 puts (the graph's ``writers=cp0``; `SaveOncePool` on the others);
+  every rank looks up and loads, hits agreed by MIN (`RankLoader`), commits made visible to all
+  before the next lookup (`RankConnector`'s drain barrier).
+
+**cp × tp**: world rank ``cp_rank × tp + tp_rank`` (TP innermost); every rank makes the ``cp`` TP
+groups and the ``tp`` CP groups (`cp_rank_parts`); its runtime is its TP rank's (`RankRuntime` on its
+TP group: weights, KV heads, keys ``r{owner}of{tp}`` as at cp = 1) plus the CP gather on its CP group,
+and only CP rank 0 of each TP rank's column puts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..core.kvcache import slot_mapping
+from ..engine.facade import Engine, cpu_engine
+from ..engine.request import StepPlan
+from ..engine.runner import StepInputs, build_inputs
+from .rank import RankModelRunner, RankParts, RankRuntime, SaveOncePool, rank_parts, register_rank_target
+
+__all__ = ["CP_RANK_TARGET", "head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextRankRuntime",
+           "ContextRankRunner", "CpRankParts", "cp_rank_parts", "cp_rank_engine"]
+
+CP_GROUP = "cp"  # the IR's group name (graphgen.passes.context_parallel.CP_GROUP)
+CP_RANK_TARGET = "cpu_cp"  # the rank builder the launcher uses for target "cpu" at cp > 1
+
+
+def head_tail_pieces(n: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two ``[lo, hi)`` token ranges of ``n`` that CP rank ``cp_rank`` of ``cp`` computes: chunks
+    ``cp_rank`` and ``2cp - 1 - cp_rank`` of ``2cp`` chunks whose sizes differ by at most one (the
+    first ``n mod 2cp`` one longer). Either may be empty (``n < 2cp``)."""
+    parts = 2 * cp
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+    head, tail = cp_rank, parts - 1 - cp_rank
+    return (bounds[head], bounds[head + 1]), (bounds[tail], bounds[tail + 1])
+
+
+@dataclass
+class CpStepInputs(StepInputs):
+    """A CP rank's inputs of one prefill step: `StepInputs` over its own tokens (attention rows =
+    its pieces), plus ``cp_counts`` (every rank's token count: the gather's shapes), ``logits_rows``
+    (the row of the step's full logits each of its local logits fills) and ``num_logits``."""
+
+    cp_counts: tuple[int, ...] = ()
+    logits_rows: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    num_logits: int = 0
+
+
+def cp_step_inputs(plan: StepPlan, block_size: int, cp_rank: int, cp: int) -> CpStepInputs:
+    """CP rank ``cp_rank``'s inputs for the prefill step ``plan`` (the same plan on every rank)."""
+    long = torch.long
+    pieces = [[[p for p in head_tail_pieces(row.num_tokens, cp, r) if p[1] > p[0]] for row in plan.rows]
+              for r in range(cp)]
+    # the gathered order: rank 0's tokens, then rank 1's, ...; each rank's row by row, piece by piece
+    slots = [slot_mapping(row.block_table, row.start + lo, row.start + hi, block_size)
+             for mine in pieces for row, ps in zip(plan.rows, mine) for lo, hi in ps]
+    ids, pos, tables, seq_lens, query_lens, logit_idx, logit_rows = [], [], [], [], [], [], []
+    offset, first_logit = 0, 0
+    for row, ps in zip(plan.rows, pieces[cp_rank]):
+        for lo, hi in ps:
+            ids.extend(row.token_ids[lo:hi])
+            pos.extend(range(row.start + lo, row.start + hi))
+            tables.append(row.block_table)
+            seq_lens.append(row.start + hi)   # the piece's causal mask: everything before its end
+            query_lens.append(hi - lo)
+            for j, p in enumerate(row.logits_positions):
+                if lo <= p < hi:
+                    logit_idx.append(offset + p - lo)
+                    logit_rows.append(first_logit + j)
+            offset += hi - lo
+        first_logit += len(row.logits_positions)
+    width = max(len(r.block_table) for r in plan.rows)
+    block_tables = torch.zeros((len(tables), width), dtype=long)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = torch.tensor(t, dtype=long)
+    return CpStepInputs(
+        input_ids=torch.tensor(ids, dtype=long), positions=torch.tensor(pos, dtype=long),
+        slot_mapping=torch.cat(slots) if slots else torch.zeros(0, dtype=long), block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=long), query_lens=torch.tensor(query_lens, dtype=long),
+        logits_indices=torch.tensor(logit_idx, dtype=long),
+        save_block_ids=torch.tensor(plan.save_block_ids, dtype=long),
+        load_block_ids=torch.tensor(plan.load_block_ids, dtype=long),
+        cp_counts=tuple(sum(hi - lo for ps in mine for lo, hi in ps) for mine in pieces),
+        logits_rows=torch.tensor(logit_rows, dtype=long), num_logits=first_logit)
+
+
+class ContextRankRuntime(RankRuntime):
+    """``rt`` of a CP rank: a TP rank's runtime (`RankRuntime`: ``rank``/``size``/``group`` are its TP
+    group's) plus the CP all-gather over ``cp_group`` (CP rank ``cp_rank`` of ``cp_size``).
+    ``cp_counts`` is set by the runner before each prefill step (every CP rank's token count)."""
+
+    def __init__(self, *args, cp_rank: int, cp_size: int, cp_group=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
+        self.cp_counts: tuple[int, ...] = ()
+
+    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
+        if group != CP_GROUP:
+            return super().all_gather(x, group=group, size=size, dim=dim, length=length)
+        if size != self.cp_size or dim != 0 or length is not None:
+            raise RuntimeError(f"all_gather(group='cp', size={size}, dim={dim}, length={length}) on a "
+                               f"{self.cp_size}-rank CP group: only the KV gather over the tokens (dim 0) runs here")
+        counts = self.cp_counts
+        if len(counts) != self.cp_size or x.shape[0] != counts[self.cp_rank]:
+            raise RuntimeError(f"CP gather of {x.shape[0]} rows, but the step's split gives this rank "
+                               f"{counts[self.cp_rank] if len(counts) == self.cp_size else '?'} (counts {counts})")
+        padded = x.new_zeros((max(counts), *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.cp_size)]
+        dist.all_gather(parts, padded, group=self.cp_group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)], dim=0)
+
+
+class ContextRankRunner(RankModelRunner):
+    """The runner of a CP rank: the plan check (`RankModelRunner`), this rank's share of each prefill
+    step (`cp_step_inputs`), and the step's full logits from every CP rank's rows (an all_reduce)."""
+
+    def step_inputs(self, plan: StepPlan) -> StepInputs:
+        if plan.phase == "decode":   # replicated: every CP rank the whole step
+            return build_inputs(plan, self.block_size)
+        return cp_step_inputs(plan, self.block_size, self.rt.cp_rank, self.rt.cp_size)
+
+    def execute(self, variant: str, inputs, staging=None, loads=()):
+        if not isinstance(inputs, CpStepInputs):
+            return super().execute(variant, inputs, staging, loads)
+        self.rt.cp_counts = inputs.cp_counts
+        handles = super().execute(variant, inputs, staging, loads)
+        local = handles.logits   # whole-vocabulary rows (at tp > 1 the LM head gathered them)
+        full = local.new_zeros((inputs.num_logits, local.shape[-1]))
+        full[inputs.logits_rows] = local
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.rt.cp_group)  # the others add zeros: exact
+        return dataclasses.replace(handles, logits=full)
+
+
+@dataclass
+class CpRankParts(RankParts):
+    """`RankParts` of a CP rank, with its place in the layout and the process groups of its TP group
+    and its CP group (every rank makes every group, in the same order: `cp_rank_parts`)."""
+
+    tp_rank: int = 0
+    cp_rank: int = 0
+    tp_group: object = None
+    cp_group: object = None
+
+
+def cp_rank_parts(spec, rank: int, group=None) -> CpRankParts:
+    """World rank ``rank`` = ``cp_rank × tp + tp_rank``: its TP rank's KV shard and keys (`rank_parts`:
+    the same keys as the cp = 1 layout), and puts only on CP rank 0 (``writers=cp0``: the other CP ranks
+    hold the same KV)."""
+    tp, cp = spec.parallel.tp, spec.parallel.cp
+    cp_rank, tp_rank = divmod(rank, tp)
+    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) if tp > 1 else None for c in range(cp)]
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) if tp > 1 else None for t in range(tp)]
+    base = rank_parts(spec, tp_rank, group)
+
+    def make_connector(pool, cache, alloc, counters):
+        if cp_rank != 0:
+            pool = SaveOncePool(pool)
+        return base.make_connector(pool, cache, alloc, counters)
+
+    return CpRankParts(rank, spec.parallel.world, base.kv_shapes, base.make_loader, make_connector, group,
+                       tp_rank=tp_rank, cp_rank=cp_rank, tp_group=tp_groups[cp_rank], cp_group=cp_groups[tp_rank])
+
+
+def cp_rank_engine(spec, weights: dict, *, rank: int, parts: CpRankParts, faults=None,
+                   event_timeout: float = 120.0, **options) -> Engine:
+    """The CPU engine of world rank ``rank`` at cp > 1 (``weights``: its TP rank's slices)."""
+    runtime = ContextRankRuntime(faults, event_timeout=event_timeout, rank=parts.tp_rank, size=spec.parallel.tp,
+                                 group=parts.tp_group, cp_rank=parts.cp_rank, cp_size=spec.parallel.cp,
+                                 cp_group=parts.cp_group)
+    options["async_scheduling"] = False  # as `rank_engine`: collectives on one thread only
+    return cpu_engine(spec, weights, runtime=runtime, kv_shapes=parts.kv_shapes, make_loader=parts.make_loader,
+                      make_connector=parts.make_connector, runner_cls=ContextRankRunner, faults=faults,
+                      event_timeout=event_timeout, **options)
+
+
+register_rank_target(CP_RANK_TARGET, cp_rank_engine, parts=cp_rank_parts)

@@ -1,0 +1,137 @@
+"""Context parallel (cp=2) on the CPU ranks, end to end: every prefill step split head-tail over the
+two CP ranks (`graphgen.runtime.parallel.context`), each layer's KV all-gathered before the cache
+write, decode replicated, KV saved by CP rank 0 only. Numerics against transformers (float32, atol
+1e-4) at every step; tokens equal to the cp=1 run and across write modes; a repeated prompt hits
+on every rank. Prompt lengths around the chunk size (``max_num_batched_tokens`` 8): 5 (shorter, and
+odd: the ranks hold 3 and 2 tokens), 8 (equal), 13 (longer: chunks of 8 and 5, the second a
+history step), the 13 again (12 tokens from the pool: a 1-token step, rank 1 computes nothing), and
+5 + 13 batched (decode rows and prompt chunks in one forward). Negative control: the ranks computing
+each other's token slices gives wrong logits.
+
+Multi-process (slow, by folder); the unit tests of the split are in tests/runtime/test_context_split.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphgen.runtime import open_engine
+from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
+from support.paths import REPO
+
+TIMEOUT = 60   # seconds a rank may take to answer one command
+CHUNK = 8      # max_num_batched_tokens: longer prompts are chunked
+SPECS = {"qwen3": "specs/tiny_qwen3.yaml", "deepseek": "specs/tiny_deepseek_v3.yaml"}
+
+
+def _prompts(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"shorter": rand_prompt(g, 5), "equal": rand_prompt(g, CHUNK), "longer": rand_prompt(g, 13),
+            "fresh": rand_prompt(g, 13), "control": rand_prompt(g, CHUNK)}
+
+
+def _swap_slices(rank_engine) -> None:
+    """Probe (in each rank): this rank computes the other CP rank's head-tail pieces, while the gather
+    order and slot mapping still say its own: every KV row lands in another position's slot."""
+    from graphgen.runtime.parallel.context import cp_step_inputs
+
+    runner = rank_engine.runner
+    rt = runner.rt
+    real = runner.step_inputs
+    runner.step_inputs = lambda plan: (real(plan) if plan.phase == "decode" else
+                                       cp_step_inputs(plan, runner.block_size, rt.cp_size - 1 - rt.cp_rank, rt.cp_size))
+
+
+def _mixed_steps(rank_engine) -> int:   # probe, in each rank
+    return rank_engine.llm.stats()["mixed_steps"]
+
+
+def _run_cp2(spec: str, d, p: dict, *, write: str, control: bool = False):
+    """Every prompt at cp=2 (one engine): results, each rank's counters, the pool's; with ``control``
+    the control prompt last, after the ranks swapped their slices."""
+    with open_engine(REPO / spec, d, cp=2, write=write, collect_logits=True, num_blocks=48, timeout=TIMEOUT,
+                     max_num_batched_tokens=CHUNK) as eng:
+        out = {k: eng.generate([p[k]], 3)[0] for k in ("shorter", "equal", "longer")}
+        eng.drain()
+        out["repeated"] = eng.generate([p["longer"]], 3)[0]
+        out["batched"] = eng.generate([p["shorter"], p["fresh"]], 3, batch=True)
+        eng.drain()
+        stats, pool = eng.rank_stats, eng.pool_stats()
+        mixed = eng.on_ranks(_mixed_steps)
+        assert mixed[0] == mixed[1] > 0, mixed   # decode rows and prompt chunks shared forwards
+        if control:
+            eng.on_ranks(_swap_slices)
+            out["control"] = eng.generate([p["control"]], 1)[0]
+    return out, stats, pool
+
+
+def _cp1_tokens(spec: str, d, p: dict) -> dict:
+    with open_engine(REPO / spec, d, num_blocks=48, max_num_batched_tokens=CHUNK) as one:
+        rs = one.generate([p[k] for k in ("shorter", "equal", "longer", "fresh")], 3)
+    return dict(zip(("shorter", "equal", "longer", "fresh"), (r.tokens for r in rs)))
+
+
+def _check(model, family: str, out: dict, stats: list, pool: dict, cp1: dict, write: str) -> None:
+    assert out["longer"].variant == "mempool_prefill"   # first chunk; the second runs splitfuse
+    assert (out["repeated"].variant, out["repeated"].hit_tokens) == ("splitfuse", 12)
+    with torch.no_grad():
+        for what in ("shorter", "equal", "longer", "repeated"):
+            assert_steps_match_hf(model, out[what], f"{family} cp=2 {write} {what}")   # decode steps included
+        for what, r in zip(("shorter", "fresh"), out["batched"]):
+            assert_steps_match_hf(model, r, f"{family} cp=2 {write} batched {what}")
+    got = {k: out[k].tokens for k in ("shorter", "equal", "longer")}
+    got["fresh"] = out["batched"][1].tokens
+    assert got == cp1 and out["repeated"].tokens == cp1["longer"] and out["batched"][0].tokens == cp1["shorter"]
+    # 1 + 2 + 3 + 3 full blocks saved once, by CP rank 0; rank 1 computed the same bytes and left them
+    assert stats[0]["puts"] == stats[1]["skipped_puts"] == pool["num_keys"] == 9 and stats[1]["puts"] == 0
+    # the repeated prompt (3 blocks) and the batched short one (1) hit on every rank, every rank loads
+    assert [s["hit_blocks"] for s in stats] == [4, 4] and [s["loaded_blocks"] for s in stats] == [4, 4]
+
+
+def test_qwen3_cp2_matches_transformers_and_cp1_and_a_swapped_split_does_not(qwen):
+    p = _prompts(5)
+    out, stats, pool = _run_cp2(SPECS["qwen3"], qwen.dir, p, write="async", control=True)
+    _check(qwen.model, "qwen3", out, stats, pool, _cp1_tokens(SPECS["qwen3"], qwen.dir, p), "async")
+    with torch.no_grad():
+        ref = hf_step_logits(qwen.model, p["control"], out["control"].tokens)
+    err = (out["control"].step_logits[0] - ref[0]).abs().max().item()
+    assert err > 100 * ATOL, f"swapped head-tail slices must give wrong logits (max |diff| {err:.3g})"
+
+
+def test_deepseek_cp2_matches_transformers_and_cp1(tiny_dsv3):
+    p = _prompts(6)
+    out, stats, pool = _run_cp2(SPECS["deepseek"], tiny_dsv3.dir, p, write="sync")
+    _check(tiny_dsv3.model, "deepseek", out, stats, pool, _cp1_tokens(SPECS["deepseek"], tiny_dsv3.dir, p), "sync")
+
+
+def test_qwen3_cp2_write_off_gives_the_tokens_of_cp1(qwen):
+    """With tests above (async for Qwen3, sync for DeepSeek): tokens equal across off/sync/async."""
+    p = _prompts(5)
+    with open_engine(REPO / SPECS["qwen3"], qwen.dir, cp=2, write="off", num_blocks=48, timeout=TIMEOUT,
+                     max_num_batched_tokens=CHUNK) as eng:
+        rs = eng.generate([p["shorter"], p["equal"], p["longer"], p["longer"]], 3)
+        stats = eng.rank_stats
+    cp1 = _cp1_tokens(SPECS["qwen3"], qwen.dir, p)
+    assert [r.tokens for r in rs] == [cp1["shorter"], cp1["equal"], cp1["longer"], cp1["longer"]]
+    assert rs[3].hit_tokens == 0 and all(s["puts"] == 0 for s in stats)
+
+
+def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen):
+    """cp=2 × tp=2, four ranks (rank = cp_rank × 2 + tp_rank): each TP group splits the heads, each CP
+    group the tokens; each TP rank's KV heads are saved by CP rank 0's rank of that TP rank only."""
+    p = _prompts(7)
+    with open_engine(REPO / SPECS["qwen3"], qwen.dir, cp=2, tp=2, write="async", collect_logits=True,
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+        out = {k: eng.generate([p[k]], 3)[0] for k in ("shorter", "longer")}
+        eng.drain()
+        out["repeated"] = eng.generate([p["longer"]], 3)[0]
+        stats, pool = eng.rank_stats, eng.pool_stats()
+    assert (out["repeated"].variant, out["repeated"].hit_tokens) == ("splitfuse", 12)
+    with torch.no_grad():
+        for what, r in out.items():
+            assert_steps_match_hf(qwen.model, r, f"qwen3 cp=2 tp=2 {what}")
+    cp1 = _cp1_tokens(SPECS["qwen3"], qwen.dir, p)
+    assert [out[k].tokens for k in ("shorter", "longer", "repeated")] == [cp1["shorter"], cp1["longer"], cp1["longer"]]
+    # 1 + 3 blocks per TP rank's heads, put by ranks 0 and 1 (CP rank 0), left by ranks 2 and 3
+    assert [s["puts"] for s in stats] == [4, 4, 0, 0] and [s["skipped_puts"] for s in stats] == [0, 0, 4, 4]
+    assert pool["num_keys"] == 8 and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]

@@ -1,0 +1,33 @@
+"""``graphgen serve --cp 2`` (context parallel over two CPU ranks, tiny_qwen3 with the override), driven by
+the ``openai`` client on 127.0.0.1: concurrent greedy completions (continuous batching, so decode rows
+and chunked prompts share split prefill steps on both ranks) give a cp=1 engine's tokens, and so does a
+repeated prompt (its blocks saved by CP rank 0 by then; the hit counts per rank are checked in tests/parallel). The logits at cp=2 are tests/parallel/test_context_parallel.py's."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+from graphgen.runtime import open_engine
+from serve_util import ROOT, Server
+
+SPEC = ROOT / "specs" / "tiny_qwen3.yaml"
+PROMPTS = [[5, 17, 33, 2, 9, 100, 41], list(range(1, 14)), [255, 0, 128]]
+N_NEW = 6
+
+
+def test_serve_cp2_greedy_equals_cp1(ckpt):
+    with open_engine(SPEC, ckpt, num_blocks=64) as one:
+        want = [r.tokens for r in one.generate(PROMPTS, N_NEW)]
+    s = Server(ckpt, "--cp", "2", "--write", "async", "--num-blocks", "64", "--max-num-batched-tokens", "8",
+               spec=SPEC)
+    try:
+        c = s.client()
+
+        def greedy(p):
+            r = c.completions.create(model="tiny_qwen3", prompt=p, max_tokens=N_NEW, temperature=0)
+            return list(r.choices[0].model_extra["token_ids"])
+
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
+            assert list(ex.map(greedy, PROMPTS, timeout=180)) == want
+        assert greedy(PROMPTS[1]) == want[1]   # its blocks now come from the pool on both ranks
+    finally:
+        assert s.terminate() == 0
