@@ -414,9 +414,11 @@ class Scheduler:
             try:
                 return self.alloc.alloc(n)
             except OutOfBlocks:
-                if self.blocks.evict(n - self.alloc.num_free):
+                # counted with the pinned free blocks (num_unheld): whether to evict never depends
+                # on when a commit landed (BlockAllocator: reuse in free order)
+                if self.blocks.evict(n - self.alloc.num_unheld):
                     continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
-                if not self.reclaim():  # nothing in flight would ever give blocks back
+                if not self.reclaim():  # nothing in flight would ever unpin the blocks next in line
                     raise
 
     def _try_blocks(self, r: Request, num_tokens: int) -> bool:
