@@ -18,6 +18,7 @@ import threading
 from collections import Counter, deque
 from typing import Iterable, Mapping, Sequence
 
+import numpy
 import torch
 
 __all__ = [
@@ -313,25 +314,30 @@ def pack_block(layers: Sequence[Sequence[torch.Tensor]], index: int) -> bytes:
     return out.numpy().tobytes()
 
 
+def _check_value_size(cache, got: int, expected: int) -> None:
+    if got != expected:
+        layout = getattr(cache, "layout", None)
+        raise ValueError(
+            f"pool value has {got} bytes, one block of this cache needs {expected}"
+            + (f" (layout {layout})" if layout else "") + ": stale or foreign layout")
+
+
 def unpack_block_into(cache: Sequence[Sequence[torch.Tensor]], block_id: int,
                       data: bytes | bytearray | memoryview) -> None:
     """Write a pooled block's bytes into block ``block_id`` of ``cache`` (all layers/components)."""
+    packed = getattr(cache, "packed", None)
+    if packed is not None:  # a PackedStaging: the value is the row's bytes, one memcpy (numpy, no torch call)
+        _check_value_size(cache, len(data), packed.shape[1])
+        if not 0 <= block_id < packed.shape[0]:
+            raise IndexError(f"block {block_id} out of range for a staging of {packed.shape[0]} blocks")
+        cache.rows[block_id][:] = numpy.frombuffer(data, dtype=numpy.uint8)
+        return
     flat = _components(cache)
     expected = block_nbytes(cache)
-    if len(data) != expected:
-        layout = getattr(cache, "layout", None)
-        raise ValueError(
-            f"pool value has {len(data)} bytes, one block of this cache needs {expected}"
-            + (f" (layout {layout})" if layout else "") + ": stale or foreign layout")
+    _check_value_size(cache, len(data), expected)
     # bytearray: torch.frombuffer wants a writable buffer; this is the one host copy of the load
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else \
         torch.empty(0, dtype=torch.uint8)
-    packed = getattr(cache, "packed", None)
-    if packed is not None:  # a PackedStaging: one copy into the block's row
-        if not 0 <= block_id < packed.shape[0]:
-            raise IndexError(f"block {block_id} out of range for a staging of {packed.shape[0]} blocks")
-        packed[block_id].copy_(buf)
-        return
     off = 0
     for t in flat:
         if not 0 <= block_id < t.shape[0]:

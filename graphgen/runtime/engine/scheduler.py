@@ -348,7 +348,8 @@ class Scheduler:
         last = end == len(seq)
         loads = len(r.loaded)  # non-empty only before its first chunk is planned
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
-                       load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]), loaded=tuple(r.loaded),
+                       load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]),
+                       loaded=tuple(r.loaded) if isinstance(r.loaded, list) else r.loaded,  # a LoadedBlocks: one run
                        save_block_ids=save_ids, save_keys=save_keys,
                        logits_positions=prefill_logits_positions(r, start, end) if last else (), samples=last)
 
