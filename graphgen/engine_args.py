@@ -33,6 +33,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                    help="override pool.policy: when full blocks are saved (write_through: when filled; "
                         "write_through_selective: once computed pool.min_uses times; write_back: when they "
                         "leave the device)")
+    p.add_argument("--pool-min-uses", type=int, default=None, metavar="N",
+                   help="override pool.min_uses: with write_through_selective, computations of a block's key "
+                        "before it is saved (>= 1)")
     p.add_argument("--tp", type=int, default=None,
                    help="override parallel.tp: tensor-parallel ranks (one process each)")
     p.add_argument("--ep", type=int, default=None,
@@ -84,7 +87,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
     # --num-blocks: checked by each command against the spec
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp", "pool_min_uses"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"
@@ -118,7 +121,7 @@ def engine_options(args, faults=None) -> dict:
     """`open_engine`'s keyword arguments from the engine flags (the spec and weights aside)."""
     opts = dict(write=args.write, granularity=args.granularity, tp=args.tp, ep=args.ep, pool=args.pool,
                 **{k: getattr(args, k) for k in ("dp", "cp", "sp") if getattr(args, k, None) is not None},
-                pool_policy=args.pool_policy,
+                pool_policy=args.pool_policy, pool_min_uses=getattr(args, "pool_min_uses", None),
                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
                 chunked_prefill=args.chunked_prefill, long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -262,13 +262,15 @@ class ModelSpec:
     def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None,
                        tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
                        cp: Optional[int] = None, sp: Optional[bool] = None,
-                       policy: Optional[str] = None) -> "ModelSpec":
-        """The same model with the pool write mode, granularity, write policy and/or parallel layout
+                       policy: Optional[str] = None, min_uses: Optional[int] = None) -> "ModelSpec":
+        """The same model with the pool write mode, granularity, write policy (and ``min_uses``) and/or parallel layout
         forced (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``,
         which the distributed launcher calls)."""
         spec = self
         if policy is not None:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
+        if min_uses is not None:
+            spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, min_uses=min_uses))
         layout = {k: v for k, v in (("tp", tp), ("ep", ep), ("dp", dp), ("cp", cp), ("sp", sp)) if v is not None}
         if layout:
             spec = dataclasses.replace(spec, parallel=dataclasses.replace(self.parallel, **layout))

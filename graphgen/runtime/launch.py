@@ -53,12 +53,13 @@ register_target("cpu", _cpu)
 def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = None,
                 granularity: Optional[str] = None, tp: Optional[int] = None, ep: Optional[int] = None,
                 dp: Optional[int] = None, cp: Optional[int] = None, sp: Optional[bool] = None,
-                pool="host", spec_file: Optional[str] = None, pool_policy: Optional[str] = None, **options):
+                pool="host", spec_file: Optional[str] = None, pool_policy: Optional[str] = None,
+                pool_min_uses: Optional[int] = None, **options):
     """An engine for ``spec`` (a spec file, or a loaded `ModelSpec`) on ``weights`` (a Hugging Face
     checkpoint folder, or a dict of tensors by checkpoint name).
 
-    ``write`` / ``granularity`` / ``tp`` / ``ep`` / ``dp`` / ``cp`` / ``sp`` / ``pool_policy`` (``pool.policy``)
-    override the spec's settings for this run (the code for the overridden spec is generated on the fly; a
+    ``write`` / ``granularity`` / ``tp`` / ``ep`` / ``dp`` / ``cp`` / ``sp`` / ``pool_policy`` (``pool.policy``) /
+    ``pool_min_uses`` (``pool.min_uses``) override the spec's settings for this run (the code for the overridden spec is generated on the fly; a
     layout the runtime cannot run yet raises ValueError, `families.parallel.runtime_layout_gap`); ``pool``: ``"host"`` (the embedded pool),
     ``"mooncake://HOST:PORT"`` or a `PoolBackend`. ``options`` go to the target's builder
     (`graphgen.runtime.engine.facade.build_engine`'s: ``num_blocks``, ``max_num_seqs``,
@@ -75,9 +76,9 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
         path = Path(spec)
         spec_file = spec_file or display_path(path)
         spec = load_spec(path)
-    if any(x is not None for x in (write, granularity, tp, ep, dp, cp, sp, pool_policy)):
+    if any(x is not None for x in (write, granularity, tp, ep, dp, cp, sp, pool_policy, pool_min_uses)):
         spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep, dp=dp, cp=cp, sp=sp,
-                                   policy=pool_policy)
+                                   policy=pool_policy, min_uses=pool_min_uses)
     if spec.mtp is not None and (spec.parallel.tp > 1 or spec.parallel.ep > 1):
         raise ValueError(f"spec {spec.name} has MTP layers, which are not sharded over ranks yet: run it with "
                          f"--tp 1 --ep 1 (docs/mtp.md)")

@@ -21,6 +21,7 @@ import e2e_util as u
 
 from graphgen.runtime import open_engine
 from graphgen.runtime.core.faults import Faults
+from graphgen.runtime.core.kvcache import OutOfBlocks
 from graphgen.runtime.engine.connector import KVConnector
 from graphgen.runtime.pool import HostPool
 
@@ -52,8 +53,14 @@ class PerRequestPins(KVConnector):
 
 
 def _overwrite_free_blocks(eng) -> None:
-    """Write garbage into every block the allocator hands out now (what another request would do)."""
-    taken = eng.alloc.alloc(eng.alloc.num_free)
+    """Write garbage into every block the allocator hands out now (what another request would do):
+    blocks go out in the order they were freed, up to the first one still pinned."""
+    taken = []
+    while True:
+        try:
+            taken += eng.alloc.alloc(1)
+        except OutOfBlocks:
+            break
     for layer in eng.cache:
         for comp in layer:
             comp[taken] = 1e3

@@ -76,18 +76,22 @@ def test_cli_run_bad_input_exits_2(qwen, dsv3):
 
 
 def test_cli_run_pool_policy_flag_and_a_bad_value(ckpt):
-    """``--pool-policy`` overrides pool.policy: write_through_selective (min_uses 2, the default)
-    computes a repeated prompt twice before the third one hits; a bad value exits 2 with one sentence."""
+    """``--pool-policy`` overrides pool.policy and ``--pool-min-uses`` pool.min_uses:
+    write_through_selective with min_uses 3 (the spec's default is 2) computes a repeated prompt
+    three times before the fourth one hits; a bad value of either exits 2 with one sentence."""
     p = ",".join(str(t) for t in range(1, 11))   # 10 tokens: 2 full blocks of tiny_qwen3 (block 4)
     base = ["run", "--spec", u.TINY_QWEN3, "--weights", ckpt, "--write", "sync", "--json",
             "--max-new-tokens", 2, "--num-blocks", 16]
-    good = subprocess.Popen(u.cli_argv(*base, "--pool-policy", "write_through_selective",
-                                       *["--prompt-ids", p] * 3),
+    good = subprocess.Popen(u.cli_argv(*base, "--pool-policy", "write_through_selective", "--pool-min-uses", 3,
+                                       *["--prompt-ids", p] * 4),
                             cwd=u.REPO, env=u.CLI_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     bad = u.cli(*base, "--pool-policy", "write_sometimes", "--prompt-ids", p)
+    bad_uses = u.cli(*base, "--pool-min-uses", 0, "--prompt-ids", p)
     out, err = good.communicate(timeout=120)
     assert good.returncode == 0, err
-    assert [json.loads(line)["hit_tokens"] for line in out.splitlines() if line.strip()] == [0, 0, 8]
+    assert [json.loads(line)["hit_tokens"] for line in out.splitlines() if line.strip()] == [0, 0, 0, 8]
+    assert bad_uses.returncode == 2 and bad_uses.stdout == "" and "Traceback" not in bad_uses.stderr
+    assert bad_uses.stderr.strip().splitlines() == ["graphgen run: error: --pool-min-uses must be >= 1, got 0"], bad_uses.stderr
     assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
     last = bad.stderr.strip().splitlines()[-1]  # argparse's one sentence (after its usage line)
     assert "argument --pool-policy: invalid choice: 'write_sometimes'" in last and "write_back" in last

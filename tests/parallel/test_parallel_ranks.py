@@ -203,10 +203,14 @@ def test_qwen3_tp2_mixed_batches_match_transformers_on_every_rank(qwen):
         assert_steps_match_hf(qwen.model, r, f"qwen3 tp=2 mixed batch {what}")
 
 
-def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1(qwen):
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1(qwen, policy):
     """Every block-lifetime decision (n forks sharing blocks, decode-time saves, write-back when a
     block leaves the device, device prefix hits, LRU eviction) is made alike on every rank: the
-    per-step plan check passes, and tokens and counters equal the tp=1 run of the same spec."""
+    per-step plan check passes, and tokens and counters — pool puts included — equal the tp=1 run of
+    the same spec. The ranks' asynchronous commits land at different times: the allocator reuses
+    blocks in the order they were freed (a pinned one once saved, never skipped), so block tables
+    and eviction never depend on when a commit landed (tests/runtime/test_kvcache.py pins the rule)."""
     import dataclasses
 
     from graphgen.modelspec.loader import load_spec
@@ -214,7 +218,7 @@ def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1
 
     base = load_spec(REPO / "specs/tiny_qwen3.yaml")
     spec = dataclasses.replace(base, pool=dataclasses.replace(
-        base.pool, write="async", save_decode=True, policy="write_back", device_cache=True))
+        base.pool, write="async", save_decode=True, policy=policy, device_cache=True))
     a, b = _prompts(3)
 
     def go(**kw):
@@ -238,11 +242,6 @@ def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1
             return got, {k: s[k] for k in ("forks", "prefills", "device_hit_blocks", "hit_blocks", "puts")}
 
     tp2, tp1 = go(tp=2, timeout=TIMEOUT), go()
-    # KNOWN BUG (found when mixed batches were merged, not fixed yet): rank 0 of the tp=2 run reports
-    # fewer pool puts than the tp=1 run (7 vs 13 here: the write-backs of blocks that decode rows of
-    # mixed steps filled); with save_decode + write_through + device_cache the ranks can even plan
-    # different steps. Tokens and every other counter agree; puts are compared only for being made.
-    assert tp2[0] == tp1[0]
-    assert {k: v for k, v in tp2[1].items() if k != "puts"} == {k: v for k, v in tp1[1].items() if k != "puts"}
+    assert tp2 == tp1
     assert tp2[1]["forks"] == 1 and tp2[1]["device_hit_blocks"] > 0
-    assert tp2[1]["puts"] > 0  # blocks evicted from the device cache were written back
+    assert tp2[1]["puts"] > 0  # saved when filled (write_through), or written back when evicted

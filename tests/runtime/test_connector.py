@@ -171,16 +171,26 @@ def test_lookup_and_load_the_leading_run(parts):
     assert pack_block(cache, 6) == pack_block(src, 0)
     pool.put(keys[1], b"short")                      # a foreign/truncated value: recomputed
     assert len(conn.load(keys)) == 1 and conn.stats["pool_errors"] == 1
-    assert conn.load(["absent", keys[0]]) == []      # evicted since the lookup: stops there
+    assert len(conn.load(["absent", keys[0]])) == 0  # evicted since the lookup: stops there
     assert conn.stats["hit_blocks"] == 2
     conn.close()
+    whole = HostPool(1 << 20)                        # a run of 3: one staging, block j in row j
+    for j in range(3):
+        whole.put(keys[j], pack_block(src, j))
+    run = make(whole, cache, alloc).load(keys[:3])
+    assert [pack_block(run[j], 0) for j in range(3)] == [pack_block(src, j) for j in range(3)]
+    layers = run.layers()                            # what the graph's kv_load reads: views, no copy
+    assert layers[1][0].shape[0] == 3 and layers[1][0].data_ptr() == run.staging[1][0].data_ptr()
+    cut = run[1:]                                    # a run cut short (the ranks' agreed length)
+    assert len(cut) == 2 and pack_block(cut[0], 0) == pack_block(src, 1)
+    assert torch.equal(cut.layers()[0][1], run.layers()[0][1][1:])
 
 
 def test_a_pool_that_is_down_costs_a_recompute_never_a_request(parts):
     cache, alloc, save_stream = parts
     conn = make(DownPool(), cache, alloc)
     keys = conn.block_keys(range(8))
-    assert conn.lookup(keys) == 0 and conn.load(keys) == []
+    assert conn.lookup(keys) == 0 and len(conn.load(keys)) == 0
     ids = alloc.alloc(2)
     save = conn.prepare_save(ids, keys)
     ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]

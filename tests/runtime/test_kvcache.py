@@ -38,13 +38,34 @@ def test_pinned_block_never_reused_even_after_free():
     ids = a.alloc(3)
     a.pin([ids[1]])                                      # its save is in flight
     a.free(ids)                                          # request finished: free without waiting
-    assert a.num_free == 2
-    got = a.alloc(2)
-    assert ids[1] not in got
+    assert a.num_free == 2 and a.num_unheld == 3
+    assert a.alloc(1) == [ids[0]]                        # reuse in the order of the frees
     with pytest.raises(OutOfBlocks, match="freed but pinned by an in-flight save 1"):
-        a.alloc(1)
+        a.alloc(1)                                       # ids[1] is next: never skipped while pinned
+    assert a.num_unheld == 2                             # a failed alloc takes nothing
     a.unpin([ids[1]])                                    # save done: now reusable
-    assert a.alloc(1) == [ids[1]]
+    assert a.alloc(2) == [ids[1], ids[2]]
+
+
+def test_reuse_order_does_not_depend_on_when_a_save_lands():
+    """Tensor-parallel ranks commit asynchronously at their own pace: the ids a later alloc gets must
+    be the same whether a freed block's save landed before or after other blocks were freed (the
+    ranks' plan check compares block tables). Negative control: returning a block to the free list
+    at its unpin (the old rule) gives [2, 3, 0, 1] for one order and [0, 1, 2, 3] for the other."""
+    def run(save_lands_early: bool) -> list[int]:
+        a = BlockAllocator(4)
+        x = a.alloc(2)
+        a.pin(x)                                         # a decode-time save of a finishing request
+        a.free(x)
+        if save_lands_early:
+            a.unpin(x)
+        y = a.alloc(2)
+        a.free(y)
+        if not save_lands_early:
+            a.unpin(x)
+        return a.alloc(4)
+
+    assert run(True) == run(False) == [0, 1, 2, 3]
 
 
 def test_pin_counts_and_refcounts():

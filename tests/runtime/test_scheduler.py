@@ -124,12 +124,22 @@ def test_block_accounting_tables_grow_with_tokens_and_come_back_on_finish():
 
 
 def test_pinned_blocks_of_a_finished_request_are_not_handed_out():
-    s, alloc = sched(num_blocks=4)
+    landed = []                             # the engine's reclaim: wait for the oldest commit
+
+    def reclaim():
+        if landed or not held:
+            return False
+        alloc.unpin(held)
+        landed.append(True)
+        return True
+
+    held: list[int] = []
+    s, alloc = sched(num_blocks=4, reclaim=reclaim)
     a = req(1, 8, max_new=1)                # 2 blocks, done right after prefill
     s.add(a)
     step = s.schedule()
     alloc.pin(step.save_block_ids)          # what the connector does while the save is in flight
-    held = list(a.table)
+    held += a.table
     s.update(step, answer(step))
     assert a.table == [] and alloc.num_free == 2
     b = req(2, 8, max_new=1)
@@ -138,14 +148,15 @@ def test_pinned_blocks_of_a_finished_request_are_not_handed_out():
     assert not set(b.table) & set(held)
     c = req(3, 4, max_new=1)
     s.add(c)
+    landed.append(False)                    # a's commit is slow: reclaim has nothing to wait for yet
     assert s.schedule() is None             # b holds the free blocks, a's are pinned: c waits
     assert c in s.prefill and c.table == [] and not c.finished
-    s.update(bstep, answer(bstep))          # b finishes: its blocks (not a's) come back
-    cstep = s.schedule()
-    assert cstep.requests == (c,) and not set(c.table) & set(held)
+    s.update(bstep, answer(bstep))          # b finishes: its blocks come back, after a's in reuse order
+    landed.clear()
+    cstep = s.schedule()                    # a's, freed first, are next: c waits for their save (reclaim)
+    assert landed == [True] and cstep.requests == (c,) and c.table == held[:1]
     s.abort_all()
-    alloc.unpin(held)
-    assert alloc.num_free == 4              # c's blocks came back with the abort, a's with the unpin
+    assert alloc.num_free == 4              # c's blocks came back with the abort
 
 
 def test_out_of_blocks_asks_reclaim_before_failing():

@@ -117,6 +117,7 @@ def _serve(*args, timeout=120) -> subprocess.CompletedProcess:
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--pool-min-uses", "0"], "--pool-min-uses must be >= 1, got 0"),
     (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
 ])

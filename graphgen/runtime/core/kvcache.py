@@ -12,11 +12,13 @@ a layout change then never reads stale bytes. A value of the wrong size is rejec
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import Counter, deque
 from typing import Iterable, Mapping, Sequence
 
+import numpy
 import torch
 
 __all__ = [
@@ -36,7 +38,7 @@ class OutOfBlocks(RuntimeError):
             requested, free, pinned_released, total
         super().__init__(
             f"out of KV blocks: requested {requested}, free {free}, freed but pinned by an "
-            f"in-flight save {pinned_released}, total {total}")
+            f"in-flight save {pinned_released} (reused in the order freed, once saved), total {total}")
 
 
 class BlockAllocator:
@@ -44,10 +46,15 @@ class BlockAllocator:
 
     * ``alloc(n)`` -> n ids, each with refcount 1. ``share(ids)`` adds a reference (prefix sharing),
       ``free(ids)`` drops one.
-    * ``pin(ids)`` / ``unpin(ids)``: a block whose save is in flight is pinned. A block returns to the
-      free list only when its refcount AND its pin count are both zero, so a freed-but-pinned block is
-      never reused while its save may still read it — and freeing never waits for the save.
-    Freed blocks are reused in FIFO order (oldest freed first), which keeps reuse deterministic.
+    * ``pin(ids)`` / ``unpin(ids)``: a block whose save is in flight is pinned. A freed-but-pinned
+      block is never reused while its save may still read it — and freeing never waits for the save.
+    Freed blocks are reused in FIFO order of their *free* (oldest freed first), pinned or not: a block
+    joins the free list when its last reference goes, and ``alloc(n)`` takes the first ``n`` there or
+    raises `OutOfBlocks` when one of them is still pinned (the caller waits for that commit and asks
+    again; the scheduler's ``reclaim``). So which ids a request gets, and whether an allocation must
+    evict or preempt (``num_unheld``), depend only on the order of allocs and frees, never on when an
+    asynchronous commit landed: tensor-parallel ranks, whose commits land at different times, plan
+    the same block tables (their per-step plan check), and a rerun plans the same steps.
     """
 
     def __init__(self, num_blocks: int):
@@ -70,8 +77,8 @@ class BlockAllocator:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"alloc needs an int >= 0, got {n!r}")
         with self._lock:
-            if n > len(self._free):
-                raise OutOfBlocks(n, len(self._free), self._pinned_released(), self.num_blocks)
+            if n > len(self._free) or any(self._pins[i] for i in itertools.islice(self._free, n)):
+                raise OutOfBlocks(n, self._reusable(), self._pinned_released(), self.num_blocks)
             ids = [self._free.popleft() for _ in range(n)]
             for i in ids:
                 assert self._ref[i] == 0 and self._pins[i] == 0, i
@@ -113,14 +120,14 @@ class BlockAllocator:
                 raise ValueError(f"{what}: {bad}")
             for i in ids:
                 counts[i] -= 1
-                self._maybe_release(i)
-
-    def _maybe_release(self, i: int) -> None:
-        if self._ref[i] == 0 and self._pins[i] == 0:
-            self._free.append(i)
+                if counts is self._ref and counts[i] == 0:
+                    self._free.append(i)  # in the order of frees; an unpin never reorders the list
 
     def _pinned_released(self) -> int:
         return sum(1 for r, p in zip(self._ref, self._pins) if r == 0 and p > 0)
+
+    def _reusable(self) -> int:
+        return sum(1 for i in self._free if self._pins[i] == 0)
 
     def is_pinned(self, block_id: int) -> bool:
         with self._lock:
@@ -132,12 +139,20 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
+        """Blocks nobody holds whose saves are done: reusable now."""
+        with self._lock:
+            return self._reusable()
+
+    @property
+    def num_unheld(self) -> int:
+        """Blocks nobody holds, pinned ones included: what an allocation counts on (a pinned one is
+        handed out once its save is done), independent of when commits land."""
         with self._lock:
             return len(self._free)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(total=self.num_blocks, free=len(self._free),
+            return dict(total=self.num_blocks, free=self._reusable(),
                         allocated=sum(1 for r in self._ref if r > 0),
                         pinned=sum(1 for p in self._pins if p > 0),
                         pinned_released=self._pinned_released())
@@ -299,25 +314,30 @@ def pack_block(layers: Sequence[Sequence[torch.Tensor]], index: int) -> bytes:
     return out.numpy().tobytes()
 
 
+def _check_value_size(cache, got: int, expected: int) -> None:
+    if got != expected:
+        layout = getattr(cache, "layout", None)
+        raise ValueError(
+            f"pool value has {got} bytes, one block of this cache needs {expected}"
+            + (f" (layout {layout})" if layout else "") + ": stale or foreign layout")
+
+
 def unpack_block_into(cache: Sequence[Sequence[torch.Tensor]], block_id: int,
                       data: bytes | bytearray | memoryview) -> None:
     """Write a pooled block's bytes into block ``block_id`` of ``cache`` (all layers/components)."""
+    packed = getattr(cache, "packed", None)
+    if packed is not None:  # a PackedStaging: the value is the row's bytes, one memcpy (numpy, no torch call)
+        _check_value_size(cache, len(data), packed.shape[1])
+        if not 0 <= block_id < packed.shape[0]:
+            raise IndexError(f"block {block_id} out of range for a staging of {packed.shape[0]} blocks")
+        cache.rows[block_id][:] = numpy.frombuffer(data, dtype=numpy.uint8)
+        return
     flat = _components(cache)
     expected = block_nbytes(cache)
-    if len(data) != expected:
-        layout = getattr(cache, "layout", None)
-        raise ValueError(
-            f"pool value has {len(data)} bytes, one block of this cache needs {expected}"
-            + (f" (layout {layout})" if layout else "") + ": stale or foreign layout")
+    _check_value_size(cache, len(data), expected)
     # bytearray: torch.frombuffer wants a writable buffer; this is the one host copy of the load
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else \
         torch.empty(0, dtype=torch.uint8)
-    packed = getattr(cache, "packed", None)
-    if packed is not None:  # a PackedStaging: one copy into the block's row
-        if not 0 <= block_id < packed.shape[0]:
-            raise IndexError(f"block {block_id} out of range for a staging of {packed.shape[0]} blocks")
-        packed[block_id].copy_(buf)
-        return
     off = 0
     for t in flat:
         if not 0 <= block_id < t.shape[0]:

@@ -126,7 +126,7 @@ class BlockLife:
                 r.table.extend(alloc(run))
             except OutOfBlocks:
                 return  # no room to load into: recompute (the prefill may still find blocks later)
-            r.loaded = list(loader.load(keys[dev:dev + run]))
+            r.loaded = loader.load(keys[dev:dev + run])  # a LoadedBlocks run (sliced, never copied)
             if len(r.loaded) < run:  # the rest of the run is recomputed into fresh blocks
                 self.alloc.free(r.table[dev + len(r.loaded):])
                 del r.table[dev + len(r.loaded):]

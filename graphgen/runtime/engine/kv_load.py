@@ -3,8 +3,9 @@ blocks fetched at admission.
 
 `KVLoader.block_keys` names a prompt's full blocks (model, cache layout, this cache's KV shard:
 `graphgen.runtime.pool.keys`), `lookup` counts the leading run the pool holds, `load` fetches it
-into load staging (one block each, unpacked and validated there). The request keeps the staged
-blocks and its step plan carries them to the runner; the cache itself is written by the prefill's
+into one load staging for the whole run (`LoadedBlocks`: each block unpacked and validated into its
+row, one memcpy from the pool's buffer). The request keeps the staged blocks and its step plan
+carries them to the runner, which hands the run's per-layer views to the graph without a copy; the cache itself is written by the prefill's
 graph (its ``kv_load`` nodes on the ``kv_load`` stream, ordered against the forward by events). A
 request preempted or aborted before its prefill simply drops them. The save side is
 `graphgen.runtime.engine.connector.KVConnector`; both bump one `Counters`.
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..core.kvcache import PagedKVCache, unpack_block_into
 from ..pool.base import PoolBackend
 from ..pool.keys import KVShard, block_keys
 
-__all__ = ["KVLoader", "Counters"]
+__all__ = ["KVLoader", "Counters", "LoadedBlocks"]
 
 log = logging.getLogger("graphgen.connector")
 
@@ -40,6 +41,46 @@ class Counters:
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.values[name] += n
+
+
+class LoadedBlocks(Sequence):
+    """The blocks one load fetched, in key order: rows ``[start, stop)`` of one load staging (per
+    layer, per component ``[n, *shape]``: a host `PackedStaging` of the whole run, so a 127-block
+    hit is one staging, not 127). ``layers()`` gives the run per layer, per component ``[len, *shape]``
+    as views (what the CPU graph's kv_load copies into the cache: no stacking copy); item ``j`` is
+    block j's own staging (``[1, *shape]`` views, made on demand: what a target that stages block by
+    block reads); a slice is the same kind of run (a load cut short, the ranks' agreed length)."""
+
+    __slots__ = ("staging", "start", "stop")
+
+    def __init__(self, staging: list, start: int = 0, stop: "int | None" = None):
+        n = staging[0][0].shape[0] if staging else 0
+        self.staging, self.start, self.stop = staging, start, n if stop is None else stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            a, b, step = j.indices(len(self))
+            if step != 1:
+                raise ValueError("a run of loaded blocks is sliced without a step")
+            return LoadedBlocks(self.staging, self.start + a, self.start + max(a, b))
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"block {j} of a run of {len(self)} loaded blocks")
+        i = self.start + j
+        return [tuple(t[i:i + 1] for t in layer) for layer in self.staging]
+
+    def layers(self) -> list:
+        """The run per layer, per component ``[len(self), *shape]`` (views of the staging)."""
+        if not self.staging or (self.start == 0 and self.stop == self.staging[0][0].shape[0]):
+            return list(self.staging)
+        return [tuple(t[self.start:self.stop] for t in layer) for layer in self.staging]
+
+    def __repr__(self) -> str:
+        return f"LoadedBlocks({len(self)} blocks)"
 
 
 class KVLoader:
@@ -71,17 +112,17 @@ class KVLoader:
             self._count("pool_errors")
             return 0
 
-    def load(self, keys: Sequence[str]) -> list:
-        """Fetch ``keys`` in order into load staging (one block each), stopping at the first block
-        that is gone (evicted since the lookup), unreadable or foreign. Returns the leading blocks
-        loaded; the rest is recomputed. The cache is not touched: the prefill's graph copies the
-        staged blocks in (the step plan carries them there)."""
-        staged = [self.cache.make_staging(1) for _ in keys]
+    def load(self, keys: Sequence[str]) -> "LoadedBlocks":
+        """Fetch ``keys`` in order into one load staging (block i in row i), stopping at the first
+        block that is gone (evicted since the lookup), unreadable or foreign. Returns the leading
+        blocks loaded; the rest is recomputed. The cache is not touched: the prefill's graph copies
+        the staged blocks in (the step plan carries them there)."""
+        staging = self.cache.make_staging(len(keys))
 
-        def into(i, s):  # unpack straight from the pool's buffer (one copy); a foreign size is a miss
+        def into(i):  # unpack straight from the pool's buffer (one copy); a foreign size is a miss
             def unpack(view):
                 try:
-                    unpack_block_into(s, 0, view)
+                    unpack_block_into(staging, i, view)
                 except Exception as e:
                     log.warning("pool block %d unreadable, recomputing from there: %s", i, e)
                     self._count("pool_errors")
@@ -89,16 +130,16 @@ class KVLoader:
             return unpack
 
         try:  # one batch: a backend with registered memory (Mooncake) reads every block in one call
-            ok = self.pool.get_into(list(keys), [into(i, s) for i, s in enumerate(staged)])
+            ok = self.pool.get_into(list(keys), [into(i) for i in range(len(keys))])
         except Exception as e:
             log.warning("pool load failed, recomputing: %s", e)
             self._count("pool_errors")
             ok = []
-        loaded = []
-        for hit, s in zip(ok, staged):
+        n = 0
+        for hit in ok[:len(keys)]:
             if not hit:  # gone since the lookup, unreadable or foreign: recompute from here
                 break
-            loaded.append(s)
-        self._count("hit_blocks", len(loaded))
-        self._count("loaded_blocks", len(loaded))
-        return loaded
+            n += 1
+        self._count("hit_blocks", n)
+        self._count("loaded_blocks", n)
+        return LoadedBlocks(staging, 0, n)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .sampling import Sampler, SamplingParams
 
@@ -196,7 +196,7 @@ class RowPlan:
     start: int
     block_table: tuple[int, ...]
     load_block_ids: tuple[int, ...] = ()
-    loaded: tuple = ()  # per load block: its staging (per layer, per component)
+    loaded: Sequence = ()  # per load block its staging: a kv_load.LoadedBlocks run (one staging for all)
     save_block_ids: tuple[int, ...] = ()
     save_keys: tuple[str, ...] = ()
     logits_positions: tuple[int, ...] = ()

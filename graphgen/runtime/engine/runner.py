@@ -33,6 +33,7 @@ from ...ir.graph import SAVE_STREAM
 from ..core.cpu_runtime import CpuRuntime
 from ..core.kvcache import slot_mapping
 from ..core.streams import BoundEvent, EventSet, Job, Stream
+from .kv_load import LoadedBlocks
 from .request import StepPlan
 
 __all__ = ["StepInputs", "StepHandles", "StepRuntime", "StepFuture", "CpuModelRunner", "build_inputs", "stack_loads"]
@@ -82,10 +83,19 @@ def build_inputs(plan: StepPlan, block_size: int) -> StepInputs:
 
 def stack_loads(plan: StepPlan) -> list:
     """The plan's loaded history blocks per layer, per component ``[num loaded, *shape]`` (row j
-    for ``plan.load_block_ids[j]``); [] when the step loads nothing."""
-    blocks = [blk for row in plan.rows for blk in row.loaded]
-    if not blocks:
-        return []
+    for ``plan.load_block_ids[j]``); [] when the step loads nothing. One row's `LoadedBlocks` run
+    is handed over as its staging's views (no copy: the graph's kv_load copies them into the cache
+    once); several rows' runs are concatenated per layer and component."""
+    runs = [row.loaded.layers() if isinstance(row.loaded, LoadedBlocks) else _stack_blocks(row.loaded)
+            for row in plan.rows if len(row.loaded)]
+    if len(runs) <= 1:
+        return runs[0] if runs else []
+    return [tuple(torch.cat([run[layer][c] for run in runs]) for c in range(len(runs[0][layer])))
+            for layer in range(len(runs[0]))]
+
+
+def _stack_blocks(blocks) -> list:
+    """Per-block stagings (``[1, *shape]`` per layer, per component) stacked per layer and component."""
     return [tuple(torch.cat([blk[layer][c] for blk in blocks]) for c in range(len(blocks[0][layer])))
             for layer in range(len(blocks[0]))]
 

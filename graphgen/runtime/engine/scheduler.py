@@ -354,7 +354,8 @@ class Scheduler:
         last = end == len(seq)
         loads = len(r.loaded)  # non-empty only before its first chunk is planned
         return RowPlan(r, tuple(seq[start:end]), start, tuple(r.table),
-                       load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]), loaded=tuple(r.loaded),
+                       load_block_ids=tuple(r.table[r.device_blocks:r.device_blocks + loads]),
+                       loaded=tuple(r.loaded) if isinstance(r.loaded, list) else r.loaded,  # a LoadedBlocks: one run
                        save_block_ids=save_ids, save_keys=save_keys,
                        logits_positions=prefill_logits_positions(r, start, end) if last else (), samples=last)
 
@@ -419,9 +420,11 @@ class Scheduler:
             try:
                 return self.alloc.alloc(n)
             except OutOfBlocks:
-                if self.blocks.evict(n - self.alloc.num_free):
+                # counted with the pinned free blocks (num_unheld): whether to evict never depends
+                # on when a commit landed (BlockAllocator: reuse in free order)
+                if self.blocks.evict(n - self.alloc.num_unheld):
                     continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
-                if not self.reclaim():  # nothing in flight would ever give blocks back
+                if not self.reclaim():  # nothing in flight would ever unpin the blocks next in line
                     raise
 
     def _try_blocks(self, r: Request, num_tokens: int) -> bool:
