@@ -222,8 +222,8 @@ def _lm_head(n, ctx):
 
 
 def _mtp_eh_proj(n, ctx):
-    # Not lowered by any shipped spec yet (compat refuses mtp with the npu target; docs/mtp.md): the
-    # same calls as _rms_norm and _lm_head, never traced.
+    # eh_proj(cat[enorm(embedding), hnorm(prev_hidden)]): the calls of _rms_norm and _lm_head (traced at
+    # full size in specs/deepseek_v3_1_mtp.yaml's mtp_draft; docs/npu.md, "MTP graphs")
     r, eps = ctx.ref, py(n.attrs["eps"])
     return [f"{_out(n, ctx)} = F.linear(torch.cat((torch_npu.npu_rms_norm({r(n.input('embed'))}, "
             f"{weight(n, 'w_enorm')}, {eps})[0], torch_npu.npu_rms_norm({r(n.input('hidden'))}, "
