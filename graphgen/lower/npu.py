@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
-from .npu_parallel import EMIT_PARALLEL
+from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
+from .npu_parallel import EMIT_PARALLEL, named_groups
 from .npu_calls import moe_call, swiglu_mlp_call
 from .render import Emitter, LoweringError, Names, emit_with, load_time_weight, py, render_frame, weight
 
@@ -51,6 +51,8 @@ class NpuCtx:
     events: dict  # event -> (from stream, to stream)
     components: dict  # kv_cache name -> its component names (from the kv_write that fills it)
     loaded: dict = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
+    world: int = 1  # ranks of the layout (dp x cp x tp): a collective over all of them uses the world group
+    tp: int = 1
 
 
 def evname(event: str) -> str:
@@ -185,7 +187,7 @@ def _mla_attention(n, ctx):
     q_nope, q_pe, cache = r(n.input("q_nope")), r(n.input("q_pe")), r(n.input("cache"))
     if mode == "decode":
         args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), r(n.input("block_tables")), "b.actual_seq_lengths_kv",
-                *heads, f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
+                "b.atten_mask", *heads, f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
                 f"block_size={a['block_size']}"]
         return [f"{_out(n, ctx)} = _mla_attention_absorbed({', '.join(args)})"]
     if mode == "prefill":
@@ -220,8 +222,8 @@ def _lm_head(n, ctx):
 
 
 def _mtp_eh_proj(n, ctx):
-    # Not lowered by any shipped spec yet (compat refuses mtp with the npu target; docs/mtp.md): the
-    # same calls as _rms_norm and _lm_head, never traced.
+    # eh_proj(cat[enorm(embedding), hnorm(prev_hidden)]): the calls of _rms_norm and _lm_head (traced at
+    # full size in specs/deepseek_v3_1_mtp.yaml's mtp_draft; docs/npu.md, "MTP graphs")
     r, eps = ctx.ref, py(n.attrs["eps"])
     return [f"{_out(n, ctx)} = F.linear(torch.cat((torch_npu.npu_rms_norm({r(n.input('embed'))}, "
             f"{weight(n, 'w_enorm')}, {eps})[0], torch_npu.npu_rms_norm({r(n.input('hidden'))}, "
@@ -317,8 +319,13 @@ EVENTS_DOC = {
 
 
 def render_npu(graph: Graph, options: NpuOptions) -> str:
+    tp = graph.meta.get("tp", 1)
+    world = graph.meta.get("dp", 1) * graph.meta.get("cp", 1) * tp
+    layout = _kv_layout(graph)
+    # every cache layer has the one layout; the MTP graph writes only its own layer but saves them all
     ctx = NpuCtx(Names(graph), options.mode, graph.events,
-                 {n.output("cache"): n.attrs["components"] for n in graph.nodes if n.op == "kv_write"})
+                 {name: layout["kv_components"] for name, kind in graph.names.items() if kind == "kv_cache"},
+                 world=world, tp=tp)
     tag, prio = py(options.save_stream_tag), py(options.save_stream_priority)
     body: list[str] = []
     prev = None
@@ -352,9 +359,13 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
             f"tag={py('graphgen.' + graph.meta['model'] + '.' + graph.meta['variant'] + '.' + ev)})  # {s} -> {d}\n"
             for ev, (s, d) in graph.events.items() if LOAD_STREAM != s)
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
+    # graphs of a spec with MTP layers also return the last hidden state the MTP layer drafts from
+    returns = f"logits, {ctx.ref(HIDDEN)}" if HIDDEN in graph.names else "logits"
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
-        save_stream=f"({tag}, {prio})", rope=rope, tiling_sink=tiling_sink(graph, options.mode), tagged_events=tagged, **_kv_layout(graph),
+        save_stream=f"({tag}, {prio})", rope=rope, process_groups=named_groups(graph.nodes, world), returns=returns,
+        returns_doc="(logits [B, V], hidden [T, hidden])" if HIDDEN in graph.names else "logits [B, V]",
+        tiling_sink=tiling_sink(graph, options.mode), tagged_events=tagged, **layout,
         load_time_weights="{" + "".join(f"\n    {k!r}: {py(ctx.loaded[k])}," for k in sorted(ctx.loaded))
         + ("\n}" if ctx.loaded else "}"),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),

@@ -75,17 +75,20 @@ def _gqa_decode_attention(q, cache, block_table, seq_lens, *, num_heads, num_kv_
         input_layout="BSH", sparse_mode=0, block_size=block_size)[0].view(t, num_heads, head_dim)
 
 
-def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
+def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens, atten_mask,
                             *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, block_size):
-    """DECODE ONLY (one query token per sequence, T = B). Absorbed MLA: q_nope . W_uk -> attention over the
-    paged latent cache (ckv as key and value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R],
-    kpe [NB, BS, r]); returns [T, H, v_head_dim].
+    """DECODE and VERIFY: S = T / B query tokens per sequence, every row the same S -- 1 in decode (T = B),
+    K + 1 <= 16 in a speculative verify row (the K draft tokens and the last verified one).  Absorbed MLA:
+    q_nope . W_uk -> attention over the paged latent cache (ckv as key and value, q_pe/kpe as the rope part)
+    -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns [T, H, v_head_dim].
     The v2 API in layout BNSD (B, N, S, D) for the static decode graph (TND is not supported with tiling
     sink, torch-npu 2.14.0 _op_plugin_docs.py:8632-8633), as vllm-ascend's MLA decode does
     (mla_v1.py:1373-1500, v2).  Its documented envelope with query_rope, query D = 512 (:8694-8703): query
     S 1-16 and N in 1/2/4/8/16/32/64/128, rope D 64, key N 1 and D 512, page attention with block size 16
-    or 128, sparse_mode 0 without a mask for S = 1 (:8697).  The latent cache is viewed (blocknum, KV_N=1,
-    blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same bytes for KV_N = 1).
+    or 128; sparse_mode 0 without a mask for S = 1, sparse_mode 3 with the mask for S > 1 (:8697: query i
+    of a row of S sees the keys up to seq_len - S + i, causal inside the verify row).  The latent cache is
+    viewed (blocknum, KV_N=1, blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same
+    bytes for KV_N = 1).
     A tensor-parallel rank holds num_heads / tp heads (4 for DeepSeek-V3 at tp=32): the query is padded
     with zero heads to the next power of two only when it is not one (the extra heads cost compute, not
     KV traffic, and are dropped)."""
@@ -96,13 +99,18 @@ def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
     if heads != num_heads:
         q_lat = torch.nn.functional.pad(q_lat, (0, 0, 0, heads - num_heads))
         q_pe = torch.nn.functional.pad(q_pe, (0, 0, 0, heads - num_heads))
+    t, b = q_lat.shape[0], block_table.shape[0]
+    s = t // b
+    # [T, N, D] -> [B, N, S, D]
+    q_lat = q_lat.view(b, s, heads, kv_lora_rank).transpose(1, 2).contiguous()
+    q_pe = q_pe.view(b, s, heads, q_pe.shape[-1]).transpose(1, 2).contiguous()
     nb, bs = cache[0].shape[0], cache[0].shape[1]
     ckv, kpe = cache[0].view(nb, 1, bs, kv_lora_rank), cache[1].view(nb, 1, bs, cache[1].shape[-1])
     o_lat = torch_npu.npu_fused_infer_attention_score_v2(
-        q_lat.unsqueeze(2).contiguous(), ckv, ckv, query_rope=q_pe.unsqueeze(2).contiguous(), key_rope=kpe,
-        atten_mask=None, actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads,
-        num_key_value_heads=1, softmax_scale=scale, input_layout="BNSD", sparse_mode=0, block_size=block_size)[0]
-    return torch.einsum("thr,hvr->thv", o_lat.squeeze(2)[:, :num_heads], w_uv)
+        q_lat, ckv, ckv, query_rope=q_pe, key_rope=kpe, atten_mask=None if s == 1 else atten_mask,
+        actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads, num_key_value_heads=1,
+        softmax_scale=scale, input_layout="BNSD", sparse_mode=0 if s == 1 else 3, block_size=block_size)[0]
+    return torch.einsum("thr,hvr->thv", o_lat.transpose(1, 2).reshape(t, heads, kv_lora_rank)[:, :num_heads], w_uv)
 
 
 def _mla_unabsorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, actual_seq_lengths, cumulative_kv_lengths, atten_mask, *,
@@ -167,7 +175,7 @@ def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, kv_gather_rows, actual_seq_lengt
 
 
 def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, w_shared_down, residual, *,
-                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
+                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts, ep=1, ep_rank=0):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
 
     Expert weights come in npu_grouped_matmul's layout, built once at load: w_gate_up_t [E, H, 2I]
@@ -181,6 +189,16 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
 
     The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
     happen here so the result does not depend on whether the kernel renormalises internally.
+
+    Expert parallel (ep > 1, the all-gather form; the result is this rank's partial sum): the rank holds
+    experts [lo, lo + E/ep), lo = ep_rank * E/ep (its stacked weights are those E/ep). As vllm-ascend's
+    all-gather dispatcher: the weights of (token, k) pairs routed elsewhere are zeroed, init_routing_v2
+    keeps only the pairs in active_expert_range=[lo, lo + E/ep) at the front of its rows (row index -1 for
+    the others, :11107-11108; tokens_per_expert has E/ep counts, :11110), the grouped matmuls run those.
+    The rows past them are undefined (:11107), so they are zeroed after the GMMs (torch.where: a NaN
+    there cannot leak through a zero weight), and each dropped pair is pointed at one of those unused
+    rows in turn, so the unpermute's index stays a permutation of [0, T*K) as documented (:16942:
+    in range, no repeated index; vllm-ascend passes |row index| instead, which repeats row 1).
     """
     t = x.shape[0]
     weights, ids, _ = torch_npu.npu_moe_gating_top_k(
@@ -189,14 +207,24 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = (weights * routed_scaling_factor).to(x.dtype)
+    lo = ep_rank * (num_experts // ep)
+    hi = lo + num_experts // ep
+    if ep > 1:
+        weights = torch.where((ids >= lo) & (ids < hi), weights, torch.zeros_like(weights))
     rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
         x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
+        expert_tokens_num_flag=True, active_expert_range=[lo, hi], quant_mode=-1)
     gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=tokens_per_expert,
                                            group_list_type=1, group_type=0, split_item=2)[0]
     act = torch_npu.npu_swiglu(gate_up, dim=-1)
     down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
+    if ep > 1:
+        dropped = row_idx < 0
+        kept = t * top_k - dropped.sum()
+        row_idx = torch.where(dropped, kept + torch.cumsum(dropped.int(), dim=0) - 1, row_idx).int()
+        valid = torch.arange(t * top_k, device=x.device) < kept
+        down = torch.where(valid.unsqueeze(-1), down, torch.zeros_like(down))
     shared = None if w_shared_gate_up is None else _swiglu_mlp(x, w_shared_gate_up, w_shared_down)
     # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
     out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)

@@ -1,16 +1,28 @@
-"""NPU emitters of the parallel-rank ops (``graphgen.passes.shard``), merged into ``npu.EMIT``.
+"""NPU emitters of the parallel-rank ops (``graphgen.passes.shard``, ``sequence_parallel``), merged into ``npu.EMIT``.
 
 Collectives are torch.distributed *functional* collectives, spelled as the ops they trace to
-(``torch.ops._c10d_functional.all_reduce`` / ``all_gather_into_tensor`` + ``wait_tensor``, what
-``torch.distributed._functional_collectives`` emits): torchair converts those to HCCL collectives
-inside the captured graph, on the default (world) group — the TP group, since EP reuses the TP ranks.
-They are torch ops, not torch-npu ones, so the torch-npu manifest does not list them; the tests
-check them against the installed torch's op registry. The rank (vocabulary slice of the embedding)
-is ``torch.distributed.get_rank()``, a constant when each rank traces its own graph.
+(``torch.ops._c10d_functional.all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` +
+``wait_tensor``, what ``torch.distributed._functional_collectives`` emits): torchair converts each to an
+HCCL collective inside the captured graph (every one has a real GE converter, ``ge_converters.json``).
+They are torch ops, not torch-npu ones, so the torch-npu manifest does not list them; the tests check
+them against the installed torch's op registry.
 
-Expert-parallel MoE (``ep > 1``) has no NPU lowering yet: ``npu_moe_init_routing_v2`` needs this
-rank's ``active_expert_range`` and the grouped matmuls its local expert ids; a TP-sliced MoE
-(``ep == 1``) reuses the single-device kernel chain with a zero residual.
+Groups: a collective whose group spans every rank (the TP group when ``dp = cp = 1``; the EP group under
+DP attention) runs on the world group, ``torch.distributed.group.WORLD.group_name``; any other (the TP and
+DP groups under DP attention) on ``PROCESS_GROUPS['<group>']``, a module-level dict of HCCL group names
+that ``graphgen.npu.run.groups.bind_process_groups`` fills on each rank before the first call (docs/npu.md,
+"Process groups under DP attention"). The rank (vocabulary slice of the embedding, a rank's experts) is
+``torch.distributed.get_rank()``, a constant when each rank traces its own graph.
+
+Token collectives (sequence parallel's reduce-scatter and all-gather around the norms; DP attention's
+MoE gathers) cut dim 0 into equal shards, so every step's token count must be a multiple of the group
+size (``tp``): the spec's NPU buckets are (``graphgen.npu.check.speclimits``), unlike the CPU ranks, which
+take short shards. Context parallel (group ``cp``) has no NPU lowering: its head-tail chunks are not equal
+shards of one tensor.
+
+Expert-parallel MoE (``ep > 1``): the rank's ``E/ep`` experts through ``npu_moe_init_routing_v2``'s
+``active_expert_range`` (``_moe_residual(..., ep=, ep_rank=)``), a partial sum like the TP-sliced MoE
+(``ep == 1``: every expert's width slice, the single-device chain with a zero residual).
 """
 
 from __future__ import annotations
@@ -18,48 +30,70 @@ from __future__ import annotations
 from .npu_calls import moe_call, swiglu_mlp_call
 from .render import Emitter, LoweringError, weight
 
-_GROUP = "torch.distributed.group.WORLD.group_name"
+WORLD_GROUP = "torch.distributed.group.WORLD.group_name"
+PROCESS_GROUPS = "PROCESS_GROUPS"  # the generated module's dict: group kind -> HCCL group name
 
 
 def _out(n, ctx) -> str:
     return ctx.ref.all(n.writes)
 
 
+def named_groups(nodes, world: int) -> list[str]:
+    """The groups the module's collectives need by name (every group not spanning the ``world``), sorted."""
+    return sorted({n.attrs["group"] for n in nodes if n.op in COLLECTIVES and n.attrs["size"] != world})
+
+
+def _group(n, ctx) -> str:
+    a = n.attrs
+    if a["group"] == "cp":
+        raise LoweringError(f"node {n.id}: no NPU lowering for {n.op} in group 'cp' (context parallel's "
+                            f"head-tail chunks are not equal shards; docs/npu.md)")
+    return WORLD_GROUP if a["size"] == ctx.world else f"{PROCESS_GROUPS}[{a['group']!r}]"
+
+
+def _wait(call: str) -> str:
+    return f"torch.ops._c10d_functional.wait_tensor({call})"
+
+
 def _all_reduce(n, ctx):
-    _tp_group_only(n)
     if n.attrs["reduce"] != "sum":
         raise LoweringError(f"node {n.id}: no NPU lowering for all_reduce {n.attrs['reduce']!r}")
     x = ctx.ref(n.input("x"))
-    return [f"{_out(n, ctx)} = torch.ops._c10d_functional.wait_tensor("
-            f"torch.ops._c10d_functional.all_reduce({x}, 'sum', {_GROUP}))"]
+    call = f"torch.ops._c10d_functional.all_reduce({x}, 'sum', {_group(n, ctx)})"
+    return [f"{_out(n, ctx)} = {_wait(call)}"]
 
 
-def _tp_group_only(n) -> None:
-    """The NPU lowering knows one group, the world = the TP group: sequence parallel's token gathers and
-    the dp/ep/cp groups (docs/parallel.md) are CPU-only so far (graphgen run/serve refuse them on npu)."""
-    a = n.attrs
-    if a["group"] != "tp" or (n.op == "all_gather" and a["length"] is None) or n.op == "reduce_scatter":
-        raise LoweringError(f"node {n.id}: no NPU lowering for {n.op} in group {a['group']!r}"
-                            f"{' over the tokens' if a.get('dim') == 0 else ''} (sequence, context and "
-                            f"data-parallel layouts are CPU-only so far)")
+def _token_dim(n) -> None:
+    if n.attrs["dim"] != 0:
+        raise LoweringError(f"node {n.id}: {n.op} over the tokens must cut dim 0, got dim {n.attrs['dim']}")
 
 
 def _reduce_scatter(n, ctx):
-    _tp_group_only(n)
+    """Rank i of the group gets rows [i*T/size, (i+1)*T/size) of the sum (reduce_scatter_tensor, dim 0)."""
+    a, x = n.attrs, ctx.ref(n.input("x"))
+    _token_dim(n)
+    if a["reduce"] != "sum":
+        raise LoweringError(f"node {n.id}: no NPU lowering for reduce_scatter {a['reduce']!r}")
+    call = f"torch.ops._c10d_functional.reduce_scatter_tensor({x}.contiguous(), 'sum', {a['size']}, {_group(n, ctx)})"
+    return [f"{_out(n, ctx)} = {_wait(call)}"]
 
 
 def _all_gather(n, ctx):
-    _tp_group_only(n)
     a, x = n.attrs, ctx.ref(n.input("x"))
-    # gathered along dim 0 (rank-major), then moved to the attribute's dim
-    return [f"{_out(n, ctx)} = torch.cat(torch.ops._c10d_functional.wait_tensor("
-            f"torch.ops._c10d_functional.all_gather_into_tensor({x}.contiguous(), {a['size']}, {_GROUP}))"
-            f".chunk({a['size']}, dim=0), dim={a['dim']}).narrow({a['dim']}, 0, {a['length']})"]
+    call = f"torch.ops._c10d_functional.all_gather_into_tensor({x}.contiguous(), {a['size']}, {_group(n, ctx)})"
+    gathered = _wait(call)
+    if a["length"] is None:  # the tokens: the group's equal shards, rank-major along dim 0
+        _token_dim(n)
+        return [f"{_out(n, ctx)} = {gathered}"]
+    # gathered along dim 0 (rank-major), then moved to the attribute's dim and cut to its length
+    return [f"{_out(n, ctx)} = torch.cat({gathered}.chunk({a['size']}, dim=0), dim={a['dim']})"
+            f".narrow({a['dim']}, 0, {a['length']})"]
 
 
 def _embedding_shard(n, ctx):
     w, ids = weight(n, "w_embed"), ctx.ref(n.input("input_ids"))
-    return [f"_ids = {ids} - torch.distributed.get_rank() * {w}.shape[0]",
+    # the vocabulary slice of this rank's TP rank (= the world rank % tp: TP is innermost, docs/parallel.md)
+    return [f"_ids = {ids} - torch.distributed.get_rank() % {ctx.tp} * {w}.shape[0]",
             f"{_out(n, ctx)} = F.embedding(_ids.clamp(0, {w}.shape[0] - 1), {w}) * "
             f"((_ids >= 0) & (_ids < {w}.shape[0])).unsqueeze(-1).to({w}.dtype)"]
 
@@ -74,16 +108,16 @@ def _swiglu_mlp(n, ctx):
 
 
 def _moe(n, ctx):
-    if n.attrs["ep"] > 1:
-        raise LoweringError(f"node {n.id}: no NPU lowering for expert-parallel MoE (ep={n.attrs['ep']}); "
-                            f"use ep: 1 (experts sliced by width) for the npu target")
-    return [f"{_out(n, ctx)} = {moe_call(n, ctx, 'torch.zeros_like(' + ctx.ref(n.input('x')) + ')')}"]
+    a, x = n.attrs, ctx.ref(n.input("x"))
+    ep = [f"ep={a['ep']}", f"ep_rank=torch.distributed.get_rank() % {a['ep']}"] if a["ep"] > 1 else []
+    return [f"{_out(n, ctx)} = {moe_call(n, ctx, 'torch.zeros_like(' + x + ')', *ep)}"]
 
 
 def _residual_add(n, ctx):
     return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + {ctx.ref(n.input('x'))}"]
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 EMIT_PARALLEL: dict[str, Emitter] = {
     "all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
     "embedding_shard": _embedding_shard,

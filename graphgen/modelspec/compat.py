@@ -124,9 +124,6 @@ def _mtp_rules(spec):
     if family not in row.families:
         yield ("mtp", f"mtp: multi-token prediction layers exist for family {' or '.join(row.families)} "
                f"only, not {family}", "remove the mtp: section")
-    elif targets is not _MISSING and targets.npu is not None:
-        yield ("targets.npu", "the NPU target does not lower the MTP graphs yet (docs/mtp.md)",
-               "remove the mtp: section, or the npu target")
     par = _get(spec, "parallel")
     if family in row.families and par is not _MISSING and (par.tp > 1 or par.ep > 1):
         yield ("parallel", "the MTP layers are not sharded over ranks yet (docs/mtp.md)",

@@ -237,7 +237,7 @@ def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
         return None
     rep.notes.append(f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {declared}) are the mtp: section "
                      "and the mtp_draft variant (speculative decoding: graphgen run --speculative mtp; docs/mtp.md); "
-                     "no npu target: the NPU target does not lower the MTP graphs yet.")
+                     "no npu target: speculative decoding does not run on the NPU target yet.")
     return m.Mtp(num_layers=declared)
 
 

@@ -150,3 +150,39 @@ def test_moe_residual_with_load_time_expert_layouts_matches_reference(helpers):
                                 transpose12=False), sd, res, num_experts=e, **kw)
     want = ops.moe_residual(x, router, bias, eg, eu, ed, sg, su, sd, res, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_parallel_moe_partials_sum_to_the_reference_moe(helpers):
+    """ep=4: each rank's _moe_residual(ep=4, ep_rank=r) over its 2 of 8 experts and its width slice of the
+    shared expert (a partial sum, zero residual), summed over the ranks (what the MoE's reduce-scatter
+    sums), equals the CPU MoE on the whole weights. The stand-in leaves the rows routed to other ranks'
+    experts NaN (undefined, _op_plugin_docs.py:11107), so an unmasked read would show here."""
+    from graphgen.npu.run.weights import build_load_time_weight
+    from graphgen.runtime.core import ops
+
+    torch.manual_seed(4)
+    t, hid, inter, e, ep = 6, 16, 8, 8, 4
+    x, res = torch.randn(t, hid), torch.randn(t, hid)
+    router, bias = torch.randn(e, hid), torch.randn(e) * 0.1
+    eg, eu, ed = torch.randn(e, inter, hid), torch.randn(e, inter, hid), torch.randn(e, hid, inter)
+    sg, su, sd = torch.randn(inter, hid), torch.randn(inter, hid), torch.randn(hid, inter)
+    kw = dict(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    local, width = e // ep, inter // ep
+    total = res.clone()
+    for r in range(ep):
+        ex = slice(r * local, (r + 1) * local)
+        sw = slice(r * width, (r + 1) * width)
+        gate_up_t = build_load_time_weight([eg[ex], eu[ex]], dim=1, transpose12=True)
+        down_t = build_load_time_weight([ed[ex]], dim=0, transpose12=True)
+        shared_gate_up = build_load_time_weight([sg[sw], su[sw]], dim=0, transpose12=False)
+        part = helpers._moe_residual(x, router, bias, gate_up_t, down_t, shared_gate_up, sd[:, sw],
+                                     torch.zeros_like(x), num_experts=e, ep=ep, ep_rank=r, **kw)
+        assert torch.isfinite(part).all()
+        total = total + part
+    want = ops.moe_residual(x, router, bias, eg, eu, ed, sg, su, sd, res, **kw)
+    torch.testing.assert_close(total, want, rtol=1e-4, atol=1e-4)
+    # not vacuous: the grouped matmul's rows past this rank's pairs are NaN in the stand-in
+    rows, _, counts, _ = torch.ops.npu.npu_moe_init_routing_v2(
+        x, torch.randint(0, e, (t, 2), dtype=torch.int32), active_num=2 * t, expert_num=e, expert_tokens_num_type=1,
+        expert_tokens_num_flag=True, active_expert_range=[0, local], quant_mode=-1)
+    assert counts.shape == (local,) and int(counts.sum()) < 2 * t and torch.isnan(rows[int(counts.sum()):]).all()

@@ -22,6 +22,10 @@ TRACE_CODE = sorted([*(ROOT / "graphgen/npu/standin").glob("*.py"), ROOT / "grap
                      ROOT / "graphgen/npu/check/geops.py", ROOT / "graphgen/npu/check/ge_converters.json",
                      Path(__file__)])
 REFRESH = "GRAPHGEN_REFRESH_GE_OPS=1 python -m pytest tests/npu/test_ge_converters.py -k cached"
+# pseudo-variants traced from another variant's module: a speculative verify step is the decode module
+# with K + 1 query tokens per row (K = VERIFY_K)
+MODULE_OF = {"verify": "decode"}
+VERIFY_K = 3
 
 
 def _sha(p: Path) -> str:
@@ -31,7 +35,8 @@ def _sha(p: Path) -> str:
 def cache_key(spec_name: str, variants, full_size: bool) -> dict:
     import torch
 
-    mods = {v: _sha(ROOT / "generated" / spec_name / "npu" / "max_autotune" / f"{v}.py") for v in variants}
+    mods = {v: _sha(ROOT / "generated" / spec_name / "npu" / "max_autotune" / f"{MODULE_OF.get(v, v)}.py")
+            for v in variants}
     code = hashlib.sha256("".join(_sha(p) for p in TRACE_CODE).encode()).hexdigest()
     return {"modules": mods, "trace_code": code, "torch": torch.__version__, "full_size": full_size}
 
@@ -70,23 +75,32 @@ def trace_full_size_meta(spec_name: str, variant: str, fake_group) -> dict:
     from graphgen.npu.check.geops import captured_targets
     from graphgen.npu.run.bucketing import Buckets, bucket_steps, bucketed_step
     from graphgen.npu.run.compile import compile_module, load_module
+    from graphgen.npu.run.bucketing import PAD_BLOCK
+    from graphgen.npu.run.inputs import StepPadding
     from graphgen.npu.standin import fakes as standin
-    from test_full_size_meta import _meta, _meta_weights
+    from test_full_size_meta import _meta, _meta_weights, init_layout
 
     standin.install()
     spec = load_spec(ROOT / "specs" / f"{spec_name}.yaml")
-    fake_group(spec.parallel.tp)
     torch._dynamo.reset()
     with standin.fresh_tags():
-        mod = load_module(ROOT / "generated" / spec_name / "npu" / "max_autotune" / f"{variant}.py")
-    v = spec.variants[variant]
+        mod = load_module(ROOT / "generated" / spec_name / "npu" / "max_autotune" / f"{MODULE_OF.get(variant, variant)}.py")
+    init_layout(spec, mod, fake_group)
+    v = spec.variants[MODULE_OF.get(variant, variant)]
     buckets = Buckets.from_spec(spec)
-    seqs = bucket_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size)[0]
-    b, nb = bucketed_step(mod, spec, buckets, seqs)
-    pad = buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
-    b = dataclasses.replace(b, **{f.name: _meta(getattr(b, f.name)) for f in dataclasses.fields(b)})
+    bs = spec.kv_cache.block_size
+    if variant == "verify":  # the smallest decode bucket, every row K + 1 tokens over its history
+        seqs = [(bs + 1 + i, VERIFY_K + 1) for i in range(buckets.decode_batch[0])]
+        pad = StepPadding(len(seqs), len(seqs) * (VERIFY_K + 1), buckets.max_blocks, PAD_BLOCK, buckets.save_rows)
+    else:
+        seqs = bucket_steps(v.phase, bool(v.history), buckets, bs)[0]
+        pad = buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
+    b, nb = bucketed_step(mod, spec, buckets, seqs, pad=pad)
     dtype = getattr(torch, mod.KV_DTYPE)
-    layers = spec.dims.num_hidden_layers
+    if mod.META["phase"] == "mtp":  # the hidden state each MTP row drafts from
+        b = dataclasses.replace(b, prev_hidden=torch.empty(len(b.input_ids), spec.dims.hidden_size, dtype=dtype))
+    b = dataclasses.replace(b, **{f.name: _meta(getattr(b, f.name)) for f in dataclasses.fields(b)})
+    layers = spec.kv_layers
     kv = [tuple(torch.empty(nb, *s, dtype=dtype, device="meta") for s in mod.KV_SHAPES) for _ in range(layers)]
     staging = ([tuple(torch.empty(buckets.save_rows, *s, dtype=dtype, device="meta") for s in mod.KV_SHAPES)
                 for _ in range(layers)] if mod.META["saves"] else [])

@@ -32,7 +32,10 @@ TINY = {"tiny_qwen3_npu": ["decode", "mempool_prefill", "splitfuse", "mempool_pr
         "tiny_deepseek_v3_npu": ["decode", "mempool_prefill", "splitfuse", "mempool_prefill_layer",
                                  "splitfuse_layer"]}
 FULL = {"qwen3_32b": ["decode", "mempool_prefill", "splitfuse"],
-        "deepseek_v3_1": ["decode", "mempool_prefill", "splitfuse"]}
+        "deepseek_v3_1": ["decode", "mempool_prefill", "splitfuse"],
+        "deepseek_v3_1_dp_ep": ["decode", "mempool_prefill", "splitfuse"],
+        # with its MTP layer: the draft graph, and the verify step (the decode module, K + 1 tokens per row)
+        "deepseek_v3_1_mtp": ["decode", "mempool_prefill", "splitfuse", "mtp_draft", "verify"]}
 ADDRESS = re.compile(r"0x[0-9a-f]{6,}|<.* at ")
 
 
@@ -136,6 +139,7 @@ def test_cached_converter_check_on_tiny_npu_specs_at_every_bucket(name):
 @pytest.fixture
 def fake_group():
     import torch.distributed as dist
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the collectives' meta kernels)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     yield lambda size: dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)

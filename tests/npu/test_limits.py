@@ -129,6 +129,12 @@ def unpermute(dtype=BF, idx_dtype=torch.int32, padded=False):
             dict(probs=torch.rand(3, 2).to(dtype), padded_mode=padded))
 
 
+def routing(lo=8, hi=16, experts=32):
+    return ("npu_moe_init_routing_v2", (torch.randn(3, 8, dtype=BF), torch.randint(0, experts, (3, 2), dtype=torch.int32)),
+            dict(active_num=6, expert_num=experts, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+                 active_expert_range=[lo, hi], quant_mode=-1))
+
+
 def _call(c, mode=None):
     op, args, kw = c
     sink = mode == "tiling-sink"  # max-autotune with experimental_config.tiling_schedule_optimize=True
@@ -173,6 +179,7 @@ CASES = {
     "moe_gating.groups": (gating(), gating(groups=7)),
     "moe_gating.k_max": (gating(k=32, k_group=8), gating(k=33, k_group=8)),
     "moe_finalize.drop_pad_mode": (finalize(0), finalize(1)),
+    "moe_routing.dropless": (routing(), routing(lo=16, hi=40)),  # an expert range past expert_num
     "moe_unpermute.dtype": (unpermute(), unpermute(dtype=torch.float16)),
     "moe_unpermute.shape": (unpermute(), unpermute(padded=True)),
 }
@@ -212,7 +219,9 @@ def test_absorbed_mla_decode_helper_runs_inside_the_v2_limits_at_tp32_heads():
     """The absorbed MLA decode helper (v2, BNSD) with the hardware-shaped tiny DeepSeek's dims (latent 512,
     rope 64, block 128, bf16) and every limit row enforced: 32 heads, and 4 (DeepSeek-V3.1 at tp=32), which
     v2 takes unpadded (n 1/2/4/.../128, _op_plugin_docs.py:8699); 6 heads are padded to 8.  The old v1
-    lowering padded 4 to 32 (v1's N 32/64/128); 17+ query tokens per sequence stay refused (fia.mla.query_len)."""
+    lowering padded 4 to 32 (v1's N 32/64/128).  A speculative verify row (S = K + 1 query tokens per
+    sequence) runs with sparse_mode 3 and the mask up to S = 16; 17 is refused (fia2.mla.heads), and so is
+    a verify row without the mask (fia2.mla.sparse)."""
     import importlib
     import sys
 
@@ -222,14 +231,21 @@ def test_absorbed_mla_decode_helper_runs_inside_the_v2_limits_at_tp32_heads():
         nope, v, r, rope, bs = 128, 128, 512, 64, 128
         bf = torch.bfloat16
         cache = (torch.zeros(3, bs, r, dtype=bf), torch.zeros(3, bs, rope, dtype=bf))
-        for n in (32, 4, 6):
+
+        def run(n, s, mask):
             w_kv_b = torch.zeros(n * (nope + v), r, dtype=bf)
             with torch.no_grad(), oplib.enforce_limits(True):
-                out = helpers._mla_attention_absorbed(
-                    torch.zeros(2, n, nope, dtype=bf), torch.zeros(2, n, rope, dtype=bf), cache, w_kv_b,
-                    torch.tensor([[1], [2]], dtype=torch.int32), [5, 7], num_heads=n, qk_nope_head_dim=nope,
+                return helpers._mla_attention_absorbed(
+                    torch.zeros(2 * s, n, nope, dtype=bf), torch.zeros(2 * s, n, rope, dtype=bf), cache, w_kv_b,
+                    torch.tensor([[1], [2]], dtype=torch.int32), [20, 27], mask, num_heads=n, qk_nope_head_dim=nope,
                     v_head_dim=v, kv_lora_rank=r, scale=1.0, block_size=bs)
-            assert out.shape == (2, n, v)
+
+        for n, s in ((32, 1), (4, 1), (6, 1), (32, 4), (4, 16)):
+            assert run(n, s, None if s == 1 else MASK).shape == (2 * s, n, v)
+        with pytest.raises(limits.KernelLimitError, match="fia2.mla.heads"):
+            run(32, 17, MASK)
+        with pytest.raises(limits.KernelLimitError, match="fia2.mla.sparse"):
+            run(32, 4, None)
     finally:
         sys.modules.pop("graphgen.lower.npu_helpers", None)
 

@@ -339,7 +339,9 @@ def test_deepseek_decode_keeps_absorbed_mla_and_splitfuse_gathers_history(fmt):
     assert _fia_calls(decode) == []
     (call,) = _fia_calls(decode, "torch_npu.npu_fused_infer_attention_score_v2")
     kws = {k.arg: ast.unparse(k.value) for k in call.keywords}
-    assert {"query_rope", "key_rope", "block_table", "actual_seq_kvlen"} <= set(kws) and kws["sparse_mode"] == "0"
+    # sparse_mode 0 without a mask for one query token per row; 3 with the mask for a verify row (S > 1)
+    assert {"query_rope", "key_rope", "block_table", "actual_seq_kvlen"} <= set(kws)
+    assert kws["sparse_mode"] == "0 if s == 1 else 3" and kws["atten_mask"] == "None if s == 1 else atten_mask"
     assert kws["input_layout"] == "'BNSD'" and "TILING_SINK = True" in decode
     assert "_mla_unabsorbed" not in decode
     # the history gather (block table -> latent rows) is what makes splitfuse differ from prefill

@@ -138,11 +138,21 @@ def _arrive_while_decoding(eng, short, long, n_short):
     return [r.result for r in rs], plans
 
 
+def _mixed_step(plan):
+    from graphgen.npu.run.mixed_grid import MixedStep
+
+    rows = [(r.start, r.num_tokens) for r in plan.rows]
+    n_d = plan.decode_rows
+    return MixedStep(tuple(rows[:n_d]), tuple(rows[n_d:]))
+
+
 @pytest.mark.slow
 def test_mixed_batches_with_chunks_run_on_the_npu_runner_and_match_the_cpu_target():
     """A 150-token prompt arriving while a request decodes runs in chunks of a 64-token budget,
     each in one step with the decode row (a mixed batch on splitfuse; the chunks before the last ask
-    for no logits); logits within TOL of the CPU target on the same schedule, as above."""
+    for no logits); logits within TOL of the CPU target on the same schedule, as above.  Each mixed
+    batch is one graph call on its cell of the static mixed grid, and the graphs compiled are the
+    distinct cells/buckets run, fewer than the mixed steps."""
     from graphgen.npu.run.inputs import random_weights
     from graphgen.npu.run.runner import npu_engine
     from graphgen.runtime import open_engine
@@ -157,8 +167,25 @@ def test_mixed_batches_with_chunks_run_on_the_npu_runner_and_match_the_cpu_targe
         cpu, cpu_plans = _arrive_while_decoding(e, short, long, 8)
     with npu_engine(spec, dict(W), collect_logits=True, num_blocks=64, standin=True, max_num_batched_tokens=64) as e:
         npu, plans = _arrive_while_decoding(e, short, long, 8)
+        runner = e.runner
+        calls, graphs = list(runner.graph_calls), len(runner.backends["splitfuse"].graphs)
     mixed = [p for p in plans if p.mixed]
     assert len(mixed) >= 2 and any(not row.samples for p in mixed for row in p.rows), plans
+    # each mixed batch is ONE graph call padded to its cell of the static grid (decode rows D, tokens T);
+    # the history variant compiled one graph per distinct cell/bucket it ran, never one per step
+    grid = runner.grid
+    by_plan = iter(calls)
+    cells = {runner.grid.cell_for(_mixed_step(p)) for p in mixed}
+    for p in plans:
+        variant, batch, tokens = next(by_plan)
+        assert variant == p.variant
+        if p.mixed:
+            cell = grid.cell_for(_mixed_step(p))
+            assert (batch, tokens) == (grid.batch(cell), cell.tokens)
+    assert next(by_plan, None) is None  # one call per plan: no plan was split
+    shapes = {(b, t) for v, b, t in calls if v == "splitfuse"}
+    assert graphs == len(shapes) <= runner.buckets.count("prefill") + grid.count() and len(cells) <= len(shapes)
+    assert len(mixed) > len(cells)  # more mixed steps than graphs: steps reuse their cell's graph
     assert [(p.variant, [r.chunk for r in p.rows]) for p in plans] == \
         [(p.variant, [r.chunk for r in p.rows]) for p in cpu_plans]     # the same schedule on both targets
     for c, n in zip(cpu, npu):

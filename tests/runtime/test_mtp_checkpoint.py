@@ -86,7 +86,7 @@ def test_import_hf_writes_the_section_only_for_a_checkpoint_holding_mtp(ckpts, t
 
     spec = import_hf(ckpts["mtp"], tmp_path / "a.yaml")
     assert spec.mtp == Mtp(num_layers=1) and spec.variants["mtp_draft"].phase == "mtp"
-    assert spec.targets.npu is None  # the NPU target does not lower the MTP graphs yet
+    assert spec.targets.npu is None  # speculative decoding does not run on the NPU target yet
     # a config that declares an MTP layer its weights lack (transformers' default config + save_pretrained)
     cfg_path = os.path.join(ckpts["plain"], "config.json")
     cfg = json.load(open(cfg_path))

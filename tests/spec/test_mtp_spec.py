@@ -78,9 +78,12 @@ def test_mtp_variant_needs_the_section_and_takes_no_save_settings():
     assert any("an mtp variant takes no history" in msg for _, msg, _ in _errors(text))
 
 
-def test_mtp_with_the_npu_target_is_refused_until_lowered():
+def test_mtp_with_the_npu_target_loads():
+    """The NPU target lowers the MTP graphs (docs/npu.md, "MTP graphs"): the section and the target go together."""
     text = MTP_SPEC.read_text().replace("  cpu: {}\n", "  cpu: {}\n  npu: {}\n")
-    assert any("the NPU target does not lower the MTP graphs yet" in msg for _, msg, _ in _errors(text))
+    assert "  npu: {}\n" in text
+    spec = parse_spec_text(text, "s.yaml")
+    assert spec.targets.npu is not None and spec.mtp.num_layers == 1
 
 
 def test_mtp_with_ranks_is_refused_until_sharded():

@@ -104,6 +104,14 @@ def _v2_decode_dims(c: Call) -> tuple[int, int, int, int]:
     return q.shape[0], n, kv_s, d
 
 
+def _v2_query_s(c: Call) -> int:
+    """Query tokens per sequence (S) of a v2 BSH/BSND/BNSD call."""
+    q = c.args.get("query")
+    if not _tensor(q):
+        return 0
+    return q.shape[2] if c.get("input_layout", "BSH") == "BNSD" else q.shape[1]
+
+
 def _v2_one_token(c: Call) -> bool:
     q = c.args.get("query")
     layout = c.get("input_layout", "BSH")
@@ -185,9 +193,12 @@ LIMITS: tuple[Limit, ...] = (
     Limit("fia2.decode.dims", FIA2, "one query token per sequence (Q_S = 1): B <= 65536, N <= 256, "
           "KV S <= 262144, D <= 512", f"{DOCS}:8806-8808",
           lambda c: _v2_one_token(c) and any(x > m for x, m in zip(_v2_decode_dims(c), (65536, 256, 262144, 512)))),
-    Limit("fia2.gqa.ratio", FIA2, "num_query_heads must be a multiple of num_key_value_heads, at most 64 times it",
+    # Not applied to MLA (query_rope): its own section allows query N up to 128 over key N 1 (:8699-8700),
+    # the more specific rule (our reading; DeepSeek-V3's 128 heads on one rank need it; unverified).
+    Limit("fia2.gqa.ratio", FIA2, "num_query_heads must be a multiple of num_key_value_heads, at most 64 times it "
+          "(MLA: fia2.mla.heads instead)",
           f"{DOCS}:8627",
-          lambda c: value(c.get("num_key_value_heads", 0)) > 0 and (
+          lambda c: not _mla(c) and value(c.get("num_key_value_heads", 0)) > 0 and (
               value(c.get("num_query_heads", 1)) % value(c.get("num_key_value_heads", 0))
               or value(c.get("num_query_heads", 1)) // value(c.get("num_key_value_heads", 0)) > 64)),
     Limit("fia2.pa.bsh_cache", FIA2, "BSH/BSND page attention takes the (blocknum, blocksize, H) KV cache only",
@@ -197,16 +208,17 @@ LIMITS: tuple[Limit, ...] = (
     Limit("fia2.mla.heads", FIA2, "with query_rope (MLA) and query D 512: query S 1-16 and N in "
           "1/2/4/8/16/32/64/128; key N 1 and D 512; rope D 64", f"{DOCS}:8694-8700",
           lambda c: _mla(c) and _v2_decode_dims(c)[3] == 512 and (
-              value(c.get("num_query_heads", 1)) not in (1, 2, 4, 8, 16, 32, 64, 128)
+              not 1 <= _v2_query_s(c) <= 16 or value(c.get("num_query_heads", 1)) not in (1, 2, 4, 8, 16, 32, 64, 128)
               or value(c.get("num_key_value_heads", 0)) != 1 or _last(c.args.get("key")) != 512
               or _last(c.get("query_rope")) != 64 or _last(c.get("key_rope")) != 64)),
     Limit("fia2.mla.block_size", FIA2, "with query_rope (MLA) page attention is required, block_size 16 or 128",
           f"{DOCS}:8703",
           lambda c: _mla(c) and (not _paged(c) or value(c.get("block_size", 0)) not in (16, 128))),
-    Limit("fia2.mla.sparse", FIA2, "with query_rope (MLA), one query token: sparse_mode 0 and no atten_mask",
-          f"{DOCS}:8697",
-          lambda c: _mla(c) and _v2_one_token(c) and (value(c.get("sparse_mode", 0)) != 0
-                                                       or c.get("atten_mask") is not None)),
+    Limit("fia2.mla.sparse", FIA2, "with query_rope (MLA): one query token (Q_S = 1) sparse_mode 0 and no "
+          "atten_mask; Q_S > 1 (a speculative verify row) sparse_mode 3 with atten_mask", f"{DOCS}:8697",
+          lambda c: _mla(c) and (
+              (value(c.get("sparse_mode", 0)) != 0 or c.get("atten_mask") is not None) if _v2_one_token(c)
+              else (value(c.get("sparse_mode", 0)) != 3 or c.get("atten_mask") is None))),
     # ------------------------------------------------------------------ RoPE
     Limit("rope.head_dim", "npu_apply_rotary_pos_emb", "on Atlas A2/A3 the head dim D must be 64 or 128",
           f"{DOCS}:15790-15802",
@@ -245,6 +257,17 @@ LIMITS: tuple[Limit, ...] = (
           or not 1 <= value(c.args["k"]) <= _moe_e(c) // value(c.get("group_count", 1)) * value(c.get("k_group", 1))),
     Limit("moe_gating.k_max", "npu_moe_gating_top_k", "on Atlas A2/A3 k is in [1, 32]",
           f"{DOCS}:10816-10850", lambda c: not 1 <= value(c.args["k"]) <= 32),
+    Limit("moe_routing.dropless", "npu_moe_init_routing_v2",
+          "dropless, counted routing only: drop_pad_mode 0, expert_tokens_num_type 1 or 2, "
+          "expert_tokens_num_flag True, quant_mode -1 or 1; expert_num in (0, 10240]; active_expert_range "
+          "[start, end) with 0 <= start < end <= expert_num",
+          f"{DOCS}:11098-11104",
+          lambda c: value(c.get("drop_pad_mode", 0)) != 0 or value(c.get("expert_tokens_num_type", 0)) not in (1, 2)
+          or not c.get("expert_tokens_num_flag", False) or value(c.get("quant_mode", -1)) not in (-1, 1)
+          or not 0 < value(c.get("expert_num", -1)) <= 10240
+          or (len(c.get("active_expert_range", ())) > 0
+              and not 0 <= _ints(c.get("active_expert_range"))[0] < _ints(c.get("active_expert_range"))[1]
+              <= value(c.get("expert_num", -1)))),
     Limit("moe_unpermute.dtype", "npu_moe_token_unpermute", "permuted_tokens and probs bfloat16 (the earlier "
           "docstring; the one torch_npu attaches also allows float16/float32), sorted_indices int32",
           f"{DOCS}:14342,14344; {DOCS}:16941-16943",

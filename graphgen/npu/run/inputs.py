@@ -36,11 +36,14 @@ class NpuStepInputs:
     # sequence order, then pad-block rows (prefill/splitfuse; None for decode).  DeepSeek splitfuse
     # gathers its history latent by these rows (gather_rows).
     kv_gather_rows: Optional[torch.Tensor] = None
+    # [T, hidden] the hidden state each MTP row drafts from (the target's at t, or the previous draft's):
+    # the MTP graph's input (phase mtp, docs/mtp.md); None for the other graphs
+    prev_hidden: Optional[torch.Tensor] = None
 
 
 def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
                     block_size: int, save_block_ids=None, load_block_ids=None, decode: bool = False, device=None,
-                    pad: Optional["StepPadding"] = None) -> NpuStepInputs:
+                    pad: Optional["StepPadding"] = None, prev_hidden=None) -> NpuStepInputs:
     """NPU step inputs from the CPU runtime's (design.md) host quantities.
 
     ``pad`` (a :class:`StepPadding`) pads the step to a shape bucket so every tensor has a static
@@ -69,13 +72,16 @@ def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_len
         block_tables=torch.as_tensor(block_tables, dtype=torch.int32).to(dev),
         actual_seq_lengths=cum,
         actual_seq_lengths_kv=[int(x) for x in torch.as_tensor(seq_lens).tolist()],
-        atten_mask=None if decode else causal_mask(dev),
+        # decode rows of one token need no mask (sparse_mode 0); a speculative verify row (k + 1 tokens over
+        # its history) is causal inside the row: sparse_mode 3 with the mask, as prefill
+        atten_mask=None if decode and max(ql, default=1) == 1 else causal_mask(dev),
         logits_indices=torch.as_tensor(logits_indices, dtype=torch.int64).to(dev),
         save_block_ids=None if save is None else save.to(dev),
         save_rows=None if save is None else torch.arange(save.numel(), dtype=torch.int64).view(-1, 1).to(dev),
         load_block_ids=None if load is None else load.to(dev),
         load_rows=None if load is None else load.view(-1, 1).to(dev),
         kv_gather_rows=None if gather is None else torch.as_tensor(gather, dtype=torch.int64).to(dev),
+        prev_hidden=None if prev_hidden is None else prev_hidden.to(dev),
     )
 
 

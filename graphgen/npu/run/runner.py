@@ -8,7 +8,10 @@ side (pin and stage the save, hand it off) and adapts at the runner boundary:
 
 * **bucketing**: a step plan's rows become `NpuStepInputs` padded to the spec's buckets
   (`Buckets.from_spec`, `StepPadding`); a prefill with more sequences than ``prefill_seqs``
-  (the scheduler batches by tokens, not sequences) runs as several graph calls, one per chunk;
+  (the scheduler batches by tokens, not sequences) runs as several graph calls, one per chunk; a
+  mixed batch (decode rows first, then at most ``prefill_seqs`` chunks) runs as ONE graph call padded
+  to its cell of the static mixed grid (`mixed_grid.MixedGrid`: tokens x decode rows x tokens per
+  row), so a varying mix compiles at most one graph per cell, never one per step;
 * **the compile cache**: one compiled module per variant (in one compile mode), compiled lazily with
   ``compile_module(..., buckets=N)``: one graph per bucket, never per step;
 * **the KV cache in the NPU layout**: the connector's `PagedKVCache` (CPU layout ``[NB, BS, Hkv, D]``,
@@ -41,6 +44,7 @@ from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
+from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
 from .staging import CommitPath, NpuStreams, StagingRing
 from .weights import load_time_weights
@@ -73,6 +77,7 @@ class NpuModelRunner:
         self.standin, self.check_limits = standin, check_limits
         self.plan_check = plan_check  # a rank's: every rank planned this step alike (RankParts.check_plan)
         self.buckets = Buckets.from_spec(spec)
+        self.grid = MixedGrid.from_buckets(self.buckets)  # mixed batches' cells (history variants)
         self.block_size = spec.kv_cache.block_size
         self._standin_mod = None
         if standin:
@@ -87,6 +92,8 @@ class NpuModelRunner:
         self.dtype = getattr(torch, npu.dtype)
         self.modules = self._load(sources or {})
         self._compiled: dict[str, object] = {}  # the compile cache: variant -> compiled target
+        self.backends: dict[str, object] = {}  # variant -> its compile backend (the stand-in's counts graphs)
+        self.graph_calls: list[tuple[str, int, int]] = []  # (variant, batch, tokens) of every graph call
         rope = next(iter(self.modules.values())).ROPE
         from .inputs import ROPE_CACHE_KEY, rope_cache
 
@@ -134,9 +141,10 @@ class NpuModelRunner:
             from .compile import compile_module
 
             mod = self.modules[variant]
-            target, _ = compile_module(mod, self.mode, use_standin=self.standin,
-                                       buckets=self.buckets.count(mod.META["phase"]))
-            self._compiled[variant] = target
+            cells = self.grid.count() if mod.META.get("history") and mod.META["phase"] == "prefill" else 0
+            target, backend = compile_module(mod, self.mode, use_standin=self.standin,
+                                             buckets=self.buckets.count(mod.META["phase"]) + cells)
+            self._compiled[variant], self.backends[variant] = target, backend
         return self._compiled[variant]
 
     def warm_up(self, out=None) -> int:
@@ -213,12 +221,14 @@ class NpuModelRunner:
                                  f"a row asked for positions {row.logits_positions}")
         phase = mod.META["phase"]
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
-        chunks = self._chunks(phase, seqs)
+        history = bool(mod.META.get("history"))
+        cell = self._mixed_cell(plan, seqs) if history else None
+        chunks = [seqs] if cell is not None else self._chunks(phase, seqs)
         target = self.compiled(variant)
         logits, offset = [], 0
-        history = bool(mod.META.get("history"))
         for chunk in chunks:
-            b, n_save = self._step_inputs(phase, chunk, saves, history)
+            b, n_save = self._step_inputs(phase, chunk, saves, history, pad=cell)
+            self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
 
             def graph(staging, b=b, chunk=chunk):
                 with torch.no_grad(), self._limits():
@@ -245,6 +255,22 @@ class NpuModelRunner:
         import contextlib
 
         return self._standin_mod.enforce_limits(self.check_limits) if self.standin else contextlib.nullcontext()
+
+    def _mixed_cell(self, plan: StepPlan, seqs: list):
+        """The mixed grid's padding for a mixed plan that fits one cell (decode rows first, then 1 to
+        ``prefill_seqs`` chunks, within the largest token and decode-row buckets), else None: such a
+        plan runs through the prefill buckets in several calls instead."""
+        if not plan.mixed:
+            return None
+        kinds = [row.decode for row in plan.rows]
+        n_d = sum(kinds)
+        if kinds != [True] * n_d + [False] * (len(kinds) - n_d):
+            return None
+        rows = [(s["seq_len"] - len(s["ids"]), len(s["ids"])) for s in seqs]
+        try:
+            return self.grid.padding(MixedStep(tuple(rows[:n_d]), tuple(rows[n_d:])), self.pad_block)
+        except ValueError:
+            return None
 
     def _chunks(self, phase: str, seqs: list) -> list[list]:
         bk = self.buckets
@@ -279,13 +305,14 @@ class NpuModelRunner:
             out.append(tuple(comps))
         return out
 
-    def _step_inputs(self, phase: str, chunk: list, saves: bool, history: bool = False):
+    def _step_inputs(self, phase: str, chunk: list, saves: bool, history: bool = False, pad=None):
+        """The chunk's inputs padded to ``pad`` (a mixed batch's cell) or to its bucket."""
         from .inputs import npu_step_inputs
 
         ids = [t for s in chunk for t in s["ids"]]
         qlens = [len(s["ids"]) for s in chunk]
         save = [b for s in chunk for b in s["save"]] if saves else None
-        pad = self.buckets.padding(phase, len(chunk), len(ids), self.pad_block)
+        pad = pad or self.buckets.padding(phase, len(chunk), len(ids), self.pad_block)
         b = npu_step_inputs(input_ids=ids, positions=[p for s in chunk for p in s["pos"]],
                             slot_mapping=[x for s in chunk for x in s["slots"]],
                             block_tables=[s["table"] for s in chunk], seq_lens=[s["seq_len"] for s in chunk],

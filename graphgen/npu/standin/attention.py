@@ -210,9 +210,11 @@ _FIA2_UNMODELLED = ("pse_shift", "dequant_scale_query", "dequant_scale_key", "de
 
 
 def _v2_decode_as_paged(query, key, value, kw):
-    """The v2 decode call restated in the paged-TND terms of :func:`_fia_paged` (same formula, :8581):
-    query BSH (B, 1, N*D) or BNSD (B, N, 1, D) -> [B, N, D] with cumulative lengths 1..B (S = 1 each);
-    cache (blocknum, blocksize, KV_N*D) as is, or BNSD's (blocknum, KV_N, blocksize, D) -> the former."""
+    """The v2 page-attention call restated in the paged-TND terms of :func:`_fia_paged` (same formula, :8581):
+    query BSH (B, S, N*D) or BNSD (B, N, S, D) -> [B*S, N, D] with cumulative lengths S, 2S, .., B*S (S query
+    tokens per sequence: 1 in decode, K + 1 in a speculative verify row, whose sparse_mode 3 mask the TND
+    kernel applies as for any multi-token row); cache (blocknum, blocksize, KV_N*D) as is, or BNSD's
+    (blocknum, KV_N, blocksize, D) -> the former."""
     for name in _FIA2_UNMODELLED:
         if kw.get(name) is not None:
             raise NotImplementedError(f"stand-in npu_fused_infer_attention_score_v2 does not model {name}")
@@ -234,8 +236,6 @@ def _v2_decode_as_paged(query, key, value, kw):
             raise ValueError(f"BNSD query must be (B, N={n}, S, D); got {tuple(query.shape)}")
         b, s = query.shape[0], query.shape[2]
         q = query.transpose(1, 2)
-    if s != 1:
-        raise NotImplementedError(f"stand-in models one query token per sequence (decode), got S={s}")
 
     def paged3(cache):
         if cache is None or cache.dim() == 3:
@@ -245,25 +245,31 @@ def _v2_decode_as_paged(query, key, value, kw):
         return cache.transpose(1, 2).reshape(cache.shape[0], cache.shape[2], -1)
 
     rope = kw.get("query_rope")
-    q_rope = None if rope is None else (rope.reshape(b, 1, n, -1) if layout == "BSH" else rope.transpose(1, 2))
+    q_rope = None if rope is None else (rope.reshape(b, s, n, -1) if layout == "BSH" else rope.transpose(1, 2))
     v1 = {"num_heads": n, "num_key_value_heads": nkv, "scale": kw.get("softmax_scale", 1.0), "input_layout": "TND",
           "block_table": kw["block_table"], "block_size": kw.get("block_size", 0), "sparse_mode": kw.get("sparse_mode", 0),
-          "atten_mask": kw.get("atten_mask"), "actual_seq_lengths": list(range(1, b + 1)),
+          "atten_mask": kw.get("atten_mask"), "actual_seq_lengths": list(range(s, b * s + 1, s)),
           "actual_seq_lengths_kv": kw.get("actual_seq_kvlen"),
-          "query_rope": None if q_rope is None else q_rope.reshape(b, n, -1), "key_rope": paged3(kw.get("key_rope"))}
-    return q.reshape(b, n, -1), paged3(key), paged3(value), v1, layout
+          "query_rope": None if q_rope is None else q_rope.reshape(b * s, n, -1), "key_rope": paged3(kw.get("key_rope"))}
+    return q.reshape(b * s, n, -1), paged3(key), paged3(value), v1, (layout, b, s)
+
+
+def _v2_out(out, shape):
+    """[B*S, N, Dv] -> the query's layout with value's D (attention_out, :8677)."""
+    layout, b, s = shape
+    out = out.reshape(b, s, *out.shape[1:])
+    return out.reshape(b, s, -1) if layout == "BSH" else out.transpose(1, 2)
 
 
 def _fia_v2(query, key, value, **kw):
-    q, k, v, v1, layout = _v2_decode_as_paged(query, key, value, kw)
+    q, k, v, v1, shape = _v2_decode_as_paged(query, key, value, kw)
     if v1["actual_seq_lengths_kv"] is None:  # :8779: page attention needs actual_seq_kvlen
         raise ValueError("page attention needs actual_seq_kvlen")
-    out, lse = _fia_paged(q, k, v, **v1)  # [B, N, Dv]
-    # attention_out: the query's shape with value's D (:8677)
-    return (out.reshape(out.shape[0], 1, -1) if layout == "BSH" else out.unsqueeze(2)), lse
+    out, lse = _fia_paged(q, k, v, **v1)  # [B*S, N, Dv]
+    return _v2_out(out, shape), lse
 
 
 def _fia_v2_meta(query, key, value, **kw):
-    q, k, v, v1, layout = _v2_decode_as_paged(query, key, value, kw)
+    q, k, v, v1, shape = _v2_decode_as_paged(query, key, value, kw)
     out, lse = _fia_paged_meta(q, k, v, **v1)
-    return (out.reshape(out.shape[0], 1, -1) if layout == "BSH" else out.unsqueeze(2)), lse
+    return _v2_out(out, shape), lse

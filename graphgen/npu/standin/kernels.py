@@ -134,33 +134,45 @@ def _moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-
     # row_idx_type 0 ("gather" index) = the permuted position of flattened (token, k) pair i (what
     # npu_moe_finalize_routing and npu_moe_token_unpermute take); row_idx_type 1 ("scatter" index) = the
     # flattened pair of permuted row i (its inverse).
+    # active_expert_range [lo, hi) (:11104-11110): only the pairs routed to experts in it are permuted, at
+    # the front of expanded_x; the rows after them are undefined (NaN here, so a caller that reads them
+    # unmasked shows it); the gather-type row index is -1 for the other pairs; the counts cover [lo, hi).
     t, k = expert_idx.shape
     flat = expert_idx.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices
-    expanded_x = x.index_select(0, order // k)
-    row_idx = torch.empty_like(order)
-    row_idx[order] = torch.arange(order.numel())
+    n = expert_num if expert_num > 0 else int(flat.max()) + 1
+    lo, hi = tuple(active_expert_range) if len(active_expert_range) else (0, n)
+    active = (flat >= lo) & (flat < hi)
+    order = torch.sort(torch.where(active, flat, torch.full_like(flat, n)), stable=True).indices
+    kept = int(active.sum())
+    expanded_x = torch.full((t * k, x.shape[-1]), float("nan"), dtype=x.dtype)
+    expanded_x[:kept] = x.index_select(0, order[:kept] // k)
+    row_idx = torch.full_like(order, -1)
+    row_idx[order[:kept]] = torch.arange(kept)
     if row_idx_type == 1:
         row_idx = order
-    n = expert_num if expert_num > 0 else int(flat.max()) + 1
-    counts = torch.bincount(flat, minlength=n)[:n]
+    counts = torch.bincount(flat[active] - lo, minlength=hi - lo)[:hi - lo]
     tokens = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
     return expanded_x, row_idx.to(torch.int32), tokens.to(torch.int64), x.new_empty(0, dtype=torch.float32)
 
 
-def _moe_init_routing_v2_meta(x, expert_idx, *, expert_num=-1, **kw):
+def _moe_init_routing_v2_meta(x, expert_idx, *, expert_num=-1, active_expert_range=(), **kw):
     tk = expert_idx.numel()
+    local = active_expert_range[1] - active_expert_range[0] if len(active_expert_range) else expert_num
     return (x.new_empty(tk, x.shape[-1]), x.new_empty(tk, dtype=torch.int32),
-            x.new_empty(expert_num, dtype=torch.int64), x.new_empty(0, dtype=torch.float32))
+            x.new_empty(local, dtype=torch.int64), x.new_empty(0, dtype=torch.float32))
 
 
 def _grouped_matmul(x, weight, *, group_list=None, group_list_type=0, split_item=0, **kw):
     # One x [M, K] split into row groups (group_list: counts if group_list_type 1, else cumulative ends),
     # group g multiplied by weight[0][g] ([E, K, N]); split_item 2/3: a single concatenated output.
+    # Rows past the last group (an expert-parallel rank's pairs routed elsewhere) are not computed:
+    # NaN here (undefined).
     xs, w = x[0], weight[0]
     counts = group_list.long() if group_list_type == 1 else torch.diff(group_list.long(), prepend=group_list.new_zeros(1))
-    outs = [xi @ w[g] for g, xi in enumerate(torch.split(xs, counts.tolist(), dim=0))]
-    return [torch.cat(outs, dim=0) if outs else xs.new_empty(0, w.shape[-1])]
+    used = int(counts.sum())
+    outs = [xi @ w[g] for g, xi in enumerate(torch.split(xs[:used], counts.tolist(), dim=0))]
+    rest = xs.new_full((xs.shape[0] - used, w.shape[-1]), float("nan"))
+    return [torch.cat([*outs, rest], dim=0)]
 
 
 def _grouped_matmul_meta(x, weight, **kw):

@@ -227,10 +227,11 @@ LOAD_TIME_WEIGHTS = {
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
 # load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column); kv_gather_rows [S]
-# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse).
+# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse); prev_hidden
+# [T, hidden] = the hidden state each row of the MTP graph drafts from (phase mtp only).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
                "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
-               "kv_gather_rows")
+               "kv_gather_rows", "prev_hidden")
 
 
 def _swiglu_mlp(x, w_gate_up, w_down):
@@ -268,17 +269,20 @@ def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, n
     return q_nope.contiguous(), q_pe.contiguous(), c_kv.contiguous(), k_pe.contiguous()
 
 
-def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
+def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens, atten_mask,
                             *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, block_size):
-    """DECODE ONLY (one query token per sequence, T = B). Absorbed MLA: q_nope . W_uk -> attention over the
-    paged latent cache (ckv as key and value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R],
-    kpe [NB, BS, r]); returns [T, H, v_head_dim].
+    """DECODE and VERIFY: S = T / B query tokens per sequence, every row the same S -- 1 in decode (T = B),
+    K + 1 <= 16 in a speculative verify row (the K draft tokens and the last verified one).  Absorbed MLA:
+    q_nope . W_uk -> attention over the paged latent cache (ckv as key and value, q_pe/kpe as the rope part)
+    -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns [T, H, v_head_dim].
     The v2 API in layout BNSD (B, N, S, D) for the static decode graph (TND is not supported with tiling
     sink, torch-npu 2.14.0 _op_plugin_docs.py:8632-8633), as vllm-ascend's MLA decode does
     (mla_v1.py:1373-1500, v2).  Its documented envelope with query_rope, query D = 512 (:8694-8703): query
     S 1-16 and N in 1/2/4/8/16/32/64/128, rope D 64, key N 1 and D 512, page attention with block size 16
-    or 128, sparse_mode 0 without a mask for S = 1 (:8697).  The latent cache is viewed (blocknum, KV_N=1,
-    blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same bytes for KV_N = 1).
+    or 128; sparse_mode 0 without a mask for S = 1, sparse_mode 3 with the mask for S > 1 (:8697: query i
+    of a row of S sees the keys up to seq_len - S + i, causal inside the verify row).  The latent cache is
+    viewed (blocknum, KV_N=1, blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same
+    bytes for KV_N = 1).
     A tensor-parallel rank holds num_heads / tp heads (4 for DeepSeek-V3 at tp=32): the query is padded
     with zero heads to the next power of two only when it is not one (the extra heads cost compute, not
     KV traffic, and are dropped)."""
@@ -289,17 +293,22 @@ def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
     if heads != num_heads:
         q_lat = torch.nn.functional.pad(q_lat, (0, 0, 0, heads - num_heads))
         q_pe = torch.nn.functional.pad(q_pe, (0, 0, 0, heads - num_heads))
+    t, b = q_lat.shape[0], block_table.shape[0]
+    s = t // b
+    # [T, N, D] -> [B, N, S, D]
+    q_lat = q_lat.view(b, s, heads, kv_lora_rank).transpose(1, 2).contiguous()
+    q_pe = q_pe.view(b, s, heads, q_pe.shape[-1]).transpose(1, 2).contiguous()
     nb, bs = cache[0].shape[0], cache[0].shape[1]
     ckv, kpe = cache[0].view(nb, 1, bs, kv_lora_rank), cache[1].view(nb, 1, bs, cache[1].shape[-1])
     o_lat = torch_npu.npu_fused_infer_attention_score_v2(
-        q_lat.unsqueeze(2).contiguous(), ckv, ckv, query_rope=q_pe.unsqueeze(2).contiguous(), key_rope=kpe,
-        atten_mask=None, actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads,
-        num_key_value_heads=1, softmax_scale=scale, input_layout="BNSD", sparse_mode=0, block_size=block_size)[0]
-    return torch.einsum("thr,hvr->thv", o_lat.squeeze(2)[:, :num_heads], w_uv)
+        q_lat, ckv, ckv, query_rope=q_pe, key_rope=kpe, atten_mask=None if s == 1 else atten_mask,
+        actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads, num_key_value_heads=1,
+        softmax_scale=scale, input_layout="BNSD", sparse_mode=0 if s == 1 else 3, block_size=block_size)[0]
+    return torch.einsum("thr,hvr->thv", o_lat.transpose(1, 2).reshape(t, heads, kv_lora_rank)[:, :num_heads], w_uv)
 
 
 def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, w_shared_down, residual, *,
-                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
+                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts, ep=1, ep_rank=0):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
 
     Expert weights come in npu_grouped_matmul's layout, built once at load: w_gate_up_t [E, H, 2I]
@@ -313,6 +322,16 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
 
     The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
     happen here so the result does not depend on whether the kernel renormalises internally.
+
+    Expert parallel (ep > 1, the all-gather form; the result is this rank's partial sum): the rank holds
+    experts [lo, lo + E/ep), lo = ep_rank * E/ep (its stacked weights are those E/ep). As vllm-ascend's
+    all-gather dispatcher: the weights of (token, k) pairs routed elsewhere are zeroed, init_routing_v2
+    keeps only the pairs in active_expert_range=[lo, lo + E/ep) at the front of its rows (row index -1 for
+    the others, :11107-11108; tokens_per_expert has E/ep counts, :11110), the grouped matmuls run those.
+    The rows past them are undefined (:11107), so they are zeroed after the GMMs (torch.where: a NaN
+    there cannot leak through a zero weight), and each dropped pair is pointed at one of those unused
+    rows in turn, so the unpermute's index stays a permutation of [0, T*K) as documented (:16942:
+    in range, no repeated index; vllm-ascend passes |row index| instead, which repeats row 1).
     """
     t = x.shape[0]
     weights, ids, _ = torch_npu.npu_moe_gating_top_k(
@@ -321,14 +340,24 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = (weights * routed_scaling_factor).to(x.dtype)
+    lo = ep_rank * (num_experts // ep)
+    hi = lo + num_experts // ep
+    if ep > 1:
+        weights = torch.where((ids >= lo) & (ids < hi), weights, torch.zeros_like(weights))
     rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
         x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
+        expert_tokens_num_flag=True, active_expert_range=[lo, hi], quant_mode=-1)
     gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=tokens_per_expert,
                                            group_list_type=1, group_type=0, split_item=2)[0]
     act = torch_npu.npu_swiglu(gate_up, dim=-1)
     down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
+    if ep > 1:
+        dropped = row_idx < 0
+        kept = t * top_k - dropped.sum()
+        row_idx = torch.where(dropped, kept + torch.cumsum(dropped.int(), dim=0) - 1, row_idx).int()
+        valid = torch.arange(t * top_k, device=x.device) < kept
+        down = torch.where(valid.unsqueeze(-1), down, torch.zeros_like(down))
     shared = None if w_shared_gate_up is None else _swiglu_mlp(x, w_shared_gate_up, w_shared_down)
     # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
     out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
@@ -346,7 +375,7 @@ def load(b, kv, loads):
 def forward(W, b, kv, staging=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
     kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
-    _ids = b.input_ids - torch.distributed.get_rank() * W['model.embed_tokens.weight[d0/32]'].shape[0]  # embed
+    _ids = b.input_ids - torch.distributed.get_rank() % 32 * W['model.embed_tokens.weight[d0/32]'].shape[0]  # embed
     h_embed_partial = F.embedding(_ids.clamp(0, W['model.embed_tokens.weight[d0/32]'].shape[0] - 1), W['model.embed_tokens.weight[d0/32]']) * ((_ids >= 0) & (_ids < W['model.embed_tokens.weight[d0/32]'].shape[0])).unsqueeze(-1).to(W['model.embed_tokens.weight[d0/32]'].dtype)  # embed
     h_embed = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_embed_partial, 'sum', torch.distributed.group.WORLD.group_name))  # embed.all_reduce
     cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope
@@ -354,7 +383,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = _mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, c_kv_L00.reshape(c_kv_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, k_pe_L00.reshape(k_pe_L00.shape[0], -1))  # L00.kv_write
-    o_L00 = _mla_attention_absorbed(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L00.attn
+    o_L00 = _mla_attention_absorbed(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L00.attn
     h_L00_attn_partial = F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight[d1/32]'])  # L00.o_proj
     h_L00_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L00_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L00.o_proj.all_reduce
     h_L00_attn = h_embed + h_L00_attn_sum  # L00.o_proj.residual
@@ -366,7 +395,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = _mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L01.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, c_kv_L01.reshape(c_kv_L01.shape[0], -1))  # L01.kv_write
     torch_npu.npu_scatter_nd_update_(kv[1][1], b.kv_index, k_pe_L01.reshape(k_pe_L01.shape[0], -1))  # L01.kv_write
-    o_L01 = _mla_attention_absorbed(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L01.attn
+    o_L01 = _mla_attention_absorbed(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L01.attn
     h_L01_attn_partial = F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight[d1/32]'])  # L01.o_proj
     h_L01_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L01_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L01.o_proj.all_reduce
     h_L01_attn = h_L00 + h_L01_attn_sum  # L01.o_proj.residual
@@ -378,7 +407,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L02, q_pe_L02, c_kv_L02, k_pe_L02 = _mla_prolog(x_L02_attn_norm, W['model.layers.2.self_attn.q_a_proj.weight'], W['model.layers.2.self_attn.q_a_layernorm.weight'], W['model.layers.2.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.2.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.2.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L02.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[2][0], b.kv_index, c_kv_L02.reshape(c_kv_L02.shape[0], -1))  # L02.kv_write
     torch_npu.npu_scatter_nd_update_(kv[2][1], b.kv_index, k_pe_L02.reshape(k_pe_L02.shape[0], -1))  # L02.kv_write
-    o_L02 = _mla_attention_absorbed(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L02.attn
+    o_L02 = _mla_attention_absorbed(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L02.attn
     h_L02_attn_partial = F.linear(o_L02.reshape(o_L02.shape[0], -1), W['model.layers.2.self_attn.o_proj.weight[d1/32]'])  # L02.o_proj
     h_L02_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L02_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L02.o_proj.all_reduce
     h_L02_attn = h_L01 + h_L02_attn_sum  # L02.o_proj.residual
@@ -390,7 +419,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L03, q_pe_L03, c_kv_L03, k_pe_L03 = _mla_prolog(x_L03_attn_norm, W['model.layers.3.self_attn.q_a_proj.weight'], W['model.layers.3.self_attn.q_a_layernorm.weight'], W['model.layers.3.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.3.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.3.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L03.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[3][0], b.kv_index, c_kv_L03.reshape(c_kv_L03.shape[0], -1))  # L03.kv_write
     torch_npu.npu_scatter_nd_update_(kv[3][1], b.kv_index, k_pe_L03.reshape(k_pe_L03.shape[0], -1))  # L03.kv_write
-    o_L03 = _mla_attention_absorbed(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L03.attn
+    o_L03 = _mla_attention_absorbed(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L03.attn
     h_L03_attn_partial = F.linear(o_L03.reshape(o_L03.shape[0], -1), W['model.layers.3.self_attn.o_proj.weight[d1/32]'])  # L03.o_proj
     h_L03_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L03_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L03.o_proj.all_reduce
     h_L03_attn = h_L02 + h_L03_attn_sum  # L03.o_proj.residual
@@ -402,7 +431,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L04, q_pe_L04, c_kv_L04, k_pe_L04 = _mla_prolog(x_L04_attn_norm, W['model.layers.4.self_attn.q_a_proj.weight'], W['model.layers.4.self_attn.q_a_layernorm.weight'], W['model.layers.4.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.4.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.4.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L04.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[4][0], b.kv_index, c_kv_L04.reshape(c_kv_L04.shape[0], -1))  # L04.kv_write
     torch_npu.npu_scatter_nd_update_(kv[4][1], b.kv_index, k_pe_L04.reshape(k_pe_L04.shape[0], -1))  # L04.kv_write
-    o_L04 = _mla_attention_absorbed(q_nope_L04, q_pe_L04, kv[4], W['model.layers.4.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L04.attn
+    o_L04 = _mla_attention_absorbed(q_nope_L04, q_pe_L04, kv[4], W['model.layers.4.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L04.attn
     h_L04_attn_partial = F.linear(o_L04.reshape(o_L04.shape[0], -1), W['model.layers.4.self_attn.o_proj.weight[d1/32]'])  # L04.o_proj
     h_L04_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L04_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L04.o_proj.all_reduce
     h_L04_attn = h_L03 + h_L04_attn_sum  # L04.o_proj.residual
@@ -414,7 +443,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L05, q_pe_L05, c_kv_L05, k_pe_L05 = _mla_prolog(x_L05_attn_norm, W['model.layers.5.self_attn.q_a_proj.weight'], W['model.layers.5.self_attn.q_a_layernorm.weight'], W['model.layers.5.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.5.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.5.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L05.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[5][0], b.kv_index, c_kv_L05.reshape(c_kv_L05.shape[0], -1))  # L05.kv_write
     torch_npu.npu_scatter_nd_update_(kv[5][1], b.kv_index, k_pe_L05.reshape(k_pe_L05.shape[0], -1))  # L05.kv_write
-    o_L05 = _mla_attention_absorbed(q_nope_L05, q_pe_L05, kv[5], W['model.layers.5.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L05.attn
+    o_L05 = _mla_attention_absorbed(q_nope_L05, q_pe_L05, kv[5], W['model.layers.5.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L05.attn
     h_L05_attn_partial = F.linear(o_L05.reshape(o_L05.shape[0], -1), W['model.layers.5.self_attn.o_proj.weight[d1/32]'])  # L05.o_proj
     h_L05_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L05_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L05.o_proj.all_reduce
     h_L05_attn = h_L04 + h_L05_attn_sum  # L05.o_proj.residual
@@ -426,7 +455,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L06, q_pe_L06, c_kv_L06, k_pe_L06 = _mla_prolog(x_L06_attn_norm, W['model.layers.6.self_attn.q_a_proj.weight'], W['model.layers.6.self_attn.q_a_layernorm.weight'], W['model.layers.6.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.6.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.6.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L06.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[6][0], b.kv_index, c_kv_L06.reshape(c_kv_L06.shape[0], -1))  # L06.kv_write
     torch_npu.npu_scatter_nd_update_(kv[6][1], b.kv_index, k_pe_L06.reshape(k_pe_L06.shape[0], -1))  # L06.kv_write
-    o_L06 = _mla_attention_absorbed(q_nope_L06, q_pe_L06, kv[6], W['model.layers.6.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L06.attn
+    o_L06 = _mla_attention_absorbed(q_nope_L06, q_pe_L06, kv[6], W['model.layers.6.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L06.attn
     h_L06_attn_partial = F.linear(o_L06.reshape(o_L06.shape[0], -1), W['model.layers.6.self_attn.o_proj.weight[d1/32]'])  # L06.o_proj
     h_L06_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L06_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L06.o_proj.all_reduce
     h_L06_attn = h_L05 + h_L06_attn_sum  # L06.o_proj.residual
@@ -438,7 +467,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L07, q_pe_L07, c_kv_L07, k_pe_L07 = _mla_prolog(x_L07_attn_norm, W['model.layers.7.self_attn.q_a_proj.weight'], W['model.layers.7.self_attn.q_a_layernorm.weight'], W['model.layers.7.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.7.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.7.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L07.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[7][0], b.kv_index, c_kv_L07.reshape(c_kv_L07.shape[0], -1))  # L07.kv_write
     torch_npu.npu_scatter_nd_update_(kv[7][1], b.kv_index, k_pe_L07.reshape(k_pe_L07.shape[0], -1))  # L07.kv_write
-    o_L07 = _mla_attention_absorbed(q_nope_L07, q_pe_L07, kv[7], W['model.layers.7.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L07.attn
+    o_L07 = _mla_attention_absorbed(q_nope_L07, q_pe_L07, kv[7], W['model.layers.7.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L07.attn
     h_L07_attn_partial = F.linear(o_L07.reshape(o_L07.shape[0], -1), W['model.layers.7.self_attn.o_proj.weight[d1/32]'])  # L07.o_proj
     h_L07_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L07_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L07.o_proj.all_reduce
     h_L07_attn = h_L06 + h_L07_attn_sum  # L07.o_proj.residual
@@ -450,7 +479,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L08, q_pe_L08, c_kv_L08, k_pe_L08 = _mla_prolog(x_L08_attn_norm, W['model.layers.8.self_attn.q_a_proj.weight'], W['model.layers.8.self_attn.q_a_layernorm.weight'], W['model.layers.8.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.8.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.8.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L08.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[8][0], b.kv_index, c_kv_L08.reshape(c_kv_L08.shape[0], -1))  # L08.kv_write
     torch_npu.npu_scatter_nd_update_(kv[8][1], b.kv_index, k_pe_L08.reshape(k_pe_L08.shape[0], -1))  # L08.kv_write
-    o_L08 = _mla_attention_absorbed(q_nope_L08, q_pe_L08, kv[8], W['model.layers.8.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L08.attn
+    o_L08 = _mla_attention_absorbed(q_nope_L08, q_pe_L08, kv[8], W['model.layers.8.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L08.attn
     h_L08_attn_partial = F.linear(o_L08.reshape(o_L08.shape[0], -1), W['model.layers.8.self_attn.o_proj.weight[d1/32]'])  # L08.o_proj
     h_L08_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L08_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L08.o_proj.all_reduce
     h_L08_attn = h_L07 + h_L08_attn_sum  # L08.o_proj.residual
@@ -462,7 +491,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L09, q_pe_L09, c_kv_L09, k_pe_L09 = _mla_prolog(x_L09_attn_norm, W['model.layers.9.self_attn.q_a_proj.weight'], W['model.layers.9.self_attn.q_a_layernorm.weight'], W['model.layers.9.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.9.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.9.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L09.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[9][0], b.kv_index, c_kv_L09.reshape(c_kv_L09.shape[0], -1))  # L09.kv_write
     torch_npu.npu_scatter_nd_update_(kv[9][1], b.kv_index, k_pe_L09.reshape(k_pe_L09.shape[0], -1))  # L09.kv_write
-    o_L09 = _mla_attention_absorbed(q_nope_L09, q_pe_L09, kv[9], W['model.layers.9.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L09.attn
+    o_L09 = _mla_attention_absorbed(q_nope_L09, q_pe_L09, kv[9], W['model.layers.9.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L09.attn
     h_L09_attn_partial = F.linear(o_L09.reshape(o_L09.shape[0], -1), W['model.layers.9.self_attn.o_proj.weight[d1/32]'])  # L09.o_proj
     h_L09_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L09_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L09.o_proj.all_reduce
     h_L09_attn = h_L08 + h_L09_attn_sum  # L09.o_proj.residual
@@ -474,7 +503,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L10, q_pe_L10, c_kv_L10, k_pe_L10 = _mla_prolog(x_L10_attn_norm, W['model.layers.10.self_attn.q_a_proj.weight'], W['model.layers.10.self_attn.q_a_layernorm.weight'], W['model.layers.10.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.10.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.10.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L10.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[10][0], b.kv_index, c_kv_L10.reshape(c_kv_L10.shape[0], -1))  # L10.kv_write
     torch_npu.npu_scatter_nd_update_(kv[10][1], b.kv_index, k_pe_L10.reshape(k_pe_L10.shape[0], -1))  # L10.kv_write
-    o_L10 = _mla_attention_absorbed(q_nope_L10, q_pe_L10, kv[10], W['model.layers.10.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L10.attn
+    o_L10 = _mla_attention_absorbed(q_nope_L10, q_pe_L10, kv[10], W['model.layers.10.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L10.attn
     h_L10_attn_partial = F.linear(o_L10.reshape(o_L10.shape[0], -1), W['model.layers.10.self_attn.o_proj.weight[d1/32]'])  # L10.o_proj
     h_L10_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L10_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L10.o_proj.all_reduce
     h_L10_attn = h_L09 + h_L10_attn_sum  # L10.o_proj.residual
@@ -486,7 +515,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L11, q_pe_L11, c_kv_L11, k_pe_L11 = _mla_prolog(x_L11_attn_norm, W['model.layers.11.self_attn.q_a_proj.weight'], W['model.layers.11.self_attn.q_a_layernorm.weight'], W['model.layers.11.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.11.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.11.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L11.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[11][0], b.kv_index, c_kv_L11.reshape(c_kv_L11.shape[0], -1))  # L11.kv_write
     torch_npu.npu_scatter_nd_update_(kv[11][1], b.kv_index, k_pe_L11.reshape(k_pe_L11.shape[0], -1))  # L11.kv_write
-    o_L11 = _mla_attention_absorbed(q_nope_L11, q_pe_L11, kv[11], W['model.layers.11.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L11.attn
+    o_L11 = _mla_attention_absorbed(q_nope_L11, q_pe_L11, kv[11], W['model.layers.11.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L11.attn
     h_L11_attn_partial = F.linear(o_L11.reshape(o_L11.shape[0], -1), W['model.layers.11.self_attn.o_proj.weight[d1/32]'])  # L11.o_proj
     h_L11_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L11_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L11.o_proj.all_reduce
     h_L11_attn = h_L10 + h_L11_attn_sum  # L11.o_proj.residual
@@ -498,7 +527,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L12, q_pe_L12, c_kv_L12, k_pe_L12 = _mla_prolog(x_L12_attn_norm, W['model.layers.12.self_attn.q_a_proj.weight'], W['model.layers.12.self_attn.q_a_layernorm.weight'], W['model.layers.12.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.12.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.12.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L12.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[12][0], b.kv_index, c_kv_L12.reshape(c_kv_L12.shape[0], -1))  # L12.kv_write
     torch_npu.npu_scatter_nd_update_(kv[12][1], b.kv_index, k_pe_L12.reshape(k_pe_L12.shape[0], -1))  # L12.kv_write
-    o_L12 = _mla_attention_absorbed(q_nope_L12, q_pe_L12, kv[12], W['model.layers.12.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L12.attn
+    o_L12 = _mla_attention_absorbed(q_nope_L12, q_pe_L12, kv[12], W['model.layers.12.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L12.attn
     h_L12_attn_partial = F.linear(o_L12.reshape(o_L12.shape[0], -1), W['model.layers.12.self_attn.o_proj.weight[d1/32]'])  # L12.o_proj
     h_L12_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L12_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L12.o_proj.all_reduce
     h_L12_attn = h_L11 + h_L12_attn_sum  # L12.o_proj.residual
@@ -510,7 +539,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L13, q_pe_L13, c_kv_L13, k_pe_L13 = _mla_prolog(x_L13_attn_norm, W['model.layers.13.self_attn.q_a_proj.weight'], W['model.layers.13.self_attn.q_a_layernorm.weight'], W['model.layers.13.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.13.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.13.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L13.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[13][0], b.kv_index, c_kv_L13.reshape(c_kv_L13.shape[0], -1))  # L13.kv_write
     torch_npu.npu_scatter_nd_update_(kv[13][1], b.kv_index, k_pe_L13.reshape(k_pe_L13.shape[0], -1))  # L13.kv_write
-    o_L13 = _mla_attention_absorbed(q_nope_L13, q_pe_L13, kv[13], W['model.layers.13.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L13.attn
+    o_L13 = _mla_attention_absorbed(q_nope_L13, q_pe_L13, kv[13], W['model.layers.13.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L13.attn
     h_L13_attn_partial = F.linear(o_L13.reshape(o_L13.shape[0], -1), W['model.layers.13.self_attn.o_proj.weight[d1/32]'])  # L13.o_proj
     h_L13_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L13_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L13.o_proj.all_reduce
     h_L13_attn = h_L12 + h_L13_attn_sum  # L13.o_proj.residual
@@ -522,7 +551,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L14, q_pe_L14, c_kv_L14, k_pe_L14 = _mla_prolog(x_L14_attn_norm, W['model.layers.14.self_attn.q_a_proj.weight'], W['model.layers.14.self_attn.q_a_layernorm.weight'], W['model.layers.14.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.14.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.14.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L14.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[14][0], b.kv_index, c_kv_L14.reshape(c_kv_L14.shape[0], -1))  # L14.kv_write
     torch_npu.npu_scatter_nd_update_(kv[14][1], b.kv_index, k_pe_L14.reshape(k_pe_L14.shape[0], -1))  # L14.kv_write
-    o_L14 = _mla_attention_absorbed(q_nope_L14, q_pe_L14, kv[14], W['model.layers.14.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L14.attn
+    o_L14 = _mla_attention_absorbed(q_nope_L14, q_pe_L14, kv[14], W['model.layers.14.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L14.attn
     h_L14_attn_partial = F.linear(o_L14.reshape(o_L14.shape[0], -1), W['model.layers.14.self_attn.o_proj.weight[d1/32]'])  # L14.o_proj
     h_L14_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L14_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L14.o_proj.all_reduce
     h_L14_attn = h_L13 + h_L14_attn_sum  # L14.o_proj.residual
@@ -534,7 +563,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L15, q_pe_L15, c_kv_L15, k_pe_L15 = _mla_prolog(x_L15_attn_norm, W['model.layers.15.self_attn.q_a_proj.weight'], W['model.layers.15.self_attn.q_a_layernorm.weight'], W['model.layers.15.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.15.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.15.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L15.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[15][0], b.kv_index, c_kv_L15.reshape(c_kv_L15.shape[0], -1))  # L15.kv_write
     torch_npu.npu_scatter_nd_update_(kv[15][1], b.kv_index, k_pe_L15.reshape(k_pe_L15.shape[0], -1))  # L15.kv_write
-    o_L15 = _mla_attention_absorbed(q_nope_L15, q_pe_L15, kv[15], W['model.layers.15.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L15.attn
+    o_L15 = _mla_attention_absorbed(q_nope_L15, q_pe_L15, kv[15], W['model.layers.15.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L15.attn
     h_L15_attn_partial = F.linear(o_L15.reshape(o_L15.shape[0], -1), W['model.layers.15.self_attn.o_proj.weight[d1/32]'])  # L15.o_proj
     h_L15_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L15_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L15.o_proj.all_reduce
     h_L15_attn = h_L14 + h_L15_attn_sum  # L15.o_proj.residual
@@ -546,7 +575,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L16, q_pe_L16, c_kv_L16, k_pe_L16 = _mla_prolog(x_L16_attn_norm, W['model.layers.16.self_attn.q_a_proj.weight'], W['model.layers.16.self_attn.q_a_layernorm.weight'], W['model.layers.16.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.16.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.16.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L16.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[16][0], b.kv_index, c_kv_L16.reshape(c_kv_L16.shape[0], -1))  # L16.kv_write
     torch_npu.npu_scatter_nd_update_(kv[16][1], b.kv_index, k_pe_L16.reshape(k_pe_L16.shape[0], -1))  # L16.kv_write
-    o_L16 = _mla_attention_absorbed(q_nope_L16, q_pe_L16, kv[16], W['model.layers.16.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L16.attn
+    o_L16 = _mla_attention_absorbed(q_nope_L16, q_pe_L16, kv[16], W['model.layers.16.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L16.attn
     h_L16_attn_partial = F.linear(o_L16.reshape(o_L16.shape[0], -1), W['model.layers.16.self_attn.o_proj.weight[d1/32]'])  # L16.o_proj
     h_L16_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L16_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L16.o_proj.all_reduce
     h_L16_attn = h_L15 + h_L16_attn_sum  # L16.o_proj.residual
@@ -558,7 +587,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L17, q_pe_L17, c_kv_L17, k_pe_L17 = _mla_prolog(x_L17_attn_norm, W['model.layers.17.self_attn.q_a_proj.weight'], W['model.layers.17.self_attn.q_a_layernorm.weight'], W['model.layers.17.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.17.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.17.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L17.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[17][0], b.kv_index, c_kv_L17.reshape(c_kv_L17.shape[0], -1))  # L17.kv_write
     torch_npu.npu_scatter_nd_update_(kv[17][1], b.kv_index, k_pe_L17.reshape(k_pe_L17.shape[0], -1))  # L17.kv_write
-    o_L17 = _mla_attention_absorbed(q_nope_L17, q_pe_L17, kv[17], W['model.layers.17.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L17.attn
+    o_L17 = _mla_attention_absorbed(q_nope_L17, q_pe_L17, kv[17], W['model.layers.17.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L17.attn
     h_L17_attn_partial = F.linear(o_L17.reshape(o_L17.shape[0], -1), W['model.layers.17.self_attn.o_proj.weight[d1/32]'])  # L17.o_proj
     h_L17_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L17_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L17.o_proj.all_reduce
     h_L17_attn = h_L16 + h_L17_attn_sum  # L17.o_proj.residual
@@ -570,7 +599,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L18, q_pe_L18, c_kv_L18, k_pe_L18 = _mla_prolog(x_L18_attn_norm, W['model.layers.18.self_attn.q_a_proj.weight'], W['model.layers.18.self_attn.q_a_layernorm.weight'], W['model.layers.18.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.18.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.18.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L18.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[18][0], b.kv_index, c_kv_L18.reshape(c_kv_L18.shape[0], -1))  # L18.kv_write
     torch_npu.npu_scatter_nd_update_(kv[18][1], b.kv_index, k_pe_L18.reshape(k_pe_L18.shape[0], -1))  # L18.kv_write
-    o_L18 = _mla_attention_absorbed(q_nope_L18, q_pe_L18, kv[18], W['model.layers.18.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L18.attn
+    o_L18 = _mla_attention_absorbed(q_nope_L18, q_pe_L18, kv[18], W['model.layers.18.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L18.attn
     h_L18_attn_partial = F.linear(o_L18.reshape(o_L18.shape[0], -1), W['model.layers.18.self_attn.o_proj.weight[d1/32]'])  # L18.o_proj
     h_L18_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L18_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L18.o_proj.all_reduce
     h_L18_attn = h_L17 + h_L18_attn_sum  # L18.o_proj.residual
@@ -582,7 +611,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L19, q_pe_L19, c_kv_L19, k_pe_L19 = _mla_prolog(x_L19_attn_norm, W['model.layers.19.self_attn.q_a_proj.weight'], W['model.layers.19.self_attn.q_a_layernorm.weight'], W['model.layers.19.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.19.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.19.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L19.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[19][0], b.kv_index, c_kv_L19.reshape(c_kv_L19.shape[0], -1))  # L19.kv_write
     torch_npu.npu_scatter_nd_update_(kv[19][1], b.kv_index, k_pe_L19.reshape(k_pe_L19.shape[0], -1))  # L19.kv_write
-    o_L19 = _mla_attention_absorbed(q_nope_L19, q_pe_L19, kv[19], W['model.layers.19.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L19.attn
+    o_L19 = _mla_attention_absorbed(q_nope_L19, q_pe_L19, kv[19], W['model.layers.19.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L19.attn
     h_L19_attn_partial = F.linear(o_L19.reshape(o_L19.shape[0], -1), W['model.layers.19.self_attn.o_proj.weight[d1/32]'])  # L19.o_proj
     h_L19_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L19_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L19.o_proj.all_reduce
     h_L19_attn = h_L18 + h_L19_attn_sum  # L19.o_proj.residual
@@ -594,7 +623,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L20, q_pe_L20, c_kv_L20, k_pe_L20 = _mla_prolog(x_L20_attn_norm, W['model.layers.20.self_attn.q_a_proj.weight'], W['model.layers.20.self_attn.q_a_layernorm.weight'], W['model.layers.20.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.20.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.20.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L20.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[20][0], b.kv_index, c_kv_L20.reshape(c_kv_L20.shape[0], -1))  # L20.kv_write
     torch_npu.npu_scatter_nd_update_(kv[20][1], b.kv_index, k_pe_L20.reshape(k_pe_L20.shape[0], -1))  # L20.kv_write
-    o_L20 = _mla_attention_absorbed(q_nope_L20, q_pe_L20, kv[20], W['model.layers.20.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L20.attn
+    o_L20 = _mla_attention_absorbed(q_nope_L20, q_pe_L20, kv[20], W['model.layers.20.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L20.attn
     h_L20_attn_partial = F.linear(o_L20.reshape(o_L20.shape[0], -1), W['model.layers.20.self_attn.o_proj.weight[d1/32]'])  # L20.o_proj
     h_L20_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L20_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L20.o_proj.all_reduce
     h_L20_attn = h_L19 + h_L20_attn_sum  # L20.o_proj.residual
@@ -606,7 +635,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L21, q_pe_L21, c_kv_L21, k_pe_L21 = _mla_prolog(x_L21_attn_norm, W['model.layers.21.self_attn.q_a_proj.weight'], W['model.layers.21.self_attn.q_a_layernorm.weight'], W['model.layers.21.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.21.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.21.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L21.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[21][0], b.kv_index, c_kv_L21.reshape(c_kv_L21.shape[0], -1))  # L21.kv_write
     torch_npu.npu_scatter_nd_update_(kv[21][1], b.kv_index, k_pe_L21.reshape(k_pe_L21.shape[0], -1))  # L21.kv_write
-    o_L21 = _mla_attention_absorbed(q_nope_L21, q_pe_L21, kv[21], W['model.layers.21.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L21.attn
+    o_L21 = _mla_attention_absorbed(q_nope_L21, q_pe_L21, kv[21], W['model.layers.21.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L21.attn
     h_L21_attn_partial = F.linear(o_L21.reshape(o_L21.shape[0], -1), W['model.layers.21.self_attn.o_proj.weight[d1/32]'])  # L21.o_proj
     h_L21_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L21_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L21.o_proj.all_reduce
     h_L21_attn = h_L20 + h_L21_attn_sum  # L21.o_proj.residual
@@ -618,7 +647,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L22, q_pe_L22, c_kv_L22, k_pe_L22 = _mla_prolog(x_L22_attn_norm, W['model.layers.22.self_attn.q_a_proj.weight'], W['model.layers.22.self_attn.q_a_layernorm.weight'], W['model.layers.22.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.22.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.22.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L22.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[22][0], b.kv_index, c_kv_L22.reshape(c_kv_L22.shape[0], -1))  # L22.kv_write
     torch_npu.npu_scatter_nd_update_(kv[22][1], b.kv_index, k_pe_L22.reshape(k_pe_L22.shape[0], -1))  # L22.kv_write
-    o_L22 = _mla_attention_absorbed(q_nope_L22, q_pe_L22, kv[22], W['model.layers.22.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L22.attn
+    o_L22 = _mla_attention_absorbed(q_nope_L22, q_pe_L22, kv[22], W['model.layers.22.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L22.attn
     h_L22_attn_partial = F.linear(o_L22.reshape(o_L22.shape[0], -1), W['model.layers.22.self_attn.o_proj.weight[d1/32]'])  # L22.o_proj
     h_L22_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L22_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L22.o_proj.all_reduce
     h_L22_attn = h_L21 + h_L22_attn_sum  # L22.o_proj.residual
@@ -630,7 +659,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L23, q_pe_L23, c_kv_L23, k_pe_L23 = _mla_prolog(x_L23_attn_norm, W['model.layers.23.self_attn.q_a_proj.weight'], W['model.layers.23.self_attn.q_a_layernorm.weight'], W['model.layers.23.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.23.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.23.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L23.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[23][0], b.kv_index, c_kv_L23.reshape(c_kv_L23.shape[0], -1))  # L23.kv_write
     torch_npu.npu_scatter_nd_update_(kv[23][1], b.kv_index, k_pe_L23.reshape(k_pe_L23.shape[0], -1))  # L23.kv_write
-    o_L23 = _mla_attention_absorbed(q_nope_L23, q_pe_L23, kv[23], W['model.layers.23.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L23.attn
+    o_L23 = _mla_attention_absorbed(q_nope_L23, q_pe_L23, kv[23], W['model.layers.23.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L23.attn
     h_L23_attn_partial = F.linear(o_L23.reshape(o_L23.shape[0], -1), W['model.layers.23.self_attn.o_proj.weight[d1/32]'])  # L23.o_proj
     h_L23_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L23_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L23.o_proj.all_reduce
     h_L23_attn = h_L22 + h_L23_attn_sum  # L23.o_proj.residual
@@ -642,7 +671,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L24, q_pe_L24, c_kv_L24, k_pe_L24 = _mla_prolog(x_L24_attn_norm, W['model.layers.24.self_attn.q_a_proj.weight'], W['model.layers.24.self_attn.q_a_layernorm.weight'], W['model.layers.24.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.24.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.24.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L24.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[24][0], b.kv_index, c_kv_L24.reshape(c_kv_L24.shape[0], -1))  # L24.kv_write
     torch_npu.npu_scatter_nd_update_(kv[24][1], b.kv_index, k_pe_L24.reshape(k_pe_L24.shape[0], -1))  # L24.kv_write
-    o_L24 = _mla_attention_absorbed(q_nope_L24, q_pe_L24, kv[24], W['model.layers.24.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L24.attn
+    o_L24 = _mla_attention_absorbed(q_nope_L24, q_pe_L24, kv[24], W['model.layers.24.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L24.attn
     h_L24_attn_partial = F.linear(o_L24.reshape(o_L24.shape[0], -1), W['model.layers.24.self_attn.o_proj.weight[d1/32]'])  # L24.o_proj
     h_L24_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L24_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L24.o_proj.all_reduce
     h_L24_attn = h_L23 + h_L24_attn_sum  # L24.o_proj.residual
@@ -654,7 +683,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L25, q_pe_L25, c_kv_L25, k_pe_L25 = _mla_prolog(x_L25_attn_norm, W['model.layers.25.self_attn.q_a_proj.weight'], W['model.layers.25.self_attn.q_a_layernorm.weight'], W['model.layers.25.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.25.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.25.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L25.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[25][0], b.kv_index, c_kv_L25.reshape(c_kv_L25.shape[0], -1))  # L25.kv_write
     torch_npu.npu_scatter_nd_update_(kv[25][1], b.kv_index, k_pe_L25.reshape(k_pe_L25.shape[0], -1))  # L25.kv_write
-    o_L25 = _mla_attention_absorbed(q_nope_L25, q_pe_L25, kv[25], W['model.layers.25.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L25.attn
+    o_L25 = _mla_attention_absorbed(q_nope_L25, q_pe_L25, kv[25], W['model.layers.25.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L25.attn
     h_L25_attn_partial = F.linear(o_L25.reshape(o_L25.shape[0], -1), W['model.layers.25.self_attn.o_proj.weight[d1/32]'])  # L25.o_proj
     h_L25_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L25_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L25.o_proj.all_reduce
     h_L25_attn = h_L24 + h_L25_attn_sum  # L25.o_proj.residual
@@ -666,7 +695,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L26, q_pe_L26, c_kv_L26, k_pe_L26 = _mla_prolog(x_L26_attn_norm, W['model.layers.26.self_attn.q_a_proj.weight'], W['model.layers.26.self_attn.q_a_layernorm.weight'], W['model.layers.26.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.26.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.26.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L26.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[26][0], b.kv_index, c_kv_L26.reshape(c_kv_L26.shape[0], -1))  # L26.kv_write
     torch_npu.npu_scatter_nd_update_(kv[26][1], b.kv_index, k_pe_L26.reshape(k_pe_L26.shape[0], -1))  # L26.kv_write
-    o_L26 = _mla_attention_absorbed(q_nope_L26, q_pe_L26, kv[26], W['model.layers.26.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L26.attn
+    o_L26 = _mla_attention_absorbed(q_nope_L26, q_pe_L26, kv[26], W['model.layers.26.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L26.attn
     h_L26_attn_partial = F.linear(o_L26.reshape(o_L26.shape[0], -1), W['model.layers.26.self_attn.o_proj.weight[d1/32]'])  # L26.o_proj
     h_L26_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L26_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L26.o_proj.all_reduce
     h_L26_attn = h_L25 + h_L26_attn_sum  # L26.o_proj.residual
@@ -678,7 +707,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L27, q_pe_L27, c_kv_L27, k_pe_L27 = _mla_prolog(x_L27_attn_norm, W['model.layers.27.self_attn.q_a_proj.weight'], W['model.layers.27.self_attn.q_a_layernorm.weight'], W['model.layers.27.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.27.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.27.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L27.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[27][0], b.kv_index, c_kv_L27.reshape(c_kv_L27.shape[0], -1))  # L27.kv_write
     torch_npu.npu_scatter_nd_update_(kv[27][1], b.kv_index, k_pe_L27.reshape(k_pe_L27.shape[0], -1))  # L27.kv_write
-    o_L27 = _mla_attention_absorbed(q_nope_L27, q_pe_L27, kv[27], W['model.layers.27.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L27.attn
+    o_L27 = _mla_attention_absorbed(q_nope_L27, q_pe_L27, kv[27], W['model.layers.27.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L27.attn
     h_L27_attn_partial = F.linear(o_L27.reshape(o_L27.shape[0], -1), W['model.layers.27.self_attn.o_proj.weight[d1/32]'])  # L27.o_proj
     h_L27_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L27_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L27.o_proj.all_reduce
     h_L27_attn = h_L26 + h_L27_attn_sum  # L27.o_proj.residual
@@ -690,7 +719,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L28, q_pe_L28, c_kv_L28, k_pe_L28 = _mla_prolog(x_L28_attn_norm, W['model.layers.28.self_attn.q_a_proj.weight'], W['model.layers.28.self_attn.q_a_layernorm.weight'], W['model.layers.28.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.28.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.28.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L28.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[28][0], b.kv_index, c_kv_L28.reshape(c_kv_L28.shape[0], -1))  # L28.kv_write
     torch_npu.npu_scatter_nd_update_(kv[28][1], b.kv_index, k_pe_L28.reshape(k_pe_L28.shape[0], -1))  # L28.kv_write
-    o_L28 = _mla_attention_absorbed(q_nope_L28, q_pe_L28, kv[28], W['model.layers.28.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L28.attn
+    o_L28 = _mla_attention_absorbed(q_nope_L28, q_pe_L28, kv[28], W['model.layers.28.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L28.attn
     h_L28_attn_partial = F.linear(o_L28.reshape(o_L28.shape[0], -1), W['model.layers.28.self_attn.o_proj.weight[d1/32]'])  # L28.o_proj
     h_L28_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L28_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L28.o_proj.all_reduce
     h_L28_attn = h_L27 + h_L28_attn_sum  # L28.o_proj.residual
@@ -702,7 +731,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L29, q_pe_L29, c_kv_L29, k_pe_L29 = _mla_prolog(x_L29_attn_norm, W['model.layers.29.self_attn.q_a_proj.weight'], W['model.layers.29.self_attn.q_a_layernorm.weight'], W['model.layers.29.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.29.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.29.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L29.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[29][0], b.kv_index, c_kv_L29.reshape(c_kv_L29.shape[0], -1))  # L29.kv_write
     torch_npu.npu_scatter_nd_update_(kv[29][1], b.kv_index, k_pe_L29.reshape(k_pe_L29.shape[0], -1))  # L29.kv_write
-    o_L29 = _mla_attention_absorbed(q_nope_L29, q_pe_L29, kv[29], W['model.layers.29.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L29.attn
+    o_L29 = _mla_attention_absorbed(q_nope_L29, q_pe_L29, kv[29], W['model.layers.29.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L29.attn
     h_L29_attn_partial = F.linear(o_L29.reshape(o_L29.shape[0], -1), W['model.layers.29.self_attn.o_proj.weight[d1/32]'])  # L29.o_proj
     h_L29_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L29_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L29.o_proj.all_reduce
     h_L29_attn = h_L28 + h_L29_attn_sum  # L29.o_proj.residual
@@ -714,7 +743,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L30, q_pe_L30, c_kv_L30, k_pe_L30 = _mla_prolog(x_L30_attn_norm, W['model.layers.30.self_attn.q_a_proj.weight'], W['model.layers.30.self_attn.q_a_layernorm.weight'], W['model.layers.30.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.30.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.30.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L30.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[30][0], b.kv_index, c_kv_L30.reshape(c_kv_L30.shape[0], -1))  # L30.kv_write
     torch_npu.npu_scatter_nd_update_(kv[30][1], b.kv_index, k_pe_L30.reshape(k_pe_L30.shape[0], -1))  # L30.kv_write
-    o_L30 = _mla_attention_absorbed(q_nope_L30, q_pe_L30, kv[30], W['model.layers.30.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L30.attn
+    o_L30 = _mla_attention_absorbed(q_nope_L30, q_pe_L30, kv[30], W['model.layers.30.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L30.attn
     h_L30_attn_partial = F.linear(o_L30.reshape(o_L30.shape[0], -1), W['model.layers.30.self_attn.o_proj.weight[d1/32]'])  # L30.o_proj
     h_L30_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L30_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L30.o_proj.all_reduce
     h_L30_attn = h_L29 + h_L30_attn_sum  # L30.o_proj.residual
@@ -726,7 +755,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L31, q_pe_L31, c_kv_L31, k_pe_L31 = _mla_prolog(x_L31_attn_norm, W['model.layers.31.self_attn.q_a_proj.weight'], W['model.layers.31.self_attn.q_a_layernorm.weight'], W['model.layers.31.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.31.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.31.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L31.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[31][0], b.kv_index, c_kv_L31.reshape(c_kv_L31.shape[0], -1))  # L31.kv_write
     torch_npu.npu_scatter_nd_update_(kv[31][1], b.kv_index, k_pe_L31.reshape(k_pe_L31.shape[0], -1))  # L31.kv_write
-    o_L31 = _mla_attention_absorbed(q_nope_L31, q_pe_L31, kv[31], W['model.layers.31.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L31.attn
+    o_L31 = _mla_attention_absorbed(q_nope_L31, q_pe_L31, kv[31], W['model.layers.31.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L31.attn
     h_L31_attn_partial = F.linear(o_L31.reshape(o_L31.shape[0], -1), W['model.layers.31.self_attn.o_proj.weight[d1/32]'])  # L31.o_proj
     h_L31_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L31_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L31.o_proj.all_reduce
     h_L31_attn = h_L30 + h_L31_attn_sum  # L31.o_proj.residual
@@ -738,7 +767,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L32, q_pe_L32, c_kv_L32, k_pe_L32 = _mla_prolog(x_L32_attn_norm, W['model.layers.32.self_attn.q_a_proj.weight'], W['model.layers.32.self_attn.q_a_layernorm.weight'], W['model.layers.32.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.32.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.32.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L32.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[32][0], b.kv_index, c_kv_L32.reshape(c_kv_L32.shape[0], -1))  # L32.kv_write
     torch_npu.npu_scatter_nd_update_(kv[32][1], b.kv_index, k_pe_L32.reshape(k_pe_L32.shape[0], -1))  # L32.kv_write
-    o_L32 = _mla_attention_absorbed(q_nope_L32, q_pe_L32, kv[32], W['model.layers.32.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L32.attn
+    o_L32 = _mla_attention_absorbed(q_nope_L32, q_pe_L32, kv[32], W['model.layers.32.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L32.attn
     h_L32_attn_partial = F.linear(o_L32.reshape(o_L32.shape[0], -1), W['model.layers.32.self_attn.o_proj.weight[d1/32]'])  # L32.o_proj
     h_L32_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L32_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L32.o_proj.all_reduce
     h_L32_attn = h_L31 + h_L32_attn_sum  # L32.o_proj.residual
@@ -750,7 +779,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L33, q_pe_L33, c_kv_L33, k_pe_L33 = _mla_prolog(x_L33_attn_norm, W['model.layers.33.self_attn.q_a_proj.weight'], W['model.layers.33.self_attn.q_a_layernorm.weight'], W['model.layers.33.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.33.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.33.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L33.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[33][0], b.kv_index, c_kv_L33.reshape(c_kv_L33.shape[0], -1))  # L33.kv_write
     torch_npu.npu_scatter_nd_update_(kv[33][1], b.kv_index, k_pe_L33.reshape(k_pe_L33.shape[0], -1))  # L33.kv_write
-    o_L33 = _mla_attention_absorbed(q_nope_L33, q_pe_L33, kv[33], W['model.layers.33.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L33.attn
+    o_L33 = _mla_attention_absorbed(q_nope_L33, q_pe_L33, kv[33], W['model.layers.33.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L33.attn
     h_L33_attn_partial = F.linear(o_L33.reshape(o_L33.shape[0], -1), W['model.layers.33.self_attn.o_proj.weight[d1/32]'])  # L33.o_proj
     h_L33_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L33_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L33.o_proj.all_reduce
     h_L33_attn = h_L32 + h_L33_attn_sum  # L33.o_proj.residual
@@ -762,7 +791,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L34, q_pe_L34, c_kv_L34, k_pe_L34 = _mla_prolog(x_L34_attn_norm, W['model.layers.34.self_attn.q_a_proj.weight'], W['model.layers.34.self_attn.q_a_layernorm.weight'], W['model.layers.34.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.34.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.34.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L34.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[34][0], b.kv_index, c_kv_L34.reshape(c_kv_L34.shape[0], -1))  # L34.kv_write
     torch_npu.npu_scatter_nd_update_(kv[34][1], b.kv_index, k_pe_L34.reshape(k_pe_L34.shape[0], -1))  # L34.kv_write
-    o_L34 = _mla_attention_absorbed(q_nope_L34, q_pe_L34, kv[34], W['model.layers.34.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L34.attn
+    o_L34 = _mla_attention_absorbed(q_nope_L34, q_pe_L34, kv[34], W['model.layers.34.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L34.attn
     h_L34_attn_partial = F.linear(o_L34.reshape(o_L34.shape[0], -1), W['model.layers.34.self_attn.o_proj.weight[d1/32]'])  # L34.o_proj
     h_L34_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L34_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L34.o_proj.all_reduce
     h_L34_attn = h_L33 + h_L34_attn_sum  # L34.o_proj.residual
@@ -774,7 +803,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L35, q_pe_L35, c_kv_L35, k_pe_L35 = _mla_prolog(x_L35_attn_norm, W['model.layers.35.self_attn.q_a_proj.weight'], W['model.layers.35.self_attn.q_a_layernorm.weight'], W['model.layers.35.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.35.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.35.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L35.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[35][0], b.kv_index, c_kv_L35.reshape(c_kv_L35.shape[0], -1))  # L35.kv_write
     torch_npu.npu_scatter_nd_update_(kv[35][1], b.kv_index, k_pe_L35.reshape(k_pe_L35.shape[0], -1))  # L35.kv_write
-    o_L35 = _mla_attention_absorbed(q_nope_L35, q_pe_L35, kv[35], W['model.layers.35.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L35.attn
+    o_L35 = _mla_attention_absorbed(q_nope_L35, q_pe_L35, kv[35], W['model.layers.35.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L35.attn
     h_L35_attn_partial = F.linear(o_L35.reshape(o_L35.shape[0], -1), W['model.layers.35.self_attn.o_proj.weight[d1/32]'])  # L35.o_proj
     h_L35_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L35_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L35.o_proj.all_reduce
     h_L35_attn = h_L34 + h_L35_attn_sum  # L35.o_proj.residual
@@ -786,7 +815,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L36, q_pe_L36, c_kv_L36, k_pe_L36 = _mla_prolog(x_L36_attn_norm, W['model.layers.36.self_attn.q_a_proj.weight'], W['model.layers.36.self_attn.q_a_layernorm.weight'], W['model.layers.36.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.36.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.36.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L36.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[36][0], b.kv_index, c_kv_L36.reshape(c_kv_L36.shape[0], -1))  # L36.kv_write
     torch_npu.npu_scatter_nd_update_(kv[36][1], b.kv_index, k_pe_L36.reshape(k_pe_L36.shape[0], -1))  # L36.kv_write
-    o_L36 = _mla_attention_absorbed(q_nope_L36, q_pe_L36, kv[36], W['model.layers.36.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L36.attn
+    o_L36 = _mla_attention_absorbed(q_nope_L36, q_pe_L36, kv[36], W['model.layers.36.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L36.attn
     h_L36_attn_partial = F.linear(o_L36.reshape(o_L36.shape[0], -1), W['model.layers.36.self_attn.o_proj.weight[d1/32]'])  # L36.o_proj
     h_L36_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L36_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L36.o_proj.all_reduce
     h_L36_attn = h_L35 + h_L36_attn_sum  # L36.o_proj.residual
@@ -798,7 +827,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L37, q_pe_L37, c_kv_L37, k_pe_L37 = _mla_prolog(x_L37_attn_norm, W['model.layers.37.self_attn.q_a_proj.weight'], W['model.layers.37.self_attn.q_a_layernorm.weight'], W['model.layers.37.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.37.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.37.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L37.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[37][0], b.kv_index, c_kv_L37.reshape(c_kv_L37.shape[0], -1))  # L37.kv_write
     torch_npu.npu_scatter_nd_update_(kv[37][1], b.kv_index, k_pe_L37.reshape(k_pe_L37.shape[0], -1))  # L37.kv_write
-    o_L37 = _mla_attention_absorbed(q_nope_L37, q_pe_L37, kv[37], W['model.layers.37.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L37.attn
+    o_L37 = _mla_attention_absorbed(q_nope_L37, q_pe_L37, kv[37], W['model.layers.37.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L37.attn
     h_L37_attn_partial = F.linear(o_L37.reshape(o_L37.shape[0], -1), W['model.layers.37.self_attn.o_proj.weight[d1/32]'])  # L37.o_proj
     h_L37_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L37_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L37.o_proj.all_reduce
     h_L37_attn = h_L36 + h_L37_attn_sum  # L37.o_proj.residual
@@ -810,7 +839,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L38, q_pe_L38, c_kv_L38, k_pe_L38 = _mla_prolog(x_L38_attn_norm, W['model.layers.38.self_attn.q_a_proj.weight'], W['model.layers.38.self_attn.q_a_layernorm.weight'], W['model.layers.38.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.38.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.38.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L38.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[38][0], b.kv_index, c_kv_L38.reshape(c_kv_L38.shape[0], -1))  # L38.kv_write
     torch_npu.npu_scatter_nd_update_(kv[38][1], b.kv_index, k_pe_L38.reshape(k_pe_L38.shape[0], -1))  # L38.kv_write
-    o_L38 = _mla_attention_absorbed(q_nope_L38, q_pe_L38, kv[38], W['model.layers.38.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L38.attn
+    o_L38 = _mla_attention_absorbed(q_nope_L38, q_pe_L38, kv[38], W['model.layers.38.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L38.attn
     h_L38_attn_partial = F.linear(o_L38.reshape(o_L38.shape[0], -1), W['model.layers.38.self_attn.o_proj.weight[d1/32]'])  # L38.o_proj
     h_L38_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L38_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L38.o_proj.all_reduce
     h_L38_attn = h_L37 + h_L38_attn_sum  # L38.o_proj.residual
@@ -822,7 +851,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L39, q_pe_L39, c_kv_L39, k_pe_L39 = _mla_prolog(x_L39_attn_norm, W['model.layers.39.self_attn.q_a_proj.weight'], W['model.layers.39.self_attn.q_a_layernorm.weight'], W['model.layers.39.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.39.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.39.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L39.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[39][0], b.kv_index, c_kv_L39.reshape(c_kv_L39.shape[0], -1))  # L39.kv_write
     torch_npu.npu_scatter_nd_update_(kv[39][1], b.kv_index, k_pe_L39.reshape(k_pe_L39.shape[0], -1))  # L39.kv_write
-    o_L39 = _mla_attention_absorbed(q_nope_L39, q_pe_L39, kv[39], W['model.layers.39.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L39.attn
+    o_L39 = _mla_attention_absorbed(q_nope_L39, q_pe_L39, kv[39], W['model.layers.39.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L39.attn
     h_L39_attn_partial = F.linear(o_L39.reshape(o_L39.shape[0], -1), W['model.layers.39.self_attn.o_proj.weight[d1/32]'])  # L39.o_proj
     h_L39_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L39_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L39.o_proj.all_reduce
     h_L39_attn = h_L38 + h_L39_attn_sum  # L39.o_proj.residual
@@ -834,7 +863,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L40, q_pe_L40, c_kv_L40, k_pe_L40 = _mla_prolog(x_L40_attn_norm, W['model.layers.40.self_attn.q_a_proj.weight'], W['model.layers.40.self_attn.q_a_layernorm.weight'], W['model.layers.40.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.40.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.40.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L40.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[40][0], b.kv_index, c_kv_L40.reshape(c_kv_L40.shape[0], -1))  # L40.kv_write
     torch_npu.npu_scatter_nd_update_(kv[40][1], b.kv_index, k_pe_L40.reshape(k_pe_L40.shape[0], -1))  # L40.kv_write
-    o_L40 = _mla_attention_absorbed(q_nope_L40, q_pe_L40, kv[40], W['model.layers.40.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L40.attn
+    o_L40 = _mla_attention_absorbed(q_nope_L40, q_pe_L40, kv[40], W['model.layers.40.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L40.attn
     h_L40_attn_partial = F.linear(o_L40.reshape(o_L40.shape[0], -1), W['model.layers.40.self_attn.o_proj.weight[d1/32]'])  # L40.o_proj
     h_L40_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L40_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L40.o_proj.all_reduce
     h_L40_attn = h_L39 + h_L40_attn_sum  # L40.o_proj.residual
@@ -846,7 +875,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L41, q_pe_L41, c_kv_L41, k_pe_L41 = _mla_prolog(x_L41_attn_norm, W['model.layers.41.self_attn.q_a_proj.weight'], W['model.layers.41.self_attn.q_a_layernorm.weight'], W['model.layers.41.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.41.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.41.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L41.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[41][0], b.kv_index, c_kv_L41.reshape(c_kv_L41.shape[0], -1))  # L41.kv_write
     torch_npu.npu_scatter_nd_update_(kv[41][1], b.kv_index, k_pe_L41.reshape(k_pe_L41.shape[0], -1))  # L41.kv_write
-    o_L41 = _mla_attention_absorbed(q_nope_L41, q_pe_L41, kv[41], W['model.layers.41.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L41.attn
+    o_L41 = _mla_attention_absorbed(q_nope_L41, q_pe_L41, kv[41], W['model.layers.41.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L41.attn
     h_L41_attn_partial = F.linear(o_L41.reshape(o_L41.shape[0], -1), W['model.layers.41.self_attn.o_proj.weight[d1/32]'])  # L41.o_proj
     h_L41_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L41_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L41.o_proj.all_reduce
     h_L41_attn = h_L40 + h_L41_attn_sum  # L41.o_proj.residual
@@ -858,7 +887,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L42, q_pe_L42, c_kv_L42, k_pe_L42 = _mla_prolog(x_L42_attn_norm, W['model.layers.42.self_attn.q_a_proj.weight'], W['model.layers.42.self_attn.q_a_layernorm.weight'], W['model.layers.42.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.42.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.42.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L42.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[42][0], b.kv_index, c_kv_L42.reshape(c_kv_L42.shape[0], -1))  # L42.kv_write
     torch_npu.npu_scatter_nd_update_(kv[42][1], b.kv_index, k_pe_L42.reshape(k_pe_L42.shape[0], -1))  # L42.kv_write
-    o_L42 = _mla_attention_absorbed(q_nope_L42, q_pe_L42, kv[42], W['model.layers.42.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L42.attn
+    o_L42 = _mla_attention_absorbed(q_nope_L42, q_pe_L42, kv[42], W['model.layers.42.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L42.attn
     h_L42_attn_partial = F.linear(o_L42.reshape(o_L42.shape[0], -1), W['model.layers.42.self_attn.o_proj.weight[d1/32]'])  # L42.o_proj
     h_L42_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L42_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L42.o_proj.all_reduce
     h_L42_attn = h_L41 + h_L42_attn_sum  # L42.o_proj.residual
@@ -870,7 +899,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L43, q_pe_L43, c_kv_L43, k_pe_L43 = _mla_prolog(x_L43_attn_norm, W['model.layers.43.self_attn.q_a_proj.weight'], W['model.layers.43.self_attn.q_a_layernorm.weight'], W['model.layers.43.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.43.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.43.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L43.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[43][0], b.kv_index, c_kv_L43.reshape(c_kv_L43.shape[0], -1))  # L43.kv_write
     torch_npu.npu_scatter_nd_update_(kv[43][1], b.kv_index, k_pe_L43.reshape(k_pe_L43.shape[0], -1))  # L43.kv_write
-    o_L43 = _mla_attention_absorbed(q_nope_L43, q_pe_L43, kv[43], W['model.layers.43.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L43.attn
+    o_L43 = _mla_attention_absorbed(q_nope_L43, q_pe_L43, kv[43], W['model.layers.43.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L43.attn
     h_L43_attn_partial = F.linear(o_L43.reshape(o_L43.shape[0], -1), W['model.layers.43.self_attn.o_proj.weight[d1/32]'])  # L43.o_proj
     h_L43_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L43_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L43.o_proj.all_reduce
     h_L43_attn = h_L42 + h_L43_attn_sum  # L43.o_proj.residual
@@ -882,7 +911,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L44, q_pe_L44, c_kv_L44, k_pe_L44 = _mla_prolog(x_L44_attn_norm, W['model.layers.44.self_attn.q_a_proj.weight'], W['model.layers.44.self_attn.q_a_layernorm.weight'], W['model.layers.44.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.44.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.44.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L44.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[44][0], b.kv_index, c_kv_L44.reshape(c_kv_L44.shape[0], -1))  # L44.kv_write
     torch_npu.npu_scatter_nd_update_(kv[44][1], b.kv_index, k_pe_L44.reshape(k_pe_L44.shape[0], -1))  # L44.kv_write
-    o_L44 = _mla_attention_absorbed(q_nope_L44, q_pe_L44, kv[44], W['model.layers.44.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L44.attn
+    o_L44 = _mla_attention_absorbed(q_nope_L44, q_pe_L44, kv[44], W['model.layers.44.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L44.attn
     h_L44_attn_partial = F.linear(o_L44.reshape(o_L44.shape[0], -1), W['model.layers.44.self_attn.o_proj.weight[d1/32]'])  # L44.o_proj
     h_L44_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L44_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L44.o_proj.all_reduce
     h_L44_attn = h_L43 + h_L44_attn_sum  # L44.o_proj.residual
@@ -894,7 +923,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L45, q_pe_L45, c_kv_L45, k_pe_L45 = _mla_prolog(x_L45_attn_norm, W['model.layers.45.self_attn.q_a_proj.weight'], W['model.layers.45.self_attn.q_a_layernorm.weight'], W['model.layers.45.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.45.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.45.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L45.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[45][0], b.kv_index, c_kv_L45.reshape(c_kv_L45.shape[0], -1))  # L45.kv_write
     torch_npu.npu_scatter_nd_update_(kv[45][1], b.kv_index, k_pe_L45.reshape(k_pe_L45.shape[0], -1))  # L45.kv_write
-    o_L45 = _mla_attention_absorbed(q_nope_L45, q_pe_L45, kv[45], W['model.layers.45.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L45.attn
+    o_L45 = _mla_attention_absorbed(q_nope_L45, q_pe_L45, kv[45], W['model.layers.45.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L45.attn
     h_L45_attn_partial = F.linear(o_L45.reshape(o_L45.shape[0], -1), W['model.layers.45.self_attn.o_proj.weight[d1/32]'])  # L45.o_proj
     h_L45_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L45_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L45.o_proj.all_reduce
     h_L45_attn = h_L44 + h_L45_attn_sum  # L45.o_proj.residual
@@ -906,7 +935,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L46, q_pe_L46, c_kv_L46, k_pe_L46 = _mla_prolog(x_L46_attn_norm, W['model.layers.46.self_attn.q_a_proj.weight'], W['model.layers.46.self_attn.q_a_layernorm.weight'], W['model.layers.46.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.46.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.46.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L46.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[46][0], b.kv_index, c_kv_L46.reshape(c_kv_L46.shape[0], -1))  # L46.kv_write
     torch_npu.npu_scatter_nd_update_(kv[46][1], b.kv_index, k_pe_L46.reshape(k_pe_L46.shape[0], -1))  # L46.kv_write
-    o_L46 = _mla_attention_absorbed(q_nope_L46, q_pe_L46, kv[46], W['model.layers.46.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L46.attn
+    o_L46 = _mla_attention_absorbed(q_nope_L46, q_pe_L46, kv[46], W['model.layers.46.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L46.attn
     h_L46_attn_partial = F.linear(o_L46.reshape(o_L46.shape[0], -1), W['model.layers.46.self_attn.o_proj.weight[d1/32]'])  # L46.o_proj
     h_L46_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L46_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L46.o_proj.all_reduce
     h_L46_attn = h_L45 + h_L46_attn_sum  # L46.o_proj.residual
@@ -918,7 +947,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L47, q_pe_L47, c_kv_L47, k_pe_L47 = _mla_prolog(x_L47_attn_norm, W['model.layers.47.self_attn.q_a_proj.weight'], W['model.layers.47.self_attn.q_a_layernorm.weight'], W['model.layers.47.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.47.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.47.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L47.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[47][0], b.kv_index, c_kv_L47.reshape(c_kv_L47.shape[0], -1))  # L47.kv_write
     torch_npu.npu_scatter_nd_update_(kv[47][1], b.kv_index, k_pe_L47.reshape(k_pe_L47.shape[0], -1))  # L47.kv_write
-    o_L47 = _mla_attention_absorbed(q_nope_L47, q_pe_L47, kv[47], W['model.layers.47.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L47.attn
+    o_L47 = _mla_attention_absorbed(q_nope_L47, q_pe_L47, kv[47], W['model.layers.47.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L47.attn
     h_L47_attn_partial = F.linear(o_L47.reshape(o_L47.shape[0], -1), W['model.layers.47.self_attn.o_proj.weight[d1/32]'])  # L47.o_proj
     h_L47_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L47_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L47.o_proj.all_reduce
     h_L47_attn = h_L46 + h_L47_attn_sum  # L47.o_proj.residual
@@ -930,7 +959,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L48, q_pe_L48, c_kv_L48, k_pe_L48 = _mla_prolog(x_L48_attn_norm, W['model.layers.48.self_attn.q_a_proj.weight'], W['model.layers.48.self_attn.q_a_layernorm.weight'], W['model.layers.48.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.48.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.48.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L48.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[48][0], b.kv_index, c_kv_L48.reshape(c_kv_L48.shape[0], -1))  # L48.kv_write
     torch_npu.npu_scatter_nd_update_(kv[48][1], b.kv_index, k_pe_L48.reshape(k_pe_L48.shape[0], -1))  # L48.kv_write
-    o_L48 = _mla_attention_absorbed(q_nope_L48, q_pe_L48, kv[48], W['model.layers.48.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L48.attn
+    o_L48 = _mla_attention_absorbed(q_nope_L48, q_pe_L48, kv[48], W['model.layers.48.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L48.attn
     h_L48_attn_partial = F.linear(o_L48.reshape(o_L48.shape[0], -1), W['model.layers.48.self_attn.o_proj.weight[d1/32]'])  # L48.o_proj
     h_L48_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L48_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L48.o_proj.all_reduce
     h_L48_attn = h_L47 + h_L48_attn_sum  # L48.o_proj.residual
@@ -942,7 +971,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L49, q_pe_L49, c_kv_L49, k_pe_L49 = _mla_prolog(x_L49_attn_norm, W['model.layers.49.self_attn.q_a_proj.weight'], W['model.layers.49.self_attn.q_a_layernorm.weight'], W['model.layers.49.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.49.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.49.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L49.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[49][0], b.kv_index, c_kv_L49.reshape(c_kv_L49.shape[0], -1))  # L49.kv_write
     torch_npu.npu_scatter_nd_update_(kv[49][1], b.kv_index, k_pe_L49.reshape(k_pe_L49.shape[0], -1))  # L49.kv_write
-    o_L49 = _mla_attention_absorbed(q_nope_L49, q_pe_L49, kv[49], W['model.layers.49.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L49.attn
+    o_L49 = _mla_attention_absorbed(q_nope_L49, q_pe_L49, kv[49], W['model.layers.49.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L49.attn
     h_L49_attn_partial = F.linear(o_L49.reshape(o_L49.shape[0], -1), W['model.layers.49.self_attn.o_proj.weight[d1/32]'])  # L49.o_proj
     h_L49_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L49_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L49.o_proj.all_reduce
     h_L49_attn = h_L48 + h_L49_attn_sum  # L49.o_proj.residual
@@ -954,7 +983,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L50, q_pe_L50, c_kv_L50, k_pe_L50 = _mla_prolog(x_L50_attn_norm, W['model.layers.50.self_attn.q_a_proj.weight'], W['model.layers.50.self_attn.q_a_layernorm.weight'], W['model.layers.50.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.50.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.50.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L50.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[50][0], b.kv_index, c_kv_L50.reshape(c_kv_L50.shape[0], -1))  # L50.kv_write
     torch_npu.npu_scatter_nd_update_(kv[50][1], b.kv_index, k_pe_L50.reshape(k_pe_L50.shape[0], -1))  # L50.kv_write
-    o_L50 = _mla_attention_absorbed(q_nope_L50, q_pe_L50, kv[50], W['model.layers.50.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L50.attn
+    o_L50 = _mla_attention_absorbed(q_nope_L50, q_pe_L50, kv[50], W['model.layers.50.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L50.attn
     h_L50_attn_partial = F.linear(o_L50.reshape(o_L50.shape[0], -1), W['model.layers.50.self_attn.o_proj.weight[d1/32]'])  # L50.o_proj
     h_L50_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L50_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L50.o_proj.all_reduce
     h_L50_attn = h_L49 + h_L50_attn_sum  # L50.o_proj.residual
@@ -966,7 +995,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L51, q_pe_L51, c_kv_L51, k_pe_L51 = _mla_prolog(x_L51_attn_norm, W['model.layers.51.self_attn.q_a_proj.weight'], W['model.layers.51.self_attn.q_a_layernorm.weight'], W['model.layers.51.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.51.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.51.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L51.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[51][0], b.kv_index, c_kv_L51.reshape(c_kv_L51.shape[0], -1))  # L51.kv_write
     torch_npu.npu_scatter_nd_update_(kv[51][1], b.kv_index, k_pe_L51.reshape(k_pe_L51.shape[0], -1))  # L51.kv_write
-    o_L51 = _mla_attention_absorbed(q_nope_L51, q_pe_L51, kv[51], W['model.layers.51.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L51.attn
+    o_L51 = _mla_attention_absorbed(q_nope_L51, q_pe_L51, kv[51], W['model.layers.51.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L51.attn
     h_L51_attn_partial = F.linear(o_L51.reshape(o_L51.shape[0], -1), W['model.layers.51.self_attn.o_proj.weight[d1/32]'])  # L51.o_proj
     h_L51_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L51_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L51.o_proj.all_reduce
     h_L51_attn = h_L50 + h_L51_attn_sum  # L51.o_proj.residual
@@ -978,7 +1007,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L52, q_pe_L52, c_kv_L52, k_pe_L52 = _mla_prolog(x_L52_attn_norm, W['model.layers.52.self_attn.q_a_proj.weight'], W['model.layers.52.self_attn.q_a_layernorm.weight'], W['model.layers.52.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.52.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.52.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L52.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[52][0], b.kv_index, c_kv_L52.reshape(c_kv_L52.shape[0], -1))  # L52.kv_write
     torch_npu.npu_scatter_nd_update_(kv[52][1], b.kv_index, k_pe_L52.reshape(k_pe_L52.shape[0], -1))  # L52.kv_write
-    o_L52 = _mla_attention_absorbed(q_nope_L52, q_pe_L52, kv[52], W['model.layers.52.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L52.attn
+    o_L52 = _mla_attention_absorbed(q_nope_L52, q_pe_L52, kv[52], W['model.layers.52.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L52.attn
     h_L52_attn_partial = F.linear(o_L52.reshape(o_L52.shape[0], -1), W['model.layers.52.self_attn.o_proj.weight[d1/32]'])  # L52.o_proj
     h_L52_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L52_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L52.o_proj.all_reduce
     h_L52_attn = h_L51 + h_L52_attn_sum  # L52.o_proj.residual
@@ -990,7 +1019,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L53, q_pe_L53, c_kv_L53, k_pe_L53 = _mla_prolog(x_L53_attn_norm, W['model.layers.53.self_attn.q_a_proj.weight'], W['model.layers.53.self_attn.q_a_layernorm.weight'], W['model.layers.53.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.53.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.53.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L53.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[53][0], b.kv_index, c_kv_L53.reshape(c_kv_L53.shape[0], -1))  # L53.kv_write
     torch_npu.npu_scatter_nd_update_(kv[53][1], b.kv_index, k_pe_L53.reshape(k_pe_L53.shape[0], -1))  # L53.kv_write
-    o_L53 = _mla_attention_absorbed(q_nope_L53, q_pe_L53, kv[53], W['model.layers.53.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L53.attn
+    o_L53 = _mla_attention_absorbed(q_nope_L53, q_pe_L53, kv[53], W['model.layers.53.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L53.attn
     h_L53_attn_partial = F.linear(o_L53.reshape(o_L53.shape[0], -1), W['model.layers.53.self_attn.o_proj.weight[d1/32]'])  # L53.o_proj
     h_L53_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L53_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L53.o_proj.all_reduce
     h_L53_attn = h_L52 + h_L53_attn_sum  # L53.o_proj.residual
@@ -1002,7 +1031,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L54, q_pe_L54, c_kv_L54, k_pe_L54 = _mla_prolog(x_L54_attn_norm, W['model.layers.54.self_attn.q_a_proj.weight'], W['model.layers.54.self_attn.q_a_layernorm.weight'], W['model.layers.54.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.54.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.54.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L54.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[54][0], b.kv_index, c_kv_L54.reshape(c_kv_L54.shape[0], -1))  # L54.kv_write
     torch_npu.npu_scatter_nd_update_(kv[54][1], b.kv_index, k_pe_L54.reshape(k_pe_L54.shape[0], -1))  # L54.kv_write
-    o_L54 = _mla_attention_absorbed(q_nope_L54, q_pe_L54, kv[54], W['model.layers.54.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L54.attn
+    o_L54 = _mla_attention_absorbed(q_nope_L54, q_pe_L54, kv[54], W['model.layers.54.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L54.attn
     h_L54_attn_partial = F.linear(o_L54.reshape(o_L54.shape[0], -1), W['model.layers.54.self_attn.o_proj.weight[d1/32]'])  # L54.o_proj
     h_L54_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L54_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L54.o_proj.all_reduce
     h_L54_attn = h_L53 + h_L54_attn_sum  # L54.o_proj.residual
@@ -1014,7 +1043,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L55, q_pe_L55, c_kv_L55, k_pe_L55 = _mla_prolog(x_L55_attn_norm, W['model.layers.55.self_attn.q_a_proj.weight'], W['model.layers.55.self_attn.q_a_layernorm.weight'], W['model.layers.55.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.55.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.55.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L55.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[55][0], b.kv_index, c_kv_L55.reshape(c_kv_L55.shape[0], -1))  # L55.kv_write
     torch_npu.npu_scatter_nd_update_(kv[55][1], b.kv_index, k_pe_L55.reshape(k_pe_L55.shape[0], -1))  # L55.kv_write
-    o_L55 = _mla_attention_absorbed(q_nope_L55, q_pe_L55, kv[55], W['model.layers.55.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L55.attn
+    o_L55 = _mla_attention_absorbed(q_nope_L55, q_pe_L55, kv[55], W['model.layers.55.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L55.attn
     h_L55_attn_partial = F.linear(o_L55.reshape(o_L55.shape[0], -1), W['model.layers.55.self_attn.o_proj.weight[d1/32]'])  # L55.o_proj
     h_L55_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L55_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L55.o_proj.all_reduce
     h_L55_attn = h_L54 + h_L55_attn_sum  # L55.o_proj.residual
@@ -1026,7 +1055,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L56, q_pe_L56, c_kv_L56, k_pe_L56 = _mla_prolog(x_L56_attn_norm, W['model.layers.56.self_attn.q_a_proj.weight'], W['model.layers.56.self_attn.q_a_layernorm.weight'], W['model.layers.56.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.56.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.56.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L56.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[56][0], b.kv_index, c_kv_L56.reshape(c_kv_L56.shape[0], -1))  # L56.kv_write
     torch_npu.npu_scatter_nd_update_(kv[56][1], b.kv_index, k_pe_L56.reshape(k_pe_L56.shape[0], -1))  # L56.kv_write
-    o_L56 = _mla_attention_absorbed(q_nope_L56, q_pe_L56, kv[56], W['model.layers.56.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L56.attn
+    o_L56 = _mla_attention_absorbed(q_nope_L56, q_pe_L56, kv[56], W['model.layers.56.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L56.attn
     h_L56_attn_partial = F.linear(o_L56.reshape(o_L56.shape[0], -1), W['model.layers.56.self_attn.o_proj.weight[d1/32]'])  # L56.o_proj
     h_L56_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L56_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L56.o_proj.all_reduce
     h_L56_attn = h_L55 + h_L56_attn_sum  # L56.o_proj.residual
@@ -1038,7 +1067,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L57, q_pe_L57, c_kv_L57, k_pe_L57 = _mla_prolog(x_L57_attn_norm, W['model.layers.57.self_attn.q_a_proj.weight'], W['model.layers.57.self_attn.q_a_layernorm.weight'], W['model.layers.57.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.57.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.57.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L57.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[57][0], b.kv_index, c_kv_L57.reshape(c_kv_L57.shape[0], -1))  # L57.kv_write
     torch_npu.npu_scatter_nd_update_(kv[57][1], b.kv_index, k_pe_L57.reshape(k_pe_L57.shape[0], -1))  # L57.kv_write
-    o_L57 = _mla_attention_absorbed(q_nope_L57, q_pe_L57, kv[57], W['model.layers.57.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L57.attn
+    o_L57 = _mla_attention_absorbed(q_nope_L57, q_pe_L57, kv[57], W['model.layers.57.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L57.attn
     h_L57_attn_partial = F.linear(o_L57.reshape(o_L57.shape[0], -1), W['model.layers.57.self_attn.o_proj.weight[d1/32]'])  # L57.o_proj
     h_L57_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L57_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L57.o_proj.all_reduce
     h_L57_attn = h_L56 + h_L57_attn_sum  # L57.o_proj.residual
@@ -1050,7 +1079,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L58, q_pe_L58, c_kv_L58, k_pe_L58 = _mla_prolog(x_L58_attn_norm, W['model.layers.58.self_attn.q_a_proj.weight'], W['model.layers.58.self_attn.q_a_layernorm.weight'], W['model.layers.58.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.58.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.58.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L58.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[58][0], b.kv_index, c_kv_L58.reshape(c_kv_L58.shape[0], -1))  # L58.kv_write
     torch_npu.npu_scatter_nd_update_(kv[58][1], b.kv_index, k_pe_L58.reshape(k_pe_L58.shape[0], -1))  # L58.kv_write
-    o_L58 = _mla_attention_absorbed(q_nope_L58, q_pe_L58, kv[58], W['model.layers.58.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L58.attn
+    o_L58 = _mla_attention_absorbed(q_nope_L58, q_pe_L58, kv[58], W['model.layers.58.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L58.attn
     h_L58_attn_partial = F.linear(o_L58.reshape(o_L58.shape[0], -1), W['model.layers.58.self_attn.o_proj.weight[d1/32]'])  # L58.o_proj
     h_L58_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L58_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L58.o_proj.all_reduce
     h_L58_attn = h_L57 + h_L58_attn_sum  # L58.o_proj.residual
@@ -1062,7 +1091,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L59, q_pe_L59, c_kv_L59, k_pe_L59 = _mla_prolog(x_L59_attn_norm, W['model.layers.59.self_attn.q_a_proj.weight'], W['model.layers.59.self_attn.q_a_layernorm.weight'], W['model.layers.59.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.59.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.59.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L59.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[59][0], b.kv_index, c_kv_L59.reshape(c_kv_L59.shape[0], -1))  # L59.kv_write
     torch_npu.npu_scatter_nd_update_(kv[59][1], b.kv_index, k_pe_L59.reshape(k_pe_L59.shape[0], -1))  # L59.kv_write
-    o_L59 = _mla_attention_absorbed(q_nope_L59, q_pe_L59, kv[59], W['model.layers.59.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L59.attn
+    o_L59 = _mla_attention_absorbed(q_nope_L59, q_pe_L59, kv[59], W['model.layers.59.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L59.attn
     h_L59_attn_partial = F.linear(o_L59.reshape(o_L59.shape[0], -1), W['model.layers.59.self_attn.o_proj.weight[d1/32]'])  # L59.o_proj
     h_L59_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L59_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L59.o_proj.all_reduce
     h_L59_attn = h_L58 + h_L59_attn_sum  # L59.o_proj.residual
@@ -1074,7 +1103,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L60, q_pe_L60, c_kv_L60, k_pe_L60 = _mla_prolog(x_L60_attn_norm, W['model.layers.60.self_attn.q_a_proj.weight'], W['model.layers.60.self_attn.q_a_layernorm.weight'], W['model.layers.60.self_attn.q_b_proj.weight[d0/32]'], W['model.layers.60.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.60.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L60.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[60][0], b.kv_index, c_kv_L60.reshape(c_kv_L60.shape[0], -1))  # L60.kv_write
     torch_npu.npu_scatter_nd_update_(kv[60][1], b.kv_index, k_pe_L60.reshape(k_pe_L60.shape[0], -1))  # L60.kv_write
-    o_L60 = _mla_attention_absorbed(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L60.attn
+    o_L60 = _mla_attention_absorbed(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.1352337788608801, block_size=128)  # L60.attn
     h_L60_attn_partial = F.linear(o_L60.reshape(o_L60.shape[0], -1), W['model.layers.60.self_attn.o_proj.weight[d1/32]'])  # L60.o_proj
     h_L60_attn_sum = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_L60_attn_partial, 'sum', torch.distributed.group.WORLD.group_name))  # L60.o_proj.all_reduce
     h_L60_attn = h_L59 + h_L60_attn_sum  # L60.o_proj.residual

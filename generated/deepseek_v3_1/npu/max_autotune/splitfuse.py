@@ -227,10 +227,11 @@ LOAD_TIME_WEIGHTS = {
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
 # load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column); kv_gather_rows [S]
-# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse).
+# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse); prev_hidden
+# [T, hidden] = the hidden state each row of the MTP graph drafts from (phase mtp only).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
                "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
-               "kv_gather_rows")
+               "kv_gather_rows", "prev_hidden")
 
 
 def _swiglu_mlp(x, w_gate_up, w_down):
@@ -320,7 +321,7 @@ def _mla_splitfuse(q_nope, q_pe, cache, w_kv_b, kv_gather_rows, actual_seq_lengt
 
 
 def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, w_shared_down, residual, *,
-                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
+                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts, ep=1, ep_rank=0):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
 
     Expert weights come in npu_grouped_matmul's layout, built once at load: w_gate_up_t [E, H, 2I]
@@ -334,6 +335,16 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
 
     The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
     happen here so the result does not depend on whether the kernel renormalises internally.
+
+    Expert parallel (ep > 1, the all-gather form; the result is this rank's partial sum): the rank holds
+    experts [lo, lo + E/ep), lo = ep_rank * E/ep (its stacked weights are those E/ep). As vllm-ascend's
+    all-gather dispatcher: the weights of (token, k) pairs routed elsewhere are zeroed, init_routing_v2
+    keeps only the pairs in active_expert_range=[lo, lo + E/ep) at the front of its rows (row index -1 for
+    the others, :11107-11108; tokens_per_expert has E/ep counts, :11110), the grouped matmuls run those.
+    The rows past them are undefined (:11107), so they are zeroed after the GMMs (torch.where: a NaN
+    there cannot leak through a zero weight), and each dropped pair is pointed at one of those unused
+    rows in turn, so the unpermute's index stays a permutation of [0, T*K) as documented (:16942:
+    in range, no repeated index; vllm-ascend passes |row index| instead, which repeats row 1).
     """
     t = x.shape[0]
     weights, ids, _ = torch_npu.npu_moe_gating_top_k(
@@ -342,14 +353,24 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = (weights * routed_scaling_factor).to(x.dtype)
+    lo = ep_rank * (num_experts // ep)
+    hi = lo + num_experts // ep
+    if ep > 1:
+        weights = torch.where((ids >= lo) & (ids < hi), weights, torch.zeros_like(weights))
     rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
         x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
+        expert_tokens_num_flag=True, active_expert_range=[lo, hi], quant_mode=-1)
     gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=tokens_per_expert,
                                            group_list_type=1, group_type=0, split_item=2)[0]
     act = torch_npu.npu_swiglu(gate_up, dim=-1)
     down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
+    if ep > 1:
+        dropped = row_idx < 0
+        kept = t * top_k - dropped.sum()
+        row_idx = torch.where(dropped, kept + torch.cumsum(dropped.int(), dim=0) - 1, row_idx).int()
+        valid = torch.arange(t * top_k, device=x.device) < kept
+        down = torch.where(valid.unsqueeze(-1), down, torch.zeros_like(down))
     shared = None if w_shared_gate_up is None else _swiglu_mlp(x, w_shared_gate_up, w_shared_down)
     # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
     out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
@@ -489,7 +510,7 @@ def load(b, kv, loads):
 def forward(W, b, kv, staging=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
     kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
-    _ids = b.input_ids - torch.distributed.get_rank() * W['model.embed_tokens.weight[d0/32]'].shape[0]  # embed
+    _ids = b.input_ids - torch.distributed.get_rank() % 32 * W['model.embed_tokens.weight[d0/32]'].shape[0]  # embed
     h_embed_partial = F.embedding(_ids.clamp(0, W['model.embed_tokens.weight[d0/32]'].shape[0] - 1), W['model.embed_tokens.weight[d0/32]']) * ((_ids >= 0) & (_ids < W['model.embed_tokens.weight[d0/32]'].shape[0])).unsqueeze(-1).to(W['model.embed_tokens.weight[d0/32]'].dtype)  # embed
     h_embed = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_embed_partial, 'sum', torch.distributed.group.WORLD.group_name))  # embed.all_reduce
     cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope

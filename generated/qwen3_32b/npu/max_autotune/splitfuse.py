@@ -178,10 +178,11 @@ LOAD_TIME_WEIGHTS = {
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
 # load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column); kv_gather_rows [S]
-# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse).
+# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse); prev_hidden
+# [T, hidden] = the hidden state each row of the MTP graph drafts from (phase mtp only).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
                "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
-               "kv_gather_rows")
+               "kv_gather_rows", "prev_hidden")
 
 
 def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
@@ -342,7 +343,7 @@ def load(b, kv, loads):
 def forward(W, b, kv, staging=()):
     """One step.  W: weights by checkpoint name (+ ROPE_CACHE_KEY); b: step inputs (STEP_FIELDS);
     kv: per-layer KV-cache tuples; staging: per-layer pool staging tuples.  Returns logits [B, V]."""
-    _ids = b.input_ids - torch.distributed.get_rank() * W['model.embed_tokens.weight[d0/2]'].shape[0]  # embed
+    _ids = b.input_ids - torch.distributed.get_rank() % 2 * W['model.embed_tokens.weight[d0/2]'].shape[0]  # embed
     h_embed_partial = F.embedding(_ids.clamp(0, W['model.embed_tokens.weight[d0/2]'].shape[0] - 1), W['model.embed_tokens.weight[d0/2]']) * ((_ids >= 0) & (_ids < W['model.embed_tokens.weight[d0/2]'].shape[0])).unsqueeze(-1).to(W['model.embed_tokens.weight[d0/2]'].dtype)  # embed
     h_embed = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(h_embed_partial, 'sum', torch.distributed.group.WORLD.group_name))  # embed.all_reduce
     cos, sin = W[ROPE_CACHE_KEY].index_select(0, b.positions).to(torch.bfloat16).chunk(2, dim=-1)  # rope

@@ -54,10 +54,11 @@ LOAD_TIME_WEIGHTS = {
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
 # load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column); kv_gather_rows [S]
-# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse).
+# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse); prev_hidden
+# [T, hidden] = the hidden state each row of the MTP graph drafts from (phase mtp only).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
                "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
-               "kv_gather_rows")
+               "kv_gather_rows", "prev_hidden")
 
 
 def _swiglu_mlp(x, w_gate_up, w_down):
@@ -95,17 +96,20 @@ def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, n
     return q_nope.contiguous(), q_pe.contiguous(), c_kv.contiguous(), k_pe.contiguous()
 
 
-def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
+def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens, atten_mask,
                             *, num_heads, qk_nope_head_dim, v_head_dim, kv_lora_rank, scale, block_size):
-    """DECODE ONLY (one query token per sequence, T = B). Absorbed MLA: q_nope . W_uk -> attention over the
-    paged latent cache (ckv as key and value, q_pe/kpe as the rope part) -> . W_uv.  cache = (ckv [NB, BS, R],
-    kpe [NB, BS, r]); returns [T, H, v_head_dim].
+    """DECODE and VERIFY: S = T / B query tokens per sequence, every row the same S -- 1 in decode (T = B),
+    K + 1 <= 16 in a speculative verify row (the K draft tokens and the last verified one).  Absorbed MLA:
+    q_nope . W_uk -> attention over the paged latent cache (ckv as key and value, q_pe/kpe as the rope part)
+    -> . W_uv.  cache = (ckv [NB, BS, R], kpe [NB, BS, r]); returns [T, H, v_head_dim].
     The v2 API in layout BNSD (B, N, S, D) for the static decode graph (TND is not supported with tiling
     sink, torch-npu 2.14.0 _op_plugin_docs.py:8632-8633), as vllm-ascend's MLA decode does
     (mla_v1.py:1373-1500, v2).  Its documented envelope with query_rope, query D = 512 (:8694-8703): query
     S 1-16 and N in 1/2/4/8/16/32/64/128, rope D 64, key N 1 and D 512, page attention with block size 16
-    or 128, sparse_mode 0 without a mask for S = 1 (:8697).  The latent cache is viewed (blocknum, KV_N=1,
-    blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same bytes for KV_N = 1).
+    or 128; sparse_mode 0 without a mask for S = 1, sparse_mode 3 with the mask for S > 1 (:8697: query i
+    of a row of S sees the keys up to seq_len - S + i, causal inside the verify row).  The latent cache is
+    viewed (blocknum, KV_N=1, blocksize, D), the layout the docs call faster for BNSD (:8822-8823; the same
+    bytes for KV_N = 1).
     A tensor-parallel rank holds num_heads / tp heads (4 for DeepSeek-V3 at tp=32): the query is padded
     with zero heads to the next power of two only when it is not one (the extra heads cost compute, not
     KV traffic, and are dropped)."""
@@ -116,17 +120,22 @@ def _mla_attention_absorbed(q_nope, q_pe, cache, w_kv_b, block_table, seq_lens,
     if heads != num_heads:
         q_lat = torch.nn.functional.pad(q_lat, (0, 0, 0, heads - num_heads))
         q_pe = torch.nn.functional.pad(q_pe, (0, 0, 0, heads - num_heads))
+    t, b = q_lat.shape[0], block_table.shape[0]
+    s = t // b
+    # [T, N, D] -> [B, N, S, D]
+    q_lat = q_lat.view(b, s, heads, kv_lora_rank).transpose(1, 2).contiguous()
+    q_pe = q_pe.view(b, s, heads, q_pe.shape[-1]).transpose(1, 2).contiguous()
     nb, bs = cache[0].shape[0], cache[0].shape[1]
     ckv, kpe = cache[0].view(nb, 1, bs, kv_lora_rank), cache[1].view(nb, 1, bs, cache[1].shape[-1])
     o_lat = torch_npu.npu_fused_infer_attention_score_v2(
-        q_lat.unsqueeze(2).contiguous(), ckv, ckv, query_rope=q_pe.unsqueeze(2).contiguous(), key_rope=kpe,
-        atten_mask=None, actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads,
-        num_key_value_heads=1, softmax_scale=scale, input_layout="BNSD", sparse_mode=0, block_size=block_size)[0]
-    return torch.einsum("thr,hvr->thv", o_lat.squeeze(2)[:, :num_heads], w_uv)
+        q_lat, ckv, ckv, query_rope=q_pe, key_rope=kpe, atten_mask=None if s == 1 else atten_mask,
+        actual_seq_kvlen=seq_lens, block_table=block_table, num_query_heads=heads, num_key_value_heads=1,
+        softmax_scale=scale, input_layout="BNSD", sparse_mode=0 if s == 1 else 3, block_size=block_size)[0]
+    return torch.einsum("thr,hvr->thv", o_lat.transpose(1, 2).reshape(t, heads, kv_lora_rank)[:, :num_heads], w_uv)
 
 
 def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, w_shared_down, residual, *,
-                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts):
+                  top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts, ep=1, ep_rank=0):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
 
     Expert weights come in npu_grouped_matmul's layout, built once at load: w_gate_up_t [E, H, 2I]
@@ -140,6 +149,16 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
 
     The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
     happen here so the result does not depend on whether the kernel renormalises internally.
+
+    Expert parallel (ep > 1, the all-gather form; the result is this rank's partial sum): the rank holds
+    experts [lo, lo + E/ep), lo = ep_rank * E/ep (its stacked weights are those E/ep). As vllm-ascend's
+    all-gather dispatcher: the weights of (token, k) pairs routed elsewhere are zeroed, init_routing_v2
+    keeps only the pairs in active_expert_range=[lo, lo + E/ep) at the front of its rows (row index -1 for
+    the others, :11107-11108; tokens_per_expert has E/ep counts, :11110), the grouped matmuls run those.
+    The rows past them are undefined (:11107), so they are zeroed after the GMMs (torch.where: a NaN
+    there cannot leak through a zero weight), and each dropped pair is pointed at one of those unused
+    rows in turn, so the unpermute's index stays a permutation of [0, T*K) as documented (:16942:
+    in range, no repeated index; vllm-ascend passes |row index| instead, which repeats row 1).
     """
     t = x.shape[0]
     weights, ids, _ = torch_npu.npu_moe_gating_top_k(
@@ -148,14 +167,24 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = (weights * routed_scaling_factor).to(x.dtype)
+    lo = ep_rank * (num_experts // ep)
+    hi = lo + num_experts // ep
+    if ep > 1:
+        weights = torch.where((ids >= lo) & (ids < hi), weights, torch.zeros_like(weights))
     rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
         x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
+        expert_tokens_num_flag=True, active_expert_range=[lo, hi], quant_mode=-1)
     gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=tokens_per_expert,
                                            group_list_type=1, group_type=0, split_item=2)[0]
     act = torch_npu.npu_swiglu(gate_up, dim=-1)
     down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=tokens_per_expert,
                                         group_list_type=1, group_type=0, split_item=2)[0]
+    if ep > 1:
+        dropped = row_idx < 0
+        kept = t * top_k - dropped.sum()
+        row_idx = torch.where(dropped, kept + torch.cumsum(dropped.int(), dim=0) - 1, row_idx).int()
+        valid = torch.arange(t * top_k, device=x.device) < kept
+        down = torch.where(valid.unsqueeze(-1), down, torch.zeros_like(down))
     shared = None if w_shared_gate_up is None else _swiglu_mlp(x, w_shared_gate_up, w_shared_down)
     # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
     out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
@@ -179,7 +208,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = _mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[0][0], b.kv_index, c_kv_L00.reshape(c_kv_L00.shape[0], -1))  # L00.kv_write
     torch_npu.npu_scatter_nd_update_(kv[0][1], b.kv_index, k_pe_L00.reshape(k_pe_L00.shape[0], -1))  # L00.kv_write
-    o_L00 = _mla_attention_absorbed(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L00.attn
+    o_L00 = _mla_attention_absorbed(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L00.attn
     h_L00_attn = h_embed + F.linear(o_L00.reshape(o_L00.shape[0], -1), W['model.layers.0.self_attn.o_proj.weight'])  # L00.o_proj
     x_L00_mlp_norm = torch_npu.npu_rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)[0]  # L00.mlp_norm
     h_L00 = h_L00_attn + _swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0'], W['model.layers.0.mlp.down_proj.weight'])  # L00.mlp
@@ -187,7 +216,7 @@ def forward(W, b, kv, staging=()):
     q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = _mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L01.mla_prolog
     torch_npu.npu_scatter_nd_update_(kv[1][0], b.kv_index, c_kv_L01.reshape(c_kv_L01.shape[0], -1))  # L01.kv_write
     torch_npu.npu_scatter_nd_update_(kv[1][1], b.kv_index, k_pe_L01.reshape(k_pe_L01.shape[0], -1))  # L01.kv_write
-    o_L01 = _mla_attention_absorbed(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths_kv, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L01.attn
+    o_L01 = _mla_attention_absorbed(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.actual_seq_lengths_kv, b.atten_mask, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512, scale=0.07216878364870322, block_size=128)  # L01.attn
     h_L01_attn = h_L00 + F.linear(o_L01.reshape(o_L01.shape[0], -1), W['model.layers.1.self_attn.o_proj.weight'])  # L01.o_proj
     x_L01_mlp_norm = torch_npu.npu_rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)[0]  # L01.mlp_norm
     h_L01 = _moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['graphgen.load:model.layers.1.mlp.experts.gate_proj.weight+model.layers.1.mlp.experts.up_proj.weight:cat1:t12'], W['graphgen.load:model.layers.1.mlp.experts.down_proj.weight:cat0:t12'], W['graphgen.load:model.layers.1.mlp.shared_experts.gate_proj.weight+model.layers.1.mlp.shared_experts.up_proj.weight:cat0'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=8)  # L01.moe

@@ -54,10 +54,11 @@ LOAD_TIME_WEIGHTS = {
 # slot % block_size); actual_seq_lengths = cumulative query lengths (TND); actual_seq_lengths_kv = seq_lens;
 # atten_mask = compressed causal mask for sparse_mode=3 (prefill/splitfuse); save_rows [S,1] = arange(S);
 # load_rows [R,1] = the cache blocks the loaded blocks go to (load_block_ids as a column); kv_gather_rows [S]
-# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse).
+# = every sequence's cache rows packed in order, padded with pad-block rows (prefill/splitfuse); prev_hidden
+# [T, hidden] = the hidden state each row of the MTP graph drafts from (phase mtp only).
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
                "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
-               "kv_gather_rows")
+               "kv_gather_rows", "prev_hidden")
 
 
 def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
