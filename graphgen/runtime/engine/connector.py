@@ -117,7 +117,7 @@ class KVConnector:
         if len(block_ids) != len(keys):
             raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
         if staging is None:
-            staging = self.cache.make_staging(len(block_ids))
+            staging = self.cache.make_staging(len(block_ids), shared_memory=True)  # read off the GIL
         save = PendingSave(tuple(block_ids), tuple(keys), staging, on_committed=on_committed)
         if save.block_ids:
             self.alloc.pin(save.block_ids)
