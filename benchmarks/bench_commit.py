@@ -10,8 +10,9 @@ layout: 6 layers x (k, v) x [16, 2, 64] float32 = 96 KiB a block) into the embed
 Packing: ``per-component`` is the old `pack_block` (one torch copy per layer and component per
 block: 12 torch calls a block, each a GIL release and re-acquire) — forced by handing the connector
 a plain-list staging; ``packed/numpy`` is a `PackedStaging` in torch memory (a block's value is one
-row of one buffer: one numpy memcpy, GIL held); ``packed/memfd`` is the connector's staging now
-(the same rows over a memfd mapping, read with ``os.pread``: the copy runs with the GIL released).
+row of one buffer: one numpy memcpy, GIL held; the connector's staging for ``write: sync``);
+``packed/memfd`` is the same rows over a memfd mapping, read with ``os.pread`` (the copy runs with
+the GIL released; the connector's staging for ``write: async``).
 Reported: commit wall ms (observer span: the puts, after the save event), and the forward loop's
 ms per step while a commit runs vs alone.
 
@@ -62,14 +63,15 @@ class Spans:
 
 
 class StagingAs:
-    """The cache, but its save staging is made as ``packing`` says: a plain list (the connector then
-    packs per component, the old path) or a torch-memory `PackedStaging` (numpy row copies)."""
+    """The cache, but its save staging is made as ``packing`` says (whatever the connector asks): a
+    plain list (the connector then packs per component, the old path), a torch-memory
+    `PackedStaging` (numpy row copies) or a memfd one (os.pread)."""
 
     def __init__(self, cache, packing: str):
         self._c, self.packing = cache, packing
 
     def make_staging(self, n, **_):
-        staging = self._c.make_staging(n, shared_memory=False)
+        staging = self._c.make_staging(n, shared_memory=self.packing == "packed/memfd")
         return list(staging) if self.packing == "per-component" else staging
 
     def __getattr__(self, name):
@@ -91,7 +93,7 @@ def run(packing: str, mode: str, args, counter):
     for layer in cache:
         for t in layer:
             t.normal_()
-    conn_cache = cache if packing == "packed/memfd" else StagingAs(cache, packing)
+    conn_cache = StagingAs(cache, packing)
     alloc = BlockAllocator(cache.num_blocks)
     block_ids = alloc.alloc(args.blocks)  # held for the whole run: each save pins and unpins them
     conn = KVConnector(HostPool(1 << 34), conn_cache, alloc, write=mode)
