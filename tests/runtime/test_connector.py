@@ -4,6 +4,7 @@ and records the save's event, as a generated module's does; what is pooled is co
 ``pack_block`` of that staging (the format's own definition, tested in test_kvcache.py)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -94,6 +95,9 @@ def test_put_only_after_the_save_event_and_pins_held_until_the_commit(parts):
     keys = conn.block_keys(list(range(9)))[:2]
     save = conn.prepare_save(ids, keys)
     assert all(alloc.is_pinned(i) for i in ids)
+    # async: the staging is a memfd mapping (the commit reads it with the GIL released), so what is
+    # pooled below went through os.pread of the rows the save program wrote through the views
+    assert (save.staging.fd is not None) == hasattr(os, "memfd_create")
     ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]
     gate = threading.Event()
     job = launch_save(save_stream, save.staging, ev, gate, record=False)
@@ -119,6 +123,7 @@ def test_sync_commits_before_handoff_returns(parts):
     conn = make(pool, cache, alloc, write="sync")
     ids = alloc.alloc(1)
     save = conn.prepare_save(ids, conn.block_keys(range(4)))
+    assert save.staging.fd is None  # sync: torch memory, the cheaper numpy row copy
     ev = EventSet(["ev.save"], default_timeout=5).bind(1)["ev.save"]
     conn.handoff(save, launch_save(save_stream, save.staging, ev), ev)
     assert len(pool) == 1 and not alloc.is_pinned(ids[0]) and conn.pending == 0

@@ -1,4 +1,5 @@
 """Block allocator with pins, paged KV cache, and pool (de)serialisation of one block."""
+import os
 import threading
 
 import pytest
@@ -211,16 +212,19 @@ def test_pack_unpack_roundtrip_bit_exact(shapes, dtype):
 
 @pytest.mark.parametrize("shapes", [QWEN, DSV3], ids=["qwen", "deepseek"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_staging_block_packs_like_cache_block(shapes, dtype):
+@pytest.mark.parametrize("shared", [False, True], ids=["torch-memory", "memfd"])
+def test_staging_block_packs_like_cache_block(shapes, dtype, shared):
     # engine path: kv_save copies cache blocks into staging; block j of staging -> pool -> new block.
     # The host staging is packed (a block's value is one row); the cache packs per component: the
-    # two layouts must give the same bytes both ways.
+    # two layouts must give the same bytes both ways. ``shared``: the connector's memfd staging,
+    # whose rows are read (os.pread) and written (os.pwrite) through the descriptor, not the views.
     g = torch.Generator().manual_seed(1)
     cache = PagedKVCache(2, shapes, num_blocks=8, dtype=dtype)
     _fill(cache, g)
     saved = [5, 2, 7]
-    staging = make_staging(shapes, 2, len(saved), dtype)
+    staging = make_staging(shapes, 2, len(saved), dtype, shared_memory=shared)
     assert isinstance(staging, PackedStaging)
+    assert (staging.fd is not None) == (shared and hasattr(os, "memfd_create"))
     assert [t.shape[0] for t in staging[0]] == [3, 3]
     for li in range(2):
         for ci, t in enumerate(cache[li]):
@@ -230,7 +234,7 @@ def test_staging_block_packs_like_cache_block(shapes, dtype):
         assert pack_block(staging, j) == pack_block(cache, b)
     dst = PagedKVCache(2, shapes, num_blocks=8, dtype=dtype)
     unpack_block_into(dst, 0, pack_block(staging, 2))
-    loads = make_staging(shapes, 2, 2, dtype)                # the load path's staging, packed too
+    loads = make_staging(shapes, 2, 2, dtype, shared_memory=shared)  # the load path's staging, packed too
     unpack_block_into(loads, 1, pack_block(cache, 7))
     for li in range(2):
         for ci in range(2):

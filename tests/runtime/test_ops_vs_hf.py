@@ -259,6 +259,36 @@ def test_paged_attention_step_plan_follows_in_place_changes():
     assert torch.equal(moved, fresh) and not torch.allclose(moved, first)
 
 
+def test_decode_fast_paths_bit_identical_to_transformers():
+    """rms_norm (torch's fused call for float32) and the prolog's RoPE (`_rope_tables` + roll) are
+    bit-identical to transformers' Qwen3RMSNorm and apply_rotary_pos_emb, not merely close; and the
+    per-step memos (RoPE tables, kv_write's slots) follow in-place changes of their inputs."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from graphgen.runtime.core.ops import _rope_tables, _signed_rope
+
+    g = torch.Generator().manual_seed(3)
+    for shape in [(1, 512), (5, 8, 64), (33, 2, 16)]:
+        x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+        norm = Qwen3RMSNorm(shape[-1], eps=1e-6)
+        norm.weight.data.copy_(w)
+        assert torch.equal(rt.rms_norm(x, w, 1e-6), norm(x))
+    pos = torch.tensor([0, 7, 2047])
+    cos, sin = rt.rope_cos_sin(pos, rot_dim=64, theta=1e6)
+    q, k = torch.randn(3, 8, 64, generator=g), torch.randn(3, 2, 64, generator=g)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    c, s = _rope_tables(cos, sin, q.dtype)
+    assert torch.equal(_signed_rope(q, c, s), want_q) and torch.equal(_signed_rope(k, c, s), want_k)
+    sin.mul_(-1)  # in place: the memo must not serve the old tables
+    assert torch.equal(_signed_rope(q, *_rope_tables(cos, sin, q.dtype)),
+                       apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)[0])
+    cache, slots = (torch.zeros(4, 2, 3),), torch.tensor([1, 2], dtype=torch.int32)
+    rt.kv_write(cache, (torch.ones(2, 3),), slots)
+    slots[:] = torch.tensor([5, 6])
+    rt.kv_write(cache, (2 * torch.ones(2, 3),), slots)
+    assert cache[0].view(8, 3)[[1, 2, 5, 6], 0].tolist() == [1, 1, 2, 2]
+
+
 def test_kv_write_rejects_out_of_range_slot():
     cache = (torch.zeros(2, 4, 3),)
     with pytest.raises((IndexError, RuntimeError)):

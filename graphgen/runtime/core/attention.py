@@ -12,7 +12,46 @@ import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
-__all__ = ["seq_layout", "step_plan", "seq_runs", "gather_seq", "cat_runs", "attend_one", "attend"]
+__all__ = ["StepMemo", "seq_layout", "step_plan", "seq_runs", "gather_seq", "cat_runs", "attend_one", "attend"]
+
+
+class StepMemo:
+    """The last value derived from a step's input tensors, recomputed only when one of them is another
+    tensor or was changed in place (its ``_version``): every layer of a step passes the same input
+    tensors (block tables, slot mapping, RoPE tables), so what is derived from them is computed once
+    per step instead of once per layer. The memo holds the tensors, so an id is never reused while
+    it is the key."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self):
+        # (key, value) as one tuple: one assignment, so a thread never pairs a key with another's value.
+        # The key alternates argument, version: inference tensors (made under torch.inference_mode,
+        # e.g. a graph's own RoPE tables) track no version and are keyed by identity alone, which
+        # holds for graph values (each is written once).
+        self._last: tuple = ((), None)
+
+    def get(self, fn, *args):
+        """``fn(*args)``, or the value of the last call when ``args`` are the same objects (tensors at
+        the same version; other arguments equal). Plain loops: this runs a few times per layer."""
+        key = []
+        for a in args:
+            if isinstance(a, Tensor):
+                key.append(a)
+                key.append(-1 if a.is_inference() else a._version)
+            else:
+                key.append(a)
+                key.append(None)
+        old, value = self._last
+        if len(old) == len(key):
+            for x, y in zip(old, key):
+                if x is not y and (type(x) is not type(y) or isinstance(x, Tensor) or x != y):
+                    break
+            else:
+                return value
+        value = fn(*args)
+        self._last = (key, value)
+        return value
 
 
 def seq_layout(seq_lens: Tensor, query_lens: Tensor) -> list[tuple[int, int, int]]:
@@ -32,8 +71,7 @@ def seq_layout(seq_lens: Tensor, query_lens: Tensor) -> list[tuple[int, int, int
 
 # at most this many runs of consecutive blocks are attended as views; a more fragmented table is gathered
 _MAX_RUNS = 8
-# the last step's (key, plan): every layer of a step passes the same three input tensors
-_plan_memo: tuple = (None, None)
+_plan_memo = StepMemo()
 
 
 def _block_runs(table: list[int], seq_len: int, block_size: int) -> Optional[list[tuple[int, int]]]:
@@ -52,21 +90,15 @@ def _block_runs(table: list[int], seq_len: int, block_size: int) -> Optional[lis
 
 def step_plan(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, block_size: int) -> list:
     """(start, query_len, seq_len, runs) per sequence (`seq_layout` plus `_block_runs`), computed
-    once per step: the key is the three tensors' identity and version (an in-place change to one of
-    them is a new key), and the memo holds them, so an id is never reused while it is the key."""
-    global _plan_memo
-    key = (block_tables, block_tables._version, seq_lens, seq_lens._version, query_lens, query_lens._version,
-           block_size)
-    memo_key, plan = _plan_memo
-    if memo_key is not None and len(memo_key) == len(key) and all(a is b or (type(a) is int and a == b)
-                                                                   for a, b in zip(memo_key, key)):
-        return plan
+    once per step (`StepMemo`)."""
+    return _plan_memo.get(_step_plan, block_tables, seq_lens, query_lens, block_size)
+
+
+def _step_plan(block_tables: Tensor, seq_lens: Tensor, query_lens: Tensor, block_size: int) -> list:
     layout = seq_layout(seq_lens, query_lens)
     tables = block_tables.tolist()
-    plan = [(start, q, S, _block_runs(tables[b], S, block_size) if q else None)
+    return [(start, q, S, _block_runs(tables[b], S, block_size) if q else None)
             for b, (start, q, S) in enumerate(layout)]
-    _plan_memo = (key, plan)
-    return plan
 
 
 def seq_runs(cache: Tensor, block_table: Tensor, seq_len: int,

@@ -117,7 +117,10 @@ class KVConnector:
         if len(block_ids) != len(keys):
             raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
         if staging is None:
-            staging = self.cache.make_staging(len(block_ids))
+            # async: the commit thread reads the staging with the GIL released (a memfd, os.pread), so
+            # it does not stall the forward's Python; sync has no thread to yield to, and a numpy
+            # memcpy is the cheaper copy (benchmarks/bench_commit.py)
+            staging = self.cache.make_staging(len(block_ids), shared_memory=self.write == "async")
         save = PendingSave(tuple(block_ids), tuple(keys), staging, on_committed=on_committed)
         if save.block_ids:
             self.alloc.pin(save.block_ids)
