@@ -32,7 +32,8 @@ from graphgen.modelspec.loader import load_spec
 from graphgen.runtime import open_engine
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("hf_models", REPO / "tests" / "runtime" / "hf_models.py")
+# the test suite's transformers model builders (tests/support/hf.py; moved there from tests/runtime)
+_spec = importlib.util.spec_from_file_location("hf_support", REPO / "tests" / "support" / "hf.py")
 hfm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hfm)
 

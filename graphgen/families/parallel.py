@@ -120,13 +120,15 @@ _RUNTIME_GAPS = (
 )
 # ... and what only the NPU target lacks (the CPU ranks run it)
 _NPU_GAPS = (
-    ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) has no NPU lowering yet (expert-parallel "
-                                   "MoE and the DP token all-gather); use --target cpu, or run with --dp 1"),
+    ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) does not run on the NPU target yet (its graphs "
+                                   "are lowered and traced on meta tensors, but the NPU runner has no DP ranks and "
+                                   "refuses ep > 1); use --target cpu, or run with --dp 1"),
     ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
                                    "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
                                    "with --cp 1"),
-    ("sp", lambda par: par.sp, "sequence parallel (sp) has no NPU lowering yet (reduce-scatter and the token "
-                               "all-gather); use --target cpu, or run with --no-sp"),
+    ("sp", lambda par: par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
+                               "but the NPU runner does not pad a step's tokens to a multiple of tp); use --target "
+                               "cpu, or run with --no-sp"),
 )
 
 
