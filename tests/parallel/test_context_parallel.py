@@ -1,7 +1,8 @@
 """Context parallel (cp=2) on the CPU ranks, end to end: every prefill step split head-tail over the
 two CP ranks (`graphgen.runtime.parallel.context`), each layer's KV all-gathered before the cache
 write, decode replicated, KV saved by CP rank 0 only. Numerics against transformers (float32, atol
-1e-4) at every step; tokens equal to the cp=1 run and across write modes; a repeated prompt hits
+1e-4) at every step; tokens equal to the cp=1 run and across write modes (each family at off, sync
+and async: one full test at one mode, a short one at each of the other two); a repeated prompt hits
 on every rank. Prompt lengths around the chunk size (``max_num_batched_tokens`` 8): 5 (shorter, and
 odd: the ranks hold 3 and 2 tokens), 8 (equal), 13 (longer: chunks of 8 and 5, the second a
 history step), the 13 again (12 tokens from the pool: a 1-token step, rank 1 computes nothing), and
@@ -22,10 +23,12 @@ from support.paths import REPO
 TIMEOUT = 60   # seconds a rank may take to answer one command
 CHUNK = 8      # max_num_batched_tokens: longer prompts are chunked
 SPECS = {"qwen3": "specs/tiny_qwen3.yaml", "deepseek": "specs/tiny_deepseek_v3.yaml"}
+CHECKPOINTS = {"qwen3": "qwen", "deepseek": "tiny_dsv3"}   # tests/conftest.py's session fixtures
+SEEDS = {"qwen3": 5, "deepseek": 6}
 
 
-def _prompts(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
+def _prompts(family: str) -> dict:
+    g = torch.Generator().manual_seed(SEEDS[family])
     return {"shorter": rand_prompt(g, 5), "equal": rand_prompt(g, CHUNK), "longer": rand_prompt(g, 13),
             "fresh": rand_prompt(g, 13), "control": rand_prompt(g, CHUNK)}
 
@@ -65,10 +68,20 @@ def _run_cp2(spec: str, d, p: dict, *, write: str, control: bool = False):
     return out, stats, pool
 
 
-def _cp1_tokens(spec: str, d, p: dict) -> dict:
-    with open_engine(REPO / spec, d, num_blocks=48, max_num_batched_tokens=CHUNK) as one:
-        rs = one.generate([p[k] for k in ("shorter", "equal", "longer", "fresh")], 3)
-    return dict(zip(("shorter", "equal", "longer", "fresh"), (r.tokens for r in rs)))
+@pytest.fixture(scope="module")
+def cp1_tokens(request):
+    """``cp1_tokens(family)``: the cp=1 engine's greedy tokens of the family's prompts, one engine per
+    family for the whole module (every cp=2 test compares against it)."""
+    done = {}
+
+    def tokens(family: str) -> dict:
+        if family not in done:
+            d, p = request.getfixturevalue(CHECKPOINTS[family]).dir, _prompts(family)
+            with open_engine(REPO / SPECS[family], d, num_blocks=48, max_num_batched_tokens=CHUNK) as one:
+                rs = one.generate([p[k] for k in ("shorter", "equal", "longer", "fresh")], 3)
+            done[family] = dict(zip(("shorter", "equal", "longer", "fresh"), (r.tokens for r in rs)))
+        return done[family]
+    return tokens
 
 
 def _check(model, family: str, out: dict, stats: list, pool: dict, cp1: dict, write: str) -> None:
@@ -88,38 +101,49 @@ def _check(model, family: str, out: dict, stats: list, pool: dict, cp1: dict, wr
     assert [s["hit_blocks"] for s in stats] == [4, 4] and [s["loaded_blocks"] for s in stats] == [4, 4]
 
 
-def test_qwen3_cp2_matches_transformers_and_cp1_and_a_swapped_split_does_not(qwen):
-    p = _prompts(5)
+def test_qwen3_cp2_matches_transformers_and_cp1_and_a_swapped_split_does_not(qwen, cp1_tokens):
+    p = _prompts("qwen3")
     out, stats, pool = _run_cp2(SPECS["qwen3"], qwen.dir, p, write="async", control=True)
-    _check(qwen.model, "qwen3", out, stats, pool, _cp1_tokens(SPECS["qwen3"], qwen.dir, p), "async")
+    _check(qwen.model, "qwen3", out, stats, pool, cp1_tokens("qwen3"), "async")
     with torch.no_grad():
         ref = hf_step_logits(qwen.model, p["control"], out["control"].tokens)
     err = (out["control"].step_logits[0] - ref[0]).abs().max().item()
     assert err > 100 * ATOL, f"swapped head-tail slices must give wrong logits (max |diff| {err:.3g})"
 
 
-def test_deepseek_cp2_matches_transformers_and_cp1(tiny_dsv3):
-    p = _prompts(6)
+def test_deepseek_cp2_matches_transformers_and_cp1(tiny_dsv3, cp1_tokens):
+    p = _prompts("deepseek")
     out, stats, pool = _run_cp2(SPECS["deepseek"], tiny_dsv3.dir, p, write="sync")
-    _check(tiny_dsv3.model, "deepseek", out, stats, pool, _cp1_tokens(SPECS["deepseek"], tiny_dsv3.dir, p), "sync")
+    _check(tiny_dsv3.model, "deepseek", out, stats, pool, cp1_tokens("deepseek"), "sync")
 
 
-def test_qwen3_cp2_write_off_gives_the_tokens_of_cp1(qwen):
-    """With tests above (async for Qwen3, sync for DeepSeek): tokens equal across off/sync/async."""
-    p = _prompts(5)
-    with open_engine(REPO / SPECS["qwen3"], qwen.dir, cp=2, write="off", num_blocks=48, timeout=TIMEOUT,
-                     max_num_batched_tokens=CHUNK) as eng:
-        rs = eng.generate([p["shorter"], p["equal"], p["longer"], p["longer"]], 3)
-        stats = eng.rank_stats
-    cp1 = _cp1_tokens(SPECS["qwen3"], qwen.dir, p)
-    assert [r.tokens for r in rs] == [cp1["shorter"], cp1["equal"], cp1["longer"], cp1["longer"]]
-    assert rs[3].hit_tokens == 0 and all(s["puts"] == 0 for s in stats)
+@pytest.mark.parametrize("family,write", [("qwen3", "off"), ("qwen3", "sync"),
+                                          ("deepseek", "off"), ("deepseek", "async")])
+def test_cp2_gives_the_tokens_of_cp1_at_the_other_write_modes(family, write, request, cp1_tokens):
+    """The write modes the tests above do not run (they: async for Qwen3, sync for DeepSeek), one short
+    engine each: prefill, a chunked prompt and its repeat (a 12-token hit unless writes are off), decode.
+    Every mode's tokens equal cp=1's, so they are equal across off/sync/async."""
+    p = _prompts(family)
+    with open_engine(REPO / SPECS[family], request.getfixturevalue(CHECKPOINTS[family]).dir, cp=2, write=write,
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+        rs = eng.generate([p["shorter"], p["equal"], p["longer"]], 3)
+        eng.drain()
+        rs.append(eng.generate([p["longer"]], 3)[0])
+        stats, pool = eng.rank_stats, eng.pool_stats()
+    cp1 = cp1_tokens(family)
+    assert [r.tokens for r in rs] == [cp1["shorter"], cp1["equal"], cp1["longer"], cp1["longer"]], write
+    if write == "off":
+        assert rs[3].hit_tokens == 0 and pool["num_keys"] == 0 and all(s["puts"] == 0 for s in stats)
+    else:   # 1 + 2 + 3 full blocks, put once by CP rank 0; the repeat hits on both ranks
+        assert (rs[3].variant, rs[3].hit_tokens) == ("splitfuse", 12)
+        assert [s["puts"] for s in stats] == [6, 0] and pool["num_keys"] == 6
+        assert [s["hit_blocks"] for s in stats] == [3, 3]
 
 
-def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen):
+def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen, cp1_tokens):
     """cp=2 × tp=2, four ranks (rank = cp_rank × 2 + tp_rank): each TP group splits the heads, each CP
     group the tokens; each TP rank's KV heads are saved by CP rank 0's rank of that TP rank only."""
-    p = _prompts(7)
+    p = _prompts("qwen3")
     with open_engine(REPO / SPECS["qwen3"], qwen.dir, cp=2, tp=2, write="async", collect_logits=True,
                      num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
         out = {k: eng.generate([p[k]], 3)[0] for k in ("shorter", "longer")}
@@ -130,7 +154,7 @@ def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen):
     with torch.no_grad():
         for what, r in out.items():
             assert_steps_match_hf(qwen.model, r, f"qwen3 cp=2 tp=2 {what}")
-    cp1 = _cp1_tokens(SPECS["qwen3"], qwen.dir, p)
+    cp1 = cp1_tokens("qwen3")
     assert [out[k].tokens for k in ("shorter", "longer", "repeated")] == [cp1["shorter"], cp1["longer"], cp1["longer"]]
     # 1 + 3 blocks per TP rank's heads, put by ranks 0 and 1 (CP rank 0), left by ranks 2 and 3
     assert [s["puts"] for s in stats] == [4, 4, 0, 0] and [s["skipped_puts"] for s in stats] == [0, 0, 4, 4]
