@@ -32,6 +32,15 @@ def _prompts():
     return a, b, c, d
 
 
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_dsv3):
+    """A tp = dp = 1 engine's greedy tokens: a and b (3 new), c and d (5 new); every dp=2 run, at each
+    write mode, is compared with them."""
+    a, b, c, d = _prompts()
+    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", tiny_dsv3.dir, num_blocks=32) as one:
+        return [r.tokens for r in one.generate([a, b], 3)] + [r.tokens for r in one.generate([c, d], 5)]
+
+
 def _open(weights, **kw):
     return open_engine(SPEC, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw)
 
@@ -54,7 +63,7 @@ def _dummy_forwards(rank_engine):
     return rank_engine.runner.dummy_forwards
 
 
-def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3):
+def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3, tp1_tokens):
     model, w = tiny_dsv3.model, tiny_dsv3.dir
     a, b, c, d = _prompts()
     with _open(w) as eng:
@@ -91,9 +100,7 @@ def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_
         got[o.req_id] += list(o.new_token_ids)
     assert {k: got[k] for k in "xy"} == {"x": rc.tokens[:2], "y": rd.tokens[:2]}
     assert owners["w"] == owners["z"] and not eng.llm.owner  # prefix affinity; finished requests let go
-    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", w, num_blocks=32) as one:  # tp = dp = 1
-        assert [r.tokens for r in one.generate([a, b], 3)] == [ra0.tokens, rb1.tokens]
-        assert [r.tokens for r in one.generate([c, d], 5)] == [rc.tokens, rd.tokens]
+    assert tp1_tokens == [ra0.tokens, rb1.tokens, rc.tokens, rd.tokens]  # async (the spec's mode)
     assert ra0.tokens == ra1.tokens == ra0_again.tokens == ra.tokens[:3]
 
 
@@ -108,12 +115,13 @@ def _arm(rank_engine):  # on every rank: only DP rank 1 will die
     rank_engine.runner.rt.die_in_dummy = rank_engine.runner.rt.layout.dp_rank == 1
 
 
-def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3):
+def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3, tp1_tokens):
+    """off and sync (the test above: async), one engine each: tokens equal tp=1's (so across all three modes)."""
     w = tiny_dsv3.dir
     a, b, _, _ = _prompts()
     runs = {}
     for write in ("off", "sync"):
-        with _open(w, write=write, source_hook=_die_in_dummy) as eng:
+        with _open(w, write=write, **({"source_hook": _die_in_dummy} if write == "off" else {})) as eng:
             runs[write] = _run(eng, a, b)
             if write == "off":
                 eng.on_ranks(_arm)
@@ -123,5 +131,5 @@ def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(ti
                 assert time.monotonic() - t0 < 30
     assert [r.hit_tokens for r in runs["off"]] == [0, 0, 0, 0]
     assert [r.hit_tokens for r in runs["sync"]] == [0, 8, 8, 4]  # a repeated prompt hits on every rank
-    assert [r.tokens for r in runs["off"]] == [r.tokens for r in runs["sync"]]
-    assert runs["sync"][0].tokens == runs["sync"][1].tokens
+    want = [tp1_tokens[0]] * 3 + [tp1_tokens[1]]   # a on rank 0, a on rank 1, a on rank 0, b on rank 1
+    assert [r.tokens for r in runs["off"]] == [r.tokens for r in runs["sync"]] == want

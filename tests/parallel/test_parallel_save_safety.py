@@ -9,9 +9,10 @@ per rank at tp=2: with a slowed save (or a slowed pool), on EVERY rank
   (every save op, or every put, held by a gate the test opens afterwards: a file) none of the prompt's keys is in the pool, and every commit (put) of a
   rank began after that rank's last copy into staging had finished.
 
-Negative control: the same byte check with the save stream's waits deleted from the generated
-mempool_prefill module (a ``source_hook`` every rank applies) and the forward slowed fails: the save
-reads KV the forward has not written yet. The probes run in the rank processes
+Negative control (tp=2 for both families, and cp=2): the same byte check with the save stream's
+waits skipped in the generated mempool_prefill module (a ``source_hook`` every rank applies, armed
+after an unmutated prompt on the same engine) and the forward slowed fails: the save reads KV the
+forward has not written yet. The probes run in the rank processes
 (`DistributedEngine.on_ranks`), so they are module-level functions. Every engine start is bounded.
 """
 
@@ -25,7 +26,7 @@ import torch
 from graphgen.runtime import open_engine
 from graphgen.runtime.core.faults import Faults, FileGate
 from support.hf import rand_prompt
-from support.hooks import drop_save_waits
+from support.hooks import drop_save_waits_once_armed
 from support.paths import REPO
 
 TIMEOUT = 60          # seconds a rank may take to answer one command
@@ -127,24 +128,28 @@ def test_delayed_save_pools_each_ranks_exact_kv_only_after_its_event(model, dela
         assert [s["puts"] for s in stats] == [3, 0] and reports[1]["skipped"] == 3
 
 
-def _pooled_vs_cache_after_slow_forward(model: str, d, mutate: bool) -> list[dict]:
-    p = _prompt(47, 9)   # 2 full blocks + 1 token
-    kw = {"source_hook": drop_save_waits} if mutate else {}
-    with open_engine(REPO / SPECS[model], d, write="async", num_blocks=32, timeout=TIMEOUT,
-                          faults=Faults(forward_delay_s=FORWARD_DELAY), **kw) as eng:
-        eng.on_ranks(_install_recorders)
-        r = eng.generate([p], 1)[0]
-        eng.drain()
-        reports = eng.on_ranks(_report)
-    assert r.variant.startswith("mempool_prefill") and r.saved_blocks == 2
-    return reports
+def _arm_dropped_save_waits(eng) -> None:   # probe, in each rank: from now on the save stream does not wait
+    eng.runner.rt.drop_save_waits = True
 
 
-@pytest.mark.parametrize("model", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("model", ["qwen3", "deepseek", "qwen3_cp2"])
 def test_save_event_is_what_keeps_each_ranks_pooled_kv_correct(model, weights):
-    good = _pooled_vs_cache_after_slow_forward(model, weights[model], mutate=False)
+    """One engine, forward slowed: a prompt with the save stream's waits (exact on every rank), then,
+    the waits skipped on every rank (`drop_save_waits_once_armed`), another prompt (wrong bytes)."""
+    good_p, bad_p = _prompt(47, 9), _prompt(48, 9)   # 2 full blocks + 1 token each, no shared block
+    with open_engine(REPO / SPECS[model], weights[model], write="async", num_blocks=32, timeout=TIMEOUT,
+                     faults=Faults(forward_delay_s=FORWARD_DELAY), source_hook=drop_save_waits_once_armed) as eng:
+        results, reports = [], []
+        for p in (good_p, bad_p):
+            eng.on_ranks(_install_recorders)   # a fresh record per prompt
+            results.append(eng.generate([p], 1)[0])
+            eng.drain()
+            reports.append(eng.on_ranks(_report))
+            eng.on_ranks(_arm_dropped_save_waits)
+    assert all(r.variant.startswith("mempool_prefill") and r.saved_blocks == 2 for r in results)
+    good, bad = reports
     assert [(g["missing"], g["wrong"]) for g in good] == [([], []), ([], [])], "unmutated: must be exact"
-    bad = _pooled_vs_cache_after_slow_forward(model, weights[model], mutate=True)
     for rank, b in enumerate(bad):
+        assert len(b["keys"]) == 2, (rank, b["keys"])   # the second prompt's saves only
         assert b["missing"] == [], "the mutation only removes the wait: the blocks are still committed"
         assert b["wrong"], f"rank {rank}: without the wait the save must read KV not yet written"
