@@ -282,7 +282,7 @@ class Scheduler:
                              threshold=self.long_prefill_token_threshold)
             if n == 0:
                 break
-            if not self._try_blocks(r, r.cached + n):
+            if not self.reserve(r, r.cached + n):
                 if (not chosen and not self.running and not self.deferred
                         and not any(o.in_steps for o in self.prefill)):  # no chunk in flight either
                     self._cannot_fit(r, r.cached + n)  # nothing else holds blocks that will come back
@@ -301,7 +301,7 @@ class Scheduler:
         failed (it can never run in this cache)."""
         for other in [o for o in self.prefill if o is not r][::-1]:
             self._preempt(other)
-        if self._try_blocks(r, num_tokens):
+        if self.reserve(r, num_tokens):
             return
         err = None
         try:
@@ -376,7 +376,7 @@ class Scheduler:
             if r not in self.running or r.in_steps > (0 if self.num_speculative_tokens else 1) \
                     or len(r.tokens) + r.in_steps >= r.max_new_tokens:
                 continue  # preempted meanwhile, its last token on its way, or (speculative) its start unknown
-            while not self._try_blocks(r, r.cached + width):
+            while not self.reserve(r, r.cached + width):
                 victim = self._victim(exclude=chosen)
                 if victim is None:
                     break
@@ -387,10 +387,6 @@ class Scheduler:
                 chosen.append(r)
                 r.drafts, used = r.drafts[:width - 1], used + width
         return chosen
-
-    def reserve(self, r: Request, num_tokens: int) -> bool:
-        """Blocks for ``r``'s first ``num_tokens`` positions if free (the recursive drafts' MTP KV)."""
-        return self._try_blocks(r, num_tokens)
 
     def _victim(self, exclude: list[Request]) -> Optional[Request]:
         """The newest request holding blocks that no step in flight uses: admitted ones first
@@ -420,14 +416,14 @@ class Scheduler:
             try:
                 return self.alloc.alloc(n)
             except OutOfBlocks:
-                # counted with the pinned free blocks (num_unheld): whether to evict never depends
-                # on when a commit landed (BlockAllocator: reuse in free order)
+                # num_unheld counts pinned free blocks: eviction never depends on when a commit landed
                 if self.blocks.evict(n - self.alloc.num_unheld):
                     continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
                 if not self.reclaim():  # nothing in flight would ever unpin the blocks next in line
                     raise
 
-    def _try_blocks(self, r: Request, num_tokens: int) -> bool:
+    def reserve(self, r: Request, num_tokens: int) -> bool:
+        """Blocks for ``r``'s first ``num_tokens`` positions if they can be had (also the recursive drafts' MTP KV)."""
         need = math.ceil(num_tokens / self.block_size) - len(r.table)
         if need > 0:
             try:
@@ -440,7 +436,7 @@ class Scheduler:
         if r.table:
             r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
             self.blocks.release(r)  # device prefix cache, write-back: before the references go
-            self.alloc.free(r.table)  # pinned blocks stay out of the free list until committed
+            self.alloc.free(r.table)  # a pinned block is handed out again only once committed
             r.table = []
 
     def _maybe_release(self, r: Request) -> None:
