@@ -189,6 +189,10 @@ def test_lookup_and_load_the_leading_run(parts):
     cut = run[1:]                                    # a run cut short (the ranks' agreed length)
     assert len(cut) == 2 and pack_block(cut[0], 0) == pack_block(src, 1)
     assert torch.equal(cut.layers()[0][1], run.layers()[0][1][1:])
+    for part, ids in ((run, [7, 2, 5]), (cut, [4, 1])):  # the strided run, as the graph copies it, into scattered blocks
+        for layer, loads in zip(cache, part.layers()):
+            ops.kv_load(layer, loads, torch.tensor(ids))
+        assert [pack_block(cache, b) for b in ids] == [pack_block(src, j) for j in range(3 - len(ids), 3)]
 
 
 def test_a_pool_that_is_down_costs_a_recompute_never_a_request(parts):

@@ -117,7 +117,7 @@ class KVLoader:
         block that is gone (evicted since the lookup), unreadable or foreign. Returns the leading
         blocks loaded; the rest is recomputed. The cache is not touched: the prefill's graph copies
         the staged blocks in (the step plan carries them there)."""
-        staging = self.cache.make_staging(len(keys))
+        staging = self.cache.make_staging(len(keys), zeroed=False)  # a row is read only once loaded
 
         def into(i):  # unpack straight from the pool's buffer (one copy); a foreign size is a miss
             def unpack(view):
