@@ -156,13 +156,18 @@ def test_cancel_releases_pins(parts):
     conn.close()
 
 
-def test_lookup_and_load_the_leading_run(parts):
+def pool_and_source(parts):
+    """An empty host pool, a loader over the fixture's cache, a source cache of 3 filled blocks, a prompt's keys."""
     cache, alloc, _ = parts
     pool = HostPool(1 << 20)
-    conn = make(pool, cache, alloc)
     src = PagedKVCache(2, SHAPES, 3, torch.float32)
     fill(src, 5)
-    keys = conn.block_keys(range(12))
+    conn = make(pool, cache, alloc)
+    return cache, pool, conn, src, conn.block_keys(range(12))
+
+
+def test_lookup_and_load_the_leading_run(parts):
+    cache, pool, conn, src, keys = pool_and_source(parts)
     pool.put(keys[0], pack_block(src, 0))
     pool.put(keys[2], pack_block(src, 2))            # a gap at block 1
     assert conn.lookup(keys) == 1
@@ -182,13 +187,34 @@ def test_lookup_and_load_the_leading_run(parts):
     whole = HostPool(1 << 20)                        # a run of 3: one staging, block j in row j
     for j in range(3):
         whole.put(keys[j], pack_block(src, j))
-    run = make(whole, cache, alloc).load(keys[:3])
+    run = make(whole, cache, parts[1]).load(keys[:3])
     assert [pack_block(run[j], 0) for j in range(3)] == [pack_block(src, j) for j in range(3)]
     layers = run.layers()                            # what the graph's kv_load reads: views, no copy
     assert layers[1][0].shape[0] == 3 and layers[1][0].data_ptr() == run.staging[1][0].data_ptr()
     cut = run[1:]                                    # a run cut short (the ranks' agreed length)
     assert len(cut) == 2 and pack_block(cut[0], 0) == pack_block(src, 1)
     assert torch.equal(cut.layers()[0][1], run.layers()[0][1][1:])
+    for part, ids in ((run, [7, 2, 5]), (cut, [4, 1])):  # the strided run, as the graph copies it, into scattered blocks
+        for layer, loads in zip(cache, part.layers()):
+            ops.kv_load(layer, loads, torch.tensor(ids))
+        assert [pack_block(cache, b) for b in ids] == [pack_block(src, j) for j in range(3 - len(ids), 3)]
+
+
+def test_a_load_staging_is_reused_only_once_nothing_reads_it(parts):
+    cache, pool, conn, src, keys = pool_and_source(parts)
+    for j in range(2):
+        pool.put(keys[j], pack_block(src, j))
+    first = conn.load(keys[:2])
+    view = first.layers()[1][0]                      # what the graph's kv_load reads (a view)
+    held, ptr = view.clone(), first.staging.packed.data_ptr()
+    del first                                        # the request let go; the view still reads it
+    second = conn.load(keys[1:2])                    # block 1 would land in row 0 of a reused buffer
+    assert second.staging.packed.data_ptr() != ptr and torch.equal(view, held)
+    del view, second
+    third = conn.load(keys[:2])                      # nothing reads it now: the same mapped pages
+    assert third.staging.packed.data_ptr() == ptr
+    assert [pack_block(third[j], 0) for j in range(2)] == [pack_block(src, j) for j in range(2)]
+    conn.close()
 
 
 def test_a_pool_that_is_down_costs_a_recompute_never_a_request(parts):
