@@ -75,12 +75,13 @@ def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen):
         assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
 
 
-def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen):
+@pytest.mark.parametrize("spec", ["specs/tiny_qwen3_tp2.yaml", "specs/tiny_qwen3_tp2_sp.yaml"], ids=["tp2", "tp2_sp"])
+def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen, spec):
     d = qwen.dir
     a, b = _prompts(2)
-    (sync_a, sync_again, _), _, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="sync")
-    (off_a, off_again, _), stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="off")
-    (async_a, async_again, async_b), async_stats, _ = _run("specs/tiny_qwen3_tp2.yaml", d, a, b, write="async")
+    (sync_a, sync_again, _), _, _ = _run(spec, d, a, b, write="sync")
+    (off_a, off_again, _), stats, _ = _run(spec, d, a, b, write="off")
+    (async_a, async_again, async_b), async_stats, _ = _run(spec, d, a, b, write="async")
     assert sync_again.variant == "splitfuse" and off_again.hit_tokens == 0
     assert async_again.variant == "splitfuse" and async_again.hit_tokens == 8 and async_b.hit_tokens == 4
     assert sync_a.tokens == sync_again.tokens == off_a.tokens == off_again.tokens == async_a.tokens \
