@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from bench_ttft import Prompts, bench_spec  # noqa: E402  (one home for the benchmark model)
+from bench_ttft import Prompts, add_model_args, bench_spec  # noqa: E402  (one home for the benchmark model)
 from graphgen.runtime import open_engine  # noqa: E402
 from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint  # noqa: E402
 from graphgen.runtime.core.faults import Faults  # noqa: E402
@@ -143,14 +143,7 @@ def long_ttft(spec, weights, args, device_spec) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_model_args(ap)  # the bench model's dimensions, as bench_ttft defines them
     ap.add_argument("--clients", default="32,64")
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--new", type=int, default=16)
