@@ -58,6 +58,7 @@ def wave(spec, weights, prompts, args, *, write, chunked, faults=None, warm_halv
                       generated_dir=None, faults=faults, pool_capacity_bytes=8 << 30,
                       num_blocks=args.num_blocks or need, max_num_batched_tokens=args.budget,
                       chunked_prefill=chunked, max_num_seqs=max(256, len(prompts)))
+    eng.connector.shared_staging = write == "async" and args.async_staging == "memfd"  # the A/B of (b)
     try:
         if warm_halves:  # the pool holds each prompt's first half (saved, committed)
             eng.generate([p[:len(p) // 2] for p in prompts], 1, batch=True)
@@ -151,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=0, help="0: prompts + tokens of every client at once")
     ap.add_argument("--save-delay", type=float, default=0.002, help="seconds slept per layer save in (b)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--async-staging", choices=("memfd", "numpy"), default="memfd",
+                    help="(b): the async save staging: memfd (the engine's, GIL-free commit reads) or numpy "
+                         "(torch memory, the copy before; the A/B of BENCHMARKS.md's (b) rows)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device-cache", action="store_true",
                     help="(a) also measures a full device hit: needs pool.device_cache in the spec")

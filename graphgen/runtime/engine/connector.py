@@ -91,6 +91,10 @@ class KVConnector:
         self.cache = cache
         self.alloc = alloc
         self.write = write
+        # async: the commit thread reads the staging with the GIL released (a memfd, os.pread), so it
+        # does not stall the forward's Python; sync has no thread to yield to, and a numpy memcpy is
+        # the cheaper copy (benchmarks/bench_commit.py; bench_long_serving.py --async-staging A/Bs it)
+        self.shared_staging = write == "async"
         self.host_stream = Stream(HOST_STREAM)  # async commits, in step order
         self._pending: deque[Job] = deque()    # async commits in flight, oldest first
         self.observer = None                   # a graphgen.trace.StepObserver: commit spans and latency
@@ -117,10 +121,7 @@ class KVConnector:
         if len(block_ids) != len(keys):
             raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
         if staging is None:
-            # async: the commit thread reads the staging with the GIL released (a memfd, os.pread), so
-            # it does not stall the forward's Python; sync has no thread to yield to, and a numpy
-            # memcpy is the cheaper copy (benchmarks/bench_commit.py)
-            staging = self.cache.make_staging(len(block_ids), shared_memory=self.write == "async")
+            staging = self.cache.make_staging(len(block_ids), shared_memory=self.shared_staging)
         save = PendingSave(tuple(block_ids), tuple(keys), staging, on_committed=on_committed)
         if save.block_ids:
             self.alloc.pin(save.block_ids)
