@@ -5,20 +5,25 @@ trailing ``# <node id>``: :func:`render_cpu` adds both). Operands are taken by r
 (``node.input("cache")``), never by position. Save- and load-stream work each run in a nested
 function launched first (``rt.launch``), so that only waits order them against the forward. After
 a main-stream line, ``del`` drops the local values that line used last (`_frees`).
+
+Dense projections read load-time weights (`render.load_time_weight`, the module's ``LOAD_TIME_WEIGHTS``):
+q/k/v merged into one, gate/up merged into one, and each stored ``[in, out]`` (``transpose01``), so
+a projection is one ``x @ W^T`` on a contiguous ``W^T`` (`graphgen.runtime.core.weights` says why).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
-from .cpu_parallel import EMIT_PARALLEL
+from .cpu_parallel import EMIT_PARALLEL, projection
 from .render import MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, moe_kwargs, py, render_frame, weight
 
 
 @dataclass(frozen=True)
 class CpuCtx:
     ref: Names
+    loaded: dict = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
 
 
 def _out(n: Node, ctx: CpuCtx) -> str:
@@ -53,8 +58,8 @@ def _rms_norm(n, ctx):
 
 def _qwen3_attn_prolog(n, ctx):
     a, r = n.attrs, ctx.ref
-    return _call(n, ctx, "qwen3_attn_prolog", r(n.input("x")), *(weight(n, w) for w in
-                 ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm")), r(n.input("cos")), r(n.input("sin")),
+    return _call(n, ctx, "qwen3_attn_prolog", r(n.input("x")), projection(n, ctx, "w_q", "w_k", "w_v"),
+                 *(weight(n, w) for w in ("w_q_norm", "w_k_norm")), r(n.input("cos")), r(n.input("sin")),
                  f"num_heads={a['num_heads']}", f"num_kv_heads={a['num_kv_heads']}", f"head_dim={a['head_dim']}",
                  f"eps={py(a['eps'])}")
 
@@ -88,12 +93,13 @@ def _mla_attention(n, ctx):
 
 
 def _o_proj_residual(n, ctx):
-    return _call(n, ctx, "o_proj_residual", ctx.ref(n.input("attn")), weight(n, "w_o"), ctx.ref(n.input("residual")))
+    return _call(n, ctx, "o_proj_residual", ctx.ref(n.input("attn")), projection(n, ctx, "w_o"),
+                 ctx.ref(n.input("residual")))
 
 
 def _swiglu_mlp_residual(n, ctx):
-    return _call(n, ctx, "swiglu_mlp_residual", ctx.ref(n.input("x")), weight(n, "w_gate"), weight(n, "w_up"),
-                 weight(n, "w_down"), ctx.ref(n.input("residual")))
+    return _call(n, ctx, "swiglu_mlp_residual", ctx.ref(n.input("x")), projection(n, ctx, "w_gate", "w_up"),
+                 projection(n, ctx, "w_down"), ctx.ref(n.input("residual")))
 
 
 def _moe_residual(n, ctx):
@@ -191,4 +197,5 @@ def render_cpu(graph: Graph) -> str:
     returns = f"logits, {ctx.ref(HIDDEN)}" if returned else "logits"
     return render_frame("cpu/variant.py.j2", graph=graph, meta=graph.meta, streams_note=streams_note,
                         events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body),
-                        returns=returns)
+                        returns=returns, load_time_weights="{" + "".join(
+                            f"\n    {k!r}: {py(ctx.loaded[k])}," for k in sorted(ctx.loaded)) + ("\n}" if ctx.loaded else "}"))

@@ -9,7 +9,14 @@ from ``rt`` at run time, so the generated module is the same for every rank.
 from __future__ import annotations
 
 from ..ir.graph import Node
-from .render import MOE_WEIGHTS, Emitter, moe_kwargs, weight
+from .render import MOE_WEIGHTS, Emitter, load_time_weight, moe_kwargs, weight
+
+
+def projection(n: Node, ctx, *attrs: str) -> str:
+    """The CPU layout of a dense projection: the load-time weight of ``attrs`` stored ``[in, out]``
+    (several: merged along the output dim). Here, not in ``cpu``, because both tables use it; a rank
+    merges and transposes its own slices (``key[d<dim>/<parts>]`` names)."""
+    return load_time_weight(n, ctx.loaded, attrs, dim=0, transpose01=True)
 
 
 def _call(n: Node, ctx, fn: str, *args: str) -> list[str]:
@@ -40,12 +47,12 @@ def _embedding_shard(n, ctx):
 
 
 def _o_proj(n, ctx):
-    return _call(n, ctx, "o_proj", ctx.ref(n.input("attn")), weight(n, "w_o"))
+    return _call(n, ctx, "o_proj", ctx.ref(n.input("attn")), projection(n, ctx, "w_o"))
 
 
 def _swiglu_mlp(n, ctx):
-    return _call(n, ctx, "swiglu_mlp", ctx.ref(n.input("x")), weight(n, "w_gate"), weight(n, "w_up"),
-                 weight(n, "w_down"))
+    return _call(n, ctx, "swiglu_mlp", ctx.ref(n.input("x")), projection(n, ctx, "w_gate", "w_up"),
+                 projection(n, ctx, "w_down"))
 
 
 def _moe(n, ctx):

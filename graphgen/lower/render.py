@@ -114,18 +114,23 @@ def weight(node: Node, attr: str) -> str:
 LOAD_KEY_PREFIX = "graphgen.load:"
 
 
-def load_time_weight(node: Node, loaded: dict, attrs: tuple[str, ...], *, dim: int, transpose12: bool = False) -> str:
-    """``W['<key>']`` of a weight built once at load time (NPU: ``graphgen.npu.run.weights``) from the
-    checkpoint tensors of ``attrs``: concatenated along ``dim``, then ``transpose(1, 2)`` made contiguous
-    when ``transpose12``. The recipe is recorded in ``loaded`` (the module's ``LOAD_TIME_WEIGHTS``);
-    ``None`` when every attribute is absent (an optional weight)."""
+def load_time_weight(node: Node, loaded: dict, attrs: tuple[str, ...], *, dim: int, transpose12: bool = False,
+                     transpose01: bool = False) -> str:
+    """``W['<key>']`` of a weight built once at load time (`graphgen.runtime.core.weights.load_time_weights`)
+    from the checkpoint tensors of ``attrs``: concatenated along ``dim``, then made contiguous transposed —
+    ``transpose(1, 2)`` when ``transpose12`` (3-d: the NPU's expert stacks), ``t()`` when ``transpose01``
+    (2-d: the CPU's ``[in, out]`` projections). The recipe is recorded in ``loaded`` (the module's
+    ``LOAD_TIME_WEIGHTS``); ``None`` when every attribute is absent (an optional weight)."""
     keys = [node.attrs.get(a) for a in attrs]
     if all(k is None for k in keys):
         return "None"
     if any(k is None for k in keys):
         raise LoweringError(f"node {node.id}: {attrs} must be all present or all absent to merge them")
-    key = f"{LOAD_KEY_PREFIX}{'+'.join(keys)}:cat{dim}" + (":t12" if transpose12 else "")
-    loaded[key] = {"cat": tuple(keys), "dim": dim, "transpose12": transpose12}
+    key = f"{LOAD_KEY_PREFIX}{'+'.join(keys)}:cat{dim}" + (":t12" if transpose12 else "") + (":t01" if transpose01 else "")
+    recipe = {"cat": tuple(keys), "dim": dim, "transpose12": transpose12}
+    if transpose01:  # only where used, so the NPU modules' recipes read as before
+        recipe["transpose01"] = True
+    loaded[key] = recipe
     return f"W[{key!r}]"
 
 

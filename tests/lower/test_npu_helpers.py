@@ -93,7 +93,8 @@ def test_qwen3_attn_prolog_matches_reference(helpers):
 
     qkv = build_load_time_weight(ws[:3], dim=0, transpose12=False)  # merged at load, as the runner does
     got = helpers._qwen3_attn_prolog(x, qkv, *ws[3:], cos, sin, **kw)
-    want = ops.qwen3_attn_prolog(x, *ws, cos, sin, **kw)
+    qkv_t = build_load_time_weight(ws[:3], dim=0, transpose12=False, transpose01=True)  # the CPU layout
+    want = ops.qwen3_attn_prolog(x, qkv_t, *ws[3:], cos, sin, **kw)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
@@ -126,8 +127,9 @@ def test_swiglu_mlp_matches_reference(helpers):
     from graphgen.npu.run.weights import build_load_time_weight
 
     gate_up = build_load_time_weight([wg, wu], dim=0, transpose12=False)
-    torch.testing.assert_close(res + helpers._swiglu_mlp(x, gate_up, wd), ops.swiglu_mlp_residual(x, wg, wu, wd, res),
-                               rtol=1e-4, atol=1e-4)
+    cpu = ops.swiglu_mlp_residual(x, build_load_time_weight([wg, wu], dim=0, transpose12=False, transpose01=True),
+                                  wd.t().contiguous(), res)  # the CPU layout: [in, out]
+    torch.testing.assert_close(res + helpers._swiglu_mlp(x, gate_up, wd), cpu, rtol=1e-4, atol=1e-4)
 
 
 def test_moe_residual_with_load_time_expert_layouts_matches_reference(helpers):

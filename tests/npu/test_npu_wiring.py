@@ -150,6 +150,7 @@ def _npu_inputs(h, mod):
 def _run_cpu(mod, W, b, cache, loads=()):
     from graphgen.runtime.core.cpu_runtime import CpuRuntime
     from graphgen.runtime.core.streams import EventSet
+    from graphgen.runtime.core.weights import load_time_weights
     from graphgen.runtime.engine.runner import StepRuntime
 
     staging = cache.make_staging(len(b.save_block_ids)) if mod.HOST_EVENT else None
@@ -157,6 +158,7 @@ def _run_cpu(mod, W, b, cache, loads=()):
     step_rt = StepRuntime(rt)  # the runner's per-step view: it keeps what the module launched
     try:
         with torch.inference_mode():
+            W = load_time_weights(W, [mod])  # the CPU module's layouts, as its runner builds them
             logits = mod.run(step_rt, W, b, cache, staging, loads, EventSet(mod.EVENTS).bind(1))
         for job in step_rt.launched.values():  # the save stream runs on a worker thread
             err = job.exception(30.0)

@@ -16,6 +16,7 @@ import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails,
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
 from graphgen.runtime.core import ops as rt  # noqa: E402
 from graphgen.runtime.core.attention import seq_runs  # noqa: E402
+from graphgen.runtime.core.weights import build_load_time_weight  # noqa: E402
 from graphgen.runtime.core.kvcache import kv_cache_shapes  # noqa: E402
 from graphgen.runtime.checkpoint.hf import (WeightsError, load_hf_weights,  # noqa: E402
                                       write_random_hf_checkpoint)
@@ -63,6 +64,11 @@ class PagedRunner:
         last = torch.tensor(q_lens).cumsum(0) - 1
         return self.forward(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), meta, last)
 
+    def proj(self, *keys):
+        """The CPU layout of a dense projection (the generated modules' load-time weight): ``keys``
+        merged along the output dim, stored ``[in, out]``."""
+        return build_load_time_weight([self.w[k] for k in keys], dim=0, transpose12=False, transpose01=True)
+
     def forward(self, ids, pos, slots, meta, logits_indices):
         d, w = self.d, self.w
         eps = d["rms_norm_eps"]
@@ -78,17 +84,17 @@ class PagedRunner:
             if self.family == "qwen3_dense":
                 a = p + "self_attn."
                 q, k, v = rt.qwen3_attn_prolog(
-                    h, w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"],
+                    h, self.proj(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                     w[a + "q_norm.weight"], w[a + "k_norm.weight"], cos, sin,
                     num_heads=d["num_attention_heads"], num_kv_heads=d["num_key_value_heads"],
                     head_dim=d["head_dim"], eps=eps)
                 rt.kv_write(self.kv[i], (k, v), slots)
                 o = rt.paged_attention(q, self.kv[i], **meta, scale=d["head_dim"] ** -0.5)
-                x = rt.o_proj_residual(o, w[a + "o_proj.weight"], x)
+                x = rt.o_proj_residual(o, self.proj(a + "o_proj.weight"), x)
                 h = rt.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
                 m = p + "mlp."
-                x = rt.swiglu_mlp_residual(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"],
-                                           w[m + "down_proj.weight"], x)
+                x = rt.swiglu_mlp_residual(h, self.proj(m + "gate_proj.weight", m + "up_proj.weight"),
+                                           self.proj(m + "down_proj.weight"), x)
             else:
                 x = self._deepseek_layer(i, x, h, cos, sin, slots, meta)
         return rt.lm_head(x, w["model.norm.weight"], eps, w["lm_head.weight"], logits_indices)
@@ -107,12 +113,12 @@ class PagedRunner:
         o = rt.mla_attention(q_nope, q_pe, self.kv[i], w[a + "kv_b_proj.weight"], **meta,
                              num_heads=d["num_attention_heads"], qk_nope_head_dim=n, v_head_dim=v,
                              scale=mla_softmax_scale(FAMILIES["deepseek_v3"].dims_of(d)))
-        x = rt.o_proj_residual(o, w[a + "o_proj.weight"], x)
+        x = rt.o_proj_residual(o, self.proj(a + "o_proj.weight"), x)
         h = rt.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."
         if i < d["first_k_dense_replace"]:
-            return rt.swiglu_mlp_residual(h, w[m + "gate_proj.weight"], w[m + "up_proj.weight"],
-                                          w[m + "down_proj.weight"], x)
+            return rt.swiglu_mlp_residual(h, self.proj(m + "gate_proj.weight", m + "up_proj.weight"),
+                                          self.proj(m + "down_proj.weight"), x)
         shared = [w.get(m + f"shared_experts.{k}_proj.weight") for k in ("gate", "up", "down")]
         return rt.moe_residual(
             h, w[m + "gate.weight"], w[m + "gate.e_score_correction_bias"], w[m + "experts.gate_proj.weight"],
@@ -260,12 +266,12 @@ def test_paged_attention_step_plan_follows_in_place_changes():
 
 
 def test_decode_fast_paths_bit_identical_to_transformers():
-    """rms_norm (torch's fused call for float32) and the prolog's RoPE (`_rope_tables` + roll) are
+    """rms_norm (torch's fused call for float32), the prolog's joint q/k norm, and the prolog's RoPE (`_rope_tables` + roll) are
     bit-identical to transformers' Qwen3RMSNorm and apply_rotary_pos_emb, not merely close; and the
     per-step memos (RoPE tables, kv_write's slots) follow in-place changes of their inputs."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    from graphgen.runtime.core.ops import _rope_tables, _signed_rope
+    from graphgen.runtime.core.ops import _rms_unit, _rope_tables, _signed_rope
 
     g = torch.Generator().manual_seed(3)
     for shape in [(1, 512), (5, 8, 64), (33, 2, 16)]:
@@ -273,6 +279,9 @@ def test_decode_fast_paths_bit_identical_to_transformers():
         norm = Qwen3RMSNorm(shape[-1], eps=1e-6)
         norm.weight.data.copy_(w)
         assert torch.equal(rt.rms_norm(x, w, 1e-6), norm(x))
+        # the prolog's joint q/k norm: the unweighted norm, then each part times its weight
+        assert torch.equal(_rms_unit(x, 1e-6).mul_(w), norm(x))
+        assert not torch.equal(_rms_unit(x, 1e-5).mul_(w), norm(x))  # negative control: eps is seen
     pos = torch.tensor([0, 7, 2047])
     cos, sin = rt.rope_cos_sin(pos, rot_dim=64, theta=1e6)
     q, k = torch.randn(3, 8, 64, generator=g), torch.randn(3, 2, 64, generator=g)

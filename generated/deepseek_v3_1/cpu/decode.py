@@ -10,6 +10,78 @@ GRAPH = 'deepseek_v3_1.decode'
 META = {'block_size': 128, 'ep': 1, 'family': 'deepseek_v3', 'granularity': 'none', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 61, 'model': 'deepseek_v3_1', 'phase': 'decode', 'saves': False, 'spec': 'specs/deepseek_v3_1.yaml', 'tp': 32, 'variant': 'decode', 'write': 'off'}
 EVENTS = ()
 HOST_EVENT = None
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.down_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/32]+model.layers.0.mlp.up_proj.weight[d0/32]:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight[d0/32]', 'model.layers.0.mlp.up_proj.weight[d0/32]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.down_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.1.mlp.down_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/32]+model.layers.1.mlp.up_proj.weight[d0/32]:cat0:t01': {'cat': ('model.layers.1.mlp.gate_proj.weight[d0/32]', 'model.layers.1.mlp.up_proj.weight[d0/32]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.10.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.11.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.12.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.13.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.14.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.15.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.16.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.17.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.18.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.19.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.down_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.2.mlp.down_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/32]+model.layers.2.mlp.up_proj.weight[d0/32]:cat0:t01': {'cat': ('model.layers.2.mlp.gate_proj.weight[d0/32]', 'model.layers.2.mlp.up_proj.weight[d0/32]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.2.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.20.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.21.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.22.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.23.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.24.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.25.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.26.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.27.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.28.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.29.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.3.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.30.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.31.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.32.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.33.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.34.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.35.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.36.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.37.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.38.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.39.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.4.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.40.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.41.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.42.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.43.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.44.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.45.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.46.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.47.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.48.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.49.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.5.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.50.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.51.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.52.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.53.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.54.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.55.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.56.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.57.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.58.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.59.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.6.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.60.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.7.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.8.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/32]:cat0:t01': {'cat': ('model.layers.9.self_attn.o_proj.weight[d1/32]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -27,14 +99,14 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L00, k_pe_L00
     o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L00.attn
     del q_nope_L00, q_pe_L00
-    h_L00_attn_partial = rt.o_proj(o_L00, W['model.layers.0.self_attn.o_proj.weight[d1/32]'])  # L00.o_proj
+    h_L00_attn_partial = rt.o_proj(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L00.o_proj
     del o_L00
     h_L00_attn_sum = rt.all_reduce(h_L00_attn_partial, group='tp', size=32, reduce='sum')  # L00.o_proj.all_reduce
     del h_L00_attn_partial
     h_L00_attn = rt.residual_add(h_L00_attn_sum, h_embed)  # L00.o_proj.residual
     del h_embed, h_L00_attn_sum
     x_L00_mlp_norm = rt.rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)  # L00.mlp_norm
-    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight[d0/32]'], W['model.layers.0.mlp.up_proj.weight[d0/32]'], W['model.layers.0.mlp.down_proj.weight[d1/32]'])  # L00.mlp
+    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/32]+model.layers.0.mlp.up_proj.weight[d0/32]:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight[d1/32]:cat0:t01'])  # L00.mlp
     del x_L00_mlp_norm
     h_L00_sum = rt.all_reduce(h_L00_partial, group='tp', size=32, reduce='sum')  # L00.mlp.all_reduce
     del h_L00_partial
@@ -47,14 +119,14 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L01, k_pe_L01
     o_L01 = rt.mla_attention(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L01.attn
     del q_nope_L01, q_pe_L01
-    h_L01_attn_partial = rt.o_proj(o_L01, W['model.layers.1.self_attn.o_proj.weight[d1/32]'])  # L01.o_proj
+    h_L01_attn_partial = rt.o_proj(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L01.o_proj
     del o_L01
     h_L01_attn_sum = rt.all_reduce(h_L01_attn_partial, group='tp', size=32, reduce='sum')  # L01.o_proj.all_reduce
     del h_L01_attn_partial
     h_L01_attn = rt.residual_add(h_L01_attn_sum, h_L00)  # L01.o_proj.residual
     del h_L00, h_L01_attn_sum
     x_L01_mlp_norm = rt.rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)  # L01.mlp_norm
-    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight[d0/32]'], W['model.layers.1.mlp.up_proj.weight[d0/32]'], W['model.layers.1.mlp.down_proj.weight[d1/32]'])  # L01.mlp
+    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/32]+model.layers.1.mlp.up_proj.weight[d0/32]:cat0:t01'], W['graphgen.load:model.layers.1.mlp.down_proj.weight[d1/32]:cat0:t01'])  # L01.mlp
     del x_L01_mlp_norm
     h_L01_sum = rt.all_reduce(h_L01_partial, group='tp', size=32, reduce='sum')  # L01.mlp.all_reduce
     del h_L01_partial
@@ -67,14 +139,14 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L02, k_pe_L02
     o_L02 = rt.mla_attention(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L02.attn
     del q_nope_L02, q_pe_L02
-    h_L02_attn_partial = rt.o_proj(o_L02, W['model.layers.2.self_attn.o_proj.weight[d1/32]'])  # L02.o_proj
+    h_L02_attn_partial = rt.o_proj(o_L02, W['graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L02.o_proj
     del o_L02
     h_L02_attn_sum = rt.all_reduce(h_L02_attn_partial, group='tp', size=32, reduce='sum')  # L02.o_proj.all_reduce
     del h_L02_attn_partial
     h_L02_attn = rt.residual_add(h_L02_attn_sum, h_L01)  # L02.o_proj.residual
     del h_L01, h_L02_attn_sum
     x_L02_mlp_norm = rt.rms_norm(h_L02_attn, W['model.layers.2.post_attention_layernorm.weight'], 1e-06)  # L02.mlp_norm
-    h_L02_partial = rt.swiglu_mlp(x_L02_mlp_norm, W['model.layers.2.mlp.gate_proj.weight[d0/32]'], W['model.layers.2.mlp.up_proj.weight[d0/32]'], W['model.layers.2.mlp.down_proj.weight[d1/32]'])  # L02.mlp
+    h_L02_partial = rt.swiglu_mlp(x_L02_mlp_norm, W['graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/32]+model.layers.2.mlp.up_proj.weight[d0/32]:cat0:t01'], W['graphgen.load:model.layers.2.mlp.down_proj.weight[d1/32]:cat0:t01'])  # L02.mlp
     del x_L02_mlp_norm
     h_L02_sum = rt.all_reduce(h_L02_partial, group='tp', size=32, reduce='sum')  # L02.mlp.all_reduce
     del h_L02_partial
@@ -87,7 +159,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L03, k_pe_L03
     o_L03 = rt.mla_attention(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L03.attn
     del q_nope_L03, q_pe_L03
-    h_L03_attn_partial = rt.o_proj(o_L03, W['model.layers.3.self_attn.o_proj.weight[d1/32]'])  # L03.o_proj
+    h_L03_attn_partial = rt.o_proj(o_L03, W['graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L03.o_proj
     del o_L03
     h_L03_attn_sum = rt.all_reduce(h_L03_attn_partial, group='tp', size=32, reduce='sum')  # L03.o_proj.all_reduce
     del h_L03_attn_partial
@@ -107,7 +179,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L04, k_pe_L04
     o_L04 = rt.mla_attention(q_nope_L04, q_pe_L04, kv[4], W['model.layers.4.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L04.attn
     del q_nope_L04, q_pe_L04
-    h_L04_attn_partial = rt.o_proj(o_L04, W['model.layers.4.self_attn.o_proj.weight[d1/32]'])  # L04.o_proj
+    h_L04_attn_partial = rt.o_proj(o_L04, W['graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L04.o_proj
     del o_L04
     h_L04_attn_sum = rt.all_reduce(h_L04_attn_partial, group='tp', size=32, reduce='sum')  # L04.o_proj.all_reduce
     del h_L04_attn_partial
@@ -127,7 +199,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L05, k_pe_L05
     o_L05 = rt.mla_attention(q_nope_L05, q_pe_L05, kv[5], W['model.layers.5.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L05.attn
     del q_nope_L05, q_pe_L05
-    h_L05_attn_partial = rt.o_proj(o_L05, W['model.layers.5.self_attn.o_proj.weight[d1/32]'])  # L05.o_proj
+    h_L05_attn_partial = rt.o_proj(o_L05, W['graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L05.o_proj
     del o_L05
     h_L05_attn_sum = rt.all_reduce(h_L05_attn_partial, group='tp', size=32, reduce='sum')  # L05.o_proj.all_reduce
     del h_L05_attn_partial
@@ -147,7 +219,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L06, k_pe_L06
     o_L06 = rt.mla_attention(q_nope_L06, q_pe_L06, kv[6], W['model.layers.6.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L06.attn
     del q_nope_L06, q_pe_L06
-    h_L06_attn_partial = rt.o_proj(o_L06, W['model.layers.6.self_attn.o_proj.weight[d1/32]'])  # L06.o_proj
+    h_L06_attn_partial = rt.o_proj(o_L06, W['graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L06.o_proj
     del o_L06
     h_L06_attn_sum = rt.all_reduce(h_L06_attn_partial, group='tp', size=32, reduce='sum')  # L06.o_proj.all_reduce
     del h_L06_attn_partial
@@ -167,7 +239,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L07, k_pe_L07
     o_L07 = rt.mla_attention(q_nope_L07, q_pe_L07, kv[7], W['model.layers.7.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L07.attn
     del q_nope_L07, q_pe_L07
-    h_L07_attn_partial = rt.o_proj(o_L07, W['model.layers.7.self_attn.o_proj.weight[d1/32]'])  # L07.o_proj
+    h_L07_attn_partial = rt.o_proj(o_L07, W['graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L07.o_proj
     del o_L07
     h_L07_attn_sum = rt.all_reduce(h_L07_attn_partial, group='tp', size=32, reduce='sum')  # L07.o_proj.all_reduce
     del h_L07_attn_partial
@@ -187,7 +259,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L08, k_pe_L08
     o_L08 = rt.mla_attention(q_nope_L08, q_pe_L08, kv[8], W['model.layers.8.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L08.attn
     del q_nope_L08, q_pe_L08
-    h_L08_attn_partial = rt.o_proj(o_L08, W['model.layers.8.self_attn.o_proj.weight[d1/32]'])  # L08.o_proj
+    h_L08_attn_partial = rt.o_proj(o_L08, W['graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L08.o_proj
     del o_L08
     h_L08_attn_sum = rt.all_reduce(h_L08_attn_partial, group='tp', size=32, reduce='sum')  # L08.o_proj.all_reduce
     del h_L08_attn_partial
@@ -207,7 +279,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L09, k_pe_L09
     o_L09 = rt.mla_attention(q_nope_L09, q_pe_L09, kv[9], W['model.layers.9.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L09.attn
     del q_nope_L09, q_pe_L09
-    h_L09_attn_partial = rt.o_proj(o_L09, W['model.layers.9.self_attn.o_proj.weight[d1/32]'])  # L09.o_proj
+    h_L09_attn_partial = rt.o_proj(o_L09, W['graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L09.o_proj
     del o_L09
     h_L09_attn_sum = rt.all_reduce(h_L09_attn_partial, group='tp', size=32, reduce='sum')  # L09.o_proj.all_reduce
     del h_L09_attn_partial
@@ -227,7 +299,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L10, k_pe_L10
     o_L10 = rt.mla_attention(q_nope_L10, q_pe_L10, kv[10], W['model.layers.10.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L10.attn
     del q_nope_L10, q_pe_L10
-    h_L10_attn_partial = rt.o_proj(o_L10, W['model.layers.10.self_attn.o_proj.weight[d1/32]'])  # L10.o_proj
+    h_L10_attn_partial = rt.o_proj(o_L10, W['graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L10.o_proj
     del o_L10
     h_L10_attn_sum = rt.all_reduce(h_L10_attn_partial, group='tp', size=32, reduce='sum')  # L10.o_proj.all_reduce
     del h_L10_attn_partial
@@ -247,7 +319,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L11, k_pe_L11
     o_L11 = rt.mla_attention(q_nope_L11, q_pe_L11, kv[11], W['model.layers.11.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L11.attn
     del q_nope_L11, q_pe_L11
-    h_L11_attn_partial = rt.o_proj(o_L11, W['model.layers.11.self_attn.o_proj.weight[d1/32]'])  # L11.o_proj
+    h_L11_attn_partial = rt.o_proj(o_L11, W['graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L11.o_proj
     del o_L11
     h_L11_attn_sum = rt.all_reduce(h_L11_attn_partial, group='tp', size=32, reduce='sum')  # L11.o_proj.all_reduce
     del h_L11_attn_partial
@@ -267,7 +339,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L12, k_pe_L12
     o_L12 = rt.mla_attention(q_nope_L12, q_pe_L12, kv[12], W['model.layers.12.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L12.attn
     del q_nope_L12, q_pe_L12
-    h_L12_attn_partial = rt.o_proj(o_L12, W['model.layers.12.self_attn.o_proj.weight[d1/32]'])  # L12.o_proj
+    h_L12_attn_partial = rt.o_proj(o_L12, W['graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L12.o_proj
     del o_L12
     h_L12_attn_sum = rt.all_reduce(h_L12_attn_partial, group='tp', size=32, reduce='sum')  # L12.o_proj.all_reduce
     del h_L12_attn_partial
@@ -287,7 +359,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L13, k_pe_L13
     o_L13 = rt.mla_attention(q_nope_L13, q_pe_L13, kv[13], W['model.layers.13.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L13.attn
     del q_nope_L13, q_pe_L13
-    h_L13_attn_partial = rt.o_proj(o_L13, W['model.layers.13.self_attn.o_proj.weight[d1/32]'])  # L13.o_proj
+    h_L13_attn_partial = rt.o_proj(o_L13, W['graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L13.o_proj
     del o_L13
     h_L13_attn_sum = rt.all_reduce(h_L13_attn_partial, group='tp', size=32, reduce='sum')  # L13.o_proj.all_reduce
     del h_L13_attn_partial
@@ -307,7 +379,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L14, k_pe_L14
     o_L14 = rt.mla_attention(q_nope_L14, q_pe_L14, kv[14], W['model.layers.14.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L14.attn
     del q_nope_L14, q_pe_L14
-    h_L14_attn_partial = rt.o_proj(o_L14, W['model.layers.14.self_attn.o_proj.weight[d1/32]'])  # L14.o_proj
+    h_L14_attn_partial = rt.o_proj(o_L14, W['graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L14.o_proj
     del o_L14
     h_L14_attn_sum = rt.all_reduce(h_L14_attn_partial, group='tp', size=32, reduce='sum')  # L14.o_proj.all_reduce
     del h_L14_attn_partial
@@ -327,7 +399,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L15, k_pe_L15
     o_L15 = rt.mla_attention(q_nope_L15, q_pe_L15, kv[15], W['model.layers.15.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L15.attn
     del q_nope_L15, q_pe_L15
-    h_L15_attn_partial = rt.o_proj(o_L15, W['model.layers.15.self_attn.o_proj.weight[d1/32]'])  # L15.o_proj
+    h_L15_attn_partial = rt.o_proj(o_L15, W['graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L15.o_proj
     del o_L15
     h_L15_attn_sum = rt.all_reduce(h_L15_attn_partial, group='tp', size=32, reduce='sum')  # L15.o_proj.all_reduce
     del h_L15_attn_partial
@@ -347,7 +419,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L16, k_pe_L16
     o_L16 = rt.mla_attention(q_nope_L16, q_pe_L16, kv[16], W['model.layers.16.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L16.attn
     del q_nope_L16, q_pe_L16
-    h_L16_attn_partial = rt.o_proj(o_L16, W['model.layers.16.self_attn.o_proj.weight[d1/32]'])  # L16.o_proj
+    h_L16_attn_partial = rt.o_proj(o_L16, W['graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L16.o_proj
     del o_L16
     h_L16_attn_sum = rt.all_reduce(h_L16_attn_partial, group='tp', size=32, reduce='sum')  # L16.o_proj.all_reduce
     del h_L16_attn_partial
@@ -367,7 +439,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L17, k_pe_L17
     o_L17 = rt.mla_attention(q_nope_L17, q_pe_L17, kv[17], W['model.layers.17.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L17.attn
     del q_nope_L17, q_pe_L17
-    h_L17_attn_partial = rt.o_proj(o_L17, W['model.layers.17.self_attn.o_proj.weight[d1/32]'])  # L17.o_proj
+    h_L17_attn_partial = rt.o_proj(o_L17, W['graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L17.o_proj
     del o_L17
     h_L17_attn_sum = rt.all_reduce(h_L17_attn_partial, group='tp', size=32, reduce='sum')  # L17.o_proj.all_reduce
     del h_L17_attn_partial
@@ -387,7 +459,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L18, k_pe_L18
     o_L18 = rt.mla_attention(q_nope_L18, q_pe_L18, kv[18], W['model.layers.18.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L18.attn
     del q_nope_L18, q_pe_L18
-    h_L18_attn_partial = rt.o_proj(o_L18, W['model.layers.18.self_attn.o_proj.weight[d1/32]'])  # L18.o_proj
+    h_L18_attn_partial = rt.o_proj(o_L18, W['graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L18.o_proj
     del o_L18
     h_L18_attn_sum = rt.all_reduce(h_L18_attn_partial, group='tp', size=32, reduce='sum')  # L18.o_proj.all_reduce
     del h_L18_attn_partial
@@ -407,7 +479,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L19, k_pe_L19
     o_L19 = rt.mla_attention(q_nope_L19, q_pe_L19, kv[19], W['model.layers.19.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L19.attn
     del q_nope_L19, q_pe_L19
-    h_L19_attn_partial = rt.o_proj(o_L19, W['model.layers.19.self_attn.o_proj.weight[d1/32]'])  # L19.o_proj
+    h_L19_attn_partial = rt.o_proj(o_L19, W['graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L19.o_proj
     del o_L19
     h_L19_attn_sum = rt.all_reduce(h_L19_attn_partial, group='tp', size=32, reduce='sum')  # L19.o_proj.all_reduce
     del h_L19_attn_partial
@@ -427,7 +499,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L20, k_pe_L20
     o_L20 = rt.mla_attention(q_nope_L20, q_pe_L20, kv[20], W['model.layers.20.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L20.attn
     del q_nope_L20, q_pe_L20
-    h_L20_attn_partial = rt.o_proj(o_L20, W['model.layers.20.self_attn.o_proj.weight[d1/32]'])  # L20.o_proj
+    h_L20_attn_partial = rt.o_proj(o_L20, W['graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L20.o_proj
     del o_L20
     h_L20_attn_sum = rt.all_reduce(h_L20_attn_partial, group='tp', size=32, reduce='sum')  # L20.o_proj.all_reduce
     del h_L20_attn_partial
@@ -447,7 +519,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L21, k_pe_L21
     o_L21 = rt.mla_attention(q_nope_L21, q_pe_L21, kv[21], W['model.layers.21.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L21.attn
     del q_nope_L21, q_pe_L21
-    h_L21_attn_partial = rt.o_proj(o_L21, W['model.layers.21.self_attn.o_proj.weight[d1/32]'])  # L21.o_proj
+    h_L21_attn_partial = rt.o_proj(o_L21, W['graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L21.o_proj
     del o_L21
     h_L21_attn_sum = rt.all_reduce(h_L21_attn_partial, group='tp', size=32, reduce='sum')  # L21.o_proj.all_reduce
     del h_L21_attn_partial
@@ -467,7 +539,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L22, k_pe_L22
     o_L22 = rt.mla_attention(q_nope_L22, q_pe_L22, kv[22], W['model.layers.22.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L22.attn
     del q_nope_L22, q_pe_L22
-    h_L22_attn_partial = rt.o_proj(o_L22, W['model.layers.22.self_attn.o_proj.weight[d1/32]'])  # L22.o_proj
+    h_L22_attn_partial = rt.o_proj(o_L22, W['graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L22.o_proj
     del o_L22
     h_L22_attn_sum = rt.all_reduce(h_L22_attn_partial, group='tp', size=32, reduce='sum')  # L22.o_proj.all_reduce
     del h_L22_attn_partial
@@ -487,7 +559,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L23, k_pe_L23
     o_L23 = rt.mla_attention(q_nope_L23, q_pe_L23, kv[23], W['model.layers.23.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L23.attn
     del q_nope_L23, q_pe_L23
-    h_L23_attn_partial = rt.o_proj(o_L23, W['model.layers.23.self_attn.o_proj.weight[d1/32]'])  # L23.o_proj
+    h_L23_attn_partial = rt.o_proj(o_L23, W['graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L23.o_proj
     del o_L23
     h_L23_attn_sum = rt.all_reduce(h_L23_attn_partial, group='tp', size=32, reduce='sum')  # L23.o_proj.all_reduce
     del h_L23_attn_partial
@@ -507,7 +579,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L24, k_pe_L24
     o_L24 = rt.mla_attention(q_nope_L24, q_pe_L24, kv[24], W['model.layers.24.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L24.attn
     del q_nope_L24, q_pe_L24
-    h_L24_attn_partial = rt.o_proj(o_L24, W['model.layers.24.self_attn.o_proj.weight[d1/32]'])  # L24.o_proj
+    h_L24_attn_partial = rt.o_proj(o_L24, W['graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L24.o_proj
     del o_L24
     h_L24_attn_sum = rt.all_reduce(h_L24_attn_partial, group='tp', size=32, reduce='sum')  # L24.o_proj.all_reduce
     del h_L24_attn_partial
@@ -527,7 +599,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L25, k_pe_L25
     o_L25 = rt.mla_attention(q_nope_L25, q_pe_L25, kv[25], W['model.layers.25.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L25.attn
     del q_nope_L25, q_pe_L25
-    h_L25_attn_partial = rt.o_proj(o_L25, W['model.layers.25.self_attn.o_proj.weight[d1/32]'])  # L25.o_proj
+    h_L25_attn_partial = rt.o_proj(o_L25, W['graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L25.o_proj
     del o_L25
     h_L25_attn_sum = rt.all_reduce(h_L25_attn_partial, group='tp', size=32, reduce='sum')  # L25.o_proj.all_reduce
     del h_L25_attn_partial
@@ -547,7 +619,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L26, k_pe_L26
     o_L26 = rt.mla_attention(q_nope_L26, q_pe_L26, kv[26], W['model.layers.26.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L26.attn
     del q_nope_L26, q_pe_L26
-    h_L26_attn_partial = rt.o_proj(o_L26, W['model.layers.26.self_attn.o_proj.weight[d1/32]'])  # L26.o_proj
+    h_L26_attn_partial = rt.o_proj(o_L26, W['graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L26.o_proj
     del o_L26
     h_L26_attn_sum = rt.all_reduce(h_L26_attn_partial, group='tp', size=32, reduce='sum')  # L26.o_proj.all_reduce
     del h_L26_attn_partial
@@ -567,7 +639,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L27, k_pe_L27
     o_L27 = rt.mla_attention(q_nope_L27, q_pe_L27, kv[27], W['model.layers.27.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L27.attn
     del q_nope_L27, q_pe_L27
-    h_L27_attn_partial = rt.o_proj(o_L27, W['model.layers.27.self_attn.o_proj.weight[d1/32]'])  # L27.o_proj
+    h_L27_attn_partial = rt.o_proj(o_L27, W['graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L27.o_proj
     del o_L27
     h_L27_attn_sum = rt.all_reduce(h_L27_attn_partial, group='tp', size=32, reduce='sum')  # L27.o_proj.all_reduce
     del h_L27_attn_partial
@@ -587,7 +659,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L28, k_pe_L28
     o_L28 = rt.mla_attention(q_nope_L28, q_pe_L28, kv[28], W['model.layers.28.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L28.attn
     del q_nope_L28, q_pe_L28
-    h_L28_attn_partial = rt.o_proj(o_L28, W['model.layers.28.self_attn.o_proj.weight[d1/32]'])  # L28.o_proj
+    h_L28_attn_partial = rt.o_proj(o_L28, W['graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L28.o_proj
     del o_L28
     h_L28_attn_sum = rt.all_reduce(h_L28_attn_partial, group='tp', size=32, reduce='sum')  # L28.o_proj.all_reduce
     del h_L28_attn_partial
@@ -607,7 +679,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L29, k_pe_L29
     o_L29 = rt.mla_attention(q_nope_L29, q_pe_L29, kv[29], W['model.layers.29.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L29.attn
     del q_nope_L29, q_pe_L29
-    h_L29_attn_partial = rt.o_proj(o_L29, W['model.layers.29.self_attn.o_proj.weight[d1/32]'])  # L29.o_proj
+    h_L29_attn_partial = rt.o_proj(o_L29, W['graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L29.o_proj
     del o_L29
     h_L29_attn_sum = rt.all_reduce(h_L29_attn_partial, group='tp', size=32, reduce='sum')  # L29.o_proj.all_reduce
     del h_L29_attn_partial
@@ -627,7 +699,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L30, k_pe_L30
     o_L30 = rt.mla_attention(q_nope_L30, q_pe_L30, kv[30], W['model.layers.30.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L30.attn
     del q_nope_L30, q_pe_L30
-    h_L30_attn_partial = rt.o_proj(o_L30, W['model.layers.30.self_attn.o_proj.weight[d1/32]'])  # L30.o_proj
+    h_L30_attn_partial = rt.o_proj(o_L30, W['graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L30.o_proj
     del o_L30
     h_L30_attn_sum = rt.all_reduce(h_L30_attn_partial, group='tp', size=32, reduce='sum')  # L30.o_proj.all_reduce
     del h_L30_attn_partial
@@ -647,7 +719,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L31, k_pe_L31
     o_L31 = rt.mla_attention(q_nope_L31, q_pe_L31, kv[31], W['model.layers.31.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L31.attn
     del q_nope_L31, q_pe_L31
-    h_L31_attn_partial = rt.o_proj(o_L31, W['model.layers.31.self_attn.o_proj.weight[d1/32]'])  # L31.o_proj
+    h_L31_attn_partial = rt.o_proj(o_L31, W['graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L31.o_proj
     del o_L31
     h_L31_attn_sum = rt.all_reduce(h_L31_attn_partial, group='tp', size=32, reduce='sum')  # L31.o_proj.all_reduce
     del h_L31_attn_partial
@@ -667,7 +739,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L32, k_pe_L32
     o_L32 = rt.mla_attention(q_nope_L32, q_pe_L32, kv[32], W['model.layers.32.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L32.attn
     del q_nope_L32, q_pe_L32
-    h_L32_attn_partial = rt.o_proj(o_L32, W['model.layers.32.self_attn.o_proj.weight[d1/32]'])  # L32.o_proj
+    h_L32_attn_partial = rt.o_proj(o_L32, W['graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L32.o_proj
     del o_L32
     h_L32_attn_sum = rt.all_reduce(h_L32_attn_partial, group='tp', size=32, reduce='sum')  # L32.o_proj.all_reduce
     del h_L32_attn_partial
@@ -687,7 +759,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L33, k_pe_L33
     o_L33 = rt.mla_attention(q_nope_L33, q_pe_L33, kv[33], W['model.layers.33.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L33.attn
     del q_nope_L33, q_pe_L33
-    h_L33_attn_partial = rt.o_proj(o_L33, W['model.layers.33.self_attn.o_proj.weight[d1/32]'])  # L33.o_proj
+    h_L33_attn_partial = rt.o_proj(o_L33, W['graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L33.o_proj
     del o_L33
     h_L33_attn_sum = rt.all_reduce(h_L33_attn_partial, group='tp', size=32, reduce='sum')  # L33.o_proj.all_reduce
     del h_L33_attn_partial
@@ -707,7 +779,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L34, k_pe_L34
     o_L34 = rt.mla_attention(q_nope_L34, q_pe_L34, kv[34], W['model.layers.34.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L34.attn
     del q_nope_L34, q_pe_L34
-    h_L34_attn_partial = rt.o_proj(o_L34, W['model.layers.34.self_attn.o_proj.weight[d1/32]'])  # L34.o_proj
+    h_L34_attn_partial = rt.o_proj(o_L34, W['graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L34.o_proj
     del o_L34
     h_L34_attn_sum = rt.all_reduce(h_L34_attn_partial, group='tp', size=32, reduce='sum')  # L34.o_proj.all_reduce
     del h_L34_attn_partial
@@ -727,7 +799,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L35, k_pe_L35
     o_L35 = rt.mla_attention(q_nope_L35, q_pe_L35, kv[35], W['model.layers.35.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L35.attn
     del q_nope_L35, q_pe_L35
-    h_L35_attn_partial = rt.o_proj(o_L35, W['model.layers.35.self_attn.o_proj.weight[d1/32]'])  # L35.o_proj
+    h_L35_attn_partial = rt.o_proj(o_L35, W['graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L35.o_proj
     del o_L35
     h_L35_attn_sum = rt.all_reduce(h_L35_attn_partial, group='tp', size=32, reduce='sum')  # L35.o_proj.all_reduce
     del h_L35_attn_partial
@@ -747,7 +819,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L36, k_pe_L36
     o_L36 = rt.mla_attention(q_nope_L36, q_pe_L36, kv[36], W['model.layers.36.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L36.attn
     del q_nope_L36, q_pe_L36
-    h_L36_attn_partial = rt.o_proj(o_L36, W['model.layers.36.self_attn.o_proj.weight[d1/32]'])  # L36.o_proj
+    h_L36_attn_partial = rt.o_proj(o_L36, W['graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L36.o_proj
     del o_L36
     h_L36_attn_sum = rt.all_reduce(h_L36_attn_partial, group='tp', size=32, reduce='sum')  # L36.o_proj.all_reduce
     del h_L36_attn_partial
@@ -767,7 +839,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L37, k_pe_L37
     o_L37 = rt.mla_attention(q_nope_L37, q_pe_L37, kv[37], W['model.layers.37.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L37.attn
     del q_nope_L37, q_pe_L37
-    h_L37_attn_partial = rt.o_proj(o_L37, W['model.layers.37.self_attn.o_proj.weight[d1/32]'])  # L37.o_proj
+    h_L37_attn_partial = rt.o_proj(o_L37, W['graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L37.o_proj
     del o_L37
     h_L37_attn_sum = rt.all_reduce(h_L37_attn_partial, group='tp', size=32, reduce='sum')  # L37.o_proj.all_reduce
     del h_L37_attn_partial
@@ -787,7 +859,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L38, k_pe_L38
     o_L38 = rt.mla_attention(q_nope_L38, q_pe_L38, kv[38], W['model.layers.38.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L38.attn
     del q_nope_L38, q_pe_L38
-    h_L38_attn_partial = rt.o_proj(o_L38, W['model.layers.38.self_attn.o_proj.weight[d1/32]'])  # L38.o_proj
+    h_L38_attn_partial = rt.o_proj(o_L38, W['graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L38.o_proj
     del o_L38
     h_L38_attn_sum = rt.all_reduce(h_L38_attn_partial, group='tp', size=32, reduce='sum')  # L38.o_proj.all_reduce
     del h_L38_attn_partial
@@ -807,7 +879,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L39, k_pe_L39
     o_L39 = rt.mla_attention(q_nope_L39, q_pe_L39, kv[39], W['model.layers.39.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L39.attn
     del q_nope_L39, q_pe_L39
-    h_L39_attn_partial = rt.o_proj(o_L39, W['model.layers.39.self_attn.o_proj.weight[d1/32]'])  # L39.o_proj
+    h_L39_attn_partial = rt.o_proj(o_L39, W['graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L39.o_proj
     del o_L39
     h_L39_attn_sum = rt.all_reduce(h_L39_attn_partial, group='tp', size=32, reduce='sum')  # L39.o_proj.all_reduce
     del h_L39_attn_partial
@@ -827,7 +899,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L40, k_pe_L40
     o_L40 = rt.mla_attention(q_nope_L40, q_pe_L40, kv[40], W['model.layers.40.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L40.attn
     del q_nope_L40, q_pe_L40
-    h_L40_attn_partial = rt.o_proj(o_L40, W['model.layers.40.self_attn.o_proj.weight[d1/32]'])  # L40.o_proj
+    h_L40_attn_partial = rt.o_proj(o_L40, W['graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L40.o_proj
     del o_L40
     h_L40_attn_sum = rt.all_reduce(h_L40_attn_partial, group='tp', size=32, reduce='sum')  # L40.o_proj.all_reduce
     del h_L40_attn_partial
@@ -847,7 +919,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L41, k_pe_L41
     o_L41 = rt.mla_attention(q_nope_L41, q_pe_L41, kv[41], W['model.layers.41.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L41.attn
     del q_nope_L41, q_pe_L41
-    h_L41_attn_partial = rt.o_proj(o_L41, W['model.layers.41.self_attn.o_proj.weight[d1/32]'])  # L41.o_proj
+    h_L41_attn_partial = rt.o_proj(o_L41, W['graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L41.o_proj
     del o_L41
     h_L41_attn_sum = rt.all_reduce(h_L41_attn_partial, group='tp', size=32, reduce='sum')  # L41.o_proj.all_reduce
     del h_L41_attn_partial
@@ -867,7 +939,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L42, k_pe_L42
     o_L42 = rt.mla_attention(q_nope_L42, q_pe_L42, kv[42], W['model.layers.42.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L42.attn
     del q_nope_L42, q_pe_L42
-    h_L42_attn_partial = rt.o_proj(o_L42, W['model.layers.42.self_attn.o_proj.weight[d1/32]'])  # L42.o_proj
+    h_L42_attn_partial = rt.o_proj(o_L42, W['graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L42.o_proj
     del o_L42
     h_L42_attn_sum = rt.all_reduce(h_L42_attn_partial, group='tp', size=32, reduce='sum')  # L42.o_proj.all_reduce
     del h_L42_attn_partial
@@ -887,7 +959,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L43, k_pe_L43
     o_L43 = rt.mla_attention(q_nope_L43, q_pe_L43, kv[43], W['model.layers.43.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L43.attn
     del q_nope_L43, q_pe_L43
-    h_L43_attn_partial = rt.o_proj(o_L43, W['model.layers.43.self_attn.o_proj.weight[d1/32]'])  # L43.o_proj
+    h_L43_attn_partial = rt.o_proj(o_L43, W['graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L43.o_proj
     del o_L43
     h_L43_attn_sum = rt.all_reduce(h_L43_attn_partial, group='tp', size=32, reduce='sum')  # L43.o_proj.all_reduce
     del h_L43_attn_partial
@@ -907,7 +979,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L44, k_pe_L44
     o_L44 = rt.mla_attention(q_nope_L44, q_pe_L44, kv[44], W['model.layers.44.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L44.attn
     del q_nope_L44, q_pe_L44
-    h_L44_attn_partial = rt.o_proj(o_L44, W['model.layers.44.self_attn.o_proj.weight[d1/32]'])  # L44.o_proj
+    h_L44_attn_partial = rt.o_proj(o_L44, W['graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L44.o_proj
     del o_L44
     h_L44_attn_sum = rt.all_reduce(h_L44_attn_partial, group='tp', size=32, reduce='sum')  # L44.o_proj.all_reduce
     del h_L44_attn_partial
@@ -927,7 +999,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L45, k_pe_L45
     o_L45 = rt.mla_attention(q_nope_L45, q_pe_L45, kv[45], W['model.layers.45.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L45.attn
     del q_nope_L45, q_pe_L45
-    h_L45_attn_partial = rt.o_proj(o_L45, W['model.layers.45.self_attn.o_proj.weight[d1/32]'])  # L45.o_proj
+    h_L45_attn_partial = rt.o_proj(o_L45, W['graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L45.o_proj
     del o_L45
     h_L45_attn_sum = rt.all_reduce(h_L45_attn_partial, group='tp', size=32, reduce='sum')  # L45.o_proj.all_reduce
     del h_L45_attn_partial
@@ -947,7 +1019,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L46, k_pe_L46
     o_L46 = rt.mla_attention(q_nope_L46, q_pe_L46, kv[46], W['model.layers.46.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L46.attn
     del q_nope_L46, q_pe_L46
-    h_L46_attn_partial = rt.o_proj(o_L46, W['model.layers.46.self_attn.o_proj.weight[d1/32]'])  # L46.o_proj
+    h_L46_attn_partial = rt.o_proj(o_L46, W['graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L46.o_proj
     del o_L46
     h_L46_attn_sum = rt.all_reduce(h_L46_attn_partial, group='tp', size=32, reduce='sum')  # L46.o_proj.all_reduce
     del h_L46_attn_partial
@@ -967,7 +1039,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L47, k_pe_L47
     o_L47 = rt.mla_attention(q_nope_L47, q_pe_L47, kv[47], W['model.layers.47.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L47.attn
     del q_nope_L47, q_pe_L47
-    h_L47_attn_partial = rt.o_proj(o_L47, W['model.layers.47.self_attn.o_proj.weight[d1/32]'])  # L47.o_proj
+    h_L47_attn_partial = rt.o_proj(o_L47, W['graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L47.o_proj
     del o_L47
     h_L47_attn_sum = rt.all_reduce(h_L47_attn_partial, group='tp', size=32, reduce='sum')  # L47.o_proj.all_reduce
     del h_L47_attn_partial
@@ -987,7 +1059,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L48, k_pe_L48
     o_L48 = rt.mla_attention(q_nope_L48, q_pe_L48, kv[48], W['model.layers.48.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L48.attn
     del q_nope_L48, q_pe_L48
-    h_L48_attn_partial = rt.o_proj(o_L48, W['model.layers.48.self_attn.o_proj.weight[d1/32]'])  # L48.o_proj
+    h_L48_attn_partial = rt.o_proj(o_L48, W['graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L48.o_proj
     del o_L48
     h_L48_attn_sum = rt.all_reduce(h_L48_attn_partial, group='tp', size=32, reduce='sum')  # L48.o_proj.all_reduce
     del h_L48_attn_partial
@@ -1007,7 +1079,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L49, k_pe_L49
     o_L49 = rt.mla_attention(q_nope_L49, q_pe_L49, kv[49], W['model.layers.49.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L49.attn
     del q_nope_L49, q_pe_L49
-    h_L49_attn_partial = rt.o_proj(o_L49, W['model.layers.49.self_attn.o_proj.weight[d1/32]'])  # L49.o_proj
+    h_L49_attn_partial = rt.o_proj(o_L49, W['graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L49.o_proj
     del o_L49
     h_L49_attn_sum = rt.all_reduce(h_L49_attn_partial, group='tp', size=32, reduce='sum')  # L49.o_proj.all_reduce
     del h_L49_attn_partial
@@ -1027,7 +1099,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L50, k_pe_L50
     o_L50 = rt.mla_attention(q_nope_L50, q_pe_L50, kv[50], W['model.layers.50.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L50.attn
     del q_nope_L50, q_pe_L50
-    h_L50_attn_partial = rt.o_proj(o_L50, W['model.layers.50.self_attn.o_proj.weight[d1/32]'])  # L50.o_proj
+    h_L50_attn_partial = rt.o_proj(o_L50, W['graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L50.o_proj
     del o_L50
     h_L50_attn_sum = rt.all_reduce(h_L50_attn_partial, group='tp', size=32, reduce='sum')  # L50.o_proj.all_reduce
     del h_L50_attn_partial
@@ -1047,7 +1119,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L51, k_pe_L51
     o_L51 = rt.mla_attention(q_nope_L51, q_pe_L51, kv[51], W['model.layers.51.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L51.attn
     del q_nope_L51, q_pe_L51
-    h_L51_attn_partial = rt.o_proj(o_L51, W['model.layers.51.self_attn.o_proj.weight[d1/32]'])  # L51.o_proj
+    h_L51_attn_partial = rt.o_proj(o_L51, W['graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L51.o_proj
     del o_L51
     h_L51_attn_sum = rt.all_reduce(h_L51_attn_partial, group='tp', size=32, reduce='sum')  # L51.o_proj.all_reduce
     del h_L51_attn_partial
@@ -1067,7 +1139,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L52, k_pe_L52
     o_L52 = rt.mla_attention(q_nope_L52, q_pe_L52, kv[52], W['model.layers.52.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L52.attn
     del q_nope_L52, q_pe_L52
-    h_L52_attn_partial = rt.o_proj(o_L52, W['model.layers.52.self_attn.o_proj.weight[d1/32]'])  # L52.o_proj
+    h_L52_attn_partial = rt.o_proj(o_L52, W['graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L52.o_proj
     del o_L52
     h_L52_attn_sum = rt.all_reduce(h_L52_attn_partial, group='tp', size=32, reduce='sum')  # L52.o_proj.all_reduce
     del h_L52_attn_partial
@@ -1087,7 +1159,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L53, k_pe_L53
     o_L53 = rt.mla_attention(q_nope_L53, q_pe_L53, kv[53], W['model.layers.53.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L53.attn
     del q_nope_L53, q_pe_L53
-    h_L53_attn_partial = rt.o_proj(o_L53, W['model.layers.53.self_attn.o_proj.weight[d1/32]'])  # L53.o_proj
+    h_L53_attn_partial = rt.o_proj(o_L53, W['graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L53.o_proj
     del o_L53
     h_L53_attn_sum = rt.all_reduce(h_L53_attn_partial, group='tp', size=32, reduce='sum')  # L53.o_proj.all_reduce
     del h_L53_attn_partial
@@ -1107,7 +1179,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L54, k_pe_L54
     o_L54 = rt.mla_attention(q_nope_L54, q_pe_L54, kv[54], W['model.layers.54.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L54.attn
     del q_nope_L54, q_pe_L54
-    h_L54_attn_partial = rt.o_proj(o_L54, W['model.layers.54.self_attn.o_proj.weight[d1/32]'])  # L54.o_proj
+    h_L54_attn_partial = rt.o_proj(o_L54, W['graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L54.o_proj
     del o_L54
     h_L54_attn_sum = rt.all_reduce(h_L54_attn_partial, group='tp', size=32, reduce='sum')  # L54.o_proj.all_reduce
     del h_L54_attn_partial
@@ -1127,7 +1199,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L55, k_pe_L55
     o_L55 = rt.mla_attention(q_nope_L55, q_pe_L55, kv[55], W['model.layers.55.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L55.attn
     del q_nope_L55, q_pe_L55
-    h_L55_attn_partial = rt.o_proj(o_L55, W['model.layers.55.self_attn.o_proj.weight[d1/32]'])  # L55.o_proj
+    h_L55_attn_partial = rt.o_proj(o_L55, W['graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L55.o_proj
     del o_L55
     h_L55_attn_sum = rt.all_reduce(h_L55_attn_partial, group='tp', size=32, reduce='sum')  # L55.o_proj.all_reduce
     del h_L55_attn_partial
@@ -1147,7 +1219,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L56, k_pe_L56
     o_L56 = rt.mla_attention(q_nope_L56, q_pe_L56, kv[56], W['model.layers.56.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L56.attn
     del q_nope_L56, q_pe_L56
-    h_L56_attn_partial = rt.o_proj(o_L56, W['model.layers.56.self_attn.o_proj.weight[d1/32]'])  # L56.o_proj
+    h_L56_attn_partial = rt.o_proj(o_L56, W['graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L56.o_proj
     del o_L56
     h_L56_attn_sum = rt.all_reduce(h_L56_attn_partial, group='tp', size=32, reduce='sum')  # L56.o_proj.all_reduce
     del h_L56_attn_partial
@@ -1167,7 +1239,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L57, k_pe_L57
     o_L57 = rt.mla_attention(q_nope_L57, q_pe_L57, kv[57], W['model.layers.57.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L57.attn
     del q_nope_L57, q_pe_L57
-    h_L57_attn_partial = rt.o_proj(o_L57, W['model.layers.57.self_attn.o_proj.weight[d1/32]'])  # L57.o_proj
+    h_L57_attn_partial = rt.o_proj(o_L57, W['graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L57.o_proj
     del o_L57
     h_L57_attn_sum = rt.all_reduce(h_L57_attn_partial, group='tp', size=32, reduce='sum')  # L57.o_proj.all_reduce
     del h_L57_attn_partial
@@ -1187,7 +1259,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L58, k_pe_L58
     o_L58 = rt.mla_attention(q_nope_L58, q_pe_L58, kv[58], W['model.layers.58.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L58.attn
     del q_nope_L58, q_pe_L58
-    h_L58_attn_partial = rt.o_proj(o_L58, W['model.layers.58.self_attn.o_proj.weight[d1/32]'])  # L58.o_proj
+    h_L58_attn_partial = rt.o_proj(o_L58, W['graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L58.o_proj
     del o_L58
     h_L58_attn_sum = rt.all_reduce(h_L58_attn_partial, group='tp', size=32, reduce='sum')  # L58.o_proj.all_reduce
     del h_L58_attn_partial
@@ -1207,7 +1279,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L59, k_pe_L59
     o_L59 = rt.mla_attention(q_nope_L59, q_pe_L59, kv[59], W['model.layers.59.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L59.attn
     del q_nope_L59, q_pe_L59
-    h_L59_attn_partial = rt.o_proj(o_L59, W['model.layers.59.self_attn.o_proj.weight[d1/32]'])  # L59.o_proj
+    h_L59_attn_partial = rt.o_proj(o_L59, W['graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L59.o_proj
     del o_L59
     h_L59_attn_sum = rt.all_reduce(h_L59_attn_partial, group='tp', size=32, reduce='sum')  # L59.o_proj.all_reduce
     del h_L59_attn_partial
@@ -1227,7 +1299,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L60, k_pe_L60
     o_L60 = rt.mla_attention(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight[d0/32]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L60.attn
     del q_nope_L60, q_pe_L60
-    h_L60_attn_partial = rt.o_proj(o_L60, W['model.layers.60.self_attn.o_proj.weight[d1/32]'])  # L60.o_proj
+    h_L60_attn_partial = rt.o_proj(o_L60, W['graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/32]:cat0:t01'])  # L60.o_proj
     del o_L60
     h_L60_attn_sum = rt.all_reduce(h_L60_attn_partial, group='tp', size=32, reduce='sum')  # L60.o_proj.all_reduce
     del h_L60_attn_partial

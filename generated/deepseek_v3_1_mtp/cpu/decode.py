@@ -10,6 +10,78 @@ GRAPH = 'deepseek_v3_1_mtp.decode'
 META = {'block_size': 128, 'family': 'deepseek_v3', 'granularity': 'none', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 61, 'model': 'deepseek_v3_1_mtp', 'phase': 'decode', 'saves': False, 'spec': 'specs/deepseek_v3_1_mtp.yaml', 'variant': 'decode', 'write': 'off'}
 EVENTS = ()
 HOST_EVENT = None
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.down_proj.weight:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight', 'model.layers.0.mlp.up_proj.weight'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.down_proj.weight:cat0:t01': {'cat': ('model.layers.1.mlp.down_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.gate_proj.weight+model.layers.1.mlp.up_proj.weight:cat0:t01': {'cat': ('model.layers.1.mlp.gate_proj.weight', 'model.layers.1.mlp.up_proj.weight'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.10.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.10.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.11.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.11.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.12.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.12.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.13.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.13.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.14.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.14.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.15.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.15.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.16.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.16.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.17.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.17.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.18.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.18.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.19.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.19.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.down_proj.weight:cat0:t01': {'cat': ('model.layers.2.mlp.down_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.gate_proj.weight+model.layers.2.mlp.up_proj.weight:cat0:t01': {'cat': ('model.layers.2.mlp.gate_proj.weight', 'model.layers.2.mlp.up_proj.weight'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.2.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.20.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.20.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.21.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.21.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.22.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.22.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.23.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.23.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.24.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.24.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.25.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.25.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.26.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.26.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.27.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.27.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.28.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.28.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.29.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.29.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.3.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.3.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.30.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.30.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.31.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.31.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.32.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.32.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.33.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.33.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.34.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.34.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.35.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.35.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.36.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.36.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.37.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.37.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.38.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.38.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.39.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.39.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.4.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.4.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.40.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.40.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.41.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.41.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.42.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.42.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.43.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.43.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.44.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.44.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.45.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.45.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.46.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.46.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.47.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.47.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.48.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.48.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.49.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.49.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.5.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.5.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.50.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.50.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.51.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.51.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.52.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.52.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.53.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.53.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.54.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.54.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.55.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.55.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.56.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.56.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.57.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.57.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.58.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.58.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.59.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.59.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.6.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.6.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.60.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.60.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.7.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.7.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.8.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.8.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.9.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.9.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -25,10 +97,10 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L00, k_pe_L00
     o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L00.attn
     del q_nope_L00, q_pe_L00
-    h_L00_attn = rt.o_proj_residual(o_L00, W['model.layers.0.self_attn.o_proj.weight'], h_embed)  # L00.o_proj
+    h_L00_attn = rt.o_proj_residual(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight:cat0:t01'], h_embed)  # L00.o_proj
     del h_embed, o_L00
     x_L00_mlp_norm = rt.rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)  # L00.mlp_norm
-    h_L00 = rt.swiglu_mlp_residual(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight'], W['model.layers.0.mlp.up_proj.weight'], W['model.layers.0.mlp.down_proj.weight'], h_L00_attn)  # L00.mlp
+    h_L00 = rt.swiglu_mlp_residual(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight:cat0:t01'], h_L00_attn)  # L00.mlp
     del h_L00_attn, x_L00_mlp_norm
     x_L01_attn_norm = rt.rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)  # L01.attn_norm
     q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = rt.mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L01.mla_prolog
@@ -37,10 +109,10 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L01, k_pe_L01
     o_L01 = rt.mla_attention(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L01.attn
     del q_nope_L01, q_pe_L01
-    h_L01_attn = rt.o_proj_residual(o_L01, W['model.layers.1.self_attn.o_proj.weight'], h_L00)  # L01.o_proj
+    h_L01_attn = rt.o_proj_residual(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight:cat0:t01'], h_L00)  # L01.o_proj
     del h_L00, o_L01
     x_L01_mlp_norm = rt.rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)  # L01.mlp_norm
-    h_L01 = rt.swiglu_mlp_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight'], W['model.layers.1.mlp.up_proj.weight'], W['model.layers.1.mlp.down_proj.weight'], h_L01_attn)  # L01.mlp
+    h_L01 = rt.swiglu_mlp_residual(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight+model.layers.1.mlp.up_proj.weight:cat0:t01'], W['graphgen.load:model.layers.1.mlp.down_proj.weight:cat0:t01'], h_L01_attn)  # L01.mlp
     del h_L01_attn, x_L01_mlp_norm
     x_L02_attn_norm = rt.rms_norm(h_L01, W['model.layers.2.input_layernorm.weight'], 1e-06)  # L02.attn_norm
     q_nope_L02, q_pe_L02, c_kv_L02, k_pe_L02 = rt.mla_prolog(x_L02_attn_norm, W['model.layers.2.self_attn.q_a_proj.weight'], W['model.layers.2.self_attn.q_a_layernorm.weight'], W['model.layers.2.self_attn.q_b_proj.weight'], W['model.layers.2.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.2.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L02.mla_prolog
@@ -49,10 +121,10 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L02, k_pe_L02
     o_L02 = rt.mla_attention(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L02.attn
     del q_nope_L02, q_pe_L02
-    h_L02_attn = rt.o_proj_residual(o_L02, W['model.layers.2.self_attn.o_proj.weight'], h_L01)  # L02.o_proj
+    h_L02_attn = rt.o_proj_residual(o_L02, W['graphgen.load:model.layers.2.self_attn.o_proj.weight:cat0:t01'], h_L01)  # L02.o_proj
     del h_L01, o_L02
     x_L02_mlp_norm = rt.rms_norm(h_L02_attn, W['model.layers.2.post_attention_layernorm.weight'], 1e-06)  # L02.mlp_norm
-    h_L02 = rt.swiglu_mlp_residual(x_L02_mlp_norm, W['model.layers.2.mlp.gate_proj.weight'], W['model.layers.2.mlp.up_proj.weight'], W['model.layers.2.mlp.down_proj.weight'], h_L02_attn)  # L02.mlp
+    h_L02 = rt.swiglu_mlp_residual(x_L02_mlp_norm, W['graphgen.load:model.layers.2.mlp.gate_proj.weight+model.layers.2.mlp.up_proj.weight:cat0:t01'], W['graphgen.load:model.layers.2.mlp.down_proj.weight:cat0:t01'], h_L02_attn)  # L02.mlp
     del h_L02_attn, x_L02_mlp_norm
     x_L03_attn_norm = rt.rms_norm(h_L02, W['model.layers.3.input_layernorm.weight'], 1e-06)  # L03.attn_norm
     q_nope_L03, q_pe_L03, c_kv_L03, k_pe_L03 = rt.mla_prolog(x_L03_attn_norm, W['model.layers.3.self_attn.q_a_proj.weight'], W['model.layers.3.self_attn.q_a_layernorm.weight'], W['model.layers.3.self_attn.q_b_proj.weight'], W['model.layers.3.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.3.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L03.mla_prolog
@@ -61,7 +133,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L03, k_pe_L03
     o_L03 = rt.mla_attention(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L03.attn
     del q_nope_L03, q_pe_L03
-    h_L03_attn = rt.o_proj_residual(o_L03, W['model.layers.3.self_attn.o_proj.weight'], h_L02)  # L03.o_proj
+    h_L03_attn = rt.o_proj_residual(o_L03, W['graphgen.load:model.layers.3.self_attn.o_proj.weight:cat0:t01'], h_L02)  # L03.o_proj
     del h_L02, o_L03
     x_L03_mlp_norm = rt.rms_norm(h_L03_attn, W['model.layers.3.post_attention_layernorm.weight'], 1e-06)  # L03.mlp_norm
     h_L03 = rt.moe_residual(x_L03_mlp_norm, W['model.layers.3.mlp.gate.weight'], W['model.layers.3.mlp.gate.e_score_correction_bias'], W['model.layers.3.mlp.experts.gate_proj.weight'], W['model.layers.3.mlp.experts.up_proj.weight'], W['model.layers.3.mlp.experts.down_proj.weight'], W['model.layers.3.mlp.shared_experts.gate_proj.weight'], W['model.layers.3.mlp.shared_experts.up_proj.weight'], W['model.layers.3.mlp.shared_experts.down_proj.weight'], h_L03_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L03.moe
@@ -73,7 +145,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L04, k_pe_L04
     o_L04 = rt.mla_attention(q_nope_L04, q_pe_L04, kv[4], W['model.layers.4.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L04.attn
     del q_nope_L04, q_pe_L04
-    h_L04_attn = rt.o_proj_residual(o_L04, W['model.layers.4.self_attn.o_proj.weight'], h_L03)  # L04.o_proj
+    h_L04_attn = rt.o_proj_residual(o_L04, W['graphgen.load:model.layers.4.self_attn.o_proj.weight:cat0:t01'], h_L03)  # L04.o_proj
     del h_L03, o_L04
     x_L04_mlp_norm = rt.rms_norm(h_L04_attn, W['model.layers.4.post_attention_layernorm.weight'], 1e-06)  # L04.mlp_norm
     h_L04 = rt.moe_residual(x_L04_mlp_norm, W['model.layers.4.mlp.gate.weight'], W['model.layers.4.mlp.gate.e_score_correction_bias'], W['model.layers.4.mlp.experts.gate_proj.weight'], W['model.layers.4.mlp.experts.up_proj.weight'], W['model.layers.4.mlp.experts.down_proj.weight'], W['model.layers.4.mlp.shared_experts.gate_proj.weight'], W['model.layers.4.mlp.shared_experts.up_proj.weight'], W['model.layers.4.mlp.shared_experts.down_proj.weight'], h_L04_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L04.moe
@@ -85,7 +157,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L05, k_pe_L05
     o_L05 = rt.mla_attention(q_nope_L05, q_pe_L05, kv[5], W['model.layers.5.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L05.attn
     del q_nope_L05, q_pe_L05
-    h_L05_attn = rt.o_proj_residual(o_L05, W['model.layers.5.self_attn.o_proj.weight'], h_L04)  # L05.o_proj
+    h_L05_attn = rt.o_proj_residual(o_L05, W['graphgen.load:model.layers.5.self_attn.o_proj.weight:cat0:t01'], h_L04)  # L05.o_proj
     del h_L04, o_L05
     x_L05_mlp_norm = rt.rms_norm(h_L05_attn, W['model.layers.5.post_attention_layernorm.weight'], 1e-06)  # L05.mlp_norm
     h_L05 = rt.moe_residual(x_L05_mlp_norm, W['model.layers.5.mlp.gate.weight'], W['model.layers.5.mlp.gate.e_score_correction_bias'], W['model.layers.5.mlp.experts.gate_proj.weight'], W['model.layers.5.mlp.experts.up_proj.weight'], W['model.layers.5.mlp.experts.down_proj.weight'], W['model.layers.5.mlp.shared_experts.gate_proj.weight'], W['model.layers.5.mlp.shared_experts.up_proj.weight'], W['model.layers.5.mlp.shared_experts.down_proj.weight'], h_L05_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L05.moe
@@ -97,7 +169,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L06, k_pe_L06
     o_L06 = rt.mla_attention(q_nope_L06, q_pe_L06, kv[6], W['model.layers.6.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L06.attn
     del q_nope_L06, q_pe_L06
-    h_L06_attn = rt.o_proj_residual(o_L06, W['model.layers.6.self_attn.o_proj.weight'], h_L05)  # L06.o_proj
+    h_L06_attn = rt.o_proj_residual(o_L06, W['graphgen.load:model.layers.6.self_attn.o_proj.weight:cat0:t01'], h_L05)  # L06.o_proj
     del h_L05, o_L06
     x_L06_mlp_norm = rt.rms_norm(h_L06_attn, W['model.layers.6.post_attention_layernorm.weight'], 1e-06)  # L06.mlp_norm
     h_L06 = rt.moe_residual(x_L06_mlp_norm, W['model.layers.6.mlp.gate.weight'], W['model.layers.6.mlp.gate.e_score_correction_bias'], W['model.layers.6.mlp.experts.gate_proj.weight'], W['model.layers.6.mlp.experts.up_proj.weight'], W['model.layers.6.mlp.experts.down_proj.weight'], W['model.layers.6.mlp.shared_experts.gate_proj.weight'], W['model.layers.6.mlp.shared_experts.up_proj.weight'], W['model.layers.6.mlp.shared_experts.down_proj.weight'], h_L06_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L06.moe
@@ -109,7 +181,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L07, k_pe_L07
     o_L07 = rt.mla_attention(q_nope_L07, q_pe_L07, kv[7], W['model.layers.7.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L07.attn
     del q_nope_L07, q_pe_L07
-    h_L07_attn = rt.o_proj_residual(o_L07, W['model.layers.7.self_attn.o_proj.weight'], h_L06)  # L07.o_proj
+    h_L07_attn = rt.o_proj_residual(o_L07, W['graphgen.load:model.layers.7.self_attn.o_proj.weight:cat0:t01'], h_L06)  # L07.o_proj
     del h_L06, o_L07
     x_L07_mlp_norm = rt.rms_norm(h_L07_attn, W['model.layers.7.post_attention_layernorm.weight'], 1e-06)  # L07.mlp_norm
     h_L07 = rt.moe_residual(x_L07_mlp_norm, W['model.layers.7.mlp.gate.weight'], W['model.layers.7.mlp.gate.e_score_correction_bias'], W['model.layers.7.mlp.experts.gate_proj.weight'], W['model.layers.7.mlp.experts.up_proj.weight'], W['model.layers.7.mlp.experts.down_proj.weight'], W['model.layers.7.mlp.shared_experts.gate_proj.weight'], W['model.layers.7.mlp.shared_experts.up_proj.weight'], W['model.layers.7.mlp.shared_experts.down_proj.weight'], h_L07_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L07.moe
@@ -121,7 +193,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L08, k_pe_L08
     o_L08 = rt.mla_attention(q_nope_L08, q_pe_L08, kv[8], W['model.layers.8.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L08.attn
     del q_nope_L08, q_pe_L08
-    h_L08_attn = rt.o_proj_residual(o_L08, W['model.layers.8.self_attn.o_proj.weight'], h_L07)  # L08.o_proj
+    h_L08_attn = rt.o_proj_residual(o_L08, W['graphgen.load:model.layers.8.self_attn.o_proj.weight:cat0:t01'], h_L07)  # L08.o_proj
     del h_L07, o_L08
     x_L08_mlp_norm = rt.rms_norm(h_L08_attn, W['model.layers.8.post_attention_layernorm.weight'], 1e-06)  # L08.mlp_norm
     h_L08 = rt.moe_residual(x_L08_mlp_norm, W['model.layers.8.mlp.gate.weight'], W['model.layers.8.mlp.gate.e_score_correction_bias'], W['model.layers.8.mlp.experts.gate_proj.weight'], W['model.layers.8.mlp.experts.up_proj.weight'], W['model.layers.8.mlp.experts.down_proj.weight'], W['model.layers.8.mlp.shared_experts.gate_proj.weight'], W['model.layers.8.mlp.shared_experts.up_proj.weight'], W['model.layers.8.mlp.shared_experts.down_proj.weight'], h_L08_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L08.moe
@@ -133,7 +205,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L09, k_pe_L09
     o_L09 = rt.mla_attention(q_nope_L09, q_pe_L09, kv[9], W['model.layers.9.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L09.attn
     del q_nope_L09, q_pe_L09
-    h_L09_attn = rt.o_proj_residual(o_L09, W['model.layers.9.self_attn.o_proj.weight'], h_L08)  # L09.o_proj
+    h_L09_attn = rt.o_proj_residual(o_L09, W['graphgen.load:model.layers.9.self_attn.o_proj.weight:cat0:t01'], h_L08)  # L09.o_proj
     del h_L08, o_L09
     x_L09_mlp_norm = rt.rms_norm(h_L09_attn, W['model.layers.9.post_attention_layernorm.weight'], 1e-06)  # L09.mlp_norm
     h_L09 = rt.moe_residual(x_L09_mlp_norm, W['model.layers.9.mlp.gate.weight'], W['model.layers.9.mlp.gate.e_score_correction_bias'], W['model.layers.9.mlp.experts.gate_proj.weight'], W['model.layers.9.mlp.experts.up_proj.weight'], W['model.layers.9.mlp.experts.down_proj.weight'], W['model.layers.9.mlp.shared_experts.gate_proj.weight'], W['model.layers.9.mlp.shared_experts.up_proj.weight'], W['model.layers.9.mlp.shared_experts.down_proj.weight'], h_L09_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L09.moe
@@ -145,7 +217,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L10, k_pe_L10
     o_L10 = rt.mla_attention(q_nope_L10, q_pe_L10, kv[10], W['model.layers.10.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L10.attn
     del q_nope_L10, q_pe_L10
-    h_L10_attn = rt.o_proj_residual(o_L10, W['model.layers.10.self_attn.o_proj.weight'], h_L09)  # L10.o_proj
+    h_L10_attn = rt.o_proj_residual(o_L10, W['graphgen.load:model.layers.10.self_attn.o_proj.weight:cat0:t01'], h_L09)  # L10.o_proj
     del h_L09, o_L10
     x_L10_mlp_norm = rt.rms_norm(h_L10_attn, W['model.layers.10.post_attention_layernorm.weight'], 1e-06)  # L10.mlp_norm
     h_L10 = rt.moe_residual(x_L10_mlp_norm, W['model.layers.10.mlp.gate.weight'], W['model.layers.10.mlp.gate.e_score_correction_bias'], W['model.layers.10.mlp.experts.gate_proj.weight'], W['model.layers.10.mlp.experts.up_proj.weight'], W['model.layers.10.mlp.experts.down_proj.weight'], W['model.layers.10.mlp.shared_experts.gate_proj.weight'], W['model.layers.10.mlp.shared_experts.up_proj.weight'], W['model.layers.10.mlp.shared_experts.down_proj.weight'], h_L10_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L10.moe
@@ -157,7 +229,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L11, k_pe_L11
     o_L11 = rt.mla_attention(q_nope_L11, q_pe_L11, kv[11], W['model.layers.11.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L11.attn
     del q_nope_L11, q_pe_L11
-    h_L11_attn = rt.o_proj_residual(o_L11, W['model.layers.11.self_attn.o_proj.weight'], h_L10)  # L11.o_proj
+    h_L11_attn = rt.o_proj_residual(o_L11, W['graphgen.load:model.layers.11.self_attn.o_proj.weight:cat0:t01'], h_L10)  # L11.o_proj
     del h_L10, o_L11
     x_L11_mlp_norm = rt.rms_norm(h_L11_attn, W['model.layers.11.post_attention_layernorm.weight'], 1e-06)  # L11.mlp_norm
     h_L11 = rt.moe_residual(x_L11_mlp_norm, W['model.layers.11.mlp.gate.weight'], W['model.layers.11.mlp.gate.e_score_correction_bias'], W['model.layers.11.mlp.experts.gate_proj.weight'], W['model.layers.11.mlp.experts.up_proj.weight'], W['model.layers.11.mlp.experts.down_proj.weight'], W['model.layers.11.mlp.shared_experts.gate_proj.weight'], W['model.layers.11.mlp.shared_experts.up_proj.weight'], W['model.layers.11.mlp.shared_experts.down_proj.weight'], h_L11_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L11.moe
@@ -169,7 +241,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L12, k_pe_L12
     o_L12 = rt.mla_attention(q_nope_L12, q_pe_L12, kv[12], W['model.layers.12.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L12.attn
     del q_nope_L12, q_pe_L12
-    h_L12_attn = rt.o_proj_residual(o_L12, W['model.layers.12.self_attn.o_proj.weight'], h_L11)  # L12.o_proj
+    h_L12_attn = rt.o_proj_residual(o_L12, W['graphgen.load:model.layers.12.self_attn.o_proj.weight:cat0:t01'], h_L11)  # L12.o_proj
     del h_L11, o_L12
     x_L12_mlp_norm = rt.rms_norm(h_L12_attn, W['model.layers.12.post_attention_layernorm.weight'], 1e-06)  # L12.mlp_norm
     h_L12 = rt.moe_residual(x_L12_mlp_norm, W['model.layers.12.mlp.gate.weight'], W['model.layers.12.mlp.gate.e_score_correction_bias'], W['model.layers.12.mlp.experts.gate_proj.weight'], W['model.layers.12.mlp.experts.up_proj.weight'], W['model.layers.12.mlp.experts.down_proj.weight'], W['model.layers.12.mlp.shared_experts.gate_proj.weight'], W['model.layers.12.mlp.shared_experts.up_proj.weight'], W['model.layers.12.mlp.shared_experts.down_proj.weight'], h_L12_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L12.moe
@@ -181,7 +253,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L13, k_pe_L13
     o_L13 = rt.mla_attention(q_nope_L13, q_pe_L13, kv[13], W['model.layers.13.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L13.attn
     del q_nope_L13, q_pe_L13
-    h_L13_attn = rt.o_proj_residual(o_L13, W['model.layers.13.self_attn.o_proj.weight'], h_L12)  # L13.o_proj
+    h_L13_attn = rt.o_proj_residual(o_L13, W['graphgen.load:model.layers.13.self_attn.o_proj.weight:cat0:t01'], h_L12)  # L13.o_proj
     del h_L12, o_L13
     x_L13_mlp_norm = rt.rms_norm(h_L13_attn, W['model.layers.13.post_attention_layernorm.weight'], 1e-06)  # L13.mlp_norm
     h_L13 = rt.moe_residual(x_L13_mlp_norm, W['model.layers.13.mlp.gate.weight'], W['model.layers.13.mlp.gate.e_score_correction_bias'], W['model.layers.13.mlp.experts.gate_proj.weight'], W['model.layers.13.mlp.experts.up_proj.weight'], W['model.layers.13.mlp.experts.down_proj.weight'], W['model.layers.13.mlp.shared_experts.gate_proj.weight'], W['model.layers.13.mlp.shared_experts.up_proj.weight'], W['model.layers.13.mlp.shared_experts.down_proj.weight'], h_L13_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L13.moe
@@ -193,7 +265,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L14, k_pe_L14
     o_L14 = rt.mla_attention(q_nope_L14, q_pe_L14, kv[14], W['model.layers.14.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L14.attn
     del q_nope_L14, q_pe_L14
-    h_L14_attn = rt.o_proj_residual(o_L14, W['model.layers.14.self_attn.o_proj.weight'], h_L13)  # L14.o_proj
+    h_L14_attn = rt.o_proj_residual(o_L14, W['graphgen.load:model.layers.14.self_attn.o_proj.weight:cat0:t01'], h_L13)  # L14.o_proj
     del h_L13, o_L14
     x_L14_mlp_norm = rt.rms_norm(h_L14_attn, W['model.layers.14.post_attention_layernorm.weight'], 1e-06)  # L14.mlp_norm
     h_L14 = rt.moe_residual(x_L14_mlp_norm, W['model.layers.14.mlp.gate.weight'], W['model.layers.14.mlp.gate.e_score_correction_bias'], W['model.layers.14.mlp.experts.gate_proj.weight'], W['model.layers.14.mlp.experts.up_proj.weight'], W['model.layers.14.mlp.experts.down_proj.weight'], W['model.layers.14.mlp.shared_experts.gate_proj.weight'], W['model.layers.14.mlp.shared_experts.up_proj.weight'], W['model.layers.14.mlp.shared_experts.down_proj.weight'], h_L14_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L14.moe
@@ -205,7 +277,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L15, k_pe_L15
     o_L15 = rt.mla_attention(q_nope_L15, q_pe_L15, kv[15], W['model.layers.15.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L15.attn
     del q_nope_L15, q_pe_L15
-    h_L15_attn = rt.o_proj_residual(o_L15, W['model.layers.15.self_attn.o_proj.weight'], h_L14)  # L15.o_proj
+    h_L15_attn = rt.o_proj_residual(o_L15, W['graphgen.load:model.layers.15.self_attn.o_proj.weight:cat0:t01'], h_L14)  # L15.o_proj
     del h_L14, o_L15
     x_L15_mlp_norm = rt.rms_norm(h_L15_attn, W['model.layers.15.post_attention_layernorm.weight'], 1e-06)  # L15.mlp_norm
     h_L15 = rt.moe_residual(x_L15_mlp_norm, W['model.layers.15.mlp.gate.weight'], W['model.layers.15.mlp.gate.e_score_correction_bias'], W['model.layers.15.mlp.experts.gate_proj.weight'], W['model.layers.15.mlp.experts.up_proj.weight'], W['model.layers.15.mlp.experts.down_proj.weight'], W['model.layers.15.mlp.shared_experts.gate_proj.weight'], W['model.layers.15.mlp.shared_experts.up_proj.weight'], W['model.layers.15.mlp.shared_experts.down_proj.weight'], h_L15_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L15.moe
@@ -217,7 +289,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L16, k_pe_L16
     o_L16 = rt.mla_attention(q_nope_L16, q_pe_L16, kv[16], W['model.layers.16.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L16.attn
     del q_nope_L16, q_pe_L16
-    h_L16_attn = rt.o_proj_residual(o_L16, W['model.layers.16.self_attn.o_proj.weight'], h_L15)  # L16.o_proj
+    h_L16_attn = rt.o_proj_residual(o_L16, W['graphgen.load:model.layers.16.self_attn.o_proj.weight:cat0:t01'], h_L15)  # L16.o_proj
     del h_L15, o_L16
     x_L16_mlp_norm = rt.rms_norm(h_L16_attn, W['model.layers.16.post_attention_layernorm.weight'], 1e-06)  # L16.mlp_norm
     h_L16 = rt.moe_residual(x_L16_mlp_norm, W['model.layers.16.mlp.gate.weight'], W['model.layers.16.mlp.gate.e_score_correction_bias'], W['model.layers.16.mlp.experts.gate_proj.weight'], W['model.layers.16.mlp.experts.up_proj.weight'], W['model.layers.16.mlp.experts.down_proj.weight'], W['model.layers.16.mlp.shared_experts.gate_proj.weight'], W['model.layers.16.mlp.shared_experts.up_proj.weight'], W['model.layers.16.mlp.shared_experts.down_proj.weight'], h_L16_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L16.moe
@@ -229,7 +301,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L17, k_pe_L17
     o_L17 = rt.mla_attention(q_nope_L17, q_pe_L17, kv[17], W['model.layers.17.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L17.attn
     del q_nope_L17, q_pe_L17
-    h_L17_attn = rt.o_proj_residual(o_L17, W['model.layers.17.self_attn.o_proj.weight'], h_L16)  # L17.o_proj
+    h_L17_attn = rt.o_proj_residual(o_L17, W['graphgen.load:model.layers.17.self_attn.o_proj.weight:cat0:t01'], h_L16)  # L17.o_proj
     del h_L16, o_L17
     x_L17_mlp_norm = rt.rms_norm(h_L17_attn, W['model.layers.17.post_attention_layernorm.weight'], 1e-06)  # L17.mlp_norm
     h_L17 = rt.moe_residual(x_L17_mlp_norm, W['model.layers.17.mlp.gate.weight'], W['model.layers.17.mlp.gate.e_score_correction_bias'], W['model.layers.17.mlp.experts.gate_proj.weight'], W['model.layers.17.mlp.experts.up_proj.weight'], W['model.layers.17.mlp.experts.down_proj.weight'], W['model.layers.17.mlp.shared_experts.gate_proj.weight'], W['model.layers.17.mlp.shared_experts.up_proj.weight'], W['model.layers.17.mlp.shared_experts.down_proj.weight'], h_L17_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L17.moe
@@ -241,7 +313,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L18, k_pe_L18
     o_L18 = rt.mla_attention(q_nope_L18, q_pe_L18, kv[18], W['model.layers.18.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L18.attn
     del q_nope_L18, q_pe_L18
-    h_L18_attn = rt.o_proj_residual(o_L18, W['model.layers.18.self_attn.o_proj.weight'], h_L17)  # L18.o_proj
+    h_L18_attn = rt.o_proj_residual(o_L18, W['graphgen.load:model.layers.18.self_attn.o_proj.weight:cat0:t01'], h_L17)  # L18.o_proj
     del h_L17, o_L18
     x_L18_mlp_norm = rt.rms_norm(h_L18_attn, W['model.layers.18.post_attention_layernorm.weight'], 1e-06)  # L18.mlp_norm
     h_L18 = rt.moe_residual(x_L18_mlp_norm, W['model.layers.18.mlp.gate.weight'], W['model.layers.18.mlp.gate.e_score_correction_bias'], W['model.layers.18.mlp.experts.gate_proj.weight'], W['model.layers.18.mlp.experts.up_proj.weight'], W['model.layers.18.mlp.experts.down_proj.weight'], W['model.layers.18.mlp.shared_experts.gate_proj.weight'], W['model.layers.18.mlp.shared_experts.up_proj.weight'], W['model.layers.18.mlp.shared_experts.down_proj.weight'], h_L18_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L18.moe
@@ -253,7 +325,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L19, k_pe_L19
     o_L19 = rt.mla_attention(q_nope_L19, q_pe_L19, kv[19], W['model.layers.19.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L19.attn
     del q_nope_L19, q_pe_L19
-    h_L19_attn = rt.o_proj_residual(o_L19, W['model.layers.19.self_attn.o_proj.weight'], h_L18)  # L19.o_proj
+    h_L19_attn = rt.o_proj_residual(o_L19, W['graphgen.load:model.layers.19.self_attn.o_proj.weight:cat0:t01'], h_L18)  # L19.o_proj
     del h_L18, o_L19
     x_L19_mlp_norm = rt.rms_norm(h_L19_attn, W['model.layers.19.post_attention_layernorm.weight'], 1e-06)  # L19.mlp_norm
     h_L19 = rt.moe_residual(x_L19_mlp_norm, W['model.layers.19.mlp.gate.weight'], W['model.layers.19.mlp.gate.e_score_correction_bias'], W['model.layers.19.mlp.experts.gate_proj.weight'], W['model.layers.19.mlp.experts.up_proj.weight'], W['model.layers.19.mlp.experts.down_proj.weight'], W['model.layers.19.mlp.shared_experts.gate_proj.weight'], W['model.layers.19.mlp.shared_experts.up_proj.weight'], W['model.layers.19.mlp.shared_experts.down_proj.weight'], h_L19_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L19.moe
@@ -265,7 +337,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L20, k_pe_L20
     o_L20 = rt.mla_attention(q_nope_L20, q_pe_L20, kv[20], W['model.layers.20.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L20.attn
     del q_nope_L20, q_pe_L20
-    h_L20_attn = rt.o_proj_residual(o_L20, W['model.layers.20.self_attn.o_proj.weight'], h_L19)  # L20.o_proj
+    h_L20_attn = rt.o_proj_residual(o_L20, W['graphgen.load:model.layers.20.self_attn.o_proj.weight:cat0:t01'], h_L19)  # L20.o_proj
     del h_L19, o_L20
     x_L20_mlp_norm = rt.rms_norm(h_L20_attn, W['model.layers.20.post_attention_layernorm.weight'], 1e-06)  # L20.mlp_norm
     h_L20 = rt.moe_residual(x_L20_mlp_norm, W['model.layers.20.mlp.gate.weight'], W['model.layers.20.mlp.gate.e_score_correction_bias'], W['model.layers.20.mlp.experts.gate_proj.weight'], W['model.layers.20.mlp.experts.up_proj.weight'], W['model.layers.20.mlp.experts.down_proj.weight'], W['model.layers.20.mlp.shared_experts.gate_proj.weight'], W['model.layers.20.mlp.shared_experts.up_proj.weight'], W['model.layers.20.mlp.shared_experts.down_proj.weight'], h_L20_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L20.moe
@@ -277,7 +349,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L21, k_pe_L21
     o_L21 = rt.mla_attention(q_nope_L21, q_pe_L21, kv[21], W['model.layers.21.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L21.attn
     del q_nope_L21, q_pe_L21
-    h_L21_attn = rt.o_proj_residual(o_L21, W['model.layers.21.self_attn.o_proj.weight'], h_L20)  # L21.o_proj
+    h_L21_attn = rt.o_proj_residual(o_L21, W['graphgen.load:model.layers.21.self_attn.o_proj.weight:cat0:t01'], h_L20)  # L21.o_proj
     del h_L20, o_L21
     x_L21_mlp_norm = rt.rms_norm(h_L21_attn, W['model.layers.21.post_attention_layernorm.weight'], 1e-06)  # L21.mlp_norm
     h_L21 = rt.moe_residual(x_L21_mlp_norm, W['model.layers.21.mlp.gate.weight'], W['model.layers.21.mlp.gate.e_score_correction_bias'], W['model.layers.21.mlp.experts.gate_proj.weight'], W['model.layers.21.mlp.experts.up_proj.weight'], W['model.layers.21.mlp.experts.down_proj.weight'], W['model.layers.21.mlp.shared_experts.gate_proj.weight'], W['model.layers.21.mlp.shared_experts.up_proj.weight'], W['model.layers.21.mlp.shared_experts.down_proj.weight'], h_L21_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L21.moe
@@ -289,7 +361,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L22, k_pe_L22
     o_L22 = rt.mla_attention(q_nope_L22, q_pe_L22, kv[22], W['model.layers.22.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L22.attn
     del q_nope_L22, q_pe_L22
-    h_L22_attn = rt.o_proj_residual(o_L22, W['model.layers.22.self_attn.o_proj.weight'], h_L21)  # L22.o_proj
+    h_L22_attn = rt.o_proj_residual(o_L22, W['graphgen.load:model.layers.22.self_attn.o_proj.weight:cat0:t01'], h_L21)  # L22.o_proj
     del h_L21, o_L22
     x_L22_mlp_norm = rt.rms_norm(h_L22_attn, W['model.layers.22.post_attention_layernorm.weight'], 1e-06)  # L22.mlp_norm
     h_L22 = rt.moe_residual(x_L22_mlp_norm, W['model.layers.22.mlp.gate.weight'], W['model.layers.22.mlp.gate.e_score_correction_bias'], W['model.layers.22.mlp.experts.gate_proj.weight'], W['model.layers.22.mlp.experts.up_proj.weight'], W['model.layers.22.mlp.experts.down_proj.weight'], W['model.layers.22.mlp.shared_experts.gate_proj.weight'], W['model.layers.22.mlp.shared_experts.up_proj.weight'], W['model.layers.22.mlp.shared_experts.down_proj.weight'], h_L22_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L22.moe
@@ -301,7 +373,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L23, k_pe_L23
     o_L23 = rt.mla_attention(q_nope_L23, q_pe_L23, kv[23], W['model.layers.23.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L23.attn
     del q_nope_L23, q_pe_L23
-    h_L23_attn = rt.o_proj_residual(o_L23, W['model.layers.23.self_attn.o_proj.weight'], h_L22)  # L23.o_proj
+    h_L23_attn = rt.o_proj_residual(o_L23, W['graphgen.load:model.layers.23.self_attn.o_proj.weight:cat0:t01'], h_L22)  # L23.o_proj
     del h_L22, o_L23
     x_L23_mlp_norm = rt.rms_norm(h_L23_attn, W['model.layers.23.post_attention_layernorm.weight'], 1e-06)  # L23.mlp_norm
     h_L23 = rt.moe_residual(x_L23_mlp_norm, W['model.layers.23.mlp.gate.weight'], W['model.layers.23.mlp.gate.e_score_correction_bias'], W['model.layers.23.mlp.experts.gate_proj.weight'], W['model.layers.23.mlp.experts.up_proj.weight'], W['model.layers.23.mlp.experts.down_proj.weight'], W['model.layers.23.mlp.shared_experts.gate_proj.weight'], W['model.layers.23.mlp.shared_experts.up_proj.weight'], W['model.layers.23.mlp.shared_experts.down_proj.weight'], h_L23_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L23.moe
@@ -313,7 +385,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L24, k_pe_L24
     o_L24 = rt.mla_attention(q_nope_L24, q_pe_L24, kv[24], W['model.layers.24.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L24.attn
     del q_nope_L24, q_pe_L24
-    h_L24_attn = rt.o_proj_residual(o_L24, W['model.layers.24.self_attn.o_proj.weight'], h_L23)  # L24.o_proj
+    h_L24_attn = rt.o_proj_residual(o_L24, W['graphgen.load:model.layers.24.self_attn.o_proj.weight:cat0:t01'], h_L23)  # L24.o_proj
     del h_L23, o_L24
     x_L24_mlp_norm = rt.rms_norm(h_L24_attn, W['model.layers.24.post_attention_layernorm.weight'], 1e-06)  # L24.mlp_norm
     h_L24 = rt.moe_residual(x_L24_mlp_norm, W['model.layers.24.mlp.gate.weight'], W['model.layers.24.mlp.gate.e_score_correction_bias'], W['model.layers.24.mlp.experts.gate_proj.weight'], W['model.layers.24.mlp.experts.up_proj.weight'], W['model.layers.24.mlp.experts.down_proj.weight'], W['model.layers.24.mlp.shared_experts.gate_proj.weight'], W['model.layers.24.mlp.shared_experts.up_proj.weight'], W['model.layers.24.mlp.shared_experts.down_proj.weight'], h_L24_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L24.moe
@@ -325,7 +397,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L25, k_pe_L25
     o_L25 = rt.mla_attention(q_nope_L25, q_pe_L25, kv[25], W['model.layers.25.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L25.attn
     del q_nope_L25, q_pe_L25
-    h_L25_attn = rt.o_proj_residual(o_L25, W['model.layers.25.self_attn.o_proj.weight'], h_L24)  # L25.o_proj
+    h_L25_attn = rt.o_proj_residual(o_L25, W['graphgen.load:model.layers.25.self_attn.o_proj.weight:cat0:t01'], h_L24)  # L25.o_proj
     del h_L24, o_L25
     x_L25_mlp_norm = rt.rms_norm(h_L25_attn, W['model.layers.25.post_attention_layernorm.weight'], 1e-06)  # L25.mlp_norm
     h_L25 = rt.moe_residual(x_L25_mlp_norm, W['model.layers.25.mlp.gate.weight'], W['model.layers.25.mlp.gate.e_score_correction_bias'], W['model.layers.25.mlp.experts.gate_proj.weight'], W['model.layers.25.mlp.experts.up_proj.weight'], W['model.layers.25.mlp.experts.down_proj.weight'], W['model.layers.25.mlp.shared_experts.gate_proj.weight'], W['model.layers.25.mlp.shared_experts.up_proj.weight'], W['model.layers.25.mlp.shared_experts.down_proj.weight'], h_L25_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L25.moe
@@ -337,7 +409,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L26, k_pe_L26
     o_L26 = rt.mla_attention(q_nope_L26, q_pe_L26, kv[26], W['model.layers.26.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L26.attn
     del q_nope_L26, q_pe_L26
-    h_L26_attn = rt.o_proj_residual(o_L26, W['model.layers.26.self_attn.o_proj.weight'], h_L25)  # L26.o_proj
+    h_L26_attn = rt.o_proj_residual(o_L26, W['graphgen.load:model.layers.26.self_attn.o_proj.weight:cat0:t01'], h_L25)  # L26.o_proj
     del h_L25, o_L26
     x_L26_mlp_norm = rt.rms_norm(h_L26_attn, W['model.layers.26.post_attention_layernorm.weight'], 1e-06)  # L26.mlp_norm
     h_L26 = rt.moe_residual(x_L26_mlp_norm, W['model.layers.26.mlp.gate.weight'], W['model.layers.26.mlp.gate.e_score_correction_bias'], W['model.layers.26.mlp.experts.gate_proj.weight'], W['model.layers.26.mlp.experts.up_proj.weight'], W['model.layers.26.mlp.experts.down_proj.weight'], W['model.layers.26.mlp.shared_experts.gate_proj.weight'], W['model.layers.26.mlp.shared_experts.up_proj.weight'], W['model.layers.26.mlp.shared_experts.down_proj.weight'], h_L26_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L26.moe
@@ -349,7 +421,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L27, k_pe_L27
     o_L27 = rt.mla_attention(q_nope_L27, q_pe_L27, kv[27], W['model.layers.27.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L27.attn
     del q_nope_L27, q_pe_L27
-    h_L27_attn = rt.o_proj_residual(o_L27, W['model.layers.27.self_attn.o_proj.weight'], h_L26)  # L27.o_proj
+    h_L27_attn = rt.o_proj_residual(o_L27, W['graphgen.load:model.layers.27.self_attn.o_proj.weight:cat0:t01'], h_L26)  # L27.o_proj
     del h_L26, o_L27
     x_L27_mlp_norm = rt.rms_norm(h_L27_attn, W['model.layers.27.post_attention_layernorm.weight'], 1e-06)  # L27.mlp_norm
     h_L27 = rt.moe_residual(x_L27_mlp_norm, W['model.layers.27.mlp.gate.weight'], W['model.layers.27.mlp.gate.e_score_correction_bias'], W['model.layers.27.mlp.experts.gate_proj.weight'], W['model.layers.27.mlp.experts.up_proj.weight'], W['model.layers.27.mlp.experts.down_proj.weight'], W['model.layers.27.mlp.shared_experts.gate_proj.weight'], W['model.layers.27.mlp.shared_experts.up_proj.weight'], W['model.layers.27.mlp.shared_experts.down_proj.weight'], h_L27_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L27.moe
@@ -361,7 +433,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L28, k_pe_L28
     o_L28 = rt.mla_attention(q_nope_L28, q_pe_L28, kv[28], W['model.layers.28.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L28.attn
     del q_nope_L28, q_pe_L28
-    h_L28_attn = rt.o_proj_residual(o_L28, W['model.layers.28.self_attn.o_proj.weight'], h_L27)  # L28.o_proj
+    h_L28_attn = rt.o_proj_residual(o_L28, W['graphgen.load:model.layers.28.self_attn.o_proj.weight:cat0:t01'], h_L27)  # L28.o_proj
     del h_L27, o_L28
     x_L28_mlp_norm = rt.rms_norm(h_L28_attn, W['model.layers.28.post_attention_layernorm.weight'], 1e-06)  # L28.mlp_norm
     h_L28 = rt.moe_residual(x_L28_mlp_norm, W['model.layers.28.mlp.gate.weight'], W['model.layers.28.mlp.gate.e_score_correction_bias'], W['model.layers.28.mlp.experts.gate_proj.weight'], W['model.layers.28.mlp.experts.up_proj.weight'], W['model.layers.28.mlp.experts.down_proj.weight'], W['model.layers.28.mlp.shared_experts.gate_proj.weight'], W['model.layers.28.mlp.shared_experts.up_proj.weight'], W['model.layers.28.mlp.shared_experts.down_proj.weight'], h_L28_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L28.moe
@@ -373,7 +445,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L29, k_pe_L29
     o_L29 = rt.mla_attention(q_nope_L29, q_pe_L29, kv[29], W['model.layers.29.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L29.attn
     del q_nope_L29, q_pe_L29
-    h_L29_attn = rt.o_proj_residual(o_L29, W['model.layers.29.self_attn.o_proj.weight'], h_L28)  # L29.o_proj
+    h_L29_attn = rt.o_proj_residual(o_L29, W['graphgen.load:model.layers.29.self_attn.o_proj.weight:cat0:t01'], h_L28)  # L29.o_proj
     del h_L28, o_L29
     x_L29_mlp_norm = rt.rms_norm(h_L29_attn, W['model.layers.29.post_attention_layernorm.weight'], 1e-06)  # L29.mlp_norm
     h_L29 = rt.moe_residual(x_L29_mlp_norm, W['model.layers.29.mlp.gate.weight'], W['model.layers.29.mlp.gate.e_score_correction_bias'], W['model.layers.29.mlp.experts.gate_proj.weight'], W['model.layers.29.mlp.experts.up_proj.weight'], W['model.layers.29.mlp.experts.down_proj.weight'], W['model.layers.29.mlp.shared_experts.gate_proj.weight'], W['model.layers.29.mlp.shared_experts.up_proj.weight'], W['model.layers.29.mlp.shared_experts.down_proj.weight'], h_L29_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L29.moe
@@ -385,7 +457,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L30, k_pe_L30
     o_L30 = rt.mla_attention(q_nope_L30, q_pe_L30, kv[30], W['model.layers.30.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L30.attn
     del q_nope_L30, q_pe_L30
-    h_L30_attn = rt.o_proj_residual(o_L30, W['model.layers.30.self_attn.o_proj.weight'], h_L29)  # L30.o_proj
+    h_L30_attn = rt.o_proj_residual(o_L30, W['graphgen.load:model.layers.30.self_attn.o_proj.weight:cat0:t01'], h_L29)  # L30.o_proj
     del h_L29, o_L30
     x_L30_mlp_norm = rt.rms_norm(h_L30_attn, W['model.layers.30.post_attention_layernorm.weight'], 1e-06)  # L30.mlp_norm
     h_L30 = rt.moe_residual(x_L30_mlp_norm, W['model.layers.30.mlp.gate.weight'], W['model.layers.30.mlp.gate.e_score_correction_bias'], W['model.layers.30.mlp.experts.gate_proj.weight'], W['model.layers.30.mlp.experts.up_proj.weight'], W['model.layers.30.mlp.experts.down_proj.weight'], W['model.layers.30.mlp.shared_experts.gate_proj.weight'], W['model.layers.30.mlp.shared_experts.up_proj.weight'], W['model.layers.30.mlp.shared_experts.down_proj.weight'], h_L30_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L30.moe
@@ -397,7 +469,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L31, k_pe_L31
     o_L31 = rt.mla_attention(q_nope_L31, q_pe_L31, kv[31], W['model.layers.31.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L31.attn
     del q_nope_L31, q_pe_L31
-    h_L31_attn = rt.o_proj_residual(o_L31, W['model.layers.31.self_attn.o_proj.weight'], h_L30)  # L31.o_proj
+    h_L31_attn = rt.o_proj_residual(o_L31, W['graphgen.load:model.layers.31.self_attn.o_proj.weight:cat0:t01'], h_L30)  # L31.o_proj
     del h_L30, o_L31
     x_L31_mlp_norm = rt.rms_norm(h_L31_attn, W['model.layers.31.post_attention_layernorm.weight'], 1e-06)  # L31.mlp_norm
     h_L31 = rt.moe_residual(x_L31_mlp_norm, W['model.layers.31.mlp.gate.weight'], W['model.layers.31.mlp.gate.e_score_correction_bias'], W['model.layers.31.mlp.experts.gate_proj.weight'], W['model.layers.31.mlp.experts.up_proj.weight'], W['model.layers.31.mlp.experts.down_proj.weight'], W['model.layers.31.mlp.shared_experts.gate_proj.weight'], W['model.layers.31.mlp.shared_experts.up_proj.weight'], W['model.layers.31.mlp.shared_experts.down_proj.weight'], h_L31_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L31.moe
@@ -409,7 +481,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L32, k_pe_L32
     o_L32 = rt.mla_attention(q_nope_L32, q_pe_L32, kv[32], W['model.layers.32.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L32.attn
     del q_nope_L32, q_pe_L32
-    h_L32_attn = rt.o_proj_residual(o_L32, W['model.layers.32.self_attn.o_proj.weight'], h_L31)  # L32.o_proj
+    h_L32_attn = rt.o_proj_residual(o_L32, W['graphgen.load:model.layers.32.self_attn.o_proj.weight:cat0:t01'], h_L31)  # L32.o_proj
     del h_L31, o_L32
     x_L32_mlp_norm = rt.rms_norm(h_L32_attn, W['model.layers.32.post_attention_layernorm.weight'], 1e-06)  # L32.mlp_norm
     h_L32 = rt.moe_residual(x_L32_mlp_norm, W['model.layers.32.mlp.gate.weight'], W['model.layers.32.mlp.gate.e_score_correction_bias'], W['model.layers.32.mlp.experts.gate_proj.weight'], W['model.layers.32.mlp.experts.up_proj.weight'], W['model.layers.32.mlp.experts.down_proj.weight'], W['model.layers.32.mlp.shared_experts.gate_proj.weight'], W['model.layers.32.mlp.shared_experts.up_proj.weight'], W['model.layers.32.mlp.shared_experts.down_proj.weight'], h_L32_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L32.moe
@@ -421,7 +493,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L33, k_pe_L33
     o_L33 = rt.mla_attention(q_nope_L33, q_pe_L33, kv[33], W['model.layers.33.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L33.attn
     del q_nope_L33, q_pe_L33
-    h_L33_attn = rt.o_proj_residual(o_L33, W['model.layers.33.self_attn.o_proj.weight'], h_L32)  # L33.o_proj
+    h_L33_attn = rt.o_proj_residual(o_L33, W['graphgen.load:model.layers.33.self_attn.o_proj.weight:cat0:t01'], h_L32)  # L33.o_proj
     del h_L32, o_L33
     x_L33_mlp_norm = rt.rms_norm(h_L33_attn, W['model.layers.33.post_attention_layernorm.weight'], 1e-06)  # L33.mlp_norm
     h_L33 = rt.moe_residual(x_L33_mlp_norm, W['model.layers.33.mlp.gate.weight'], W['model.layers.33.mlp.gate.e_score_correction_bias'], W['model.layers.33.mlp.experts.gate_proj.weight'], W['model.layers.33.mlp.experts.up_proj.weight'], W['model.layers.33.mlp.experts.down_proj.weight'], W['model.layers.33.mlp.shared_experts.gate_proj.weight'], W['model.layers.33.mlp.shared_experts.up_proj.weight'], W['model.layers.33.mlp.shared_experts.down_proj.weight'], h_L33_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L33.moe
@@ -433,7 +505,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L34, k_pe_L34
     o_L34 = rt.mla_attention(q_nope_L34, q_pe_L34, kv[34], W['model.layers.34.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L34.attn
     del q_nope_L34, q_pe_L34
-    h_L34_attn = rt.o_proj_residual(o_L34, W['model.layers.34.self_attn.o_proj.weight'], h_L33)  # L34.o_proj
+    h_L34_attn = rt.o_proj_residual(o_L34, W['graphgen.load:model.layers.34.self_attn.o_proj.weight:cat0:t01'], h_L33)  # L34.o_proj
     del h_L33, o_L34
     x_L34_mlp_norm = rt.rms_norm(h_L34_attn, W['model.layers.34.post_attention_layernorm.weight'], 1e-06)  # L34.mlp_norm
     h_L34 = rt.moe_residual(x_L34_mlp_norm, W['model.layers.34.mlp.gate.weight'], W['model.layers.34.mlp.gate.e_score_correction_bias'], W['model.layers.34.mlp.experts.gate_proj.weight'], W['model.layers.34.mlp.experts.up_proj.weight'], W['model.layers.34.mlp.experts.down_proj.weight'], W['model.layers.34.mlp.shared_experts.gate_proj.weight'], W['model.layers.34.mlp.shared_experts.up_proj.weight'], W['model.layers.34.mlp.shared_experts.down_proj.weight'], h_L34_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L34.moe
@@ -445,7 +517,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L35, k_pe_L35
     o_L35 = rt.mla_attention(q_nope_L35, q_pe_L35, kv[35], W['model.layers.35.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L35.attn
     del q_nope_L35, q_pe_L35
-    h_L35_attn = rt.o_proj_residual(o_L35, W['model.layers.35.self_attn.o_proj.weight'], h_L34)  # L35.o_proj
+    h_L35_attn = rt.o_proj_residual(o_L35, W['graphgen.load:model.layers.35.self_attn.o_proj.weight:cat0:t01'], h_L34)  # L35.o_proj
     del h_L34, o_L35
     x_L35_mlp_norm = rt.rms_norm(h_L35_attn, W['model.layers.35.post_attention_layernorm.weight'], 1e-06)  # L35.mlp_norm
     h_L35 = rt.moe_residual(x_L35_mlp_norm, W['model.layers.35.mlp.gate.weight'], W['model.layers.35.mlp.gate.e_score_correction_bias'], W['model.layers.35.mlp.experts.gate_proj.weight'], W['model.layers.35.mlp.experts.up_proj.weight'], W['model.layers.35.mlp.experts.down_proj.weight'], W['model.layers.35.mlp.shared_experts.gate_proj.weight'], W['model.layers.35.mlp.shared_experts.up_proj.weight'], W['model.layers.35.mlp.shared_experts.down_proj.weight'], h_L35_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L35.moe
@@ -457,7 +529,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L36, k_pe_L36
     o_L36 = rt.mla_attention(q_nope_L36, q_pe_L36, kv[36], W['model.layers.36.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L36.attn
     del q_nope_L36, q_pe_L36
-    h_L36_attn = rt.o_proj_residual(o_L36, W['model.layers.36.self_attn.o_proj.weight'], h_L35)  # L36.o_proj
+    h_L36_attn = rt.o_proj_residual(o_L36, W['graphgen.load:model.layers.36.self_attn.o_proj.weight:cat0:t01'], h_L35)  # L36.o_proj
     del h_L35, o_L36
     x_L36_mlp_norm = rt.rms_norm(h_L36_attn, W['model.layers.36.post_attention_layernorm.weight'], 1e-06)  # L36.mlp_norm
     h_L36 = rt.moe_residual(x_L36_mlp_norm, W['model.layers.36.mlp.gate.weight'], W['model.layers.36.mlp.gate.e_score_correction_bias'], W['model.layers.36.mlp.experts.gate_proj.weight'], W['model.layers.36.mlp.experts.up_proj.weight'], W['model.layers.36.mlp.experts.down_proj.weight'], W['model.layers.36.mlp.shared_experts.gate_proj.weight'], W['model.layers.36.mlp.shared_experts.up_proj.weight'], W['model.layers.36.mlp.shared_experts.down_proj.weight'], h_L36_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L36.moe
@@ -469,7 +541,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L37, k_pe_L37
     o_L37 = rt.mla_attention(q_nope_L37, q_pe_L37, kv[37], W['model.layers.37.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L37.attn
     del q_nope_L37, q_pe_L37
-    h_L37_attn = rt.o_proj_residual(o_L37, W['model.layers.37.self_attn.o_proj.weight'], h_L36)  # L37.o_proj
+    h_L37_attn = rt.o_proj_residual(o_L37, W['graphgen.load:model.layers.37.self_attn.o_proj.weight:cat0:t01'], h_L36)  # L37.o_proj
     del h_L36, o_L37
     x_L37_mlp_norm = rt.rms_norm(h_L37_attn, W['model.layers.37.post_attention_layernorm.weight'], 1e-06)  # L37.mlp_norm
     h_L37 = rt.moe_residual(x_L37_mlp_norm, W['model.layers.37.mlp.gate.weight'], W['model.layers.37.mlp.gate.e_score_correction_bias'], W['model.layers.37.mlp.experts.gate_proj.weight'], W['model.layers.37.mlp.experts.up_proj.weight'], W['model.layers.37.mlp.experts.down_proj.weight'], W['model.layers.37.mlp.shared_experts.gate_proj.weight'], W['model.layers.37.mlp.shared_experts.up_proj.weight'], W['model.layers.37.mlp.shared_experts.down_proj.weight'], h_L37_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L37.moe
@@ -481,7 +553,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L38, k_pe_L38
     o_L38 = rt.mla_attention(q_nope_L38, q_pe_L38, kv[38], W['model.layers.38.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L38.attn
     del q_nope_L38, q_pe_L38
-    h_L38_attn = rt.o_proj_residual(o_L38, W['model.layers.38.self_attn.o_proj.weight'], h_L37)  # L38.o_proj
+    h_L38_attn = rt.o_proj_residual(o_L38, W['graphgen.load:model.layers.38.self_attn.o_proj.weight:cat0:t01'], h_L37)  # L38.o_proj
     del h_L37, o_L38
     x_L38_mlp_norm = rt.rms_norm(h_L38_attn, W['model.layers.38.post_attention_layernorm.weight'], 1e-06)  # L38.mlp_norm
     h_L38 = rt.moe_residual(x_L38_mlp_norm, W['model.layers.38.mlp.gate.weight'], W['model.layers.38.mlp.gate.e_score_correction_bias'], W['model.layers.38.mlp.experts.gate_proj.weight'], W['model.layers.38.mlp.experts.up_proj.weight'], W['model.layers.38.mlp.experts.down_proj.weight'], W['model.layers.38.mlp.shared_experts.gate_proj.weight'], W['model.layers.38.mlp.shared_experts.up_proj.weight'], W['model.layers.38.mlp.shared_experts.down_proj.weight'], h_L38_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L38.moe
@@ -493,7 +565,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L39, k_pe_L39
     o_L39 = rt.mla_attention(q_nope_L39, q_pe_L39, kv[39], W['model.layers.39.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L39.attn
     del q_nope_L39, q_pe_L39
-    h_L39_attn = rt.o_proj_residual(o_L39, W['model.layers.39.self_attn.o_proj.weight'], h_L38)  # L39.o_proj
+    h_L39_attn = rt.o_proj_residual(o_L39, W['graphgen.load:model.layers.39.self_attn.o_proj.weight:cat0:t01'], h_L38)  # L39.o_proj
     del h_L38, o_L39
     x_L39_mlp_norm = rt.rms_norm(h_L39_attn, W['model.layers.39.post_attention_layernorm.weight'], 1e-06)  # L39.mlp_norm
     h_L39 = rt.moe_residual(x_L39_mlp_norm, W['model.layers.39.mlp.gate.weight'], W['model.layers.39.mlp.gate.e_score_correction_bias'], W['model.layers.39.mlp.experts.gate_proj.weight'], W['model.layers.39.mlp.experts.up_proj.weight'], W['model.layers.39.mlp.experts.down_proj.weight'], W['model.layers.39.mlp.shared_experts.gate_proj.weight'], W['model.layers.39.mlp.shared_experts.up_proj.weight'], W['model.layers.39.mlp.shared_experts.down_proj.weight'], h_L39_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L39.moe
@@ -505,7 +577,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L40, k_pe_L40
     o_L40 = rt.mla_attention(q_nope_L40, q_pe_L40, kv[40], W['model.layers.40.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L40.attn
     del q_nope_L40, q_pe_L40
-    h_L40_attn = rt.o_proj_residual(o_L40, W['model.layers.40.self_attn.o_proj.weight'], h_L39)  # L40.o_proj
+    h_L40_attn = rt.o_proj_residual(o_L40, W['graphgen.load:model.layers.40.self_attn.o_proj.weight:cat0:t01'], h_L39)  # L40.o_proj
     del h_L39, o_L40
     x_L40_mlp_norm = rt.rms_norm(h_L40_attn, W['model.layers.40.post_attention_layernorm.weight'], 1e-06)  # L40.mlp_norm
     h_L40 = rt.moe_residual(x_L40_mlp_norm, W['model.layers.40.mlp.gate.weight'], W['model.layers.40.mlp.gate.e_score_correction_bias'], W['model.layers.40.mlp.experts.gate_proj.weight'], W['model.layers.40.mlp.experts.up_proj.weight'], W['model.layers.40.mlp.experts.down_proj.weight'], W['model.layers.40.mlp.shared_experts.gate_proj.weight'], W['model.layers.40.mlp.shared_experts.up_proj.weight'], W['model.layers.40.mlp.shared_experts.down_proj.weight'], h_L40_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L40.moe
@@ -517,7 +589,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L41, k_pe_L41
     o_L41 = rt.mla_attention(q_nope_L41, q_pe_L41, kv[41], W['model.layers.41.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L41.attn
     del q_nope_L41, q_pe_L41
-    h_L41_attn = rt.o_proj_residual(o_L41, W['model.layers.41.self_attn.o_proj.weight'], h_L40)  # L41.o_proj
+    h_L41_attn = rt.o_proj_residual(o_L41, W['graphgen.load:model.layers.41.self_attn.o_proj.weight:cat0:t01'], h_L40)  # L41.o_proj
     del h_L40, o_L41
     x_L41_mlp_norm = rt.rms_norm(h_L41_attn, W['model.layers.41.post_attention_layernorm.weight'], 1e-06)  # L41.mlp_norm
     h_L41 = rt.moe_residual(x_L41_mlp_norm, W['model.layers.41.mlp.gate.weight'], W['model.layers.41.mlp.gate.e_score_correction_bias'], W['model.layers.41.mlp.experts.gate_proj.weight'], W['model.layers.41.mlp.experts.up_proj.weight'], W['model.layers.41.mlp.experts.down_proj.weight'], W['model.layers.41.mlp.shared_experts.gate_proj.weight'], W['model.layers.41.mlp.shared_experts.up_proj.weight'], W['model.layers.41.mlp.shared_experts.down_proj.weight'], h_L41_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L41.moe
@@ -529,7 +601,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L42, k_pe_L42
     o_L42 = rt.mla_attention(q_nope_L42, q_pe_L42, kv[42], W['model.layers.42.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L42.attn
     del q_nope_L42, q_pe_L42
-    h_L42_attn = rt.o_proj_residual(o_L42, W['model.layers.42.self_attn.o_proj.weight'], h_L41)  # L42.o_proj
+    h_L42_attn = rt.o_proj_residual(o_L42, W['graphgen.load:model.layers.42.self_attn.o_proj.weight:cat0:t01'], h_L41)  # L42.o_proj
     del h_L41, o_L42
     x_L42_mlp_norm = rt.rms_norm(h_L42_attn, W['model.layers.42.post_attention_layernorm.weight'], 1e-06)  # L42.mlp_norm
     h_L42 = rt.moe_residual(x_L42_mlp_norm, W['model.layers.42.mlp.gate.weight'], W['model.layers.42.mlp.gate.e_score_correction_bias'], W['model.layers.42.mlp.experts.gate_proj.weight'], W['model.layers.42.mlp.experts.up_proj.weight'], W['model.layers.42.mlp.experts.down_proj.weight'], W['model.layers.42.mlp.shared_experts.gate_proj.weight'], W['model.layers.42.mlp.shared_experts.up_proj.weight'], W['model.layers.42.mlp.shared_experts.down_proj.weight'], h_L42_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L42.moe
@@ -541,7 +613,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L43, k_pe_L43
     o_L43 = rt.mla_attention(q_nope_L43, q_pe_L43, kv[43], W['model.layers.43.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L43.attn
     del q_nope_L43, q_pe_L43
-    h_L43_attn = rt.o_proj_residual(o_L43, W['model.layers.43.self_attn.o_proj.weight'], h_L42)  # L43.o_proj
+    h_L43_attn = rt.o_proj_residual(o_L43, W['graphgen.load:model.layers.43.self_attn.o_proj.weight:cat0:t01'], h_L42)  # L43.o_proj
     del h_L42, o_L43
     x_L43_mlp_norm = rt.rms_norm(h_L43_attn, W['model.layers.43.post_attention_layernorm.weight'], 1e-06)  # L43.mlp_norm
     h_L43 = rt.moe_residual(x_L43_mlp_norm, W['model.layers.43.mlp.gate.weight'], W['model.layers.43.mlp.gate.e_score_correction_bias'], W['model.layers.43.mlp.experts.gate_proj.weight'], W['model.layers.43.mlp.experts.up_proj.weight'], W['model.layers.43.mlp.experts.down_proj.weight'], W['model.layers.43.mlp.shared_experts.gate_proj.weight'], W['model.layers.43.mlp.shared_experts.up_proj.weight'], W['model.layers.43.mlp.shared_experts.down_proj.weight'], h_L43_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L43.moe
@@ -553,7 +625,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L44, k_pe_L44
     o_L44 = rt.mla_attention(q_nope_L44, q_pe_L44, kv[44], W['model.layers.44.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L44.attn
     del q_nope_L44, q_pe_L44
-    h_L44_attn = rt.o_proj_residual(o_L44, W['model.layers.44.self_attn.o_proj.weight'], h_L43)  # L44.o_proj
+    h_L44_attn = rt.o_proj_residual(o_L44, W['graphgen.load:model.layers.44.self_attn.o_proj.weight:cat0:t01'], h_L43)  # L44.o_proj
     del h_L43, o_L44
     x_L44_mlp_norm = rt.rms_norm(h_L44_attn, W['model.layers.44.post_attention_layernorm.weight'], 1e-06)  # L44.mlp_norm
     h_L44 = rt.moe_residual(x_L44_mlp_norm, W['model.layers.44.mlp.gate.weight'], W['model.layers.44.mlp.gate.e_score_correction_bias'], W['model.layers.44.mlp.experts.gate_proj.weight'], W['model.layers.44.mlp.experts.up_proj.weight'], W['model.layers.44.mlp.experts.down_proj.weight'], W['model.layers.44.mlp.shared_experts.gate_proj.weight'], W['model.layers.44.mlp.shared_experts.up_proj.weight'], W['model.layers.44.mlp.shared_experts.down_proj.weight'], h_L44_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L44.moe
@@ -565,7 +637,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L45, k_pe_L45
     o_L45 = rt.mla_attention(q_nope_L45, q_pe_L45, kv[45], W['model.layers.45.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L45.attn
     del q_nope_L45, q_pe_L45
-    h_L45_attn = rt.o_proj_residual(o_L45, W['model.layers.45.self_attn.o_proj.weight'], h_L44)  # L45.o_proj
+    h_L45_attn = rt.o_proj_residual(o_L45, W['graphgen.load:model.layers.45.self_attn.o_proj.weight:cat0:t01'], h_L44)  # L45.o_proj
     del h_L44, o_L45
     x_L45_mlp_norm = rt.rms_norm(h_L45_attn, W['model.layers.45.post_attention_layernorm.weight'], 1e-06)  # L45.mlp_norm
     h_L45 = rt.moe_residual(x_L45_mlp_norm, W['model.layers.45.mlp.gate.weight'], W['model.layers.45.mlp.gate.e_score_correction_bias'], W['model.layers.45.mlp.experts.gate_proj.weight'], W['model.layers.45.mlp.experts.up_proj.weight'], W['model.layers.45.mlp.experts.down_proj.weight'], W['model.layers.45.mlp.shared_experts.gate_proj.weight'], W['model.layers.45.mlp.shared_experts.up_proj.weight'], W['model.layers.45.mlp.shared_experts.down_proj.weight'], h_L45_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L45.moe
@@ -577,7 +649,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L46, k_pe_L46
     o_L46 = rt.mla_attention(q_nope_L46, q_pe_L46, kv[46], W['model.layers.46.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L46.attn
     del q_nope_L46, q_pe_L46
-    h_L46_attn = rt.o_proj_residual(o_L46, W['model.layers.46.self_attn.o_proj.weight'], h_L45)  # L46.o_proj
+    h_L46_attn = rt.o_proj_residual(o_L46, W['graphgen.load:model.layers.46.self_attn.o_proj.weight:cat0:t01'], h_L45)  # L46.o_proj
     del h_L45, o_L46
     x_L46_mlp_norm = rt.rms_norm(h_L46_attn, W['model.layers.46.post_attention_layernorm.weight'], 1e-06)  # L46.mlp_norm
     h_L46 = rt.moe_residual(x_L46_mlp_norm, W['model.layers.46.mlp.gate.weight'], W['model.layers.46.mlp.gate.e_score_correction_bias'], W['model.layers.46.mlp.experts.gate_proj.weight'], W['model.layers.46.mlp.experts.up_proj.weight'], W['model.layers.46.mlp.experts.down_proj.weight'], W['model.layers.46.mlp.shared_experts.gate_proj.weight'], W['model.layers.46.mlp.shared_experts.up_proj.weight'], W['model.layers.46.mlp.shared_experts.down_proj.weight'], h_L46_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L46.moe
@@ -589,7 +661,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L47, k_pe_L47
     o_L47 = rt.mla_attention(q_nope_L47, q_pe_L47, kv[47], W['model.layers.47.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L47.attn
     del q_nope_L47, q_pe_L47
-    h_L47_attn = rt.o_proj_residual(o_L47, W['model.layers.47.self_attn.o_proj.weight'], h_L46)  # L47.o_proj
+    h_L47_attn = rt.o_proj_residual(o_L47, W['graphgen.load:model.layers.47.self_attn.o_proj.weight:cat0:t01'], h_L46)  # L47.o_proj
     del h_L46, o_L47
     x_L47_mlp_norm = rt.rms_norm(h_L47_attn, W['model.layers.47.post_attention_layernorm.weight'], 1e-06)  # L47.mlp_norm
     h_L47 = rt.moe_residual(x_L47_mlp_norm, W['model.layers.47.mlp.gate.weight'], W['model.layers.47.mlp.gate.e_score_correction_bias'], W['model.layers.47.mlp.experts.gate_proj.weight'], W['model.layers.47.mlp.experts.up_proj.weight'], W['model.layers.47.mlp.experts.down_proj.weight'], W['model.layers.47.mlp.shared_experts.gate_proj.weight'], W['model.layers.47.mlp.shared_experts.up_proj.weight'], W['model.layers.47.mlp.shared_experts.down_proj.weight'], h_L47_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L47.moe
@@ -601,7 +673,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L48, k_pe_L48
     o_L48 = rt.mla_attention(q_nope_L48, q_pe_L48, kv[48], W['model.layers.48.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L48.attn
     del q_nope_L48, q_pe_L48
-    h_L48_attn = rt.o_proj_residual(o_L48, W['model.layers.48.self_attn.o_proj.weight'], h_L47)  # L48.o_proj
+    h_L48_attn = rt.o_proj_residual(o_L48, W['graphgen.load:model.layers.48.self_attn.o_proj.weight:cat0:t01'], h_L47)  # L48.o_proj
     del h_L47, o_L48
     x_L48_mlp_norm = rt.rms_norm(h_L48_attn, W['model.layers.48.post_attention_layernorm.weight'], 1e-06)  # L48.mlp_norm
     h_L48 = rt.moe_residual(x_L48_mlp_norm, W['model.layers.48.mlp.gate.weight'], W['model.layers.48.mlp.gate.e_score_correction_bias'], W['model.layers.48.mlp.experts.gate_proj.weight'], W['model.layers.48.mlp.experts.up_proj.weight'], W['model.layers.48.mlp.experts.down_proj.weight'], W['model.layers.48.mlp.shared_experts.gate_proj.weight'], W['model.layers.48.mlp.shared_experts.up_proj.weight'], W['model.layers.48.mlp.shared_experts.down_proj.weight'], h_L48_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L48.moe
@@ -613,7 +685,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L49, k_pe_L49
     o_L49 = rt.mla_attention(q_nope_L49, q_pe_L49, kv[49], W['model.layers.49.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L49.attn
     del q_nope_L49, q_pe_L49
-    h_L49_attn = rt.o_proj_residual(o_L49, W['model.layers.49.self_attn.o_proj.weight'], h_L48)  # L49.o_proj
+    h_L49_attn = rt.o_proj_residual(o_L49, W['graphgen.load:model.layers.49.self_attn.o_proj.weight:cat0:t01'], h_L48)  # L49.o_proj
     del h_L48, o_L49
     x_L49_mlp_norm = rt.rms_norm(h_L49_attn, W['model.layers.49.post_attention_layernorm.weight'], 1e-06)  # L49.mlp_norm
     h_L49 = rt.moe_residual(x_L49_mlp_norm, W['model.layers.49.mlp.gate.weight'], W['model.layers.49.mlp.gate.e_score_correction_bias'], W['model.layers.49.mlp.experts.gate_proj.weight'], W['model.layers.49.mlp.experts.up_proj.weight'], W['model.layers.49.mlp.experts.down_proj.weight'], W['model.layers.49.mlp.shared_experts.gate_proj.weight'], W['model.layers.49.mlp.shared_experts.up_proj.weight'], W['model.layers.49.mlp.shared_experts.down_proj.weight'], h_L49_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L49.moe
@@ -625,7 +697,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L50, k_pe_L50
     o_L50 = rt.mla_attention(q_nope_L50, q_pe_L50, kv[50], W['model.layers.50.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L50.attn
     del q_nope_L50, q_pe_L50
-    h_L50_attn = rt.o_proj_residual(o_L50, W['model.layers.50.self_attn.o_proj.weight'], h_L49)  # L50.o_proj
+    h_L50_attn = rt.o_proj_residual(o_L50, W['graphgen.load:model.layers.50.self_attn.o_proj.weight:cat0:t01'], h_L49)  # L50.o_proj
     del h_L49, o_L50
     x_L50_mlp_norm = rt.rms_norm(h_L50_attn, W['model.layers.50.post_attention_layernorm.weight'], 1e-06)  # L50.mlp_norm
     h_L50 = rt.moe_residual(x_L50_mlp_norm, W['model.layers.50.mlp.gate.weight'], W['model.layers.50.mlp.gate.e_score_correction_bias'], W['model.layers.50.mlp.experts.gate_proj.weight'], W['model.layers.50.mlp.experts.up_proj.weight'], W['model.layers.50.mlp.experts.down_proj.weight'], W['model.layers.50.mlp.shared_experts.gate_proj.weight'], W['model.layers.50.mlp.shared_experts.up_proj.weight'], W['model.layers.50.mlp.shared_experts.down_proj.weight'], h_L50_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L50.moe
@@ -637,7 +709,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L51, k_pe_L51
     o_L51 = rt.mla_attention(q_nope_L51, q_pe_L51, kv[51], W['model.layers.51.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L51.attn
     del q_nope_L51, q_pe_L51
-    h_L51_attn = rt.o_proj_residual(o_L51, W['model.layers.51.self_attn.o_proj.weight'], h_L50)  # L51.o_proj
+    h_L51_attn = rt.o_proj_residual(o_L51, W['graphgen.load:model.layers.51.self_attn.o_proj.weight:cat0:t01'], h_L50)  # L51.o_proj
     del h_L50, o_L51
     x_L51_mlp_norm = rt.rms_norm(h_L51_attn, W['model.layers.51.post_attention_layernorm.weight'], 1e-06)  # L51.mlp_norm
     h_L51 = rt.moe_residual(x_L51_mlp_norm, W['model.layers.51.mlp.gate.weight'], W['model.layers.51.mlp.gate.e_score_correction_bias'], W['model.layers.51.mlp.experts.gate_proj.weight'], W['model.layers.51.mlp.experts.up_proj.weight'], W['model.layers.51.mlp.experts.down_proj.weight'], W['model.layers.51.mlp.shared_experts.gate_proj.weight'], W['model.layers.51.mlp.shared_experts.up_proj.weight'], W['model.layers.51.mlp.shared_experts.down_proj.weight'], h_L51_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L51.moe
@@ -649,7 +721,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L52, k_pe_L52
     o_L52 = rt.mla_attention(q_nope_L52, q_pe_L52, kv[52], W['model.layers.52.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L52.attn
     del q_nope_L52, q_pe_L52
-    h_L52_attn = rt.o_proj_residual(o_L52, W['model.layers.52.self_attn.o_proj.weight'], h_L51)  # L52.o_proj
+    h_L52_attn = rt.o_proj_residual(o_L52, W['graphgen.load:model.layers.52.self_attn.o_proj.weight:cat0:t01'], h_L51)  # L52.o_proj
     del h_L51, o_L52
     x_L52_mlp_norm = rt.rms_norm(h_L52_attn, W['model.layers.52.post_attention_layernorm.weight'], 1e-06)  # L52.mlp_norm
     h_L52 = rt.moe_residual(x_L52_mlp_norm, W['model.layers.52.mlp.gate.weight'], W['model.layers.52.mlp.gate.e_score_correction_bias'], W['model.layers.52.mlp.experts.gate_proj.weight'], W['model.layers.52.mlp.experts.up_proj.weight'], W['model.layers.52.mlp.experts.down_proj.weight'], W['model.layers.52.mlp.shared_experts.gate_proj.weight'], W['model.layers.52.mlp.shared_experts.up_proj.weight'], W['model.layers.52.mlp.shared_experts.down_proj.weight'], h_L52_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L52.moe
@@ -661,7 +733,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L53, k_pe_L53
     o_L53 = rt.mla_attention(q_nope_L53, q_pe_L53, kv[53], W['model.layers.53.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L53.attn
     del q_nope_L53, q_pe_L53
-    h_L53_attn = rt.o_proj_residual(o_L53, W['model.layers.53.self_attn.o_proj.weight'], h_L52)  # L53.o_proj
+    h_L53_attn = rt.o_proj_residual(o_L53, W['graphgen.load:model.layers.53.self_attn.o_proj.weight:cat0:t01'], h_L52)  # L53.o_proj
     del h_L52, o_L53
     x_L53_mlp_norm = rt.rms_norm(h_L53_attn, W['model.layers.53.post_attention_layernorm.weight'], 1e-06)  # L53.mlp_norm
     h_L53 = rt.moe_residual(x_L53_mlp_norm, W['model.layers.53.mlp.gate.weight'], W['model.layers.53.mlp.gate.e_score_correction_bias'], W['model.layers.53.mlp.experts.gate_proj.weight'], W['model.layers.53.mlp.experts.up_proj.weight'], W['model.layers.53.mlp.experts.down_proj.weight'], W['model.layers.53.mlp.shared_experts.gate_proj.weight'], W['model.layers.53.mlp.shared_experts.up_proj.weight'], W['model.layers.53.mlp.shared_experts.down_proj.weight'], h_L53_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L53.moe
@@ -673,7 +745,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L54, k_pe_L54
     o_L54 = rt.mla_attention(q_nope_L54, q_pe_L54, kv[54], W['model.layers.54.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L54.attn
     del q_nope_L54, q_pe_L54
-    h_L54_attn = rt.o_proj_residual(o_L54, W['model.layers.54.self_attn.o_proj.weight'], h_L53)  # L54.o_proj
+    h_L54_attn = rt.o_proj_residual(o_L54, W['graphgen.load:model.layers.54.self_attn.o_proj.weight:cat0:t01'], h_L53)  # L54.o_proj
     del h_L53, o_L54
     x_L54_mlp_norm = rt.rms_norm(h_L54_attn, W['model.layers.54.post_attention_layernorm.weight'], 1e-06)  # L54.mlp_norm
     h_L54 = rt.moe_residual(x_L54_mlp_norm, W['model.layers.54.mlp.gate.weight'], W['model.layers.54.mlp.gate.e_score_correction_bias'], W['model.layers.54.mlp.experts.gate_proj.weight'], W['model.layers.54.mlp.experts.up_proj.weight'], W['model.layers.54.mlp.experts.down_proj.weight'], W['model.layers.54.mlp.shared_experts.gate_proj.weight'], W['model.layers.54.mlp.shared_experts.up_proj.weight'], W['model.layers.54.mlp.shared_experts.down_proj.weight'], h_L54_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L54.moe
@@ -685,7 +757,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L55, k_pe_L55
     o_L55 = rt.mla_attention(q_nope_L55, q_pe_L55, kv[55], W['model.layers.55.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L55.attn
     del q_nope_L55, q_pe_L55
-    h_L55_attn = rt.o_proj_residual(o_L55, W['model.layers.55.self_attn.o_proj.weight'], h_L54)  # L55.o_proj
+    h_L55_attn = rt.o_proj_residual(o_L55, W['graphgen.load:model.layers.55.self_attn.o_proj.weight:cat0:t01'], h_L54)  # L55.o_proj
     del h_L54, o_L55
     x_L55_mlp_norm = rt.rms_norm(h_L55_attn, W['model.layers.55.post_attention_layernorm.weight'], 1e-06)  # L55.mlp_norm
     h_L55 = rt.moe_residual(x_L55_mlp_norm, W['model.layers.55.mlp.gate.weight'], W['model.layers.55.mlp.gate.e_score_correction_bias'], W['model.layers.55.mlp.experts.gate_proj.weight'], W['model.layers.55.mlp.experts.up_proj.weight'], W['model.layers.55.mlp.experts.down_proj.weight'], W['model.layers.55.mlp.shared_experts.gate_proj.weight'], W['model.layers.55.mlp.shared_experts.up_proj.weight'], W['model.layers.55.mlp.shared_experts.down_proj.weight'], h_L55_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L55.moe
@@ -697,7 +769,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L56, k_pe_L56
     o_L56 = rt.mla_attention(q_nope_L56, q_pe_L56, kv[56], W['model.layers.56.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L56.attn
     del q_nope_L56, q_pe_L56
-    h_L56_attn = rt.o_proj_residual(o_L56, W['model.layers.56.self_attn.o_proj.weight'], h_L55)  # L56.o_proj
+    h_L56_attn = rt.o_proj_residual(o_L56, W['graphgen.load:model.layers.56.self_attn.o_proj.weight:cat0:t01'], h_L55)  # L56.o_proj
     del h_L55, o_L56
     x_L56_mlp_norm = rt.rms_norm(h_L56_attn, W['model.layers.56.post_attention_layernorm.weight'], 1e-06)  # L56.mlp_norm
     h_L56 = rt.moe_residual(x_L56_mlp_norm, W['model.layers.56.mlp.gate.weight'], W['model.layers.56.mlp.gate.e_score_correction_bias'], W['model.layers.56.mlp.experts.gate_proj.weight'], W['model.layers.56.mlp.experts.up_proj.weight'], W['model.layers.56.mlp.experts.down_proj.weight'], W['model.layers.56.mlp.shared_experts.gate_proj.weight'], W['model.layers.56.mlp.shared_experts.up_proj.weight'], W['model.layers.56.mlp.shared_experts.down_proj.weight'], h_L56_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L56.moe
@@ -709,7 +781,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L57, k_pe_L57
     o_L57 = rt.mla_attention(q_nope_L57, q_pe_L57, kv[57], W['model.layers.57.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L57.attn
     del q_nope_L57, q_pe_L57
-    h_L57_attn = rt.o_proj_residual(o_L57, W['model.layers.57.self_attn.o_proj.weight'], h_L56)  # L57.o_proj
+    h_L57_attn = rt.o_proj_residual(o_L57, W['graphgen.load:model.layers.57.self_attn.o_proj.weight:cat0:t01'], h_L56)  # L57.o_proj
     del h_L56, o_L57
     x_L57_mlp_norm = rt.rms_norm(h_L57_attn, W['model.layers.57.post_attention_layernorm.weight'], 1e-06)  # L57.mlp_norm
     h_L57 = rt.moe_residual(x_L57_mlp_norm, W['model.layers.57.mlp.gate.weight'], W['model.layers.57.mlp.gate.e_score_correction_bias'], W['model.layers.57.mlp.experts.gate_proj.weight'], W['model.layers.57.mlp.experts.up_proj.weight'], W['model.layers.57.mlp.experts.down_proj.weight'], W['model.layers.57.mlp.shared_experts.gate_proj.weight'], W['model.layers.57.mlp.shared_experts.up_proj.weight'], W['model.layers.57.mlp.shared_experts.down_proj.weight'], h_L57_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L57.moe
@@ -721,7 +793,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L58, k_pe_L58
     o_L58 = rt.mla_attention(q_nope_L58, q_pe_L58, kv[58], W['model.layers.58.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L58.attn
     del q_nope_L58, q_pe_L58
-    h_L58_attn = rt.o_proj_residual(o_L58, W['model.layers.58.self_attn.o_proj.weight'], h_L57)  # L58.o_proj
+    h_L58_attn = rt.o_proj_residual(o_L58, W['graphgen.load:model.layers.58.self_attn.o_proj.weight:cat0:t01'], h_L57)  # L58.o_proj
     del h_L57, o_L58
     x_L58_mlp_norm = rt.rms_norm(h_L58_attn, W['model.layers.58.post_attention_layernorm.weight'], 1e-06)  # L58.mlp_norm
     h_L58 = rt.moe_residual(x_L58_mlp_norm, W['model.layers.58.mlp.gate.weight'], W['model.layers.58.mlp.gate.e_score_correction_bias'], W['model.layers.58.mlp.experts.gate_proj.weight'], W['model.layers.58.mlp.experts.up_proj.weight'], W['model.layers.58.mlp.experts.down_proj.weight'], W['model.layers.58.mlp.shared_experts.gate_proj.weight'], W['model.layers.58.mlp.shared_experts.up_proj.weight'], W['model.layers.58.mlp.shared_experts.down_proj.weight'], h_L58_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L58.moe
@@ -733,7 +805,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L59, k_pe_L59
     o_L59 = rt.mla_attention(q_nope_L59, q_pe_L59, kv[59], W['model.layers.59.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L59.attn
     del q_nope_L59, q_pe_L59
-    h_L59_attn = rt.o_proj_residual(o_L59, W['model.layers.59.self_attn.o_proj.weight'], h_L58)  # L59.o_proj
+    h_L59_attn = rt.o_proj_residual(o_L59, W['graphgen.load:model.layers.59.self_attn.o_proj.weight:cat0:t01'], h_L58)  # L59.o_proj
     del h_L58, o_L59
     x_L59_mlp_norm = rt.rms_norm(h_L59_attn, W['model.layers.59.post_attention_layernorm.weight'], 1e-06)  # L59.mlp_norm
     h_L59 = rt.moe_residual(x_L59_mlp_norm, W['model.layers.59.mlp.gate.weight'], W['model.layers.59.mlp.gate.e_score_correction_bias'], W['model.layers.59.mlp.experts.gate_proj.weight'], W['model.layers.59.mlp.experts.up_proj.weight'], W['model.layers.59.mlp.experts.down_proj.weight'], W['model.layers.59.mlp.shared_experts.gate_proj.weight'], W['model.layers.59.mlp.shared_experts.up_proj.weight'], W['model.layers.59.mlp.shared_experts.down_proj.weight'], h_L59_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L59.moe
@@ -745,7 +817,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L60, k_pe_L60
     o_L60 = rt.mla_attention(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L60.attn
     del q_nope_L60, q_pe_L60
-    h_L60_attn = rt.o_proj_residual(o_L60, W['model.layers.60.self_attn.o_proj.weight'], h_L59)  # L60.o_proj
+    h_L60_attn = rt.o_proj_residual(o_L60, W['graphgen.load:model.layers.60.self_attn.o_proj.weight:cat0:t01'], h_L59)  # L60.o_proj
     del h_L59, o_L60
     x_L60_mlp_norm = rt.rms_norm(h_L60_attn, W['model.layers.60.post_attention_layernorm.weight'], 1e-06)  # L60.mlp_norm
     h_L60 = rt.moe_residual(x_L60_mlp_norm, W['model.layers.60.mlp.gate.weight'], W['model.layers.60.mlp.gate.e_score_correction_bias'], W['model.layers.60.mlp.experts.gate_proj.weight'], W['model.layers.60.mlp.experts.up_proj.weight'], W['model.layers.60.mlp.experts.down_proj.weight'], W['model.layers.60.mlp.shared_experts.gate_proj.weight'], W['model.layers.60.mlp.shared_experts.up_proj.weight'], W['model.layers.60.mlp.shared_experts.down_proj.weight'], h_L60_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L60.moe

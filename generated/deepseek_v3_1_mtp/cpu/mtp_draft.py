@@ -11,6 +11,12 @@ GRAPH = 'deepseek_v3_1_mtp.mtp_draft'
 META = {'block_size': 128, 'family': 'deepseek_v3', 'granularity': 'forward', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 61, 'model': 'deepseek_v3_1_mtp', 'mtp_layer': 61, 'phase': 'mtp', 'saves': True, 'spec': 'specs/deepseek_v3_1_mtp.yaml', 'variant': 'mtp_draft', 'write': 'async'}
 EVENTS = ('ev.L61.kv_write', 'ev.save.kv_save')
 HOST_EVENT = 'ev.save.kv_save'
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.61.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.61.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -37,7 +43,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L61.kv_write'])  # L61.kv_write.record
     o_L61 = rt.mla_attention(q_nope_L61, q_pe_L61, kv[61], W['model.layers.61.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=128, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L61.attn
     del q_nope_L61, q_pe_L61
-    h_L61_attn = rt.o_proj_residual(o_L61, W['model.layers.61.self_attn.o_proj.weight'], x_L61_eh_proj)  # L61.o_proj
+    h_L61_attn = rt.o_proj_residual(o_L61, W['graphgen.load:model.layers.61.self_attn.o_proj.weight:cat0:t01'], x_L61_eh_proj)  # L61.o_proj
     del x_L61_eh_proj, o_L61
     x_L61_mlp_norm = rt.rms_norm(h_L61_attn, W['model.layers.61.post_attention_layernorm.weight'], 1e-06)  # L61.mlp_norm
     h_L61 = rt.moe_residual(x_L61_mlp_norm, W['model.layers.61.mlp.gate.weight'], W['model.layers.61.mlp.gate.e_score_correction_bias'], W['model.layers.61.mlp.experts.gate_proj.weight'], W['model.layers.61.mlp.experts.up_proj.weight'], W['model.layers.61.mlp.experts.down_proj.weight'], W['model.layers.61.mlp.shared_experts.gate_proj.weight'], W['model.layers.61.mlp.shared_experts.up_proj.weight'], W['model.layers.61.mlp.shared_experts.down_proj.weight'], h_L61_attn, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)  # L61.moe

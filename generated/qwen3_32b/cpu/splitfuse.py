@@ -12,6 +12,267 @@ GRAPH = 'qwen3_32b.splitfuse'
 META = {'block_size': 128, 'ep': 1, 'family': 'qwen3_dense', 'granularity': 'forward', 'history': True, 'kv_dtype': 'bfloat16', 'layers': 64, 'model': 'qwen3_32b', 'phase': 'prefill', 'saves': True, 'spec': 'specs/qwen3_32b.yaml', 'tp': 2, 'variant': 'splitfuse', 'write': 'async'}
 EVENTS = ('ev.load.kv_load', 'ev.L63.kv_write', 'ev.save.kv_save')
 HOST_EVENT = 'ev.save.kv_save'
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight[d0/2]', 'model.layers.0.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.q_proj.weight[d0/2]+model.layers.0.self_attn.k_proj.weight[d0/2]+model.layers.0.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.0.self_attn.q_proj.weight[d0/2]', 'model.layers.0.self_attn.k_proj.weight[d0/2]', 'model.layers.0.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.1.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.1.mlp.gate_proj.weight[d0/2]', 'model.layers.1.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.q_proj.weight[d0/2]+model.layers.1.self_attn.k_proj.weight[d0/2]+model.layers.1.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.1.self_attn.q_proj.weight[d0/2]', 'model.layers.1.self_attn.k_proj.weight[d0/2]', 'model.layers.1.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.10.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.10.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.10.mlp.gate_proj.weight[d0/2]+model.layers.10.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.10.mlp.gate_proj.weight[d0/2]', 'model.layers.10.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.10.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.10.self_attn.q_proj.weight[d0/2]+model.layers.10.self_attn.k_proj.weight[d0/2]+model.layers.10.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.10.self_attn.q_proj.weight[d0/2]', 'model.layers.10.self_attn.k_proj.weight[d0/2]', 'model.layers.10.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.11.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.11.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.11.mlp.gate_proj.weight[d0/2]+model.layers.11.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.11.mlp.gate_proj.weight[d0/2]', 'model.layers.11.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.11.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.11.self_attn.q_proj.weight[d0/2]+model.layers.11.self_attn.k_proj.weight[d0/2]+model.layers.11.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.11.self_attn.q_proj.weight[d0/2]', 'model.layers.11.self_attn.k_proj.weight[d0/2]', 'model.layers.11.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.12.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.12.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.12.mlp.gate_proj.weight[d0/2]+model.layers.12.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.12.mlp.gate_proj.weight[d0/2]', 'model.layers.12.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.12.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.12.self_attn.q_proj.weight[d0/2]+model.layers.12.self_attn.k_proj.weight[d0/2]+model.layers.12.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.12.self_attn.q_proj.weight[d0/2]', 'model.layers.12.self_attn.k_proj.weight[d0/2]', 'model.layers.12.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.13.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.13.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.13.mlp.gate_proj.weight[d0/2]+model.layers.13.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.13.mlp.gate_proj.weight[d0/2]', 'model.layers.13.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.13.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.13.self_attn.q_proj.weight[d0/2]+model.layers.13.self_attn.k_proj.weight[d0/2]+model.layers.13.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.13.self_attn.q_proj.weight[d0/2]', 'model.layers.13.self_attn.k_proj.weight[d0/2]', 'model.layers.13.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.14.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.14.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.14.mlp.gate_proj.weight[d0/2]+model.layers.14.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.14.mlp.gate_proj.weight[d0/2]', 'model.layers.14.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.14.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.14.self_attn.q_proj.weight[d0/2]+model.layers.14.self_attn.k_proj.weight[d0/2]+model.layers.14.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.14.self_attn.q_proj.weight[d0/2]', 'model.layers.14.self_attn.k_proj.weight[d0/2]', 'model.layers.14.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.15.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.15.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.15.mlp.gate_proj.weight[d0/2]+model.layers.15.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.15.mlp.gate_proj.weight[d0/2]', 'model.layers.15.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.15.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.15.self_attn.q_proj.weight[d0/2]+model.layers.15.self_attn.k_proj.weight[d0/2]+model.layers.15.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.15.self_attn.q_proj.weight[d0/2]', 'model.layers.15.self_attn.k_proj.weight[d0/2]', 'model.layers.15.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.16.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.16.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.16.mlp.gate_proj.weight[d0/2]+model.layers.16.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.16.mlp.gate_proj.weight[d0/2]', 'model.layers.16.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.16.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.16.self_attn.q_proj.weight[d0/2]+model.layers.16.self_attn.k_proj.weight[d0/2]+model.layers.16.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.16.self_attn.q_proj.weight[d0/2]', 'model.layers.16.self_attn.k_proj.weight[d0/2]', 'model.layers.16.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.17.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.17.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.17.mlp.gate_proj.weight[d0/2]+model.layers.17.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.17.mlp.gate_proj.weight[d0/2]', 'model.layers.17.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.17.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.17.self_attn.q_proj.weight[d0/2]+model.layers.17.self_attn.k_proj.weight[d0/2]+model.layers.17.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.17.self_attn.q_proj.weight[d0/2]', 'model.layers.17.self_attn.k_proj.weight[d0/2]', 'model.layers.17.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.18.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.18.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.18.mlp.gate_proj.weight[d0/2]+model.layers.18.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.18.mlp.gate_proj.weight[d0/2]', 'model.layers.18.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.18.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.18.self_attn.q_proj.weight[d0/2]+model.layers.18.self_attn.k_proj.weight[d0/2]+model.layers.18.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.18.self_attn.q_proj.weight[d0/2]', 'model.layers.18.self_attn.k_proj.weight[d0/2]', 'model.layers.18.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.19.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.19.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.19.mlp.gate_proj.weight[d0/2]+model.layers.19.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.19.mlp.gate_proj.weight[d0/2]', 'model.layers.19.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.19.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.19.self_attn.q_proj.weight[d0/2]+model.layers.19.self_attn.k_proj.weight[d0/2]+model.layers.19.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.19.self_attn.q_proj.weight[d0/2]', 'model.layers.19.self_attn.k_proj.weight[d0/2]', 'model.layers.19.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.2.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/2]+model.layers.2.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.2.mlp.gate_proj.weight[d0/2]', 'model.layers.2.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.2.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.q_proj.weight[d0/2]+model.layers.2.self_attn.k_proj.weight[d0/2]+model.layers.2.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.2.self_attn.q_proj.weight[d0/2]', 'model.layers.2.self_attn.k_proj.weight[d0/2]', 'model.layers.2.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.20.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.20.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.20.mlp.gate_proj.weight[d0/2]+model.layers.20.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.20.mlp.gate_proj.weight[d0/2]', 'model.layers.20.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.20.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.20.self_attn.q_proj.weight[d0/2]+model.layers.20.self_attn.k_proj.weight[d0/2]+model.layers.20.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.20.self_attn.q_proj.weight[d0/2]', 'model.layers.20.self_attn.k_proj.weight[d0/2]', 'model.layers.20.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.21.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.21.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.21.mlp.gate_proj.weight[d0/2]+model.layers.21.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.21.mlp.gate_proj.weight[d0/2]', 'model.layers.21.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.21.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.21.self_attn.q_proj.weight[d0/2]+model.layers.21.self_attn.k_proj.weight[d0/2]+model.layers.21.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.21.self_attn.q_proj.weight[d0/2]', 'model.layers.21.self_attn.k_proj.weight[d0/2]', 'model.layers.21.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.22.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.22.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.22.mlp.gate_proj.weight[d0/2]+model.layers.22.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.22.mlp.gate_proj.weight[d0/2]', 'model.layers.22.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.22.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.22.self_attn.q_proj.weight[d0/2]+model.layers.22.self_attn.k_proj.weight[d0/2]+model.layers.22.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.22.self_attn.q_proj.weight[d0/2]', 'model.layers.22.self_attn.k_proj.weight[d0/2]', 'model.layers.22.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.23.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.23.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.23.mlp.gate_proj.weight[d0/2]+model.layers.23.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.23.mlp.gate_proj.weight[d0/2]', 'model.layers.23.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.23.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.23.self_attn.q_proj.weight[d0/2]+model.layers.23.self_attn.k_proj.weight[d0/2]+model.layers.23.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.23.self_attn.q_proj.weight[d0/2]', 'model.layers.23.self_attn.k_proj.weight[d0/2]', 'model.layers.23.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.24.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.24.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.24.mlp.gate_proj.weight[d0/2]+model.layers.24.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.24.mlp.gate_proj.weight[d0/2]', 'model.layers.24.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.24.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.24.self_attn.q_proj.weight[d0/2]+model.layers.24.self_attn.k_proj.weight[d0/2]+model.layers.24.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.24.self_attn.q_proj.weight[d0/2]', 'model.layers.24.self_attn.k_proj.weight[d0/2]', 'model.layers.24.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.25.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.25.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.25.mlp.gate_proj.weight[d0/2]+model.layers.25.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.25.mlp.gate_proj.weight[d0/2]', 'model.layers.25.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.25.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.25.self_attn.q_proj.weight[d0/2]+model.layers.25.self_attn.k_proj.weight[d0/2]+model.layers.25.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.25.self_attn.q_proj.weight[d0/2]', 'model.layers.25.self_attn.k_proj.weight[d0/2]', 'model.layers.25.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.26.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.26.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.26.mlp.gate_proj.weight[d0/2]+model.layers.26.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.26.mlp.gate_proj.weight[d0/2]', 'model.layers.26.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.26.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.26.self_attn.q_proj.weight[d0/2]+model.layers.26.self_attn.k_proj.weight[d0/2]+model.layers.26.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.26.self_attn.q_proj.weight[d0/2]', 'model.layers.26.self_attn.k_proj.weight[d0/2]', 'model.layers.26.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.27.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.27.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.27.mlp.gate_proj.weight[d0/2]+model.layers.27.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.27.mlp.gate_proj.weight[d0/2]', 'model.layers.27.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.27.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.27.self_attn.q_proj.weight[d0/2]+model.layers.27.self_attn.k_proj.weight[d0/2]+model.layers.27.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.27.self_attn.q_proj.weight[d0/2]', 'model.layers.27.self_attn.k_proj.weight[d0/2]', 'model.layers.27.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.28.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.28.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.28.mlp.gate_proj.weight[d0/2]+model.layers.28.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.28.mlp.gate_proj.weight[d0/2]', 'model.layers.28.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.28.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.28.self_attn.q_proj.weight[d0/2]+model.layers.28.self_attn.k_proj.weight[d0/2]+model.layers.28.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.28.self_attn.q_proj.weight[d0/2]', 'model.layers.28.self_attn.k_proj.weight[d0/2]', 'model.layers.28.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.29.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.29.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.29.mlp.gate_proj.weight[d0/2]+model.layers.29.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.29.mlp.gate_proj.weight[d0/2]', 'model.layers.29.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.29.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.29.self_attn.q_proj.weight[d0/2]+model.layers.29.self_attn.k_proj.weight[d0/2]+model.layers.29.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.29.self_attn.q_proj.weight[d0/2]', 'model.layers.29.self_attn.k_proj.weight[d0/2]', 'model.layers.29.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.3.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.3.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.3.mlp.gate_proj.weight[d0/2]+model.layers.3.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.3.mlp.gate_proj.weight[d0/2]', 'model.layers.3.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.3.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.3.self_attn.q_proj.weight[d0/2]+model.layers.3.self_attn.k_proj.weight[d0/2]+model.layers.3.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.3.self_attn.q_proj.weight[d0/2]', 'model.layers.3.self_attn.k_proj.weight[d0/2]', 'model.layers.3.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.30.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.30.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.30.mlp.gate_proj.weight[d0/2]+model.layers.30.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.30.mlp.gate_proj.weight[d0/2]', 'model.layers.30.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.30.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.30.self_attn.q_proj.weight[d0/2]+model.layers.30.self_attn.k_proj.weight[d0/2]+model.layers.30.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.30.self_attn.q_proj.weight[d0/2]', 'model.layers.30.self_attn.k_proj.weight[d0/2]', 'model.layers.30.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.31.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.31.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.31.mlp.gate_proj.weight[d0/2]+model.layers.31.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.31.mlp.gate_proj.weight[d0/2]', 'model.layers.31.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.31.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.31.self_attn.q_proj.weight[d0/2]+model.layers.31.self_attn.k_proj.weight[d0/2]+model.layers.31.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.31.self_attn.q_proj.weight[d0/2]', 'model.layers.31.self_attn.k_proj.weight[d0/2]', 'model.layers.31.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.32.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.32.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.32.mlp.gate_proj.weight[d0/2]+model.layers.32.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.32.mlp.gate_proj.weight[d0/2]', 'model.layers.32.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.32.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.32.self_attn.q_proj.weight[d0/2]+model.layers.32.self_attn.k_proj.weight[d0/2]+model.layers.32.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.32.self_attn.q_proj.weight[d0/2]', 'model.layers.32.self_attn.k_proj.weight[d0/2]', 'model.layers.32.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.33.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.33.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.33.mlp.gate_proj.weight[d0/2]+model.layers.33.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.33.mlp.gate_proj.weight[d0/2]', 'model.layers.33.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.33.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.33.self_attn.q_proj.weight[d0/2]+model.layers.33.self_attn.k_proj.weight[d0/2]+model.layers.33.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.33.self_attn.q_proj.weight[d0/2]', 'model.layers.33.self_attn.k_proj.weight[d0/2]', 'model.layers.33.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.34.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.34.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.34.mlp.gate_proj.weight[d0/2]+model.layers.34.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.34.mlp.gate_proj.weight[d0/2]', 'model.layers.34.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.34.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.34.self_attn.q_proj.weight[d0/2]+model.layers.34.self_attn.k_proj.weight[d0/2]+model.layers.34.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.34.self_attn.q_proj.weight[d0/2]', 'model.layers.34.self_attn.k_proj.weight[d0/2]', 'model.layers.34.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.35.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.35.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.35.mlp.gate_proj.weight[d0/2]+model.layers.35.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.35.mlp.gate_proj.weight[d0/2]', 'model.layers.35.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.35.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.35.self_attn.q_proj.weight[d0/2]+model.layers.35.self_attn.k_proj.weight[d0/2]+model.layers.35.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.35.self_attn.q_proj.weight[d0/2]', 'model.layers.35.self_attn.k_proj.weight[d0/2]', 'model.layers.35.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.36.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.36.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.36.mlp.gate_proj.weight[d0/2]+model.layers.36.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.36.mlp.gate_proj.weight[d0/2]', 'model.layers.36.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.36.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.36.self_attn.q_proj.weight[d0/2]+model.layers.36.self_attn.k_proj.weight[d0/2]+model.layers.36.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.36.self_attn.q_proj.weight[d0/2]', 'model.layers.36.self_attn.k_proj.weight[d0/2]', 'model.layers.36.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.37.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.37.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.37.mlp.gate_proj.weight[d0/2]+model.layers.37.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.37.mlp.gate_proj.weight[d0/2]', 'model.layers.37.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.37.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.37.self_attn.q_proj.weight[d0/2]+model.layers.37.self_attn.k_proj.weight[d0/2]+model.layers.37.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.37.self_attn.q_proj.weight[d0/2]', 'model.layers.37.self_attn.k_proj.weight[d0/2]', 'model.layers.37.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.38.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.38.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.38.mlp.gate_proj.weight[d0/2]+model.layers.38.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.38.mlp.gate_proj.weight[d0/2]', 'model.layers.38.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.38.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.38.self_attn.q_proj.weight[d0/2]+model.layers.38.self_attn.k_proj.weight[d0/2]+model.layers.38.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.38.self_attn.q_proj.weight[d0/2]', 'model.layers.38.self_attn.k_proj.weight[d0/2]', 'model.layers.38.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.39.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.39.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.39.mlp.gate_proj.weight[d0/2]+model.layers.39.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.39.mlp.gate_proj.weight[d0/2]', 'model.layers.39.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.39.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.39.self_attn.q_proj.weight[d0/2]+model.layers.39.self_attn.k_proj.weight[d0/2]+model.layers.39.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.39.self_attn.q_proj.weight[d0/2]', 'model.layers.39.self_attn.k_proj.weight[d0/2]', 'model.layers.39.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.4.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.4.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.4.mlp.gate_proj.weight[d0/2]+model.layers.4.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.4.mlp.gate_proj.weight[d0/2]', 'model.layers.4.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.4.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.4.self_attn.q_proj.weight[d0/2]+model.layers.4.self_attn.k_proj.weight[d0/2]+model.layers.4.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.4.self_attn.q_proj.weight[d0/2]', 'model.layers.4.self_attn.k_proj.weight[d0/2]', 'model.layers.4.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.40.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.40.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.40.mlp.gate_proj.weight[d0/2]+model.layers.40.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.40.mlp.gate_proj.weight[d0/2]', 'model.layers.40.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.40.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.40.self_attn.q_proj.weight[d0/2]+model.layers.40.self_attn.k_proj.weight[d0/2]+model.layers.40.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.40.self_attn.q_proj.weight[d0/2]', 'model.layers.40.self_attn.k_proj.weight[d0/2]', 'model.layers.40.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.41.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.41.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.41.mlp.gate_proj.weight[d0/2]+model.layers.41.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.41.mlp.gate_proj.weight[d0/2]', 'model.layers.41.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.41.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.41.self_attn.q_proj.weight[d0/2]+model.layers.41.self_attn.k_proj.weight[d0/2]+model.layers.41.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.41.self_attn.q_proj.weight[d0/2]', 'model.layers.41.self_attn.k_proj.weight[d0/2]', 'model.layers.41.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.42.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.42.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.42.mlp.gate_proj.weight[d0/2]+model.layers.42.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.42.mlp.gate_proj.weight[d0/2]', 'model.layers.42.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.42.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.42.self_attn.q_proj.weight[d0/2]+model.layers.42.self_attn.k_proj.weight[d0/2]+model.layers.42.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.42.self_attn.q_proj.weight[d0/2]', 'model.layers.42.self_attn.k_proj.weight[d0/2]', 'model.layers.42.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.43.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.43.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.43.mlp.gate_proj.weight[d0/2]+model.layers.43.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.43.mlp.gate_proj.weight[d0/2]', 'model.layers.43.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.43.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.43.self_attn.q_proj.weight[d0/2]+model.layers.43.self_attn.k_proj.weight[d0/2]+model.layers.43.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.43.self_attn.q_proj.weight[d0/2]', 'model.layers.43.self_attn.k_proj.weight[d0/2]', 'model.layers.43.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.44.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.44.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.44.mlp.gate_proj.weight[d0/2]+model.layers.44.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.44.mlp.gate_proj.weight[d0/2]', 'model.layers.44.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.44.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.44.self_attn.q_proj.weight[d0/2]+model.layers.44.self_attn.k_proj.weight[d0/2]+model.layers.44.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.44.self_attn.q_proj.weight[d0/2]', 'model.layers.44.self_attn.k_proj.weight[d0/2]', 'model.layers.44.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.45.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.45.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.45.mlp.gate_proj.weight[d0/2]+model.layers.45.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.45.mlp.gate_proj.weight[d0/2]', 'model.layers.45.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.45.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.45.self_attn.q_proj.weight[d0/2]+model.layers.45.self_attn.k_proj.weight[d0/2]+model.layers.45.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.45.self_attn.q_proj.weight[d0/2]', 'model.layers.45.self_attn.k_proj.weight[d0/2]', 'model.layers.45.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.46.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.46.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.46.mlp.gate_proj.weight[d0/2]+model.layers.46.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.46.mlp.gate_proj.weight[d0/2]', 'model.layers.46.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.46.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.46.self_attn.q_proj.weight[d0/2]+model.layers.46.self_attn.k_proj.weight[d0/2]+model.layers.46.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.46.self_attn.q_proj.weight[d0/2]', 'model.layers.46.self_attn.k_proj.weight[d0/2]', 'model.layers.46.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.47.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.47.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.47.mlp.gate_proj.weight[d0/2]+model.layers.47.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.47.mlp.gate_proj.weight[d0/2]', 'model.layers.47.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.47.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.47.self_attn.q_proj.weight[d0/2]+model.layers.47.self_attn.k_proj.weight[d0/2]+model.layers.47.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.47.self_attn.q_proj.weight[d0/2]', 'model.layers.47.self_attn.k_proj.weight[d0/2]', 'model.layers.47.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.48.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.48.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.48.mlp.gate_proj.weight[d0/2]+model.layers.48.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.48.mlp.gate_proj.weight[d0/2]', 'model.layers.48.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.48.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.48.self_attn.q_proj.weight[d0/2]+model.layers.48.self_attn.k_proj.weight[d0/2]+model.layers.48.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.48.self_attn.q_proj.weight[d0/2]', 'model.layers.48.self_attn.k_proj.weight[d0/2]', 'model.layers.48.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.49.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.49.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.49.mlp.gate_proj.weight[d0/2]+model.layers.49.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.49.mlp.gate_proj.weight[d0/2]', 'model.layers.49.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.49.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.49.self_attn.q_proj.weight[d0/2]+model.layers.49.self_attn.k_proj.weight[d0/2]+model.layers.49.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.49.self_attn.q_proj.weight[d0/2]', 'model.layers.49.self_attn.k_proj.weight[d0/2]', 'model.layers.49.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.5.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.5.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.5.mlp.gate_proj.weight[d0/2]+model.layers.5.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.5.mlp.gate_proj.weight[d0/2]', 'model.layers.5.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.5.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.5.self_attn.q_proj.weight[d0/2]+model.layers.5.self_attn.k_proj.weight[d0/2]+model.layers.5.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.5.self_attn.q_proj.weight[d0/2]', 'model.layers.5.self_attn.k_proj.weight[d0/2]', 'model.layers.5.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.50.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.50.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.50.mlp.gate_proj.weight[d0/2]+model.layers.50.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.50.mlp.gate_proj.weight[d0/2]', 'model.layers.50.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.50.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.50.self_attn.q_proj.weight[d0/2]+model.layers.50.self_attn.k_proj.weight[d0/2]+model.layers.50.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.50.self_attn.q_proj.weight[d0/2]', 'model.layers.50.self_attn.k_proj.weight[d0/2]', 'model.layers.50.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.51.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.51.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.51.mlp.gate_proj.weight[d0/2]+model.layers.51.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.51.mlp.gate_proj.weight[d0/2]', 'model.layers.51.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.51.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.51.self_attn.q_proj.weight[d0/2]+model.layers.51.self_attn.k_proj.weight[d0/2]+model.layers.51.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.51.self_attn.q_proj.weight[d0/2]', 'model.layers.51.self_attn.k_proj.weight[d0/2]', 'model.layers.51.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.52.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.52.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.52.mlp.gate_proj.weight[d0/2]+model.layers.52.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.52.mlp.gate_proj.weight[d0/2]', 'model.layers.52.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.52.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.52.self_attn.q_proj.weight[d0/2]+model.layers.52.self_attn.k_proj.weight[d0/2]+model.layers.52.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.52.self_attn.q_proj.weight[d0/2]', 'model.layers.52.self_attn.k_proj.weight[d0/2]', 'model.layers.52.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.53.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.53.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.53.mlp.gate_proj.weight[d0/2]+model.layers.53.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.53.mlp.gate_proj.weight[d0/2]', 'model.layers.53.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.53.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.53.self_attn.q_proj.weight[d0/2]+model.layers.53.self_attn.k_proj.weight[d0/2]+model.layers.53.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.53.self_attn.q_proj.weight[d0/2]', 'model.layers.53.self_attn.k_proj.weight[d0/2]', 'model.layers.53.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.54.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.54.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.54.mlp.gate_proj.weight[d0/2]+model.layers.54.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.54.mlp.gate_proj.weight[d0/2]', 'model.layers.54.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.54.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.54.self_attn.q_proj.weight[d0/2]+model.layers.54.self_attn.k_proj.weight[d0/2]+model.layers.54.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.54.self_attn.q_proj.weight[d0/2]', 'model.layers.54.self_attn.k_proj.weight[d0/2]', 'model.layers.54.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.55.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.55.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.55.mlp.gate_proj.weight[d0/2]+model.layers.55.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.55.mlp.gate_proj.weight[d0/2]', 'model.layers.55.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.55.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.55.self_attn.q_proj.weight[d0/2]+model.layers.55.self_attn.k_proj.weight[d0/2]+model.layers.55.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.55.self_attn.q_proj.weight[d0/2]', 'model.layers.55.self_attn.k_proj.weight[d0/2]', 'model.layers.55.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.56.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.56.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.56.mlp.gate_proj.weight[d0/2]+model.layers.56.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.56.mlp.gate_proj.weight[d0/2]', 'model.layers.56.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.56.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.56.self_attn.q_proj.weight[d0/2]+model.layers.56.self_attn.k_proj.weight[d0/2]+model.layers.56.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.56.self_attn.q_proj.weight[d0/2]', 'model.layers.56.self_attn.k_proj.weight[d0/2]', 'model.layers.56.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.57.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.57.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.57.mlp.gate_proj.weight[d0/2]+model.layers.57.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.57.mlp.gate_proj.weight[d0/2]', 'model.layers.57.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.57.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.57.self_attn.q_proj.weight[d0/2]+model.layers.57.self_attn.k_proj.weight[d0/2]+model.layers.57.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.57.self_attn.q_proj.weight[d0/2]', 'model.layers.57.self_attn.k_proj.weight[d0/2]', 'model.layers.57.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.58.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.58.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.58.mlp.gate_proj.weight[d0/2]+model.layers.58.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.58.mlp.gate_proj.weight[d0/2]', 'model.layers.58.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.58.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.58.self_attn.q_proj.weight[d0/2]+model.layers.58.self_attn.k_proj.weight[d0/2]+model.layers.58.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.58.self_attn.q_proj.weight[d0/2]', 'model.layers.58.self_attn.k_proj.weight[d0/2]', 'model.layers.58.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.59.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.59.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.59.mlp.gate_proj.weight[d0/2]+model.layers.59.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.59.mlp.gate_proj.weight[d0/2]', 'model.layers.59.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.59.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.59.self_attn.q_proj.weight[d0/2]+model.layers.59.self_attn.k_proj.weight[d0/2]+model.layers.59.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.59.self_attn.q_proj.weight[d0/2]', 'model.layers.59.self_attn.k_proj.weight[d0/2]', 'model.layers.59.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.6.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.6.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.6.mlp.gate_proj.weight[d0/2]+model.layers.6.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.6.mlp.gate_proj.weight[d0/2]', 'model.layers.6.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.6.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.6.self_attn.q_proj.weight[d0/2]+model.layers.6.self_attn.k_proj.weight[d0/2]+model.layers.6.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.6.self_attn.q_proj.weight[d0/2]', 'model.layers.6.self_attn.k_proj.weight[d0/2]', 'model.layers.6.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.60.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.60.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.60.mlp.gate_proj.weight[d0/2]+model.layers.60.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.60.mlp.gate_proj.weight[d0/2]', 'model.layers.60.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.60.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.60.self_attn.q_proj.weight[d0/2]+model.layers.60.self_attn.k_proj.weight[d0/2]+model.layers.60.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.60.self_attn.q_proj.weight[d0/2]', 'model.layers.60.self_attn.k_proj.weight[d0/2]', 'model.layers.60.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.61.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.61.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.61.mlp.gate_proj.weight[d0/2]+model.layers.61.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.61.mlp.gate_proj.weight[d0/2]', 'model.layers.61.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.61.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.61.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.61.self_attn.q_proj.weight[d0/2]+model.layers.61.self_attn.k_proj.weight[d0/2]+model.layers.61.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.61.self_attn.q_proj.weight[d0/2]', 'model.layers.61.self_attn.k_proj.weight[d0/2]', 'model.layers.61.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.62.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.62.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.62.mlp.gate_proj.weight[d0/2]+model.layers.62.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.62.mlp.gate_proj.weight[d0/2]', 'model.layers.62.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.62.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.62.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.62.self_attn.q_proj.weight[d0/2]+model.layers.62.self_attn.k_proj.weight[d0/2]+model.layers.62.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.62.self_attn.q_proj.weight[d0/2]', 'model.layers.62.self_attn.k_proj.weight[d0/2]', 'model.layers.62.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.63.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.63.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.63.mlp.gate_proj.weight[d0/2]+model.layers.63.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.63.mlp.gate_proj.weight[d0/2]', 'model.layers.63.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.63.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.63.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.63.self_attn.q_proj.weight[d0/2]+model.layers.63.self_attn.k_proj.weight[d0/2]+model.layers.63.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.63.self_attn.q_proj.weight[d0/2]', 'model.layers.63.self_attn.k_proj.weight[d0/2]', 'model.layers.63.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.7.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.7.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.7.mlp.gate_proj.weight[d0/2]+model.layers.7.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.7.mlp.gate_proj.weight[d0/2]', 'model.layers.7.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.7.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.7.self_attn.q_proj.weight[d0/2]+model.layers.7.self_attn.k_proj.weight[d0/2]+model.layers.7.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.7.self_attn.q_proj.weight[d0/2]', 'model.layers.7.self_attn.k_proj.weight[d0/2]', 'model.layers.7.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.8.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.8.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.8.mlp.gate_proj.weight[d0/2]+model.layers.8.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.8.mlp.gate_proj.weight[d0/2]', 'model.layers.8.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.8.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.8.self_attn.q_proj.weight[d0/2]+model.layers.8.self_attn.k_proj.weight[d0/2]+model.layers.8.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.8.self_attn.q_proj.weight[d0/2]', 'model.layers.8.self_attn.k_proj.weight[d0/2]', 'model.layers.8.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.9.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.9.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.9.mlp.gate_proj.weight[d0/2]+model.layers.9.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.9.mlp.gate_proj.weight[d0/2]', 'model.layers.9.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.9.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.9.self_attn.q_proj.weight[d0/2]+model.layers.9.self_attn.k_proj.weight[d0/2]+model.layers.9.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.9.self_attn.q_proj.weight[d0/2]', 'model.layers.9.self_attn.k_proj.weight[d0/2]', 'model.layers.9.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -38,1282 +299,1282 @@ def run(rt, W, b, kv, staging, loads, ev):
     del h_embed_partial
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=128, theta=1000000.0, scaling=None)  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm
-    q_L00, k_L00, v_L00 = rt.qwen3_attn_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_proj.weight[d0/2]'], W['model.layers.0.self_attn.k_proj.weight[d0/2]'], W['model.layers.0.self_attn.v_proj.weight[d0/2]'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L00.qkv
+    q_L00, k_L00, v_L00 = rt.qwen3_attn_prolog(x_L00_attn_norm, W['graphgen.load:model.layers.0.self_attn.q_proj.weight[d0/2]+model.layers.0.self_attn.k_proj.weight[d0/2]+model.layers.0.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L00.qkv
     del x_L00_attn_norm
     rt.wait(ev['ev.load.kv_load'])  # L00.kv_write.wait
     rt.kv_write(kv[0], (k_L00, v_L00), b.slot_mapping)  # L00.kv_write
     del k_L00, v_L00
     o_L00 = rt.paged_attention(q_L00, kv[0], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L00.attn
     del q_L00
-    h_L00_attn_partial = rt.o_proj(o_L00, W['model.layers.0.self_attn.o_proj.weight[d1/2]'])  # L00.o_proj
+    h_L00_attn_partial = rt.o_proj(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L00.o_proj
     del o_L00
     h_L00_attn_sum = rt.all_reduce(h_L00_attn_partial, group='tp', size=2, reduce='sum')  # L00.o_proj.all_reduce
     del h_L00_attn_partial
     h_L00_attn = rt.residual_add(h_L00_attn_sum, h_embed)  # L00.o_proj.residual
     del h_embed, h_L00_attn_sum
     x_L00_mlp_norm = rt.rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)  # L00.mlp_norm
-    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight[d0/2]'], W['model.layers.0.mlp.up_proj.weight[d0/2]'], W['model.layers.0.mlp.down_proj.weight[d1/2]'])  # L00.mlp
+    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L00.mlp
     del x_L00_mlp_norm
     h_L00_sum = rt.all_reduce(h_L00_partial, group='tp', size=2, reduce='sum')  # L00.mlp.all_reduce
     del h_L00_partial
     h_L00 = rt.residual_add(h_L00_sum, h_L00_attn)  # L00.mlp.residual
     del h_L00_attn, h_L00_sum
     x_L01_attn_norm = rt.rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)  # L01.attn_norm
-    q_L01, k_L01, v_L01 = rt.qwen3_attn_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_proj.weight[d0/2]'], W['model.layers.1.self_attn.k_proj.weight[d0/2]'], W['model.layers.1.self_attn.v_proj.weight[d0/2]'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L01.qkv
+    q_L01, k_L01, v_L01 = rt.qwen3_attn_prolog(x_L01_attn_norm, W['graphgen.load:model.layers.1.self_attn.q_proj.weight[d0/2]+model.layers.1.self_attn.k_proj.weight[d0/2]+model.layers.1.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L01.qkv
     del x_L01_attn_norm
     rt.kv_write(kv[1], (k_L01, v_L01), b.slot_mapping)  # L01.kv_write
     del k_L01, v_L01
     o_L01 = rt.paged_attention(q_L01, kv[1], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L01.attn
     del q_L01
-    h_L01_attn_partial = rt.o_proj(o_L01, W['model.layers.1.self_attn.o_proj.weight[d1/2]'])  # L01.o_proj
+    h_L01_attn_partial = rt.o_proj(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L01.o_proj
     del o_L01
     h_L01_attn_sum = rt.all_reduce(h_L01_attn_partial, group='tp', size=2, reduce='sum')  # L01.o_proj.all_reduce
     del h_L01_attn_partial
     h_L01_attn = rt.residual_add(h_L01_attn_sum, h_L00)  # L01.o_proj.residual
     del h_L00, h_L01_attn_sum
     x_L01_mlp_norm = rt.rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)  # L01.mlp_norm
-    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight[d0/2]'], W['model.layers.1.mlp.up_proj.weight[d0/2]'], W['model.layers.1.mlp.down_proj.weight[d1/2]'])  # L01.mlp
+    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.1.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L01.mlp
     del x_L01_mlp_norm
     h_L01_sum = rt.all_reduce(h_L01_partial, group='tp', size=2, reduce='sum')  # L01.mlp.all_reduce
     del h_L01_partial
     h_L01 = rt.residual_add(h_L01_sum, h_L01_attn)  # L01.mlp.residual
     del h_L01_attn, h_L01_sum
     x_L02_attn_norm = rt.rms_norm(h_L01, W['model.layers.2.input_layernorm.weight'], 1e-06)  # L02.attn_norm
-    q_L02, k_L02, v_L02 = rt.qwen3_attn_prolog(x_L02_attn_norm, W['model.layers.2.self_attn.q_proj.weight[d0/2]'], W['model.layers.2.self_attn.k_proj.weight[d0/2]'], W['model.layers.2.self_attn.v_proj.weight[d0/2]'], W['model.layers.2.self_attn.q_norm.weight'], W['model.layers.2.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L02.qkv
+    q_L02, k_L02, v_L02 = rt.qwen3_attn_prolog(x_L02_attn_norm, W['graphgen.load:model.layers.2.self_attn.q_proj.weight[d0/2]+model.layers.2.self_attn.k_proj.weight[d0/2]+model.layers.2.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.2.self_attn.q_norm.weight'], W['model.layers.2.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L02.qkv
     del x_L02_attn_norm
     rt.kv_write(kv[2], (k_L02, v_L02), b.slot_mapping)  # L02.kv_write
     del k_L02, v_L02
     o_L02 = rt.paged_attention(q_L02, kv[2], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L02.attn
     del q_L02
-    h_L02_attn_partial = rt.o_proj(o_L02, W['model.layers.2.self_attn.o_proj.weight[d1/2]'])  # L02.o_proj
+    h_L02_attn_partial = rt.o_proj(o_L02, W['graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L02.o_proj
     del o_L02
     h_L02_attn_sum = rt.all_reduce(h_L02_attn_partial, group='tp', size=2, reduce='sum')  # L02.o_proj.all_reduce
     del h_L02_attn_partial
     h_L02_attn = rt.residual_add(h_L02_attn_sum, h_L01)  # L02.o_proj.residual
     del h_L01, h_L02_attn_sum
     x_L02_mlp_norm = rt.rms_norm(h_L02_attn, W['model.layers.2.post_attention_layernorm.weight'], 1e-06)  # L02.mlp_norm
-    h_L02_partial = rt.swiglu_mlp(x_L02_mlp_norm, W['model.layers.2.mlp.gate_proj.weight[d0/2]'], W['model.layers.2.mlp.up_proj.weight[d0/2]'], W['model.layers.2.mlp.down_proj.weight[d1/2]'])  # L02.mlp
+    h_L02_partial = rt.swiglu_mlp(x_L02_mlp_norm, W['graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/2]+model.layers.2.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.2.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L02.mlp
     del x_L02_mlp_norm
     h_L02_sum = rt.all_reduce(h_L02_partial, group='tp', size=2, reduce='sum')  # L02.mlp.all_reduce
     del h_L02_partial
     h_L02 = rt.residual_add(h_L02_sum, h_L02_attn)  # L02.mlp.residual
     del h_L02_attn, h_L02_sum
     x_L03_attn_norm = rt.rms_norm(h_L02, W['model.layers.3.input_layernorm.weight'], 1e-06)  # L03.attn_norm
-    q_L03, k_L03, v_L03 = rt.qwen3_attn_prolog(x_L03_attn_norm, W['model.layers.3.self_attn.q_proj.weight[d0/2]'], W['model.layers.3.self_attn.k_proj.weight[d0/2]'], W['model.layers.3.self_attn.v_proj.weight[d0/2]'], W['model.layers.3.self_attn.q_norm.weight'], W['model.layers.3.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L03.qkv
+    q_L03, k_L03, v_L03 = rt.qwen3_attn_prolog(x_L03_attn_norm, W['graphgen.load:model.layers.3.self_attn.q_proj.weight[d0/2]+model.layers.3.self_attn.k_proj.weight[d0/2]+model.layers.3.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.3.self_attn.q_norm.weight'], W['model.layers.3.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L03.qkv
     del x_L03_attn_norm
     rt.kv_write(kv[3], (k_L03, v_L03), b.slot_mapping)  # L03.kv_write
     del k_L03, v_L03
     o_L03 = rt.paged_attention(q_L03, kv[3], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L03.attn
     del q_L03
-    h_L03_attn_partial = rt.o_proj(o_L03, W['model.layers.3.self_attn.o_proj.weight[d1/2]'])  # L03.o_proj
+    h_L03_attn_partial = rt.o_proj(o_L03, W['graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L03.o_proj
     del o_L03
     h_L03_attn_sum = rt.all_reduce(h_L03_attn_partial, group='tp', size=2, reduce='sum')  # L03.o_proj.all_reduce
     del h_L03_attn_partial
     h_L03_attn = rt.residual_add(h_L03_attn_sum, h_L02)  # L03.o_proj.residual
     del h_L02, h_L03_attn_sum
     x_L03_mlp_norm = rt.rms_norm(h_L03_attn, W['model.layers.3.post_attention_layernorm.weight'], 1e-06)  # L03.mlp_norm
-    h_L03_partial = rt.swiglu_mlp(x_L03_mlp_norm, W['model.layers.3.mlp.gate_proj.weight[d0/2]'], W['model.layers.3.mlp.up_proj.weight[d0/2]'], W['model.layers.3.mlp.down_proj.weight[d1/2]'])  # L03.mlp
+    h_L03_partial = rt.swiglu_mlp(x_L03_mlp_norm, W['graphgen.load:model.layers.3.mlp.gate_proj.weight[d0/2]+model.layers.3.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.3.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L03.mlp
     del x_L03_mlp_norm
     h_L03_sum = rt.all_reduce(h_L03_partial, group='tp', size=2, reduce='sum')  # L03.mlp.all_reduce
     del h_L03_partial
     h_L03 = rt.residual_add(h_L03_sum, h_L03_attn)  # L03.mlp.residual
     del h_L03_attn, h_L03_sum
     x_L04_attn_norm = rt.rms_norm(h_L03, W['model.layers.4.input_layernorm.weight'], 1e-06)  # L04.attn_norm
-    q_L04, k_L04, v_L04 = rt.qwen3_attn_prolog(x_L04_attn_norm, W['model.layers.4.self_attn.q_proj.weight[d0/2]'], W['model.layers.4.self_attn.k_proj.weight[d0/2]'], W['model.layers.4.self_attn.v_proj.weight[d0/2]'], W['model.layers.4.self_attn.q_norm.weight'], W['model.layers.4.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L04.qkv
+    q_L04, k_L04, v_L04 = rt.qwen3_attn_prolog(x_L04_attn_norm, W['graphgen.load:model.layers.4.self_attn.q_proj.weight[d0/2]+model.layers.4.self_attn.k_proj.weight[d0/2]+model.layers.4.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.4.self_attn.q_norm.weight'], W['model.layers.4.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L04.qkv
     del x_L04_attn_norm
     rt.kv_write(kv[4], (k_L04, v_L04), b.slot_mapping)  # L04.kv_write
     del k_L04, v_L04
     o_L04 = rt.paged_attention(q_L04, kv[4], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L04.attn
     del q_L04
-    h_L04_attn_partial = rt.o_proj(o_L04, W['model.layers.4.self_attn.o_proj.weight[d1/2]'])  # L04.o_proj
+    h_L04_attn_partial = rt.o_proj(o_L04, W['graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L04.o_proj
     del o_L04
     h_L04_attn_sum = rt.all_reduce(h_L04_attn_partial, group='tp', size=2, reduce='sum')  # L04.o_proj.all_reduce
     del h_L04_attn_partial
     h_L04_attn = rt.residual_add(h_L04_attn_sum, h_L03)  # L04.o_proj.residual
     del h_L03, h_L04_attn_sum
     x_L04_mlp_norm = rt.rms_norm(h_L04_attn, W['model.layers.4.post_attention_layernorm.weight'], 1e-06)  # L04.mlp_norm
-    h_L04_partial = rt.swiglu_mlp(x_L04_mlp_norm, W['model.layers.4.mlp.gate_proj.weight[d0/2]'], W['model.layers.4.mlp.up_proj.weight[d0/2]'], W['model.layers.4.mlp.down_proj.weight[d1/2]'])  # L04.mlp
+    h_L04_partial = rt.swiglu_mlp(x_L04_mlp_norm, W['graphgen.load:model.layers.4.mlp.gate_proj.weight[d0/2]+model.layers.4.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.4.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L04.mlp
     del x_L04_mlp_norm
     h_L04_sum = rt.all_reduce(h_L04_partial, group='tp', size=2, reduce='sum')  # L04.mlp.all_reduce
     del h_L04_partial
     h_L04 = rt.residual_add(h_L04_sum, h_L04_attn)  # L04.mlp.residual
     del h_L04_attn, h_L04_sum
     x_L05_attn_norm = rt.rms_norm(h_L04, W['model.layers.5.input_layernorm.weight'], 1e-06)  # L05.attn_norm
-    q_L05, k_L05, v_L05 = rt.qwen3_attn_prolog(x_L05_attn_norm, W['model.layers.5.self_attn.q_proj.weight[d0/2]'], W['model.layers.5.self_attn.k_proj.weight[d0/2]'], W['model.layers.5.self_attn.v_proj.weight[d0/2]'], W['model.layers.5.self_attn.q_norm.weight'], W['model.layers.5.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L05.qkv
+    q_L05, k_L05, v_L05 = rt.qwen3_attn_prolog(x_L05_attn_norm, W['graphgen.load:model.layers.5.self_attn.q_proj.weight[d0/2]+model.layers.5.self_attn.k_proj.weight[d0/2]+model.layers.5.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.5.self_attn.q_norm.weight'], W['model.layers.5.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L05.qkv
     del x_L05_attn_norm
     rt.kv_write(kv[5], (k_L05, v_L05), b.slot_mapping)  # L05.kv_write
     del k_L05, v_L05
     o_L05 = rt.paged_attention(q_L05, kv[5], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L05.attn
     del q_L05
-    h_L05_attn_partial = rt.o_proj(o_L05, W['model.layers.5.self_attn.o_proj.weight[d1/2]'])  # L05.o_proj
+    h_L05_attn_partial = rt.o_proj(o_L05, W['graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L05.o_proj
     del o_L05
     h_L05_attn_sum = rt.all_reduce(h_L05_attn_partial, group='tp', size=2, reduce='sum')  # L05.o_proj.all_reduce
     del h_L05_attn_partial
     h_L05_attn = rt.residual_add(h_L05_attn_sum, h_L04)  # L05.o_proj.residual
     del h_L04, h_L05_attn_sum
     x_L05_mlp_norm = rt.rms_norm(h_L05_attn, W['model.layers.5.post_attention_layernorm.weight'], 1e-06)  # L05.mlp_norm
-    h_L05_partial = rt.swiglu_mlp(x_L05_mlp_norm, W['model.layers.5.mlp.gate_proj.weight[d0/2]'], W['model.layers.5.mlp.up_proj.weight[d0/2]'], W['model.layers.5.mlp.down_proj.weight[d1/2]'])  # L05.mlp
+    h_L05_partial = rt.swiglu_mlp(x_L05_mlp_norm, W['graphgen.load:model.layers.5.mlp.gate_proj.weight[d0/2]+model.layers.5.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.5.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L05.mlp
     del x_L05_mlp_norm
     h_L05_sum = rt.all_reduce(h_L05_partial, group='tp', size=2, reduce='sum')  # L05.mlp.all_reduce
     del h_L05_partial
     h_L05 = rt.residual_add(h_L05_sum, h_L05_attn)  # L05.mlp.residual
     del h_L05_attn, h_L05_sum
     x_L06_attn_norm = rt.rms_norm(h_L05, W['model.layers.6.input_layernorm.weight'], 1e-06)  # L06.attn_norm
-    q_L06, k_L06, v_L06 = rt.qwen3_attn_prolog(x_L06_attn_norm, W['model.layers.6.self_attn.q_proj.weight[d0/2]'], W['model.layers.6.self_attn.k_proj.weight[d0/2]'], W['model.layers.6.self_attn.v_proj.weight[d0/2]'], W['model.layers.6.self_attn.q_norm.weight'], W['model.layers.6.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L06.qkv
+    q_L06, k_L06, v_L06 = rt.qwen3_attn_prolog(x_L06_attn_norm, W['graphgen.load:model.layers.6.self_attn.q_proj.weight[d0/2]+model.layers.6.self_attn.k_proj.weight[d0/2]+model.layers.6.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.6.self_attn.q_norm.weight'], W['model.layers.6.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L06.qkv
     del x_L06_attn_norm
     rt.kv_write(kv[6], (k_L06, v_L06), b.slot_mapping)  # L06.kv_write
     del k_L06, v_L06
     o_L06 = rt.paged_attention(q_L06, kv[6], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L06.attn
     del q_L06
-    h_L06_attn_partial = rt.o_proj(o_L06, W['model.layers.6.self_attn.o_proj.weight[d1/2]'])  # L06.o_proj
+    h_L06_attn_partial = rt.o_proj(o_L06, W['graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L06.o_proj
     del o_L06
     h_L06_attn_sum = rt.all_reduce(h_L06_attn_partial, group='tp', size=2, reduce='sum')  # L06.o_proj.all_reduce
     del h_L06_attn_partial
     h_L06_attn = rt.residual_add(h_L06_attn_sum, h_L05)  # L06.o_proj.residual
     del h_L05, h_L06_attn_sum
     x_L06_mlp_norm = rt.rms_norm(h_L06_attn, W['model.layers.6.post_attention_layernorm.weight'], 1e-06)  # L06.mlp_norm
-    h_L06_partial = rt.swiglu_mlp(x_L06_mlp_norm, W['model.layers.6.mlp.gate_proj.weight[d0/2]'], W['model.layers.6.mlp.up_proj.weight[d0/2]'], W['model.layers.6.mlp.down_proj.weight[d1/2]'])  # L06.mlp
+    h_L06_partial = rt.swiglu_mlp(x_L06_mlp_norm, W['graphgen.load:model.layers.6.mlp.gate_proj.weight[d0/2]+model.layers.6.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.6.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L06.mlp
     del x_L06_mlp_norm
     h_L06_sum = rt.all_reduce(h_L06_partial, group='tp', size=2, reduce='sum')  # L06.mlp.all_reduce
     del h_L06_partial
     h_L06 = rt.residual_add(h_L06_sum, h_L06_attn)  # L06.mlp.residual
     del h_L06_attn, h_L06_sum
     x_L07_attn_norm = rt.rms_norm(h_L06, W['model.layers.7.input_layernorm.weight'], 1e-06)  # L07.attn_norm
-    q_L07, k_L07, v_L07 = rt.qwen3_attn_prolog(x_L07_attn_norm, W['model.layers.7.self_attn.q_proj.weight[d0/2]'], W['model.layers.7.self_attn.k_proj.weight[d0/2]'], W['model.layers.7.self_attn.v_proj.weight[d0/2]'], W['model.layers.7.self_attn.q_norm.weight'], W['model.layers.7.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L07.qkv
+    q_L07, k_L07, v_L07 = rt.qwen3_attn_prolog(x_L07_attn_norm, W['graphgen.load:model.layers.7.self_attn.q_proj.weight[d0/2]+model.layers.7.self_attn.k_proj.weight[d0/2]+model.layers.7.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.7.self_attn.q_norm.weight'], W['model.layers.7.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L07.qkv
     del x_L07_attn_norm
     rt.kv_write(kv[7], (k_L07, v_L07), b.slot_mapping)  # L07.kv_write
     del k_L07, v_L07
     o_L07 = rt.paged_attention(q_L07, kv[7], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L07.attn
     del q_L07
-    h_L07_attn_partial = rt.o_proj(o_L07, W['model.layers.7.self_attn.o_proj.weight[d1/2]'])  # L07.o_proj
+    h_L07_attn_partial = rt.o_proj(o_L07, W['graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L07.o_proj
     del o_L07
     h_L07_attn_sum = rt.all_reduce(h_L07_attn_partial, group='tp', size=2, reduce='sum')  # L07.o_proj.all_reduce
     del h_L07_attn_partial
     h_L07_attn = rt.residual_add(h_L07_attn_sum, h_L06)  # L07.o_proj.residual
     del h_L06, h_L07_attn_sum
     x_L07_mlp_norm = rt.rms_norm(h_L07_attn, W['model.layers.7.post_attention_layernorm.weight'], 1e-06)  # L07.mlp_norm
-    h_L07_partial = rt.swiglu_mlp(x_L07_mlp_norm, W['model.layers.7.mlp.gate_proj.weight[d0/2]'], W['model.layers.7.mlp.up_proj.weight[d0/2]'], W['model.layers.7.mlp.down_proj.weight[d1/2]'])  # L07.mlp
+    h_L07_partial = rt.swiglu_mlp(x_L07_mlp_norm, W['graphgen.load:model.layers.7.mlp.gate_proj.weight[d0/2]+model.layers.7.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.7.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L07.mlp
     del x_L07_mlp_norm
     h_L07_sum = rt.all_reduce(h_L07_partial, group='tp', size=2, reduce='sum')  # L07.mlp.all_reduce
     del h_L07_partial
     h_L07 = rt.residual_add(h_L07_sum, h_L07_attn)  # L07.mlp.residual
     del h_L07_attn, h_L07_sum
     x_L08_attn_norm = rt.rms_norm(h_L07, W['model.layers.8.input_layernorm.weight'], 1e-06)  # L08.attn_norm
-    q_L08, k_L08, v_L08 = rt.qwen3_attn_prolog(x_L08_attn_norm, W['model.layers.8.self_attn.q_proj.weight[d0/2]'], W['model.layers.8.self_attn.k_proj.weight[d0/2]'], W['model.layers.8.self_attn.v_proj.weight[d0/2]'], W['model.layers.8.self_attn.q_norm.weight'], W['model.layers.8.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L08.qkv
+    q_L08, k_L08, v_L08 = rt.qwen3_attn_prolog(x_L08_attn_norm, W['graphgen.load:model.layers.8.self_attn.q_proj.weight[d0/2]+model.layers.8.self_attn.k_proj.weight[d0/2]+model.layers.8.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.8.self_attn.q_norm.weight'], W['model.layers.8.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L08.qkv
     del x_L08_attn_norm
     rt.kv_write(kv[8], (k_L08, v_L08), b.slot_mapping)  # L08.kv_write
     del k_L08, v_L08
     o_L08 = rt.paged_attention(q_L08, kv[8], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L08.attn
     del q_L08
-    h_L08_attn_partial = rt.o_proj(o_L08, W['model.layers.8.self_attn.o_proj.weight[d1/2]'])  # L08.o_proj
+    h_L08_attn_partial = rt.o_proj(o_L08, W['graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L08.o_proj
     del o_L08
     h_L08_attn_sum = rt.all_reduce(h_L08_attn_partial, group='tp', size=2, reduce='sum')  # L08.o_proj.all_reduce
     del h_L08_attn_partial
     h_L08_attn = rt.residual_add(h_L08_attn_sum, h_L07)  # L08.o_proj.residual
     del h_L07, h_L08_attn_sum
     x_L08_mlp_norm = rt.rms_norm(h_L08_attn, W['model.layers.8.post_attention_layernorm.weight'], 1e-06)  # L08.mlp_norm
-    h_L08_partial = rt.swiglu_mlp(x_L08_mlp_norm, W['model.layers.8.mlp.gate_proj.weight[d0/2]'], W['model.layers.8.mlp.up_proj.weight[d0/2]'], W['model.layers.8.mlp.down_proj.weight[d1/2]'])  # L08.mlp
+    h_L08_partial = rt.swiglu_mlp(x_L08_mlp_norm, W['graphgen.load:model.layers.8.mlp.gate_proj.weight[d0/2]+model.layers.8.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.8.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L08.mlp
     del x_L08_mlp_norm
     h_L08_sum = rt.all_reduce(h_L08_partial, group='tp', size=2, reduce='sum')  # L08.mlp.all_reduce
     del h_L08_partial
     h_L08 = rt.residual_add(h_L08_sum, h_L08_attn)  # L08.mlp.residual
     del h_L08_attn, h_L08_sum
     x_L09_attn_norm = rt.rms_norm(h_L08, W['model.layers.9.input_layernorm.weight'], 1e-06)  # L09.attn_norm
-    q_L09, k_L09, v_L09 = rt.qwen3_attn_prolog(x_L09_attn_norm, W['model.layers.9.self_attn.q_proj.weight[d0/2]'], W['model.layers.9.self_attn.k_proj.weight[d0/2]'], W['model.layers.9.self_attn.v_proj.weight[d0/2]'], W['model.layers.9.self_attn.q_norm.weight'], W['model.layers.9.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L09.qkv
+    q_L09, k_L09, v_L09 = rt.qwen3_attn_prolog(x_L09_attn_norm, W['graphgen.load:model.layers.9.self_attn.q_proj.weight[d0/2]+model.layers.9.self_attn.k_proj.weight[d0/2]+model.layers.9.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.9.self_attn.q_norm.weight'], W['model.layers.9.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L09.qkv
     del x_L09_attn_norm
     rt.kv_write(kv[9], (k_L09, v_L09), b.slot_mapping)  # L09.kv_write
     del k_L09, v_L09
     o_L09 = rt.paged_attention(q_L09, kv[9], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L09.attn
     del q_L09
-    h_L09_attn_partial = rt.o_proj(o_L09, W['model.layers.9.self_attn.o_proj.weight[d1/2]'])  # L09.o_proj
+    h_L09_attn_partial = rt.o_proj(o_L09, W['graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L09.o_proj
     del o_L09
     h_L09_attn_sum = rt.all_reduce(h_L09_attn_partial, group='tp', size=2, reduce='sum')  # L09.o_proj.all_reduce
     del h_L09_attn_partial
     h_L09_attn = rt.residual_add(h_L09_attn_sum, h_L08)  # L09.o_proj.residual
     del h_L08, h_L09_attn_sum
     x_L09_mlp_norm = rt.rms_norm(h_L09_attn, W['model.layers.9.post_attention_layernorm.weight'], 1e-06)  # L09.mlp_norm
-    h_L09_partial = rt.swiglu_mlp(x_L09_mlp_norm, W['model.layers.9.mlp.gate_proj.weight[d0/2]'], W['model.layers.9.mlp.up_proj.weight[d0/2]'], W['model.layers.9.mlp.down_proj.weight[d1/2]'])  # L09.mlp
+    h_L09_partial = rt.swiglu_mlp(x_L09_mlp_norm, W['graphgen.load:model.layers.9.mlp.gate_proj.weight[d0/2]+model.layers.9.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.9.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L09.mlp
     del x_L09_mlp_norm
     h_L09_sum = rt.all_reduce(h_L09_partial, group='tp', size=2, reduce='sum')  # L09.mlp.all_reduce
     del h_L09_partial
     h_L09 = rt.residual_add(h_L09_sum, h_L09_attn)  # L09.mlp.residual
     del h_L09_attn, h_L09_sum
     x_L10_attn_norm = rt.rms_norm(h_L09, W['model.layers.10.input_layernorm.weight'], 1e-06)  # L10.attn_norm
-    q_L10, k_L10, v_L10 = rt.qwen3_attn_prolog(x_L10_attn_norm, W['model.layers.10.self_attn.q_proj.weight[d0/2]'], W['model.layers.10.self_attn.k_proj.weight[d0/2]'], W['model.layers.10.self_attn.v_proj.weight[d0/2]'], W['model.layers.10.self_attn.q_norm.weight'], W['model.layers.10.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L10.qkv
+    q_L10, k_L10, v_L10 = rt.qwen3_attn_prolog(x_L10_attn_norm, W['graphgen.load:model.layers.10.self_attn.q_proj.weight[d0/2]+model.layers.10.self_attn.k_proj.weight[d0/2]+model.layers.10.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.10.self_attn.q_norm.weight'], W['model.layers.10.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L10.qkv
     del x_L10_attn_norm
     rt.kv_write(kv[10], (k_L10, v_L10), b.slot_mapping)  # L10.kv_write
     del k_L10, v_L10
     o_L10 = rt.paged_attention(q_L10, kv[10], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L10.attn
     del q_L10
-    h_L10_attn_partial = rt.o_proj(o_L10, W['model.layers.10.self_attn.o_proj.weight[d1/2]'])  # L10.o_proj
+    h_L10_attn_partial = rt.o_proj(o_L10, W['graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L10.o_proj
     del o_L10
     h_L10_attn_sum = rt.all_reduce(h_L10_attn_partial, group='tp', size=2, reduce='sum')  # L10.o_proj.all_reduce
     del h_L10_attn_partial
     h_L10_attn = rt.residual_add(h_L10_attn_sum, h_L09)  # L10.o_proj.residual
     del h_L09, h_L10_attn_sum
     x_L10_mlp_norm = rt.rms_norm(h_L10_attn, W['model.layers.10.post_attention_layernorm.weight'], 1e-06)  # L10.mlp_norm
-    h_L10_partial = rt.swiglu_mlp(x_L10_mlp_norm, W['model.layers.10.mlp.gate_proj.weight[d0/2]'], W['model.layers.10.mlp.up_proj.weight[d0/2]'], W['model.layers.10.mlp.down_proj.weight[d1/2]'])  # L10.mlp
+    h_L10_partial = rt.swiglu_mlp(x_L10_mlp_norm, W['graphgen.load:model.layers.10.mlp.gate_proj.weight[d0/2]+model.layers.10.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.10.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L10.mlp
     del x_L10_mlp_norm
     h_L10_sum = rt.all_reduce(h_L10_partial, group='tp', size=2, reduce='sum')  # L10.mlp.all_reduce
     del h_L10_partial
     h_L10 = rt.residual_add(h_L10_sum, h_L10_attn)  # L10.mlp.residual
     del h_L10_attn, h_L10_sum
     x_L11_attn_norm = rt.rms_norm(h_L10, W['model.layers.11.input_layernorm.weight'], 1e-06)  # L11.attn_norm
-    q_L11, k_L11, v_L11 = rt.qwen3_attn_prolog(x_L11_attn_norm, W['model.layers.11.self_attn.q_proj.weight[d0/2]'], W['model.layers.11.self_attn.k_proj.weight[d0/2]'], W['model.layers.11.self_attn.v_proj.weight[d0/2]'], W['model.layers.11.self_attn.q_norm.weight'], W['model.layers.11.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L11.qkv
+    q_L11, k_L11, v_L11 = rt.qwen3_attn_prolog(x_L11_attn_norm, W['graphgen.load:model.layers.11.self_attn.q_proj.weight[d0/2]+model.layers.11.self_attn.k_proj.weight[d0/2]+model.layers.11.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.11.self_attn.q_norm.weight'], W['model.layers.11.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L11.qkv
     del x_L11_attn_norm
     rt.kv_write(kv[11], (k_L11, v_L11), b.slot_mapping)  # L11.kv_write
     del k_L11, v_L11
     o_L11 = rt.paged_attention(q_L11, kv[11], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L11.attn
     del q_L11
-    h_L11_attn_partial = rt.o_proj(o_L11, W['model.layers.11.self_attn.o_proj.weight[d1/2]'])  # L11.o_proj
+    h_L11_attn_partial = rt.o_proj(o_L11, W['graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L11.o_proj
     del o_L11
     h_L11_attn_sum = rt.all_reduce(h_L11_attn_partial, group='tp', size=2, reduce='sum')  # L11.o_proj.all_reduce
     del h_L11_attn_partial
     h_L11_attn = rt.residual_add(h_L11_attn_sum, h_L10)  # L11.o_proj.residual
     del h_L10, h_L11_attn_sum
     x_L11_mlp_norm = rt.rms_norm(h_L11_attn, W['model.layers.11.post_attention_layernorm.weight'], 1e-06)  # L11.mlp_norm
-    h_L11_partial = rt.swiglu_mlp(x_L11_mlp_norm, W['model.layers.11.mlp.gate_proj.weight[d0/2]'], W['model.layers.11.mlp.up_proj.weight[d0/2]'], W['model.layers.11.mlp.down_proj.weight[d1/2]'])  # L11.mlp
+    h_L11_partial = rt.swiglu_mlp(x_L11_mlp_norm, W['graphgen.load:model.layers.11.mlp.gate_proj.weight[d0/2]+model.layers.11.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.11.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L11.mlp
     del x_L11_mlp_norm
     h_L11_sum = rt.all_reduce(h_L11_partial, group='tp', size=2, reduce='sum')  # L11.mlp.all_reduce
     del h_L11_partial
     h_L11 = rt.residual_add(h_L11_sum, h_L11_attn)  # L11.mlp.residual
     del h_L11_attn, h_L11_sum
     x_L12_attn_norm = rt.rms_norm(h_L11, W['model.layers.12.input_layernorm.weight'], 1e-06)  # L12.attn_norm
-    q_L12, k_L12, v_L12 = rt.qwen3_attn_prolog(x_L12_attn_norm, W['model.layers.12.self_attn.q_proj.weight[d0/2]'], W['model.layers.12.self_attn.k_proj.weight[d0/2]'], W['model.layers.12.self_attn.v_proj.weight[d0/2]'], W['model.layers.12.self_attn.q_norm.weight'], W['model.layers.12.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L12.qkv
+    q_L12, k_L12, v_L12 = rt.qwen3_attn_prolog(x_L12_attn_norm, W['graphgen.load:model.layers.12.self_attn.q_proj.weight[d0/2]+model.layers.12.self_attn.k_proj.weight[d0/2]+model.layers.12.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.12.self_attn.q_norm.weight'], W['model.layers.12.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L12.qkv
     del x_L12_attn_norm
     rt.kv_write(kv[12], (k_L12, v_L12), b.slot_mapping)  # L12.kv_write
     del k_L12, v_L12
     o_L12 = rt.paged_attention(q_L12, kv[12], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L12.attn
     del q_L12
-    h_L12_attn_partial = rt.o_proj(o_L12, W['model.layers.12.self_attn.o_proj.weight[d1/2]'])  # L12.o_proj
+    h_L12_attn_partial = rt.o_proj(o_L12, W['graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L12.o_proj
     del o_L12
     h_L12_attn_sum = rt.all_reduce(h_L12_attn_partial, group='tp', size=2, reduce='sum')  # L12.o_proj.all_reduce
     del h_L12_attn_partial
     h_L12_attn = rt.residual_add(h_L12_attn_sum, h_L11)  # L12.o_proj.residual
     del h_L11, h_L12_attn_sum
     x_L12_mlp_norm = rt.rms_norm(h_L12_attn, W['model.layers.12.post_attention_layernorm.weight'], 1e-06)  # L12.mlp_norm
-    h_L12_partial = rt.swiglu_mlp(x_L12_mlp_norm, W['model.layers.12.mlp.gate_proj.weight[d0/2]'], W['model.layers.12.mlp.up_proj.weight[d0/2]'], W['model.layers.12.mlp.down_proj.weight[d1/2]'])  # L12.mlp
+    h_L12_partial = rt.swiglu_mlp(x_L12_mlp_norm, W['graphgen.load:model.layers.12.mlp.gate_proj.weight[d0/2]+model.layers.12.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.12.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L12.mlp
     del x_L12_mlp_norm
     h_L12_sum = rt.all_reduce(h_L12_partial, group='tp', size=2, reduce='sum')  # L12.mlp.all_reduce
     del h_L12_partial
     h_L12 = rt.residual_add(h_L12_sum, h_L12_attn)  # L12.mlp.residual
     del h_L12_attn, h_L12_sum
     x_L13_attn_norm = rt.rms_norm(h_L12, W['model.layers.13.input_layernorm.weight'], 1e-06)  # L13.attn_norm
-    q_L13, k_L13, v_L13 = rt.qwen3_attn_prolog(x_L13_attn_norm, W['model.layers.13.self_attn.q_proj.weight[d0/2]'], W['model.layers.13.self_attn.k_proj.weight[d0/2]'], W['model.layers.13.self_attn.v_proj.weight[d0/2]'], W['model.layers.13.self_attn.q_norm.weight'], W['model.layers.13.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L13.qkv
+    q_L13, k_L13, v_L13 = rt.qwen3_attn_prolog(x_L13_attn_norm, W['graphgen.load:model.layers.13.self_attn.q_proj.weight[d0/2]+model.layers.13.self_attn.k_proj.weight[d0/2]+model.layers.13.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.13.self_attn.q_norm.weight'], W['model.layers.13.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L13.qkv
     del x_L13_attn_norm
     rt.kv_write(kv[13], (k_L13, v_L13), b.slot_mapping)  # L13.kv_write
     del k_L13, v_L13
     o_L13 = rt.paged_attention(q_L13, kv[13], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L13.attn
     del q_L13
-    h_L13_attn_partial = rt.o_proj(o_L13, W['model.layers.13.self_attn.o_proj.weight[d1/2]'])  # L13.o_proj
+    h_L13_attn_partial = rt.o_proj(o_L13, W['graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L13.o_proj
     del o_L13
     h_L13_attn_sum = rt.all_reduce(h_L13_attn_partial, group='tp', size=2, reduce='sum')  # L13.o_proj.all_reduce
     del h_L13_attn_partial
     h_L13_attn = rt.residual_add(h_L13_attn_sum, h_L12)  # L13.o_proj.residual
     del h_L12, h_L13_attn_sum
     x_L13_mlp_norm = rt.rms_norm(h_L13_attn, W['model.layers.13.post_attention_layernorm.weight'], 1e-06)  # L13.mlp_norm
-    h_L13_partial = rt.swiglu_mlp(x_L13_mlp_norm, W['model.layers.13.mlp.gate_proj.weight[d0/2]'], W['model.layers.13.mlp.up_proj.weight[d0/2]'], W['model.layers.13.mlp.down_proj.weight[d1/2]'])  # L13.mlp
+    h_L13_partial = rt.swiglu_mlp(x_L13_mlp_norm, W['graphgen.load:model.layers.13.mlp.gate_proj.weight[d0/2]+model.layers.13.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.13.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L13.mlp
     del x_L13_mlp_norm
     h_L13_sum = rt.all_reduce(h_L13_partial, group='tp', size=2, reduce='sum')  # L13.mlp.all_reduce
     del h_L13_partial
     h_L13 = rt.residual_add(h_L13_sum, h_L13_attn)  # L13.mlp.residual
     del h_L13_attn, h_L13_sum
     x_L14_attn_norm = rt.rms_norm(h_L13, W['model.layers.14.input_layernorm.weight'], 1e-06)  # L14.attn_norm
-    q_L14, k_L14, v_L14 = rt.qwen3_attn_prolog(x_L14_attn_norm, W['model.layers.14.self_attn.q_proj.weight[d0/2]'], W['model.layers.14.self_attn.k_proj.weight[d0/2]'], W['model.layers.14.self_attn.v_proj.weight[d0/2]'], W['model.layers.14.self_attn.q_norm.weight'], W['model.layers.14.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L14.qkv
+    q_L14, k_L14, v_L14 = rt.qwen3_attn_prolog(x_L14_attn_norm, W['graphgen.load:model.layers.14.self_attn.q_proj.weight[d0/2]+model.layers.14.self_attn.k_proj.weight[d0/2]+model.layers.14.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.14.self_attn.q_norm.weight'], W['model.layers.14.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L14.qkv
     del x_L14_attn_norm
     rt.kv_write(kv[14], (k_L14, v_L14), b.slot_mapping)  # L14.kv_write
     del k_L14, v_L14
     o_L14 = rt.paged_attention(q_L14, kv[14], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L14.attn
     del q_L14
-    h_L14_attn_partial = rt.o_proj(o_L14, W['model.layers.14.self_attn.o_proj.weight[d1/2]'])  # L14.o_proj
+    h_L14_attn_partial = rt.o_proj(o_L14, W['graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L14.o_proj
     del o_L14
     h_L14_attn_sum = rt.all_reduce(h_L14_attn_partial, group='tp', size=2, reduce='sum')  # L14.o_proj.all_reduce
     del h_L14_attn_partial
     h_L14_attn = rt.residual_add(h_L14_attn_sum, h_L13)  # L14.o_proj.residual
     del h_L13, h_L14_attn_sum
     x_L14_mlp_norm = rt.rms_norm(h_L14_attn, W['model.layers.14.post_attention_layernorm.weight'], 1e-06)  # L14.mlp_norm
-    h_L14_partial = rt.swiglu_mlp(x_L14_mlp_norm, W['model.layers.14.mlp.gate_proj.weight[d0/2]'], W['model.layers.14.mlp.up_proj.weight[d0/2]'], W['model.layers.14.mlp.down_proj.weight[d1/2]'])  # L14.mlp
+    h_L14_partial = rt.swiglu_mlp(x_L14_mlp_norm, W['graphgen.load:model.layers.14.mlp.gate_proj.weight[d0/2]+model.layers.14.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.14.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L14.mlp
     del x_L14_mlp_norm
     h_L14_sum = rt.all_reduce(h_L14_partial, group='tp', size=2, reduce='sum')  # L14.mlp.all_reduce
     del h_L14_partial
     h_L14 = rt.residual_add(h_L14_sum, h_L14_attn)  # L14.mlp.residual
     del h_L14_attn, h_L14_sum
     x_L15_attn_norm = rt.rms_norm(h_L14, W['model.layers.15.input_layernorm.weight'], 1e-06)  # L15.attn_norm
-    q_L15, k_L15, v_L15 = rt.qwen3_attn_prolog(x_L15_attn_norm, W['model.layers.15.self_attn.q_proj.weight[d0/2]'], W['model.layers.15.self_attn.k_proj.weight[d0/2]'], W['model.layers.15.self_attn.v_proj.weight[d0/2]'], W['model.layers.15.self_attn.q_norm.weight'], W['model.layers.15.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L15.qkv
+    q_L15, k_L15, v_L15 = rt.qwen3_attn_prolog(x_L15_attn_norm, W['graphgen.load:model.layers.15.self_attn.q_proj.weight[d0/2]+model.layers.15.self_attn.k_proj.weight[d0/2]+model.layers.15.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.15.self_attn.q_norm.weight'], W['model.layers.15.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L15.qkv
     del x_L15_attn_norm
     rt.kv_write(kv[15], (k_L15, v_L15), b.slot_mapping)  # L15.kv_write
     del k_L15, v_L15
     o_L15 = rt.paged_attention(q_L15, kv[15], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L15.attn
     del q_L15
-    h_L15_attn_partial = rt.o_proj(o_L15, W['model.layers.15.self_attn.o_proj.weight[d1/2]'])  # L15.o_proj
+    h_L15_attn_partial = rt.o_proj(o_L15, W['graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L15.o_proj
     del o_L15
     h_L15_attn_sum = rt.all_reduce(h_L15_attn_partial, group='tp', size=2, reduce='sum')  # L15.o_proj.all_reduce
     del h_L15_attn_partial
     h_L15_attn = rt.residual_add(h_L15_attn_sum, h_L14)  # L15.o_proj.residual
     del h_L14, h_L15_attn_sum
     x_L15_mlp_norm = rt.rms_norm(h_L15_attn, W['model.layers.15.post_attention_layernorm.weight'], 1e-06)  # L15.mlp_norm
-    h_L15_partial = rt.swiglu_mlp(x_L15_mlp_norm, W['model.layers.15.mlp.gate_proj.weight[d0/2]'], W['model.layers.15.mlp.up_proj.weight[d0/2]'], W['model.layers.15.mlp.down_proj.weight[d1/2]'])  # L15.mlp
+    h_L15_partial = rt.swiglu_mlp(x_L15_mlp_norm, W['graphgen.load:model.layers.15.mlp.gate_proj.weight[d0/2]+model.layers.15.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.15.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L15.mlp
     del x_L15_mlp_norm
     h_L15_sum = rt.all_reduce(h_L15_partial, group='tp', size=2, reduce='sum')  # L15.mlp.all_reduce
     del h_L15_partial
     h_L15 = rt.residual_add(h_L15_sum, h_L15_attn)  # L15.mlp.residual
     del h_L15_attn, h_L15_sum
     x_L16_attn_norm = rt.rms_norm(h_L15, W['model.layers.16.input_layernorm.weight'], 1e-06)  # L16.attn_norm
-    q_L16, k_L16, v_L16 = rt.qwen3_attn_prolog(x_L16_attn_norm, W['model.layers.16.self_attn.q_proj.weight[d0/2]'], W['model.layers.16.self_attn.k_proj.weight[d0/2]'], W['model.layers.16.self_attn.v_proj.weight[d0/2]'], W['model.layers.16.self_attn.q_norm.weight'], W['model.layers.16.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L16.qkv
+    q_L16, k_L16, v_L16 = rt.qwen3_attn_prolog(x_L16_attn_norm, W['graphgen.load:model.layers.16.self_attn.q_proj.weight[d0/2]+model.layers.16.self_attn.k_proj.weight[d0/2]+model.layers.16.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.16.self_attn.q_norm.weight'], W['model.layers.16.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L16.qkv
     del x_L16_attn_norm
     rt.kv_write(kv[16], (k_L16, v_L16), b.slot_mapping)  # L16.kv_write
     del k_L16, v_L16
     o_L16 = rt.paged_attention(q_L16, kv[16], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L16.attn
     del q_L16
-    h_L16_attn_partial = rt.o_proj(o_L16, W['model.layers.16.self_attn.o_proj.weight[d1/2]'])  # L16.o_proj
+    h_L16_attn_partial = rt.o_proj(o_L16, W['graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L16.o_proj
     del o_L16
     h_L16_attn_sum = rt.all_reduce(h_L16_attn_partial, group='tp', size=2, reduce='sum')  # L16.o_proj.all_reduce
     del h_L16_attn_partial
     h_L16_attn = rt.residual_add(h_L16_attn_sum, h_L15)  # L16.o_proj.residual
     del h_L15, h_L16_attn_sum
     x_L16_mlp_norm = rt.rms_norm(h_L16_attn, W['model.layers.16.post_attention_layernorm.weight'], 1e-06)  # L16.mlp_norm
-    h_L16_partial = rt.swiglu_mlp(x_L16_mlp_norm, W['model.layers.16.mlp.gate_proj.weight[d0/2]'], W['model.layers.16.mlp.up_proj.weight[d0/2]'], W['model.layers.16.mlp.down_proj.weight[d1/2]'])  # L16.mlp
+    h_L16_partial = rt.swiglu_mlp(x_L16_mlp_norm, W['graphgen.load:model.layers.16.mlp.gate_proj.weight[d0/2]+model.layers.16.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.16.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L16.mlp
     del x_L16_mlp_norm
     h_L16_sum = rt.all_reduce(h_L16_partial, group='tp', size=2, reduce='sum')  # L16.mlp.all_reduce
     del h_L16_partial
     h_L16 = rt.residual_add(h_L16_sum, h_L16_attn)  # L16.mlp.residual
     del h_L16_attn, h_L16_sum
     x_L17_attn_norm = rt.rms_norm(h_L16, W['model.layers.17.input_layernorm.weight'], 1e-06)  # L17.attn_norm
-    q_L17, k_L17, v_L17 = rt.qwen3_attn_prolog(x_L17_attn_norm, W['model.layers.17.self_attn.q_proj.weight[d0/2]'], W['model.layers.17.self_attn.k_proj.weight[d0/2]'], W['model.layers.17.self_attn.v_proj.weight[d0/2]'], W['model.layers.17.self_attn.q_norm.weight'], W['model.layers.17.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L17.qkv
+    q_L17, k_L17, v_L17 = rt.qwen3_attn_prolog(x_L17_attn_norm, W['graphgen.load:model.layers.17.self_attn.q_proj.weight[d0/2]+model.layers.17.self_attn.k_proj.weight[d0/2]+model.layers.17.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.17.self_attn.q_norm.weight'], W['model.layers.17.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L17.qkv
     del x_L17_attn_norm
     rt.kv_write(kv[17], (k_L17, v_L17), b.slot_mapping)  # L17.kv_write
     del k_L17, v_L17
     o_L17 = rt.paged_attention(q_L17, kv[17], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L17.attn
     del q_L17
-    h_L17_attn_partial = rt.o_proj(o_L17, W['model.layers.17.self_attn.o_proj.weight[d1/2]'])  # L17.o_proj
+    h_L17_attn_partial = rt.o_proj(o_L17, W['graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L17.o_proj
     del o_L17
     h_L17_attn_sum = rt.all_reduce(h_L17_attn_partial, group='tp', size=2, reduce='sum')  # L17.o_proj.all_reduce
     del h_L17_attn_partial
     h_L17_attn = rt.residual_add(h_L17_attn_sum, h_L16)  # L17.o_proj.residual
     del h_L16, h_L17_attn_sum
     x_L17_mlp_norm = rt.rms_norm(h_L17_attn, W['model.layers.17.post_attention_layernorm.weight'], 1e-06)  # L17.mlp_norm
-    h_L17_partial = rt.swiglu_mlp(x_L17_mlp_norm, W['model.layers.17.mlp.gate_proj.weight[d0/2]'], W['model.layers.17.mlp.up_proj.weight[d0/2]'], W['model.layers.17.mlp.down_proj.weight[d1/2]'])  # L17.mlp
+    h_L17_partial = rt.swiglu_mlp(x_L17_mlp_norm, W['graphgen.load:model.layers.17.mlp.gate_proj.weight[d0/2]+model.layers.17.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.17.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L17.mlp
     del x_L17_mlp_norm
     h_L17_sum = rt.all_reduce(h_L17_partial, group='tp', size=2, reduce='sum')  # L17.mlp.all_reduce
     del h_L17_partial
     h_L17 = rt.residual_add(h_L17_sum, h_L17_attn)  # L17.mlp.residual
     del h_L17_attn, h_L17_sum
     x_L18_attn_norm = rt.rms_norm(h_L17, W['model.layers.18.input_layernorm.weight'], 1e-06)  # L18.attn_norm
-    q_L18, k_L18, v_L18 = rt.qwen3_attn_prolog(x_L18_attn_norm, W['model.layers.18.self_attn.q_proj.weight[d0/2]'], W['model.layers.18.self_attn.k_proj.weight[d0/2]'], W['model.layers.18.self_attn.v_proj.weight[d0/2]'], W['model.layers.18.self_attn.q_norm.weight'], W['model.layers.18.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L18.qkv
+    q_L18, k_L18, v_L18 = rt.qwen3_attn_prolog(x_L18_attn_norm, W['graphgen.load:model.layers.18.self_attn.q_proj.weight[d0/2]+model.layers.18.self_attn.k_proj.weight[d0/2]+model.layers.18.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.18.self_attn.q_norm.weight'], W['model.layers.18.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L18.qkv
     del x_L18_attn_norm
     rt.kv_write(kv[18], (k_L18, v_L18), b.slot_mapping)  # L18.kv_write
     del k_L18, v_L18
     o_L18 = rt.paged_attention(q_L18, kv[18], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L18.attn
     del q_L18
-    h_L18_attn_partial = rt.o_proj(o_L18, W['model.layers.18.self_attn.o_proj.weight[d1/2]'])  # L18.o_proj
+    h_L18_attn_partial = rt.o_proj(o_L18, W['graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L18.o_proj
     del o_L18
     h_L18_attn_sum = rt.all_reduce(h_L18_attn_partial, group='tp', size=2, reduce='sum')  # L18.o_proj.all_reduce
     del h_L18_attn_partial
     h_L18_attn = rt.residual_add(h_L18_attn_sum, h_L17)  # L18.o_proj.residual
     del h_L17, h_L18_attn_sum
     x_L18_mlp_norm = rt.rms_norm(h_L18_attn, W['model.layers.18.post_attention_layernorm.weight'], 1e-06)  # L18.mlp_norm
-    h_L18_partial = rt.swiglu_mlp(x_L18_mlp_norm, W['model.layers.18.mlp.gate_proj.weight[d0/2]'], W['model.layers.18.mlp.up_proj.weight[d0/2]'], W['model.layers.18.mlp.down_proj.weight[d1/2]'])  # L18.mlp
+    h_L18_partial = rt.swiglu_mlp(x_L18_mlp_norm, W['graphgen.load:model.layers.18.mlp.gate_proj.weight[d0/2]+model.layers.18.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.18.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L18.mlp
     del x_L18_mlp_norm
     h_L18_sum = rt.all_reduce(h_L18_partial, group='tp', size=2, reduce='sum')  # L18.mlp.all_reduce
     del h_L18_partial
     h_L18 = rt.residual_add(h_L18_sum, h_L18_attn)  # L18.mlp.residual
     del h_L18_attn, h_L18_sum
     x_L19_attn_norm = rt.rms_norm(h_L18, W['model.layers.19.input_layernorm.weight'], 1e-06)  # L19.attn_norm
-    q_L19, k_L19, v_L19 = rt.qwen3_attn_prolog(x_L19_attn_norm, W['model.layers.19.self_attn.q_proj.weight[d0/2]'], W['model.layers.19.self_attn.k_proj.weight[d0/2]'], W['model.layers.19.self_attn.v_proj.weight[d0/2]'], W['model.layers.19.self_attn.q_norm.weight'], W['model.layers.19.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L19.qkv
+    q_L19, k_L19, v_L19 = rt.qwen3_attn_prolog(x_L19_attn_norm, W['graphgen.load:model.layers.19.self_attn.q_proj.weight[d0/2]+model.layers.19.self_attn.k_proj.weight[d0/2]+model.layers.19.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.19.self_attn.q_norm.weight'], W['model.layers.19.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L19.qkv
     del x_L19_attn_norm
     rt.kv_write(kv[19], (k_L19, v_L19), b.slot_mapping)  # L19.kv_write
     del k_L19, v_L19
     o_L19 = rt.paged_attention(q_L19, kv[19], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L19.attn
     del q_L19
-    h_L19_attn_partial = rt.o_proj(o_L19, W['model.layers.19.self_attn.o_proj.weight[d1/2]'])  # L19.o_proj
+    h_L19_attn_partial = rt.o_proj(o_L19, W['graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L19.o_proj
     del o_L19
     h_L19_attn_sum = rt.all_reduce(h_L19_attn_partial, group='tp', size=2, reduce='sum')  # L19.o_proj.all_reduce
     del h_L19_attn_partial
     h_L19_attn = rt.residual_add(h_L19_attn_sum, h_L18)  # L19.o_proj.residual
     del h_L18, h_L19_attn_sum
     x_L19_mlp_norm = rt.rms_norm(h_L19_attn, W['model.layers.19.post_attention_layernorm.weight'], 1e-06)  # L19.mlp_norm
-    h_L19_partial = rt.swiglu_mlp(x_L19_mlp_norm, W['model.layers.19.mlp.gate_proj.weight[d0/2]'], W['model.layers.19.mlp.up_proj.weight[d0/2]'], W['model.layers.19.mlp.down_proj.weight[d1/2]'])  # L19.mlp
+    h_L19_partial = rt.swiglu_mlp(x_L19_mlp_norm, W['graphgen.load:model.layers.19.mlp.gate_proj.weight[d0/2]+model.layers.19.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.19.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L19.mlp
     del x_L19_mlp_norm
     h_L19_sum = rt.all_reduce(h_L19_partial, group='tp', size=2, reduce='sum')  # L19.mlp.all_reduce
     del h_L19_partial
     h_L19 = rt.residual_add(h_L19_sum, h_L19_attn)  # L19.mlp.residual
     del h_L19_attn, h_L19_sum
     x_L20_attn_norm = rt.rms_norm(h_L19, W['model.layers.20.input_layernorm.weight'], 1e-06)  # L20.attn_norm
-    q_L20, k_L20, v_L20 = rt.qwen3_attn_prolog(x_L20_attn_norm, W['model.layers.20.self_attn.q_proj.weight[d0/2]'], W['model.layers.20.self_attn.k_proj.weight[d0/2]'], W['model.layers.20.self_attn.v_proj.weight[d0/2]'], W['model.layers.20.self_attn.q_norm.weight'], W['model.layers.20.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L20.qkv
+    q_L20, k_L20, v_L20 = rt.qwen3_attn_prolog(x_L20_attn_norm, W['graphgen.load:model.layers.20.self_attn.q_proj.weight[d0/2]+model.layers.20.self_attn.k_proj.weight[d0/2]+model.layers.20.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.20.self_attn.q_norm.weight'], W['model.layers.20.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L20.qkv
     del x_L20_attn_norm
     rt.kv_write(kv[20], (k_L20, v_L20), b.slot_mapping)  # L20.kv_write
     del k_L20, v_L20
     o_L20 = rt.paged_attention(q_L20, kv[20], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L20.attn
     del q_L20
-    h_L20_attn_partial = rt.o_proj(o_L20, W['model.layers.20.self_attn.o_proj.weight[d1/2]'])  # L20.o_proj
+    h_L20_attn_partial = rt.o_proj(o_L20, W['graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L20.o_proj
     del o_L20
     h_L20_attn_sum = rt.all_reduce(h_L20_attn_partial, group='tp', size=2, reduce='sum')  # L20.o_proj.all_reduce
     del h_L20_attn_partial
     h_L20_attn = rt.residual_add(h_L20_attn_sum, h_L19)  # L20.o_proj.residual
     del h_L19, h_L20_attn_sum
     x_L20_mlp_norm = rt.rms_norm(h_L20_attn, W['model.layers.20.post_attention_layernorm.weight'], 1e-06)  # L20.mlp_norm
-    h_L20_partial = rt.swiglu_mlp(x_L20_mlp_norm, W['model.layers.20.mlp.gate_proj.weight[d0/2]'], W['model.layers.20.mlp.up_proj.weight[d0/2]'], W['model.layers.20.mlp.down_proj.weight[d1/2]'])  # L20.mlp
+    h_L20_partial = rt.swiglu_mlp(x_L20_mlp_norm, W['graphgen.load:model.layers.20.mlp.gate_proj.weight[d0/2]+model.layers.20.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.20.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L20.mlp
     del x_L20_mlp_norm
     h_L20_sum = rt.all_reduce(h_L20_partial, group='tp', size=2, reduce='sum')  # L20.mlp.all_reduce
     del h_L20_partial
     h_L20 = rt.residual_add(h_L20_sum, h_L20_attn)  # L20.mlp.residual
     del h_L20_attn, h_L20_sum
     x_L21_attn_norm = rt.rms_norm(h_L20, W['model.layers.21.input_layernorm.weight'], 1e-06)  # L21.attn_norm
-    q_L21, k_L21, v_L21 = rt.qwen3_attn_prolog(x_L21_attn_norm, W['model.layers.21.self_attn.q_proj.weight[d0/2]'], W['model.layers.21.self_attn.k_proj.weight[d0/2]'], W['model.layers.21.self_attn.v_proj.weight[d0/2]'], W['model.layers.21.self_attn.q_norm.weight'], W['model.layers.21.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L21.qkv
+    q_L21, k_L21, v_L21 = rt.qwen3_attn_prolog(x_L21_attn_norm, W['graphgen.load:model.layers.21.self_attn.q_proj.weight[d0/2]+model.layers.21.self_attn.k_proj.weight[d0/2]+model.layers.21.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.21.self_attn.q_norm.weight'], W['model.layers.21.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L21.qkv
     del x_L21_attn_norm
     rt.kv_write(kv[21], (k_L21, v_L21), b.slot_mapping)  # L21.kv_write
     del k_L21, v_L21
     o_L21 = rt.paged_attention(q_L21, kv[21], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L21.attn
     del q_L21
-    h_L21_attn_partial = rt.o_proj(o_L21, W['model.layers.21.self_attn.o_proj.weight[d1/2]'])  # L21.o_proj
+    h_L21_attn_partial = rt.o_proj(o_L21, W['graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L21.o_proj
     del o_L21
     h_L21_attn_sum = rt.all_reduce(h_L21_attn_partial, group='tp', size=2, reduce='sum')  # L21.o_proj.all_reduce
     del h_L21_attn_partial
     h_L21_attn = rt.residual_add(h_L21_attn_sum, h_L20)  # L21.o_proj.residual
     del h_L20, h_L21_attn_sum
     x_L21_mlp_norm = rt.rms_norm(h_L21_attn, W['model.layers.21.post_attention_layernorm.weight'], 1e-06)  # L21.mlp_norm
-    h_L21_partial = rt.swiglu_mlp(x_L21_mlp_norm, W['model.layers.21.mlp.gate_proj.weight[d0/2]'], W['model.layers.21.mlp.up_proj.weight[d0/2]'], W['model.layers.21.mlp.down_proj.weight[d1/2]'])  # L21.mlp
+    h_L21_partial = rt.swiglu_mlp(x_L21_mlp_norm, W['graphgen.load:model.layers.21.mlp.gate_proj.weight[d0/2]+model.layers.21.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.21.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L21.mlp
     del x_L21_mlp_norm
     h_L21_sum = rt.all_reduce(h_L21_partial, group='tp', size=2, reduce='sum')  # L21.mlp.all_reduce
     del h_L21_partial
     h_L21 = rt.residual_add(h_L21_sum, h_L21_attn)  # L21.mlp.residual
     del h_L21_attn, h_L21_sum
     x_L22_attn_norm = rt.rms_norm(h_L21, W['model.layers.22.input_layernorm.weight'], 1e-06)  # L22.attn_norm
-    q_L22, k_L22, v_L22 = rt.qwen3_attn_prolog(x_L22_attn_norm, W['model.layers.22.self_attn.q_proj.weight[d0/2]'], W['model.layers.22.self_attn.k_proj.weight[d0/2]'], W['model.layers.22.self_attn.v_proj.weight[d0/2]'], W['model.layers.22.self_attn.q_norm.weight'], W['model.layers.22.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L22.qkv
+    q_L22, k_L22, v_L22 = rt.qwen3_attn_prolog(x_L22_attn_norm, W['graphgen.load:model.layers.22.self_attn.q_proj.weight[d0/2]+model.layers.22.self_attn.k_proj.weight[d0/2]+model.layers.22.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.22.self_attn.q_norm.weight'], W['model.layers.22.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L22.qkv
     del x_L22_attn_norm
     rt.kv_write(kv[22], (k_L22, v_L22), b.slot_mapping)  # L22.kv_write
     del k_L22, v_L22
     o_L22 = rt.paged_attention(q_L22, kv[22], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L22.attn
     del q_L22
-    h_L22_attn_partial = rt.o_proj(o_L22, W['model.layers.22.self_attn.o_proj.weight[d1/2]'])  # L22.o_proj
+    h_L22_attn_partial = rt.o_proj(o_L22, W['graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L22.o_proj
     del o_L22
     h_L22_attn_sum = rt.all_reduce(h_L22_attn_partial, group='tp', size=2, reduce='sum')  # L22.o_proj.all_reduce
     del h_L22_attn_partial
     h_L22_attn = rt.residual_add(h_L22_attn_sum, h_L21)  # L22.o_proj.residual
     del h_L21, h_L22_attn_sum
     x_L22_mlp_norm = rt.rms_norm(h_L22_attn, W['model.layers.22.post_attention_layernorm.weight'], 1e-06)  # L22.mlp_norm
-    h_L22_partial = rt.swiglu_mlp(x_L22_mlp_norm, W['model.layers.22.mlp.gate_proj.weight[d0/2]'], W['model.layers.22.mlp.up_proj.weight[d0/2]'], W['model.layers.22.mlp.down_proj.weight[d1/2]'])  # L22.mlp
+    h_L22_partial = rt.swiglu_mlp(x_L22_mlp_norm, W['graphgen.load:model.layers.22.mlp.gate_proj.weight[d0/2]+model.layers.22.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.22.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L22.mlp
     del x_L22_mlp_norm
     h_L22_sum = rt.all_reduce(h_L22_partial, group='tp', size=2, reduce='sum')  # L22.mlp.all_reduce
     del h_L22_partial
     h_L22 = rt.residual_add(h_L22_sum, h_L22_attn)  # L22.mlp.residual
     del h_L22_attn, h_L22_sum
     x_L23_attn_norm = rt.rms_norm(h_L22, W['model.layers.23.input_layernorm.weight'], 1e-06)  # L23.attn_norm
-    q_L23, k_L23, v_L23 = rt.qwen3_attn_prolog(x_L23_attn_norm, W['model.layers.23.self_attn.q_proj.weight[d0/2]'], W['model.layers.23.self_attn.k_proj.weight[d0/2]'], W['model.layers.23.self_attn.v_proj.weight[d0/2]'], W['model.layers.23.self_attn.q_norm.weight'], W['model.layers.23.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L23.qkv
+    q_L23, k_L23, v_L23 = rt.qwen3_attn_prolog(x_L23_attn_norm, W['graphgen.load:model.layers.23.self_attn.q_proj.weight[d0/2]+model.layers.23.self_attn.k_proj.weight[d0/2]+model.layers.23.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.23.self_attn.q_norm.weight'], W['model.layers.23.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L23.qkv
     del x_L23_attn_norm
     rt.kv_write(kv[23], (k_L23, v_L23), b.slot_mapping)  # L23.kv_write
     del k_L23, v_L23
     o_L23 = rt.paged_attention(q_L23, kv[23], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L23.attn
     del q_L23
-    h_L23_attn_partial = rt.o_proj(o_L23, W['model.layers.23.self_attn.o_proj.weight[d1/2]'])  # L23.o_proj
+    h_L23_attn_partial = rt.o_proj(o_L23, W['graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L23.o_proj
     del o_L23
     h_L23_attn_sum = rt.all_reduce(h_L23_attn_partial, group='tp', size=2, reduce='sum')  # L23.o_proj.all_reduce
     del h_L23_attn_partial
     h_L23_attn = rt.residual_add(h_L23_attn_sum, h_L22)  # L23.o_proj.residual
     del h_L22, h_L23_attn_sum
     x_L23_mlp_norm = rt.rms_norm(h_L23_attn, W['model.layers.23.post_attention_layernorm.weight'], 1e-06)  # L23.mlp_norm
-    h_L23_partial = rt.swiglu_mlp(x_L23_mlp_norm, W['model.layers.23.mlp.gate_proj.weight[d0/2]'], W['model.layers.23.mlp.up_proj.weight[d0/2]'], W['model.layers.23.mlp.down_proj.weight[d1/2]'])  # L23.mlp
+    h_L23_partial = rt.swiglu_mlp(x_L23_mlp_norm, W['graphgen.load:model.layers.23.mlp.gate_proj.weight[d0/2]+model.layers.23.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.23.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L23.mlp
     del x_L23_mlp_norm
     h_L23_sum = rt.all_reduce(h_L23_partial, group='tp', size=2, reduce='sum')  # L23.mlp.all_reduce
     del h_L23_partial
     h_L23 = rt.residual_add(h_L23_sum, h_L23_attn)  # L23.mlp.residual
     del h_L23_attn, h_L23_sum
     x_L24_attn_norm = rt.rms_norm(h_L23, W['model.layers.24.input_layernorm.weight'], 1e-06)  # L24.attn_norm
-    q_L24, k_L24, v_L24 = rt.qwen3_attn_prolog(x_L24_attn_norm, W['model.layers.24.self_attn.q_proj.weight[d0/2]'], W['model.layers.24.self_attn.k_proj.weight[d0/2]'], W['model.layers.24.self_attn.v_proj.weight[d0/2]'], W['model.layers.24.self_attn.q_norm.weight'], W['model.layers.24.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L24.qkv
+    q_L24, k_L24, v_L24 = rt.qwen3_attn_prolog(x_L24_attn_norm, W['graphgen.load:model.layers.24.self_attn.q_proj.weight[d0/2]+model.layers.24.self_attn.k_proj.weight[d0/2]+model.layers.24.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.24.self_attn.q_norm.weight'], W['model.layers.24.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L24.qkv
     del x_L24_attn_norm
     rt.kv_write(kv[24], (k_L24, v_L24), b.slot_mapping)  # L24.kv_write
     del k_L24, v_L24
     o_L24 = rt.paged_attention(q_L24, kv[24], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L24.attn
     del q_L24
-    h_L24_attn_partial = rt.o_proj(o_L24, W['model.layers.24.self_attn.o_proj.weight[d1/2]'])  # L24.o_proj
+    h_L24_attn_partial = rt.o_proj(o_L24, W['graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L24.o_proj
     del o_L24
     h_L24_attn_sum = rt.all_reduce(h_L24_attn_partial, group='tp', size=2, reduce='sum')  # L24.o_proj.all_reduce
     del h_L24_attn_partial
     h_L24_attn = rt.residual_add(h_L24_attn_sum, h_L23)  # L24.o_proj.residual
     del h_L23, h_L24_attn_sum
     x_L24_mlp_norm = rt.rms_norm(h_L24_attn, W['model.layers.24.post_attention_layernorm.weight'], 1e-06)  # L24.mlp_norm
-    h_L24_partial = rt.swiglu_mlp(x_L24_mlp_norm, W['model.layers.24.mlp.gate_proj.weight[d0/2]'], W['model.layers.24.mlp.up_proj.weight[d0/2]'], W['model.layers.24.mlp.down_proj.weight[d1/2]'])  # L24.mlp
+    h_L24_partial = rt.swiglu_mlp(x_L24_mlp_norm, W['graphgen.load:model.layers.24.mlp.gate_proj.weight[d0/2]+model.layers.24.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.24.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L24.mlp
     del x_L24_mlp_norm
     h_L24_sum = rt.all_reduce(h_L24_partial, group='tp', size=2, reduce='sum')  # L24.mlp.all_reduce
     del h_L24_partial
     h_L24 = rt.residual_add(h_L24_sum, h_L24_attn)  # L24.mlp.residual
     del h_L24_attn, h_L24_sum
     x_L25_attn_norm = rt.rms_norm(h_L24, W['model.layers.25.input_layernorm.weight'], 1e-06)  # L25.attn_norm
-    q_L25, k_L25, v_L25 = rt.qwen3_attn_prolog(x_L25_attn_norm, W['model.layers.25.self_attn.q_proj.weight[d0/2]'], W['model.layers.25.self_attn.k_proj.weight[d0/2]'], W['model.layers.25.self_attn.v_proj.weight[d0/2]'], W['model.layers.25.self_attn.q_norm.weight'], W['model.layers.25.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L25.qkv
+    q_L25, k_L25, v_L25 = rt.qwen3_attn_prolog(x_L25_attn_norm, W['graphgen.load:model.layers.25.self_attn.q_proj.weight[d0/2]+model.layers.25.self_attn.k_proj.weight[d0/2]+model.layers.25.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.25.self_attn.q_norm.weight'], W['model.layers.25.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L25.qkv
     del x_L25_attn_norm
     rt.kv_write(kv[25], (k_L25, v_L25), b.slot_mapping)  # L25.kv_write
     del k_L25, v_L25
     o_L25 = rt.paged_attention(q_L25, kv[25], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L25.attn
     del q_L25
-    h_L25_attn_partial = rt.o_proj(o_L25, W['model.layers.25.self_attn.o_proj.weight[d1/2]'])  # L25.o_proj
+    h_L25_attn_partial = rt.o_proj(o_L25, W['graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L25.o_proj
     del o_L25
     h_L25_attn_sum = rt.all_reduce(h_L25_attn_partial, group='tp', size=2, reduce='sum')  # L25.o_proj.all_reduce
     del h_L25_attn_partial
     h_L25_attn = rt.residual_add(h_L25_attn_sum, h_L24)  # L25.o_proj.residual
     del h_L24, h_L25_attn_sum
     x_L25_mlp_norm = rt.rms_norm(h_L25_attn, W['model.layers.25.post_attention_layernorm.weight'], 1e-06)  # L25.mlp_norm
-    h_L25_partial = rt.swiglu_mlp(x_L25_mlp_norm, W['model.layers.25.mlp.gate_proj.weight[d0/2]'], W['model.layers.25.mlp.up_proj.weight[d0/2]'], W['model.layers.25.mlp.down_proj.weight[d1/2]'])  # L25.mlp
+    h_L25_partial = rt.swiglu_mlp(x_L25_mlp_norm, W['graphgen.load:model.layers.25.mlp.gate_proj.weight[d0/2]+model.layers.25.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.25.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L25.mlp
     del x_L25_mlp_norm
     h_L25_sum = rt.all_reduce(h_L25_partial, group='tp', size=2, reduce='sum')  # L25.mlp.all_reduce
     del h_L25_partial
     h_L25 = rt.residual_add(h_L25_sum, h_L25_attn)  # L25.mlp.residual
     del h_L25_attn, h_L25_sum
     x_L26_attn_norm = rt.rms_norm(h_L25, W['model.layers.26.input_layernorm.weight'], 1e-06)  # L26.attn_norm
-    q_L26, k_L26, v_L26 = rt.qwen3_attn_prolog(x_L26_attn_norm, W['model.layers.26.self_attn.q_proj.weight[d0/2]'], W['model.layers.26.self_attn.k_proj.weight[d0/2]'], W['model.layers.26.self_attn.v_proj.weight[d0/2]'], W['model.layers.26.self_attn.q_norm.weight'], W['model.layers.26.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L26.qkv
+    q_L26, k_L26, v_L26 = rt.qwen3_attn_prolog(x_L26_attn_norm, W['graphgen.load:model.layers.26.self_attn.q_proj.weight[d0/2]+model.layers.26.self_attn.k_proj.weight[d0/2]+model.layers.26.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.26.self_attn.q_norm.weight'], W['model.layers.26.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L26.qkv
     del x_L26_attn_norm
     rt.kv_write(kv[26], (k_L26, v_L26), b.slot_mapping)  # L26.kv_write
     del k_L26, v_L26
     o_L26 = rt.paged_attention(q_L26, kv[26], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L26.attn
     del q_L26
-    h_L26_attn_partial = rt.o_proj(o_L26, W['model.layers.26.self_attn.o_proj.weight[d1/2]'])  # L26.o_proj
+    h_L26_attn_partial = rt.o_proj(o_L26, W['graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L26.o_proj
     del o_L26
     h_L26_attn_sum = rt.all_reduce(h_L26_attn_partial, group='tp', size=2, reduce='sum')  # L26.o_proj.all_reduce
     del h_L26_attn_partial
     h_L26_attn = rt.residual_add(h_L26_attn_sum, h_L25)  # L26.o_proj.residual
     del h_L25, h_L26_attn_sum
     x_L26_mlp_norm = rt.rms_norm(h_L26_attn, W['model.layers.26.post_attention_layernorm.weight'], 1e-06)  # L26.mlp_norm
-    h_L26_partial = rt.swiglu_mlp(x_L26_mlp_norm, W['model.layers.26.mlp.gate_proj.weight[d0/2]'], W['model.layers.26.mlp.up_proj.weight[d0/2]'], W['model.layers.26.mlp.down_proj.weight[d1/2]'])  # L26.mlp
+    h_L26_partial = rt.swiglu_mlp(x_L26_mlp_norm, W['graphgen.load:model.layers.26.mlp.gate_proj.weight[d0/2]+model.layers.26.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.26.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L26.mlp
     del x_L26_mlp_norm
     h_L26_sum = rt.all_reduce(h_L26_partial, group='tp', size=2, reduce='sum')  # L26.mlp.all_reduce
     del h_L26_partial
     h_L26 = rt.residual_add(h_L26_sum, h_L26_attn)  # L26.mlp.residual
     del h_L26_attn, h_L26_sum
     x_L27_attn_norm = rt.rms_norm(h_L26, W['model.layers.27.input_layernorm.weight'], 1e-06)  # L27.attn_norm
-    q_L27, k_L27, v_L27 = rt.qwen3_attn_prolog(x_L27_attn_norm, W['model.layers.27.self_attn.q_proj.weight[d0/2]'], W['model.layers.27.self_attn.k_proj.weight[d0/2]'], W['model.layers.27.self_attn.v_proj.weight[d0/2]'], W['model.layers.27.self_attn.q_norm.weight'], W['model.layers.27.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L27.qkv
+    q_L27, k_L27, v_L27 = rt.qwen3_attn_prolog(x_L27_attn_norm, W['graphgen.load:model.layers.27.self_attn.q_proj.weight[d0/2]+model.layers.27.self_attn.k_proj.weight[d0/2]+model.layers.27.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.27.self_attn.q_norm.weight'], W['model.layers.27.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L27.qkv
     del x_L27_attn_norm
     rt.kv_write(kv[27], (k_L27, v_L27), b.slot_mapping)  # L27.kv_write
     del k_L27, v_L27
     o_L27 = rt.paged_attention(q_L27, kv[27], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L27.attn
     del q_L27
-    h_L27_attn_partial = rt.o_proj(o_L27, W['model.layers.27.self_attn.o_proj.weight[d1/2]'])  # L27.o_proj
+    h_L27_attn_partial = rt.o_proj(o_L27, W['graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L27.o_proj
     del o_L27
     h_L27_attn_sum = rt.all_reduce(h_L27_attn_partial, group='tp', size=2, reduce='sum')  # L27.o_proj.all_reduce
     del h_L27_attn_partial
     h_L27_attn = rt.residual_add(h_L27_attn_sum, h_L26)  # L27.o_proj.residual
     del h_L26, h_L27_attn_sum
     x_L27_mlp_norm = rt.rms_norm(h_L27_attn, W['model.layers.27.post_attention_layernorm.weight'], 1e-06)  # L27.mlp_norm
-    h_L27_partial = rt.swiglu_mlp(x_L27_mlp_norm, W['model.layers.27.mlp.gate_proj.weight[d0/2]'], W['model.layers.27.mlp.up_proj.weight[d0/2]'], W['model.layers.27.mlp.down_proj.weight[d1/2]'])  # L27.mlp
+    h_L27_partial = rt.swiglu_mlp(x_L27_mlp_norm, W['graphgen.load:model.layers.27.mlp.gate_proj.weight[d0/2]+model.layers.27.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.27.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L27.mlp
     del x_L27_mlp_norm
     h_L27_sum = rt.all_reduce(h_L27_partial, group='tp', size=2, reduce='sum')  # L27.mlp.all_reduce
     del h_L27_partial
     h_L27 = rt.residual_add(h_L27_sum, h_L27_attn)  # L27.mlp.residual
     del h_L27_attn, h_L27_sum
     x_L28_attn_norm = rt.rms_norm(h_L27, W['model.layers.28.input_layernorm.weight'], 1e-06)  # L28.attn_norm
-    q_L28, k_L28, v_L28 = rt.qwen3_attn_prolog(x_L28_attn_norm, W['model.layers.28.self_attn.q_proj.weight[d0/2]'], W['model.layers.28.self_attn.k_proj.weight[d0/2]'], W['model.layers.28.self_attn.v_proj.weight[d0/2]'], W['model.layers.28.self_attn.q_norm.weight'], W['model.layers.28.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L28.qkv
+    q_L28, k_L28, v_L28 = rt.qwen3_attn_prolog(x_L28_attn_norm, W['graphgen.load:model.layers.28.self_attn.q_proj.weight[d0/2]+model.layers.28.self_attn.k_proj.weight[d0/2]+model.layers.28.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.28.self_attn.q_norm.weight'], W['model.layers.28.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L28.qkv
     del x_L28_attn_norm
     rt.kv_write(kv[28], (k_L28, v_L28), b.slot_mapping)  # L28.kv_write
     del k_L28, v_L28
     o_L28 = rt.paged_attention(q_L28, kv[28], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L28.attn
     del q_L28
-    h_L28_attn_partial = rt.o_proj(o_L28, W['model.layers.28.self_attn.o_proj.weight[d1/2]'])  # L28.o_proj
+    h_L28_attn_partial = rt.o_proj(o_L28, W['graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L28.o_proj
     del o_L28
     h_L28_attn_sum = rt.all_reduce(h_L28_attn_partial, group='tp', size=2, reduce='sum')  # L28.o_proj.all_reduce
     del h_L28_attn_partial
     h_L28_attn = rt.residual_add(h_L28_attn_sum, h_L27)  # L28.o_proj.residual
     del h_L27, h_L28_attn_sum
     x_L28_mlp_norm = rt.rms_norm(h_L28_attn, W['model.layers.28.post_attention_layernorm.weight'], 1e-06)  # L28.mlp_norm
-    h_L28_partial = rt.swiglu_mlp(x_L28_mlp_norm, W['model.layers.28.mlp.gate_proj.weight[d0/2]'], W['model.layers.28.mlp.up_proj.weight[d0/2]'], W['model.layers.28.mlp.down_proj.weight[d1/2]'])  # L28.mlp
+    h_L28_partial = rt.swiglu_mlp(x_L28_mlp_norm, W['graphgen.load:model.layers.28.mlp.gate_proj.weight[d0/2]+model.layers.28.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.28.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L28.mlp
     del x_L28_mlp_norm
     h_L28_sum = rt.all_reduce(h_L28_partial, group='tp', size=2, reduce='sum')  # L28.mlp.all_reduce
     del h_L28_partial
     h_L28 = rt.residual_add(h_L28_sum, h_L28_attn)  # L28.mlp.residual
     del h_L28_attn, h_L28_sum
     x_L29_attn_norm = rt.rms_norm(h_L28, W['model.layers.29.input_layernorm.weight'], 1e-06)  # L29.attn_norm
-    q_L29, k_L29, v_L29 = rt.qwen3_attn_prolog(x_L29_attn_norm, W['model.layers.29.self_attn.q_proj.weight[d0/2]'], W['model.layers.29.self_attn.k_proj.weight[d0/2]'], W['model.layers.29.self_attn.v_proj.weight[d0/2]'], W['model.layers.29.self_attn.q_norm.weight'], W['model.layers.29.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L29.qkv
+    q_L29, k_L29, v_L29 = rt.qwen3_attn_prolog(x_L29_attn_norm, W['graphgen.load:model.layers.29.self_attn.q_proj.weight[d0/2]+model.layers.29.self_attn.k_proj.weight[d0/2]+model.layers.29.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.29.self_attn.q_norm.weight'], W['model.layers.29.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L29.qkv
     del x_L29_attn_norm
     rt.kv_write(kv[29], (k_L29, v_L29), b.slot_mapping)  # L29.kv_write
     del k_L29, v_L29
     o_L29 = rt.paged_attention(q_L29, kv[29], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L29.attn
     del q_L29
-    h_L29_attn_partial = rt.o_proj(o_L29, W['model.layers.29.self_attn.o_proj.weight[d1/2]'])  # L29.o_proj
+    h_L29_attn_partial = rt.o_proj(o_L29, W['graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L29.o_proj
     del o_L29
     h_L29_attn_sum = rt.all_reduce(h_L29_attn_partial, group='tp', size=2, reduce='sum')  # L29.o_proj.all_reduce
     del h_L29_attn_partial
     h_L29_attn = rt.residual_add(h_L29_attn_sum, h_L28)  # L29.o_proj.residual
     del h_L28, h_L29_attn_sum
     x_L29_mlp_norm = rt.rms_norm(h_L29_attn, W['model.layers.29.post_attention_layernorm.weight'], 1e-06)  # L29.mlp_norm
-    h_L29_partial = rt.swiglu_mlp(x_L29_mlp_norm, W['model.layers.29.mlp.gate_proj.weight[d0/2]'], W['model.layers.29.mlp.up_proj.weight[d0/2]'], W['model.layers.29.mlp.down_proj.weight[d1/2]'])  # L29.mlp
+    h_L29_partial = rt.swiglu_mlp(x_L29_mlp_norm, W['graphgen.load:model.layers.29.mlp.gate_proj.weight[d0/2]+model.layers.29.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.29.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L29.mlp
     del x_L29_mlp_norm
     h_L29_sum = rt.all_reduce(h_L29_partial, group='tp', size=2, reduce='sum')  # L29.mlp.all_reduce
     del h_L29_partial
     h_L29 = rt.residual_add(h_L29_sum, h_L29_attn)  # L29.mlp.residual
     del h_L29_attn, h_L29_sum
     x_L30_attn_norm = rt.rms_norm(h_L29, W['model.layers.30.input_layernorm.weight'], 1e-06)  # L30.attn_norm
-    q_L30, k_L30, v_L30 = rt.qwen3_attn_prolog(x_L30_attn_norm, W['model.layers.30.self_attn.q_proj.weight[d0/2]'], W['model.layers.30.self_attn.k_proj.weight[d0/2]'], W['model.layers.30.self_attn.v_proj.weight[d0/2]'], W['model.layers.30.self_attn.q_norm.weight'], W['model.layers.30.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L30.qkv
+    q_L30, k_L30, v_L30 = rt.qwen3_attn_prolog(x_L30_attn_norm, W['graphgen.load:model.layers.30.self_attn.q_proj.weight[d0/2]+model.layers.30.self_attn.k_proj.weight[d0/2]+model.layers.30.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.30.self_attn.q_norm.weight'], W['model.layers.30.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L30.qkv
     del x_L30_attn_norm
     rt.kv_write(kv[30], (k_L30, v_L30), b.slot_mapping)  # L30.kv_write
     del k_L30, v_L30
     o_L30 = rt.paged_attention(q_L30, kv[30], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L30.attn
     del q_L30
-    h_L30_attn_partial = rt.o_proj(o_L30, W['model.layers.30.self_attn.o_proj.weight[d1/2]'])  # L30.o_proj
+    h_L30_attn_partial = rt.o_proj(o_L30, W['graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L30.o_proj
     del o_L30
     h_L30_attn_sum = rt.all_reduce(h_L30_attn_partial, group='tp', size=2, reduce='sum')  # L30.o_proj.all_reduce
     del h_L30_attn_partial
     h_L30_attn = rt.residual_add(h_L30_attn_sum, h_L29)  # L30.o_proj.residual
     del h_L29, h_L30_attn_sum
     x_L30_mlp_norm = rt.rms_norm(h_L30_attn, W['model.layers.30.post_attention_layernorm.weight'], 1e-06)  # L30.mlp_norm
-    h_L30_partial = rt.swiglu_mlp(x_L30_mlp_norm, W['model.layers.30.mlp.gate_proj.weight[d0/2]'], W['model.layers.30.mlp.up_proj.weight[d0/2]'], W['model.layers.30.mlp.down_proj.weight[d1/2]'])  # L30.mlp
+    h_L30_partial = rt.swiglu_mlp(x_L30_mlp_norm, W['graphgen.load:model.layers.30.mlp.gate_proj.weight[d0/2]+model.layers.30.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.30.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L30.mlp
     del x_L30_mlp_norm
     h_L30_sum = rt.all_reduce(h_L30_partial, group='tp', size=2, reduce='sum')  # L30.mlp.all_reduce
     del h_L30_partial
     h_L30 = rt.residual_add(h_L30_sum, h_L30_attn)  # L30.mlp.residual
     del h_L30_attn, h_L30_sum
     x_L31_attn_norm = rt.rms_norm(h_L30, W['model.layers.31.input_layernorm.weight'], 1e-06)  # L31.attn_norm
-    q_L31, k_L31, v_L31 = rt.qwen3_attn_prolog(x_L31_attn_norm, W['model.layers.31.self_attn.q_proj.weight[d0/2]'], W['model.layers.31.self_attn.k_proj.weight[d0/2]'], W['model.layers.31.self_attn.v_proj.weight[d0/2]'], W['model.layers.31.self_attn.q_norm.weight'], W['model.layers.31.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L31.qkv
+    q_L31, k_L31, v_L31 = rt.qwen3_attn_prolog(x_L31_attn_norm, W['graphgen.load:model.layers.31.self_attn.q_proj.weight[d0/2]+model.layers.31.self_attn.k_proj.weight[d0/2]+model.layers.31.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.31.self_attn.q_norm.weight'], W['model.layers.31.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L31.qkv
     del x_L31_attn_norm
     rt.kv_write(kv[31], (k_L31, v_L31), b.slot_mapping)  # L31.kv_write
     del k_L31, v_L31
     o_L31 = rt.paged_attention(q_L31, kv[31], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L31.attn
     del q_L31
-    h_L31_attn_partial = rt.o_proj(o_L31, W['model.layers.31.self_attn.o_proj.weight[d1/2]'])  # L31.o_proj
+    h_L31_attn_partial = rt.o_proj(o_L31, W['graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L31.o_proj
     del o_L31
     h_L31_attn_sum = rt.all_reduce(h_L31_attn_partial, group='tp', size=2, reduce='sum')  # L31.o_proj.all_reduce
     del h_L31_attn_partial
     h_L31_attn = rt.residual_add(h_L31_attn_sum, h_L30)  # L31.o_proj.residual
     del h_L30, h_L31_attn_sum
     x_L31_mlp_norm = rt.rms_norm(h_L31_attn, W['model.layers.31.post_attention_layernorm.weight'], 1e-06)  # L31.mlp_norm
-    h_L31_partial = rt.swiglu_mlp(x_L31_mlp_norm, W['model.layers.31.mlp.gate_proj.weight[d0/2]'], W['model.layers.31.mlp.up_proj.weight[d0/2]'], W['model.layers.31.mlp.down_proj.weight[d1/2]'])  # L31.mlp
+    h_L31_partial = rt.swiglu_mlp(x_L31_mlp_norm, W['graphgen.load:model.layers.31.mlp.gate_proj.weight[d0/2]+model.layers.31.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.31.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L31.mlp
     del x_L31_mlp_norm
     h_L31_sum = rt.all_reduce(h_L31_partial, group='tp', size=2, reduce='sum')  # L31.mlp.all_reduce
     del h_L31_partial
     h_L31 = rt.residual_add(h_L31_sum, h_L31_attn)  # L31.mlp.residual
     del h_L31_attn, h_L31_sum
     x_L32_attn_norm = rt.rms_norm(h_L31, W['model.layers.32.input_layernorm.weight'], 1e-06)  # L32.attn_norm
-    q_L32, k_L32, v_L32 = rt.qwen3_attn_prolog(x_L32_attn_norm, W['model.layers.32.self_attn.q_proj.weight[d0/2]'], W['model.layers.32.self_attn.k_proj.weight[d0/2]'], W['model.layers.32.self_attn.v_proj.weight[d0/2]'], W['model.layers.32.self_attn.q_norm.weight'], W['model.layers.32.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L32.qkv
+    q_L32, k_L32, v_L32 = rt.qwen3_attn_prolog(x_L32_attn_norm, W['graphgen.load:model.layers.32.self_attn.q_proj.weight[d0/2]+model.layers.32.self_attn.k_proj.weight[d0/2]+model.layers.32.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.32.self_attn.q_norm.weight'], W['model.layers.32.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L32.qkv
     del x_L32_attn_norm
     rt.kv_write(kv[32], (k_L32, v_L32), b.slot_mapping)  # L32.kv_write
     del k_L32, v_L32
     o_L32 = rt.paged_attention(q_L32, kv[32], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L32.attn
     del q_L32
-    h_L32_attn_partial = rt.o_proj(o_L32, W['model.layers.32.self_attn.o_proj.weight[d1/2]'])  # L32.o_proj
+    h_L32_attn_partial = rt.o_proj(o_L32, W['graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L32.o_proj
     del o_L32
     h_L32_attn_sum = rt.all_reduce(h_L32_attn_partial, group='tp', size=2, reduce='sum')  # L32.o_proj.all_reduce
     del h_L32_attn_partial
     h_L32_attn = rt.residual_add(h_L32_attn_sum, h_L31)  # L32.o_proj.residual
     del h_L31, h_L32_attn_sum
     x_L32_mlp_norm = rt.rms_norm(h_L32_attn, W['model.layers.32.post_attention_layernorm.weight'], 1e-06)  # L32.mlp_norm
-    h_L32_partial = rt.swiglu_mlp(x_L32_mlp_norm, W['model.layers.32.mlp.gate_proj.weight[d0/2]'], W['model.layers.32.mlp.up_proj.weight[d0/2]'], W['model.layers.32.mlp.down_proj.weight[d1/2]'])  # L32.mlp
+    h_L32_partial = rt.swiglu_mlp(x_L32_mlp_norm, W['graphgen.load:model.layers.32.mlp.gate_proj.weight[d0/2]+model.layers.32.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.32.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L32.mlp
     del x_L32_mlp_norm
     h_L32_sum = rt.all_reduce(h_L32_partial, group='tp', size=2, reduce='sum')  # L32.mlp.all_reduce
     del h_L32_partial
     h_L32 = rt.residual_add(h_L32_sum, h_L32_attn)  # L32.mlp.residual
     del h_L32_attn, h_L32_sum
     x_L33_attn_norm = rt.rms_norm(h_L32, W['model.layers.33.input_layernorm.weight'], 1e-06)  # L33.attn_norm
-    q_L33, k_L33, v_L33 = rt.qwen3_attn_prolog(x_L33_attn_norm, W['model.layers.33.self_attn.q_proj.weight[d0/2]'], W['model.layers.33.self_attn.k_proj.weight[d0/2]'], W['model.layers.33.self_attn.v_proj.weight[d0/2]'], W['model.layers.33.self_attn.q_norm.weight'], W['model.layers.33.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L33.qkv
+    q_L33, k_L33, v_L33 = rt.qwen3_attn_prolog(x_L33_attn_norm, W['graphgen.load:model.layers.33.self_attn.q_proj.weight[d0/2]+model.layers.33.self_attn.k_proj.weight[d0/2]+model.layers.33.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.33.self_attn.q_norm.weight'], W['model.layers.33.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L33.qkv
     del x_L33_attn_norm
     rt.kv_write(kv[33], (k_L33, v_L33), b.slot_mapping)  # L33.kv_write
     del k_L33, v_L33
     o_L33 = rt.paged_attention(q_L33, kv[33], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L33.attn
     del q_L33
-    h_L33_attn_partial = rt.o_proj(o_L33, W['model.layers.33.self_attn.o_proj.weight[d1/2]'])  # L33.o_proj
+    h_L33_attn_partial = rt.o_proj(o_L33, W['graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L33.o_proj
     del o_L33
     h_L33_attn_sum = rt.all_reduce(h_L33_attn_partial, group='tp', size=2, reduce='sum')  # L33.o_proj.all_reduce
     del h_L33_attn_partial
     h_L33_attn = rt.residual_add(h_L33_attn_sum, h_L32)  # L33.o_proj.residual
     del h_L32, h_L33_attn_sum
     x_L33_mlp_norm = rt.rms_norm(h_L33_attn, W['model.layers.33.post_attention_layernorm.weight'], 1e-06)  # L33.mlp_norm
-    h_L33_partial = rt.swiglu_mlp(x_L33_mlp_norm, W['model.layers.33.mlp.gate_proj.weight[d0/2]'], W['model.layers.33.mlp.up_proj.weight[d0/2]'], W['model.layers.33.mlp.down_proj.weight[d1/2]'])  # L33.mlp
+    h_L33_partial = rt.swiglu_mlp(x_L33_mlp_norm, W['graphgen.load:model.layers.33.mlp.gate_proj.weight[d0/2]+model.layers.33.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.33.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L33.mlp
     del x_L33_mlp_norm
     h_L33_sum = rt.all_reduce(h_L33_partial, group='tp', size=2, reduce='sum')  # L33.mlp.all_reduce
     del h_L33_partial
     h_L33 = rt.residual_add(h_L33_sum, h_L33_attn)  # L33.mlp.residual
     del h_L33_attn, h_L33_sum
     x_L34_attn_norm = rt.rms_norm(h_L33, W['model.layers.34.input_layernorm.weight'], 1e-06)  # L34.attn_norm
-    q_L34, k_L34, v_L34 = rt.qwen3_attn_prolog(x_L34_attn_norm, W['model.layers.34.self_attn.q_proj.weight[d0/2]'], W['model.layers.34.self_attn.k_proj.weight[d0/2]'], W['model.layers.34.self_attn.v_proj.weight[d0/2]'], W['model.layers.34.self_attn.q_norm.weight'], W['model.layers.34.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L34.qkv
+    q_L34, k_L34, v_L34 = rt.qwen3_attn_prolog(x_L34_attn_norm, W['graphgen.load:model.layers.34.self_attn.q_proj.weight[d0/2]+model.layers.34.self_attn.k_proj.weight[d0/2]+model.layers.34.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.34.self_attn.q_norm.weight'], W['model.layers.34.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L34.qkv
     del x_L34_attn_norm
     rt.kv_write(kv[34], (k_L34, v_L34), b.slot_mapping)  # L34.kv_write
     del k_L34, v_L34
     o_L34 = rt.paged_attention(q_L34, kv[34], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L34.attn
     del q_L34
-    h_L34_attn_partial = rt.o_proj(o_L34, W['model.layers.34.self_attn.o_proj.weight[d1/2]'])  # L34.o_proj
+    h_L34_attn_partial = rt.o_proj(o_L34, W['graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L34.o_proj
     del o_L34
     h_L34_attn_sum = rt.all_reduce(h_L34_attn_partial, group='tp', size=2, reduce='sum')  # L34.o_proj.all_reduce
     del h_L34_attn_partial
     h_L34_attn = rt.residual_add(h_L34_attn_sum, h_L33)  # L34.o_proj.residual
     del h_L33, h_L34_attn_sum
     x_L34_mlp_norm = rt.rms_norm(h_L34_attn, W['model.layers.34.post_attention_layernorm.weight'], 1e-06)  # L34.mlp_norm
-    h_L34_partial = rt.swiglu_mlp(x_L34_mlp_norm, W['model.layers.34.mlp.gate_proj.weight[d0/2]'], W['model.layers.34.mlp.up_proj.weight[d0/2]'], W['model.layers.34.mlp.down_proj.weight[d1/2]'])  # L34.mlp
+    h_L34_partial = rt.swiglu_mlp(x_L34_mlp_norm, W['graphgen.load:model.layers.34.mlp.gate_proj.weight[d0/2]+model.layers.34.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.34.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L34.mlp
     del x_L34_mlp_norm
     h_L34_sum = rt.all_reduce(h_L34_partial, group='tp', size=2, reduce='sum')  # L34.mlp.all_reduce
     del h_L34_partial
     h_L34 = rt.residual_add(h_L34_sum, h_L34_attn)  # L34.mlp.residual
     del h_L34_attn, h_L34_sum
     x_L35_attn_norm = rt.rms_norm(h_L34, W['model.layers.35.input_layernorm.weight'], 1e-06)  # L35.attn_norm
-    q_L35, k_L35, v_L35 = rt.qwen3_attn_prolog(x_L35_attn_norm, W['model.layers.35.self_attn.q_proj.weight[d0/2]'], W['model.layers.35.self_attn.k_proj.weight[d0/2]'], W['model.layers.35.self_attn.v_proj.weight[d0/2]'], W['model.layers.35.self_attn.q_norm.weight'], W['model.layers.35.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L35.qkv
+    q_L35, k_L35, v_L35 = rt.qwen3_attn_prolog(x_L35_attn_norm, W['graphgen.load:model.layers.35.self_attn.q_proj.weight[d0/2]+model.layers.35.self_attn.k_proj.weight[d0/2]+model.layers.35.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.35.self_attn.q_norm.weight'], W['model.layers.35.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L35.qkv
     del x_L35_attn_norm
     rt.kv_write(kv[35], (k_L35, v_L35), b.slot_mapping)  # L35.kv_write
     del k_L35, v_L35
     o_L35 = rt.paged_attention(q_L35, kv[35], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L35.attn
     del q_L35
-    h_L35_attn_partial = rt.o_proj(o_L35, W['model.layers.35.self_attn.o_proj.weight[d1/2]'])  # L35.o_proj
+    h_L35_attn_partial = rt.o_proj(o_L35, W['graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L35.o_proj
     del o_L35
     h_L35_attn_sum = rt.all_reduce(h_L35_attn_partial, group='tp', size=2, reduce='sum')  # L35.o_proj.all_reduce
     del h_L35_attn_partial
     h_L35_attn = rt.residual_add(h_L35_attn_sum, h_L34)  # L35.o_proj.residual
     del h_L34, h_L35_attn_sum
     x_L35_mlp_norm = rt.rms_norm(h_L35_attn, W['model.layers.35.post_attention_layernorm.weight'], 1e-06)  # L35.mlp_norm
-    h_L35_partial = rt.swiglu_mlp(x_L35_mlp_norm, W['model.layers.35.mlp.gate_proj.weight[d0/2]'], W['model.layers.35.mlp.up_proj.weight[d0/2]'], W['model.layers.35.mlp.down_proj.weight[d1/2]'])  # L35.mlp
+    h_L35_partial = rt.swiglu_mlp(x_L35_mlp_norm, W['graphgen.load:model.layers.35.mlp.gate_proj.weight[d0/2]+model.layers.35.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.35.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L35.mlp
     del x_L35_mlp_norm
     h_L35_sum = rt.all_reduce(h_L35_partial, group='tp', size=2, reduce='sum')  # L35.mlp.all_reduce
     del h_L35_partial
     h_L35 = rt.residual_add(h_L35_sum, h_L35_attn)  # L35.mlp.residual
     del h_L35_attn, h_L35_sum
     x_L36_attn_norm = rt.rms_norm(h_L35, W['model.layers.36.input_layernorm.weight'], 1e-06)  # L36.attn_norm
-    q_L36, k_L36, v_L36 = rt.qwen3_attn_prolog(x_L36_attn_norm, W['model.layers.36.self_attn.q_proj.weight[d0/2]'], W['model.layers.36.self_attn.k_proj.weight[d0/2]'], W['model.layers.36.self_attn.v_proj.weight[d0/2]'], W['model.layers.36.self_attn.q_norm.weight'], W['model.layers.36.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L36.qkv
+    q_L36, k_L36, v_L36 = rt.qwen3_attn_prolog(x_L36_attn_norm, W['graphgen.load:model.layers.36.self_attn.q_proj.weight[d0/2]+model.layers.36.self_attn.k_proj.weight[d0/2]+model.layers.36.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.36.self_attn.q_norm.weight'], W['model.layers.36.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L36.qkv
     del x_L36_attn_norm
     rt.kv_write(kv[36], (k_L36, v_L36), b.slot_mapping)  # L36.kv_write
     del k_L36, v_L36
     o_L36 = rt.paged_attention(q_L36, kv[36], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L36.attn
     del q_L36
-    h_L36_attn_partial = rt.o_proj(o_L36, W['model.layers.36.self_attn.o_proj.weight[d1/2]'])  # L36.o_proj
+    h_L36_attn_partial = rt.o_proj(o_L36, W['graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L36.o_proj
     del o_L36
     h_L36_attn_sum = rt.all_reduce(h_L36_attn_partial, group='tp', size=2, reduce='sum')  # L36.o_proj.all_reduce
     del h_L36_attn_partial
     h_L36_attn = rt.residual_add(h_L36_attn_sum, h_L35)  # L36.o_proj.residual
     del h_L35, h_L36_attn_sum
     x_L36_mlp_norm = rt.rms_norm(h_L36_attn, W['model.layers.36.post_attention_layernorm.weight'], 1e-06)  # L36.mlp_norm
-    h_L36_partial = rt.swiglu_mlp(x_L36_mlp_norm, W['model.layers.36.mlp.gate_proj.weight[d0/2]'], W['model.layers.36.mlp.up_proj.weight[d0/2]'], W['model.layers.36.mlp.down_proj.weight[d1/2]'])  # L36.mlp
+    h_L36_partial = rt.swiglu_mlp(x_L36_mlp_norm, W['graphgen.load:model.layers.36.mlp.gate_proj.weight[d0/2]+model.layers.36.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.36.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L36.mlp
     del x_L36_mlp_norm
     h_L36_sum = rt.all_reduce(h_L36_partial, group='tp', size=2, reduce='sum')  # L36.mlp.all_reduce
     del h_L36_partial
     h_L36 = rt.residual_add(h_L36_sum, h_L36_attn)  # L36.mlp.residual
     del h_L36_attn, h_L36_sum
     x_L37_attn_norm = rt.rms_norm(h_L36, W['model.layers.37.input_layernorm.weight'], 1e-06)  # L37.attn_norm
-    q_L37, k_L37, v_L37 = rt.qwen3_attn_prolog(x_L37_attn_norm, W['model.layers.37.self_attn.q_proj.weight[d0/2]'], W['model.layers.37.self_attn.k_proj.weight[d0/2]'], W['model.layers.37.self_attn.v_proj.weight[d0/2]'], W['model.layers.37.self_attn.q_norm.weight'], W['model.layers.37.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L37.qkv
+    q_L37, k_L37, v_L37 = rt.qwen3_attn_prolog(x_L37_attn_norm, W['graphgen.load:model.layers.37.self_attn.q_proj.weight[d0/2]+model.layers.37.self_attn.k_proj.weight[d0/2]+model.layers.37.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.37.self_attn.q_norm.weight'], W['model.layers.37.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L37.qkv
     del x_L37_attn_norm
     rt.kv_write(kv[37], (k_L37, v_L37), b.slot_mapping)  # L37.kv_write
     del k_L37, v_L37
     o_L37 = rt.paged_attention(q_L37, kv[37], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L37.attn
     del q_L37
-    h_L37_attn_partial = rt.o_proj(o_L37, W['model.layers.37.self_attn.o_proj.weight[d1/2]'])  # L37.o_proj
+    h_L37_attn_partial = rt.o_proj(o_L37, W['graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L37.o_proj
     del o_L37
     h_L37_attn_sum = rt.all_reduce(h_L37_attn_partial, group='tp', size=2, reduce='sum')  # L37.o_proj.all_reduce
     del h_L37_attn_partial
     h_L37_attn = rt.residual_add(h_L37_attn_sum, h_L36)  # L37.o_proj.residual
     del h_L36, h_L37_attn_sum
     x_L37_mlp_norm = rt.rms_norm(h_L37_attn, W['model.layers.37.post_attention_layernorm.weight'], 1e-06)  # L37.mlp_norm
-    h_L37_partial = rt.swiglu_mlp(x_L37_mlp_norm, W['model.layers.37.mlp.gate_proj.weight[d0/2]'], W['model.layers.37.mlp.up_proj.weight[d0/2]'], W['model.layers.37.mlp.down_proj.weight[d1/2]'])  # L37.mlp
+    h_L37_partial = rt.swiglu_mlp(x_L37_mlp_norm, W['graphgen.load:model.layers.37.mlp.gate_proj.weight[d0/2]+model.layers.37.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.37.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L37.mlp
     del x_L37_mlp_norm
     h_L37_sum = rt.all_reduce(h_L37_partial, group='tp', size=2, reduce='sum')  # L37.mlp.all_reduce
     del h_L37_partial
     h_L37 = rt.residual_add(h_L37_sum, h_L37_attn)  # L37.mlp.residual
     del h_L37_attn, h_L37_sum
     x_L38_attn_norm = rt.rms_norm(h_L37, W['model.layers.38.input_layernorm.weight'], 1e-06)  # L38.attn_norm
-    q_L38, k_L38, v_L38 = rt.qwen3_attn_prolog(x_L38_attn_norm, W['model.layers.38.self_attn.q_proj.weight[d0/2]'], W['model.layers.38.self_attn.k_proj.weight[d0/2]'], W['model.layers.38.self_attn.v_proj.weight[d0/2]'], W['model.layers.38.self_attn.q_norm.weight'], W['model.layers.38.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L38.qkv
+    q_L38, k_L38, v_L38 = rt.qwen3_attn_prolog(x_L38_attn_norm, W['graphgen.load:model.layers.38.self_attn.q_proj.weight[d0/2]+model.layers.38.self_attn.k_proj.weight[d0/2]+model.layers.38.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.38.self_attn.q_norm.weight'], W['model.layers.38.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L38.qkv
     del x_L38_attn_norm
     rt.kv_write(kv[38], (k_L38, v_L38), b.slot_mapping)  # L38.kv_write
     del k_L38, v_L38
     o_L38 = rt.paged_attention(q_L38, kv[38], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L38.attn
     del q_L38
-    h_L38_attn_partial = rt.o_proj(o_L38, W['model.layers.38.self_attn.o_proj.weight[d1/2]'])  # L38.o_proj
+    h_L38_attn_partial = rt.o_proj(o_L38, W['graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L38.o_proj
     del o_L38
     h_L38_attn_sum = rt.all_reduce(h_L38_attn_partial, group='tp', size=2, reduce='sum')  # L38.o_proj.all_reduce
     del h_L38_attn_partial
     h_L38_attn = rt.residual_add(h_L38_attn_sum, h_L37)  # L38.o_proj.residual
     del h_L37, h_L38_attn_sum
     x_L38_mlp_norm = rt.rms_norm(h_L38_attn, W['model.layers.38.post_attention_layernorm.weight'], 1e-06)  # L38.mlp_norm
-    h_L38_partial = rt.swiglu_mlp(x_L38_mlp_norm, W['model.layers.38.mlp.gate_proj.weight[d0/2]'], W['model.layers.38.mlp.up_proj.weight[d0/2]'], W['model.layers.38.mlp.down_proj.weight[d1/2]'])  # L38.mlp
+    h_L38_partial = rt.swiglu_mlp(x_L38_mlp_norm, W['graphgen.load:model.layers.38.mlp.gate_proj.weight[d0/2]+model.layers.38.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.38.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L38.mlp
     del x_L38_mlp_norm
     h_L38_sum = rt.all_reduce(h_L38_partial, group='tp', size=2, reduce='sum')  # L38.mlp.all_reduce
     del h_L38_partial
     h_L38 = rt.residual_add(h_L38_sum, h_L38_attn)  # L38.mlp.residual
     del h_L38_attn, h_L38_sum
     x_L39_attn_norm = rt.rms_norm(h_L38, W['model.layers.39.input_layernorm.weight'], 1e-06)  # L39.attn_norm
-    q_L39, k_L39, v_L39 = rt.qwen3_attn_prolog(x_L39_attn_norm, W['model.layers.39.self_attn.q_proj.weight[d0/2]'], W['model.layers.39.self_attn.k_proj.weight[d0/2]'], W['model.layers.39.self_attn.v_proj.weight[d0/2]'], W['model.layers.39.self_attn.q_norm.weight'], W['model.layers.39.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L39.qkv
+    q_L39, k_L39, v_L39 = rt.qwen3_attn_prolog(x_L39_attn_norm, W['graphgen.load:model.layers.39.self_attn.q_proj.weight[d0/2]+model.layers.39.self_attn.k_proj.weight[d0/2]+model.layers.39.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.39.self_attn.q_norm.weight'], W['model.layers.39.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L39.qkv
     del x_L39_attn_norm
     rt.kv_write(kv[39], (k_L39, v_L39), b.slot_mapping)  # L39.kv_write
     del k_L39, v_L39
     o_L39 = rt.paged_attention(q_L39, kv[39], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L39.attn
     del q_L39
-    h_L39_attn_partial = rt.o_proj(o_L39, W['model.layers.39.self_attn.o_proj.weight[d1/2]'])  # L39.o_proj
+    h_L39_attn_partial = rt.o_proj(o_L39, W['graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L39.o_proj
     del o_L39
     h_L39_attn_sum = rt.all_reduce(h_L39_attn_partial, group='tp', size=2, reduce='sum')  # L39.o_proj.all_reduce
     del h_L39_attn_partial
     h_L39_attn = rt.residual_add(h_L39_attn_sum, h_L38)  # L39.o_proj.residual
     del h_L38, h_L39_attn_sum
     x_L39_mlp_norm = rt.rms_norm(h_L39_attn, W['model.layers.39.post_attention_layernorm.weight'], 1e-06)  # L39.mlp_norm
-    h_L39_partial = rt.swiglu_mlp(x_L39_mlp_norm, W['model.layers.39.mlp.gate_proj.weight[d0/2]'], W['model.layers.39.mlp.up_proj.weight[d0/2]'], W['model.layers.39.mlp.down_proj.weight[d1/2]'])  # L39.mlp
+    h_L39_partial = rt.swiglu_mlp(x_L39_mlp_norm, W['graphgen.load:model.layers.39.mlp.gate_proj.weight[d0/2]+model.layers.39.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.39.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L39.mlp
     del x_L39_mlp_norm
     h_L39_sum = rt.all_reduce(h_L39_partial, group='tp', size=2, reduce='sum')  # L39.mlp.all_reduce
     del h_L39_partial
     h_L39 = rt.residual_add(h_L39_sum, h_L39_attn)  # L39.mlp.residual
     del h_L39_attn, h_L39_sum
     x_L40_attn_norm = rt.rms_norm(h_L39, W['model.layers.40.input_layernorm.weight'], 1e-06)  # L40.attn_norm
-    q_L40, k_L40, v_L40 = rt.qwen3_attn_prolog(x_L40_attn_norm, W['model.layers.40.self_attn.q_proj.weight[d0/2]'], W['model.layers.40.self_attn.k_proj.weight[d0/2]'], W['model.layers.40.self_attn.v_proj.weight[d0/2]'], W['model.layers.40.self_attn.q_norm.weight'], W['model.layers.40.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L40.qkv
+    q_L40, k_L40, v_L40 = rt.qwen3_attn_prolog(x_L40_attn_norm, W['graphgen.load:model.layers.40.self_attn.q_proj.weight[d0/2]+model.layers.40.self_attn.k_proj.weight[d0/2]+model.layers.40.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.40.self_attn.q_norm.weight'], W['model.layers.40.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L40.qkv
     del x_L40_attn_norm
     rt.kv_write(kv[40], (k_L40, v_L40), b.slot_mapping)  # L40.kv_write
     del k_L40, v_L40
     o_L40 = rt.paged_attention(q_L40, kv[40], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L40.attn
     del q_L40
-    h_L40_attn_partial = rt.o_proj(o_L40, W['model.layers.40.self_attn.o_proj.weight[d1/2]'])  # L40.o_proj
+    h_L40_attn_partial = rt.o_proj(o_L40, W['graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L40.o_proj
     del o_L40
     h_L40_attn_sum = rt.all_reduce(h_L40_attn_partial, group='tp', size=2, reduce='sum')  # L40.o_proj.all_reduce
     del h_L40_attn_partial
     h_L40_attn = rt.residual_add(h_L40_attn_sum, h_L39)  # L40.o_proj.residual
     del h_L39, h_L40_attn_sum
     x_L40_mlp_norm = rt.rms_norm(h_L40_attn, W['model.layers.40.post_attention_layernorm.weight'], 1e-06)  # L40.mlp_norm
-    h_L40_partial = rt.swiglu_mlp(x_L40_mlp_norm, W['model.layers.40.mlp.gate_proj.weight[d0/2]'], W['model.layers.40.mlp.up_proj.weight[d0/2]'], W['model.layers.40.mlp.down_proj.weight[d1/2]'])  # L40.mlp
+    h_L40_partial = rt.swiglu_mlp(x_L40_mlp_norm, W['graphgen.load:model.layers.40.mlp.gate_proj.weight[d0/2]+model.layers.40.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.40.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L40.mlp
     del x_L40_mlp_norm
     h_L40_sum = rt.all_reduce(h_L40_partial, group='tp', size=2, reduce='sum')  # L40.mlp.all_reduce
     del h_L40_partial
     h_L40 = rt.residual_add(h_L40_sum, h_L40_attn)  # L40.mlp.residual
     del h_L40_attn, h_L40_sum
     x_L41_attn_norm = rt.rms_norm(h_L40, W['model.layers.41.input_layernorm.weight'], 1e-06)  # L41.attn_norm
-    q_L41, k_L41, v_L41 = rt.qwen3_attn_prolog(x_L41_attn_norm, W['model.layers.41.self_attn.q_proj.weight[d0/2]'], W['model.layers.41.self_attn.k_proj.weight[d0/2]'], W['model.layers.41.self_attn.v_proj.weight[d0/2]'], W['model.layers.41.self_attn.q_norm.weight'], W['model.layers.41.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L41.qkv
+    q_L41, k_L41, v_L41 = rt.qwen3_attn_prolog(x_L41_attn_norm, W['graphgen.load:model.layers.41.self_attn.q_proj.weight[d0/2]+model.layers.41.self_attn.k_proj.weight[d0/2]+model.layers.41.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.41.self_attn.q_norm.weight'], W['model.layers.41.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L41.qkv
     del x_L41_attn_norm
     rt.kv_write(kv[41], (k_L41, v_L41), b.slot_mapping)  # L41.kv_write
     del k_L41, v_L41
     o_L41 = rt.paged_attention(q_L41, kv[41], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L41.attn
     del q_L41
-    h_L41_attn_partial = rt.o_proj(o_L41, W['model.layers.41.self_attn.o_proj.weight[d1/2]'])  # L41.o_proj
+    h_L41_attn_partial = rt.o_proj(o_L41, W['graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L41.o_proj
     del o_L41
     h_L41_attn_sum = rt.all_reduce(h_L41_attn_partial, group='tp', size=2, reduce='sum')  # L41.o_proj.all_reduce
     del h_L41_attn_partial
     h_L41_attn = rt.residual_add(h_L41_attn_sum, h_L40)  # L41.o_proj.residual
     del h_L40, h_L41_attn_sum
     x_L41_mlp_norm = rt.rms_norm(h_L41_attn, W['model.layers.41.post_attention_layernorm.weight'], 1e-06)  # L41.mlp_norm
-    h_L41_partial = rt.swiglu_mlp(x_L41_mlp_norm, W['model.layers.41.mlp.gate_proj.weight[d0/2]'], W['model.layers.41.mlp.up_proj.weight[d0/2]'], W['model.layers.41.mlp.down_proj.weight[d1/2]'])  # L41.mlp
+    h_L41_partial = rt.swiglu_mlp(x_L41_mlp_norm, W['graphgen.load:model.layers.41.mlp.gate_proj.weight[d0/2]+model.layers.41.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.41.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L41.mlp
     del x_L41_mlp_norm
     h_L41_sum = rt.all_reduce(h_L41_partial, group='tp', size=2, reduce='sum')  # L41.mlp.all_reduce
     del h_L41_partial
     h_L41 = rt.residual_add(h_L41_sum, h_L41_attn)  # L41.mlp.residual
     del h_L41_attn, h_L41_sum
     x_L42_attn_norm = rt.rms_norm(h_L41, W['model.layers.42.input_layernorm.weight'], 1e-06)  # L42.attn_norm
-    q_L42, k_L42, v_L42 = rt.qwen3_attn_prolog(x_L42_attn_norm, W['model.layers.42.self_attn.q_proj.weight[d0/2]'], W['model.layers.42.self_attn.k_proj.weight[d0/2]'], W['model.layers.42.self_attn.v_proj.weight[d0/2]'], W['model.layers.42.self_attn.q_norm.weight'], W['model.layers.42.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L42.qkv
+    q_L42, k_L42, v_L42 = rt.qwen3_attn_prolog(x_L42_attn_norm, W['graphgen.load:model.layers.42.self_attn.q_proj.weight[d0/2]+model.layers.42.self_attn.k_proj.weight[d0/2]+model.layers.42.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.42.self_attn.q_norm.weight'], W['model.layers.42.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L42.qkv
     del x_L42_attn_norm
     rt.kv_write(kv[42], (k_L42, v_L42), b.slot_mapping)  # L42.kv_write
     del k_L42, v_L42
     o_L42 = rt.paged_attention(q_L42, kv[42], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L42.attn
     del q_L42
-    h_L42_attn_partial = rt.o_proj(o_L42, W['model.layers.42.self_attn.o_proj.weight[d1/2]'])  # L42.o_proj
+    h_L42_attn_partial = rt.o_proj(o_L42, W['graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L42.o_proj
     del o_L42
     h_L42_attn_sum = rt.all_reduce(h_L42_attn_partial, group='tp', size=2, reduce='sum')  # L42.o_proj.all_reduce
     del h_L42_attn_partial
     h_L42_attn = rt.residual_add(h_L42_attn_sum, h_L41)  # L42.o_proj.residual
     del h_L41, h_L42_attn_sum
     x_L42_mlp_norm = rt.rms_norm(h_L42_attn, W['model.layers.42.post_attention_layernorm.weight'], 1e-06)  # L42.mlp_norm
-    h_L42_partial = rt.swiglu_mlp(x_L42_mlp_norm, W['model.layers.42.mlp.gate_proj.weight[d0/2]'], W['model.layers.42.mlp.up_proj.weight[d0/2]'], W['model.layers.42.mlp.down_proj.weight[d1/2]'])  # L42.mlp
+    h_L42_partial = rt.swiglu_mlp(x_L42_mlp_norm, W['graphgen.load:model.layers.42.mlp.gate_proj.weight[d0/2]+model.layers.42.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.42.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L42.mlp
     del x_L42_mlp_norm
     h_L42_sum = rt.all_reduce(h_L42_partial, group='tp', size=2, reduce='sum')  # L42.mlp.all_reduce
     del h_L42_partial
     h_L42 = rt.residual_add(h_L42_sum, h_L42_attn)  # L42.mlp.residual
     del h_L42_attn, h_L42_sum
     x_L43_attn_norm = rt.rms_norm(h_L42, W['model.layers.43.input_layernorm.weight'], 1e-06)  # L43.attn_norm
-    q_L43, k_L43, v_L43 = rt.qwen3_attn_prolog(x_L43_attn_norm, W['model.layers.43.self_attn.q_proj.weight[d0/2]'], W['model.layers.43.self_attn.k_proj.weight[d0/2]'], W['model.layers.43.self_attn.v_proj.weight[d0/2]'], W['model.layers.43.self_attn.q_norm.weight'], W['model.layers.43.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L43.qkv
+    q_L43, k_L43, v_L43 = rt.qwen3_attn_prolog(x_L43_attn_norm, W['graphgen.load:model.layers.43.self_attn.q_proj.weight[d0/2]+model.layers.43.self_attn.k_proj.weight[d0/2]+model.layers.43.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.43.self_attn.q_norm.weight'], W['model.layers.43.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L43.qkv
     del x_L43_attn_norm
     rt.kv_write(kv[43], (k_L43, v_L43), b.slot_mapping)  # L43.kv_write
     del k_L43, v_L43
     o_L43 = rt.paged_attention(q_L43, kv[43], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L43.attn
     del q_L43
-    h_L43_attn_partial = rt.o_proj(o_L43, W['model.layers.43.self_attn.o_proj.weight[d1/2]'])  # L43.o_proj
+    h_L43_attn_partial = rt.o_proj(o_L43, W['graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L43.o_proj
     del o_L43
     h_L43_attn_sum = rt.all_reduce(h_L43_attn_partial, group='tp', size=2, reduce='sum')  # L43.o_proj.all_reduce
     del h_L43_attn_partial
     h_L43_attn = rt.residual_add(h_L43_attn_sum, h_L42)  # L43.o_proj.residual
     del h_L42, h_L43_attn_sum
     x_L43_mlp_norm = rt.rms_norm(h_L43_attn, W['model.layers.43.post_attention_layernorm.weight'], 1e-06)  # L43.mlp_norm
-    h_L43_partial = rt.swiglu_mlp(x_L43_mlp_norm, W['model.layers.43.mlp.gate_proj.weight[d0/2]'], W['model.layers.43.mlp.up_proj.weight[d0/2]'], W['model.layers.43.mlp.down_proj.weight[d1/2]'])  # L43.mlp
+    h_L43_partial = rt.swiglu_mlp(x_L43_mlp_norm, W['graphgen.load:model.layers.43.mlp.gate_proj.weight[d0/2]+model.layers.43.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.43.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L43.mlp
     del x_L43_mlp_norm
     h_L43_sum = rt.all_reduce(h_L43_partial, group='tp', size=2, reduce='sum')  # L43.mlp.all_reduce
     del h_L43_partial
     h_L43 = rt.residual_add(h_L43_sum, h_L43_attn)  # L43.mlp.residual
     del h_L43_attn, h_L43_sum
     x_L44_attn_norm = rt.rms_norm(h_L43, W['model.layers.44.input_layernorm.weight'], 1e-06)  # L44.attn_norm
-    q_L44, k_L44, v_L44 = rt.qwen3_attn_prolog(x_L44_attn_norm, W['model.layers.44.self_attn.q_proj.weight[d0/2]'], W['model.layers.44.self_attn.k_proj.weight[d0/2]'], W['model.layers.44.self_attn.v_proj.weight[d0/2]'], W['model.layers.44.self_attn.q_norm.weight'], W['model.layers.44.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L44.qkv
+    q_L44, k_L44, v_L44 = rt.qwen3_attn_prolog(x_L44_attn_norm, W['graphgen.load:model.layers.44.self_attn.q_proj.weight[d0/2]+model.layers.44.self_attn.k_proj.weight[d0/2]+model.layers.44.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.44.self_attn.q_norm.weight'], W['model.layers.44.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L44.qkv
     del x_L44_attn_norm
     rt.kv_write(kv[44], (k_L44, v_L44), b.slot_mapping)  # L44.kv_write
     del k_L44, v_L44
     o_L44 = rt.paged_attention(q_L44, kv[44], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L44.attn
     del q_L44
-    h_L44_attn_partial = rt.o_proj(o_L44, W['model.layers.44.self_attn.o_proj.weight[d1/2]'])  # L44.o_proj
+    h_L44_attn_partial = rt.o_proj(o_L44, W['graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L44.o_proj
     del o_L44
     h_L44_attn_sum = rt.all_reduce(h_L44_attn_partial, group='tp', size=2, reduce='sum')  # L44.o_proj.all_reduce
     del h_L44_attn_partial
     h_L44_attn = rt.residual_add(h_L44_attn_sum, h_L43)  # L44.o_proj.residual
     del h_L43, h_L44_attn_sum
     x_L44_mlp_norm = rt.rms_norm(h_L44_attn, W['model.layers.44.post_attention_layernorm.weight'], 1e-06)  # L44.mlp_norm
-    h_L44_partial = rt.swiglu_mlp(x_L44_mlp_norm, W['model.layers.44.mlp.gate_proj.weight[d0/2]'], W['model.layers.44.mlp.up_proj.weight[d0/2]'], W['model.layers.44.mlp.down_proj.weight[d1/2]'])  # L44.mlp
+    h_L44_partial = rt.swiglu_mlp(x_L44_mlp_norm, W['graphgen.load:model.layers.44.mlp.gate_proj.weight[d0/2]+model.layers.44.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.44.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L44.mlp
     del x_L44_mlp_norm
     h_L44_sum = rt.all_reduce(h_L44_partial, group='tp', size=2, reduce='sum')  # L44.mlp.all_reduce
     del h_L44_partial
     h_L44 = rt.residual_add(h_L44_sum, h_L44_attn)  # L44.mlp.residual
     del h_L44_attn, h_L44_sum
     x_L45_attn_norm = rt.rms_norm(h_L44, W['model.layers.45.input_layernorm.weight'], 1e-06)  # L45.attn_norm
-    q_L45, k_L45, v_L45 = rt.qwen3_attn_prolog(x_L45_attn_norm, W['model.layers.45.self_attn.q_proj.weight[d0/2]'], W['model.layers.45.self_attn.k_proj.weight[d0/2]'], W['model.layers.45.self_attn.v_proj.weight[d0/2]'], W['model.layers.45.self_attn.q_norm.weight'], W['model.layers.45.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L45.qkv
+    q_L45, k_L45, v_L45 = rt.qwen3_attn_prolog(x_L45_attn_norm, W['graphgen.load:model.layers.45.self_attn.q_proj.weight[d0/2]+model.layers.45.self_attn.k_proj.weight[d0/2]+model.layers.45.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.45.self_attn.q_norm.weight'], W['model.layers.45.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L45.qkv
     del x_L45_attn_norm
     rt.kv_write(kv[45], (k_L45, v_L45), b.slot_mapping)  # L45.kv_write
     del k_L45, v_L45
     o_L45 = rt.paged_attention(q_L45, kv[45], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L45.attn
     del q_L45
-    h_L45_attn_partial = rt.o_proj(o_L45, W['model.layers.45.self_attn.o_proj.weight[d1/2]'])  # L45.o_proj
+    h_L45_attn_partial = rt.o_proj(o_L45, W['graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L45.o_proj
     del o_L45
     h_L45_attn_sum = rt.all_reduce(h_L45_attn_partial, group='tp', size=2, reduce='sum')  # L45.o_proj.all_reduce
     del h_L45_attn_partial
     h_L45_attn = rt.residual_add(h_L45_attn_sum, h_L44)  # L45.o_proj.residual
     del h_L44, h_L45_attn_sum
     x_L45_mlp_norm = rt.rms_norm(h_L45_attn, W['model.layers.45.post_attention_layernorm.weight'], 1e-06)  # L45.mlp_norm
-    h_L45_partial = rt.swiglu_mlp(x_L45_mlp_norm, W['model.layers.45.mlp.gate_proj.weight[d0/2]'], W['model.layers.45.mlp.up_proj.weight[d0/2]'], W['model.layers.45.mlp.down_proj.weight[d1/2]'])  # L45.mlp
+    h_L45_partial = rt.swiglu_mlp(x_L45_mlp_norm, W['graphgen.load:model.layers.45.mlp.gate_proj.weight[d0/2]+model.layers.45.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.45.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L45.mlp
     del x_L45_mlp_norm
     h_L45_sum = rt.all_reduce(h_L45_partial, group='tp', size=2, reduce='sum')  # L45.mlp.all_reduce
     del h_L45_partial
     h_L45 = rt.residual_add(h_L45_sum, h_L45_attn)  # L45.mlp.residual
     del h_L45_attn, h_L45_sum
     x_L46_attn_norm = rt.rms_norm(h_L45, W['model.layers.46.input_layernorm.weight'], 1e-06)  # L46.attn_norm
-    q_L46, k_L46, v_L46 = rt.qwen3_attn_prolog(x_L46_attn_norm, W['model.layers.46.self_attn.q_proj.weight[d0/2]'], W['model.layers.46.self_attn.k_proj.weight[d0/2]'], W['model.layers.46.self_attn.v_proj.weight[d0/2]'], W['model.layers.46.self_attn.q_norm.weight'], W['model.layers.46.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L46.qkv
+    q_L46, k_L46, v_L46 = rt.qwen3_attn_prolog(x_L46_attn_norm, W['graphgen.load:model.layers.46.self_attn.q_proj.weight[d0/2]+model.layers.46.self_attn.k_proj.weight[d0/2]+model.layers.46.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.46.self_attn.q_norm.weight'], W['model.layers.46.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L46.qkv
     del x_L46_attn_norm
     rt.kv_write(kv[46], (k_L46, v_L46), b.slot_mapping)  # L46.kv_write
     del k_L46, v_L46
     o_L46 = rt.paged_attention(q_L46, kv[46], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L46.attn
     del q_L46
-    h_L46_attn_partial = rt.o_proj(o_L46, W['model.layers.46.self_attn.o_proj.weight[d1/2]'])  # L46.o_proj
+    h_L46_attn_partial = rt.o_proj(o_L46, W['graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L46.o_proj
     del o_L46
     h_L46_attn_sum = rt.all_reduce(h_L46_attn_partial, group='tp', size=2, reduce='sum')  # L46.o_proj.all_reduce
     del h_L46_attn_partial
     h_L46_attn = rt.residual_add(h_L46_attn_sum, h_L45)  # L46.o_proj.residual
     del h_L45, h_L46_attn_sum
     x_L46_mlp_norm = rt.rms_norm(h_L46_attn, W['model.layers.46.post_attention_layernorm.weight'], 1e-06)  # L46.mlp_norm
-    h_L46_partial = rt.swiglu_mlp(x_L46_mlp_norm, W['model.layers.46.mlp.gate_proj.weight[d0/2]'], W['model.layers.46.mlp.up_proj.weight[d0/2]'], W['model.layers.46.mlp.down_proj.weight[d1/2]'])  # L46.mlp
+    h_L46_partial = rt.swiglu_mlp(x_L46_mlp_norm, W['graphgen.load:model.layers.46.mlp.gate_proj.weight[d0/2]+model.layers.46.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.46.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L46.mlp
     del x_L46_mlp_norm
     h_L46_sum = rt.all_reduce(h_L46_partial, group='tp', size=2, reduce='sum')  # L46.mlp.all_reduce
     del h_L46_partial
     h_L46 = rt.residual_add(h_L46_sum, h_L46_attn)  # L46.mlp.residual
     del h_L46_attn, h_L46_sum
     x_L47_attn_norm = rt.rms_norm(h_L46, W['model.layers.47.input_layernorm.weight'], 1e-06)  # L47.attn_norm
-    q_L47, k_L47, v_L47 = rt.qwen3_attn_prolog(x_L47_attn_norm, W['model.layers.47.self_attn.q_proj.weight[d0/2]'], W['model.layers.47.self_attn.k_proj.weight[d0/2]'], W['model.layers.47.self_attn.v_proj.weight[d0/2]'], W['model.layers.47.self_attn.q_norm.weight'], W['model.layers.47.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L47.qkv
+    q_L47, k_L47, v_L47 = rt.qwen3_attn_prolog(x_L47_attn_norm, W['graphgen.load:model.layers.47.self_attn.q_proj.weight[d0/2]+model.layers.47.self_attn.k_proj.weight[d0/2]+model.layers.47.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.47.self_attn.q_norm.weight'], W['model.layers.47.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L47.qkv
     del x_L47_attn_norm
     rt.kv_write(kv[47], (k_L47, v_L47), b.slot_mapping)  # L47.kv_write
     del k_L47, v_L47
     o_L47 = rt.paged_attention(q_L47, kv[47], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L47.attn
     del q_L47
-    h_L47_attn_partial = rt.o_proj(o_L47, W['model.layers.47.self_attn.o_proj.weight[d1/2]'])  # L47.o_proj
+    h_L47_attn_partial = rt.o_proj(o_L47, W['graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L47.o_proj
     del o_L47
     h_L47_attn_sum = rt.all_reduce(h_L47_attn_partial, group='tp', size=2, reduce='sum')  # L47.o_proj.all_reduce
     del h_L47_attn_partial
     h_L47_attn = rt.residual_add(h_L47_attn_sum, h_L46)  # L47.o_proj.residual
     del h_L46, h_L47_attn_sum
     x_L47_mlp_norm = rt.rms_norm(h_L47_attn, W['model.layers.47.post_attention_layernorm.weight'], 1e-06)  # L47.mlp_norm
-    h_L47_partial = rt.swiglu_mlp(x_L47_mlp_norm, W['model.layers.47.mlp.gate_proj.weight[d0/2]'], W['model.layers.47.mlp.up_proj.weight[d0/2]'], W['model.layers.47.mlp.down_proj.weight[d1/2]'])  # L47.mlp
+    h_L47_partial = rt.swiglu_mlp(x_L47_mlp_norm, W['graphgen.load:model.layers.47.mlp.gate_proj.weight[d0/2]+model.layers.47.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.47.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L47.mlp
     del x_L47_mlp_norm
     h_L47_sum = rt.all_reduce(h_L47_partial, group='tp', size=2, reduce='sum')  # L47.mlp.all_reduce
     del h_L47_partial
     h_L47 = rt.residual_add(h_L47_sum, h_L47_attn)  # L47.mlp.residual
     del h_L47_attn, h_L47_sum
     x_L48_attn_norm = rt.rms_norm(h_L47, W['model.layers.48.input_layernorm.weight'], 1e-06)  # L48.attn_norm
-    q_L48, k_L48, v_L48 = rt.qwen3_attn_prolog(x_L48_attn_norm, W['model.layers.48.self_attn.q_proj.weight[d0/2]'], W['model.layers.48.self_attn.k_proj.weight[d0/2]'], W['model.layers.48.self_attn.v_proj.weight[d0/2]'], W['model.layers.48.self_attn.q_norm.weight'], W['model.layers.48.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L48.qkv
+    q_L48, k_L48, v_L48 = rt.qwen3_attn_prolog(x_L48_attn_norm, W['graphgen.load:model.layers.48.self_attn.q_proj.weight[d0/2]+model.layers.48.self_attn.k_proj.weight[d0/2]+model.layers.48.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.48.self_attn.q_norm.weight'], W['model.layers.48.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L48.qkv
     del x_L48_attn_norm
     rt.kv_write(kv[48], (k_L48, v_L48), b.slot_mapping)  # L48.kv_write
     del k_L48, v_L48
     o_L48 = rt.paged_attention(q_L48, kv[48], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L48.attn
     del q_L48
-    h_L48_attn_partial = rt.o_proj(o_L48, W['model.layers.48.self_attn.o_proj.weight[d1/2]'])  # L48.o_proj
+    h_L48_attn_partial = rt.o_proj(o_L48, W['graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L48.o_proj
     del o_L48
     h_L48_attn_sum = rt.all_reduce(h_L48_attn_partial, group='tp', size=2, reduce='sum')  # L48.o_proj.all_reduce
     del h_L48_attn_partial
     h_L48_attn = rt.residual_add(h_L48_attn_sum, h_L47)  # L48.o_proj.residual
     del h_L47, h_L48_attn_sum
     x_L48_mlp_norm = rt.rms_norm(h_L48_attn, W['model.layers.48.post_attention_layernorm.weight'], 1e-06)  # L48.mlp_norm
-    h_L48_partial = rt.swiglu_mlp(x_L48_mlp_norm, W['model.layers.48.mlp.gate_proj.weight[d0/2]'], W['model.layers.48.mlp.up_proj.weight[d0/2]'], W['model.layers.48.mlp.down_proj.weight[d1/2]'])  # L48.mlp
+    h_L48_partial = rt.swiglu_mlp(x_L48_mlp_norm, W['graphgen.load:model.layers.48.mlp.gate_proj.weight[d0/2]+model.layers.48.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.48.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L48.mlp
     del x_L48_mlp_norm
     h_L48_sum = rt.all_reduce(h_L48_partial, group='tp', size=2, reduce='sum')  # L48.mlp.all_reduce
     del h_L48_partial
     h_L48 = rt.residual_add(h_L48_sum, h_L48_attn)  # L48.mlp.residual
     del h_L48_attn, h_L48_sum
     x_L49_attn_norm = rt.rms_norm(h_L48, W['model.layers.49.input_layernorm.weight'], 1e-06)  # L49.attn_norm
-    q_L49, k_L49, v_L49 = rt.qwen3_attn_prolog(x_L49_attn_norm, W['model.layers.49.self_attn.q_proj.weight[d0/2]'], W['model.layers.49.self_attn.k_proj.weight[d0/2]'], W['model.layers.49.self_attn.v_proj.weight[d0/2]'], W['model.layers.49.self_attn.q_norm.weight'], W['model.layers.49.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L49.qkv
+    q_L49, k_L49, v_L49 = rt.qwen3_attn_prolog(x_L49_attn_norm, W['graphgen.load:model.layers.49.self_attn.q_proj.weight[d0/2]+model.layers.49.self_attn.k_proj.weight[d0/2]+model.layers.49.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.49.self_attn.q_norm.weight'], W['model.layers.49.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L49.qkv
     del x_L49_attn_norm
     rt.kv_write(kv[49], (k_L49, v_L49), b.slot_mapping)  # L49.kv_write
     del k_L49, v_L49
     o_L49 = rt.paged_attention(q_L49, kv[49], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L49.attn
     del q_L49
-    h_L49_attn_partial = rt.o_proj(o_L49, W['model.layers.49.self_attn.o_proj.weight[d1/2]'])  # L49.o_proj
+    h_L49_attn_partial = rt.o_proj(o_L49, W['graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L49.o_proj
     del o_L49
     h_L49_attn_sum = rt.all_reduce(h_L49_attn_partial, group='tp', size=2, reduce='sum')  # L49.o_proj.all_reduce
     del h_L49_attn_partial
     h_L49_attn = rt.residual_add(h_L49_attn_sum, h_L48)  # L49.o_proj.residual
     del h_L48, h_L49_attn_sum
     x_L49_mlp_norm = rt.rms_norm(h_L49_attn, W['model.layers.49.post_attention_layernorm.weight'], 1e-06)  # L49.mlp_norm
-    h_L49_partial = rt.swiglu_mlp(x_L49_mlp_norm, W['model.layers.49.mlp.gate_proj.weight[d0/2]'], W['model.layers.49.mlp.up_proj.weight[d0/2]'], W['model.layers.49.mlp.down_proj.weight[d1/2]'])  # L49.mlp
+    h_L49_partial = rt.swiglu_mlp(x_L49_mlp_norm, W['graphgen.load:model.layers.49.mlp.gate_proj.weight[d0/2]+model.layers.49.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.49.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L49.mlp
     del x_L49_mlp_norm
     h_L49_sum = rt.all_reduce(h_L49_partial, group='tp', size=2, reduce='sum')  # L49.mlp.all_reduce
     del h_L49_partial
     h_L49 = rt.residual_add(h_L49_sum, h_L49_attn)  # L49.mlp.residual
     del h_L49_attn, h_L49_sum
     x_L50_attn_norm = rt.rms_norm(h_L49, W['model.layers.50.input_layernorm.weight'], 1e-06)  # L50.attn_norm
-    q_L50, k_L50, v_L50 = rt.qwen3_attn_prolog(x_L50_attn_norm, W['model.layers.50.self_attn.q_proj.weight[d0/2]'], W['model.layers.50.self_attn.k_proj.weight[d0/2]'], W['model.layers.50.self_attn.v_proj.weight[d0/2]'], W['model.layers.50.self_attn.q_norm.weight'], W['model.layers.50.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L50.qkv
+    q_L50, k_L50, v_L50 = rt.qwen3_attn_prolog(x_L50_attn_norm, W['graphgen.load:model.layers.50.self_attn.q_proj.weight[d0/2]+model.layers.50.self_attn.k_proj.weight[d0/2]+model.layers.50.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.50.self_attn.q_norm.weight'], W['model.layers.50.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L50.qkv
     del x_L50_attn_norm
     rt.kv_write(kv[50], (k_L50, v_L50), b.slot_mapping)  # L50.kv_write
     del k_L50, v_L50
     o_L50 = rt.paged_attention(q_L50, kv[50], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L50.attn
     del q_L50
-    h_L50_attn_partial = rt.o_proj(o_L50, W['model.layers.50.self_attn.o_proj.weight[d1/2]'])  # L50.o_proj
+    h_L50_attn_partial = rt.o_proj(o_L50, W['graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L50.o_proj
     del o_L50
     h_L50_attn_sum = rt.all_reduce(h_L50_attn_partial, group='tp', size=2, reduce='sum')  # L50.o_proj.all_reduce
     del h_L50_attn_partial
     h_L50_attn = rt.residual_add(h_L50_attn_sum, h_L49)  # L50.o_proj.residual
     del h_L49, h_L50_attn_sum
     x_L50_mlp_norm = rt.rms_norm(h_L50_attn, W['model.layers.50.post_attention_layernorm.weight'], 1e-06)  # L50.mlp_norm
-    h_L50_partial = rt.swiglu_mlp(x_L50_mlp_norm, W['model.layers.50.mlp.gate_proj.weight[d0/2]'], W['model.layers.50.mlp.up_proj.weight[d0/2]'], W['model.layers.50.mlp.down_proj.weight[d1/2]'])  # L50.mlp
+    h_L50_partial = rt.swiglu_mlp(x_L50_mlp_norm, W['graphgen.load:model.layers.50.mlp.gate_proj.weight[d0/2]+model.layers.50.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.50.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L50.mlp
     del x_L50_mlp_norm
     h_L50_sum = rt.all_reduce(h_L50_partial, group='tp', size=2, reduce='sum')  # L50.mlp.all_reduce
     del h_L50_partial
     h_L50 = rt.residual_add(h_L50_sum, h_L50_attn)  # L50.mlp.residual
     del h_L50_attn, h_L50_sum
     x_L51_attn_norm = rt.rms_norm(h_L50, W['model.layers.51.input_layernorm.weight'], 1e-06)  # L51.attn_norm
-    q_L51, k_L51, v_L51 = rt.qwen3_attn_prolog(x_L51_attn_norm, W['model.layers.51.self_attn.q_proj.weight[d0/2]'], W['model.layers.51.self_attn.k_proj.weight[d0/2]'], W['model.layers.51.self_attn.v_proj.weight[d0/2]'], W['model.layers.51.self_attn.q_norm.weight'], W['model.layers.51.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L51.qkv
+    q_L51, k_L51, v_L51 = rt.qwen3_attn_prolog(x_L51_attn_norm, W['graphgen.load:model.layers.51.self_attn.q_proj.weight[d0/2]+model.layers.51.self_attn.k_proj.weight[d0/2]+model.layers.51.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.51.self_attn.q_norm.weight'], W['model.layers.51.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L51.qkv
     del x_L51_attn_norm
     rt.kv_write(kv[51], (k_L51, v_L51), b.slot_mapping)  # L51.kv_write
     del k_L51, v_L51
     o_L51 = rt.paged_attention(q_L51, kv[51], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L51.attn
     del q_L51
-    h_L51_attn_partial = rt.o_proj(o_L51, W['model.layers.51.self_attn.o_proj.weight[d1/2]'])  # L51.o_proj
+    h_L51_attn_partial = rt.o_proj(o_L51, W['graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L51.o_proj
     del o_L51
     h_L51_attn_sum = rt.all_reduce(h_L51_attn_partial, group='tp', size=2, reduce='sum')  # L51.o_proj.all_reduce
     del h_L51_attn_partial
     h_L51_attn = rt.residual_add(h_L51_attn_sum, h_L50)  # L51.o_proj.residual
     del h_L50, h_L51_attn_sum
     x_L51_mlp_norm = rt.rms_norm(h_L51_attn, W['model.layers.51.post_attention_layernorm.weight'], 1e-06)  # L51.mlp_norm
-    h_L51_partial = rt.swiglu_mlp(x_L51_mlp_norm, W['model.layers.51.mlp.gate_proj.weight[d0/2]'], W['model.layers.51.mlp.up_proj.weight[d0/2]'], W['model.layers.51.mlp.down_proj.weight[d1/2]'])  # L51.mlp
+    h_L51_partial = rt.swiglu_mlp(x_L51_mlp_norm, W['graphgen.load:model.layers.51.mlp.gate_proj.weight[d0/2]+model.layers.51.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.51.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L51.mlp
     del x_L51_mlp_norm
     h_L51_sum = rt.all_reduce(h_L51_partial, group='tp', size=2, reduce='sum')  # L51.mlp.all_reduce
     del h_L51_partial
     h_L51 = rt.residual_add(h_L51_sum, h_L51_attn)  # L51.mlp.residual
     del h_L51_attn, h_L51_sum
     x_L52_attn_norm = rt.rms_norm(h_L51, W['model.layers.52.input_layernorm.weight'], 1e-06)  # L52.attn_norm
-    q_L52, k_L52, v_L52 = rt.qwen3_attn_prolog(x_L52_attn_norm, W['model.layers.52.self_attn.q_proj.weight[d0/2]'], W['model.layers.52.self_attn.k_proj.weight[d0/2]'], W['model.layers.52.self_attn.v_proj.weight[d0/2]'], W['model.layers.52.self_attn.q_norm.weight'], W['model.layers.52.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L52.qkv
+    q_L52, k_L52, v_L52 = rt.qwen3_attn_prolog(x_L52_attn_norm, W['graphgen.load:model.layers.52.self_attn.q_proj.weight[d0/2]+model.layers.52.self_attn.k_proj.weight[d0/2]+model.layers.52.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.52.self_attn.q_norm.weight'], W['model.layers.52.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L52.qkv
     del x_L52_attn_norm
     rt.kv_write(kv[52], (k_L52, v_L52), b.slot_mapping)  # L52.kv_write
     del k_L52, v_L52
     o_L52 = rt.paged_attention(q_L52, kv[52], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L52.attn
     del q_L52
-    h_L52_attn_partial = rt.o_proj(o_L52, W['model.layers.52.self_attn.o_proj.weight[d1/2]'])  # L52.o_proj
+    h_L52_attn_partial = rt.o_proj(o_L52, W['graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L52.o_proj
     del o_L52
     h_L52_attn_sum = rt.all_reduce(h_L52_attn_partial, group='tp', size=2, reduce='sum')  # L52.o_proj.all_reduce
     del h_L52_attn_partial
     h_L52_attn = rt.residual_add(h_L52_attn_sum, h_L51)  # L52.o_proj.residual
     del h_L51, h_L52_attn_sum
     x_L52_mlp_norm = rt.rms_norm(h_L52_attn, W['model.layers.52.post_attention_layernorm.weight'], 1e-06)  # L52.mlp_norm
-    h_L52_partial = rt.swiglu_mlp(x_L52_mlp_norm, W['model.layers.52.mlp.gate_proj.weight[d0/2]'], W['model.layers.52.mlp.up_proj.weight[d0/2]'], W['model.layers.52.mlp.down_proj.weight[d1/2]'])  # L52.mlp
+    h_L52_partial = rt.swiglu_mlp(x_L52_mlp_norm, W['graphgen.load:model.layers.52.mlp.gate_proj.weight[d0/2]+model.layers.52.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.52.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L52.mlp
     del x_L52_mlp_norm
     h_L52_sum = rt.all_reduce(h_L52_partial, group='tp', size=2, reduce='sum')  # L52.mlp.all_reduce
     del h_L52_partial
     h_L52 = rt.residual_add(h_L52_sum, h_L52_attn)  # L52.mlp.residual
     del h_L52_attn, h_L52_sum
     x_L53_attn_norm = rt.rms_norm(h_L52, W['model.layers.53.input_layernorm.weight'], 1e-06)  # L53.attn_norm
-    q_L53, k_L53, v_L53 = rt.qwen3_attn_prolog(x_L53_attn_norm, W['model.layers.53.self_attn.q_proj.weight[d0/2]'], W['model.layers.53.self_attn.k_proj.weight[d0/2]'], W['model.layers.53.self_attn.v_proj.weight[d0/2]'], W['model.layers.53.self_attn.q_norm.weight'], W['model.layers.53.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L53.qkv
+    q_L53, k_L53, v_L53 = rt.qwen3_attn_prolog(x_L53_attn_norm, W['graphgen.load:model.layers.53.self_attn.q_proj.weight[d0/2]+model.layers.53.self_attn.k_proj.weight[d0/2]+model.layers.53.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.53.self_attn.q_norm.weight'], W['model.layers.53.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L53.qkv
     del x_L53_attn_norm
     rt.kv_write(kv[53], (k_L53, v_L53), b.slot_mapping)  # L53.kv_write
     del k_L53, v_L53
     o_L53 = rt.paged_attention(q_L53, kv[53], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L53.attn
     del q_L53
-    h_L53_attn_partial = rt.o_proj(o_L53, W['model.layers.53.self_attn.o_proj.weight[d1/2]'])  # L53.o_proj
+    h_L53_attn_partial = rt.o_proj(o_L53, W['graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L53.o_proj
     del o_L53
     h_L53_attn_sum = rt.all_reduce(h_L53_attn_partial, group='tp', size=2, reduce='sum')  # L53.o_proj.all_reduce
     del h_L53_attn_partial
     h_L53_attn = rt.residual_add(h_L53_attn_sum, h_L52)  # L53.o_proj.residual
     del h_L52, h_L53_attn_sum
     x_L53_mlp_norm = rt.rms_norm(h_L53_attn, W['model.layers.53.post_attention_layernorm.weight'], 1e-06)  # L53.mlp_norm
-    h_L53_partial = rt.swiglu_mlp(x_L53_mlp_norm, W['model.layers.53.mlp.gate_proj.weight[d0/2]'], W['model.layers.53.mlp.up_proj.weight[d0/2]'], W['model.layers.53.mlp.down_proj.weight[d1/2]'])  # L53.mlp
+    h_L53_partial = rt.swiglu_mlp(x_L53_mlp_norm, W['graphgen.load:model.layers.53.mlp.gate_proj.weight[d0/2]+model.layers.53.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.53.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L53.mlp
     del x_L53_mlp_norm
     h_L53_sum = rt.all_reduce(h_L53_partial, group='tp', size=2, reduce='sum')  # L53.mlp.all_reduce
     del h_L53_partial
     h_L53 = rt.residual_add(h_L53_sum, h_L53_attn)  # L53.mlp.residual
     del h_L53_attn, h_L53_sum
     x_L54_attn_norm = rt.rms_norm(h_L53, W['model.layers.54.input_layernorm.weight'], 1e-06)  # L54.attn_norm
-    q_L54, k_L54, v_L54 = rt.qwen3_attn_prolog(x_L54_attn_norm, W['model.layers.54.self_attn.q_proj.weight[d0/2]'], W['model.layers.54.self_attn.k_proj.weight[d0/2]'], W['model.layers.54.self_attn.v_proj.weight[d0/2]'], W['model.layers.54.self_attn.q_norm.weight'], W['model.layers.54.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L54.qkv
+    q_L54, k_L54, v_L54 = rt.qwen3_attn_prolog(x_L54_attn_norm, W['graphgen.load:model.layers.54.self_attn.q_proj.weight[d0/2]+model.layers.54.self_attn.k_proj.weight[d0/2]+model.layers.54.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.54.self_attn.q_norm.weight'], W['model.layers.54.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L54.qkv
     del x_L54_attn_norm
     rt.kv_write(kv[54], (k_L54, v_L54), b.slot_mapping)  # L54.kv_write
     del k_L54, v_L54
     o_L54 = rt.paged_attention(q_L54, kv[54], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L54.attn
     del q_L54
-    h_L54_attn_partial = rt.o_proj(o_L54, W['model.layers.54.self_attn.o_proj.weight[d1/2]'])  # L54.o_proj
+    h_L54_attn_partial = rt.o_proj(o_L54, W['graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L54.o_proj
     del o_L54
     h_L54_attn_sum = rt.all_reduce(h_L54_attn_partial, group='tp', size=2, reduce='sum')  # L54.o_proj.all_reduce
     del h_L54_attn_partial
     h_L54_attn = rt.residual_add(h_L54_attn_sum, h_L53)  # L54.o_proj.residual
     del h_L53, h_L54_attn_sum
     x_L54_mlp_norm = rt.rms_norm(h_L54_attn, W['model.layers.54.post_attention_layernorm.weight'], 1e-06)  # L54.mlp_norm
-    h_L54_partial = rt.swiglu_mlp(x_L54_mlp_norm, W['model.layers.54.mlp.gate_proj.weight[d0/2]'], W['model.layers.54.mlp.up_proj.weight[d0/2]'], W['model.layers.54.mlp.down_proj.weight[d1/2]'])  # L54.mlp
+    h_L54_partial = rt.swiglu_mlp(x_L54_mlp_norm, W['graphgen.load:model.layers.54.mlp.gate_proj.weight[d0/2]+model.layers.54.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.54.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L54.mlp
     del x_L54_mlp_norm
     h_L54_sum = rt.all_reduce(h_L54_partial, group='tp', size=2, reduce='sum')  # L54.mlp.all_reduce
     del h_L54_partial
     h_L54 = rt.residual_add(h_L54_sum, h_L54_attn)  # L54.mlp.residual
     del h_L54_attn, h_L54_sum
     x_L55_attn_norm = rt.rms_norm(h_L54, W['model.layers.55.input_layernorm.weight'], 1e-06)  # L55.attn_norm
-    q_L55, k_L55, v_L55 = rt.qwen3_attn_prolog(x_L55_attn_norm, W['model.layers.55.self_attn.q_proj.weight[d0/2]'], W['model.layers.55.self_attn.k_proj.weight[d0/2]'], W['model.layers.55.self_attn.v_proj.weight[d0/2]'], W['model.layers.55.self_attn.q_norm.weight'], W['model.layers.55.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L55.qkv
+    q_L55, k_L55, v_L55 = rt.qwen3_attn_prolog(x_L55_attn_norm, W['graphgen.load:model.layers.55.self_attn.q_proj.weight[d0/2]+model.layers.55.self_attn.k_proj.weight[d0/2]+model.layers.55.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.55.self_attn.q_norm.weight'], W['model.layers.55.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L55.qkv
     del x_L55_attn_norm
     rt.kv_write(kv[55], (k_L55, v_L55), b.slot_mapping)  # L55.kv_write
     del k_L55, v_L55
     o_L55 = rt.paged_attention(q_L55, kv[55], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L55.attn
     del q_L55
-    h_L55_attn_partial = rt.o_proj(o_L55, W['model.layers.55.self_attn.o_proj.weight[d1/2]'])  # L55.o_proj
+    h_L55_attn_partial = rt.o_proj(o_L55, W['graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L55.o_proj
     del o_L55
     h_L55_attn_sum = rt.all_reduce(h_L55_attn_partial, group='tp', size=2, reduce='sum')  # L55.o_proj.all_reduce
     del h_L55_attn_partial
     h_L55_attn = rt.residual_add(h_L55_attn_sum, h_L54)  # L55.o_proj.residual
     del h_L54, h_L55_attn_sum
     x_L55_mlp_norm = rt.rms_norm(h_L55_attn, W['model.layers.55.post_attention_layernorm.weight'], 1e-06)  # L55.mlp_norm
-    h_L55_partial = rt.swiglu_mlp(x_L55_mlp_norm, W['model.layers.55.mlp.gate_proj.weight[d0/2]'], W['model.layers.55.mlp.up_proj.weight[d0/2]'], W['model.layers.55.mlp.down_proj.weight[d1/2]'])  # L55.mlp
+    h_L55_partial = rt.swiglu_mlp(x_L55_mlp_norm, W['graphgen.load:model.layers.55.mlp.gate_proj.weight[d0/2]+model.layers.55.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.55.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L55.mlp
     del x_L55_mlp_norm
     h_L55_sum = rt.all_reduce(h_L55_partial, group='tp', size=2, reduce='sum')  # L55.mlp.all_reduce
     del h_L55_partial
     h_L55 = rt.residual_add(h_L55_sum, h_L55_attn)  # L55.mlp.residual
     del h_L55_attn, h_L55_sum
     x_L56_attn_norm = rt.rms_norm(h_L55, W['model.layers.56.input_layernorm.weight'], 1e-06)  # L56.attn_norm
-    q_L56, k_L56, v_L56 = rt.qwen3_attn_prolog(x_L56_attn_norm, W['model.layers.56.self_attn.q_proj.weight[d0/2]'], W['model.layers.56.self_attn.k_proj.weight[d0/2]'], W['model.layers.56.self_attn.v_proj.weight[d0/2]'], W['model.layers.56.self_attn.q_norm.weight'], W['model.layers.56.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L56.qkv
+    q_L56, k_L56, v_L56 = rt.qwen3_attn_prolog(x_L56_attn_norm, W['graphgen.load:model.layers.56.self_attn.q_proj.weight[d0/2]+model.layers.56.self_attn.k_proj.weight[d0/2]+model.layers.56.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.56.self_attn.q_norm.weight'], W['model.layers.56.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L56.qkv
     del x_L56_attn_norm
     rt.kv_write(kv[56], (k_L56, v_L56), b.slot_mapping)  # L56.kv_write
     del k_L56, v_L56
     o_L56 = rt.paged_attention(q_L56, kv[56], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L56.attn
     del q_L56
-    h_L56_attn_partial = rt.o_proj(o_L56, W['model.layers.56.self_attn.o_proj.weight[d1/2]'])  # L56.o_proj
+    h_L56_attn_partial = rt.o_proj(o_L56, W['graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L56.o_proj
     del o_L56
     h_L56_attn_sum = rt.all_reduce(h_L56_attn_partial, group='tp', size=2, reduce='sum')  # L56.o_proj.all_reduce
     del h_L56_attn_partial
     h_L56_attn = rt.residual_add(h_L56_attn_sum, h_L55)  # L56.o_proj.residual
     del h_L55, h_L56_attn_sum
     x_L56_mlp_norm = rt.rms_norm(h_L56_attn, W['model.layers.56.post_attention_layernorm.weight'], 1e-06)  # L56.mlp_norm
-    h_L56_partial = rt.swiglu_mlp(x_L56_mlp_norm, W['model.layers.56.mlp.gate_proj.weight[d0/2]'], W['model.layers.56.mlp.up_proj.weight[d0/2]'], W['model.layers.56.mlp.down_proj.weight[d1/2]'])  # L56.mlp
+    h_L56_partial = rt.swiglu_mlp(x_L56_mlp_norm, W['graphgen.load:model.layers.56.mlp.gate_proj.weight[d0/2]+model.layers.56.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.56.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L56.mlp
     del x_L56_mlp_norm
     h_L56_sum = rt.all_reduce(h_L56_partial, group='tp', size=2, reduce='sum')  # L56.mlp.all_reduce
     del h_L56_partial
     h_L56 = rt.residual_add(h_L56_sum, h_L56_attn)  # L56.mlp.residual
     del h_L56_attn, h_L56_sum
     x_L57_attn_norm = rt.rms_norm(h_L56, W['model.layers.57.input_layernorm.weight'], 1e-06)  # L57.attn_norm
-    q_L57, k_L57, v_L57 = rt.qwen3_attn_prolog(x_L57_attn_norm, W['model.layers.57.self_attn.q_proj.weight[d0/2]'], W['model.layers.57.self_attn.k_proj.weight[d0/2]'], W['model.layers.57.self_attn.v_proj.weight[d0/2]'], W['model.layers.57.self_attn.q_norm.weight'], W['model.layers.57.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L57.qkv
+    q_L57, k_L57, v_L57 = rt.qwen3_attn_prolog(x_L57_attn_norm, W['graphgen.load:model.layers.57.self_attn.q_proj.weight[d0/2]+model.layers.57.self_attn.k_proj.weight[d0/2]+model.layers.57.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.57.self_attn.q_norm.weight'], W['model.layers.57.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L57.qkv
     del x_L57_attn_norm
     rt.kv_write(kv[57], (k_L57, v_L57), b.slot_mapping)  # L57.kv_write
     del k_L57, v_L57
     o_L57 = rt.paged_attention(q_L57, kv[57], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L57.attn
     del q_L57
-    h_L57_attn_partial = rt.o_proj(o_L57, W['model.layers.57.self_attn.o_proj.weight[d1/2]'])  # L57.o_proj
+    h_L57_attn_partial = rt.o_proj(o_L57, W['graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L57.o_proj
     del o_L57
     h_L57_attn_sum = rt.all_reduce(h_L57_attn_partial, group='tp', size=2, reduce='sum')  # L57.o_proj.all_reduce
     del h_L57_attn_partial
     h_L57_attn = rt.residual_add(h_L57_attn_sum, h_L56)  # L57.o_proj.residual
     del h_L56, h_L57_attn_sum
     x_L57_mlp_norm = rt.rms_norm(h_L57_attn, W['model.layers.57.post_attention_layernorm.weight'], 1e-06)  # L57.mlp_norm
-    h_L57_partial = rt.swiglu_mlp(x_L57_mlp_norm, W['model.layers.57.mlp.gate_proj.weight[d0/2]'], W['model.layers.57.mlp.up_proj.weight[d0/2]'], W['model.layers.57.mlp.down_proj.weight[d1/2]'])  # L57.mlp
+    h_L57_partial = rt.swiglu_mlp(x_L57_mlp_norm, W['graphgen.load:model.layers.57.mlp.gate_proj.weight[d0/2]+model.layers.57.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.57.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L57.mlp
     del x_L57_mlp_norm
     h_L57_sum = rt.all_reduce(h_L57_partial, group='tp', size=2, reduce='sum')  # L57.mlp.all_reduce
     del h_L57_partial
     h_L57 = rt.residual_add(h_L57_sum, h_L57_attn)  # L57.mlp.residual
     del h_L57_attn, h_L57_sum
     x_L58_attn_norm = rt.rms_norm(h_L57, W['model.layers.58.input_layernorm.weight'], 1e-06)  # L58.attn_norm
-    q_L58, k_L58, v_L58 = rt.qwen3_attn_prolog(x_L58_attn_norm, W['model.layers.58.self_attn.q_proj.weight[d0/2]'], W['model.layers.58.self_attn.k_proj.weight[d0/2]'], W['model.layers.58.self_attn.v_proj.weight[d0/2]'], W['model.layers.58.self_attn.q_norm.weight'], W['model.layers.58.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L58.qkv
+    q_L58, k_L58, v_L58 = rt.qwen3_attn_prolog(x_L58_attn_norm, W['graphgen.load:model.layers.58.self_attn.q_proj.weight[d0/2]+model.layers.58.self_attn.k_proj.weight[d0/2]+model.layers.58.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.58.self_attn.q_norm.weight'], W['model.layers.58.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L58.qkv
     del x_L58_attn_norm
     rt.kv_write(kv[58], (k_L58, v_L58), b.slot_mapping)  # L58.kv_write
     del k_L58, v_L58
     o_L58 = rt.paged_attention(q_L58, kv[58], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L58.attn
     del q_L58
-    h_L58_attn_partial = rt.o_proj(o_L58, W['model.layers.58.self_attn.o_proj.weight[d1/2]'])  # L58.o_proj
+    h_L58_attn_partial = rt.o_proj(o_L58, W['graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L58.o_proj
     del o_L58
     h_L58_attn_sum = rt.all_reduce(h_L58_attn_partial, group='tp', size=2, reduce='sum')  # L58.o_proj.all_reduce
     del h_L58_attn_partial
     h_L58_attn = rt.residual_add(h_L58_attn_sum, h_L57)  # L58.o_proj.residual
     del h_L57, h_L58_attn_sum
     x_L58_mlp_norm = rt.rms_norm(h_L58_attn, W['model.layers.58.post_attention_layernorm.weight'], 1e-06)  # L58.mlp_norm
-    h_L58_partial = rt.swiglu_mlp(x_L58_mlp_norm, W['model.layers.58.mlp.gate_proj.weight[d0/2]'], W['model.layers.58.mlp.up_proj.weight[d0/2]'], W['model.layers.58.mlp.down_proj.weight[d1/2]'])  # L58.mlp
+    h_L58_partial = rt.swiglu_mlp(x_L58_mlp_norm, W['graphgen.load:model.layers.58.mlp.gate_proj.weight[d0/2]+model.layers.58.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.58.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L58.mlp
     del x_L58_mlp_norm
     h_L58_sum = rt.all_reduce(h_L58_partial, group='tp', size=2, reduce='sum')  # L58.mlp.all_reduce
     del h_L58_partial
     h_L58 = rt.residual_add(h_L58_sum, h_L58_attn)  # L58.mlp.residual
     del h_L58_attn, h_L58_sum
     x_L59_attn_norm = rt.rms_norm(h_L58, W['model.layers.59.input_layernorm.weight'], 1e-06)  # L59.attn_norm
-    q_L59, k_L59, v_L59 = rt.qwen3_attn_prolog(x_L59_attn_norm, W['model.layers.59.self_attn.q_proj.weight[d0/2]'], W['model.layers.59.self_attn.k_proj.weight[d0/2]'], W['model.layers.59.self_attn.v_proj.weight[d0/2]'], W['model.layers.59.self_attn.q_norm.weight'], W['model.layers.59.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L59.qkv
+    q_L59, k_L59, v_L59 = rt.qwen3_attn_prolog(x_L59_attn_norm, W['graphgen.load:model.layers.59.self_attn.q_proj.weight[d0/2]+model.layers.59.self_attn.k_proj.weight[d0/2]+model.layers.59.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.59.self_attn.q_norm.weight'], W['model.layers.59.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L59.qkv
     del x_L59_attn_norm
     rt.kv_write(kv[59], (k_L59, v_L59), b.slot_mapping)  # L59.kv_write
     del k_L59, v_L59
     o_L59 = rt.paged_attention(q_L59, kv[59], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L59.attn
     del q_L59
-    h_L59_attn_partial = rt.o_proj(o_L59, W['model.layers.59.self_attn.o_proj.weight[d1/2]'])  # L59.o_proj
+    h_L59_attn_partial = rt.o_proj(o_L59, W['graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L59.o_proj
     del o_L59
     h_L59_attn_sum = rt.all_reduce(h_L59_attn_partial, group='tp', size=2, reduce='sum')  # L59.o_proj.all_reduce
     del h_L59_attn_partial
     h_L59_attn = rt.residual_add(h_L59_attn_sum, h_L58)  # L59.o_proj.residual
     del h_L58, h_L59_attn_sum
     x_L59_mlp_norm = rt.rms_norm(h_L59_attn, W['model.layers.59.post_attention_layernorm.weight'], 1e-06)  # L59.mlp_norm
-    h_L59_partial = rt.swiglu_mlp(x_L59_mlp_norm, W['model.layers.59.mlp.gate_proj.weight[d0/2]'], W['model.layers.59.mlp.up_proj.weight[d0/2]'], W['model.layers.59.mlp.down_proj.weight[d1/2]'])  # L59.mlp
+    h_L59_partial = rt.swiglu_mlp(x_L59_mlp_norm, W['graphgen.load:model.layers.59.mlp.gate_proj.weight[d0/2]+model.layers.59.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.59.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L59.mlp
     del x_L59_mlp_norm
     h_L59_sum = rt.all_reduce(h_L59_partial, group='tp', size=2, reduce='sum')  # L59.mlp.all_reduce
     del h_L59_partial
     h_L59 = rt.residual_add(h_L59_sum, h_L59_attn)  # L59.mlp.residual
     del h_L59_attn, h_L59_sum
     x_L60_attn_norm = rt.rms_norm(h_L59, W['model.layers.60.input_layernorm.weight'], 1e-06)  # L60.attn_norm
-    q_L60, k_L60, v_L60 = rt.qwen3_attn_prolog(x_L60_attn_norm, W['model.layers.60.self_attn.q_proj.weight[d0/2]'], W['model.layers.60.self_attn.k_proj.weight[d0/2]'], W['model.layers.60.self_attn.v_proj.weight[d0/2]'], W['model.layers.60.self_attn.q_norm.weight'], W['model.layers.60.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L60.qkv
+    q_L60, k_L60, v_L60 = rt.qwen3_attn_prolog(x_L60_attn_norm, W['graphgen.load:model.layers.60.self_attn.q_proj.weight[d0/2]+model.layers.60.self_attn.k_proj.weight[d0/2]+model.layers.60.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.60.self_attn.q_norm.weight'], W['model.layers.60.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L60.qkv
     del x_L60_attn_norm
     rt.kv_write(kv[60], (k_L60, v_L60), b.slot_mapping)  # L60.kv_write
     del k_L60, v_L60
     o_L60 = rt.paged_attention(q_L60, kv[60], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L60.attn
     del q_L60
-    h_L60_attn_partial = rt.o_proj(o_L60, W['model.layers.60.self_attn.o_proj.weight[d1/2]'])  # L60.o_proj
+    h_L60_attn_partial = rt.o_proj(o_L60, W['graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L60.o_proj
     del o_L60
     h_L60_attn_sum = rt.all_reduce(h_L60_attn_partial, group='tp', size=2, reduce='sum')  # L60.o_proj.all_reduce
     del h_L60_attn_partial
     h_L60_attn = rt.residual_add(h_L60_attn_sum, h_L59)  # L60.o_proj.residual
     del h_L59, h_L60_attn_sum
     x_L60_mlp_norm = rt.rms_norm(h_L60_attn, W['model.layers.60.post_attention_layernorm.weight'], 1e-06)  # L60.mlp_norm
-    h_L60_partial = rt.swiglu_mlp(x_L60_mlp_norm, W['model.layers.60.mlp.gate_proj.weight[d0/2]'], W['model.layers.60.mlp.up_proj.weight[d0/2]'], W['model.layers.60.mlp.down_proj.weight[d1/2]'])  # L60.mlp
+    h_L60_partial = rt.swiglu_mlp(x_L60_mlp_norm, W['graphgen.load:model.layers.60.mlp.gate_proj.weight[d0/2]+model.layers.60.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.60.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L60.mlp
     del x_L60_mlp_norm
     h_L60_sum = rt.all_reduce(h_L60_partial, group='tp', size=2, reduce='sum')  # L60.mlp.all_reduce
     del h_L60_partial
     h_L60 = rt.residual_add(h_L60_sum, h_L60_attn)  # L60.mlp.residual
     del h_L60_attn, h_L60_sum
     x_L61_attn_norm = rt.rms_norm(h_L60, W['model.layers.61.input_layernorm.weight'], 1e-06)  # L61.attn_norm
-    q_L61, k_L61, v_L61 = rt.qwen3_attn_prolog(x_L61_attn_norm, W['model.layers.61.self_attn.q_proj.weight[d0/2]'], W['model.layers.61.self_attn.k_proj.weight[d0/2]'], W['model.layers.61.self_attn.v_proj.weight[d0/2]'], W['model.layers.61.self_attn.q_norm.weight'], W['model.layers.61.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L61.qkv
+    q_L61, k_L61, v_L61 = rt.qwen3_attn_prolog(x_L61_attn_norm, W['graphgen.load:model.layers.61.self_attn.q_proj.weight[d0/2]+model.layers.61.self_attn.k_proj.weight[d0/2]+model.layers.61.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.61.self_attn.q_norm.weight'], W['model.layers.61.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L61.qkv
     del x_L61_attn_norm
     rt.kv_write(kv[61], (k_L61, v_L61), b.slot_mapping)  # L61.kv_write
     del k_L61, v_L61
     o_L61 = rt.paged_attention(q_L61, kv[61], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L61.attn
     del q_L61
-    h_L61_attn_partial = rt.o_proj(o_L61, W['model.layers.61.self_attn.o_proj.weight[d1/2]'])  # L61.o_proj
+    h_L61_attn_partial = rt.o_proj(o_L61, W['graphgen.load:model.layers.61.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L61.o_proj
     del o_L61
     h_L61_attn_sum = rt.all_reduce(h_L61_attn_partial, group='tp', size=2, reduce='sum')  # L61.o_proj.all_reduce
     del h_L61_attn_partial
     h_L61_attn = rt.residual_add(h_L61_attn_sum, h_L60)  # L61.o_proj.residual
     del h_L60, h_L61_attn_sum
     x_L61_mlp_norm = rt.rms_norm(h_L61_attn, W['model.layers.61.post_attention_layernorm.weight'], 1e-06)  # L61.mlp_norm
-    h_L61_partial = rt.swiglu_mlp(x_L61_mlp_norm, W['model.layers.61.mlp.gate_proj.weight[d0/2]'], W['model.layers.61.mlp.up_proj.weight[d0/2]'], W['model.layers.61.mlp.down_proj.weight[d1/2]'])  # L61.mlp
+    h_L61_partial = rt.swiglu_mlp(x_L61_mlp_norm, W['graphgen.load:model.layers.61.mlp.gate_proj.weight[d0/2]+model.layers.61.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.61.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L61.mlp
     del x_L61_mlp_norm
     h_L61_sum = rt.all_reduce(h_L61_partial, group='tp', size=2, reduce='sum')  # L61.mlp.all_reduce
     del h_L61_partial
     h_L61 = rt.residual_add(h_L61_sum, h_L61_attn)  # L61.mlp.residual
     del h_L61_attn, h_L61_sum
     x_L62_attn_norm = rt.rms_norm(h_L61, W['model.layers.62.input_layernorm.weight'], 1e-06)  # L62.attn_norm
-    q_L62, k_L62, v_L62 = rt.qwen3_attn_prolog(x_L62_attn_norm, W['model.layers.62.self_attn.q_proj.weight[d0/2]'], W['model.layers.62.self_attn.k_proj.weight[d0/2]'], W['model.layers.62.self_attn.v_proj.weight[d0/2]'], W['model.layers.62.self_attn.q_norm.weight'], W['model.layers.62.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L62.qkv
+    q_L62, k_L62, v_L62 = rt.qwen3_attn_prolog(x_L62_attn_norm, W['graphgen.load:model.layers.62.self_attn.q_proj.weight[d0/2]+model.layers.62.self_attn.k_proj.weight[d0/2]+model.layers.62.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.62.self_attn.q_norm.weight'], W['model.layers.62.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L62.qkv
     del x_L62_attn_norm
     rt.kv_write(kv[62], (k_L62, v_L62), b.slot_mapping)  # L62.kv_write
     del k_L62, v_L62
     o_L62 = rt.paged_attention(q_L62, kv[62], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L62.attn
     del q_L62
-    h_L62_attn_partial = rt.o_proj(o_L62, W['model.layers.62.self_attn.o_proj.weight[d1/2]'])  # L62.o_proj
+    h_L62_attn_partial = rt.o_proj(o_L62, W['graphgen.load:model.layers.62.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L62.o_proj
     del o_L62
     h_L62_attn_sum = rt.all_reduce(h_L62_attn_partial, group='tp', size=2, reduce='sum')  # L62.o_proj.all_reduce
     del h_L62_attn_partial
     h_L62_attn = rt.residual_add(h_L62_attn_sum, h_L61)  # L62.o_proj.residual
     del h_L61, h_L62_attn_sum
     x_L62_mlp_norm = rt.rms_norm(h_L62_attn, W['model.layers.62.post_attention_layernorm.weight'], 1e-06)  # L62.mlp_norm
-    h_L62_partial = rt.swiglu_mlp(x_L62_mlp_norm, W['model.layers.62.mlp.gate_proj.weight[d0/2]'], W['model.layers.62.mlp.up_proj.weight[d0/2]'], W['model.layers.62.mlp.down_proj.weight[d1/2]'])  # L62.mlp
+    h_L62_partial = rt.swiglu_mlp(x_L62_mlp_norm, W['graphgen.load:model.layers.62.mlp.gate_proj.weight[d0/2]+model.layers.62.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.62.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L62.mlp
     del x_L62_mlp_norm
     h_L62_sum = rt.all_reduce(h_L62_partial, group='tp', size=2, reduce='sum')  # L62.mlp.all_reduce
     del h_L62_partial
     h_L62 = rt.residual_add(h_L62_sum, h_L62_attn)  # L62.mlp.residual
     del h_L62_attn, h_L62_sum
     x_L63_attn_norm = rt.rms_norm(h_L62, W['model.layers.63.input_layernorm.weight'], 1e-06)  # L63.attn_norm
-    q_L63, k_L63, v_L63 = rt.qwen3_attn_prolog(x_L63_attn_norm, W['model.layers.63.self_attn.q_proj.weight[d0/2]'], W['model.layers.63.self_attn.k_proj.weight[d0/2]'], W['model.layers.63.self_attn.v_proj.weight[d0/2]'], W['model.layers.63.self_attn.q_norm.weight'], W['model.layers.63.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L63.qkv
+    q_L63, k_L63, v_L63 = rt.qwen3_attn_prolog(x_L63_attn_norm, W['graphgen.load:model.layers.63.self_attn.q_proj.weight[d0/2]+model.layers.63.self_attn.k_proj.weight[d0/2]+model.layers.63.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.63.self_attn.q_norm.weight'], W['model.layers.63.self_attn.k_norm.weight'], cos, sin, num_heads=32, num_kv_heads=4, head_dim=128, eps=1e-06)  # L63.qkv
     del cos, sin, x_L63_attn_norm
     rt.kv_write(kv[63], (k_L63, v_L63), b.slot_mapping)  # L63.kv_write
     del k_L63, v_L63
     rt.record(ev['ev.L63.kv_write'])  # L63.kv_write.record
     o_L63 = rt.paged_attention(q_L63, kv[63], b.block_tables, b.seq_lens, b.query_lens, scale=0.08838834764831845)  # L63.attn
     del q_L63
-    h_L63_attn_partial = rt.o_proj(o_L63, W['model.layers.63.self_attn.o_proj.weight[d1/2]'])  # L63.o_proj
+    h_L63_attn_partial = rt.o_proj(o_L63, W['graphgen.load:model.layers.63.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L63.o_proj
     del o_L63
     h_L63_attn_sum = rt.all_reduce(h_L63_attn_partial, group='tp', size=2, reduce='sum')  # L63.o_proj.all_reduce
     del h_L63_attn_partial
     h_L63_attn = rt.residual_add(h_L63_attn_sum, h_L62)  # L63.o_proj.residual
     del h_L62, h_L63_attn_sum
     x_L63_mlp_norm = rt.rms_norm(h_L63_attn, W['model.layers.63.post_attention_layernorm.weight'], 1e-06)  # L63.mlp_norm
-    h_L63_partial = rt.swiglu_mlp(x_L63_mlp_norm, W['model.layers.63.mlp.gate_proj.weight[d0/2]'], W['model.layers.63.mlp.up_proj.weight[d0/2]'], W['model.layers.63.mlp.down_proj.weight[d1/2]'])  # L63.mlp
+    h_L63_partial = rt.swiglu_mlp(x_L63_mlp_norm, W['graphgen.load:model.layers.63.mlp.gate_proj.weight[d0/2]+model.layers.63.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.63.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L63.mlp
     del x_L63_mlp_norm
     h_L63_sum = rt.all_reduce(h_L63_partial, group='tp', size=2, reduce='sum')  # L63.mlp.all_reduce
     del h_L63_partial

@@ -11,6 +11,16 @@ GRAPH = 'tiny_deepseek_v3_mtp.mempool_prefill'
 META = {'block_size': 4, 'family': 'deepseek_v3', 'granularity': 'forward', 'history': False, 'kv_dtype': 'float32', 'layers': 3, 'model': 'tiny_deepseek_v3_mtp', 'phase': 'prefill', 'saves': True, 'spec': 'specs/tiny_deepseek_v3_mtp.yaml', 'variant': 'mempool_prefill', 'write': 'async'}
 EVENTS = ('ev.L02.kv_write', 'ev.save.kv_save')
 HOST_EVENT = 'ev.save.kv_save'
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.down_proj.weight:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight', 'model.layers.0.mlp.up_proj.weight'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.2.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -34,10 +44,10 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L00, k_pe_L00
     o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L00.attn
     del q_nope_L00, q_pe_L00
-    h_L00_attn = rt.o_proj_residual(o_L00, W['model.layers.0.self_attn.o_proj.weight'], h_embed)  # L00.o_proj
+    h_L00_attn = rt.o_proj_residual(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight:cat0:t01'], h_embed)  # L00.o_proj
     del h_embed, o_L00
     x_L00_mlp_norm = rt.rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)  # L00.mlp_norm
-    h_L00 = rt.swiglu_mlp_residual(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight'], W['model.layers.0.mlp.up_proj.weight'], W['model.layers.0.mlp.down_proj.weight'], h_L00_attn)  # L00.mlp
+    h_L00 = rt.swiglu_mlp_residual(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight+model.layers.0.mlp.up_proj.weight:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight:cat0:t01'], h_L00_attn)  # L00.mlp
     del h_L00_attn, x_L00_mlp_norm
     x_L01_attn_norm = rt.rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)  # L01.attn_norm
     q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = rt.mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=16, eps=1e-06, interleave=True)  # L01.mla_prolog
@@ -46,7 +56,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del c_kv_L01, k_pe_L01
     o_L01 = rt.mla_attention(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L01.attn
     del q_nope_L01, q_pe_L01
-    h_L01_attn = rt.o_proj_residual(o_L01, W['model.layers.1.self_attn.o_proj.weight'], h_L00)  # L01.o_proj
+    h_L01_attn = rt.o_proj_residual(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight:cat0:t01'], h_L00)  # L01.o_proj
     del h_L00, o_L01
     x_L01_mlp_norm = rt.rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)  # L01.mlp_norm
     h_L01 = rt.moe_residual(x_L01_mlp_norm, W['model.layers.1.mlp.gate.weight'], W['model.layers.1.mlp.gate.e_score_correction_bias'], W['model.layers.1.mlp.experts.gate_proj.weight'], W['model.layers.1.mlp.experts.up_proj.weight'], W['model.layers.1.mlp.experts.down_proj.weight'], W['model.layers.1.mlp.shared_experts.gate_proj.weight'], W['model.layers.1.mlp.shared_experts.up_proj.weight'], W['model.layers.1.mlp.shared_experts.down_proj.weight'], h_L01_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L01.moe
@@ -59,7 +69,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L02.kv_write'])  # L02.kv_write.record
     o_L02 = rt.mla_attention(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L02.attn
     del q_nope_L02, q_pe_L02
-    h_L02_attn = rt.o_proj_residual(o_L02, W['model.layers.2.self_attn.o_proj.weight'], h_L01)  # L02.o_proj
+    h_L02_attn = rt.o_proj_residual(o_L02, W['graphgen.load:model.layers.2.self_attn.o_proj.weight:cat0:t01'], h_L01)  # L02.o_proj
     del h_L01, o_L02
     x_L02_mlp_norm = rt.rms_norm(h_L02_attn, W['model.layers.2.post_attention_layernorm.weight'], 1e-06)  # L02.mlp_norm
     h_L02 = rt.moe_residual(x_L02_mlp_norm, W['model.layers.2.mlp.gate.weight'], W['model.layers.2.mlp.gate.e_score_correction_bias'], W['model.layers.2.mlp.experts.gate_proj.weight'], W['model.layers.2.mlp.experts.up_proj.weight'], W['model.layers.2.mlp.experts.down_proj.weight'], W['model.layers.2.mlp.shared_experts.gate_proj.weight'], W['model.layers.2.mlp.shared_experts.up_proj.weight'], W['model.layers.2.mlp.shared_experts.down_proj.weight'], h_L02_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L02.moe

@@ -11,6 +11,12 @@ GRAPH = 'tiny_deepseek_v3_mtp.mtp_draft'
 META = {'block_size': 4, 'family': 'deepseek_v3', 'granularity': 'forward', 'history': False, 'kv_dtype': 'float32', 'layers': 3, 'model': 'tiny_deepseek_v3_mtp', 'mtp_layer': 3, 'phase': 'mtp', 'saves': True, 'spec': 'specs/tiny_deepseek_v3_mtp.yaml', 'variant': 'mtp_draft', 'write': 'async'}
 EVENTS = ('ev.L03.kv_write', 'ev.save.kv_save')
 HOST_EVENT = 'ev.save.kv_save'
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.3.self_attn.o_proj.weight:cat0:t01': {'cat': ('model.layers.3.self_attn.o_proj.weight',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -37,7 +43,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L03.kv_write'])  # L03.kv_write.record
     o_L03 = rt.mla_attention(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight'], b.block_tables, b.seq_lens, b.query_lens, num_heads=4, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L03.attn
     del q_nope_L03, q_pe_L03
-    h_L03_attn = rt.o_proj_residual(o_L03, W['model.layers.3.self_attn.o_proj.weight'], x_L03_eh_proj)  # L03.o_proj
+    h_L03_attn = rt.o_proj_residual(o_L03, W['graphgen.load:model.layers.3.self_attn.o_proj.weight:cat0:t01'], x_L03_eh_proj)  # L03.o_proj
     del x_L03_eh_proj, o_L03
     x_L03_mlp_norm = rt.rms_norm(h_L03_attn, W['model.layers.3.post_attention_layernorm.weight'], 1e-06)  # L03.mlp_norm
     h_L03 = rt.moe_residual(x_L03_mlp_norm, W['model.layers.3.mlp.gate.weight'], W['model.layers.3.mlp.gate.e_score_correction_bias'], W['model.layers.3.mlp.experts.gate_proj.weight'], W['model.layers.3.mlp.experts.up_proj.weight'], W['model.layers.3.mlp.experts.down_proj.weight'], W['model.layers.3.mlp.shared_experts.gate_proj.weight'], W['model.layers.3.mlp.shared_experts.up_proj.weight'], W['model.layers.3.mlp.shared_experts.down_proj.weight'], h_L03_attn, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)  # L03.moe

@@ -11,6 +11,16 @@ GRAPH = 'tiny_deepseek_v3_tp2ep2.mempool_prefill_layer'
 META = {'block_size': 4, 'ep': 2, 'family': 'deepseek_v3', 'granularity': 'layer', 'history': False, 'kv_dtype': 'float32', 'layers': 3, 'model': 'tiny_deepseek_v3_tp2ep2', 'phase': 'prefill', 'saves': True, 'spec': 'specs/tiny_deepseek_v3_tp2ep2.yaml', 'tp': 2, 'variant': 'mempool_prefill_layer', 'write': 'async'}
 EVENTS = ('ev.L00.kv_write', 'ev.L01.kv_write', 'ev.L02.kv_write', 'ev.L02.kv_save')
 HOST_EVENT = 'ev.L02.kv_save'
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight[d0/2]', 'model.layers.0.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.2.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -41,14 +51,14 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L00.kv_write'])  # L00.kv_write.record
     o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=2, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L00.attn
     del q_nope_L00, q_pe_L00
-    h_L00_attn_partial = rt.o_proj(o_L00, W['model.layers.0.self_attn.o_proj.weight[d1/2]'])  # L00.o_proj
+    h_L00_attn_partial = rt.o_proj(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L00.o_proj
     del o_L00
     h_L00_attn_sum = rt.all_reduce(h_L00_attn_partial, group='tp', size=2, reduce='sum')  # L00.o_proj.all_reduce
     del h_L00_attn_partial
     h_L00_attn = rt.residual_add(h_L00_attn_sum, h_embed)  # L00.o_proj.residual
     del h_embed, h_L00_attn_sum
     x_L00_mlp_norm = rt.rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)  # L00.mlp_norm
-    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight[d0/2]'], W['model.layers.0.mlp.up_proj.weight[d0/2]'], W['model.layers.0.mlp.down_proj.weight[d1/2]'])  # L00.mlp
+    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L00.mlp
     del x_L00_mlp_norm
     h_L00_sum = rt.all_reduce(h_L00_partial, group='tp', size=2, reduce='sum')  # L00.mlp.all_reduce
     del h_L00_partial
@@ -62,7 +72,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L01.kv_write'])  # L01.kv_write.record
     o_L01 = rt.mla_attention(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=2, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L01.attn
     del q_nope_L01, q_pe_L01
-    h_L01_attn_partial = rt.o_proj(o_L01, W['model.layers.1.self_attn.o_proj.weight[d1/2]'])  # L01.o_proj
+    h_L01_attn_partial = rt.o_proj(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L01.o_proj
     del o_L01
     h_L01_attn_sum = rt.all_reduce(h_L01_attn_partial, group='tp', size=2, reduce='sum')  # L01.o_proj.all_reduce
     del h_L01_attn_partial
@@ -83,7 +93,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L02.kv_write'])  # L02.kv_write.record
     o_L02 = rt.mla_attention(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=2, qk_nope_head_dim=16, v_head_dim=16, scale=0.2041241452319315)  # L02.attn
     del q_nope_L02, q_pe_L02
-    h_L02_attn_partial = rt.o_proj(o_L02, W['model.layers.2.self_attn.o_proj.weight[d1/2]'])  # L02.o_proj
+    h_L02_attn_partial = rt.o_proj(o_L02, W['graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L02.o_proj
     del o_L02
     h_L02_attn_sum = rt.all_reduce(h_L02_attn_partial, group='tp', size=2, reduce='sum')  # L02.o_proj.all_reduce
     del h_L02_attn_partial

@@ -12,6 +12,19 @@ GRAPH = 'tiny_qwen3_tp2.splitfuse_layer'
 META = {'block_size': 4, 'ep': 1, 'family': 'qwen3_dense', 'granularity': 'layer', 'history': True, 'kv_dtype': 'float32', 'layers': 2, 'model': 'tiny_qwen3_tp2', 'phase': 'prefill', 'saves': True, 'spec': 'specs/tiny_qwen3_tp2.yaml', 'tp': 2, 'variant': 'splitfuse_layer', 'write': 'async'}
 EVENTS = ('ev.L00.kv_load', 'ev.L00.kv_write', 'ev.L01.kv_load', 'ev.L01.kv_write', 'ev.L01.kv_save')
 HOST_EVENT = 'ev.L01.kv_save'
+# Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
+# checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
+# projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
+LOAD_TIME_WEIGHTS = {
+    'graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight[d0/2]', 'model.layers.0.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.q_proj.weight[d0/2]+model.layers.0.self_attn.k_proj.weight[d0/2]+model.layers.0.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.0.self_attn.q_proj.weight[d0/2]', 'model.layers.0.self_attn.k_proj.weight[d0/2]', 'model.layers.0.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.1.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.1.mlp.gate_proj.weight[d0/2]', 'model.layers.1.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.q_proj.weight[d0/2]+model.layers.1.self_attn.k_proj.weight[d0/2]+model.layers.1.self_attn.v_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.1.self_attn.q_proj.weight[d0/2]', 'model.layers.1.self_attn.k_proj.weight[d0/2]', 'model.layers.1.self_attn.v_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+}
 
 
 def run(rt, W, b, kv, staging, loads, ev):
@@ -42,7 +55,7 @@ def run(rt, W, b, kv, staging, loads, ev):
     del h_embed_partial
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=16, theta=1000000.0, scaling=None)  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm
-    q_L00, k_L00, v_L00 = rt.qwen3_attn_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_proj.weight[d0/2]'], W['model.layers.0.self_attn.k_proj.weight[d0/2]'], W['model.layers.0.self_attn.v_proj.weight[d0/2]'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=2, num_kv_heads=1, head_dim=16, eps=1e-06)  # L00.qkv
+    q_L00, k_L00, v_L00 = rt.qwen3_attn_prolog(x_L00_attn_norm, W['graphgen.load:model.layers.0.self_attn.q_proj.weight[d0/2]+model.layers.0.self_attn.k_proj.weight[d0/2]+model.layers.0.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.0.self_attn.q_norm.weight'], W['model.layers.0.self_attn.k_norm.weight'], cos, sin, num_heads=2, num_kv_heads=1, head_dim=16, eps=1e-06)  # L00.qkv
     del x_L00_attn_norm
     rt.wait(ev['ev.L00.kv_load'])  # L00.kv_write.wait
     rt.kv_write(kv[0], (k_L00, v_L00), b.slot_mapping)  # L00.kv_write
@@ -50,21 +63,21 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L00.kv_write'])  # L00.kv_write.record
     o_L00 = rt.paged_attention(q_L00, kv[0], b.block_tables, b.seq_lens, b.query_lens, scale=0.25)  # L00.attn
     del q_L00
-    h_L00_attn_partial = rt.o_proj(o_L00, W['model.layers.0.self_attn.o_proj.weight[d1/2]'])  # L00.o_proj
+    h_L00_attn_partial = rt.o_proj(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L00.o_proj
     del o_L00
     h_L00_attn_sum = rt.all_reduce(h_L00_attn_partial, group='tp', size=2, reduce='sum')  # L00.o_proj.all_reduce
     del h_L00_attn_partial
     h_L00_attn = rt.residual_add(h_L00_attn_sum, h_embed)  # L00.o_proj.residual
     del h_embed, h_L00_attn_sum
     x_L00_mlp_norm = rt.rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)  # L00.mlp_norm
-    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['model.layers.0.mlp.gate_proj.weight[d0/2]'], W['model.layers.0.mlp.up_proj.weight[d0/2]'], W['model.layers.0.mlp.down_proj.weight[d1/2]'])  # L00.mlp
+    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L00.mlp
     del x_L00_mlp_norm
     h_L00_sum = rt.all_reduce(h_L00_partial, group='tp', size=2, reduce='sum')  # L00.mlp.all_reduce
     del h_L00_partial
     h_L00 = rt.residual_add(h_L00_sum, h_L00_attn)  # L00.mlp.residual
     del h_L00_attn, h_L00_sum
     x_L01_attn_norm = rt.rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)  # L01.attn_norm
-    q_L01, k_L01, v_L01 = rt.qwen3_attn_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_proj.weight[d0/2]'], W['model.layers.1.self_attn.k_proj.weight[d0/2]'], W['model.layers.1.self_attn.v_proj.weight[d0/2]'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=2, num_kv_heads=1, head_dim=16, eps=1e-06)  # L01.qkv
+    q_L01, k_L01, v_L01 = rt.qwen3_attn_prolog(x_L01_attn_norm, W['graphgen.load:model.layers.1.self_attn.q_proj.weight[d0/2]+model.layers.1.self_attn.k_proj.weight[d0/2]+model.layers.1.self_attn.v_proj.weight[d0/2]:cat0:t01'], W['model.layers.1.self_attn.q_norm.weight'], W['model.layers.1.self_attn.k_norm.weight'], cos, sin, num_heads=2, num_kv_heads=1, head_dim=16, eps=1e-06)  # L01.qkv
     del cos, sin, x_L01_attn_norm
     rt.wait(ev['ev.L01.kv_load'])  # L01.kv_write.wait
     rt.kv_write(kv[1], (k_L01, v_L01), b.slot_mapping)  # L01.kv_write
@@ -72,14 +85,14 @@ def run(rt, W, b, kv, staging, loads, ev):
     rt.record(ev['ev.L01.kv_write'])  # L01.kv_write.record
     o_L01 = rt.paged_attention(q_L01, kv[1], b.block_tables, b.seq_lens, b.query_lens, scale=0.25)  # L01.attn
     del q_L01
-    h_L01_attn_partial = rt.o_proj(o_L01, W['model.layers.1.self_attn.o_proj.weight[d1/2]'])  # L01.o_proj
+    h_L01_attn_partial = rt.o_proj(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L01.o_proj
     del o_L01
     h_L01_attn_sum = rt.all_reduce(h_L01_attn_partial, group='tp', size=2, reduce='sum')  # L01.o_proj.all_reduce
     del h_L01_attn_partial
     h_L01_attn = rt.residual_add(h_L01_attn_sum, h_L00)  # L01.o_proj.residual
     del h_L00, h_L01_attn_sum
     x_L01_mlp_norm = rt.rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)  # L01.mlp_norm
-    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['model.layers.1.mlp.gate_proj.weight[d0/2]'], W['model.layers.1.mlp.up_proj.weight[d0/2]'], W['model.layers.1.mlp.down_proj.weight[d1/2]'])  # L01.mlp
+    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.1.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L01.mlp
     del x_L01_mlp_norm
     h_L01_sum = rt.all_reduce(h_L01_partial, group='tp', size=2, reduce='sum')  # L01.mlp.all_reduce
     del h_L01_partial

@@ -138,6 +138,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(dtype)
 
 
+def _rms_unit(x: Tensor, eps: float) -> Tensor:
+    """``rms_norm`` before its weight: transformers' ``x * rsqrt(mean(x^2) + eps)`` (in float32, cast back
+    to ``x``'s dtype), so that the caller can apply a different weight to each part of the result (the
+    same operations in the same order as `rms_norm`, hence the same values)."""
+    if x.dtype == torch.float32:
+        if x.numel() <= _SMALL:
+            return torch.rms_norm(x, (x.shape[-1],), None, eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def rope_cos_sin(positions: Tensor, *, rot_dim: int, theta: float,
                  scaling: Optional[dict] = None) -> tuple[Tensor, Tensor]:
     """cos/sin ``[T, rot_dim]`` laid out as ``cat(freqs, freqs)`` (transformers' layout; the
@@ -192,15 +204,23 @@ def _yarn_inv_freq(pos_freqs: Tensor, dim: int, base: float, scaling: dict) -> t
     return inv_freq, attention_factor
 
 
-def qwen3_attn_prolog(x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, q_norm_w: Tensor,
-                      k_norm_w: Tensor, cos: Tensor, sin: Tensor, *, num_heads: int,
-                      num_kv_heads: int, head_dim: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    T = x.shape[0]
-    q = rms_norm(_linear(x, q_w).view(T, num_heads, head_dim), q_norm_w, eps)
-    k = rms_norm(_linear(x, k_w).view(T, num_kv_heads, head_dim), k_norm_w, eps)
-    v = _linear(x, v_w).view(T, num_kv_heads, head_dim)
-    c, s = _rope_tables(cos, sin, q.dtype)
-    return _signed_rope(q, c, s), _signed_rope(k, c, s), v
+def qwen3_attn_prolog(x: Tensor, qkv_t: Tensor, q_norm_w: Tensor, k_norm_w: Tensor, cos: Tensor, sin: Tensor,
+                      *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of one attention layer from ``qkv_t`` = ``[q; k; v]`` stored ``[in, out]`` (a load-time
+    weight): one matmul; q and k normalised per head together (one norm, each part then times its own
+    weight, as transformers' q_norm/k_norm compute) and rotated together (one RoPE). q, k and v are
+    views of two tensors, not copies."""
+    T, hq, hkv = x.shape[0], num_heads, num_kv_heads
+    qkv = torch.mm(x, qkv_t).view(T, hq + 2 * hkv, head_dim)
+    qk = _rms_unit(qkv[:, :hq + hkv], eps)
+    if q_norm_w.dtype == qk.dtype:  # in place (bit-identical: weight * x == x * weight)
+        qk[:, :hq].mul_(q_norm_w)
+        qk[:, hq:].mul_(k_norm_w)
+    else:
+        qk = torch.cat((q_norm_w * qk[:, :hq], k_norm_w * qk[:, hq:]), 1)
+    c, s = _rope_tables(cos, sin, qk.dtype)
+    qk = _signed_rope(qk, c, s)
+    return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
 
 
 _slots_memo = StepMemo()
@@ -251,18 +271,26 @@ def _add_residual(y: Tensor, residual: Tensor) -> Tensor:
     return residual + y
 
 
-def o_proj_residual(attn: Tensor, o_w: Tensor, residual: Tensor) -> Tensor:
-    return _add_residual(_linear(attn.flatten(1), o_w), residual)
+def o_proj_residual(attn: Tensor, o_t: Tensor, residual: Tensor) -> Tensor:
+    """``residual + o_proj(attn)``, ``o_t`` the o_proj weight stored ``[in, out]`` (a load-time weight)."""
+    return _add_residual(torch.mm(attn.flatten(1), o_t), residual)
 
 
 def _swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
-    # down(silu(gate(x)) * up(x)), silu and the product in place
+    # down(silu(gate(x)) * up(x)) on checkpoint-layout weights (the MoE experts), silu and the product in place
     return _linear(F.silu(_linear(x, gate_w), inplace=True).mul_(_linear(x, up_w)), down_w)
 
 
-def swiglu_mlp_residual(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor,
-                        residual: Tensor) -> Tensor:
-    return _add_residual(_swiglu(x, gate_w, up_w, down_w), residual)
+def swiglu_t(x: Tensor, gate_up_t: Tensor, down_t: Tensor) -> Tensor:
+    """``down(silu(gate(x)) * up(x))`` with gate/up merged and both weights stored ``[in, out]``
+    (load-time weights): two matmuls; silu and the product in place on the gate/up output's halves."""
+    gu = torch.mm(x, gate_up_t)
+    half = gu.shape[1] // 2
+    return torch.mm(F.silu(gu[:, :half], inplace=True).mul_(gu[:, half:]), down_t)
+
+
+def swiglu_mlp_residual(x: Tensor, gate_up_t: Tensor, down_t: Tensor, residual: Tensor) -> Tensor:
+    return _add_residual(swiglu_t(x, gate_up_t, down_t), residual)
 
 
 def mla_prolog(x: Tensor, q_a_w: Optional[Tensor], q_a_norm_w: Optional[Tensor], q_b_w: Tensor,

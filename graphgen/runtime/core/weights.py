@@ -5,18 +5,27 @@ norms take the compute dtype (the spec's ``kv_cache.dtype`` on CPU, ``targets.np
 while the family's ``fp32_suffixes`` (DeepSeek's router weight and score-correction bias) stay float32:
 routing compares sigmoid scores plus a small bias, and bf16's 8 bits of mantissa would change which
 experts win. Names may carry a shard suffix (``key[d0/2]``): the rule reads the checkpoint key.
+
+And the load-time weights both targets' generated modules declare (``LOAD_TIME_WEIGHTS``, emitted by
+`graphgen.lower.render.load_time_weight`): ``{key: {"cat": (sources...), "dim": d, "transpose12": bool[,
+"transpose01": True]}}``, built once when the weights are loaded instead of every forward. The CPU
+modules merge q/k/v and gate/up and store every dense projection as ``[in, out]`` (``transpose01``): a
+decode row's projection is then a GEMV that streams the weight's rows (``x @ W^T`` on a contiguous
+``W^T``), measured 1.3-1.4x faster than ``F.linear`` on the ``[out, in]`` checkpoint layout for the
+8-layer bench model on one thread, and no slower for prefill GEMMs (BENCHMARKS.md, issue 17 (d)). The
+NPU layouts are described in `graphgen.npu.run.weights`.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
 from ...families import FAMILIES
 from ...ir.weights import parse_shard
 
-__all__ = ["keeps_fp32", "cast_weights"]
+__all__ = ["keeps_fp32", "cast_weights", "load_time_weights", "build_load_time_weight"]
 
 
 def keeps_fp32(family: str, name: str) -> bool:
@@ -30,3 +39,38 @@ def cast_weights(weights: Mapping[str, torch.Tensor], family: str, dtype: torch.
     """``weights`` in ``dtype`` (on ``device``), the family's float32 keys in float32."""
     return {k: v.to(device=device, dtype=torch.float32 if keeps_fp32(family, k) else dtype)
             for k, v in weights.items()}
+
+
+def build_load_time_weight(sources: list, *, dim: int, transpose12: bool, transpose01: bool = False) -> torch.Tensor:
+    """One recipe: ``cat(sources, dim)``, then made contiguous — transposed ``(1, 2)`` when ``transpose12``,
+    ``(0, 1)`` when ``transpose01``."""
+    w = sources[0] if len(sources) == 1 else torch.cat(sources, dim=dim)
+    if transpose12:
+        w = w.transpose(1, 2)
+    if transpose01:
+        w = w.t()
+    return w.contiguous()
+
+
+def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable) -> dict[str, torch.Tensor]:
+    """``W`` with every module's ``LOAD_TIME_WEIGHTS`` built (each once, however many modules share it)
+    and their sources removed (the modules read only the built keys, so each weight is held once).
+    A source missing from ``W`` is a ``KeyError`` naming the recipe."""
+    recipes: dict = {}
+    for mod in modules:
+        for key, r in getattr(mod, "LOAD_TIME_WEIGHTS", {}).items():
+            if recipes.setdefault(key, r) != r:
+                raise ValueError(f"modules disagree on load-time weight {key!r}: {recipes[key]} vs {r}")
+    out = dict(W)
+    for key, r in recipes.items():
+        if key in out:
+            continue  # already built (W given twice)
+        missing = [s for s in r["cat"] if s not in W]
+        if missing:
+            raise KeyError(f"load-time weight {key!r} needs {missing}, which the weights do not have")
+        out[key] = build_load_time_weight([W[s] for s in r["cat"]], dim=r["dim"], transpose12=r["transpose12"],
+                                          transpose01=r.get("transpose01", False))
+    for r in recipes.values():
+        for s in r["cat"]:
+            out.pop(s, None)
+    return out

@@ -33,6 +33,7 @@ from ...ir.graph import SAVE_STREAM
 from ..core.cpu_runtime import CpuRuntime
 from ..core.kvcache import slot_mapping
 from ..core.streams import BoundEvent, EventSet, Job, Stream
+from ..core.weights import load_time_weights
 from .kv_load import LoadedBlocks
 from .request import StepPlan
 
@@ -177,7 +178,9 @@ class CpuModelRunner:
     def __init__(self, modules: Mapping[str, types.ModuleType], weights: Mapping, cache, rt: CpuRuntime,
                  connector=None, *, event_timeout: Optional[float] = 120.0):
         self.modules = dict(modules)
-        self.W = weights
+        # the modules' load-time weights (merged, [in, out] projections: `graphgen.runtime.core.weights`)
+        # built once here, their sources dropped; a rank builds them from its own slices
+        self.W = load_time_weights(weights, self.modules.values())
         self.cache = cache
         self.rt = rt
         self.connector = connector

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ir.weights import parse_shard, shard_index
-from ..core.ops import _route, _swiglu
+from ..core.ops import _route, _swiglu, swiglu_t
 
 Tensor = torch.Tensor
 
@@ -32,12 +32,14 @@ def embedding_shard(weight: Tensor, input_ids: Tensor, *, vocab_size: int, rank:
     return out * mine[:, None].to(out.dtype)
 
 
-def o_proj(attn: Tensor, o_w: Tensor) -> Tensor:
-    return F.linear(attn.flatten(1), o_w)
+def o_proj(attn: Tensor, o_t: Tensor) -> Tensor:
+    """This rank's partial o_proj (``o_t``: its input slice of o_proj, stored ``[in, out]``)."""
+    return torch.mm(attn.flatten(1), o_t)
 
 
-def swiglu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
-    return _swiglu(x, gate_w, up_w, down_w)
+def swiglu_mlp(x: Tensor, gate_up_t: Tensor, down_t: Tensor) -> Tensor:
+    """This rank's partial MLP (its slices of gate/up merged, and of down; ``[in, out]``)."""
+    return swiglu_t(x, gate_up_t, down_t)
 
 
 def residual_add(x: Tensor, residual: Tensor) -> Tensor:
