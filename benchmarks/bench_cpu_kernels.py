@@ -9,9 +9,11 @@ vocab 1024, float32) is loaded by graphgen's CPU engine and by transformers
   decode    greedy decode steps after that prompt, median wall ms per step (tok/s = 1000 / ms);
             transformers: one forward per token with ``past_key_values``, argmax on the host;
   floor     the matmuls alone (every projection of every layer and the lm_head row(s), F.linear on
-            the same weights, the same token count): what neither implementation can go below.
+            the same weights, the same token count): transformers' matmuls, nothing else;
+  floor-t   the same matmuls in graphgen's CPU layout (q/k/v and gate/up merged, weights stored
+            [in, out], ``x @ W^T``: the generated modules' load-time weights): graphgen's matmuls alone.
 
-Rounds interleave graphgen / transformers / floor, order rotated each round; medians reported, raw
+Rounds interleave graphgen / transformers / floor / floor-t, order rotated each round; medians reported, raw
 per-round numbers printed. Greedy tokens of both are compared (must be equal).
 
     .venv/bin/python benchmarks/bench_cpu_kernels.py [--lens 512,2048 --decode 16 --reps 5 --threads 1]
@@ -114,6 +116,26 @@ def floor_ms(lw: list, lm_head: Tensor, T: int, hidden: int, heads: int, head_di
     return t.ms()
 
 
+def layout_t(lw: list) -> list:
+    """graphgen's CPU layout of the same weights: [q; k; v] and [gate; up] merged, every one [in, out]."""
+    return [[torch.cat((q, k, v)).t().contiguous(), o.t().contiguous(), torch.cat((g, u)).t().contiguous(),
+             d.t().contiguous()] for q, k, v, o, g, u, d in lw]
+
+
+@torch.no_grad()
+def floor_t_ms(lt: list, lm_head: Tensor, T: int, hidden: int, heads: int, head_dim: int) -> tuple[float, float]:
+    """(wall, cpu) ms of graphgen's matmuls alone (its layout, `layout_t`) for T tokens."""
+    x = torch.randn(T, hidden)
+    t = Clock()
+    for qkv, o, gu, d in lt:
+        torch.mm(x, qkv)
+        torch.mm(torch.empty(T, heads * head_dim), o)
+        torch.mm(x, gu)
+        torch.mm(torch.empty(T, d.shape[0]), d)
+    F.linear(x[-1:], lm_head)
+    return t.ms()
+
+
 def profile(eng, hf, prompt, n_decode):
     from torch.profiler import profile as tprofile, ProfilerActivity
 
@@ -178,6 +200,7 @@ def main(argv=None) -> int:
                       chunked_prefill=False, max_num_batched_tokens=longest,
                       num_blocks=longest // spec.kv_cache.block_size + 4)
     lw = linear_weights(weights, d.num_hidden_layers)
+    lt = layout_t(lw)
     lm_w = weights["lm_head.weight"]
     g = torch.Generator().manual_seed(args.seed + 1)
     try:
@@ -187,14 +210,14 @@ def main(argv=None) -> int:
             return 0
         rows = {}
         for n in lens:
-            raw = {"graphgen": [], "transformers": [], "floor": []}
+            raw = {"graphgen": [], "transformers": [], "floor": [], "floor-t": []}
             same = True
             warm = torch.randint(0, d.vocab_size, (n,), generator=g).tolist()
             engine_run(eng, warm, 2), hf_run(hf, warm, 2)
             for r in range(args.reps):
                 p = torch.randint(0, d.vocab_size, (n,), generator=g).tolist()
-                order = ["graphgen", "transformers", "floor"]
-                order = order[r % 3:] + order[:r % 3]
+                order = ["graphgen", "transformers", "floor", "floor-t"]
+                order = order[r % 4:] + order[:r % 4]
                 toks = {}
                 for who in order:
                     if who == "graphgen":
@@ -202,8 +225,9 @@ def main(argv=None) -> int:
                     elif who == "transformers":
                         pre, dec, toks[who] = hf_run(hf, p, args.decode)
                     else:
-                        pre = floor_ms(lw, lm_w, n, d.hidden_size, d.num_attention_heads, d.head_dim)
-                        dec = [floor_ms(lw, lm_w, 1, d.hidden_size, d.num_attention_heads, d.head_dim)
+                        fn, ws = (floor_ms, lw) if who == "floor" else (floor_t_ms, lt)
+                        pre = fn(ws, lm_w, n, d.hidden_size, d.num_attention_heads, d.head_dim)
+                        dec = [fn(ws, lm_w, 1, d.hidden_size, d.num_attention_heads, d.head_dim)
                                for _ in range(args.decode)]
                     raw[who].append([round(x, 3) for x in (*pre, statistics.median(s[0] for s in dec),
                                                             statistics.median(s[1] for s in dec))])
@@ -218,12 +242,12 @@ def main(argv=None) -> int:
             med = {w: [statistics.median(x[i] for x in v) for i in range(4)] for w, v in raw.items()}
             for w, m in med.items():
                 print(f"| {n} | {w} | {m[0]:.1f} | {m[1]:.1f} | {m[2]:.2f} | {m[3]:.2f} | {1e3 / m[2]:.1f} |")
-            gg, hfm, fl = med["graphgen"], med["transformers"], med["floor"]
+            gg, hfm, fl, ft = med["graphgen"], med["transformers"], med["floor"], med["floor-t"]
             for clock, i in (("wall", 0), ("cpu", 1)):
                 summary.append(
                     f"prompt {n} ({clock}): prefill graphgen/transformers {gg[i] / hfm[i]:.2f}x (floor/transformers "
-                    f"{fl[i] / hfm[i]:.2f}x); decode tok/s graphgen/transformers {hfm[i + 2] / gg[i + 2]:.2f}x "
-                    f"(floor {hfm[i + 2] / fl[i + 2]:.2f}x)")
+                    f"{fl[i] / hfm[i]:.2f}x, floor-t {ft[i] / hfm[i]:.2f}x); decode tok/s graphgen/transformers "
+                    f"{hfm[i + 2] / gg[i + 2]:.2f}x (floor {hfm[i + 2] / fl[i + 2]:.2f}x, floor-t {hfm[i + 2] / ft[i + 2]:.2f}x)")
             summary.append(f"prompt {n}: same greedy tokens as transformers in every round: {same}")
         print()
         print("\n".join(summary))

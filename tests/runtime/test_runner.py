@@ -146,3 +146,30 @@ def test_real_generated_module_step(rt, tmp_path):
     for layer, st in zip(cache, staging):         # the save copied exactly blocks 2 and 0
         for comp, s in zip(layer, st):
             assert torch.equal(s[0], comp[2]) and torch.equal(s[1], comp[0])
+
+
+def test_runner_builds_the_cpu_layout_once_and_drops_the_sources(rt, tmp_path):
+    """The generated CPU modules read dense projections as load-time weights (q/k/v and gate/up merged,
+    stored [in, out]): the runner builds each from the checkpoint tensors and drops the sources; a
+    checkpoint missing one is an error naming the recipe."""
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime.core.cpu_runtime import load_cpu_modules
+    from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
+
+    spec = load_spec(REPO / "specs" / "tiny_qwen3.yaml")
+    write_random_hf_checkpoint(tmp_path, spec.family, dataclasses.asdict(spec.dims), seed=0)
+    W = load_hf_weights(str(tmp_path))
+    mods = load_cpu_modules(spec, "specs/tiny_qwen3.yaml")
+    runner = CpuModelRunner(mods, W, None, rt)
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    qkv = runner.W[f"graphgen.load:{a}q_proj.weight+{a}k_proj.weight+{a}v_proj.weight:cat0:t01"]
+    assert qkv.is_contiguous() and torch.equal(qkv, torch.cat([W[a + p + "_proj.weight"] for p in "qkv"]).t())
+    gate_up = runner.W[f"graphgen.load:{m}gate_proj.weight+{m}up_proj.weight:cat0:t01"]
+    assert torch.equal(gate_up, torch.cat((W[m + "gate_proj.weight"], W[m + "up_proj.weight"])).t())
+    assert torch.equal(runner.W[f"graphgen.load:{m}down_proj.weight:cat0:t01"], W[m + "down_proj.weight"].t())
+    gone = [k for k in W if k.endswith(("q_proj.weight", "gate_proj.weight", "o_proj.weight", "down_proj.weight"))]
+    assert gone and not set(gone) & set(runner.W)  # each weight held once
+    assert torch.equal(runner.W["lm_head.weight"], W["lm_head.weight"])  # not a projection source: as loaded
+    del W[a + "v_proj.weight"]
+    with pytest.raises(KeyError, match="v_proj.weight"):
+        CpuModelRunner(mods, W, None, rt)

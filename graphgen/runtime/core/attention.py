@@ -146,12 +146,13 @@ def attend_one(q: Tensor, ks: list[Tensor], vs: list[Tensor], scale: float) -> T
     Hq, D = q.shape[0], q.shape[-1]
     Hkv = ks[0].shape[0]
     qg = q.reshape(Hkv, Hq // Hkv, D)  # query head h reads kv head h // rep
-    scores = torch.cat([torch.matmul(qg, k.transpose(1, 2)) for k in ks], dim=-1) if len(ks) > 1 \
-        else torch.matmul(qg, ks[0].transpose(1, 2))
+    # torch.bmm, not matmul: the same kernel without matmul's expand/reshape dispatches (per run, per layer)
+    scores = torch.cat([torch.bmm(qg, k.transpose(1, 2)) for k in ks], dim=-1) if len(ks) > 1 \
+        else torch.bmm(qg, ks[0].transpose(1, 2))
     probs = torch.softmax(scores.mul_(scale), dim=-1, dtype=torch.float32).to(vs[0].dtype)  # [Hkv, rep, S]
     out, at = None, 0
     for v in vs:
-        part = torch.matmul(probs[..., at:at + v.shape[1]], v)
+        part = torch.bmm(probs[..., at:at + v.shape[1]], v)
         out = part if out is None else out.add_(part)
         at += v.shape[1]
     return out.reshape(Hq, 1, vs[0].shape[-1])
