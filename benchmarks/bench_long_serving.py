@@ -10,7 +10,9 @@ every request's prompt and tokens at once, so nothing is preempted) and the same
       layer save (``Faults(save_delay_s=...)``, as bench_ttft/bench_serve do; the run prints the
       save's share of the mean step); chunked prefill (step budget ``--budget`` tokens) on.
       Decode inter-token latency p99 (gaps between a request's tokens after its first) with
-      chunking on vs off (off: a prompt runs as one oversized step), both ``async``.
+      chunking on vs off (off: a prompt runs as one oversized step), both ``async``. ``--rounds R``
+      runs the async/sync pair R times back to back (alternating which goes first) and prints each
+      round's ratios and their medians: on a shared machine the load drifts between waves.
   (c) TTFT p50 / p90 at a 50 % prefix hit (each prompt's first half was run and saved first) with
       ``async`` vs the same prompts with no prefix cache (``write: off``), no fault injection.
   (a) TTFT of one ``--long-len``-token prompt: cold / 50 % pool hit / full pool hit, and with
@@ -152,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=0, help="0: prompts + tokens of every client at once")
     ap.add_argument("--save-delay", type=float, default=0.002, help="seconds slept per layer save in (b)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="(b): run the async and sync chunked waves this many times each, back to back, "
+                         "alternating which goes first; prints each round's ratios and their medians")
     ap.add_argument("--async-staging", choices=("memfd", "numpy"), default="memfd",
                     help="(b): the async save staging: memfd (the engine's, GIL-free commit reads) or numpy "
                          "(torch memory, the copy before; the A/B of BENCHMARKS.md's (b) rows)")
@@ -198,23 +203,39 @@ def main(argv=None) -> int:
         gen = Prompts(args.seed * 1000 + n, args.vocab, args.prompt_len)
         prompts = [gen.next() for _ in range(n)]
         nb = args.num_blocks or n * ((args.prompt_len + args.new) // spec.kv_cache.block_size + 2)
+        # (b)'s pair, --rounds times, alternating which goes first: on a shared machine the load drifts
+        # between waves by more than the save costs, so each round's ratio is taken from back-to-back waves
+        rounds = []
+        for r in range(args.rounds):
+            order = ("async", "sync") if r % 2 == 0 else ("sync", "async")
+            rounds.append({w: wave(spec, weights, prompts, args, write=w, chunked=True, faults=slow) for w in order})
         runs = {
-            "async chunked": wave(spec, weights, prompts, args, write="async", chunked=True, faults=slow),
-            "sync chunked": wave(spec, weights, prompts, args, write="sync", chunked=True, faults=slow),
+            "async chunked": rounds[0]["async"],
+            "sync chunked": rounds[0]["sync"],
             "async unchunked": wave(spec, weights, prompts, args, write="async", chunked=False, faults=slow),
             "async 50% hit": wave(spec, weights, prompts, args, write="async", chunked=True, warm_halves=True),
             "off (no prefix cache)": wave(spec, weights, prompts, args, write="off", chunked=True),
         }
         raw[n] = {k: {m: [round(x, 2) for x in v[m]] for m in ("ttft",)} for k, v in runs.items()}
+        for r, got in enumerate(rounds[1:], 2):
+            raw[n].update({f"{w} chunked, round {r}": {"ttft": [round(x, 2) for x in got[w]["ttft"]]} for w in got})
         print(f"\n## {n} clients ({n} requests at once, --num-blocks {nb})\n")
         print("| run | TTFT p50 ms | p90 | ITL p50 ms | p99 | mean step ms | prefix-hit tokens |\n|---|---|---|---|---|---|---|")
-        for k, v in runs.items():
+        for k, v in [*runs.items(), *((f"{w} chunked, round {r}", got[w]) for r, got in enumerate(rounds[1:], 2)
+                                        for w in ("async", "sync"))]:
             print(f"| {k} | {pct(v['ttft'], 50):.0f} | {pct(v['ttft'], 90):.0f} | {pct(v['itl'], 50):.1f} | "
                   f"{pct(v['itl'], 99):.1f} | {statistics.mean(v['step_ms']):.1f} | {v['hit_tokens']} |")
         a, s, u = runs["async chunked"], runs["sync chunked"], runs["async unchunked"]
         h, o = runs["async 50% hit"], runs["off (no prefix cache)"]
         save_share = args.save_delay * d.num_hidden_layers * 1e3 / statistics.mean(o["step_ms"])
-        out.append(f"{n} clients: (b) async/sync TTFT p50 {pct(a['ttft'], 50) / pct(s['ttft'], 50):.2f} "
+        if len(rounds) > 1:
+            per = [(pct(g["async"]["ttft"], 50) / pct(g["sync"]["ttft"], 50),
+                    pct(g["async"]["ttft"], 90) / pct(g["sync"]["ttft"], 90)) for g in rounds]
+            out.append(f"{n} clients: (b) async/sync TTFT per round (p50, p90): "
+                       f"{[(round(a, 2), round(b, 2)) for a, b in per]}; medians over {len(rounds)} rounds: p50 "
+                       f"{statistics.median(a for a, _ in per):.2f} (goal <= 0.85), p90 "
+                       f"{statistics.median(b for _, b in per):.2f} (goal <= 1.0)")
+        out.append(f"{n} clients{', round 1' if len(rounds) > 1 else ''}: (b) async/sync TTFT p50 {pct(a['ttft'], 50) / pct(s['ttft'], 50):.2f} "
                    f"(goal <= 0.85), p90 {pct(a['ttft'], 90) / pct(s['ttft'], 90):.2f} (goal <= 1.0); "
                    f"decode ITL p99 chunked/unchunked {pct(a['itl'], 99) / pct(u['itl'], 99):.2f} (goal <= 0.5); "
                    f"(c) 50% hit async / no prefix cache TTFT p50 {pct(h['ttft'], 50) / pct(o['ttft'], 50):.2f}, "
