@@ -5,10 +5,13 @@ import threading
 import pytest
 import torch
 
+from graphgen.runtime.core import ops
+
 from graphgen.runtime.core.kvcache import (
     BlockAllocator, OutOfBlocks, PackedStaging, PagedKVCache, layout_version, make_staging, pack_block,
     slot_mapping, unpack_block_into,
 )
+from graphgen.runtime.core.block_copy import block_id_runs, copy_into_blocks
 from graphgen.runtime.pool import HostPool, block_keys
 
 BS = 4
@@ -241,6 +244,47 @@ def test_staging_block_packs_like_cache_block(shapes, dtype, shared):
             assert torch.equal(_bits(dst[li][ci][0]), _bits(cache[li][ci][7]))
             assert torch.equal(_bits(loads[li][ci][1]), _bits(cache[li][ci][7]))
             assert not _bits(loads[li][ci][0]).any()         # only row 1 was written
+
+
+@pytest.mark.parametrize("shapes", [QWEN, DSV3], ids=["qwen", "deepseek"])
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6, 7], [9, 2, 6, 0, 4], [10, 11, 12, 1, 7, 8, 5, 2, 3, 4]],
+                         ids=["consecutive", "scattered", "mixed"])
+def test_loaded_blocks_land_in_their_cache_blocks(shapes, ids):
+    # the graph's kv_load: staging row j (a strided view of a packed load staging, as KVLoader fills
+    # it) -> cache block ids[j]; runs of consecutive ids are slice copies, the rest one index_copy_.
+    # Reference: one block at a time. Every row differs, so a row copied to a wrong offset shows.
+    g = torch.Generator().manual_seed(3)
+    staging = make_staging(shapes, 2, len(ids), torch.float32)
+    staging.packed.copy_(torch.randint(0, 256, staging.packed.shape, generator=g))  # random bits, as pool values
+    cache = PagedKVCache(2, shapes, num_blocks=13)
+    _fill(cache, g)
+    expected = [[t.clone() for t in layer] for layer in cache]
+    for layer, rows in zip(expected, staging):
+        for t, s in zip(layer, rows):
+            for j, b in enumerate(ids):
+                t[b] = s[j]
+
+    def matches(got) -> bool:
+        return all(torch.equal(_bits(a), _bits(b)) for la, lb in zip(got, expected) for a, b in zip(la, lb))
+
+    assert len({pack_block(staging, j) for j in range(len(ids))}) == len(ids)
+    shifted = [[t.clone() for t in layer] for layer in cache]   # negative control: one run off by a row
+    runs, _ = block_id_runs(ids)
+    for layer, rows in zip(shifted, staging):
+        copy_into_blocks(layer, rows, torch.tensor(ids))
+        for t, s in zip(layer, rows):
+            at, first, length = runs[0] if runs else (0, ids[0], 1)
+            t[first:first + length] = s.roll(1, 0)[at:at + length]
+    assert not matches(shifted)
+    for layer, rows in zip(cache, staging):
+        ops.kv_load(layer, rows, torch.tensor(ids, dtype=torch.int32))
+    assert matches(cache)
+
+
+def test_block_id_runs():
+    assert block_id_runs([3, 4, 5, 9, 1, 2, 7]) == ([(0, 3, 3), (4, 1, 2)], [3, 6])
+    assert block_id_runs([5, 3, 1]) == ([], [0, 1, 2]) and block_id_runs([]) == ([], [])
+    assert block_id_runs([2, 3]) == ([(0, 2, 2)], [])
 
 
 def test_distinct_blocks_pack_differently():

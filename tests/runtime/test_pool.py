@@ -112,6 +112,29 @@ def test_default_leading_run_of_the_interface():
         PoolBackend()
 
 
+def test_host_get_into_is_the_contracts_get_into_under_one_lock():
+    # HostPool.get_into (one lock for the run) answers as the contract's default (a get per key),
+    # and hands the values over after releasing the lock: a destination that puts into the same
+    # pool (as a commit thread may, meanwhile) would deadlock on the non-reentrant lock otherwise
+    def case(get_into):
+        p = HostPool(1 << 20)
+        assert p.put("a", b"x" * 16) and p.put("b", b"y" * 8) and p.put("c", b"z" * 4)
+        seen, bufs = [], [bytearray(16), bytearray(16)]
+        ok = get_into(p, ["a", "b", "gone", "c", "a", "b"],
+                      [*bufs, bytearray(4), lambda mv: seen.append(bytes(mv)) or p.put("d", b"w"),
+                       lambda mv: False, lambda mv: 1 / 0])
+        return ok, [bytes(b) for b in bufs], seen, p.keys(), {k: p.stats()[k] for k in ("gets", "get_hits")}
+
+    ours, default = case(HostPool.get_into), case(PoolBackend.get_into)
+    assert ours[:3] + ours[4:] == default[:3] + default[4:]
+    assert ours[0] == [True, False, False, True, False, False] and ours[1] == [b"x" * 16, bytes(16)]
+    # recency refreshed by the gets in key order, all before the handover (the default interleaves them)
+    assert ours[2] == [b"z" * 4] and ours[3] == ["c", "a", "b", "d"] and default[3] == ["c", "d", "a", "b"]
+    assert ours[4] == {"gets": 6, "get_hits": 5}
+    with pytest.raises(ValueError, match="destinations"):
+        HostPool(8).get_into(["a"], [])
+
+
 def test_bad_keys_and_values():
     p = HostPool(10)
     with pytest.raises(TypeError):

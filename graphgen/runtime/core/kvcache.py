@@ -239,15 +239,16 @@ class PackedStaging(list):
         return data
 
     def write_row(self, index: int, data) -> None:
-        """Block ``index``'s row := ``data`` (its length checked by the caller)."""
+        """Block ``index``'s row := ``data`` (its length checked by the caller): one copy with the
+        GIL released, ``os.pwrite`` into a memfd, else numpy's (no torch call, no bytes in between)."""
         if not 0 <= index < self.packed.shape[0]:
             raise IndexError(f"block {index} out of range for a staging of {self.packed.shape[0]} blocks")
         if not len(data):
             return
-        if self.fd is not None:  # one copy, GIL released
+        if self.fd is not None:
             if os.pwrite(self.fd, data, index * self.row_bytes) == self.row_bytes:
                 return
-        self.packed[index].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.rows[index] = numpy.frombuffer(data, dtype=numpy.uint8)  # the same memory as the mapping
 
 
 def _memfd_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
@@ -397,15 +398,9 @@ def _check_value_size(cache, got: int, expected: int) -> None:
 def unpack_block_into(cache: Sequence[Sequence[torch.Tensor]], block_id: int,
                       data: bytes | bytearray | memoryview) -> None:
     """Write a pooled block's bytes into block ``block_id`` of ``cache`` (all layers/components)."""
-    packed = getattr(cache, "packed", None)
-    if packed is not None:  # a PackedStaging: the value is the row's bytes, one memcpy (numpy, no torch call)
-        _check_value_size(cache, len(data), packed.shape[1])
-        if not 0 <= block_id < packed.shape[0]:
-            raise IndexError(f"block {block_id} out of range for a staging of {packed.shape[0]} blocks")
-        if cache.fd is not None:  # a memfd staging: os.pwrite, the copy with the GIL released
-            cache.write_row(block_id, data)
-        else:
-            cache.rows[block_id][:] = numpy.frombuffer(data, dtype=numpy.uint8)
+    if isinstance(cache, PackedStaging):  # the value is the row's bytes: one copy
+        _check_value_size(cache, len(data), cache.row_bytes)
+        cache.write_row(block_id, data)
         return
     flat = _components(cache)
     expected = block_nbytes(cache)

@@ -414,21 +414,9 @@ def kv_save(cache: Sequence[Tensor], block_ids: Tensor, staging: Sequence[Tensor
 def kv_load(cache: Sequence[Tensor], loads: Sequence[Tensor], block_ids: Tensor) -> None:
     """Copy the loaded history blocks (``loads``: one [n, *block shape] tensor per cache component,
     filled by the host from the pool) into cache blocks ``block_ids`` (n of them)."""
-    ids = block_ids.long()
-    n = ids.shape[0]
-    if n == 0:
-        return
-    for c, s in zip(cache, loads):
-        if s.shape[0] < n:
-            raise ValueError(f"kv_load: load staging holds {s.shape[0]} blocks, {n} requested")
-        s = s[:n]
-        if c.is_contiguous() and s[0].is_contiguous():
-            # one row per block: a load staging's component is a strided view of its pool-value rows
-            # (`kvcache.PackedStaging`), and index_copy_ from a strided 4-d source is an elementwise
-            # loop (~3x slower on the CPU than the same copy as [n, block elements] rows)
-            c.view(c.shape[0], -1).index_copy_(0, ids, s.reshape(n, -1))
-        else:
-            c.index_copy_(0, ids, s)
+    from .block_copy import copy_into_blocks  # runs of consecutive ids as slice copies
+
+    copy_into_blocks(cache, loads, block_ids)
 
 
 def mtp_eh_proj(embed: Tensor, hidden: Tensor, enorm_w: Tensor, hnorm_w: Tensor, eh_w: Tensor,

@@ -52,7 +52,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["Lease", "LeaseBook", "LeaseKeeper", "PoolBackend", "count_leading"]
+__all__ = ["Lease", "LeaseBook", "LeaseKeeper", "PoolBackend", "count_leading", "deliver"]
 
 
 @dataclass(frozen=True)
@@ -210,24 +210,25 @@ class PoolBackend(abc.ABC):
         a backend that can read into its own registered memory overrides this."""
         if len(dests) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
-        ok = []
-        for key, dest in zip(keys, dests):
-            value = self.get(key)
-            if value is None:
-                ok.append(False)
-            elif callable(dest):
-                try:
-                    ok.append(dest(memoryview(value)) is not False)
-                except Exception:   # noqa: BLE001 - the caller's unpack failing is a miss
-                    ok.append(False)
-            else:
-                target = memoryview(dest).cast("B")
-                if len(target) != len(value):
-                    ok.append(False)
-                else:
-                    target[:] = value
-                    ok.append(True)
-        return ok
+        return [deliver(self.get(key), dest) for key, dest in zip(keys, dests)]
+
+
+def deliver(value: "bytes | None", dest: Any) -> bool:
+    """``get_into``'s handover of one value (None: a miss) to its destination: a callable is given a
+    memoryview (False from it, or an exception, means not taken), a buffer of exactly the value's
+    size gets a copy. True only when the value was taken / written whole."""
+    if value is None:
+        return False
+    if callable(dest):
+        try:
+            return dest(memoryview(value)) is not False
+        except Exception:   # noqa: BLE001 - the caller's unpack failing is a miss
+            return False
+    target = memoryview(dest).cast("B")
+    if len(target) != len(value):
+        return False
+    target[:] = value
+    return True
 
 
 def count_leading(keys: Iterable[str], present: Callable[[str], bool]) -> int:
