@@ -11,7 +11,7 @@ from graphgen.runtime.core.kvcache import (
     BlockAllocator, OutOfBlocks, PackedStaging, PagedKVCache, layout_version, make_staging, pack_block,
     slot_mapping, unpack_block_into,
 )
-from graphgen.runtime.core.block_copy import block_id_runs, copy_into_blocks
+from graphgen.runtime.core.block_copy import block_id_runs, copy_from_blocks, copy_into_blocks
 from graphgen.runtime.pool import HostPool, block_keys
 
 BS = 4
@@ -279,6 +279,30 @@ def test_loaded_blocks_land_in_their_cache_blocks(shapes, ids):
     for layer, rows in zip(cache, staging):
         ops.kv_load(layer, rows, torch.tensor(ids, dtype=torch.int32))
     assert matches(cache)
+
+
+@pytest.mark.parametrize("shapes", [QWEN, DSV3], ids=["qwen", "deepseek"])
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6, 7], [9, 2, 6, 0, 4], [10, 11, 12, 1, 7, 8, 5, 2, 3, 4]],
+                         ids=["consecutive", "scattered", "mixed"])
+def test_saved_blocks_land_in_their_staging_rows(shapes, ids):
+    # the graph's kv_save: cache block ids[j] -> row j of a packed save staging (its pool value);
+    # runs of consecutive ids are slice copies, the rest gathered once. Reference: pack_block of the
+    # cache block. Every block differs, so a row taken from a wrong block shows.
+    g = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(2, shapes, num_blocks=13)
+    _fill(cache, g)
+    staging = make_staging(shapes, 2, len(ids) + 1, torch.float32)
+    for layer, rows in zip(cache, staging):
+        ops.kv_save(layer, torch.tensor(ids, dtype=torch.int32), rows)
+    assert [pack_block(staging, j) for j in range(len(ids))] == [pack_block(cache, b) for b in ids]
+    runs, _ = block_id_runs(ids)
+    shifted = make_staging(shapes, 2, len(ids) + 1, torch.float32)  # negative control: one run off by a block
+    for layer, rows in zip(cache, shifted):
+        copy_from_blocks(rows, layer, torch.tensor(ids))
+        at, _, length = runs[0] if runs else (0, ids[0], 2)
+        for s in rows:
+            s[at:at + length] = s[at:at + length].roll(1, 0)
+    assert [pack_block(shifted, j) for j in range(len(ids))] != [pack_block(cache, b) for b in ids]
 
 
 def test_block_id_runs():

@@ -1,12 +1,13 @@
-"""Copies of whole KV blocks between a staging and the paged cache (the graph's ``kv_load``: a
-load staging's rows into the cache blocks a prefill's loaded history goes to)."""
+"""Copies of whole KV blocks between a staging and the paged cache: the graph's ``kv_load`` (a load
+staging's rows into the cache blocks a prefill's loaded history goes to) and ``kv_save`` (the cache
+blocks a step completed into a save staging's rows). Runs of consecutive block ids are slice copies."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-__all__ = ["block_id_runs", "copy_into_blocks"]
+__all__ = ["block_id_runs", "copy_into_blocks", "copy_from_blocks"]
 
 # a run of at least this many consecutive block ids is copied as one slice; shorter runs go
 # together through one index_copy_ (a slice copy costs one torch call, ~3 us; index_copy_ ~1.6 us
@@ -55,3 +56,22 @@ def copy_into_blocks(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], b
             c.view(c.shape[0], -1).index_copy_(0, rest_ids, part.reshape(len(rest), -1))
         else:
             c.index_copy_(0, rest_ids, part)
+
+
+def copy_from_blocks(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:
+    """``dst[c][j] = src[c][block_ids[j]]`` for every component ``c`` and j (a layer's cache blocks into
+    its save staging: the graph's ``kv_save``). The blocks a chunk completes are mostly one run (the
+    FIFO allocator): a run is one slice copy, where ``index_select`` + ``copy_`` copied every block twice."""
+    n = block_ids.shape[0]
+    runs, rest = block_id_runs(block_ids.tolist())
+    for s, c in zip(dst, src):
+        if s.shape[0] < n:
+            raise ValueError(f"kv_save: staging holds {s.shape[0]} blocks, {n} requested")
+        for at, first, length in runs:
+            s[at:at + length].copy_(c[first:first + length])
+        if rest:
+            gathered = c.index_select(0, block_ids[rest].long() if runs else block_ids.long())
+            if runs:
+                s[rest] = gathered
+            else:
+                s[:n].copy_(gathered)

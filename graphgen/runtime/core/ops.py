@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import StepMemo, attend, attend_one, cat_runs, gather_seq, seq_layout, seq_runs, step_plan
+from .block_copy import copy_from_blocks, copy_into_blocks
 
 Tensor = torch.Tensor
 
@@ -403,20 +404,13 @@ def lm_head(h: Tensor, norm_w: Tensor, eps: float, head_w: Tensor, logits_indice
 
 
 def kv_save(cache: Sequence[Tensor], block_ids: Tensor, staging: Sequence[Tensor]) -> None:
-    ids = block_ids.long()
-    n = ids.shape[0]
-    for c, s in zip(cache, staging):
-        if s.shape[0] < n:
-            raise ValueError(f"kv_save: staging holds {s.shape[0]} blocks, {n} requested")
-        s[:n].copy_(c.index_select(0, ids))
+    copy_from_blocks(staging, cache, block_ids)  # runs of consecutive ids as slice copies
 
 
 def kv_load(cache: Sequence[Tensor], loads: Sequence[Tensor], block_ids: Tensor) -> None:
     """Copy the loaded history blocks (``loads``: one [n, *block shape] tensor per cache component,
     filled by the host from the pool) into cache blocks ``block_ids`` (n of them)."""
-    from .block_copy import copy_into_blocks  # runs of consecutive ids as slice copies
-
-    copy_into_blocks(cache, loads, block_ids)
+    copy_into_blocks(cache, loads, block_ids)  # runs of consecutive ids as slice copies
 
 
 def mtp_eh_proj(embed: Tensor, hidden: Tensor, enorm_w: Tensor, hnorm_w: Tensor, eh_w: Tensor,
