@@ -123,32 +123,28 @@ def embedding(weight: Tensor, input_ids: Tensor) -> Tensor:
 _SMALL = 1 << 16  # elements: a decode batch's activations, where Python calls cost more than memory
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    dtype = x.dtype
-    if dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= _SMALL:
-        # torch's own rms_norm: transformers' operations (x * rsqrt(mean(x^2) + eps), then the
-        # weight) in one Python call instead of six; bit-identical to transformers' Qwen3RMSNorm
-        # (tests/runtime/test_ops_vs_hf.py::test_decode_fast_paths_bit_identical_to_transformers).
-        # Only for decode-sized inputs: it allocates its intermediates, which costs a long prefill
-        # more than the in-place path below (measured 2-6 % of a 512/2048-token prefill step)
-        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if dtype == torch.float32:  # weight * xf, in place (bit-identical)
-        return xf.mul_(weight) if weight.dtype == torch.float32 else weight * xf
-    return weight * xf.to(dtype)
-
-
 def _rms_unit(x: Tensor, eps: float) -> Tensor:
-    """``rms_norm`` before its weight: transformers' ``x * rsqrt(mean(x^2) + eps)`` (in float32, cast back
-    to ``x``'s dtype), so that the caller can apply a different weight to each part of the result (the
-    same operations in the same order as `rms_norm`, hence the same values)."""
+    """`rms_norm` before its weight: transformers' ``x * rsqrt(mean(x^2) + eps)`` (in float32, cast back
+    to ``x``'s dtype), so that a caller can apply a different weight to each part of the result (the
+    Qwen3 prolog's q and k). Decode-sized float32 inputs take torch's own rms_norm (one call instead of
+    five); a long prefill the out-of-place expression (torch.rms_norm allocates its intermediates:
+    measured 2-6 % of a 512/2048-token prefill step)."""
     if x.dtype == torch.float32:
         if x.numel() <= _SMALL:
             return torch.rms_norm(x, (x.shape[-1],), None, eps)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm, ``weight * _rms_unit(x)``, bit-identical to Qwen3RMSNorm
+    (tests/runtime/test_ops_vs_hf.py::test_decode_fast_paths_bit_identical_to_transformers)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= _SMALL:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)  # the weight inside torch's one call
+    u = _rms_unit(x, eps)
+    # in place when u is a float32 buffer of its own (weight * u == u * weight)
+    return u.mul_(weight) if u.dtype == weight.dtype == torch.float32 else weight * u
 
 
 def rope_cos_sin(positions: Tensor, *, rot_dim: int, theta: float,
