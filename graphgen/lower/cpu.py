@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu_parallel import EMIT_PARALLEL, projection
-from .render import MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, moe_kwargs, py, render_frame, weight
+from .render import (MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, load_time_weights_literal, moe_kwargs, py,
+                     render_frame, weight)
 
 
 @dataclass(frozen=True)
@@ -197,5 +198,4 @@ def render_cpu(graph: Graph) -> str:
     returns = f"logits, {ctx.ref(HIDDEN)}" if returned else "logits"
     return render_frame("cpu/variant.py.j2", graph=graph, meta=graph.meta, streams_note=streams_note,
                         events=tuple(graph.events), host_event=host_event, run_body="\n".join(run_body),
-                        returns=returns, load_time_weights="{" + "".join(
-                            f"\n    {k!r}: {py(ctx.loaded[k])}," for k in sorted(ctx.loaded)) + ("\n}" if ctx.loaded else "}"))
+                        returns=returns, load_time_weights=load_time_weights_literal(ctx.loaded))

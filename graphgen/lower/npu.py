@@ -24,7 +24,8 @@ from pathlib import Path
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .npu_parallel import EMIT_PARALLEL, named_groups
 from .npu_calls import moe_call, swiglu_mlp_call
-from .render import Emitter, LoweringError, Names, emit_with, load_time_weight, py, render_frame, weight
+from .render import (Emitter, LoweringError, Names, emit_with, load_time_weight, load_time_weights_literal, py,
+                     render_frame, weight)
 
 COMPILE_MODES = ("max-autotune", "reduce-overhead")
 HELPERS_FILE = Path(__file__).with_name("npu_helpers.py")
@@ -366,7 +367,6 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
         save_stream=f"({tag}, {prio})", rope=rope, process_groups=named_groups(graph.nodes, world), returns=returns,
         returns_doc="(logits [B, V], hidden [T, hidden])" if HIDDEN in graph.names else "logits [B, V]",
         tiling_sink=tiling_sink(graph, options.mode), tagged_events=tagged, **layout,
-        load_time_weights="{" + "".join(f"\n    {k!r}: {py(ctx.loaded[k])}," for k in sorted(ctx.loaded))
-        + ("\n}" if ctx.loaded else "}"),
+        load_time_weights=load_time_weights_literal(ctx.loaded),
         helpers="\n\n" + "\n\n\n".join(helpers_for(body)), forward_body="\n".join(body),
         load_body="\n".join(load) or "    pass  # this graph loads nothing")

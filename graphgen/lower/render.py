@@ -134,6 +134,11 @@ def load_time_weight(node: Node, loaded: dict, attrs: tuple[str, ...], *, dim: i
     return f"W[{key!r}]"
 
 
+def load_time_weights_literal(loaded: dict) -> str:
+    """A module's ``LOAD_TIME_WEIGHTS`` as Python source: one recipe per line, keys sorted (deterministic)."""
+    return "{" + "".join(f"\n    {k!r}: {py(loaded[k])}," for k in sorted(loaded)) + ("\n}" if loaded else "}")
+
+
 def emit_with(table: dict[str, Emitter], target: str, node: Node, ctx) -> list[str]:
     fn = table.get(node.op)
     if fn is None:
