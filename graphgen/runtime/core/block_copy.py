@@ -7,6 +7,8 @@ from typing import Sequence
 
 import torch
 
+from .attention import StepMemo
+
 __all__ = ["block_id_runs", "copy_into_blocks", "copy_from_blocks"]
 
 # a run of at least this many consecutive block ids is copied as one slice; shorter runs go
@@ -29,6 +31,14 @@ def block_id_runs(block_ids: Sequence[int]) -> tuple[list[tuple[int, int, int]],
     return runs, rest
 
 
+# every layer's kv_load (kv_save) of a step gets the same block_ids tensor: its runs are found once
+_load_runs, _save_runs = StepMemo(), StepMemo()
+
+
+def _runs_of(block_ids: torch.Tensor) -> tuple[list, list]:
+    return block_id_runs(block_ids.tolist())
+
+
 def copy_into_blocks(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:
     """``dst[c][block_ids[j]] = src[c][j]`` for every component ``c`` and j (a layer's loaded
     history into its cache blocks: the graph's ``kv_load``). ``block_ids`` are distinct. A fresh
@@ -38,7 +48,7 @@ def copy_into_blocks(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], b
     n = block_ids.shape[0]
     if n == 0:
         return
-    runs, rest = block_id_runs(block_ids.tolist())
+    runs, rest = _load_runs.get(_runs_of, block_ids)
     rest_ids = block_ids[rest].long() if runs else block_ids.long()
     for c, s in zip(dst, src):
         if s.shape[0] < n:
@@ -63,7 +73,7 @@ def copy_from_blocks(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], b
     its save staging: the graph's ``kv_save``). The blocks a chunk completes are mostly one run (the
     FIFO allocator): a run is one slice copy, where ``index_select`` + ``copy_`` copied every block twice."""
     n = block_ids.shape[0]
-    runs, rest = block_id_runs(block_ids.tolist())
+    runs, rest = _save_runs.get(_runs_of, block_ids)
     for s, c in zip(dst, src):
         if s.shape[0] < n:
             raise ValueError(f"kv_save: staging holds {s.shape[0]} blocks, {n} requested")
