@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_ttft import bench_spec  # noqa: E402  (one home for the benchmark model)
+from graphgen.runtime.core.weights import build_load_time_weight  # noqa: E402
 
 Tensor = torch.Tensor
 
@@ -102,37 +103,28 @@ def linear_weights(weights: dict, layers: int) -> list:
     return [[weights[f"model.layers.{i}.{n}.weight"] for n in names] for i in range(layers)]
 
 
-@torch.no_grad()
-def floor_ms(lw: list, lm_head: Tensor, T: int, hidden: int, heads: int, head_dim: int) -> tuple[float, float]:
-    """(wall, cpu) ms of the model's matmuls alone for T tokens (the lm_head on the last row only)."""
-    x = torch.randn(T, hidden)
-    t = Clock()
-    for q, k, v, o, g, u, d in lw:
-        F.linear(x, q), F.linear(x, k), F.linear(x, v)
-        F.linear(torch.empty(T, heads * head_dim), o)
-        F.linear(x, g), F.linear(x, u)
-        F.linear(torch.empty(T, g.shape[0]), d)
-    F.linear(x[-1:], lm_head)
-    return t.ms()
-
-
 def layout_t(lw: list) -> list:
-    """graphgen's CPU layout of the same weights: [q; k; v] and [gate; up] merged, every one [in, out]."""
-    return [[torch.cat((q, k, v)).t().contiguous(), o.t().contiguous(), torch.cat((g, u)).t().contiguous(),
-             d.t().contiguous()] for q, k, v, o, g, u, d in lw]
+    """graphgen's CPU layout of the same weights, built by the runtime's own recipe
+    (`build_load_time_weight`, as the generated modules declare it): [q; k; v] and [gate; up] merged,
+    every one [in, out]."""
+    t = lambda *ws: build_load_time_weight(list(ws), dim=0, transpose12=False, transpose01=True)  # noqa: E731
+    return [[t(q, k, v), t(o), t(g, u), t(d)] for q, k, v, o, g, u, d in lw]
 
 
 @torch.no_grad()
-def floor_t_ms(lt: list, lm_head: Tensor, T: int, hidden: int, heads: int, head_dim: int) -> tuple[float, float]:
-    """(wall, cpu) ms of graphgen's matmuls alone (its layout, `layout_t`) for T tokens."""
-    x = torch.randn(T, hidden)
+def floor_ms(layers: list, lm_head: Tensor, T: int, *, in_out: bool) -> tuple[float, float]:
+    """(wall, cpu) ms of the model's matmuls alone for T tokens (the lm_head on the last row only):
+    ``F.linear`` on checkpoint-layout weights (``linear_weights``), or with ``in_out`` ``x @ W^T`` on
+    graphgen's layout (``layout_t``). Inputs are made before the clock starts."""
+    mats = [w for layer in layers for w in layer]
+    xs = {}
+    inputs = [xs.setdefault(w.shape[0 if in_out else 1], torch.randn(T, w.shape[0 if in_out else 1])) for w in mats]
+    mm = torch.mm if in_out else F.linear
+    last = torch.randn(1, lm_head.shape[1])
     t = Clock()
-    for qkv, o, gu, d in lt:
-        torch.mm(x, qkv)
-        torch.mm(torch.empty(T, heads * head_dim), o)
-        torch.mm(x, gu)
-        torch.mm(torch.empty(T, d.shape[0]), d)
-    F.linear(x[-1:], lm_head)
+    for x, w in zip(inputs, mats):
+        mm(x, w)
+    F.linear(last, lm_head)
     return t.ms()
 
 
@@ -225,10 +217,9 @@ def main(argv=None) -> int:
                     elif who == "transformers":
                         pre, dec, toks[who] = hf_run(hf, p, args.decode)
                     else:
-                        fn, ws = (floor_ms, lw) if who == "floor" else (floor_t_ms, lt)
-                        pre = fn(ws, lm_w, n, d.hidden_size, d.num_attention_heads, d.head_dim)
-                        dec = [fn(ws, lm_w, 1, d.hidden_size, d.num_attention_heads, d.head_dim)
-                               for _ in range(args.decode)]
+                        ws, in_out = (lw, False) if who == "floor" else (lt, True)
+                        pre = floor_ms(ws, lm_w, n, in_out=in_out)
+                        dec = [floor_ms(ws, lm_w, 1, in_out=in_out) for _ in range(args.decode)]
                     raw[who].append([round(x, 3) for x in (*pre, statistics.median(s[0] for s in dec),
                                                             statistics.median(s[1] for s in dec))])
                 if toks["graphgen"] != toks["transformers"]:
