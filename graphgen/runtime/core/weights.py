@@ -11,8 +11,9 @@ And the load-time weights both targets' generated modules declare (``LOAD_TIME_W
 "transpose01": True]}}``, built once when the weights are loaded instead of every forward. The CPU
 modules merge q/k/v and gate/up and store every dense projection as ``[in, out]`` (``transpose01``): a
 decode row's projection is then a GEMV that streams the weight's rows (``x @ W^T`` on a contiguous
-``W^T``), measured 1.2-1.4x faster than ``F.linear`` on the ``[out, in]`` checkpoint layout for the
-8-layer bench model on one thread, and no slower for prefill GEMMs (BENCHMARKS.md, issue 17 (d)). The
+``W^T``), measured 1.17-1.41x faster than ``F.linear`` on the ``[out, in]`` checkpoint layout for the
+8-layer bench model on one thread, prefill GEMMs within the spread (BENCHMARKS.md, issue 17 (d): the
+``floor`` / ``floor-t`` rows of ``benchmarks/bench_cpu_kernels.py``). The
 NPU layouts are described in `graphgen.npu.run.weights`.
 """
 
