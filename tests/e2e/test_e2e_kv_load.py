@@ -187,3 +187,19 @@ def test_a_whole_prefix_load_holds_every_layer_until_the_last_layers_load(qwen, 
     computed, log, warm = _gated_warm_run(qwen, prompt, pool, "forward", wait_s=1.0)
     assert not computed and not [e for e in log if e[0] == "attn"]
     assert warm.variant == "splitfuse" and warm.tokens == cold.tokens
+
+
+@pytest.mark.parametrize("granularity", ["forward", "layer"])
+def test_a_pool_hit_read_in_place_gives_the_cold_logits_and_lets_go_of_the_pool(qwen, pooled, granularity):
+    # HostPool lends the hit's run (its values were put in order): the load staging is the pool's
+    # memory, the graph's kv_load reads it there. The tokens and logits are the cold prefill's, and
+    # once the request is done nothing holds the lend (a leaked reader would pin pool values forever)
+    prompt, pool, cold = pooled
+    lends = pool.stats()["lends"]
+    with open_engine(u.TINY_QWEN3, qwen.dir, write="async", granularity=granularity, pool=pool,
+                     collect_logits=True) as eng:
+        warm = eng.generate([prompt], 1)[0]
+        eng.drain()
+        assert warm.hit_tokens == 8 and warm.tokens == cold.tokens
+        torch.testing.assert_close(warm.step_logits[0], cold.step_logits[0], rtol=1e-4, atol=1e-4)
+        assert pool.stats()["lends"] == lends + 1 and pool.stats()["live_lends"] == 0

@@ -31,6 +31,12 @@ class TimedPool(HostPool):
         return super().put(key, value)
 
 
+class CopyingPool(HostPool):
+    """A host pool that lends nothing: loads copy into a staging (the path of every other backend)."""
+
+    lend = PoolBackend.lend
+
+
 class DownPool(PoolBackend):
     """A pool whose every call raises (a remote store that went away)."""
 
@@ -156,10 +162,10 @@ def test_cancel_releases_pins(parts):
     conn.close()
 
 
-def pool_and_source(parts):
+def pool_and_source(parts, pool_type=HostPool):
     """An empty host pool, a loader over the fixture's cache, a source cache of 3 filled blocks, a prompt's keys."""
     cache, alloc, _ = parts
-    pool = HostPool(1 << 20)
+    pool = pool_type(1 << 20)
     src = PagedKVCache(2, SHAPES, 3, torch.float32)
     fill(src, 5)
     conn = make(pool, cache, alloc)
@@ -201,7 +207,7 @@ def test_lookup_and_load_the_leading_run(parts):
 
 
 def test_a_load_staging_is_reused_only_once_nothing_reads_it(parts):
-    cache, pool, conn, src, keys = pool_and_source(parts)
+    cache, pool, conn, src, keys = pool_and_source(parts, CopyingPool)
     for j in range(2):
         pool.put(keys[j], pack_block(src, j))
     first = conn.load(keys[:2])
@@ -214,6 +220,51 @@ def test_a_load_staging_is_reused_only_once_nothing_reads_it(parts):
     third = conn.load(keys[:2])                      # nothing reads it now: the same mapped pages
     assert third.staging.packed.data_ptr() == ptr
     assert [pack_block(third[j], 0) for j in range(2)] == [pack_block(src, j) for j in range(2)]
+    conn.close()
+
+
+@pytest.mark.parametrize("pool_type", [HostPool, CopyingPool])
+def test_a_run_the_pool_lends_is_the_staging_itself_and_stays_in_the_pool_while_read(parts, pool_type):
+    # HostPool lends a run put in order: the staging is laid over the pool's own memory (no copy);
+    # a pool that lends nothing gets the same blocks copied. Either way the graph's kv_load puts
+    # each source block into its cache block
+    cache, _, _ = parts
+    pool = pool_type(3 * cache.block_bytes())            # room for exactly the 3 blocks
+    src = PagedKVCache(2, SHAPES, 3, torch.float32)
+    fill(src, 5)
+    conn = make(pool, cache, parts[1])
+    keys = conn.block_keys(range(12))
+    for j in range(3):
+        assert pool.put(keys[j], pack_block(src, j))
+    run = conn.load(keys)
+    lent = pool.stats().get("lends", 0) == 1
+    assert lent == (pool_type is HostPool) and len(run) == 3 and conn.stats["loaded_blocks"] == 3
+    assert [pack_block(run[j], 0) for j in range(3)] == [pack_block(src, j) for j in range(3)]
+    for layer, loads in zip(cache, run.layers()):
+        ops.kv_load(layer, loads, torch.tensor([6, 1, 4]))
+    assert [pack_block(cache, b) for b in (6, 1, 4)] == [pack_block(src, j) for j in range(3)]
+    other = PagedKVCache(2, SHAPES, 1, torch.float32)
+    fill(other, 9)
+    view = run.layers()[1][1]                            # what a graph still reading the run holds
+    del run, layer, loads
+    # while it reads the pool's memory, the pool keeps those values: a put finds no room
+    assert pool.put("new", pack_block(other, 0)) is (not lent)
+    if lent:
+        assert torch.equal(view[2], src[1][1][2])
+        del view
+        assert pool.put("new", pack_block(other, 0))     # nothing reads them now: the oldest goes
+    conn.close()
+
+
+def test_a_run_the_pool_holds_in_pieces_is_copied(parts):
+    cache, pool, conn, src, keys = pool_and_source(parts)
+    pool.put(keys[0], pack_block(src, 0))
+    pool.put("between", pack_block(src, 2))              # keys[1] lands after it, not after keys[0]
+    pool.put(keys[1], pack_block(src, 1))
+    run = conn.load(keys[:2])
+    assert len(run) == 2 and pool.stats()["lends"] == 1  # the lend covered keys[0] only: copied instead
+    assert [pack_block(run[j], 0) for j in range(2)] == [pack_block(src, j) for j in range(2)]
+    assert pool.stats()["live_lends"] == 0
     conn.close()
 
 

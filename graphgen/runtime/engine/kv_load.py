@@ -159,7 +159,11 @@ class KVLoader:
         """Fetch ``keys`` in order into one load staging (block i in row i), stopping at the first
         block that is gone (evicted since the lookup), unreadable or foreign. Returns the leading
         blocks loaded; the rest is recomputed. The cache is not touched: the prefill's graph copies
-        the staged blocks in (the step plan carries them there)."""
+        the staged blocks in (the step plan carries them there). A run the pool lends whole
+        (`PoolBackend.lend`: HostPool's arena) is the staging itself, read in place: no copy here."""
+        lent = self._lent(keys)
+        if lent is not None:
+            return lent
         buffer = self.buffers.take(len(keys) * block_nbytes(self.cache)) if keys else None
         staging = self.cache.make_staging(len(keys), zeroed=False, buffer=buffer)  # a row is read only once loaded
         del buffer  # the staging holds it while it lives
@@ -184,6 +188,30 @@ class KVLoader:
             if not hit:  # gone since the lookup, unreadable or foreign: recompute from here
                 break
             n += 1
+        self._count("hit_blocks", n)
+        self._count("loaded_blocks", n)
+        return LoadedBlocks(staging, 0, n)
+
+    def _lent(self, keys: Sequence[str]) -> "LoadedBlocks | None":
+        """``keys``' values as a load staging laid over the pool's own memory, when the pool lends
+        them all back to back in this cache's layout (a host cache: the graph's kv_load reads the
+        staging); else None, and ``load`` copies. The staging's tensors hold the pool's buffer, so
+        the pool keeps those values (neither evicted nor overwritten) until the last of them is gone:
+        the plan that carries them has run, or the request was preempted or aborted."""
+        if not keys or self.cache.layer(0)[0].device.type != "cpu":
+            return None
+        try:
+            got = self.pool.lend(list(keys))
+        except Exception as e:
+            log.warning("pool lend failed, copying instead: %s", e)
+            self._count("pool_errors")
+            return None
+        if got is None:
+            return None
+        n, memory = got
+        if n != len(keys) or memoryview(memory).nbytes != n * block_nbytes(self.cache):
+            return None   # a partial run (the rest elsewhere, or gone) or a foreign size: copy and check
+        staging = self.cache.make_staging(n, zeroed=False, buffer=torch.frombuffer(memory, dtype=torch.uint8))
         self._count("hit_blocks", n)
         self._count("loaded_blocks", n)
         return LoadedBlocks(staging, 0, n)

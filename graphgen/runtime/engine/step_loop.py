@@ -150,7 +150,9 @@ class LLMEngine:
                 if plan is not None:
                     self._forward_sid, self._forward_plan = sid, plan
                     fut = self.runner.submit(plan)
-                    self._land(plan, self.runner.collect(fut), out, fut.hidden_rows)
+                    row_logits = self.runner.collect(fut)
+                    self._forward_plan = None  # landed: a plan holds its loads (pool memory, lent)
+                    self._land(plan, row_logits, out, fut.hidden_rows)
             else:
                 if self._inflight is None:
                     plan, sid = self._schedule()
@@ -160,7 +162,9 @@ class LLMEngine:
                     nxt, nsid = self._schedule()  # while the step in flight runs on the forward thread
                     fut, _ = self._inflight
                     self._inflight = None
-                    self._land(fut.plan, self.runner.collect(fut), out, fut.hidden_rows)
+                    row_logits = self.runner.collect(fut)
+                    self._forward_plan = None  # landed: a plan holds its loads (pool memory, lent)
+                    self._land(fut.plan, row_logits, out, fut.hidden_rows)
                     if nxt is not None:
                         self._launch(nxt, nsid)
         except BaseException:

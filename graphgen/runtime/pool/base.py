@@ -19,6 +19,13 @@ on one rank (see `graphgen.runtime.core.kvcache.pack_block`). The contract every
   given a memoryview of the value (valid only during the call; False from it means not taken).
   One bool per key: True only when the whole value was written / taken; a miss, a size mismatch or
   a callable that raised is False.
+* optional ``lend(keys) -> (n, buffer) | None``: the leading ``n >= 1`` values of ``keys`` read in
+  place, for a backend that keeps them back to back in its own memory (HostPool's arena): ``buffer``
+  exports the buffer protocol and holds the ``n`` values one after another. The backend neither
+  evicts nor overwrites them while ``buffer``, or anything made from it (a memoryview or a slice of
+  one, a numpy array, a tensor's storage), is alive; the caller must not write it. None (the
+  default) when the first value is absent or not held that way: the caller then copies
+  (``get_into``). Each lent value counts as a get.
 
 All methods are thread-safe. A hit reported by ``contains``/``leading_run`` may still be evicted
 before ``get``: callers must treat a None from ``get`` as a miss and recompute.
@@ -204,6 +211,10 @@ class PoolBackend(abc.ABC):
 
     def leases(self) -> int:
         return self.lease_book.live()
+
+    def lend(self, keys: Sequence[str]) -> "tuple[int, Any] | None":
+        """Default: nothing is lent (see the module docstring); the caller copies instead."""
+        return None
 
     def get_into(self, keys: Sequence[str], dests: Sequence[Any]) -> list[bool]:
         """Default: ``get`` each key and copy it into its destination (see the module docstring);

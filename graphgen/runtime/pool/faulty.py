@@ -45,6 +45,12 @@ class FaultyPool(PoolBackend):
     def get(self, key: str) -> bytes | None:
         return self.inner.get(key)
 
+    def get_into(self, keys, dests) -> list[bool]:
+        return self.inner.get_into(keys, dests)
+
+    def lend(self, keys):
+        return self.inner.lend(keys)
+
     def contains(self, key: str) -> bool:
         return self.inner.contains(key)
 
