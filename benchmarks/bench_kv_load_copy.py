@@ -2,8 +2,9 @@
 
 A 2048-token hit on the bench model of ``bench_ttft.py`` (6 layers, k/v ``[16, 2, 64]`` float32 per
 block: 96 KiB a block, 127 blocks = 12 MiB) is (1) fetched by ``KVLoader.load`` from the host pool
-into one load staging (one copy per block) and (2) copied into the cache by the graph's
-``kv_load`` (per layer and component). Each variant below is timed interleaved with the others,
+into one load staging (one copy per block) — or, where the pool lends the run (``HostPool``'s arena:
+its values were put in order), laid over the pool's own memory with no copy — and (2) copied into
+the cache by the graph's ``kv_load`` (per layer and component). Each variant below is timed interleaved with the others,
 ``--reps`` times, wall and thread CPU time, medians and minimums; ``cold``: a 40 MiB buffer is
 touched before each rep (what a forward does to the caches between two loads), ``warm``: not.
 
@@ -11,7 +12,10 @@ touched before each rep (what a forward does to the caches between two loads), `
   kv_load runs     ``ops.kv_load`` (a run of consecutive ids: one slice copy; the FIFO allocator's
                    fresh blocks ``--first-block`` .. +127 are one run)
   copy floor       one ``copy_`` of the same 12 MiB, contiguous to contiguous (no strides, one call)
-  load             ``KVLoader.load`` of 127 keys from a ``HostPool``
+  kv_load lent     ``ops.kv_load`` from a lent staging (the pool's arena: what the graph reads on a lend)
+  load lend        ``KVLoader.load`` of 127 keys from a ``HostPool`` (the run lent: no copy)
+  load copy        the same from a host pool that lends nothing (the copy path: every other backend,
+                   or a run the pool holds in pieces)
   load floor       the same values copied row by row into a kept staging (numpy, no pool, no checks)
 
     .venv/bin/python benchmarks/bench_kv_load_copy.py [--reps 40]
@@ -35,7 +39,14 @@ import torch  # noqa: E402
 from graphgen.runtime.core import ops  # noqa: E402
 from graphgen.runtime.core.kvcache import PagedKVCache  # noqa: E402
 from graphgen.runtime.engine.kv_load import KVLoader  # noqa: E402
+from graphgen.runtime.pool.base import PoolBackend  # noqa: E402
 from graphgen.runtime.pool.host import HostPool  # noqa: E402
+
+
+class CopyingPool(HostPool):
+    """The host pool with nothing lent: loads take the copy path."""
+
+    lend = PoolBackend.lend
 
 
 def main(argv=None) -> int:
@@ -48,11 +59,15 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     n, layers = args.blocks, 6
     cache = PagedKVCache(layers, {"k": (16, 2, 64), "v": (16, 2, 64)}, args.num_blocks)
-    pool = HostPool(8 << 30)
+    pool, copying = HostPool(8 << 30), CopyingPool(8 << 30)
     keys = [f"block{i}" for i in range(n)]
     for k in keys:
-        pool.put(k, os.urandom(cache.block_bytes()))
-    loader = KVLoader(pool, cache, model="bench")
+        v = os.urandom(cache.block_bytes())
+        pool.put(k, v)
+        copying.put(k, v)
+    loader, copier = KVLoader(pool, cache, model="bench"), KVLoader(copying, cache, model="bench")
+    lent = loader.load(keys)
+    assert len(lent) == n and pool.stats()["lends"] == 1, "the host pool did not lend the run"
     staging = cache.make_staging(n)  # what kv_load copies from (not a load's: that one's buffer is reused)
     staging.packed.copy_(torch.from_numpy(numpy.frombuffer(bytearray(b"".join(pool.get(k) for k in keys)), dtype=numpy.uint8)
                                           ).view(n, -1))
@@ -70,12 +85,17 @@ def main(argv=None) -> int:
         for layer, loads in zip(cache, staging):
             ops.kv_load(layer, loads, ids)
 
+    def lent_copy():
+        for layer, loads in zip(cache, lent.layers()):
+            ops.kv_load(layer, loads, ids)
+
     def load_floor():
         for r, v in zip(rows, values):
             r[:] = numpy.frombuffer(v, dtype=numpy.uint8)
 
-    variants = {"kv_load rows": rows_copy, "kv_load runs": runs_copy, "copy floor": lambda: dst.copy_(src),
-                "load": lambda: loader.load(keys), "load floor": load_floor}
+    variants = {"kv_load rows": rows_copy, "kv_load runs": runs_copy, "kv_load lent": lent_copy,
+                "copy floor": lambda: dst.copy_(src), "load lend": lambda: loader.load(keys),
+                "load copy": lambda: copier.load(keys), "load floor": load_floor}
     junk = numpy.ones(40 << 20, dtype=numpy.uint8)
     print(f"# bench_kv_load_copy — {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, torch {torch.__version__} (1 thread), "
           f"load average {os.getloadavg()[0]:.2f}; {n} blocks x {cache.block_bytes() >> 10} KiB = "

@@ -4,7 +4,8 @@ blocks fetched at admission.
 `KVLoader.block_keys` names a prompt's full blocks (model, cache layout, this cache's KV shard:
 `graphgen.runtime.pool.keys`), `lookup` counts the leading run the pool holds, `load` fetches it
 into one load staging for the whole run (`LoadedBlocks`: each block unpacked and validated into its
-row, one memcpy from the pool's buffer). The request keeps the staged blocks and its step plan
+row, one memcpy from the pool's buffer) — or, where the pool lends the run (`PoolBackend.lend`:
+HostPool's arena), lays the staging over the pool's own memory, with no copy. The request keeps the staged blocks and its step plan
 carries them to the runner, which hands the run's per-layer views to the graph without a copy; the cache itself is written by the prefill's
 graph (its ``kv_load`` nodes on the ``kv_load`` stream, ordered against the forward by events). A
 request preempted or aborted before its prefill simply drops them. The save side is
