@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 import threading
 from collections.abc import Sequence
 
@@ -27,6 +26,7 @@ import numpy
 import torch
 
 from ..core.kvcache import PagedKVCache, block_nbytes, unpack_block_into
+from ..pool.arena import reference_counts
 from ..pool.base import PoolBackend
 from ..pool.keys import KVShard, block_keys
 
@@ -89,11 +89,6 @@ class LoadedBlocks(Sequence):
         return f"LoadedBlocks({len(self)} blocks)"
 
 
-def _refcounts(arrays: list) -> list[int]:
-    """Each array's reference count, read the same way for the idle probe and for take()."""
-    return [sys.getrefcount(a) for a in arrays]
-
-
 class StagingBuffers:
     """Host buffers that load stagings are laid over, kept for later loads: a fresh staging of a
     long hit (12 MiB at 2048 tokens of the long-prompt benchmark) is mapped anew by the allocator,
@@ -107,14 +102,14 @@ class StagingBuffers:
         self.limit_bytes = limit_bytes
         self._arrays: list = []
         self._lock = threading.Lock()
-        self._idle_refs = _refcounts([numpy.empty(1, dtype=numpy.uint8)])[0]  # a buffer nobody else holds
+        self._idle_refs = reference_counts([numpy.empty(1, dtype=numpy.uint8)])[0]  # a buffer nobody else holds
 
     def take(self, nbytes: int) -> "torch.Tensor | None":
         """A uint8 tensor of at least ``nbytes`` over a buffer nothing reads; None past the limit."""
         if nbytes > self.limit_bytes:
             return None
         with self._lock:
-            free = [i for i, n in enumerate(_refcounts(self._arrays)) if n <= self._idle_refs]
+            free = [i for i, n in enumerate(reference_counts(self._arrays)) if n <= self._idle_refs]
             fit = [i for i in free if self._arrays[i].nbytes >= nbytes]
             if fit:
                 return torch.from_numpy(self._arrays[fit[0]])

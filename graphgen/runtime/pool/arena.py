@@ -16,15 +16,16 @@ import heapq
 import mmap
 import sys
 
-__all__ = ["SlotArena"]
+__all__ = ["SlotArena", "reference_counts"]
 
 # Linux's MAP_NORESERVE (the same value on every architecture it defines it for); Python 3.11's
 # mmap module does not export it
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
 
 
-def _refcounts(objs: list) -> list[int]:
-    """Each object's reference count, read the same way for the idle probe and for the check."""
+def reference_counts(objs: list) -> list[int]:
+    """Each object's reference count, read the same way for an idle probe and for the check (a
+    buffer's holders: the arena's lends here, `KVLoader`'s kept staging buffers)."""
     return [sys.getrefcount(o) for o in objs]
 
 
@@ -55,7 +56,7 @@ class SlotArena:
         self._lent: list[tuple[int, int, object]] = []   # (first slot, n, exporter) per lend
         self._held: dict[int, int] = {}                  # slot -> open reads
         probe = [(0, 0, ctypes.c_ubyte())]   # an exporter only its booking holds, read as busy() reads
-        self._idle_refs = _refcounts([entry[2] for entry in probe])[0]
+        self._idle_refs = reference_counts([entry[2] for entry in probe])[0]
         self.counts = dict(lends=0, lent_slots=0)
 
     # -- slots ---------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class SlotArena:
 
     def busy(self) -> set[int]:
         """Slots a live lend or an open read covers (lends nobody references any more are dropped)."""
-        refs = _refcounts([entry[2] for entry in self._lent])
+        refs = reference_counts([entry[2] for entry in self._lent])
         self._lent = [entry for entry, r in zip(self._lent, refs) if r > self._idle_refs]
         out = set(self._held)
         for first, n, _ in self._lent:
