@@ -43,6 +43,7 @@ from ...runtime import register_rank_target, register_target
 from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
+from ...runtime.engine.kv_load import LoadedBlocks
 from .bucketing import Buckets, max_model_len
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
@@ -292,15 +293,24 @@ class NpuModelRunner:
     def _chunk_loads(self, mod, chunk: list) -> list:
         """The loaded blocks of the chunk's sequences (their plan rows carry them), in the module's
         layout, padded with zero rows to the bucket's ``save_rows`` (padding rows scatter into the
-        pad block)."""
-        blocks = [blk for s in chunk for blk in s["loaded"]]
+        pad block). A sequence's `LoadedBlocks` run is copied as one slice per layer and component
+        (a 2048-token hit: 12 copies, not 127 x 12); other loaded blocks one by one."""
+        runs = [s["loaded"] for s in chunk if len(s["loaded"])]
+        views = [run.layers() if isinstance(run, LoadedBlocks) else None for run in runs]
         out = []
         for layer in range(self.spec.dims.num_hidden_layers):
             comps = []
             for i, shape in enumerate(mod.KV_SHAPES):
                 t = torch.zeros(self.buckets.save_rows, *shape, dtype=self.dtype, device=self.device)
-                for j, blk in enumerate(blocks):
-                    t[j].copy_(blk[layer][i].view(*shape))
+                j = 0
+                for run, view in zip(runs, views):
+                    n = len(run)
+                    if view is not None:   # rows of one staging: [n, *block shape], strided by a block
+                        t[j:j + n].view(n, -1).copy_(view[layer][i].flatten(1))
+                    else:
+                        for k, blk in enumerate(run):
+                            t[j + k].copy_(blk[layer][i].view(*shape))
+                    j += n
                 comps.append(t)
             out.append(tuple(comps))
         return out
@@ -330,7 +340,8 @@ def _sequence(row, block_size: int) -> dict:
     return {"ids": list(row.token_ids), "pos": list(row.positions),
             "slots": slot_mapping(table, row.start, row.seq_len, block_size).tolist(),
             "table": table, "seq_len": row.seq_len, "save": list(row.save_block_ids),
-            "load": list(row.load_block_ids), "loaded": list(row.loaded)}
+            "load": list(row.load_block_ids),
+            "loaded": row.loaded if isinstance(row.loaded, LoadedBlocks) else list(row.loaded)}
 
 
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
