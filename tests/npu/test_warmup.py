@@ -65,3 +65,53 @@ def test_warmup_flag_reaches_the_engine_options():
     assert engine_options(p.parse_args(base + ["--no-warmup"]))["warmup"] is False
     assert "applies to --target npu only" in check_engine_arguments(
         p.parse_args(["--spec", "s.yaml", "--weights", "w", "--warmup"]))
+
+
+def _few_buckets_with_history():
+    """hw_tiny_qwen3 (splitfuse kept) with decode batch 1/2 and prefill 128 tokens: two mixed cells."""
+    from graphgen.modelspec.loader import parse_spec_text
+
+    text = HW.read_text().replace("    compile_modes: [max-autotune]\n", "    compile_modes: [max-autotune]\n"
+                                  "    decode_batch_buckets: [1, 2]\n    prefill_token_buckets: [128]\n")
+    return parse_spec_text(text, "few_buckets_history.yaml")
+
+
+def _serve_mixed(spec, capsys, cells: bool):
+    """Warm up (with or without the mixed cells), then a prompt arriving while another decodes: its
+    chunks run as mixed batches. Returns (graphs compiled while serving, mixed steps, warm-up lines)."""
+    import torch
+
+    from graphgen.npu.run.inputs import random_weights
+    from graphgen.npu.run.mixed_grid import MixedGrid
+    from graphgen.npu.run.runner import npu_engine
+
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+    with pytest.MonkeyPatch.context() as mp:
+        if not cells:   # the negative control: warm-up as before this change (buckets only)
+            mp.setattr(MixedGrid, "cell_steps", lambda self, block_size: [])
+        with npu_engine(spec, dict(random_weights(spec, seed=1, scale=0.1)), num_blocks=16, standin=True,
+                        warmup=True, max_num_batched_tokens=64) as e:
+            started, llm = graphs["unique_graphs"], e.llm
+            llm.add_request("short", list(range(3, 20)), max_tokens=6)
+            llm.step()
+            llm.add_request("long", list(range(30, 130)), max_tokens=2)
+            while llm.has_work():
+                llm.step()
+            later, mixed = graphs["unique_graphs"] - started, llm.stats()["mixed_steps"]
+            count = e.runner.grid.count()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm-up")]
+    return later, mixed, lines, count
+
+
+@pytest.mark.slow
+def test_warmup_compiles_every_mixed_cell_so_mixed_batches_compile_nothing_while_serving(capsys):
+    # issue 17 item 2 (no recompile storm): the mixed grid's cells are known up front, so warm-up
+    # compiles them; without them a mixed batch compiles its cell mid-serving
+    spec = _few_buckets_with_history()
+    later, mixed, lines, count = _serve_mixed(spec, capsys, cells=True)
+    cell_lines = [line for line in lines if "mixed cell" in line]
+    assert count == 2 and len(cell_lines) == count and all("splitfuse mixed cell" in x for x in cell_lines)
+    assert mixed >= 1 and later == 0, (mixed, later)
+    later, mixed, lines, _ = _serve_mixed(spec, capsys, cells=False)
+    assert not any("mixed cell" in line for line in lines) and mixed >= 1 and later > 0

@@ -123,6 +123,26 @@ class MixedGrid:
         return MixedPadding(self.batch(cell), cell.tokens, self.max_blocks, pad_block, self.save_rows,
                             logits_rows=cell.decode_rows * cell.tokens_per_row + self.prefill_seqs + 1)
 
+    def cell_steps(self, block_size: int) -> list[MixedStep]:
+        """One deterministic step per cell, in ``cells()`` order, padded to exactly that cell (what
+        warm-up compiles): ``D`` decode rows of ``K`` tokens and ``prefill_seqs`` chunks sharing the
+        cell's other tokens but the one its padding sequence takes, every history crossing a block
+        boundary (as `bucketing.bucket_steps`)."""
+        cap, n = self.max_blocks * block_size, self.prefill_seqs
+        out = []
+        for cell in self.cells():
+            k = cell.tokens_per_row
+            real = cell.tokens - cell.decode_rows * k - 1
+            qs = [real // n + (1 if i < real % n else 0) for i in range(n)]
+            hist = min(block_size + 1, cap - max(qs))
+            if hist < 0 or block_size + 1 + k > cap:
+                raise ValueError(f"cell {cell}: its rows cannot fit within {cap} positions")
+            step = MixedStep(tuple((block_size + 1, k) for _ in range(cell.decode_rows)),
+                             tuple((hist, q) for q in qs))
+            assert self.cell_for(step) == cell, (cell, step)
+            out.append(step)
+        return out
+
     def steps(self, n: int, block_size: int, seed: int = 0) -> list[MixedStep]:
         """``n`` random mixed steps that fit the grid: a varying number of decode rows (growing
         lengths, as decoding does) and 1..prefill_seqs chunks over a varying history."""

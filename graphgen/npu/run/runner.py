@@ -151,7 +151,8 @@ class NpuModelRunner:
     def warm_up(self, out=None) -> int:
         """Compile every variant for every bucket now, not on first use mid-serving (a GE compile takes
         minutes; vllm-ascend warms every graph size at start, audit 2 row 15f): one step per bucket
-        (``bucketing.bucket_steps``) whose sequences live only in the reserved pad block, so nothing but
+        (``bucketing.bucket_steps``), and on a history prefill variant one per mixed-grid cell
+        (``MixedGrid.cell_steps``), whose sequences live only in the reserved pad block, so nothing but
         the pad block and one staging buffer (never committed) is written and nothing is committed.  One
         line per bucket on ``out`` (stderr).  Returns the number of warm-up steps."""
         import sys
@@ -160,14 +161,19 @@ class NpuModelRunner:
         from .compile import step_bucket
 
         out = out or sys.stderr
-        plans = [(v, seqs) for v, mod in self.modules.items()
+        plans = [(v, seqs, None) for v, mod in self.modules.items()
                  for seqs in bucket_steps(mod.META["phase"], bool(mod.META.get("history")), self.buckets,
                                           self.block_size)]
-        for i, (variant, seqs) in enumerate(plans, 1):
+        # and every cell of the mixed grid on each history prefill variant: a mixed batch padded to a
+        # cell nobody compiled would compile mid-serving (minutes of GE on an NPU)
+        plans += [(v, step.seqs, self.grid.padding(step, self.pad_block)) for v, mod in self.modules.items()
+                  if mod.META.get("history") and mod.META["phase"] == "prefill"
+                  for step in self.grid.cell_steps(self.block_size)]
+        for i, (variant, seqs, pad) in enumerate(plans, 1):
             mod = self.modules[variant]
             phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
             chunk = [self._pad_sequence(hist, q) for hist, q in seqs]
-            b, _ = self._step_inputs(phase, chunk, saves, history)
+            b, _ = self._step_inputs(phase, chunk, saves, history, pad=pad)
             target = self.compiled(variant)
             idx, slot = self.commits.ring.acquire() if saves else (None, None)
             buf = slot.device if saves else ()
@@ -180,7 +186,8 @@ class NpuModelRunner:
                 if saves:  # the next graph writing this slot is queued after this one (same stream)
                     self.commits.ring.release(idx)
             batch, tokens = step_bucket(b)
-            print(f"warm-up {i}/{len(plans)}: {variant} bucket batch={batch} tokens={tokens} compiled",
+            kind = "bucket" if pad is None else f"mixed cell decode_rows={len(seqs) - self.grid.prefill_seqs}"
+            print(f"warm-up {i}/{len(plans)}: {variant} {kind} batch={batch} tokens={tokens} compiled",
                   file=out, flush=True)
         return len(plans)
 
