@@ -134,6 +134,9 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 CASES = {
     "qwen3": ("qwen3_dense", hfm.QWEN3_DIMS),
+    # projections big enough for matmul_t's oneDNN branch (several rows, >= 2^17 weights): qkv, gate/up, down
+    "qwen3_wide": ("qwen3_dense", dict(hfm.QWEN3_DIMS, hidden_size=512, intermediate_size=512,
+                                       num_attention_heads=8, head_dim=64)),
     "dsv3": ("deepseek_v3", hfm.DSV3_DIMS),
     "dsv3_grouped_yarn": ("deepseek_v3", hfm.DSV3_GROUPED_YARN_DIMS),
 }
@@ -191,6 +194,23 @@ def test_greedy_decode_steps(case):
 # ---------------------------------------------------------------------------------------------
 # op-level checks that the model tests do not pin down on their own
 # ---------------------------------------------------------------------------------------------
+
+def test_matmul_t_takes_onednn_for_several_rows_of_a_big_weight_and_mkl_otherwise():
+    # the pinned CPU wheel has oneDNN: the branch exists here (None would silently keep MKL everywhere)
+    assert rt._ONEDNN_LINEAR is not None
+    g = torch.Generator().manual_seed(0)
+    big, small = torch.randn(512, 384, generator=g), torch.randn(64, 96, generator=g)
+    assert big.numel() >= rt._ONEDNN_MIN_WEIGHT > small.numel()
+    for rows, w_t, onednn in ((1, big, False), (2, big, True), (64, big, True), (64, small, False)):
+        x = torch.randn(rows, w_t.shape[0], generator=g)
+        got = rt.matmul_t(x, w_t)
+        want = rt._ONEDNN_LINEAR(x, w_t.t(), None, "none", [], "") if onednn else torch.mm(x, w_t)
+        assert torch.equal(got, want), (rows, tuple(w_t.shape))   # the branch taken, bit for bit
+        ref = (x.double() @ w_t.double()).float()
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)   # and the product, either way
+    x = torch.randn(4, 512, generator=g, requires_grad=True)         # autograd: MKL (oneDNN's op has none)
+    assert torch.equal(rt.matmul_t(x, big), torch.mm(x, big)) and rt.matmul_t(x, big).requires_grad
+
 
 def test_moe_routing_matches_hf_router():
     """Grouped noaux_tc routing vs transformers' router on scores with many group contests."""

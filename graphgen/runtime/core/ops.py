@@ -39,6 +39,32 @@ def _linear(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 
+def _onednn_linear():
+    try:   # an ATen op of CPU builds with oneDNN (what inductor's CPU linear fusions call)
+        return torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+# several rows of a weight this big go to oneDNN (below: MKL's); issue 17 (d), benchmarks/bench_cpu_kernels.py
+_ONEDNN_MIN_ROWS, _ONEDNN_MIN_WEIGHT = 2, 1 << 17
+
+
+def matmul_t(x: Tensor, w_t: Tensor) -> Tensor:
+    """``x @ w_t`` for a weight stored ``[in, out]`` (a load-time weight). One row (a lone decode
+    step): MKL's GEMV streams the ``[in, out]`` rows (``torch.mm``; 1.2-1.4x ``F.linear``'s). Several
+    rows of a big enough float32 weight: oneDNN's matmul on the same memory viewed ``[out, in]`` —
+    6-15 % faster than MKL's for prefill GEMMs on this CPU and 1.2-2.5x for 2-16 rows (MKL's small-M
+    path), with no second copy of the weight; for one row it is 1.3-1.8x slower, hence the split.
+    The two differ in summation order only (float rounding: within 1e-4 of transformers either way)."""
+    if (_ONEDNN_LINEAR is not None and x.shape[0] >= _ONEDNN_MIN_ROWS and w_t.numel() >= _ONEDNN_MIN_WEIGHT
+            and x.dtype == w_t.dtype == torch.float32 and x.device.type == "cpu"
+            and not (x.requires_grad or w_t.requires_grad)):   # oneDNN's op has no autograd formula
+        return _ONEDNN_LINEAR(x, w_t.t(), None, "none", [], "")
+    return torch.mm(x, w_t)
+
+
 # In-place elementwise steps (``add_``/``mul_``/``silu_`` on a buffer the op just made) instead of
 # expressions that allocate a new activation per operation: on a long prefill every fresh
 # multi-MB buffer is new pages to the C allocator (page faults and zeroing cost more than the
@@ -208,7 +234,7 @@ def qwen3_attn_prolog(x: Tensor, qkv_t: Tensor, q_norm_w: Tensor, k_norm_w: Tens
     weight, as transformers' q_norm/k_norm compute) and rotated together (one RoPE). q, k and v are
     views of two tensors, not copies."""
     T, hq, hkv = x.shape[0], num_heads, num_kv_heads
-    qkv = torch.mm(x, qkv_t).view(T, hq + 2 * hkv, head_dim)
+    qkv = matmul_t(x, qkv_t).view(T, hq + 2 * hkv, head_dim)
     qk = _rms_unit(qkv[:, :hq + hkv], eps)
     if q_norm_w.dtype == qk.dtype:  # in place (bit-identical: weight * x == x * weight)
         qk[:, :hq].mul_(q_norm_w)
@@ -270,7 +296,7 @@ def _add_residual(y: Tensor, residual: Tensor) -> Tensor:
 
 def o_proj_residual(attn: Tensor, o_t: Tensor, residual: Tensor) -> Tensor:
     """``residual + o_proj(attn)``, ``o_t`` the o_proj weight stored ``[in, out]`` (a load-time weight)."""
-    return _add_residual(torch.mm(attn.flatten(1), o_t), residual)
+    return _add_residual(matmul_t(attn.flatten(1), o_t), residual)
 
 
 def _swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
@@ -281,9 +307,9 @@ def _swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
 def swiglu_t(x: Tensor, gate_up_t: Tensor, down_t: Tensor) -> Tensor:
     """``down(silu(gate(x)) * up(x))`` with gate/up merged and both weights stored ``[in, out]``
     (load-time weights): two matmuls; silu and the product in place on the gate/up output's halves."""
-    gu = torch.mm(x, gate_up_t)
+    gu = matmul_t(x, gate_up_t)
     half = gu.shape[1] // 2
-    return torch.mm(F.silu(gu[:, :half], inplace=True).mul_(gu[:, half:]), down_t)
+    return matmul_t(F.silu(gu[:, :half], inplace=True).mul_(gu[:, half:]), down_t)
 
 
 def swiglu_mlp_residual(x: Tensor, gate_up_t: Tensor, down_t: Tensor, residual: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ir.weights import parse_shard, shard_index
-from ..core.ops import _route, _swiglu, swiglu_t
+from ..core.ops import _route, _swiglu, matmul_t, swiglu_t
 
 Tensor = torch.Tensor
 
@@ -34,7 +34,7 @@ def embedding_shard(weight: Tensor, input_ids: Tensor, *, vocab_size: int, rank:
 
 def o_proj(attn: Tensor, o_t: Tensor) -> Tensor:
     """This rank's partial o_proj (``o_t``: its input slice of o_proj, stored ``[in, out]``)."""
-    return torch.mm(attn.flatten(1), o_t)
+    return matmul_t(attn.flatten(1), o_t)
 
 
 def swiglu_mlp(x: Tensor, gate_up_t: Tensor, down_t: Tensor) -> Tensor:
