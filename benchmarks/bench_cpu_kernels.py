@@ -11,7 +11,9 @@ vocab 1024, float32) is loaded by graphgen's CPU engine and by transformers
   floor     the matmuls alone (every projection of every layer and the lm_head row(s), F.linear on
             the same weights, the same token count): transformers' matmuls, nothing else;
   floor-t   the same matmuls in graphgen's CPU layout (q/k/v and gate/up merged, weights stored
-            [in, out], ``x @ W^T``: the generated modules' load-time weights): graphgen's matmuls alone.
+            [in, out], ``x @ W^T``: the generated modules' load-time weights) through the runtime's own
+            ``ops.matmul_t`` (MKL's GEMV for one row, oneDNN for several rows of a big weight):
+            graphgen's matmuls alone.
 
 Rounds interleave graphgen / transformers / floor / floor-t, order rotated each round; medians reported, raw
 per-round numbers printed. Greedy tokens of both are compared (must be equal).
@@ -42,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_ttft import bench_spec  # noqa: E402  (one home for the benchmark model)
+from graphgen.runtime.core import ops  # noqa: E402
 from graphgen.runtime.core.weights import build_load_time_weight  # noqa: E402
 
 Tensor = torch.Tensor
@@ -115,11 +118,11 @@ def layout_t(lw: list) -> list:
 def floor_ms(layers: list, lm_head: Tensor, T: int, *, in_out: bool) -> tuple[float, float]:
     """(wall, cpu) ms of the model's matmuls alone for T tokens (the lm_head on the last row only):
     ``F.linear`` on checkpoint-layout weights (``linear_weights``), or with ``in_out`` ``x @ W^T`` on
-    graphgen's layout (``layout_t``). Inputs are made before the clock starts."""
+    graphgen's layout (``layout_t``) through ``ops.matmul_t``, as the generated modules call it. Inputs are made before the clock starts."""
     mats = [w for layer in layers for w in layer]
     xs = {}
     inputs = [xs.setdefault(w.shape[0 if in_out else 1], torch.randn(T, w.shape[0 if in_out else 1])) for w in mats]
-    mm = torch.mm if in_out else F.linear
+    mm = ops.matmul_t if in_out else F.linear
     last = torch.randn(1, lm_head.shape[1])
     t = Clock()
     for x, w in zip(inputs, mats):
