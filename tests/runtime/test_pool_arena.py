@@ -73,6 +73,16 @@ def test_a_lent_value_is_neither_evicted_nor_overwritten_while_anything_reads_it
     assert read == value(22) and kept == ["c", "d", "e"]   # the control: e was written over k1 under the reader
 
 
+def test_bookings_of_lends_nobody_reads_are_dropped_without_eviction():
+    # a server whose pool never fills still lends on every hit: the bookings must not pile up
+    p = pool_of(8, 4)
+    for _ in range(50):
+        n, buf = p.lend(["k0", "k1"])
+        del buf
+    kept = p.lend(["k2", "k3"])
+    assert len(p._arena._lent) <= 2 and p.stats()["live_lends"] == 1 and kept[0] == 2
+
+
 def test_values_are_refused_when_only_lent_ones_could_make_room():
     p = pool_of(2, 2)
     n, buf = p.lend(["k0", "k1"])

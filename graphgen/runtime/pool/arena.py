@@ -107,6 +107,7 @@ class SlotArena:
         if n <= 0 or first < 0 or first + n > self._fresh:
             raise ValueError(f"a lend of {n} slots from {first}: only slots below {self._fresh} hold values")
         exporter = (ctypes.c_ubyte * (n * self.slot_bytes)).from_buffer(self._map, first * self.slot_bytes)
+        self._prune()   # the bookings stay as many as the live lends, not one per lend ever made
         self._lent.append((first, n, exporter))
         self.counts["lends"] += 1
         self.counts["lent_slots"] += n
@@ -124,17 +125,21 @@ class SlotArena:
             else:
                 del self._held[s]
 
-    def busy(self) -> set[int]:
-        """Slots a live lend or an open read covers (lends nobody references any more are dropped)."""
+    def _prune(self) -> None:
+        """Drop the bookings of lends nothing references any more."""
         refs = reference_counts([entry[2] for entry in self._lent])
         self._lent = [entry for entry, r in zip(self._lent, refs) if r > self._idle_refs]
+
+    def busy(self) -> set[int]:
+        """Slots a live lend or an open read covers."""
+        self._prune()
         out = set(self._held)
         for first, n, _ in self._lent:
             out.update(range(first, first + n))
         return out
 
     def live_lends(self) -> int:
-        self.busy()
+        self._prune()
         return len(self._lent)
 
     def stats(self) -> dict[str, int]:
