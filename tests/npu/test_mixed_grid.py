@@ -38,6 +38,16 @@ def test_the_grid_is_every_feasible_cell_and_a_step_gets_the_smallest_that_holds
         grid.cell_for(MixedStep(((1, 1),), ((0, 510),)))
 
 
+def test_warm_up_has_one_step_per_cell_padded_to_exactly_that_cell():
+    # what NpuModelRunner.warm_up compiles for a history variant: every cell, each exactly once
+    grid = MixedGrid.from_buckets(Buckets(), tokens_per_row=(1, 3))
+    steps = grid.cell_steps(BS)
+    assert [grid.cell_for(s) for s in steps] == grid.cells()
+    cap = grid.max_blocks * BS
+    assert all(h + q <= cap and h > 0 for s in steps for h, q in s.seqs)   # histories within the table
+    assert all(len(s.chunks) == grid.prefill_seqs for s in steps)
+
+
 @pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed")
 def test_every_step_of_a_cell_has_the_same_static_shapes():
     """Different mixes in one cell give the same tensor shapes (only length values differ), logits

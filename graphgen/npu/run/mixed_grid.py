@@ -134,11 +134,10 @@ class MixedGrid:
             k = cell.tokens_per_row
             real = cell.tokens - cell.decode_rows * k - 1
             qs = [real // n + (1 if i < real % n else 0) for i in range(n)]
-            hist = min(block_size + 1, cap - max(qs))
-            if hist < 0 or block_size + 1 + k > cap:
+            hist, dec = min(block_size + 1, cap - max(qs)), min(block_size + 1, cap - k)
+            if hist < 0 or dec < 0:
                 raise ValueError(f"cell {cell}: its rows cannot fit within {cap} positions")
-            step = MixedStep(tuple((block_size + 1, k) for _ in range(cell.decode_rows)),
-                             tuple((hist, q) for q in qs))
+            step = MixedStep(tuple((dec, k) for _ in range(cell.decode_rows)), tuple((hist, q) for q in qs))
             assert self.cell_for(step) == cell, (cell, step)
             out.append(step)
         return out
