@@ -42,8 +42,7 @@ import torch
 from ...runtime import register_rank_target, register_target
 from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.core.weights import cast_weights
-from ...runtime.engine import Engine, StepFuture, StepPlan, build_engine
-from ...runtime.engine.kv_load import LoadedBlocks
+from ...runtime.engine import Engine, LoadedBlocks, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
