@@ -195,7 +195,7 @@ def test_greedy_decode_steps(case):
 # op-level checks that the model tests do not pin down on their own
 # ---------------------------------------------------------------------------------------------
 
-def test_matmul_t_takes_onednn_for_several_rows_of_a_big_weight_and_mkl_otherwise():
+def test_matmuls_take_onednn_for_several_rows_of_a_big_weight_and_mkl_otherwise():
     # the pinned CPU wheel has oneDNN: the branch exists here (None would silently keep MKL everywhere)
     assert rt._ONEDNN_LINEAR is not None
     g = torch.Generator().manual_seed(0)
@@ -210,6 +210,12 @@ def test_matmul_t_takes_onednn_for_several_rows_of_a_big_weight_and_mkl_otherwis
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)   # and the product, either way
     x = torch.randn(4, 512, generator=g, requires_grad=True)         # autograd: MKL (oneDNN's op has none)
     assert torch.equal(rt.matmul_t(x, big), torch.mm(x, big)) and rt.matmul_t(x, big).requires_grad
+    w = big.t().contiguous()                                          # checkpoint layout [out, in]: _linear
+    for rows, onednn in ((1, False), (8, True)):
+        x = torch.randn(rows, 512, generator=g)
+        want = rt._ONEDNN_LINEAR(x, w, None, "none", [], "") if onednn else torch.nn.functional.linear(x, w)
+        assert torch.equal(rt._linear(x, w), want)
+        torch.testing.assert_close(rt._linear(x, w), (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
 
 
 def test_moe_routing_matches_hf_router():
