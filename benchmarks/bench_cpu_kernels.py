@@ -12,7 +12,8 @@ vocab 1024, float32) is loaded by graphgen's CPU engine and by transformers
             the same weights, the same token count): transformers' matmuls, nothing else;
   floor-t   the same matmuls in graphgen's CPU layout (q/k/v and gate/up merged, weights stored
             [in, out], ``x @ W^T``: the generated modules' load-time weights) through the runtime's own
-            ``ops.matmul_t`` (MKL's GEMV for one row, oneDNN for several rows of a big weight):
+            ``matmul_t`` (MKL's GEMV for one row; several rows of a big weight on oneDNN where it is
+            chosen — AVX-512 CPUs by default, ``GRAPHGEN_CPU_MATMUL`` — else MKL):
             graphgen's matmuls alone.
 
 Rounds interleave graphgen / transformers / floor / floor-t, order rotated each round; medians reported, raw
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_ttft import bench_spec  # noqa: E402  (one home for the benchmark model)
-from graphgen.runtime.core import ops  # noqa: E402
+from graphgen.runtime.core import matmul, ops  # noqa: E402
 from graphgen.runtime.core.weights import build_load_time_weight  # noqa: E402
 
 Tensor = torch.Tensor
@@ -118,11 +119,11 @@ def layout_t(lw: list) -> list:
 def floor_ms(layers: list, lm_head: Tensor, T: int, *, in_out: bool) -> tuple[float, float]:
     """(wall, cpu) ms of the model's matmuls alone for T tokens (the lm_head on the last row only):
     ``F.linear`` on checkpoint-layout weights (``linear_weights``), or with ``in_out`` ``x @ W^T`` on
-    graphgen's layout (``layout_t``) through ``ops.matmul_t``, as the generated modules call it. Inputs are made before the clock starts."""
+    graphgen's layout (``layout_t``) through ``matmul.matmul_t``, as the generated modules call it. Inputs are made before the clock starts."""
     mats = [w for layer in layers for w in layer]
     xs = {}
     inputs = [xs.setdefault(w.shape[0 if in_out else 1], torch.randn(T, w.shape[0 if in_out else 1])) for w in mats]
-    mm = ops.matmul_t if in_out else F.linear
+    mm = matmul.matmul_t if in_out else F.linear
     last = torch.randn(1, lm_head.shape[1])
     t = Clock()
     for x, w in zip(inputs, mats):
@@ -178,6 +179,9 @@ def main(argv=None) -> int:
           f"transformers {transformers.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPUs "
           f"({platform.machine()}), load average {os.getloadavg()[0]:.1f}")
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"CPU matmuls: torch kernels {torch.backends.cpu.get_cpu_capability()}, several rows on "
+          f"{'oneDNN' if matmul._ONEDNN_LINEAR is not None else 'MKL'} "
+          f"(GRAPHGEN_CPU_MATMUL={os.environ.get('GRAPHGEN_CPU_MATMUL', 'auto')})")
     print(f"model: qwen3_dense, {d.num_hidden_layers} layers, hidden {d.hidden_size}, intermediate "
           f"{d.intermediate_size}, heads {d.num_attention_heads}/{d.num_key_value_heads} x {d.head_dim}, vocab "
           f"{d.vocab_size}, block size {spec.kv_cache.block_size}, float32; prompts {lens}, {args.decode} decode "

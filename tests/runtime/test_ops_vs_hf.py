@@ -14,6 +14,7 @@ import transformers  # noqa: F401  (an extra ./dev installs: a missing one fails
 import safetensors  # noqa: F401  (an extra ./dev installs: a missing one fails, never skips)
 
 from graphgen.families import FAMILIES, mla_softmax_scale  # noqa: E402
+from graphgen.runtime.core import matmul as mm  # noqa: E402
 from graphgen.runtime.core import ops as rt  # noqa: E402
 from graphgen.runtime.core.attention import seq_runs  # noqa: E402
 from graphgen.runtime.core.weights import build_load_time_weight  # noqa: E402
@@ -134,7 +135,8 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 CASES = {
     "qwen3": ("qwen3_dense", hfm.QWEN3_DIMS),
-    # projections big enough for matmul_t's oneDNN branch (several rows, >= 2^17 weights): qkv, gate/up, down
+    # projections big enough for the oneDNN branch (several rows, >= 2^17 weights): qkv, gate/up, down; the
+    # case runs with oneDNN chosen on every CPU (`_onednn_for_the_wide_case`)
     "qwen3_wide": ("qwen3_dense", dict(hfm.QWEN3_DIMS, hidden_size=512, intermediate_size=512,
                                        num_attention_heads=8, head_dim=64)),
     "dsv3": ("deepseek_v3", hfm.DSV3_DIMS),
@@ -148,6 +150,14 @@ def case(request, tmp_path_factory):
     family, dims = CASES[request.param]
     model, hf_dir = hfm.build_hf_model(family, dims, str(tmp_path_factory.mktemp(request.param)), seed=1)
     return family, dims, model, load_hf_weights(hf_dir)
+
+
+@pytest.fixture(autouse=True)
+def _onednn_for_the_wide_case(request, monkeypatch):
+    # oneDNN's numerics against transformers on every CPU, not only where `auto` chooses it (AVX-512)
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("case") == "qwen3_wide":
+        monkeypatch.setattr(mm, "_ONEDNN_LINEAR", mm._ONEDNN_OP)
 
 
 def _prompts(vocab: int, lens: list[int], seed: int) -> list[list[int]]:
@@ -195,27 +205,51 @@ def test_greedy_decode_steps(case):
 # op-level checks that the model tests do not pin down on their own
 # ---------------------------------------------------------------------------------------------
 
-def test_matmuls_take_onednn_for_several_rows_of_a_big_weight_and_mkl_otherwise():
-    # the pinned CPU wheel has oneDNN: the branch exists here (None would silently keep MKL everywhere)
-    assert rt._ONEDNN_LINEAR is not None
+@pytest.fixture
+def onednn_on(monkeypatch):
+    """oneDNN chosen whatever this CPU is (``auto`` takes it only with AVX-512): the op exists in the
+    pinned wheel on every x86 CPU, so its branch and its numerics are checked everywhere."""
+    # the pinned CPU wheel has oneDNN (None would silently keep MKL everywhere, even when chosen)
+    assert mm._ONEDNN_OP is not None
+    monkeypatch.setattr(mm, "_ONEDNN_LINEAR", mm._ONEDNN_OP)
+
+
+def test_matmuls_take_onednn_for_several_rows_of_a_big_weight_and_mkl_otherwise(onednn_on):
     g = torch.Generator().manual_seed(0)
     big, small = torch.randn(512, 384, generator=g), torch.randn(64, 96, generator=g)
-    assert big.numel() >= rt._ONEDNN_MIN_WEIGHT > small.numel()
+    assert big.numel() >= mm._ONEDNN_MIN_WEIGHT > small.numel()
     for rows, w_t, onednn in ((1, big, False), (2, big, True), (64, big, True), (64, small, False)):
         x = torch.randn(rows, w_t.shape[0], generator=g)
-        got = rt.matmul_t(x, w_t)
-        want = rt._ONEDNN_LINEAR(x, w_t.t(), None, "none", [], "") if onednn else torch.mm(x, w_t)
+        got = mm.matmul_t(x, w_t)
+        want = mm._ONEDNN_OP(x, w_t.t(), None, "none", [], "") if onednn else torch.mm(x, w_t)
         assert torch.equal(got, want), (rows, tuple(w_t.shape))   # the branch taken, bit for bit
         ref = (x.double() @ w_t.double()).float()
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)   # and the product, either way
     x = torch.randn(4, 512, generator=g, requires_grad=True)         # autograd: MKL (oneDNN's op has none)
-    assert torch.equal(rt.matmul_t(x, big), torch.mm(x, big)) and rt.matmul_t(x, big).requires_grad
-    w = big.t().contiguous()                                          # checkpoint layout [out, in]: _linear
+    assert torch.equal(mm.matmul_t(x, big), torch.mm(x, big)) and mm.matmul_t(x, big).requires_grad
+    w = big.t().contiguous()                                          # checkpoint layout [out, in]: linear
     for rows, onednn in ((1, False), (8, True)):
         x = torch.randn(rows, 512, generator=g)
-        want = rt._ONEDNN_LINEAR(x, w, None, "none", [], "") if onednn else torch.nn.functional.linear(x, w)
-        assert torch.equal(rt._linear(x, w), want)
-        torch.testing.assert_close(rt._linear(x, w), (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
+        want = mm._ONEDNN_OP(x, w, None, "none", [], "") if onednn else torch.nn.functional.linear(x, w)
+        assert torch.equal(mm.linear(x, w), want)
+        torch.testing.assert_close(mm.linear(x, w), (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_onednn_is_chosen_on_avx512_cpus_only_unless_forced(monkeypatch):
+    # auto: oneDNN where torch runs AVX-512 kernels (measured faster), MKL on AVX2-only CPUs (measured slower)
+    assert mm._onednn_chosen("auto", "AVX512") and mm._onednn_chosen("auto", "AVX512_BF16")
+    assert not mm._onednn_chosen("auto", "AVX2") and not mm._onednn_chosen("auto", "DEFAULT")
+    assert mm._onednn_chosen("onednn", "AVX2") and not mm._onednn_chosen("mkl", "AVX512")
+    with pytest.raises(ValueError, match="GRAPHGEN_CPU_MATMUL='fast'.*auto, onednn or mkl"):
+        mm._onednn_chosen("fast", "AVX2")
+    # and this process decided with the variable it started with and its own CPU
+    want = mm._onednn_chosen(os.environ.get("GRAPHGEN_CPU_MATMUL", "auto"), torch.backends.cpu.get_cpu_capability())
+    assert (mm._ONEDNN_LINEAR is not None) == want
+    # with MKL chosen, several rows of a big weight stay on MKL, bit for bit
+    monkeypatch.setattr(mm, "_ONEDNN_LINEAR", None)
+    x, w_t = torch.randn(64, 512), torch.randn(512, 384)
+    assert torch.equal(mm.matmul_t(x, w_t), torch.mm(x, w_t))
+    assert torch.equal(mm.linear(x, w_t.t()), torch.nn.functional.linear(x, w_t.t()))
 
 
 def test_moe_routing_matches_hf_router():

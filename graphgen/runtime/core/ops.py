@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .attention import StepMemo, attend, attend_one, cat_runs, gather_seq, seq_layout, seq_runs, step_plan
 from .block_copy import copy_from_blocks, copy_into_blocks
+from .matmul import linear as _linear, matmul_t
 
 Tensor = torch.Tensor
 
@@ -34,42 +35,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # small helpers
 # --------------------------------------------------------------------------------------------
-
-def _onednn_linear():
-    try:   # an ATen op of CPU builds with oneDNN (what inductor's CPU linear fusions call)
-        return torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ONEDNN_LINEAR = _onednn_linear()
-# several rows of a weight this big go to oneDNN (below: MKL's); issue 17 (d), benchmarks/bench_cpu_kernels.py
-_ONEDNN_MIN_ROWS, _ONEDNN_MIN_WEIGHT = 2, 1 << 17
-
-
-def _onednn_takes(x: Tensor, w: Tensor) -> bool:
-    # several rows of a big float32 weight on the CPU, no autograd (oneDNN's op has no derivative)
-    return (_ONEDNN_LINEAR is not None and x.dim() == 2 and x.shape[0] >= _ONEDNN_MIN_ROWS
-            and w.numel() >= _ONEDNN_MIN_WEIGHT and x.dtype == w.dtype == torch.float32
-            and x.device.type == "cpu" and not (x.requires_grad or w.requires_grad))
-
-
-def _linear(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T``, ``w`` in checkpoint layout ``[out, in]`` (MLA, MoE experts, lm_head): as `matmul_t`."""
-    return _ONEDNN_LINEAR(x, w, None, "none", [], "") if _onednn_takes(x, w) else F.linear(x, w)
-
-
-def matmul_t(x: Tensor, w_t: Tensor) -> Tensor:
-    """``x @ w_t`` for a weight stored ``[in, out]`` (a load-time weight). One row (a lone decode
-    step): MKL's GEMV streams the ``[in, out]`` rows (``torch.mm``; 1.2-1.4x ``F.linear``'s). Several
-    rows of a big enough float32 weight: oneDNN's matmul on the same memory viewed ``[out, in]`` —
-    6-15 % faster than MKL's for prefill GEMMs on this CPU and 1.2-2.5x for 2-16 rows (MKL's small-M
-    path), with no second copy of the weight; for one row it is 1.3-1.8x slower, hence the split.
-    The two differ in summation order only (float rounding: within 1e-4 of transformers either way)."""
-    if _onednn_takes(x, w_t):
-        return _ONEDNN_LINEAR(x, w_t.t(), None, "none", [], "")
-    return torch.mm(x, w_t)
-
 
 # In-place elementwise steps (``add_``/``mul_``/``silu_`` on a buffer the op just made) instead of
 # expressions that allocate a new activation per operation: on a long prefill every fresh
