@@ -29,10 +29,11 @@ def _onednn_op():
 
 def _onednn_chosen(choice: str, capability: str) -> bool:
     """Whether several-row products go to oneDNN. ``GRAPHGEN_CPU_MATMUL``: ``auto`` (default) takes it
-    only where torch runs its AVX-512 kernels — measured faster there (Zen 4: 6-15 % for prefill GEMMs,
-    1.2-2.5x for 2-16 rows) and up to 2.5x *slower* for wide weights on an AVX2-only CPU (Zen 3: prefill
-    1.19-1.34x transformers' with it, 0.83-0.99x without); ``onednn`` or ``mkl`` force one
-    (benchmarks/bench_cpu_kernels.py; BENCHMARKS.md, issue 17 (d), sessions 25-26)."""
+    only where torch runs its AVX-512 kernels — measured faster there (Zen 4: 6-15 % for prefill
+    GEMMs, 1.2-2.5x for 2-16 rows) and about 2x *slower* for the wide gate/up weight on an AVX2-only
+    CPU (Zen 3: prefill 1.19-1.34x transformers' with it, 0.83-0.99x without); ``onednn`` or ``mkl``
+    force one (benchmarks/bench_matmul_libs.py per shape, bench_cpu_kernels.py per model;
+    BENCHMARKS.md, issue 17 (d), sessions 25-26)."""
     if choice not in ("auto", "onednn", "mkl"):
         raise ValueError(f"GRAPHGEN_CPU_MATMUL={choice!r}: expected auto, onednn or mkl")
     return choice == "onednn" or (choice == "auto" and capability.startswith("AVX512"))
