@@ -14,148 +14,42 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 
 import torch
 
-from ...families import BY_HF_MODEL_TYPE, FAMILIES
+from .index import EXPERT_KEY as _EXPERT_KEY
+from ...families import FAMILIES
+from .index import CheckpointIndex, WeightsError, _empty, _family, checkpoint_layout, family_of_config
+from .stream import SliceReader
 
 Tensor = torch.Tensor
 
 __all__ = ["load_hf_weights", "write_random_hf_checkpoint", "checkpoint_layout", "family_of_config",
            "WeightsError"]
 
-_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-class WeightsError(ValueError):
-    """A checkpoint does not match what its config.json describes."""
-
-
-def family_of_config(config: dict) -> str:
-    mt = config.get("model_type")
-    if mt not in BY_HF_MODEL_TYPE:
-        raise WeightsError(f"unsupported model_type {mt!r} in config.json (supported: {sorted(BY_HF_MODEL_TYPE)})")
-    return BY_HF_MODEL_TYPE[mt].name
-
-
-def _family(name: str):
-    if name not in FAMILIES:
-        raise WeightsError(f"unknown model family {name!r} (expected {' or '.join(FAMILIES)})")
-    return FAMILIES[name]
-
-
-def checkpoint_layout(family: str, dims, mtp_layers: int = 0) -> dict[str, tuple]:
-    """Checkpoint key -> shape, as a Hugging Face checkpoint of this family stores it (experts
-    unstacked, ``lm_head.weight`` included even when tied); ``dims`` is a dims object or a
-    config.json dict; ``mtp_layers``: with that many MTP layers (DeepSeek-V3). The family's layout
-    (graphgen/families) is the one source."""
-    fam = _family(family)
-    try:
-        extra = {"mtp_layers": mtp_layers} if mtp_layers else {}
-        return fam.checkpoint_layout(fam.dims_of(dims), **extra)
-    except TypeError as e:  # a required dim is missing from the config
-        raise WeightsError(f"config.json does not describe a {family} model: {e}") from None
-
-
-def _empty(shape) -> bool:
-    return 0 in tuple(shape)
-
-
-def _read_tensors(hf_dir: str) -> dict[str, Tensor]:
-    from safetensors import safe_open
-
-    single = os.path.join(hf_dir, "model.safetensors")
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(single):
-        files = {single: None}
-    elif os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = {}
-        for key, fname in weight_map.items():
-            files.setdefault(os.path.join(hf_dir, fname), []).append(key)
-    else:
-        raise WeightsError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json found")
-    out: dict[str, Tensor] = {}
-    for path, keys in files.items():
-        if not os.path.exists(path):
-            raise WeightsError(f"{hf_dir}: shard {os.path.basename(path)} named in the index is missing")
-        with safe_open(path, framework="pt") as f:
-            present = set(f.keys())
-            for key in (keys if keys is not None else sorted(present)):
-                if key not in present:
-                    raise WeightsError(f"{path}: index lists {key!r} but the shard does not hold it")
-                out[key] = f.get_tensor(key)
-    return out
-
 
 def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32, mtp_layers: int = 0) -> dict[str, Tensor]:
     """Flat ``{checkpoint key: tensor}`` in ``dtype``, validated against config.json. ``mtp_layers``:
     also load that many of DeepSeek-V3's MTP layers (``model.layers.{num_hidden_layers + k}.*``,
     graphgen.families.mtp); an MTP layer's ``embed_tokens`` / ``shared_head.head`` the checkpoint
-    omits is the target's tensor (shared, not copied)."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    family = family_of_config(config)
-    declared = FAMILIES[family].mtp_layers_of_config(config)
-    if mtp_layers > declared:
-        raise WeightsError(f"{hf_dir}: the spec has {mtp_layers} MTP layer(s) but config.json declares "
-                           f"num_nextn_predict_layers: {declared}; use a checkpoint with MTP layers or remove "
-                           f"the spec's mtp: section")
-    layout = checkpoint_layout(family, config, mtp_layers)
-    fp32 = FAMILIES[family].fp32_suffixes
-    raw = _read_tensors(hf_dir)
-    L = config["num_hidden_layers"]
-
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw:
-        raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
-    if mtp_layers:
-        from ...families.mtp import shared_keys
-
-        for key, target in shared_keys(FAMILIES[family].dims_of(config), mtp_layers).items():
-            if key not in raw and target in raw:
-                raw[key] = raw[target]
-
-    # keys a loader may skip: layers past the loaded ones are DeepSeek's MTP module (not asked
-    # for), and rotary inv_freq buffers are recomputed from the config
-    def ignorable(key: str) -> bool:
-        m = _LAYER_KEY.match(key)
-        return (m is not None and int(m.group(1)) >= L + mtp_layers) or key.endswith("rotary_emb.inv_freq")
-
-    # zero-size entries are weights the model does not have (n_shared_experts: 0): transformers
-    # writes them empty, other writers leave them out; either way they are not loaded
-    missing = [k for k, shape in layout.items() if k not in raw and not _empty(shape)]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise WeightsError(f"{hf_dir}: checkpoint is missing key(s) {missing[:5]}{more} for a {family} "
-                           f"model as config.json describes it")
-    unexpected = [k for k in raw if k not in layout and not ignorable(k)]
-    if unexpected:
-        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise WeightsError(f"{hf_dir}: unexpected checkpoint key(s) {unexpected[:5]}{more} for a {family} model")
-    for key, shape in layout.items():
-        if key not in raw:  # an absent empty weight
-            continue
-        got = tuple(raw[key].shape)
-        if got != tuple(shape):
-            raise WeightsError(f"{hf_dir}: {key} has shape {list(got)}, expected {list(shape)} from config.json")
-
+    omits is the target's tensor (shared, not copied). The whole model in one process: the CPU
+    reference path and tests; a rank streams its own slices instead
+    (`graphgen.runtime.checkpoint.stream.CheckpointWeights`)."""
+    index = CheckpointIndex.open(hf_dir, mtp_layers)
+    fp32 = _family(index.family).fp32_suffixes
     out: dict[str, Tensor] = {}
     stacks: dict[tuple[int, str], dict[int, Tensor]] = {}
-    converted: dict[int, Tensor] = {}  # one converted tensor per source tensor: shared stays shared
-    for key, shape in layout.items():
-        if _empty(shape):
-            continue
-        t = raw[key]
-        m = _EXPERT_KEY.match(key)
-        if m:
-            stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
-            continue
-        if id(t) not in converted:
-            converted[id(t)] = t.to(torch.float32 if fp32 and key.endswith(fp32) else dtype)
-        out[key] = converted[id(t)]
+    converted: dict[int, Tensor] = {}  # one converted tensor per stored tensor: shared stays shared
+    with SliceReader() as reader:
+        for key, src in index.tensors.items():
+            if id(src) not in converted:
+                want = torch.float32 if fp32 and key.endswith(fp32) else dtype
+                converted[id(src)] = reader.read(src).to(want, copy=True)
+            m = _EXPERT_KEY.match(key)
+            if m:
+                stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = converted[id(src)]
+            else:
+                out[key] = converted[id(src)]
     for (layer, proj), per_expert in sorted(stacks.items()):
         tensors = [per_expert[e] for e in range(len(per_expert))]
         out[f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"] = torch.stack(tensors).to(dtype)

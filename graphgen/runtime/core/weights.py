@@ -15,18 +15,26 @@ decode row's projection is then a GEMV that streams the weight's rows (``x @ W^T
 8-layer bench model on one thread, prefill GEMMs within the spread (BENCHMARKS.md, issue 17 (d): the
 ``floor`` / ``floor-t`` rows of ``benchmarks/bench_cpu_kernels.py``). The
 NPU layouts are described in `graphgen.npu.run.weights`.
+
+`place_weights` is the one entry every engine loads through (the CPU target and its ranks, the NPU
+runner, the dry run): a dict of tensors is cast and built recipe by recipe, each recipe's sources freed
+after its last use (device peak: the final weights + the largest recipe, not + every recipe); a
+checkpoint not yet read (`graphgen.runtime.checkpoint.stream.CheckpointWeights`) is streamed slice by
+slice straight into the final tensors (`graphgen.runtime.checkpoint.plan`): no load-time peak at all.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional
+import ast
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
 from ...families import FAMILIES
 from ...ir.weights import parse_shard
 
-__all__ = ["keeps_fp32", "cast_weights", "load_time_weights", "build_load_time_weight"]
+__all__ = ["keeps_fp32", "cast_weights", "load_time_weights", "build_load_time_weight", "collect_recipes",
+           "place_weights"]
 
 
 def keeps_fp32(family: str, name: str) -> bool:
@@ -53,25 +61,61 @@ def build_load_time_weight(sources: list, *, dim: int, transpose12: bool, transp
     return w.contiguous()
 
 
-def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable) -> dict[str, torch.Tensor]:
-    """``W`` with every module's ``LOAD_TIME_WEIGHTS`` built (each once, however many modules share it)
-    and their sources removed (the modules read only the built keys, so each weight is held once).
-    A source missing from ``W`` is a ``KeyError`` naming the recipe."""
+def collect_recipes(modules: Iterable) -> dict:
+    """Every module's ``LOAD_TIME_WEIGHTS``, each key once (``ValueError`` when two modules disagree on
+    one). A module may be given as its source text (the literal is read, nothing is executed)."""
     recipes: dict = {}
     for mod in modules:
-        for key, r in getattr(mod, "LOAD_TIME_WEIGHTS", {}).items():
+        for key, r in (_recipes_in(mod) if isinstance(mod, str) else getattr(mod, "LOAD_TIME_WEIGHTS", {})).items():
             if recipes.setdefault(key, r) != r:
                 raise ValueError(f"modules disagree on load-time weight {key!r}: {recipes[key]} vs {r}")
-    out = dict(W)
+    return recipes
+
+
+def _recipes_in(source: str) -> dict:
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LOAD_TIME_WEIGHTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *, consume: bool = False) -> dict[str, torch.Tensor]:
+    """``W`` with every module's ``LOAD_TIME_WEIGHTS`` built (each once, however many modules share it)
+    and their sources removed (the modules read only the built keys, so each weight is held once).
+    A source missing from ``W`` is a ``KeyError`` naming the recipe. ``consume``: ``W`` is a dict nobody
+    else holds: it is updated in place and each source is dropped right after the last recipe reading
+    it, so at most one recipe's sources and result coexist (what a device's load peak is)."""
+    recipes = collect_recipes(modules)
+    out = W if consume else dict(W)
+    last = {s: key for key, r in recipes.items() for s in r["cat"]}  # the last recipe reading each source
     for key, r in recipes.items():
         if key in out:
             continue  # already built (W given twice)
-        missing = [s for s in r["cat"] if s not in W]
+        missing = [s for s in r["cat"] if s not in out]
         if missing:
             raise KeyError(f"load-time weight {key!r} needs {missing}, which the weights do not have")
-        out[key] = build_load_time_weight([W[s] for s in r["cat"]], dim=r["dim"], transpose12=r["transpose12"],
+        out[key] = build_load_time_weight([out[s] for s in r["cat"]], dim=r["dim"], transpose12=r["transpose12"],
                                           transpose01=r.get("transpose01", False))
+        if consume:
+            for s in r["cat"]:
+                if last[s] == key:
+                    del out[s]
     for r in recipes.values():
         for s in r["cat"]:
             out.pop(s, None)
     return out
+
+
+def place_weights(weights, modules: Iterable, *, family: str, dtype: torch.dtype, device=None,
+                  progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
+    """What a runner reads as ``W``: ``weights`` (a dict by graph weight name, or a
+    `CheckpointWeights` to stream) in ``dtype`` on ``device`` (the family's float32 keys float32), the
+    modules' load-time weights built and their sources gone. ``progress(done, total)``: bytes placed
+    (streaming only). See the module doc for the device peak of each."""
+    from ..checkpoint.stream import CheckpointWeights, stream_weights
+
+    if isinstance(weights, CheckpointWeights):
+        name = str(dtype).removeprefix("torch.")
+        plan = weights.plan(collect_recipes(modules), lambda k: "float32" if keeps_fp32(family, k) else name)
+        return stream_weights(plan, device, progress=progress)
+    return load_time_weights(cast_weights(weights, family, dtype, device), modules, consume=True)
