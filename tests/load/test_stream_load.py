@@ -48,7 +48,15 @@ def _checkpoint(tmp_path, spec, *, sharded: bool) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(spec, target):  # (module sources, graph weight names), once per layout
+def _compiled_once(name, target, override):
+    spec = load_spec(SPECS / f"{name}.yaml").with_overrides(**dict(override))
+    compiled = compile_spec(spec, targets=[target], check=False)
+    return [t for c in compiled for t in c.sources.values()], graph_weight_names(c.graph for c in compiled)
+
+
+def _compiled(spec, target, name=None, override=()):  # (module sources, graph weight names)
+    if name is not None:
+        return _compiled_once(name, target, tuple(sorted(override.items())))
     compiled = compile_spec(spec, targets=[target], check=False)
     return [t for c in compiled for t in c.sources.values()], graph_weight_names(c.graph for c in compiled)
 
@@ -74,7 +82,7 @@ def test_streamed_rank_weights_equal_the_whole_model_path(tmp_path, name, target
     if override:
         spec = spec.with_overrides(**override)
     ckpt = _checkpoint(tmp_path, spec, sharded=sharded)
-    sources, names = _compiled(spec, target)
+    sources, names = _compiled(spec, target, name, override)
     dtype = getattr(torch, spec.targets.npu.dtype if target == "npu" else spec.kv_cache.dtype)
     full = load_hf_weights(ckpt)
     for rank in range(spec.parallel.world):
