@@ -70,13 +70,14 @@ def _reference(spec, full, names, rank, sources, dtype):
     return place_weights(mine, sources, family=spec.family, dtype=dtype)
 
 
-LAYOUTS = [("tiny_qwen3_tp2", "cpu", {}), ("tiny_qwen3_npu", "npu", {"tp": 2}),
-           ("tiny_deepseek_v3_tp2ep2", "cpu", {}), ("tiny_deepseek_v3_npu", "npu", {"tp": 2}),
-           ("tiny_deepseek_v3_dp2ep2", "cpu", {}), ("tiny_deepseek_v3", "cpu", {})]
+# (spec, target whose recipes are built, layout override, sharded checkpoint)
+LAYOUTS = [("tiny_qwen3_tp2", "cpu", {}, False), ("tiny_qwen3_npu", "npu", {"tp": 2}, True),
+           ("tiny_deepseek_v3_tp2ep2", "cpu", {}, True), ("tiny_deepseek_v3_npu", "npu", {"tp": 2}, False),
+           ("tiny_deepseek_v3_dp2ep2", "cpu", {}, True), ("tiny_deepseek_v3", "cpu", {}, False)]
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
-@pytest.mark.parametrize("name,target,override", LAYOUTS, ids=[f"{n}-{t}" for n, t, _ in LAYOUTS])
+@pytest.mark.parametrize("name,target,override,sharded", LAYOUTS,
+                         ids=[f"{n}-{t}-{'sharded' if s else 'single'}" for n, t, _, s in LAYOUTS])
 def test_streamed_rank_weights_equal_the_whole_model_path(tmp_path, name, target, override, sharded):
     spec = load_spec(SPECS / f"{name}.yaml")
     if override:
