@@ -39,11 +39,11 @@ def _cpu(spec, weights, *, spec_file: str, pool, **options):
         from .parallel.launcher import DistributedEngine
 
         return DistributedEngine(spec, weights, spec_file=spec_file, pool=pool, **options)
-    from .checkpoint.hf import load_hf_weights
+    from .checkpoint.stream import CheckpointWeights
     from .engine.facade import cpu_engine
 
-    if not isinstance(weights, dict):
-        weights = load_hf_weights(weights, mtp_layers=spec.mtp_layers)
+    if not isinstance(weights, dict):  # streamed into the spec's dtype as the engine loads (no float32 copy)
+        weights = CheckpointWeights.whole(weights, spec)
     return cpu_engine(spec, weights, spec_file=spec_file, pool=pool, **options)
 
 

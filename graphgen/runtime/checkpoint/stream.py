@@ -44,6 +44,17 @@ class CheckpointWeights:
     slicing: RankSlicing = RankSlicing()
     mtp_layers: int = 0
 
+    @classmethod
+    def whole(cls, path, spec) -> "CheckpointWeights":
+        """Every tensor of ``spec``'s model as one process holds it (tp 1, experts stacked, MTP layers
+        included): the keys `load_hf_weights` gives, not read yet."""
+        from ...families import FAMILIES
+
+        fam = FAMILIES[spec.family]
+        mtp = {"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}
+        layout = fam.checkpoint_layout(fam.dims_of(spec.dims), stacked=True, **mtp)
+        return cls(str(path), frozenset(k for k, s in layout.items() if 0 not in s), RankSlicing(), spec.mtp_layers)
+
     def index(self) -> CheckpointIndex:
         return CheckpointIndex.open(self.path, self.mtp_layers)
 

@@ -27,7 +27,7 @@ from ...modelspec.model import ModelSpec
 from ..core.cpu_runtime import CpuRuntime, load_cpu_modules
 from ..core.faults import Faults
 from ..core.kvcache import BlockAllocator, PagedKVCache, kv_cache_shapes
-from ..core.weights import cast_weights
+from ..core.weights import place_weights
 from ..pool import DEFAULT_POOL_BYTES, PoolBackend, make_pool
 from ..pool.faulty import wrap_pool
 from .connector import KVConnector
@@ -210,9 +210,10 @@ def cpu_engine(spec: ModelSpec, weights: dict, *, spec_file: str = "", generated
         kv_shapes = {k: tuple(s[1:]) for k, s in shapes.items()}
     modules = load_cpu_modules(spec, spec_file, generated_dir=generated_dir, source_hook=source_hook, sources=sources)
     # computed in the spec's dtype (bf16 specs in bf16, as transformers runs a bf16 model), the
-    # family's float32 keys (router weight, score bias) kept float32
+    # family's float32 keys (router weight, score bias) kept float32; the modules' load-time weights
+    # built here (a checkpoint folder's `CheckpointWeights`: streamed, slice by slice)
     dtype = getattr(torch, spec.kv_cache.dtype)
-    weights = cast_weights(weights, spec.family, dtype)
+    weights = place_weights(weights, modules.values(), family=spec.family, dtype=dtype)
 
     def make_runner(cache, alloc, connector, reserved):
         return runner_cls(modules, weights, cache, runtime, connector, event_timeout=event_timeout)

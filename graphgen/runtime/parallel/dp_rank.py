@@ -229,7 +229,8 @@ def dp_rank_engine(spec, weights: dict, *, layout: DPLayout, pool, faults=None, 
 def build_dp_rank(spec, weights: dict, rank: int, cfg: dict, pool) -> Engine:
     """What `rank.rank_main` builds for a DP layout: this rank's slices and engine."""
     layout = DPLayout.of(spec.parallel, rank)
-    mine = dp_rank_weights(weights, cfg["weight_names"], layout)
+    # a dict: every tensor, sliced here; else the rank's `CheckpointWeights` (streamed when the engine loads)
+    mine = dp_rank_weights(weights, cfg["weight_names"], layout) if isinstance(weights, dict) else weights
     return dp_rank_engine(spec, mine, layout=layout, pool=pool, faults=cfg["faults"], spec_file=cfg["spec_file"],
                           sources=cfg["sources"], **{"event_timeout": cfg["timeout"], **cfg["engine_kwargs"]})
 

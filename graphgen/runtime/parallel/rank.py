@@ -315,10 +315,12 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
         group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         weights = cfg["weights"]
-        if not isinstance(weights, dict):
-            from ..checkpoint.hf import load_hf_weights
+        if not isinstance(weights, dict):  # a checkpoint folder: this rank streams its own slices, nothing else
+            from ..checkpoint.plan import RankSlicing
+            from ..checkpoint.stream import CheckpointWeights
 
-            weights = load_hf_weights(weights)
+            weights = CheckpointWeights(str(weights), frozenset(cfg["weight_names"]),
+                                        RankSlicing.of(spec.parallel, rank), spec.mtp_layers)
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
         if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (dp_rank.py)
             from .dp_rank import build_dp_rank
@@ -327,7 +329,8 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
             del weights
         else:
             # this rank's slices by its TP rank (innermost in the rank order), of the names the launcher compiled
-            mine = rank_weights(weights, cfg["weight_names"], rank % spec.parallel.tp, spec.parallel.tp)
+            mine = (rank_weights(weights, cfg["weight_names"], rank % spec.parallel.tp, spec.parallel.tp)
+                    if isinstance(weights, dict) else weights)
             del weights
             engine = target.build(spec, mine, rank=rank, parts=target.parts(spec, rank, group),
                                   spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
