@@ -31,6 +31,7 @@ _EXPORTS = {
     "PoolBackend": "pool", "HostPool": "pool", "make_pool": "pool", "DEFAULT_POOL_BYTES": "pool",
     "chain_digests": "pool.keys",
     "load_hf_weights": "checkpoint.hf", "write_random_hf_checkpoint": "checkpoint.hf",
+    "CheckpointWeights": "checkpoint.stream", "RankSlicing": "checkpoint.plan",
     "eos_token_ids": "checkpoint.generation", "load_tokenizer": "checkpoint.generation",
     "chat_parsers": "checkpoint.generation",
 }

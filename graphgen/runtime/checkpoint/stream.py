@@ -61,6 +61,12 @@ class CheckpointWeights:
     def plan(self, recipes: Mapping, dtype_of: Optional[Callable[[str], Optional[str]]] = None) -> list[Placement]:
         return plan_weights(self.index(), self.names, recipes, self.slicing, dtype_of)
 
+    def place(self, recipes: Mapping, dtype_of: Optional[Callable[[str], Optional[str]]] = None, device=None, *,
+              progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
+        """Read and place this rank's weights (`stream_weights` of `plan`): what
+        `graphgen.runtime.core.weights.place_weights` calls for a checkpoint."""
+        return stream_weights(self.plan(recipes, dtype_of), device, progress=progress)
+
 
 class SliceReader:
     """Reads stored tensors, or one dim's range of them, into one reused host buffer (see the module

@@ -108,14 +108,13 @@ def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *, consu
 
 def place_weights(weights, modules: Iterable, *, family: str, dtype: torch.dtype, device=None,
                   progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
-    """What a runner reads as ``W``: ``weights`` (a dict by graph weight name, or a
-    `CheckpointWeights` to stream) in ``dtype`` on ``device`` (the family's float32 keys float32), the
+    """What a runner reads as ``W``: ``weights`` (a dict by graph weight name, or a checkpoint to stream:
+    anything with ``place(recipes, dtype_of, device, progress=)``, `CheckpointWeights`) in ``dtype`` on ``device`` (the family's float32 keys float32), the
     modules' load-time weights built and their sources gone. ``progress(done, total)``: bytes placed
     (streaming only). See the module doc for the device peak of each."""
-    from ..checkpoint.stream import CheckpointWeights, stream_weights
-
-    if isinstance(weights, CheckpointWeights):
+    place = getattr(weights, "place", None)  # a checkpoint not read yet (checkpoint.stream.CheckpointWeights)
+    if place is not None:
         name = str(dtype).removeprefix("torch.")
-        plan = weights.plan(collect_recipes(modules), lambda k: "float32" if keeps_fp32(family, k) else name)
-        return stream_weights(plan, device, progress=progress)
+        return place(collect_recipes(modules), lambda k: "float32" if keeps_fp32(family, k) else name, device,
+                     progress=progress)
     return load_time_weights(cast_weights(weights, family, dtype, device), modules, consume=True)
