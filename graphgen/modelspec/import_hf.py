@@ -190,7 +190,12 @@ def _kv_dtype(cfg: dict, rep: _Report) -> str | None:
     return _DTYPES[value]
 
 
-def _standard_spec(name, family, dims, dtype, description, block_size, compile_modes) -> m.ModelSpec:
+class LayoutError(ValueError):
+    """``import_hf``'s layout options do not fit the model (one sentence naming the fix)."""
+
+
+def _standard_spec(name, family, dims, dtype, description, block_size, compile_modes,
+                   device_memory_gib=None) -> m.ModelSpec:
     return m.ModelSpec(
         name=name, family=family, dims=dims, description=description,
         variants={
@@ -201,7 +206,8 @@ def _standard_spec(name, family, dims, dtype, description, block_size, compile_m
         kv_cache=m.KVCacheLayout(block_size=block_size, dtype=dtype),
         pool=m.PoolWrite(write="async", granularity="forward"),
         features=("prefix_cache",),
-        targets=m.Targets(cpu=m.CpuTarget(), npu=m.NpuTarget(compile_modes=tuple(compile_modes))),
+        targets=m.Targets(cpu=m.CpuTarget(), npu=m.NpuTarget(compile_modes=tuple(compile_modes),
+                                                             device_memory_gib=device_memory_gib)),
     )
 
 
@@ -242,7 +248,7 @@ def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
 
 
 def _convert(config, name: str, source: str, text: str | None, *, block_size=128,
-             compile_modes=("max-autotune",), checkpoint_keys: set[str] | None = None):
+             compile_modes=("max-autotune",), checkpoint_keys: set[str] | None = None, device_memory_gib=None):
     rep = _Report(source, text)
     if not isinstance(config, dict):
         raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
@@ -260,8 +266,8 @@ def _convert(config, name: str, source: str, text: str | None, *, block_size=128
     dtype = _kv_dtype(config, rep)
     if rep.diags:
         raise SpecError(rep.diags)
-    spec = _standard_spec(name, fam.name, dims, dtype,
-                          f"Imported from a Hugging Face {model_type} config.", block_size, compile_modes)
+    spec = _standard_spec(name, fam.name, dims, dtype, f"Imported from a Hugging Face {model_type} config.",
+                          block_size, compile_modes, device_memory_gib)
     mtp = _mtp_section(config, fam, checkpoint_keys, rep)
     if mtp is not None:
         spec = dataclasses.replace(spec, mtp=mtp, variants={**spec.variants, "mtp_draft": m.Variant(phase="mtp")},
@@ -286,9 +292,39 @@ def _default_name(hf_dir: Path) -> str:
     return base if m.is_identifier(base) else f"m_{base}"
 
 
+def _layout(spec: m.ModelSpec, tp, ep, dp, device_memory_gib, fit: bool, rep_notes: list) -> m.ModelSpec:
+    """The spec with the layout asked for (``--tp/--ep/--dp``), or with ``fit`` the smallest one that fits
+    the device as ``graphgen validate`` counts it (`graphgen.passes.memory.fit_layout`); `LayoutError`
+    when the layout breaks a rule or nothing fits."""
+    if fit:
+        from ..passes.memory import NPU_MEMORY, fit_layout
+
+        gib = device_memory_gib or NPU_MEMORY.device_memory_gib
+        layout, mem = fit_layout(spec, gib)
+        if layout is None:
+            raise LayoutError(f"{spec.name} on {gib:g} GiB devices: {mem}")
+        rep_notes.append(f"Layout chosen by --fit for {gib:g} GiB devices: {mem.layout()} (graphgen validate "
+                         f"shows its per-rank memory).")
+        tp, ep, dp = layout["tp"], layout["ep"], layout.get("dp")
+    if tp is None and ep is None and dp is None:
+        return spec
+    out = spec.with_overrides(tp=tp, ep=ep, dp=dp)
+    from ..families.parallel import layout_rules
+
+    bad = list(layout_rules(out.family, out.dims, out.parallel)) + [p for p in check_compat(out)
+                                                                    if p[0].startswith("parallel")]
+    if bad:
+        where, message, fix = bad[0]
+        raise LayoutError(f"{where}: {message}; fix: {fix}")
+    return out
+
+
 def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 128,
-              compile_modes=("max-autotune",)) -> m.ModelSpec:
-    """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it."""
+              compile_modes=("max-autotune",), tp: int | None = None, ep: int | None = None,
+              dp: int | None = None, device_memory_gib: float | None = None, fit: bool = False) -> m.ModelSpec:
+    """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it. ``tp``/``ep``/
+    ``dp``: its ``parallel:`` layout; ``device_memory_gib``: ``targets.npu.device_memory_gib``; ``fit``:
+    the smallest layout that fits that device (default: the NPU target's 64 GiB die)."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     source = hf_dir / "config.json"
     try:
@@ -303,7 +339,8 @@ def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 12
                                     "fix the JSON syntax")]) from None
     spec, notes = _convert(config, name or _default_name(hf_dir), str(source), text,
                            block_size=block_size, compile_modes=compile_modes,
-                           checkpoint_keys=_checkpoint_keys(hf_dir))
+                           checkpoint_keys=_checkpoint_keys(hf_dir), device_memory_gib=device_memory_gib)
+    spec = _layout(spec, tp, ep, dp, device_memory_gib, fit, notes)
     header = "\n".join([f"Imported from {hf_dir.name}/config.json (model_type {config['model_type']}) "
                         "by graphgen.modelspec.import_hf.", *notes])
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,24 @@
-"""Per-rank memory of a spec's layout: weights (from the sharded graphs' weight names and the
-family's checkpoint layout) and KV per block (from the rank's KV components), for ``graphgen
-validate``. Weights are counted in the KV cache's dtype (the specs' checkpoints are stored in it).
-Pure Python, no torch.
+"""Per-rank device memory of a spec's layout, as a launch lays it out, for ``graphgen validate`` and
+``graphgen import-hf --fit``. Pure Python, no torch.
+
+What one rank holds, in the order a launch allocates it (`graphgen.runtime.engine.facade.build_engine`):
+
+* the **weights**: the sharded graphs' weight names (each rank's chunk, padded chunks whole) in the
+  target's dtype, the family's float32 keys in float32, plus the RoPE table. The load-time weights are
+  placed straight into their final tensors (`graphgen.runtime.checkpoint.plan`), so the only **load
+  transient** is one slice copied into a non-contiguous view (an expert of a transposed expert stack);
+* the **communicator buffers** of its collectives (HCCL: two buffers per communicator);
+* the **KV cache**: at least the blocks the largest decode batch needs at ``max_model_len``
+  (`kv_blocks_needed`); a launch allocates the engine's default (`DEFAULT_NUM_BLOCKS` + the NPU's padding
+  block) or, with ``--device-memory-utilization``, what is left (`RankMemory.auto_blocks`, the rule of
+  `graphgen.runtime.core.device_memory.kv_blocks_that_fit`);
+* the **staging rings** (``staging_buffers`` × ``save_rows`` blocks, on the device and pinned on the host).
+
+It fits when all of it stays within ``utilization`` × the device (vLLM's ``gpu_memory_utilization``
+rule); the rest, the **workspace reserve**, holds what the runtime takes before any tensor and the
+graphs' workspace (`NPU_MEMORY`, with its sources). The host side while loading is the largest stored
+slice plus one read block (`graphgen.runtime.checkpoint.stream`) and the pinned ring. ``graphgen dry-run``
+measures the same quantities on a ledger device (docs/npu.md, "Full-size launch").
 """
 
 from __future__ import annotations
@@ -9,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ..families import FAMILIES
 from ..families.parallel import rank_kv_components
@@ -16,79 +34,229 @@ from ..ir.weights import graph_weight_names, parse_shard
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
+MIB = 1 << 20
+DEFAULT_NUM_BLOCKS = 512          # graphgen run/serve --num-blocks (graphgen.engine_args)
+READ_BLOCK_BYTES = 64 << 20       # graphgen.runtime.checkpoint.stream.READ_BLOCK_BYTES (not imported: torch-side)
+
+
+@dataclass(frozen=True)
+class TargetMemory:
+    """A target's device memory facts, each with its source (docs/npu.md, "Full-size launch")."""
+    device_memory_gib: float   # the default device when a spec declares none
+    runtime_gib: float         # taken by the runtime before any tensor (inside the workspace reserve)
+    communicator_mib: float    # per collective communicator (HCCL: send + receive buffers)
+    utilization: float         # the engine's share of the device; the rest is the workspace reserve
+    source: str
+
+
+NPU_MEMORY = TargetMemory(
+    device_memory_gib=64.0, runtime_gib=64.0 - 60.97, communicator_mib=2 * 200, utilization=0.9,
+    source="64 GiB HBM per Atlas A2/A3 die, of which torch_npu reports 60.97 GiB total capacity (its OOM "
+           "message, vllm-ascend issues #19 and #5020): 3.03 GiB held by the runtime; HCCL takes 2 x HCCL_BUFFSIZE "
+           "(default 200 MB) per communicator (CANN environment variable reference, HCCL_BUFFSIZE); the engine "
+           "uses 0.9 of the device, vLLM's and vllm-ascend's default gpu_memory_utilization, the other 0.1 (6.4 "
+           "GiB) is the workspace reserve: the runtime's 3.03 GiB and 3.37 GiB for graph workspace")
 
 
 def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.2f} MiB"
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / MIB:.2f} MiB"
 
 
 @dataclass(frozen=True)
 class RankMemory:
+    """One rank of a layout (the largest: padded chunks count whole). Bytes unless named otherwise."""
     tp: int
     ep: int
-    weight_bytes: int  # one rank's weights (the largest rank: padded chunks count whole)
-    kv_bytes_per_block: int  # one rank's KV of one block, all layers
-    kv_blocks: int = 0  # blocks one rank must hold: the largest decode batch at max_model_len
+    weight_bytes: int          # the device's weights (RoPE table included)
+    kv_bytes_per_block: int    # one block, all layers
+    kv_blocks: int = 0         # blocks the largest decode batch needs at max_model_len
     dp: int = 1
     cp: int = 1
+    default_blocks: int = DEFAULT_NUM_BLOCKS + 1   # the engine's default (+ the NPU's padding block)
+    ring_bytes: int = 0        # device staging ring (the pinned host ring is as large)
+    transient_bytes: int = 0   # the load transient (one slice copied into a non-contiguous view)
+    largest_slice: int = 0     # the largest stored slice: the host read buffer
+    comm_bytes: int = 0        # communicator buffers
+    runtime_bytes: int = 0     # held by the runtime (inside the workspace reserve)
+    device_bytes: Optional[int] = None   # the device (None: no budget)
+    utilization: float = 1.0
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything of the engine's but the KV cache, at the launch's peak."""
+        return self.weight_bytes + self.transient_bytes + self.ring_bytes + self.comm_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_blocks * self.kv_bytes_per_block
+        """Device peak of the engine's tensors at the engine's default KV blocks."""
+        return self.fixed_bytes + self.default_blocks * self.kv_bytes_per_block
+
+    @property
+    def host_load_bytes(self) -> int:
+        """Host memory the loader holds (its read buffer: the largest slice + a read block) + the pinned ring."""
+        return self.largest_slice + READ_BLOCK_BYTES + self.ring_bytes
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return None if self.device_bytes is None else int(self.utilization * self.device_bytes)
+
+    def auto_blocks(self) -> Optional[int]:
+        """KV blocks a launch with ``--device-memory-utilization`` would allocate (None: no budget)."""
+        if self.budget_bytes is None:
+            return None
+        return max(0, (self.budget_bytes - self.fixed_bytes) // self.kv_bytes_per_block)
+
+    def fits(self) -> bool:
+        b = self.budget_bytes
+        return b is None or (self.fixed_bytes + max(self.kv_blocks, 1) * self.kv_bytes_per_block <= b
+                             and self.runtime_bytes <= self.device_bytes - b)
+
+    def layout(self) -> str:
+        return f"tp={self.tp}, ep={self.ep}" + "".join(f", {k}={v}" for k, v in (("dp", self.dp), ("cp", self.cp))
+                                                      if v > 1)
 
     def text(self) -> str:
-        layout = f"tp={self.tp}, ep={self.ep}" + "".join(f", {k}={v}" for k, v in (("dp", self.dp), ("cp", self.cp))
-                                                        if v > 1)
-        return (f"per rank ({layout}): weights {_size(self.weight_bytes)}, "
-                f"KV {self.kv_bytes_per_block / 1024:.1f} KiB per block, "
-                f"{self.kv_blocks} blocks {_size(self.kv_blocks * self.kv_bytes_per_block)}, "
-                f"total {_size(self.total_bytes)}")
+        kv = self.kv_bytes_per_block
+        out = (f"per rank ({self.layout()}): weights {_size(self.weight_bytes)}, "
+               f"KV {kv / 1024:.1f} KiB per block, {self.kv_blocks} blocks {_size(self.kv_blocks * kv)}, "
+               f"total {_size(self.weight_bytes + self.kv_blocks * kv)}")
+        if self.device_bytes is None:
+            return out
+        return (out + f"; launch peak at the default {self.default_blocks} KV blocks ({_size(self.default_blocks * kv)}):"
+                f" {_size(self.total_bytes)} of {_size(self.budget_bytes)} (load transient "
+                f"{_size(self.transient_bytes)}, staging rings {_size(self.ring_bytes)}, communicators "
+                f"{_size(self.comm_bytes)}; workspace reserve {_size(self.device_bytes - self.budget_bytes)} of "
+                f"{self.device_bytes / GIB:g} GiB); KV sized from what is left: {self.auto_blocks()} blocks; host "
+                f"while loading {_size(self.host_load_bytes)}")
 
 
 def kv_blocks_needed(spec) -> int:
     """Blocks one rank holds for the NPU target's largest decode batch at its max_model_len (the target's
     defaults when the spec has no NPU target): every DP group has a batch of its own, and KV is replicated
     over the CP and TP ranks (the MLA latent) or split by KV heads, so the count is per rank either way."""
+    npu = _npu(spec)
+    return npu.decode_batch_buckets[-1] * math.ceil(_max_len(spec) / spec.kv_cache.block_size)
+
+
+def _npu(spec):
     from ..modelspec.model import NpuTarget
 
-    npu = spec.targets.npu or NpuTarget()
+    return spec.targets.npu or NpuTarget()
+
+
+def _max_len(spec) -> int:
     # the max_model_len default of graphgen.npu.run.bucketing.max_model_len (not imported: it is torch-side)
-    max_len = npu.max_model_len or min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
-    return npu.decode_batch_buckets[-1] * math.ceil(max_len / spec.kv_cache.block_size)
+    return _npu(spec).max_model_len or min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
 
 
-def rank_memory(spec, graphs) -> RankMemory:
-    """``graphs``: the spec's graphs after ``shard`` (every variant reads the same weights; the union
-    is counted once)."""
+def _communicators(par) -> int:
+    """Collective communicators a rank joins: the world's, and each named group (tp, dp, cp) of its own."""
+    if par.world == 1:
+        return 0
+    return 1 + sum(1 for n in (par.tp, par.dp, par.cp) if 1 < n < par.world)
+
+
+def rank_memory(spec, graphs, device_memory_gib: Optional[float] = None) -> RankMemory:
+    """``graphs``: the spec's graphs after ``shard`` (the union of their weights is counted once).
+    ``device_memory_gib``: the device (default: ``targets.npu.device_memory_gib``, else the NPU target's
+    documented default for a spec with an NPU target; no budget without one)."""
     fam = FAMILIES[spec.family]
-    layout = fam.checkpoint_layout(fam.dims_of(spec.dims), stacked=True)
-    size = ITEMSIZE[spec.kv_cache.dtype]
-    names = graph_weight_names(graphs)
-    weight_bytes = 0
-    for name in sorted(names):
+    mtp = {"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}
+    stacked = fam.checkpoint_layout(fam.dims_of(spec.dims), stacked=True, **mtp)
+    npu = spec.targets.npu
+    size = ITEMSIZE[npu.dtype if npu is not None else spec.kv_cache.dtype]
+    stored = ITEMSIZE[spec.kv_cache.dtype]  # the specs' checkpoints are stored in the KV cache's dtype
+    weight_bytes = largest = transient = 0
+    for name in sorted(graph_weight_names(graphs)):
         key, dim, parts = parse_shard(name)
-        shape = list(layout[key])
+        shape = list(stacked[key])
         if dim is not None:
             shape[dim] = math.ceil(shape[dim] / parts)
-        weight_bytes += math.prod(shape) * size
+        weight_bytes += math.prod(shape) * (4 if fam.fp32_suffixes and key.endswith(fam.fp32_suffixes) else size)
+        expert = key.endswith(("experts.gate_proj.weight", "experts.up_proj.weight", "experts.down_proj.weight"))
+        piece = math.prod(shape[1:] if expert else shape)  # an expert is stored (and read) one by one
+        largest = max(largest, piece * stored)
+        if expert:  # copied into the transposed stack's view: through a temporary on the device
+            transient = max(transient, piece * size)
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), spec.parallel.tp)
-    kv = spec.kv_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * size
+    kv = spec.kv_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * stored
     par = spec.parallel
-    return RankMemory(par.tp, par.ep, weight_bytes, kv, kv_blocks_needed(spec), par.dp, par.cp)
+    mem = RankMemory(par.tp, par.ep, weight_bytes, kv, kv_blocks_needed(spec), par.dp, par.cp)
+    if npu is None:
+        return mem
+    gib = device_memory_gib or npu.device_memory_gib or NPU_MEMORY.device_memory_gib
+    rot = getattr(spec.dims, "qk_rope_head_dim", None) or spec.dims.head_dim
+    save_rows = npu.save_rows or max(1, npu.prefill_token_buckets[-1] // spec.kv_cache.block_size)
+    saves = any(spec.variant_saves(v) for v in spec.variants.values())
+    return dataclasses.replace(
+        mem, weight_bytes=weight_bytes + _max_len(spec) * 2 * rot * size,
+        ring_bytes=npu.staging_buffers * save_rows * kv if saves else 0, transient_bytes=transient,
+        largest_slice=largest, comm_bytes=int(_communicators(par) * NPU_MEMORY.communicator_mib * MIB),
+        runtime_bytes=int(NPU_MEMORY.runtime_gib * GIB), device_bytes=int(gib * GIB),
+        utilization=NPU_MEMORY.utilization)
+
+
+def budget_source(spec, device_memory_gib=None) -> str:
+    """Where the device size comes from: the flag, the spec, or the NPU target's default."""
+    if device_memory_gib is not None:
+        return "--device-memory-gib"
+    if spec.targets.npu is not None and spec.targets.npu.device_memory_gib is not None:
+        return "targets.npu.device_memory_gib"
+    return "the NPU target's default device"
+
+
+def default_blocks_note(mem: RankMemory) -> Optional[str]:
+    """The sentence for a layout that fits, but not with the engine's default KV blocks, else None."""
+    if mem.budget_bytes is None or not mem.fits() or mem.total_bytes <= mem.budget_bytes:
+        return None
+    n = mem.auto_blocks()
+    return (f"the engine's default {mem.default_blocks} KV blocks do not fit ({_size(mem.total_bytes)} of "
+            f"{_size(mem.budget_bytes)}): launch with --device-memory-utilization {mem.utilization:g} ({n} blocks) or "
+            f"--num-blocks {n - 1} (the NPU reserves one more)")
 
 
 def memory_problems(spec, mem: RankMemory, device_memory_gib=None) -> list[str]:
-    """The layout's per-rank weights + KV against ``device_memory_gib`` (default: the spec's
-    ``targets.npu.device_memory_gib``; none: nothing to check)."""
-    npu = spec.targets.npu
-    where = "--device-memory-gib" if device_memory_gib is not None else "targets.npu.device_memory_gib"
-    if device_memory_gib is None:
-        device_memory_gib = npu.device_memory_gib if npu is not None else None
-    if device_memory_gib is None:
+    """The sentence(s) of a layout that does not fit ``mem.device_bytes``, naming a layout that does
+    (`fit_layout`); [] when it fits or there is no budget."""
+    if mem.fits():
         return []
-    limit = device_memory_gib * GIB
-    if mem.total_bytes > limit:
-        return [f"per-rank weights {mem.weight_bytes / GIB:.2f} GiB + KV {mem.kv_blocks} blocks "
-                f"{mem.kv_blocks * mem.kv_bytes_per_block / GIB:.2f} GiB exceed {where} "
-                f"({device_memory_gib:g} GiB); fix: raise parallel.tp (and ep for MoE), or dp with ep = dp × tp"]
-    return []
+    where = budget_source(spec, device_memory_gib)
+    gib = mem.device_bytes / GIB
+    need = mem.fixed_bytes + max(mem.kv_blocks, 1) * mem.kv_bytes_per_block
+    layout, found = fit_layout(spec, gib)
+    fix_text = (f"fix: set parallel {', '.join(f'{k}: {v}' for k, v in layout.items())} ({found.layout()}: "
+                f"{_size(found.fixed_bytes + found.kv_blocks * found.kv_bytes_per_block)} per rank)"
+                if layout is not None else found)
+    return [f"per-rank weights {mem.weight_bytes / GIB:.2f} GiB + KV {mem.kv_blocks} blocks "
+            f"{mem.kv_blocks * mem.kv_bytes_per_block / GIB:.2f} GiB + staging rings, load transient and "
+            f"communicators = {need / GIB:.2f} GiB exceed {where} ({gib:g} GiB) x {mem.utilization:g}; {fix_text}"]
+
+
+def _layout_candidates(spec):
+    """Layouts to try, smallest world first: tp a power of two, ep 1 or tp (dp, cp 1; sp as the spec)."""
+    moe = FAMILIES[spec.family].name == "deepseek_v3"
+    for tp in (1, 2, 4, 8, 16, 32, 64, 128):
+        for ep in ((1, tp) if moe and tp > 1 else (1,)):
+            yield {"tp": tp, "ep": ep, "dp": 1, "cp": 1}
+
+
+def fit_layout(spec, device_memory_gib: float):
+    """``(layout, RankMemory)`` of the smallest layout (``{"tp", "ep"[, "dp", "cp"]}``) the spec's rules
+    accept that fits ``device_memory_gib``, or ``(None, why)`` when none does (why: the rule that refused
+    the larger layouts, e.g. MTP layers, which are not sharded yet)."""
+    from ..modelspec.compat import check_compat
+    from .manager import run_pipeline
+
+    refused = None
+    for layout in _layout_candidates(spec):
+        cand = spec.with_overrides(**layout, sp=spec.parallel.sp and layout["tp"] > 1)
+        problems = list(check_compat(cand))
+        if problems:
+            refused = refused or (problems[0][1] if layout["tp"] > 1 else None)
+            continue
+        graphs = [run_pipeline(cand, v, until="shard") for v in cand.variants]
+        mem = rank_memory(cand, graphs, device_memory_gib)
+        if mem.fits():
+            return {k: v for k, v in layout.items() if k in ("tp", "ep") or getattr(spec.parallel, k) != v}, mem
+    return None, (f"no layout graphgen can launch fits: {refused}" if refused else
+                  "no layout up to tp=128 fits (fix: a larger device)")

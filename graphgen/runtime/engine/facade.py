@@ -18,6 +18,7 @@ scheduler's ``update``. ``generate`` is a loop over that step API (``Engine.llm`
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -143,12 +144,14 @@ class Engine:
 
 def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, pool: Union[str, PoolBackend] = "host",
                  pool_capacity_bytes: int = DEFAULT_POOL_BYTES, faults: Optional[Faults] = None,
-                 num_blocks: int = 512, reserved_blocks: int = 0, device: str = "cpu", dtype=None,
+                 num_blocks: Optional[int] = 512, reserved_blocks: int = 0, device: str = "cpu", dtype=None,
                  make_connector: Optional[Callable] = None, make_loader: Optional[Callable] = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, async_scheduling: bool = False,
                  chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  collect_logits: bool = False, eos_token_ids: Iterable[int] = (), closers: Sequence = (),
-                 max_model_len: Optional[int] = None, num_speculative_tokens: int = 0) -> Engine:
+                 max_model_len: Optional[int] = None, num_speculative_tokens: int = 0,
+                 load_weights: Optional[Callable[[], None]] = None,
+                 size_kv: Optional[Callable[[int], int]] = None) -> Engine:
     """Wire an engine. ``kv_shapes``: cache component -> per-block shape (``[BS, ...]``);
     ``make_runner(cache, alloc, connector, reserved)`` -> the model runner (``reserved``: blocks
     taken from the allocator for the target's own use, e.g. the NPU's padding block);
@@ -156,8 +159,14 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     keyed by the spec's name); ``make_connector(pool, cache, alloc, counters)`` -> its worker side
     (default: a `KVConnector` writing as ``pool.write``). ``num_speculative_tokens`` K > 0: every
     request decodes speculatively with the spec's MTP layer, K drafts per verify row
-    (`spec_decode.MtpDrafter`; ValueError in one sentence for a spec without MTP layers)."""
-    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+    (`spec_decode.MtpDrafter`; ValueError in one sentence for a spec without MTP layers).
+
+    The order on a device: ``load_weights()`` first (a target that places its weights itself), then the
+    KV cache, sized by ``size_kv(bytes of one block)`` when ``num_blocks`` is None (from what the weights
+    left, `graphgen.runtime.core.device_memory.kv_blocks_that_fit`), then the runner."""
+    if num_blocks is None and size_kv is None:
+        raise ValueError("num_blocks=None needs a size_kv (the KV cache sized from the device's free memory)")
+    if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1):
         raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
     faults = faults or Faults()
     if num_speculative_tokens:
@@ -167,6 +176,14 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     if faults.active:
         pool = wrap_pool(pool, faults)
     dtype = dtype or getattr(torch, spec.kv_cache.dtype)
+    if load_weights is not None:  # the weights before the cache: it is sized from what they leave
+        load_weights()
+    if num_blocks is None:
+        per_block = spec.kv_layers * sum(math.prod(s) for s in kv_shapes.values()) * dtype.itemsize
+        num_blocks = size_kv(per_block) - reserved_blocks
+        if num_blocks < 1:
+            raise ValueError(f"no device memory is left for the KV cache after the weights (one block: "
+                             f"{per_block / (1 << 20):.1f} MiB): use more ranks (--tp), or a larger device")
     total = num_blocks + reserved_blocks
     cache = PagedKVCache(spec.kv_layers, kv_shapes, total, dtype, device=device)
     alloc = BlockAllocator(total)
