@@ -50,6 +50,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                    help="pool backend: host (the embedded pool) or mooncake://HOST:PORT[?option=value&...] "
                         "(a Mooncake master, shared by processes; docs/mooncake.md)")
     p.add_argument("--num-blocks", type=int, default=512, help="device KV blocks")
+    p.add_argument("--device-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="with --target npu: size the KV cache after the weights from what is left of this share "
+                        "of the device's memory (vLLM's --gpu-memory-utilization; 0.9: docs/npu.md, 'Full-size "
+                        "launch'), instead of --num-blocks")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="requests admitted or running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens one step may hold (a longer prompt runs in chunks, see --chunked-prefill)")
@@ -103,6 +107,9 @@ def check_engine_arguments(args) -> Optional[str]:
             return f"--num-speculative-tokens must be in [1, 15] (K + 1 tokens per verify row, at most 16), got {spec_k}"
         if args.target != "cpu" or any((getattr(args, f, None) or 1) > 1 for f in ("tp", "ep", "dp", "cp")):
             return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
+    util = getattr(args, "device_memory_utilization", None)
+    if util is not None and (args.target != "npu" or not 0 < util <= 1):
+        return f"--device-memory-utilization applies to --target npu, in (0, 1]; got {util}"
     if getattr(args, "warmup", None) is not None and args.target != "npu":
         return "--warmup/--no-warmup applies to --target npu only"
     return None
@@ -131,6 +138,8 @@ def engine_options(args, faults=None) -> dict:
     if args.target == "npu":
         opts["standin"] = args.standin
         opts["warmup"] = getattr(args, "warmup", None)
+        if getattr(args, "device_memory_utilization", None) is not None:
+            opts["device_memory_utilization"] = args.device_memory_utilization
     return opts
 
 

@@ -122,8 +122,8 @@ class RankMemory:
                f"total {_size(self.weight_bytes + self.kv_blocks * kv)}")
         if self.device_bytes is None:
             return out
-        return (out + f"; launch peak at the default {self.default_blocks} KV blocks ({_size(self.default_blocks * kv)}):"
-                f" {_size(self.total_bytes)} of {_size(self.budget_bytes)} (load transient "
+        return (out + f"; launch peak at the default {self.default_blocks} KV blocks "
+                f"({_size(self.default_blocks * kv)}): {_size(self.total_bytes)} of {_size(self.budget_bytes)} (load transient "
                 f"{_size(self.transient_bytes)}, staging rings {_size(self.ring_bytes)}, communicators "
                 f"{_size(self.comm_bytes)}; workspace reserve {_size(self.device_bytes - self.budget_bytes)} of "
                 f"{self.device_bytes / GIB:g} GiB); KV sized from what is left: {self.auto_blocks()} blocks; host "

@@ -350,10 +350,11 @@ def _sequence(row, block_size: int) -> dict:
             "loaded": row.loaded if isinstance(row.loaded, LoadedBlocks) else list(row.loaded)}
 
 
-def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
+def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: Optional[int] = 512,
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               rank_parts=None, warmup: Optional[bool] = None, **options) -> Engine:
+               rank_parts=None, warmup: Optional[bool] = None, device_memory_utilization: Optional[float] = None,
+               **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
@@ -378,15 +379,16 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 standin=standin, mode=mode, warmup=warmup, **options)
-    if not isinstance(weights, dict):
-        from ...runtime import load_hf_weights
-
-        weights = load_hf_weights(weights)
     buckets = Buckets.from_spec(spec)
     plan_check = rank_parts.check_plan if rank_parts is not None else None
+    # the weights go on the device first, streamed (each load-time weight built in place), then the KV cache
+    load_weights, placed, size_kv, sources = _load_first(spec, weights, mode, sources, standin,
+                                                         device_memory_utilization, buckets.save_rows)
+    if size_kv is not None:
+        num_blocks = None
 
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
-        runner = NpuModelRunner(spec, weights, cache, connector, pad_block=reserved[0], mode=mode,
+        runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, plan_check=plan_check)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
@@ -401,11 +403,48 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
         shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
         kv_shapes = {k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()}
     return build_engine(spec, kv_shapes=kv_shapes, make_runner=make_runner, pool=pool, num_blocks=num_blocks,
-                        reserved_blocks=1, device="cpu" if standin else "npu",
+                        load_weights=load_weights, size_kv=size_kv, reserved_blocks=1,
+                        device="cpu" if standin else "npu",
                         max_num_seqs=min(max_num_seqs or buckets.decode_batch[-1], buckets.decode_batch[-1]),
                         max_num_batched_tokens=min(max_num_batched_tokens or 1 << 30,
                                                    buckets.prefill_tokens[-1] - buckets.prefill_seqs),
                         max_model_len=max_model_len(spec), **options)
+
+
+def _load_first(spec, weights, mode, sources, standin: bool, utilization, save_rows: int):
+    """``(load_weights, placed, size_kv, sources)`` for `build_engine`: the weights placed into ``placed["W"]``
+    through the runtime's one loader (`place_weights`: a checkpoint folder streamed in its dtype, each
+    load-time weight built in place) before the KV cache, which ``size_kv`` sizes from what they left
+    when ``utilization`` is given (`kv_blocks_that_fit`, the staging rings still to come). ``sources``:
+    the modules, compiled once here."""
+    from ...lower.compile import compile_variant
+    from ...runtime import CheckpointWeights
+    from ...runtime.core.device_memory import kv_blocks_that_fit
+    from ...runtime.core.weights import place_weights
+
+    npu = spec.targets.npu
+    if not isinstance(weights, dict) and not hasattr(weights, "place"):  # a checkpoint folder
+        weights = CheckpointWeights.whole(weights, spec)
+    mode = mode or npu.compile_modes[0]
+    sources = sources or {v: compile_variant(spec, v, "npu", mode=mode) for v in spec.variants}
+    device = torch.device("cpu") if standin else torch.device("npu")
+    mem = None if utilization is None or standin else torch.npu.mem_get_info  # type: ignore[attr-defined]
+    if utilization is not None and standin:
+        raise ValueError("--device-memory-utilization sizes the KV cache from an NPU's free memory; with "
+                         "--standin give --num-blocks")
+    start = mem() if mem is not None else None
+    placed: dict = {}
+
+    def load_weights():
+        placed["W"] = place_weights(weights, sources.values(), family=spec.family, dtype=getattr(torch, npu.dtype),
+                                    device=device)
+
+    def size_kv(block_bytes: int) -> int:
+        free, total = mem()
+        return kv_blocks_that_fit(start[0] - free, total, block_bytes, utilization=utilization,
+                                  after_bytes=npu.staging_buffers * save_rows * block_bytes)
+
+    return load_weights, placed, (size_kv if mem is not None else None), sources
 
 
 def npu_rank_engine(spec, weights: dict, *, rank: int, parts, **options) -> Engine:

@@ -79,7 +79,8 @@ def _recipes_in(source: str) -> dict:
     return {}
 
 
-def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *, consume: bool = False) -> dict[str, torch.Tensor]:
+def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *,
+                      consume: bool = False) -> dict[str, torch.Tensor]:
     """``W`` with every module's ``LOAD_TIME_WEIGHTS`` built (each once, however many modules share it)
     and their sources removed (the modules read only the built keys, so each weight is held once).
     A source missing from ``W`` is a ``KeyError`` naming the recipe. ``consume``: ``W`` is a dict nobody
@@ -109,9 +110,10 @@ def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *, consu
 def place_weights(weights, modules: Iterable, *, family: str, dtype: torch.dtype, device=None,
                   progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
     """What a runner reads as ``W``: ``weights`` (a dict by graph weight name, or a checkpoint to stream:
-    anything with ``place(recipes, dtype_of, device, progress=)``, `CheckpointWeights`) in ``dtype`` on ``device`` (the family's float32 keys float32), the
-    modules' load-time weights built and their sources gone. ``progress(done, total)``: bytes placed
-    (streaming only). See the module doc for the device peak of each."""
+    anything with ``place(recipes, dtype_of, device, progress=)``, `CheckpointWeights`) in ``dtype`` on
+    ``device`` (the family's float32 keys float32), the modules' load-time weights built and their
+    sources gone. ``progress(done, total)``: bytes placed (streaming only). See the module doc for the
+    device peak of each."""
     place = getattr(weights, "place", None)  # a checkpoint not read yet (checkpoint.stream.CheckpointWeights)
     if place is not None:
         name = str(dtype).removeprefix("torch.")
