@@ -62,10 +62,11 @@ class CheckpointWeights:
         return plan_weights(self.index(), self.names, recipes, self.slicing, dtype_of)
 
     def place(self, recipes: Mapping, dtype_of: Optional[Callable[[str], Optional[str]]] = None, device=None, *,
-              progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
+              progress: Optional[Callable[[int, int], None]] = None,
+              reader: Optional["SliceReader"] = None) -> dict[str, torch.Tensor]:
         """Read and place this rank's weights (`stream_weights` of `plan`): what
         `graphgen.runtime.core.weights.place_weights` calls for a checkpoint."""
-        return stream_weights(self.plan(recipes, dtype_of), device, progress=progress)
+        return stream_weights(self.plan(recipes, dtype_of), device, reader=reader, progress=progress)
 
 
 class SliceReader:

@@ -108,15 +108,15 @@ def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *,
 
 
 def place_weights(weights, modules: Iterable, *, family: str, dtype: torch.dtype, device=None,
-                  progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
+                  progress: Optional[Callable[[int, int], None]] = None, reader=None) -> dict[str, torch.Tensor]:
     """What a runner reads as ``W``: ``weights`` (a dict by graph weight name, or a checkpoint to stream:
     anything with ``place(recipes, dtype_of, device, progress=)``, `CheckpointWeights`) in ``dtype`` on
     ``device`` (the family's float32 keys float32), the modules' load-time weights built and their
-    sources gone. ``progress(done, total)``: bytes placed (streaming only). See the module doc for the
-    device peak of each."""
+    sources gone. ``progress(done, total)``: bytes placed; ``reader``: the `SliceReader` to read with
+    (streaming only: a dry run counts its bytes). See the module doc for the device peak of each."""
     place = getattr(weights, "place", None)  # a checkpoint not read yet (checkpoint.stream.CheckpointWeights)
     if place is not None:
         name = str(dtype).removeprefix("torch.")
         return place(collect_recipes(modules), lambda k: "float32" if keeps_fp32(family, k) else name, device,
-                     progress=progress)
+                     progress=progress, reader=reader)
     return load_time_weights(cast_weights(weights, family, dtype, device), modules, consume=True)
