@@ -79,6 +79,7 @@ class SliceReader:
         self._fds: dict[str, int] = {}
         self._buf = torch.empty(0, dtype=torch.uint8)
         self._block = torch.empty(0, dtype=torch.uint8)
+        self._zeros = {"_buf": 0, "_block": 0}  # leading bytes of each buffer known to be zero (a hole read)
         self.bytes_read = 0
 
     @property
@@ -95,20 +96,29 @@ class SliceReader:
         if getattr(self, attr).numel() < n:
             setattr(self, attr, torch.empty(0, dtype=torch.uint8))
             setattr(self, attr, torch.empty(n, dtype=torch.uint8))
+            self._zeros[attr] = 0
         return getattr(self, attr)
 
-    def _pread(self, fd: int, dst: torch.Tensor, offset: int) -> None:
-        """Fill ``dst`` (uint8, contiguous) with the file's bytes at ``offset``; a hole is zeros."""
-        n = dst.numel()
-        self.bytes_read += n
+    def _hole(self, fd: int, offset: int, n: int) -> bool:
+        """Whether the file's ``[offset, offset + n)`` is one hole (no data: reads as zeros)."""
         try:
-            if os.lseek(fd, offset, os.SEEK_DATA) >= offset + n:
-                dst.zero_()
-                return
+            return os.lseek(fd, offset, os.SEEK_DATA) >= offset + n
         except OSError:  # ENXIO: no data after offset (a trailing hole); or SEEK_DATA unsupported
-            if os.lseek(fd, 0, os.SEEK_END) >= offset + n:
-                dst.zero_()
-                return
+            return os.lseek(fd, 0, os.SEEK_END) >= offset + n
+
+    def _pread(self, fd: int, attr: str, start: int, n: int, offset: int) -> None:
+        """Fill bytes ``[start, start + n)`` of buffer ``attr`` with the file's bytes at ``offset``; a hole
+        is zeros, written only where the buffer is not known to hold zeros already."""
+        buf = getattr(self, attr)
+        self.bytes_read += n
+        if self._hole(fd, offset, n):
+            if start + n > self._zeros[attr]:
+                buf[start:start + n].zero_()
+                if start <= self._zeros[attr]:
+                    self._zeros[attr] = start + n
+            return
+        self._zeros[attr] = min(self._zeros[attr], start)
+        dst = buf[start:start + n]
         view, done = memoryview(dst.numpy()), 0
         while done < n:
             got = os.preadv(fd, [view[done:]], offset + done)
@@ -126,22 +136,26 @@ class SliceReader:
         n = outer * length * inner
         out = self._take("_buf", n)[:n]
         fd = self._fd(src.path)
+        w = length * inner  # bytes of one row's range
         if outer == 1 or narrow is None:  # one contiguous range
-            self._pread(fd, out, src.begin + start * inner if outer == 1 else src.begin)
-        elif length * inner >= min(self.block_bytes, 1 << 20):  # rows long enough to read one by one
+            self._pread(fd, "_buf", 0, n, src.begin + start * inner if outer == 1 else src.begin)
+        elif w >= min(self.block_bytes, 1 << 20):  # rows long enough to read one by one
             row = shape[dim] * inner
             for r in range(outer):
-                self._pread(fd, out[r * length * inner:(r + 1) * length * inner], src.begin + r * row + start * inner)
+                self._pread(fd, "_buf", r * w, w, src.begin + r * row + start * inner)
+        elif self._hole(fd, src.begin, src.nbytes):  # short rows of a hole: the range is zeros too
+            self._pread(fd, "_buf", 0, n, src.begin)
+            self.bytes_read += src.nbytes - n  # (as the block reads below would)
         else:  # short rows: whole rows in blocks, the range copied out
             row = shape[dim] * inner
             per = max(1, self.block_bytes // row)
             self._take("_block", min(per, outer) * row)
-            rows = out.view(outer, length * inner)
+            rows = out.view(outer, w)
+            self._zeros["_buf"] = 0
             for r0 in range(0, outer, per):
                 k = min(per, outer - r0)
-                block = self._block[:k * row]
-                self._pread(fd, block, src.begin + r0 * row)
-                rows[r0:r0 + k].copy_(block.view(k, shape[dim] * inner)[:, start * inner:(start + length) * inner])
+                self._pread(fd, "_block", 0, k * row, src.begin + r0 * row)
+                rows[r0:r0 + k].copy_(self._block[:k * row].view(k, row)[:, start * inner:start * inner + w])
         dtype = getattr(torch, TORCH_DTYPE[src.dtype])
         if narrow is not None:
             shape[dim] = length
