@@ -15,7 +15,7 @@ import torch
 from ..families.parallel import rank_kv_components
 from ..ir.weights import graph_weight_names
 from ..lower.compile import compile_spec
-from ..passes.memory import DEFAULT_NUM_BLOCKS, GIB, MIB, NPU_MEMORY, _communicators
+from ..passes.memory import DEFAULT_NUM_BLOCKS, GIB, NPU_MEMORY, communicator_bytes
 from ..runtime.checkpoint.hf import check_config
 from ..runtime.checkpoint.plan import RankSlicing
 from ..runtime.checkpoint.stream import CheckpointWeights, SliceReader
@@ -105,10 +105,11 @@ def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_me
     sources, names = _modules(spec, target, mode)
     weights = CheckpointWeights(str(weights_dir), frozenset(names), RankSlicing.of(spec.parallel, rank), spec.mtp_layers)
     gib = device_memory_gib or (spec.targets.npu.device_memory_gib or NPU_MEMORY.device_memory_gib if npu else None)
-    device = None if gib is None else int(gib * GIB)
+    # what the device gives torch (mem_get_info's total): the device less its runtime's own
+    device = None if gib is None else int(gib * GIB) - (int(NPU_MEMORY.runtime_gib * GIB) if npu else 0)
     util = utilization or (NPU_MEMORY.utilization if npu else 1.0)
-    ledger = Ledger(None if device is None else device - int(NPU_MEMORY.runtime_gib * GIB if npu else 0))
-    comm = int(_communicators(spec.parallel) * NPU_MEMORY.communicator_mib * MIB) if npu else 0
+    ledger = Ledger(device)
+    comm = communicator_bytes(spec.parallel) if npu else 0
     dtype = getattr(torch, spec.targets.npu.dtype if npu else spec.kv_cache.dtype)
     kv_dtype = getattr(torch, spec.kv_cache.dtype)
     shapes = {n: (spec.kv_cache.block_size, *s) for n, s in

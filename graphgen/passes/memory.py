@@ -14,9 +14,10 @@ What one rank holds, in the order a launch allocates it (`graphgen.runtime.engin
   `graphgen.runtime.core.device_memory.kv_blocks_that_fit`);
 * the **staging rings** (``staging_buffers`` × ``save_rows`` blocks, on the device and pinned on the host).
 
-It fits when all of it stays within ``utilization`` × the device (vLLM's ``gpu_memory_utilization``
-rule); the rest, the **workspace reserve**, holds what the runtime takes before any tensor and the
-graphs' workspace (`NPU_MEMORY`, with its sources). The host side while loading is the largest stored
+It fits when all of it stays within ``utilization`` × the memory the device gives torch (vLLM's
+``gpu_memory_utilization`` rule over ``mem_get_info``'s total: the device less what its runtime keeps);
+the rest, the **workspace reserve**, is the runtime's own and the headroom for the graphs' workspace
+and fragmentation (`NPU_MEMORY`, with its sources). The host side while loading is the largest stored
 slice plus one read block (`graphgen.runtime.checkpoint.stream`) and the pinned ring. ``graphgen dry-run``
 measures the same quantities on a ledger device (docs/npu.md, "Full-size launch").
 """
@@ -43,9 +44,9 @@ READ_BLOCK_BYTES = 64 << 20       # graphgen.runtime.checkpoint.stream.READ_BLOC
 class TargetMemory:
     """A target's device memory facts, each with its source (docs/npu.md, "Full-size launch")."""
     device_memory_gib: float   # the default device when a spec declares none
-    runtime_gib: float         # taken by the runtime before any tensor (inside the workspace reserve)
+    runtime_gib: float         # kept by the device's runtime: torch never sees it
     communicator_mib: float    # per collective communicator (HCCL: send + receive buffers)
-    utilization: float         # the engine's share of the device; the rest is the workspace reserve
+    utilization: float         # the engine's share of what torch sees; the rest is workspace headroom
     source: str
 
 
@@ -54,8 +55,9 @@ NPU_MEMORY = TargetMemory(
     source="64 GiB HBM per Atlas A2/A3 die, of which torch_npu reports 60.97 GiB total capacity (its OOM "
            "message, vllm-ascend issues #19 and #5020): 3.03 GiB held by the runtime; HCCL takes 2 x HCCL_BUFFSIZE "
            "(default 200 MB) per communicator (CANN environment variable reference, HCCL_BUFFSIZE); the engine "
-           "uses 0.9 of the device, vLLM's and vllm-ascend's default gpu_memory_utilization, the other 0.1 (6.4 "
-           "GiB) is the workspace reserve: the runtime's 3.03 GiB and 3.37 GiB for graph workspace")
+           "uses 0.9 of the 60.97 GiB (54.87 GiB), vLLM's and vllm-ascend's default gpu_memory_utilization over "
+           "mem_get_info's total; the workspace reserve, 9.13 GiB, is the runtime's 3.03 GiB and 6.10 GiB of "
+           "headroom for graph workspace and fragmentation")
 
 
 def _size(n: int) -> str:
@@ -77,7 +79,7 @@ class RankMemory:
     transient_bytes: int = 0   # the load transient (one slice copied into a non-contiguous view)
     largest_slice: int = 0     # the largest stored slice: the host read buffer
     comm_bytes: int = 0        # communicator buffers
-    runtime_bytes: int = 0     # held by the runtime (inside the workspace reserve)
+    runtime_bytes: int = 0     # kept by the device's runtime (torch sees the device less this)
     device_bytes: Optional[int] = None   # the device (None: no budget)
     utilization: float = 1.0
 
@@ -97,8 +99,13 @@ class RankMemory:
         return self.largest_slice + READ_BLOCK_BYTES + self.ring_bytes
 
     @property
+    def visible_bytes(self) -> Optional[int]:
+        """What the device gives torch (``mem_get_info``'s total; the ledger's capacity)."""
+        return None if self.device_bytes is None else self.device_bytes - self.runtime_bytes
+
+    @property
     def budget_bytes(self) -> Optional[int]:
-        return None if self.device_bytes is None else int(self.utilization * self.device_bytes)
+        return None if self.device_bytes is None else int(self.utilization * self.visible_bytes)
 
     def auto_blocks(self) -> Optional[int]:
         """KV blocks a launch with ``--device-memory-utilization`` would allocate (None: no budget)."""
@@ -108,8 +115,7 @@ class RankMemory:
 
     def fits(self) -> bool:
         b = self.budget_bytes
-        return b is None or (self.fixed_bytes + max(self.kv_blocks, 1) * self.kv_bytes_per_block <= b
-                             and self.runtime_bytes <= self.device_bytes - b)
+        return b is None or self.fixed_bytes + max(self.kv_blocks, 1) * self.kv_bytes_per_block <= b
 
     def layout(self) -> str:
         return f"tp={self.tp}, ep={self.ep}" + "".join(f", {k}={v}" for k, v in (("dp", self.dp), ("cp", self.cp))
@@ -125,8 +131,8 @@ class RankMemory:
         return (out + f"; launch peak at the default {self.default_blocks} KV blocks "
                 f"({_size(self.default_blocks * kv)}): {_size(self.total_bytes)} of {_size(self.budget_bytes)} (load transient "
                 f"{_size(self.transient_bytes)}, staging rings {_size(self.ring_bytes)}, communicators "
-                f"{_size(self.comm_bytes)}; workspace reserve {_size(self.device_bytes - self.budget_bytes)} of "
-                f"{self.device_bytes / GIB:g} GiB); KV sized from what is left: {self.auto_blocks()} blocks; host "
+                f"{_size(self.comm_bytes)}; {self.utilization:g} x the {_size(self.visible_bytes)} torch sees of "
+                f"{self.device_bytes / GIB:g} GiB: workspace reserve {_size(self.device_bytes - self.budget_bytes)}); KV sized from what is left: {self.auto_blocks()} blocks; host "
                 f"while loading {_size(self.host_load_bytes)}")
 
 
@@ -149,11 +155,11 @@ def _max_len(spec) -> int:
     return _npu(spec).max_model_len or min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
 
 
-def _communicators(par) -> int:
-    """Collective communicators a rank joins: the world's, and each named group (tp, dp, cp) of its own."""
-    if par.world == 1:
-        return 0
-    return 1 + sum(1 for n in (par.tp, par.dp, par.cp) if 1 < n < par.world)
+def communicator_bytes(par) -> int:
+    """Device bytes of the collective communicators a rank joins (``NPU_MEMORY.communicator_mib`` each):
+    the world's, and each named group (tp, dp, cp) of its own."""
+    n = 0 if par.world == 1 else 1 + sum(1 for k in (par.tp, par.dp, par.cp) if 1 < k < par.world)
+    return int(n * NPU_MEMORY.communicator_mib * MIB)
 
 
 def rank_memory(spec, graphs, device_memory_gib: Optional[float] = None) -> RankMemory:
@@ -191,7 +197,7 @@ def rank_memory(spec, graphs, device_memory_gib: Optional[float] = None) -> Rank
     return dataclasses.replace(
         mem, weight_bytes=weight_bytes + _max_len(spec) * 2 * rot * size,
         ring_bytes=npu.staging_buffers * save_rows * kv if saves else 0, transient_bytes=transient,
-        largest_slice=largest, comm_bytes=int(_communicators(par) * NPU_MEMORY.communicator_mib * MIB),
+        largest_slice=largest, comm_bytes=communicator_bytes(par),
         runtime_bytes=int(NPU_MEMORY.runtime_gib * GIB), device_bytes=int(gib * GIB),
         utilization=NPU_MEMORY.utilization)
 
@@ -229,15 +235,21 @@ def memory_problems(spec, mem: RankMemory, device_memory_gib=None) -> list[str]:
                 if layout is not None else found)
     return [f"per-rank weights {mem.weight_bytes / GIB:.2f} GiB + KV {mem.kv_blocks} blocks "
             f"{mem.kv_blocks * mem.kv_bytes_per_block / GIB:.2f} GiB + staging rings, load transient and "
-            f"communicators = {need / GIB:.2f} GiB exceed {where} ({gib:g} GiB) x {mem.utilization:g}; {fix_text}"]
+            f"communicators = {need / GIB:.2f} GiB exceed {mem.utilization:g} x the {mem.visible_bytes / GIB:.2f} GiB "
+            f"torch sees of {where} ({gib:g} GiB); {fix_text}"]
 
 
 def _layout_candidates(spec):
-    """Layouts to try, smallest world first: tp a power of two, ep 1 or tp (dp, cp 1; sp as the spec)."""
+    """Layouts to try, smallest world first: tp a power of two with ep 1 or tp (dp, cp 1; sp as the spec);
+    for a spec with DP attention, its kind first: dp × tp ranks with ep = dp × tp, the most DP groups first."""
     moe = FAMILIES[spec.family].name == "deepseek_v3"
-    for tp in (1, 2, 4, 8, 16, 32, 64, 128):
-        for ep in ((1, tp) if moe and tp > 1 else (1,)):
-            yield {"tp": tp, "ep": ep, "dp": 1, "cp": 1}
+    powers = (1, 2, 4, 8, 16, 32, 64, 128)
+    for world in powers:
+        if spec.parallel.dp > 1 and moe:
+            for tp in powers[:powers.index(world)]:
+                yield {"tp": tp, "ep": world, "dp": world // tp, "cp": 1}
+        for ep in ((1, world) if moe and world > 1 else (1,)):
+            yield {"tp": world, "ep": ep, "dp": 1, "cp": 1}
 
 
 def fit_layout(spec, device_memory_gib: float):

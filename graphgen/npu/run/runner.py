@@ -47,7 +47,7 @@ from .bucketing import Buckets, max_model_len
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
 from .staging import CommitPath, NpuStreams, StagingRing
-from .weights import load_time_weights
+from .weights import load_first, load_time_weights
 
 __all__ = ["NpuModelRunner", "npu_engine"]
 
@@ -382,8 +382,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     buckets = Buckets.from_spec(spec)
     plan_check = rank_parts.check_plan if rank_parts is not None else None
     # the weights go on the device first, streamed (each load-time weight built in place), then the KV cache
-    load_weights, placed, size_kv, sources = _load_first(spec, weights, mode, sources, standin,
-                                                         device_memory_utilization, buckets.save_rows)
+    load_weights, placed, size_kv, sources = load_first(spec, weights, mode, sources, standin,
+                                                        device_memory_utilization, buckets.save_rows)
     if size_kv is not None:
         num_blocks = None
 
@@ -409,42 +409,6 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                         max_num_batched_tokens=min(max_num_batched_tokens or 1 << 30,
                                                    buckets.prefill_tokens[-1] - buckets.prefill_seqs),
                         max_model_len=max_model_len(spec), **options)
-
-
-def _load_first(spec, weights, mode, sources, standin: bool, utilization, save_rows: int):
-    """``(load_weights, placed, size_kv, sources)`` for `build_engine`: the weights placed into ``placed["W"]``
-    through the runtime's one loader (`place_weights`: a checkpoint folder streamed in its dtype, each
-    load-time weight built in place) before the KV cache, which ``size_kv`` sizes from what they left
-    when ``utilization`` is given (`kv_blocks_that_fit`, the staging rings still to come). ``sources``:
-    the modules, compiled once here."""
-    from ...lower.compile import compile_variant
-    from ...runtime import CheckpointWeights
-    from ...runtime.core.device_memory import kv_blocks_that_fit
-    from ...runtime.core.weights import place_weights
-
-    npu = spec.targets.npu
-    if not isinstance(weights, dict) and not hasattr(weights, "place"):  # a checkpoint folder
-        weights = CheckpointWeights.whole(weights, spec)
-    mode = mode or npu.compile_modes[0]
-    sources = sources or {v: compile_variant(spec, v, "npu", mode=mode) for v in spec.variants}
-    device = torch.device("cpu") if standin else torch.device("npu")
-    mem = None if utilization is None or standin else torch.npu.mem_get_info  # type: ignore[attr-defined]
-    if utilization is not None and standin:
-        raise ValueError("--device-memory-utilization sizes the KV cache from an NPU's free memory; with "
-                         "--standin give --num-blocks")
-    start = mem() if mem is not None else None
-    placed: dict = {}
-
-    def load_weights():
-        placed["W"] = place_weights(weights, sources.values(), family=spec.family, dtype=getattr(torch, npu.dtype),
-                                    device=device)
-
-    def size_kv(block_bytes: int) -> int:
-        free, total = mem()
-        return kv_blocks_that_fit(start[0] - free, total, block_bytes, utilization=utilization,
-                                  after_bytes=npu.staging_buffers * save_rows * block_bytes)
-
-    return load_weights, placed, (size_kv if mem is not None else None), sources
 
 
 def npu_rank_engine(spec, weights: dict, *, rank: int, parts, **options) -> Engine:
