@@ -17,9 +17,10 @@ from graphgen.npu.standin import fakes as standin  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 BS = 128
 # (history, new tokens) per sequence: prefill chunks longer than 16 tokens, lengths across blocks; every
-# step's token count even (DP attention's token collectives cut it into tp = 2 equal shards)
-SEQS = {"prefill": [(0, 40), (0, 130)], "splitfuse": [(130, 24), (5, 18)], "decode": [(260, 1), (3, 1)]}
-# the shipped full-size NPU specs: Qwen3-32B tp=2, DeepSeek-V3.1 tp=32, DeepSeek-V3.1 as 16 DP groups x tp=2,
+# step's token count a multiple of 4 (DP attention's token collectives cut it into tp = 4 equal shards)
+SEQS = {"prefill": [(0, 40), (0, 130), (0, 18), (0, 16)], "splitfuse": [(130, 24), (5, 18), (0, 30), (7, 12)],
+        "decode": [(260, 1), (3, 1), (9, 1), (129, 1)]}
+# the shipped full-size NPU specs: Qwen3-32B tp=2, DeepSeek-V3.1 tp=32, DeepSeek-V3.1 as 8 DP groups x tp=4,
 # ep=32, DeepSeek-V3.1 with its MTP layer (one rank)
 MODELS = ["qwen3_32b", "deepseek_v3_1", "deepseek_v3_1_dp_ep", "deepseek_v3_1_mtp"]
 # ... and layouts rendered here, not shipped: Qwen3-32B at tp=2 with sequence parallel (reduce-scatter +
@@ -144,7 +145,7 @@ def test_full_size_module_traces_on_meta(model, variant, fake_group, tmp_path):
     spec, out, _ = _trace(model, variant, fake_group, tmp_path)
     logits = out[0] if spec.mtp is not None else out  # a spec with MTP: (logits, hidden)
     assert logits.device.type == "meta" and logits.dtype == torch.bfloat16
-    assert tuple(logits.shape) == (2, spec.dims.vocab_size)
+    assert tuple(logits.shape) == (4, spec.dims.vocab_size)  # the last position of each of the 4 sequences
 
 
 @pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
@@ -158,7 +159,7 @@ def test_full_size_mtp_graphs_trace_on_meta(step, fake_group, tmp_path):
     seqs = None if k is None else [(260, k + 1), (3, k + 1)]
     spec, (logits, hidden), tokens = _trace("deepseek_v3_1_mtp", variant, fake_group, tmp_path, seqs=seqs,
                                             every_row=k is not None)
-    rows = 2 if k is None else tokens
+    rows = 4 if k is None else tokens  # one row per sequence (4), or every token of a verify step
     assert tuple(logits.shape) == (rows, spec.dims.vocab_size) and logits.device.type == "meta"
     assert tuple(hidden.shape) == (tokens, spec.dims.hidden_size) and hidden.dtype == torch.bfloat16
 

@@ -107,21 +107,27 @@ def test_sp_off_leaves_the_tp_graph_unchanged():
 
 
 def test_dp_ep_layout_fits_64_gib_and_pure_dp_attention_does_not(tmp_path):
+    """The shipped DP layout (8 groups of tp 4) fits a 64 GiB die as validate counts a launch (docs/npu.md,
+    "Full-size launch"); 16 groups of tp 2 do not (their weights alone are 52.9 GiB) and pure DP attention
+    (tp 1) does not: validate exits 2 naming the DP layout that fits."""
     spec = load_spec(REPO / "specs/deepseek_v3_1_dp_ep.yaml")
     par = spec.parallel
-    assert (par.dp, par.tp, par.ep, par.world) == (16, 2, 32, 32)
+    assert (par.dp, par.tp, par.ep, par.world) == (8, 4, 32, 32)
     assert spec.dims.num_attention_heads // par.tp in (8, 16, 32, 64, 128)  # the FIA head set, unpadded
     assert load_spec(REPO / "specs/deepseek_v3_1.yaml").parallel.tp == 32  # the NPU issue's layout stays
-    pure = tmp_path / "pure_dp.yaml"
-    pure.write_text((REPO / "specs/deepseek_v3_1_dp_ep.yaml").read_text()
-                    .replace("  tp: 2\n  dp: 16\n", "  tp: 1\n  dp: 32\n")
-                    .replace("name: deepseek_v3_1_dp_ep", "name: p"))
-    r = run_cli("validate", "--device-memory-gib", "64", "specs/deepseek_v3_1_dp_ep.yaml", str(pure), timeout=300)
+    text = (REPO / "specs/deepseek_v3_1_dp_ep.yaml").read_text()
+    pure, narrow = tmp_path / "pure_dp.yaml", tmp_path / "dp16.yaml"
+    pure.write_text(text.replace("  tp: 4\n  dp: 8\n", "  tp: 1\n  dp: 32\n").replace("name: deepseek_v3_1_dp_ep", "name: p"))
+    narrow.write_text(text.replace("  tp: 4\n  dp: 8\n", "  tp: 2\n  dp: 16\n").replace("name: deepseek_v3_1_dp_ep",
+                                                                                          "name: q"))
+    r = run_cli("validate", "--device-memory-gib", "64", "specs/deepseek_v3_1_dp_ep.yaml", str(pure), str(narrow),
+                timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert ("deepseek_v3_1_dp_ep.yaml: ok" in r.stdout and "per rank (tp=2, ep=32, dp=16): weights 52.73 GiB"
-            in r.stdout and "total 54.88 GiB" in r.stdout), r.stdout
-    assert "pure_dp.yaml: error: per-rank weights 65.34 GiB + KV 256 blocks 2.14 GiB exceed --device-memory-gib" \
-        in r.stderr, r.stderr
+    assert ("deepseek_v3_1_dp_ep.yaml: ok" in r.stdout and "per rank (tp=4, ep=32, dp=8): weights 46.63 GiB"
+            in r.stdout and "total 48.78 GiB" in r.stdout), r.stdout
+    assert "pure_dp.yaml: error: per-rank weights 65.54 GiB + KV 256 blocks 2.14 GiB" in r.stderr, r.stderr
+    assert "dp16.yaml: error: per-rank weights 52.93 GiB + KV 256 blocks 2.14 GiB" in r.stderr, r.stderr
+    assert r.stderr.count("fix: set parallel tp: 4, ep: 32, dp: 8") == 2, r.stderr
 
 
 def test_context_parallel_gathers_every_prefill_kv_part_and_saves_once():

@@ -8,80 +8,80 @@ The pool commit is the engine's (its KV connector puts the staged blocks once HO
 """
 
 GRAPH = 'deepseek_v3_1_dp_ep.mempool_prefill'
-META = {'block_size': 128, 'dp': 16, 'ep': 32, 'family': 'deepseek_v3', 'granularity': 'forward', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 61, 'model': 'deepseek_v3_1_dp_ep', 'phase': 'prefill', 'saves': True, 'spec': 'specs/deepseek_v3_1_dp_ep.yaml', 'tp': 2, 'variant': 'mempool_prefill', 'write': 'async'}
+META = {'block_size': 128, 'dp': 8, 'ep': 32, 'family': 'deepseek_v3', 'granularity': 'forward', 'history': False, 'kv_dtype': 'bfloat16', 'layers': 61, 'model': 'deepseek_v3_1_dp_ep', 'phase': 'prefill', 'saves': True, 'spec': 'specs/deepseek_v3_1_dp_ep.yaml', 'tp': 4, 'variant': 'mempool_prefill', 'write': 'async'}
 EVENTS = ('ev.L60.kv_write', 'ev.save.kv_save')
 HOST_EVENT = 'ev.save.kv_save'
 # Weights built once at load time (graphgen.runtime.core.weights.load_time_weights), read as W[key]: the
 # checkpoint tensors "cat" concatenated along "dim", then t() made contiguous if "transpose01" (dense
 # projections as [in, out]; q/k/v and gate/up merged: one matmul). Their sources are not read by run.
 LOAD_TIME_WEIGHTS = {
-    'graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight[d0/2]', 'model.layers.0.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.1.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.1.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.1.mlp.gate_proj.weight[d0/2]', 'model.layers.1.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.10.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.11.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.12.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.13.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.14.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.15.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.16.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.17.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.18.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.19.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.2.mlp.down_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.2.mlp.down_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/2]+model.layers.2.mlp.up_proj.weight[d0/2]:cat0:t01': {'cat': ('model.layers.2.mlp.gate_proj.weight[d0/2]', 'model.layers.2.mlp.up_proj.weight[d0/2]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.2.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.20.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.21.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.22.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.23.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.24.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.25.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.26.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.27.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.28.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.29.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.3.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.30.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.31.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.32.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.33.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.34.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.35.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.36.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.37.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.38.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.39.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.4.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.40.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.41.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.42.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.43.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.44.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.45.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.46.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.47.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.48.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.49.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.5.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.50.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.51.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.52.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.53.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.54.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.55.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.56.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.57.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.58.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.59.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.6.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.60.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.7.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.8.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
-    'graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/2]:cat0:t01': {'cat': ('model.layers.9.self_attn.o_proj.weight[d1/2]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.down_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.0.mlp.down_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/4]+model.layers.0.mlp.up_proj.weight[d0/4]:cat0:t01': {'cat': ('model.layers.0.mlp.gate_proj.weight[d0/4]', 'model.layers.0.mlp.up_proj.weight[d0/4]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.0.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.down_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.1.mlp.down_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/4]+model.layers.1.mlp.up_proj.weight[d0/4]:cat0:t01': {'cat': ('model.layers.1.mlp.gate_proj.weight[d0/4]', 'model.layers.1.mlp.up_proj.weight[d0/4]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.1.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.10.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.11.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.12.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.13.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.14.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.15.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.16.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.17.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.18.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.19.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.down_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.2.mlp.down_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/4]+model.layers.2.mlp.up_proj.weight[d0/4]:cat0:t01': {'cat': ('model.layers.2.mlp.gate_proj.weight[d0/4]', 'model.layers.2.mlp.up_proj.weight[d0/4]'), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.2.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.20.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.21.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.22.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.23.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.24.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.25.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.26.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.27.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.28.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.29.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.3.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.30.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.31.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.32.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.33.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.34.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.35.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.36.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.37.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.38.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.39.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.4.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.40.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.41.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.42.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.43.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.44.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.45.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.46.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.47.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.48.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.49.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.5.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.50.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.51.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.52.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.53.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.54.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.55.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.56.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.57.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.58.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.59.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.6.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.60.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.7.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.8.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
+    'graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/4]:cat0:t01': {'cat': ('model.layers.9.self_attn.o_proj.weight[d1/4]',), 'dim': 0, 'transpose01': True, 'transpose12': False},
 }
 
 
@@ -97,1465 +97,1465 @@ def run(rt, W, b, kv, staging, loads, ev):
 
     rt.launch('kv_save', kv_save_stream)
 
-    h_embed_partial = rt.embedding_shard(W['model.embed_tokens.weight[d0/2]'], b.input_ids, vocab_size=129280)  # embed
-    h_embed = rt.all_reduce(h_embed_partial, group='tp', size=2, reduce='sum')  # embed.all_reduce
+    h_embed_partial = rt.embedding_shard(W['model.embed_tokens.weight[d0/4]'], b.input_ids, vocab_size=129280)  # embed
+    h_embed = rt.all_reduce(h_embed_partial, group='tp', size=4, reduce='sum')  # embed.all_reduce
     del h_embed_partial
     cos, sin = rt.rope_cos_sin(b.positions, rot_dim=64, theta=10000.0, scaling={'beta_fast': 32.0, 'beta_slow': 1.0, 'factor': 40.0, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 4096, 'type': 'yarn'})  # rope
     x_L00_attn_norm = rt.rms_norm(h_embed, W['model.layers.0.input_layernorm.weight'], 1e-06)  # L00.attn_norm
-    q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = rt.mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
+    q_nope_L00, q_pe_L00, c_kv_L00, k_pe_L00 = rt.mla_prolog(x_L00_attn_norm, W['model.layers.0.self_attn.q_a_proj.weight'], W['model.layers.0.self_attn.q_a_layernorm.weight'], W['model.layers.0.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.0.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.0.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L00.mla_prolog
     del x_L00_attn_norm
     rt.kv_write(kv[0], (c_kv_L00, k_pe_L00), b.slot_mapping)  # L00.kv_write
     del c_kv_L00, k_pe_L00
-    o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L00.attn
+    o_L00 = rt.mla_attention(q_nope_L00, q_pe_L00, kv[0], W['model.layers.0.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L00.attn
     del q_nope_L00, q_pe_L00
-    h_L00_attn_partial = rt.o_proj(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L00.o_proj
+    h_L00_attn_partial = rt.o_proj(o_L00, W['graphgen.load:model.layers.0.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L00.o_proj
     del o_L00
-    h_L00_attn_sum = rt.all_reduce(h_L00_attn_partial, group='tp', size=2, reduce='sum')  # L00.o_proj.all_reduce
+    h_L00_attn_sum = rt.all_reduce(h_L00_attn_partial, group='tp', size=4, reduce='sum')  # L00.o_proj.all_reduce
     del h_L00_attn_partial
     h_L00_attn = rt.residual_add(h_L00_attn_sum, h_embed)  # L00.o_proj.residual
     del h_embed, h_L00_attn_sum
     x_L00_mlp_norm = rt.rms_norm(h_L00_attn, W['model.layers.0.post_attention_layernorm.weight'], 1e-06)  # L00.mlp_norm
-    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/2]+model.layers.0.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L00.mlp
+    h_L00_partial = rt.swiglu_mlp(x_L00_mlp_norm, W['graphgen.load:model.layers.0.mlp.gate_proj.weight[d0/4]+model.layers.0.mlp.up_proj.weight[d0/4]:cat0:t01'], W['graphgen.load:model.layers.0.mlp.down_proj.weight[d1/4]:cat0:t01'])  # L00.mlp
     del x_L00_mlp_norm
-    h_L00_sum = rt.all_reduce(h_L00_partial, group='tp', size=2, reduce='sum')  # L00.mlp.all_reduce
+    h_L00_sum = rt.all_reduce(h_L00_partial, group='tp', size=4, reduce='sum')  # L00.mlp.all_reduce
     del h_L00_partial
     h_L00 = rt.residual_add(h_L00_sum, h_L00_attn)  # L00.mlp.residual
     del h_L00_attn, h_L00_sum
     x_L01_attn_norm = rt.rms_norm(h_L00, W['model.layers.1.input_layernorm.weight'], 1e-06)  # L01.attn_norm
-    q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = rt.mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L01.mla_prolog
+    q_nope_L01, q_pe_L01, c_kv_L01, k_pe_L01 = rt.mla_prolog(x_L01_attn_norm, W['model.layers.1.self_attn.q_a_proj.weight'], W['model.layers.1.self_attn.q_a_layernorm.weight'], W['model.layers.1.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.1.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.1.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L01.mla_prolog
     del x_L01_attn_norm
     rt.kv_write(kv[1], (c_kv_L01, k_pe_L01), b.slot_mapping)  # L01.kv_write
     del c_kv_L01, k_pe_L01
-    o_L01 = rt.mla_attention(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L01.attn
+    o_L01 = rt.mla_attention(q_nope_L01, q_pe_L01, kv[1], W['model.layers.1.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L01.attn
     del q_nope_L01, q_pe_L01
-    h_L01_attn_partial = rt.o_proj(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L01.o_proj
+    h_L01_attn_partial = rt.o_proj(o_L01, W['graphgen.load:model.layers.1.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L01.o_proj
     del o_L01
-    h_L01_attn_sum = rt.all_reduce(h_L01_attn_partial, group='tp', size=2, reduce='sum')  # L01.o_proj.all_reduce
+    h_L01_attn_sum = rt.all_reduce(h_L01_attn_partial, group='tp', size=4, reduce='sum')  # L01.o_proj.all_reduce
     del h_L01_attn_partial
     h_L01_attn = rt.residual_add(h_L01_attn_sum, h_L00)  # L01.o_proj.residual
     del h_L00, h_L01_attn_sum
     x_L01_mlp_norm = rt.rms_norm(h_L01_attn, W['model.layers.1.post_attention_layernorm.weight'], 1e-06)  # L01.mlp_norm
-    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/2]+model.layers.1.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.1.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L01.mlp
+    h_L01_partial = rt.swiglu_mlp(x_L01_mlp_norm, W['graphgen.load:model.layers.1.mlp.gate_proj.weight[d0/4]+model.layers.1.mlp.up_proj.weight[d0/4]:cat0:t01'], W['graphgen.load:model.layers.1.mlp.down_proj.weight[d1/4]:cat0:t01'])  # L01.mlp
     del x_L01_mlp_norm
-    h_L01_sum = rt.all_reduce(h_L01_partial, group='tp', size=2, reduce='sum')  # L01.mlp.all_reduce
+    h_L01_sum = rt.all_reduce(h_L01_partial, group='tp', size=4, reduce='sum')  # L01.mlp.all_reduce
     del h_L01_partial
     h_L01 = rt.residual_add(h_L01_sum, h_L01_attn)  # L01.mlp.residual
     del h_L01_attn, h_L01_sum
     x_L02_attn_norm = rt.rms_norm(h_L01, W['model.layers.2.input_layernorm.weight'], 1e-06)  # L02.attn_norm
-    q_nope_L02, q_pe_L02, c_kv_L02, k_pe_L02 = rt.mla_prolog(x_L02_attn_norm, W['model.layers.2.self_attn.q_a_proj.weight'], W['model.layers.2.self_attn.q_a_layernorm.weight'], W['model.layers.2.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.2.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.2.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L02.mla_prolog
+    q_nope_L02, q_pe_L02, c_kv_L02, k_pe_L02 = rt.mla_prolog(x_L02_attn_norm, W['model.layers.2.self_attn.q_a_proj.weight'], W['model.layers.2.self_attn.q_a_layernorm.weight'], W['model.layers.2.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.2.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.2.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L02.mla_prolog
     del x_L02_attn_norm
     rt.kv_write(kv[2], (c_kv_L02, k_pe_L02), b.slot_mapping)  # L02.kv_write
     del c_kv_L02, k_pe_L02
-    o_L02 = rt.mla_attention(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L02.attn
+    o_L02 = rt.mla_attention(q_nope_L02, q_pe_L02, kv[2], W['model.layers.2.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L02.attn
     del q_nope_L02, q_pe_L02
-    h_L02_attn_partial = rt.o_proj(o_L02, W['graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L02.o_proj
+    h_L02_attn_partial = rt.o_proj(o_L02, W['graphgen.load:model.layers.2.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L02.o_proj
     del o_L02
-    h_L02_attn_sum = rt.all_reduce(h_L02_attn_partial, group='tp', size=2, reduce='sum')  # L02.o_proj.all_reduce
+    h_L02_attn_sum = rt.all_reduce(h_L02_attn_partial, group='tp', size=4, reduce='sum')  # L02.o_proj.all_reduce
     del h_L02_attn_partial
     h_L02_attn = rt.residual_add(h_L02_attn_sum, h_L01)  # L02.o_proj.residual
     del h_L01, h_L02_attn_sum
     x_L02_mlp_norm = rt.rms_norm(h_L02_attn, W['model.layers.2.post_attention_layernorm.weight'], 1e-06)  # L02.mlp_norm
-    h_L02_partial = rt.swiglu_mlp(x_L02_mlp_norm, W['graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/2]+model.layers.2.mlp.up_proj.weight[d0/2]:cat0:t01'], W['graphgen.load:model.layers.2.mlp.down_proj.weight[d1/2]:cat0:t01'])  # L02.mlp
+    h_L02_partial = rt.swiglu_mlp(x_L02_mlp_norm, W['graphgen.load:model.layers.2.mlp.gate_proj.weight[d0/4]+model.layers.2.mlp.up_proj.weight[d0/4]:cat0:t01'], W['graphgen.load:model.layers.2.mlp.down_proj.weight[d1/4]:cat0:t01'])  # L02.mlp
     del x_L02_mlp_norm
-    h_L02_sum = rt.all_reduce(h_L02_partial, group='tp', size=2, reduce='sum')  # L02.mlp.all_reduce
+    h_L02_sum = rt.all_reduce(h_L02_partial, group='tp', size=4, reduce='sum')  # L02.mlp.all_reduce
     del h_L02_partial
     h_L02 = rt.residual_add(h_L02_sum, h_L02_attn)  # L02.mlp.residual
     del h_L02_attn, h_L02_sum
     x_L03_attn_norm = rt.rms_norm(h_L02, W['model.layers.3.input_layernorm.weight'], 1e-06)  # L03.attn_norm
-    q_nope_L03, q_pe_L03, c_kv_L03, k_pe_L03 = rt.mla_prolog(x_L03_attn_norm, W['model.layers.3.self_attn.q_a_proj.weight'], W['model.layers.3.self_attn.q_a_layernorm.weight'], W['model.layers.3.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.3.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.3.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L03.mla_prolog
+    q_nope_L03, q_pe_L03, c_kv_L03, k_pe_L03 = rt.mla_prolog(x_L03_attn_norm, W['model.layers.3.self_attn.q_a_proj.weight'], W['model.layers.3.self_attn.q_a_layernorm.weight'], W['model.layers.3.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.3.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.3.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L03.mla_prolog
     del x_L03_attn_norm
     rt.kv_write(kv[3], (c_kv_L03, k_pe_L03), b.slot_mapping)  # L03.kv_write
     del c_kv_L03, k_pe_L03
-    o_L03 = rt.mla_attention(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L03.attn
+    o_L03 = rt.mla_attention(q_nope_L03, q_pe_L03, kv[3], W['model.layers.3.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L03.attn
     del q_nope_L03, q_pe_L03
-    h_L03_attn_partial = rt.o_proj(o_L03, W['graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L03.o_proj
+    h_L03_attn_partial = rt.o_proj(o_L03, W['graphgen.load:model.layers.3.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L03.o_proj
     del o_L03
-    h_L03_attn_sum = rt.all_reduce(h_L03_attn_partial, group='tp', size=2, reduce='sum')  # L03.o_proj.all_reduce
+    h_L03_attn_sum = rt.all_reduce(h_L03_attn_partial, group='tp', size=4, reduce='sum')  # L03.o_proj.all_reduce
     del h_L03_attn_partial
     h_L03_attn = rt.residual_add(h_L03_attn_sum, h_L02)  # L03.o_proj.residual
     del h_L02, h_L03_attn_sum
     x_L03_mlp_norm = rt.rms_norm(h_L03_attn, W['model.layers.3.post_attention_layernorm.weight'], 1e-06)  # L03.mlp_norm
-    h_L03_dp_tokens = rt.all_gather(x_L03_mlp_norm, group='dp', size=16, dim=0, length=None)  # L03.moe.dp_gather
+    h_L03_dp_tokens = rt.all_gather(x_L03_mlp_norm, group='dp', size=8, dim=0, length=None)  # L03.moe.dp_gather
     del x_L03_mlp_norm
     h_L03_partial = rt.moe(h_L03_dp_tokens, W['model.layers.3.mlp.gate.weight'], W['model.layers.3.mlp.gate.e_score_correction_bias'], W['model.layers.3.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.3.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.3.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.3.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.3.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.3.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L03.moe
     del h_L03_dp_tokens
     h_L03_tp_tokens = rt.reduce_scatter(h_L03_partial, group='ep', size=32, reduce='sum', dim=0)  # L03.moe.reduce_scatter
     del h_L03_partial
-    h_L03_sum = rt.all_gather(h_L03_tp_tokens, group='tp', size=2, dim=0, length=None)  # L03.moe.tp_gather
+    h_L03_sum = rt.all_gather(h_L03_tp_tokens, group='tp', size=4, dim=0, length=None)  # L03.moe.tp_gather
     del h_L03_tp_tokens
     h_L03 = rt.residual_add(h_L03_sum, h_L03_attn)  # L03.moe.residual
     del h_L03_attn, h_L03_sum
     x_L04_attn_norm = rt.rms_norm(h_L03, W['model.layers.4.input_layernorm.weight'], 1e-06)  # L04.attn_norm
-    q_nope_L04, q_pe_L04, c_kv_L04, k_pe_L04 = rt.mla_prolog(x_L04_attn_norm, W['model.layers.4.self_attn.q_a_proj.weight'], W['model.layers.4.self_attn.q_a_layernorm.weight'], W['model.layers.4.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.4.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.4.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L04.mla_prolog
+    q_nope_L04, q_pe_L04, c_kv_L04, k_pe_L04 = rt.mla_prolog(x_L04_attn_norm, W['model.layers.4.self_attn.q_a_proj.weight'], W['model.layers.4.self_attn.q_a_layernorm.weight'], W['model.layers.4.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.4.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.4.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L04.mla_prolog
     del x_L04_attn_norm
     rt.kv_write(kv[4], (c_kv_L04, k_pe_L04), b.slot_mapping)  # L04.kv_write
     del c_kv_L04, k_pe_L04
-    o_L04 = rt.mla_attention(q_nope_L04, q_pe_L04, kv[4], W['model.layers.4.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L04.attn
+    o_L04 = rt.mla_attention(q_nope_L04, q_pe_L04, kv[4], W['model.layers.4.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L04.attn
     del q_nope_L04, q_pe_L04
-    h_L04_attn_partial = rt.o_proj(o_L04, W['graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L04.o_proj
+    h_L04_attn_partial = rt.o_proj(o_L04, W['graphgen.load:model.layers.4.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L04.o_proj
     del o_L04
-    h_L04_attn_sum = rt.all_reduce(h_L04_attn_partial, group='tp', size=2, reduce='sum')  # L04.o_proj.all_reduce
+    h_L04_attn_sum = rt.all_reduce(h_L04_attn_partial, group='tp', size=4, reduce='sum')  # L04.o_proj.all_reduce
     del h_L04_attn_partial
     h_L04_attn = rt.residual_add(h_L04_attn_sum, h_L03)  # L04.o_proj.residual
     del h_L03, h_L04_attn_sum
     x_L04_mlp_norm = rt.rms_norm(h_L04_attn, W['model.layers.4.post_attention_layernorm.weight'], 1e-06)  # L04.mlp_norm
-    h_L04_dp_tokens = rt.all_gather(x_L04_mlp_norm, group='dp', size=16, dim=0, length=None)  # L04.moe.dp_gather
+    h_L04_dp_tokens = rt.all_gather(x_L04_mlp_norm, group='dp', size=8, dim=0, length=None)  # L04.moe.dp_gather
     del x_L04_mlp_norm
     h_L04_partial = rt.moe(h_L04_dp_tokens, W['model.layers.4.mlp.gate.weight'], W['model.layers.4.mlp.gate.e_score_correction_bias'], W['model.layers.4.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.4.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.4.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.4.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.4.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.4.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L04.moe
     del h_L04_dp_tokens
     h_L04_tp_tokens = rt.reduce_scatter(h_L04_partial, group='ep', size=32, reduce='sum', dim=0)  # L04.moe.reduce_scatter
     del h_L04_partial
-    h_L04_sum = rt.all_gather(h_L04_tp_tokens, group='tp', size=2, dim=0, length=None)  # L04.moe.tp_gather
+    h_L04_sum = rt.all_gather(h_L04_tp_tokens, group='tp', size=4, dim=0, length=None)  # L04.moe.tp_gather
     del h_L04_tp_tokens
     h_L04 = rt.residual_add(h_L04_sum, h_L04_attn)  # L04.moe.residual
     del h_L04_attn, h_L04_sum
     x_L05_attn_norm = rt.rms_norm(h_L04, W['model.layers.5.input_layernorm.weight'], 1e-06)  # L05.attn_norm
-    q_nope_L05, q_pe_L05, c_kv_L05, k_pe_L05 = rt.mla_prolog(x_L05_attn_norm, W['model.layers.5.self_attn.q_a_proj.weight'], W['model.layers.5.self_attn.q_a_layernorm.weight'], W['model.layers.5.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.5.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.5.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L05.mla_prolog
+    q_nope_L05, q_pe_L05, c_kv_L05, k_pe_L05 = rt.mla_prolog(x_L05_attn_norm, W['model.layers.5.self_attn.q_a_proj.weight'], W['model.layers.5.self_attn.q_a_layernorm.weight'], W['model.layers.5.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.5.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.5.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L05.mla_prolog
     del x_L05_attn_norm
     rt.kv_write(kv[5], (c_kv_L05, k_pe_L05), b.slot_mapping)  # L05.kv_write
     del c_kv_L05, k_pe_L05
-    o_L05 = rt.mla_attention(q_nope_L05, q_pe_L05, kv[5], W['model.layers.5.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L05.attn
+    o_L05 = rt.mla_attention(q_nope_L05, q_pe_L05, kv[5], W['model.layers.5.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L05.attn
     del q_nope_L05, q_pe_L05
-    h_L05_attn_partial = rt.o_proj(o_L05, W['graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L05.o_proj
+    h_L05_attn_partial = rt.o_proj(o_L05, W['graphgen.load:model.layers.5.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L05.o_proj
     del o_L05
-    h_L05_attn_sum = rt.all_reduce(h_L05_attn_partial, group='tp', size=2, reduce='sum')  # L05.o_proj.all_reduce
+    h_L05_attn_sum = rt.all_reduce(h_L05_attn_partial, group='tp', size=4, reduce='sum')  # L05.o_proj.all_reduce
     del h_L05_attn_partial
     h_L05_attn = rt.residual_add(h_L05_attn_sum, h_L04)  # L05.o_proj.residual
     del h_L04, h_L05_attn_sum
     x_L05_mlp_norm = rt.rms_norm(h_L05_attn, W['model.layers.5.post_attention_layernorm.weight'], 1e-06)  # L05.mlp_norm
-    h_L05_dp_tokens = rt.all_gather(x_L05_mlp_norm, group='dp', size=16, dim=0, length=None)  # L05.moe.dp_gather
+    h_L05_dp_tokens = rt.all_gather(x_L05_mlp_norm, group='dp', size=8, dim=0, length=None)  # L05.moe.dp_gather
     del x_L05_mlp_norm
     h_L05_partial = rt.moe(h_L05_dp_tokens, W['model.layers.5.mlp.gate.weight'], W['model.layers.5.mlp.gate.e_score_correction_bias'], W['model.layers.5.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.5.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.5.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.5.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.5.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.5.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L05.moe
     del h_L05_dp_tokens
     h_L05_tp_tokens = rt.reduce_scatter(h_L05_partial, group='ep', size=32, reduce='sum', dim=0)  # L05.moe.reduce_scatter
     del h_L05_partial
-    h_L05_sum = rt.all_gather(h_L05_tp_tokens, group='tp', size=2, dim=0, length=None)  # L05.moe.tp_gather
+    h_L05_sum = rt.all_gather(h_L05_tp_tokens, group='tp', size=4, dim=0, length=None)  # L05.moe.tp_gather
     del h_L05_tp_tokens
     h_L05 = rt.residual_add(h_L05_sum, h_L05_attn)  # L05.moe.residual
     del h_L05_attn, h_L05_sum
     x_L06_attn_norm = rt.rms_norm(h_L05, W['model.layers.6.input_layernorm.weight'], 1e-06)  # L06.attn_norm
-    q_nope_L06, q_pe_L06, c_kv_L06, k_pe_L06 = rt.mla_prolog(x_L06_attn_norm, W['model.layers.6.self_attn.q_a_proj.weight'], W['model.layers.6.self_attn.q_a_layernorm.weight'], W['model.layers.6.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.6.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.6.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L06.mla_prolog
+    q_nope_L06, q_pe_L06, c_kv_L06, k_pe_L06 = rt.mla_prolog(x_L06_attn_norm, W['model.layers.6.self_attn.q_a_proj.weight'], W['model.layers.6.self_attn.q_a_layernorm.weight'], W['model.layers.6.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.6.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.6.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L06.mla_prolog
     del x_L06_attn_norm
     rt.kv_write(kv[6], (c_kv_L06, k_pe_L06), b.slot_mapping)  # L06.kv_write
     del c_kv_L06, k_pe_L06
-    o_L06 = rt.mla_attention(q_nope_L06, q_pe_L06, kv[6], W['model.layers.6.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L06.attn
+    o_L06 = rt.mla_attention(q_nope_L06, q_pe_L06, kv[6], W['model.layers.6.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L06.attn
     del q_nope_L06, q_pe_L06
-    h_L06_attn_partial = rt.o_proj(o_L06, W['graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L06.o_proj
+    h_L06_attn_partial = rt.o_proj(o_L06, W['graphgen.load:model.layers.6.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L06.o_proj
     del o_L06
-    h_L06_attn_sum = rt.all_reduce(h_L06_attn_partial, group='tp', size=2, reduce='sum')  # L06.o_proj.all_reduce
+    h_L06_attn_sum = rt.all_reduce(h_L06_attn_partial, group='tp', size=4, reduce='sum')  # L06.o_proj.all_reduce
     del h_L06_attn_partial
     h_L06_attn = rt.residual_add(h_L06_attn_sum, h_L05)  # L06.o_proj.residual
     del h_L05, h_L06_attn_sum
     x_L06_mlp_norm = rt.rms_norm(h_L06_attn, W['model.layers.6.post_attention_layernorm.weight'], 1e-06)  # L06.mlp_norm
-    h_L06_dp_tokens = rt.all_gather(x_L06_mlp_norm, group='dp', size=16, dim=0, length=None)  # L06.moe.dp_gather
+    h_L06_dp_tokens = rt.all_gather(x_L06_mlp_norm, group='dp', size=8, dim=0, length=None)  # L06.moe.dp_gather
     del x_L06_mlp_norm
     h_L06_partial = rt.moe(h_L06_dp_tokens, W['model.layers.6.mlp.gate.weight'], W['model.layers.6.mlp.gate.e_score_correction_bias'], W['model.layers.6.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.6.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.6.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.6.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.6.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.6.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L06.moe
     del h_L06_dp_tokens
     h_L06_tp_tokens = rt.reduce_scatter(h_L06_partial, group='ep', size=32, reduce='sum', dim=0)  # L06.moe.reduce_scatter
     del h_L06_partial
-    h_L06_sum = rt.all_gather(h_L06_tp_tokens, group='tp', size=2, dim=0, length=None)  # L06.moe.tp_gather
+    h_L06_sum = rt.all_gather(h_L06_tp_tokens, group='tp', size=4, dim=0, length=None)  # L06.moe.tp_gather
     del h_L06_tp_tokens
     h_L06 = rt.residual_add(h_L06_sum, h_L06_attn)  # L06.moe.residual
     del h_L06_attn, h_L06_sum
     x_L07_attn_norm = rt.rms_norm(h_L06, W['model.layers.7.input_layernorm.weight'], 1e-06)  # L07.attn_norm
-    q_nope_L07, q_pe_L07, c_kv_L07, k_pe_L07 = rt.mla_prolog(x_L07_attn_norm, W['model.layers.7.self_attn.q_a_proj.weight'], W['model.layers.7.self_attn.q_a_layernorm.weight'], W['model.layers.7.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.7.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.7.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L07.mla_prolog
+    q_nope_L07, q_pe_L07, c_kv_L07, k_pe_L07 = rt.mla_prolog(x_L07_attn_norm, W['model.layers.7.self_attn.q_a_proj.weight'], W['model.layers.7.self_attn.q_a_layernorm.weight'], W['model.layers.7.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.7.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.7.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L07.mla_prolog
     del x_L07_attn_norm
     rt.kv_write(kv[7], (c_kv_L07, k_pe_L07), b.slot_mapping)  # L07.kv_write
     del c_kv_L07, k_pe_L07
-    o_L07 = rt.mla_attention(q_nope_L07, q_pe_L07, kv[7], W['model.layers.7.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L07.attn
+    o_L07 = rt.mla_attention(q_nope_L07, q_pe_L07, kv[7], W['model.layers.7.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L07.attn
     del q_nope_L07, q_pe_L07
-    h_L07_attn_partial = rt.o_proj(o_L07, W['graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L07.o_proj
+    h_L07_attn_partial = rt.o_proj(o_L07, W['graphgen.load:model.layers.7.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L07.o_proj
     del o_L07
-    h_L07_attn_sum = rt.all_reduce(h_L07_attn_partial, group='tp', size=2, reduce='sum')  # L07.o_proj.all_reduce
+    h_L07_attn_sum = rt.all_reduce(h_L07_attn_partial, group='tp', size=4, reduce='sum')  # L07.o_proj.all_reduce
     del h_L07_attn_partial
     h_L07_attn = rt.residual_add(h_L07_attn_sum, h_L06)  # L07.o_proj.residual
     del h_L06, h_L07_attn_sum
     x_L07_mlp_norm = rt.rms_norm(h_L07_attn, W['model.layers.7.post_attention_layernorm.weight'], 1e-06)  # L07.mlp_norm
-    h_L07_dp_tokens = rt.all_gather(x_L07_mlp_norm, group='dp', size=16, dim=0, length=None)  # L07.moe.dp_gather
+    h_L07_dp_tokens = rt.all_gather(x_L07_mlp_norm, group='dp', size=8, dim=0, length=None)  # L07.moe.dp_gather
     del x_L07_mlp_norm
     h_L07_partial = rt.moe(h_L07_dp_tokens, W['model.layers.7.mlp.gate.weight'], W['model.layers.7.mlp.gate.e_score_correction_bias'], W['model.layers.7.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.7.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.7.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.7.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.7.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.7.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L07.moe
     del h_L07_dp_tokens
     h_L07_tp_tokens = rt.reduce_scatter(h_L07_partial, group='ep', size=32, reduce='sum', dim=0)  # L07.moe.reduce_scatter
     del h_L07_partial
-    h_L07_sum = rt.all_gather(h_L07_tp_tokens, group='tp', size=2, dim=0, length=None)  # L07.moe.tp_gather
+    h_L07_sum = rt.all_gather(h_L07_tp_tokens, group='tp', size=4, dim=0, length=None)  # L07.moe.tp_gather
     del h_L07_tp_tokens
     h_L07 = rt.residual_add(h_L07_sum, h_L07_attn)  # L07.moe.residual
     del h_L07_attn, h_L07_sum
     x_L08_attn_norm = rt.rms_norm(h_L07, W['model.layers.8.input_layernorm.weight'], 1e-06)  # L08.attn_norm
-    q_nope_L08, q_pe_L08, c_kv_L08, k_pe_L08 = rt.mla_prolog(x_L08_attn_norm, W['model.layers.8.self_attn.q_a_proj.weight'], W['model.layers.8.self_attn.q_a_layernorm.weight'], W['model.layers.8.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.8.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.8.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L08.mla_prolog
+    q_nope_L08, q_pe_L08, c_kv_L08, k_pe_L08 = rt.mla_prolog(x_L08_attn_norm, W['model.layers.8.self_attn.q_a_proj.weight'], W['model.layers.8.self_attn.q_a_layernorm.weight'], W['model.layers.8.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.8.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.8.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L08.mla_prolog
     del x_L08_attn_norm
     rt.kv_write(kv[8], (c_kv_L08, k_pe_L08), b.slot_mapping)  # L08.kv_write
     del c_kv_L08, k_pe_L08
-    o_L08 = rt.mla_attention(q_nope_L08, q_pe_L08, kv[8], W['model.layers.8.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L08.attn
+    o_L08 = rt.mla_attention(q_nope_L08, q_pe_L08, kv[8], W['model.layers.8.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L08.attn
     del q_nope_L08, q_pe_L08
-    h_L08_attn_partial = rt.o_proj(o_L08, W['graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L08.o_proj
+    h_L08_attn_partial = rt.o_proj(o_L08, W['graphgen.load:model.layers.8.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L08.o_proj
     del o_L08
-    h_L08_attn_sum = rt.all_reduce(h_L08_attn_partial, group='tp', size=2, reduce='sum')  # L08.o_proj.all_reduce
+    h_L08_attn_sum = rt.all_reduce(h_L08_attn_partial, group='tp', size=4, reduce='sum')  # L08.o_proj.all_reduce
     del h_L08_attn_partial
     h_L08_attn = rt.residual_add(h_L08_attn_sum, h_L07)  # L08.o_proj.residual
     del h_L07, h_L08_attn_sum
     x_L08_mlp_norm = rt.rms_norm(h_L08_attn, W['model.layers.8.post_attention_layernorm.weight'], 1e-06)  # L08.mlp_norm
-    h_L08_dp_tokens = rt.all_gather(x_L08_mlp_norm, group='dp', size=16, dim=0, length=None)  # L08.moe.dp_gather
+    h_L08_dp_tokens = rt.all_gather(x_L08_mlp_norm, group='dp', size=8, dim=0, length=None)  # L08.moe.dp_gather
     del x_L08_mlp_norm
     h_L08_partial = rt.moe(h_L08_dp_tokens, W['model.layers.8.mlp.gate.weight'], W['model.layers.8.mlp.gate.e_score_correction_bias'], W['model.layers.8.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.8.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.8.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.8.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.8.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.8.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L08.moe
     del h_L08_dp_tokens
     h_L08_tp_tokens = rt.reduce_scatter(h_L08_partial, group='ep', size=32, reduce='sum', dim=0)  # L08.moe.reduce_scatter
     del h_L08_partial
-    h_L08_sum = rt.all_gather(h_L08_tp_tokens, group='tp', size=2, dim=0, length=None)  # L08.moe.tp_gather
+    h_L08_sum = rt.all_gather(h_L08_tp_tokens, group='tp', size=4, dim=0, length=None)  # L08.moe.tp_gather
     del h_L08_tp_tokens
     h_L08 = rt.residual_add(h_L08_sum, h_L08_attn)  # L08.moe.residual
     del h_L08_attn, h_L08_sum
     x_L09_attn_norm = rt.rms_norm(h_L08, W['model.layers.9.input_layernorm.weight'], 1e-06)  # L09.attn_norm
-    q_nope_L09, q_pe_L09, c_kv_L09, k_pe_L09 = rt.mla_prolog(x_L09_attn_norm, W['model.layers.9.self_attn.q_a_proj.weight'], W['model.layers.9.self_attn.q_a_layernorm.weight'], W['model.layers.9.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.9.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.9.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L09.mla_prolog
+    q_nope_L09, q_pe_L09, c_kv_L09, k_pe_L09 = rt.mla_prolog(x_L09_attn_norm, W['model.layers.9.self_attn.q_a_proj.weight'], W['model.layers.9.self_attn.q_a_layernorm.weight'], W['model.layers.9.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.9.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.9.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L09.mla_prolog
     del x_L09_attn_norm
     rt.kv_write(kv[9], (c_kv_L09, k_pe_L09), b.slot_mapping)  # L09.kv_write
     del c_kv_L09, k_pe_L09
-    o_L09 = rt.mla_attention(q_nope_L09, q_pe_L09, kv[9], W['model.layers.9.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L09.attn
+    o_L09 = rt.mla_attention(q_nope_L09, q_pe_L09, kv[9], W['model.layers.9.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L09.attn
     del q_nope_L09, q_pe_L09
-    h_L09_attn_partial = rt.o_proj(o_L09, W['graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L09.o_proj
+    h_L09_attn_partial = rt.o_proj(o_L09, W['graphgen.load:model.layers.9.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L09.o_proj
     del o_L09
-    h_L09_attn_sum = rt.all_reduce(h_L09_attn_partial, group='tp', size=2, reduce='sum')  # L09.o_proj.all_reduce
+    h_L09_attn_sum = rt.all_reduce(h_L09_attn_partial, group='tp', size=4, reduce='sum')  # L09.o_proj.all_reduce
     del h_L09_attn_partial
     h_L09_attn = rt.residual_add(h_L09_attn_sum, h_L08)  # L09.o_proj.residual
     del h_L08, h_L09_attn_sum
     x_L09_mlp_norm = rt.rms_norm(h_L09_attn, W['model.layers.9.post_attention_layernorm.weight'], 1e-06)  # L09.mlp_norm
-    h_L09_dp_tokens = rt.all_gather(x_L09_mlp_norm, group='dp', size=16, dim=0, length=None)  # L09.moe.dp_gather
+    h_L09_dp_tokens = rt.all_gather(x_L09_mlp_norm, group='dp', size=8, dim=0, length=None)  # L09.moe.dp_gather
     del x_L09_mlp_norm
     h_L09_partial = rt.moe(h_L09_dp_tokens, W['model.layers.9.mlp.gate.weight'], W['model.layers.9.mlp.gate.e_score_correction_bias'], W['model.layers.9.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.9.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.9.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.9.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.9.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.9.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L09.moe
     del h_L09_dp_tokens
     h_L09_tp_tokens = rt.reduce_scatter(h_L09_partial, group='ep', size=32, reduce='sum', dim=0)  # L09.moe.reduce_scatter
     del h_L09_partial
-    h_L09_sum = rt.all_gather(h_L09_tp_tokens, group='tp', size=2, dim=0, length=None)  # L09.moe.tp_gather
+    h_L09_sum = rt.all_gather(h_L09_tp_tokens, group='tp', size=4, dim=0, length=None)  # L09.moe.tp_gather
     del h_L09_tp_tokens
     h_L09 = rt.residual_add(h_L09_sum, h_L09_attn)  # L09.moe.residual
     del h_L09_attn, h_L09_sum
     x_L10_attn_norm = rt.rms_norm(h_L09, W['model.layers.10.input_layernorm.weight'], 1e-06)  # L10.attn_norm
-    q_nope_L10, q_pe_L10, c_kv_L10, k_pe_L10 = rt.mla_prolog(x_L10_attn_norm, W['model.layers.10.self_attn.q_a_proj.weight'], W['model.layers.10.self_attn.q_a_layernorm.weight'], W['model.layers.10.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.10.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.10.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L10.mla_prolog
+    q_nope_L10, q_pe_L10, c_kv_L10, k_pe_L10 = rt.mla_prolog(x_L10_attn_norm, W['model.layers.10.self_attn.q_a_proj.weight'], W['model.layers.10.self_attn.q_a_layernorm.weight'], W['model.layers.10.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.10.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.10.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L10.mla_prolog
     del x_L10_attn_norm
     rt.kv_write(kv[10], (c_kv_L10, k_pe_L10), b.slot_mapping)  # L10.kv_write
     del c_kv_L10, k_pe_L10
-    o_L10 = rt.mla_attention(q_nope_L10, q_pe_L10, kv[10], W['model.layers.10.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L10.attn
+    o_L10 = rt.mla_attention(q_nope_L10, q_pe_L10, kv[10], W['model.layers.10.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L10.attn
     del q_nope_L10, q_pe_L10
-    h_L10_attn_partial = rt.o_proj(o_L10, W['graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L10.o_proj
+    h_L10_attn_partial = rt.o_proj(o_L10, W['graphgen.load:model.layers.10.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L10.o_proj
     del o_L10
-    h_L10_attn_sum = rt.all_reduce(h_L10_attn_partial, group='tp', size=2, reduce='sum')  # L10.o_proj.all_reduce
+    h_L10_attn_sum = rt.all_reduce(h_L10_attn_partial, group='tp', size=4, reduce='sum')  # L10.o_proj.all_reduce
     del h_L10_attn_partial
     h_L10_attn = rt.residual_add(h_L10_attn_sum, h_L09)  # L10.o_proj.residual
     del h_L09, h_L10_attn_sum
     x_L10_mlp_norm = rt.rms_norm(h_L10_attn, W['model.layers.10.post_attention_layernorm.weight'], 1e-06)  # L10.mlp_norm
-    h_L10_dp_tokens = rt.all_gather(x_L10_mlp_norm, group='dp', size=16, dim=0, length=None)  # L10.moe.dp_gather
+    h_L10_dp_tokens = rt.all_gather(x_L10_mlp_norm, group='dp', size=8, dim=0, length=None)  # L10.moe.dp_gather
     del x_L10_mlp_norm
     h_L10_partial = rt.moe(h_L10_dp_tokens, W['model.layers.10.mlp.gate.weight'], W['model.layers.10.mlp.gate.e_score_correction_bias'], W['model.layers.10.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.10.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.10.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.10.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.10.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.10.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L10.moe
     del h_L10_dp_tokens
     h_L10_tp_tokens = rt.reduce_scatter(h_L10_partial, group='ep', size=32, reduce='sum', dim=0)  # L10.moe.reduce_scatter
     del h_L10_partial
-    h_L10_sum = rt.all_gather(h_L10_tp_tokens, group='tp', size=2, dim=0, length=None)  # L10.moe.tp_gather
+    h_L10_sum = rt.all_gather(h_L10_tp_tokens, group='tp', size=4, dim=0, length=None)  # L10.moe.tp_gather
     del h_L10_tp_tokens
     h_L10 = rt.residual_add(h_L10_sum, h_L10_attn)  # L10.moe.residual
     del h_L10_attn, h_L10_sum
     x_L11_attn_norm = rt.rms_norm(h_L10, W['model.layers.11.input_layernorm.weight'], 1e-06)  # L11.attn_norm
-    q_nope_L11, q_pe_L11, c_kv_L11, k_pe_L11 = rt.mla_prolog(x_L11_attn_norm, W['model.layers.11.self_attn.q_a_proj.weight'], W['model.layers.11.self_attn.q_a_layernorm.weight'], W['model.layers.11.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.11.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.11.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L11.mla_prolog
+    q_nope_L11, q_pe_L11, c_kv_L11, k_pe_L11 = rt.mla_prolog(x_L11_attn_norm, W['model.layers.11.self_attn.q_a_proj.weight'], W['model.layers.11.self_attn.q_a_layernorm.weight'], W['model.layers.11.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.11.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.11.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L11.mla_prolog
     del x_L11_attn_norm
     rt.kv_write(kv[11], (c_kv_L11, k_pe_L11), b.slot_mapping)  # L11.kv_write
     del c_kv_L11, k_pe_L11
-    o_L11 = rt.mla_attention(q_nope_L11, q_pe_L11, kv[11], W['model.layers.11.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L11.attn
+    o_L11 = rt.mla_attention(q_nope_L11, q_pe_L11, kv[11], W['model.layers.11.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L11.attn
     del q_nope_L11, q_pe_L11
-    h_L11_attn_partial = rt.o_proj(o_L11, W['graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L11.o_proj
+    h_L11_attn_partial = rt.o_proj(o_L11, W['graphgen.load:model.layers.11.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L11.o_proj
     del o_L11
-    h_L11_attn_sum = rt.all_reduce(h_L11_attn_partial, group='tp', size=2, reduce='sum')  # L11.o_proj.all_reduce
+    h_L11_attn_sum = rt.all_reduce(h_L11_attn_partial, group='tp', size=4, reduce='sum')  # L11.o_proj.all_reduce
     del h_L11_attn_partial
     h_L11_attn = rt.residual_add(h_L11_attn_sum, h_L10)  # L11.o_proj.residual
     del h_L10, h_L11_attn_sum
     x_L11_mlp_norm = rt.rms_norm(h_L11_attn, W['model.layers.11.post_attention_layernorm.weight'], 1e-06)  # L11.mlp_norm
-    h_L11_dp_tokens = rt.all_gather(x_L11_mlp_norm, group='dp', size=16, dim=0, length=None)  # L11.moe.dp_gather
+    h_L11_dp_tokens = rt.all_gather(x_L11_mlp_norm, group='dp', size=8, dim=0, length=None)  # L11.moe.dp_gather
     del x_L11_mlp_norm
     h_L11_partial = rt.moe(h_L11_dp_tokens, W['model.layers.11.mlp.gate.weight'], W['model.layers.11.mlp.gate.e_score_correction_bias'], W['model.layers.11.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.11.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.11.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.11.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.11.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.11.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L11.moe
     del h_L11_dp_tokens
     h_L11_tp_tokens = rt.reduce_scatter(h_L11_partial, group='ep', size=32, reduce='sum', dim=0)  # L11.moe.reduce_scatter
     del h_L11_partial
-    h_L11_sum = rt.all_gather(h_L11_tp_tokens, group='tp', size=2, dim=0, length=None)  # L11.moe.tp_gather
+    h_L11_sum = rt.all_gather(h_L11_tp_tokens, group='tp', size=4, dim=0, length=None)  # L11.moe.tp_gather
     del h_L11_tp_tokens
     h_L11 = rt.residual_add(h_L11_sum, h_L11_attn)  # L11.moe.residual
     del h_L11_attn, h_L11_sum
     x_L12_attn_norm = rt.rms_norm(h_L11, W['model.layers.12.input_layernorm.weight'], 1e-06)  # L12.attn_norm
-    q_nope_L12, q_pe_L12, c_kv_L12, k_pe_L12 = rt.mla_prolog(x_L12_attn_norm, W['model.layers.12.self_attn.q_a_proj.weight'], W['model.layers.12.self_attn.q_a_layernorm.weight'], W['model.layers.12.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.12.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.12.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L12.mla_prolog
+    q_nope_L12, q_pe_L12, c_kv_L12, k_pe_L12 = rt.mla_prolog(x_L12_attn_norm, W['model.layers.12.self_attn.q_a_proj.weight'], W['model.layers.12.self_attn.q_a_layernorm.weight'], W['model.layers.12.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.12.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.12.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L12.mla_prolog
     del x_L12_attn_norm
     rt.kv_write(kv[12], (c_kv_L12, k_pe_L12), b.slot_mapping)  # L12.kv_write
     del c_kv_L12, k_pe_L12
-    o_L12 = rt.mla_attention(q_nope_L12, q_pe_L12, kv[12], W['model.layers.12.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L12.attn
+    o_L12 = rt.mla_attention(q_nope_L12, q_pe_L12, kv[12], W['model.layers.12.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L12.attn
     del q_nope_L12, q_pe_L12
-    h_L12_attn_partial = rt.o_proj(o_L12, W['graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L12.o_proj
+    h_L12_attn_partial = rt.o_proj(o_L12, W['graphgen.load:model.layers.12.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L12.o_proj
     del o_L12
-    h_L12_attn_sum = rt.all_reduce(h_L12_attn_partial, group='tp', size=2, reduce='sum')  # L12.o_proj.all_reduce
+    h_L12_attn_sum = rt.all_reduce(h_L12_attn_partial, group='tp', size=4, reduce='sum')  # L12.o_proj.all_reduce
     del h_L12_attn_partial
     h_L12_attn = rt.residual_add(h_L12_attn_sum, h_L11)  # L12.o_proj.residual
     del h_L11, h_L12_attn_sum
     x_L12_mlp_norm = rt.rms_norm(h_L12_attn, W['model.layers.12.post_attention_layernorm.weight'], 1e-06)  # L12.mlp_norm
-    h_L12_dp_tokens = rt.all_gather(x_L12_mlp_norm, group='dp', size=16, dim=0, length=None)  # L12.moe.dp_gather
+    h_L12_dp_tokens = rt.all_gather(x_L12_mlp_norm, group='dp', size=8, dim=0, length=None)  # L12.moe.dp_gather
     del x_L12_mlp_norm
     h_L12_partial = rt.moe(h_L12_dp_tokens, W['model.layers.12.mlp.gate.weight'], W['model.layers.12.mlp.gate.e_score_correction_bias'], W['model.layers.12.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.12.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.12.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.12.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.12.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.12.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L12.moe
     del h_L12_dp_tokens
     h_L12_tp_tokens = rt.reduce_scatter(h_L12_partial, group='ep', size=32, reduce='sum', dim=0)  # L12.moe.reduce_scatter
     del h_L12_partial
-    h_L12_sum = rt.all_gather(h_L12_tp_tokens, group='tp', size=2, dim=0, length=None)  # L12.moe.tp_gather
+    h_L12_sum = rt.all_gather(h_L12_tp_tokens, group='tp', size=4, dim=0, length=None)  # L12.moe.tp_gather
     del h_L12_tp_tokens
     h_L12 = rt.residual_add(h_L12_sum, h_L12_attn)  # L12.moe.residual
     del h_L12_attn, h_L12_sum
     x_L13_attn_norm = rt.rms_norm(h_L12, W['model.layers.13.input_layernorm.weight'], 1e-06)  # L13.attn_norm
-    q_nope_L13, q_pe_L13, c_kv_L13, k_pe_L13 = rt.mla_prolog(x_L13_attn_norm, W['model.layers.13.self_attn.q_a_proj.weight'], W['model.layers.13.self_attn.q_a_layernorm.weight'], W['model.layers.13.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.13.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.13.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L13.mla_prolog
+    q_nope_L13, q_pe_L13, c_kv_L13, k_pe_L13 = rt.mla_prolog(x_L13_attn_norm, W['model.layers.13.self_attn.q_a_proj.weight'], W['model.layers.13.self_attn.q_a_layernorm.weight'], W['model.layers.13.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.13.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.13.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L13.mla_prolog
     del x_L13_attn_norm
     rt.kv_write(kv[13], (c_kv_L13, k_pe_L13), b.slot_mapping)  # L13.kv_write
     del c_kv_L13, k_pe_L13
-    o_L13 = rt.mla_attention(q_nope_L13, q_pe_L13, kv[13], W['model.layers.13.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L13.attn
+    o_L13 = rt.mla_attention(q_nope_L13, q_pe_L13, kv[13], W['model.layers.13.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L13.attn
     del q_nope_L13, q_pe_L13
-    h_L13_attn_partial = rt.o_proj(o_L13, W['graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L13.o_proj
+    h_L13_attn_partial = rt.o_proj(o_L13, W['graphgen.load:model.layers.13.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L13.o_proj
     del o_L13
-    h_L13_attn_sum = rt.all_reduce(h_L13_attn_partial, group='tp', size=2, reduce='sum')  # L13.o_proj.all_reduce
+    h_L13_attn_sum = rt.all_reduce(h_L13_attn_partial, group='tp', size=4, reduce='sum')  # L13.o_proj.all_reduce
     del h_L13_attn_partial
     h_L13_attn = rt.residual_add(h_L13_attn_sum, h_L12)  # L13.o_proj.residual
     del h_L12, h_L13_attn_sum
     x_L13_mlp_norm = rt.rms_norm(h_L13_attn, W['model.layers.13.post_attention_layernorm.weight'], 1e-06)  # L13.mlp_norm
-    h_L13_dp_tokens = rt.all_gather(x_L13_mlp_norm, group='dp', size=16, dim=0, length=None)  # L13.moe.dp_gather
+    h_L13_dp_tokens = rt.all_gather(x_L13_mlp_norm, group='dp', size=8, dim=0, length=None)  # L13.moe.dp_gather
     del x_L13_mlp_norm
     h_L13_partial = rt.moe(h_L13_dp_tokens, W['model.layers.13.mlp.gate.weight'], W['model.layers.13.mlp.gate.e_score_correction_bias'], W['model.layers.13.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.13.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.13.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.13.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.13.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.13.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L13.moe
     del h_L13_dp_tokens
     h_L13_tp_tokens = rt.reduce_scatter(h_L13_partial, group='ep', size=32, reduce='sum', dim=0)  # L13.moe.reduce_scatter
     del h_L13_partial
-    h_L13_sum = rt.all_gather(h_L13_tp_tokens, group='tp', size=2, dim=0, length=None)  # L13.moe.tp_gather
+    h_L13_sum = rt.all_gather(h_L13_tp_tokens, group='tp', size=4, dim=0, length=None)  # L13.moe.tp_gather
     del h_L13_tp_tokens
     h_L13 = rt.residual_add(h_L13_sum, h_L13_attn)  # L13.moe.residual
     del h_L13_attn, h_L13_sum
     x_L14_attn_norm = rt.rms_norm(h_L13, W['model.layers.14.input_layernorm.weight'], 1e-06)  # L14.attn_norm
-    q_nope_L14, q_pe_L14, c_kv_L14, k_pe_L14 = rt.mla_prolog(x_L14_attn_norm, W['model.layers.14.self_attn.q_a_proj.weight'], W['model.layers.14.self_attn.q_a_layernorm.weight'], W['model.layers.14.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.14.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.14.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L14.mla_prolog
+    q_nope_L14, q_pe_L14, c_kv_L14, k_pe_L14 = rt.mla_prolog(x_L14_attn_norm, W['model.layers.14.self_attn.q_a_proj.weight'], W['model.layers.14.self_attn.q_a_layernorm.weight'], W['model.layers.14.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.14.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.14.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L14.mla_prolog
     del x_L14_attn_norm
     rt.kv_write(kv[14], (c_kv_L14, k_pe_L14), b.slot_mapping)  # L14.kv_write
     del c_kv_L14, k_pe_L14
-    o_L14 = rt.mla_attention(q_nope_L14, q_pe_L14, kv[14], W['model.layers.14.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L14.attn
+    o_L14 = rt.mla_attention(q_nope_L14, q_pe_L14, kv[14], W['model.layers.14.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L14.attn
     del q_nope_L14, q_pe_L14
-    h_L14_attn_partial = rt.o_proj(o_L14, W['graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L14.o_proj
+    h_L14_attn_partial = rt.o_proj(o_L14, W['graphgen.load:model.layers.14.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L14.o_proj
     del o_L14
-    h_L14_attn_sum = rt.all_reduce(h_L14_attn_partial, group='tp', size=2, reduce='sum')  # L14.o_proj.all_reduce
+    h_L14_attn_sum = rt.all_reduce(h_L14_attn_partial, group='tp', size=4, reduce='sum')  # L14.o_proj.all_reduce
     del h_L14_attn_partial
     h_L14_attn = rt.residual_add(h_L14_attn_sum, h_L13)  # L14.o_proj.residual
     del h_L13, h_L14_attn_sum
     x_L14_mlp_norm = rt.rms_norm(h_L14_attn, W['model.layers.14.post_attention_layernorm.weight'], 1e-06)  # L14.mlp_norm
-    h_L14_dp_tokens = rt.all_gather(x_L14_mlp_norm, group='dp', size=16, dim=0, length=None)  # L14.moe.dp_gather
+    h_L14_dp_tokens = rt.all_gather(x_L14_mlp_norm, group='dp', size=8, dim=0, length=None)  # L14.moe.dp_gather
     del x_L14_mlp_norm
     h_L14_partial = rt.moe(h_L14_dp_tokens, W['model.layers.14.mlp.gate.weight'], W['model.layers.14.mlp.gate.e_score_correction_bias'], W['model.layers.14.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.14.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.14.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.14.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.14.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.14.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L14.moe
     del h_L14_dp_tokens
     h_L14_tp_tokens = rt.reduce_scatter(h_L14_partial, group='ep', size=32, reduce='sum', dim=0)  # L14.moe.reduce_scatter
     del h_L14_partial
-    h_L14_sum = rt.all_gather(h_L14_tp_tokens, group='tp', size=2, dim=0, length=None)  # L14.moe.tp_gather
+    h_L14_sum = rt.all_gather(h_L14_tp_tokens, group='tp', size=4, dim=0, length=None)  # L14.moe.tp_gather
     del h_L14_tp_tokens
     h_L14 = rt.residual_add(h_L14_sum, h_L14_attn)  # L14.moe.residual
     del h_L14_attn, h_L14_sum
     x_L15_attn_norm = rt.rms_norm(h_L14, W['model.layers.15.input_layernorm.weight'], 1e-06)  # L15.attn_norm
-    q_nope_L15, q_pe_L15, c_kv_L15, k_pe_L15 = rt.mla_prolog(x_L15_attn_norm, W['model.layers.15.self_attn.q_a_proj.weight'], W['model.layers.15.self_attn.q_a_layernorm.weight'], W['model.layers.15.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.15.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.15.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L15.mla_prolog
+    q_nope_L15, q_pe_L15, c_kv_L15, k_pe_L15 = rt.mla_prolog(x_L15_attn_norm, W['model.layers.15.self_attn.q_a_proj.weight'], W['model.layers.15.self_attn.q_a_layernorm.weight'], W['model.layers.15.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.15.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.15.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L15.mla_prolog
     del x_L15_attn_norm
     rt.kv_write(kv[15], (c_kv_L15, k_pe_L15), b.slot_mapping)  # L15.kv_write
     del c_kv_L15, k_pe_L15
-    o_L15 = rt.mla_attention(q_nope_L15, q_pe_L15, kv[15], W['model.layers.15.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L15.attn
+    o_L15 = rt.mla_attention(q_nope_L15, q_pe_L15, kv[15], W['model.layers.15.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L15.attn
     del q_nope_L15, q_pe_L15
-    h_L15_attn_partial = rt.o_proj(o_L15, W['graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L15.o_proj
+    h_L15_attn_partial = rt.o_proj(o_L15, W['graphgen.load:model.layers.15.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L15.o_proj
     del o_L15
-    h_L15_attn_sum = rt.all_reduce(h_L15_attn_partial, group='tp', size=2, reduce='sum')  # L15.o_proj.all_reduce
+    h_L15_attn_sum = rt.all_reduce(h_L15_attn_partial, group='tp', size=4, reduce='sum')  # L15.o_proj.all_reduce
     del h_L15_attn_partial
     h_L15_attn = rt.residual_add(h_L15_attn_sum, h_L14)  # L15.o_proj.residual
     del h_L14, h_L15_attn_sum
     x_L15_mlp_norm = rt.rms_norm(h_L15_attn, W['model.layers.15.post_attention_layernorm.weight'], 1e-06)  # L15.mlp_norm
-    h_L15_dp_tokens = rt.all_gather(x_L15_mlp_norm, group='dp', size=16, dim=0, length=None)  # L15.moe.dp_gather
+    h_L15_dp_tokens = rt.all_gather(x_L15_mlp_norm, group='dp', size=8, dim=0, length=None)  # L15.moe.dp_gather
     del x_L15_mlp_norm
     h_L15_partial = rt.moe(h_L15_dp_tokens, W['model.layers.15.mlp.gate.weight'], W['model.layers.15.mlp.gate.e_score_correction_bias'], W['model.layers.15.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.15.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.15.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.15.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.15.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.15.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L15.moe
     del h_L15_dp_tokens
     h_L15_tp_tokens = rt.reduce_scatter(h_L15_partial, group='ep', size=32, reduce='sum', dim=0)  # L15.moe.reduce_scatter
     del h_L15_partial
-    h_L15_sum = rt.all_gather(h_L15_tp_tokens, group='tp', size=2, dim=0, length=None)  # L15.moe.tp_gather
+    h_L15_sum = rt.all_gather(h_L15_tp_tokens, group='tp', size=4, dim=0, length=None)  # L15.moe.tp_gather
     del h_L15_tp_tokens
     h_L15 = rt.residual_add(h_L15_sum, h_L15_attn)  # L15.moe.residual
     del h_L15_attn, h_L15_sum
     x_L16_attn_norm = rt.rms_norm(h_L15, W['model.layers.16.input_layernorm.weight'], 1e-06)  # L16.attn_norm
-    q_nope_L16, q_pe_L16, c_kv_L16, k_pe_L16 = rt.mla_prolog(x_L16_attn_norm, W['model.layers.16.self_attn.q_a_proj.weight'], W['model.layers.16.self_attn.q_a_layernorm.weight'], W['model.layers.16.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.16.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.16.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L16.mla_prolog
+    q_nope_L16, q_pe_L16, c_kv_L16, k_pe_L16 = rt.mla_prolog(x_L16_attn_norm, W['model.layers.16.self_attn.q_a_proj.weight'], W['model.layers.16.self_attn.q_a_layernorm.weight'], W['model.layers.16.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.16.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.16.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L16.mla_prolog
     del x_L16_attn_norm
     rt.kv_write(kv[16], (c_kv_L16, k_pe_L16), b.slot_mapping)  # L16.kv_write
     del c_kv_L16, k_pe_L16
-    o_L16 = rt.mla_attention(q_nope_L16, q_pe_L16, kv[16], W['model.layers.16.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L16.attn
+    o_L16 = rt.mla_attention(q_nope_L16, q_pe_L16, kv[16], W['model.layers.16.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L16.attn
     del q_nope_L16, q_pe_L16
-    h_L16_attn_partial = rt.o_proj(o_L16, W['graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L16.o_proj
+    h_L16_attn_partial = rt.o_proj(o_L16, W['graphgen.load:model.layers.16.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L16.o_proj
     del o_L16
-    h_L16_attn_sum = rt.all_reduce(h_L16_attn_partial, group='tp', size=2, reduce='sum')  # L16.o_proj.all_reduce
+    h_L16_attn_sum = rt.all_reduce(h_L16_attn_partial, group='tp', size=4, reduce='sum')  # L16.o_proj.all_reduce
     del h_L16_attn_partial
     h_L16_attn = rt.residual_add(h_L16_attn_sum, h_L15)  # L16.o_proj.residual
     del h_L15, h_L16_attn_sum
     x_L16_mlp_norm = rt.rms_norm(h_L16_attn, W['model.layers.16.post_attention_layernorm.weight'], 1e-06)  # L16.mlp_norm
-    h_L16_dp_tokens = rt.all_gather(x_L16_mlp_norm, group='dp', size=16, dim=0, length=None)  # L16.moe.dp_gather
+    h_L16_dp_tokens = rt.all_gather(x_L16_mlp_norm, group='dp', size=8, dim=0, length=None)  # L16.moe.dp_gather
     del x_L16_mlp_norm
     h_L16_partial = rt.moe(h_L16_dp_tokens, W['model.layers.16.mlp.gate.weight'], W['model.layers.16.mlp.gate.e_score_correction_bias'], W['model.layers.16.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.16.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.16.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.16.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.16.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.16.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L16.moe
     del h_L16_dp_tokens
     h_L16_tp_tokens = rt.reduce_scatter(h_L16_partial, group='ep', size=32, reduce='sum', dim=0)  # L16.moe.reduce_scatter
     del h_L16_partial
-    h_L16_sum = rt.all_gather(h_L16_tp_tokens, group='tp', size=2, dim=0, length=None)  # L16.moe.tp_gather
+    h_L16_sum = rt.all_gather(h_L16_tp_tokens, group='tp', size=4, dim=0, length=None)  # L16.moe.tp_gather
     del h_L16_tp_tokens
     h_L16 = rt.residual_add(h_L16_sum, h_L16_attn)  # L16.moe.residual
     del h_L16_attn, h_L16_sum
     x_L17_attn_norm = rt.rms_norm(h_L16, W['model.layers.17.input_layernorm.weight'], 1e-06)  # L17.attn_norm
-    q_nope_L17, q_pe_L17, c_kv_L17, k_pe_L17 = rt.mla_prolog(x_L17_attn_norm, W['model.layers.17.self_attn.q_a_proj.weight'], W['model.layers.17.self_attn.q_a_layernorm.weight'], W['model.layers.17.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.17.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.17.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L17.mla_prolog
+    q_nope_L17, q_pe_L17, c_kv_L17, k_pe_L17 = rt.mla_prolog(x_L17_attn_norm, W['model.layers.17.self_attn.q_a_proj.weight'], W['model.layers.17.self_attn.q_a_layernorm.weight'], W['model.layers.17.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.17.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.17.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L17.mla_prolog
     del x_L17_attn_norm
     rt.kv_write(kv[17], (c_kv_L17, k_pe_L17), b.slot_mapping)  # L17.kv_write
     del c_kv_L17, k_pe_L17
-    o_L17 = rt.mla_attention(q_nope_L17, q_pe_L17, kv[17], W['model.layers.17.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L17.attn
+    o_L17 = rt.mla_attention(q_nope_L17, q_pe_L17, kv[17], W['model.layers.17.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L17.attn
     del q_nope_L17, q_pe_L17
-    h_L17_attn_partial = rt.o_proj(o_L17, W['graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L17.o_proj
+    h_L17_attn_partial = rt.o_proj(o_L17, W['graphgen.load:model.layers.17.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L17.o_proj
     del o_L17
-    h_L17_attn_sum = rt.all_reduce(h_L17_attn_partial, group='tp', size=2, reduce='sum')  # L17.o_proj.all_reduce
+    h_L17_attn_sum = rt.all_reduce(h_L17_attn_partial, group='tp', size=4, reduce='sum')  # L17.o_proj.all_reduce
     del h_L17_attn_partial
     h_L17_attn = rt.residual_add(h_L17_attn_sum, h_L16)  # L17.o_proj.residual
     del h_L16, h_L17_attn_sum
     x_L17_mlp_norm = rt.rms_norm(h_L17_attn, W['model.layers.17.post_attention_layernorm.weight'], 1e-06)  # L17.mlp_norm
-    h_L17_dp_tokens = rt.all_gather(x_L17_mlp_norm, group='dp', size=16, dim=0, length=None)  # L17.moe.dp_gather
+    h_L17_dp_tokens = rt.all_gather(x_L17_mlp_norm, group='dp', size=8, dim=0, length=None)  # L17.moe.dp_gather
     del x_L17_mlp_norm
     h_L17_partial = rt.moe(h_L17_dp_tokens, W['model.layers.17.mlp.gate.weight'], W['model.layers.17.mlp.gate.e_score_correction_bias'], W['model.layers.17.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.17.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.17.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.17.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.17.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.17.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L17.moe
     del h_L17_dp_tokens
     h_L17_tp_tokens = rt.reduce_scatter(h_L17_partial, group='ep', size=32, reduce='sum', dim=0)  # L17.moe.reduce_scatter
     del h_L17_partial
-    h_L17_sum = rt.all_gather(h_L17_tp_tokens, group='tp', size=2, dim=0, length=None)  # L17.moe.tp_gather
+    h_L17_sum = rt.all_gather(h_L17_tp_tokens, group='tp', size=4, dim=0, length=None)  # L17.moe.tp_gather
     del h_L17_tp_tokens
     h_L17 = rt.residual_add(h_L17_sum, h_L17_attn)  # L17.moe.residual
     del h_L17_attn, h_L17_sum
     x_L18_attn_norm = rt.rms_norm(h_L17, W['model.layers.18.input_layernorm.weight'], 1e-06)  # L18.attn_norm
-    q_nope_L18, q_pe_L18, c_kv_L18, k_pe_L18 = rt.mla_prolog(x_L18_attn_norm, W['model.layers.18.self_attn.q_a_proj.weight'], W['model.layers.18.self_attn.q_a_layernorm.weight'], W['model.layers.18.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.18.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.18.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L18.mla_prolog
+    q_nope_L18, q_pe_L18, c_kv_L18, k_pe_L18 = rt.mla_prolog(x_L18_attn_norm, W['model.layers.18.self_attn.q_a_proj.weight'], W['model.layers.18.self_attn.q_a_layernorm.weight'], W['model.layers.18.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.18.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.18.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L18.mla_prolog
     del x_L18_attn_norm
     rt.kv_write(kv[18], (c_kv_L18, k_pe_L18), b.slot_mapping)  # L18.kv_write
     del c_kv_L18, k_pe_L18
-    o_L18 = rt.mla_attention(q_nope_L18, q_pe_L18, kv[18], W['model.layers.18.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L18.attn
+    o_L18 = rt.mla_attention(q_nope_L18, q_pe_L18, kv[18], W['model.layers.18.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L18.attn
     del q_nope_L18, q_pe_L18
-    h_L18_attn_partial = rt.o_proj(o_L18, W['graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L18.o_proj
+    h_L18_attn_partial = rt.o_proj(o_L18, W['graphgen.load:model.layers.18.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L18.o_proj
     del o_L18
-    h_L18_attn_sum = rt.all_reduce(h_L18_attn_partial, group='tp', size=2, reduce='sum')  # L18.o_proj.all_reduce
+    h_L18_attn_sum = rt.all_reduce(h_L18_attn_partial, group='tp', size=4, reduce='sum')  # L18.o_proj.all_reduce
     del h_L18_attn_partial
     h_L18_attn = rt.residual_add(h_L18_attn_sum, h_L17)  # L18.o_proj.residual
     del h_L17, h_L18_attn_sum
     x_L18_mlp_norm = rt.rms_norm(h_L18_attn, W['model.layers.18.post_attention_layernorm.weight'], 1e-06)  # L18.mlp_norm
-    h_L18_dp_tokens = rt.all_gather(x_L18_mlp_norm, group='dp', size=16, dim=0, length=None)  # L18.moe.dp_gather
+    h_L18_dp_tokens = rt.all_gather(x_L18_mlp_norm, group='dp', size=8, dim=0, length=None)  # L18.moe.dp_gather
     del x_L18_mlp_norm
     h_L18_partial = rt.moe(h_L18_dp_tokens, W['model.layers.18.mlp.gate.weight'], W['model.layers.18.mlp.gate.e_score_correction_bias'], W['model.layers.18.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.18.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.18.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.18.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.18.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.18.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L18.moe
     del h_L18_dp_tokens
     h_L18_tp_tokens = rt.reduce_scatter(h_L18_partial, group='ep', size=32, reduce='sum', dim=0)  # L18.moe.reduce_scatter
     del h_L18_partial
-    h_L18_sum = rt.all_gather(h_L18_tp_tokens, group='tp', size=2, dim=0, length=None)  # L18.moe.tp_gather
+    h_L18_sum = rt.all_gather(h_L18_tp_tokens, group='tp', size=4, dim=0, length=None)  # L18.moe.tp_gather
     del h_L18_tp_tokens
     h_L18 = rt.residual_add(h_L18_sum, h_L18_attn)  # L18.moe.residual
     del h_L18_attn, h_L18_sum
     x_L19_attn_norm = rt.rms_norm(h_L18, W['model.layers.19.input_layernorm.weight'], 1e-06)  # L19.attn_norm
-    q_nope_L19, q_pe_L19, c_kv_L19, k_pe_L19 = rt.mla_prolog(x_L19_attn_norm, W['model.layers.19.self_attn.q_a_proj.weight'], W['model.layers.19.self_attn.q_a_layernorm.weight'], W['model.layers.19.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.19.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.19.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L19.mla_prolog
+    q_nope_L19, q_pe_L19, c_kv_L19, k_pe_L19 = rt.mla_prolog(x_L19_attn_norm, W['model.layers.19.self_attn.q_a_proj.weight'], W['model.layers.19.self_attn.q_a_layernorm.weight'], W['model.layers.19.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.19.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.19.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L19.mla_prolog
     del x_L19_attn_norm
     rt.kv_write(kv[19], (c_kv_L19, k_pe_L19), b.slot_mapping)  # L19.kv_write
     del c_kv_L19, k_pe_L19
-    o_L19 = rt.mla_attention(q_nope_L19, q_pe_L19, kv[19], W['model.layers.19.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L19.attn
+    o_L19 = rt.mla_attention(q_nope_L19, q_pe_L19, kv[19], W['model.layers.19.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L19.attn
     del q_nope_L19, q_pe_L19
-    h_L19_attn_partial = rt.o_proj(o_L19, W['graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L19.o_proj
+    h_L19_attn_partial = rt.o_proj(o_L19, W['graphgen.load:model.layers.19.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L19.o_proj
     del o_L19
-    h_L19_attn_sum = rt.all_reduce(h_L19_attn_partial, group='tp', size=2, reduce='sum')  # L19.o_proj.all_reduce
+    h_L19_attn_sum = rt.all_reduce(h_L19_attn_partial, group='tp', size=4, reduce='sum')  # L19.o_proj.all_reduce
     del h_L19_attn_partial
     h_L19_attn = rt.residual_add(h_L19_attn_sum, h_L18)  # L19.o_proj.residual
     del h_L18, h_L19_attn_sum
     x_L19_mlp_norm = rt.rms_norm(h_L19_attn, W['model.layers.19.post_attention_layernorm.weight'], 1e-06)  # L19.mlp_norm
-    h_L19_dp_tokens = rt.all_gather(x_L19_mlp_norm, group='dp', size=16, dim=0, length=None)  # L19.moe.dp_gather
+    h_L19_dp_tokens = rt.all_gather(x_L19_mlp_norm, group='dp', size=8, dim=0, length=None)  # L19.moe.dp_gather
     del x_L19_mlp_norm
     h_L19_partial = rt.moe(h_L19_dp_tokens, W['model.layers.19.mlp.gate.weight'], W['model.layers.19.mlp.gate.e_score_correction_bias'], W['model.layers.19.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.19.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.19.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.19.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.19.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.19.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L19.moe
     del h_L19_dp_tokens
     h_L19_tp_tokens = rt.reduce_scatter(h_L19_partial, group='ep', size=32, reduce='sum', dim=0)  # L19.moe.reduce_scatter
     del h_L19_partial
-    h_L19_sum = rt.all_gather(h_L19_tp_tokens, group='tp', size=2, dim=0, length=None)  # L19.moe.tp_gather
+    h_L19_sum = rt.all_gather(h_L19_tp_tokens, group='tp', size=4, dim=0, length=None)  # L19.moe.tp_gather
     del h_L19_tp_tokens
     h_L19 = rt.residual_add(h_L19_sum, h_L19_attn)  # L19.moe.residual
     del h_L19_attn, h_L19_sum
     x_L20_attn_norm = rt.rms_norm(h_L19, W['model.layers.20.input_layernorm.weight'], 1e-06)  # L20.attn_norm
-    q_nope_L20, q_pe_L20, c_kv_L20, k_pe_L20 = rt.mla_prolog(x_L20_attn_norm, W['model.layers.20.self_attn.q_a_proj.weight'], W['model.layers.20.self_attn.q_a_layernorm.weight'], W['model.layers.20.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.20.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.20.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L20.mla_prolog
+    q_nope_L20, q_pe_L20, c_kv_L20, k_pe_L20 = rt.mla_prolog(x_L20_attn_norm, W['model.layers.20.self_attn.q_a_proj.weight'], W['model.layers.20.self_attn.q_a_layernorm.weight'], W['model.layers.20.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.20.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.20.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L20.mla_prolog
     del x_L20_attn_norm
     rt.kv_write(kv[20], (c_kv_L20, k_pe_L20), b.slot_mapping)  # L20.kv_write
     del c_kv_L20, k_pe_L20
-    o_L20 = rt.mla_attention(q_nope_L20, q_pe_L20, kv[20], W['model.layers.20.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L20.attn
+    o_L20 = rt.mla_attention(q_nope_L20, q_pe_L20, kv[20], W['model.layers.20.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L20.attn
     del q_nope_L20, q_pe_L20
-    h_L20_attn_partial = rt.o_proj(o_L20, W['graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L20.o_proj
+    h_L20_attn_partial = rt.o_proj(o_L20, W['graphgen.load:model.layers.20.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L20.o_proj
     del o_L20
-    h_L20_attn_sum = rt.all_reduce(h_L20_attn_partial, group='tp', size=2, reduce='sum')  # L20.o_proj.all_reduce
+    h_L20_attn_sum = rt.all_reduce(h_L20_attn_partial, group='tp', size=4, reduce='sum')  # L20.o_proj.all_reduce
     del h_L20_attn_partial
     h_L20_attn = rt.residual_add(h_L20_attn_sum, h_L19)  # L20.o_proj.residual
     del h_L19, h_L20_attn_sum
     x_L20_mlp_norm = rt.rms_norm(h_L20_attn, W['model.layers.20.post_attention_layernorm.weight'], 1e-06)  # L20.mlp_norm
-    h_L20_dp_tokens = rt.all_gather(x_L20_mlp_norm, group='dp', size=16, dim=0, length=None)  # L20.moe.dp_gather
+    h_L20_dp_tokens = rt.all_gather(x_L20_mlp_norm, group='dp', size=8, dim=0, length=None)  # L20.moe.dp_gather
     del x_L20_mlp_norm
     h_L20_partial = rt.moe(h_L20_dp_tokens, W['model.layers.20.mlp.gate.weight'], W['model.layers.20.mlp.gate.e_score_correction_bias'], W['model.layers.20.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.20.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.20.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.20.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.20.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.20.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L20.moe
     del h_L20_dp_tokens
     h_L20_tp_tokens = rt.reduce_scatter(h_L20_partial, group='ep', size=32, reduce='sum', dim=0)  # L20.moe.reduce_scatter
     del h_L20_partial
-    h_L20_sum = rt.all_gather(h_L20_tp_tokens, group='tp', size=2, dim=0, length=None)  # L20.moe.tp_gather
+    h_L20_sum = rt.all_gather(h_L20_tp_tokens, group='tp', size=4, dim=0, length=None)  # L20.moe.tp_gather
     del h_L20_tp_tokens
     h_L20 = rt.residual_add(h_L20_sum, h_L20_attn)  # L20.moe.residual
     del h_L20_attn, h_L20_sum
     x_L21_attn_norm = rt.rms_norm(h_L20, W['model.layers.21.input_layernorm.weight'], 1e-06)  # L21.attn_norm
-    q_nope_L21, q_pe_L21, c_kv_L21, k_pe_L21 = rt.mla_prolog(x_L21_attn_norm, W['model.layers.21.self_attn.q_a_proj.weight'], W['model.layers.21.self_attn.q_a_layernorm.weight'], W['model.layers.21.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.21.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.21.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L21.mla_prolog
+    q_nope_L21, q_pe_L21, c_kv_L21, k_pe_L21 = rt.mla_prolog(x_L21_attn_norm, W['model.layers.21.self_attn.q_a_proj.weight'], W['model.layers.21.self_attn.q_a_layernorm.weight'], W['model.layers.21.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.21.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.21.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L21.mla_prolog
     del x_L21_attn_norm
     rt.kv_write(kv[21], (c_kv_L21, k_pe_L21), b.slot_mapping)  # L21.kv_write
     del c_kv_L21, k_pe_L21
-    o_L21 = rt.mla_attention(q_nope_L21, q_pe_L21, kv[21], W['model.layers.21.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L21.attn
+    o_L21 = rt.mla_attention(q_nope_L21, q_pe_L21, kv[21], W['model.layers.21.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L21.attn
     del q_nope_L21, q_pe_L21
-    h_L21_attn_partial = rt.o_proj(o_L21, W['graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L21.o_proj
+    h_L21_attn_partial = rt.o_proj(o_L21, W['graphgen.load:model.layers.21.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L21.o_proj
     del o_L21
-    h_L21_attn_sum = rt.all_reduce(h_L21_attn_partial, group='tp', size=2, reduce='sum')  # L21.o_proj.all_reduce
+    h_L21_attn_sum = rt.all_reduce(h_L21_attn_partial, group='tp', size=4, reduce='sum')  # L21.o_proj.all_reduce
     del h_L21_attn_partial
     h_L21_attn = rt.residual_add(h_L21_attn_sum, h_L20)  # L21.o_proj.residual
     del h_L20, h_L21_attn_sum
     x_L21_mlp_norm = rt.rms_norm(h_L21_attn, W['model.layers.21.post_attention_layernorm.weight'], 1e-06)  # L21.mlp_norm
-    h_L21_dp_tokens = rt.all_gather(x_L21_mlp_norm, group='dp', size=16, dim=0, length=None)  # L21.moe.dp_gather
+    h_L21_dp_tokens = rt.all_gather(x_L21_mlp_norm, group='dp', size=8, dim=0, length=None)  # L21.moe.dp_gather
     del x_L21_mlp_norm
     h_L21_partial = rt.moe(h_L21_dp_tokens, W['model.layers.21.mlp.gate.weight'], W['model.layers.21.mlp.gate.e_score_correction_bias'], W['model.layers.21.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.21.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.21.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.21.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.21.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.21.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L21.moe
     del h_L21_dp_tokens
     h_L21_tp_tokens = rt.reduce_scatter(h_L21_partial, group='ep', size=32, reduce='sum', dim=0)  # L21.moe.reduce_scatter
     del h_L21_partial
-    h_L21_sum = rt.all_gather(h_L21_tp_tokens, group='tp', size=2, dim=0, length=None)  # L21.moe.tp_gather
+    h_L21_sum = rt.all_gather(h_L21_tp_tokens, group='tp', size=4, dim=0, length=None)  # L21.moe.tp_gather
     del h_L21_tp_tokens
     h_L21 = rt.residual_add(h_L21_sum, h_L21_attn)  # L21.moe.residual
     del h_L21_attn, h_L21_sum
     x_L22_attn_norm = rt.rms_norm(h_L21, W['model.layers.22.input_layernorm.weight'], 1e-06)  # L22.attn_norm
-    q_nope_L22, q_pe_L22, c_kv_L22, k_pe_L22 = rt.mla_prolog(x_L22_attn_norm, W['model.layers.22.self_attn.q_a_proj.weight'], W['model.layers.22.self_attn.q_a_layernorm.weight'], W['model.layers.22.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.22.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.22.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L22.mla_prolog
+    q_nope_L22, q_pe_L22, c_kv_L22, k_pe_L22 = rt.mla_prolog(x_L22_attn_norm, W['model.layers.22.self_attn.q_a_proj.weight'], W['model.layers.22.self_attn.q_a_layernorm.weight'], W['model.layers.22.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.22.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.22.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L22.mla_prolog
     del x_L22_attn_norm
     rt.kv_write(kv[22], (c_kv_L22, k_pe_L22), b.slot_mapping)  # L22.kv_write
     del c_kv_L22, k_pe_L22
-    o_L22 = rt.mla_attention(q_nope_L22, q_pe_L22, kv[22], W['model.layers.22.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L22.attn
+    o_L22 = rt.mla_attention(q_nope_L22, q_pe_L22, kv[22], W['model.layers.22.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L22.attn
     del q_nope_L22, q_pe_L22
-    h_L22_attn_partial = rt.o_proj(o_L22, W['graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L22.o_proj
+    h_L22_attn_partial = rt.o_proj(o_L22, W['graphgen.load:model.layers.22.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L22.o_proj
     del o_L22
-    h_L22_attn_sum = rt.all_reduce(h_L22_attn_partial, group='tp', size=2, reduce='sum')  # L22.o_proj.all_reduce
+    h_L22_attn_sum = rt.all_reduce(h_L22_attn_partial, group='tp', size=4, reduce='sum')  # L22.o_proj.all_reduce
     del h_L22_attn_partial
     h_L22_attn = rt.residual_add(h_L22_attn_sum, h_L21)  # L22.o_proj.residual
     del h_L21, h_L22_attn_sum
     x_L22_mlp_norm = rt.rms_norm(h_L22_attn, W['model.layers.22.post_attention_layernorm.weight'], 1e-06)  # L22.mlp_norm
-    h_L22_dp_tokens = rt.all_gather(x_L22_mlp_norm, group='dp', size=16, dim=0, length=None)  # L22.moe.dp_gather
+    h_L22_dp_tokens = rt.all_gather(x_L22_mlp_norm, group='dp', size=8, dim=0, length=None)  # L22.moe.dp_gather
     del x_L22_mlp_norm
     h_L22_partial = rt.moe(h_L22_dp_tokens, W['model.layers.22.mlp.gate.weight'], W['model.layers.22.mlp.gate.e_score_correction_bias'], W['model.layers.22.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.22.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.22.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.22.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.22.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.22.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L22.moe
     del h_L22_dp_tokens
     h_L22_tp_tokens = rt.reduce_scatter(h_L22_partial, group='ep', size=32, reduce='sum', dim=0)  # L22.moe.reduce_scatter
     del h_L22_partial
-    h_L22_sum = rt.all_gather(h_L22_tp_tokens, group='tp', size=2, dim=0, length=None)  # L22.moe.tp_gather
+    h_L22_sum = rt.all_gather(h_L22_tp_tokens, group='tp', size=4, dim=0, length=None)  # L22.moe.tp_gather
     del h_L22_tp_tokens
     h_L22 = rt.residual_add(h_L22_sum, h_L22_attn)  # L22.moe.residual
     del h_L22_attn, h_L22_sum
     x_L23_attn_norm = rt.rms_norm(h_L22, W['model.layers.23.input_layernorm.weight'], 1e-06)  # L23.attn_norm
-    q_nope_L23, q_pe_L23, c_kv_L23, k_pe_L23 = rt.mla_prolog(x_L23_attn_norm, W['model.layers.23.self_attn.q_a_proj.weight'], W['model.layers.23.self_attn.q_a_layernorm.weight'], W['model.layers.23.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.23.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.23.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L23.mla_prolog
+    q_nope_L23, q_pe_L23, c_kv_L23, k_pe_L23 = rt.mla_prolog(x_L23_attn_norm, W['model.layers.23.self_attn.q_a_proj.weight'], W['model.layers.23.self_attn.q_a_layernorm.weight'], W['model.layers.23.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.23.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.23.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L23.mla_prolog
     del x_L23_attn_norm
     rt.kv_write(kv[23], (c_kv_L23, k_pe_L23), b.slot_mapping)  # L23.kv_write
     del c_kv_L23, k_pe_L23
-    o_L23 = rt.mla_attention(q_nope_L23, q_pe_L23, kv[23], W['model.layers.23.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L23.attn
+    o_L23 = rt.mla_attention(q_nope_L23, q_pe_L23, kv[23], W['model.layers.23.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L23.attn
     del q_nope_L23, q_pe_L23
-    h_L23_attn_partial = rt.o_proj(o_L23, W['graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L23.o_proj
+    h_L23_attn_partial = rt.o_proj(o_L23, W['graphgen.load:model.layers.23.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L23.o_proj
     del o_L23
-    h_L23_attn_sum = rt.all_reduce(h_L23_attn_partial, group='tp', size=2, reduce='sum')  # L23.o_proj.all_reduce
+    h_L23_attn_sum = rt.all_reduce(h_L23_attn_partial, group='tp', size=4, reduce='sum')  # L23.o_proj.all_reduce
     del h_L23_attn_partial
     h_L23_attn = rt.residual_add(h_L23_attn_sum, h_L22)  # L23.o_proj.residual
     del h_L22, h_L23_attn_sum
     x_L23_mlp_norm = rt.rms_norm(h_L23_attn, W['model.layers.23.post_attention_layernorm.weight'], 1e-06)  # L23.mlp_norm
-    h_L23_dp_tokens = rt.all_gather(x_L23_mlp_norm, group='dp', size=16, dim=0, length=None)  # L23.moe.dp_gather
+    h_L23_dp_tokens = rt.all_gather(x_L23_mlp_norm, group='dp', size=8, dim=0, length=None)  # L23.moe.dp_gather
     del x_L23_mlp_norm
     h_L23_partial = rt.moe(h_L23_dp_tokens, W['model.layers.23.mlp.gate.weight'], W['model.layers.23.mlp.gate.e_score_correction_bias'], W['model.layers.23.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.23.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.23.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.23.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.23.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.23.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L23.moe
     del h_L23_dp_tokens
     h_L23_tp_tokens = rt.reduce_scatter(h_L23_partial, group='ep', size=32, reduce='sum', dim=0)  # L23.moe.reduce_scatter
     del h_L23_partial
-    h_L23_sum = rt.all_gather(h_L23_tp_tokens, group='tp', size=2, dim=0, length=None)  # L23.moe.tp_gather
+    h_L23_sum = rt.all_gather(h_L23_tp_tokens, group='tp', size=4, dim=0, length=None)  # L23.moe.tp_gather
     del h_L23_tp_tokens
     h_L23 = rt.residual_add(h_L23_sum, h_L23_attn)  # L23.moe.residual
     del h_L23_attn, h_L23_sum
     x_L24_attn_norm = rt.rms_norm(h_L23, W['model.layers.24.input_layernorm.weight'], 1e-06)  # L24.attn_norm
-    q_nope_L24, q_pe_L24, c_kv_L24, k_pe_L24 = rt.mla_prolog(x_L24_attn_norm, W['model.layers.24.self_attn.q_a_proj.weight'], W['model.layers.24.self_attn.q_a_layernorm.weight'], W['model.layers.24.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.24.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.24.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L24.mla_prolog
+    q_nope_L24, q_pe_L24, c_kv_L24, k_pe_L24 = rt.mla_prolog(x_L24_attn_norm, W['model.layers.24.self_attn.q_a_proj.weight'], W['model.layers.24.self_attn.q_a_layernorm.weight'], W['model.layers.24.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.24.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.24.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L24.mla_prolog
     del x_L24_attn_norm
     rt.kv_write(kv[24], (c_kv_L24, k_pe_L24), b.slot_mapping)  # L24.kv_write
     del c_kv_L24, k_pe_L24
-    o_L24 = rt.mla_attention(q_nope_L24, q_pe_L24, kv[24], W['model.layers.24.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L24.attn
+    o_L24 = rt.mla_attention(q_nope_L24, q_pe_L24, kv[24], W['model.layers.24.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L24.attn
     del q_nope_L24, q_pe_L24
-    h_L24_attn_partial = rt.o_proj(o_L24, W['graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L24.o_proj
+    h_L24_attn_partial = rt.o_proj(o_L24, W['graphgen.load:model.layers.24.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L24.o_proj
     del o_L24
-    h_L24_attn_sum = rt.all_reduce(h_L24_attn_partial, group='tp', size=2, reduce='sum')  # L24.o_proj.all_reduce
+    h_L24_attn_sum = rt.all_reduce(h_L24_attn_partial, group='tp', size=4, reduce='sum')  # L24.o_proj.all_reduce
     del h_L24_attn_partial
     h_L24_attn = rt.residual_add(h_L24_attn_sum, h_L23)  # L24.o_proj.residual
     del h_L23, h_L24_attn_sum
     x_L24_mlp_norm = rt.rms_norm(h_L24_attn, W['model.layers.24.post_attention_layernorm.weight'], 1e-06)  # L24.mlp_norm
-    h_L24_dp_tokens = rt.all_gather(x_L24_mlp_norm, group='dp', size=16, dim=0, length=None)  # L24.moe.dp_gather
+    h_L24_dp_tokens = rt.all_gather(x_L24_mlp_norm, group='dp', size=8, dim=0, length=None)  # L24.moe.dp_gather
     del x_L24_mlp_norm
     h_L24_partial = rt.moe(h_L24_dp_tokens, W['model.layers.24.mlp.gate.weight'], W['model.layers.24.mlp.gate.e_score_correction_bias'], W['model.layers.24.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.24.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.24.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.24.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.24.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.24.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L24.moe
     del h_L24_dp_tokens
     h_L24_tp_tokens = rt.reduce_scatter(h_L24_partial, group='ep', size=32, reduce='sum', dim=0)  # L24.moe.reduce_scatter
     del h_L24_partial
-    h_L24_sum = rt.all_gather(h_L24_tp_tokens, group='tp', size=2, dim=0, length=None)  # L24.moe.tp_gather
+    h_L24_sum = rt.all_gather(h_L24_tp_tokens, group='tp', size=4, dim=0, length=None)  # L24.moe.tp_gather
     del h_L24_tp_tokens
     h_L24 = rt.residual_add(h_L24_sum, h_L24_attn)  # L24.moe.residual
     del h_L24_attn, h_L24_sum
     x_L25_attn_norm = rt.rms_norm(h_L24, W['model.layers.25.input_layernorm.weight'], 1e-06)  # L25.attn_norm
-    q_nope_L25, q_pe_L25, c_kv_L25, k_pe_L25 = rt.mla_prolog(x_L25_attn_norm, W['model.layers.25.self_attn.q_a_proj.weight'], W['model.layers.25.self_attn.q_a_layernorm.weight'], W['model.layers.25.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.25.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.25.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L25.mla_prolog
+    q_nope_L25, q_pe_L25, c_kv_L25, k_pe_L25 = rt.mla_prolog(x_L25_attn_norm, W['model.layers.25.self_attn.q_a_proj.weight'], W['model.layers.25.self_attn.q_a_layernorm.weight'], W['model.layers.25.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.25.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.25.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L25.mla_prolog
     del x_L25_attn_norm
     rt.kv_write(kv[25], (c_kv_L25, k_pe_L25), b.slot_mapping)  # L25.kv_write
     del c_kv_L25, k_pe_L25
-    o_L25 = rt.mla_attention(q_nope_L25, q_pe_L25, kv[25], W['model.layers.25.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L25.attn
+    o_L25 = rt.mla_attention(q_nope_L25, q_pe_L25, kv[25], W['model.layers.25.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L25.attn
     del q_nope_L25, q_pe_L25
-    h_L25_attn_partial = rt.o_proj(o_L25, W['graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L25.o_proj
+    h_L25_attn_partial = rt.o_proj(o_L25, W['graphgen.load:model.layers.25.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L25.o_proj
     del o_L25
-    h_L25_attn_sum = rt.all_reduce(h_L25_attn_partial, group='tp', size=2, reduce='sum')  # L25.o_proj.all_reduce
+    h_L25_attn_sum = rt.all_reduce(h_L25_attn_partial, group='tp', size=4, reduce='sum')  # L25.o_proj.all_reduce
     del h_L25_attn_partial
     h_L25_attn = rt.residual_add(h_L25_attn_sum, h_L24)  # L25.o_proj.residual
     del h_L24, h_L25_attn_sum
     x_L25_mlp_norm = rt.rms_norm(h_L25_attn, W['model.layers.25.post_attention_layernorm.weight'], 1e-06)  # L25.mlp_norm
-    h_L25_dp_tokens = rt.all_gather(x_L25_mlp_norm, group='dp', size=16, dim=0, length=None)  # L25.moe.dp_gather
+    h_L25_dp_tokens = rt.all_gather(x_L25_mlp_norm, group='dp', size=8, dim=0, length=None)  # L25.moe.dp_gather
     del x_L25_mlp_norm
     h_L25_partial = rt.moe(h_L25_dp_tokens, W['model.layers.25.mlp.gate.weight'], W['model.layers.25.mlp.gate.e_score_correction_bias'], W['model.layers.25.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.25.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.25.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.25.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.25.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.25.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L25.moe
     del h_L25_dp_tokens
     h_L25_tp_tokens = rt.reduce_scatter(h_L25_partial, group='ep', size=32, reduce='sum', dim=0)  # L25.moe.reduce_scatter
     del h_L25_partial
-    h_L25_sum = rt.all_gather(h_L25_tp_tokens, group='tp', size=2, dim=0, length=None)  # L25.moe.tp_gather
+    h_L25_sum = rt.all_gather(h_L25_tp_tokens, group='tp', size=4, dim=0, length=None)  # L25.moe.tp_gather
     del h_L25_tp_tokens
     h_L25 = rt.residual_add(h_L25_sum, h_L25_attn)  # L25.moe.residual
     del h_L25_attn, h_L25_sum
     x_L26_attn_norm = rt.rms_norm(h_L25, W['model.layers.26.input_layernorm.weight'], 1e-06)  # L26.attn_norm
-    q_nope_L26, q_pe_L26, c_kv_L26, k_pe_L26 = rt.mla_prolog(x_L26_attn_norm, W['model.layers.26.self_attn.q_a_proj.weight'], W['model.layers.26.self_attn.q_a_layernorm.weight'], W['model.layers.26.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.26.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.26.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L26.mla_prolog
+    q_nope_L26, q_pe_L26, c_kv_L26, k_pe_L26 = rt.mla_prolog(x_L26_attn_norm, W['model.layers.26.self_attn.q_a_proj.weight'], W['model.layers.26.self_attn.q_a_layernorm.weight'], W['model.layers.26.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.26.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.26.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L26.mla_prolog
     del x_L26_attn_norm
     rt.kv_write(kv[26], (c_kv_L26, k_pe_L26), b.slot_mapping)  # L26.kv_write
     del c_kv_L26, k_pe_L26
-    o_L26 = rt.mla_attention(q_nope_L26, q_pe_L26, kv[26], W['model.layers.26.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L26.attn
+    o_L26 = rt.mla_attention(q_nope_L26, q_pe_L26, kv[26], W['model.layers.26.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L26.attn
     del q_nope_L26, q_pe_L26
-    h_L26_attn_partial = rt.o_proj(o_L26, W['graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L26.o_proj
+    h_L26_attn_partial = rt.o_proj(o_L26, W['graphgen.load:model.layers.26.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L26.o_proj
     del o_L26
-    h_L26_attn_sum = rt.all_reduce(h_L26_attn_partial, group='tp', size=2, reduce='sum')  # L26.o_proj.all_reduce
+    h_L26_attn_sum = rt.all_reduce(h_L26_attn_partial, group='tp', size=4, reduce='sum')  # L26.o_proj.all_reduce
     del h_L26_attn_partial
     h_L26_attn = rt.residual_add(h_L26_attn_sum, h_L25)  # L26.o_proj.residual
     del h_L25, h_L26_attn_sum
     x_L26_mlp_norm = rt.rms_norm(h_L26_attn, W['model.layers.26.post_attention_layernorm.weight'], 1e-06)  # L26.mlp_norm
-    h_L26_dp_tokens = rt.all_gather(x_L26_mlp_norm, group='dp', size=16, dim=0, length=None)  # L26.moe.dp_gather
+    h_L26_dp_tokens = rt.all_gather(x_L26_mlp_norm, group='dp', size=8, dim=0, length=None)  # L26.moe.dp_gather
     del x_L26_mlp_norm
     h_L26_partial = rt.moe(h_L26_dp_tokens, W['model.layers.26.mlp.gate.weight'], W['model.layers.26.mlp.gate.e_score_correction_bias'], W['model.layers.26.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.26.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.26.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.26.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.26.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.26.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L26.moe
     del h_L26_dp_tokens
     h_L26_tp_tokens = rt.reduce_scatter(h_L26_partial, group='ep', size=32, reduce='sum', dim=0)  # L26.moe.reduce_scatter
     del h_L26_partial
-    h_L26_sum = rt.all_gather(h_L26_tp_tokens, group='tp', size=2, dim=0, length=None)  # L26.moe.tp_gather
+    h_L26_sum = rt.all_gather(h_L26_tp_tokens, group='tp', size=4, dim=0, length=None)  # L26.moe.tp_gather
     del h_L26_tp_tokens
     h_L26 = rt.residual_add(h_L26_sum, h_L26_attn)  # L26.moe.residual
     del h_L26_attn, h_L26_sum
     x_L27_attn_norm = rt.rms_norm(h_L26, W['model.layers.27.input_layernorm.weight'], 1e-06)  # L27.attn_norm
-    q_nope_L27, q_pe_L27, c_kv_L27, k_pe_L27 = rt.mla_prolog(x_L27_attn_norm, W['model.layers.27.self_attn.q_a_proj.weight'], W['model.layers.27.self_attn.q_a_layernorm.weight'], W['model.layers.27.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.27.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.27.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L27.mla_prolog
+    q_nope_L27, q_pe_L27, c_kv_L27, k_pe_L27 = rt.mla_prolog(x_L27_attn_norm, W['model.layers.27.self_attn.q_a_proj.weight'], W['model.layers.27.self_attn.q_a_layernorm.weight'], W['model.layers.27.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.27.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.27.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L27.mla_prolog
     del x_L27_attn_norm
     rt.kv_write(kv[27], (c_kv_L27, k_pe_L27), b.slot_mapping)  # L27.kv_write
     del c_kv_L27, k_pe_L27
-    o_L27 = rt.mla_attention(q_nope_L27, q_pe_L27, kv[27], W['model.layers.27.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L27.attn
+    o_L27 = rt.mla_attention(q_nope_L27, q_pe_L27, kv[27], W['model.layers.27.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L27.attn
     del q_nope_L27, q_pe_L27
-    h_L27_attn_partial = rt.o_proj(o_L27, W['graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L27.o_proj
+    h_L27_attn_partial = rt.o_proj(o_L27, W['graphgen.load:model.layers.27.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L27.o_proj
     del o_L27
-    h_L27_attn_sum = rt.all_reduce(h_L27_attn_partial, group='tp', size=2, reduce='sum')  # L27.o_proj.all_reduce
+    h_L27_attn_sum = rt.all_reduce(h_L27_attn_partial, group='tp', size=4, reduce='sum')  # L27.o_proj.all_reduce
     del h_L27_attn_partial
     h_L27_attn = rt.residual_add(h_L27_attn_sum, h_L26)  # L27.o_proj.residual
     del h_L26, h_L27_attn_sum
     x_L27_mlp_norm = rt.rms_norm(h_L27_attn, W['model.layers.27.post_attention_layernorm.weight'], 1e-06)  # L27.mlp_norm
-    h_L27_dp_tokens = rt.all_gather(x_L27_mlp_norm, group='dp', size=16, dim=0, length=None)  # L27.moe.dp_gather
+    h_L27_dp_tokens = rt.all_gather(x_L27_mlp_norm, group='dp', size=8, dim=0, length=None)  # L27.moe.dp_gather
     del x_L27_mlp_norm
     h_L27_partial = rt.moe(h_L27_dp_tokens, W['model.layers.27.mlp.gate.weight'], W['model.layers.27.mlp.gate.e_score_correction_bias'], W['model.layers.27.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.27.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.27.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.27.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.27.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.27.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L27.moe
     del h_L27_dp_tokens
     h_L27_tp_tokens = rt.reduce_scatter(h_L27_partial, group='ep', size=32, reduce='sum', dim=0)  # L27.moe.reduce_scatter
     del h_L27_partial
-    h_L27_sum = rt.all_gather(h_L27_tp_tokens, group='tp', size=2, dim=0, length=None)  # L27.moe.tp_gather
+    h_L27_sum = rt.all_gather(h_L27_tp_tokens, group='tp', size=4, dim=0, length=None)  # L27.moe.tp_gather
     del h_L27_tp_tokens
     h_L27 = rt.residual_add(h_L27_sum, h_L27_attn)  # L27.moe.residual
     del h_L27_attn, h_L27_sum
     x_L28_attn_norm = rt.rms_norm(h_L27, W['model.layers.28.input_layernorm.weight'], 1e-06)  # L28.attn_norm
-    q_nope_L28, q_pe_L28, c_kv_L28, k_pe_L28 = rt.mla_prolog(x_L28_attn_norm, W['model.layers.28.self_attn.q_a_proj.weight'], W['model.layers.28.self_attn.q_a_layernorm.weight'], W['model.layers.28.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.28.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.28.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L28.mla_prolog
+    q_nope_L28, q_pe_L28, c_kv_L28, k_pe_L28 = rt.mla_prolog(x_L28_attn_norm, W['model.layers.28.self_attn.q_a_proj.weight'], W['model.layers.28.self_attn.q_a_layernorm.weight'], W['model.layers.28.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.28.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.28.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L28.mla_prolog
     del x_L28_attn_norm
     rt.kv_write(kv[28], (c_kv_L28, k_pe_L28), b.slot_mapping)  # L28.kv_write
     del c_kv_L28, k_pe_L28
-    o_L28 = rt.mla_attention(q_nope_L28, q_pe_L28, kv[28], W['model.layers.28.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L28.attn
+    o_L28 = rt.mla_attention(q_nope_L28, q_pe_L28, kv[28], W['model.layers.28.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L28.attn
     del q_nope_L28, q_pe_L28
-    h_L28_attn_partial = rt.o_proj(o_L28, W['graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L28.o_proj
+    h_L28_attn_partial = rt.o_proj(o_L28, W['graphgen.load:model.layers.28.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L28.o_proj
     del o_L28
-    h_L28_attn_sum = rt.all_reduce(h_L28_attn_partial, group='tp', size=2, reduce='sum')  # L28.o_proj.all_reduce
+    h_L28_attn_sum = rt.all_reduce(h_L28_attn_partial, group='tp', size=4, reduce='sum')  # L28.o_proj.all_reduce
     del h_L28_attn_partial
     h_L28_attn = rt.residual_add(h_L28_attn_sum, h_L27)  # L28.o_proj.residual
     del h_L27, h_L28_attn_sum
     x_L28_mlp_norm = rt.rms_norm(h_L28_attn, W['model.layers.28.post_attention_layernorm.weight'], 1e-06)  # L28.mlp_norm
-    h_L28_dp_tokens = rt.all_gather(x_L28_mlp_norm, group='dp', size=16, dim=0, length=None)  # L28.moe.dp_gather
+    h_L28_dp_tokens = rt.all_gather(x_L28_mlp_norm, group='dp', size=8, dim=0, length=None)  # L28.moe.dp_gather
     del x_L28_mlp_norm
     h_L28_partial = rt.moe(h_L28_dp_tokens, W['model.layers.28.mlp.gate.weight'], W['model.layers.28.mlp.gate.e_score_correction_bias'], W['model.layers.28.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.28.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.28.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.28.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.28.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.28.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L28.moe
     del h_L28_dp_tokens
     h_L28_tp_tokens = rt.reduce_scatter(h_L28_partial, group='ep', size=32, reduce='sum', dim=0)  # L28.moe.reduce_scatter
     del h_L28_partial
-    h_L28_sum = rt.all_gather(h_L28_tp_tokens, group='tp', size=2, dim=0, length=None)  # L28.moe.tp_gather
+    h_L28_sum = rt.all_gather(h_L28_tp_tokens, group='tp', size=4, dim=0, length=None)  # L28.moe.tp_gather
     del h_L28_tp_tokens
     h_L28 = rt.residual_add(h_L28_sum, h_L28_attn)  # L28.moe.residual
     del h_L28_attn, h_L28_sum
     x_L29_attn_norm = rt.rms_norm(h_L28, W['model.layers.29.input_layernorm.weight'], 1e-06)  # L29.attn_norm
-    q_nope_L29, q_pe_L29, c_kv_L29, k_pe_L29 = rt.mla_prolog(x_L29_attn_norm, W['model.layers.29.self_attn.q_a_proj.weight'], W['model.layers.29.self_attn.q_a_layernorm.weight'], W['model.layers.29.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.29.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.29.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L29.mla_prolog
+    q_nope_L29, q_pe_L29, c_kv_L29, k_pe_L29 = rt.mla_prolog(x_L29_attn_norm, W['model.layers.29.self_attn.q_a_proj.weight'], W['model.layers.29.self_attn.q_a_layernorm.weight'], W['model.layers.29.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.29.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.29.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L29.mla_prolog
     del x_L29_attn_norm
     rt.kv_write(kv[29], (c_kv_L29, k_pe_L29), b.slot_mapping)  # L29.kv_write
     del c_kv_L29, k_pe_L29
-    o_L29 = rt.mla_attention(q_nope_L29, q_pe_L29, kv[29], W['model.layers.29.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L29.attn
+    o_L29 = rt.mla_attention(q_nope_L29, q_pe_L29, kv[29], W['model.layers.29.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L29.attn
     del q_nope_L29, q_pe_L29
-    h_L29_attn_partial = rt.o_proj(o_L29, W['graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L29.o_proj
+    h_L29_attn_partial = rt.o_proj(o_L29, W['graphgen.load:model.layers.29.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L29.o_proj
     del o_L29
-    h_L29_attn_sum = rt.all_reduce(h_L29_attn_partial, group='tp', size=2, reduce='sum')  # L29.o_proj.all_reduce
+    h_L29_attn_sum = rt.all_reduce(h_L29_attn_partial, group='tp', size=4, reduce='sum')  # L29.o_proj.all_reduce
     del h_L29_attn_partial
     h_L29_attn = rt.residual_add(h_L29_attn_sum, h_L28)  # L29.o_proj.residual
     del h_L28, h_L29_attn_sum
     x_L29_mlp_norm = rt.rms_norm(h_L29_attn, W['model.layers.29.post_attention_layernorm.weight'], 1e-06)  # L29.mlp_norm
-    h_L29_dp_tokens = rt.all_gather(x_L29_mlp_norm, group='dp', size=16, dim=0, length=None)  # L29.moe.dp_gather
+    h_L29_dp_tokens = rt.all_gather(x_L29_mlp_norm, group='dp', size=8, dim=0, length=None)  # L29.moe.dp_gather
     del x_L29_mlp_norm
     h_L29_partial = rt.moe(h_L29_dp_tokens, W['model.layers.29.mlp.gate.weight'], W['model.layers.29.mlp.gate.e_score_correction_bias'], W['model.layers.29.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.29.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.29.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.29.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.29.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.29.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L29.moe
     del h_L29_dp_tokens
     h_L29_tp_tokens = rt.reduce_scatter(h_L29_partial, group='ep', size=32, reduce='sum', dim=0)  # L29.moe.reduce_scatter
     del h_L29_partial
-    h_L29_sum = rt.all_gather(h_L29_tp_tokens, group='tp', size=2, dim=0, length=None)  # L29.moe.tp_gather
+    h_L29_sum = rt.all_gather(h_L29_tp_tokens, group='tp', size=4, dim=0, length=None)  # L29.moe.tp_gather
     del h_L29_tp_tokens
     h_L29 = rt.residual_add(h_L29_sum, h_L29_attn)  # L29.moe.residual
     del h_L29_attn, h_L29_sum
     x_L30_attn_norm = rt.rms_norm(h_L29, W['model.layers.30.input_layernorm.weight'], 1e-06)  # L30.attn_norm
-    q_nope_L30, q_pe_L30, c_kv_L30, k_pe_L30 = rt.mla_prolog(x_L30_attn_norm, W['model.layers.30.self_attn.q_a_proj.weight'], W['model.layers.30.self_attn.q_a_layernorm.weight'], W['model.layers.30.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.30.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.30.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L30.mla_prolog
+    q_nope_L30, q_pe_L30, c_kv_L30, k_pe_L30 = rt.mla_prolog(x_L30_attn_norm, W['model.layers.30.self_attn.q_a_proj.weight'], W['model.layers.30.self_attn.q_a_layernorm.weight'], W['model.layers.30.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.30.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.30.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L30.mla_prolog
     del x_L30_attn_norm
     rt.kv_write(kv[30], (c_kv_L30, k_pe_L30), b.slot_mapping)  # L30.kv_write
     del c_kv_L30, k_pe_L30
-    o_L30 = rt.mla_attention(q_nope_L30, q_pe_L30, kv[30], W['model.layers.30.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L30.attn
+    o_L30 = rt.mla_attention(q_nope_L30, q_pe_L30, kv[30], W['model.layers.30.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L30.attn
     del q_nope_L30, q_pe_L30
-    h_L30_attn_partial = rt.o_proj(o_L30, W['graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L30.o_proj
+    h_L30_attn_partial = rt.o_proj(o_L30, W['graphgen.load:model.layers.30.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L30.o_proj
     del o_L30
-    h_L30_attn_sum = rt.all_reduce(h_L30_attn_partial, group='tp', size=2, reduce='sum')  # L30.o_proj.all_reduce
+    h_L30_attn_sum = rt.all_reduce(h_L30_attn_partial, group='tp', size=4, reduce='sum')  # L30.o_proj.all_reduce
     del h_L30_attn_partial
     h_L30_attn = rt.residual_add(h_L30_attn_sum, h_L29)  # L30.o_proj.residual
     del h_L29, h_L30_attn_sum
     x_L30_mlp_norm = rt.rms_norm(h_L30_attn, W['model.layers.30.post_attention_layernorm.weight'], 1e-06)  # L30.mlp_norm
-    h_L30_dp_tokens = rt.all_gather(x_L30_mlp_norm, group='dp', size=16, dim=0, length=None)  # L30.moe.dp_gather
+    h_L30_dp_tokens = rt.all_gather(x_L30_mlp_norm, group='dp', size=8, dim=0, length=None)  # L30.moe.dp_gather
     del x_L30_mlp_norm
     h_L30_partial = rt.moe(h_L30_dp_tokens, W['model.layers.30.mlp.gate.weight'], W['model.layers.30.mlp.gate.e_score_correction_bias'], W['model.layers.30.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.30.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.30.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.30.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.30.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.30.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L30.moe
     del h_L30_dp_tokens
     h_L30_tp_tokens = rt.reduce_scatter(h_L30_partial, group='ep', size=32, reduce='sum', dim=0)  # L30.moe.reduce_scatter
     del h_L30_partial
-    h_L30_sum = rt.all_gather(h_L30_tp_tokens, group='tp', size=2, dim=0, length=None)  # L30.moe.tp_gather
+    h_L30_sum = rt.all_gather(h_L30_tp_tokens, group='tp', size=4, dim=0, length=None)  # L30.moe.tp_gather
     del h_L30_tp_tokens
     h_L30 = rt.residual_add(h_L30_sum, h_L30_attn)  # L30.moe.residual
     del h_L30_attn, h_L30_sum
     x_L31_attn_norm = rt.rms_norm(h_L30, W['model.layers.31.input_layernorm.weight'], 1e-06)  # L31.attn_norm
-    q_nope_L31, q_pe_L31, c_kv_L31, k_pe_L31 = rt.mla_prolog(x_L31_attn_norm, W['model.layers.31.self_attn.q_a_proj.weight'], W['model.layers.31.self_attn.q_a_layernorm.weight'], W['model.layers.31.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.31.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.31.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L31.mla_prolog
+    q_nope_L31, q_pe_L31, c_kv_L31, k_pe_L31 = rt.mla_prolog(x_L31_attn_norm, W['model.layers.31.self_attn.q_a_proj.weight'], W['model.layers.31.self_attn.q_a_layernorm.weight'], W['model.layers.31.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.31.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.31.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L31.mla_prolog
     del x_L31_attn_norm
     rt.kv_write(kv[31], (c_kv_L31, k_pe_L31), b.slot_mapping)  # L31.kv_write
     del c_kv_L31, k_pe_L31
-    o_L31 = rt.mla_attention(q_nope_L31, q_pe_L31, kv[31], W['model.layers.31.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L31.attn
+    o_L31 = rt.mla_attention(q_nope_L31, q_pe_L31, kv[31], W['model.layers.31.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L31.attn
     del q_nope_L31, q_pe_L31
-    h_L31_attn_partial = rt.o_proj(o_L31, W['graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L31.o_proj
+    h_L31_attn_partial = rt.o_proj(o_L31, W['graphgen.load:model.layers.31.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L31.o_proj
     del o_L31
-    h_L31_attn_sum = rt.all_reduce(h_L31_attn_partial, group='tp', size=2, reduce='sum')  # L31.o_proj.all_reduce
+    h_L31_attn_sum = rt.all_reduce(h_L31_attn_partial, group='tp', size=4, reduce='sum')  # L31.o_proj.all_reduce
     del h_L31_attn_partial
     h_L31_attn = rt.residual_add(h_L31_attn_sum, h_L30)  # L31.o_proj.residual
     del h_L30, h_L31_attn_sum
     x_L31_mlp_norm = rt.rms_norm(h_L31_attn, W['model.layers.31.post_attention_layernorm.weight'], 1e-06)  # L31.mlp_norm
-    h_L31_dp_tokens = rt.all_gather(x_L31_mlp_norm, group='dp', size=16, dim=0, length=None)  # L31.moe.dp_gather
+    h_L31_dp_tokens = rt.all_gather(x_L31_mlp_norm, group='dp', size=8, dim=0, length=None)  # L31.moe.dp_gather
     del x_L31_mlp_norm
     h_L31_partial = rt.moe(h_L31_dp_tokens, W['model.layers.31.mlp.gate.weight'], W['model.layers.31.mlp.gate.e_score_correction_bias'], W['model.layers.31.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.31.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.31.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.31.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.31.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.31.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L31.moe
     del h_L31_dp_tokens
     h_L31_tp_tokens = rt.reduce_scatter(h_L31_partial, group='ep', size=32, reduce='sum', dim=0)  # L31.moe.reduce_scatter
     del h_L31_partial
-    h_L31_sum = rt.all_gather(h_L31_tp_tokens, group='tp', size=2, dim=0, length=None)  # L31.moe.tp_gather
+    h_L31_sum = rt.all_gather(h_L31_tp_tokens, group='tp', size=4, dim=0, length=None)  # L31.moe.tp_gather
     del h_L31_tp_tokens
     h_L31 = rt.residual_add(h_L31_sum, h_L31_attn)  # L31.moe.residual
     del h_L31_attn, h_L31_sum
     x_L32_attn_norm = rt.rms_norm(h_L31, W['model.layers.32.input_layernorm.weight'], 1e-06)  # L32.attn_norm
-    q_nope_L32, q_pe_L32, c_kv_L32, k_pe_L32 = rt.mla_prolog(x_L32_attn_norm, W['model.layers.32.self_attn.q_a_proj.weight'], W['model.layers.32.self_attn.q_a_layernorm.weight'], W['model.layers.32.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.32.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.32.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L32.mla_prolog
+    q_nope_L32, q_pe_L32, c_kv_L32, k_pe_L32 = rt.mla_prolog(x_L32_attn_norm, W['model.layers.32.self_attn.q_a_proj.weight'], W['model.layers.32.self_attn.q_a_layernorm.weight'], W['model.layers.32.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.32.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.32.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L32.mla_prolog
     del x_L32_attn_norm
     rt.kv_write(kv[32], (c_kv_L32, k_pe_L32), b.slot_mapping)  # L32.kv_write
     del c_kv_L32, k_pe_L32
-    o_L32 = rt.mla_attention(q_nope_L32, q_pe_L32, kv[32], W['model.layers.32.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L32.attn
+    o_L32 = rt.mla_attention(q_nope_L32, q_pe_L32, kv[32], W['model.layers.32.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L32.attn
     del q_nope_L32, q_pe_L32
-    h_L32_attn_partial = rt.o_proj(o_L32, W['graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L32.o_proj
+    h_L32_attn_partial = rt.o_proj(o_L32, W['graphgen.load:model.layers.32.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L32.o_proj
     del o_L32
-    h_L32_attn_sum = rt.all_reduce(h_L32_attn_partial, group='tp', size=2, reduce='sum')  # L32.o_proj.all_reduce
+    h_L32_attn_sum = rt.all_reduce(h_L32_attn_partial, group='tp', size=4, reduce='sum')  # L32.o_proj.all_reduce
     del h_L32_attn_partial
     h_L32_attn = rt.residual_add(h_L32_attn_sum, h_L31)  # L32.o_proj.residual
     del h_L31, h_L32_attn_sum
     x_L32_mlp_norm = rt.rms_norm(h_L32_attn, W['model.layers.32.post_attention_layernorm.weight'], 1e-06)  # L32.mlp_norm
-    h_L32_dp_tokens = rt.all_gather(x_L32_mlp_norm, group='dp', size=16, dim=0, length=None)  # L32.moe.dp_gather
+    h_L32_dp_tokens = rt.all_gather(x_L32_mlp_norm, group='dp', size=8, dim=0, length=None)  # L32.moe.dp_gather
     del x_L32_mlp_norm
     h_L32_partial = rt.moe(h_L32_dp_tokens, W['model.layers.32.mlp.gate.weight'], W['model.layers.32.mlp.gate.e_score_correction_bias'], W['model.layers.32.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.32.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.32.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.32.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.32.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.32.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L32.moe
     del h_L32_dp_tokens
     h_L32_tp_tokens = rt.reduce_scatter(h_L32_partial, group='ep', size=32, reduce='sum', dim=0)  # L32.moe.reduce_scatter
     del h_L32_partial
-    h_L32_sum = rt.all_gather(h_L32_tp_tokens, group='tp', size=2, dim=0, length=None)  # L32.moe.tp_gather
+    h_L32_sum = rt.all_gather(h_L32_tp_tokens, group='tp', size=4, dim=0, length=None)  # L32.moe.tp_gather
     del h_L32_tp_tokens
     h_L32 = rt.residual_add(h_L32_sum, h_L32_attn)  # L32.moe.residual
     del h_L32_attn, h_L32_sum
     x_L33_attn_norm = rt.rms_norm(h_L32, W['model.layers.33.input_layernorm.weight'], 1e-06)  # L33.attn_norm
-    q_nope_L33, q_pe_L33, c_kv_L33, k_pe_L33 = rt.mla_prolog(x_L33_attn_norm, W['model.layers.33.self_attn.q_a_proj.weight'], W['model.layers.33.self_attn.q_a_layernorm.weight'], W['model.layers.33.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.33.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.33.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L33.mla_prolog
+    q_nope_L33, q_pe_L33, c_kv_L33, k_pe_L33 = rt.mla_prolog(x_L33_attn_norm, W['model.layers.33.self_attn.q_a_proj.weight'], W['model.layers.33.self_attn.q_a_layernorm.weight'], W['model.layers.33.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.33.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.33.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L33.mla_prolog
     del x_L33_attn_norm
     rt.kv_write(kv[33], (c_kv_L33, k_pe_L33), b.slot_mapping)  # L33.kv_write
     del c_kv_L33, k_pe_L33
-    o_L33 = rt.mla_attention(q_nope_L33, q_pe_L33, kv[33], W['model.layers.33.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L33.attn
+    o_L33 = rt.mla_attention(q_nope_L33, q_pe_L33, kv[33], W['model.layers.33.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L33.attn
     del q_nope_L33, q_pe_L33
-    h_L33_attn_partial = rt.o_proj(o_L33, W['graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L33.o_proj
+    h_L33_attn_partial = rt.o_proj(o_L33, W['graphgen.load:model.layers.33.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L33.o_proj
     del o_L33
-    h_L33_attn_sum = rt.all_reduce(h_L33_attn_partial, group='tp', size=2, reduce='sum')  # L33.o_proj.all_reduce
+    h_L33_attn_sum = rt.all_reduce(h_L33_attn_partial, group='tp', size=4, reduce='sum')  # L33.o_proj.all_reduce
     del h_L33_attn_partial
     h_L33_attn = rt.residual_add(h_L33_attn_sum, h_L32)  # L33.o_proj.residual
     del h_L32, h_L33_attn_sum
     x_L33_mlp_norm = rt.rms_norm(h_L33_attn, W['model.layers.33.post_attention_layernorm.weight'], 1e-06)  # L33.mlp_norm
-    h_L33_dp_tokens = rt.all_gather(x_L33_mlp_norm, group='dp', size=16, dim=0, length=None)  # L33.moe.dp_gather
+    h_L33_dp_tokens = rt.all_gather(x_L33_mlp_norm, group='dp', size=8, dim=0, length=None)  # L33.moe.dp_gather
     del x_L33_mlp_norm
     h_L33_partial = rt.moe(h_L33_dp_tokens, W['model.layers.33.mlp.gate.weight'], W['model.layers.33.mlp.gate.e_score_correction_bias'], W['model.layers.33.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.33.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.33.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.33.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.33.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.33.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L33.moe
     del h_L33_dp_tokens
     h_L33_tp_tokens = rt.reduce_scatter(h_L33_partial, group='ep', size=32, reduce='sum', dim=0)  # L33.moe.reduce_scatter
     del h_L33_partial
-    h_L33_sum = rt.all_gather(h_L33_tp_tokens, group='tp', size=2, dim=0, length=None)  # L33.moe.tp_gather
+    h_L33_sum = rt.all_gather(h_L33_tp_tokens, group='tp', size=4, dim=0, length=None)  # L33.moe.tp_gather
     del h_L33_tp_tokens
     h_L33 = rt.residual_add(h_L33_sum, h_L33_attn)  # L33.moe.residual
     del h_L33_attn, h_L33_sum
     x_L34_attn_norm = rt.rms_norm(h_L33, W['model.layers.34.input_layernorm.weight'], 1e-06)  # L34.attn_norm
-    q_nope_L34, q_pe_L34, c_kv_L34, k_pe_L34 = rt.mla_prolog(x_L34_attn_norm, W['model.layers.34.self_attn.q_a_proj.weight'], W['model.layers.34.self_attn.q_a_layernorm.weight'], W['model.layers.34.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.34.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.34.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L34.mla_prolog
+    q_nope_L34, q_pe_L34, c_kv_L34, k_pe_L34 = rt.mla_prolog(x_L34_attn_norm, W['model.layers.34.self_attn.q_a_proj.weight'], W['model.layers.34.self_attn.q_a_layernorm.weight'], W['model.layers.34.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.34.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.34.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L34.mla_prolog
     del x_L34_attn_norm
     rt.kv_write(kv[34], (c_kv_L34, k_pe_L34), b.slot_mapping)  # L34.kv_write
     del c_kv_L34, k_pe_L34
-    o_L34 = rt.mla_attention(q_nope_L34, q_pe_L34, kv[34], W['model.layers.34.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L34.attn
+    o_L34 = rt.mla_attention(q_nope_L34, q_pe_L34, kv[34], W['model.layers.34.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L34.attn
     del q_nope_L34, q_pe_L34
-    h_L34_attn_partial = rt.o_proj(o_L34, W['graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L34.o_proj
+    h_L34_attn_partial = rt.o_proj(o_L34, W['graphgen.load:model.layers.34.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L34.o_proj
     del o_L34
-    h_L34_attn_sum = rt.all_reduce(h_L34_attn_partial, group='tp', size=2, reduce='sum')  # L34.o_proj.all_reduce
+    h_L34_attn_sum = rt.all_reduce(h_L34_attn_partial, group='tp', size=4, reduce='sum')  # L34.o_proj.all_reduce
     del h_L34_attn_partial
     h_L34_attn = rt.residual_add(h_L34_attn_sum, h_L33)  # L34.o_proj.residual
     del h_L33, h_L34_attn_sum
     x_L34_mlp_norm = rt.rms_norm(h_L34_attn, W['model.layers.34.post_attention_layernorm.weight'], 1e-06)  # L34.mlp_norm
-    h_L34_dp_tokens = rt.all_gather(x_L34_mlp_norm, group='dp', size=16, dim=0, length=None)  # L34.moe.dp_gather
+    h_L34_dp_tokens = rt.all_gather(x_L34_mlp_norm, group='dp', size=8, dim=0, length=None)  # L34.moe.dp_gather
     del x_L34_mlp_norm
     h_L34_partial = rt.moe(h_L34_dp_tokens, W['model.layers.34.mlp.gate.weight'], W['model.layers.34.mlp.gate.e_score_correction_bias'], W['model.layers.34.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.34.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.34.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.34.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.34.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.34.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L34.moe
     del h_L34_dp_tokens
     h_L34_tp_tokens = rt.reduce_scatter(h_L34_partial, group='ep', size=32, reduce='sum', dim=0)  # L34.moe.reduce_scatter
     del h_L34_partial
-    h_L34_sum = rt.all_gather(h_L34_tp_tokens, group='tp', size=2, dim=0, length=None)  # L34.moe.tp_gather
+    h_L34_sum = rt.all_gather(h_L34_tp_tokens, group='tp', size=4, dim=0, length=None)  # L34.moe.tp_gather
     del h_L34_tp_tokens
     h_L34 = rt.residual_add(h_L34_sum, h_L34_attn)  # L34.moe.residual
     del h_L34_attn, h_L34_sum
     x_L35_attn_norm = rt.rms_norm(h_L34, W['model.layers.35.input_layernorm.weight'], 1e-06)  # L35.attn_norm
-    q_nope_L35, q_pe_L35, c_kv_L35, k_pe_L35 = rt.mla_prolog(x_L35_attn_norm, W['model.layers.35.self_attn.q_a_proj.weight'], W['model.layers.35.self_attn.q_a_layernorm.weight'], W['model.layers.35.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.35.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.35.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L35.mla_prolog
+    q_nope_L35, q_pe_L35, c_kv_L35, k_pe_L35 = rt.mla_prolog(x_L35_attn_norm, W['model.layers.35.self_attn.q_a_proj.weight'], W['model.layers.35.self_attn.q_a_layernorm.weight'], W['model.layers.35.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.35.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.35.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L35.mla_prolog
     del x_L35_attn_norm
     rt.kv_write(kv[35], (c_kv_L35, k_pe_L35), b.slot_mapping)  # L35.kv_write
     del c_kv_L35, k_pe_L35
-    o_L35 = rt.mla_attention(q_nope_L35, q_pe_L35, kv[35], W['model.layers.35.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L35.attn
+    o_L35 = rt.mla_attention(q_nope_L35, q_pe_L35, kv[35], W['model.layers.35.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L35.attn
     del q_nope_L35, q_pe_L35
-    h_L35_attn_partial = rt.o_proj(o_L35, W['graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L35.o_proj
+    h_L35_attn_partial = rt.o_proj(o_L35, W['graphgen.load:model.layers.35.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L35.o_proj
     del o_L35
-    h_L35_attn_sum = rt.all_reduce(h_L35_attn_partial, group='tp', size=2, reduce='sum')  # L35.o_proj.all_reduce
+    h_L35_attn_sum = rt.all_reduce(h_L35_attn_partial, group='tp', size=4, reduce='sum')  # L35.o_proj.all_reduce
     del h_L35_attn_partial
     h_L35_attn = rt.residual_add(h_L35_attn_sum, h_L34)  # L35.o_proj.residual
     del h_L34, h_L35_attn_sum
     x_L35_mlp_norm = rt.rms_norm(h_L35_attn, W['model.layers.35.post_attention_layernorm.weight'], 1e-06)  # L35.mlp_norm
-    h_L35_dp_tokens = rt.all_gather(x_L35_mlp_norm, group='dp', size=16, dim=0, length=None)  # L35.moe.dp_gather
+    h_L35_dp_tokens = rt.all_gather(x_L35_mlp_norm, group='dp', size=8, dim=0, length=None)  # L35.moe.dp_gather
     del x_L35_mlp_norm
     h_L35_partial = rt.moe(h_L35_dp_tokens, W['model.layers.35.mlp.gate.weight'], W['model.layers.35.mlp.gate.e_score_correction_bias'], W['model.layers.35.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.35.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.35.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.35.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.35.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.35.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L35.moe
     del h_L35_dp_tokens
     h_L35_tp_tokens = rt.reduce_scatter(h_L35_partial, group='ep', size=32, reduce='sum', dim=0)  # L35.moe.reduce_scatter
     del h_L35_partial
-    h_L35_sum = rt.all_gather(h_L35_tp_tokens, group='tp', size=2, dim=0, length=None)  # L35.moe.tp_gather
+    h_L35_sum = rt.all_gather(h_L35_tp_tokens, group='tp', size=4, dim=0, length=None)  # L35.moe.tp_gather
     del h_L35_tp_tokens
     h_L35 = rt.residual_add(h_L35_sum, h_L35_attn)  # L35.moe.residual
     del h_L35_attn, h_L35_sum
     x_L36_attn_norm = rt.rms_norm(h_L35, W['model.layers.36.input_layernorm.weight'], 1e-06)  # L36.attn_norm
-    q_nope_L36, q_pe_L36, c_kv_L36, k_pe_L36 = rt.mla_prolog(x_L36_attn_norm, W['model.layers.36.self_attn.q_a_proj.weight'], W['model.layers.36.self_attn.q_a_layernorm.weight'], W['model.layers.36.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.36.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.36.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L36.mla_prolog
+    q_nope_L36, q_pe_L36, c_kv_L36, k_pe_L36 = rt.mla_prolog(x_L36_attn_norm, W['model.layers.36.self_attn.q_a_proj.weight'], W['model.layers.36.self_attn.q_a_layernorm.weight'], W['model.layers.36.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.36.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.36.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L36.mla_prolog
     del x_L36_attn_norm
     rt.kv_write(kv[36], (c_kv_L36, k_pe_L36), b.slot_mapping)  # L36.kv_write
     del c_kv_L36, k_pe_L36
-    o_L36 = rt.mla_attention(q_nope_L36, q_pe_L36, kv[36], W['model.layers.36.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L36.attn
+    o_L36 = rt.mla_attention(q_nope_L36, q_pe_L36, kv[36], W['model.layers.36.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L36.attn
     del q_nope_L36, q_pe_L36
-    h_L36_attn_partial = rt.o_proj(o_L36, W['graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L36.o_proj
+    h_L36_attn_partial = rt.o_proj(o_L36, W['graphgen.load:model.layers.36.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L36.o_proj
     del o_L36
-    h_L36_attn_sum = rt.all_reduce(h_L36_attn_partial, group='tp', size=2, reduce='sum')  # L36.o_proj.all_reduce
+    h_L36_attn_sum = rt.all_reduce(h_L36_attn_partial, group='tp', size=4, reduce='sum')  # L36.o_proj.all_reduce
     del h_L36_attn_partial
     h_L36_attn = rt.residual_add(h_L36_attn_sum, h_L35)  # L36.o_proj.residual
     del h_L35, h_L36_attn_sum
     x_L36_mlp_norm = rt.rms_norm(h_L36_attn, W['model.layers.36.post_attention_layernorm.weight'], 1e-06)  # L36.mlp_norm
-    h_L36_dp_tokens = rt.all_gather(x_L36_mlp_norm, group='dp', size=16, dim=0, length=None)  # L36.moe.dp_gather
+    h_L36_dp_tokens = rt.all_gather(x_L36_mlp_norm, group='dp', size=8, dim=0, length=None)  # L36.moe.dp_gather
     del x_L36_mlp_norm
     h_L36_partial = rt.moe(h_L36_dp_tokens, W['model.layers.36.mlp.gate.weight'], W['model.layers.36.mlp.gate.e_score_correction_bias'], W['model.layers.36.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.36.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.36.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.36.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.36.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.36.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L36.moe
     del h_L36_dp_tokens
     h_L36_tp_tokens = rt.reduce_scatter(h_L36_partial, group='ep', size=32, reduce='sum', dim=0)  # L36.moe.reduce_scatter
     del h_L36_partial
-    h_L36_sum = rt.all_gather(h_L36_tp_tokens, group='tp', size=2, dim=0, length=None)  # L36.moe.tp_gather
+    h_L36_sum = rt.all_gather(h_L36_tp_tokens, group='tp', size=4, dim=0, length=None)  # L36.moe.tp_gather
     del h_L36_tp_tokens
     h_L36 = rt.residual_add(h_L36_sum, h_L36_attn)  # L36.moe.residual
     del h_L36_attn, h_L36_sum
     x_L37_attn_norm = rt.rms_norm(h_L36, W['model.layers.37.input_layernorm.weight'], 1e-06)  # L37.attn_norm
-    q_nope_L37, q_pe_L37, c_kv_L37, k_pe_L37 = rt.mla_prolog(x_L37_attn_norm, W['model.layers.37.self_attn.q_a_proj.weight'], W['model.layers.37.self_attn.q_a_layernorm.weight'], W['model.layers.37.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.37.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.37.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L37.mla_prolog
+    q_nope_L37, q_pe_L37, c_kv_L37, k_pe_L37 = rt.mla_prolog(x_L37_attn_norm, W['model.layers.37.self_attn.q_a_proj.weight'], W['model.layers.37.self_attn.q_a_layernorm.weight'], W['model.layers.37.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.37.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.37.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L37.mla_prolog
     del x_L37_attn_norm
     rt.kv_write(kv[37], (c_kv_L37, k_pe_L37), b.slot_mapping)  # L37.kv_write
     del c_kv_L37, k_pe_L37
-    o_L37 = rt.mla_attention(q_nope_L37, q_pe_L37, kv[37], W['model.layers.37.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L37.attn
+    o_L37 = rt.mla_attention(q_nope_L37, q_pe_L37, kv[37], W['model.layers.37.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L37.attn
     del q_nope_L37, q_pe_L37
-    h_L37_attn_partial = rt.o_proj(o_L37, W['graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L37.o_proj
+    h_L37_attn_partial = rt.o_proj(o_L37, W['graphgen.load:model.layers.37.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L37.o_proj
     del o_L37
-    h_L37_attn_sum = rt.all_reduce(h_L37_attn_partial, group='tp', size=2, reduce='sum')  # L37.o_proj.all_reduce
+    h_L37_attn_sum = rt.all_reduce(h_L37_attn_partial, group='tp', size=4, reduce='sum')  # L37.o_proj.all_reduce
     del h_L37_attn_partial
     h_L37_attn = rt.residual_add(h_L37_attn_sum, h_L36)  # L37.o_proj.residual
     del h_L36, h_L37_attn_sum
     x_L37_mlp_norm = rt.rms_norm(h_L37_attn, W['model.layers.37.post_attention_layernorm.weight'], 1e-06)  # L37.mlp_norm
-    h_L37_dp_tokens = rt.all_gather(x_L37_mlp_norm, group='dp', size=16, dim=0, length=None)  # L37.moe.dp_gather
+    h_L37_dp_tokens = rt.all_gather(x_L37_mlp_norm, group='dp', size=8, dim=0, length=None)  # L37.moe.dp_gather
     del x_L37_mlp_norm
     h_L37_partial = rt.moe(h_L37_dp_tokens, W['model.layers.37.mlp.gate.weight'], W['model.layers.37.mlp.gate.e_score_correction_bias'], W['model.layers.37.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.37.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.37.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.37.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.37.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.37.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L37.moe
     del h_L37_dp_tokens
     h_L37_tp_tokens = rt.reduce_scatter(h_L37_partial, group='ep', size=32, reduce='sum', dim=0)  # L37.moe.reduce_scatter
     del h_L37_partial
-    h_L37_sum = rt.all_gather(h_L37_tp_tokens, group='tp', size=2, dim=0, length=None)  # L37.moe.tp_gather
+    h_L37_sum = rt.all_gather(h_L37_tp_tokens, group='tp', size=4, dim=0, length=None)  # L37.moe.tp_gather
     del h_L37_tp_tokens
     h_L37 = rt.residual_add(h_L37_sum, h_L37_attn)  # L37.moe.residual
     del h_L37_attn, h_L37_sum
     x_L38_attn_norm = rt.rms_norm(h_L37, W['model.layers.38.input_layernorm.weight'], 1e-06)  # L38.attn_norm
-    q_nope_L38, q_pe_L38, c_kv_L38, k_pe_L38 = rt.mla_prolog(x_L38_attn_norm, W['model.layers.38.self_attn.q_a_proj.weight'], W['model.layers.38.self_attn.q_a_layernorm.weight'], W['model.layers.38.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.38.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.38.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L38.mla_prolog
+    q_nope_L38, q_pe_L38, c_kv_L38, k_pe_L38 = rt.mla_prolog(x_L38_attn_norm, W['model.layers.38.self_attn.q_a_proj.weight'], W['model.layers.38.self_attn.q_a_layernorm.weight'], W['model.layers.38.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.38.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.38.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L38.mla_prolog
     del x_L38_attn_norm
     rt.kv_write(kv[38], (c_kv_L38, k_pe_L38), b.slot_mapping)  # L38.kv_write
     del c_kv_L38, k_pe_L38
-    o_L38 = rt.mla_attention(q_nope_L38, q_pe_L38, kv[38], W['model.layers.38.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L38.attn
+    o_L38 = rt.mla_attention(q_nope_L38, q_pe_L38, kv[38], W['model.layers.38.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L38.attn
     del q_nope_L38, q_pe_L38
-    h_L38_attn_partial = rt.o_proj(o_L38, W['graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L38.o_proj
+    h_L38_attn_partial = rt.o_proj(o_L38, W['graphgen.load:model.layers.38.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L38.o_proj
     del o_L38
-    h_L38_attn_sum = rt.all_reduce(h_L38_attn_partial, group='tp', size=2, reduce='sum')  # L38.o_proj.all_reduce
+    h_L38_attn_sum = rt.all_reduce(h_L38_attn_partial, group='tp', size=4, reduce='sum')  # L38.o_proj.all_reduce
     del h_L38_attn_partial
     h_L38_attn = rt.residual_add(h_L38_attn_sum, h_L37)  # L38.o_proj.residual
     del h_L37, h_L38_attn_sum
     x_L38_mlp_norm = rt.rms_norm(h_L38_attn, W['model.layers.38.post_attention_layernorm.weight'], 1e-06)  # L38.mlp_norm
-    h_L38_dp_tokens = rt.all_gather(x_L38_mlp_norm, group='dp', size=16, dim=0, length=None)  # L38.moe.dp_gather
+    h_L38_dp_tokens = rt.all_gather(x_L38_mlp_norm, group='dp', size=8, dim=0, length=None)  # L38.moe.dp_gather
     del x_L38_mlp_norm
     h_L38_partial = rt.moe(h_L38_dp_tokens, W['model.layers.38.mlp.gate.weight'], W['model.layers.38.mlp.gate.e_score_correction_bias'], W['model.layers.38.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.38.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.38.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.38.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.38.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.38.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L38.moe
     del h_L38_dp_tokens
     h_L38_tp_tokens = rt.reduce_scatter(h_L38_partial, group='ep', size=32, reduce='sum', dim=0)  # L38.moe.reduce_scatter
     del h_L38_partial
-    h_L38_sum = rt.all_gather(h_L38_tp_tokens, group='tp', size=2, dim=0, length=None)  # L38.moe.tp_gather
+    h_L38_sum = rt.all_gather(h_L38_tp_tokens, group='tp', size=4, dim=0, length=None)  # L38.moe.tp_gather
     del h_L38_tp_tokens
     h_L38 = rt.residual_add(h_L38_sum, h_L38_attn)  # L38.moe.residual
     del h_L38_attn, h_L38_sum
     x_L39_attn_norm = rt.rms_norm(h_L38, W['model.layers.39.input_layernorm.weight'], 1e-06)  # L39.attn_norm
-    q_nope_L39, q_pe_L39, c_kv_L39, k_pe_L39 = rt.mla_prolog(x_L39_attn_norm, W['model.layers.39.self_attn.q_a_proj.weight'], W['model.layers.39.self_attn.q_a_layernorm.weight'], W['model.layers.39.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.39.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.39.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L39.mla_prolog
+    q_nope_L39, q_pe_L39, c_kv_L39, k_pe_L39 = rt.mla_prolog(x_L39_attn_norm, W['model.layers.39.self_attn.q_a_proj.weight'], W['model.layers.39.self_attn.q_a_layernorm.weight'], W['model.layers.39.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.39.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.39.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L39.mla_prolog
     del x_L39_attn_norm
     rt.kv_write(kv[39], (c_kv_L39, k_pe_L39), b.slot_mapping)  # L39.kv_write
     del c_kv_L39, k_pe_L39
-    o_L39 = rt.mla_attention(q_nope_L39, q_pe_L39, kv[39], W['model.layers.39.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L39.attn
+    o_L39 = rt.mla_attention(q_nope_L39, q_pe_L39, kv[39], W['model.layers.39.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L39.attn
     del q_nope_L39, q_pe_L39
-    h_L39_attn_partial = rt.o_proj(o_L39, W['graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L39.o_proj
+    h_L39_attn_partial = rt.o_proj(o_L39, W['graphgen.load:model.layers.39.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L39.o_proj
     del o_L39
-    h_L39_attn_sum = rt.all_reduce(h_L39_attn_partial, group='tp', size=2, reduce='sum')  # L39.o_proj.all_reduce
+    h_L39_attn_sum = rt.all_reduce(h_L39_attn_partial, group='tp', size=4, reduce='sum')  # L39.o_proj.all_reduce
     del h_L39_attn_partial
     h_L39_attn = rt.residual_add(h_L39_attn_sum, h_L38)  # L39.o_proj.residual
     del h_L38, h_L39_attn_sum
     x_L39_mlp_norm = rt.rms_norm(h_L39_attn, W['model.layers.39.post_attention_layernorm.weight'], 1e-06)  # L39.mlp_norm
-    h_L39_dp_tokens = rt.all_gather(x_L39_mlp_norm, group='dp', size=16, dim=0, length=None)  # L39.moe.dp_gather
+    h_L39_dp_tokens = rt.all_gather(x_L39_mlp_norm, group='dp', size=8, dim=0, length=None)  # L39.moe.dp_gather
     del x_L39_mlp_norm
     h_L39_partial = rt.moe(h_L39_dp_tokens, W['model.layers.39.mlp.gate.weight'], W['model.layers.39.mlp.gate.e_score_correction_bias'], W['model.layers.39.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.39.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.39.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.39.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.39.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.39.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L39.moe
     del h_L39_dp_tokens
     h_L39_tp_tokens = rt.reduce_scatter(h_L39_partial, group='ep', size=32, reduce='sum', dim=0)  # L39.moe.reduce_scatter
     del h_L39_partial
-    h_L39_sum = rt.all_gather(h_L39_tp_tokens, group='tp', size=2, dim=0, length=None)  # L39.moe.tp_gather
+    h_L39_sum = rt.all_gather(h_L39_tp_tokens, group='tp', size=4, dim=0, length=None)  # L39.moe.tp_gather
     del h_L39_tp_tokens
     h_L39 = rt.residual_add(h_L39_sum, h_L39_attn)  # L39.moe.residual
     del h_L39_attn, h_L39_sum
     x_L40_attn_norm = rt.rms_norm(h_L39, W['model.layers.40.input_layernorm.weight'], 1e-06)  # L40.attn_norm
-    q_nope_L40, q_pe_L40, c_kv_L40, k_pe_L40 = rt.mla_prolog(x_L40_attn_norm, W['model.layers.40.self_attn.q_a_proj.weight'], W['model.layers.40.self_attn.q_a_layernorm.weight'], W['model.layers.40.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.40.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.40.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L40.mla_prolog
+    q_nope_L40, q_pe_L40, c_kv_L40, k_pe_L40 = rt.mla_prolog(x_L40_attn_norm, W['model.layers.40.self_attn.q_a_proj.weight'], W['model.layers.40.self_attn.q_a_layernorm.weight'], W['model.layers.40.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.40.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.40.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L40.mla_prolog
     del x_L40_attn_norm
     rt.kv_write(kv[40], (c_kv_L40, k_pe_L40), b.slot_mapping)  # L40.kv_write
     del c_kv_L40, k_pe_L40
-    o_L40 = rt.mla_attention(q_nope_L40, q_pe_L40, kv[40], W['model.layers.40.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L40.attn
+    o_L40 = rt.mla_attention(q_nope_L40, q_pe_L40, kv[40], W['model.layers.40.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L40.attn
     del q_nope_L40, q_pe_L40
-    h_L40_attn_partial = rt.o_proj(o_L40, W['graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L40.o_proj
+    h_L40_attn_partial = rt.o_proj(o_L40, W['graphgen.load:model.layers.40.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L40.o_proj
     del o_L40
-    h_L40_attn_sum = rt.all_reduce(h_L40_attn_partial, group='tp', size=2, reduce='sum')  # L40.o_proj.all_reduce
+    h_L40_attn_sum = rt.all_reduce(h_L40_attn_partial, group='tp', size=4, reduce='sum')  # L40.o_proj.all_reduce
     del h_L40_attn_partial
     h_L40_attn = rt.residual_add(h_L40_attn_sum, h_L39)  # L40.o_proj.residual
     del h_L39, h_L40_attn_sum
     x_L40_mlp_norm = rt.rms_norm(h_L40_attn, W['model.layers.40.post_attention_layernorm.weight'], 1e-06)  # L40.mlp_norm
-    h_L40_dp_tokens = rt.all_gather(x_L40_mlp_norm, group='dp', size=16, dim=0, length=None)  # L40.moe.dp_gather
+    h_L40_dp_tokens = rt.all_gather(x_L40_mlp_norm, group='dp', size=8, dim=0, length=None)  # L40.moe.dp_gather
     del x_L40_mlp_norm
     h_L40_partial = rt.moe(h_L40_dp_tokens, W['model.layers.40.mlp.gate.weight'], W['model.layers.40.mlp.gate.e_score_correction_bias'], W['model.layers.40.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.40.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.40.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.40.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.40.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.40.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L40.moe
     del h_L40_dp_tokens
     h_L40_tp_tokens = rt.reduce_scatter(h_L40_partial, group='ep', size=32, reduce='sum', dim=0)  # L40.moe.reduce_scatter
     del h_L40_partial
-    h_L40_sum = rt.all_gather(h_L40_tp_tokens, group='tp', size=2, dim=0, length=None)  # L40.moe.tp_gather
+    h_L40_sum = rt.all_gather(h_L40_tp_tokens, group='tp', size=4, dim=0, length=None)  # L40.moe.tp_gather
     del h_L40_tp_tokens
     h_L40 = rt.residual_add(h_L40_sum, h_L40_attn)  # L40.moe.residual
     del h_L40_attn, h_L40_sum
     x_L41_attn_norm = rt.rms_norm(h_L40, W['model.layers.41.input_layernorm.weight'], 1e-06)  # L41.attn_norm
-    q_nope_L41, q_pe_L41, c_kv_L41, k_pe_L41 = rt.mla_prolog(x_L41_attn_norm, W['model.layers.41.self_attn.q_a_proj.weight'], W['model.layers.41.self_attn.q_a_layernorm.weight'], W['model.layers.41.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.41.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.41.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L41.mla_prolog
+    q_nope_L41, q_pe_L41, c_kv_L41, k_pe_L41 = rt.mla_prolog(x_L41_attn_norm, W['model.layers.41.self_attn.q_a_proj.weight'], W['model.layers.41.self_attn.q_a_layernorm.weight'], W['model.layers.41.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.41.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.41.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L41.mla_prolog
     del x_L41_attn_norm
     rt.kv_write(kv[41], (c_kv_L41, k_pe_L41), b.slot_mapping)  # L41.kv_write
     del c_kv_L41, k_pe_L41
-    o_L41 = rt.mla_attention(q_nope_L41, q_pe_L41, kv[41], W['model.layers.41.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L41.attn
+    o_L41 = rt.mla_attention(q_nope_L41, q_pe_L41, kv[41], W['model.layers.41.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L41.attn
     del q_nope_L41, q_pe_L41
-    h_L41_attn_partial = rt.o_proj(o_L41, W['graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L41.o_proj
+    h_L41_attn_partial = rt.o_proj(o_L41, W['graphgen.load:model.layers.41.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L41.o_proj
     del o_L41
-    h_L41_attn_sum = rt.all_reduce(h_L41_attn_partial, group='tp', size=2, reduce='sum')  # L41.o_proj.all_reduce
+    h_L41_attn_sum = rt.all_reduce(h_L41_attn_partial, group='tp', size=4, reduce='sum')  # L41.o_proj.all_reduce
     del h_L41_attn_partial
     h_L41_attn = rt.residual_add(h_L41_attn_sum, h_L40)  # L41.o_proj.residual
     del h_L40, h_L41_attn_sum
     x_L41_mlp_norm = rt.rms_norm(h_L41_attn, W['model.layers.41.post_attention_layernorm.weight'], 1e-06)  # L41.mlp_norm
-    h_L41_dp_tokens = rt.all_gather(x_L41_mlp_norm, group='dp', size=16, dim=0, length=None)  # L41.moe.dp_gather
+    h_L41_dp_tokens = rt.all_gather(x_L41_mlp_norm, group='dp', size=8, dim=0, length=None)  # L41.moe.dp_gather
     del x_L41_mlp_norm
     h_L41_partial = rt.moe(h_L41_dp_tokens, W['model.layers.41.mlp.gate.weight'], W['model.layers.41.mlp.gate.e_score_correction_bias'], W['model.layers.41.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.41.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.41.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.41.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.41.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.41.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L41.moe
     del h_L41_dp_tokens
     h_L41_tp_tokens = rt.reduce_scatter(h_L41_partial, group='ep', size=32, reduce='sum', dim=0)  # L41.moe.reduce_scatter
     del h_L41_partial
-    h_L41_sum = rt.all_gather(h_L41_tp_tokens, group='tp', size=2, dim=0, length=None)  # L41.moe.tp_gather
+    h_L41_sum = rt.all_gather(h_L41_tp_tokens, group='tp', size=4, dim=0, length=None)  # L41.moe.tp_gather
     del h_L41_tp_tokens
     h_L41 = rt.residual_add(h_L41_sum, h_L41_attn)  # L41.moe.residual
     del h_L41_attn, h_L41_sum
     x_L42_attn_norm = rt.rms_norm(h_L41, W['model.layers.42.input_layernorm.weight'], 1e-06)  # L42.attn_norm
-    q_nope_L42, q_pe_L42, c_kv_L42, k_pe_L42 = rt.mla_prolog(x_L42_attn_norm, W['model.layers.42.self_attn.q_a_proj.weight'], W['model.layers.42.self_attn.q_a_layernorm.weight'], W['model.layers.42.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.42.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.42.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L42.mla_prolog
+    q_nope_L42, q_pe_L42, c_kv_L42, k_pe_L42 = rt.mla_prolog(x_L42_attn_norm, W['model.layers.42.self_attn.q_a_proj.weight'], W['model.layers.42.self_attn.q_a_layernorm.weight'], W['model.layers.42.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.42.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.42.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L42.mla_prolog
     del x_L42_attn_norm
     rt.kv_write(kv[42], (c_kv_L42, k_pe_L42), b.slot_mapping)  # L42.kv_write
     del c_kv_L42, k_pe_L42
-    o_L42 = rt.mla_attention(q_nope_L42, q_pe_L42, kv[42], W['model.layers.42.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L42.attn
+    o_L42 = rt.mla_attention(q_nope_L42, q_pe_L42, kv[42], W['model.layers.42.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L42.attn
     del q_nope_L42, q_pe_L42
-    h_L42_attn_partial = rt.o_proj(o_L42, W['graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L42.o_proj
+    h_L42_attn_partial = rt.o_proj(o_L42, W['graphgen.load:model.layers.42.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L42.o_proj
     del o_L42
-    h_L42_attn_sum = rt.all_reduce(h_L42_attn_partial, group='tp', size=2, reduce='sum')  # L42.o_proj.all_reduce
+    h_L42_attn_sum = rt.all_reduce(h_L42_attn_partial, group='tp', size=4, reduce='sum')  # L42.o_proj.all_reduce
     del h_L42_attn_partial
     h_L42_attn = rt.residual_add(h_L42_attn_sum, h_L41)  # L42.o_proj.residual
     del h_L41, h_L42_attn_sum
     x_L42_mlp_norm = rt.rms_norm(h_L42_attn, W['model.layers.42.post_attention_layernorm.weight'], 1e-06)  # L42.mlp_norm
-    h_L42_dp_tokens = rt.all_gather(x_L42_mlp_norm, group='dp', size=16, dim=0, length=None)  # L42.moe.dp_gather
+    h_L42_dp_tokens = rt.all_gather(x_L42_mlp_norm, group='dp', size=8, dim=0, length=None)  # L42.moe.dp_gather
     del x_L42_mlp_norm
     h_L42_partial = rt.moe(h_L42_dp_tokens, W['model.layers.42.mlp.gate.weight'], W['model.layers.42.mlp.gate.e_score_correction_bias'], W['model.layers.42.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.42.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.42.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.42.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.42.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.42.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L42.moe
     del h_L42_dp_tokens
     h_L42_tp_tokens = rt.reduce_scatter(h_L42_partial, group='ep', size=32, reduce='sum', dim=0)  # L42.moe.reduce_scatter
     del h_L42_partial
-    h_L42_sum = rt.all_gather(h_L42_tp_tokens, group='tp', size=2, dim=0, length=None)  # L42.moe.tp_gather
+    h_L42_sum = rt.all_gather(h_L42_tp_tokens, group='tp', size=4, dim=0, length=None)  # L42.moe.tp_gather
     del h_L42_tp_tokens
     h_L42 = rt.residual_add(h_L42_sum, h_L42_attn)  # L42.moe.residual
     del h_L42_attn, h_L42_sum
     x_L43_attn_norm = rt.rms_norm(h_L42, W['model.layers.43.input_layernorm.weight'], 1e-06)  # L43.attn_norm
-    q_nope_L43, q_pe_L43, c_kv_L43, k_pe_L43 = rt.mla_prolog(x_L43_attn_norm, W['model.layers.43.self_attn.q_a_proj.weight'], W['model.layers.43.self_attn.q_a_layernorm.weight'], W['model.layers.43.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.43.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.43.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L43.mla_prolog
+    q_nope_L43, q_pe_L43, c_kv_L43, k_pe_L43 = rt.mla_prolog(x_L43_attn_norm, W['model.layers.43.self_attn.q_a_proj.weight'], W['model.layers.43.self_attn.q_a_layernorm.weight'], W['model.layers.43.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.43.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.43.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L43.mla_prolog
     del x_L43_attn_norm
     rt.kv_write(kv[43], (c_kv_L43, k_pe_L43), b.slot_mapping)  # L43.kv_write
     del c_kv_L43, k_pe_L43
-    o_L43 = rt.mla_attention(q_nope_L43, q_pe_L43, kv[43], W['model.layers.43.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L43.attn
+    o_L43 = rt.mla_attention(q_nope_L43, q_pe_L43, kv[43], W['model.layers.43.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L43.attn
     del q_nope_L43, q_pe_L43
-    h_L43_attn_partial = rt.o_proj(o_L43, W['graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L43.o_proj
+    h_L43_attn_partial = rt.o_proj(o_L43, W['graphgen.load:model.layers.43.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L43.o_proj
     del o_L43
-    h_L43_attn_sum = rt.all_reduce(h_L43_attn_partial, group='tp', size=2, reduce='sum')  # L43.o_proj.all_reduce
+    h_L43_attn_sum = rt.all_reduce(h_L43_attn_partial, group='tp', size=4, reduce='sum')  # L43.o_proj.all_reduce
     del h_L43_attn_partial
     h_L43_attn = rt.residual_add(h_L43_attn_sum, h_L42)  # L43.o_proj.residual
     del h_L42, h_L43_attn_sum
     x_L43_mlp_norm = rt.rms_norm(h_L43_attn, W['model.layers.43.post_attention_layernorm.weight'], 1e-06)  # L43.mlp_norm
-    h_L43_dp_tokens = rt.all_gather(x_L43_mlp_norm, group='dp', size=16, dim=0, length=None)  # L43.moe.dp_gather
+    h_L43_dp_tokens = rt.all_gather(x_L43_mlp_norm, group='dp', size=8, dim=0, length=None)  # L43.moe.dp_gather
     del x_L43_mlp_norm
     h_L43_partial = rt.moe(h_L43_dp_tokens, W['model.layers.43.mlp.gate.weight'], W['model.layers.43.mlp.gate.e_score_correction_bias'], W['model.layers.43.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.43.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.43.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.43.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.43.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.43.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L43.moe
     del h_L43_dp_tokens
     h_L43_tp_tokens = rt.reduce_scatter(h_L43_partial, group='ep', size=32, reduce='sum', dim=0)  # L43.moe.reduce_scatter
     del h_L43_partial
-    h_L43_sum = rt.all_gather(h_L43_tp_tokens, group='tp', size=2, dim=0, length=None)  # L43.moe.tp_gather
+    h_L43_sum = rt.all_gather(h_L43_tp_tokens, group='tp', size=4, dim=0, length=None)  # L43.moe.tp_gather
     del h_L43_tp_tokens
     h_L43 = rt.residual_add(h_L43_sum, h_L43_attn)  # L43.moe.residual
     del h_L43_attn, h_L43_sum
     x_L44_attn_norm = rt.rms_norm(h_L43, W['model.layers.44.input_layernorm.weight'], 1e-06)  # L44.attn_norm
-    q_nope_L44, q_pe_L44, c_kv_L44, k_pe_L44 = rt.mla_prolog(x_L44_attn_norm, W['model.layers.44.self_attn.q_a_proj.weight'], W['model.layers.44.self_attn.q_a_layernorm.weight'], W['model.layers.44.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.44.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.44.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L44.mla_prolog
+    q_nope_L44, q_pe_L44, c_kv_L44, k_pe_L44 = rt.mla_prolog(x_L44_attn_norm, W['model.layers.44.self_attn.q_a_proj.weight'], W['model.layers.44.self_attn.q_a_layernorm.weight'], W['model.layers.44.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.44.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.44.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L44.mla_prolog
     del x_L44_attn_norm
     rt.kv_write(kv[44], (c_kv_L44, k_pe_L44), b.slot_mapping)  # L44.kv_write
     del c_kv_L44, k_pe_L44
-    o_L44 = rt.mla_attention(q_nope_L44, q_pe_L44, kv[44], W['model.layers.44.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L44.attn
+    o_L44 = rt.mla_attention(q_nope_L44, q_pe_L44, kv[44], W['model.layers.44.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L44.attn
     del q_nope_L44, q_pe_L44
-    h_L44_attn_partial = rt.o_proj(o_L44, W['graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L44.o_proj
+    h_L44_attn_partial = rt.o_proj(o_L44, W['graphgen.load:model.layers.44.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L44.o_proj
     del o_L44
-    h_L44_attn_sum = rt.all_reduce(h_L44_attn_partial, group='tp', size=2, reduce='sum')  # L44.o_proj.all_reduce
+    h_L44_attn_sum = rt.all_reduce(h_L44_attn_partial, group='tp', size=4, reduce='sum')  # L44.o_proj.all_reduce
     del h_L44_attn_partial
     h_L44_attn = rt.residual_add(h_L44_attn_sum, h_L43)  # L44.o_proj.residual
     del h_L43, h_L44_attn_sum
     x_L44_mlp_norm = rt.rms_norm(h_L44_attn, W['model.layers.44.post_attention_layernorm.weight'], 1e-06)  # L44.mlp_norm
-    h_L44_dp_tokens = rt.all_gather(x_L44_mlp_norm, group='dp', size=16, dim=0, length=None)  # L44.moe.dp_gather
+    h_L44_dp_tokens = rt.all_gather(x_L44_mlp_norm, group='dp', size=8, dim=0, length=None)  # L44.moe.dp_gather
     del x_L44_mlp_norm
     h_L44_partial = rt.moe(h_L44_dp_tokens, W['model.layers.44.mlp.gate.weight'], W['model.layers.44.mlp.gate.e_score_correction_bias'], W['model.layers.44.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.44.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.44.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.44.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.44.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.44.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L44.moe
     del h_L44_dp_tokens
     h_L44_tp_tokens = rt.reduce_scatter(h_L44_partial, group='ep', size=32, reduce='sum', dim=0)  # L44.moe.reduce_scatter
     del h_L44_partial
-    h_L44_sum = rt.all_gather(h_L44_tp_tokens, group='tp', size=2, dim=0, length=None)  # L44.moe.tp_gather
+    h_L44_sum = rt.all_gather(h_L44_tp_tokens, group='tp', size=4, dim=0, length=None)  # L44.moe.tp_gather
     del h_L44_tp_tokens
     h_L44 = rt.residual_add(h_L44_sum, h_L44_attn)  # L44.moe.residual
     del h_L44_attn, h_L44_sum
     x_L45_attn_norm = rt.rms_norm(h_L44, W['model.layers.45.input_layernorm.weight'], 1e-06)  # L45.attn_norm
-    q_nope_L45, q_pe_L45, c_kv_L45, k_pe_L45 = rt.mla_prolog(x_L45_attn_norm, W['model.layers.45.self_attn.q_a_proj.weight'], W['model.layers.45.self_attn.q_a_layernorm.weight'], W['model.layers.45.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.45.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.45.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L45.mla_prolog
+    q_nope_L45, q_pe_L45, c_kv_L45, k_pe_L45 = rt.mla_prolog(x_L45_attn_norm, W['model.layers.45.self_attn.q_a_proj.weight'], W['model.layers.45.self_attn.q_a_layernorm.weight'], W['model.layers.45.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.45.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.45.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L45.mla_prolog
     del x_L45_attn_norm
     rt.kv_write(kv[45], (c_kv_L45, k_pe_L45), b.slot_mapping)  # L45.kv_write
     del c_kv_L45, k_pe_L45
-    o_L45 = rt.mla_attention(q_nope_L45, q_pe_L45, kv[45], W['model.layers.45.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L45.attn
+    o_L45 = rt.mla_attention(q_nope_L45, q_pe_L45, kv[45], W['model.layers.45.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L45.attn
     del q_nope_L45, q_pe_L45
-    h_L45_attn_partial = rt.o_proj(o_L45, W['graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L45.o_proj
+    h_L45_attn_partial = rt.o_proj(o_L45, W['graphgen.load:model.layers.45.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L45.o_proj
     del o_L45
-    h_L45_attn_sum = rt.all_reduce(h_L45_attn_partial, group='tp', size=2, reduce='sum')  # L45.o_proj.all_reduce
+    h_L45_attn_sum = rt.all_reduce(h_L45_attn_partial, group='tp', size=4, reduce='sum')  # L45.o_proj.all_reduce
     del h_L45_attn_partial
     h_L45_attn = rt.residual_add(h_L45_attn_sum, h_L44)  # L45.o_proj.residual
     del h_L44, h_L45_attn_sum
     x_L45_mlp_norm = rt.rms_norm(h_L45_attn, W['model.layers.45.post_attention_layernorm.weight'], 1e-06)  # L45.mlp_norm
-    h_L45_dp_tokens = rt.all_gather(x_L45_mlp_norm, group='dp', size=16, dim=0, length=None)  # L45.moe.dp_gather
+    h_L45_dp_tokens = rt.all_gather(x_L45_mlp_norm, group='dp', size=8, dim=0, length=None)  # L45.moe.dp_gather
     del x_L45_mlp_norm
     h_L45_partial = rt.moe(h_L45_dp_tokens, W['model.layers.45.mlp.gate.weight'], W['model.layers.45.mlp.gate.e_score_correction_bias'], W['model.layers.45.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.45.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.45.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.45.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.45.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.45.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L45.moe
     del h_L45_dp_tokens
     h_L45_tp_tokens = rt.reduce_scatter(h_L45_partial, group='ep', size=32, reduce='sum', dim=0)  # L45.moe.reduce_scatter
     del h_L45_partial
-    h_L45_sum = rt.all_gather(h_L45_tp_tokens, group='tp', size=2, dim=0, length=None)  # L45.moe.tp_gather
+    h_L45_sum = rt.all_gather(h_L45_tp_tokens, group='tp', size=4, dim=0, length=None)  # L45.moe.tp_gather
     del h_L45_tp_tokens
     h_L45 = rt.residual_add(h_L45_sum, h_L45_attn)  # L45.moe.residual
     del h_L45_attn, h_L45_sum
     x_L46_attn_norm = rt.rms_norm(h_L45, W['model.layers.46.input_layernorm.weight'], 1e-06)  # L46.attn_norm
-    q_nope_L46, q_pe_L46, c_kv_L46, k_pe_L46 = rt.mla_prolog(x_L46_attn_norm, W['model.layers.46.self_attn.q_a_proj.weight'], W['model.layers.46.self_attn.q_a_layernorm.weight'], W['model.layers.46.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.46.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.46.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L46.mla_prolog
+    q_nope_L46, q_pe_L46, c_kv_L46, k_pe_L46 = rt.mla_prolog(x_L46_attn_norm, W['model.layers.46.self_attn.q_a_proj.weight'], W['model.layers.46.self_attn.q_a_layernorm.weight'], W['model.layers.46.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.46.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.46.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L46.mla_prolog
     del x_L46_attn_norm
     rt.kv_write(kv[46], (c_kv_L46, k_pe_L46), b.slot_mapping)  # L46.kv_write
     del c_kv_L46, k_pe_L46
-    o_L46 = rt.mla_attention(q_nope_L46, q_pe_L46, kv[46], W['model.layers.46.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L46.attn
+    o_L46 = rt.mla_attention(q_nope_L46, q_pe_L46, kv[46], W['model.layers.46.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L46.attn
     del q_nope_L46, q_pe_L46
-    h_L46_attn_partial = rt.o_proj(o_L46, W['graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L46.o_proj
+    h_L46_attn_partial = rt.o_proj(o_L46, W['graphgen.load:model.layers.46.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L46.o_proj
     del o_L46
-    h_L46_attn_sum = rt.all_reduce(h_L46_attn_partial, group='tp', size=2, reduce='sum')  # L46.o_proj.all_reduce
+    h_L46_attn_sum = rt.all_reduce(h_L46_attn_partial, group='tp', size=4, reduce='sum')  # L46.o_proj.all_reduce
     del h_L46_attn_partial
     h_L46_attn = rt.residual_add(h_L46_attn_sum, h_L45)  # L46.o_proj.residual
     del h_L45, h_L46_attn_sum
     x_L46_mlp_norm = rt.rms_norm(h_L46_attn, W['model.layers.46.post_attention_layernorm.weight'], 1e-06)  # L46.mlp_norm
-    h_L46_dp_tokens = rt.all_gather(x_L46_mlp_norm, group='dp', size=16, dim=0, length=None)  # L46.moe.dp_gather
+    h_L46_dp_tokens = rt.all_gather(x_L46_mlp_norm, group='dp', size=8, dim=0, length=None)  # L46.moe.dp_gather
     del x_L46_mlp_norm
     h_L46_partial = rt.moe(h_L46_dp_tokens, W['model.layers.46.mlp.gate.weight'], W['model.layers.46.mlp.gate.e_score_correction_bias'], W['model.layers.46.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.46.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.46.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.46.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.46.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.46.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L46.moe
     del h_L46_dp_tokens
     h_L46_tp_tokens = rt.reduce_scatter(h_L46_partial, group='ep', size=32, reduce='sum', dim=0)  # L46.moe.reduce_scatter
     del h_L46_partial
-    h_L46_sum = rt.all_gather(h_L46_tp_tokens, group='tp', size=2, dim=0, length=None)  # L46.moe.tp_gather
+    h_L46_sum = rt.all_gather(h_L46_tp_tokens, group='tp', size=4, dim=0, length=None)  # L46.moe.tp_gather
     del h_L46_tp_tokens
     h_L46 = rt.residual_add(h_L46_sum, h_L46_attn)  # L46.moe.residual
     del h_L46_attn, h_L46_sum
     x_L47_attn_norm = rt.rms_norm(h_L46, W['model.layers.47.input_layernorm.weight'], 1e-06)  # L47.attn_norm
-    q_nope_L47, q_pe_L47, c_kv_L47, k_pe_L47 = rt.mla_prolog(x_L47_attn_norm, W['model.layers.47.self_attn.q_a_proj.weight'], W['model.layers.47.self_attn.q_a_layernorm.weight'], W['model.layers.47.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.47.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.47.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L47.mla_prolog
+    q_nope_L47, q_pe_L47, c_kv_L47, k_pe_L47 = rt.mla_prolog(x_L47_attn_norm, W['model.layers.47.self_attn.q_a_proj.weight'], W['model.layers.47.self_attn.q_a_layernorm.weight'], W['model.layers.47.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.47.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.47.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L47.mla_prolog
     del x_L47_attn_norm
     rt.kv_write(kv[47], (c_kv_L47, k_pe_L47), b.slot_mapping)  # L47.kv_write
     del c_kv_L47, k_pe_L47
-    o_L47 = rt.mla_attention(q_nope_L47, q_pe_L47, kv[47], W['model.layers.47.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L47.attn
+    o_L47 = rt.mla_attention(q_nope_L47, q_pe_L47, kv[47], W['model.layers.47.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L47.attn
     del q_nope_L47, q_pe_L47
-    h_L47_attn_partial = rt.o_proj(o_L47, W['graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L47.o_proj
+    h_L47_attn_partial = rt.o_proj(o_L47, W['graphgen.load:model.layers.47.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L47.o_proj
     del o_L47
-    h_L47_attn_sum = rt.all_reduce(h_L47_attn_partial, group='tp', size=2, reduce='sum')  # L47.o_proj.all_reduce
+    h_L47_attn_sum = rt.all_reduce(h_L47_attn_partial, group='tp', size=4, reduce='sum')  # L47.o_proj.all_reduce
     del h_L47_attn_partial
     h_L47_attn = rt.residual_add(h_L47_attn_sum, h_L46)  # L47.o_proj.residual
     del h_L46, h_L47_attn_sum
     x_L47_mlp_norm = rt.rms_norm(h_L47_attn, W['model.layers.47.post_attention_layernorm.weight'], 1e-06)  # L47.mlp_norm
-    h_L47_dp_tokens = rt.all_gather(x_L47_mlp_norm, group='dp', size=16, dim=0, length=None)  # L47.moe.dp_gather
+    h_L47_dp_tokens = rt.all_gather(x_L47_mlp_norm, group='dp', size=8, dim=0, length=None)  # L47.moe.dp_gather
     del x_L47_mlp_norm
     h_L47_partial = rt.moe(h_L47_dp_tokens, W['model.layers.47.mlp.gate.weight'], W['model.layers.47.mlp.gate.e_score_correction_bias'], W['model.layers.47.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.47.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.47.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.47.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.47.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.47.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L47.moe
     del h_L47_dp_tokens
     h_L47_tp_tokens = rt.reduce_scatter(h_L47_partial, group='ep', size=32, reduce='sum', dim=0)  # L47.moe.reduce_scatter
     del h_L47_partial
-    h_L47_sum = rt.all_gather(h_L47_tp_tokens, group='tp', size=2, dim=0, length=None)  # L47.moe.tp_gather
+    h_L47_sum = rt.all_gather(h_L47_tp_tokens, group='tp', size=4, dim=0, length=None)  # L47.moe.tp_gather
     del h_L47_tp_tokens
     h_L47 = rt.residual_add(h_L47_sum, h_L47_attn)  # L47.moe.residual
     del h_L47_attn, h_L47_sum
     x_L48_attn_norm = rt.rms_norm(h_L47, W['model.layers.48.input_layernorm.weight'], 1e-06)  # L48.attn_norm
-    q_nope_L48, q_pe_L48, c_kv_L48, k_pe_L48 = rt.mla_prolog(x_L48_attn_norm, W['model.layers.48.self_attn.q_a_proj.weight'], W['model.layers.48.self_attn.q_a_layernorm.weight'], W['model.layers.48.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.48.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.48.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L48.mla_prolog
+    q_nope_L48, q_pe_L48, c_kv_L48, k_pe_L48 = rt.mla_prolog(x_L48_attn_norm, W['model.layers.48.self_attn.q_a_proj.weight'], W['model.layers.48.self_attn.q_a_layernorm.weight'], W['model.layers.48.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.48.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.48.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L48.mla_prolog
     del x_L48_attn_norm
     rt.kv_write(kv[48], (c_kv_L48, k_pe_L48), b.slot_mapping)  # L48.kv_write
     del c_kv_L48, k_pe_L48
-    o_L48 = rt.mla_attention(q_nope_L48, q_pe_L48, kv[48], W['model.layers.48.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L48.attn
+    o_L48 = rt.mla_attention(q_nope_L48, q_pe_L48, kv[48], W['model.layers.48.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L48.attn
     del q_nope_L48, q_pe_L48
-    h_L48_attn_partial = rt.o_proj(o_L48, W['graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L48.o_proj
+    h_L48_attn_partial = rt.o_proj(o_L48, W['graphgen.load:model.layers.48.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L48.o_proj
     del o_L48
-    h_L48_attn_sum = rt.all_reduce(h_L48_attn_partial, group='tp', size=2, reduce='sum')  # L48.o_proj.all_reduce
+    h_L48_attn_sum = rt.all_reduce(h_L48_attn_partial, group='tp', size=4, reduce='sum')  # L48.o_proj.all_reduce
     del h_L48_attn_partial
     h_L48_attn = rt.residual_add(h_L48_attn_sum, h_L47)  # L48.o_proj.residual
     del h_L47, h_L48_attn_sum
     x_L48_mlp_norm = rt.rms_norm(h_L48_attn, W['model.layers.48.post_attention_layernorm.weight'], 1e-06)  # L48.mlp_norm
-    h_L48_dp_tokens = rt.all_gather(x_L48_mlp_norm, group='dp', size=16, dim=0, length=None)  # L48.moe.dp_gather
+    h_L48_dp_tokens = rt.all_gather(x_L48_mlp_norm, group='dp', size=8, dim=0, length=None)  # L48.moe.dp_gather
     del x_L48_mlp_norm
     h_L48_partial = rt.moe(h_L48_dp_tokens, W['model.layers.48.mlp.gate.weight'], W['model.layers.48.mlp.gate.e_score_correction_bias'], W['model.layers.48.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.48.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.48.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.48.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.48.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.48.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L48.moe
     del h_L48_dp_tokens
     h_L48_tp_tokens = rt.reduce_scatter(h_L48_partial, group='ep', size=32, reduce='sum', dim=0)  # L48.moe.reduce_scatter
     del h_L48_partial
-    h_L48_sum = rt.all_gather(h_L48_tp_tokens, group='tp', size=2, dim=0, length=None)  # L48.moe.tp_gather
+    h_L48_sum = rt.all_gather(h_L48_tp_tokens, group='tp', size=4, dim=0, length=None)  # L48.moe.tp_gather
     del h_L48_tp_tokens
     h_L48 = rt.residual_add(h_L48_sum, h_L48_attn)  # L48.moe.residual
     del h_L48_attn, h_L48_sum
     x_L49_attn_norm = rt.rms_norm(h_L48, W['model.layers.49.input_layernorm.weight'], 1e-06)  # L49.attn_norm
-    q_nope_L49, q_pe_L49, c_kv_L49, k_pe_L49 = rt.mla_prolog(x_L49_attn_norm, W['model.layers.49.self_attn.q_a_proj.weight'], W['model.layers.49.self_attn.q_a_layernorm.weight'], W['model.layers.49.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.49.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.49.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L49.mla_prolog
+    q_nope_L49, q_pe_L49, c_kv_L49, k_pe_L49 = rt.mla_prolog(x_L49_attn_norm, W['model.layers.49.self_attn.q_a_proj.weight'], W['model.layers.49.self_attn.q_a_layernorm.weight'], W['model.layers.49.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.49.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.49.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L49.mla_prolog
     del x_L49_attn_norm
     rt.kv_write(kv[49], (c_kv_L49, k_pe_L49), b.slot_mapping)  # L49.kv_write
     del c_kv_L49, k_pe_L49
-    o_L49 = rt.mla_attention(q_nope_L49, q_pe_L49, kv[49], W['model.layers.49.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L49.attn
+    o_L49 = rt.mla_attention(q_nope_L49, q_pe_L49, kv[49], W['model.layers.49.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L49.attn
     del q_nope_L49, q_pe_L49
-    h_L49_attn_partial = rt.o_proj(o_L49, W['graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L49.o_proj
+    h_L49_attn_partial = rt.o_proj(o_L49, W['graphgen.load:model.layers.49.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L49.o_proj
     del o_L49
-    h_L49_attn_sum = rt.all_reduce(h_L49_attn_partial, group='tp', size=2, reduce='sum')  # L49.o_proj.all_reduce
+    h_L49_attn_sum = rt.all_reduce(h_L49_attn_partial, group='tp', size=4, reduce='sum')  # L49.o_proj.all_reduce
     del h_L49_attn_partial
     h_L49_attn = rt.residual_add(h_L49_attn_sum, h_L48)  # L49.o_proj.residual
     del h_L48, h_L49_attn_sum
     x_L49_mlp_norm = rt.rms_norm(h_L49_attn, W['model.layers.49.post_attention_layernorm.weight'], 1e-06)  # L49.mlp_norm
-    h_L49_dp_tokens = rt.all_gather(x_L49_mlp_norm, group='dp', size=16, dim=0, length=None)  # L49.moe.dp_gather
+    h_L49_dp_tokens = rt.all_gather(x_L49_mlp_norm, group='dp', size=8, dim=0, length=None)  # L49.moe.dp_gather
     del x_L49_mlp_norm
     h_L49_partial = rt.moe(h_L49_dp_tokens, W['model.layers.49.mlp.gate.weight'], W['model.layers.49.mlp.gate.e_score_correction_bias'], W['model.layers.49.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.49.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.49.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.49.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.49.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.49.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L49.moe
     del h_L49_dp_tokens
     h_L49_tp_tokens = rt.reduce_scatter(h_L49_partial, group='ep', size=32, reduce='sum', dim=0)  # L49.moe.reduce_scatter
     del h_L49_partial
-    h_L49_sum = rt.all_gather(h_L49_tp_tokens, group='tp', size=2, dim=0, length=None)  # L49.moe.tp_gather
+    h_L49_sum = rt.all_gather(h_L49_tp_tokens, group='tp', size=4, dim=0, length=None)  # L49.moe.tp_gather
     del h_L49_tp_tokens
     h_L49 = rt.residual_add(h_L49_sum, h_L49_attn)  # L49.moe.residual
     del h_L49_attn, h_L49_sum
     x_L50_attn_norm = rt.rms_norm(h_L49, W['model.layers.50.input_layernorm.weight'], 1e-06)  # L50.attn_norm
-    q_nope_L50, q_pe_L50, c_kv_L50, k_pe_L50 = rt.mla_prolog(x_L50_attn_norm, W['model.layers.50.self_attn.q_a_proj.weight'], W['model.layers.50.self_attn.q_a_layernorm.weight'], W['model.layers.50.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.50.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.50.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L50.mla_prolog
+    q_nope_L50, q_pe_L50, c_kv_L50, k_pe_L50 = rt.mla_prolog(x_L50_attn_norm, W['model.layers.50.self_attn.q_a_proj.weight'], W['model.layers.50.self_attn.q_a_layernorm.weight'], W['model.layers.50.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.50.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.50.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L50.mla_prolog
     del x_L50_attn_norm
     rt.kv_write(kv[50], (c_kv_L50, k_pe_L50), b.slot_mapping)  # L50.kv_write
     del c_kv_L50, k_pe_L50
-    o_L50 = rt.mla_attention(q_nope_L50, q_pe_L50, kv[50], W['model.layers.50.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L50.attn
+    o_L50 = rt.mla_attention(q_nope_L50, q_pe_L50, kv[50], W['model.layers.50.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L50.attn
     del q_nope_L50, q_pe_L50
-    h_L50_attn_partial = rt.o_proj(o_L50, W['graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L50.o_proj
+    h_L50_attn_partial = rt.o_proj(o_L50, W['graphgen.load:model.layers.50.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L50.o_proj
     del o_L50
-    h_L50_attn_sum = rt.all_reduce(h_L50_attn_partial, group='tp', size=2, reduce='sum')  # L50.o_proj.all_reduce
+    h_L50_attn_sum = rt.all_reduce(h_L50_attn_partial, group='tp', size=4, reduce='sum')  # L50.o_proj.all_reduce
     del h_L50_attn_partial
     h_L50_attn = rt.residual_add(h_L50_attn_sum, h_L49)  # L50.o_proj.residual
     del h_L49, h_L50_attn_sum
     x_L50_mlp_norm = rt.rms_norm(h_L50_attn, W['model.layers.50.post_attention_layernorm.weight'], 1e-06)  # L50.mlp_norm
-    h_L50_dp_tokens = rt.all_gather(x_L50_mlp_norm, group='dp', size=16, dim=0, length=None)  # L50.moe.dp_gather
+    h_L50_dp_tokens = rt.all_gather(x_L50_mlp_norm, group='dp', size=8, dim=0, length=None)  # L50.moe.dp_gather
     del x_L50_mlp_norm
     h_L50_partial = rt.moe(h_L50_dp_tokens, W['model.layers.50.mlp.gate.weight'], W['model.layers.50.mlp.gate.e_score_correction_bias'], W['model.layers.50.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.50.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.50.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.50.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.50.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.50.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L50.moe
     del h_L50_dp_tokens
     h_L50_tp_tokens = rt.reduce_scatter(h_L50_partial, group='ep', size=32, reduce='sum', dim=0)  # L50.moe.reduce_scatter
     del h_L50_partial
-    h_L50_sum = rt.all_gather(h_L50_tp_tokens, group='tp', size=2, dim=0, length=None)  # L50.moe.tp_gather
+    h_L50_sum = rt.all_gather(h_L50_tp_tokens, group='tp', size=4, dim=0, length=None)  # L50.moe.tp_gather
     del h_L50_tp_tokens
     h_L50 = rt.residual_add(h_L50_sum, h_L50_attn)  # L50.moe.residual
     del h_L50_attn, h_L50_sum
     x_L51_attn_norm = rt.rms_norm(h_L50, W['model.layers.51.input_layernorm.weight'], 1e-06)  # L51.attn_norm
-    q_nope_L51, q_pe_L51, c_kv_L51, k_pe_L51 = rt.mla_prolog(x_L51_attn_norm, W['model.layers.51.self_attn.q_a_proj.weight'], W['model.layers.51.self_attn.q_a_layernorm.weight'], W['model.layers.51.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.51.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.51.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L51.mla_prolog
+    q_nope_L51, q_pe_L51, c_kv_L51, k_pe_L51 = rt.mla_prolog(x_L51_attn_norm, W['model.layers.51.self_attn.q_a_proj.weight'], W['model.layers.51.self_attn.q_a_layernorm.weight'], W['model.layers.51.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.51.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.51.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L51.mla_prolog
     del x_L51_attn_norm
     rt.kv_write(kv[51], (c_kv_L51, k_pe_L51), b.slot_mapping)  # L51.kv_write
     del c_kv_L51, k_pe_L51
-    o_L51 = rt.mla_attention(q_nope_L51, q_pe_L51, kv[51], W['model.layers.51.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L51.attn
+    o_L51 = rt.mla_attention(q_nope_L51, q_pe_L51, kv[51], W['model.layers.51.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L51.attn
     del q_nope_L51, q_pe_L51
-    h_L51_attn_partial = rt.o_proj(o_L51, W['graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L51.o_proj
+    h_L51_attn_partial = rt.o_proj(o_L51, W['graphgen.load:model.layers.51.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L51.o_proj
     del o_L51
-    h_L51_attn_sum = rt.all_reduce(h_L51_attn_partial, group='tp', size=2, reduce='sum')  # L51.o_proj.all_reduce
+    h_L51_attn_sum = rt.all_reduce(h_L51_attn_partial, group='tp', size=4, reduce='sum')  # L51.o_proj.all_reduce
     del h_L51_attn_partial
     h_L51_attn = rt.residual_add(h_L51_attn_sum, h_L50)  # L51.o_proj.residual
     del h_L50, h_L51_attn_sum
     x_L51_mlp_norm = rt.rms_norm(h_L51_attn, W['model.layers.51.post_attention_layernorm.weight'], 1e-06)  # L51.mlp_norm
-    h_L51_dp_tokens = rt.all_gather(x_L51_mlp_norm, group='dp', size=16, dim=0, length=None)  # L51.moe.dp_gather
+    h_L51_dp_tokens = rt.all_gather(x_L51_mlp_norm, group='dp', size=8, dim=0, length=None)  # L51.moe.dp_gather
     del x_L51_mlp_norm
     h_L51_partial = rt.moe(h_L51_dp_tokens, W['model.layers.51.mlp.gate.weight'], W['model.layers.51.mlp.gate.e_score_correction_bias'], W['model.layers.51.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.51.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.51.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.51.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.51.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.51.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L51.moe
     del h_L51_dp_tokens
     h_L51_tp_tokens = rt.reduce_scatter(h_L51_partial, group='ep', size=32, reduce='sum', dim=0)  # L51.moe.reduce_scatter
     del h_L51_partial
-    h_L51_sum = rt.all_gather(h_L51_tp_tokens, group='tp', size=2, dim=0, length=None)  # L51.moe.tp_gather
+    h_L51_sum = rt.all_gather(h_L51_tp_tokens, group='tp', size=4, dim=0, length=None)  # L51.moe.tp_gather
     del h_L51_tp_tokens
     h_L51 = rt.residual_add(h_L51_sum, h_L51_attn)  # L51.moe.residual
     del h_L51_attn, h_L51_sum
     x_L52_attn_norm = rt.rms_norm(h_L51, W['model.layers.52.input_layernorm.weight'], 1e-06)  # L52.attn_norm
-    q_nope_L52, q_pe_L52, c_kv_L52, k_pe_L52 = rt.mla_prolog(x_L52_attn_norm, W['model.layers.52.self_attn.q_a_proj.weight'], W['model.layers.52.self_attn.q_a_layernorm.weight'], W['model.layers.52.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.52.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.52.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L52.mla_prolog
+    q_nope_L52, q_pe_L52, c_kv_L52, k_pe_L52 = rt.mla_prolog(x_L52_attn_norm, W['model.layers.52.self_attn.q_a_proj.weight'], W['model.layers.52.self_attn.q_a_layernorm.weight'], W['model.layers.52.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.52.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.52.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L52.mla_prolog
     del x_L52_attn_norm
     rt.kv_write(kv[52], (c_kv_L52, k_pe_L52), b.slot_mapping)  # L52.kv_write
     del c_kv_L52, k_pe_L52
-    o_L52 = rt.mla_attention(q_nope_L52, q_pe_L52, kv[52], W['model.layers.52.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L52.attn
+    o_L52 = rt.mla_attention(q_nope_L52, q_pe_L52, kv[52], W['model.layers.52.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L52.attn
     del q_nope_L52, q_pe_L52
-    h_L52_attn_partial = rt.o_proj(o_L52, W['graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L52.o_proj
+    h_L52_attn_partial = rt.o_proj(o_L52, W['graphgen.load:model.layers.52.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L52.o_proj
     del o_L52
-    h_L52_attn_sum = rt.all_reduce(h_L52_attn_partial, group='tp', size=2, reduce='sum')  # L52.o_proj.all_reduce
+    h_L52_attn_sum = rt.all_reduce(h_L52_attn_partial, group='tp', size=4, reduce='sum')  # L52.o_proj.all_reduce
     del h_L52_attn_partial
     h_L52_attn = rt.residual_add(h_L52_attn_sum, h_L51)  # L52.o_proj.residual
     del h_L51, h_L52_attn_sum
     x_L52_mlp_norm = rt.rms_norm(h_L52_attn, W['model.layers.52.post_attention_layernorm.weight'], 1e-06)  # L52.mlp_norm
-    h_L52_dp_tokens = rt.all_gather(x_L52_mlp_norm, group='dp', size=16, dim=0, length=None)  # L52.moe.dp_gather
+    h_L52_dp_tokens = rt.all_gather(x_L52_mlp_norm, group='dp', size=8, dim=0, length=None)  # L52.moe.dp_gather
     del x_L52_mlp_norm
     h_L52_partial = rt.moe(h_L52_dp_tokens, W['model.layers.52.mlp.gate.weight'], W['model.layers.52.mlp.gate.e_score_correction_bias'], W['model.layers.52.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.52.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.52.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.52.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.52.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.52.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L52.moe
     del h_L52_dp_tokens
     h_L52_tp_tokens = rt.reduce_scatter(h_L52_partial, group='ep', size=32, reduce='sum', dim=0)  # L52.moe.reduce_scatter
     del h_L52_partial
-    h_L52_sum = rt.all_gather(h_L52_tp_tokens, group='tp', size=2, dim=0, length=None)  # L52.moe.tp_gather
+    h_L52_sum = rt.all_gather(h_L52_tp_tokens, group='tp', size=4, dim=0, length=None)  # L52.moe.tp_gather
     del h_L52_tp_tokens
     h_L52 = rt.residual_add(h_L52_sum, h_L52_attn)  # L52.moe.residual
     del h_L52_attn, h_L52_sum
     x_L53_attn_norm = rt.rms_norm(h_L52, W['model.layers.53.input_layernorm.weight'], 1e-06)  # L53.attn_norm
-    q_nope_L53, q_pe_L53, c_kv_L53, k_pe_L53 = rt.mla_prolog(x_L53_attn_norm, W['model.layers.53.self_attn.q_a_proj.weight'], W['model.layers.53.self_attn.q_a_layernorm.weight'], W['model.layers.53.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.53.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.53.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L53.mla_prolog
+    q_nope_L53, q_pe_L53, c_kv_L53, k_pe_L53 = rt.mla_prolog(x_L53_attn_norm, W['model.layers.53.self_attn.q_a_proj.weight'], W['model.layers.53.self_attn.q_a_layernorm.weight'], W['model.layers.53.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.53.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.53.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L53.mla_prolog
     del x_L53_attn_norm
     rt.kv_write(kv[53], (c_kv_L53, k_pe_L53), b.slot_mapping)  # L53.kv_write
     del c_kv_L53, k_pe_L53
-    o_L53 = rt.mla_attention(q_nope_L53, q_pe_L53, kv[53], W['model.layers.53.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L53.attn
+    o_L53 = rt.mla_attention(q_nope_L53, q_pe_L53, kv[53], W['model.layers.53.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L53.attn
     del q_nope_L53, q_pe_L53
-    h_L53_attn_partial = rt.o_proj(o_L53, W['graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L53.o_proj
+    h_L53_attn_partial = rt.o_proj(o_L53, W['graphgen.load:model.layers.53.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L53.o_proj
     del o_L53
-    h_L53_attn_sum = rt.all_reduce(h_L53_attn_partial, group='tp', size=2, reduce='sum')  # L53.o_proj.all_reduce
+    h_L53_attn_sum = rt.all_reduce(h_L53_attn_partial, group='tp', size=4, reduce='sum')  # L53.o_proj.all_reduce
     del h_L53_attn_partial
     h_L53_attn = rt.residual_add(h_L53_attn_sum, h_L52)  # L53.o_proj.residual
     del h_L52, h_L53_attn_sum
     x_L53_mlp_norm = rt.rms_norm(h_L53_attn, W['model.layers.53.post_attention_layernorm.weight'], 1e-06)  # L53.mlp_norm
-    h_L53_dp_tokens = rt.all_gather(x_L53_mlp_norm, group='dp', size=16, dim=0, length=None)  # L53.moe.dp_gather
+    h_L53_dp_tokens = rt.all_gather(x_L53_mlp_norm, group='dp', size=8, dim=0, length=None)  # L53.moe.dp_gather
     del x_L53_mlp_norm
     h_L53_partial = rt.moe(h_L53_dp_tokens, W['model.layers.53.mlp.gate.weight'], W['model.layers.53.mlp.gate.e_score_correction_bias'], W['model.layers.53.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.53.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.53.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.53.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.53.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.53.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L53.moe
     del h_L53_dp_tokens
     h_L53_tp_tokens = rt.reduce_scatter(h_L53_partial, group='ep', size=32, reduce='sum', dim=0)  # L53.moe.reduce_scatter
     del h_L53_partial
-    h_L53_sum = rt.all_gather(h_L53_tp_tokens, group='tp', size=2, dim=0, length=None)  # L53.moe.tp_gather
+    h_L53_sum = rt.all_gather(h_L53_tp_tokens, group='tp', size=4, dim=0, length=None)  # L53.moe.tp_gather
     del h_L53_tp_tokens
     h_L53 = rt.residual_add(h_L53_sum, h_L53_attn)  # L53.moe.residual
     del h_L53_attn, h_L53_sum
     x_L54_attn_norm = rt.rms_norm(h_L53, W['model.layers.54.input_layernorm.weight'], 1e-06)  # L54.attn_norm
-    q_nope_L54, q_pe_L54, c_kv_L54, k_pe_L54 = rt.mla_prolog(x_L54_attn_norm, W['model.layers.54.self_attn.q_a_proj.weight'], W['model.layers.54.self_attn.q_a_layernorm.weight'], W['model.layers.54.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.54.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.54.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L54.mla_prolog
+    q_nope_L54, q_pe_L54, c_kv_L54, k_pe_L54 = rt.mla_prolog(x_L54_attn_norm, W['model.layers.54.self_attn.q_a_proj.weight'], W['model.layers.54.self_attn.q_a_layernorm.weight'], W['model.layers.54.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.54.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.54.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L54.mla_prolog
     del x_L54_attn_norm
     rt.kv_write(kv[54], (c_kv_L54, k_pe_L54), b.slot_mapping)  # L54.kv_write
     del c_kv_L54, k_pe_L54
-    o_L54 = rt.mla_attention(q_nope_L54, q_pe_L54, kv[54], W['model.layers.54.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L54.attn
+    o_L54 = rt.mla_attention(q_nope_L54, q_pe_L54, kv[54], W['model.layers.54.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L54.attn
     del q_nope_L54, q_pe_L54
-    h_L54_attn_partial = rt.o_proj(o_L54, W['graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L54.o_proj
+    h_L54_attn_partial = rt.o_proj(o_L54, W['graphgen.load:model.layers.54.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L54.o_proj
     del o_L54
-    h_L54_attn_sum = rt.all_reduce(h_L54_attn_partial, group='tp', size=2, reduce='sum')  # L54.o_proj.all_reduce
+    h_L54_attn_sum = rt.all_reduce(h_L54_attn_partial, group='tp', size=4, reduce='sum')  # L54.o_proj.all_reduce
     del h_L54_attn_partial
     h_L54_attn = rt.residual_add(h_L54_attn_sum, h_L53)  # L54.o_proj.residual
     del h_L53, h_L54_attn_sum
     x_L54_mlp_norm = rt.rms_norm(h_L54_attn, W['model.layers.54.post_attention_layernorm.weight'], 1e-06)  # L54.mlp_norm
-    h_L54_dp_tokens = rt.all_gather(x_L54_mlp_norm, group='dp', size=16, dim=0, length=None)  # L54.moe.dp_gather
+    h_L54_dp_tokens = rt.all_gather(x_L54_mlp_norm, group='dp', size=8, dim=0, length=None)  # L54.moe.dp_gather
     del x_L54_mlp_norm
     h_L54_partial = rt.moe(h_L54_dp_tokens, W['model.layers.54.mlp.gate.weight'], W['model.layers.54.mlp.gate.e_score_correction_bias'], W['model.layers.54.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.54.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.54.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.54.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.54.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.54.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L54.moe
     del h_L54_dp_tokens
     h_L54_tp_tokens = rt.reduce_scatter(h_L54_partial, group='ep', size=32, reduce='sum', dim=0)  # L54.moe.reduce_scatter
     del h_L54_partial
-    h_L54_sum = rt.all_gather(h_L54_tp_tokens, group='tp', size=2, dim=0, length=None)  # L54.moe.tp_gather
+    h_L54_sum = rt.all_gather(h_L54_tp_tokens, group='tp', size=4, dim=0, length=None)  # L54.moe.tp_gather
     del h_L54_tp_tokens
     h_L54 = rt.residual_add(h_L54_sum, h_L54_attn)  # L54.moe.residual
     del h_L54_attn, h_L54_sum
     x_L55_attn_norm = rt.rms_norm(h_L54, W['model.layers.55.input_layernorm.weight'], 1e-06)  # L55.attn_norm
-    q_nope_L55, q_pe_L55, c_kv_L55, k_pe_L55 = rt.mla_prolog(x_L55_attn_norm, W['model.layers.55.self_attn.q_a_proj.weight'], W['model.layers.55.self_attn.q_a_layernorm.weight'], W['model.layers.55.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.55.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.55.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L55.mla_prolog
+    q_nope_L55, q_pe_L55, c_kv_L55, k_pe_L55 = rt.mla_prolog(x_L55_attn_norm, W['model.layers.55.self_attn.q_a_proj.weight'], W['model.layers.55.self_attn.q_a_layernorm.weight'], W['model.layers.55.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.55.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.55.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L55.mla_prolog
     del x_L55_attn_norm
     rt.kv_write(kv[55], (c_kv_L55, k_pe_L55), b.slot_mapping)  # L55.kv_write
     del c_kv_L55, k_pe_L55
-    o_L55 = rt.mla_attention(q_nope_L55, q_pe_L55, kv[55], W['model.layers.55.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L55.attn
+    o_L55 = rt.mla_attention(q_nope_L55, q_pe_L55, kv[55], W['model.layers.55.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L55.attn
     del q_nope_L55, q_pe_L55
-    h_L55_attn_partial = rt.o_proj(o_L55, W['graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L55.o_proj
+    h_L55_attn_partial = rt.o_proj(o_L55, W['graphgen.load:model.layers.55.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L55.o_proj
     del o_L55
-    h_L55_attn_sum = rt.all_reduce(h_L55_attn_partial, group='tp', size=2, reduce='sum')  # L55.o_proj.all_reduce
+    h_L55_attn_sum = rt.all_reduce(h_L55_attn_partial, group='tp', size=4, reduce='sum')  # L55.o_proj.all_reduce
     del h_L55_attn_partial
     h_L55_attn = rt.residual_add(h_L55_attn_sum, h_L54)  # L55.o_proj.residual
     del h_L54, h_L55_attn_sum
     x_L55_mlp_norm = rt.rms_norm(h_L55_attn, W['model.layers.55.post_attention_layernorm.weight'], 1e-06)  # L55.mlp_norm
-    h_L55_dp_tokens = rt.all_gather(x_L55_mlp_norm, group='dp', size=16, dim=0, length=None)  # L55.moe.dp_gather
+    h_L55_dp_tokens = rt.all_gather(x_L55_mlp_norm, group='dp', size=8, dim=0, length=None)  # L55.moe.dp_gather
     del x_L55_mlp_norm
     h_L55_partial = rt.moe(h_L55_dp_tokens, W['model.layers.55.mlp.gate.weight'], W['model.layers.55.mlp.gate.e_score_correction_bias'], W['model.layers.55.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.55.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.55.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.55.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.55.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.55.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L55.moe
     del h_L55_dp_tokens
     h_L55_tp_tokens = rt.reduce_scatter(h_L55_partial, group='ep', size=32, reduce='sum', dim=0)  # L55.moe.reduce_scatter
     del h_L55_partial
-    h_L55_sum = rt.all_gather(h_L55_tp_tokens, group='tp', size=2, dim=0, length=None)  # L55.moe.tp_gather
+    h_L55_sum = rt.all_gather(h_L55_tp_tokens, group='tp', size=4, dim=0, length=None)  # L55.moe.tp_gather
     del h_L55_tp_tokens
     h_L55 = rt.residual_add(h_L55_sum, h_L55_attn)  # L55.moe.residual
     del h_L55_attn, h_L55_sum
     x_L56_attn_norm = rt.rms_norm(h_L55, W['model.layers.56.input_layernorm.weight'], 1e-06)  # L56.attn_norm
-    q_nope_L56, q_pe_L56, c_kv_L56, k_pe_L56 = rt.mla_prolog(x_L56_attn_norm, W['model.layers.56.self_attn.q_a_proj.weight'], W['model.layers.56.self_attn.q_a_layernorm.weight'], W['model.layers.56.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.56.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.56.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L56.mla_prolog
+    q_nope_L56, q_pe_L56, c_kv_L56, k_pe_L56 = rt.mla_prolog(x_L56_attn_norm, W['model.layers.56.self_attn.q_a_proj.weight'], W['model.layers.56.self_attn.q_a_layernorm.weight'], W['model.layers.56.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.56.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.56.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L56.mla_prolog
     del x_L56_attn_norm
     rt.kv_write(kv[56], (c_kv_L56, k_pe_L56), b.slot_mapping)  # L56.kv_write
     del c_kv_L56, k_pe_L56
-    o_L56 = rt.mla_attention(q_nope_L56, q_pe_L56, kv[56], W['model.layers.56.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L56.attn
+    o_L56 = rt.mla_attention(q_nope_L56, q_pe_L56, kv[56], W['model.layers.56.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L56.attn
     del q_nope_L56, q_pe_L56
-    h_L56_attn_partial = rt.o_proj(o_L56, W['graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L56.o_proj
+    h_L56_attn_partial = rt.o_proj(o_L56, W['graphgen.load:model.layers.56.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L56.o_proj
     del o_L56
-    h_L56_attn_sum = rt.all_reduce(h_L56_attn_partial, group='tp', size=2, reduce='sum')  # L56.o_proj.all_reduce
+    h_L56_attn_sum = rt.all_reduce(h_L56_attn_partial, group='tp', size=4, reduce='sum')  # L56.o_proj.all_reduce
     del h_L56_attn_partial
     h_L56_attn = rt.residual_add(h_L56_attn_sum, h_L55)  # L56.o_proj.residual
     del h_L55, h_L56_attn_sum
     x_L56_mlp_norm = rt.rms_norm(h_L56_attn, W['model.layers.56.post_attention_layernorm.weight'], 1e-06)  # L56.mlp_norm
-    h_L56_dp_tokens = rt.all_gather(x_L56_mlp_norm, group='dp', size=16, dim=0, length=None)  # L56.moe.dp_gather
+    h_L56_dp_tokens = rt.all_gather(x_L56_mlp_norm, group='dp', size=8, dim=0, length=None)  # L56.moe.dp_gather
     del x_L56_mlp_norm
     h_L56_partial = rt.moe(h_L56_dp_tokens, W['model.layers.56.mlp.gate.weight'], W['model.layers.56.mlp.gate.e_score_correction_bias'], W['model.layers.56.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.56.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.56.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.56.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.56.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.56.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L56.moe
     del h_L56_dp_tokens
     h_L56_tp_tokens = rt.reduce_scatter(h_L56_partial, group='ep', size=32, reduce='sum', dim=0)  # L56.moe.reduce_scatter
     del h_L56_partial
-    h_L56_sum = rt.all_gather(h_L56_tp_tokens, group='tp', size=2, dim=0, length=None)  # L56.moe.tp_gather
+    h_L56_sum = rt.all_gather(h_L56_tp_tokens, group='tp', size=4, dim=0, length=None)  # L56.moe.tp_gather
     del h_L56_tp_tokens
     h_L56 = rt.residual_add(h_L56_sum, h_L56_attn)  # L56.moe.residual
     del h_L56_attn, h_L56_sum
     x_L57_attn_norm = rt.rms_norm(h_L56, W['model.layers.57.input_layernorm.weight'], 1e-06)  # L57.attn_norm
-    q_nope_L57, q_pe_L57, c_kv_L57, k_pe_L57 = rt.mla_prolog(x_L57_attn_norm, W['model.layers.57.self_attn.q_a_proj.weight'], W['model.layers.57.self_attn.q_a_layernorm.weight'], W['model.layers.57.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.57.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.57.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L57.mla_prolog
+    q_nope_L57, q_pe_L57, c_kv_L57, k_pe_L57 = rt.mla_prolog(x_L57_attn_norm, W['model.layers.57.self_attn.q_a_proj.weight'], W['model.layers.57.self_attn.q_a_layernorm.weight'], W['model.layers.57.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.57.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.57.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L57.mla_prolog
     del x_L57_attn_norm
     rt.kv_write(kv[57], (c_kv_L57, k_pe_L57), b.slot_mapping)  # L57.kv_write
     del c_kv_L57, k_pe_L57
-    o_L57 = rt.mla_attention(q_nope_L57, q_pe_L57, kv[57], W['model.layers.57.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L57.attn
+    o_L57 = rt.mla_attention(q_nope_L57, q_pe_L57, kv[57], W['model.layers.57.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L57.attn
     del q_nope_L57, q_pe_L57
-    h_L57_attn_partial = rt.o_proj(o_L57, W['graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L57.o_proj
+    h_L57_attn_partial = rt.o_proj(o_L57, W['graphgen.load:model.layers.57.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L57.o_proj
     del o_L57
-    h_L57_attn_sum = rt.all_reduce(h_L57_attn_partial, group='tp', size=2, reduce='sum')  # L57.o_proj.all_reduce
+    h_L57_attn_sum = rt.all_reduce(h_L57_attn_partial, group='tp', size=4, reduce='sum')  # L57.o_proj.all_reduce
     del h_L57_attn_partial
     h_L57_attn = rt.residual_add(h_L57_attn_sum, h_L56)  # L57.o_proj.residual
     del h_L56, h_L57_attn_sum
     x_L57_mlp_norm = rt.rms_norm(h_L57_attn, W['model.layers.57.post_attention_layernorm.weight'], 1e-06)  # L57.mlp_norm
-    h_L57_dp_tokens = rt.all_gather(x_L57_mlp_norm, group='dp', size=16, dim=0, length=None)  # L57.moe.dp_gather
+    h_L57_dp_tokens = rt.all_gather(x_L57_mlp_norm, group='dp', size=8, dim=0, length=None)  # L57.moe.dp_gather
     del x_L57_mlp_norm
     h_L57_partial = rt.moe(h_L57_dp_tokens, W['model.layers.57.mlp.gate.weight'], W['model.layers.57.mlp.gate.e_score_correction_bias'], W['model.layers.57.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.57.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.57.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.57.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.57.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.57.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L57.moe
     del h_L57_dp_tokens
     h_L57_tp_tokens = rt.reduce_scatter(h_L57_partial, group='ep', size=32, reduce='sum', dim=0)  # L57.moe.reduce_scatter
     del h_L57_partial
-    h_L57_sum = rt.all_gather(h_L57_tp_tokens, group='tp', size=2, dim=0, length=None)  # L57.moe.tp_gather
+    h_L57_sum = rt.all_gather(h_L57_tp_tokens, group='tp', size=4, dim=0, length=None)  # L57.moe.tp_gather
     del h_L57_tp_tokens
     h_L57 = rt.residual_add(h_L57_sum, h_L57_attn)  # L57.moe.residual
     del h_L57_attn, h_L57_sum
     x_L58_attn_norm = rt.rms_norm(h_L57, W['model.layers.58.input_layernorm.weight'], 1e-06)  # L58.attn_norm
-    q_nope_L58, q_pe_L58, c_kv_L58, k_pe_L58 = rt.mla_prolog(x_L58_attn_norm, W['model.layers.58.self_attn.q_a_proj.weight'], W['model.layers.58.self_attn.q_a_layernorm.weight'], W['model.layers.58.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.58.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.58.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L58.mla_prolog
+    q_nope_L58, q_pe_L58, c_kv_L58, k_pe_L58 = rt.mla_prolog(x_L58_attn_norm, W['model.layers.58.self_attn.q_a_proj.weight'], W['model.layers.58.self_attn.q_a_layernorm.weight'], W['model.layers.58.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.58.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.58.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L58.mla_prolog
     del x_L58_attn_norm
     rt.kv_write(kv[58], (c_kv_L58, k_pe_L58), b.slot_mapping)  # L58.kv_write
     del c_kv_L58, k_pe_L58
-    o_L58 = rt.mla_attention(q_nope_L58, q_pe_L58, kv[58], W['model.layers.58.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L58.attn
+    o_L58 = rt.mla_attention(q_nope_L58, q_pe_L58, kv[58], W['model.layers.58.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L58.attn
     del q_nope_L58, q_pe_L58
-    h_L58_attn_partial = rt.o_proj(o_L58, W['graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L58.o_proj
+    h_L58_attn_partial = rt.o_proj(o_L58, W['graphgen.load:model.layers.58.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L58.o_proj
     del o_L58
-    h_L58_attn_sum = rt.all_reduce(h_L58_attn_partial, group='tp', size=2, reduce='sum')  # L58.o_proj.all_reduce
+    h_L58_attn_sum = rt.all_reduce(h_L58_attn_partial, group='tp', size=4, reduce='sum')  # L58.o_proj.all_reduce
     del h_L58_attn_partial
     h_L58_attn = rt.residual_add(h_L58_attn_sum, h_L57)  # L58.o_proj.residual
     del h_L57, h_L58_attn_sum
     x_L58_mlp_norm = rt.rms_norm(h_L58_attn, W['model.layers.58.post_attention_layernorm.weight'], 1e-06)  # L58.mlp_norm
-    h_L58_dp_tokens = rt.all_gather(x_L58_mlp_norm, group='dp', size=16, dim=0, length=None)  # L58.moe.dp_gather
+    h_L58_dp_tokens = rt.all_gather(x_L58_mlp_norm, group='dp', size=8, dim=0, length=None)  # L58.moe.dp_gather
     del x_L58_mlp_norm
     h_L58_partial = rt.moe(h_L58_dp_tokens, W['model.layers.58.mlp.gate.weight'], W['model.layers.58.mlp.gate.e_score_correction_bias'], W['model.layers.58.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.58.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.58.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.58.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.58.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.58.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L58.moe
     del h_L58_dp_tokens
     h_L58_tp_tokens = rt.reduce_scatter(h_L58_partial, group='ep', size=32, reduce='sum', dim=0)  # L58.moe.reduce_scatter
     del h_L58_partial
-    h_L58_sum = rt.all_gather(h_L58_tp_tokens, group='tp', size=2, dim=0, length=None)  # L58.moe.tp_gather
+    h_L58_sum = rt.all_gather(h_L58_tp_tokens, group='tp', size=4, dim=0, length=None)  # L58.moe.tp_gather
     del h_L58_tp_tokens
     h_L58 = rt.residual_add(h_L58_sum, h_L58_attn)  # L58.moe.residual
     del h_L58_attn, h_L58_sum
     x_L59_attn_norm = rt.rms_norm(h_L58, W['model.layers.59.input_layernorm.weight'], 1e-06)  # L59.attn_norm
-    q_nope_L59, q_pe_L59, c_kv_L59, k_pe_L59 = rt.mla_prolog(x_L59_attn_norm, W['model.layers.59.self_attn.q_a_proj.weight'], W['model.layers.59.self_attn.q_a_layernorm.weight'], W['model.layers.59.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.59.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.59.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L59.mla_prolog
+    q_nope_L59, q_pe_L59, c_kv_L59, k_pe_L59 = rt.mla_prolog(x_L59_attn_norm, W['model.layers.59.self_attn.q_a_proj.weight'], W['model.layers.59.self_attn.q_a_layernorm.weight'], W['model.layers.59.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.59.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.59.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L59.mla_prolog
     del x_L59_attn_norm
     rt.kv_write(kv[59], (c_kv_L59, k_pe_L59), b.slot_mapping)  # L59.kv_write
     del c_kv_L59, k_pe_L59
-    o_L59 = rt.mla_attention(q_nope_L59, q_pe_L59, kv[59], W['model.layers.59.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L59.attn
+    o_L59 = rt.mla_attention(q_nope_L59, q_pe_L59, kv[59], W['model.layers.59.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L59.attn
     del q_nope_L59, q_pe_L59
-    h_L59_attn_partial = rt.o_proj(o_L59, W['graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L59.o_proj
+    h_L59_attn_partial = rt.o_proj(o_L59, W['graphgen.load:model.layers.59.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L59.o_proj
     del o_L59
-    h_L59_attn_sum = rt.all_reduce(h_L59_attn_partial, group='tp', size=2, reduce='sum')  # L59.o_proj.all_reduce
+    h_L59_attn_sum = rt.all_reduce(h_L59_attn_partial, group='tp', size=4, reduce='sum')  # L59.o_proj.all_reduce
     del h_L59_attn_partial
     h_L59_attn = rt.residual_add(h_L59_attn_sum, h_L58)  # L59.o_proj.residual
     del h_L58, h_L59_attn_sum
     x_L59_mlp_norm = rt.rms_norm(h_L59_attn, W['model.layers.59.post_attention_layernorm.weight'], 1e-06)  # L59.mlp_norm
-    h_L59_dp_tokens = rt.all_gather(x_L59_mlp_norm, group='dp', size=16, dim=0, length=None)  # L59.moe.dp_gather
+    h_L59_dp_tokens = rt.all_gather(x_L59_mlp_norm, group='dp', size=8, dim=0, length=None)  # L59.moe.dp_gather
     del x_L59_mlp_norm
     h_L59_partial = rt.moe(h_L59_dp_tokens, W['model.layers.59.mlp.gate.weight'], W['model.layers.59.mlp.gate.e_score_correction_bias'], W['model.layers.59.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.59.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.59.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.59.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.59.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.59.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L59.moe
     del h_L59_dp_tokens
     h_L59_tp_tokens = rt.reduce_scatter(h_L59_partial, group='ep', size=32, reduce='sum', dim=0)  # L59.moe.reduce_scatter
     del h_L59_partial
-    h_L59_sum = rt.all_gather(h_L59_tp_tokens, group='tp', size=2, dim=0, length=None)  # L59.moe.tp_gather
+    h_L59_sum = rt.all_gather(h_L59_tp_tokens, group='tp', size=4, dim=0, length=None)  # L59.moe.tp_gather
     del h_L59_tp_tokens
     h_L59 = rt.residual_add(h_L59_sum, h_L59_attn)  # L59.moe.residual
     del h_L59_attn, h_L59_sum
     x_L60_attn_norm = rt.rms_norm(h_L59, W['model.layers.60.input_layernorm.weight'], 1e-06)  # L60.attn_norm
-    q_nope_L60, q_pe_L60, c_kv_L60, k_pe_L60 = rt.mla_prolog(x_L60_attn_norm, W['model.layers.60.self_attn.q_a_proj.weight'], W['model.layers.60.self_attn.q_a_layernorm.weight'], W['model.layers.60.self_attn.q_b_proj.weight[d0/2]'], W['model.layers.60.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.60.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=64, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L60.mla_prolog
+    q_nope_L60, q_pe_L60, c_kv_L60, k_pe_L60 = rt.mla_prolog(x_L60_attn_norm, W['model.layers.60.self_attn.q_a_proj.weight'], W['model.layers.60.self_attn.q_a_layernorm.weight'], W['model.layers.60.self_attn.q_b_proj.weight[d0/4]'], W['model.layers.60.self_attn.kv_a_proj_with_mqa.weight'], W['model.layers.60.self_attn.kv_a_layernorm.weight'], cos, sin, num_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, eps=1e-06, interleave=True)  # L60.mla_prolog
     del cos, sin, x_L60_attn_norm
     rt.kv_write(kv[60], (c_kv_L60, k_pe_L60), b.slot_mapping)  # L60.kv_write
     del c_kv_L60, k_pe_L60
     rt.record(ev['ev.L60.kv_write'])  # L60.kv_write.record
-    o_L60 = rt.mla_attention(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight[d0/2]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=64, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L60.attn
+    o_L60 = rt.mla_attention(q_nope_L60, q_pe_L60, kv[60], W['model.layers.60.self_attn.kv_b_proj.weight[d0/4]'], b.block_tables, b.seq_lens, b.query_lens, num_heads=32, qk_nope_head_dim=128, v_head_dim=128, scale=0.1352337788608801)  # L60.attn
     del q_nope_L60, q_pe_L60
-    h_L60_attn_partial = rt.o_proj(o_L60, W['graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/2]:cat0:t01'])  # L60.o_proj
+    h_L60_attn_partial = rt.o_proj(o_L60, W['graphgen.load:model.layers.60.self_attn.o_proj.weight[d1/4]:cat0:t01'])  # L60.o_proj
     del o_L60
-    h_L60_attn_sum = rt.all_reduce(h_L60_attn_partial, group='tp', size=2, reduce='sum')  # L60.o_proj.all_reduce
+    h_L60_attn_sum = rt.all_reduce(h_L60_attn_partial, group='tp', size=4, reduce='sum')  # L60.o_proj.all_reduce
     del h_L60_attn_partial
     h_L60_attn = rt.residual_add(h_L60_attn_sum, h_L59)  # L60.o_proj.residual
     del h_L59, h_L60_attn_sum
     x_L60_mlp_norm = rt.rms_norm(h_L60_attn, W['model.layers.60.post_attention_layernorm.weight'], 1e-06)  # L60.mlp_norm
-    h_L60_dp_tokens = rt.all_gather(x_L60_mlp_norm, group='dp', size=16, dim=0, length=None)  # L60.moe.dp_gather
+    h_L60_dp_tokens = rt.all_gather(x_L60_mlp_norm, group='dp', size=8, dim=0, length=None)  # L60.moe.dp_gather
     del x_L60_mlp_norm
     h_L60_partial = rt.moe(h_L60_dp_tokens, W['model.layers.60.mlp.gate.weight'], W['model.layers.60.mlp.gate.e_score_correction_bias'], W['model.layers.60.mlp.experts.gate_proj.weight[d0/32]'], W['model.layers.60.mlp.experts.up_proj.weight[d0/32]'], W['model.layers.60.mlp.experts.down_proj.weight[d0/32]'], W['model.layers.60.mlp.shared_experts.gate_proj.weight[d0/32]'], W['model.layers.60.mlp.shared_experts.up_proj.weight[d0/32]'], W['model.layers.60.mlp.shared_experts.down_proj.weight[d1/32]'], top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts=256, ep=32)  # L60.moe
     del h_L60_dp_tokens
     h_L60_tp_tokens = rt.reduce_scatter(h_L60_partial, group='ep', size=32, reduce='sum', dim=0)  # L60.moe.reduce_scatter
     del h_L60_partial
-    h_L60_sum = rt.all_gather(h_L60_tp_tokens, group='tp', size=2, dim=0, length=None)  # L60.moe.tp_gather
+    h_L60_sum = rt.all_gather(h_L60_tp_tokens, group='tp', size=4, dim=0, length=None)  # L60.moe.tp_gather
     del h_L60_tp_tokens
     h_L60 = rt.residual_add(h_L60_sum, h_L60_attn)  # L60.moe.residual
     del h_L60_attn, h_L60_sum
-    logits_partial = rt.lm_head(h_L60, W['model.norm.weight'], 1e-06, W['lm_head.weight[d0/2]'], b.logits_indices)  # lm_head
+    logits_partial = rt.lm_head(h_L60, W['model.norm.weight'], 1e-06, W['lm_head.weight[d0/4]'], b.logits_indices)  # lm_head
     del h_L60
-    logits = rt.all_gather(logits_partial, group='tp', size=2, dim=-1, length=129280)  # lm_head.all_gather
+    logits = rt.all_gather(logits_partial, group='tp', size=4, dim=-1, length=129280)  # lm_head.all_gather
     del logits_partial
     return logits
