@@ -64,6 +64,12 @@ class Ledger(TorchDispatchMode):
         self.allocations += 1
         weakref.finalize(storage, self._release, key)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep Dynamo out of it, importing torch._dynamo (~4 s) at
+        # the first op; the ledger never runs under torch.compile (torch's documented opt-out)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.copy_.default:

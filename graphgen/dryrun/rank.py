@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import resource
 import time
@@ -21,7 +20,7 @@ from ..runtime.checkpoint.plan import RankSlicing
 from ..runtime.checkpoint.stream import CheckpointWeights, SliceReader
 from ..runtime.core.device_memory import kv_blocks_that_fit
 from ..runtime.core.kvcache import PagedKVCache
-from ..runtime.core.weights import load_time_weights, place_weights
+from ..runtime.core.weights import load_time_weights, place_weights, source_constants
 from .ledger import Ledger
 
 __all__ = ["RankReport", "dry_run_rank", "graph_list"]
@@ -74,18 +73,15 @@ def graph_list(spec, mode: str) -> list[str]:
     return out
 
 
-def _literal(source: str, name: str):
-    """The value of a generated module's constant ``name`` (a literal: read, not executed)."""
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise KeyError(name)
+_CONSTANTS = ("LOAD_TIME_WEIGHTS", "META", "KV_SHAPES", "KV_DTYPE", "ROPE")
 
 
 def _modules(spec, target: str, mode: Optional[str]):
-    """(module sources, the graph weight names they read), compiled as the launch compiles them."""
+    """(the modules' constants, as namespaces, the graph weight names they read), compiled as the launch
+    compiles them (the constants read from the sources, nothing executed)."""
     compiled = compile_spec(spec, targets=[target], modes=[mode] if target == "npu" else None, check=False)
-    return [t for c in compiled for t in c.sources.values()], graph_weight_names(c.graph for c in compiled)
+    mods = [SimpleNamespace(**source_constants(t, _CONSTANTS)) for c in compiled for t in c.sources.values()]
+    return mods, graph_weight_names(c.graph for c in compiled)
 
 
 def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_memory_gib: Optional[float] = None,
@@ -115,8 +111,8 @@ def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_me
     shapes = {n: (spec.kv_cache.block_size, *s) for n, s in
               rank_kv_components(spec.family, dataclasses.asdict(spec.dims), spec.parallel.tp)}
     block_bytes = spec.kv_layers * sum(torch.Size(s).numel() for s in shapes.values()) * kv_dtype.itemsize
-    module = SimpleNamespace(**{k: _literal(sources[0], k) for k in ("KV_SHAPES", "KV_DTYPE")}) if npu else None
-    saves = npu and any(_literal(s, "META")["saves"] for s in sources)
+    module = sources[0]  # KV_SHAPES / KV_DTYPE: every variant's are the same
+    saves = npu and any(m.META["saves"] for m in sources)
     rows, n_rings = _rings(spec) if saves else (0, 0)
     pad = 1 if npu else 0
     meta = torch.device("meta")
@@ -138,7 +134,7 @@ def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_me
             from ..npu.run.bucketing import max_model_len
             from ..npu.run.inputs import rope_cache
 
-            W["rope"] = rope_cache(_literal(sources[0], "ROPE"), max_model_len(spec), device=meta, dtype=dtype)
+            W["rope"] = rope_cache(module.ROPE, max_model_len(spec), device=meta, dtype=dtype)
         if not old_order:
             if utilization is not None:  # what the weights left (the launch's size_kv: the rings and buffers to come)
                 blocks = kv_blocks_that_fit(ledger.live - comm, device, block_bytes, utilization=util,

@@ -137,3 +137,60 @@ def test_a_rank_reads_its_slices_only_into_a_buffer_of_the_largest_slice(tmp_pat
         placed = sum(p.nbytes for p in plan)
         whole = sum(s.nbytes for s in w.index().tensors.values())
         assert placed < 0.6 * whole and reader.bytes_read < whole  # about half the model, not all of it
+
+
+def test_the_reader_returns_safetensors_slices_of_data_and_holes(tmp_path):
+    """Every kind of read (whole, a row range, a column range read row by row, short columns read in row
+    blocks) of tensors that are data, holes, or both, equals safetensors' own ``get_slice``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(64, 48, generator=g).to(torch.bfloat16), "b": torch.randn(3, 700, 1024, generator=g),
+               "c": torch.randn(40, 4096, generator=g).to(torch.bfloat16), "d": torch.randn(5, 6, generator=g)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    from graphgen.runtime.checkpoint.index import read_header
+
+    stored = read_header(path)
+    # rewrite the file with holes (skipped, page-aligned) over part of "b" and all of "c": zeros there
+    data, gaps = open(path, "rb").read(), []
+    for key, lo, hi in (("b", 0.3, 0.8), ("c", 0.0, 1.0)):
+        s = stored[key]
+        gaps.append((-(-(s.begin + int(lo * s.nbytes)) // 4096) * 4096, (s.begin + int(hi * s.nbytes)) // 4096 * 4096))
+    with open(path, "wb") as f:
+        pos = 0
+        for a, z in gaps:
+            f.write(data[pos:a])
+            f.seek(z)
+            pos = z
+        f.write(data[pos:])
+    with SliceReader() as reader:  # the file system made holes of them (else this test proves less)
+        fd = reader._fd(path)
+        assert all(reader._hole(fd, a, z - a) for a, z in gaps) and not reader._hole(fd, 0, 4096)
+    with safe_open(path, framework="pt") as f, SliceReader(block_bytes=1 << 16) as reader:
+        for key in tensors:
+            s = stored[key]
+            want = f.get_slice(key)
+            assert torch.equal(reader.read(s), want[:]), key
+            for dim in range(len(s.shape)):
+                n = s.shape[dim]
+                for start, length in ((0, n // 2), (n // 3, n - n // 3), (n - 1, 1)):
+                    idx = tuple(slice(start, start + length) if d == dim else slice(None) for d in range(len(s.shape)))
+                    assert torch.equal(reader.read(s, (dim, start, length)), want[idx]), (key, dim, start)
+
+
+@pytest.mark.parametrize("path", ["qwen3_32b/npu/max_autotune/decode.py", "deepseek_v3_1/npu/max_autotune/splitfuse.py",
+                                  "tiny_deepseek_v3/cpu/splitfuse.py"])
+def test_module_constants_are_read_as_python_reads_them(path):
+    """`source_constants` parses each constant's statement alone; the whole module parsed gives the same."""
+    import ast
+
+    from graphgen.runtime.core.weights import source_constants
+    from support.paths import REPO
+
+    src = (REPO / "generated" / path).read_text()
+    names = ("LOAD_TIME_WEIGHTS", "META", "KV_SHAPES", "KV_DTYPE", "ROPE")
+    want = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(src).body
+            if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) in names}
+    assert want.get("LOAD_TIME_WEIGHTS") and source_constants(src, names) == want

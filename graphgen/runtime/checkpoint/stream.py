@@ -20,6 +20,7 @@ in the buffer without a read, which keeps sparse checkpoints (``scripts/sparse_c
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from dataclasses import dataclass
@@ -99,32 +100,48 @@ class SliceReader:
             self._zeros[attr] = 0
         return getattr(self, attr)
 
+    @staticmethod
+    def _next_data(fd: int, pos: int, end: int) -> int:
+        """The first byte at or after ``pos`` that is not in a hole (``end`` when none before it)."""
+        try:
+            return min(os.lseek(fd, pos, os.SEEK_DATA), end)
+        except OSError as e:  # ENXIO: only a hole after pos; anything else (no SEEK_DATA here): all data
+            return end if e.errno == errno.ENXIO else pos
+
     def _hole(self, fd: int, offset: int, n: int) -> bool:
         """Whether the file's ``[offset, offset + n)`` is one hole (no data: reads as zeros)."""
-        try:
-            return os.lseek(fd, offset, os.SEEK_DATA) >= offset + n
-        except OSError:  # ENXIO: no data after offset (a trailing hole); or SEEK_DATA unsupported
-            return os.lseek(fd, 0, os.SEEK_END) >= offset + n
+        return self._next_data(fd, offset, offset + n) >= offset + n
 
     def _pread(self, fd: int, attr: str, start: int, n: int, offset: int) -> None:
-        """Fill bytes ``[start, start + n)`` of buffer ``attr`` with the file's bytes at ``offset``; a hole
-        is zeros, written only where the buffer is not known to hold zeros already."""
+        """Fill bytes ``[start, start + n)`` of buffer ``attr`` with the file's bytes at ``offset``: the data
+        read, the holes zeros (written only where the buffer is not known to hold zeros already)."""
         buf = getattr(self, attr)
         self.bytes_read += n
-        if self._hole(fd, offset, n):
-            if start + n > self._zeros[attr]:
-                buf[start:start + n].zero_()
-                if start <= self._zeros[attr]:
-                    self._zeros[attr] = start + n
-            return
-        self._zeros[attr] = min(self._zeros[attr], start)
-        dst = buf[start:start + n]
-        view, done = memoryview(dst.numpy()), 0
-        while done < n:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise OSError(f"short read at byte {offset + done} of a checkpoint file")
-            done += got
+        pos, end = offset, offset + n
+        while pos < end:
+            data = self._next_data(fd, pos, end)
+            if data > pos:  # a hole: zeros
+                a, b = start + pos - offset, start + data - offset
+                if b > self._zeros[attr]:
+                    buf[a:b].zero_()
+                    if a <= self._zeros[attr]:
+                        self._zeros[attr] = b
+                pos = data
+                continue
+            try:
+                stop = min(os.lseek(fd, pos, os.SEEK_HOLE), end)
+            except OSError:
+                stop = end
+            a = start + pos - offset
+            self._zeros[attr] = min(self._zeros[attr], a)
+            view = memoryview(buf[a:a + stop - pos].numpy())
+            done = 0
+            while done < stop - pos:
+                got = os.preadv(fd, [view[done:]], pos + done)
+                if got <= 0:
+                    raise OSError(f"short read at byte {pos + done} of a checkpoint file")
+                done += got
+            pos = stop
 
     def read(self, src: Stored, narrow: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
         """``src`` (or its ``narrow`` = (dim, start, length) range) in its stored dtype, a view of the

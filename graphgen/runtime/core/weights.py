@@ -34,7 +34,7 @@ from ...families import FAMILIES
 from ...ir.weights import parse_shard
 
 __all__ = ["keeps_fp32", "cast_weights", "load_time_weights", "build_load_time_weight", "collect_recipes",
-           "place_weights"]
+           "place_weights", "source_constants"]
 
 
 def keeps_fp32(family: str, name: str) -> bool:
@@ -73,10 +73,24 @@ def collect_recipes(modules: Iterable) -> dict:
 
 
 def _recipes_in(source: str) -> dict:
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LOAD_TIME_WEIGHTS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    return {}
+    return source_constants(source, ("LOAD_TIME_WEIGHTS",)).get("LOAD_TIME_WEIGHTS", {})
+
+
+def source_constants(source: str, names) -> dict:
+    """The values of a generated module's top-level literal constants ``NAME = ...`` among ``names``, read
+    from its source, not executed: each statement is parsed alone (a full-size module is thousands of
+    lines; its constants come first), the scan stops once every name is found."""
+    out, lines, names = {}, source.splitlines(keepends=True), set(names)
+    for i, line in enumerate(lines):
+        name = line.split(" = ", 1)[0] if " = " in line and line[:1].isidentifier() else None
+        if name in names:
+            j = i + 1
+            while j < len(lines) and (not lines[j].strip() or lines[j][0] in " \t}])"):
+                j += 1
+            out[name] = ast.literal_eval(ast.parse("".join(lines[i:j])).body[0].value)
+            if len(out) == len(names):
+                break
+    return out
 
 
 def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *,
