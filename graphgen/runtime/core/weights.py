@@ -52,13 +52,25 @@ def cast_weights(weights: Mapping[str, torch.Tensor], family: str, dtype: torch.
 
 def build_load_time_weight(sources: list, *, dim: int, transpose12: bool, transpose01: bool = False) -> torch.Tensor:
     """One recipe: ``cat(sources, dim)``, then made contiguous — transposed ``(1, 2)`` when ``transpose12``,
-    ``(0, 1)`` when ``transpose01``."""
-    w = sources[0] if len(sources) == 1 else torch.cat(sources, dim=dim)
+    ``(0, 1)`` when ``transpose01``. One allocation: each source is copied straight to its place in the
+    result (not a concatenation and then its transposed copy: two results' worth of memory at once)."""
+    first = sources[0]
+    if len(sources) == 1 and not (transpose12 or transpose01):
+        return first.contiguous()
+    shape = list(first.shape)
+    shape[dim] = sum(s.shape[dim] for s in sources)
     if transpose12:
-        w = w.transpose(1, 2)
+        shape[1], shape[2] = shape[2], shape[1]
     if transpose01:
-        w = w.t()
-    return w.contiguous()
+        shape[0], shape[1] = shape[1], shape[0]
+    out = torch.empty(shape, dtype=first.dtype, device=first.device)
+    view = out.t() if transpose01 else out  # the concatenation's coordinates, as a view of the result
+    view = view.transpose(1, 2) if transpose12 else view
+    offset = 0
+    for s in sources:
+        view.narrow(dim, offset, s.shape[dim]).copy_(s)
+        offset += s.shape[dim]
+    return out
 
 
 def collect_recipes(modules: Iterable) -> dict:
