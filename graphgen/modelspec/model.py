@@ -167,8 +167,10 @@ class NpuTarget:
         default=3, metadata=doc("Persistent staging buffers (graphgen.npu.run.staging.StagingRing): at least "
                                 "the commits in flight + 1.", minimum=1))
     device_memory_gib: Optional[float] = field(
-        default=None, metadata=doc("Memory of one device in GiB; validate rejects a layout whose per-rank "
-                                   "weights exceed it.", exclusive_minimum=0))
+        default=None, metadata=doc("Memory of one device in GiB (default: a 64 GiB A2/A3 die); validate rejects "
+                                   "a layout whose per-rank launch (weights, KV, staging rings, buffers) exceeds "
+                                   "0.9 of what the device gives torch (docs/npu.md, 'Full-size launch').",
+                                   exclusive_minimum=0))
 
 
 @dataclass(frozen=True)
