@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .common import EXIT_INVALID, EXIT_OK, err, usage_error
@@ -49,10 +50,17 @@ def _one(args, spec, rank: int) -> dict:
     from ..dryrun import dry_run_rank
     from ..dryrun.ledger import DeviceOutOfMemory
 
+    last = [time.monotonic()]
+
+    def progress(done: int, total: int) -> None:  # a line every 10 s of a long load (stderr)
+        if time.monotonic() - last[0] >= 10:
+            last[0] = time.monotonic()
+            err(f"rank {rank}: placed {done / (1 << 30):.1f} / {total / (1 << 30):.1f} GiB of weights")
+
     try:
         rep = dry_run_rank(spec, args.weights, rank, target=args.target, device_memory_gib=args.device_memory_gib,
                            num_blocks=args.num_blocks or 512, utilization=args.device_memory_utilization,
-                           mode=args.mode, old_order=args.old_order)
+                           mode=args.mode, old_order=args.old_order, progress=progress)
     except DeviceOutOfMemory as e:
         return {"rank": rank, "error": str(e)}
     row = {**rep.row(), "budget_bytes": rep.budget_bytes}

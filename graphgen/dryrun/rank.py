@@ -7,7 +7,7 @@ import resource
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -86,13 +86,14 @@ def _modules(spec, target: str, mode: Optional[str]):
 
 def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_memory_gib: Optional[float] = None,
                  num_blocks: Optional[int] = DEFAULT_NUM_BLOCKS, utilization: Optional[float] = None,
-                 mode: Optional[str] = None, old_order: bool = False) -> RankReport:
+                 mode: Optional[str] = None, old_order: bool = False,
+                 progress: Optional[Callable[[int, int], None]] = None) -> RankReport:
     """World rank ``rank`` of ``spec``'s layout over the checkpoint in ``weights_dir``. ``num_blocks``: the
     launch's ``--num-blocks`` (the NPU adds its padding block), or with ``utilization`` the KV cache is
     sized from what the weights left. ``device_memory_gib``: the device (default: the spec's, else the NPU
     target's 64 GiB; the CPU target: no limit). ``old_order``: the negative control, the load order before
     the streaming loader (KV cache first, every source slice placed, then every recipe built while all
-    sources are held)."""
+    sources are held). ``progress(placed, total)``: bytes of weights placed so far."""
     npu = target == "npu"
     if npu and spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu): use --target cpu")
@@ -125,7 +126,7 @@ def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_me
             keep.append(PagedKVCache(spec.kv_layers, shapes, blocks, kv_dtype, device=meta))
         t0 = time.perf_counter()
         W = place_weights(weights, [] if old_order else sources, family=spec.family, dtype=dtype, device=meta,
-                          reader=reader)
+                          reader=reader, progress=progress)
         if old_order:  # every recipe built while every source is still held (sources dropped at the end)
             W = load_time_weights(W, sources)
         load_s = time.perf_counter() - t0
