@@ -108,8 +108,9 @@ def check_engine_arguments(args) -> Optional[str]:
         if args.target != "cpu" or any((getattr(args, f, None) or 1) > 1 for f in ("tp", "ep", "dp", "cp")):
             return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
     util = getattr(args, "device_memory_utilization", None)
-    if util is not None and (args.target != "npu" or not 0 < util <= 1):
-        return f"--device-memory-utilization applies to --target npu, in (0, 1]; got {util}"
+    if util is not None and (args.target != "npu" or args.standin or not 0 < util <= 1):
+        return (f"--device-memory-utilization applies to --target npu on an NPU (not --standin: no device memory "
+                f"to size from), in (0, 1]; got {util}")
     if getattr(args, "warmup", None) is not None and args.target != "npu":
         return "--warmup/--no-warmup applies to --target npu only"
     return None
