@@ -7,7 +7,6 @@ at tp 2 holds 30.51 GiB of bf16 weights per rank, audit 3 §3); the dry run meas
 (tests/load/test_dry_run.py)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
