@@ -143,3 +143,16 @@ def test_every_rank_in_a_process_of_its_own(qwen8, capsys, tmp_path):
     assert main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["ranks"]
     assert [r["rank"] for r in rows] == [0, 1] and rows[0]["device_peak_bytes"] == rows[1]["device_peak_bytes"]
+
+
+def test_the_cpu_target_and_a_checkpoint_that_is_not_the_specs(qwen8, qwen32, capsys, tmp_path):
+    """--target cpu: the CPU modules' recipes ([in, out] projections), the spec's dtype, no device budget, no
+    graphs; a checkpoint of another model (64 layers for an 8-layer spec): one sentence, exit 2."""
+    spec, ckpt = qwen8
+    rc, out, err = _dry_run(capsys, spec, ckpt, "--target", "cpu", "--json", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    (row,) = json.loads((tmp_path / "r.json").read_text())["ranks"]
+    assert row["graphs"] == 0 and row["kv_blocks"] == 512 and row["budget_bytes"] is None
+    assert row["device_peak_bytes"] == row["device_final_bytes"] > 5 << 30  # 5.1 GiB of bf16 weights + KV
+    rc, out, err = _dry_run(capsys, spec, qwen32)
+    assert rc == 2 and "num_hidden_layers: checkpoint 64 vs spec 8" in err and len(err.strip().splitlines()) == 1
