@@ -14,8 +14,13 @@ memory map, so every page a slice touches stays resident until the file is close
 of a 4 GiB tensor peaked at 4.3 GiB RSS, a column slice at 6.4 GiB (safetensors 0.8.0, measured with
 ``/usr/bin/time -v`` here); a shard holds ~4 GB. Positioned reads into a buffer keep only the buffer.
 
-File holes read as zeros, as the kernel returns them; a range that is one hole (``SEEK_DATA``) is zeroed
-in the buffer without a read, which keeps sparse checkpoints (``scripts/sparse_checkpoint.py``) fast.
+A slice along the first dim (or of a tensor whose leading dims are 1) is one contiguous range; a slice
+along a later dim is read row by row where a row's range is at least 1 MiB, else as whole rows in blocks of
+at most 64 MiB with the range copied out (``bytes_read`` counts the whole rows). File holes read as zeros,
+as the kernel returns them: the reader finds them with ``SEEK_DATA``/``SEEK_HOLE`` and zeroes the buffer
+there without a read (not at all where it already holds zeros), which keeps sparse checkpoints
+(``scripts/sparse_checkpoint.py``) fast. The copy to the device is synchronous from pageable memory, so
+the buffer is free again when ``copy_`` returns.
 """
 
 from __future__ import annotations
