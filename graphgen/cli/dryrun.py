@@ -105,7 +105,7 @@ def cmd_dry_run(args) -> int:
     bad = [r for r in rows if "error" in r]
     if bad:
         err(f"graphgen dry-run: rank {bad[0]['rank']} of {spec.name} does not fit: {bad[0]['error']} "
-            f"(graphgen validate {args.spec} names a layout that fits)")
+            f"(graphgen validate {args.spec} counts it and names a layout that fits, if one does)")
         return EXIT_INVALID
     return EXIT_OK
 
