@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..families import FAMILIES
-from ..families.parallel import rank_kv_components
+from ..families.parallel import PLANS, rank_kv_components
 from ..ir.weights import graph_weight_names, parse_shard
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -242,7 +242,7 @@ def memory_problems(spec, mem: RankMemory, device_memory_gib=None) -> list[str]:
 def _layout_candidates(spec):
     """Layouts to try, smallest world first: tp a power of two with ep 1 or tp (dp, cp 1; sp as the spec);
     for a spec with DP attention, its kind first: dp × tp ranks with ep = dp × tp, the most DP groups first."""
-    moe = FAMILIES[spec.family].name == "deepseek_v3"
+    moe = PLANS[spec.family].experts is not None  # routed experts: ep may split them
     powers = (1, 2, 4, 8, 16, 32, 64, 128)
     for world in powers:
         if spec.parallel.dp > 1 and moe:
