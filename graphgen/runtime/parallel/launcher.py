@@ -14,6 +14,14 @@ Failure is bounded: every reply is awaited with a deadline while the rank proces
 rank that exits, raises or does not answer in ``timeout`` seconds ends every rank and raises
 `RankFailure` naming it (gloo's own timeout is the same, so a rank blocked in a collective with a
 dead peer fails too). Nothing listens on anything but 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``).
+
+Process start: the rank and pool processes are forked from a forkserver (`_process_context`) that
+imported torch and the rank modules once, when this process first started ranks: a rank skips the
+fresh interpreter's torch import (about 3 s of CPU each here). The forkserver runs no torch op, so
+no thread pool is forked. Each child first takes the environment of this process at its launch
+(`_child`: as a spawned interpreter would; ``ASCEND_RT_VISIBLE_DEVICES``, ``GLOO_SOCKET_IFNAME`` and
+the rest are read after it); a variable a preloaded module reads at import (`_READ_AT_IMPORT`) that
+changed since the forkserver started makes that launch spawn fresh interpreters instead.
 """
 
 from __future__ import annotations
@@ -35,6 +43,31 @@ __all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
 
 class RankFailure(RuntimeError):
     """A rank process died, raised, or did not answer in time."""
+
+
+# what the forkserver imports once (a rank's imports: rank_main's lazy ones included)
+_PRELOAD = ["torch", "torch.distributed", "graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.dp_rank",
+            "graphgen.runtime.checkpoint.hf"]
+# environment read at import by a preloaded module (runtime/core/matmul.py): fixed in the forkserver
+_READ_AT_IMPORT = ("GRAPHGEN_CPU_MATMUL",)
+_forkserver_env: Optional[dict] = None  # those variables when this process's forkserver started
+
+
+def _process_context():
+    """The forkserver context (started with `_PRELOAD` on first use), or spawn when a variable of
+    `_READ_AT_IMPORT` differs from the forkserver's (its modules would hold the old value)."""
+    global _forkserver_env
+    now = {k: os.environ.get(k) for k in _READ_AT_IMPORT}
+    if _forkserver_env is None:
+        _forkserver_env = now
+        mp.set_forkserver_preload(_PRELOAD)
+    return mp.get_context("forkserver" if now == _forkserver_env else "spawn")
+
+
+def _child(env: dict, target, *args) -> None:  # the body of every process the launcher starts
+    os.environ.clear()  # forked from the forkserver: its environment, not this launch's
+    os.environ.update(env)
+    target(*args)
 
 
 def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
@@ -128,12 +161,12 @@ class DistributedEngine:
         self.spec, self.tp, self.timeout = spec, spec.parallel.tp, timeout
         self.world = spec.parallel.world  # rank processes: dp × cp × tp
         self._closed = False
-        ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no forked torch/thread state
+        ctx, env = _process_context(), dict(os.environ)  # forked warm (module doc: process start)
         authkey = os.urandom(16)
         pool_address = ("127.0.0.1", free_port())
         ready = ctx.Event()
-        self._pool_proc = ctx.Process(target=serve_pool, args=(pool_capacity_bytes, pool_address, authkey, ready),
-                                      daemon=True, name="graphgen-pool")
+        self._pool_proc = ctx.Process(target=_child, args=(env, serve_pool, pool_capacity_bytes, pool_address,
+                                                           authkey, ready), daemon=True, name="graphgen-pool")
         self._pool_proc.start()
         deadline = time.monotonic() + timeout
         while not ready.wait(0.05):
@@ -152,7 +185,7 @@ class DistributedEngine:
         self._conns, self._procs = [], []
         for r in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
+            p = ctx.Process(target=_child, args=(env, rank_main, r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
