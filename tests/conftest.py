@@ -19,6 +19,8 @@ still runs everything.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +28,21 @@ import pytest
 from support.paths import TINY_DSV3, TINY_QWEN3
 
 pytest_plugins = ["support.skips"]
+
+# One intra-op torch thread for the whole run, in this process and every child (set before torch is
+# imported: OpenMP reads it when it loads). The models are tiny: a second thread buys nothing, and on
+# a shared 2-core machine an oversubscribed OpenMP pool makes each small op 10-100x slower (an MTP
+# test: 69 s with 2 threads under load 10, 3.3 s with one). OMP_NUM_THREADS set by the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+TORCH_THREADS = int(os.environ["OMP_NUM_THREADS"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    """``TORCH_THREADS`` also when torch was imported before this file (a plugin): torch-free runs stay so."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(TORCH_THREADS)
+    yield
 
 SLOW_FOLDERS = ("parallel", "serve", "mooncake")       # rank processes, server subprocesses, Mooncake
 SLOW_FILES = ("npu/test_compile_steps_cli.py",         # torch.compile through the stand-in, step by step
