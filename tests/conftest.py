@@ -5,7 +5,7 @@ the fixtures, so the torch-free folders (``ir``, ``spec``, ``passes``) stay torc
 - ``qwen``, ``dsv3``, ``tiny_dsv3``: random float32 HF models written with ``save_pretrained``
   (weights re-drawn at O(1) scale so logits are not flat; `support.hf`), each as
   ``SimpleNamespace(model, dir, family)``;
-- ``imported``: specs made from ``qwen`` and ``dsv3`` by ``graphgen import-hf`` run as a subprocess;
+- ``imported``: specs made from ``qwen`` and ``dsv3`` by ``graphgen import-hf`` (the CLI's ``main``, in-process);
 - ``ckpt``: a checkpoint of ``specs/tiny_qwen3.yaml`` written by graphgen's own writer, with its
   tokenizer (what ``graphgen serve`` loads).
 
@@ -95,7 +95,7 @@ def tiny_dsv3(tmp_path_factory):
 def imported(tmp_path_factory, qwen, dsv3):
     """family -> (spec path written by `graphgen import-hf`, the HF model it was imported from)."""
     from graphgen.modelspec.loader import load_spec
-    from support.cli import cli
+    from support.cli import cli_inproc as cli
 
     out = tmp_path_factory.mktemp("imported")
     specs = {}

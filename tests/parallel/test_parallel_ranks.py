@@ -7,8 +7,6 @@ is bounded (``timeout``) and every test too (``TEST_TIMEOUT``)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 import support.hf as hfm
 from graphgen.runtime.parallel.launcher import RankFailure
 from graphgen.runtime import open_engine
-from support.cli import cli
+from support.cli import cli_inproc
 from support.hf import assert_steps_match_hf, hf_logits, rand_prompt
 from support.paths import REPO
 
@@ -125,9 +123,9 @@ def test_a_dying_rank_is_reported_not_a_hang(qwen):
 def test_cli_run_tp2_json_logits_match_transformers(qwen):
     model, d = qwen.model, qwen.dir
     a, _ = _prompts(4)
-    r = subprocess.run([sys.executable, "-m", "graphgen", "run", "--spec", "specs/tiny_qwen3.yaml", "--weights", str(d),
-                        "--tp", "2", "--prompt-ids", ",".join(map(str, a)), "--max-new-tokens", "2", "--json",
-                        "--logits"], capture_output=True, text=True, cwd=REPO, timeout=150)
+    # the CLI's main in this interpreter (the `run` entry point as a subprocess: tests/e2e/test_e2e_cli.py)
+    r = cli_inproc("run", "--spec", "specs/tiny_qwen3.yaml", "--weights", d, "--tp", "2", "--prompt-ids",
+                   ",".join(map(str, a)), "--max-new-tokens", "2", "--json", "--logits", timeout=150)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[0])
     with torch.no_grad():
@@ -175,7 +173,7 @@ def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path
     dims = dict(hfm.QWEN3_DIMS, vocab_size=257)
     model, d = hfm.build_hf_model("qwen3_dense", dims, str(tmp_path / "hf"), seed=7)
     spec = tmp_path / "q257.yaml"
-    res = cli("import-hf", str(d), "--out", str(spec), "--name", "q257", "--block-size", "4")
+    res = cli_inproc("import-hf", str(d), "--out", str(spec), "--name", "q257", "--block-size", "4")
     assert res.returncode == 0, res.stderr
     g = torch.Generator().manual_seed(9)
     a = rand_prompt(g, 10, vocab=257)
