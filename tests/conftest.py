@@ -52,10 +52,14 @@ SLOW_FILES = ("npu/test_compile_steps_cli.py",         # torch.compile through t
 def pytest_collection_modifyitems(config, items):
     from support.paths import TESTS
 
+    registered = {line.split(":")[0].strip() for line in config.getini("markers")}
     for item in items:
         rel = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
         if rel.split("/")[0] in SLOW_FOLDERS or rel in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        # the suite's markers this test carries, as a JUnit property (scripts/test_times.py sums by them)
+        marks = sorted({m.name for m in item.iter_markers()} & registered)
+        item.user_properties.append(("markers", ",".join(marks)))
 
 
 def _hf(tmp_path_factory, family: str, dims: dict, seed: int, name: str) -> SimpleNamespace:
