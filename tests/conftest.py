@@ -7,7 +7,8 @@ the fixtures, so the torch-free folders (``ir``, ``spec``, ``passes``) stay torc
   ``SimpleNamespace(model, dir, family)``;
 - ``imported``: specs made from ``qwen`` and ``dsv3`` by ``graphgen import-hf`` (the CLI's ``main``, in-process);
 - ``ckpt``: a checkpoint of ``specs/tiny_qwen3.yaml`` written by graphgen's own writer, with its
-  tokenizer (what ``graphgen serve`` loads).
+  tokenizer (what ``graphgen serve`` loads);
+- ``rank_engines``: multi-rank engines shared by the session's tests (`support.engines`).
 
 Under CI (or ``GRAPHGEN_NO_SKIPS=1``) an unexpected skip fails the run (`support.skips`).
 
@@ -110,6 +111,17 @@ def imported(tmp_path_factory, qwen, dsv3):
         assert path.exists() and load_spec(path).family == hf.family
         specs[hf.family] = SimpleNamespace(spec=path, hf=hf)
     return specs
+
+
+@pytest.fixture(scope="session")
+def rank_engines():
+    """`support.engines.SharedEngines`: multi-rank engines shared by the tests that only read their own
+    requests' tokens and counters (one per spec, checkpoint and options; the rules: support/engines.py)."""
+    from support.engines import SharedEngines
+
+    shared = SharedEngines()
+    yield shared
+    shared.close()
 
 
 @pytest.fixture(scope="session")

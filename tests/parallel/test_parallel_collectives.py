@@ -35,6 +35,7 @@ def _install_collective_log(eng) -> None:
     import torch.distributed as dist
 
     log = eng._collective_log = []
+    eng._collective_originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "barrier")}
 
     def wrap(name, orig):
         def issued(*args, **kwargs):
@@ -49,6 +50,15 @@ def _install_collective_log(eng) -> None:
 
 def _collective_log(eng) -> list:
     return list(eng._collective_log)
+
+
+def _remove_collective_log(eng) -> None:
+    """The rank's collectives as they were (a shared engine is left as found)."""
+    import torch.distributed as dist
+
+    for name, orig in eng.__dict__.pop("_collective_originals").items():
+        setattr(dist, name, orig)
+    del eng._collective_log
 
 
 def _gloo_timeout(eng, seconds: float) -> None:
@@ -84,14 +94,18 @@ def _run(eng):
     eng.drain()
 
 
-@pytest.mark.parametrize("spec", [SPEC, REPO / "specs/tiny_qwen3_tp2_sp.yaml"], ids=["tp2", "tp2_sp"])
-def test_every_rank_issues_the_same_collectives_in_the_same_order(qwen, spec):
+@pytest.mark.parametrize("spec", ["specs/tiny_qwen3_tp2.yaml", "specs/tiny_qwen3_tp2_sp.yaml"], ids=["tp2", "tp2_sp"])
+def test_every_rank_issues_the_same_collectives_in_the_same_order(qwen_tp2, spec):
     """tp2_sp: sequence parallel, whose token shards differ in length across ranks at odd step sizes
-    (decode: 1 token): the gathers are padded, so every rank issues the same shapes."""
-    with open_engine(spec, qwen.dir, num_blocks=32, timeout=TIMEOUT) as eng:
-        eng.on_ranks(_install_collective_log)
+    (decode: 1 token): the gathers are padded, so every rank issues the same shapes. On the session's
+    shared engine (tests/parallel/conftest.py): the log is installed and removed around this test's run."""
+    eng = qwen_tp2(spec)
+    eng.on_ranks(_install_collective_log)
+    try:
         _run(eng)
         logs = eng.on_ranks(_collective_log)
+    finally:
+        eng.on_ranks(_remove_collective_log)
     assert len(logs) == 2 and logs[0], "no collective recorded"
     ops = {e[0] for e in logs[0]}
     assert {"all_reduce", "all_gather", "barrier"} <= ops, ops
@@ -100,6 +114,7 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(qwen, spec):
 
 
 def test_a_rank_that_skips_one_all_reduce_is_caught(qwen):
+    # a private engine: the control breaks it
     eng = open_engine(SPEC, qwen.dir, num_blocks=32, timeout=TIMEOUT)   # started: not the failure
     eng.on_ranks(_install_collective_log)
     eng.on_ranks(_gloo_timeout, GLOO_TIMEOUT)
