@@ -112,10 +112,16 @@ def one_sentence(res) -> str:
 
 # --- the wheel ---------------------------------------------------------------------------------------
 
+# slow: the module's wheel build (pip wheel of a copy of the sources, ~6 s here) and an isolated
+# interpreter per check; the `not slow` lane leaves packaging to ./dev test
+WHEEL_SLOW = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """The wheel built once from a copy of the sources (the checkout is left untouched), offline:
-    with this interpreter's setuptools (a Python 3.11 venv has it; 3.12+ venvs do not)."""
+    pyproject.toml's own build backend (``[build-system] build-backend``) called in a fresh
+    interpreter, as ``pip wheel --no-build-isolation`` calls it (PEP 517 ``build_wheel``), without
+    pip's own start-up; with this interpreter's setuptools (a Python 3.11 venv has it; 3.12+ venvs do not)."""
     pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools in this venv")
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
@@ -123,8 +129,10 @@ def wheel(tmp_path_factory) -> Path:
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / f, src / f)
     shutil.copytree(REPO / "graphgen", src / "graphgen", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                          "-q", "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    build = ("import importlib, sys\n"
+             "print(importlib.import_module(sys.argv[1]).build_wheel(sys.argv[2]))")
+    res = subprocess.run([sys.executable, "-c", build, PYPROJECT["build-system"]["build-backend"], str(tmp / "dist")],
+                         cwd=src, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     (whl,) = (tmp / "dist").glob("graphgen-*.whl")
     return whl
@@ -139,6 +147,7 @@ def build_env(wheel, tmp_path_factory) -> list[Path]:
     return [tmp / "site", link_site(closure(()), tmp / "deps")]
 
 
+@WHEEL_SLOW
 def test_wheel_holds_every_package_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     files = {p.relative_to(REPO).as_posix() for p in (REPO / "graphgen").rglob("*")
@@ -148,6 +157,7 @@ def test_wheel_holds_every_package_file(wheel):
     assert sorted(files - names) == []
 
 
+@WHEEL_SLOW
 def test_build_env_sees_no_optional_module(build_env, tmp_path):
     """The isolation holds: nothing of any extra (nor pytest) is importable there, graphgen comes from the wheel."""
     probe = ("import importlib.util as u, graphgen; print(graphgen.__file__); "
@@ -169,6 +179,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@WHEEL_SLOW
 def test_wheel_generates_the_repository_files_byte_for_byte(build_env, tmp_path):
     proj = _project(tmp_path)
     res = cli(build_env, "generate", "--out", "out", cwd=proj)  # the default specs/*.yaml of this folder
@@ -186,6 +197,7 @@ def test_wheel_generates_the_repository_files_byte_for_byte(build_env, tmp_path)
     assert res.returncode == 0 and "NPU kernel limits ok" in res.stdout, res.stderr
 
 
+@WHEEL_SLOW
 def test_wheel_without_specs_says_so(build_env, tmp_path):
     res = cli(build_env, "generate", cwd=tmp_path)
     assert res.returncode == 2
@@ -193,6 +205,7 @@ def test_wheel_without_specs_says_so(build_env, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@WHEEL_SLOW
 def test_wheel_import_hf_and_schema(build_env, tmp_path):
     cfg = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 300,
@@ -207,6 +220,7 @@ def test_wheel_import_hf_and_schema(build_env, tmp_path):
     assert res.returncode == 0 and res.stdout == (REPO / "specs" / "schema.json").read_text()
 
 
+@WHEEL_SLOW
 def test_wheel_trains_the_same_tokenizer_corpus_as_the_checkout(build_env):
     """The random checkpoints' tokenizer is trained on the package's docstrings: a wheel has them all."""
     from graphgen.runtime.checkpoint.tokenizer import default_corpus
@@ -219,6 +233,7 @@ def test_wheel_trains_the_same_tokenizer_corpus_as_the_checkout(build_env):
     assert len("".join(corpus)) > 50_000 and corpus == default_corpus()
 
 
+@WHEEL_SLOW
 def test_wheel_runtime_commands_name_the_runtime_extra(build_env, tmp_path):
     res = cli(build_env, "run", "--spec", "specs/tiny_qwen3.yaml", "--weights", ".", "--prompt-ids", "1,2",
               cwd=_project(tmp_path))
