@@ -79,16 +79,17 @@ def summarize(cases: list[Case], top: int = 25) -> str:
     outcomes = collections.Counter(c.outcome for c in cases)
     lines = [f"{len(cases)} items, {total:.1f} s of test time ("
              + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items())) + ")", ""]
-    lines += _table("folder", by_folder, total) + [""] + _table("marker", by_marker, total) + [""]
-    lines += [f"slowest {min(top, len(cases))}:"]
-    lines += [f"{c.seconds:8.1f} s  {c.name}" for c in sorted(cases, key=lambda c: -c.seconds)[:top]]
+    lines += _table("folder", by_folder, total) + [""] + _table("marker", by_marker, total)
+    if top > 0:
+        lines += ["", f"slowest {min(top, len(cases))}:"]
+        lines += [f"{c.seconds:8.1f} s  {c.name}" for c in sorted(cases, key=lambda c: -c.seconds)[:top]]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("junit_xml")
-    ap.add_argument("--top", type=int, default=25, help="how many of the slowest tests to list (default 25)")
+    ap.add_argument("--top", type=int, default=25, help="how many of the slowest tests to list (default 25; 0: none)")
     a = ap.parse_args(argv)
     try:
         cases = read_cases(a.junit_xml)
