@@ -21,7 +21,8 @@ fresh interpreter's torch import (about 3 s of CPU each here). The forkserver ru
 no thread pool is forked. Each child first takes the environment of this process at its launch
 (`_child`: as a spawned interpreter would; ``ASCEND_RT_VISIBLE_DEVICES``, ``GLOO_SOCKET_IFNAME`` and
 the rest are read after it); a variable a preloaded module reads at import (`_READ_AT_IMPORT`) that
-changed since the forkserver started makes that launch spawn fresh interpreters instead.
+changed since the forkserver started makes that launch spawn fresh interpreters instead, and so
+does ``spawn=True`` (the real NPU's ranks: its runtime must not be loaded before a fork).
 """
 
 from __future__ import annotations
@@ -136,10 +137,12 @@ class DistributedEngine:
 
     def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
-                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, target: str = "cpu", **engine_kwargs):
+                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, target: str = "cpu",
+                 spawn: bool = False, **engine_kwargs):
         """``target``: the rank builder by name (`graphgen.runtime.parallel.rank.RANK_TARGETS`: ``"cpu"``,
         or one a target registered, e.g. ``"npu"`` by ``graphgen.npu.run.ranks``); ``engine_kwargs`` go
-        to it in every rank process."""
+        to it in every rank process. ``spawn``: a fresh interpreter per process instead of the warm
+        forkserver (a device runtime that must not be loaded before a fork: the real NPU's)."""
         from ...families.parallel import layout_rules
 
         cpu_modules = target == "cpu"  # the CPU ranks run the modules compiled here once
@@ -161,7 +164,8 @@ class DistributedEngine:
         self.spec, self.tp, self.timeout = spec, spec.parallel.tp, timeout
         self.world = spec.parallel.world  # rank processes: dp × cp × tp
         self._closed = False
-        ctx, env = _process_context(), dict(os.environ)  # forked warm (module doc: process start)
+        ctx = mp.get_context("spawn") if spawn else _process_context()  # module doc: process start
+        env = dict(os.environ)
         authkey = os.urandom(16)
         pool_address = ("127.0.0.1", free_port())
         ready = ctx.Event()
