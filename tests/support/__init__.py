@@ -5,6 +5,7 @@ importable as ``support``; subprocesses get ``tests/`` on their ``PYTHONPATH`` f
 - `cli`: ``graphgen`` in a subprocess (and ``graphgen run --json`` -> tokens);
 - `inproc`: the same commands in this interpreter (``cli_inproc``: same return shape, output captured,
   process state restored; see its module doc for what it guarantees);
+- `engines`: multi-rank engines shared by a session's tests (the ``rank_engines`` fixture; its rules);
 - `hf`: tiny random Hugging Face checkpoints and the transformers references the tests compare to;
 - `hooks`: ``source_hook`` mutations of generated code (negative controls);
 - `gates`: a gate a rank process's save or put can wait on (a file the test creates);
