@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from serve_util import ROOT, SPEC, Server
+from serve_util import ROOT, SPEC
 
 PROMPT = [9, 8, 7, 6, 5, 4, 3, 2]
 N = 10
@@ -90,17 +90,13 @@ def test_run_prompt_text_is_the_tokenizers_ids(ckpt):
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == N
 
 
-def test_serve_stops_at_the_checkpoints_eos_unless_ignore_eos(eos_ckpt, plain):
-    s = Server(eos_ckpt, "--write", "off", "--num-blocks", "64")
-    try:
-        c = s.client()
-        r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0)
-        assert r.choices[0].model_extra["token_ids"] == plain[:4] and r.choices[0].finish_reason == "stop"
-        r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0,
-                                 extra_body={"ignore_eos": True})
-        assert r.choices[0].model_extra["token_ids"] == plain and r.choices[0].finish_reason == "length"
-    finally:
-        assert s.terminate() == 0
+def test_serve_stops_at_the_checkpoints_eos_unless_ignore_eos(servers, eos_ckpt, plain):
+    c = servers.get(eos_ckpt, "--write", "off", "--num-blocks", "64").client()  # (exit 0: the factory's)
+    r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.choices[0].model_extra["token_ids"] == plain[:4] and r.choices[0].finish_reason == "stop"
+    r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].model_extra["token_ids"] == plain and r.choices[0].finish_reason == "length"
 
 
 # ---- the CLI refuses bad arguments before loading the model ---------------------------------
