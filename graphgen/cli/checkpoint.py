@@ -16,11 +16,18 @@ from pathlib import Path
 from .common import EXIT_OK, err, usage_error
 
 
+# what the writer puts in a folder: a folder holding only these is a checkpoint it wrote (rewritten)
+WRITTEN = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+
+
 def cmd_checkpoint(args) -> int:
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        return usage_error("checkpoint", f"--out {out}: exists and is not an empty folder (--force overwrites "
-                                         "its checkpoint files)")
+    if out.exists() and not out.is_dir():
+        return usage_error("checkpoint", f"--out {out}: not a folder")
+    others = sorted(p.name for p in out.iterdir() if p.name not in WRITTEN) if out.is_dir() else []
+    if others and not args.force:
+        return usage_error("checkpoint", f"--out {out}: holds files this command did not write "
+                                         f"({', '.join(others[:3])}); pick another folder or add --force")
     from ..modelspec.loader import load_spec
 
     spec = load_spec(args.spec)  # a spec error: file:line and the fix, exit 2 (cli/common.py)
@@ -42,5 +49,6 @@ def register(sub) -> None:
     p.add_argument("--spec", required=True, help="model spec (YAML)")
     p.add_argument("--out", required=True, help="the checkpoint folder to write")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
-    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.add_argument("--force", action="store_true",
+                   help="write into a folder that holds other files too (a previous checkpoint's are always rewritten)")
     p.set_defaults(handler=cmd_checkpoint)

@@ -26,6 +26,7 @@ def _chat(server, **kw):
 def test_json_schema_validates(server, sampling):
     r = _chat(server, response_format=RF, **sampling)
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    assert r.choices[0].message.content == json.dumps(json.loads(r.choices[0].message.content))  # no free whitespace
     streamed = "".join(c.choices[0].delta.content or "" for c in _chat(server, response_format=RF, stream=True,
                                                                         **sampling) if c.choices)
     assert streamed == r.choices[0].message.content
