@@ -141,10 +141,11 @@ def table() -> str:
         for route in ("completions", "chat"):
             f = fields_of(route).get(name)
             cells.append(f.status if f else "—")
-            if f and f.note and f.note not in notes:
+            if f and f.note:
                 extra = "" if f.status != "refused" or f.noop == (None,) else \
                     f" (accepted: {', '.join(json.dumps(v) for v in f.noop if v is not None)})"
-                notes.append(f.note + extra)
+                if f.note + extra not in notes:
+                    notes.append(f.note + extra)
         rows.append(f"| `{name}` | {cells[0]} | {cells[1]} | {'; '.join(notes)} |")
     return "\n".join(rows)
 
