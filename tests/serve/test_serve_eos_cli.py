@@ -15,16 +15,16 @@ import sys
 
 import pytest
 
-from serve_util import ROOT, SPEC
+from serve_util import SPEC
+from support.inproc import cli_inproc
 
 PROMPT = [9, 8, 7, 6, 5, 4, 3, 2]
 N = 10
 
 
 def _graphgen(*args, timeout=180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "graphgen", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """``graphgen ARGS`` in this interpreter (the entry points' own subprocesses: test_serve_run_parity.py)."""
+    return cli_inproc(*args, timeout=timeout)
 
 
 def _run_json(ckpt, *extra) -> list[dict]:
@@ -102,9 +102,8 @@ def test_serve_stops_at_the_checkpoints_eos_unless_ignore_eos(servers, eos_ckpt,
 # ---- the CLI refuses bad arguments before loading the model ---------------------------------
 
 def _serve(*args, timeout=120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "graphgen.serve", "--spec", str(SPEC), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """``graphgen serve`` in this interpreter (every shared server is ``python -m graphgen.serve``)."""
+    return cli_inproc("serve", "--spec", SPEC, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -148,3 +147,20 @@ def test_help_shows_the_defaults():
                  "(default: 127.0.0.1)", "(default: warning)", "(default: 512)", "--api-key KEY",
                  "GRAPHGEN_API_KEY", "--ignore-eos"):
         assert want in out, want
+
+
+def test_checkpoint_writes_a_loadable_checkpoint_and_refuses_a_folder_it_did_not_write(tmp_path):
+    """``graphgen checkpoint`` (README's quickstart runs it end to end: test_readme_quickstart.py): a
+    rerun rewrites its own folder with the same bytes (the seed decides), a folder holding other files
+    is refused in one sentence (exit 2) unless --force."""
+    out = tmp_path / "ck"
+    first = None
+    for _ in range(2):
+        res = cli_inproc("checkpoint", "--spec", SPEC, "--out", out, "--seed", "3")
+        assert res.returncode == 0 and "with a tokenizer" in res.stdout, res.stderr
+        first = first or (out / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == first
+    (out / "notes.txt").write_text("mine")
+    res = cli_inproc("checkpoint", "--spec", SPEC, "--out", out)
+    assert res.returncode == 2 and "notes.txt" in res.stderr and "--force" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr

@@ -9,7 +9,8 @@ import concurrent.futures as cf
 import json
 
 from serve_util import SPEC
-from support.cli import graphgen, run_args, run_tokens
+from support.cli import run_args, run_tokens  # run_tokens: `graphgen run` as a real subprocess (the entry point)
+from support.inproc import cli_inproc
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], list(range(1, 14)), list(range(1, 9)) + [40, 41, 42],
            [200, 3, 5, 7, 11, 13, 17, 19, 23, 29], [255, 0, 128]]
@@ -37,7 +38,7 @@ def test_graphgen_run_tokens_equal_the_servers(servers, ckpt):
 
 def test_graphgen_run_trace_shows_the_save_overlapping_the_forward(ckpt, tmp_path):
     trace = tmp_path / "run.trace.json"
-    res = graphgen(*_run_args(ckpt, "--write", "async", "--granularity", "layer", "--batch",
+    res = cli_inproc(*_run_args(ckpt, "--write", "async", "--granularity", "layer", "--batch",
                                "--async-scheduling", "--faults", "save_delay=0.01", "--trace", str(trace)))
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads(trace.read_text())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import json
 import urllib.request
 
 import openai
@@ -16,7 +17,7 @@ import pytest
 from graphgen.modelspec.loader import load_spec
 from graphgen.runtime import open_engine
 from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
-from support.cli import graphgen
+from support.inproc import cli_inproc
 from support.paths import TINY_DSV3_MTP, TINY_QWEN3
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(1, 14)), [7, 7, 1], list(range(30, 39))]
@@ -67,6 +68,21 @@ def test_serve_speculative_equals_greedy_and_reports_acceptance(servers, mtp_ckp
 def test_serve_refuses_speculative_without_mtp_layers(tmp_path):
     qwen = write_random_hf_checkpoint(str(tmp_path / "qwen"), "qwen3_dense",
                                       dataclasses.asdict(load_spec(TINY_QWEN3).dims), tokenizer=False)
-    res = graphgen("serve", "--spec", TINY_QWEN3, "--weights", qwen, "--port", "0", "--speculative", "mtp")
+    res = cli_inproc("serve", "--spec", TINY_QWEN3, "--weights", qwen, "--port", "0", "--speculative", "mtp")
     assert res.returncode == 2 and "has no MTP layers" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_run_speculative_prints_its_acceptance_rate_and_takes_torch_threads(mtp_ckpt):
+    """``graphgen run --speculative mtp`` (issue 30 item 7): the run's draft acceptance rate on stderr,
+    equal to the per-prompt counters ``--json`` prints; ``--torch-threads`` is the same flag as serve's."""
+    res = cli_inproc("run", "--spec", TINY_DSV3_MTP, "--weights", mtp_ckpt, "--speculative", "mtp", "--json",
+                     "--torch-threads", "1", "--max-new-tokens", "6", "--ignore-eos", "--prompt-ids", "5,17,99,3,42")
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = [json.loads(s) for s in res.stdout.splitlines() if s.startswith("{")]
+    drafts, accepted = row["spec_decode_num_draft_tokens"], row["spec_decode_num_accepted_tokens"]
+    assert drafts > 0
+    assert f"acceptance rate {100.0 * accepted / drafts:.1f}% ({accepted}/{drafts} draft tokens accepted)" in res.stderr
+    bad = cli_inproc("run", "--spec", TINY_DSV3_MTP, "--weights", mtp_ckpt, "--torch-threads", "0",
+                     "--prompt-ids", "1")
+    assert bad.returncode == 2 and "--torch-threads must be >= 1, got 0" in bad.stderr, bad.stderr

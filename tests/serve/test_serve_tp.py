@@ -17,7 +17,7 @@ import jsonschema
 from graphgen.runtime import SamplingParams, eos_token_ids, open_engine
 from graphgen.serve.structured import response_format_grammar, structured
 from serve_util import ROOT
-from support.cli import run_tokens
+from support.inproc import run_tokens_inproc
 
 SPEC_TP2 = ROOT / "specs" / "tiny_qwen3_tp2.yaml"
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], list(range(1, 14)), [255, 0, 128]]
@@ -28,7 +28,7 @@ RF = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}
 
 
 def _run_tp2(ckpt) -> list[list[int]]:
-    return run_tokens(SPEC_TP2, ckpt, PROMPTS, N_NEW, "--tp", "2", timeout=240)
+    return run_tokens_inproc(SPEC_TP2, ckpt, PROMPTS, N_NEW, "--tp", "2", timeout=240)
 
 
 def test_serve_tp2_greedy_equals_run_tp2_and_seeded_sampling_repeats(servers, ckpt):
