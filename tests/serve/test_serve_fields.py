@@ -186,3 +186,23 @@ def test_skip_special_tokens_false_keeps_the_eos_text(server):
     assert c.completions.create(**kw).choices[0].text == ""
     kw["extra_body"]["skip_special_tokens"] = False
     assert c.completions.create(**kw).choices[0].text == "Ā"
+
+
+def test_parallel_tool_calls_and_include_reasoning_reach_the_output_parser(ctx):
+    import copy
+
+    from graphgen.serve.chat_output import ChatOutput
+    from graphgen.serve.tools import ChatSetup
+
+    c = copy.copy(ctx)
+    c.chat_setup = ChatSetup("hermes", "qwen3")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    p = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "parallel_tool_calls": False,
+                    "include_reasoning": False}, c)
+    assert p.chat["parallel_tool_calls"] is False and p.chat["include_reasoning"] is False
+    out = ChatOutput(**p.chat)  # what the server builds per choice (behaviour: test_chat_parsers.py)
+    out.feed('<think>x</think><tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>', final=False)
+    msg, called = out.message()
+    assert called and out.ended and len(msg["tool_calls"]) == 1 and "reasoning" not in msg
+    default = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": tools}, c)
+    assert default.chat["parallel_tool_calls"] is True and default.chat["include_reasoning"] is True
