@@ -23,6 +23,11 @@ def _quickstart() -> str:
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 
+def _log() -> str:
+    log = ROOT / ".cache" / "serve.log"
+    return log.read_text()[-3000:] if log.exists() else "(no .cache/serve.log)"
+
+
 def test_readme_serving_quickstart_runs_as_written():
     block = _quickstart()
     assert "graphgen checkpoint" in block and "graphgen serve" in block and "openai" in block
@@ -33,9 +38,12 @@ def test_readme_serving_quickstart_runs_as_written():
     try:
         env = dict(_env(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                    OMP_NUM_THREADS="1")
-        res = subprocess.run(ns.argv("bash", "-e", "-c", block), cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=300)
+        try:
+            res = subprocess.run(ns.argv("bash", "-e", "-c", block), cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=300)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the quickstart did not finish in 300 s: {e.stdout!r} {e.stderr!r} {_log()}")
     finally:
         ns.close()
-    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])  # the server's exit too (wait)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:], _log())  # the server's exit too (wait)
     assert res.stdout.count("\n") >= 2, res.stdout  # the completion's text, then the chat answer
