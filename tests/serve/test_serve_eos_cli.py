@@ -149,18 +149,17 @@ def test_help_shows_the_defaults():
         assert want in out, want
 
 
-def test_checkpoint_writes_a_loadable_checkpoint_and_refuses_a_folder_it_did_not_write(tmp_path):
-    """``graphgen checkpoint`` (README's quickstart runs it end to end: test_readme_quickstart.py): a
-    rerun rewrites its own folder with the same bytes (the seed decides), a folder holding other files
-    is refused in one sentence (exit 2) unless --force."""
+def test_checkpoint_refuses_a_folder_it_did_not_write(tmp_path):
+    """``graphgen checkpoint`` (README's quickstart writes one end to end: test_readme_quickstart.py)
+    rewrites a folder holding only what it writes (the quickstart run twice) but refuses one holding
+    other files, in one sentence (exit 2), unless --force — before anything is loaded or written."""
     out = tmp_path / "ck"
-    first = None
-    for _ in range(2):
-        res = cli_inproc("checkpoint", "--spec", SPEC, "--out", out, "--seed", "3")
-        assert res.returncode == 0 and "with a tokenizer" in res.stdout, res.stderr
-        first = first or (out / "model.safetensors").read_bytes()
-    assert (out / "model.safetensors").read_bytes() == first
+    out.mkdir()
+    (out / "config.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
     res = cli_inproc("checkpoint", "--spec", SPEC, "--out", out)
     assert res.returncode == 2 and "notes.txt" in res.stderr and "--force" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt"]  # nothing written
+    res = cli_inproc("checkpoint", "--spec", SPEC, "--out", out / "config.json")
+    assert res.returncode == 2 and "not a folder" in res.stderr

@@ -11,7 +11,6 @@ takes any keys. The engine's mask (`allowed_tokens`) equals llguidance's own per
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 
 import pytest
@@ -28,17 +27,15 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory):
-    """family parser -> (tokenizer folder, vocab) of a random chat checkpoint (the family's tokens)."""
+def tokenizers(chat_ckpt):
+    """family parser -> (tokenizer folder, vocab) of the chat checkpoints (the family's own tokens;
+    the session's, shared with test_serve_tools.py)."""
     from graphgen.modelspec.loader import load_spec
-    from graphgen.runtime import write_random_hf_checkpoint
 
     out = {}
     for parser, name in (("hermes", "tiny_qwen3_chat"), ("deepseek_v31", "tiny_deepseek_v3_chat")):
-        spec = load_spec(SPECS / f"{name}.yaml")
-        d = tmp_path_factory.mktemp(name)
-        write_random_hf_checkpoint(str(d), spec.family, dataclasses.asdict(spec.dims), seed=0)
-        out[parser] = (str(d), spec.dims.vocab_size)
+        folder = chat_ckpt(name)[0]
+        out[parser] = (str(folder), load_spec(SPECS / f"{name}.yaml").dims.vocab_size)
     return out
 
 
