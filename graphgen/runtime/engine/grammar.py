@@ -91,16 +91,16 @@ def warm_up_grammars(tokenizer_dir: str, n_vocab: int) -> None:
     tokenizer_for(tokenizer_dir, n_vocab)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def allowed_tokens(bitmask: bytes, n_vocab: int) -> torch.Tensor:
-    """llguidance's next-token bitmask (token ``32 j + i`` allowed when bit ``i`` of word ``j`` is
-    set) as a ``[n_vocab]`` bool tensor. Plain tensor ops: ``llguidance.torch``'s own helper is a
-    ``torch.compile`` kernel, whose first call compiled for seconds on the engine's step (and whose
-    import loads Dynamo)."""
-    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)[:(n_vocab + 31) // 32]
-    return ((words.unsqueeze(1) >> _SHIFTS) & 1).reshape(-1)[:n_vocab].bool()
+    """llguidance's next-token bitmask (little-endian 32-bit words: token ``32 j + i`` allowed when
+    bit ``i`` of word ``j`` is set, so bit ``k`` of the byte stream, low bit first, is token ``k``) as
+    a ``[n_vocab]`` bool tensor, by numpy's ``unpackbits``. Not ``llguidance.torch``'s helper: it is a
+    ``torch.compile`` kernel, whose first call compiled for seconds inside the engine's step (and
+    whose import loads Dynamo)."""
+    import numpy as np
+
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), count=n_vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 class _Guide:
