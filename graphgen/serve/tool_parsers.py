@@ -83,6 +83,19 @@ class _Parser:
     def _step(self, out: list, final: bool) -> bool:  # decide a prefix of buf; False: wait for more
         raise NotImplementedError
 
+    def _until(self, marker: str, out: list, final: bool) -> bool:
+        """Outside the calls: the text before ``marker`` is content (a tail that may still become the
+        marker is held); True once the marker was found and dropped from buf."""
+        i = self.buf.find(marker)
+        if i < 0:
+            keep = 0 if final else held_back(self.buf, marker)
+            out.append(("content", self.buf[:len(self.buf) - keep]))
+            self.buf = self.buf[len(self.buf) - keep:]
+            return False
+        out.append(("content", self.buf[:i]))
+        self.buf = self.buf[i + len(marker):]
+        return True
+
 
 class HermesParser(_Parser):
     START, END = "<tool_call>", "</tool_call>"
@@ -93,15 +106,8 @@ class HermesParser(_Parser):
 
     def _step(self, out: list, final: bool) -> bool:
         if not self.inside:
-            i = self.buf.find(self.START)
-            if i < 0:
-                keep = 0 if final else held_back(self.buf, self.START)
-                out.append(("content", self.buf[:len(self.buf) - keep]))
-                self.buf = self.buf[len(self.buf) - keep:]
-                return False
-            out.append(("content", self.buf[:i]))
-            self.buf, self.inside = self.buf[i + len(self.START):], True
-            return True
+            self.inside = self._until(self.START, out, final)
+            return self.inside
         j = self.buf.find(self.END)
         if j < 0:
             if final:  # no end tag: a call only if its JSON is whole (vLLM's regex takes it)
@@ -140,15 +146,8 @@ class DeepSeekV31Parser(_Parser):
 
     def _step(self, out: list, final: bool) -> bool:
         if not self.region:
-            i = self.buf.find(self.CALLS_BEGIN)
-            if i < 0:
-                keep = 0 if final else held_back(self.buf, self.CALLS_BEGIN)
-                out.append(("content", self.buf[:len(self.buf) - keep]))
-                self.buf = self.buf[len(self.buf) - keep:]
-                return False
-            out.append(("content", self.buf[:i]))
-            self.buf, self.region, self.opened = self.buf[i + len(self.CALLS_BEGIN):], True, None
-            return True
+            self.region, self.opened = self._until(self.CALLS_BEGIN, out, final), None
+            return self.region
         end, call = self.buf.find(self.CALLS_END), self.buf.find(self.CALL_BEGIN)
         if end >= 0 and (call < 0 or end < call):  # the region ends
             between = self.buf[:end]

@@ -8,8 +8,6 @@ a ``json_schema`` request validates and gives a tp=1 engine's tokens for the sam
 server factory's check). Every wait is bounded."""
 from __future__ import annotations
 
-import concurrent.futures as cf
-
 import json
 
 import jsonschema
@@ -37,14 +35,7 @@ def test_serve_tp2_greedy_equals_run_tp2_and_seeded_sampling_repeats(servers, ck
     assert len(want) == len(PROMPTS)
     s = servers.get(ckpt, "--write", "sync", "--num-blocks", "64", spec=SPEC_TP2)  # (exit 0: the factory's)
     c = s.client()
-
-    def greedy(p):
-        r = c.completions.create(model="tiny_qwen3_tp2", prompt=p, max_tokens=N_NEW, temperature=0)
-        return list(r.choices[0].model_extra["token_ids"])
-
-    with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
-        got = list(ex.map(greedy, PROMPTS, timeout=180))
-    assert got == want
+    assert s.greedy(PROMPTS, N_NEW, "tiny_qwen3_tp2") == want
 
     def sampled(**kw):
         r = c.completions.create(model="tiny_qwen3_tp2", prompt=[9, 8, 7], max_tokens=8, temperature=1.0,
@@ -55,7 +46,7 @@ def test_serve_tp2_greedy_equals_run_tp2_and_seeded_sampling_repeats(servers, ck
     assert first == second and len(first) == 8
     # no seed: the server chose one for both ranks (ignore_eos: a random draw may hit EOS before 8)
     assert len(sampled(extra_body={"ignore_eos": True})) == 8
-    assert greedy(PROMPTS[0]) == want[0]  # the prompt's blocks now come from the pool on both ranks
+    assert s.greedy(PROMPTS[:1], N_NEW, "tiny_qwen3_tp2") == want[:1]  # its blocks now come from the pool on both ranks
 
     # structured output at tp=2: each rank builds its own matcher from the request's grammar and
     # advances it with the token every rank sampled from the same gathered logits. A rank whose

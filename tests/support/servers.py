@@ -70,6 +70,19 @@ class Server:
 
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, timeout=60, max_retries=0)
 
+    def greedy(self, prompts, max_tokens: int, model: str, timeout: float = 180) -> list[list[int]]:
+        """The token ids of greedy completions of ``prompts``, sent concurrently (the server batches them)."""
+        import concurrent.futures as cf
+
+        c = self.client()
+
+        def one(p):
+            r = c.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0)
+            return list(r.choices[0].model_extra["token_ids"])
+
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(one, prompts, timeout=timeout))
+
 
 class ServerFactory:
     """One server per distinct start (``keep`` at most up at once); every stop must exit 0."""
