@@ -14,6 +14,7 @@ from typing import Optional, get_args
 from .modelspec.model import WritePolicy
 
 __all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "target_note",
+           "rank_count", "thread_options",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 WRITE_POLICIES = get_args(WritePolicy)  # pool.policy's values
@@ -65,6 +66,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--faults", default=None, help="fault injection, e.g. save_delay=0.05,put_fail=0.5,seed=1 "
                                                   "(docs/runtime.md)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace-event JSON (Perfetto)")
+    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (per rank with several ranks; default: torch's own choice, "
+                        "which contends on a busy machine)")
     p.add_argument("--target", choices=("cpu", "npu"), default="cpu",
                    help="cpu: the generated CPU graphs; npu: the NPU model runner (needs torch_npu, or --standin)")
     p.add_argument("--standin", action="store_true",
@@ -87,7 +91,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
     # --num-blocks: checked by each command against the spec
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp", "pool_min_uses"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp", "pool_min_uses", "torch_threads"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"
@@ -115,6 +119,25 @@ def layout_refusal(spec, args) -> Optional[str]:
 
     overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
     return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"))
+
+
+def rank_count(args, spec) -> int:
+    """How many rank processes the layout asks for (the overrides, else the spec's ``parallel:``)."""
+    par = spec.parallel
+    pick = [getattr(args, k, None) if getattr(args, k, None) is not None else getattr(par, k, 1)
+            for k in ("tp", "ep", "cp")]
+    return max(pick[0], pick[1]) * pick[2]
+
+
+def thread_options(args, spec) -> dict:
+    """``--torch-threads``: set in this process (torch imported here), and passed to the rank
+    processes of a several-rank layout (`open_engine`'s ``threads``)."""
+    if not getattr(args, "torch_threads", None):
+        return {}
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    return {"threads": args.torch_threads} if rank_count(args, spec) > 1 else {}
 
 
 def engine_options(args, faults=None) -> dict:

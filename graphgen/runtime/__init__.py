@@ -22,6 +22,7 @@ _EXPORTS = {
     "LLMEngine": "engine.step_loop",
     "SamplingParams": "engine.sampling", "SEED_RANGE": "engine.sampling", "MIN_TEMPERATURE": "engine.sampling",
     "VALUE_RANGES": "engine.sampling", "StructuredOutput": "engine.grammar",
+    "compiled_matcher": "engine.grammar", "warm_up_grammars": "engine.grammar",
     "speculative_refusal": "engine.spec_decode",
     "RequestOutput": "engine.request", "RequestResult": "engine.request", "FINISH_REASONS": "engine.request",
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",

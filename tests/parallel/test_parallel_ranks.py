@@ -149,7 +149,11 @@ def test_serve_counts_the_ranks_of_the_layout():
     for more than one rank (the server itself at tp=2: tests/serve/test_serve_tp.py)."""
     from argparse import Namespace
 
-    from graphgen.serve.cli import _ranks
+    from graphgen.engine_args import rank_count
+    from graphgen.modelspec.loader import load_spec
+
+    def _ranks(args):
+        return rank_count(args, load_spec(args.spec))
 
     tp2 = str(REPO / "specs/tiny_qwen3_tp2.yaml")
     assert _ranks(Namespace(spec=tp2, tp=1, ep=1)) == 1

@@ -11,7 +11,10 @@ importable as ``support``; subprocesses get ``tests/`` on their ``PYTHONPATH`` f
 - `gates`: a gate a rank process's save or put can wait on (a file the test creates);
 - `npu_limits`: the NPU kernel-limit cases (one table for the spec check and the CLI);
 - `jsonl`: the command loop of the worker processes driven through a pipe;
-- `netns`: a private network namespace with Mooncake processes in it.
+- `netns`: a private network namespace with Mooncake processes in it;
+- `servers`: real ``graphgen serve`` processes, one per distinct set of flags (``ServerFactory``, the
+  ``servers`` fixture of tests/serve/conftest.py; docs/testing.md "Servers");
+- `chat_ckpt`: a tiny checkpoint trained to answer with a thought and a tool call.
 
 The session-scoped checkpoints themselves are fixtures of ``tests/conftest.py``.
 """
