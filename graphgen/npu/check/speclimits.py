@@ -64,6 +64,12 @@ def _gqa_heads(s) -> tuple[int, int]:
     return s.dims.num_attention_heads // tp, max(1, s.dims.num_key_value_heads // tp)
 
 
+def _expert_groups(s) -> int:
+    """The groups ``npu_moe_compute_expert_tokens`` counts on a rank (graphgen.lower.npu_helpers._moe_residual)."""
+    ep = s.parallel.ep
+    return s.dims.n_routed_experts // ep + (1 if ep > 1 else 0)
+
+
 def _all(s) -> bool:
     return True
 
@@ -106,7 +112,10 @@ CHECKS: tuple[SpecCheck, ...] = (
               lambda s: _gqa_heads(s)[0] % _gqa_heads(s)[1] or _gqa_heads(s)[0] // _gqa_heads(s)[1] > 64,
               lambda s: f"{s.dims.num_attention_heads} heads over {s.dims.num_key_value_heads} KV heads at tp={s.parallel.tp}: "
                         "{} per {} on a rank".format(*_gqa_heads(s))),
-    SpecCheck("moe_unpermute.dtype", "targets.npu.dtype", _moe, lambda s: _model_dtype(s) != "bfloat16", _model_dtype),
+    # the MoE helper counts a rank's E/ep experts, plus one group for other ranks' pairs under ep > 1
+    SpecCheck("moe_expert_tokens.input", "dims.n_routed_experts", _moe,
+              lambda s: not 0 < _expert_groups(s) <= 2048,
+              lambda s: f"{s.dims.n_routed_experts} experts over ep={s.parallel.ep}: {_expert_groups(s)} groups"),
     SpecCheck("fia.tnd.reduce_overhead", "targets.npu.compile_modes", _gqa,
               lambda s: "reduce-overhead" in s.targets.npu.compile_modes, lambda s: list(s.targets.npu.compile_modes)),
     SpecCheck("moe_gating.groups", "dims.n_group", _moe,
