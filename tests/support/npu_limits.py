@@ -39,6 +39,8 @@ INSERT_CASES = [
      "fia.tnd.sequences"),
     ("qwen", "    decode_batch_buckets: [1, 70000]", "targets.npu.decode_batch_buckets", "fia2.decode.dims"),
     ("dsv3", "    decode_batch_buckets: [1, 70000]", "targets.npu.decode_batch_buckets", "fia2.decode.dims"),
+    # an 8192-token context: a mixed cell of 8 decode rows gathers 10 * 8192 + 1024 KV rows into TND (audit 3 N9)
+    ("dsv3", "    max_model_len: 8192", "targets.npu.max_model_len", "fia.dense.tokens"),
 ]
 
 

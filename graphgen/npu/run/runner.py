@@ -172,7 +172,7 @@ class NpuModelRunner:
             mod = self.modules[variant]
             phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
             chunk = [self._pad_sequence(hist, q) for hist, q in seqs]
-            b, _ = self._step_inputs(phase, chunk, saves, history, pad=pad)
+            b, _ = self._step_inputs(mod, chunk, pad=pad)
             target = self.compiled(variant)
             idx, slot = self.commits.ring.acquire() if saves else (None, None)
             buf = slot.device if saves else ()
@@ -234,7 +234,7 @@ class NpuModelRunner:
         target = self.compiled(variant)
         logits, offset = [], 0
         for chunk in chunks:
-            b, n_save = self._step_inputs(phase, chunk, saves, history, pad=cell)
+            b, n_save = self._step_inputs(mod, chunk, pad=cell)
             self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
 
             def graph(staging, b=b, chunk=chunk):
@@ -321,10 +321,12 @@ class NpuModelRunner:
             out.append(tuple(comps))
         return out
 
-    def _step_inputs(self, phase: str, chunk: list, saves: bool, history: bool = False, pad=None):
-        """The chunk's inputs padded to ``pad`` (a mixed batch's cell) or to its bucket."""
+    def _step_inputs(self, mod, chunk: list, pad=None):
+        """The chunk's inputs for module ``mod``, padded to ``pad`` (a mixed batch's cell) or to its bucket;
+        the gather rows only when the module reads them (``STEP_READS``: audit 3 N9)."""
         from .inputs import npu_step_inputs
 
+        phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
         ids = [t for s in chunk for t in s["ids"]]
         qlens = [len(s["ids"]) for s in chunk]
         save = [b for s in chunk for b in s["save"]] if saves else None
@@ -335,7 +337,8 @@ class NpuModelRunner:
                             query_lens=qlens, logits_indices=[sum(qlens[:i + 1]) - 1 for i in range(len(chunk))],
                             block_size=self.block_size, save_block_ids=save,
                             load_block_ids=[b for s in chunk for b in s["load"]] if history else None,
-                            decode=phase == "decode", device=self.device, pad=pad)
+                            decode=phase == "decode", device=self.device, pad=pad,
+                            gather="kv_gather_rows" in getattr(mod, "STEP_READS", ("kv_gather_rows",)))
         return b, len(save or ())
 
 
