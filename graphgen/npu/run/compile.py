@@ -17,9 +17,11 @@ from typing import Any
 
 MODES = ("max-autotune", "reduce-overhead")
 # GE runs a graph with dynamic shapes single-stream unless this is set (torchair docs,
-# docs/zh/ascend_ir/features/advanced/multi_stream.md:22-26): with dynamic=True and host tiling (the TND
-# prefill/splitfuse modules, torchair's path 3) the graph is dynamic, so it is set to keep the KV-save
-# stream overlapped.  The tiling-sunk decode graphs (path 4) are static and do not need it.
+# docs/zh/ascend_ir/features/advanced/multi_stream.md:22-26, "CANN环境变量"): with dynamic=True and host
+# tiling (the TND prefill/splitfuse modules, torchair's path 3) the graph is dynamic, so it is set to keep
+# the KV-save stream overlapped.  It is a CANN process variable, possibly read when the runtime starts: it
+# is set before torch_npu is imported (`_import_torchair`, the one place graphgen imports it; audit 3 N6),
+# not at the first prefill compile, which followed the decode graphs' (GE already up).
 MULTI_STREAM_ENV = ("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM", "1")
 
 
@@ -110,6 +112,15 @@ def _import_torchair(use_standin: bool) -> ModuleType:
             raise NpuUnavailable("use_standin=True was requested but torch_npu is installed; "
                                  "use the real torchair instead of the CPU stand-in.")
         return importlib.import_module("torchair")
+    import os
+    import warnings
+
+    loaded = sys.modules.get("torch_npu")
+    if loaded is not None and not getattr(loaded, "__graphgen_standin__", False) and MULTI_STREAM_ENV[0] not in os.environ:
+        warnings.warn(f"torch_npu was imported before graphgen set {MULTI_STREAM_ENV[0]}={MULTI_STREAM_ENV[1]}: "
+                      f"export it before starting Python, or the prefill graphs may run single-stream "
+                      f"(docs/npu.md, Environment variables)", RuntimeWarning, stacklevel=2)
+    os.environ.setdefault(*MULTI_STREAM_ENV)  # before torch_npu (and CANN) start: audit 3 N6
     try:
         importlib.import_module("torch_npu")  # torchair needs torch_npu's ops and the NPU device
         torchair = importlib.import_module("torchair")
@@ -188,11 +199,7 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
     if tiling_sink is None:
         tiling_sink = bool(getattr(obj, "TILING_SINK", False)) if isinstance(obj, ModuleType) else False
     if buckets is not None:
-        import os
-
         dynamic = True
-        if not tiling_sink:  # a static (tiling-sunk) graph runs on GE's static executor: multi-stream as is
-            os.environ.setdefault(*MULTI_STREAM_ENV)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 1)
     cfg = torchair.CompilerConfig()
     cfg.mode = mode
