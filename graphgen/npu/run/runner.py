@@ -116,6 +116,8 @@ class NpuModelRunner:
             bufs = [kv_buffers(mod, spec.dims.num_hidden_layers, 0, staging_rows=self.buckets.save_rows,
                                device=self.device)[1] for _ in range(npu.staging_buffers)]
             self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams)
+            if connector is not None:  # decode-time saves and write-backs through the ring too (audit 3 N8)
+                connector.filled_saver = lambda ids, keys: self.commits.save_filled(connector, ids, keys, self.kv)
 
     def _load(self, sources: dict) -> dict:
         import contextlib
@@ -253,6 +255,8 @@ class NpuModelRunner:
         return torch.cat(logits)
 
     def close(self) -> None:
+        if self.connector is not None:
+            self.connector.filled_saver = None
         if self.commits is not None:
             self.commits.close()
             self.commits = None

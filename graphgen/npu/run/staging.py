@@ -104,6 +104,11 @@ class NpuStreams:
         with self._npu.stream(stream):
             dst.copy_(src, non_blocking=True)  # pinned dst: an async D2H on ``stream``
 
+    def gather(self, stream, dst, src, index) -> None:
+        """``dst[:] = src[index]`` (rows, on the device) issued on ``stream``."""
+        with self._npu.stream(stream):
+            self._torch.index_select(src, 0, index, out=dst)
+
     def host_empty(self, shape, dtype):
         return self._torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
@@ -134,6 +139,7 @@ class CommitPath:
     def __init__(self, ring: StagingRing, streams, *, wait_for_save: bool = True):
         self.ring, self.streams, self.wait_for_save = ring, streams, wait_for_save
         self.copy_stream = streams.new_stream("kv_copy")
+        self.filled_saves = 0  # blocks saved by save_filled (decode-time saves, write-backs)
 
     @staticmethod
     def slots(device_buffers: Sequence[list], streams) -> list[RingSlot]:
@@ -148,9 +154,7 @@ class CommitPath:
         idx, slot = self._acquire(connector)
         n = len(block_ids)
         try:
-            staging = [tuple(h[:n].view(n, *shape) for h, shape in zip(layer, connector.cache.component_shapes.values()))
-                       for layer in slot.host]
-            pending = connector.prepare_save(block_ids, keys, staging=staging,
+            pending = connector.prepare_save(block_ids, keys, staging=self._host_views(connector, slot, n),
                                              on_committed=lambda: self.ring.release(idx))
         except BaseException:
             self.ring.release(idx)
@@ -166,6 +170,42 @@ class CommitPath:
         connector.handoff(pending, done, done)
         return out
 
+    def save_filled(self, connector, block_ids: Sequence[int], keys: Sequence[str], kv: list) -> None:
+        """Blocks a landed step filled (decode-time saves, write-backs: audit 3 N8), through the same
+        path as a saving graph's, never a synchronous pageable copy per (layer, component, block): per
+        ring slot (at most its rows), the blocks are pinned, the copy stream waits for the current
+        stream's work (the steps that wrote them), gathers them from the device cache ``kv`` (the
+        runner's per-layer views) into the slot's device staging, issues its D2H copies, and the
+        connector puts after the copy event and frees the slot (`KVConnector.handoff`)."""
+        import torch
+
+        rows = self.ring.buffers[0].device[0][0].shape[0]
+        for start in range(0, len(block_ids), rows):
+            ids, ks = list(block_ids[start:start + rows]), list(keys[start:start + rows])
+            idx, slot = self._acquire(connector)
+            try:
+                pending = connector.prepare_save(ids, ks, staging=self._host_views(connector, slot, len(ids)),
+                                                 on_committed=lambda i=idx: self.ring.release(i))
+            except BaseException:
+                self.ring.release(idx)
+                raise
+            try:
+                landed = self.streams.event()
+                landed.record(self.streams.current_stream())
+                index = torch.tensor(ids, dtype=torch.int64, device=kv[0][0].device)
+                done = self._copy(slot, len(ids), landed, gather=(kv, index))
+            except BaseException:
+                connector.cancel(pending)
+                raise
+            connector.handoff(pending, done, done)
+            self.filled_saves += len(ids)
+
+    @staticmethod
+    def _host_views(connector, slot: RingSlot, n: int) -> list:
+        """The slot's host rows as the connector's staging: per layer, per component ``[n, *block shape]``."""
+        return [tuple(h[:n].view(n, *shape) for h, shape in zip(layer, connector.cache.component_shapes.values()))
+                for layer in slot.host]
+
     def _acquire(self, connector):
         while True:
             try:
@@ -175,10 +215,17 @@ class CommitPath:
                 if not connector.wait_oldest():
                     raise
 
-    def _copy(self, slot: RingSlot, n: int, saved) -> CopyDone:
+    def _copy(self, slot: RingSlot, n: int, saved, gather=None) -> CopyDone:
+        """On the copy stream, after ``saved``: (``gather`` = (kv, index): the rows into the slot's device
+        staging first, then) one D2H per (layer, component) of the slot's first ``n`` rows."""
         s = self.copy_stream
         if self.wait_for_save:
             self.streams.wait(s, saved)
+        if gather is not None and n:
+            kv, index = gather
+            for dev_layer, cache_layer in zip(slot.device, kv):
+                for d, c in zip(dev_layer, cache_layer):
+                    self.streams.gather(s, d[:n], c, index)
         for dev_layer, host_layer in zip(slot.device, slot.host):
             for d, h in zip(dev_layer, host_layer):
                 if n:
