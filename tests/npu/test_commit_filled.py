@@ -1,4 +1,5 @@
-"""Decode-time saves and write-backs through the NPU commit path (audit 3 N8).
+"""Decode-time saves and write-backs through the NPU commit path (audit 3 N8), and every thread touching
+NPU objects bound to the device (N7).
 
 `KVConnector.save_filled` (decode-time saves, write-backs) used to pack each block straight from the
 device cache: a synchronous pageable copy per (layer, component, block) on the connector's thread. The
@@ -8,7 +9,9 @@ component), the puts after the copy event. The device streams are MODELLED here
 (`graphgen.npu.standin.streams`: a host thread per stream; pageable host rows), so this proves the
 path's ordering and bytes under those semantics, not NPU behaviour: a gate held on the modelled copy
 stream holds the puts back (the old path put at once: the negative control), and the pooled bytes
-equal the cache's blocks."""
+equal the cache's blocks. `DeviceBinding` is called by the runner's thread and by whichever thread
+waits on a copy event (the connector's commit thread under ``write: async``); recorded here, since CPU
+torch has no device to set."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +29,7 @@ pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torc
 NB = 8
 
 
-def _parts(*, via_ring: bool = True):
+def _parts(binding=None, *, via_ring: bool = True):
     from graphgen.npu.run.compile import load_module
     from graphgen.npu.run.inputs import kv_buffers
     from graphgen.npu.run.staging import CommitPath, StagingRing
@@ -50,7 +53,7 @@ def _parts(*, via_ring: bool = True):
     connector = KVConnector(HostPool(1 << 30), cache, alloc, write="async")
     streams = ModelledStreams()
     path = CommitPath(StagingRing(CommitPath.slots([kv_buffers(mod, L, 0, staging_rows=2)[1] for _ in range(2)],
-                                                   streams)), streams)
+                                                   streams)), streams, binding=binding)
     if via_ring:
         connector.filled_saver = lambda ids, keys: path.save_filled(connector, ids, keys, kv)
     return cache, alloc, connector, path
@@ -91,3 +94,28 @@ def test_negative_control_the_old_path_puts_at_once_past_a_held_copy_stream():
         gate.set()
         connector.close()
         path.close()
+
+
+def test_the_commit_thread_binds_the_device_before_waiting_on_a_copy_event():
+    from graphgen.npu.run.staging import DeviceBinding
+
+    calls = []
+    binding = DeviceBinding(3, lambda i: calls.append((i, threading.get_ident())))
+    cache, alloc, connector, path = _parts(binding)
+    host_thread = connector.host_stream.launch(threading.get_ident).result(timeout=60)
+    connector.save_filled([1], ["k1"])
+    connector.drain(timeout=60)
+    binding.ensure()  # the runner's thread, as submit/collect do
+    binding.ensure()  # once per thread
+    assert sorted(calls) == sorted([(3, host_thread), (3, threading.get_ident())])
+    assert binding.bound == {host_thread, threading.get_ident()}
+    connector.close()
+    path.close()
+    # negative control: without the binding the commit thread never sets a device
+    calls.clear()
+    cache, alloc, connector, path = _parts(None)
+    connector.save_filled([1], ["k1"])
+    connector.drain(timeout=60)
+    assert calls == []
+    connector.close()
+    path.close()

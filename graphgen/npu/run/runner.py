@@ -46,7 +46,7 @@ from ...runtime.engine import Engine, LoadedBlocks, StepFuture, StepPlan, build_
 from .bucketing import Buckets, max_model_len
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
-from .staging import CommitPath, NpuStreams, StagingRing
+from .staging import CommitPath, DeviceBinding, NpuStreams, StagingRing
 from .weights import load_time_weights
 
 __all__ = ["NpuModelRunner", "npu_engine"]
@@ -89,6 +89,9 @@ class NpuModelRunner:
         else:
             _import_torchair(False)  # NpuUnavailable (one sentence) without torch_npu/torchair
         self.device = torch.device("cpu") if standin else torch.device("npu")
+        # every thread touching NPU objects sets the device first (this one, the connector's commit thread)
+        self.binding = DeviceBinding(0, lambda i: None) if standin else \
+            DeviceBinding(torch.npu.current_device(), torch.npu.set_device)  # type: ignore[attr-defined]
         self.dtype = getattr(torch, npu.dtype)
         self.modules = self._load(sources or {})
         self._compiled: dict[str, object] = {}  # the compile cache: variant -> compiled target
@@ -115,7 +118,7 @@ class NpuModelRunner:
                 streams = NpuStreams()
             bufs = [kv_buffers(mod, spec.dims.num_hidden_layers, 0, staging_rows=self.buckets.save_rows,
                                device=self.device)[1] for _ in range(npu.staging_buffers)]
-            self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams)
+            self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams, binding=self.binding)
             if connector is not None:  # decode-time saves and write-backs through the ring too (audit 3 N8)
                 connector.filled_saver = lambda ids, keys: self.commits.save_filled(connector, ids, keys, self.kv)
 
@@ -203,6 +206,7 @@ class NpuModelRunner:
         """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
         here: the device runs asynchronously anyway), each saving call's copies issued and its save
         handed to the connector (`CommitPath.save_call`)."""
+        self.binding.ensure()
         if self.plan_check is not None:
             self.plan_check(plan)
         fut = StepFuture(plan, None)
@@ -212,6 +216,7 @@ class NpuModelRunner:
     def collect(self, fut: StepFuture) -> list:
         """Each row's logits (``[1, vocab]``: the last position; ``[0, vocab]`` for a chunk that samples
         nothing, as the CPU runner returns); the saves were handed off at submit."""
+        self.binding.ensure()
         return [x[:len(row.logits_positions)] for x, row in zip(fut.handles.split(1), fut.plan.rows)]
 
     def settle(self, fut: StepFuture) -> None:

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-__all__ = ["StagingExhausted", "StagingRing", "RingSlot", "NpuStreams", "CopyDone", "CommitPath"]
+__all__ = ["StagingExhausted", "StagingRing", "RingSlot", "NpuStreams", "DeviceBinding", "CopyDone", "CommitPath"]
 
 
 class StagingExhausted(RuntimeError):
@@ -113,17 +113,43 @@ class NpuStreams:
         return self._torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
 
-class CopyDone:
-    """A slot's copies as the connector waits on them (its `SaveHandle`): the copy event."""
+class DeviceBinding:
+    """Every thread that touches NPU objects sets its device first (audit 3 N7). torch_npu's current
+    device is per thread, as CUDA's: a thread that never set it works on device 0, so rank r > 0 would
+    open a second context on NPU 0 or find no context for its events (vllm-ascend #12200, #8041). The
+    runner's thread and the connector's commit thread (it synchronizes the copy events) call `ensure`
+    before touching a device object; the first call in a thread sets the device. ``bound``: the
+    threads (idents) that set it."""
 
-    def __init__(self, event):
-        self._event = event
+    def __init__(self, index: int, set_device: Callable[[int], None]):
+        self.index, self._set = index, set_device
+        self._local = threading.local()
+        self.bound: set[int] = set()
+
+    def ensure(self) -> None:
+        if getattr(self._local, "set", False):
+            return
+        self._set(self.index)
+        self._local.set = True
+        self.bound.add(threading.get_ident())
+
+
+class CopyDone:
+    """A slot's copies as the connector waits on them (its `SaveHandle`): the copy event, synchronized
+    by a thread bound to the device (``binding``, `DeviceBinding`)."""
+
+    def __init__(self, event, binding: Optional[DeviceBinding] = None):
+        self._event, self._binding = event, binding
 
     def wait(self, timeout: Optional[float] = None) -> None:
+        if self._binding is not None:
+            self._binding.ensure()
         self._event.synchronize()
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         try:
+            if self._binding is not None:
+                self._binding.ensure()
             self._event.synchronize()
         except BaseException as e:  # the connector counts it (save_failures); nothing is put
             return e
@@ -136,8 +162,9 @@ class CommitPath:
     ``wait_for_save=False`` drops the copy stream's wait on the save event: only for the negative
     control of tests/npu/test_staging.py (the copies may then read a slot the save has not written)."""
 
-    def __init__(self, ring: StagingRing, streams, *, wait_for_save: bool = True):
-        self.ring, self.streams, self.wait_for_save = ring, streams, wait_for_save
+    def __init__(self, ring: StagingRing, streams, *, wait_for_save: bool = True,
+                 binding: Optional[DeviceBinding] = None):
+        self.ring, self.streams, self.wait_for_save, self.binding = ring, streams, wait_for_save, binding
         self.copy_stream = streams.new_stream("kv_copy")
         self.filled_saves = 0  # blocks saved by save_filled (decode-time saves, write-backs)
 
@@ -232,7 +259,7 @@ class CommitPath:
                     self.streams.copy(s, h[:n], d[:n])  # one D2H per (layer, component), all n rows
         done = self.streams.event()
         done.record(s)
-        return CopyDone(done)
+        return CopyDone(done, self.binding)
 
     def close(self) -> None:
         close = getattr(self.copy_stream, "close", None)  # the modelled stream's thread
