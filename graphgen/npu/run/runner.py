@@ -153,47 +153,11 @@ class NpuModelRunner:
         return self._compiled[variant]
 
     def warm_up(self, out=None) -> int:
-        """Compile every variant for every bucket now, not on first use mid-serving (a GE compile takes
-        minutes; vllm-ascend warms every graph size at start, audit 2 row 15f): one step per bucket
-        (``bucketing.bucket_steps``), and on a history prefill variant one per mixed-grid cell
-        (``MixedGrid.cell_steps``), whose sequences live only in the reserved pad block, so nothing but
-        the pad block and one staging buffer (never committed) is written and nothing is committed.  One
-        line per bucket on ``out`` (stderr).  Returns the number of warm-up steps."""
-        import sys
+        """Compile every graph now, not on first use mid-serving: `graphgen.npu.run.warmup.warm_up`
+        (largest first, one line per graph on ``out``). Returns the number of graphs."""
+        from .warmup import warm_up
 
-        from .bucketing import bucket_steps
-        from .compile import step_bucket
-
-        out = out or sys.stderr
-        plans = [(v, seqs, None) for v, mod in self.modules.items()
-                 for seqs in bucket_steps(mod.META["phase"], bool(mod.META.get("history")), self.buckets,
-                                          self.block_size)]
-        # and every cell of the mixed grid on each history prefill variant: a mixed batch padded to a
-        # cell nobody compiled would compile mid-serving (minutes of GE on an NPU)
-        plans += [(v, step.seqs, self.grid.padding(step, self.pad_block)) for v, mod in self.modules.items()
-                  if mod.META.get("history") and mod.META["phase"] == "prefill"
-                  for step in self.grid.cell_steps(self.block_size)]
-        for i, (variant, seqs, pad) in enumerate(plans, 1):
-            mod = self.modules[variant]
-            phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
-            chunk = [self._pad_sequence(hist, q) for hist, q in seqs]
-            b, _ = self._step_inputs(mod, chunk, pad=pad)
-            target = self.compiled(variant)
-            idx, slot = self.commits.ring.acquire() if saves else (None, None)
-            buf = slot.device if saves else ()
-            try:
-                with torch.no_grad(), self._limits():
-                    if history:
-                        mod.load(b, self.kv, self._chunk_loads(mod, chunk))
-                    target.forward(self.W, b, self.kv, buf)
-            finally:
-                if saves:  # the next graph writing this slot is queued after this one (same stream)
-                    self.commits.ring.release(idx)
-            batch, tokens = step_bucket(b)
-            kind = "bucket" if pad is None else f"mixed cell decode_rows={len(seqs) - self.grid.prefill_seqs}"
-            print(f"warm-up {i}/{len(plans)}: {variant} {kind} batch={batch} tokens={tokens} compiled",
-                  file=out, flush=True)
-        return len(plans)
+        return warm_up(self, out)
 
     def _pad_sequence(self, hist: int, q: int) -> dict:
         """A warm-up sequence of ``hist`` history and ``q`` new tokens stored only in the pad block."""
