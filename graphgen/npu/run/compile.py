@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -82,21 +83,66 @@ def bucket_method(target, name: str):
     return types.MethodType(fn, target)
 
 
+def bucket_entry(b) -> str:
+    """The cache entry name of padded step inputs ``b``'s graph: ``forward_bucket_b<B>_t<T>``, and
+    ``_l<L>`` when the graph returns L logits rows for B sequences (a mixed cell with verify rows):
+    every static shape of the step inputs is a function of these (the gather rows of B and T)."""
+    batch, tokens = step_bucket(b)
+    rows = int(b.logits_indices.shape[0])
+    return f"forward_bucket_b{batch}_t{tokens}" + (f"_l{rows}" if rows != batch else "")
+
+
+def source_hash(source: str) -> str:
+    """The first 12 hex digits of the module source's sha256: a changed module gets a new cache entry."""
+    import hashlib
+
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Where one generated module's compiled graphs live under a cache root (audit 3 N5).
+
+    torchair names an entry by the module's class name, md5(``str(module)`` + the compile options) and
+    the function's name (``air/inference/_cache_compiler.py:203-235``): every generated module is a
+    ``Model()`` with the same repr, so two variants (``mempool_prefill`` and ``splitfuse``: same options,
+    same bucket names) or two specs sharing a root got the same entry, and ``LazyCompiledModel`` loads an
+    existing entry unguarded (``:648-657``): one variant's graph ran for the other.  Nor does torchair's key
+    see the module's source, so an edited module would load its stale graph.  graphgen therefore gives
+    every (spec, mode, variant, source, rank) its own directory, which torchair's entries then go under:
+    ``<root>/<spec>/<mode>/<variant>-<source hash>/rank<r>of<world>/<torchair's entry>/forward_bucket_...``."""
+    spec: str
+    mode: str
+    variant: str
+    source: str  # source_hash(module source)
+    rank: int = 0
+    world: int = 1
+
+    def directory(self, root) -> Path:
+        return (Path(root) / self.spec / self.mode.replace("-", "_") / f"{self.variant}-{self.source}"
+                / f"rank{self.rank}of{self.world}")
+
+
 class BucketCachedForward:
-    """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`step_bucket`) picks the
+    """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`bucket_entry`) picks the
     entry, each built on its own code object (:func:`bucket_method`), so ``--cache-dir`` keeps one graph per
-    bucket instead of one unguarded graph for all of them."""
+    bucket instead of one unguarded graph for all of them.  ``hits``/``misses``: entries found on disk
+    (loaded, not compiled) and entries compiled, by bucket name."""
 
     def __init__(self, target, cache_compile, **options):
         self.target, self.cache_compile, self.options = target, cache_compile, options
         self.entries: dict = {}
+        self.hits: list[str] = []
+        self.misses: list[str] = []
 
     def __call__(self, W, b, *rest):
-        key = step_bucket(b)
-        fn = self.entries.get(key)
+        name = bucket_entry(b)
+        fn = self.entries.get(name)
         if fn is None:
-            name = "forward_bucket_b{}_t{}".format(*key)
-            fn = self.entries[key] = self.cache_compile(bucket_method(self.target, name), **self.options)
+            # torchair's entry: <cache_dir>/<class>_<dynamic|static>_<md5>[/<ranks>]/<name>/compiled_module
+            found = any(Path(self.options["cache_dir"]).glob(f"**/{name}/compiled_module"))
+            (self.hits if found else self.misses).append(name)
+            fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name), **self.options)
         return fn(W, b, *rest)
 
 

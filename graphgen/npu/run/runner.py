@@ -62,7 +62,7 @@ class NpuModelRunner:
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
                  standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
-                 plan_check: Optional[Callable] = None):
+                 plan_check: Optional[Callable] = None, cache_dir=None, rank: int = 0, world: int = 1):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -93,8 +93,10 @@ class NpuModelRunner:
         self.binding = DeviceBinding(0, lambda i: None) if standin else \
             DeviceBinding(torch.npu.current_device(), torch.npu.set_device)  # type: ignore[attr-defined]
         self.dtype = getattr(torch, npu.dtype)
+        self.cache_dir, self.rank, self.world = cache_dir, rank, world  # the on-disk compile cache (CacheKey)
+        self.source_hashes: dict[str, str] = {}  # variant -> its module source's hash (the cache key's)
         self.modules = self._load(sources or {})
-        self._compiled: dict[str, object] = {}  # the compile cache: variant -> compiled target
+        self._compiled: dict[str, object] = {}  # variant -> compiled target
         self.backends: dict[str, object] = {}  # variant -> its compile backend (the stand-in's counts graphs)
         self.graph_calls: list[tuple[str, int, int]] = []  # (variant, batch, tokens) of every graph call
         rope = next(iter(self.modules.values())).ROPE
@@ -126,13 +128,14 @@ class NpuModelRunner:
         import contextlib
 
         from ...lower.compile import compile_variant, mode_dir
-        from .compile import load_module
+        from .compile import load_module, source_hash
 
         tags = self._standin_mod.fresh_tags() if self.standin else contextlib.nullcontext()
         mods = {}
         with tags:  # reduce-overhead modules create tagged events at import (once per process)
             for v in self.spec.variants:
                 src = sources.get(v) or compile_variant(self.spec, v, "npu", mode=self.mode)
+                self.source_hashes[v] = source_hash(src)
                 mods[v] = load_module(Path(f"<{self.spec.name}>/npu/{mode_dir(self.mode)}/{v}.py"), src)
         return mods
 
@@ -141,20 +144,30 @@ class NpuModelRunner:
         return bool(self.modules[variant].META["saves"])
 
     def compiled(self, variant: str):
-        """The compiled forward of ``variant`` (compiled on first use; one graph per bucket)."""
+        """The compiled forward of ``variant`` (compiled on first use; one graph per bucket; with a
+        ``cache_dir``, each bucket's graph is an entry of the on-disk compile cache under its `CacheKey`)."""
         if variant not in self._compiled:
-            from .compile import compile_module
+            from .compile import CacheKey, compile_module
 
             mod = self.modules[variant]
             cells = self.grid.count() if mod.META.get("history") and mod.META["phase"] == "prefill" else 0
-            target, backend = compile_module(mod, self.mode, use_standin=self.standin,
+            cache = None if self.cache_dir is None else CacheKey(
+                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world
+            ).directory(self.cache_dir)
+            target, backend = compile_module(mod, self.mode, cache, use_standin=self.standin,
                                              buckets=self.buckets.count(mod.META["phase"]) + cells)
             self._compiled[variant], self.backends[variant] = target, backend
         return self._compiled[variant]
 
+    def cache_hits(self, variant: str) -> list[str]:
+        """The bucket entries of ``variant`` loaded from the compile cache (not compiled), in order."""
+        fwd = getattr(self._compiled.get(variant), "forward", None)
+        return list(getattr(getattr(fwd, "compiled", None), "hits", ()))
+
     def warm_up(self, out=None) -> int:
-        """Compile every graph now, not on first use mid-serving: `graphgen.npu.run.warmup.warm_up`
-        (largest first, one line per graph on ``out``). Returns the number of graphs."""
+        """Compile (or load from the compile cache) every graph now, not on first use mid-serving:
+        `graphgen.npu.run.warmup.warm_up` (largest first, one line per graph on ``out``). Returns the
+        number of graphs."""
         from .warmup import warm_up
 
         return warm_up(self, out)
@@ -329,7 +342,7 @@ def _sequence(row, block_size: int) -> dict:
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               rank_parts=None, warmup: Optional[bool] = None, **options) -> Engine:
+               rank_parts=None, warmup: Optional[bool] = None, cache_dir=None, **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
@@ -338,7 +351,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
     ``tp > 1``: the rank processes (`graphgen.npu.run.ranks`), each of which calls this with its
     ``rank_parts`` (`graphgen.runtime.parallel.rank.RankParts`: KV shard, keys, plan check).
     ``warmup``: compile every bucket of every variant before the first request (`NpuModelRunner.warm_up`,
-    progress on stderr); ``None``: on an NPU, off with ``standin``."""
+    progress on stderr); ``None``: on an NPU, off with ``standin``.  ``cache_dir``: the on-disk compile
+    cache (`compile.CacheKey`: a restart with the same cache compiles nothing); None: none."""
     if spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
     if spec.parallel.ep > 1:
@@ -353,7 +367,7 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
             raise ValueError("sources= is for one process; NPU ranks compile their own modules")
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                standin=standin, mode=mode, warmup=warmup, **options)
+                                standin=standin, mode=mode, warmup=warmup, cache_dir=cache_dir, **options)
     if not isinstance(weights, dict):
         from ...runtime import load_hf_weights
 
@@ -363,7 +377,9 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
 
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
         runner = NpuModelRunner(spec, weights, cache, connector, pad_block=reserved[0], mode=mode,
-                                standin=standin, sources=sources, plan_check=plan_check)
+                                standin=standin, sources=sources, plan_check=plan_check, cache_dir=cache_dir,
+                                rank=rank_parts.rank if rank_parts is not None else 0,
+                                world=spec.parallel.world)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner

@@ -4,7 +4,7 @@ A GE compile takes minutes (vllm-ascend measured 0.5-1.5 min per graph: audit 3 
 one step per bucket of every variant (``bucketing.bucket_steps``) and, on a history prefill variant,
 one per mixed-grid cell (``MixedGrid.cell_steps``): sequences that live only in the reserved pad block,
 so nothing but the pad block and one staging slot (never committed) is written. It prints one line
-per graph, with an ETA.
+per graph, with an ETA; a graph found in the compile cache (`compile.CacheKey`) is loaded, not compiled.
 
 Largest shapes first (audit 3 N12): torchair's graph memory pool reuses a block only for a request no
 larger than it (``torchair/npu_graph_executor/memory/Allocator.cpp:54-83``), so warming the largest
@@ -50,7 +50,7 @@ def _size(runner, plan) -> tuple[int, int]:
 
 
 def warm_up(runner, out=None) -> int:
-    """Compile every graph of ``runner`` (`NpuModelRunner`) now; returns the graphs warmed."""
+    """Compile (or load) every graph of ``runner`` (`NpuModelRunner`) now; returns the graphs warmed."""
     out = out or sys.stderr
     plans = warmup_plans(runner)
     t0 = time.monotonic()
@@ -60,6 +60,7 @@ def warm_up(runner, out=None) -> int:
         chunk = [runner._pad_sequence(hist, q) for hist, q in seqs]
         b, _ = runner._step_inputs(mod, chunk, pad=pad)
         target = runner.compiled(variant)
+        hits = len(runner.cache_hits(variant))
         idx, slot = runner.commits.ring.acquire() if saves else (None, None)
         try:
             with torch.no_grad(), runner._limits():
@@ -71,7 +72,7 @@ def warm_up(runner, out=None) -> int:
                 runner.commits.ring.release(idx)
         batch, tokens = step_bucket(b)
         kind = "bucket" if pad is None else f"mixed cell decode_rows={len(seqs) - runner.grid.prefill_seqs}"
-        how = "compiled"
+        how = "loaded from the compile cache" if len(runner.cache_hits(variant)) > hits else "compiled"
         left = (time.monotonic() - t0) / i * (len(plans) - i)
         print(f"warm-up {i}/{len(plans)}: {variant} {kind} batch={batch} tokens={tokens} {how}"
               f"{f' (eta {left:.0f} s)' if i < len(plans) else ''}", file=out, flush=True)
