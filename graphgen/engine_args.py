@@ -80,6 +80,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                         "--standin unless given)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="with --target npu: no compile cache (every start compiles every graph)")
+    p.add_argument("--rank-timeout", default=None, metavar="SECONDS|PHASE=S,...",
+                   help="with several ranks: the deadline of each start phase, one number for all or "
+                        "start=S,load=S,warmup=S (default: start=600,load=3600,warmup=7200); a rank that "
+                        "misses one is reported and every rank ends")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,6 +121,13 @@ def check_engine_arguments(args) -> Optional[str]:
         return "--cache-dir/--no-compile-cache apply to --target npu only"
     if getattr(args, "cache_dir", None) is not None and getattr(args, "no_compile_cache", False):
         return "--cache-dir and --no-compile-cache exclude each other"
+    if getattr(args, "rank_timeout", None) is not None:
+        from .runtime.progress import Deadlines
+
+        try:
+            Deadlines.parse(args.rank_timeout)
+        except ValueError as e:
+            return str(e)
     return None
 
 
@@ -149,6 +160,10 @@ def engine_options(args, faults=None) -> dict:
                 faults=faults, target=args.target)
     if getattr(args, "speculative", None) is not None:
         opts["num_speculative_tokens"] = args.num_speculative_tokens or 1
+    if getattr(args, "rank_timeout", None) is not None:
+        from .runtime.progress import Deadlines
+
+        opts["rank_timeout"] = Deadlines.parse(args.rank_timeout)
     if args.target == "npu":
         opts["standin"] = args.standin
         opts["warmup"] = getattr(args, "warmup", None)

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...runtime import register_rank_target, register_target
+from ...runtime import current_progress, register_rank_target, register_target
 from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, LoadedBlocks, StepFuture, StepPlan, build_engine
@@ -96,6 +96,7 @@ class NpuModelRunner:
         self.cache_dir, self.rank, self.world = cache_dir, rank, world  # the on-disk compile cache (CacheKey)
         self.source_hashes: dict[str, str] = {}  # variant -> its module source's hash (the cache key's)
         self.modules = self._load(sources or {})
+        self.seen: set = set()  # (variant, bucket entry) of every graph compiled (or loaded) so far
         self._compiled: dict[str, object] = {}  # variant -> compiled target
         self.backends: dict[str, object] = {}  # variant -> its compile backend (the stand-in's counts graphs)
         self.graph_calls: list[tuple[str, int, int]] = []  # (variant, batch, tokens) of every graph call
@@ -166,8 +167,8 @@ class NpuModelRunner:
 
     def warm_up(self, out=None) -> int:
         """Compile (or load from the compile cache) every graph now, not on first use mid-serving:
-        `graphgen.npu.run.warmup.warm_up` (largest first, one line per graph on ``out``). Returns the
-        number of graphs."""
+        `graphgen.npu.run.warmup.warm_up` (largest first, one line per graph on ``out``, progress
+        reported). Returns the number of graphs."""
         from .warmup import warm_up
 
         return warm_up(self, out)
@@ -220,6 +221,7 @@ class NpuModelRunner:
         for chunk in chunks:
             b, n_save = self._step_inputs(mod, chunk, pad=cell)
             self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
+            self._first_use(variant, b)
 
             def graph(staging, b=b, chunk=chunk):
                 with torch.no_grad(), self._limits():
@@ -234,6 +236,7 @@ class NpuModelRunner:
             else:
                 out = graph(())
             logits.append(out[:len(chunk)].float())
+        current_progress().stepping()  # a graph compiled on first use is done: the step deadline again
         return torch.cat(logits)
 
     def close(self) -> None:
@@ -244,6 +247,21 @@ class NpuModelRunner:
             self.commits = None
 
     # ---- internals --------------------------------------------------------------------------
+    def _first_use(self, variant: str, b) -> None:
+        """A graph compiled on first use (no warm-up, or a shape warm-up did not cover) can take
+        minutes: the process reports the ``warmup`` phase, whose deadline then holds instead of the step
+        deadline (`graphgen.runtime.progress`), until the step's next graph or its end."""
+        from .compile import bucket_entry
+
+        key = (variant, bucket_entry(b))
+        report = current_progress()
+        if key in self.seen:
+            report.stepping()
+            return
+        self.seen.add(key)
+        report.phase("warmup")
+        report.advance(1, note=variant)
+
     def _limits(self):
         import contextlib
 
@@ -342,7 +360,8 @@ def _sequence(row, block_size: int) -> dict:
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               rank_parts=None, warmup: Optional[bool] = None, cache_dir=None, **options) -> Engine:
+               rank_parts=None, warmup: Optional[bool] = None, cache_dir=None, rank_timeout=None,
+               **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
@@ -352,7 +371,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
     ``rank_parts`` (`graphgen.runtime.parallel.rank.RankParts`: KV shard, keys, plan check).
     ``warmup``: compile every bucket of every variant before the first request (`NpuModelRunner.warm_up`,
     progress on stderr); ``None``: on an NPU, off with ``standin``.  ``cache_dir``: the on-disk compile
-    cache (`compile.CacheKey`: a restart with the same cache compiles nothing); None: none."""
+    cache (`compile.CacheKey`: a restart with the same cache compiles nothing); None: none.
+    ``rank_timeout``: the rank processes' start deadlines (`graphgen.runtime.Deadlines`; one process: unused)."""
     if spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
     if spec.parallel.ep > 1:
@@ -367,7 +387,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
             raise ValueError("sources= is for one process; NPU ranks compile their own modules")
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                standin=standin, mode=mode, warmup=warmup, cache_dir=cache_dir, **options)
+                                standin=standin, mode=mode, warmup=warmup, cache_dir=cache_dir,
+                                rank_timeout=rank_timeout, **options)
     if not isinstance(weights, dict):
         from ...runtime import load_hf_weights
 

@@ -3,8 +3,9 @@
 A GE compile takes minutes (vllm-ascend measured 0.5-1.5 min per graph: audit 3 N1), so `warm_up` runs
 one step per bucket of every variant (``bucketing.bucket_steps``) and, on a history prefill variant,
 one per mixed-grid cell (``MixedGrid.cell_steps``): sequences that live only in the reserved pad block,
-so nothing but the pad block and one staging slot (never committed) is written. It prints one line
-per graph, with an ETA; a graph found in the compile cache (`compile.CacheKey`) is loaded, not compiled.
+so nothing but the pad block and one staging slot (never committed) is written. It reports the
+``warmup`` phase to the process's progress reporter (`graphgen.runtime.progress`: graphs i/N with an
+ETA; in a rank process the launcher holds the phase to its deadline) and prints one line per graph.
 
 Largest shapes first (audit 3 N12): torchair's graph memory pool reuses a block only for a request no
 larger than it (``torchair/npu_graph_executor/memory/Allocator.cpp:54-83``), so warming the largest
@@ -18,8 +19,9 @@ import time
 
 import torch
 
+from ...runtime import current_progress
 from .bucketing import bucket_steps
-from .compile import step_bucket
+from .compile import bucket_entry, step_bucket
 
 __all__ = ["warm_up", "warmup_plans"]
 
@@ -53,6 +55,8 @@ def warm_up(runner, out=None) -> int:
     """Compile (or load) every graph of ``runner`` (`NpuModelRunner`) now; returns the graphs warmed."""
     out = out or sys.stderr
     plans = warmup_plans(runner)
+    report = current_progress()
+    report.phase("warmup", total=len(plans))
     t0 = time.monotonic()
     for i, (variant, seqs, pad) in enumerate(plans, 1):
         mod = runner.modules[variant]
@@ -70,10 +74,13 @@ def warm_up(runner, out=None) -> int:
         finally:
             if saves:  # the next graph writing this slot is queued after this one (same stream)
                 runner.commits.ring.release(idx)
+        runner.seen.add((variant, bucket_entry(b)))
         batch, tokens = step_bucket(b)
         kind = "bucket" if pad is None else f"mixed cell decode_rows={len(seqs) - runner.grid.prefill_seqs}"
         how = "loaded from the compile cache" if len(runner.cache_hits(variant)) > hits else "compiled"
         left = (time.monotonic() - t0) / i * (len(plans) - i)
         print(f"warm-up {i}/{len(plans)}: {variant} {kind} batch={batch} tokens={tokens} {how}"
               f"{f' (eta {left:.0f} s)' if i < len(plans) else ''}", file=out, flush=True)
+        report.advance(1, note=variant)
+    report.stepping()
     return len(plans)
