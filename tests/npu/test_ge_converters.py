@@ -280,3 +280,14 @@ def test_step_mix_seed_is_the_same_in_every_process():
                           capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": s}).stdout
            for s in ("1", "2", "12345")}
     assert len(old) > 1
+
+
+def test_docs_name_the_torch_that_traced_the_op_lists():
+    """Audit 3 N11: docs/npu.md says which torch traced the cached op lists (and how to refresh them on
+    the NPU host); that statement is checked against every cache file's own record of it."""
+    docs = (ROOT / "docs/npu.md").read_text()
+    said = re.search(r"traced with torch `([^`]+)`", docs)
+    assert said, "docs/npu.md no longer says which torch traced tests/npu/data/ge_ops"
+    recorded = {json.loads(p.read_text())["key"]["torch"] for p in ge_trace.CACHE.glob("*.json")}
+    assert recorded == {said.group(1)}, recorded
+    assert "GRAPHGEN_REFRESH_GE_OPS=1" in docs and "extract_ge_converters.py --wheel" in docs
