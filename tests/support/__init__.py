@@ -3,6 +3,8 @@ importable as ``support``; subprocesses get ``tests/`` on their ``PYTHONPATH`` f
 
 - `paths`: the repository root and the shipped tiny specs;
 - `cli`: ``graphgen`` in a subprocess (and ``graphgen run --json`` -> tokens);
+- `inproc`: the same commands in this interpreter (``cli_inproc``: same return shape, output captured,
+  process state restored; see its module doc for what it guarantees);
 - `hf`: tiny random Hugging Face checkpoints and the transformers references the tests compare to;
 - `hooks`: ``source_hook`` mutations of generated code (negative controls);
 - `gates`: a gate a rank process's save or put can wait on (a file the test creates);

@@ -1,4 +1,6 @@
-"""``graphgen`` in a subprocess, from the repo root (where ``generated/`` lives), as a user runs it."""
+"""``graphgen`` in a subprocess, from the repo root (where ``generated/`` lives), as a user runs it;
+`cli_inproc` (`support.inproc`): the same command in this interpreter, same return shape, for the
+tests a subprocess proves nothing more for (docs/testing.md)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +8,7 @@ import subprocess
 import sys
 from typing import Iterable, Sequence
 
+from .inproc import cli_inproc, run_tokens_inproc  # noqa: F401  (re-exported: one import for CLI tests)
 from .paths import REPO, subprocess_env
 
 # one intra-op thread in CLI subprocesses (tiny models; see tests/e2e/conftest.py)
