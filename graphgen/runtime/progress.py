@@ -151,9 +151,8 @@ class Board:
 
     def __init__(self, ranks: int = 1, out=None, *, clock: Callable[[], float] = time.monotonic,
                  interval_s: float = 5.0, tty: Optional[bool] = None):
-        self.out = out if out is not None else sys.stderr
+        self._out, self._tty = out, tty  # None: sys.stderr as it is when a line is printed
         self.clock, self.interval = clock, interval_s
-        self.tty = tty if tty is not None else bool(getattr(self.out, "isatty", lambda: False)())
         self.started = self._last = clock()
         self.rows = {r: _RankLine(since=self.started) for r in range(ranks)}
         self.printed = 0
@@ -192,12 +191,25 @@ class Board:
         self._last = self.clock()
         self._print(self.line())
 
+    @property
+    def out(self):
+        return self._out if self._out is not None else sys.stderr
+
+    @property
+    def tty(self) -> bool:
+        if self._tty is not None:
+            return self._tty
+        try:
+            return bool(self.out.isatty())
+        except (AttributeError, ValueError, OSError):
+            return False
+
     def _print(self, text: str, end: bool = False) -> None:
-        if self.tty:
-            self.out.write("\r" + text + ("\n" if end else ""))
-        else:
-            self.out.write(text + "\n")
-        self.out.flush()
+        try:
+            self.out.write(("\r" + text + ("\n" if end else "")) if self.tty else text + "\n")
+            self.out.flush()
+        except (ValueError, OSError):  # a closed or broken stream: progress is never worth a failure
+            return
         self.printed += 1
 
     def finish(self, what: str = "started") -> None:

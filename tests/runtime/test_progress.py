@@ -103,3 +103,18 @@ def test_board_draws_a_bar_in_place_on_a_terminal():
     board.update(0, {"phase": "warmup", "done": 2, "total": 4, "note": ""})
     assert out.getvalue().startswith("\r") and "[##########..........]" in out.getvalue()
     assert "\n" not in out.getvalue()
+
+
+def test_the_default_board_writes_to_stderr_as_it_is_now_and_a_closed_stream_costs_nothing(monkeypatch):
+    clock = Clock()
+    board = Board(1, clock=clock, interval_s=5)  # no stream given: sys.stderr at print time
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    first.close()  # e.g. a test's capture replaced and closed
+    board.update(0, {"phase": "load", "done": 0, "total": 10, "note": ""})
+    clock.t += 6
+    board.update(0, {"phase": "load", "done": 5, "total": 10, "note": ""})  # no error, nothing printed
+    monkeypatch.setattr("sys.stderr", second)
+    clock.t += 6
+    board.update(0, {"phase": "load", "done": 6, "total": 10, "note": ""})
+    assert "rank 0 load" in second.getvalue()
