@@ -14,7 +14,7 @@ from typing import Optional, get_args
 from .modelspec.model import WritePolicy
 
 __all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "target_note",
-           "rank_count", "thread_options",
+           "rank_count", "thread_options", "default_compile_cache_dir",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 WRITE_POLICIES = get_args(WritePolicy)  # pool.policy's values
@@ -77,6 +77,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="with --target npu: compile every bucket of every variant at engine start, one line per "
                         "bucket on stderr (default: on, off with --standin)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="with --target npu: the compile cache; a restart with the same DIR compiles no graph "
+                        "(default: $XDG_CACHE_HOME/graphgen/npu, ~/.cache/graphgen/npu without it; none with "
+                        "--standin unless given)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="with --target npu: no compile cache (every start compiles every graph)")
+    p.add_argument("--rank-timeout", default=None, metavar="SECONDS|PHASE=S,...",
+                   help="with several ranks: the deadline of each start phase, one number for all or "
+                        "start=S,load=S,warmup=S (default: start=600,load=3600,warmup=7200); a rank that "
+                        "misses one is reported and every rank ends")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,7 +119,28 @@ def check_engine_arguments(args) -> Optional[str]:
             return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
     if getattr(args, "warmup", None) is not None and args.target != "npu":
         return "--warmup/--no-warmup applies to --target npu only"
+    if (getattr(args, "cache_dir", None) is not None or getattr(args, "no_compile_cache", False)) \
+            and args.target != "npu":
+        return "--cache-dir/--no-compile-cache apply to --target npu only"
+    if getattr(args, "cache_dir", None) is not None and getattr(args, "no_compile_cache", False):
+        return "--cache-dir and --no-compile-cache exclude each other"
+    if getattr(args, "rank_timeout", None) is not None:
+        from .runtime.progress import Deadlines
+
+        try:
+            Deadlines.parse(args.rank_timeout)
+        except ValueError as e:
+            return str(e)
     return None
+
+
+def default_compile_cache_dir() -> str:
+    """Where ``--target npu`` keeps compiled graphs by default: ``$XDG_CACHE_HOME/graphgen/npu``
+    (``~/.cache/graphgen/npu`` without it). Entries are keyed by spec, mode, variant, module source and
+    rank (`graphgen.npu.run.compile.CacheKey`), so specs and versions share the folder safely."""
+    import os
+
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "graphgen", "npu")
 
 
 def layout_refusal(spec, args) -> Optional[str]:
@@ -151,9 +182,17 @@ def engine_options(args, faults=None) -> dict:
                 faults=faults, target=args.target)
     if getattr(args, "speculative", None) is not None:
         opts["num_speculative_tokens"] = args.num_speculative_tokens or 1
+    if getattr(args, "rank_timeout", None) is not None:
+        from .runtime.progress import Deadlines
+
+        opts["rank_timeout"] = Deadlines.parse(args.rank_timeout)
     if args.target == "npu":
         opts["standin"] = args.standin
         opts["warmup"] = getattr(args, "warmup", None)
+        cache_dir = getattr(args, "cache_dir", None)
+        if cache_dir is None and not args.standin and not getattr(args, "no_compile_cache", False):
+            cache_dir = default_compile_cache_dir()
+        opts["cache_dir"] = cache_dir
     return opts
 
 

@@ -319,6 +319,9 @@ EVENTS_DOC = {
 }
 
 
+_STEP_FIELD = re.compile(r"\bb\.(\w+)")  # a step input field as the emitted code reads it
+
+
 def render_npu(graph: Graph, options: NpuOptions) -> str:
     tp = graph.meta.get("tp", 1)
     world = graph.meta.get("dp", 1) * graph.meta.get("cp", 1) * tp
@@ -362,8 +365,10 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
     # graphs of a spec with MTP layers also return the last hidden state the MTP layer drafts from
     returns = f"logits, {ctx.ref(HIDDEN)}" if HIDDEN in graph.names else "logits"
+    reads = tuple(sorted(set(_STEP_FIELD.findall("\n".join(body + load)))))
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
+        step_reads=reads,
         save_stream=f"({tag}, {prio})", rope=rope, process_groups=named_groups(graph.nodes, world), returns=returns,
         returns_doc="(logits [B, V], hidden [T, hidden])" if HIDDEN in graph.names else "logits [B, V]",
         tiling_sink=tiling_sink(graph, options.mode), tagged_events=tagged, **layout,

@@ -29,6 +29,7 @@ _EXPORTS = {
     "register_rank_target": "parallel.rank",
     "OutOfBlocks": "core.kvcache",
     "Faults": "core.faults",
+    "Deadlines": "progress", "current_progress": "progress",
     "PoolBackend": "pool", "HostPool": "pool", "make_pool": "pool", "DEFAULT_POOL_BYTES": "pool",
     "chain_digests": "pool.keys",
     "load_hf_weights": "checkpoint.hf", "write_random_hf_checkpoint": "checkpoint.hf",
