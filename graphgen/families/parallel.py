@@ -28,10 +28,6 @@ class ParallelPlan:
     # dims -> dims as one rank sees them (heads divided): its KV components follow from it.
     rank_dims: Callable[..., object]
 
-    def kv_split(self) -> bool:
-        """Whether each rank's KV differs (then pool keys carry the rank and every rank saves)."""
-        return self.kv_heads is not None
-
 
 def _qwen3_rank_dims(d, tp: int):
     return dataclasses.replace(d, num_attention_heads=d.num_attention_heads // tp,
