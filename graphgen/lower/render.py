@@ -1,5 +1,5 @@
 """Lowering infrastructure: how IR names and attribute values are spelled in generated Python, and the
-jinja2 frame a target's lines are put into (``graphgen/lower/templates/<target>/variant.py.j2``).
+jinja2 frame a target's lines are put into (``templates/<target>/variant.py.j2``, beside ``graphgen/``).
 
 The IR decides *what* runs on which stream and where every record/wait sits; a target's emitters
 (:mod:`graphgen.lower.cpu`, :mod:`graphgen.lower.npu`) decide how one node is spelled; the templates
@@ -18,7 +18,11 @@ import jinja2
 
 from ..ir.graph import Graph, Node
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"  # package data (pyproject: tool.setuptools.package-data)
+# The frames live in the checkout's top-level templates/; a wheel carries them as graphgen/lower/templates/
+# (pyproject.toml maps the package graphgen.lower.templates to templates/). The package's copy comes
+# first: an installed graphgen never reads a stray templates/ folder beside site-packages.
+PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "templates"
+CHECKOUT_TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 _TAG = re.compile(r"^(kv_cache|pool_staging|pool_load)\.L(\d+)$")
 
 Emitter = Callable[[Node, object], list[str]]
@@ -28,10 +32,20 @@ class LoweringError(ValueError):
     """A node a target cannot spell (unknown op, unknown attention mode, unknown compile mode)."""
 
 
+def template_dir() -> Path:
+    """Where the jinja2 frames are: in the package (a wheel) or in the checkout (a source tree, an
+    editable install); LoweringError naming both when neither holds them."""
+    for where in (PACKAGE_TEMPLATES, CHECKOUT_TEMPLATES):
+        if (where / "cpu" / "variant.py.j2").is_file():
+            return where
+    raise LoweringError(f"the lowering's jinja2 frames are in neither {PACKAGE_TEMPLATES} nor {CHECKOUT_TEMPLATES}: "
+                        f"reinstall graphgen (pip install .) or restore templates/ in the checkout")
+
+
 @functools.lru_cache(maxsize=None)
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
