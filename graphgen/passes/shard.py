@@ -33,26 +33,29 @@ With ``tp == ep == dp == 1`` the pass changes nothing. Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..families import FAMILIES
 from ..families.parallel import PLANS
 from ..ir.graph import MAIN_STREAM, Graph, Node
 from ..ir.ops import check_node
 from ..ir.weights import parse_shard, shard_index, shard_name  # noqa: F401  (the pass names sharded weights)
-from .base import Pass
+from .base import Pass, PassContext
+
+if TYPE_CHECKING:
+    from ..modelspec.model import ModelSpec
 
 GROUP = "tp"  # the TP group (EP reuses it when dp == 1)
 DP_GROUP = "dp"  # the ranks with the same TP rank in every DP group (the MoE's token all-gather)
 EP_GROUP = "ep"  # every rank of the DP groups (dp × tp): the MoE's experts under DP attention
 
 
-def parallel_of(spec) -> tuple[int, int]:
+def parallel_of(spec: ModelSpec) -> tuple[int, int]:
     par = getattr(spec, "parallel", None)
     return (par.tp, par.ep) if par is not None else (1, 1)
 
 
-def dp_of(spec) -> int:
+def dp_of(spec: ModelSpec) -> int:
     par = getattr(spec, "parallel", None)
     return getattr(par, "dp", 1) if par is not None else 1
 
@@ -60,7 +63,7 @@ def dp_of(spec) -> int:
 class Shard(Pass):
     name = "shard"
 
-    def requires(self, graph, ctx) -> list[str]:
+    def requires(self, graph: Graph, ctx: PassContext) -> list[str]:
         tp, ep = parallel_of(ctx.spec)
         problems = [f"node {n.id} ({n.op}) is already a parallel op" for n in graph.nodes
                     if n.op in ("all_reduce", "all_gather", "embedding_shard", "residual_add")]
@@ -68,7 +71,7 @@ class Shard(Pass):
             problems.append(f"family {graph.meta['family']} has no parallel plan")
         return problems
 
-    def run(self, graph: Graph, ctx) -> None:
+    def run(self, graph: Graph, ctx: PassContext) -> None:
         tp, ep = parallel_of(ctx.spec)
         dp = dp_of(ctx.spec)
         if tp == 1 and ep == 1 and dp == 1:
@@ -83,7 +86,7 @@ class Shard(Pass):
             ranks.shard(n)
         graph.replace_nodes(ranks.out)
 
-    def ensures(self, graph, ctx) -> list[str]:
+    def ensures(self, graph: Graph, ctx: PassContext) -> list[str]:
         from .verify_parallel import parallel_problems
 
         tp, ep = parallel_of(ctx.spec)
