@@ -189,99 +189,71 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     ``sources``: {(variant, mode): module source} (default: generated in memory from the spec).
     ``buckets``: default ``Buckets.from_spec(spec)``.  Weights and the RoPE table are cast to the KV
     dtype (the NPU kernels take one dtype)."""
+    import torch
+
     from ..standin import fakes as standin
+    from .compile import compile_module, load_module
+    from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, random_weights, rope_cache
+    from .mixed_grid import MixedGrid, MixedStep
+    from .weights import load_time_weights
 
     buckets = buckets or Buckets.from_spec(spec)
-    loop = _StandinLoop(spec, buckets, steps, check_limits=check_limits, every_bucket=every_bucket,
-                        mixed_batches=mixed_batches)
+    grid = MixedGrid.from_buckets(buckets)
+    variants = list(variants or spec.variants)
+    modes = list(modes or spec.targets.npu.compile_modes)
+    dtype = getattr(torch, spec.kv_cache.dtype)
+    results = []
     if not standin.install():
         raise RuntimeError("torch_npu is installed: run on the NPU, not through the CPU stand-in")
     try:
-        return [loop.run(variant, mode, (sources or {}).get((variant, mode)))
-                for variant in list(variants or spec.variants) for mode in list(modes or spec.targets.npu.compile_modes)]
+        for variant in variants:
+            v = spec.variants[variant]
+            mixes = mixed_batches > 0 and v.phase == "prefill" and bool(v.history)
+            n_buckets = buckets.count(v.phase) + (grid.count() if mixes else 0)
+            for mode in modes:
+                src = (sources or {}).get((variant, mode))
+                if src is None:
+                    from graphgen.lower.compile import compile_variant
+
+                    src = compile_variant(spec, variant, "npu", mode=mode)
+                torch._dynamo.reset()
+                with standin.fresh_tags():
+                    mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
+                    target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
+                max_pos = buckets.max_blocks * spec.kv_cache.block_size
+                W = load_time_weights({k: t.to(dtype) for k, t in random_weights(spec).items()}, [mod])
+                W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype)
+                nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
+                kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
+                                         staging_rows=buckets.save_rows if mod.META["saves"] else 0)
+                loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
+                plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, steps,
+                                   seed=stable_seed(variant, mode))
+                n_mixed = len(plan)
+                if every_bucket:
+                    plan = plan + bucket_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size)
+                batches = grid.steps(mixed_batches, spec.kv_cache.block_size, seed=stable_seed(variant, mode, "mixed")) \
+                    if mixes else []
+                by_bucket: dict = {}
+                with torch.no_grad(), standin.enforce_limits(check_limits):
+                    for i, step in enumerate(plan + batches):
+                        seqs = getattr(step, "seqs", step)  # a plain step is its rows; a MixedStep has .seqs
+                        pad = grid.padding(step, PAD_BLOCK) if isinstance(step, MixedStep) else \
+                            buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
+                        b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad)
+                        before = len(backend.graphs)
+                        mod.load(b, kv, loads)
+                        target.forward(W, b, kv, staging)
+                        key = (pad.batch, pad.tokens)
+                        if len(backend.graphs) > before:
+                            by_bucket.setdefault(key, backend.graphs[before])
+                results.append(LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
+                                          [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
+                                           for k in sorted(by_bucket)], tiling_sink=bool(getattr(mod, "TILING_SINK", False)),
+                                          mixed=len(batches)))
     finally:
         standin.uninstall()
-
-
-@dataclass(frozen=True)
-class _StandinLoop:
-    """`run_standin_loop`'s settings; ``run`` is one (variant, mode) of it, with the stand-in installed."""
-
-    spec: object
-    buckets: Buckets
-    steps: int
-    check_limits: bool
-    every_bucket: bool
-    mixed_batches: int
-
-    def run(self, variant: str, mode: str, src: Optional[str]) -> LoopResult:
-        """Compile the variant's module in ``mode``, run its step plan (the mix, then the bucket steps
-        and the mixed batches asked for) and count the graphs it compiled."""
-        import torch
-
-        from ..standin import fakes as standin
-        from .mixed_grid import MixedGrid, MixedStep
-
-        spec, buckets = self.spec, self.buckets
-        grid = MixedGrid.from_buckets(buckets)
-        v = spec.variants[variant]
-        mixes = self.mixed_batches > 0 and v.phase == "prefill" and bool(v.history)
-        n_buckets = buckets.count(v.phase) + (grid.count() if mixes else 0)
-        mod, target, backend, buffers = self._module(variant, mode, src, n_buckets)
-        plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, self.steps,
-                           seed=stable_seed(variant, mode))
-        n_mixed = len(plan)
-        if self.every_bucket:
-            plan = plan + bucket_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size)
-        batches = grid.steps(self.mixed_batches, spec.kv_cache.block_size, seed=stable_seed(variant, mode, "mixed")) \
-            if mixes else []
-        W, kv, staging, loads = buffers
-        by_bucket: dict = {}
-        with torch.no_grad(), standin.enforce_limits(self.check_limits):
-            for i, step in enumerate(plan + batches):
-                seqs = getattr(step, "seqs", step)  # a plain step is its rows; a MixedStep has .seqs
-                pad = grid.padding(step, PAD_BLOCK) if isinstance(step, MixedStep) else \
-                    buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
-                b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad)
-                before = len(backend.graphs)
-                mod.load(b, kv, loads)
-                target.forward(W, b, kv, staging)
-                key = (pad.batch, pad.tokens)
-                if len(backend.graphs) > before:
-                    by_bucket.setdefault(key, backend.graphs[before])
-        return LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
-                          [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
-                           for k in sorted(by_bucket)], tiling_sink=bool(getattr(mod, "TILING_SINK", False)),
-                          mixed=len(batches))
-
-    def _module(self, variant: str, mode: str, src: Optional[str], n_buckets: int):
-        """The variant's module compiled through the stand-in for ``n_buckets`` shapes, and its
-        buffers: random weights and the RoPE table (in the KV dtype), the KV cache, staging, load staging."""
-        import torch
-
-        from ..standin import fakes as standin
-        from .compile import compile_module, load_module
-        from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, random_weights, rope_cache
-        from .weights import load_time_weights
-
-        spec, buckets = self.spec, self.buckets
-        if src is None:
-            from graphgen.lower.compile import compile_variant
-
-            src = compile_variant(spec, variant, "npu", mode=mode)
-        torch._dynamo.reset()
-        with standin.fresh_tags():
-            mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
-            target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
-        dtype = getattr(torch, spec.kv_cache.dtype)
-        max_pos = buckets.max_blocks * spec.kv_cache.block_size
-        W = load_time_weights({k: t.to(dtype) for k, t in random_weights(spec).items()}, [mod])
-        W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype)
-        nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
-        kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
-                                 staging_rows=buckets.save_rows if mod.META["saves"] else 0)
-        loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
-        return mod, target, backend, (W, kv, staging, loads)
+    return results
 
 
 def report(results: Sequence[LoopResult], out=print) -> int:
