@@ -41,6 +41,7 @@ KNOWN_LONG_FUNCTIONS = {
     ("graphgen/serve/app.py", "create_app"): "branch i30 takes serve/app.py apart (issue 30)",
     ("graphgen/route/app.py", "create_router"): "branch i30 takes route/app.py apart (issue 30)",
     ("graphgen/npu/standin/attention.py", "_fia_paged"): "branch i29-npu reworks the stand-in's attention for speed",
+    ("graphgen/npu/run/bucketing.py", "run_standin_loop"): "branch i29-npu reworks the stand-in loop (device='meta')",
 }
 # compile_variant and compile_spec are the entries from a spec to source (issue 7, item 4; issue 14):
 # they hand the spec to the pass pipeline, which builds the graph; what they render must be the graph alone.
