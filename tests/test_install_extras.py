@@ -1,7 +1,9 @@
 """Honest install extras: what each ``pip install`` gives, checked without installing anything.
 
 - The wheel, built once from a copy of the sources (offline: ``pip wheel --no-build-isolation``),
-  holds every file of ``graphgen/`` (the templates and the NPU manifest included).
+  holds every file of ``graphgen/`` (the NPU manifest included) and the jinja2 frames of the
+  top-level ``templates/`` as ``graphgen/lower/templates/``, where the lowering finds them (in a
+  checkout it reads ``templates/`` itself).
 - An interpreter that sees only that unpacked wheel and the build dependencies (``python -I -S``,
   ``sys.path`` = the wheel + links to networkx/jinja2/PyYAML) generates files byte-identical to
   ``generated/``, checks and validates, and says in one sentence which extra the runtime needs.
@@ -128,7 +130,8 @@ def wheel(tmp_path_factory) -> Path:
     src.mkdir()
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / f, src / f)
-    shutil.copytree(REPO / "graphgen", src / "graphgen", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for folder in ("graphgen", "templates"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     build = ("import importlib, sys\n"
              "print(importlib.import_module(sys.argv[1]).build_wheel(sys.argv[2]))")
     res = subprocess.run([sys.executable, "-c", build, PYPROJECT["build-system"]["build-backend"], str(tmp / "dist")],
@@ -147,14 +150,51 @@ def build_env(wheel, tmp_path_factory) -> list[Path]:
     return [tmp / "site", link_site(closure(()), tmp / "deps")]
 
 
+def _files(folder: str) -> set[str]:
+    return {p.relative_to(REPO / folder).as_posix() for p in (REPO / folder).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
 @WHEEL_SLOW
 def test_wheel_holds_every_package_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    files = {p.relative_to(REPO).as_posix() for p in (REPO / "graphgen").rglob("*")
-             if p.is_file() and "__pycache__" not in p.parts}
+    files = {f"graphgen/{f}" for f in _files("graphgen")} | {f"graphgen/lower/templates/{f}" for f in _files("templates")}
     assert {"graphgen/lower/templates/cpu/variant.py.j2", "graphgen/lower/templates/npu/variant.py.j2",
             "graphgen/npu/manifest.json"} <= files
     assert sorted(files - names) == []
+
+
+def test_pyproject_lists_every_package():
+    """setuptools is given the packages by name (it cannot find one mapped from outside graphgen/):
+    every folder of graphgen/ with modules, and graphgen.lower.templates with a package per target."""
+    found = {".".join(("graphgen", *p.parent.relative_to(REPO / "graphgen").parts)) for p in (REPO / "graphgen").rglob("*.py")}
+    found |= {"graphgen.lower.templates"} | {f"graphgen.lower.templates.{p.name}" for p in (REPO / "templates").iterdir()
+                                           if p.is_dir() and p.name != "__pycache__"}
+    listed = PYPROJECT["tool"]["setuptools"]["packages"]
+    assert sorted(found - set(listed)) == [] and sorted(set(listed) - found) == []
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"graphgen.lower.templates": "templates"}
+
+
+FRAMES = "from graphgen.lower.render import template_dir; print(template_dir())"
+
+
+@WHEEL_SLOW
+def test_lowering_reads_the_frames_of_the_wheel_or_of_the_checkout(build_env, tmp_path):
+    res = isolated(build_env, FRAMES, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == str(build_env[0] / "graphgen" / "lower" / "templates"), res.stderr
+    res = isolated([REPO, build_env[1]], FRAMES, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == str(REPO / "templates"), res.stderr
+
+
+@WHEEL_SLOW
+def test_a_wheel_without_its_frames_says_where_it_looked(build_env, tmp_path):
+    """Negative control: the same install with graphgen/lower/templates/ gone finds no frames (it
+    reads no other folder) and names both places it looked."""
+    site = tmp_path / "site"
+    shutil.copytree(build_env[0], site, ignore=shutil.ignore_patterns("templates"))
+    res = isolated([site, build_env[1]], FRAMES, cwd=tmp_path)
+    assert res.returncode == 1 and "LoweringError: the lowering's jinja2 frames are in neither" in res.stderr
+    assert str(site / "graphgen" / "lower" / "templates") in res.stderr
 
 
 @WHEEL_SLOW

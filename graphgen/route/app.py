@@ -32,8 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ..balance import Backend, Pool, prefix_key
 from ..netutil import bearer_authorized, is_api_path
-from .policy import Backend, Pool, prefix_key
 
 log = logging.getLogger("graphgen.route")
 KV_FIELD = "kv_transfer_params"

@@ -3,8 +3,9 @@
 It needs the ``runtime`` extra (torch, safetensors, numpy): importing any part of it without that
 extra fails here, with one sentence naming the extra, rather than deep inside a submodule with a
 bare ``No module named 'torch'``. Names are resolved lazily, so a torch-free part
-(``graphgen.runtime.pool``) never imports torch itself. Everything else under ``graphgen.runtime``
-is internal: see docs/runtime.md for the parts.
+(``graphgen.runtime.pool``) never imports torch itself: a pool process (``mooncake_server``, the rank
+launcher's shared pool) does not pay for importing it, though like every part it needs the extra
+installed. Everything else under ``graphgen.runtime`` is internal: see docs/runtime.md for the parts.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ sampling per request from its `SamplingParams` — and this adapter only transla
   are one ``argmax`` over the batch, exactly ``Engine.generate``'s tokens;
 - P/D: ``kv_naming`` / ``kv_pool`` / ``saves_in_flight`` read the engine's pool, block naming and
   connector (one rank only: ranks hold their caches in other processes);
-- several ranks (``tp``/``ep`` > 1): the engine is a `DistributedEngine` and ``engine.llm`` its
-  `DistributedLLM`, which runs every call on every rank. No trace spans or timings come back from
+- several ranks (``tp``/``ep``/``cp``/``dp`` > 1): a `DistributedEngine` (``dp``: `DataParallelEngine`); ``engine.llm``
+  runs every call on every rank (``dp``: a request on the rank `DPRouter` picks). No trace spans or timings come back from
   the rank processes (only the adapter's ``step`` span);
 - stats: ``LLMEngine.stats()`` -> `EngineStats` (the server's gauges and totals);
 - timings and trace spans: a `StepObserver` attached to the engine (``Engine.observe``): the

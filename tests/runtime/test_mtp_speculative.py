@@ -192,7 +192,7 @@ def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
 
 
 def test_mtp_block_keys_carry_the_successor():
-    from graphgen.runtime.engine.spec_decode import mtp_block_keys
+    from graphgen.runtime.pool.keys import mtp_block_keys
     from graphgen.runtime.pool.keys import block_keys
 
     a = mtp_block_keys([1, 2, 3, 4, 5, 6], 1, 4, model="m", layout="x")

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from graphgen.route.app import one_handoff, prefill_body
-from graphgen.route.policy import Pool, prefix_key
+from graphgen.balance import Pool, prefix_key
 from graphgen.runtime import HostPool, chain_digests
 from graphgen.serve.errors import ApiError
 from graphgen.serve.pd import PD, CacheNaming, Handoff

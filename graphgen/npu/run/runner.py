@@ -2,8 +2,8 @@
 
 `NpuModelRunner` has the CPU runner's interface (``submit(plan)`` / ``collect(future)`` /
 ``settle`` / ``close``), so `LLMEngine` drives it unchanged.  The runtime's `Scheduler` plans the
-steps (per request: tokens, positions, block table, loads, saves), its `KVConnector` looks the pool
-up and loads hits into staging, and commits after the save; this runner owns the connector's worker
+steps (per request: tokens, positions, block table, loads, saves), its `KVLoader` looks the pool
+up and loads hits into staging, its `KVConnector` commits after the save; this runner owns the connector's worker
 side (pin and stage the save, hand it off) and adapts at the runner boundary:
 
 * **bucketing**: a step plan's rows become `NpuStepInputs` padded to the spec's buckets

@@ -73,10 +73,6 @@ def tracing_mode(mode: Optional[str], tiling_sink: bool = False):
         _state["mode"], _state["tiling_sink"] = saved
 
 
-def limits_enforced() -> bool:
-    return bool(_state["enforce"])
-
-
 def _checked(op: str, kernel: Callable) -> Callable:
     sig = inspect.signature(kernel)
     limit_op = op[:-1] if op.endswith("_") else op  # the in-place twin has the functional op's limits
