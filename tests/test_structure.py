@@ -38,8 +38,6 @@ KNOWN_OVERSIZE = {
 KNOWN_SPEC_IN_LOWER: dict[str, str] = {}
 # (module, function) -> the branch splitting it now. Delete an entry when that branch lands (its case XPASSes).
 KNOWN_LONG_FUNCTIONS = {
-    ("graphgen/serve/app.py", "create_app"): "branch i30 takes serve/app.py apart (issue 30)",
-    ("graphgen/route/app.py", "create_router"): "branch i30 takes route/app.py apart (issue 30)",
     ("graphgen/npu/standin/attention.py", "_fia_paged"): "branch i29-npu reworks the stand-in's attention for speed",
     ("graphgen/npu/run/bucketing.py", "run_standin_loop"): "branch i29-npu reworks the stand-in loop (device='meta')",
 }

@@ -88,7 +88,8 @@ class Progress:
         self._emit, self._clock, self._interval = emit, clock, min_interval_s
         self._lock = threading.Lock()
         self.phase_name: Optional[str] = None
-        self.done, self.total, self.note = 0, None, ""
+        self.done, self.note = 0, ""
+        self.total: Optional[int] = None
         self._sent = float("-inf")
 
     def phase(self, name: str, total: Optional[int] = None) -> None:
