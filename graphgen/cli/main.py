@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 
 from ..serve import cli as serve
-from . import build, dryrun, npu, route, run
+from . import build, checkpoint, dryrun, npu, route, run
 from .common import EXIT_CODES_EPILOG, dispatch
 
 # Order is the order of `graphgen --help`.
-COMMAND_MODULES = (build, run, serve, route, npu, dryrun)
+COMMAND_MODULES = (build, checkpoint, run, serve, route, npu, dryrun)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ import os
 import re
 import typing
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from . import model as m
 from .compat import check_compat
@@ -33,6 +34,7 @@ from ..families import BY_HF_MODEL_TYPE
 from ..install import source_checkout
 from .dump import dump_spec_yaml
 from .loader import parse_spec_text
+from ..families.base import Family
 
 # What each family reads from a config (model_type, the defaults transformers assumes for omitted
 # fields, the values graphgen reproduces) is declared by the family (graphgen/families).
@@ -60,7 +62,8 @@ class _Report:
         self.diags.append(Diagnostic(self.source, *self.where(key), f"{key}: {message}", fix))
 
 
-def _typed(cfg: dict, key: str, tp, rep: _Report, *, default=dataclasses.MISSING, model_type=""):
+def _typed(cfg: dict[str, Any], key: str, tp: type[Any], rep: _Report, *, default: Any = dataclasses.MISSING,
+           model_type: str = "") -> Any:
     if key not in cfg or cfg[key] is None:
         if default is not dataclasses.MISSING:
             return default
@@ -77,9 +80,10 @@ def _typed(cfg: dict, key: str, tp, rep: _Report, *, default=dataclasses.MISSING
     return value
 
 
-def _rope(cfg: dict, fam, rep: _Report):
+def _rope(cfg: dict[str, Any], fam: Family, rep: _Report) -> tuple[Any, Any]:
     """(rope_theta, RopeScaling|None) from ``rope_parameters`` (transformers 5) or
     ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params: Any  # the scaling parameters: a JSON object, once checked
     if isinstance(cfg.get("rope_parameters"), dict):
         key, params = "rope_parameters", dict(cfg["rope_parameters"])
         theta = _typed(params, "rope_theta", float, rep, default=fam.hf_defaults["rope_theta"])
@@ -111,7 +115,8 @@ def _rope(cfg: dict, fam, rep: _Report):
         rep.error(key, f"YaRN parameter(s) {', '.join(extra)} are not implemented",
                   f"remove {', '.join(extra)} (graphgen implements {', '.join(sorted(_YARN_KEYS))})")
         return theta, dataclasses.MISSING
-    kwargs, failed = {"type": "yarn"}, False
+    kwargs: dict[str, Any] = {"type": "yarn"}
+    failed = False
     for f in dataclasses.fields(m.RopeScaling):
         if f.name == "type":
             continue
@@ -128,7 +133,7 @@ def _rope(cfg: dict, fam, rep: _Report):
     return theta, (dataclasses.MISSING if failed else m.RopeScaling(**kwargs))
 
 
-def _dims(cfg: dict, fam, rep: _Report):
+def _dims(cfg: dict[str, Any], fam: Family, rep: _Report) -> Any:
     cls = fam.dims_cls
     hints = typing.get_type_hints(cls)
     theta, scaling = _rope(cfg, fam, rep)
@@ -162,7 +167,7 @@ def _dims(cfg: dict, fam, rep: _Report):
     return None if failed else cls(**kwargs)
 
 
-def _checks(cfg: dict, fam, rep: _Report) -> None:
+def _checks(cfg: dict[str, Any], fam: Family, rep: _Report) -> None:
     for key, want in fam.hf_must_be.items():
         if key in cfg and cfg[key] is not None and cfg[key] != want:
             rep.error(key, f"{cfg[key]!r} is not implemented (graphgen reproduces {want!r})",
@@ -178,7 +183,7 @@ def _checks(cfg: dict, fam, rep: _Report) -> None:
     rep.notes.extend(fam.hf_notes(cfg))
 
 
-def _kv_dtype(cfg: dict, rep: _Report) -> str | None:
+def _kv_dtype(cfg: dict[str, Any], rep: _Report) -> str | None:
     key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
     value = cfg.get(key)
     if value is None:
@@ -194,8 +199,8 @@ class LayoutError(ValueError):
     """``import_hf``'s layout options do not fit the model (one sentence naming the fix)."""
 
 
-def _standard_spec(name, family, dims, dtype, description, block_size, compile_modes,
-                   device_memory_gib=None) -> m.ModelSpec:
+def _standard_spec(name: str, family: Any, dims: Any, dtype: Any, description: str, block_size: int,
+                   compile_modes: Sequence[Any], device_memory_gib: float | None = None) -> m.ModelSpec:
     return m.ModelSpec(
         name=name, family=family, dims=dims, description=description,
         variants={
@@ -228,7 +233,7 @@ def _checkpoint_keys(hf_dir: Path) -> set[str] | None:
     return None
 
 
-def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
+def _mtp_section(config: dict[str, Any], fam: Family, keys: set[str] | None, rep: _Report) -> Optional[m.Mtp]:
     """The ``mtp:`` section for the MTP layers the config declares -- if the checkpoint holds them
     (transformers' DeepseekV3Config declares one by default, and ``save_pretrained`` writes none; a
     folder without weights cannot tell)."""
@@ -247,8 +252,9 @@ def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
     return m.Mtp(num_layers=declared)
 
 
-def _convert(config, name: str, source: str, text: str | None, *, block_size=128,
-             compile_modes=("max-autotune",), checkpoint_keys: set[str] | None = None, device_memory_gib=None):
+def _convert(config: Any, name: str, source: str, text: str | None, *, block_size: int = 128,
+             compile_modes: Sequence[str] = ("max-autotune",), checkpoint_keys: set[str] | None = None,
+             device_memory_gib: float | None = None) -> tuple[m.ModelSpec, list[str]]:
     rep = _Report(source, text)
     if not isinstance(config, dict):
         raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
@@ -282,7 +288,7 @@ def _convert(config, name: str, source: str, text: str | None, *, block_size=128
     return spec, rep.notes
 
 
-def spec_from_hf_config(config: dict, name: str, *, source: str = "config.json") -> m.ModelSpec:
+def spec_from_hf_config(config: dict[str, Any], name: str, *, source: str = "config.json") -> m.ModelSpec:
     """The standard spec of a Hugging Face config dict; :class:`SpecError` if it is unsupported."""
     return _convert(config, name, source, None)[0]
 
@@ -292,7 +298,8 @@ def _default_name(hf_dir: Path) -> str:
     return base if m.is_identifier(base) else f"m_{base}"
 
 
-def _layout(spec: m.ModelSpec, tp, ep, dp, device_memory_gib, fit: bool, rep_notes: list) -> m.ModelSpec:
+def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, device_memory_gib: float | None,
+            fit: bool, rep_notes: list[str]) -> m.ModelSpec:
     """The spec with the layout asked for (``--tp/--ep/--dp``), or with ``fit`` the smallest one that fits
     the device as ``graphgen validate`` counts it (`graphgen.passes.memory.fit_layout`); `LayoutError`
     when the layout breaks a rule or nothing fits."""
@@ -300,12 +307,12 @@ def _layout(spec: m.ModelSpec, tp, ep, dp, device_memory_gib, fit: bool, rep_not
         from ..passes.memory import NPU_MEMORY, fit_layout
 
         gib = device_memory_gib or NPU_MEMORY.device_memory_gib
-        layout, mem = fit_layout(spec, gib)
-        if layout is None:
-            raise LayoutError(f"{spec.name} on {gib:g} GiB devices: {mem}")
-        rep_notes.append(f"Layout chosen by --fit for {gib:g} GiB devices: {mem.layout()} (graphgen validate "
+        chosen = fit_layout(spec, gib)
+        if chosen.layout is None or chosen.memory is None:
+            raise LayoutError(f"{spec.name} on {gib:g} GiB devices: {chosen.why}")
+        rep_notes.append(f"Layout chosen by --fit for {gib:g} GiB devices: {chosen.memory.layout()} (graphgen validate "
                          f"shows its per-rank memory).")
-        tp, ep, dp = layout["tp"], layout["ep"], layout.get("dp")
+        tp, ep, dp = chosen.layout["tp"], chosen.layout["ep"], chosen.layout.get("dp")
     if tp is None and ep is None and dp is None:
         return spec
     out = spec.with_overrides(tp=tp, ep=ep, dp=dp)
@@ -319,8 +326,8 @@ def _layout(spec: m.ModelSpec, tp, ep, dp, device_memory_gib, fit: bool, rep_not
     return out
 
 
-def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 128,
-              compile_modes=("max-autotune",), tp: int | None = None, ep: int | None = None,
+def import_hf(hf_dir: str | Path, out_path: str | Path, name: str | None = None, *, block_size: int = 128,
+              compile_modes: Sequence[str] = ("max-autotune",), tp: int | None = None, ep: int | None = None,
               dp: int | None = None, device_memory_gib: float | None = None, fit: bool = False) -> m.ModelSpec:
     """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it. ``tp``/``ep``/
     ``dp``: its ``parallel:`` layout; ``device_memory_gib``: ``targets.npu.device_memory_gib``; ``fit``:

@@ -27,11 +27,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 from ..families import FAMILIES
 from ..families.parallel import PLANS, rank_kv_components
 from ..ir.weights import graph_weight_names, parse_shard
+
+if TYPE_CHECKING:
+    from ..ir.graph import Graph
+    from ..modelspec.model import ModelSpec, NpuTarget
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
@@ -105,7 +109,8 @@ class RankMemory:
 
     @property
     def budget_bytes(self) -> Optional[int]:
-        return None if self.device_bytes is None else int(self.utilization * self.visible_bytes)
+        visible = self.visible_bytes
+        return None if visible is None else int(self.utilization * visible)
 
     def auto_blocks(self) -> Optional[int]:
         """KV blocks a launch with ``--device-memory-utilization`` would allocate (None: no budget)."""
@@ -126,17 +131,18 @@ class RankMemory:
         out = (f"per rank ({self.layout()}): weights {_size(self.weight_bytes)}, "
                f"KV {kv / 1024:.1f} KiB per block, {self.kv_blocks} blocks {_size(self.kv_blocks * kv)}, "
                f"total {_size(self.weight_bytes + self.kv_blocks * kv)}")
-        if self.device_bytes is None:
+        device, visible, budget = self.device_bytes, self.visible_bytes, self.budget_bytes
+        if device is None or visible is None or budget is None:
             return out
         return (out + f"; launch peak at the default {self.default_blocks} KV blocks "
-                f"({_size(self.default_blocks * kv)}): {_size(self.total_bytes)} of {_size(self.budget_bytes)} (load transient "
+                f"({_size(self.default_blocks * kv)}): {_size(self.total_bytes)} of {_size(budget)} (load transient "
                 f"{_size(self.transient_bytes)}, staging rings {_size(self.ring_bytes)}, communicators "
-                f"{_size(self.comm_bytes)}; {self.utilization:g} x the {_size(self.visible_bytes)} torch sees of "
-                f"{self.device_bytes / GIB:g} GiB: workspace reserve {_size(self.device_bytes - self.budget_bytes)}); KV sized from what is left: {self.auto_blocks()} blocks; host "
-                f"while loading {_size(self.host_load_bytes)}")
+                f"{_size(self.comm_bytes)}; {self.utilization:g} x the {_size(visible)} torch sees of "
+                f"{device / GIB:g} GiB: workspace reserve {_size(device - budget)}); KV sized from what is left: "
+                f"{self.auto_blocks()} blocks; host while loading {_size(self.host_load_bytes)}")
 
 
-def kv_blocks_needed(spec) -> int:
+def kv_blocks_needed(spec: ModelSpec) -> int:
     """Blocks one rank holds for the NPU target's largest decode batch at its max_model_len (the target's
     defaults when the spec has no NPU target): every DP group has a batch of its own, and KV is replicated
     over the CP and TP ranks (the MLA latent) or split by KV heads, so the count is per rank either way."""
@@ -144,28 +150,29 @@ def kv_blocks_needed(spec) -> int:
     return npu.decode_batch_buckets[-1] * math.ceil(_max_len(spec) / spec.kv_cache.block_size)
 
 
-def _npu(spec):
+def _npu(spec: ModelSpec) -> NpuTarget:
     from ..modelspec.model import NpuTarget
 
     return spec.targets.npu or NpuTarget()
 
 
-def _max_len(spec) -> int:
+def _max_len(spec: ModelSpec) -> int:
     # the max_model_len default of graphgen.npu.run.bucketing.max_model_len (not imported: it is torch-side)
-    return _npu(spec).max_model_len or min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
+    declared: Optional[int] = _npu(spec).max_model_len
+    return declared or min(4096, int(getattr(spec.dims, "max_position_embeddings", 4096)))
 
 
-def communicator_bytes(par) -> int:
+def communicator_bytes(par: Any) -> int:
     """Device bytes of the collective communicators a rank joins (``NPU_MEMORY.communicator_mib`` each):
     the world's, and each named group (tp, dp, cp) of its own."""
     n = 0 if par.world == 1 else 1 + sum(1 for k in (par.tp, par.dp, par.cp) if 1 < k < par.world)
     return int(n * NPU_MEMORY.communicator_mib * MIB)
 
 
-def rank_memory(spec, graphs, device_memory_gib: Optional[float] = None) -> RankMemory:
-    """``graphs``: the spec's graphs after ``shard`` (the union of their weights is counted once).
-    ``device_memory_gib``: the device (default: ``targets.npu.device_memory_gib``, else the NPU target's
-    documented default for a spec with an NPU target; no budget without one)."""
+def rank_memory(spec: ModelSpec, graphs: Iterable[Graph], device_memory_gib: Optional[float] = None) -> RankMemory:
+    """``graphs``: the spec's graphs after ``shard`` (every variant reads the same weights; the union
+    is counted once). ``device_memory_gib``: the device (default: ``targets.npu.device_memory_gib``, else
+    the NPU target's documented default for a spec with an NPU target; no budget without one)."""
     fam = FAMILIES[spec.family]
     mtp = {"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}
     stacked = fam.checkpoint_layout(fam.dims_of(spec.dims), stacked=True, **mtp)
@@ -191,7 +198,8 @@ def rank_memory(spec, graphs, device_memory_gib: Optional[float] = None) -> Rank
     if npu is None:
         return mem
     gib = device_memory_gib or npu.device_memory_gib or NPU_MEMORY.device_memory_gib
-    rot = getattr(spec.dims, "qk_rope_head_dim", None) or spec.dims.head_dim
+    # the RoPE table's width: the rotary part of a head (MLA's qk_rope_head_dim), else the whole head
+    rot: int = getattr(spec.dims, "qk_rope_head_dim", None) or getattr(spec.dims, "head_dim")
     save_rows = npu.save_rows or max(1, npu.prefill_token_buckets[-1] // spec.kv_cache.block_size)
     saves = any(spec.variant_saves(v) for v in spec.variants.values())
     return dataclasses.replace(
@@ -202,7 +210,7 @@ def rank_memory(spec, graphs, device_memory_gib: Optional[float] = None) -> Rank
         utilization=NPU_MEMORY.utilization)
 
 
-def budget_source(spec, device_memory_gib=None) -> str:
+def budget_source(spec: ModelSpec, device_memory_gib: Optional[float] = None) -> str:
     """Where the device size comes from: the flag, the spec, or the NPU target's default."""
     if device_memory_gib is not None:
         return "--device-memory-gib"
@@ -213,33 +221,35 @@ def budget_source(spec, device_memory_gib=None) -> str:
 
 def default_blocks_note(mem: RankMemory) -> Optional[str]:
     """The sentence for a layout that fits, but not with the engine's default KV blocks, else None."""
-    if mem.budget_bytes is None or not mem.fits() or mem.total_bytes <= mem.budget_bytes:
+    budget, n = mem.budget_bytes, mem.auto_blocks()
+    if budget is None or n is None or not mem.fits() or mem.total_bytes <= budget:
         return None
-    n = mem.auto_blocks()
     return (f"the engine's default {mem.default_blocks} KV blocks do not fit ({_size(mem.total_bytes)} of "
-            f"{_size(mem.budget_bytes)}): launch with --device-memory-utilization {mem.utilization:g} ({n} blocks) or "
+            f"{_size(budget)}): launch with --device-memory-utilization {mem.utilization:g} ({n} blocks) or "
             f"--num-blocks {n - 1} (the NPU reserves one more)")
 
 
-def memory_problems(spec, mem: RankMemory, device_memory_gib=None) -> list[str]:
+def memory_problems(spec: ModelSpec, mem: RankMemory, device_memory_gib: Optional[float] = None) -> list[str]:
     """The sentence(s) of a layout that does not fit ``mem.device_bytes``, naming a layout that does
     (`fit_layout`); [] when it fits or there is no budget."""
-    if mem.fits():
+    device, visible = mem.device_bytes, mem.visible_bytes
+    if mem.fits() or device is None or visible is None:
         return []
     where = budget_source(spec, device_memory_gib)
-    gib = mem.device_bytes / GIB
+    gib = device / GIB
     need = mem.fixed_bytes + max(mem.kv_blocks, 1) * mem.kv_bytes_per_block
-    layout, found = fit_layout(spec, gib)
-    fix_text = (f"fix: set parallel {', '.join(f'{k}: {v}' for k, v in layout.items())} ({found.layout()}: "
+    fit = fit_layout(spec, gib)
+    found = fit.memory
+    fix_text = (f"fix: set parallel {', '.join(f'{k}: {v}' for k, v in fit.layout.items())} ({found.layout()}: "
                 f"{_size(found.fixed_bytes + found.kv_blocks * found.kv_bytes_per_block)} per rank)"
-                if layout is not None else found)
+                if fit.layout is not None and found is not None else fit.why)
     return [f"per-rank weights {mem.weight_bytes / GIB:.2f} GiB + KV {mem.kv_blocks} blocks "
             f"{mem.kv_blocks * mem.kv_bytes_per_block / GIB:.2f} GiB + staging rings, load transient and "
-            f"communicators = {need / GIB:.2f} GiB exceed {mem.utilization:g} x the {mem.visible_bytes / GIB:.2f} GiB "
+            f"communicators = {need / GIB:.2f} GiB exceed {mem.utilization:g} x the {visible / GIB:.2f} GiB "
             f"torch sees of {where} ({gib:g} GiB); {fix_text}"]
 
 
-def _layout_candidates(spec):
+def _layout_candidates(spec: ModelSpec) -> Iterator[dict[str, int]]:
     """Layouts to try, smallest world first: tp a power of two with ep 1 or tp (dp, cp 1; sp as the spec);
     for a spec with DP attention, its kind first: dp × tp ranks with ep = dp × tp, the most DP groups first."""
     moe = PLANS[spec.family].experts is not None  # routed experts: ep may split them
@@ -252,16 +262,25 @@ def _layout_candidates(spec):
             yield {"tp": world, "ep": ep, "dp": 1, "cp": 1}
 
 
-def fit_layout(spec, device_memory_gib: float):
-    """``(layout, RankMemory)`` of the smallest layout (``{"tp", "ep"[, "dp", "cp"]}``) the spec's rules
-    accept that fits ``device_memory_gib``, or ``(None, why)`` when none does (why: the rule that refused
-    the larger layouts, e.g. MTP layers, which are not sharded yet)."""
+@dataclass(frozen=True)
+class LayoutFit:
+    """`fit_layout`'s answer: the smallest layout that fits (``{"tp", "ep"[, "dp", "cp"]}``: the keys that
+    differ from the spec's, tp and ep always) and its `RankMemory`, or none and why."""
+    layout: Optional[dict[str, int]]
+    memory: Optional[RankMemory]
+    why: str = ""
+
+
+def fit_layout(spec: ModelSpec, device_memory_gib: float) -> LayoutFit:
+    """The smallest layout the spec's rules accept that fits ``device_memory_gib``, or none, with why (the
+    rule that refused the larger layouts, e.g. MTP layers, which are not sharded yet)."""
     from ..modelspec.compat import check_compat
     from .manager import run_pipeline
 
-    refused = None
+    refused: Optional[str] = None
     for layout in _layout_candidates(spec):
-        cand = spec.with_overrides(**layout, sp=spec.parallel.sp and layout["tp"] > 1)
+        cand = spec.with_overrides(tp=layout["tp"], ep=layout["ep"], dp=layout["dp"], cp=layout["cp"],
+                                   sp=spec.parallel.sp and layout["tp"] > 1)
         problems = list(check_compat(cand))
         if problems:
             refused = refused or (problems[0][1] if layout["tp"] > 1 else None)
@@ -269,6 +288,7 @@ def fit_layout(spec, device_memory_gib: float):
         graphs = [run_pipeline(cand, v, until="shard") for v in cand.variants]
         mem = rank_memory(cand, graphs, device_memory_gib)
         if mem.fits():
-            return {k: v for k, v in layout.items() if k in ("tp", "ep") or getattr(spec.parallel, k) != v}, mem
-    return None, (f"no layout graphgen can launch fits: {refused}" if refused else
-                  "no layout up to tp=128 fits (fix: a larger device)")
+            return LayoutFit({k: v for k, v in layout.items() if k in ("tp", "ep") or getattr(spec.parallel, k) != v},
+                             mem)
+    return LayoutFit(None, None, f"no layout graphgen can launch fits: {refused}" if refused else
+                     "no layout up to tp=128 fits (fix: a larger device)")

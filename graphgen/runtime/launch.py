@@ -42,6 +42,7 @@ def _cpu(spec, weights, *, spec_file: str, pool, **options):
     from .checkpoint.stream import CheckpointWeights
     from .engine.facade import cpu_engine
 
+    options.pop("rank_timeout", None)  # one process: no rank process to hold to the start deadlines
     if not isinstance(weights, dict):  # streamed into the spec's dtype as the engine loads (no float32 copy)
         weights = CheckpointWeights.whole(weights, spec)
     return cpu_engine(spec, weights, spec_file=spec_file, pool=pool, **options)

@@ -38,7 +38,7 @@ def test_compile_rejects_unknown_variant_and_mode():
 
 def test_standin_check_catches_a_dropped_wait(tmp_path, monkeypatch):
     """The CLI's check is the real aotcheck: a module without its wait fails it."""
-    from graphgen.npu.check.structure import trace_and_check
+    from graphgen.npu.run.structure import trace_and_check
     from graphgen.modelspec.loader import load_spec
 
     src = (REPO / "generated/tiny_qwen3_npu/npu/max_autotune/mempool_prefill_layer.py").read_text()

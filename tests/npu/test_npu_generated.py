@@ -161,7 +161,7 @@ def _spec(model):
 
 def _run(name, src=None):
     """Compile with the stand-in and run one step; returns (module, captured graph, kv, staging, b)."""
-    from graphgen.npu.check.structure import trace
+    from graphgen.npu.run.structure import trace
 
     spec = _spec(name.split("/")[0])
     t = trace(ROOT / "generated" / name, spec, ALL[name] if src is None else src)

@@ -28,7 +28,7 @@ def _src(mode):
 
 
 def _problems(src):
-    from graphgen.npu.check.structure import trace
+    from graphgen.npu.run.structure import trace
 
     t = trace(ROOT / "generated" / "tiny_qwen3_npu" / "npu" / "max_autotune" / f"{VARIANT}.py", load_spec(SPEC), src)
     return t.module.GRAPH, aotcheck.check_save_join(t.graph.gm, t.module.GRAPH), t.problems()

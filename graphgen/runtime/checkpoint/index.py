@@ -21,7 +21,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from ...families import BY_HF_MODEL_TYPE, FAMILIES
 
@@ -118,7 +118,7 @@ def _empty(shape) -> bool:
     return 0 in tuple(shape)
 
 
-def _files(hf_dir: str) -> dict[str, list | None]:
+def _files(hf_dir: str) -> dict[str, Optional[list[str]]]:
     """{file path: the keys the index maps to it (None: the single file, every key)}."""
     single = os.path.join(hf_dir, "model.safetensors")
     index = os.path.join(hf_dir, "model.safetensors.index.json")
@@ -128,10 +128,10 @@ def _files(hf_dir: str) -> dict[str, list | None]:
         raise WeightsError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json found")
     with open(index) as f:
         weight_map = json.load(f)["weight_map"]
-    files: dict[str, list] = {}
+    files: dict[str, list[str]] = {}
     for key, fname in weight_map.items():
         files.setdefault(os.path.join(hf_dir, fname), []).append(key)
-    return files
+    return dict(files)  # typed as the return (dict is invariant in its values)
 
 
 def _stored_tensors(hf_dir: str) -> dict[str, Stored]:
@@ -187,7 +187,7 @@ class CheckpointIndex:
         tensors = {k: raw[k] for k, shape in layout.items() if not _empty(shape)}
         return cls(hf_dir, config, family, mtp_layers, tensors, layout)
 
-    def source(self, key: str) -> Union[Stored, tuple]:
+    def source(self, key: str) -> Union[Stored, tuple[Stored, ...]]:
         """The stored tensor of ``key``, or for a stacked expert key (``...mlp.experts.gate_proj.weight``)
         the tuple of its experts' stored tensors, expert 0 first."""
         if key in self.tensors:

@@ -100,12 +100,12 @@ class Placement:
 def _chunk(index: CheckpointIndex, name: str, slicing: RankSlicing):
     """(shape, fills, zero, stored dtype) of graph weight ``name`` on this rank (fills' views relative to it)."""
     key, dim, parts = parse_shard(name)
-    src = index.source(key)
-    stacked = isinstance(src, tuple)
+    src = index.source(key)  # a tuple: a stack of experts, stored one by one
     full = index.shape(key)
-    dtype = (src[0] if stacked else src).dtype
+    dtype = (src[0] if isinstance(src, tuple) else src).dtype
     if dim is None or parts == 1:
-        fills = [Fill(s, None, (("select", 0, e),)) for e, s in enumerate(src)] if stacked else [Fill(src, None, ())]
+        fills = ([Fill(s, None, (("select", 0, e),)) for e, s in enumerate(src)] if isinstance(src, tuple)
+                 else [Fill(src, None, ())])
         return full, fills, False, dtype
     n = full[dim]
     c = -(-n // parts)
@@ -113,9 +113,9 @@ def _chunk(index: CheckpointIndex, name: str, slicing: RankSlicing):
     real = max(0, min(c, n - start))
     shape = tuple(c if d == dim else s for d, s in enumerate(full))
     pad = real < c
-    if stacked and dim == 0:  # whole experts
+    if isinstance(src, tuple) and dim == 0:  # whole experts
         fills = [Fill(src[start + j], None, (("select", 0, j),)) for j in range(real)]
-    elif stacked:  # the same range of every expert (its dim - 1)
+    elif isinstance(src, tuple):  # the same range of every expert (its dim - 1)
         narrow = (dim - 1, start, real)
         fills = [Fill(s, _whole(s, narrow), (("select", 0, e),) + ((("narrow", dim - 1, 0, real),) if pad else ()))
                  for e, s in enumerate(src)] if real else []

@@ -99,7 +99,10 @@ def source_constants(source: str, names) -> dict:
             j = i + 1
             while j < len(lines) and (not lines[j].strip() or lines[j][0] in " \t}])"):
                 j += 1
-            out[name] = ast.literal_eval(ast.parse("".join(lines[i:j])).body[0].value)
+            node = ast.parse("".join(lines[i:j])).body[0]
+            if not isinstance(node, ast.Assign):
+                raise ValueError(f"{name} of a generated module is not a NAME = literal statement")
+            out[name] = ast.literal_eval(node.value)
             if len(out) == len(names):
                 break
     return out
@@ -113,7 +116,7 @@ def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *,
     else holds: it is updated in place and each source is dropped right after the last recipe reading
     it, so at most one recipe's sources and result coexist (what a device's load peak is)."""
     recipes = collect_recipes(modules)
-    out = W if consume else dict(W)
+    out = W if consume and isinstance(W, dict) else dict(W)
     last = {s: key for key, r in recipes.items() for s in r["cat"]}  # the last recipe reading each source
     for key, r in recipes.items():
         if key in out:

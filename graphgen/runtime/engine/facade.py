@@ -179,6 +179,7 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     if load_weights is not None:  # the weights before the cache: it is sized from what they leave
         load_weights()
     if num_blocks is None:
+        assert size_kv is not None  # num_blocks=None without size_kv was refused above
         per_block = spec.kv_layers * sum(math.prod(s) for s in kv_shapes.values()) * dtype.itemsize
         num_blocks = size_kv(per_block) - reserved_blocks
         if num_blocks < 1:
