@@ -139,6 +139,36 @@ def test_a_rank_reads_its_slices_only_into_a_buffer_of_the_largest_slice(tmp_pat
         assert placed < 0.6 * whole and reader.bytes_read < whole  # about half the model, not all of it
 
 
+def test_the_streamed_load_reports_its_bytes_to_the_load_phase(tmp_path):
+    """The streaming loader feeds the start's progress (`graphgen.runtime.progress`): `place_weights` of a
+    checkpoint reports the bytes placed / the rank's total to the process's ``load`` phase, which a rank
+    sends its launcher (whose board prints bytes and GB/s per rank). A rank enters the phase before it
+    loads (its deadline covers the load): the loader then sets the total without restarting the phase.
+    Negative control: an explicit ``progress=`` (the dry run's own lines) leaves the process's reporter alone."""
+    from graphgen.runtime.core.weights import collect_recipes
+    from graphgen.runtime.progress import Progress, reporting
+
+    spec = load_spec(SPECS / "tiny_qwen3_npu.yaml").with_overrides(tp=2)
+    ckpt = _checkpoint(tmp_path, spec, sharded=True)
+    sources, names = _compiled(spec, "npu")
+    w = CheckpointWeights(ckpt, frozenset(names), RankSlicing(1, 2))
+    total = sum(p.nbytes for p in w.plan(collect_recipes(sources)))
+    events = []
+    report = Progress(events.append, min_interval_s=0.0)
+    report.phase("load")  # as rank.py does before it builds the engine: total unknown yet
+    with reporting(report):
+        place_weights(w, sources, family=spec.family, dtype=torch.bfloat16)
+    assert [e["phase"] for e in events] == ["load"] * len(events) and events[0]["total"] is None
+    assert events[1]["total"] == total and events[-1]["done"] == total  # then every event has the total
+    done = [e["done"] for e in events[1:]]
+    assert done == sorted(done) and len(set(done)) > 2  # tensor by tensor, not one jump at the end
+    events.clear()
+    mine = []
+    with reporting(Progress(events.append, min_interval_s=0.0)):
+        place_weights(w, sources, family=spec.family, dtype=torch.bfloat16, progress=lambda d, t: mine.append((d, t)))
+    assert events == [] and mine[0] == (0, total) and mine[-1] == (total, total)
+
+
 def test_the_reader_returns_safetensors_slices_of_data_and_holes(tmp_path):
     """Every kind of read (whole, a row range, a column range read row by row, short columns read in row
     blocks) of tensors that are data, holes, or both, equals safetensors' own ``get_slice``."""

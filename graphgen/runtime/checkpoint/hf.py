@@ -21,6 +21,7 @@ from .index import EXPERT_KEY as _EXPERT_KEY
 from ...families import FAMILIES
 from .index import CheckpointIndex, WeightsError, _empty, _family, checkpoint_layout, family_of_config
 from .stream import SliceReader
+from ..progress import current_progress
 
 Tensor = torch.Tensor
 
@@ -40,11 +41,14 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32, mtp_layers:
     out: dict[str, Tensor] = {}
     stacks: dict[tuple[int, str], dict[int, Tensor]] = {}
     converted: dict[int, Tensor] = {}  # one converted tensor per stored tensor: shared stays shared
+    report = current_progress()  # bytes read, for the start's progress lines (graphgen.runtime.progress)
+    report.phase("load", total=sum(src.nbytes for src in {id(s): s for s in index.tensors.values()}.values()))
     with SliceReader() as reader:
         for key, src in index.tensors.items():
             if id(src) not in converted:
                 want = torch.float32 if fp32 and key.endswith(fp32) else dtype
                 converted[id(src)] = reader.read(src).to(want, copy=True)
+                report.advance(src.nbytes)
             m = _EXPERT_KEY.match(key)
             if m:
                 stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = converted[id(src)]

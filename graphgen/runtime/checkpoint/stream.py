@@ -211,11 +211,13 @@ def stream_weights(plan: Iterable[Placement], device=None, *, reader: Optional[S
                    progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
     """Execute ``plan`` onto ``device``: ``{name: tensor}``. Placements that read the same bytes into
     the same shape and dtype (a tied embedding and LM head) share one tensor. ``progress(done, total)``:
-    the placed bytes so far, after each tensor."""
+    the placed bytes so far, before the first tensor and after each."""
     plan = list(plan)
     own = reader is None
     reader = reader or SliceReader()
     total, done = sum(p.nbytes for p in plan), 0
+    if progress is not None:
+        progress(0, total)  # the total up front: the progress lines show it from the first
     out: dict[str, torch.Tensor] = {}
     same: dict[tuple, torch.Tensor] = {}
     try:

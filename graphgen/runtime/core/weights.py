@@ -32,9 +32,10 @@ import torch
 
 from ...families import FAMILIES
 from ...ir.weights import parse_shard
+from ..progress import Progress, current_progress
 
 __all__ = ["keeps_fp32", "cast_weights", "load_time_weights", "build_load_time_weight", "collect_recipes",
-           "place_weights", "source_constants"]
+           "place_weights", "load_progress", "source_constants"]
 
 
 def keeps_fp32(family: str, name: str) -> bool:
@@ -136,16 +137,32 @@ def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *,
     return out
 
 
+def load_progress(report: Optional[Progress] = None) -> Callable[[int, int], None]:
+    """``progress(done, total)`` (bytes placed so far, of all) as the ``load`` phase of ``report`` (default:
+    this process's, `graphgen.runtime.progress.current_progress`: a rank's goes to its launcher, whose
+    `Board` prints bytes loaded / total and GB/s per rank; one process's is a board on stderr)."""
+    report = report if report is not None else current_progress()
+    seen = [0]
+
+    def update(done: int, total: int) -> None:
+        report.phase("load", total)  # in the load phase already (a rank): only its total is set
+        report.advance(done - seen[0])
+        seen[0] = done
+
+    return update
+
+
 def place_weights(weights, modules: Iterable, *, family: str, dtype: torch.dtype, device=None,
                   progress: Optional[Callable[[int, int], None]] = None, reader=None) -> dict[str, torch.Tensor]:
     """What a runner reads as ``W``: ``weights`` (a dict by graph weight name, or a checkpoint to stream:
     anything with ``place(recipes, dtype_of, device, progress=)``, `CheckpointWeights`) in ``dtype`` on
     ``device`` (the family's float32 keys float32), the modules' load-time weights built and their
-    sources gone. ``progress(done, total)``: bytes placed; ``reader``: the `SliceReader` to read with
-    (streaming only: a dry run counts its bytes). See the module doc for the device peak of each."""
+    sources gone. ``progress(done, total)``: bytes placed (default: the process's load phase,
+    `load_progress`); ``reader``: the `SliceReader` to read with (streaming only: a dry run counts its
+    bytes). See the module doc for the device peak of each."""
     place = getattr(weights, "place", None)  # a checkpoint not read yet (checkpoint.stream.CheckpointWeights)
     if place is not None:
         name = str(dtype).removeprefix("torch.")
         return place(collect_recipes(modules), lambda k: "float32" if keeps_fp32(family, k) else name, device,
-                     progress=progress, reader=reader)
+                     progress=progress if progress is not None else load_progress(), reader=reader)
     return load_time_weights(cast_weights(weights, family, dtype, device), modules, consume=True)
