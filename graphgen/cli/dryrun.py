@@ -36,6 +36,22 @@ def _check(args, spec):
     return None
 
 
+def _run_child(cmd: list[str]) -> subprocess.CompletedProcess:
+    """A rank's process, its output to ours: straight to our streams' files where they have them (its
+    progress lines as they come), else collected and written when it ends (a caller that captures our
+    streams in memory, as graphgen's CLI called in-process does: they have no file to give a child)."""
+    try:
+        sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        return proc
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr, env=os.environ)
+
+
 def _child(args, rank: int, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "graphgen", "dry-run", "--spec", args.spec, "--weights", args.weights,
            "--target", args.target, "--rank", str(rank), "--json", str(out)]
@@ -94,7 +110,7 @@ def cmd_dry_run(args) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for r in ranks:
                 out = Path(tmp) / f"rank{r}.json"
-                proc = subprocess.run(_child(args, r, out), stdout=sys.stdout, stderr=sys.stderr, env=os.environ)
+                proc = _run_child(_child(args, r, out))
                 if not out.exists():
                     err(f"graphgen dry-run: rank {r} stopped (exit code {proc.returncode}) before reporting")
                     return EXIT_INVALID
