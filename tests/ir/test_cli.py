@@ -98,8 +98,8 @@ def test_schema_command_matches_file():
     assert res.returncode == 0 and res.stdout == (REPO / "specs" / "schema.json").read_text()
 
 
-COMMANDS = ("generate", "check", "validate", "dump", "verify", "schema", "import-hf", "run", "serve", "compile", "route",
-            "dry-run")
+COMMANDS = ("generate", "check", "validate", "dump", "verify", "schema", "import-hf", "checkpoint", "run", "serve",
+            "compile", "route", "dry-run")
 
 
 @pytest.mark.parametrize("module", ["graphgen", "graphgen.cli"])
