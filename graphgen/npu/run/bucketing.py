@@ -69,9 +69,10 @@ def max_model_len(spec) -> int:
     return min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
 
 
-def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0, pad=None):
+def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0, pad=None,
+                  device=None):
     """Step inputs for sequences ``(history, new_tokens)``, blocks 1.. in order, padded to their bucket
-    (or to ``pad``: a mixed batch's cell, `mixed_grid.MixedGrid.padding`)."""
+    (or to ``pad``: a mixed batch's cell, `mixed_grid.MixedGrid.padding`), on ``device`` (default CPU)."""
     import torch
 
     from .inputs import npu_step_inputs
@@ -100,7 +101,7 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
     loads = loads[:buckets.save_rows] if module.META.get("history") else None
     return npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                            query_lens=qlens, logits_indices=logit_idx, block_size=bs, save_block_ids=saves,
-                           load_block_ids=loads, decode=phase == "decode",
+                           load_block_ids=loads, decode=phase == "decode", device=device,
                            pad=pad or buckets.padding(phase, len(seqs), len(ids))), next_block
 
 
@@ -176,7 +177,7 @@ class LoopResult:
 def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Optional[Sequence[str]] = None,
                      steps: int = 24, buckets: Optional[Buckets] = None, *, check_limits: bool = True,
                      sources: Optional[dict] = None, every_bucket: bool = False,
-                     mixed_batches: int = 0) -> list[LoopResult]:
+                     mixed_batches: int = 0, device: str = "meta") -> list[LoopResult]:
     """Run ``steps`` mixed steps per (variant, mode) through the CPU stand-in; count compiled graphs.
     ``mixed_batches``: a history prefill variant (the one mixed batches run on) then also runs that many
     mixed batches (decode rows and chunks, `mixed_grid.MixedGrid`); its buckets are then the plain
@@ -185,6 +186,13 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     Each bucket's first captured post-AOT graph is kept in ``LoopResult.graphs`` (the GE converter
     check's input); ``every_bucket``: also run one deterministic step per bucket (``bucket_steps``)
     after the mix, so every bucket has one.
+
+    ``device``: where the weights, caches and step inputs live.  ``"meta"`` (the default): shapes only --
+    Dynamo, AOT and the captured graphs are those of a CPU run (the same static shapes per bucket, the same
+    SymInt lengths), and every step runs the graph on meta tensors, so the stand-in's meta kernels check each
+    step's actual lengths against the documented limits and their contracts; no value is computed (a CPU run
+    of tiny_deepseek_v3_npu's splitfuse spent 2/3 of its time in a bf16 matmul of the padded history rows,
+    whose values nothing here reads).  ``"cpu"``: the same loop computing values with the CPU kernels.
 
     ``sources``: {(variant, mode): module source} (default: generated in memory from the spec).
     ``buckets``: default ``Buckets.from_spec(spec)``.  Weights and the RoPE table are cast to the KV
@@ -221,12 +229,13 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                     mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
                     target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
                 max_pos = buckets.max_blocks * spec.kv_cache.block_size
-                W = load_time_weights({k: t.to(dtype) for k, t in random_weights(spec).items()}, [mod])
-                W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype)
+                W = load_time_weights({k: t.to(device=device, dtype=dtype) for k, t in random_weights(spec).items()},
+                                      [mod])
+                W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype, device=device)
                 nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
                 kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
-                                         staging_rows=buckets.save_rows if mod.META["saves"] else 0)
-                loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
+                                         staging_rows=buckets.save_rows if mod.META["saves"] else 0, device=device)
+                loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows, device=device)
                 plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, steps,
                                    seed=stable_seed(variant, mode))
                 n_mixed = len(plan)
@@ -240,7 +249,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                         seqs = getattr(step, "seqs", step)  # a plain step is its rows; a MixedStep has .seqs
                         pad = grid.padding(step, PAD_BLOCK) if isinstance(step, MixedStep) else \
                             buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
-                        b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad)
+                        b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad, device=device)
                         before = len(backend.graphs)
                         mod.load(b, kv, loads)
                         target.forward(W, b, kv, staging)
