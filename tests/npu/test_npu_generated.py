@@ -159,10 +159,9 @@ def _spec(model):
     return load_specs([ROOT / "specs" / f"{model}.yaml"])[0]
 
 
-def _run(name, src=None):
-    """Compile with the stand-in and run one step; returns (module, captured graph, kv, staging, b)."""
-    from graphgen.npu.check.structure import trace
-
+def _run(trace, name, src=None):
+    """Compile with the stand-in and run one step (``trace``: the session's memoized ``standin_trace``, so a
+    module is traced once per run whichever tests check it); returns (module, captured graph, kv, staging, b)."""
     spec = _spec(name.split("/")[0])
     t = trace(ROOT / "generated" / name, spec, ALL[name] if src is None else src)
     assert t.logits.shape == (len(t.inputs.actual_seq_lengths), spec.dims.vocab_size)
@@ -181,8 +180,8 @@ TINY_NAMES = [n for n in NPU_NAMES if n.split("/")[0] in TINY]
 
 @needs_standin
 @pytest.mark.parametrize("name", TINY_NAMES + sorted(RO))
-def test_post_aot_structure(name):
-    mod, cg, kv, staging, b = _run(name)
+def test_post_aot_structure(name, standin_trace):
+    mod, cg, kv, staging, b = _run(standin_trace, name)
     problems, caches = _problems(cg, kv, staging)
     if mod.META["saves"]:
         # write -> record -> (save stream) wait -> gather into staging, all in place and in scope
@@ -237,46 +236,46 @@ def _move_after(src, line_idx, after_idx, indent=None):
 
 @needs_standin
 @pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
-def test_mutation_drop_wait_fails_aotcheck(mode):
+def test_mutation_drop_wait_fails_aotcheck(mode, standin_trace):
     name = MUT.format(mode)
     src = _drop(ALL[name], "L00.kv_save.wait")
     assert src != ALL[name]
-    _, cg, kv, staging, _ = _run(name, src)
+    _, cg, kv, staging, _ = _run(standin_trace, name, src)
     problems, _ = _problems(cg, kv, staging)
     assert any("is not ordered after write" in p for p in problems), problems
 
 
 @needs_standin
 @pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
-def test_mutation_kv_write_after_record_fails_aotcheck(mode):
+def test_mutation_kv_write_after_record_fails_aotcheck(mode, standin_trace):
     name = MUT.format(mode)
     src = ALL[name]
     w = _lines_tagged(src, "L00.kv_write")[0]
     (rec,) = _lines_tagged(src, "L00.kv_write.record")
     mutated = _move_after(src, w, rec)
-    _, cg, kv, staging, _ = _run(name, mutated)
+    _, cg, kv, staging, _ = _run(standin_trace, name, mutated)
     problems, _ = _problems(cg, kv, staging)
     assert any("is not ordered after write" in p for p in problems), problems
 
 
 @needs_standin
-def test_mutation_kv_write_into_save_scope_fails_aotcheck():
+def test_mutation_kv_write_into_save_scope_fails_aotcheck(standin_trace):
     name = MUT.format("reduce_overhead")
     src = ALL[name]
     w = _lines_tagged(src, "L00.kv_write")[0]
     (wait,) = _lines_tagged(src, "L00.kv_save.wait")
-    _, cg, kv, staging, _ = _run(name, _move_after(src, w, wait, indent=8))
+    _, cg, kv, staging, _ = _run(standin_trace, name, _move_after(src, w, wait, indent=8))
     problems, _ = _problems(cg, kv, staging)
     assert any("inside a stream scope" in p for p in problems), problems
 
 
 @needs_standin
-def test_mutation_save_out_of_scope_fails_aotcheck():
+def test_mutation_save_out_of_scope_fails_aotcheck(standin_trace):
     name = MUT.format("max_autotune")
     src = ALL[name]
     save = _lines_tagged(src, "L00.kv_save")[0]
     attn = _lines_tagged(src, "L00.attn")[0]  # first main-stream line after the with-block
-    _, cg, kv, staging, _ = _run(name, _move_after(src, save, attn - 1, indent=4))
+    _, cg, kv, staging, _ = _run(standin_trace, name, _move_after(src, save, attn - 1, indent=4))
     problems, _ = _problems(cg, kv, staging)
     assert any("is not on stream 'kv_save'" in p for p in problems), problems
 

@@ -211,6 +211,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     modes = list(modes or spec.targets.npu.compile_modes)
     dtype = getattr(torch, spec.kv_cache.dtype)
     results = []
+    weights = {k: t.to(device=device, dtype=dtype) for k, t in random_weights(spec).items()}  # one draw for all
     if not standin.install():
         raise RuntimeError("torch_npu is installed: run on the NPU, not through the CPU stand-in")
     try:
@@ -229,8 +230,7 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
                     mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
                     target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
                 max_pos = buckets.max_blocks * spec.kv_cache.block_size
-                W = load_time_weights({k: t.to(device=device, dtype=dtype) for k, t in random_weights(spec).items()},
-                                      [mod])
+                W = load_time_weights(dict(weights), [mod])
                 W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype, device=device)
                 nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
                 kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
