@@ -9,6 +9,7 @@ memory, so the tests follow the templates, not whatever sits in generated/.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -22,9 +23,11 @@ TINY = ("tiny_qwen3_npu", "tiny_deepseek_v3_npu")  # the hardware-shaped specs (
 TAGGED = ("npu_create_tagged_event", "npu_tagged_event_record", "npu_tagged_event_wait")
 
 
+FILES, _ = build_outputs(default_spec_paths(ROOT / "specs"))  # every spec rendered once, in memory
+
+
 def _render_all() -> dict[str, str]:
-    files, _ = build_outputs(default_spec_paths(ROOT / "specs"))
-    return {rel: text for rel, text in files.items() if "/npu/" in rel}
+    return {rel: text for rel, text in FILES.items() if "/npu/" in rel}
 
 
 def _render_reduce_overhead() -> dict[str, str]:
@@ -47,10 +50,16 @@ RO = _render_reduce_overhead()
 ALL = {**NPU, **RO}
 
 
+@functools.lru_cache(maxsize=4)  # a full-size module's tree is ~8 MB: keep the few a test is reading
+def _tree(src: str) -> ast.Module:
+    """The module's AST, parsed once per source while tests read it (they never change it)."""
+    return ast.parse(src)
+
+
 def _calls(src: str) -> list[str]:
     """Dotted names of every call in the module."""
     out = []
-    for node in ast.walk(ast.parse(src)):
+    for node in ast.walk(_tree(src)):
         if isinstance(node, ast.Call):
             parts, f = [], node.func
             while isinstance(f, ast.Attribute):
@@ -85,7 +94,7 @@ def test_conformance(name):
     # the lowering really goes through torchair/torch_npu (an empty module would pass vacuously)
     assert any(c.startswith("torch_npu.npu_fused_infer_attention_score") for c in calls)
     assert sum(c == "torch_npu.npu_scatter_nd_update_" for c in calls) >= 2
-    assert "NEVER RUN ON AN NPU" in ast.get_docstring(ast.parse(src))
+    assert "NEVER RUN ON AN NPU" in ast.get_docstring(_tree(src))
 
 
 # ------------------------------------------------------------------------------------ (b) mode rules
@@ -105,13 +114,12 @@ def test_mode_rules(name):
         if has_events:
             assert "torchair.ops.npu_tagged_event_record" in calls and "torchair.ops.npu_tagged_event_wait" in calls
             # created at module level: outside forward (the compiled region)
-            fwd = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+            fwd = next(n for n in _tree(src).body if isinstance(n, ast.FunctionDef) and n.name == "forward")
             assert "npu_create_tagged_event" not in ast.unparse(fwd)
 
 
 def test_only_npu_modules_import_torchair():
-    files, _ = build_outputs(default_spec_paths(ROOT / "specs"))
-    for rel, text in files.items():
+    for rel, text in FILES.items():
         if rel.endswith(".py") and "/npu/" not in rel:
             assert "torchair" not in text and "torch_npu" not in text, rel
     for rel, text in NPU.items():
@@ -128,7 +136,9 @@ def test_tagged_event_tags_unique_across_all_modules():
     tags: dict[str, str] = {}
     for name, src in {**NPU, **RO}.items():
         model, _, _, variant = name[:-3].split("/")
-        for node in ast.walk(ast.parse(src)):
+        if "npu_create_tagged_event" not in src:  # no such call can be in it: not worth a parse
+            continue
+        for node in ast.walk(_tree(src)):
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("npu_create_tagged_event"):
                 (kw,) = [k for k in node.keywords if k.arg == "tag"]
                 tag = ast.literal_eval(kw.value)
@@ -312,7 +322,7 @@ FULL_DSV3 = "deepseek_v3_1/npu/max_autotune/{}.py"
 
 
 def _fia_calls(src, api="torch_npu.npu_fused_infer_attention_score"):
-    return [c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Call) and ast.unparse(c.func) == api]
+    return [c for c in ast.walk(_tree(src)) if isinstance(c, ast.Call) and ast.unparse(c.func) == api]
 
 
 @pytest.mark.parametrize("name", [f.format(v) for f in (DSV3, FULL_DSV3)
