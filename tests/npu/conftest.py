@@ -46,7 +46,6 @@ def standin_trace():
             traced[key] = real(module_path, spec, text, check_limits=check_limits)
         return traced[key]
 
-    trace.real = real
     return trace
 
 

@@ -91,15 +91,16 @@ def test_mixed_loop_never_compiles_more_graphs_than_buckets(hw_steps):
     assert report(results, lines.append) == 0 and "nothing ran on an NPU" in lines[-1]
 
 
+@pytest.mark.slow  # ~10 s: six graphs, three computed on CPU
 def test_a_meta_run_compiles_the_graphs_a_cpu_run_compiles():
     """run_standin_loop runs its steps on meta tensors by default (shapes only, nothing computed): the same
     graphs per bucket, with the same post-AOT op targets, as the same loop computing values on CPU."""
     from graphgen.npu.check.geops import captured_targets
 
-    bk = Buckets(decode_batch=(1, 2), prefill_tokens=(128, 256), prefill_seqs=2, max_blocks=4, save_rows=4)
+    bk = Buckets(decode_batch=(1, 2), prefill_tokens=(128,), prefill_seqs=2, max_blocks=4, save_rows=4)
     runs = {d: run_standin_loop(SPEC, ["decode", "splitfuse"], steps=3, buckets=bk, every_bucket=True, device=d)
             for d in ("cpu", "meta")}
-    assert [r.compilations for r in runs["meta"]] == [r.compilations for r in runs["cpu"]] == [2, 2]
+    assert [r.compilations for r in runs["meta"]] == [r.compilations for r in runs["cpu"]] == [2, 1]
     for cpu, meta in zip(runs["cpu"], runs["meta"]):
         assert [g["bucket"] for g in meta.graphs] == [g["bucket"] for g in cpu.graphs]
         assert [captured_targets(g["captured"]) for g in meta.graphs] == \
