@@ -89,10 +89,10 @@ class _Req:
 def measure(tok_dir: Path, n_vocab: int, tokens: int, seed: int = 0) -> dict:
     from graphgen.runtime import SamplingParams, StructuredOutput
     from graphgen.runtime.engine.grammar import _guide, guided_sample, tokenizer_for
-    from graphgen.serve.structured import json_schema_grammar
+    from graphgen.serve.structured import response_format_grammar
 
     tokenizer_for(str(tok_dir), n_vocab)  # built once per folder (cached), as in the engine
-    params = SamplingParams(structured=StructuredOutput(json_schema_grammar(json.dumps(SCHEMA), "bench"), str(tok_dir)))
+    params = SamplingParams(structured=StructuredOutput(response_format_grammar({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}), str(tok_dir)))
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(tokens, 1, n_vocab, generator=g)
 

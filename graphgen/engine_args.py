@@ -14,6 +14,7 @@ from typing import Optional, get_args
 from .modelspec.model import WritePolicy
 
 __all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "target_note",
+           "rank_count", "thread_options", "default_compile_cache_dir",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 WRITE_POLICIES = get_args(WritePolicy)  # pool.policy's values
@@ -65,6 +66,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--faults", default=None, help="fault injection, e.g. save_delay=0.05,put_fail=0.5,seed=1 "
                                                   "(docs/runtime.md)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace-event JSON (Perfetto)")
+    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (per rank with several ranks; default: torch's own choice, "
+                        "which contends on a busy machine)")
     p.add_argument("--target", choices=("cpu", "npu"), default="cpu",
                    help="cpu: the generated CPU graphs; npu: the NPU model runner (needs torch_npu, or --standin)")
     p.add_argument("--standin", action="store_true",
@@ -73,6 +77,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="with --target npu: compile every bucket of every variant at engine start, one line per "
                         "bucket on stderr (default: on, off with --standin)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="with --target npu: the compile cache; a restart with the same DIR compiles no graph "
+                        "(default: $XDG_CACHE_HOME/graphgen/npu, ~/.cache/graphgen/npu without it; none with "
+                        "--standin unless given)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="with --target npu: no compile cache (every start compiles every graph)")
+    p.add_argument("--rank-timeout", default=None, metavar="SECONDS|PHASE=S,...",
+                   help="with several ranks: the deadline of each start phase, one number for all or "
+                        "start=S,load=S,warmup=S (default: start=600,load=3600,warmup=7200); a rank that "
+                        "misses one is reported and every rank ends")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +101,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
     # --num-blocks: checked by each command against the spec
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp", "pool_min_uses"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp", "pool_min_uses", "torch_threads"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"
@@ -105,7 +119,28 @@ def check_engine_arguments(args) -> Optional[str]:
             return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
     if getattr(args, "warmup", None) is not None and args.target != "npu":
         return "--warmup/--no-warmup applies to --target npu only"
+    if (getattr(args, "cache_dir", None) is not None or getattr(args, "no_compile_cache", False)) \
+            and args.target != "npu":
+        return "--cache-dir/--no-compile-cache apply to --target npu only"
+    if getattr(args, "cache_dir", None) is not None and getattr(args, "no_compile_cache", False):
+        return "--cache-dir and --no-compile-cache exclude each other"
+    if getattr(args, "rank_timeout", None) is not None:
+        from .runtime.progress import Deadlines
+
+        try:
+            Deadlines.parse(args.rank_timeout)
+        except ValueError as e:
+            return str(e)
     return None
+
+
+def default_compile_cache_dir() -> str:
+    """Where ``--target npu`` keeps compiled graphs by default: ``$XDG_CACHE_HOME/graphgen/npu``
+    (``~/.cache/graphgen/npu`` without it). Entries are keyed by spec, mode, variant, module source and
+    rank (`graphgen.npu.run.compile.CacheKey`), so specs and versions share the folder safely."""
+    import os
+
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "graphgen", "npu")
 
 
 def layout_refusal(spec, args) -> Optional[str]:
@@ -115,6 +150,25 @@ def layout_refusal(spec, args) -> Optional[str]:
 
     overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
     return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"))
+
+
+def rank_count(args, spec) -> int:
+    """How many rank processes the layout asks for (the overrides, else the spec's ``parallel:``)."""
+    par = spec.parallel
+    pick = [getattr(args, k, None) if getattr(args, k, None) is not None else getattr(par, k, 1)
+            for k in ("tp", "ep", "cp")]
+    return max(pick[0], pick[1]) * pick[2]
+
+
+def thread_options(args, spec) -> dict:
+    """``--torch-threads``: set in this process (torch imported here), and passed to the rank
+    processes of a several-rank layout (`open_engine`'s ``threads``)."""
+    if not getattr(args, "torch_threads", None):
+        return {}
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    return {"threads": args.torch_threads} if rank_count(args, spec) > 1 else {}
 
 
 def engine_options(args, faults=None) -> dict:
@@ -128,9 +182,17 @@ def engine_options(args, faults=None) -> dict:
                 faults=faults, target=args.target)
     if getattr(args, "speculative", None) is not None:
         opts["num_speculative_tokens"] = args.num_speculative_tokens or 1
+    if getattr(args, "rank_timeout", None) is not None:
+        from .runtime.progress import Deadlines
+
+        opts["rank_timeout"] = Deadlines.parse(args.rank_timeout)
     if args.target == "npu":
         opts["standin"] = args.standin
         opts["warmup"] = getattr(args, "warmup", None)
+        cache_dir = getattr(args, "cache_dir", None)
+        if cache_dir is None and not args.standin and not getattr(args, "no_compile_cache", False):
+            cache_dir = default_compile_cache_dir()
+        opts["cache_dir"] = cache_dir
     return opts
 
 

@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 from .ir.text import print_graph
 from .lower.compile import compile_spec, display_path
 from .modelspec.loader import load_specs
+from .modelspec.model import ModelSpec
 
 DEFAULT_SPEC_DIR = Path("specs")
 DEFAULT_OUT = Path("generated")
@@ -28,7 +29,7 @@ def default_spec_paths(spec_dir: Path = DEFAULT_SPEC_DIR) -> list[Path]:
     return sorted(spec_dir.glob("*.yaml"))
 
 
-def spec_outputs(spec, spec_file: str, *, check: bool = False) -> dict[str, str]:
+def spec_outputs(spec: ModelSpec, spec_file: str, *, check: bool = False) -> dict[str, str]:
     """Relative path -> file text for one spec (every variant, every enabled target).
 
     The one intentional difference from the runtimes' ``compile_variant``: the pass contracts run
@@ -91,10 +92,11 @@ class Report:
     removed: list[str] = field(default_factory=list)
 
 
-def generate(spec_paths=None, out: Path = DEFAULT_OUT, *, dry_run: bool = False) -> Report:
+def generate(spec_paths: Optional[Iterable[str | Path]] = None, out: Path = DEFAULT_OUT, *,
+             dry_run: bool = False) -> Report:
     explicit = spec_paths is not None
-    spec_paths = [Path(p) for p in spec_paths] if explicit else default_spec_paths()
-    files, models = build_outputs(spec_paths)  # everything is computed before anything is written
+    paths = [Path(p) for p in spec_paths] if spec_paths is not None else default_spec_paths()
+    files, models = build_outputs(paths)  # everything is computed before anything is written
     out = Path(out)
     report = Report()
     for rel in sorted(files):
@@ -132,14 +134,15 @@ class CheckResult:
         return not self.stale and not self.orphans
 
 
-def check(spec_paths=None, out: Path = DEFAULT_OUT, extra: Optional[dict[Path, str]] = None) -> CheckResult:
+def check(spec_paths: Optional[Iterable[str | Path]] = None, out: Path = DEFAULT_OUT,
+          extra: Optional[dict[Path, str]] = None) -> CheckResult:
     """Compare what would be generated with what is on disk (nothing is written).
 
     ``extra`` maps further files (e.g. ``specs/schema.json``) to their expected text.
     """
     explicit = spec_paths is not None
-    spec_paths = [Path(p) for p in spec_paths] if explicit else default_spec_paths()
-    files, models = build_outputs(spec_paths)
+    paths = [Path(p) for p in spec_paths] if spec_paths is not None else default_spec_paths()
+    files, models = build_outputs(paths)
     out = Path(out)
     res = CheckResult()
     diffs = []

@@ -16,6 +16,11 @@ cheap and happens before anything heavy loads. A missing module raises :class:`M
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: pathlib is imported where it is used
+    import os
+    from pathlib import Path
 
 __all__ = ["EXTRAS", "NEEDS", "MissingExtra", "extra_of", "is_checkout", "require", "sentence", "source_checkout"]
 
@@ -69,7 +74,7 @@ def extra_of(module: str) -> str | None:
     return next((extra for extra, mods in EXTRAS.items() if top in mods), None)
 
 
-def is_checkout(folder) -> bool:
+def is_checkout(folder: str | os.PathLike[str]) -> bool:
     """Whether ``folder`` is the root of a graphgen source checkout (not merely a folder of specs)."""
     from pathlib import Path
 
@@ -77,7 +82,7 @@ def is_checkout(folder) -> bool:
     return all((root / p).is_file() for p in ("pyproject.toml", "graphgen/__init__.py", "specs/schema.json"))
 
 
-def source_checkout():
+def source_checkout() -> Path | None:
     """The root of the graphgen source checkout this package runs from, or None (an installed
     wheel). The repository's own files (``specs/``, ``docs/``, ``generated/``) exist only there."""
     from pathlib import Path

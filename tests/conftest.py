@@ -5,9 +5,10 @@ the fixtures, so the torch-free folders (``ir``, ``spec``, ``passes``) stay torc
 - ``qwen``, ``dsv3``, ``tiny_dsv3``: random float32 HF models written with ``save_pretrained``
   (weights re-drawn at O(1) scale so logits are not flat; `support.hf`), each as
   ``SimpleNamespace(model, dir, family)``;
-- ``imported``: specs made from ``qwen`` and ``dsv3`` by ``graphgen import-hf`` run as a subprocess;
+- ``imported``: specs made from ``qwen`` and ``dsv3`` by ``graphgen import-hf`` (the CLI's ``main``, in-process);
 - ``ckpt``: a checkpoint of ``specs/tiny_qwen3.yaml`` written by graphgen's own writer, with its
-  tokenizer (what ``graphgen serve`` loads).
+  tokenizer (what ``graphgen serve`` loads);
+- ``rank_engines``: multi-rank engines shared by the session's tests (`support.engines`).
 
 Under CI (or ``GRAPHGEN_NO_SKIPS=1``) an unexpected skip fails the run (`support.skips`).
 
@@ -19,6 +20,8 @@ still runs everything.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +29,21 @@ import pytest
 from support.paths import TINY_DSV3, TINY_QWEN3
 
 pytest_plugins = ["support.skips"]
+
+# One intra-op torch thread for the whole run, in this process and every child (set before torch is
+# imported: OpenMP reads it when it loads). The models are tiny: a second thread buys nothing, and on
+# a shared 2-core machine an oversubscribed OpenMP pool makes each small op 10-100x slower (an MTP
+# test: 69 s with 2 threads under load 10, 3.3 s with one). OMP_NUM_THREADS set by the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+TORCH_THREADS = int(os.environ["OMP_NUM_THREADS"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    """``TORCH_THREADS`` also when torch was imported before this file (a plugin): torch-free runs stay so."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(TORCH_THREADS)
+    yield
 
 SLOW_FOLDERS = ("parallel", "serve", "mooncake")       # rank processes, server subprocesses, Mooncake
 SLOW_FILES = ("npu/test_compile_steps_cli.py",         # torch.compile through the stand-in, step by step
@@ -35,10 +53,14 @@ SLOW_FILES = ("npu/test_compile_steps_cli.py",         # torch.compile through t
 def pytest_collection_modifyitems(config, items):
     from support.paths import TESTS
 
+    registered = {line.split(":")[0].strip() for line in config.getini("markers")}
     for item in items:
         rel = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
         if rel.split("/")[0] in SLOW_FOLDERS or rel in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        # the suite's markers this test carries, as a JUnit property (scripts/test_times.py sums by them)
+        marks = sorted({m.name for m in item.iter_markers()} & registered)
+        item.user_properties.append(("markers", ",".join(marks)))
 
 
 def _hf(tmp_path_factory, family: str, dims: dict, seed: int, name: str) -> SimpleNamespace:
@@ -78,7 +100,7 @@ def tiny_dsv3(tmp_path_factory):
 def imported(tmp_path_factory, qwen, dsv3):
     """family -> (spec path written by `graphgen import-hf`, the HF model it was imported from)."""
     from graphgen.modelspec.loader import load_spec
-    from support.cli import cli
+    from support.cli import cli_inproc as cli
 
     out = tmp_path_factory.mktemp("imported")
     specs = {}
@@ -89,6 +111,17 @@ def imported(tmp_path_factory, qwen, dsv3):
         assert path.exists() and load_spec(path).family == hf.family
         specs[hf.family] = SimpleNamespace(spec=path, hf=hf)
     return specs
+
+
+@pytest.fixture(scope="session")
+def rank_engines():
+    """`support.engines.SharedEngines`: multi-rank engines shared by the tests that only read their own
+    requests' tokens and counters (one per spec, checkpoint and options; the rules: support/engines.py)."""
+    from support.engines import SharedEngines
+
+    shared = SharedEngines()
+    yield shared
+    shared.close()
 
 
 @pytest.fixture(scope="session")

@@ -62,14 +62,19 @@ def test_state_is_restored(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(build, "cmd_validate", probe, raising=True)
+    suite_threads = torch.get_num_threads()
+    torch.set_num_threads(2)   # not the suite's 1 (tests/conftest.py): the call's 1 is then its own doing
     before = (os.getcwd(), dict(os.environ), sys.argv[:], logging.getLogger().handlers[:], logging.getLogger().level,
               torch.get_num_threads(), torch.get_rng_state())
-    res = cli_inproc("validate", TINY_QWEN3, cwd=REPO / "specs", env_extra={"GG_PROBE": "x"})
+    try:
+        res = cli_inproc("validate", TINY_QWEN3, cwd=REPO / "specs", env_extra={"GG_PROBE": "x"})
+        after = (os.getcwd(), dict(os.environ), sys.argv[:], logging.getLogger().handlers[:],
+                 logging.getLogger().level, torch.get_num_threads(), torch.get_rng_state())
+    finally:
+        torch.set_num_threads(suite_threads)
     assert res.returncode == 0 and res.stdout == "to stdout\n" and "to stderr" in res.stderr, res
     assert seen == {"cwd": str(REPO / "specs"), "env": "x", "argv": ["graphgen", "validate", str(TINY_QWEN3)],
                     "threads": 1}
-    after = (os.getcwd(), dict(os.environ), sys.argv[:], logging.getLogger().handlers[:], logging.getLogger().level,
-             torch.get_num_threads(), torch.get_rng_state())
     assert after[:6] == before[:6] and torch.equal(after[6], before[6])
     with warnings.catch_warnings(record=True) as caught:   # the command's simplefilter("error") was undone
         warnings.warn("not an error", UserWarning)

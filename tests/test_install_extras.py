@@ -1,7 +1,9 @@
 """Honest install extras: what each ``pip install`` gives, checked without installing anything.
 
 - The wheel, built once from a copy of the sources (offline: ``pip wheel --no-build-isolation``),
-  holds every file of ``graphgen/`` (the templates and the NPU manifest included).
+  holds every file of ``graphgen/`` (the NPU manifest included) and the jinja2 frames of the
+  top-level ``templates/`` as ``graphgen/lower/templates/``, where the lowering finds them (in a
+  checkout it reads ``templates/`` itself).
 - An interpreter that sees only that unpacked wheel and the build dependencies (``python -I -S``,
   ``sys.path`` = the wheel + links to networkx/jinja2/PyYAML) generates files byte-identical to
   ``generated/``, checks and validates, and says in one sentence which extra the runtime needs.
@@ -112,19 +114,28 @@ def one_sentence(res) -> str:
 
 # --- the wheel ---------------------------------------------------------------------------------------
 
+# slow: the module's wheel build (pip wheel of a copy of the sources, ~6 s here) and an isolated
+# interpreter per check; the `not slow` lane leaves packaging to ./dev test
+WHEEL_SLOW = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """The wheel built once from a copy of the sources (the checkout is left untouched), offline:
-    with this interpreter's setuptools (a Python 3.11 venv has it; 3.12+ venvs do not)."""
+    pyproject.toml's own build backend (``[build-system] build-backend``) called in a fresh
+    interpreter, as ``pip wheel --no-build-isolation`` calls it (PEP 517 ``build_wheel``), without
+    pip's own start-up; with this interpreter's setuptools (a Python 3.11 venv has it; 3.12+ venvs do not)."""
     pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools in this venv")
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     src.mkdir()
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / f, src / f)
-    shutil.copytree(REPO / "graphgen", src / "graphgen", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                          "-q", "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    for folder in ("graphgen", "templates"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    build = ("import importlib, sys\n"
+             "print(importlib.import_module(sys.argv[1]).build_wheel(sys.argv[2]))")
+    res = subprocess.run([sys.executable, "-c", build, PYPROJECT["build-system"]["build-backend"], str(tmp / "dist")],
+                         cwd=src, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     (whl,) = (tmp / "dist").glob("graphgen-*.whl")
     return whl
@@ -139,15 +150,54 @@ def build_env(wheel, tmp_path_factory) -> list[Path]:
     return [tmp / "site", link_site(closure(()), tmp / "deps")]
 
 
+def _files(folder: str) -> set[str]:
+    return {p.relative_to(REPO / folder).as_posix() for p in (REPO / folder).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+@WHEEL_SLOW
 def test_wheel_holds_every_package_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    files = {p.relative_to(REPO).as_posix() for p in (REPO / "graphgen").rglob("*")
-             if p.is_file() and "__pycache__" not in p.parts}
+    files = {f"graphgen/{f}" for f in _files("graphgen")} | {f"graphgen/lower/templates/{f}" for f in _files("templates")}
     assert {"graphgen/lower/templates/cpu/variant.py.j2", "graphgen/lower/templates/npu/variant.py.j2",
             "graphgen/npu/manifest.json"} <= files
     assert sorted(files - names) == []
 
 
+def test_pyproject_lists_every_package():
+    """setuptools is given the packages by name (it cannot find one mapped from outside graphgen/):
+    every folder of graphgen/ with modules, and graphgen.lower.templates with a package per target."""
+    found = {".".join(("graphgen", *p.parent.relative_to(REPO / "graphgen").parts)) for p in (REPO / "graphgen").rglob("*.py")}
+    found |= {"graphgen.lower.templates"} | {f"graphgen.lower.templates.{p.name}" for p in (REPO / "templates").iterdir()
+                                           if p.is_dir() and p.name != "__pycache__"}
+    listed = PYPROJECT["tool"]["setuptools"]["packages"]
+    assert sorted(found - set(listed)) == [] and sorted(set(listed) - found) == []
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"graphgen.lower.templates": "templates"}
+
+
+FRAMES = "from graphgen.lower.render import template_dir; print(template_dir())"
+
+
+@WHEEL_SLOW
+def test_lowering_reads_the_frames_of_the_wheel_or_of_the_checkout(build_env, tmp_path):
+    res = isolated(build_env, FRAMES, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == str(build_env[0] / "graphgen" / "lower" / "templates"), res.stderr
+    res = isolated([REPO, build_env[1]], FRAMES, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == str(REPO / "templates"), res.stderr
+
+
+@WHEEL_SLOW
+def test_a_wheel_without_its_frames_says_where_it_looked(build_env, tmp_path):
+    """Negative control: the same install with graphgen/lower/templates/ gone finds no frames (it
+    reads no other folder) and names both places it looked."""
+    site = tmp_path / "site"
+    shutil.copytree(build_env[0], site, ignore=shutil.ignore_patterns("templates"))
+    res = isolated([site, build_env[1]], FRAMES, cwd=tmp_path)
+    assert res.returncode == 1 and "LoweringError: the lowering's jinja2 frames are in neither" in res.stderr
+    assert str(site / "graphgen" / "lower" / "templates") in res.stderr
+
+
+@WHEEL_SLOW
 def test_build_env_sees_no_optional_module(build_env, tmp_path):
     """The isolation holds: nothing of any extra (nor pytest) is importable there, graphgen comes from the wheel."""
     probe = ("import importlib.util as u, graphgen; print(graphgen.__file__); "
@@ -169,6 +219,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@WHEEL_SLOW
 def test_wheel_generates_the_repository_files_byte_for_byte(build_env, tmp_path):
     proj = _project(tmp_path)
     res = cli(build_env, "generate", "--out", "out", cwd=proj)  # the default specs/*.yaml of this folder
@@ -186,6 +237,7 @@ def test_wheel_generates_the_repository_files_byte_for_byte(build_env, tmp_path)
     assert res.returncode == 0 and "NPU kernel limits ok" in res.stdout, res.stderr
 
 
+@WHEEL_SLOW
 def test_wheel_without_specs_says_so(build_env, tmp_path):
     res = cli(build_env, "generate", cwd=tmp_path)
     assert res.returncode == 2
@@ -193,6 +245,7 @@ def test_wheel_without_specs_says_so(build_env, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@WHEEL_SLOW
 def test_wheel_import_hf_and_schema(build_env, tmp_path):
     cfg = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 300,
@@ -207,6 +260,7 @@ def test_wheel_import_hf_and_schema(build_env, tmp_path):
     assert res.returncode == 0 and res.stdout == (REPO / "specs" / "schema.json").read_text()
 
 
+@WHEEL_SLOW
 def test_wheel_trains_the_same_tokenizer_corpus_as_the_checkout(build_env):
     """The random checkpoints' tokenizer is trained on the package's docstrings: a wheel has them all."""
     from graphgen.runtime.checkpoint.tokenizer import default_corpus
@@ -219,6 +273,7 @@ def test_wheel_trains_the_same_tokenizer_corpus_as_the_checkout(build_env):
     assert len("".join(corpus)) > 50_000 and corpus == default_corpus()
 
 
+@WHEEL_SLOW
 def test_wheel_runtime_commands_name_the_runtime_extra(build_env, tmp_path):
     res = cli(build_env, "run", "--spec", "specs/tiny_qwen3.yaml", "--weights", ".", "--prompt-ids", "1,2",
               cwd=_project(tmp_path))

@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .common import EXIT_INVALID, EXIT_OK, EXIT_STALE, err, usage_error
 
+if TYPE_CHECKING:
+    import argparse
 
-def _spec_args(args) -> list[Path] | None:
+    from ..ir.graph import Graph
+
+
+def _spec_args(args: argparse.Namespace) -> list[Path] | None:
     """The named specs, or None for the default ``specs/*.yaml`` (which must not be empty: from a
     wheel, in a folder without specs, generating nothing and saying ok would hide the mistake)."""
     if args.spec:
@@ -24,7 +30,7 @@ def _spec_args(args) -> list[Path] | None:
     return None
 
 
-def _fix_command(args) -> str:
+def _fix_command(args: argparse.Namespace) -> str:
     cmd = ["graphgen", "generate"]
     for s in args.spec or ():
         cmd += ["--spec", s]
@@ -33,7 +39,7 @@ def _fix_command(args) -> str:
     return " ".join(cmd)
 
 
-def _derived_files(args) -> dict:
+def _derived_files(args: argparse.Namespace) -> dict[Path, str]:
     """The checkout's files derived from the code (specs/schema.json, docs/spec.md's tables): written
     and checked with the generated files when the default specs are used in the root of a graphgen
     source checkout. Anywhere else (a wheel's user, a scratch folder) they are not that folder's
@@ -47,7 +53,7 @@ def _derived_files(args) -> dict:
     return derived_files(Path("."))
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args: argparse.Namespace) -> int:
     from ..generate import generate
 
     report = generate(_spec_args(args), Path(args.out), dry_run=args.dry_run)
@@ -67,7 +73,7 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
-def cmd_check(args) -> int:
+def cmd_check(args: argparse.Namespace) -> int:
     from ..generate import check
 
     res = check(_spec_args(args), Path(args.out), extra=_derived_files(args))
@@ -84,7 +90,7 @@ def cmd_check(args) -> int:
     return EXIT_STALE
 
 
-def cmd_validate(args) -> int:
+def cmd_validate(args: argparse.Namespace) -> int:
     from ..modelspec.loader import load_specs
     from ..passes.manager import run_pipeline
 
@@ -116,7 +122,7 @@ def cmd_validate(args) -> int:
     return status
 
 
-def cmd_dump(args) -> int:
+def cmd_dump(args: argparse.Namespace) -> int:
     from ..ir.text import print_graph
     from ..modelspec.loader import load_spec
     from ..passes.manager import run_pipeline
@@ -130,7 +136,7 @@ def cmd_dump(args) -> int:
     return EXIT_OK
 
 
-def _to_dot(graph) -> str:
+def _to_dot(graph: Graph) -> str:
     from ..ir.graph import HOST_STREAM, MAIN_STREAM, SAVE_STREAM
 
     hb = graph.to_networkx()
@@ -146,7 +152,7 @@ def _to_dot(graph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cmd_verify(args) -> int:
+def cmd_verify(args: argparse.Namespace) -> int:
     from ..ir.text import ParseError, parse_graph
     from ..passes.verify import check as verify_graph
 
@@ -171,14 +177,14 @@ def cmd_verify(args) -> int:
     return status
 
 
-def cmd_schema(args) -> int:
+def cmd_schema(args: argparse.Namespace) -> int:
     from ..modelspec.schema import schema_text
 
     sys.stdout.write(schema_text())
     return EXIT_OK
 
 
-def cmd_import_hf(args) -> int:
+def cmd_import_hf(args: argparse.Namespace) -> int:
     from ..modelspec.import_hf import import_hf
 
     spec = import_hf(args.hf_dir, args.out, name=args.name, block_size=args.block_size)
@@ -187,7 +193,7 @@ def cmd_import_hf(args) -> int:
     return EXIT_OK
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g = sub.add_parser("generate", help="write generated/ from the specs (atomic, only changed files)")
     g.add_argument("--spec", action="append", help="spec file (repeatable; default: specs/*.yaml)")
     g.add_argument("--out", default="generated", help="output folder (default: generated)")

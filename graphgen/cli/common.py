@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import sys
 
-from ..engine_args import EXIT_INVALID, EXIT_OK, EXIT_STALE, EXIT_UNAVAILABLE  # noqa: F401  (one home)
+from ..engine_args import EXIT_INVALID as EXIT_INVALID, EXIT_OK as EXIT_OK, EXIT_STALE as EXIT_STALE  # one home,
+from ..engine_args import EXIT_UNAVAILABLE as EXIT_UNAVAILABLE  # re-exported for the commands
 
 EXIT_CODES_EPILOG = ("Exit codes: 0 ok; 1 stale (check) or races (verify); "
                      "2 invalid spec/graph/arguments; 3 toolchain unavailable.")

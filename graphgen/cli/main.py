@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 
 from ..serve import cli as serve
-from . import build, npu, route, run
+from . import build, checkpoint, npu, route, run
 from .common import EXIT_CODES_EPILOG, dispatch
 
 # Order is the order of `graphgen --help`.
-COMMAND_MODULES = (build, run, serve, route, npu)
+COMMAND_MODULES = (build, checkpoint, run, serve, route, npu)
 
 
 def build_parser() -> argparse.ArgumentParser:

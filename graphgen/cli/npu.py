@@ -39,7 +39,7 @@ def cmd_compile(args) -> int:
         err(f"{path}: not generated; run: graphgen generate")
         return EXIT_INVALID
     if args.standin:
-        from ..npu.check.structure import trace_and_check
+        from ..npu.run.structure import trace_and_check
 
         report = trace_and_check(path, spec)
         if not report.ok:

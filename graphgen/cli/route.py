@@ -18,7 +18,7 @@ BACKEND_KEY_ENV = "GRAPHGEN_BACKEND_API_KEY"
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from ..route.policy import POLICIES
+    from ..balance import POLICIES
 
     p = subparsers.add_parser("route", help="route OpenAI requests over prefill and decode instances (P/D)",
                               description=__doc__.split("\n\n")[0],

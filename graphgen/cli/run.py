@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..engine_args import (add_engine_arguments, add_speculative_arguments, check_engine_arguments, engine_options,
-                           target_note)
+                           target_note, thread_options)
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -78,9 +78,12 @@ def cmd_run(args) -> int:
     if args.target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
         import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
     from ..npu.run.compile import NpuUnavailable
+    from ..modelspec.loader import load_spec
 
+    threads = thread_options(args, load_spec(args.spec)) if args.torch_threads else {}
     try:
-        engine = open_engine(args.spec, weights, collect_logits=args.logits, **engine_options(args, faults))
+        engine = open_engine(args.spec, weights, collect_logits=args.logits, **engine_options(args, faults),
+                             **threads)
     except NpuUnavailable as e:
         err(f"graphgen run: {e}")
         return EXIT_UNAVAILABLE
@@ -128,18 +131,26 @@ def _generate(engine, prompts, args) -> int:
                 print(json.dumps(dict(r.to_json(with_logits=args.logits), finish_reason=r.finish_reason, **spec)))
             else:
                 mtp = (f", mtp: {r.num_accepted_tokens}/{r.num_draft_tokens} drafts accepted"
-                       if args.speculative is not None else "")
+                       f" ({_rate(r)})" if args.speculative is not None else "")
                 print(f"prompt[{len(r.prompt)}] -> {r.tokens}  (hit {r.hit_tokens} tokens, {r.variant}, "
                       f"TTFT {r.ttft_ms:.1f} ms{mtp}, {r.finish_reason})")
         if not args.json:
             err(f"pool: {engine.stats['puts']} blocks committed, {engine.stats['put_failures']} put failures, "
                 f"{engine.stats['hit_blocks']} blocks hit")
+        if args.speculative is not None:  # stderr, also with --json: the run's draft acceptance
+            drafts, accepted = sum(r.num_draft_tokens for r in results), sum(r.num_accepted_tokens for r in results)
+            rate = f"{100.0 * accepted / drafts:.1f}%" if drafts else "n/a (no drafts verified)"
+            err(f"speculative mtp: acceptance rate {rate} ({accepted}/{drafts} draft tokens accepted)")
         ps = engine.pool_stats()  # after drain: every commit has landed
     if "master" in ps:  # a Mooncake pool (stderr, also with --json): each failure cost a recompute
         err(f"mooncake pool {ps['master']}: {ps['errors']} errors, {ps['put_failures']} put failures, "
             f"{ps['rejected']} rejected values, {ps.get('segment_full', 0)} segment full"
             + (f", down ({ps['last_error']})" if ps.get("down") else ""))
     return EXIT_OK
+
+
+def _rate(r) -> str:
+    return f"{100.0 * r.num_accepted_tokens / r.num_draft_tokens:.0f}%" if r.num_draft_tokens else "no drafts"
 
 
 def _speculative_counters(r) -> dict:
@@ -158,7 +169,7 @@ def register(sub) -> None:
                    help="comma-separated token ids; repeat for several prompts (run in order, one pool)")
     r.add_argument("--prompt", action="append", dest="prompts", type=lambda v: ("text", v), metavar="TEXT",
                    help="text, tokenized with the checkpoint's tokenizer; repeat for several prompts")
-    r.add_argument("--max-new-tokens", type=int, default=16)
+    r.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     r.add_argument("--batch", action="store_true", help="batch the prompts instead of running them in order")
     r.add_argument("--json", action="store_true", help="one JSON object per prompt")
     r.add_argument("--logits", action="store_true", help="with --json: the first generated position's logits")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 
 
-def doc(text: str, **extra) -> dict:
+def doc(text: str, **extra: Any) -> dict[str, Any]:
     """``metadata`` of a spec field (the spec model's and the family dims'): its documentation plus
     rules the loader and schema read. Here, at the bottom, so families and the spec model share it."""
     return {"doc": text, **extra}
@@ -68,16 +68,16 @@ class Family:
     # Whether the family accepts YaRN rope scaling (in dims.rope_scaling).
     rope_scaling: bool
     build: Callable[..., None]  # (graph, dims, mode, *, block_size, kv_dtype)
-    checkpoint_layout: Callable[..., dict]  # (dims, *, stacked=False[, mtp_layers=N]) -> {key: shape}
-    kv_components: Callable[[Any], tuple]  # dims -> ((name, per-token shape), ...)
+    checkpoint_layout: Callable[..., dict[str, tuple[int, ...]]]  # (dims, *, stacked=False[, mtp_layers=N]) -> {key: shape}
+    kv_components: Callable[[Any], tuple[tuple[str, tuple[int, ...]], ...]]  # dims -> ((name, per-token shape), ...)
     dims_rules: Callable[[Any], Iterable[Rule]]
-    hf_config: Callable[..., dict]  # (dims, dtype name[, mtp_layers]) -> config.json dict
+    hf_config: Callable[..., dict[str, Any]]  # (dims, dtype name[, mtp_layers]) -> config.json dict
     # Checkpoint keys (by suffix) kept in float32 whatever the load dtype, as transformers keeps them.
     fp32_suffixes: tuple[str, ...] = ()
-    hf_checks: Callable[[dict], Iterable[tuple[str, str, str]]] = lambda cfg: ()  # (key, message, fix)
-    hf_notes: Callable[[dict], Iterable[str]] = lambda cfg: ()
+    hf_checks: Callable[[dict[str, Any]], Iterable[tuple[str, str, str]]] = lambda cfg: ()  # (key, message, fix)
+    hf_notes: Callable[[dict[str, Any]], Iterable[str]] = lambda cfg: ()
     # config.json -> the MTP layers its checkpoint holds (0: none; only DeepSeek-V3 has them).
-    mtp_layers_of_config: Callable[[dict], int] = lambda cfg: 0
+    mtp_layers_of_config: Callable[[dict[str, Any]], int] = lambda cfg: 0
     # The MTP layer k as a graph: (graph, dims, k, mode, *, block_size, kv_dtype); None: no MTP layers.
     build_mtp: Optional[Callable[..., None]] = None
     # The attention kind ("gqa": per-head K/V cache; "mla": compressed latent cache) and whether any
@@ -85,22 +85,22 @@ class Family:
     attention: str = "gqa"
     has_moe: Callable[[Any], bool] = lambda dims: False
 
-    def kv_widths(self, dims) -> tuple[int, ...]:
+    def kv_widths(self, dims: Any) -> tuple[int, ...]:
         """Elements per token of each KV component (what the IR's kv_write/attention nodes carry)."""
         return tuple(math.prod(shape) for _, shape in self.kv_components(dims))
 
-    def kv_layout_attrs(self, dims, block_size: int, kv_dtype: str) -> dict:
+    def kv_layout_attrs(self, dims: Any, block_size: int, kv_dtype: str) -> dict[str, Any]:
         """The KV-layout attributes of kv_write and attention nodes."""
         return {"components": tuple(n for n, _ in self.kv_components(dims)), "widths": self.kv_widths(dims),
                 "block_size": block_size, "kv_dtype": kv_dtype}
 
-    def dims_of(self, dims) -> Any:
+    def dims_of(self, dims: Any) -> Any:
         """``dims`` as this family's dims dataclass (a dims object, or a mapping such as a config.json
         or ``dataclasses.asdict`` output; keys the class lacks are ignored, absent ones take the
         Hugging Face default, then the dims default)."""
         if isinstance(dims, self.dims_cls):
             return dims
-        if dataclasses.is_dataclass(dims):
+        if dataclasses.is_dataclass(dims) and not isinstance(dims, type):
             dims = dataclasses.asdict(dims)
         kwargs = {}
         for f in dataclasses.fields(self.dims_cls):
@@ -115,18 +115,18 @@ class Family:
         return self.dims_cls(**_nested(self.dims_cls, kwargs))
 
 
-def _nullable(f) -> bool:
+def _nullable(f: dataclasses.Field[Any]) -> bool:
     return "Optional" in str(f.type) or "None" in str(f.type)
 
 
 # Fields Hugging Face configs may leave implicit, derived as transformers derives them.
-_DERIVED: dict[str, Callable[[Mapping], Optional[Any]]] = {
+_DERIVED: dict[str, Callable[[Mapping[str, Any]], Optional[Any]]] = {
     "head_dim": lambda d: (d["hidden_size"] // d["num_attention_heads"]
                            if "hidden_size" in d and "num_attention_heads" in d else None),
 }
 
 
-def _nested(cls, kwargs: dict) -> dict:
+def _nested(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Mapping values of dataclass-typed fields (e.g. ``rope_scaling``) as those dataclasses."""
     import typing
 
@@ -135,27 +135,27 @@ def _nested(cls, kwargs: dict) -> dict:
     for name, value in kwargs.items():
         if isinstance(value, Mapping):
             for tp in (hints[name], *typing.get_args(hints[name])):
-                if dataclasses.is_dataclass(tp):
+                if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                     names = {f.name for f in dataclasses.fields(tp)}
                     out[name] = tp(**{k: v for k, v in value.items() if k in names})
                     break
     return out
 
 
-def mlp_layout(out: dict, prefix: str, hidden: int, inter: int) -> None:
+def mlp_layout(out: dict[str, tuple[int, ...]], prefix: str, hidden: int, inter: int) -> None:
     """The three SwiGLU projections of a Hugging Face MLP block."""
     out[f"{prefix}.gate_proj.weight"] = (inter, hidden)
     out[f"{prefix}.up_proj.weight"] = (inter, hidden)
     out[f"{prefix}.down_proj.weight"] = (hidden, inter)
 
 
-def common_layout(d) -> dict:
+def common_layout(d: Any) -> dict[str, tuple[int, ...]]:
     """Embedding, final norm and LM head (``lm_head.weight`` listed even when tied)."""
     H, V = d.hidden_size, d.vocab_size
     return {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
 
 
-def hf_config_base(family: Family, dims, dtype: str, keys: Iterable[str]) -> dict:
+def hf_config_base(family: Family, dims: Any, dtype: str, keys: Iterable[str]) -> dict[str, Any]:
     """The config.json fields every family writes, plus ``keys`` of ``dims``."""
     d = dataclasses.asdict(dims)
     cfg = {

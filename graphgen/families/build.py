@@ -10,14 +10,17 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import FAMILIES
 from ..ir.graph import Graph
 from .mtp import add_hidden_output
 from .nodes import attention_mode
 
 
-def build_graph(spec, variant_name: str, spec_file: str = "") -> Graph:
-    """The forward graph of ``spec``'s variant ``variant_name`` (meta records what it was built from)."""
+def build_graph(spec: Any, variant_name: str, spec_file: str = "") -> Graph:
+    """The forward graph of ``spec``'s variant ``variant_name`` (meta records what it was built from).
+    ``spec``: a `graphgen.modelspec.model.ModelSpec` (Any here: modelspec imports families)."""
     v = spec.variants[variant_name]
     graph = Graph(name=f"{spec.name}.{variant_name}")
     graph.meta.update({
@@ -34,6 +37,7 @@ def build_graph(spec, variant_name: str, spec_file: str = "") -> Graph:
     family = FAMILIES[spec.family]
     layout = {"block_size": spec.kv_cache.block_size, "kv_dtype": spec.kv_cache.dtype}
     if v.phase == "mtp":  # the MTP draft layer alone (graphgen.families.mtp; docs/mtp.md)
+        assert family.build_mtp is not None, f"family {family.name} has no MTP layers"  # the loader refuses the variant
         graph.meta["mtp_layer"] = spec.dims.num_hidden_layers
         family.build_mtp(graph, spec.dims, 0, attention_mode("prefill", True), **layout)
         return graph

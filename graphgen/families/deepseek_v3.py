@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 from ..ir.graph import Graph, Node, layer_tag
 from .mtp import mtp_layout
 from .nodes import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
 from .base import doc
-from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
+from .base import DecoderDims, Family, Rule, common_layout, hf_config_base, mlp_layout
 
 NAME = "deepseek_v3"
 
@@ -56,7 +56,7 @@ class DeepseekV3Dims(DecoderDims):
     max_position_embeddings: int = field(default=163840, metadata=doc("Longest supported context.", minimum=1))
 
 
-def dims_rules(d: DeepseekV3Dims):
+def dims_rules(d: DeepseekV3Dims) -> Iterator[Rule]:
     if d.num_experts_per_tok > d.n_routed_experts:
         yield ("dims.num_experts_per_tok",
                f"num_experts_per_tok ({d.num_experts_per_tok}) exceeds n_routed_experts ({d.n_routed_experts})",
@@ -85,7 +85,7 @@ def dims_rules(d: DeepseekV3Dims):
         yield "dims.qk_rope_head_dim", f"qk_rope_head_dim ({d.qk_rope_head_dim}) must be even for RoPE", "use an even value"
 
 
-def kv_components(d: DeepseekV3Dims) -> tuple:
+def kv_components(d: DeepseekV3Dims) -> tuple[tuple[str, tuple[int, ...]], ...]:
     # MLA caches the compressed latent and the shared RoPE key part, not per-head K/V.
     return (("ckv", (d.kv_lora_rank,)), ("kpe", (d.qk_rope_head_dim,)))
 
@@ -96,7 +96,7 @@ def yarn_mscale(scale: float, mscale: float) -> float:
 
 def mla_softmax_scale(d: DeepseekV3Dims) -> float:
     """1/sqrt(qk head dim), times mscale(factor, mscale_all_dim)^2 under YaRN (as transformers)."""
-    scale = (d.qk_nope_head_dim + d.qk_rope_head_dim) ** -0.5
+    scale: float = (d.qk_nope_head_dim + d.qk_rope_head_dim) ** -0.5
     rs = d.rope_scaling
     if rs is not None and rs.mscale_all_dim:
         m = yarn_mscale(rs.factor, rs.mscale_all_dim)
@@ -104,7 +104,7 @@ def mla_softmax_scale(d: DeepseekV3Dims) -> float:
     return scale
 
 
-def checkpoint_layout(d: DeepseekV3Dims, *, stacked: bool = False, mtp_layers: int = 0) -> dict[str, tuple]:
+def checkpoint_layout(d: DeepseekV3Dims, *, stacked: bool = False, mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> shape; experts one key each as Hugging Face stores them, or ``stacked`` into
     ``mlp.experts.{gate,up,down}_proj.weight`` ``[E, ...]`` as the runtime holds them. With
     ``n_shared_experts: 0`` the shared-expert projections are zero-size (transformers still writes them).
@@ -117,7 +117,7 @@ def checkpoint_layout(d: DeepseekV3Dims, *, stacked: bool = False, mtp_layers: i
     return out
 
 
-def decoder_layer_layout(out: dict, d: DeepseekV3Dims, i: int, *, stacked: bool = False) -> None:
+def decoder_layer_layout(out: dict[str, tuple[int, ...]], d: DeepseekV3Dims, i: int, *, stacked: bool = False) -> None:
     """The keys of decoder layer ``i`` (dense MLP below ``first_k_dense_replace``, MoE from there; an
     MTP layer's index is past ``num_hidden_layers``, so it is MoE, as DeepSeek-V3's is)."""
     H, Hq = d.hidden_size, d.num_attention_heads
@@ -148,7 +148,7 @@ def decoder_layer_layout(out: dict, d: DeepseekV3Dims, i: int, *, stacked: bool 
     mlp_layout(out, f"{p}.mlp.shared_experts", H, I * d.n_shared_experts)
 
 
-def _scaling_attr(rs):
+def _scaling_attr(rs: Optional[RopeScaling]) -> Optional[dict[str, Any]]:
     if rs is None:
         return None
     return {"type": rs.type, "factor": rs.factor,
@@ -257,7 +257,7 @@ _HF_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_interm
             "rope_interleave", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")
 
 
-def hf_config(d: DeepseekV3Dims, dtype: str, mtp_layers: int = 0) -> dict:
+def hf_config(d: DeepseekV3Dims, dtype: str, mtp_layers: int = 0) -> dict[str, Any]:
     import dataclasses
 
     cfg = hf_config_base(FAMILY, d, dtype, _HF_KEYS)
@@ -273,7 +273,7 @@ def hf_config(d: DeepseekV3Dims, dtype: str, mtp_layers: int = 0) -> dict:
     return cfg
 
 
-def mtp_layers_of_config(cfg: dict) -> int:
+def mtp_layers_of_config(cfg: dict[str, Any]) -> int:
     """The MTP layers a config.json declares (``num_nextn_predict_layers``; 0: none)."""
     mtp = cfg.get("num_nextn_predict_layers") or 0
     return mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0

@@ -9,6 +9,8 @@ each op uses. Pure Python: no torch on the build path.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from ..ir.graph import STEP_INPUTS, Graph, Node
 
 
@@ -29,7 +31,7 @@ def kv_cache_name(tag: str) -> str:
     return f"kv_cache.{tag}"
 
 
-def common_head(g: Graph, rot_dim: int, theta: float, scaling, dtype: str,
+def common_head(g: Graph, rot_dim: int, theta: float, scaling: Optional[dict[str, Any]], dtype: str,
                 w_embed: str = "model.embed_tokens.weight") -> None:
     """Step inputs, the token embedding and the RoPE tables (``dtype``: the model/KV dtype they are
     used in; ``w_embed``: the embedding, an MTP layer's own)."""

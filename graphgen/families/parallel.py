@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from . import deepseek_v3, qwen3_dense
+from .base import Rule
 
 
 @dataclass(frozen=True)
@@ -28,17 +29,13 @@ class ParallelPlan:
     # dims -> dims as one rank sees them (heads divided): its KV components follow from it.
     rank_dims: Callable[..., object]
 
-    def kv_split(self) -> bool:
-        """Whether each rank's KV differs (then pool keys carry the rank and every rank saves)."""
-        return self.kv_heads is not None
 
-
-def _qwen3_rank_dims(d, tp: int):
+def _qwen3_rank_dims(d: Any, tp: int) -> Any:
     return dataclasses.replace(d, num_attention_heads=d.num_attention_heads // tp,
                                num_key_value_heads=max(1, d.num_key_value_heads // tp))
 
 
-def _deepseek_rank_dims(d, tp: int):
+def _deepseek_rank_dims(d: Any, tp: int) -> Any:
     return dataclasses.replace(d, num_attention_heads=d.num_attention_heads // tp)
 
 
@@ -53,7 +50,8 @@ PLANS: dict[str, ParallelPlan] = {
 }
 
 
-def parallel_rules(family: str, d, tp: int, ep: int, *, dp: int = 1, cp: int = 1, sp: bool = False):
+def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: int = 1,
+                   sp: bool = False) -> Iterator[Rule]:
     """Yield ``(path, message, fix)`` for every way the layout does not fit the family's dims, or
     combines modes graphgen does not implement together (docs/parallel.md, "Layouts")."""
     plan = PLANS[family]
@@ -83,7 +81,7 @@ def parallel_rules(family: str, d, tp: int, ep: int, *, dp: int = 1, cp: int = 1
                f"the head-tail chunks again)", "set sp: false, or cp: 1")
 
 
-def _ep_rules(plan, d, tp: int, ep: int, dp: int):
+def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:
     """EP reuses the TP ranks (ep 1 or tp); under DP attention the MoE spans every DP group (ep = dp × tp)."""
     if plan.experts is None:
         if ep > 1:
@@ -107,19 +105,20 @@ def _ep_rules(plan, d, tp: int, ep: int, dp: int):
         yield ("parallel.ep", f"ep ({ep}) must divide {plan.experts} ({e})", f"use an ep that divides {e}")
 
 
-def layout_rules(family: str, d, par):
+def layout_rules(family: str, d: Any, par: Any) -> Iterator[Rule]:
     """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`)."""
     return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp)
 
 
 # What the runtimes cannot run yet, per layout field (graphgen run/serve refuse it with this sentence).
-_RUNTIME_GAPS = (
+_Gap = tuple[str, Callable[[Any], bool], str]  # (field, is it set in this Parallel, the sentence)
+_RUNTIME_GAPS: tuple[_Gap, ...] = (
     ("dp", lambda par: par.dp > 1 and par.tp > 1, "data-parallel attention runs with tp 1 inside each DP group "
                                                   "only so far (no TP gather after the MoE's reduce-scatter, no "
                                                   "per-group plan check); run with --tp 1"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it)
-_NPU_GAPS = (
+_NPU_GAPS: tuple[_Gap, ...] = (
     ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) does not run on the NPU target yet (its graphs "
                                    "are lowered and traced on meta tensors, but the NPU runner has no DP ranks and "
                                    "refuses ep > 1); use --target cpu, or run with --dp 1"),
@@ -132,7 +131,7 @@ _NPU_GAPS = (
 )
 
 
-def runtime_layout_gap(par, target: str = "cpu"):
+def runtime_layout_gap(par: Any, target: str = "cpu") -> Optional[str]:
     """The sentence refusing a layout the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
     or None. The build path (generate, validate, verify) takes every layout the spec rules accept."""
     for _, is_set, sentence in _RUNTIME_GAPS + (_NPU_GAPS if target == "npu" else ()):
@@ -141,7 +140,7 @@ def runtime_layout_gap(par, target: str = "cpu"):
     return None
 
 
-def rank_kv_components(family: str, d, tp: int) -> tuple:
+def rank_kv_components(family: str, d: Any, tp: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The KV components one rank's cache holds (``((name, per-token shape), ...)``)."""
     from . import FAMILIES
 
@@ -149,7 +148,7 @@ def rank_kv_components(family: str, d, tp: int) -> tuple:
     return fam.kv_components(PLANS[family].rank_dims(fam.dims_of(d), tp) if tp > 1 else fam.dims_of(d))
 
 
-def kv_shard_owner(family: str, d, tp: int, rank: int) -> int:
+def kv_shard_owner(family: str, d: Any, tp: int, rank: int) -> int:
     """The lowest rank holding the same KV shard as ``rank``: it alone puts that shard, and every
     rank holding it uses its pool keys. The MLA latent (the same on every rank): 0. KV heads split
     by ``tp``: ``rank`` itself. KV heads replicated because ``tp`` exceeds them (Qwen3 with 2 KV heads

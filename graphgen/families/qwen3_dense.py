@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Any, Iterator
+
 from ..ir.graph import Graph, Node, layer_tag
 from .nodes import common_head, kv_cache_name, layer_prefix, norm, swiglu, tail
 from .base import doc
-from .base import DecoderDims, Family, common_layout, hf_config_base, mlp_layout
+from .base import DecoderDims, Family, Rule, common_layout, hf_config_base, mlp_layout
 
 NAME = "qwen3_dense"
 
@@ -21,7 +23,7 @@ class Qwen3Dims(DecoderDims):
     rope_theta: float = field(default=1000000.0, metadata=doc("RoPE base.", exclusive_minimum=0))
 
 
-def dims_rules(d: Qwen3Dims):
+def dims_rules(d: Qwen3Dims) -> Iterator[Rule]:
     if d.num_attention_heads % d.num_key_value_heads:
         yield ("dims.num_key_value_heads",
                f"num_key_value_heads ({d.num_key_value_heads}) must divide num_attention_heads "
@@ -30,11 +32,11 @@ def dims_rules(d: Qwen3Dims):
         yield "dims.head_dim", f"head_dim ({d.head_dim}) must be even for RoPE", "use an even head_dim"
 
 
-def kv_components(d: Qwen3Dims) -> tuple:
+def kv_components(d: Qwen3Dims) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return (("k", (d.num_key_value_heads, d.head_dim)), ("v", (d.num_key_value_heads, d.head_dim)))
 
 
-def checkpoint_layout(d: Qwen3Dims, *, stacked: bool = False) -> dict[str, tuple]:
+def checkpoint_layout(d: Qwen3Dims, *, stacked: bool = False) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> shape (``stacked`` changes nothing: a dense model has no experts)."""
     H, Hq, Hkv, D = d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
     out = common_layout(d)
@@ -86,14 +88,14 @@ _HF_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size
             "max_position_embeddings")
 
 
-def hf_config(d: Qwen3Dims, dtype: str) -> dict:
+def hf_config(d: Qwen3Dims, dtype: str) -> dict[str, Any]:
     cfg = hf_config_base(FAMILY, d, dtype, _HF_KEYS)
     cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=d.num_hidden_layers,
                layer_types=["full_attention"] * d.num_hidden_layers)
     return cfg
 
 
-def hf_checks(cfg: dict):
+def hf_checks(cfg: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
     types_ = cfg.get("layer_types")
     if isinstance(types_, list) and any(t != "full_attention" for t in types_):
         yield "layer_types", "sliding-window layers are not implemented", "use full attention layers only"

@@ -19,7 +19,7 @@ host before the graph starts and are readable from any stream.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Union
 
 import networkx as nx
 
@@ -58,18 +58,23 @@ class Node:
     layer: Optional[int] = None
 
     @property
-    def event(self) -> Optional[str]:
-        return self.attrs.get("event") if self.op in SYNC_OPS else None
+    def event(self) -> str:
+        """The event a ``record``/``wait`` node names ("" when it names none: its schema check reports
+        that); ValueError on a node of any other op, which has no event."""
+        if self.op not in SYNC_OPS:
+            raise ValueError(f"node {self.id} ({self.op}) is no record or wait: it has no event")
+        return str(self.attrs.get("event", ""))
 
-    def input(self, role: str):
+    # Any: a name, or a tuple of names for a variadic role; the caller knows which from the op's schema.
+    def input(self, role: str) -> Any:
         """The name(s) read in ``role`` (see :mod:`graphgen.ir.ops`); a tuple for a variadic role."""
         return self._bound("inputs", self.reads)[role]
 
-    def output(self, role: str):
+    def output(self, role: str) -> Any:
         """The name(s) written in ``role``; a tuple for a variadic role."""
         return self._bound("outputs", self.writes)[role]
 
-    def _bound(self, side: str, names: tuple[str, ...]) -> dict:
+    def _bound(self, side: str, names: tuple[str, ...]) -> dict[str, Union[str, tuple[str, ...]]]:
         return opdef(self.op).bind(tuple(names), side)
 
 
@@ -153,7 +158,7 @@ class Graph:
         self._by_id[node.id] = node
         return node
 
-    def replace_nodes(self, nodes) -> None:
+    def replace_nodes(self, nodes: Iterable[Node]) -> None:
         """Make ``nodes`` (in order) the graph's nodes, each admitted as :meth:`add` admits one (a
         pass that rebuilds the whole node list uses this); a rejected node leaves the graph as it was."""
         kept = self.nodes, self._by_id
@@ -188,12 +193,12 @@ class Graph:
         )
 
     # ---- derived structure ----------------------------------------------------------------------
-    def to_networkx(self) -> nx.DiGraph:
+    def to_networkx(self) -> nx.DiGraph[str]:
         """Happens-before graph: data edges ∪ per-stream program order ∪ record→wait edges.
 
         Edge attribute ``kind`` is ``data``, ``program`` or ``event``.
         """
-        g = nx.DiGraph()
+        g: nx.DiGraph[str] = nx.DiGraph()  # node ids
         for i, n in enumerate(self.nodes):
             g.add_node(n.id, index=i, stream=n.stream, op=n.op)
         last_on_stream: dict[str, str] = {}

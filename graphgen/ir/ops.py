@@ -14,7 +14,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Protocol, Sequence, Union
 
 # Operand kinds (graph name kinds, see graph.NAME_KINDS); "any" accepts every kind.
 ANY = "any"
@@ -63,7 +63,8 @@ class SchemaError(ValueError):
     """A node does not match its op's schema."""
 
 
-def _op(name, inputs=(), outputs=(), attrs=(), optional=(), doc=""):
+def _op(name: str, inputs: Sequence[str] = (), outputs: Sequence[str] = (), attrs: Sequence[str] = (),
+        optional: Sequence[str] = (), doc: str = "") -> OpDef:
     def operand(spec: str) -> Operand:
         role, _, kind = spec.partition(":")
         variadic = role.endswith("...")
@@ -159,7 +160,17 @@ def opdef(op: str) -> OpDef:
         raise SchemaError(f"unknown op {op!r}; known ops: {', '.join(sorted(OPS))}") from None
 
 
-def check_node(node, kinds: Optional[dict[str, str]] = None) -> list[str]:
+class NodeFields(Protocol):
+    """What :func:`check_node` reads of a node (a `graphgen.ir.graph.Node`, which imports this module)."""
+
+    id: str
+    op: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    attrs: dict[str, Any]
+
+
+def check_node(node: NodeFields, kinds: Optional[dict[str, str]] = None) -> list[str]:
     """Problems of one node against its schema (``kinds``: graph name -> kind, to check operand kinds)."""
     try:
         d = opdef(node.op)

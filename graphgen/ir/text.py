@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from .graph import BUFFER_KINDS, Graph, IRError, Node
 
@@ -34,7 +35,7 @@ class ParseError(IRError):
         super().__init__(f"{file}:{line}: {message}")
 
 
-def _enc(v) -> str:
+def _enc(v: Any) -> str:
     if isinstance(v, str):
         if _BARE.match(v):
             try:
@@ -47,7 +48,7 @@ def _enc(v) -> str:
     return json.dumps(_sorted(v), separators=(",", ":"), sort_keys=True)
 
 
-def _sorted(v):
+def _sorted(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_sorted(x) for x in v]
     if isinstance(v, dict):
@@ -55,7 +56,7 @@ def _sorted(v):
     return v
 
 
-def _dec(s: str):
+def _dec(s: str) -> Any:
     try:
         v = json.loads(s)
     except ValueError:
@@ -63,7 +64,7 @@ def _dec(s: str):
     return _tuples(v)
 
 
-def _tuples(v):
+def _tuples(v: Any) -> Any:
     if isinstance(v, list):
         return tuple(_tuples(x) for x in v)
     if isinstance(v, dict):
@@ -71,7 +72,7 @@ def _tuples(v):
     return v
 
 
-def _kv(key: str, value) -> str:
+def _kv(key: str, value: Any) -> str:
     return f"{key}={_enc(value)}"
 
 

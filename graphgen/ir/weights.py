@@ -4,6 +4,10 @@ because the passes, the lowering and the runtime's rank code all read the same c
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from .graph import Graph
 
 __all__ = ["parse_shard", "shard_index", "shard_name", "graph_weight_names"]
 
@@ -14,7 +18,7 @@ def shard_name(key: str, dim: int, parts: int) -> str:
     return key if parts == 1 else f"{key}[d{dim}/{parts}]"
 
 
-def parse_shard(name: str):
+def parse_shard(name: str) -> tuple[str, Optional[int], int]:
     """``(checkpoint key, dim, parts)`` of a weight name (``dim``/``parts`` None/1 when whole)."""
     m = _SHARD.match(name)
     if m is None:
@@ -27,6 +31,6 @@ def shard_index(rank: int, parts: int, tp: int) -> int:
     return rank * parts // tp
 
 
-def graph_weight_names(graphs) -> set[str]:
+def graph_weight_names(graphs: Iterable[Graph]) -> set[str]:
     """Every weight name (``w_*`` attribute value) the given graphs read."""
     return {v for g in graphs for n in g.nodes for k, v in n.attrs.items() if k.startswith("w_") and isinstance(v, str)}

@@ -10,17 +10,21 @@ NPU target's options (:class:`~graphgen.lower.npu.NpuOptions`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 from ..install import source_checkout
 from ..passes.manager import run_pipeline
 from .cpu import render_cpu
 from .npu import NpuOptions, render_npu
 
+if TYPE_CHECKING:
+    from ..ir.graph import Graph
+    from ..modelspec.model import ModelSpec, NpuTarget
+
 TARGETS = ("cpu", "npu")
 
 
-def display_path(path) -> str:
+def display_path(path: str | Path) -> str:
     """Stable, machine-independent name of a spec file for headers (never an absolute path): relative
     to the working folder, else to the source checkout (when there is one), else the bare name."""
     p = Path(path).resolve()
@@ -43,16 +47,18 @@ def module_path(spec_name: str, variant: str, target: str, mode: Optional[str] =
     """Where ``graphgen generate`` writes a variant's module, relative to the output folder."""
     if target == "cpu":
         return f"{spec_name}/cpu/{variant}.py"
+    if mode is None:
+        raise ValueError("an NPU module's path names its compile mode")
     return f"{spec_name}/npu/{mode_dir(mode)}/{variant}.py"
 
 
-def npu_options(npu_target, mode: str) -> NpuOptions:
+def npu_options(npu_target: NpuTarget, mode: str) -> NpuOptions:
     """The NPU lowering options for one compile mode of a spec's ``targets.npu`` section."""
     return NpuOptions(mode=mode, save_stream_tag=npu_target.save_stream_tag,
                       save_stream_priority=npu_target.save_stream_priority)
 
 
-def render_graph(graph, target: str, options: Optional[NpuOptions] = None) -> str:
+def render_graph(graph: Graph, target: str, options: Optional[NpuOptions] = None) -> str:
     """Source of one verified graph for ``target`` (``options``: required for the NPU target)."""
     if target == "cpu":
         return render_cpu(graph)
@@ -68,11 +74,11 @@ class Compiled(NamedTuple):
     one per compile mode on the NPU target)."""
     variant: str
     target: str
-    graph: object
-    sources: dict
+    graph: Graph
+    sources: dict[str, str]
 
 
-def compile_spec(spec, *, spec_file: str = "", check: bool = True, variants: Optional[Sequence[str]] = None,
+def compile_spec(spec: ModelSpec, *, spec_file: str = "", check: bool = True, variants: Optional[Sequence[str]] = None,
                  targets: Optional[Sequence[str]] = None, modes: Optional[Sequence[str]] = None) -> list[Compiled]:
     """Pipeline + render for each variant (default: all, in spec order) and target (default: the ones
     the spec enables, ``cpu`` before ``npu``), each NPU source once per mode (default: the spec's
@@ -93,13 +99,14 @@ def compile_spec(spec, *, spec_file: str = "", check: bool = True, variants: Opt
             if target == "cpu":
                 sources = {module_path(spec.name, variant, "cpu"): render_graph(graph, "cpu")}
             else:
+                assert npu is not None  # refused above
                 sources = {module_path(spec.name, variant, "npu", m): render_graph(graph, "npu", npu_options(npu, m))
                            for m in (npu.compile_modes if modes is None else modes)}
             compiled.append(Compiled(variant, target, graph, sources))
     return compiled
 
 
-def compile_variant(spec, variant: str, target: str = "cpu", *, mode: Optional[str] = None,
+def compile_variant(spec: ModelSpec, variant: str, target: str = "cpu", *, mode: Optional[str] = None,
                     spec_file: str = "", check: bool = True) -> str:
     """Source of one variant for one target (NPU: ``mode``, default the spec's first compile mode),
     through :func:`compile_spec`; nothing written."""

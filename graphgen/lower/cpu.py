@@ -14,6 +14,7 @@ a projection is one ``x @ W^T`` on a contiguous ``W^T`` (`graphgen.runtime.core.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
 
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .cpu_parallel import EMIT_PARALLEL, projection
@@ -24,7 +25,7 @@ from .render import (MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, load_ti
 @dataclass(frozen=True)
 class CpuCtx:
     ref: Names
-    loaded: dict = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
+    loaded: dict[str, Any] = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
 
 
 def _out(n: Node, ctx: CpuCtx) -> str:
@@ -35,29 +36,29 @@ def _call(n: Node, ctx: CpuCtx, fn: str, *args: str) -> list[str]:
     return [f"{_out(n, ctx)} = rt.{fn}({', '.join(args)})"]
 
 
-def _record(n, ctx):
+def _record(n: Node, ctx: CpuCtx) -> list[str]:
     return [f"rt.record(ev[{n.attrs['event']!r}])"]
 
 
-def _wait(n, ctx):
+def _wait(n: Node, ctx: CpuCtx) -> list[str]:
     return [f"rt.wait(ev[{n.attrs['event']!r}])"]
 
 
-def _embedding(n, ctx):
+def _embedding(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "embedding", weight(n, "w_embed"), ctx.ref(n.input("input_ids")))
 
 
-def _rope_cos_sin(n, ctx):
+def _rope_cos_sin(n: Node, ctx: CpuCtx) -> list[str]:
     a = n.attrs
     return _call(n, ctx, "rope_cos_sin", ctx.ref(n.input("positions")), f"rot_dim={py(a['rot_dim'])}",
                  f"theta={py(a['theta'])}", f"scaling={py(a['scaling'])}")
 
 
-def _rms_norm(n, ctx):
+def _rms_norm(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "rms_norm", ctx.ref(n.input("x")), weight(n, "w_norm"), py(n.attrs["eps"]))
 
 
-def _qwen3_attn_prolog(n, ctx):
+def _qwen3_attn_prolog(n: Node, ctx: CpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
     return _call(n, ctx, "qwen3_attn_prolog", r(n.input("x")), projection(n, ctx, "w_q", "w_k", "w_v"),
                  *(weight(n, w) for w in ("w_q_norm", "w_k_norm")), r(n.input("cos")), r(n.input("sin")),
@@ -65,18 +66,18 @@ def _qwen3_attn_prolog(n, ctx):
                  f"eps={py(a['eps'])}")
 
 
-def _kv_write(n, ctx):
+def _kv_write(n: Node, ctx: CpuCtx) -> list[str]:
     r = ctx.ref
     return [f"rt.kv_write({r(n.output('cache'))}, ({r.all(n.input('parts'))}), {r(n.input('slot_mapping'))})"]
 
 
-def _paged_attention(n, ctx):
+def _paged_attention(n: Node, ctx: CpuCtx) -> list[str]:
     r = ctx.ref
     return _call(n, ctx, "paged_attention", *(r(n.input(x)) for x in
                  ("q", "cache", "block_tables", "seq_lens", "query_lens")), f"scale={py(n.attrs['scale'])}")
 
 
-def _mla_prolog(n, ctx):
+def _mla_prolog(n: Node, ctx: CpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
     return _call(n, ctx, "mla_prolog", r(n.input("x")), *(weight(n, w) for w in
                  ("w_q_a", "w_q_a_norm", "w_q_b", "w_kv_a", "w_kv_a_norm")), r(n.input("cos")), r(n.input("sin")),
@@ -85,7 +86,7 @@ def _mla_prolog(n, ctx):
                  f"eps={py(a['eps'])}", f"interleave={py(a['interleave'])}")
 
 
-def _mla_attention(n, ctx):
+def _mla_attention(n: Node, ctx: CpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
     return _call(n, ctx, "mla_attention", r(n.input("q_nope")), r(n.input("q_pe")), r(n.input("cache")),
                  weight(n, "w_kv_b"), *(r(n.input(x)) for x in ("block_tables", "seq_lens", "query_lens")),
@@ -93,39 +94,39 @@ def _mla_attention(n, ctx):
                  f"v_head_dim={a['v_head_dim']}", f"scale={py(a['scale'])}")
 
 
-def _o_proj_residual(n, ctx):
+def _o_proj_residual(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "o_proj_residual", ctx.ref(n.input("attn")), projection(n, ctx, "w_o"),
                  ctx.ref(n.input("residual")))
 
 
-def _swiglu_mlp_residual(n, ctx):
+def _swiglu_mlp_residual(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "swiglu_mlp_residual", ctx.ref(n.input("x")), projection(n, ctx, "w_gate", "w_up"),
                  projection(n, ctx, "w_down"), ctx.ref(n.input("residual")))
 
 
-def _moe_residual(n, ctx):
+def _moe_residual(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "moe_residual", ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS),
                  ctx.ref(n.input("residual")), *moe_kwargs(n.attrs))
 
 
-def _lm_head(n, ctx):
+def _lm_head(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "lm_head", ctx.ref(n.input("h")), weight(n, "w_norm"), py(n.attrs["eps"]),
                  weight(n, "w_head"), ctx.ref(n.input("logits_indices")))
 
 
-def _mtp_eh_proj(n, ctx):
+def _mtp_eh_proj(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "mtp_eh_proj", ctx.ref(n.input("embed")), ctx.ref(n.input("hidden")), weight(n, "w_enorm"),
                  weight(n, "w_hnorm"), weight(n, "w_eh"), py(n.attrs["eps"]))
 
 
-def _kv_save(n, ctx):
+def _kv_save(n: Node, ctx: CpuCtx) -> list[str]:
     r, caches, staging = ctx.ref, n.input("caches"), n.output("staging")
     if len(caches) == 1:  # one layer's save (layer granularity)
         return [f"rt.kv_save({r(caches[0])}, {r(n.input('block_ids'))}, {r(staging[0])})"]
     return [f"rt.kv_save_layers(kv, {layer_list(caches)}, {r(n.input('block_ids'))}, staging)"]
 
 
-def _kv_load(n, ctx):
+def _kv_load(n: Node, ctx: CpuCtx) -> list[str]:
     r, loads, caches = ctx.ref, n.input("loads"), n.output("caches")
     if len(caches) == 1:  # one layer's load (layer granularity)
         return [f"rt.kv_load({r(caches[0])}, {r(loads[0])}, {r(n.input('block_ids'))})"]
@@ -147,8 +148,8 @@ def emit(node: Node, ctx: CpuCtx) -> list[str]:
     return emit_with(EMIT, "CPU", node, ctx)
 
 
-def _lines(nodes, ctx: CpuCtx, indent: str, frees: dict | None = None) -> list[str]:
-    out = []
+def _lines(nodes: Iterable[Node], ctx: CpuCtx, indent: str, frees: Optional[dict[int, list[str]]] = None) -> list[str]:
+    out: list[str] = []
     for i, n in enumerate(nodes):
         out += [f"{indent}{line}  # {n.id}" for line in emit(n, ctx)]
         if frees and frees.get(i):

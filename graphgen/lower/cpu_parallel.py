@@ -9,59 +9,59 @@ from ``rt`` at run time, so the generated module is the same for every rank.
 from __future__ import annotations
 
 from ..ir.graph import Node
-from .render import MOE_WEIGHTS, Emitter, load_time_weight, moe_kwargs, weight
+from .render import MOE_WEIGHTS, EmitContext, Emitter, load_time_weight, moe_kwargs, weight
 
 
-def projection(n: Node, ctx, *attrs: str) -> str:
+def projection(n: Node, ctx: EmitContext, *attrs: str) -> str:
     """The CPU layout of a dense projection: the load-time weight of ``attrs`` stored ``[in, out]``
     (several: merged along the output dim). Here, not in ``cpu``, because both tables use it; a rank
     merges and transposes its own slices (``key[d<dim>/<parts>]`` names)."""
     return load_time_weight(n, ctx.loaded, attrs, dim=0, transpose01=True)
 
 
-def _call(n: Node, ctx, fn: str, *args: str) -> list[str]:
+def _call(n: Node, ctx: EmitContext, fn: str, *args: str) -> list[str]:
     return [f"{ctx.ref.all(n.writes)} = rt.{fn}({', '.join(args)})"]
 
 
-def _all_reduce(n, ctx):
+def _all_reduce(n: Node, ctx: EmitContext) -> list[str]:
     a = n.attrs
     return _call(n, ctx, "all_reduce", ctx.ref(n.input("x")), f"group={a['group']!r}", f"size={a['size']}",
                  f"reduce={a['reduce']!r}")
 
 
-def _all_gather(n, ctx):
+def _all_gather(n: Node, ctx: EmitContext) -> list[str]:
     a = n.attrs
     return _call(n, ctx, "all_gather", ctx.ref(n.input("x")), f"group={a['group']!r}", f"size={a['size']}",
                  f"dim={a['dim']}", f"length={a['length']}")
 
 
-def _reduce_scatter(n, ctx):
+def _reduce_scatter(n: Node, ctx: EmitContext) -> list[str]:
     a = n.attrs
     return _call(n, ctx, "reduce_scatter", ctx.ref(n.input("x")), f"group={a['group']!r}", f"size={a['size']}",
                  f"reduce={a['reduce']!r}", f"dim={a['dim']}")
 
 
-def _embedding_shard(n, ctx):
+def _embedding_shard(n: Node, ctx: EmitContext) -> list[str]:
     return _call(n, ctx, "embedding_shard", weight(n, "w_embed"), ctx.ref(n.input("input_ids")),
                  f"vocab_size={n.attrs['vocab_size']}")
 
 
-def _o_proj(n, ctx):
+def _o_proj(n: Node, ctx: EmitContext) -> list[str]:
     return _call(n, ctx, "o_proj", ctx.ref(n.input("attn")), projection(n, ctx, "w_o"))
 
 
-def _swiglu_mlp(n, ctx):
+def _swiglu_mlp(n: Node, ctx: EmitContext) -> list[str]:
     return _call(n, ctx, "swiglu_mlp", ctx.ref(n.input("x")), projection(n, ctx, "w_gate", "w_up"),
                  projection(n, ctx, "w_down"))
 
 
-def _moe(n, ctx):
+def _moe(n: Node, ctx: EmitContext) -> list[str]:
     a = n.attrs
     return _call(n, ctx, "moe", ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS), *moe_kwargs(a),
                  f"num_experts={a['num_experts']}", f"ep={a['ep']}")
 
 
-def _residual_add(n, ctx):
+def _residual_add(n: Node, ctx: EmitContext) -> list[str]:
     return _call(n, ctx, "residual_add", ctx.ref(n.input("x")), ctx.ref(n.input("residual")))
 
 

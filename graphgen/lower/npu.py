@@ -20,6 +20,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterable
 
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from .npu_parallel import EMIT_PARALLEL, named_groups
@@ -40,7 +41,7 @@ class NpuOptions:
     save_stream_tag: str = "kv_save"
     save_stream_priority: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.mode not in COMPILE_MODES:
             raise LoweringError(f"no NPU event lowering for compile mode '{self.mode}'; modes: {', '.join(COMPILE_MODES)}")
 
@@ -49,9 +50,9 @@ class NpuOptions:
 class NpuCtx:
     ref: Names
     mode: str
-    events: dict  # event -> (from stream, to stream)
-    components: dict  # kv_cache name -> its component names (from the kv_write that fills it)
-    loaded: dict = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
+    events: dict[str, tuple[str, str]]  # event -> (from stream, to stream)
+    components: dict[str, tuple[str, ...]]  # kv_cache name -> its component names (from the kv_write that fills it)
+    loaded: dict[str, Any] = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
     world: int = 1  # ranks of the layout (dp x cp x tp): a collective over all of them uses the world group
     tp: int = 1
 
@@ -62,7 +63,7 @@ def evname(event: str) -> str:
     return "ev_" + base.replace(".", "_").replace("-", "_")
 
 
-def _record(n, ctx):
+def _record(n: Node, ctx: NpuCtx) -> list[str]:
     ev = n.event
     if ctx.events[ev][1] == HOST_STREAM:
         # NPU only: the save -> host event also becomes an in-graph record, waited on the main stream
@@ -74,7 +75,7 @@ def _record(n, ctx):
     return _record_line(ev, ctx)
 
 
-def _record_line(ev, ctx):
+def _record_line(ev: str, ctx: NpuCtx) -> list[str]:
     if ctx.mode == "max-autotune":
         return [f"{evname(ev)} = torchair.ops.record()"]
     return [f"torchair.ops.npu_tagged_event_record({evname(ev)})"]
@@ -86,7 +87,7 @@ def save_join_events(graph: Graph) -> list[str]:
             and graph.events[n.event][1] == HOST_STREAM]
 
 
-def _save_join(events, ctx) -> list[str]:
+def _save_join(events: Iterable[str], ctx: NpuCtx) -> list[str]:
     """The main-stream wait on every save -> host event, placed just before the op producing the logits:
     in GE, wait adds a control edge from the save stream's last op to the next main-stream op
     (torchair fx2ge_converter.py:2096-2132), so the logits -- and the post-graph event -- follow the save."""
@@ -95,7 +96,7 @@ def _save_join(events, ctx) -> list[str]:
     return [f"torchair.ops.npu_tagged_event_wait({evname(ev)})" for ev in events]
 
 
-def _wait(n, ctx):
+def _wait(n: Node, ctx: NpuCtx) -> list[str]:
     if ctx.events[n.event][0] == LOAD_STREAM:
         return [f"# {n.event} (kv_load -> {n.stream}) is no in-graph event: load() ran before the graph (see load())"]
     if ctx.mode == "max-autotune":
@@ -103,15 +104,15 @@ def _wait(n, ctx):
     return [f"torchair.ops.npu_tagged_event_wait({evname(n.event)})"]
 
 
-def _out(n, ctx) -> str:
+def _out(n: Node, ctx: NpuCtx) -> str:
     return ctx.ref.all(n.writes)
 
 
-def _embedding(n, ctx):
+def _embedding(n: Node, ctx: NpuCtx) -> list[str]:
     return [f"{_out(n, ctx)} = F.embedding({ctx.ref(n.input('input_ids'))}, {weight(n, 'w_embed')})"]
 
 
-def _rope_cos_sin(n, ctx):
+def _rope_cos_sin(n: Node, ctx: NpuCtx) -> list[str]:
     # Both RoPE kernels require cos/sin in q/k's dtype (npu_apply_rotary_pos_emb: _op_plugin_docs.py:15821;
     # npu_interleave_rope: cos/sin dtype = x dtype): the table is used in the node's dtype, whatever the
     # dtype it was built in (a no-op cast when the host built it in that dtype).
@@ -119,12 +120,12 @@ def _rope_cos_sin(n, ctx):
             f".to(torch.{n.attrs['dtype']}).chunk(2, dim=-1)"]
 
 
-def _rms_norm(n, ctx):
+def _rms_norm(n: Node, ctx: NpuCtx) -> list[str]:
     return [f"{_out(n, ctx)} = torch_npu.npu_rms_norm({ctx.ref(n.input('x'))}, {weight(n, 'w_norm')}, "
             f"{py(n.attrs['eps'])})[0]"]
 
 
-def _qwen3_attn_prolog(n, ctx):
+def _qwen3_attn_prolog(n: Node, ctx: NpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
     qkv = load_time_weight(n, ctx.loaded, ("w_q", "w_k", "w_v"), dim=0)  # one matmul, split after
     args = [r(n.input("x")), qkv, *(weight(n, w) for w in ("w_q_norm", "w_k_norm")),
@@ -133,13 +134,13 @@ def _qwen3_attn_prolog(n, ctx):
     return [f"{_out(n, ctx)} = _qwen3_attn_prolog({', '.join(args)})"]
 
 
-def _kv_write(n, ctx):
+def _kv_write(n: Node, ctx: NpuCtx) -> list[str]:
     cache = ctx.ref(n.output("cache"))
     return [f"torch_npu.npu_scatter_nd_update_({cache}[{i}], b.kv_index, {p}.reshape({p}.shape[0], -1))"
             for i, p in enumerate(map(ctx.ref, n.input("parts")))]
 
 
-def _sparse_mode(n) -> int:
+def _sparse_mode(n: Node) -> int:
     """0: decode (no mask); 3: prefill/splitfuse with the compressed causal mask ``b.atten_mask``."""
     mode = n.attrs["mode"]
     if mode not in ("prefill", "splitfuse", "decode"):
@@ -151,7 +152,7 @@ def _mask(sparse: int) -> str:
     return "None" if sparse == 0 else "b.atten_mask"
 
 
-def _paged_attention(n, ctx):
+def _paged_attention(n: Node, ctx: NpuCtx) -> list[str]:
     a, r, sparse = n.attrs, ctx.ref, _sparse_mode(n)
     cache = r(n.input("cache"))
     if n.attrs["mode"] == "decode":
@@ -167,7 +168,7 @@ def _paged_attention(n, ctx):
             f"input_layout=\"TND\", sparse_mode={sparse}, block_size={a['block_size']})[0]"]
 
 
-def _mla_prolog(n, ctx):
+def _mla_prolog(n: Node, ctx: NpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
     args = [r(n.input("x")), *(weight(n, w) for w in ("w_q_a", "w_q_a_norm", "w_q_b", "w_kv_a", "w_kv_a_norm")),
             r(n.input("cos")), r(n.input("sin")), f"num_heads={a['num_heads']}",
@@ -176,7 +177,7 @@ def _mla_prolog(n, ctx):
     return [f"{_out(n, ctx)} = _mla_prolog({', '.join(args)})"]
 
 
-def _mla_attention(n, ctx):
+def _mla_attention(n: Node, ctx: NpuCtx) -> list[str]:
     """MLA by phase (the KV cache always holds the compressed latent): decode -> absorbed FIA v2 (BNSD, for
     the static decode graph) over the paged latent (documented for 1-16 query tokens per sequence); prefill/splitfuse -> un-absorbed
     (kv_b_proj up-projection, non-paged TND FIA, Q_D = K_D = qk_nope + qk_rope, V_D = v_head_dim);
@@ -202,27 +203,27 @@ def _mla_attention(n, ctx):
     return [f"{_out(n, ctx)} = _mla_splitfuse({', '.join(args)})"]
 
 
-def _o_proj_residual(n, ctx):
+def _o_proj_residual(n: Node, ctx: NpuCtx) -> list[str]:
     x = ctx.ref(n.input("attn"))
     return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + F.linear({x}.reshape({x}.shape[0], -1), "
             f"{weight(n, 'w_o')})"]
 
 
-def _swiglu_mlp_residual(n, ctx):
+def _swiglu_mlp_residual(n: Node, ctx: NpuCtx) -> list[str]:
     return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + {swiglu_mlp_call(n, ctx)}"]
 
 
-def _moe_residual(n, ctx):
+def _moe_residual(n: Node, ctx: NpuCtx) -> list[str]:
     return [f"{_out(n, ctx)} = {moe_call(n, ctx, ctx.ref(n.input('residual')))}"]
 
 
-def _lm_head(n, ctx):
+def _lm_head(n: Node, ctx: NpuCtx) -> list[str]:
     return [f"{_out(n, ctx)} = F.linear(torch_npu.npu_rms_norm({ctx.ref(n.input('h'))}.index_select(0, "
             f"{ctx.ref(n.input('logits_indices'))}), {weight(n, 'w_norm')}, {py(n.attrs['eps'])})[0], "
             f"{weight(n, 'w_head')})"]
 
 
-def _mtp_eh_proj(n, ctx):
+def _mtp_eh_proj(n: Node, ctx: NpuCtx) -> list[str]:
     # eh_proj(cat[enorm(embedding), hnorm(prev_hidden)]): the calls of _rms_norm and _lm_head (traced at
     # full size in specs/deepseek_v3_1_mtp.yaml's mtp_draft; docs/npu.md, "MTP graphs")
     r, eps = ctx.ref, py(n.attrs["eps"])
@@ -231,14 +232,14 @@ def _mtp_eh_proj(n, ctx):
             f"{weight(n, 'w_hnorm')}, {eps})[0]), dim=-1), {weight(n, 'w_eh')})"]
 
 
-def _kv_save(n, ctx):
+def _kv_save(n: Node, ctx: NpuCtx) -> list[str]:
     """Copy each listed layer's cache components (as many as its kv_write fills) into its staging."""
     r, ids = ctx.ref, ctx.ref(n.input("block_ids"))
     return [f"torch_npu.npu_scatter_nd_update_({r(s)}[{i}], b.save_rows, {r(c)}[{i}].index_select(0, {ids}))"
             for c, s in zip(n.input("caches"), n.output("staging")) for i in range(len(ctx.components[c]))]
 
 
-def _kv_load(n, ctx):
+def _kv_load(n: Node, ctx: NpuCtx) -> list[str]:
     """Scatter each listed layer's loaded blocks (``loads[L][i]``: [R, *KV_SHAPES[i]]) into the cache
     blocks ``b.load_rows`` ([R, 1] int64 = the destination block ids): updates.shape =
     indices.shape[:-1] + input.shape[1:] = [R, *KV_SHAPES[i]] (_op_plugin_docs.py:6875-6900)."""
@@ -272,7 +273,7 @@ def emit(node: Node, ctx: NpuCtx) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def helper_sources() -> dict[str, tuple[str, frozenset]]:
+def helper_sources() -> dict[str, tuple[str, frozenset[str]]]:
     """Helper name -> (its exact source, the other helpers it calls), in file order; torch-free (ast)."""
     text = HELPERS_FILE.read_text(encoding="utf-8")
     lines = text.splitlines()
@@ -283,7 +284,7 @@ def helper_sources() -> dict[str, tuple[str, frozenset]]:
             for f in defs}
 
 
-def helpers_for(code_lines) -> list[str]:
+def helpers_for(code_lines: Iterable[str]) -> list[str]:
     """Sources of the helpers the code calls, with the helpers those call, in file order."""
     helpers = helper_sources()
     todo = [m for line in code_lines for m in _CALL.findall(line) if m in helpers]
@@ -296,7 +297,7 @@ def helpers_for(code_lines) -> list[str]:
     return [src for name, (src, _) in helpers.items() if name in need]
 
 
-def _kv_layout(graph: Graph) -> dict:
+def _kv_layout(graph: Graph) -> dict[str, Any]:
     layouts = {(n.attrs["components"], n.attrs["widths"], n.attrs["block_size"], n.attrs["kv_dtype"])
                for n in graph.nodes if n.op == "kv_write"}
     if len(layouts) != 1:
@@ -317,6 +318,9 @@ EVENTS_DOC = {
                        "process-unique),\nrecorded/waited in forward with npu_tagged_event_record / "
                        "npu_tagged_event_wait.",
 }
+
+
+_STEP_FIELD = re.compile(r"\bb\.(\w+)")  # a step input field as the emitted code reads it
 
 
 def render_npu(graph: Graph, options: NpuOptions) -> str:
@@ -362,8 +366,10 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     rope = next(n.attrs for n in graph.nodes if n.op == "rope_cos_sin")
     # graphs of a spec with MTP layers also return the last hidden state the MTP layer drafts from
     returns = f"logits, {ctx.ref(HIDDEN)}" if HIDDEN in graph.names else "logits"
+    reads = tuple(sorted(set(_STEP_FIELD.findall("\n".join(body + load)))))
     return render_frame(
         "npu/variant.py.j2", graph=graph, meta=graph.meta, mode=options.mode, events_doc=EVENTS_DOC[options.mode],
+        step_reads=reads,
         save_stream=f"({tag}, {prio})", rope=rope, process_groups=named_groups(graph.nodes, world), returns=returns,
         returns_doc="(logits [B, V], hidden [T, hidden])" if HIDDEN in graph.names else "logits [B, V]",
         tiling_sink=tiling_sink(graph, options.mode), tagged_events=tagged, **layout,

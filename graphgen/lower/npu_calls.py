@@ -4,17 +4,18 @@ built by `graphgen.npu.run.weights`): the dense/shared SwiGLU MLP and the MoE.""
 
 from __future__ import annotations
 
-from .render import load_time_weight, moe_kwargs, weight
+from ..ir.graph import Node
+from .render import EmitContext, load_time_weight, moe_kwargs, weight
 
 
-def swiglu_mlp_call(n, ctx) -> str:
+def swiglu_mlp_call(n: Node, ctx: EmitContext) -> str:
     """``_swiglu_mlp(x, W[gate|up], W[down])``: gate and up merged at load into one weight (one matmul,
     whose output is already the ``[gate | up]`` npu_swiglu takes)."""
     gate_up = load_time_weight(n, ctx.loaded, ("w_gate", "w_up"), dim=0)
     return f"_swiglu_mlp({ctx.ref(n.input('x'))}, {gate_up}, {weight(n, 'w_down')})"
 
 
-def moe_call(n, ctx, residual: str, *extra: str) -> str:
+def moe_call(n: Node, ctx: EmitContext, residual: str, *extra: str) -> str:
     """``_moe_residual(...)`` with the load-time expert layouts: gate/up stacked ``[E, I, H]`` merged and
     transposed once into ``[E, H, 2I]``, down ``[E, H, I]`` transposed once into ``[E, I, H]`` (what
     npu_grouped_matmul multiplies by, no per-step transpose; audit 2 row 10), the shared expert's gate/up

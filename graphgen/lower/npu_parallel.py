@@ -27,23 +27,26 @@ Expert-parallel MoE (``ep > 1``): the rank's ``E/ep`` experts through ``npu_moe_
 
 from __future__ import annotations
 
+from typing import Iterable
+
+from ..ir.graph import Node
 from .npu_calls import moe_call, swiglu_mlp_call
-from .render import Emitter, LoweringError, weight
+from .render import Emitter, LoweringError, RankEmitContext, weight
 
 WORLD_GROUP = "torch.distributed.group.WORLD.group_name"
 PROCESS_GROUPS = "PROCESS_GROUPS"  # the generated module's dict: group kind -> HCCL group name
 
 
-def _out(n, ctx) -> str:
+def _out(n: Node, ctx: RankEmitContext) -> str:
     return ctx.ref.all(n.writes)
 
 
-def named_groups(nodes, world: int) -> list[str]:
+def named_groups(nodes: Iterable[Node], world: int) -> list[str]:
     """The groups the module's collectives need by name (every group not spanning the ``world``), sorted."""
     return sorted({n.attrs["group"] for n in nodes if n.op in COLLECTIVES and n.attrs["size"] != world})
 
 
-def _group(n, ctx) -> str:
+def _group(n: Node, ctx: RankEmitContext) -> str:
     a = n.attrs
     if a["group"] == "cp":
         raise LoweringError(f"node {n.id}: no NPU lowering for {n.op} in group 'cp' (context parallel's "
@@ -55,7 +58,7 @@ def _wait(call: str) -> str:
     return f"torch.ops._c10d_functional.wait_tensor({call})"
 
 
-def _all_reduce(n, ctx):
+def _all_reduce(n: Node, ctx: RankEmitContext) -> list[str]:
     if n.attrs["reduce"] != "sum":
         raise LoweringError(f"node {n.id}: no NPU lowering for all_reduce {n.attrs['reduce']!r}")
     x = ctx.ref(n.input("x"))
@@ -63,12 +66,12 @@ def _all_reduce(n, ctx):
     return [f"{_out(n, ctx)} = {_wait(call)}"]
 
 
-def _token_dim(n) -> None:
+def _token_dim(n: Node) -> None:
     if n.attrs["dim"] != 0:
         raise LoweringError(f"node {n.id}: {n.op} over the tokens must cut dim 0, got dim {n.attrs['dim']}")
 
 
-def _reduce_scatter(n, ctx):
+def _reduce_scatter(n: Node, ctx: RankEmitContext) -> list[str]:
     """Rank i of the group gets rows [i*T/size, (i+1)*T/size) of the sum (reduce_scatter_tensor, dim 0)."""
     a, x = n.attrs, ctx.ref(n.input("x"))
     _token_dim(n)
@@ -78,7 +81,7 @@ def _reduce_scatter(n, ctx):
     return [f"{_out(n, ctx)} = {_wait(call)}"]
 
 
-def _all_gather(n, ctx):
+def _all_gather(n: Node, ctx: RankEmitContext) -> list[str]:
     a, x = n.attrs, ctx.ref(n.input("x"))
     call = f"torch.ops._c10d_functional.all_gather_into_tensor({x}.contiguous(), {a['size']}, {_group(n, ctx)})"
     gathered = _wait(call)
@@ -90,7 +93,7 @@ def _all_gather(n, ctx):
             f".narrow({a['dim']}, 0, {a['length']})"]
 
 
-def _embedding_shard(n, ctx):
+def _embedding_shard(n: Node, ctx: RankEmitContext) -> list[str]:
     w, ids = weight(n, "w_embed"), ctx.ref(n.input("input_ids"))
     # the vocabulary slice of this rank's TP rank (= the world rank % tp: TP is innermost, docs/parallel.md)
     return [f"_ids = {ids} - torch.distributed.get_rank() % {ctx.tp} * {w}.shape[0]",
@@ -98,22 +101,22 @@ def _embedding_shard(n, ctx):
             f"((_ids >= 0) & (_ids < {w}.shape[0])).unsqueeze(-1).to({w}.dtype)"]
 
 
-def _o_proj(n, ctx):
+def _o_proj(n: Node, ctx: RankEmitContext) -> list[str]:
     x = ctx.ref(n.input("attn"))
     return [f"{_out(n, ctx)} = F.linear({x}.reshape({x}.shape[0], -1), {weight(n, 'w_o')})"]
 
 
-def _swiglu_mlp(n, ctx):
+def _swiglu_mlp(n: Node, ctx: RankEmitContext) -> list[str]:
     return [f"{_out(n, ctx)} = {swiglu_mlp_call(n, ctx)}"]
 
 
-def _moe(n, ctx):
+def _moe(n: Node, ctx: RankEmitContext) -> list[str]:
     a, x = n.attrs, ctx.ref(n.input("x"))
     ep = [f"ep={a['ep']}", f"ep_rank=torch.distributed.get_rank() % {a['ep']}"] if a["ep"] > 1 else []
     return [f"{_out(n, ctx)} = {moe_call(n, ctx, 'torch.zeros_like(' + x + ')', *ep)}"]
 
 
-def _residual_add(n, ctx):
+def _residual_add(n: Node, ctx: RankEmitContext) -> list[str]:
     return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + {ctx.ref(n.input('x'))}"]
 
 

@@ -1,5 +1,5 @@
 """Lowering infrastructure: how IR names and attribute values are spelled in generated Python, and the
-jinja2 frame a target's lines are put into (``graphgen/lower/templates/<target>/variant.py.j2``).
+jinja2 frame a target's lines are put into (``templates/<target>/variant.py.j2``, beside ``graphgen/``).
 
 The IR decides *what* runs on which stream and where every record/wait sits; a target's emitters
 (:mod:`graphgen.lower.cpu`, :mod:`graphgen.lower.npu`) decide how one node is spelled; the templates
@@ -12,26 +12,62 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable, Protocol
 
 import jinja2
 
 from ..ir.graph import Graph, Node
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"  # package data (pyproject: tool.setuptools.package-data)
+# The frames live in the checkout's top-level templates/; a wheel carries them as graphgen/lower/templates/
+# (pyproject.toml maps the package graphgen.lower.templates to templates/). The package's copy comes
+# first: an installed graphgen never reads a stray templates/ folder beside site-packages.
+PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "templates"
+CHECKOUT_TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 _TAG = re.compile(r"^(kv_cache|pool_staging|pool_load)\.L(\d+)$")
 
-Emitter = Callable[[Node, object], list[str]]
+# An emitter spells one node as lines of Python, given its target's context (a `cpu.CpuCtx`, an
+# `npu.NpuCtx`; Any here, so one table type holds both targets' emitters).
+Emitter = Callable[[Node, Any], list[str]]
+
+
+class EmitContext(Protocol):
+    """What the emitters shared by the targets (or by a target and its parallel-rank ops) read of a context."""
+
+    @property
+    def ref(self) -> Names: ...
+
+    @property
+    def loaded(self) -> dict[str, Any]: ...  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
+
+
+class RankEmitContext(EmitContext, Protocol):
+    """... and, for the NPU's collectives, the layout's ranks."""
+
+    @property
+    def world(self) -> int: ...  # ranks of the layout (dp x cp x tp)
+
+    @property
+    def tp(self) -> int: ...
 
 
 class LoweringError(ValueError):
     """A node a target cannot spell (unknown op, unknown attention mode, unknown compile mode)."""
 
 
+def template_dir() -> Path:
+    """Where the jinja2 frames are: in the package (a wheel) or in the checkout (a source tree, an
+    editable install); LoweringError naming both when neither holds them."""
+    for where in (PACKAGE_TEMPLATES, CHECKOUT_TEMPLATES):
+        if (where / "cpu" / "variant.py.j2").is_file():
+            return where
+    raise LoweringError(f"the lowering's jinja2 frames are in neither {PACKAGE_TEMPLATES} nor {CHECKOUT_TEMPLATES}: "
+                        f"reinstall graphgen (pip install .) or restore templates/ in the checkout")
+
+
 @functools.lru_cache(maxsize=None)
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -42,11 +78,11 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def render_frame(template: str, **slots) -> str:
+def render_frame(template: str, **slots: Any) -> str:
     return environment().get_template(template).render(**slots)
 
 
-def py(value) -> str:
+def py(value: Any) -> str:
     """A Python literal for an attribute value (deterministic: dict keys sorted)."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {py(value[k])}" for k in sorted(value)) + "}"
@@ -63,7 +99,7 @@ def layer_of(name: str) -> int:
     return int(m.group(2))
 
 
-def layer_list(names) -> str:
+def layer_list(names: Iterable[str]) -> str:
     """``range(n)`` when the names are layers 0..n-1 in order, else an explicit tuple."""
     layers = [layer_of(n) for n in names]
     if layers == list(range(len(layers))):
@@ -90,7 +126,7 @@ class Names:
             return f"loads[{layer_of(name)}]"
         return name.replace(".", "_")
 
-    def all(self, names) -> str:
+    def all(self, names: Iterable[str]) -> str:
         return ", ".join(map(self, names))
 
 
@@ -100,7 +136,7 @@ MOE_WEIGHTS = ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_expert
                "w_shared_up", "w_shared_down")
 
 
-def moe_kwargs(a: dict) -> list[str]:
+def moe_kwargs(a: dict[str, Any]) -> list[str]:
     return [f"top_k={a['top_k']}", f"n_group={a['n_group']}", f"topk_group={a['topk_group']}",
             f"routed_scaling_factor={py(a['routed_scaling_factor'])}", f"norm_topk_prob={py(a['norm_topk_prob'])}"]
 
@@ -114,32 +150,33 @@ def weight(node: Node, attr: str) -> str:
 LOAD_KEY_PREFIX = "graphgen.load:"
 
 
-def load_time_weight(node: Node, loaded: dict, attrs: tuple[str, ...], *, dim: int, transpose12: bool = False,
+def load_time_weight(node: Node, loaded: dict[str, Any], attrs: tuple[str, ...], *, dim: int, transpose12: bool = False,
                      transpose01: bool = False) -> str:
     """``W['<key>']`` of a weight built once at load time (`graphgen.runtime.core.weights.load_time_weights`)
     from the checkpoint tensors of ``attrs``: concatenated along ``dim``, then made contiguous transposed —
     ``transpose(1, 2)`` when ``transpose12`` (3-d: the NPU's expert stacks), ``t()`` when ``transpose01``
     (2-d: the CPU's ``[in, out]`` projections). The recipe is recorded in ``loaded`` (the module's
     ``LOAD_TIME_WEIGHTS``); ``None`` when every attribute is absent (an optional weight)."""
-    keys = [node.attrs.get(a) for a in attrs]
-    if all(k is None for k in keys):
+    present = [node.attrs.get(a) for a in attrs]
+    if all(k is None for k in present):
         return "None"
-    if any(k is None for k in keys):
+    keys = [k for k in present if k is not None]
+    if len(keys) != len(present):
         raise LoweringError(f"node {node.id}: {attrs} must be all present or all absent to merge them")
     key = f"{LOAD_KEY_PREFIX}{'+'.join(keys)}:cat{dim}" + (":t12" if transpose12 else "") + (":t01" if transpose01 else "")
-    recipe = {"cat": tuple(keys), "dim": dim, "transpose12": transpose12}
+    recipe: dict[str, Any] = {"cat": tuple(keys), "dim": dim, "transpose12": transpose12}
     if transpose01:  # only where used, so the NPU modules' recipes read as before
         recipe["transpose01"] = True
     loaded[key] = recipe
     return f"W[{key!r}]"
 
 
-def load_time_weights_literal(loaded: dict) -> str:
+def load_time_weights_literal(loaded: dict[str, Any]) -> str:
     """A module's ``LOAD_TIME_WEIGHTS`` as Python source: one recipe per line, keys sorted (deterministic)."""
     return "{" + "".join(f"\n    {k!r}: {py(loaded[k])}," for k in sorted(loaded)) + ("\n}" if loaded else "}")
 
 
-def emit_with(table: dict[str, Emitter], target: str, node: Node, ctx) -> list[str]:
+def emit_with(table: dict[str, Emitter], target: str, node: Node, ctx: Any) -> list[str]:
     fn = table.get(node.op)
     if fn is None:
         raise LoweringError(f"no {target} lowering for op '{node.op}' (node {node.id})")

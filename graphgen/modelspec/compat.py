@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import get_args
+from typing import Any, Iterator, get_args
 
 from ..families import FAMILIES as _FAMILY_REGISTRY
-from .model import FamilyName, WriteMode
+from ..families.base import Rule
+from .model import FamilyName, NpuTarget, WriteMode
 
 FAMILIES: tuple[str, ...] = get_args(FamilyName)
 WRITE_MODES: tuple[str, ...] = get_args(WriteMode)
@@ -91,12 +92,13 @@ ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items()
 _MISSING = object()
 
 
-def _get(spec, name):
+def _get(spec: Any, name: str) -> Any:
     return getattr(spec, name, _MISSING)
 
 
-def check_compat(spec):
-    """Yield (dotted path, message, fix) for every rule the spec breaks.
+def check_compat(spec: Any) -> Iterator[Rule]:
+    """Yield (dotted path, message, fix) for every rule the spec breaks (``spec``: a `ModelSpec`, or
+    the loader's namespace of the fields it could parse: an absent one is skipped).
 
     ``spec`` is a :class:`ModelSpec`, or (from the loader) any object with the subset of its
     attributes that parsed cleanly: each rule group runs when the attributes it reads are present,
@@ -111,7 +113,7 @@ def check_compat(spec):
     yield from _mtp_rules(spec)
 
 
-def _mtp_rules(spec):
+def _mtp_rules(spec: Any) -> Iterator[Rule]:
     family, mtp, variants, targets = (_get(spec, k) for k in ("family", "mtp", "variants", "targets"))
     if variants is not _MISSING and mtp in (None, _MISSING):
         for name, v in variants.items():
@@ -136,7 +138,7 @@ def _mtp_rules(spec):
                        "write only 'phase: mtp' for it")
 
 
-def _matrix_rules(spec):
+def _matrix_rules(spec: Any) -> Iterator[Rule]:
     feats, pool, family = _get(spec, "features"), _get(spec, "pool"), _get(spec, "family")
     if feats is _MISSING:
         return
@@ -182,14 +184,14 @@ def _matrix_rules(spec):
                    f"add {row.subject} to features, or set pool.write: off")
 
 
-def _dims_rules(spec):
+def _dims_rules(spec: Any) -> Iterator[Rule]:
     family, d = _get(spec, "family"), _get(spec, "dims")
     if family is _MISSING or d is _MISSING:
         return
     yield from _FAMILY_REGISTRY[family].dims_rules(d)
 
 
-def _variant_rules(spec):
+def _variant_rules(spec: Any) -> Iterator[Rule]:
     variants, pool, feats = _get(spec, "variants"), _get(spec, "pool"), _get(spec, "features")
     if variants is _MISSING:
         return
@@ -215,7 +217,7 @@ def _variant_rules(spec):
                    "remove granularity from this variant")
 
 
-def _pool_rules(spec):
+def _pool_rules(spec: Any) -> Iterator[Rule]:
     pool, feats = _get(spec, "pool"), _get(spec, "features")
     if pool is _MISSING:
         return
@@ -231,7 +233,7 @@ def _pool_rules(spec):
             "the 'prefix_cache' feature", "add prefix_cache to features, or drop device_cache"
 
 
-def _target_rules(spec):
+def _target_rules(spec: Any) -> Iterator[Rule]:
     targets = _get(spec, "targets")
     if targets is _MISSING:
         return
@@ -247,7 +249,7 @@ def _target_rules(spec):
         yield from _npu_rules(spec, targets.npu)
 
 
-def _npu_rules(spec, npu):
+def _npu_rules(spec: Any, npu: NpuTarget) -> Iterator[Rule]:
     """The NPU target's shape buckets (graphgen.npu.run.bucketing pads every step to one of them)."""
     for name in ("decode_batch_buckets", "prefill_token_buckets"):
         values = getattr(npu, name)
@@ -278,7 +280,7 @@ def _npu_rules(spec, npu):
                f"max_position_embeddings ({limit})", f"use max_model_len <= {limit}")
 
 
-def _parallel_rules(spec):
+def _parallel_rules(spec: Any) -> Iterator[Rule]:
     family, d, par = _get(spec, "family"), _get(spec, "dims"), _get(spec, "parallel")
     if family is _MISSING or d is _MISSING or par is _MISSING:
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import Any
 
 import yaml
 
@@ -20,14 +21,15 @@ from .yamlpos import load_yaml_data
 _TOP_ORDER = ("name", "family", "description", "dims", "kv_cache", "pool", "features", "variants", "targets")
 
 
-def dump_spec(spec) -> dict:
-    """Plain data (YAML-ready) that parses back to an equal spec.
+def dump_spec(spec: object) -> dict[str, Any]:
+    """Plain data (YAML-ready) that parses back to an equal spec (``spec``: a `ModelSpec` or one of its
+    parts, a dataclass).
 
     Optional fields left at their ``None`` default are omitted (absent means the default).
     """
 
-    def conv(x):
-        if dataclasses.is_dataclass(x):
+    def conv(x: Any) -> Any:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
             out = {}
             for f in dataclasses.fields(x):
                 value = getattr(x, f.name)
@@ -41,7 +43,7 @@ def dump_spec(spec) -> dict:
             return {k: conv(v) for k, v in x.items()}
         return x
 
-    data = conv(spec)
+    data: dict[str, Any] = conv(spec)
     return {k: data[k] for k in (*_TOP_ORDER, *data) if k in data} if isinstance(spec, m.ModelSpec) else data
 
 
@@ -54,10 +56,10 @@ def _reads_as_string(text: str) -> bool:
         theirs = yaml.safe_load(doc)
     except (SpecError, yaml.YAMLError):
         return False
-    return ours == {"k": text} and theirs == {"k": text}
+    return bool(ours == {"k": text} and theirs == {"k": text})
 
 
-def _scalar_text(x) -> str:
+def _scalar_text(x: object) -> str:
     if x is None:
         return "null"
     if isinstance(x, bool):
@@ -80,7 +82,7 @@ def _scalar_text(x) -> str:
     raise TypeError(f"cannot dump {type(x).__name__}")
 
 
-def _emit(data, indent: int, lines: list[str]) -> None:
+def _emit(data: dict[str, Any], indent: int, lines: list[str]) -> None:
     pad = "  " * indent
     for key, value in data.items():
         if isinstance(value, dict) and value:
@@ -94,10 +96,10 @@ def _emit(data, indent: int, lines: list[str]) -> None:
             lines.append(f"{pad}{key}: {_scalar_text(value)}")
 
 
-def dump_spec_yaml(spec, *, header: str = "", schema: str | None = None) -> str:
+def dump_spec_yaml(spec: object, *, header: str = "", schema: str | None = None) -> str:
     """Readable YAML for a spec (block mappings, flow lists), optionally with a
     ``yaml-language-server`` schema line and ``header`` as comment lines."""
-    lines = []
+    lines: list[str] = []
     if schema:
         lines.append(f"# yaml-language-server: $schema={schema}")
     lines += [f"# {line}".rstrip() for line in header.splitlines()]

@@ -25,6 +25,7 @@ import os
 import re
 import typing
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from . import model as m
 from .compat import check_compat
@@ -33,6 +34,7 @@ from ..families import BY_HF_MODEL_TYPE
 from ..install import source_checkout
 from .dump import dump_spec_yaml
 from .loader import parse_spec_text
+from ..families.base import Family
 
 # What each family reads from a config (model_type, the defaults transformers assumes for omitted
 # fields, the values graphgen reproduces) is declared by the family (graphgen/families).
@@ -60,7 +62,8 @@ class _Report:
         self.diags.append(Diagnostic(self.source, *self.where(key), f"{key}: {message}", fix))
 
 
-def _typed(cfg: dict, key: str, tp, rep: _Report, *, default=dataclasses.MISSING, model_type=""):
+def _typed(cfg: dict[str, Any], key: str, tp: type[Any], rep: _Report, *, default: Any = dataclasses.MISSING,
+           model_type: str = "") -> Any:
     if key not in cfg or cfg[key] is None:
         if default is not dataclasses.MISSING:
             return default
@@ -77,9 +80,10 @@ def _typed(cfg: dict, key: str, tp, rep: _Report, *, default=dataclasses.MISSING
     return value
 
 
-def _rope(cfg: dict, fam, rep: _Report):
+def _rope(cfg: dict[str, Any], fam: Family, rep: _Report) -> tuple[Any, Any]:
     """(rope_theta, RopeScaling|None) from ``rope_parameters`` (transformers 5) or
     ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params: Any  # the scaling parameters: a JSON object, once checked
     if isinstance(cfg.get("rope_parameters"), dict):
         key, params = "rope_parameters", dict(cfg["rope_parameters"])
         theta = _typed(params, "rope_theta", float, rep, default=fam.hf_defaults["rope_theta"])
@@ -111,7 +115,8 @@ def _rope(cfg: dict, fam, rep: _Report):
         rep.error(key, f"YaRN parameter(s) {', '.join(extra)} are not implemented",
                   f"remove {', '.join(extra)} (graphgen implements {', '.join(sorted(_YARN_KEYS))})")
         return theta, dataclasses.MISSING
-    kwargs, failed = {"type": "yarn"}, False
+    kwargs: dict[str, Any] = {"type": "yarn"}
+    failed = False
     for f in dataclasses.fields(m.RopeScaling):
         if f.name == "type":
             continue
@@ -128,7 +133,7 @@ def _rope(cfg: dict, fam, rep: _Report):
     return theta, (dataclasses.MISSING if failed else m.RopeScaling(**kwargs))
 
 
-def _dims(cfg: dict, fam, rep: _Report):
+def _dims(cfg: dict[str, Any], fam: Family, rep: _Report) -> Any:
     cls = fam.dims_cls
     hints = typing.get_type_hints(cls)
     theta, scaling = _rope(cfg, fam, rep)
@@ -162,7 +167,7 @@ def _dims(cfg: dict, fam, rep: _Report):
     return None if failed else cls(**kwargs)
 
 
-def _checks(cfg: dict, fam, rep: _Report) -> None:
+def _checks(cfg: dict[str, Any], fam: Family, rep: _Report) -> None:
     for key, want in fam.hf_must_be.items():
         if key in cfg and cfg[key] is not None and cfg[key] != want:
             rep.error(key, f"{cfg[key]!r} is not implemented (graphgen reproduces {want!r})",
@@ -178,7 +183,7 @@ def _checks(cfg: dict, fam, rep: _Report) -> None:
     rep.notes.extend(fam.hf_notes(cfg))
 
 
-def _kv_dtype(cfg: dict, rep: _Report) -> str | None:
+def _kv_dtype(cfg: dict[str, Any], rep: _Report) -> str | None:
     key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
     value = cfg.get(key)
     if value is None:
@@ -190,7 +195,8 @@ def _kv_dtype(cfg: dict, rep: _Report) -> str | None:
     return _DTYPES[value]
 
 
-def _standard_spec(name, family, dims, dtype, description, block_size, compile_modes) -> m.ModelSpec:
+def _standard_spec(name: str, family: Any, dims: Any, dtype: Any, description: str, block_size: int,
+                   compile_modes: Sequence[Any]) -> m.ModelSpec:
     return m.ModelSpec(
         name=name, family=family, dims=dims, description=description,
         variants={
@@ -222,7 +228,7 @@ def _checkpoint_keys(hf_dir: Path) -> set[str] | None:
     return None
 
 
-def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
+def _mtp_section(config: dict[str, Any], fam: Family, keys: set[str] | None, rep: _Report) -> Optional[m.Mtp]:
     """The ``mtp:`` section for the MTP layers the config declares -- if the checkpoint holds them
     (transformers' DeepseekV3Config declares one by default, and ``save_pretrained`` writes none; a
     folder without weights cannot tell)."""
@@ -241,8 +247,9 @@ def _mtp_section(config, fam, keys: set[str] | None, rep: _Report):
     return m.Mtp(num_layers=declared)
 
 
-def _convert(config, name: str, source: str, text: str | None, *, block_size=128,
-             compile_modes=("max-autotune",), checkpoint_keys: set[str] | None = None):
+def _convert(config: Any, name: str, source: str, text: str | None, *, block_size: int = 128,
+             compile_modes: Sequence[str] = ("max-autotune",),
+             checkpoint_keys: set[str] | None = None) -> tuple[m.ModelSpec, list[str]]:
     rep = _Report(source, text)
     if not isinstance(config, dict):
         raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
@@ -276,7 +283,7 @@ def _convert(config, name: str, source: str, text: str | None, *, block_size=128
     return spec, rep.notes
 
 
-def spec_from_hf_config(config: dict, name: str, *, source: str = "config.json") -> m.ModelSpec:
+def spec_from_hf_config(config: dict[str, Any], name: str, *, source: str = "config.json") -> m.ModelSpec:
     """The standard spec of a Hugging Face config dict; :class:`SpecError` if it is unsupported."""
     return _convert(config, name, source, None)[0]
 
@@ -286,8 +293,8 @@ def _default_name(hf_dir: Path) -> str:
     return base if m.is_identifier(base) else f"m_{base}"
 
 
-def import_hf(hf_dir, out_path, name: str | None = None, *, block_size: int = 128,
-              compile_modes=("max-autotune",)) -> m.ModelSpec:
+def import_hf(hf_dir: str | Path, out_path: str | Path, name: str | None = None, *, block_size: int = 128,
+              compile_modes: Sequence[str] = ("max-autotune",)) -> m.ModelSpec:
     """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     source = hf_dir / "config.json"

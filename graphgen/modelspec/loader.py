@@ -24,7 +24,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Iterable, Literal, Optional, get_args, get_origin
 
 from . import model as m
 from ..families import FAMILIES
@@ -34,7 +34,12 @@ from .yamlpos import MISSING as _MISSING, Ctx as _Ctx, Node as _Node, compose as
 
 # ---------------------------------------------------------------- typed parsing
 
-def _type_name(tp) -> str:
+Pos = tuple[int, int]  # (line, col), 1-based
+# (the other family, the keys that are its dims, this family): dims keys that belong to another family
+Foreign = Optional[tuple[str, set[str], str]]
+
+
+def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if tp is bool:
         return "a boolean (true/false)"
@@ -53,7 +58,7 @@ def _type_name(tp) -> str:
     return str(tp)
 
 
-def _example(tp) -> str:
+def _example(tp: Any) -> str:
     """A placeholder value for 'add key: ...' fixes."""
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -67,11 +72,11 @@ def _example(tp) -> str:
     return {int: "<integer>", float: "<number>", bool: "true|false", str: "<text>"}.get(tp, "...")
 
 
-def _hints(cls):
+def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _describe(value) -> str:
+def _describe(value: object) -> str:
     if value is None:
         return "nothing (null)"
     if isinstance(value, dict):
@@ -85,7 +90,7 @@ def _describe(value) -> str:
     return repr(value)
 
 
-def _check_identifier(name, where, ctx: _Ctx, what: str) -> bool:
+def _check_identifier(name: object, where: Pos | _Node, ctx: _Ctx, what: str) -> bool:
     if not m.is_identifier(name):
         ctx.error(where, f"{what} {name!r} is not a Python identifier (it names generated code)",
                   "use ASCII letters, digits and underscores, not starting with a digit or '__' and "
@@ -94,7 +99,7 @@ def _check_identifier(name, where, ctx: _Ctx, what: str) -> bool:
     return True
 
 
-def _check_bounds(value, node: _Node, ctx: _Ctx, path: str, meta: dict) -> bool:
+def _check_bounds(value: Any, node: _Node, ctx: _Ctx, path: str, meta: dict[str, Any]) -> bool:
     if isinstance(value, float) and not math.isfinite(value):
         ctx.error(node, f"{path}: must be a finite number, got {value}", "write a plain number")
         return False
@@ -109,7 +114,7 @@ def _check_bounds(value, node: _Node, ctx: _Ctx, path: str, meta: dict) -> bool:
     return True
 
 
-def _parse_value(tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
+def _parse_value(tp: Any, node: _Node, ctx: _Ctx, path: str, meta: dict[str, Any], key_pos: Pos) -> Any:
     if node.value is _MISSING:  # already reported (bad YAML tag)
         return _MISSING
     origin = get_origin(tp)
@@ -144,7 +149,7 @@ def _parse_value(tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
             return _MISSING
         items = [_parse_value(item, n, ctx, f"{path}[{i}]", meta, n.pos) for i, n in enumerate(node.value)]
         return _MISSING if any(x is _MISSING for x in items) else tuple(items)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _parse_dataclass(tp, node, ctx, path, key_pos)
     if tp is float:
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
@@ -174,11 +179,11 @@ def _parse_value(tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
     raise TypeError(f"unsupported spec field type {tp!r} at {path}")  # programming error
 
 
-def _unknown_keys(cls, node: _Node, ctx: _Ctx, path: str, *, foreign=None) -> set[str]:
+def _unknown_keys(cls: type, node: _Node, ctx: _Ctx, path: str, *, foreign: Foreign = None) -> set[str]:
     """Report keys ``cls`` lacks; returns the field names an unknown key was taken for (typos)."""
     allowed = [f.name for f in dataclasses.fields(cls)]
     renamed = {f.metadata["renamed_from"]: f.name for f in dataclasses.fields(cls) if "renamed_from" in f.metadata}
-    meant = set()
+    meant: set[str] = set()
     for key in node.value:
         if key in allowed:
             continue
@@ -205,7 +210,8 @@ def _unknown_keys(cls, node: _Node, ctx: _Ctx, path: str, *, foreign=None) -> se
     return meant
 
 
-def _parse_fields(cls, node: _Node, ctx: _Ctx, path: str, key_pos, *, foreign=None):
+def _parse_fields(cls: type, node: _Node, ctx: _Ctx, path: str, key_pos: Pos, *,
+                  foreign: Foreign = None) -> tuple[Optional[dict[str, Any]], bool]:
     """(kwargs of the fields that parsed, failed?) -- or (None, True) if ``node`` is no mapping."""
     if not isinstance(node.value, dict):
         ctx.error(node, f"{path or 'the spec'}: expected a mapping (key: value lines), got "
@@ -239,15 +245,15 @@ def _parse_fields(cls, node: _Node, ctx: _Ctx, path: str, key_pos, *, foreign=No
     return kwargs, failed
 
 
-def _parse_dataclass(cls, node: _Node, ctx: _Ctx, path: str, key_pos, **kw):
-    kwargs, failed = _parse_fields(cls, node, ctx, path, key_pos, **kw)
-    return _MISSING if failed else cls(**kwargs)
+def _parse_dataclass(cls: type, node: _Node, ctx: _Ctx, path: str, key_pos: Pos, *, foreign: Foreign = None) -> Any:
+    kwargs, failed = _parse_fields(cls, node, ctx, path, key_pos, foreign=foreign)
+    return _MISSING if failed or kwargs is None else cls(**kwargs)
 
 
-def _parse_dims(family, node: _Node, ctx: _Ctx, key_pos):
-    cls = FAMILIES[family].dims_cls if isinstance(family, str) and family in FAMILIES else None
-    if cls is None:  # the family itself is wrong (reported there): dims cannot be judged
-        return _MISSING
+def _parse_dims(family: Optional[str], node: _Node, ctx: _Ctx, key_pos: Pos) -> Any:
+    if not isinstance(family, str) or family not in FAMILIES:  # the family itself is wrong (reported
+        return _MISSING                                         # there): dims cannot be judged
+    cls = FAMILIES[family].dims_cls
     if not isinstance(node.value, dict):
         return _parse_dataclass(cls, node, ctx, "dims", key_pos)
     own = {f.name for f in dataclasses.fields(cls)}
@@ -271,7 +277,7 @@ def _parse_dims(family, node: _Node, ctx: _Ctx, key_pos):
     return _parse_dataclass(cls, node, ctx, "dims", key_pos)
 
 
-def _parse_mapping(item_tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_pos):
+def _parse_mapping(item_tp: Any, node: _Node, ctx: _Ctx, path: str, meta: dict[str, Any], key_pos: Pos) -> Any:
     """A non-empty ``name -> item`` mapping whose names are identifiers (they name generated code)."""
     what = meta.get("key_name", "name")
     if not isinstance(node.value, dict) or not node.value:
@@ -279,7 +285,8 @@ def _parse_mapping(item_tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_p
                   f"{path}: expected a non-empty mapping of {what} -> settings",
                   f"e.g. {meta['example']}" if "example" in meta else f"write {path}: {{name: {{...}}}}")
         return _MISSING
-    out, failed = {}, False
+    out: dict[str, Any] = {}
+    failed = False
     for name, vnode in node.value.items():
         kpos = node.key_pos[name]
         if not _check_identifier(name, kpos, ctx, what):
@@ -293,13 +300,13 @@ def _parse_mapping(item_tp, node: _Node, ctx: _Ctx, path: str, meta: dict, key_p
     return _MISSING if failed else out
 
 
-def _parse(text: str, file: str):
+def _parse(text: str, file: str) -> tuple[Any, Optional[_Node], _Ctx]:
     """(spec or _MISSING, root node or None, ctx) with every diagnostic collected."""
     from .compat import check_compat
 
     ctx = _Ctx(file)
     root = _compose(text, ctx)
-    spec = _MISSING
+    spec: Any = _MISSING
     if root is not None:
         if isinstance(root.value, dict) and "family" in root.value:
             ctx.family = root.value["family"].value  # chooses the dims class
@@ -325,6 +332,7 @@ def parse_spec_text(text: str, file: str = "<spec>") -> m.ModelSpec:
     spec, _, ctx = _parse(text, file)
     if ctx.diags:
         raise SpecError(ctx.diags)
+    assert isinstance(spec, m.ModelSpec)  # a spec that did not parse has diagnostics
     return spec
 
 
@@ -355,7 +363,7 @@ def load_spec(path: str | Path) -> m.ModelSpec:
     return spec
 
 
-def load_tree(path: Path):
+def load_tree(path: Path) -> tuple[m.ModelSpec, _Node]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -367,14 +375,15 @@ def load_tree(path: Path):
     spec, root, ctx = _parse(text, str(path))
     if ctx.diags:
         raise SpecError(ctx.diags)
+    assert isinstance(spec, m.ModelSpec) and root is not None  # a spec that did not parse has diagnostics
     return spec, root
 
 
-def load_specs(paths) -> list[m.ModelSpec]:
+def load_specs(paths: Iterable[str | Path]) -> list[m.ModelSpec]:
     """Load several specs, reporting the errors of all files together."""
-    paths = [Path(p) for p in paths]
-    loaded, diags = [], []
-    for p in paths:
+    loaded: list[tuple[Path, m.ModelSpec, _Node]] = []
+    diags: list[Diagnostic] = []
+    for p in map(Path, paths):
         try:
             loaded.append((p, *load_tree(p)))
         except SpecError as e:

@@ -24,13 +24,14 @@ import dataclasses
 import keyword
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from ..families import FAMILIES, Dims, DeepseekV3Dims, Qwen3Dims, RopeScaling  # noqa: F401 (re-exported)
+from ..families import FAMILIES, Dims
+# re-exported: the spec model's family names, dims and RoPE scaling types are the families'
+from ..families import DeepseekV3Dims as DeepseekV3Dims, FamilyName as FamilyName, Qwen3Dims as Qwen3Dims
+from ..families import RopeScaling as RopeScaling
 from ..families.base import doc
 
-# The family names, from the one registry (graphgen/families).
-FamilyName = Literal[tuple(FAMILIES)]
 WriteMode = Literal["off", "sync", "async"]
 Granularity = Literal["forward", "layer"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
@@ -45,7 +46,7 @@ Identifier = str
 IDENTIFIER_PATTERN = r"^(?!__)[A-Za-z_][A-Za-z0-9_]*$"
 
 
-def is_identifier(name) -> bool:
+def is_identifier(name: object) -> bool:
     """True for a name that is safe to use as a Python identifier in generated code."""
     return (isinstance(name, str) and re.fullmatch(IDENTIFIER_PATTERN, name) is not None
             and not keyword.iskeyword(name))
@@ -259,10 +260,10 @@ class ModelSpec:
             return False
         return True if v.save is None else v.save
 
-    def with_overrides(self, write: Optional[str] = None, granularity: Optional[str] = None,
+    def with_overrides(self, write: Optional[WriteMode] = None, granularity: Optional[Granularity] = None,
                        tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
                        cp: Optional[int] = None, sp: Optional[bool] = None,
-                       policy: Optional[str] = None, min_uses: Optional[int] = None) -> "ModelSpec":
+                       policy: Optional[WritePolicy] = None, min_uses: Optional[int] = None) -> "ModelSpec":
         """The same model with the pool write mode, granularity, write policy (and ``min_uses``) and/or parallel layout
         forced (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``,
         which the distributed launcher calls)."""
@@ -271,7 +272,7 @@ class ModelSpec:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
         if min_uses is not None:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, min_uses=min_uses))
-        layout = {k: v for k, v in (("tp", tp), ("ep", ep), ("dp", dp), ("cp", cp), ("sp", sp)) if v is not None}
+        layout: dict[str, Any] = {k: v for k, v in (("tp", tp), ("ep", ep), ("dp", dp), ("cp", cp), ("sp", sp)) if v is not None}
         if layout:
             spec = dataclasses.replace(spec, parallel=dataclasses.replace(self.parallel, **layout))
         if write is not None:

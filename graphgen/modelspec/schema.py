@@ -17,18 +17,22 @@ import json
 import keyword
 import types
 import typing
-from typing import Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from ..families import FAMILIES
 from . import model as m
 from .compat import ACCEPTED_FEATURES
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
+Schema = dict[str, Any]  # a JSON Schema object
 
 
-def _plain(x):
+def _plain(x: Any) -> Any:
     """A default value as JSON data (dataclasses -> objects, tuples -> arrays)."""
-    if dataclasses.is_dataclass(x):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)
                 if not (getattr(x, f.name) is None and f.default is None)}
     if isinstance(x, tuple):
@@ -36,29 +40,30 @@ def _plain(x):
     return x
 
 
-def _identifier() -> dict:
+def _identifier() -> Schema:
     return {"type": "string", "pattern": m.IDENTIFIER_PATTERN, "not": {"enum": sorted(keyword.kwlist)}}
 
 
 class _Builder:
-    def __init__(self):
-        self.defs: dict[str, dict] = {}
+    def __init__(self) -> None:
+        self.defs: dict[str, Schema] = {}
 
-    def ref(self, cls) -> dict:
+    def ref(self, cls: type) -> Schema:
         name = cls.__name__
         if name not in self.defs:
             self.defs[name] = {}  # placeholder: a dataclass may (indirectly) refer to itself
             self.defs[name] = self.dataclass(cls)
         return {"$ref": f"#/$defs/{name}"}
 
-    def dataclass(self, cls) -> dict:
+    def dataclass(self, cls: type) -> Schema:
         hints = typing.get_type_hints(cls)
-        props, required = {}, []
+        props: Schema = {}
+        required: list[str] = []
         for f in dataclasses.fields(cls):
             props[f.name] = self.field(cls, f, hints[f.name])
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 required.append(f.name)
-        out = {"type": "object", "description": inspect.cleandoc(cls.__doc__ or ""),
+        out: Schema = {"type": "object", "description": inspect.cleandoc(cls.__doc__ or ""),
                "properties": props, "additionalProperties": False}
         if required:
             out["required"] = required
@@ -66,10 +71,10 @@ class _Builder:
             out["minProperties"] = 1  # at least one target (null is not allowed for either)
         return out
 
-    def field(self, cls, f, tp) -> dict:
+    def field(self, cls: type, f: dataclasses.Field[Any], tp: Any) -> Schema:
         meta = dict(f.metadata)
         if cls is m.ModelSpec and f.name == "features":
-            schema = {"type": "array", "items": {"type": "string", "enum": list(ACCEPTED_FEATURES)}}
+            schema: Schema = {"type": "array", "items": {"type": "string", "enum": list(ACCEPTED_FEATURES)}}
         else:
             schema = self.type(tp, meta)
         if schema.get("type") == "array":
@@ -86,7 +91,7 @@ class _Builder:
             schema["default"] = _plain(f.default_factory())
         return schema
 
-    def type(self, tp, meta) -> dict:
+    def type(self, tp: Any, meta: dict[str, Any]) -> Schema:
         origin = get_origin(tp)
         if origin in (typing.Union, types.UnionType) and meta.get("by_family"):
             return {"type": "object"}  # the family's dims class, chosen at the root by if/then
@@ -104,7 +109,7 @@ class _Builder:
         if origin is tuple:
             (item,) = [a for a in get_args(tp) if a is not Ellipsis]
             return {"type": "array", "items": self.type(item, {})}
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return self.ref(tp)
         if meta.get("identifier"):
             return _identifier()
@@ -118,7 +123,7 @@ class _Builder:
         return schema
 
 
-def spec_json_schema() -> dict:
+def spec_json_schema() -> Schema:
     """The JSON Schema (draft 2020-12) of a spec file; deterministic."""
     b = _Builder()
     root = b.dataclass(m.ModelSpec)
@@ -146,7 +151,7 @@ _DOC_CLASSES = (m.ModelSpec, *(f.dims_cls for f in FAMILIES.values()), m.RopeSca
                 m.PoolWrite, m.Variant, m.Targets, m.CpuTarget, m.NpuTarget, m.Mtp)
 
 
-def _md_type(tp, meta) -> str:
+def _md_type(tp: Any, meta: dict[str, Any]) -> str:
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType) and meta.get("by_family"):
         classes = [a for a in get_args(tp) if a is not type(None)]
@@ -161,7 +166,7 @@ def _md_type(tp, meta) -> str:
     if origin is tuple:
         (item,) = [a for a in get_args(tp) if a is not Ellipsis]
         return f"list of {_md_type(item, {})}"
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return f"[{tp.__name__}](#{tp.__name__.lower()})"
     if meta.get("identifier"):
         return "identifier"
@@ -173,10 +178,10 @@ def _md_type(tp, meta) -> str:
     return text
 
 
-def _md_default(f) -> str:
+def _md_default(f: dataclasses.Field[Any]) -> str:
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "**required**"
-    value = _plain(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+    value = _plain(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
     return "absent" if value is None else f"`{json.dumps(value)}`"
 
 
@@ -218,7 +223,7 @@ def spec_doc_text(text: str) -> str:
     return text[:start] + markdown_tables() + text[end:]
 
 
-def derived_files(repo) -> dict:
+def derived_files(repo: str | Path) -> dict[Path, str]:
     """Files derived from the spec dataclasses (path under ``repo`` -> expected text): the JSON Schema and
     docs/spec.md with its generated tables. ``graphgen generate`` writes them, ``graphgen check`` compares."""
     from pathlib import Path

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -41,7 +42,7 @@ for _kind, (_regexp, _first) in _CORE.items():
 
 class _Composer(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
                 _Resolver):
-    def __init__(self, stream):
+    def __init__(self, stream: str) -> None:
         yaml.reader.Reader.__init__(self, stream)
         yaml.scanner.Scanner.__init__(self)
         yaml.parser.Parser.__init__(self)
@@ -49,7 +50,7 @@ class _Composer(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, ya
         _Resolver.__init__(self)
 
 
-def _scalar(node: yaml.ScalarNode):
+def _scalar(node: yaml.ScalarNode) -> tuple[Any, Optional[str]]:
     """(value, None) or (None, error text) for a scalar node."""
     tag, text = node.tag, node.value
     kind = tag[len(_TAG):] if tag.startswith(_TAG) else None
@@ -82,7 +83,7 @@ class Node:
 
     __slots__ = ("value", "line", "col", "key_pos")
 
-    def __init__(self, value, line, col, key_pos=None):
+    def __init__(self, value: Any, line: int, col: int, key_pos: Optional[dict[str, tuple[int, int]]] = None):
         self.value = value
         self.line = line
         self.col = col
@@ -97,18 +98,18 @@ class Ctx:
     def __init__(self, file: str):
         self.file = file
         self.diags: list[Diagnostic] = []
-        self.family = None  # the spec's family once read (the typed parser chooses dims by it)
+        self.family: Optional[str] = None  # the spec's family once read (the typed parser chooses dims by it)
 
-    def error(self, where, message: str, fix: str = "") -> None:
+    def error(self, where: Union[tuple[int, int], Node], message: str, fix: str = "") -> None:
         line, col = where if isinstance(where, tuple) else (where.line, where.col)
         self.diags.append(Diagnostic(self.file, line, col, message, fix))
 
 
-def _pos(mark) -> tuple[int, int]:
+def _pos(mark: yaml.Mark) -> tuple[int, int]:
     return mark.line + 1, mark.column + 1
 
 
-def compose(text: str, ctx: Ctx):
+def compose(text: str, ctx: Ctx) -> Optional[Node]:
     loader = _Composer(text)
     try:
         root = loader.get_single_node()
@@ -128,7 +129,7 @@ def compose(text: str, ctx: Ctx):
     return _convert(root, ctx, {})
 
 
-def _convert(node, ctx: Ctx, memo: dict) -> Node:
+def _convert(node: yaml.Node, ctx: Ctx, memo: dict[int, Node]) -> Node:
     # Aliases reuse nodes: memoising by identity keeps conversion linear (no "billion laughs") and
     # makes recursive anchors terminate (the container is registered before its children).
     if id(node) in memo:
@@ -163,32 +164,35 @@ def _convert(node, ctx: Ctx, memo: dict) -> Node:
         memo[id(node)] = out
         out.value.extend(_convert(v, ctx, memo) for v in node.value)
         return out
-    value, problem = _scalar(node)
+    assert isinstance(node, yaml.ScalarNode)  # a mapping, a sequence or a scalar: what the composer makes
+    scalar, problem = _scalar(node)
     if problem:
         ctx.error((line, col), f"{problem}", "write a plain value (string, number, true/false or null)")
-        value = MISSING
-    out = Node(value, line, col)
+        scalar = MISSING
+    out = Node(scalar, line, col)
     memo[id(node)] = out
     return out
 
 
-def _plain(node: Node, memo=None):
+def _plain(node: Node, memo: Optional[dict[int, Any]] = None) -> Any:
     # Shared (aliased) nodes become shared objects, as in PyYAML: no exponential expansion.
     memo = {} if memo is None else memo
     if id(node) in memo:
         return memo[id(node)]
     if isinstance(node.value, dict):
-        out = memo[id(node)] = {}
-        out.update((k, _plain(v, memo)) for k, v in node.value.items())
-        return out
+        mapping: dict[str, Any] = {}
+        memo[id(node)] = mapping
+        mapping.update((k, _plain(v, memo)) for k, v in node.value.items())
+        return mapping
     if isinstance(node.value, list):
-        out = memo[id(node)] = []
-        out.extend(_plain(v, memo) for v in node.value)
-        return out
+        items: list[Any] = []
+        memo[id(node)] = items
+        items.extend(_plain(v, memo) for v in node.value)
+        return items
     return None if node.value is MISSING else node.value
 
 
-def load_yaml_data(text: str, file: str = "<spec>"):
+def load_yaml_data(text: str, file: str = "<spec>") -> Any:
     """The spec text as plain data, read exactly as the loader reads it (YAML 1.2 core scalars).
 
     For tools that need the raw document (e.g. validating it against ``specs/schema.json``).
@@ -198,4 +202,5 @@ def load_yaml_data(text: str, file: str = "<spec>"):
     root = compose(text, ctx)
     if ctx.diags:
         raise SpecError(ctx.diags)
+    assert root is not None  # no root is a diagnostic
     return _plain(root)

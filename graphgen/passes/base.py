@@ -8,18 +8,22 @@ when the contract holds). The pass manager runs them around ``run`` in checked m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..ir.graph import Graph
+
+if TYPE_CHECKING:
+    from ..modelspec.model import ModelSpec, Variant
 
 
 @dataclass(frozen=True)
 class PassContext:
-    spec: object  # graphgen.modelspec.model.ModelSpec
+    spec: ModelSpec
     variant_name: str
     spec_file: str = ""
 
     @property
-    def variant(self):
+    def variant(self) -> Variant:
         return self.spec.variants[self.variant_name]
 
 

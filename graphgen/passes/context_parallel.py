@@ -24,25 +24,31 @@ and the parallel checks hold. With ``cp == 1`` the pass changes nothing. Pure Py
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..ir.graph import MAIN_STREAM, Graph, Node
 from ..ir.ops import COLLECTIVE_OPS
-from .base import Pass
+from .base import Pass, PassContext
+
+if TYPE_CHECKING:
+    from ..modelspec.model import ModelSpec
 
 CP_GROUP = "cp"
 
 
-def cp_of(spec) -> int:
-    return getattr(getattr(spec, "parallel", None), "cp", 1)
+def cp_of(spec: ModelSpec) -> int:
+    cp: int = getattr(getattr(spec, "parallel", None), "cp", 1)
+    return cp
 
 
 class ContextParallel(Pass):
     name = "context_parallel"
 
-    def requires(self, graph, ctx) -> list[str]:
+    def requires(self, graph: Graph, ctx: PassContext) -> list[str]:
         return [f"collective {n.id} is already in group {CP_GROUP}" for n in graph.nodes
                 if n.op in COLLECTIVE_OPS and n.attrs.get("group") == CP_GROUP]
 
-    def run(self, graph: Graph, ctx) -> None:
+    def run(self, graph: Graph, ctx: PassContext) -> None:
         cp = cp_of(ctx.spec)
         if cp == 1:
             return
@@ -64,7 +70,7 @@ class ContextParallel(Pass):
             out.append(n)
         graph.replace_nodes(out)
 
-    def ensures(self, graph, ctx) -> list[str]:
+    def ensures(self, graph: Graph, ctx: PassContext) -> list[str]:
         if cp_of(ctx.spec) == 1:
             return []
         from .verify_parallel import parallel_problems

@@ -17,15 +17,15 @@ ensures:  for every access ``c`` to a buffer that conflicts (one of the two writ
 
 from __future__ import annotations
 
-from ..ir.graph import BUFFER_KINDS, SYNC_OPS, Node
-from .base import Pass
+from ..ir.graph import BUFFER_KINDS, SYNC_OPS, Graph, Node
+from .base import Pass, PassContext
 from .verify import check
 
 
 class InsertEvents(Pass):
     name = "insert_events"
 
-    def requires(self, graph, ctx) -> list[str]:
+    def requires(self, graph: Graph, ctx: PassContext) -> list[str]:
         problems = [f"node {n.id} is on undeclared stream {n.stream}" for n in graph.nodes
                     if n.stream not in graph.streams]
         problems += [f"node {n.id} ({n.op}) exists before events are inserted" for n in graph.nodes
@@ -34,7 +34,7 @@ class InsertEvents(Pass):
             problems.append(f"events declared before events are inserted: {', '.join(graph.events)}")
         return problems
 
-    def ensures(self, graph, ctx) -> list[str]:
+    def ensures(self, graph: Graph, ctx: PassContext) -> list[str]:
         problems = check(graph)
         nodes = graph.nodes
         recorded: dict[str, int] = {}
@@ -53,7 +53,7 @@ class InsertEvents(Pass):
         problems += [f"event {ev} is recorded {k} times" for ev, k in recorded.items() if k != 1]
         return problems
 
-    def run(self, graph, ctx) -> None:
+    def run(self, graph: Graph, ctx: PassContext) -> None:
         pos: dict[str, int] = {}
         counters: dict[str, int] = {}
         for n in graph.nodes:  # program position of each data node on its stream

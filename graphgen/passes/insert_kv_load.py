@@ -18,16 +18,16 @@ ensures:  if the variant has ``history`` (a prefill over blocks loaded from the 
 
 from __future__ import annotations
 
-from ..ir.graph import LOAD_STREAM, MAIN_STREAM, SYNC_OPS, Node, layer_tags
+from ..ir.graph import LOAD_STREAM, MAIN_STREAM, SYNC_OPS, Graph, Node, layer_tags
 from ..ir.graph import LOAD_INPUTS
-from .base import Pass
+from .base import Pass, PassContext
 from .verify import check
 
 
 class InsertKvLoad(Pass):
     name = "insert_kv_load"
 
-    def requires(self, graph, ctx) -> list[str]:
+    def requires(self, graph: Graph, ctx: PassContext) -> list[str]:
         problems = [f"node {n.id} is on stream {n.stream}, the builder puts everything on {MAIN_STREAM}"
                     for n in graph.nodes if n.stream != MAIN_STREAM]
         problems += [f"node {n.id} ({n.op}) exists before the load is inserted"
@@ -38,7 +38,7 @@ class InsertKvLoad(Pass):
         problems += [f"layer {t} has no {t}.kv_write" for t in layer_tags(graph) if f"{t}.kv_write" not in writes]
         return problems + check(graph)
 
-    def run(self, graph, ctx) -> None:
+    def run(self, graph: Graph, ctx: PassContext) -> None:
         if not ctx.variant.history:
             return
         gran = ctx.spec.variant_granularity(ctx.variant)
@@ -56,7 +56,7 @@ class InsertKvLoad(Pass):
                           writes=tuple(caches))]
         graph.splice(before={graph.nodes[0].id: nodes})
 
-    def ensures(self, graph, ctx) -> list[str]:
+    def ensures(self, graph: Graph, ctx: PassContext) -> list[str]:
         loads = [n for n in graph.nodes if n.op == "kv_load"]
         races = check(graph)
         if not ctx.variant.history:

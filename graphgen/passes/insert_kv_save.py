@@ -20,9 +20,9 @@ ensures:  if the variant saves (prefill and pool.write != off):
 
 from __future__ import annotations
 
-from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Node, layer_tags, saved_layer_tags
+from ..ir.graph import HOST_STREAM, LOAD_STREAM, MAIN_STREAM, SAVE_STREAM, SYNC_OPS, Graph, Node, layer_tags, saved_layer_tags
 from ..ir.graph import SAVE_INPUTS
-from .base import Pass
+from .base import Pass, PassContext
 from .verify import check
 
 
@@ -34,7 +34,7 @@ def _load_race(problem: str) -> bool:
 class InsertKvSave(Pass):
     name = "insert_kv_save"
 
-    def requires(self, graph, ctx) -> list[str]:
+    def requires(self, graph: Graph, ctx: PassContext) -> list[str]:
         problems = [f"node {n.id} is on stream {n.stream}, the builder puts everything on {MAIN_STREAM}"
                     for n in graph.nodes if n.stream != MAIN_STREAM and n.op != "kv_load"]
         problems += [f"node {n.id} ({n.op}) exists before the save is inserted"
@@ -49,7 +49,7 @@ class InsertKvSave(Pass):
         problems += [f"kv_write {nid} belongs to no layer" for nid in writes]
         return problems + [p for p in check(graph) if not _load_race(p)]
 
-    def run(self, graph, ctx) -> None:
+    def run(self, graph: Graph, ctx: PassContext) -> None:
         spec, v = ctx.spec, ctx.variant
         saves = spec.variant_saves(v)
         gran = spec.variant_granularity(v)
@@ -77,7 +77,7 @@ class InsertKvSave(Pass):
                            writes=tuple(staging), attrs=dict(owner)), after=f"{tags[-1]}.kv_write")
         graph.add(Node("host.pool_put", "pool_put", HOST_STREAM, reads=tuple(staging), attrs=dict(owner)))
 
-    def ensures(self, graph, ctx) -> list[str]:
+    def ensures(self, graph: Graph, ctx: PassContext) -> list[str]:
         m = graph.meta
         problems = [f"node {n.id} ({n.op}) inserted: this pass adds no events" for n in graph.nodes if n.op in SYNC_OPS]
         saves = [n for n in graph.nodes if n.op == "kv_save"]

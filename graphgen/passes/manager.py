@@ -15,7 +15,7 @@ and its ``ensures`` after it, and every node is re-checked against its op schema
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ..families.build import build_graph
 from ..ir.graph import Graph
@@ -29,6 +29,9 @@ from .sequence_parallel import SequenceParallel
 from .shard import Shard
 from .verify import Verify
 
+if TYPE_CHECKING:
+    from ..modelspec.model import ModelSpec
+
 BUILD = "build"
 PIPELINE = (Shard(), SequenceParallel(), ContextParallel(), InsertKvLoad(), InsertKvSave(), InsertEvents(), Verify())
 PASS_NAMES = (BUILD, *(p.name for p in PIPELINE))  # the stages on_pass reports, in order
@@ -40,10 +43,10 @@ def schema_problems(graph: Graph) -> list[str]:
     return [p for n in graph.nodes for p in check_node(n, graph.names)]
 
 
-def run_pipeline(spec, variant_name: str, *, spec_file: str = "", until: Optional[str] = None,
+def run_pipeline(spec: ModelSpec, variant_name: str, *, spec_file: str = "", until: Optional[str] = None,
                  on_pass: Optional[Callable[[str, Graph], None]] = None, check: bool = True) -> Graph:
     """Build the verified graph of one variant (or the graph after stage ``until``)."""
-    until = ALIASES.get(until, until)
+    until = ALIASES.get(until, until) if until is not None else None
     if until is not None and until not in PASS_NAMES:
         raise ValueError(f"unknown pass {until!r}; passes: {', '.join(PASS_NAMES)}")
     ctx = PassContext(spec=spec, variant_name=variant_name, spec_file=spec_file)

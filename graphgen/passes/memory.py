@@ -9,10 +9,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..families import FAMILIES
 from ..families.parallel import rank_kv_components
 from ..ir.weights import graph_weight_names, parse_shard
+
+if TYPE_CHECKING:
+    from ..ir.graph import Graph
+    from ..modelspec.model import ModelSpec
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
@@ -45,7 +50,7 @@ class RankMemory:
                 f"total {_size(self.total_bytes)}")
 
 
-def kv_blocks_needed(spec) -> int:
+def kv_blocks_needed(spec: ModelSpec) -> int:
     """Blocks one rank holds for the NPU target's largest decode batch at its max_model_len (the target's
     defaults when the spec has no NPU target): every DP group has a batch of its own, and KV is replicated
     over the CP and TP ranks (the MLA latent) or split by KV heads, so the count is per rank either way."""
@@ -57,7 +62,7 @@ def kv_blocks_needed(spec) -> int:
     return npu.decode_batch_buckets[-1] * math.ceil(max_len / spec.kv_cache.block_size)
 
 
-def rank_memory(spec, graphs) -> RankMemory:
+def rank_memory(spec: ModelSpec, graphs: Iterable[Graph]) -> RankMemory:
     """``graphs``: the spec's graphs after ``shard`` (every variant reads the same weights; the union
     is counted once)."""
     fam = FAMILIES[spec.family]
@@ -77,7 +82,7 @@ def rank_memory(spec, graphs) -> RankMemory:
     return RankMemory(par.tp, par.ep, weight_bytes, kv, kv_blocks_needed(spec), par.dp, par.cp)
 
 
-def memory_problems(spec, mem: RankMemory, device_memory_gib=None) -> list[str]:
+def memory_problems(spec: ModelSpec, mem: RankMemory, device_memory_gib: Optional[float] = None) -> list[str]:
     """The layout's per-rank weights + KV against ``device_memory_gib`` (default: the spec's
     ``targets.npu.device_memory_gib``; none: nothing to check)."""
     npu = spec.targets.npu

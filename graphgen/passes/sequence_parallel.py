@@ -22,19 +22,24 @@ With ``sp`` false the pass changes nothing. Pure Python, no torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 from ..ir.graph import MAIN_STREAM, Graph, Node
-from .base import Pass
+from .base import Pass, PassContext
 from .shard import GROUP
 
+if TYPE_CHECKING:
+    from ..modelspec.model import ModelSpec
 
-def _sp(spec) -> bool:
+
+def _sp(spec: ModelSpec) -> bool:
     return bool(getattr(getattr(spec, "parallel", None), "sp", False))
 
 
 class SequenceParallel(Pass):
     name = "sequence_parallel"
 
-    def requires(self, graph, ctx) -> list[str]:
+    def requires(self, graph: Graph, ctx: PassContext) -> list[str]:
         if not _sp(ctx.spec):
             return []
         problems = [] if graph.meta.get("tp", 1) > 1 else ["sequence parallel needs the sharded graph (meta tp > 1)"]
@@ -43,7 +48,7 @@ class SequenceParallel(Pass):
                      for n in graph.nodes if n.op == "all_reduce" and n.attrs.get("group") != GROUP]
         return problems
 
-    def run(self, graph: Graph, ctx) -> None:
+    def run(self, graph: Graph, ctx: PassContext) -> None:
         if not _sp(ctx.spec):
             return
         tp = graph.meta["tp"]
@@ -53,7 +58,7 @@ class SequenceParallel(Pass):
         renamed: dict[str, str] = {}  # a shard -> its all-gathered whole, for the ops that need every token
         out: list[Node] = []
 
-        def all_tokens(name: str, node_id: str, layer) -> str:
+        def all_tokens(name: str, node_id: str, layer: Optional[int]) -> str:
             if name not in renamed:
                 whole = graph.declare(f"{name}.all", "value")
                 out.append(Node(f"{node_id}.gather_tokens", "all_gather", MAIN_STREAM, reads=(name,), writes=(whole,),
@@ -80,7 +85,7 @@ class SequenceParallel(Pass):
             out.append(Node(n.id, n.op, n.stream, reads, n.writes, n.attrs, n.layer))
         graph.replace_nodes(out)
 
-    def ensures(self, graph, ctx) -> list[str]:
+    def ensures(self, graph: Graph, ctx: PassContext) -> list[str]:
         if not _sp(ctx.spec):
             return []
         from .verify_parallel import parallel_problems

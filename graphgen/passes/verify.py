@@ -23,11 +23,13 @@ of the same stream covered by the last one.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import networkx as nx
 
 from ..ir.graph import BUFFER_KINDS, Graph
 from ..ir.ops import COLLECTIVE_OPS, check_node
-from .base import Pass
+from .base import Pass, PassContext
 from .verify_parallel import parallel_problems
 
 
@@ -107,7 +109,7 @@ def check(graph: Graph) -> list[str]:
     return problems
 
 
-def _races(graph: Graph, hb: nx.DiGraph, order: list[str]) -> list[str]:
+def _races(graph: Graph, hb: nx.DiGraph[str], order: list[str]) -> list[str]:
     sidx = {s: i for i, s in enumerate(graph.streams)}
     by_id = {n.id: n for n in graph.nodes}
     clock: dict[str, list[int]] = {}
@@ -155,7 +157,7 @@ def _races(graph: Graph, hb: nx.DiGraph, order: list[str]) -> list[str]:
 class Verify(Pass):
     name = "verify"
 
-    def run(self, graph, ctx=None) -> None:
+    def run(self, graph: Graph, ctx: Optional[PassContext] = None) -> None:
         problems = check(graph)
         if problems:
             raise VerificationError(graph.name, problems)

@@ -32,7 +32,9 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-from ..ir.graph import MAIN_STREAM, Graph
+from typing import Any
+
+from ..ir.graph import MAIN_STREAM, Graph, Node
 from ..ir.ops import COLLECTIVE_OPS, PARTIAL_OPS
 
 _RANK_WORDS = ("rank", "tp_rank", "ep_rank", "dp_rank", "cp_rank")
@@ -40,13 +42,13 @@ _RANK_WORDS = ("rank", "tp_rank", "ep_rank", "dp_rank", "cp_rank")
 _SHARD_READERS = ("residual_add", "rms_norm", "all_gather")
 
 
-def _layout(graph: Graph) -> dict:
+def _layout(graph: Graph) -> dict[str, Any]:
     m = graph.meta
     return {"tp": m.get("tp", 1), "ep": m.get("ep", 1), "dp": m.get("dp", 1), "cp": m.get("cp", 1),
             "sp": m.get("sp", False), "prefill": m.get("phase") == "prefill"}
 
 
-def _sharded_head(n, tp: int) -> bool:
+def _sharded_head(n: Node, tp: int) -> bool:
     return n.op == "lm_head" and tp > 1 and str(n.attrs.get("w_head", "")).endswith(f"/{tp}]")
 
 
@@ -91,8 +93,8 @@ def parallel_problems(graph: Graph) -> list[str]:
         if group not in sizes or n.attrs.get("size") != sizes[group] or sizes[group] == 1:
             problems.append(f"collective {n.id}: group {group!r} size {n.attrs.get('size')!r}, expected one of "
                             + ", ".join(f"group {g!r} size {s}" for g, s in sizes.items() if s > 1))
-    readers: dict[str, list] = {}
-    writer = {}
+    readers: dict[str, list[Node]] = {}
+    writer: dict[str, Node] = {}
     for n in graph.nodes:
         for r in n.reads:
             readers.setdefault(r, []).append(n)
@@ -114,22 +116,23 @@ def parallel_problems(graph: Graph) -> list[str]:
                 problems.append(f"partial result {out} of {n.id} is read by {u.id} ({u.op}) before an {want}")
     problems += _token_shard_problems(graph, writer, lay)
     problems += _context_parallel_problems(graph, writer, lay)
-    want, got = expected_collectives(graph), [(n.op, n.attrs.get("group")) for n in colls]
-    if want != got:
-        first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    expected, got = expected_collectives(graph), [(n.op, str(n.attrs.get("group"))) for n in colls]
+    if expected != got:
+        first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
         at = colls[first].id if first < len(colls) else "the end"
-        problems.append(f"collectives: {len(got)} in the graph, expected {len(want)} for its layout "
+        problems.append(f"collectives: {len(got)} in the graph, expected {len(expected)} for its layout "
                         f"(tp={tp}, dp={lay['dp']}, ep={lay['ep']}, cp={lay['cp']}, sp={str(lay['sp']).lower()}); "
                         f"first "
                         f"difference at #{first + 1} ({at}): expected "
-                        f"{' '.join(want[first]) if first < len(want) else 'none'}, got "
+                        f"{' '.join(expected[first]) if first < len(expected) else 'none'}, got "
                         f"{' '.join(got[first]) if first < len(got) else 'none'}")
     return problems
 
 
-def _token_shard_problems(graph: Graph, writer: dict, lay: dict) -> list[str]:
+def _token_shard_problems(graph: Graph, writer: dict[str, Node], lay: dict[str, Any]) -> list[str]:
     """A token shard (1/size of the step's tokens) read where every token is needed, or mixed with them."""
-    problems, shard = [], set()
+    problems: list[str] = []
+    shard: set[str] = set()
     for n in graph.nodes:
         if n.op == "reduce_scatter":
             # over group ep (dp × tp) the chunks are the DP groups' tokens cut in tp: whole at tp == 1
@@ -154,7 +157,7 @@ def _token_shard_problems(graph: Graph, writer: dict, lay: dict) -> list[str]:
     return problems
 
 
-def _context_parallel_problems(graph: Graph, writer: dict, lay: dict) -> list[str]:
+def _context_parallel_problems(graph: Graph, writer: dict[str, Node], lay: dict[str, Any]) -> list[str]:
     """CP: a prefill writes the whole step's KV (every part CP-all-gathered); KV is replicated over the
     CP ranks, so only CP rank 0's ranks save it (``writers=cp0`` on the save and the pool commit)."""
     problems = []

@@ -1,2 +1,2 @@
-"""``graphgen route``: the P/D router (`app`) and the backend-choosing policies (`policy`, shared
-with any other router). Torch-free: it only moves HTTP."""
+"""``graphgen route``: the P/D router (`app`); the backend-choosing policies it uses are
+`graphgen.balance` (shared with the data-parallel engine). Torch-free: it only moves HTTP."""

@@ -11,6 +11,9 @@ a 502 naming the flag (never the key). No decode instance up: a 503 at once. Hea
 every backend each ``health_interval_s``; a backend that fails a request is marked down until its
 next good check. Without prefill instances it only balances the decode ones (each serving as
 ``both``): a data-parallel front.
+
+``create_router`` builds one `RouterState` and an app whose routes are the module-level handlers
+below, each reading that state from ``request.app.state.router``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import contextlib
 import json
 import logging
 import time
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -28,8 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ..balance import Backend, Pool, prefix_key
 from ..netutil import bearer_authorized, is_api_path
-from .policy import Backend, Pool, prefix_key
 
 log = logging.getLogger("graphgen.route")
 KV_FIELD = "kv_transfer_params"
@@ -99,213 +103,257 @@ def one_handoff(body: dict) -> bool:
         isinstance(t, int) for t in p))
 
 
+@dataclass
+class RouterState:
+    prefill: Pool
+    decode: Pool
+    metrics: _Metrics
+    keys: list  # the API keys clients must send (bytes), or none
+    headers: dict  # what the router sends its backends (their API key)
+    health_interval_s: float = 1.0
+    prefill_timeout_s: float = 120.0
+    decode_timeout_s: float = 600.0
+    http: Any = None  # the aiohttp session (opened by the lifespan)
+    tasks: set = field(default_factory=set)  # the lease releases in flight (an unreferenced task may be collected)
+
+
+def _st(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+async def _check(st: RouterState, b: Backend) -> None:
+    try:
+        async with st.http.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            b.healthy = r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        b.healthy = False
+
+
+async def _check_all(st: RouterState) -> None:
+    await asyncio.gather(*(_check(st, b) for b in st.prefill.backends + st.decode.backends))
+
+
+async def _health_loop(st: RouterState) -> None:
+    while True:
+        await asyncio.sleep(st.health_interval_s)
+        await _check_all(st)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    st: RouterState = app.state.router
+    st.http = aiohttp.ClientSession(headers=st.headers, timeout=aiohttp.ClientTimeout(total=None))
+    await _check_all(st)  # before the first request: who is up
+    task = asyncio.create_task(_health_loop(st))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await st.http.close()
+
+
+async def auth(request: Request, call_next):
+    keys = _st(request).keys
+    if keys and is_api_path(request.url.path):
+        if not bearer_authorized(request.headers.get("authorization", "").encode(), keys):
+            return _error(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                          "invalid_api_key", "invalid_request_error")
+    return await call_next(request)
+
+
+async def health(request: Request):
+    st = _st(request)
+    up = bool(st.decode.healthy())
+    return JSONResponse({"status": "ok" if up else "unavailable", "prefill": len(st.prefill.healthy()),
+                         "decode": len(st.decode.healthy())}, status_code=200 if up else 503)
+
+
+async def prom(request: Request):
+    return Response(generate_latest(_st(request).metrics.registry), media_type=CONTENT_TYPE)
+
+
+async def models(request: Request):
+    st = _st(request)
+    for b in st.decode.healthy() + st.prefill.healthy():
+        try:
+            async with st.http.get(b.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status in AUTH_REFUSED:
+                    return _key_refused("prefill" if b in st.prefill.backends else "decode", b.url)
+                return JSONResponse(await r.json(), status_code=r.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            b.healthy = False
+    return _error(503, "no backend is up", "unavailable")
+
+
+async def completions(request: Request):
+    return await route(_st(request), request, "/v1/completions")
+
+
+async def chat(request: Request):
+    return await route(_st(request), request, "/v1/chat/completions")
+
+
+async def run_prefill(st: RouterState, path: str, body: dict) -> tuple[Optional[dict], Optional[Response], Optional[Backend]]:
+    """(kv_transfer_params, None, P) on success, (None, P's 4xx answer, P) for a bad request,
+    (None, None, None) when no prefill could be done: one P is tried, a failed prefill costs D's
+    recompute, not a second prefill."""
+    p = st.prefill.pick(prefix_key(body))
+    if p is None:
+        return None, None, None
+    t0 = time.perf_counter()
+    p.begin()
+    try:
+        async with st.http.post(p.url + path, json=prefill_body(body),
+                                timeout=aiohttp.ClientTimeout(total=st.prefill_timeout_s)) as r:
+            data = await r.read()
+            if r.status in AUTH_REFUSED:
+                st.metrics.backend_errors.labels(kind="prefill_auth").inc()
+                return None, _key_refused("prefill", p.url), p
+            if 400 <= r.status < 500:
+                return None, Response(data, status_code=r.status, media_type="application/json"), p
+            if r.status == 200:
+                st.metrics.prefill_s.observe(time.perf_counter() - t0)
+                return json.loads(data).get(KV_FIELD), None, p
+            st.metrics.backend_errors.labels(kind=f"prefill_{r.status}").inc()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        log.warning("prefill %s failed: %r", p.url, e)
+        p.healthy = False
+        p.failures += 1
+        st.metrics.backend_errors.labels(kind="prefill_unreachable").inc()
+    finally:
+        p.end()
+    return None, None, None
+
+
+async def _release(st: RouterState, p: Backend, params: dict) -> None:
+    try:
+        async with st.http.post(p.url + "/v1/kv/release", json={"lease_id": params.get("lease_id")},
+                                timeout=aiohttp.ClientTimeout(total=10)) as r:
+            await r.read()
+            if r.status != 200:
+                raise aiohttp.ClientError(f"HTTP {r.status}")
+        st.metrics.releases.labels(result="ok").inc()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:  # the lease expires on its own
+        log.warning("lease release on %s failed (it expires at its timeout): %r", p.url, e)
+        st.metrics.releases.labels(result="failed").inc()
+
+
+def release_later(st: RouterState, p: Backend, params: dict) -> None:
+    t = asyncio.create_task(_release(st, p, params))
+    st.tasks.add(t)
+    t.add_done_callback(st.tasks.discard)
+
+
+def _body(raw: bytes):
+    """The request body as a JSON object, or the router's own 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, _error(400, f"the request body is not valid JSON: {e}"[:300], "invalid_json", "invalid_request_error")
+    if not isinstance(body, dict):
+        return None, _error(400, "the request body must be a JSON object", "invalid_json", "invalid_request_error")
+    return body, None
+
+
+async def route(st: RouterState, request: Request, path: str):
+    t0 = time.perf_counter()
+    body, bad = _body(await request.body())
+    if bad is not None:
+        return bad
+    if not st.decode.healthy():
+        st.metrics.requests.labels(outcome="no_decode").inc()
+        return _error(503, "no decode instance is up", "unavailable")
+    direct = not one_handoff(body)
+    params, answer, p = (None, None, None) if direct else await run_prefill(st, path, body)
+    if answer is not None:
+        st.metrics.requests.labels(outcome="bad_request" if answer.status_code < 500 else "backend_auth").inc()
+        return answer
+    if params is None and st.prefill.backends and not direct:  # no --prefill: D serves as `both`
+        st.metrics.prefill_fallbacks.inc()
+    dbody = {k: v for k, v in body.items() if k != KV_FIELD}  # only P's handoff reaches D
+    if params:
+        dbody[KV_FIELD] = params
+    # P's lease is released once D's first body bytes came (its prefill ran, so the blocks are
+    # loaded), not at its headers: a streaming D sends those before its prefill
+    done = (lambda: release_later(st, p, params)) if params and p is not None else (lambda: None)
+    return await _to_decode(st, path, body, dbody, done, t0)
+
+
+async def _to_decode(st: RouterState, path: str, body: dict, dbody: dict, done, t0: float):
+    """D's answer, passed through (the next D while none has answered); ``done()`` once D's first
+    bytes came (or it failed)."""
+    tried: list[Backend] = []
+    while (d := st.decode.pick(prefix_key(body), tried)) is not None:
+        tried.append(d)
+        d.begin()
+        try:
+            r = await st.http.post(d.url + path, json=dbody, timeout=aiohttp.ClientTimeout(total=st.decode_timeout_s))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            d.end()
+            log.warning("decode %s failed: %r", d.url, e)
+            d.healthy = False
+            d.failures += 1
+            st.metrics.backend_errors.labels(kind="decode_unreachable").inc()
+            continue  # nothing was sent to the client yet: the next D
+        if r.status in AUTH_REFUSED:
+            r.release()
+            d.end()
+            done()
+            st.metrics.backend_errors.labels(kind="decode_auth").inc()
+            st.metrics.requests.labels(outcome="backend_auth").inc()
+            return _key_refused("decode", d.url)
+        st.metrics.requests.labels(outcome="ok" if r.status == 200 else f"decode_{r.status}").inc()
+        ctype = r.headers.get("content-type", "application/json")
+        if ctype.startswith("text/event-stream"):
+            return StreamingResponse(_relay(st, r, d, done, t0), status_code=r.status, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            data = await r.read()
+        finally:
+            r.release()
+            d.end()
+            done()
+        st.metrics.first_byte_s.observe(time.perf_counter() - t0)
+        return Response(data, status_code=r.status, media_type=ctype)
+    done()
+    st.metrics.requests.labels(outcome="no_decode").inc()
+    return _error(503, "no decode instance is up", "unavailable")
+
+
+async def _relay(st: RouterState, r, d: Backend, first, t0: float):
+    try:
+        async for chunk in r.content.iter_any():
+            if first is not None:
+                st.metrics.first_byte_s.observe(time.perf_counter() - t0)
+                release, first = first, None
+                release()
+            yield chunk
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # D died mid-stream: say so, end the stream
+        st.metrics.backend_errors.labels(kind="decode_stream").inc()
+        yield ("data: " + json.dumps({"error": {"message": f"the decode instance failed: {e!r}",
+                                                "type": "server_error", "param": None,
+                                                "code": "backend_failed"}}) + "\n\ndata: [DONE]\n\n").encode()
+    finally:
+        r.close()  # a client that went away: D sees the disconnect and aborts
+        d.end()
+        if first is not None:  # D failed before its first bytes: the lease goes anyway
+            first()
+
+
 def create_router(prefill_urls: Sequence[str], decode_urls: Sequence[str], *, policy: str = "round_robin",
                   api_keys: Sequence[str] = (), backend_api_key: Optional[str] = None,
                   health_interval_s: float = 1.0, prefill_timeout_s: float = 120.0,
                   decode_timeout_s: float = 600.0) -> FastAPI:
     prefill, decode = Pool(prefill_urls, policy), Pool(decode_urls, policy)
-    metrics = _Metrics(prefill, decode)
-    keys = [k.encode() for k in api_keys]
-    headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
-    state: dict = {}
-
-    async def check(b: Backend) -> None:
-        try:
-            async with state["http"].get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                b.healthy = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            b.healthy = False
-
-    async def check_all() -> None:
-        await asyncio.gather(*(check(b) for b in prefill.backends + decode.backends))
-
-    async def health_loop() -> None:
-        while True:
-            await asyncio.sleep(health_interval_s)
-            await check_all()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        state["http"] = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None))
-        await check_all()  # before the first request: who is up
-        task = asyncio.create_task(health_loop())
-        try:
-            yield
-        finally:
-            task.cancel()
-            await state["http"].close()
-
-    app = FastAPI(title="graphgen route", lifespan=lifespan)
-    app.state.prefill, app.state.decode, app.state.metrics = prefill, decode, metrics
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if keys and is_api_path(request.url.path):
-            if not bearer_authorized(request.headers.get("authorization", "").encode(), keys):
-                return _error(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
-                              "invalid_api_key", "invalid_request_error")
-        return await call_next(request)
-
-    @app.get("/health")
-    async def health():
-        up = bool(decode.healthy())
-        return JSONResponse({"status": "ok" if up else "unavailable", "prefill": len(prefill.healthy()),
-                             "decode": len(decode.healthy())}, status_code=200 if up else 503)
-
-    @app.get("/metrics")
-    async def prom():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models():
-        for b in decode.healthy() + prefill.healthy():
-            try:
-                async with state["http"].get(b.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                    if r.status in AUTH_REFUSED:
-                        return _key_refused("prefill" if b in prefill.backends else "decode", b.url)
-                    return JSONResponse(await r.json(), status_code=r.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-                b.healthy = False
-        return _error(503, "no backend is up", "unavailable")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await route(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await route(request, "/v1/chat/completions")
-
-    async def run_prefill(path: str, body: dict) -> tuple[Optional[dict], Optional[Response], Optional[Backend]]:
-        """(kv_transfer_params, None, P) on success, (None, P's 4xx answer, P) for a bad request,
-        (None, None, None) when no prefill could be done: one P is tried, a failed prefill costs D's
-        recompute, not a second prefill."""
-        p = prefill.pick(prefix_key(body))
-        if p is not None:
-            t0 = time.perf_counter()
-            p.begin()
-            try:
-                async with state["http"].post(p.url + path, json=prefill_body(body),
-                                              timeout=aiohttp.ClientTimeout(total=prefill_timeout_s)) as r:
-                    data = await r.read()
-                    if r.status in AUTH_REFUSED:
-                        metrics.backend_errors.labels(kind="prefill_auth").inc()
-                        return None, _key_refused("prefill", p.url), p
-                    if 400 <= r.status < 500:
-                        return None, Response(data, status_code=r.status, media_type="application/json"), p
-                    if r.status == 200:
-                        metrics.prefill_s.observe(time.perf_counter() - t0)
-                        return json.loads(data).get(KV_FIELD), None, p
-                    metrics.backend_errors.labels(kind=f"prefill_{r.status}").inc()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-                log.warning("prefill %s failed: %r", p.url, e)
-                p.healthy = False
-                p.failures += 1
-                metrics.backend_errors.labels(kind="prefill_unreachable").inc()
-            finally:
-                p.end()
-        return None, None, None
-
-    async def release(p: Backend, params: dict) -> None:
-        try:
-            async with state["http"].post(p.url + "/v1/kv/release", json={"lease_id": params.get("lease_id")},
-                                          timeout=aiohttp.ClientTimeout(total=10)) as r:
-                await r.read()
-                if r.status != 200:
-                    raise aiohttp.ClientError(f"HTTP {r.status}")
-            metrics.releases.labels(result="ok").inc()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:  # the lease expires on its own
-            log.warning("lease release on %s failed (it expires at its timeout): %r", p.url, e)
-            metrics.releases.labels(result="failed").inc()
-
-    tasks: set = set()  # the releases in flight (a task nobody references may be collected)
-
-    def release_later(p: Backend, params: dict) -> None:
-        t = asyncio.create_task(release(p, params))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-
-    async def route(request: Request, path: str):
-        t0 = time.perf_counter()
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            return _error(400, f"the request body is not valid JSON: {e}"[:300], "invalid_json", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_json", "invalid_request_error")
-        if not decode.healthy():
-            metrics.requests.labels(outcome="no_decode").inc()
-            return _error(503, "no decode instance is up", "unavailable")
-        direct = not one_handoff(body)
-        params, answer, p = (None, None, None) if direct else await run_prefill(path, body)
-        if answer is not None:
-            metrics.requests.labels(outcome="bad_request" if answer.status_code < 500 else "backend_auth").inc()
-            return answer
-        if params is None and prefill.backends and not direct:  # no --prefill: D serves as `both`
-            metrics.prefill_fallbacks.inc()
-        dbody = {k: v for k, v in body.items() if k != KV_FIELD}  # only P's handoff reaches D
-        if params:
-            dbody[KV_FIELD] = params
-        tried: list[Backend] = []
-        while (d := decode.pick(prefix_key(body), tried)) is not None:
-            tried.append(d)
-            d.begin()
-            try:
-                r = await state["http"].post(d.url + path, json=dbody,
-                                             timeout=aiohttp.ClientTimeout(total=decode_timeout_s))
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                d.end()
-                log.warning("decode %s failed: %r", d.url, e)
-                d.healthy = False
-                d.failures += 1
-                metrics.backend_errors.labels(kind="decode_unreachable").inc()
-                continue  # nothing was sent to the client yet: the next D
-            # P's lease is released once D's first body bytes came (its prefill ran, so the blocks are
-            # loaded), not at its headers: a streaming D sends those before its prefill
-            done = (lambda: release_later(p, params)) if params and p is not None else (lambda: None)
-            if r.status in AUTH_REFUSED:
-                r.release()
-                d.end()
-                done()
-                metrics.backend_errors.labels(kind="decode_auth").inc()
-                metrics.requests.labels(outcome="backend_auth").inc()
-                return _key_refused("decode", d.url)
-            metrics.requests.labels(outcome="ok" if r.status == 200 else f"decode_{r.status}").inc()
-            ctype = r.headers.get("content-type", "application/json")
-            if not ctype.startswith("text/event-stream"):
-                try:
-                    data = await r.read()
-                finally:
-                    r.release()
-                    d.end()
-                    done()
-                metrics.first_byte_s.observe(time.perf_counter() - t0)
-                return Response(data, status_code=r.status, media_type=ctype)
-            return StreamingResponse(_relay(r, d, done, t0), status_code=r.status, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        if params and p is not None:
-            release_later(p, params)
-        metrics.requests.labels(outcome="no_decode").inc()
-        return _error(503, "no decode instance is up", "unavailable")
-
-    async def _relay(r, d: Backend, first, t0: float):
-        try:
-            async for chunk in r.content.iter_any():
-                if first is not None:
-                    metrics.first_byte_s.observe(time.perf_counter() - t0)
-                    release, first = first, None
-                    release()
-                yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # D died mid-stream: say so, end the stream
-            metrics.backend_errors.labels(kind="decode_stream").inc()
-            yield ("data: " + json.dumps({"error": {"message": f"the decode instance failed: {e!r}",
-                                                    "type": "server_error", "param": None,
-                                                    "code": "backend_failed"}}) + "\n\ndata: [DONE]\n\n").encode()
-        finally:
-            r.close()  # a client that went away: D sees the disconnect and aborts
-            d.end()
-            if first is not None:  # D failed before its first bytes: the lease goes anyway
-                first()
-
+    st = RouterState(prefill, decode, _Metrics(prefill, decode), [k.encode() for k in api_keys],
+                     {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {},
+                     health_interval_s, prefill_timeout_s, decode_timeout_s)
+    app = FastAPI(title="graphgen route", lifespan=_lifespan)
+    app.state.router, app.state.prefill, app.state.decode, app.state.metrics = st, prefill, decode, st.metrics
+    app.middleware("http")(auth)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", prom, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     return app

@@ -3,8 +3,9 @@
 It needs the ``runtime`` extra (torch, safetensors, numpy): importing any part of it without that
 extra fails here, with one sentence naming the extra, rather than deep inside a submodule with a
 bare ``No module named 'torch'``. Names are resolved lazily, so a torch-free part
-(``graphgen.runtime.pool``) never imports torch itself. Everything else under ``graphgen.runtime``
-is internal: see docs/runtime.md for the parts.
+(``graphgen.runtime.pool``) never imports torch itself: a pool process (``mooncake_server``, the rank
+launcher's shared pool) does not pay for importing it, though like every part it needs the extra
+installed. Everything else under ``graphgen.runtime`` is internal: see docs/runtime.md for the parts.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ _EXPORTS = {
     "LLMEngine": "engine.step_loop",
     "SamplingParams": "engine.sampling", "SEED_RANGE": "engine.sampling", "MIN_TEMPERATURE": "engine.sampling",
     "VALUE_RANGES": "engine.sampling", "StructuredOutput": "engine.grammar",
+    "compiled_matcher": "engine.grammar", "warm_up_grammars": "engine.grammar",
     "speculative_refusal": "engine.spec_decode",
     "RequestOutput": "engine.request", "RequestResult": "engine.request", "FINISH_REASONS": "engine.request",
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
     "register_rank_target": "parallel.rank",
     "OutOfBlocks": "core.kvcache",
     "Faults": "core.faults",
+    "Deadlines": "progress", "current_progress": "progress",
     "PoolBackend": "pool", "HostPool": "pool", "make_pool": "pool", "DEFAULT_POOL_BYTES": "pool",
     "chain_digests": "pool.keys",
     "load_hf_weights": "checkpoint.hf", "write_random_hf_checkpoint": "checkpoint.hf",

@@ -42,6 +42,8 @@ def _cpu(spec, weights, *, spec_file: str, pool, **options):
     from .checkpoint.hf import load_hf_weights
     from .engine.facade import cpu_engine
 
+    options.pop("rank_timeout", None)  # one process: no rank process to hold to the start deadlines
+
     if not isinstance(weights, dict):
         weights = load_hf_weights(weights, mtp_layers=spec.mtp_layers)
     return cpu_engine(spec, weights, spec_file=spec_file, pool=pool, **options)

@@ -5,11 +5,14 @@ prefills grouped by variant, decodes batched, the newest request preempted and r
 blocks run out), async scheduling (step N+1 planned while step N runs), token-level stops,
 sampling per request from its `SamplingParams` — and this adapter only translates:
 
-- sampling: a sampled request without a seed gets one chosen here, so every rank of a
-  tensor-parallel engine (which samples with its own copy of the request's sampler) draws the same
-  token; greedy requests are one ``argmax`` over the batch, exactly ``Engine.generate``'s tokens;
-- several ranks (``tp``/``ep`` > 1): the engine is a `DistributedEngine` and ``engine.llm`` its
-  `DistributedLLM`, which runs every call on every rank. No trace spans or timings come back from
+- sampling: the one seed rule (`seeded`): copy j of a seeded request draws with ``seed + j``, a
+  sampled request without a seed gets one chosen here, so every rank of a tensor-parallel engine
+  (which samples with its own copy of the request's sampler) draws the same token; greedy requests
+  are one ``argmax`` over the batch, exactly ``Engine.generate``'s tokens;
+- P/D: ``kv_naming`` / ``kv_pool`` / ``saves_in_flight`` read the engine's pool, block naming and
+  connector (one rank only: ranks hold their caches in other processes);
+- several ranks (``tp``/``ep``/``cp``/``dp`` > 1): a `DistributedEngine` (``dp``: `DataParallelEngine`); ``engine.llm``
+  runs every call on every rank (``dp``: a request on the rank `DPRouter` picks). No trace spans or timings come back from
   the rank processes (only the adapter's ``step`` span);
 - stats: ``LLMEngine.stats()`` -> `EngineStats` (the server's gauges and totals);
 - timings and trace spans: a `StepObserver` attached to the engine (``Engine.observe``): the
@@ -26,12 +29,23 @@ from typing import Iterable, Optional, Sequence
 
 from ..runtime import DistributedEngine, Engine, RequestOutput, SamplingParams, speculative_refusal
 from ..trace import NULL, TRACK_SCHEDULER, StepObserver, TraceRecorder
-from .engine_api import EngineStats
+from .engine_api import CacheNaming, EngineStats
 
 log = logging.getLogger("graphgen.serve")
 
 # LLMEngine.stats() keys the server shows besides EngineStats' own fields
 _EXTRA = ("hit_blocks", "loaded_blocks", "prefill_tokens")
+
+
+def seeded(params: SamplingParams, copy: int = 0) -> SamplingParams:
+    """The seed a request draws with: greedy needs none; copy ``j`` of a seeded request ``seed + j``
+    (each copy its own draws, reproducibly); no seed: a random one (not reproducible for the
+    client, as OpenAI's API, but the same on every rank)."""
+    if params.greedy:
+        return params
+    if params.seed is None:
+        return dataclasses.replace(params, seed=secrets.randbits(63))
+    return dataclasses.replace(params, seed=(params.seed + copy) % (1 << 63)) if copy else params
 
 
 class LLMEngineAdapter:
@@ -50,10 +64,9 @@ class LLMEngineAdapter:
 
     # ---- the interface ------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    fork_of: Optional[str] = None) -> None:
+                    fork_of: Optional[str] = None, copy: int = 0) -> None:
         prompt = [int(t) for t in prompt_ids]
-        if not params.greedy and params.seed is None:  # not reproducible for the client, as OpenAI's API
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        params = seeded(params, copy)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds {self.max_model_len}")
         self.llm.add_request(req_id, prompt, params, fork_of=fork_of)
@@ -88,6 +101,21 @@ class LLMEngineAdapter:
                            spec_decode_num_accepted_tokens_per_pos=tuple(
                                s.get("spec_decode_num_accepted_tokens_per_pos", ())),
                            extra={k: s[k] for k in _EXTRA if k in s})
+
+    # ---- P/D (serve/pd.py): read-only, any thread ------------------------------------------------
+    def kv_naming(self) -> Optional[CacheNaming]:
+        if isinstance(self.engine, DistributedEngine):
+            return None
+        from ..runtime import chain_digests
+
+        e, bs = self.engine, self.engine.block_size
+        return CacheNaming(bs, e.cache.layout, lambda p: chain_digests(p, bs), e.loader.block_keys)
+
+    def kv_pool(self):
+        return None if isinstance(self.engine, DistributedEngine) else self.engine.pool
+
+    def saves_in_flight(self) -> int:
+        return 0 if isinstance(self.engine, DistributedEngine) else self.engine.connector.in_flight()
 
     def take_timings(self) -> list[tuple[str, float]]:
         return self.observer.take_timings()

@@ -27,7 +27,9 @@ from ..engine_args import (
     check_engine_arguments,
     engine_options,
     layout_refusal,
+    rank_count,
     target_note,
+    thread_options,
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -41,7 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on stdout)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the spec's name)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
-    p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="info adds an access log line per request (graphgen.serve.access)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -79,22 +80,6 @@ def _err(msg: str) -> int:
     return EXIT_INVALID
 
 
-def _ranks(args) -> int:
-    """How many rank processes the layout asks for (the overrides, else the spec's ``parallel:``)."""
-    tp, ep, cp = args.tp, args.ep, getattr(args, "cp", 1)
-    if tp is None or ep is None or cp is None:  # not given: the spec's own layout decides
-        try:
-            from ..modelspec.loader import load_spec
-
-            par = load_spec(args.spec).parallel
-        except Exception:  # a bad spec is reported, with its location, where the engine loads it
-            par = None
-        tp = tp if tp is not None else getattr(par, "tp", 1)
-        ep = ep if ep is not None else getattr(par, "ep", 1)
-        cp = cp if cp is not None else getattr(par, "cp", 1)
-    return max(tp, ep) * cp
-
-
 def load_tokenizer(folder: Path):
     """The checkpoint folder's tokenizer, or None when it has none (prompts are then token ids)."""
     from ..runtime import load_tokenizer as load
@@ -108,7 +93,7 @@ def check_args(args):
     problem = check_engine_arguments(args)
     if problem:
         return problem, None
-    for flag, low in (("max_request_bytes", 1), ("torch_threads", 1)):
+    for flag, low in (("max_request_bytes", 1),):
         v = getattr(args, flag)
         if v is not None and v < low:
             return f"--{flag.replace('_', '-')} must be >= {low}, got {v}", None
@@ -143,10 +128,10 @@ def check_args(args):
         return f"--speculative mtp does not combine with --role {args.role} yet (docs/mtp.md)", None
     if args.role != "both":  # the handoff goes through a pool both instances see
         write = args.write or spec.pool.write
-        if write == "off" or args.pool == "host" or _ranks(args) > 1:
+        if write == "off" or args.pool == "host" or rank_count(args, spec) > 1:
             return (f"--role {args.role} hands the KV over through a shared pool: it needs --pool "
                     f"mooncake://HOST:PORT (not host), a --write other than off, and one rank "
-                    f"(got --pool {args.pool}, write {write}, {_ranks(args)} rank(s))"), None
+                    f"(got --pool {args.pool}, write {write}, {rank_count(args, spec)} rank(s))"), None
     bs = spec.kv_cache.block_size
     need = -(-2 // bs)  # one prompt token and one generated token
     if args.num_blocks < need:
@@ -211,21 +196,17 @@ def chat_setup(args, spec):
 
 
 def _serve(args, weights: Path, sock, api_keys, spec) -> int:
-    import torch
-
     from ..runtime import Faults, RankFailure, open_engine
     from ..trace import NULL, TraceRecorder
     from .adapter import LLMEngineAdapter
     from .app import create_app
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
     try:
         faults = Faults.parse(args.faults) if args.faults else None
     except ValueError as e:
         return _err(f"--faults: {e}")
     # several ranks: a DistributedEngine (one process per rank, each with torch_threads threads)
-    ranks = {"threads": args.torch_threads} if _ranks(args) > 1 else {}
+    ranks = thread_options(args, spec)
     unavailable: tuple = ()
     if args.target == "npu":  # the NPU model runner registers the target
         from ..npu.run import NpuUnavailable
@@ -250,23 +231,8 @@ def _serve(args, weights: Path, sock, api_keys, spec) -> int:
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout,
                      api_keys=api_keys, max_request_bytes=args.max_request_bytes, tokenizer_dir=weights,
                      chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs,
-                     pd_factory=pd_factory(args, engine))
+                     role=args.role, kv_lease_timeout_s=args.kv_lease_timeout)
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
-
-
-def pd_factory(args, engine):
-    """The server's P/D role over its engine's pool and block naming (one rank only: ranks hold
-    their caches in other processes, and --role needs one rank)."""
-    from ..runtime import DistributedEngine, chain_digests
-    from .pd import PD, CacheNaming
-
-    if isinstance(engine, DistributedEngine):
-        return None
-    bs = engine.block_size
-    naming = CacheNaming(bs, engine.cache.layout, lambda p: chain_digests(p, bs), engine.loader.block_keys)
-    return lambda metrics: PD(args.role, engine.pool, naming, metrics.registry,
-                              lease_timeout_s=args.kv_lease_timeout,
-                              saves_pending=engine.connector.in_flight)
 
 
 def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0,

@@ -2,8 +2,11 @@
 
 The server never touches engine internals; it talks to a :class:`ServingEngine`:
 
-- ``add_request(req_id, prompt_ids, params)`` — queue a request (prompt already validated: ids in
-  ``[0, vocab_size)``, ``len(prompt) + params.max_tokens <= max_model_len``).
+- ``add_request(req_id, prompt_ids, params, fork_of=None, copy=0)`` — queue a request (prompt
+  already validated: ids in ``[0, vocab_size)``, ``len(prompt) + params.max_tokens <=
+  max_model_len``). ``copy`` is the request's place among the ``n`` / ``best_of`` copies of one
+  prompt: the engine's one seed rule (a seeded request's copy j draws with ``seed + j``, an unseeded
+  sampled one gets a seed of its own) lives behind this call.
 - ``abort(req_id)`` — drop it (waiting or running); its blocks are freed (blocks with a save in
   flight return to the free list once their commit lands). Unknown / finished ids are ignored.
 - ``step()`` — run one engine step; returns one :class:`RequestOutput` per request that produced
@@ -13,8 +16,13 @@ The server never touches engine internals; it talks to a :class:`ServingEngine`:
 - ``take_timings()`` — samples measured since the last call, ``(name, value)`` (seconds; counts for
   ``prefill_tokens`` and ``decode_rows_stalled``) with ``name`` in ``TIMING_NAMES``, for the histograms of ``/metrics``.
 - ``shutdown()`` — abort what is left, commit every pending save, release the engine.
+- P/D (serve/pd.py): ``kv_naming()`` — how the engine names a prompt's blocks in its pool (a
+  `CacheNaming`), or None when it cannot hand blocks over (several ranks); ``kv_pool()`` — that
+  pool; ``saves_in_flight()`` — host commits not landed yet.
 
-Threading: every method is called from ONE thread, the server's engine-loop thread. Token-level
+Threading: every method is called from ONE thread, the server's engine-loop thread, except the
+three P/D reads (``kv_naming``, ``kv_pool``, ``saves_in_flight``), which only read and may be
+called from any thread. Token-level
 stops (stop token ids, EOS, ``max_tokens``) are the engine's; stop *strings* are the server's (it
 has the text) — it aborts the request when one appears.
 
@@ -25,11 +33,12 @@ has the text) — it aborts the request when one appears.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..runtime import FINISH_REASONS, RequestOutput, SamplingParams
 
-__all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "TIMING_NAMES", "FINISH_REASONS"]
+__all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "TIMING_NAMES", "FINISH_REASONS",
+           "CacheNaming"]
 # forward: one step's generated graph (any phase); save: forward start -> the step's saved KV is in
 # staging (the host event);
 # commit: host event -> every block of the step put into the pool.
@@ -65,6 +74,20 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CacheNaming:
+    """How an engine names a prompt's blocks: chain digests, pool keys, layout (P/D's handoff)."""
+
+    block_size: int
+    layout: str
+    digests: Callable[[Sequence[int]], list]   # chain digest of every full block
+    keys: Callable[[Sequence[int]], list]      # pool key of every full block
+
+    def handed_off(self, prompt: Sequence[int]) -> int:
+        """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
+        return (len(prompt) - 1) // self.block_size
+
+
 class ServingEngine(Protocol):
     model_name: str
     vocab_size: int
@@ -73,7 +96,7 @@ class ServingEngine(Protocol):
     # fork_of: the id of an earlier request with the same prompt whose prompt KV this one shares
     # (n / best_of: one prefill); aborting that parent with forks=True aborts its children too
     def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    fork_of: Optional[str] = None) -> None: ...
+                    fork_of: Optional[str] = None, copy: int = 0) -> None: ...
 
     def abort(self, req_id: str, forks: bool = True) -> None: ...
 
@@ -86,3 +109,9 @@ class ServingEngine(Protocol):
     def take_timings(self) -> list[tuple[str, float]]: ...
 
     def shutdown(self) -> None: ...
+
+    def kv_naming(self) -> Optional[CacheNaming]: ...
+
+    def kv_pool(self) -> Any: ...
+
+    def saves_in_flight(self) -> int: ...

@@ -56,12 +56,13 @@ class EngineLoop:
         self._ready.wait(timeout_s)
 
     def submit(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-               on_output: Callable[[RequestOutput], None], fork_of: Optional[str] = None) -> None:
-        self._inbox.put(("add", req_id, list(prompt_ids), params, on_output, time.perf_counter(), fork_of))
+               on_output: Callable[[RequestOutput], None], fork_of: Optional[str] = None, copy: int = 0) -> None:
+        self._inbox.put(("add", req_id, list(prompt_ids), params, on_output, time.perf_counter(), fork_of, copy))
 
-    def abort(self, req_id: str, forks: bool = True) -> None:
-        """``forks=False``: only this request (one choice cut at a stop string), not its forks."""
-        self._inbox.put(("abort", req_id, forks))
+    def abort(self, req_id: str, forks: bool = True, reason: str = "abort") -> None:
+        """``forks=False``: only this request (one choice cut at a stop string), not its forks.
+        ``reason``: the finish the client saw, counted in the metrics (``stop`` for a stop string)."""
+        self._inbox.put(("abort", req_id, forks, reason))
 
     def stop(self, drain_timeout_s: float = 30.0, join_timeout_s: float = 120.0) -> None:
         """Let running requests finish for up to ``drain_timeout_s``, abort the rest, commit every
@@ -120,25 +121,25 @@ class EngineLoop:
     def _apply(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, on_output, arrived, fork_of = cmd
+            _, rid, ids, params, on_output, arrived, fork_of, copy = cmd
             if self._stop_deadline is not None:
                 on_output(RequestOutput(rid, (), True, "abort", error="server is shutting down"))
                 return
             try:
-                self.engine.add_request(rid, ids, params, fork_of=fork_of)
+                self.engine.add_request(rid, ids, params, fork_of=fork_of, copy=copy)
             except ValueError as e:  # the server validates first; this is the engine's own check
                 on_output(RequestOutput(rid, (), True, "error", num_prompt_tokens=len(ids), error=str(e)))
                 return
             self._tracks[rid] = _Track(on_output, arrived, prompt_len=len(ids))
         elif kind == "abort":
-            self._abort(cmd[1], forks=cmd[2])
+            self._abort(cmd[1], forks=cmd[2], reason=cmd[3])
         elif kind == "stop":
             self._stop_deadline = cmd[1]
 
-    def _abort(self, rid: str, error: Optional[str] = None, forks: bool = True) -> None:
+    def _abort(self, rid: str, error: Optional[str] = None, forks: bool = True, reason: str = "abort") -> None:
         if rid in self._tracks:
             self.engine.abort(rid, forks)
-            self._finish(rid, RequestOutput(rid, (), True, "abort", error=error))
+            self._finish(rid, RequestOutput(rid, (), True, reason, error=error))
 
     def _step(self) -> None:
         started = time.perf_counter()

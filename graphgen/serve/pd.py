@@ -25,9 +25,9 @@ from typing import Callable, Optional, Sequence
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from .engine_api import CacheNaming
 from .errors import ApiError
 
 ROLES = ("prefill", "decode", "both")
@@ -75,20 +75,6 @@ class Handoff:
                    want("lease_expires_ms", is_int, "an integer >= 0"))
 
 
-@dataclass(frozen=True)
-class CacheNaming:
-    """How this server's engine names a prompt's blocks: chain digests, pool keys, layout."""
-
-    block_size: int
-    layout: str
-    digests: Callable[[Sequence[int]], list]   # chain digest of every full block
-    keys: Callable[[Sequence[int]], list]      # pool key of every full block
-
-    def handed_off(self, prompt: Sequence[int]) -> int:
-        """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
-        return (len(prompt) - 1) // self.block_size
-
-
 class PD:
     """A server's role and its handoff counters (registered on the server's metrics)."""
 
@@ -106,6 +92,16 @@ class PD:
         self.releases = Counter("graphgen_pd_lease_releases", "POST /v1/kv/release: released or unknown.",
                                 ["result"], registry=registry)
         registry.register(self)
+
+    @classmethod
+    def for_engine(cls, engine, role: str, registry, lease_timeout_s: float = 30.0) -> Optional["PD"]:
+        """The role over a `ServingEngine`'s pool and block naming, through its P/D methods; None
+        when the engine cannot hand blocks over (several ranks)."""
+        naming = engine.kv_naming()
+        if naming is None:
+            return None
+        return cls(role, engine.kv_pool(), naming, registry, lease_timeout_s=lease_timeout_s,
+                   saves_pending=engine.saves_in_flight)
 
     def collect(self):  # the pool's live leases, read at scrape time
         g = GaugeMetricFamily("graphgen_pd_leases", "Pool leases live now (handed-off blocks pinned).")
@@ -177,17 +173,6 @@ class PD:
         ok = bool(self.pool.release(lease_id))
         self.releases.labels(result="released" if ok else "unknown").inc()
         return ok
-
-    def add_routes(self, app, read_body) -> None:
-        """``POST /v1/kv/release {"lease_id"}``: ends a lease early (D has loaded the blocks)."""
-        from .protocol import parse_json
-
-        @app.post("/v1/kv/release")
-        async def kv_release(request: Request):
-            lease_id = parse_json(await read_body(request)).get("lease_id")
-            if not isinstance(lease_id, str) or not lease_id:
-                raise ApiError("'lease_id' must be a non-empty string", param="lease_id", code="invalid_type")
-            return {"lease_id": lease_id, "released": self.release(lease_id)}
 
     # ---- D ------------------------------------------------------------------------------------
     def accept(self, prompt: Sequence[int], h: Handoff) -> bool:

@@ -1,10 +1,11 @@
 """OpenAI request parsing and validation: user input becomes a :class:`Parsed` or an :class:`ApiError`.
 
-Every rule here answers bad input with a 400 naming the field (``param``), the way OpenAI's API does;
-unknown fields are ignored. Unsupported features are refused, not silently dropped: ``suffix``,
-``functions``, ``tools`` on completions. Logprobs, echo, ``n``/``best_of``, penalties, ``logit_bias``,
-``min_tokens``, ``bad_words`` and ``allowed_token_ids`` are parsed by `sampling_fields`; chat's
-``tools`` by serve/tools.py; ``response_format`` by serve/structured.py.
+Every rule here answers bad input with a 400 naming the field (``param``), the way OpenAI's API does.
+Every field of OpenAI's and vLLM's APIs is listed in serve/fields.py as supported, refused (a 400
+naming it, `check_refused`) or ignored with a reason; fields outside both APIs are ignored (as vLLM).
+Logprobs, echo, ``n``/``best_of``, penalties, ``logit_bias``, ``min_tokens``, ``bad_words`` and
+``allowed_token_ids`` are parsed by `sampling_fields`; chat's fields by serve/chat_request.py;
+``response_format`` by serve/structured.py.
 """
 
 from __future__ import annotations
@@ -17,12 +18,19 @@ from typing import Any, Optional
 
 from ..runtime import MIN_TEMPERATURE, SEED_RANGE, SamplingParams  # one home: the engine's rules
 from .errors import ApiError  # noqa: F401  (re-exported: the routes and tests import it from here)
+from .fields import check_refused
 from .sampling_fields import DEFAULT_MAX_LOGPROBS, FanOut, FieldError, parse_fields, zero_max_tokens
 
 MAX_STOP = 1024  # OpenAI's cap is 4; vLLM has none (lm-eval's code tasks send 5): a bound on the matching work
 MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (deeper: a 400, before json.loads)
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's
 DEFAULT_COMPLETION_TOKENS = 16  # completions without max_tokens (OpenAI's default); chat: up to the context
+
+
+@dataclass(frozen=True)
+class TextRules:
+    include_stop: bool = False  # include_stop_str_in_output: a stop string stays at the end
+    skip_special: bool = True  # skip_special_tokens: special tokens (EOS) are not text
 
 
 @dataclass(frozen=True)
@@ -32,8 +40,10 @@ class Parsed:
     stream: bool
     include_usage: bool  # stream_options.include_usage
     model: str
-    chat: Optional[dict] = None  # chat output parsing (serve/tools.py ChatOutput's arguments), or None
+    chat: Optional[dict] = None  # chat output parsing (serve/chat_output.py ChatOutput's arguments), or None
     fan: FanOut = FanOut()  # n / best_of / echo / logprobs (sampling_fields)
+    grammar_field: Optional[str] = None  # the field that asked for params.structured (its 400s name it)
+    text: TextRules = TextRules()  # how token ids become the returned text
 
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
@@ -129,12 +139,12 @@ class Context:
         # params -> (field, sentence) when the engine cannot run them (speculative decoding), or None
         self.refusal = None
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str, add_special: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(f"'{param}' is text but the checkpoint folder has no tokenizer: send token ids",
                            param=param, code="no_tokenizer")
         try:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special))
         except Exception as e:  # e.g. text the tokenizer cannot take: the request's fault, not the server's
             raise ApiError(f"'{param}' could not be tokenized: {e}"[:300], param=param, code="invalid_value") from None
 
@@ -151,18 +161,31 @@ def _number(body, name, default: float) -> float:
     return f
 
 
-def _common(body: dict, ctx: Context, chat: bool = False) -> tuple[dict, bool, bool, str, FanOut]:
-    """The fields both routes share: (SamplingParams keyword arguments — ``max_tokens`` None when
-    not given —, stream, include_usage, model, fan-out)."""
+def _flag(body, name: str, default: bool) -> bool:
+    return _get(body, name, lambda v: isinstance(v, bool), "a boolean", default)
+
+
+@dataclass(frozen=True)
+class Common:
+    """The fields both routes share."""
+
+    kw: dict  # SamplingParams keyword arguments (max_tokens None when not given)
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    model: str
+    fan: FanOut
+    text: TextRules
+    add_special: bool  # add_special_tokens: the tokenizer's own specials (BOS) around text prompts
+
+
+def _common(body: dict, ctx: Context, chat: bool = False) -> Common:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model", code="invalid_type")
     if model not in (None, ctx.model_name):
         raise ApiError(f"the model '{model}' does not exist; this server serves '{ctx.model_name}'",
                        param="model", code="model_not_found", status=404)
-    for name in ("functions",):
-        if body.get(name) not in (None, False):
-            raise ApiError(f"'{name}' is not supported", param=name, code="unsupported_value")
+    check_refused(body, "chat" if chat else "completions")
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
         body = dict(body, max_tokens=body["max_completion_tokens"])
     # ---- issue 16: logprobs, echo, n/best_of, penalties, logit_bias, ... (sampling_fields.py) ----
@@ -183,6 +206,9 @@ def _common(body: dict, ctx: Context, chat: bool = False) -> tuple[dict, bool, b
         raise ApiError(f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}",
                        param="temperature", code="invalid_value")
     top_p = _number(body, "top_p", 1.0)
+    min_p = _number(body, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise ApiError(f"'min_p' must be in [0, 1], got {min_p}", param="min_p", code="invalid_value")
     top_k = _get(body, "top_k", _is_int, "an integer", 0)
     if top_k > 1 << 31:
         top_k = 0  # more than any vocabulary: no limit
@@ -205,11 +231,13 @@ def _common(body: dict, ctx: Context, chat: bool = False) -> tuple[dict, bool, b
     if any(not 0 <= t < ctx.vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids",
                        code="invalid_token_id")
-    stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-    ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)  # vLLM's extension
+    stream = _flag(body, "stream", False)
+    ignore_eos = _flag(body, "ignore_eos", False)  # vLLM's extension
     opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = bool(opts.get("include_usage", False))
-    kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+    text = TextRules(_flag(body, "include_stop_str_in_output", False), _flag(body, "skip_special_tokens", True))
+    add_special = _flag(body, "add_special_tokens", False)
+    kw = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
               stop=tuple(s for s in stop if s), stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos,
               **fields.params)
     # ---- structured output (serve/structured.py): response_format -> a grammar for the engine's mask
@@ -218,14 +246,20 @@ def _common(body: dict, ctx: Context, chat: bool = False) -> tuple[dict, bool, b
     kw["structured"] = structured(response_format_grammar(body.get("response_format")), ctx.tokenizer_dir,
                                   "response_format")
     # ----
-    params = _params(dict(kw, max_tokens=1))  # every field checked before any tokenization
+    check_engine(kw, ctx, fields.fan)
+    return Common(kw, stream, include_usage, ctx.model_name, fields.fan, text, add_special)
+
+
+def check_engine(kw: dict, ctx: Context, fan: FanOut) -> None:
+    """Every field checked against the engine's own rules before any tokenization: a 400 naming the
+    field the client sent (e.g. what speculative decoding cannot run)."""
+    params = _params(dict(kw, max_tokens=1))
     why = ctx.refusal(params) if ctx.refusal is not None else None
-    if why is not None:  # e.g. speculative decoding: a 400 naming the field the client sent
+    if why is not None:
         param, sentence = why
-        if param == "logprobs" and fields.fan.logprobs is None:  # asked for by best_of > n, not the client
+        if param == "logprobs" and fan.logprobs is None:  # asked for by best_of > n, not the client
             param, sentence = "best_of", "best_of > n (it ranks choices by logprobs) " + sentence.split(" ", 1)[1]
         raise ApiError(sentence, param=param, code="unsupported_value")
-    return kw, stream, include_usage, ctx.model_name, fields.fan
 
 
 def _params(kw: dict) -> SamplingParams:
@@ -250,72 +284,25 @@ def _check_ids(ids: list, ctx: Context, param: str, max_tokens: int) -> tuple[in
 
 
 def parse_completion(body: dict, ctx: Context) -> Parsed:
-    if body.get("tools") not in (None, False):
-        raise ApiError("'tools' is a chat completions field", param="tools", code="unsupported_value")
-    kw, stream, include_usage, model, fan = _common(body, ctx)
-    if kw["max_tokens"] is None:
-        kw["max_tokens"] = DEFAULT_COMPLETION_TOKENS
-    params = _params(kw)
+    c = _common(body, ctx)
+    if c.kw["max_tokens"] is None:
+        c.kw["max_tokens"] = DEFAULT_COMPLETION_TOKENS
+    params = _params(c.kw)
     p = body.get("prompt")
     if isinstance(p, str):
-        raw = [ctx.encode(p, "prompt")]
+        raw = [ctx.encode(p, "prompt", c.add_special)]
     elif isinstance(p, list) and p and all(_is_int(t) for t in p):
         raw = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        raw = [ctx.encode(x, "prompt") for x in p]
+        raw = [ctx.encode(x, "prompt", c.add_special) for x in p]
     elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
         raw = p
     else:
         raise ApiError("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                        param="prompt", code="invalid_type")
     prompts = tuple(_check_ids(ids, ctx, "prompt", params.max_tokens) for ids in raw)
-    return Parsed(prompts, params, stream, include_usage, model, fan=fan)
-
-
-def parse_chat(body: dict, ctx: Context) -> Parsed:
-    kw, stream, include_usage, model, fan = _common(body, ctx, chat=True)
-    tok = ctx.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ApiError("chat completions need a tokenizer with a chat template in the checkpoint folder",
-                       param="messages", code="no_chat_template")
-    # ---- tools, tool messages, template kwargs, parsers (serve/tools.py)
-    from .tools import check_messages, check_tools, forced_call_lark
-    from .structured import lark_grammar, structured
-
-    clean = check_messages(body.get("messages"))
-    tools, choice = check_tools(body, ctx.chat_setup)
-    extra = _get(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
-    effort = _get(body, "reasoning_effort", lambda v: v in REASONING_EFFORTS,
-                  f"one of {', '.join(REASONING_EFFORTS)}", None)
-    if effort is not None:  # the templates read it; "none" also turns thinking off (enable_thinking/thinking)
-        extra = {"enable_thinking": effort != "none", "thinking": effort != "none", **extra,
-                 "reasoning_effort": effort}
-    setup = ctx.chat_setup
-    if isinstance(choice, tuple) or choice == "required":
-        if kw["structured"] is not None:
-            raise ApiError("'response_format' and a forced 'tool_choice' cannot be combined", param="tool_choice",
-                           code="invalid_value")
-        lark = forced_call_lark(setup.tool_parser, tools, choice[1] if isinstance(choice, tuple) else None)
-        kw["structured"] = structured(lark_grammar(lark, "tool_choice"), ctx.tokenizer_dir, "tool_choice")
-    try:
-        text = tok.apply_chat_template(clean, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
-    except Exception as e:  # the template refused these messages
-        raise ApiError(f"'messages' do not fit the chat template: {e}"[:300], param="messages",
-                       code="invalid_value") from None
-    tool_parser = setup.tool_parser if (setup is not None and tools is not None and choice != "none") else None
-    forced = isinstance(choice, tuple) or choice == "required"  # the grammar starts the answer with the call
-    reasoning_parser = setup.reasoning_parser if setup is not None and not forced else None
-    chat = None
-    if tool_parser or reasoning_parser:
-        chat = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser,
-                "opened_thought": text.rstrip().endswith("<think>")}
-    # ----
-    ids = ctx.encode(text, "messages")
-    if kw["max_tokens"] is None:  # chat without max_tokens: up to the context (as vLLM)
-        kw["max_tokens"] = max(1, ctx.max_model_len - len(ids))
-    params = _params(kw)
-    return Parsed((_check_ids(ids, ctx, "messages", params.max_tokens),), params, stream, include_usage, model,
-                  chat=chat, fan=fan)
+    return Parsed(prompts, params, c.stream, c.include_usage, c.model, fan=c.fan, text=c.text,
+                  grammar_field="response_format" if params.structured is not None else None)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

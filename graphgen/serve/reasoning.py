@@ -1,14 +1,14 @@
-"""Reasoning parsers: a model's ``<think>…</think>`` becomes ``reasoning_content`` (and
-``reasoning``, the name newer clients read) instead of ``content``.
+"""Reasoning parsers: a model's ``<think>…</think>`` becomes the message's ``reasoning`` (vLLM's
+field name since its ``reasoning_content`` was removed) instead of ``content``.
 
-`ThinkParser.split(text, final)` parses the whole output so far and gives ``(reasoning, content)``;
-both only ever grow as the text grows (a partial ``</think>`` at the end is held back until it is
-decided, unless ``final``), so the streaming deltas are the growth of each field. A prompt that
-already opened the thought (DeepSeek-V3.1 in thinking mode ends its prompt with ``<think>``;
-``opened`` is then true) starts inside it. Without a ``</think>``: Qwen3's parser
-(``qwen3``) calls the output content unless it opened with ``<think>``; DeepSeek's (``deepseek_v3``,
-``deepseek_r1``) calls it reasoning when the prompt opened the thought. Named by
-``--reasoning-parser NAME`` or the family (``graphgen/families/chat.py``).
+`ThinkParser` is an incremental state machine: ``feed(text, final)`` takes the next piece of the
+output and returns ``(reasoning, content)`` decided by it; a marker that may still be completing is
+held back until it is decided (or ``final``), so the pieces fed in any split add up to the same two
+fields. A prompt that already opened the thought (DeepSeek-V3.1 in thinking mode ends its prompt
+with ``<think>``; ``opened`` is then true) starts inside it. Without a ``</think>``: the output is
+content unless it opened with ``<think>`` (after blank space) or the prompt opened the thought. The
+newlines right after ``<think>`` and right after ``</think>`` are dropped, as the chat templates
+write them. Named by ``--reasoning-parser NAME`` or the family (``graphgen/families/chat.py``).
 """
 
 from __future__ import annotations
@@ -28,23 +28,44 @@ def held_back(text: str, marker: str) -> int:
 
 class ThinkParser:
     def __init__(self, opened: bool = False):
-        self.opened = opened  # the prompt ends inside a thought
+        # "start": nothing decided yet; "think": inside the thought; "answer": content from here
+        self.state = "think" if opened else "start"
+        self.buf = ""
+        self.trim = True  # drop the newlines at the start of the current field
 
-    def split(self, text: str, final: bool = False) -> tuple[str, str]:
-        inside = self.opened
-        body = text
-        stripped = text.lstrip()
-        if stripped.startswith(START):
-            inside, body = True, stripped[len(START):]
-        elif not inside and not final and START.startswith(stripped) and stripped:
-            return "", ""  # could still become "<think>"
-        if not inside:
-            return "", text
-        cut = body.find(END)
-        if cut < 0:
-            keep = len(body) if final else len(body) - held_back(body, END)
-            return body[:keep].lstrip("\n"), ""
-        return body[:cut].lstrip("\n"), body[cut + len(END):].lstrip("\n")
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.buf += text
+        reasoning, content = "", ""
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(START):
+                self.state, self.buf = "think", head[len(START):]
+            elif final or (head and not START.startswith(head)):  # no thought: all of it is content
+                self.state, self.trim = "answer", False
+            else:  # blank space, or a part of "<think>": undecided
+                return "", ""
+        if self.state == "think":
+            cut = self.buf.find(END)
+            if cut < 0:
+                keep = 0 if final else held_back(self.buf, END)
+                reasoning = self._take(len(self.buf) - keep, final)
+                return reasoning, ""
+            reasoning = self._take(cut, True)
+            self.buf, self.state, self.trim = self.buf[len(END):], "answer", True
+        content = self._take(len(self.buf), final)
+        return reasoning, content
+
+    def _take(self, n: int, decided: bool) -> str:
+        """``buf[:n]`` out (minus leading newlines while ``trim``); a trimmed all-newline head is
+        held unless ``decided``: it may still be followed by text."""
+        piece, self.buf = self.buf[:n], self.buf[n:]
+        if self.trim:
+            stripped = piece.lstrip("\n")
+            if not stripped and not decided:
+                self.buf = piece + self.buf
+                return ""
+            piece, self.trim = stripped, not stripped and not decided
+        return piece
 
 
 PARSERS = {"qwen3": ThinkParser, "deepseek_r1": ThinkParser}  # DeepSeek-V3.1 thinks in the R1 format

@@ -88,8 +88,6 @@ def zero_max_tokens(body: dict, chat: bool) -> tuple[dict, bool]:
 
 def parse_fields(body: dict, ctx, *, chat: bool, stream: bool, drop_generated: bool) -> Fields:
     vocab, max_lp = ctx.vocab_size, getattr(ctx, "max_logprobs", DEFAULT_MAX_LOGPROBS)
-    if body.get("suffix") not in (None, ""):
-        raise _err("'suffix' is not supported", "suffix", "unsupported_value")
     n = _count(body, "n", 1, 1, MAX_N)
     best_of = _count(body, "best_of", n, 1, MAX_N)
     if best_of < n:

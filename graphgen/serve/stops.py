@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["find_stop", "holdback"]
+__all__ = ["find_stop", "first_stop", "holdback"]
+
+
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str]:
+    """(index, stop string) of the earliest stop string in ``text`` (the longest at that index), or (-1, "")."""
+    hits = [(text.find(s), -len(s), s) for s in stops if s and s in text]
+    if not hits:
+        return -1, ""
+    i, _, s = min(hits)
+    return i, s
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int:
     """Index of the earliest stop string in ``text``, or -1."""
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else -1
+    return first_stop(text, stops)[0]
 
 
 def holdback(text: str, stops: Sequence[str]) -> int:

@@ -1,4 +1,6 @@
-"""Acceptance 6 (and the CLI half of 1): `graphgen run` as a user runs it, in a subprocess.
+"""Acceptance 6 (and the CLI half of 1): `graphgen run` as a user runs it, in a subprocess (the
+entry point); the error and flag cases through the CLI's ``main`` in this interpreter
+(`support.inproc.cli_inproc`: same exit status and output, no second torch import).
 
 `--json` prints one object per prompt, in order; the prompts share one engine and pool, so a repeated
 prompt hits (write sync: the commit is done before the next prompt's lookup, so the hit is
@@ -8,7 +10,6 @@ Bad input exits 2 with a message, never a traceback."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 import e2e_util as u
 
 from graphgen.modelspec.loader import load_spec
+from support.cli import cli_inproc
 
 N_NEW = 3
 
@@ -52,7 +54,6 @@ def test_cli_run_json_logits_hits(family, imported):
 
 
 def test_cli_run_bad_input_exits_2(qwen, dsv3):
-    # independent subprocesses: start them together (each pays the torch import)
     cases = {
         "bad ids": (["--spec", u.TINY_QWEN3, "--weights", qwen.dir, "--prompt-ids", "abc"],
                     ["--prompt-ids", "expected comma-separated integers"]),
@@ -63,15 +64,13 @@ def test_cli_run_bad_input_exits_2(qwen, dsv3):
         "family mismatch": (["--spec", u.TINY_QWEN3, "--weights", dsv3.dir, "--prompt-ids", "1,2,3"],
                             ["does not match spec tiny_qwen3", "deepseek_v3", "import-hf"]),
     }
-    procs = {name: subprocess.Popen(u.cli_argv("run", *argv), cwd=u.REPO, env=u.CLI_ENV,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, (argv, _) in cases.items()}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{err}"
+    for name, (argv, needles) in cases.items():
+        res = cli_inproc("run", *argv)
+        out, err = res.stdout, res.stderr
+        assert res.returncode == 2, f"{name}: exit {res.returncode}\n{err}"
         assert "Traceback" not in err, f"{name}: {err}"
         assert out == "", f"{name}: {out}"
-        for needle in cases[name][1]:
+        for needle in needles:
             assert needle in err, f"{name}: {needle!r} not in {err!r}"
 
 
@@ -82,14 +81,12 @@ def test_cli_run_pool_policy_flag_and_a_bad_value(ckpt):
     p = ",".join(str(t) for t in range(1, 11))   # 10 tokens: 2 full blocks of tiny_qwen3 (block 4)
     base = ["run", "--spec", u.TINY_QWEN3, "--weights", ckpt, "--write", "sync", "--json",
             "--max-new-tokens", 2, "--num-blocks", 16]
-    good = subprocess.Popen(u.cli_argv(*base, "--pool-policy", "write_through_selective", "--pool-min-uses", 3,
-                                       *["--prompt-ids", p] * 4),
-                            cwd=u.REPO, env=u.CLI_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    bad = u.cli(*base, "--pool-policy", "write_sometimes", "--prompt-ids", p)
-    bad_uses = u.cli(*base, "--pool-min-uses", 0, "--prompt-ids", p)
-    out, err = good.communicate(timeout=120)
-    assert good.returncode == 0, err
-    assert [json.loads(line)["hit_tokens"] for line in out.splitlines() if line.strip()] == [0, 0, 0, 8]
+    good = cli_inproc(*base, "--pool-policy", "write_through_selective", "--pool-min-uses", 3,
+                      *["--prompt-ids", p] * 4)
+    bad = cli_inproc(*base, "--pool-policy", "write_sometimes", "--prompt-ids", p)
+    bad_uses = cli_inproc(*base, "--pool-min-uses", 0, "--prompt-ids", p)
+    assert good.returncode == 0, good.stderr
+    assert [json.loads(line)["hit_tokens"] for line in good.stdout.splitlines() if line.strip()] == [0, 0, 0, 8]
     assert bad_uses.returncode == 2 and bad_uses.stdout == "" and "Traceback" not in bad_uses.stderr
     assert bad_uses.stderr.strip().splitlines() == ["graphgen run: error: --pool-min-uses must be >= 1, got 0"], bad_uses.stderr
     assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr

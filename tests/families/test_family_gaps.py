@@ -4,8 +4,9 @@
 - ``n_shared_experts: 0`` (transformers still writes the shared-expert projections, zero-size).
 
 Each case builds a random transformers model, saves it with ``save_pretrained``, imports its config
-with ``graphgen import-hf`` and runs ``graphgen run --json --logits`` on the checkpoint, both as
-subprocesses (as a user runs them). Expected values come from transformers: the first generated
+with ``graphgen import-hf`` and runs ``graphgen run --json --logits`` on the checkpoint, both through
+the CLI's ``main`` in this interpreter (`support.inproc.cli_inproc`; the entry point as a subprocess:
+tests/e2e/test_e2e_cli.py). Expected values come from transformers: the first generated
 position's logits within 1e-4 and the greedy tokens.
 """
 
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -25,7 +24,7 @@ import torch  # noqa: E402
 
 from graphgen.families import FAMILIES  # noqa: E402
 import support.hf as hfm  # noqa: E402
-from support.paths import REPO  # noqa: E402
+from support.cli import cli_inproc  # noqa: E402
 
 ATOL = 1e-4
 
@@ -38,10 +37,8 @@ CASES = {
 }
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "graphgen.cli", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+def _cli(*args):
+    return cli_inproc(*args, timeout=300)
 
 
 def _saved_shapes(hf_dir: str) -> dict[str, tuple]:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from ir_util import REPO, golden_files, run_cli
+from support.cli import run_cli as run_cli_subprocess
 from graphgen.ir.text import parse_graph, print_graph
 
 GOLDEN = golden_files()
@@ -41,7 +42,8 @@ def test_generate_is_deterministic_across_hash_seeds(tmp_path):
     trees = []
     for seed in ("0", "12345"):
         out = tmp_path / f"out{seed}"
-        res = run_cli("generate", "--out", out, env_extra={"PYTHONHASHSEED": seed})
+        # a fresh interpreter per seed: the hash seed is fixed when an interpreter starts
+        res = run_cli_subprocess("generate", "--out", out, env_extra={"PYTHONHASHSEED": seed})
         assert res.returncode == 0, res.stderr
         trees.append(_tree(out))
     assert trees[0] and trees[0] == trees[1]

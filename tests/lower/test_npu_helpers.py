@@ -184,7 +184,10 @@ def test_expert_parallel_moe_partials_sum_to_the_reference_moe(helpers):
     want = ops.moe_residual(x, router, bias, eg, eu, ed, sg, su, sd, res, **kw)
     torch.testing.assert_close(total, want, rtol=1e-4, atol=1e-4)
     # not vacuous: the grouped matmul's rows past this rank's pairs are NaN in the stand-in
-    rows, _, counts, _ = torch.ops.npu.npu_moe_init_routing_v2(
-        x, torch.randint(0, e, (t, 2), dtype=torch.int32), active_num=2 * t, expert_num=e, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[0, local], quant_mode=-1)
-    assert counts.shape == (local,) and int(counts.sum()) < 2 * t and torch.isnan(rows[int(counts.sum()):]).all()
+    ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
+    mine = ids < local
+    sorted_ids = torch.sort(torch.where(mine, ids, torch.full_like(ids, local)).reshape(-1)).values.int()
+    ends = torch.ops.npu.npu_moe_compute_expert_tokens(sorted_ids, local + 1)[:local].long()
+    out = torch.ops.npu.npu_grouped_matmul([torch.randn(2 * t, hid)], [torch.randn(local, hid, 4)], group_list=ends,
+                                           group_list_type=0, group_type=0, split_item=2)[0]
+    assert int(ends[-1]) == int(mine.sum()) < 2 * t and torch.isnan(out[int(ends[-1]):]).all()

@@ -4,7 +4,7 @@ A stand-in compile costs seconds of Dynamo and AOT per graph (docs/testing.md); 
 trace each graph once per test run and hand the result to every test that checks it.  Tests only read
 what they get; a test that needs a different graph (a mutated module, a negative control) traces its own.
 
-- ``standin_trace(path, spec, source=None)``: `graphgen.npu.check.structure.trace`, memoized per module path,
+- ``standin_trace(path, spec, source=None)``: `graphgen.npu.run.structure.trace`, memoized per module path,
   source text and spec (test_npu_generated, test_save_join, and ``graphgen compile --standin`` in
   test_compile_cli, which reaches it through ``structure.trace``);
 - ``hw_steps``: ``graphgen compile --target npu --spec tests/npu/data/hw_tiny_qwen3.yaml --standin --steps 24``
@@ -34,7 +34,7 @@ def _remove_standin_modules_afterwards():
 @pytest.fixture(scope="session")
 def standin_trace():
     """``structure.trace`` memoized per (module path, source text, spec name): one trace per module per run."""
-    from graphgen.npu.check import structure
+    from graphgen.npu.run import structure
 
     traced: dict = {}
     real = structure.trace

@@ -70,3 +70,72 @@ def test_one_wrapper_for_every_bucket_loses_its_cache(tmp_path):
     torchair's cache_compile (as modelled) drops the entry -- or, had a process seen one bucket only, a later
     process would load that one unguarded graph for every bucket."""
     assert _decode_steps(tmp_path, [1, 3], per_bucket=False) == []
+
+
+# --------------------------------------------------------------------------- keyed by spec, variant, source (issue 27 item 6)
+def _entry(root, mod, name, keyed):
+    """Where torchair's cache_compile (as the stand-in models its key, air/inference/_cache_compiler.py:203-235)
+    puts module ``mod``'s bucket ``name``: under ``root`` itself (the old keying) or under the module's
+    `CacheKey` directory (spec, mode, variant, source hash, rank)."""
+    import torchair
+
+    from graphgen.npu.run.compile import CacheKey, bucket_method, source_hash
+
+    cache_dir = CacheKey("tiny_qwen3_npu", "max-autotune", mod.META["variant"], source_hash(mod.SOURCE)).directory(root) \
+        if keyed else root
+    wrapper = torchair.inference.cache_compile(bucket_method(mod.Model(), name), config=torchair.CompilerConfig(),
+                                               dynamic=True, cache_dir=str(cache_dir))
+    return wrapper.cache_bin
+
+
+def test_two_variants_never_share_an_entry_and_the_old_keying_collides(tmp_path):
+    """Audit 3 N5: mempool_prefill and splitfuse are both `Model()` with the same repr, options and bucket
+    names, so torchair's own key gives them ONE entry -- and LazyCompiledModel loads an existing entry
+    unguarded (:648-657): splitfuse would run mempool_prefill's graph. The negative control is that old
+    keying (the assertion below fails on it); graphgen's CacheKey directory gives each its own."""
+    from graphgen.npu.run.compile import load_module
+
+    assert standin.install()
+    try:
+        mods = []
+        for v in ("mempool_prefill", "splitfuse"):
+            path = ROOT / f"generated/tiny_qwen3_npu/npu/max_autotune/{v}.py"
+            mods.append(load_module(path))
+            mods[-1].SOURCE = path.read_text()
+        old = [_entry(tmp_path, m, "forward_bucket_b3_t128", keyed=False) for m in mods]
+        new = [_entry(tmp_path, m, "forward_bucket_b3_t128", keyed=True) for m in mods]
+    finally:
+        standin.uninstall()
+    assert old[0] == old[1]  # the collision
+    assert new[0] != new[1] and "mempool_prefill-" in str(new[0]) and "splitfuse-" in str(new[1])
+
+
+def test_the_cache_key_separates_spec_mode_variant_source_and_rank():
+    from graphgen.npu.run.compile import CacheKey, source_hash
+
+    base = CacheKey("qwen3_32b", "max-autotune", "decode", source_hash("a"), 0, 2)
+    others = [CacheKey("other", "max-autotune", "decode", source_hash("a"), 0, 2),
+              CacheKey("qwen3_32b", "reduce-overhead", "decode", source_hash("a"), 0, 2),
+              CacheKey("qwen3_32b", "max-autotune", "splitfuse", source_hash("a"), 0, 2),
+              CacheKey("qwen3_32b", "max-autotune", "decode", source_hash("a "), 0, 2),
+              CacheKey("qwen3_32b", "max-autotune", "decode", source_hash("a"), 1, 2)]
+    dirs = {k.directory("/c") for k in [base, *others]}
+    assert len(dirs) == 6
+    assert str(base.directory("/c")) == f"/c/qwen3_32b/max_autotune/decode-{source_hash('a')}/rank0of2"
+
+
+def test_cache_dir_flag_defaults_to_the_user_cache_on_an_npu_and_to_none_with_the_standin(monkeypatch):
+    import argparse
+
+    from graphgen.engine_args import add_engine_arguments, check_engine_arguments, engine_options
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p, max_num_seqs=8, async_scheduling=False)
+    base = ["--spec", "s.yaml", "--weights", "w", "--target", "npu"]
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert engine_options(p.parse_args(base))["cache_dir"] == "/xdg/graphgen/npu"
+    assert engine_options(p.parse_args(base + ["--no-compile-cache"]))["cache_dir"] is None
+    assert engine_options(p.parse_args(base + ["--standin"]))["cache_dir"] is None
+    assert engine_options(p.parse_args(base + ["--standin", "--cache-dir", "/d"]))["cache_dir"] == "/d"
+    assert "--target npu only" in check_engine_arguments(
+        p.parse_args(["--spec", "s.yaml", "--weights", "w", "--cache-dir", "/d"]))

@@ -27,7 +27,7 @@ def test_without_torch_npu_compile_fails_with_one_sentence_and_exit_3():
 
 
 def test_standin_trace_reports_structure_only(standin_trace, monkeypatch):
-    from graphgen.npu.check import structure
+    from graphgen.npu.run import structure
 
     monkeypatch.setattr(structure, "trace", standin_trace)  # the module's trace, shared with test_npu_generated
     res = cli_inproc("compile", "--target", "npu", "--spec", "specs/tiny_qwen3_npu.yaml", "--variant",
@@ -46,7 +46,7 @@ def test_compile_rejects_unknown_variant_and_mode():
 
 def test_standin_check_catches_a_dropped_wait(tmp_path, monkeypatch):
     """The CLI's check is the real aotcheck: a module without its wait fails it."""
-    from graphgen.npu.check.structure import trace_and_check
+    from graphgen.npu.run.structure import trace_and_check
     from graphgen.modelspec.loader import load_spec
 
     src = (REPO / "generated/tiny_qwen3_npu/npu/max_autotune/mempool_prefill_layer.py").read_text()

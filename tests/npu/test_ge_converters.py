@@ -101,6 +101,30 @@ def test_check_flags_missing_converters_and_python_functions():
     assert "graphgen.npu.check.geops.where is neither an OpOverload nor a builtin" in ps[2]
 
 
+def test_no_allow_list_an_npu_op_without_a_converter_fails_the_check():
+    """Audit 3 N4: the allow-list that let npu_moe_token_unpermute through (on the claim torchair would
+    build its converter from the Ascend IR; it would look for NpuMoeTokenUnpermute, CANN's op is
+    MoeTokenUnpermute) is gone, so that op -- the MoE's unpermute before this issue -- fails like any
+    other; the trio that replaced it has real converters in the table."""
+    assert not hasattr(geops, "ALLOWED")
+    (p,) = geops.check_targets(["npu.npu_moe_token_unpermute.default"], [], where="w")
+    assert "npu.npu_moe_token_unpermute.default has no GE converter" in p
+    conv = geops.load_table()["converters"]
+    for op in ("npu_moe_init_routing", "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing"):
+        assert conv[f"npu.{op}.default"]["kind"] == "real", op
+        assert conv[f"npu.{op}.default"]["sources"][0].startswith("air/_ge_concrete_graph/ge_converter/custom/")
+
+
+def _moe_ops_are_the_trio(report) -> None:
+    """Every MoE graph the converter check saw holds the trio (checked against the table like every
+    other op) and not the unpermute: the check runs on these op lists, not on an allow-list."""
+    for g in report["graphs"]:
+        if "npu.npu_moe_gating_top_k.default" in g["ops"]:
+            assert {"npu.npu_moe_init_routing.default", "npu.npu_moe_compute_expert_tokens.default",
+                    "npu.npu_moe_finalize_routing.default"} <= set(g["ops"]), (g["variant"], g["bucket"])
+            assert "npu.npu_moe_token_unpermute.default" not in g["ops"]
+
+
 def test_reduce_overhead_graphs_are_not_checked_against_ge_converters():
     assert geops.check_targets(["aten.sort.stable"], [], where="w", mode="reduce-overhead") == []
 
@@ -134,6 +158,7 @@ def test_cached_converter_check_on_tiny_npu_specs_at_every_bucket(name):
     seen = {(g["variant"], g["bucket"]["tokens"]) for g in report["graphs"]}
     assert len(seen) == len(TINY[name]) * 4, seen  # 4 buckets per variant in these specs
     assert geops.check_ops_report(report) == []
+    _moe_ops_are_the_trio(report)
 
 
 @pytest.fixture
@@ -165,6 +190,7 @@ def test_cached_converter_check_on_full_size_modules_on_meta(name, fake_group):
     report = _cached_report(name, FULL[name], True, trace)
     assert sorted(g["variant"] for g in report["graphs"]) == sorted(FULL[name])
     assert geops.check_ops_report(report) == []
+    _moe_ops_are_the_trio(report)
 
 
 # --------------------------------------------------------------------------- negative control
@@ -254,3 +280,14 @@ def test_step_mix_seed_is_the_same_in_every_process():
                           capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": s}).stdout
            for s in ("1", "2", "12345")}
     assert len(old) > 1
+
+
+def test_docs_name_the_torch_that_traced_the_op_lists():
+    """Audit 3 N11: docs/npu.md says which torch traced the cached op lists (and how to refresh them on
+    the NPU host); that statement is checked against every cache file's own record of it."""
+    docs = (ROOT / "docs/npu.md").read_text()
+    said = re.search(r"traced with torch `([^`]+)`", docs)
+    assert said, "docs/npu.md no longer says which torch traced tests/npu/data/ge_ops"
+    recorded = {json.loads(p.read_text())["key"]["torch"] for p in ge_trace.CACHE.glob("*.json")}
+    assert recorded == {said.group(1)}, recorded
+    assert "GRAPHGEN_REFRESH_GE_OPS=1" in docs and "extract_ge_converters.py --wheel" in docs

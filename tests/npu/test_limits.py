@@ -118,10 +118,19 @@ def gating(bias_dtype=torch.float32, k=8, groups=8, k_group=4):
                  renorm=0, norm_type=1, routed_scaling_factor=1.0, eps=1e-20))
 
 
-def finalize(mode=2):
+def finalize(mode=0, idx_dtype=torch.int32, skip1=False):
     rows = torch.randn(6, 8)
-    return ("npu_moe_finalize_routing", (rows, torch.randn(3, 8), None, None, torch.rand(3, 2),
-                                         torch.arange(6, dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32), mode), {})
+    return ("npu_moe_finalize_routing", (rows, torch.randn(3, 8) if skip1 else None, None, None, torch.rand(3, 2),
+                                         torch.arange(6, dtype=idx_dtype), torch.zeros(3, 2, dtype=torch.int32), mode), {})
+
+
+def init_routing(ids_dtype=torch.int32):
+    return ("npu_moe_init_routing", (torch.randn(3, 8, dtype=BF), torch.arange(6, dtype=torch.int32).view(2, 3).t(),
+                                     torch.randint(0, 4, (3, 2), dtype=ids_dtype), 3), {})
+
+
+def expert_tokens(num_expert=4):
+    return ("npu_moe_compute_expert_tokens", (torch.tensor([0, 0, 1, 3, 3, 3], dtype=torch.int32), num_expert), {})
 
 
 def unpermute(dtype=BF, idx_dtype=torch.int32, padded=False):
@@ -178,7 +187,10 @@ CASES = {
     "moe_gating.bias_dtype": (gating(), gating(bias_dtype=BF)),
     "moe_gating.groups": (gating(), gating(groups=7)),
     "moe_gating.k_max": (gating(k=32, k_group=8), gating(k=33, k_group=8)),
-    "moe_finalize.drop_pad_mode": (finalize(0), finalize(1)),
+    "moe_finalize.drop_pad_mode": (finalize(0), finalize(2)),
+    "moe_finalize.shapes": (finalize(), finalize(idx_dtype=torch.int64)),
+    "moe_init_routing.shapes": (init_routing(), init_routing(ids_dtype=torch.int64)),
+    "moe_expert_tokens.input": (expert_tokens(2048), expert_tokens(2049)),
     "moe_routing.dropless": (routing(), routing(lo=16, hi=40)),  # an expert range past expert_num
     "moe_unpermute.dtype": (unpermute(), unpermute(dtype=torch.float16)),
     "moe_unpermute.shape": (unpermute(), unpermute(padded=True)),
@@ -250,22 +262,35 @@ def test_absorbed_mla_decode_helper_runs_inside_the_v2_limits_at_tp32_heads():
         sys.modules.pop("graphgen.lower.npu_helpers", None)
 
 
-def test_unpermute_standin_reads_the_doc_example_and_matches_the_old_finalize_wiring():
+def test_unpermute_standin_reads_the_doc_example():
     """The stand-in kernel shares the doc's reading (wiring, not the kernel's meaning): the example of
-    the docstring torch_npu attaches (_op_plugin_docs.py:16966-16971) comes out as its gather reading
-    gives, and on init_routing_v2's row index it equals the finalize_routing call it replaced."""
+    the docstring torch_npu attaches (_op_plugin_docs.py:16966-16971) comes out as its gather reading gives."""
     perm = torch.tensor([[1, 1], [2, 2], [3, 3], [4, 4], [1, 1], [2, 2], [3, 3], [4, 4]], dtype=BF)
     out = torch.ops.npu.npu_moe_token_unpermute(perm, torch.tensor([0, 4, 5, 1, 2, 6, 7, 3], dtype=torch.int32),
                                                probs=torch.full((4, 2), 0.5, dtype=BF))
     assert torch.equal(out, torch.tensor([[1, 1], [2, 2], [3, 3], [4, 4]], dtype=BF))
-    x, ids = torch.randn(5, 8, dtype=BF), torch.randint(0, 4, (5, 2), dtype=torch.int32)
-    rows, row_idx, _, _ = torch.ops.npu.npu_moe_init_routing_v2(x, ids, active_num=10, expert_num=4,
-                                                                expert_tokens_num_type=1, expert_tokens_num_flag=True,
-                                                                active_expert_range=[0, 4], quant_mode=-1)
-    w = torch.rand(5, 2).to(BF)
-    new = torch.ops.npu.npu_moe_token_unpermute(rows, row_idx, probs=w)
-    with oplib.enforce_limits(False):
-        old = torch.ops.npu.npu_moe_finalize_routing(rows, torch.zeros_like(x), None, None, w, row_idx, ids, 2)
-    assert torch.equal(new, old) and torch.allclose(new.float(), (x.float() * w.float().sum(1, keepdim=True)), atol=0.1)
-    bad = row_idx.flip(0)  # a miswired index must not pass
-    assert not torch.equal(torch.ops.npu.npu_moe_token_unpermute(rows, bad, probs=w), new)
+
+
+def test_init_routing_expert_tokens_and_finalize_standins_follow_the_docs():
+    """The MoE trio of graphgen.lower.npu_helpers._moe_residual on the docs' example: init_routing as op-plugin's
+    numpy reference ("等价计算逻辑" of torch_npu-npu_moe_init_routing.md) computes it by hand (sort [1,2,0,1,0,2]
+    stably: [2,4,0,3,1,5]; row_idx taken along: [1,2,0,4,3,5]), compute_expert_tokens as each expert's end
+    row (:10537-10546), finalize as the docs' formula with its k-major index (:10604-10606).  They share the
+    docs' reading (wiring); the helper's MoE against the CPU MoE (tests/lower/test_npu_helpers.py) pins meaning."""
+    x = torch.tensor([[0.1] * 4, [0.2] * 4, [0.3] * 4])
+    row_idx = torch.tensor([[0, 3], [1, 4], [2, 5]], dtype=torch.int32)  # i + k * NUM_ROWS, the docs' example
+    expert_idx = torch.tensor([[1, 2], [0, 1], [0, 2]], dtype=torch.int32)
+    rows, src_to_dst, sorted_ids = torch.ops.npu.npu_moe_init_routing(x, row_idx, expert_idx, 3)
+    assert src_to_dst.tolist() == [2, 0, 1, 4, 3, 5] and sorted_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert torch.equal(rows, x[[1, 2, 0, 1, 0, 2]])
+    assert torch.ops.npu.npu_moe_compute_expert_tokens(sorted_ids, 4).tolist() == [2, 4, 6, 6]
+    scales = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
+    out = torch.ops.npu.npu_moe_finalize_routing(rows * torch.arange(1, 7).view(6, 1), None, None, None, scales,
+                                                 src_to_dst, expert_idx, 0)
+    # row i's k-th pair is source row i + 3k, sorted to src_to_dst[i + 3k]: a copy of x[i] times (its sorted position + 1)
+    want = torch.stack([sum(scales[i, k] * x[i] * (src_to_dst[i + 3 * k] + 1) for k in range(2)) for i in range(3)])
+    torch.testing.assert_close(out, want)
+    # not vacuous: the row-major reading (i * K + k) of the same index gives other sums
+    row_major = torch.stack([sum(scales[i, k] * rows[src_to_dst[i * 2 + k]] * (src_to_dst[i * 2 + k] + 1)
+                                 for k in range(2)) for i in range(3)])
+    assert not torch.allclose(out, row_major)

@@ -24,7 +24,7 @@ def _run(spec_name, variant="decode", mode="max-autotune", **compile_kw):
     """Compile the variant through the stand-in, run one sample step; returns (module, backend, logits)."""
     import torch
 
-    from graphgen.npu.check.structure import NUM_BLOCKS, SAMPLE_SEQS
+    from graphgen.npu.run.structure import NUM_BLOCKS, SAMPLE_SEQS
     from graphgen.npu.run.compile import compile_module, load_module
     from graphgen.npu.run.inputs import kv_buffers, random_weights, tiny_step
 

@@ -33,23 +33,34 @@ def _generate(spec, capsys, **kw):
 
     torch._dynamo.reset()
     graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
     with npu_engine(spec, dict(random_weights(spec, seed=1, scale=0.1)), num_blocks=16, standin=True, **kw) as e:
         started = graphs["unique_graphs"]
         tokens = [r.tokens for r in e.generate(PROMPTS, 3)]
         later = graphs["unique_graphs"] - started
-    return tokens, later, [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm-up")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm-up")]
+    return tokens, started - before, later, lines
 
 
-def test_warmup_compiles_every_bucket_at_start_and_is_off_by_default_with_the_standin(capsys):
+def test_warmup_compiles_every_bucket_largest_first_and_a_restart_with_the_cache_compiles_nothing(capsys, tmp_path):
+    """Run 1 warms up (largest bucket first, audit 3 N12) into a compile cache; run 2, a restart with the
+    same cache and the stand-in's default (no warm-up), compiles no graph at all: every bucket's entry is
+    loaded (issue 27 item 6); run 3, with one module's source changed, misses that module's stale entry
+    and compiles it again, and only it (the negative control: the cache does not load blindly)."""
     spec = _few_buckets_spec()
-    warm, later, lines = _generate(spec, capsys, warmup=True)
-    assert [line.split(": ", 1)[1] for line in lines] == [
-        "decode bucket batch=1 tokens=1 compiled", "decode bucket batch=2 tokens=2 compiled",
+    warm, compiled, later, lines = _generate(spec, capsys, warmup=True, cache_dir=tmp_path)
+    assert [line.split(": ", 1)[1].split(" (eta")[0] for line in lines] == [
+        "decode bucket batch=2 tokens=2 compiled", "decode bucket batch=1 tokens=1 compiled",
         "mempool_prefill bucket batch=3 tokens=128 compiled"]
-    assert lines[0].startswith("warm-up 1/3") and later == 0  # serving compiled nothing more
-    cold, later_cold, lines_cold = _generate(spec, capsys)  # default with standin: no warm-up
-    assert lines_cold == [] and later_cold > 0
-    assert warm == cold  # the warm-up writes only the pad block: the same tokens
+    assert lines[0].startswith("warm-up 1/3") and compiled == 3 and later == 0  # serving compiled nothing more
+    again, compiled, later, lines = _generate(spec, capsys, cache_dir=tmp_path)  # default with standin: no warm-up
+    assert lines == [] and compiled == 0 and later == 0, (compiled, later)  # every graph loaded, none compiled
+    assert again == warm  # the warm-up writes only the pad block: the same tokens
+    from graphgen.lower.compile import compile_variant
+
+    edited = {"mempool_prefill": compile_variant(spec, "mempool_prefill", "npu", mode="max-autotune") + "\n# edited\n"}
+    changed, compiled, later, _ = _generate(spec, capsys, cache_dir=tmp_path, sources=edited)
+    assert compiled == 0 and later == 1 and changed == warm  # the edited module's one bucket, nothing else
 
 
 def test_warmup_flag_reaches_the_engine_options():

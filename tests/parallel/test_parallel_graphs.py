@@ -4,8 +4,6 @@ the verifier's collective checks on the tp=2 goldens, and per-rank memory in ``g
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -15,15 +13,15 @@ from graphgen.modelspec.loader import load_spec
 from graphgen.passes.manager import run_pipeline
 from graphgen.passes.verify import check
 from graphgen.passes.verify_parallel import parallel_problems
+from support.cli import cli_inproc
 from support.paths import REPO
 
 TP2 = sorted((REPO / "generated").glob("tiny_*_tp2*/*.graph"))
 COLL_LINE = re.compile(r"^node \S+ \S+ (all_reduce|all_gather) ")
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "graphgen", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
+def _cli(*args):  # graphgen's CLI in this interpreter (torch-free build commands)
+    return cli_inproc(*args)
 
 
 def test_tp2_goldens_exist_and_verify():

@@ -7,8 +7,6 @@ is bounded (``timeout``) and every test too (``TEST_TIMEOUT``)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +15,8 @@ import torch
 import support.hf as hfm
 from graphgen.runtime.parallel.launcher import RankFailure
 from graphgen.runtime import open_engine
-from support.cli import cli
+from support.cli import cli_inproc
+from support.engines import counters_since
 from support.hf import assert_steps_match_hf, hf_logits, rand_prompt
 from support.paths import REPO
 
@@ -35,21 +34,29 @@ def _prompts(seed: int):
     return a, b
 
 
+def _steps(eng, a, b):
+    """a, a again, b (each drained): results and each rank's counters of these requests."""
+    before = eng.rank_stats
+    ra = eng.generate([a], 3)[0]
+    eng.drain()
+    again = eng.generate([a], 3)[0]   # every block of a is in the pool: splitfuse on every rank
+    eng.drain()
+    rb = eng.generate([b], 3)[0]
+    eng.drain()
+    return (ra, again, rb), counters_since(before, eng.rank_stats)
+
+
 def _run(spec, weights, a, b, **kw):
+    """`_steps` on an engine of its own (its pool too)."""
     with open_engine(REPO / spec, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw) as eng:
-        ra = eng.generate([a], 3)[0]
-        eng.drain()
-        again = eng.generate([a], 3)[0]   # every block of a is in the pool: splitfuse on every rank
-        eng.drain()
-        rb = eng.generate([b], 3)[0]
-        eng.drain()
-        return (ra, again, rb), eng.rank_stats, eng.pool_stats()
+        out, stats = _steps(eng, a, b)
+        return out, stats, eng.pool_stats()
 
 
-def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
+def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen, qwen_tp2):
     model, d = qwen.model, qwen.dir
     a, b = _prompts(1)
-    (ra, again, rb), stats, _ = _run("specs/tiny_qwen3.yaml", d, a, b, tp=2)
+    (ra, again, rb), stats = _steps(qwen_tp2("specs/tiny_qwen3_tp2.yaml"), a, b)   # shared: reads its own requests
     assert (ra.variant, again.variant, again.hit_tokens, rb.hit_tokens) == ("mempool_prefill", "splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
@@ -60,12 +67,12 @@ def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen):
         assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
 
 
-def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen):
+def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen, qwen_tp2):
     """sp: reduce-scatter + norm on 1/tp of the tokens + all-gather (tiny_qwen3_tp2_sp); odd step sizes
     (prompt b: 9 tokens, decode: 1) leave rank 1 a short or empty shard."""
     model, d = qwen.model, qwen.dir
     a, b = _prompts(1)
-    (ra, again, rb), stats, _ = _run("specs/tiny_qwen3_tp2_sp.yaml", d, a, b)
+    (ra, again, rb), stats = _steps(qwen_tp2("specs/tiny_qwen3_tp2_sp.yaml"), a, b)   # shared
     assert (ra.variant, again.variant, again.hit_tokens, rb.hit_tokens) == ("mempool_prefill", "splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
@@ -76,12 +83,12 @@ def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen):
 
 
 @pytest.mark.parametrize("spec", ["specs/tiny_qwen3_tp2.yaml", "specs/tiny_qwen3_tp2_sp.yaml"], ids=["tp2", "tp2_sp"])
-def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen, spec):
+def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen, qwen_tp2, spec):
     d = qwen.dir
     a, b = _prompts(2)
     (sync_a, sync_again, _), _, _ = _run(spec, d, a, b, write="sync")
     (off_a, off_again, _), stats, _ = _run(spec, d, a, b, write="off")
-    (async_a, async_again, async_b), async_stats, _ = _run(spec, d, a, b, write="async")
+    (async_a, async_again, async_b), async_stats = _steps(qwen_tp2(spec), a, b)   # the specs' mode: shared
     assert sync_again.variant == "splitfuse" and off_again.hit_tokens == 0
     assert async_again.variant == "splitfuse" and async_again.hit_tokens == 8 and async_b.hit_tokens == 4
     assert sync_a.tokens == sync_again.tokens == off_a.tokens == off_again.tokens == async_a.tokens \
@@ -114,6 +121,7 @@ def _kill_rank1(variant: str, source: str) -> str:
 
 
 def test_a_dying_rank_is_reported_not_a_hang(qwen):
+    # a private engine: its rank 1 is made to die
     d = qwen.dir
     t0 = time.monotonic()
     eng = open_engine(REPO / "specs/tiny_qwen3_tp2.yaml", d, num_blocks=32, timeout=30, source_hook=_kill_rank1)
@@ -125,9 +133,9 @@ def test_a_dying_rank_is_reported_not_a_hang(qwen):
 def test_cli_run_tp2_json_logits_match_transformers(qwen):
     model, d = qwen.model, qwen.dir
     a, _ = _prompts(4)
-    r = subprocess.run([sys.executable, "-m", "graphgen", "run", "--spec", "specs/tiny_qwen3.yaml", "--weights", str(d),
-                        "--tp", "2", "--prompt-ids", ",".join(map(str, a)), "--max-new-tokens", "2", "--json",
-                        "--logits"], capture_output=True, text=True, cwd=REPO, timeout=150)
+    # the CLI's main in this interpreter (the `run` entry point as a subprocess: tests/e2e/test_e2e_cli.py)
+    r = cli_inproc("run", "--spec", "specs/tiny_qwen3.yaml", "--weights", d, "--tp", "2", "--prompt-ids",
+                   ",".join(map(str, a)), "--max-new-tokens", "2", "--json", "--logits", timeout=150)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[0])
     with torch.no_grad():
@@ -141,7 +149,11 @@ def test_serve_counts_the_ranks_of_the_layout():
     for more than one rank (the server itself at tp=2: tests/serve/test_serve_tp.py)."""
     from argparse import Namespace
 
-    from graphgen.serve.cli import _ranks
+    from graphgen.engine_args import rank_count
+    from graphgen.modelspec.loader import load_spec
+
+    def _ranks(args):
+        return rank_count(args, load_spec(args.spec))
 
     tp2 = str(REPO / "specs/tiny_qwen3_tp2.yaml")
     assert _ranks(Namespace(spec=tp2, tp=1, ep=1)) == 1
@@ -175,7 +187,7 @@ def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path
     dims = dict(hfm.QWEN3_DIMS, vocab_size=257)
     model, d = hfm.build_hf_model("qwen3_dense", dims, str(tmp_path / "hf"), seed=7)
     spec = tmp_path / "q257.yaml"
-    res = cli("import-hf", str(d), "--out", str(spec), "--name", "q257", "--block-size", "4")
+    res = cli_inproc("import-hf", str(d), "--out", str(spec), "--name", "q257", "--block-size", "4")
     assert res.returncode == 0, res.stderr
     g = torch.Generator().manual_seed(9)
     a = rand_prompt(g, 10, vocab=257)

@@ -15,7 +15,7 @@ from graphgen.modelspec.loader import load_spec
 from graphgen.passes.manager import run_pipeline
 from graphgen.passes.verify import check
 from graphgen.passes.verify_parallel import expected_collectives
-from support.cli import run_cli
+from support.cli import cli_inproc as run_cli
 from support.paths import REPO
 
 SP = sorted((REPO / "generated/tiny_qwen3_tp2_sp").glob("*.graph"))

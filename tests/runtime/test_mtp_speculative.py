@@ -129,11 +129,11 @@ def test_refusals_are_one_sentence(mtp_ckpt, tmp_path):
         open_engine(TINY_DSV3_MTP, plain)
 
 
-@pytest.mark.slow  # three CLI processes
 def test_run_cli_speculative_reports_acceptance_and_refuses_in_one_sentence(mtp_ckpt, tmp_path):
+    """Through the CLI's ``main`` in this interpreter (`support.inproc`; the entry point: tests/e2e)."""
     import json
 
-    from support.cli import cli, run_args
+    from support.cli import cli_inproc as cli, run_args
 
     prompts = [[5, 17, 99, 3, 42], [7, 7, 1]]
     res = cli(*run_args(TINY_DSV3_MTP, mtp_ckpt, prompts, 5, "--ignore-eos", "--speculative", "mtp",
@@ -192,7 +192,7 @@ def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
 
 
 def test_mtp_block_keys_carry_the_successor():
-    from graphgen.runtime.engine.spec_decode import mtp_block_keys
+    from graphgen.runtime.pool.keys import mtp_block_keys
     from graphgen.runtime.pool.keys import block_keys
 
     a = mtp_block_keys([1, 2, 3, 4, 5, 6], 1, 4, model="m", layout="x")

@@ -1,5 +1,7 @@
 """Client jobs inside the P/D test's network namespace (the servers listen only there):
-``python pd_client.py JOBS_JSON`` runs each job in order and prints one JSON line per job.
+``python pd_client.py JOBS_JSON`` runs each job in order and prints one JSON line per job;
+``python pd_client.py --loop`` stays up and, per line of JOBS_JSON on stdin, prints one line
+``@@`` + the JSON list of results (the test's client for quick jobs: no interpreter start each).
 
 Jobs: ``complete`` (the official ``openai`` client: greedy completion, streamed or not, extra body
 fields; prints the token ids, ``cached_tokens`` and any ``kv_transfer_params``; ``progress``: a
@@ -82,21 +84,27 @@ def metrics(job):
     return out
 
 
+def run(job) -> dict:
+    op = job["op"]
+    if op == "complete":
+        return complete(job)
+    if op == "chat":
+        return chat(job)
+    if op in ("post", "get"):
+        status, body, headers = http(job)
+        return {"status": status, "body": body, "headers": headers}
+    if op == "metrics":
+        return metrics(job)
+    raise SystemExit(f"unknown op {op}")
+
+
 def main() -> int:
+    if sys.argv[1] == "--loop":
+        for line in sys.stdin:
+            print("@@" + json.dumps([run(job) for job in json.loads(line)]), flush=True)
+        return 0
     for job in json.loads(sys.argv[1]):
-        op = job["op"]
-        if op == "complete":
-            res = complete(job)
-        elif op == "chat":
-            res = chat(job)
-        elif op in ("post", "get"):
-            status, body, headers = http(job)
-            res = {"status": status, "body": body, "headers": headers}
-        elif op == "metrics":
-            res = metrics(job)
-        else:
-            raise SystemExit(f"unknown op {op}")
-        print(json.dumps(res), flush=True)
+        print(json.dumps(run(job)), flush=True)
     return 0
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from serve_util import SPEC
-from support.netns import Namespace, _env, _Proc
+from support.netns import Namespace, Worker, _env, _Proc
 from support.paths import TINY_DSV3
 
 pytestmark = pytest.mark.slow
@@ -79,6 +79,10 @@ class Cluster:
                  "p2": _start(ns, "p2", *_serve_args(ckpt, "prefill", "--faults", "put_delay=0.3")),
                  "d": _start(ns, "d", *_serve_args(ckpt, "decode"))}
         self.procs = procs
+        # the test's client for quick jobs: one process in the namespace, kept (no interpreter start per job)
+        self.client = Worker(ns.argv(sys.executable, str(HERE / "pd_client.py"), "--loop"), stdin=True,
+                             log=ns._log("client"))
+        ns.procs.append(self.client)
         self.url = {k: _url(p, "serve") for k, p in procs.items()}
         self.routers: list[str] = []
         self.router = self.route("router", "--prefill", self.url["p1"], "--prefill", self.url["p2"])
@@ -91,10 +95,9 @@ class Cluster:
         return self.routers[-1]
 
     def jobs(self, *jobs, timeout=180) -> list[dict]:
-        res = subprocess.run(self.ns.argv(sys.executable, str(HERE / "pd_client.py"), json.dumps(list(jobs))),
-                             env=_env(), capture_output=True, text=True, timeout=timeout)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return [json.loads(s) for s in res.stdout.splitlines() if s.startswith("{")]
+        self.client.p.stdin.write(json.dumps(list(jobs)) + "\n")
+        self.client.p.stdin.flush()
+        return json.loads(self.client.wait_line("@@", timeout)[2:])
 
     def metrics(self, name, *prefixes) -> dict:
         return self.jobs({"op": "metrics", "base": self.url.get(name, name), "prefixes": list(prefixes)})[0]
@@ -123,7 +126,7 @@ class Cluster:
         deadline = time.monotonic() + 10
         while held := self.held(start, bases):
             assert time.monotonic() < deadline, held
-            time.sleep(0.3)
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +209,13 @@ def test_prefill_handoff_lease_mismatch_and_expiry(cluster, reference):
         'graphgen_pd_handoffs_total{result="mismatch"}', 0) + 1
     (bad,) = cluster.jobs(_complete(cluster.url["d"], p, kv_transfer_params={"num_blocks": 1}))
     assert bad["status"] == 400 and bad["error"]["param"] == "kv_transfer_params.block_hashes"
-    # nobody released it: the lease ends at its timeout
-    time.sleep(LEASE_S + 0.5)
-    assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 0
+    # nobody released it: the lease ends at its timeout, not before. Its clock is the pool's, in P1's
+    # process: polled (every 50 ms) until it lapses, and the moment checked against the expiry P gave
+    deadline = time.monotonic() + LEASE_S + 30
+    while cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] != 0:
+        assert time.monotonic() < deadline, "the lease outlived its timeout"
+        time.sleep(0.05)
+    assert time.time() * 1000 >= kv["lease_expires_ms"] - 50, "the lease ended before its timeout"
     (rel,) = cluster.jobs({"op": "post", "url": cluster.url["p1"] + "/v1/kv/release",
                            "json": {"lease_id": kv["lease_id"]}})
     assert rel["status"] == 200 and json.loads(rel["body"])["released"] is False
@@ -308,7 +315,11 @@ def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):
     client = subprocess.Popen(cluster.ns.argv(sys.executable, str(HERE / "pd_client.py"),
                                               json.dumps([_complete(router, LONG)])),
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.0)  # P2's prefill ran; its puts (0.3 s each) are in flight
+    # the gate: P2's prefill ran and its commit is under way (10 puts of 0.3 s each: ~3 s of them left)
+    deadline = time.monotonic() + 60
+    while not cluster.metrics("p2", "graphgen_kv_saves_pending").get("graphgen_kv_saves_pending"):
+        assert time.monotonic() < deadline and client.poll() is None, "P2 never began its saves"
+        time.sleep(0.01)
     cluster.procs["p2"].kill(signal.SIGKILL)
     out, err = client.communicate(timeout=120)
     assert client.returncode == 0, err[-3000:]
@@ -345,7 +356,7 @@ def test_decode_killed_mid_stream_is_a_clear_error_then_restarted_it_serves_agai
     deadline = time.monotonic() + 15
     while cluster.jobs({"op": "get", "url": cluster.router + "/health"})[0]["status"] != 503:
         assert time.monotonic() < deadline, "the router kept reporting a dead decode instance healthy"
-        time.sleep(0.3)
+        time.sleep(0.05)
     (after,) = cluster.jobs(_complete(cluster.router, [1, 2]))
     assert after["status"] == 503
     assert cluster.metrics("p1", "graphgen_pd_leases")["graphgen_pd_leases"] == 0  # released at D's first bytes
@@ -358,7 +369,7 @@ def test_decode_killed_mid_stream_is_a_clear_error_then_restarted_it_serves_agai
     deadline = time.monotonic() + 30
     while cluster.jobs({"op": "get", "url": cluster.router + "/health"})[0]["status"] != 200:
         assert time.monotonic() < deadline, "the router never saw the restarted decode instance"
-        time.sleep(0.5)
+        time.sleep(0.05)
     got = cluster.jobs(_complete(cluster.router, PROMPTS[16]), _complete(cluster.router, PROMPTS[29], stream=True))
     assert [g["tokens"] for g in got] == [reference[tuple(PROMPTS[16])], reference[tuple(PROMPTS[29])]]
     cluster.assert_nothing_held()

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from graphgen.route.app import one_handoff, prefill_body
-from graphgen.route.policy import Pool, prefix_key
+from graphgen.balance import Pool, prefix_key
 from graphgen.runtime import HostPool, chain_digests
 from graphgen.serve.errors import ApiError
 from graphgen.serve.pd import PD, CacheNaming, Handoff
@@ -103,9 +103,9 @@ def test_prefill_answer_of_n_choices_is_one_handoff_and_n_empty_choices():
 
 
 def _cli(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "graphgen", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    from support.inproc import cli_inproc
+
+    return cli_inproc(*args, timeout=120)
 
 
 @pytest.mark.parametrize("args,msg", [

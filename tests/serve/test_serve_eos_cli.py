@@ -15,16 +15,16 @@ import sys
 
 import pytest
 
-from serve_util import ROOT, SPEC, Server
+from serve_util import SPEC
+from support.inproc import cli_inproc
 
 PROMPT = [9, 8, 7, 6, 5, 4, 3, 2]
 N = 10
 
 
 def _graphgen(*args, timeout=180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "graphgen", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """``graphgen ARGS`` in this interpreter (the entry points' own subprocesses: test_serve_run_parity.py)."""
+    return cli_inproc(*args, timeout=timeout)
 
 
 def _run_json(ckpt, *extra) -> list[dict]:
@@ -90,25 +90,20 @@ def test_run_prompt_text_is_the_tokenizers_ids(ckpt):
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == N
 
 
-def test_serve_stops_at_the_checkpoints_eos_unless_ignore_eos(eos_ckpt, plain):
-    s = Server(eos_ckpt, "--write", "off", "--num-blocks", "64")
-    try:
-        c = s.client()
-        r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0)
-        assert r.choices[0].model_extra["token_ids"] == plain[:4] and r.choices[0].finish_reason == "stop"
-        r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0,
-                                 extra_body={"ignore_eos": True})
-        assert r.choices[0].model_extra["token_ids"] == plain and r.choices[0].finish_reason == "length"
-    finally:
-        assert s.terminate() == 0
+def test_serve_stops_at_the_checkpoints_eos_unless_ignore_eos(servers, eos_ckpt, plain):
+    c = servers.get(eos_ckpt, "--write", "off", "--num-blocks", "64").client()  # (exit 0: the factory's)
+    r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.choices[0].model_extra["token_ids"] == plain[:4] and r.choices[0].finish_reason == "stop"
+    r = c.completions.create(model="tiny_qwen3", prompt=PROMPT, max_tokens=N, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].model_extra["token_ids"] == plain and r.choices[0].finish_reason == "length"
 
 
 # ---- the CLI refuses bad arguments before loading the model ---------------------------------
 
 def _serve(*args, timeout=120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "graphgen.serve", "--spec", str(SPEC), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """``graphgen serve`` in this interpreter (every shared server is ``python -m graphgen.serve``)."""
+    return cli_inproc("serve", "--spec", SPEC, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -152,3 +147,19 @@ def test_help_shows_the_defaults():
                  "(default: 127.0.0.1)", "(default: warning)", "(default: 512)", "--api-key KEY",
                  "GRAPHGEN_API_KEY", "--ignore-eos"):
         assert want in out, want
+
+
+def test_checkpoint_refuses_a_folder_it_did_not_write(tmp_path):
+    """``graphgen checkpoint`` (README's quickstart writes one end to end: test_readme_quickstart.py)
+    rewrites a folder holding only what it writes (the quickstart run twice) but refuses one holding
+    other files, in one sentence (exit 2), unless --force — before anything is loaded or written."""
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    res = cli_inproc("checkpoint", "--spec", SPEC, "--out", out)
+    assert res.returncode == 2 and "notes.txt" in res.stderr and "--force" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt"]  # nothing written
+    res = cli_inproc("checkpoint", "--spec", SPEC, "--out", out / "config.json")
+    assert res.returncode == 2 and "not a folder" in res.stderr

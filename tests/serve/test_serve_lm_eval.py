@@ -3,7 +3,9 @@ multiple-choice task (loglikelihood: ``echo`` + ``logprobs`` + ``max_tokens: 1``
 choices sharing their context) and a local generate_until task (greedy, five stop strings), and
 per sample its results equal lm-eval's own Hugging Face backend on the same checkpoint:
 continuation log-likelihoods within 1e-4, the same is-greedy flags, identical generated strings.
-Offline: the tasks read JSONL files next to this module (``lm_eval_tasks/``)."""
+Offline: the tasks read JSONL files next to this module (``lm_eval_tasks/``). lm-eval is imported by
+the test, not at collection (seconds of imports every run would pay); a missing extra fails it, never
+skips. The server is the one most modules share (conftest): lm-eval's requests need nothing else."""
 
 from __future__ import annotations
 
@@ -12,10 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import lm_eval  # noqa: F401  (the eval extra ./dev installs: a missing one fails, never skips)
-import accelerate  # noqa: F401  (lm-eval's hf backend imports it)
-
-from serve_util import Server
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -34,6 +32,7 @@ def task_dir(tmp_path_factory):
 
 
 def _evaluate(model: str, model_args: str, task_dir) -> dict:
+    import accelerate  # noqa: F401  (the eval extra ./dev installs; lm-eval's hf backend imports it)
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -46,19 +45,14 @@ def _evaluate(model: str, model_args: str, task_dir) -> dict:
     return {task: sorted(samples, key=lambda s: s["doc_id"]) for task, samples in res["samples"].items()}
 
 
-def test_lm_eval_local_completions_equals_hf_backend(ckpt, task_dir):
+def test_lm_eval_local_completions_equals_hf_backend(server, ckpt, task_dir):
     import torch
 
     torch.set_num_threads(1)
     hf = _evaluate("hf", f"pretrained={ckpt},dtype=float32,device=cpu", task_dir)
-    s = Server(ckpt, "--write", "sync", "--num-blocks", "256", env=OFFLINE)
-    try:
-        served = _evaluate("local-completions",
-                           f"model=tiny_qwen3,base_url={s.base}/v1/completions,tokenizer={ckpt},"
-                           f"tokenized_requests=True,num_concurrent=1,max_retries=1", task_dir)
-    finally:
-        rc = s.terminate()
-    assert rc == 0, s.proc.stderr.read()[-3000:]
+    served = _evaluate("local-completions",
+                       f"model=tiny_qwen3,base_url={server.base}/v1/completions,tokenizer={ckpt},"
+                       f"tokenized_requests=True,num_concurrent=1,max_retries=1", task_dir)
 
     mc_hf, mc_sv = hf["gg_mc"], served["gg_mc"]
     assert len(mc_hf) == len(mc_sv) == 4

@@ -18,10 +18,11 @@ BLOCKS = 256
 
 @pytest.fixture(scope="module")
 def server(ckpt):
+    # private: its gauges are read before any request and its HTTP counts exactly (nobody else's requests)
     s = Server(ckpt, "--write", "sync", "--num-blocks", str(BLOCKS), env={"GRAPHGEN_API_KEY": KEY})
     yield s
     rc = s.terminate()
-    assert rc == 0, s.proc.stderr.read()[-3000:]
+    assert rc == 0, s.stderr()
 
 
 def test_gauges_are_set_at_start_up_before_any_step(server):
@@ -90,6 +91,7 @@ def test_vllm_aliases_equal_the_graphgen_series(server):
 def test_device_prefix_hits_are_counted_apart_from_pool_hits(ckpt, tmp_path):
     from serve_util import SPEC
 
+    # private: its counters are read exactly after two requests (and its spec is this test's own)
     spec = tmp_path / "tiny_qwen3_device_cache.yaml"
     text = SPEC.read_text()
     assert text.count("  granularity: forward\n") == 1
@@ -105,4 +107,4 @@ def test_device_prefix_hits_are_counted_apart_from_pool_hits(ckpt, tmp_path):
         assert m[("graphgen_prefix_cache_hit_tokens_total", frozenset())] == 16  # the device hit's tokens
         assert m[("graphgen_device_prefix_cached_blocks", frozenset())] > 0
     finally:
-        assert s.terminate() == 0, s.proc.stderr.read()[-3000:]
+        assert s.terminate() == 0, s.stderr()

@@ -42,6 +42,7 @@ def ns(tmp_path):
 
 
 def _serve(ns, ckpt, name) -> tuple[_Proc, str]:
+    # private: inside the test's own network namespace, on its own master (not a shared server)
     p = _Proc(ns.argv(sys.executable, "-m", "graphgen", "serve", "--spec", str(SPEC), "--weights", str(ckpt),
                       "--port", "0", "--pool", URL, "--write", "sync", "--torch-threads", "1"), log=ns._log(name))
     ns.procs.append(p)

@@ -5,11 +5,11 @@ concurrently, ``run`` one prompt at a time. And ``graphgen run --trace`` writes 
 whose save copies overlap the forward (the point of the async save)."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 
-from serve_util import SPEC, Server
-from support.cli import graphgen, run_args, run_tokens
+from serve_util import SPEC
+from support.cli import run_args, run_tokens  # run_tokens: `graphgen run` as a real subprocess (the entry point)
+from support.inproc import cli_inproc
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], list(range(1, 14)), list(range(1, 9)) + [40, 41, 42],
            [200, 3, 5, 7, 11, 13, 17, 19, 23, 29], [255, 0, 128]]
@@ -20,28 +20,16 @@ def _run_args(ckpt, *extra):
     return run_args(SPEC, ckpt, PROMPTS, N_NEW, *extra)
 
 
-def test_graphgen_run_tokens_equal_the_servers(ckpt):
+def test_graphgen_run_tokens_equal_the_servers(servers, ckpt):
+    s = servers.get(ckpt, "--write", "async", cli=True)  # (its exit 0 on SIGTERM: the factory's)
     want = run_tokens(SPEC, ckpt, PROMPTS, N_NEW, "--write", "async")
     assert len(want) == len(PROMPTS)
-    s = Server(ckpt, "--write", "async", cli=True)
-    try:
-        c = s.client()
-
-        def one(p):
-            r = c.completions.create(model="tiny_qwen3", prompt=p, max_tokens=N_NEW, temperature=0)
-            return list(r.choices[0].model_extra["token_ids"])
-
-        with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
-            got = list(ex.map(one, PROMPTS, timeout=120))
-    finally:
-        rc = s.terminate()
-    assert got == want
-    assert rc == 0
+    assert s.greedy(PROMPTS, N_NEW, "tiny_qwen3") == want
 
 
 def test_graphgen_run_trace_shows_the_save_overlapping_the_forward(ckpt, tmp_path):
     trace = tmp_path / "run.trace.json"
-    res = graphgen(*_run_args(ckpt, "--write", "async", "--granularity", "layer", "--batch",
+    res = cli_inproc(*_run_args(ckpt, "--write", "async", "--granularity", "layer", "--batch",
                                "--async-scheduling", "--faults", "save_delay=0.01", "--trace", str(trace)))
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads(trace.read_text())

@@ -17,7 +17,6 @@ import time
 import pytest
 
 import http_util as h
-from serve_util import Server
 
 KEY, KEY2 = "sk-test-one", "sk-test-two"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -30,13 +29,10 @@ def gate(tmp_path_factory):
     return tmp_path_factory.mktemp("gate") / "release"
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, gate):
-    s = Server(ckpt, "--write", "off", "--num-blocks", "256", "--api-key", KEY, "--api-key", KEY2,
-               "--max-request-bytes", str(LIMIT), env={"GRAPHGEN_SERVE_PARSE_GATE": str(gate)})
-    yield s
-    rc = s.terminate()
-    assert rc == 0, s.proc.stderr.read()[-3000:]
+@pytest.fixture
+def server(servers, ckpt, gate):
+    return servers.get(ckpt, "--write", "off", "--num-blocks", "256", "--api-key", KEY, "--api-key", KEY2,
+                       "--max-request-bytes", str(LIMIT), env={"GRAPHGEN_SERVE_PARSE_GATE": str(gate)})
 
 
 def _post(server, body, path="/v1/completions", **kw):

@@ -1,7 +1,8 @@
 """Structured output (``response_format``) through llguidance's mask, with the openai client, on the
 random tiny Qwen3 (``ckpt``): the output parses and validates, greedy and sampled, streamed and not,
 and the same requests without the mask do not; ``text`` is accepted; bad schemas and ``tools``
-without a tool-call parser are 400s naming the field."""
+without a tool-call parser are 400s naming the field. On the shared server (conftest: structured output
+does not depend on its write mode)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,9 @@ import jsonschema
 import openai
 import pytest
 
-from serve_util import Server
-
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "ok": {"type": "boolean"}},
           "required": ["city", "ok"], "additionalProperties": False}
 RF = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
-
-
-@pytest.fixture(scope="module")
-def server(ckpt):
-    s = Server(ckpt, "--num-blocks", "256")
-    yield s
-    rc = s.terminate()
-    assert rc == 0, s.proc.stderr.read()[-3000:]
 
 
 def _chat(server, **kw):
@@ -35,6 +26,7 @@ def _chat(server, **kw):
 def test_json_schema_validates(server, sampling):
     r = _chat(server, response_format=RF, **sampling)
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    assert r.choices[0].message.content == json.dumps(json.loads(r.choices[0].message.content))  # no free whitespace
     streamed = "".join(c.choices[0].delta.content or "" for c in _chat(server, response_format=RF, stream=True,
                                                                         **sampling) if c.choices)
     assert streamed == r.choices[0].message.content

@@ -8,15 +8,13 @@ and must equal the line the loader reports exactly.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from graphgen.modelspec.loader import load_spec, load_specs, parse_spec_text
 from graphgen.modelspec.errors import SpecError
-from support.paths import REPO
+from support.cli import cli_inproc
 
 
 BASE_QWEN = """\
@@ -415,8 +413,7 @@ def _generate_or_load(spec_paths, out_dir: Path) -> None:
 
 def _assert_nothing_written(tmp_path: Path, spec_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "graphgen.cli", "generate", "--spec", str(spec_path),
-                           "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = cli_inproc("generate", "--spec", spec_path, "--out", out)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert re.search(rf"{re.escape(str(spec_path))}:\d+:", proc.stderr), proc.stderr
     assert not out.exists() or not any(out.iterdir())

@@ -26,6 +26,8 @@ LIMIT_CASES = [  # (base, key, new value, field path, limit row)
     ("qwen", "compile_modes", "[max-autotune, reduce-overhead]", "targets.npu.compile_modes",
      "fia.tnd.reduce_overhead"),
     ("dsv3", "num_experts_per_tok", "40", "dims.num_experts_per_tok", "moe_gating.k_max"),
+    # 4096 experts on one rank: more groups than npu_moe_compute_expert_tokens counts (2048)
+    ("dsv3", "n_routed_experts", "4096", "dims.n_routed_experts", "moe_expert_tokens.input"),
     # 256 heads per rank at tp=32: more than the 128 the prefill helper can pad up to (v1 TND N set)
     ("dsv3", "num_attention_heads", "8192", "dims.num_attention_heads", "fia.dense.head_count"),
 ]
@@ -37,7 +39,8 @@ INSERT_CASES = [
      "fia.tnd.sequences"),
     ("qwen", "    decode_batch_buckets: [1, 70000]", "targets.npu.decode_batch_buckets", "fia2.decode.dims"),
     ("dsv3", "    decode_batch_buckets: [1, 70000]", "targets.npu.decode_batch_buckets", "fia2.decode.dims"),
-    ("dsv3", "    dtype: float16", "targets.npu.dtype", "moe_unpermute.dtype"),
+    # an 8192-token context: a mixed cell of 8 decode rows gathers 10 * 8192 + 1024 KV rows into TND (audit 3 N9)
+    ("dsv3", "    max_model_len: 8192", "targets.npu.max_model_len", "fia.dense.tokens"),
 ]
 
 

@@ -166,8 +166,3 @@ def _check_candidates(where, q, entries, n_pos, kws, has_star, has_starstar) -> 
         return []  # compatible with at least one overload
     best = min(results, key=len)
     return [f"{where}: {q}: {p}" for p in best]
-
-
-def check_file(path: str | Path, manifest: dict | None = None) -> list[str]:
-    path = Path(path)
-    return check_module_source(path.read_text(), manifest, filename=str(path))

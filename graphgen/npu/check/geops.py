@@ -15,6 +15,12 @@ GE would receive has a converter that does not only raise.  What it cannot prove
 converter accepts these arguments, dtypes and shapes, that the GE op compiles, or anything GE does
 afterwards (docs/npu.md, "GE converter coverage").
 
+No allow-list: an ``npu.*`` op without a converter in the table is a problem like any other.  torchair
+would try to build one from the installed CANN's Ascend IR (``fx2ge_converter.py:813-831``), deriving the
+IR name from the op name (``npu_moe_token_unpermute`` -> ``NpuMoeTokenUnpermute``, where CANN's op is
+``MoeTokenUnpermute``: audit 3 N4), or fall back to a g++-built host callback; neither can be checked
+offline, so the lowering uses only ops the wheel converts.
+
 Only max-autotune graphs go through these converters; reduce-overhead lowers through torchair's
 ``_acl_concrete_graph/fx2acl_converter.py`` (``npu_fx_compiler.py:754-759``) and is not checked.
 """
@@ -27,17 +33,6 @@ from typing import Iterable, Optional
 
 TABLE = Path(__file__).resolve().parent / "ge_converters.json"
 GE_MODE = "max-autotune"
-
-# Targets torchair handles without a converter entry that the extracted table cannot show.
-# Each entry: name -> why, with the wheel's file:line.  Keep it short; every entry is a claim.
-ALLOWED: dict[str, str] = {
-    # A CLAIM, unverified offline: torchair ships no converter file for it; on first use it builds one
-    # from the installed CANN's Ascend IR (fx2ge_converter.py:815-830 get_or_auto_gen_converter ->
-    # _generate_converter_code, :1009-1029, which raises when the IR lacks the op).  Hardware checklist
-    # item in docs/npu.md.  vllm-ascend calls it eagerly / under aclgraph, not under GE.
-    "npu.npu_moe_token_unpermute.default": "auto-generated from the Ascend IR by torchair (unverified offline)",
-}
-
 
 @lru_cache(maxsize=None)
 def load_table(path: str = str(TABLE)) -> dict:
@@ -103,7 +98,7 @@ def check_targets(ops: Iterable[str], callables: Iterable[str], *, where: str, m
            "or compute it on the host and pass it as a step input")
     problems = []
     for op in ops:
-        if op in special or op in ALLOWED:
+        if op in special:
             continue
         e = conv.get(op)
         if e is None:
@@ -115,8 +110,6 @@ def check_targets(ops: Iterable[str], callables: Iterable[str], *, where: str, m
             problems.append(f"{where}: {op}: torchair's GE converter only raises ({'; '.join(e['sources'])}), "
                             f"so GE cannot compile this graph: {fix}")
     for c in callables:
-        if c in ALLOWED:
-            continue
         e = conv.get(c)
         if e is not None:
             if e["kind"] == "raises":

@@ -282,10 +282,39 @@ LIMITS: tuple[Limit, ...] = (
           or c.args["sorted_indices"].shape[0] != c.args["permuted_tokens"].shape[0]
           or (c.get("probs") is not None and (c.get("probs").numel() != c.args["permuted_tokens"].shape[0]
                                               or c.get("probs").shape[-1] > 512))),
-    Limit("moe_finalize.drop_pad_mode", "npu_moe_finalize_routing",
-          "drop_pad_mode: only 0 is documented; 2 is accepted on usage evidence (vllm-ascend paired "
-          "init_routing_v2(row_idx_type=0) with drop_pad_mode=2 until Dec 2025)",
-          f"{DOCS}:10618", lambda c: value(c.get("drop_pad_mode", 0)) not in (0, 2)),
+    Limit("moe_finalize.drop_pad_mode", "npu_moe_finalize_routing", "drop_pad_mode: only 0 is documented",
+          f"{DOCS}:10618", lambda c: value(c.get("drop_pad_mode", 0)) != 0),
+    Limit("moe_finalize.shapes", "npu_moe_finalize_routing",
+          "expanded_permuted_rows [NUM_ROWS*K, H] float16/bfloat16/float32; scales [NUM_ROWS, K] of its dtype; "
+          "expanded_src_to_dst_row int32 [NUM_ROWS*K]; skip1 only with skip2",
+          f"{DOCS}:10611-10616",
+          lambda c: _dtype(c.args.get("expanded_permuted_rows")) not in (*HALF, "float32")
+          or c.args["expanded_permuted_rows"].dim() != 2
+          or not _tensor(c.get("scales")) or _dtype(c.get("scales")) != _dtype(c.args["expanded_permuted_rows"])
+          or c.get("scales").dim() != 2
+          or c.get("scales").numel() != c.args["expanded_permuted_rows"].shape[0]
+          or _dtype(c.args.get("expanded_src_to_dst_row")) != "int32"
+          or c.args["expanded_src_to_dst_row"].dim() != 1
+          or c.args["expanded_src_to_dst_row"].shape[0] != c.args["expanded_permuted_rows"].shape[0]
+          or (c.get("skip1") is not None and c.get("skip2") is None)),
+    # "shape大小需要小于2^24" (:11017) is read per dimension; read as the element count it would cap
+    # NUM_ROWS * H (a 2340-token step at H = 7168): hardware checklist item H3 asks
+    Limit("moe_init_routing.shapes", "npu_moe_init_routing",
+          "x [NUM_ROWS, H] float16/bfloat16/float32, each dimension below 2^24; row_idx and expert_idx int32 "
+          "of one shape [NUM_ROWS, K]",
+          f"{DOCS}:11017-11019",
+          lambda c: _dtype(c.args.get("x")) not in (*HALF, "float32") or c.args["x"].dim() != 2
+          or any(d >= 1 << 24 for d in c.args["x"].shape)
+          or _dtype(c.args.get("row_idx")) != "int32" or _dtype(c.args.get("expert_idx")) != "int32"
+          or tuple(c.args["row_idx"].shape) != tuple(c.args["expert_idx"].shape)
+          or c.args["expert_idx"].dim() != 2 or c.args["expert_idx"].shape[0] != c.args["x"].shape[0]),
+    Limit("moe_expert_tokens.input", "npu_moe_compute_expert_tokens",
+          "sorted_expert_for_source_row int32, 1-D, fewer than 2^24 elements; num_expert in (0, 2048]",
+          f"{DOCS}:10545-10546",
+          lambda c: _dtype(c.args.get("sorted_expert_for_source_row")) != "int32"
+          or c.args["sorted_expert_for_source_row"].dim() != 1
+          or c.args["sorted_expert_for_source_row"].numel() >= 1 << 24
+          or not 0 < value(c.args["num_expert"]) <= 2048),
 )
 
 BY_OP: dict[str, tuple[Limit, ...]] = {}

@@ -64,6 +64,38 @@ def _gqa_heads(s) -> tuple[int, int]:
     return s.dims.num_attention_heads // tp, max(1, s.dims.num_key_value_heads // tp)
 
 
+def _max_model_len(s) -> int:
+    """The context an NPU rank serves: ``targets.npu.max_model_len``, else max_position_embeddings capped
+    at 4096 (as `graphgen.npu.run.bucketing.max_model_len`, which imports torch; a test pins the two)."""
+    own = getattr(s.targets.npu, "max_model_len", None)
+    return own if own is not None else min(4096, getattr(s.dims, "max_position_embeddings", 4096))
+
+
+def _mla_history(s) -> bool:
+    return _mla(s) and any(v.phase == "prefill" and v.history for v in s.variants.values())
+
+
+def _max_gather_rows(s) -> int:
+    """The most KV rows (S) an MLA history graph gathers and attends over in TND: a step padded to a
+    bucket or a mixed-grid cell of B sequences has (B - 1) full tables plus its T tokens
+    (`graphgen.npu.run.inputs.StepPadding.gather_rows`); the mixed cells add the decode rows to B
+    (`graphgen.npu.run.mixed_grid`: B = D + prefill_seqs + 1, cells with T >= D + prefill_seqs + 1)."""
+    npu = s.targets.npu
+    bs = s.kv_cache.block_size
+    table = -(-_max_model_len(s) // bs) * bs
+    ps, tokens = npu.prefill_seqs, tuple(getattr(npu, "prefill_token_buckets", None) or (1024,))
+    rows = [ps * table + t for t in tokens]
+    rows += [(d + ps) * table + t for d in (getattr(npu, "decode_batch_buckets", None) or (8,)) for t in tokens
+             if t >= d + ps + 1]
+    return max(rows)
+
+
+def _expert_groups(s) -> int:
+    """The groups ``npu_moe_compute_expert_tokens`` counts on a rank (graphgen.lower.npu_helpers._moe_residual)."""
+    ep = s.parallel.ep
+    return s.dims.n_routed_experts // ep + (1 if ep > 1 else 0)
+
+
 def _all(s) -> bool:
     return True
 
@@ -96,6 +128,11 @@ CHECKS: tuple[SpecCheck, ...] = (
               lambda s: f"{s.dims.num_attention_heads} heads over tp={s.parallel.tp} ranks"),
     SpecCheck("fia.dense.tokens", "targets.npu.prefill_token_buckets", _mla,
               lambda s: _max_prefill_tokens(s) > 65536, _max_prefill_tokens),
+    # the KV side of the same TND call: every history row the splitfuse/mixed graphs gather (audit 3 N9)
+    SpecCheck("fia.dense.tokens", "targets.npu.max_model_len", _mla_history,  # (query side reported above)
+              lambda s: _max_gather_rows(s) > 65536 and _max_prefill_tokens(s) <= 65536,
+              lambda s: f"max_model_len {_max_model_len(s)} makes a history step gather up to "
+                        f"{_max_gather_rows(s)} KV rows"),
     # TND (prefill/splitfuse, both families) runs prefill_seqs + 1 sequences; decode is BSH/BNSD (v2)
     SpecCheck("fia.tnd.sequences", "targets.npu.prefill_seqs", _all,
               lambda s: s.targets.npu.prefill_seqs + 1 > 4096, lambda s: s.targets.npu.prefill_seqs),
@@ -106,7 +143,10 @@ CHECKS: tuple[SpecCheck, ...] = (
               lambda s: _gqa_heads(s)[0] % _gqa_heads(s)[1] or _gqa_heads(s)[0] // _gqa_heads(s)[1] > 64,
               lambda s: f"{s.dims.num_attention_heads} heads over {s.dims.num_key_value_heads} KV heads at tp={s.parallel.tp}: "
                         "{} per {} on a rank".format(*_gqa_heads(s))),
-    SpecCheck("moe_unpermute.dtype", "targets.npu.dtype", _moe, lambda s: _model_dtype(s) != "bfloat16", _model_dtype),
+    # the MoE helper counts a rank's E/ep experts, plus one group for other ranks' pairs under ep > 1
+    SpecCheck("moe_expert_tokens.input", "dims.n_routed_experts", _moe,
+              lambda s: not 0 < _expert_groups(s) <= 2048,
+              lambda s: f"{s.dims.n_routed_experts} experts over ep={s.parallel.ep}: {_expert_groups(s)} groups"),
     SpecCheck("fia.tnd.reduce_overhead", "targets.npu.compile_modes", _gqa,
               lambda s: "reduce-overhead" in s.targets.npu.compile_modes, lambda s: list(s.targets.npu.compile_modes)),
     SpecCheck("moe_gating.groups", "dims.n_group", _moe,

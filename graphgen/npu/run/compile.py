@@ -11,15 +11,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 MODES = ("max-autotune", "reduce-overhead")
 # GE runs a graph with dynamic shapes single-stream unless this is set (torchair docs,
-# docs/zh/ascend_ir/features/advanced/multi_stream.md:22-26): with dynamic=True and host tiling (the TND
-# prefill/splitfuse modules, torchair's path 3) the graph is dynamic, so it is set to keep the KV-save
-# stream overlapped.  The tiling-sunk decode graphs (path 4) are static and do not need it.
+# docs/zh/ascend_ir/features/advanced/multi_stream.md:22-26, "CANN环境变量"): with dynamic=True and host
+# tiling (the TND prefill/splitfuse modules, torchair's path 3) the graph is dynamic, so it is set to keep
+# the KV-save stream overlapped.  It is a CANN process variable, possibly read when the runtime starts: it
+# is set before torch_npu is imported (`_import_torchair`, the one place graphgen imports it; audit 3 N6),
+# not at the first prefill compile, which followed the decode graphs' (GE already up).
 MULTI_STREAM_ENV = ("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM", "1")
 
 
@@ -80,21 +83,66 @@ def bucket_method(target, name: str):
     return types.MethodType(fn, target)
 
 
+def bucket_entry(b) -> str:
+    """The cache entry name of padded step inputs ``b``'s graph: ``forward_bucket_b<B>_t<T>``, and
+    ``_l<L>`` when the graph returns L logits rows for B sequences (a mixed cell with verify rows):
+    every static shape of the step inputs is a function of these (the gather rows of B and T)."""
+    batch, tokens = step_bucket(b)
+    rows = int(b.logits_indices.shape[0])
+    return f"forward_bucket_b{batch}_t{tokens}" + (f"_l{rows}" if rows != batch else "")
+
+
+def source_hash(source: str) -> str:
+    """The first 12 hex digits of the module source's sha256: a changed module gets a new cache entry."""
+    import hashlib
+
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Where one generated module's compiled graphs live under a cache root (audit 3 N5).
+
+    torchair names an entry by the module's class name, md5(``str(module)`` + the compile options) and
+    the function's name (``air/inference/_cache_compiler.py:203-235``): every generated module is a
+    ``Model()`` with the same repr, so two variants (``mempool_prefill`` and ``splitfuse``: same options,
+    same bucket names) or two specs sharing a root got the same entry, and ``LazyCompiledModel`` loads an
+    existing entry unguarded (``:648-657``): one variant's graph ran for the other.  Nor does torchair's key
+    see the module's source, so an edited module would load its stale graph.  graphgen therefore gives
+    every (spec, mode, variant, source, rank) its own directory, which torchair's entries then go under:
+    ``<root>/<spec>/<mode>/<variant>-<source hash>/rank<r>of<world>/<torchair's entry>/forward_bucket_...``."""
+    spec: str
+    mode: str
+    variant: str
+    source: str  # source_hash(module source)
+    rank: int = 0
+    world: int = 1
+
+    def directory(self, root) -> Path:
+        return (Path(root) / self.spec / self.mode.replace("-", "_") / f"{self.variant}-{self.source}"
+                / f"rank{self.rank}of{self.world}")
+
+
 class BucketCachedForward:
-    """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`step_bucket`) picks the
+    """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`bucket_entry`) picks the
     entry, each built on its own code object (:func:`bucket_method`), so ``--cache-dir`` keeps one graph per
-    bucket instead of one unguarded graph for all of them."""
+    bucket instead of one unguarded graph for all of them.  ``hits``/``misses``: entries found on disk
+    (loaded, not compiled) and entries compiled, by bucket name."""
 
     def __init__(self, target, cache_compile, **options):
         self.target, self.cache_compile, self.options = target, cache_compile, options
         self.entries: dict = {}
+        self.hits: list[str] = []
+        self.misses: list[str] = []
 
     def __call__(self, W, b, *rest):
-        key = step_bucket(b)
-        fn = self.entries.get(key)
+        name = bucket_entry(b)
+        fn = self.entries.get(name)
         if fn is None:
-            name = "forward_bucket_b{}_t{}".format(*key)
-            fn = self.entries[key] = self.cache_compile(bucket_method(self.target, name), **self.options)
+            # torchair's entry: <cache_dir>/<class>_<dynamic|static>_<md5>[/<ranks>]/<name>/compiled_module
+            found = any(Path(self.options["cache_dir"]).glob(f"**/{name}/compiled_module"))
+            (self.hits if found else self.misses).append(name)
+            fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name), **self.options)
         return fn(W, b, *rest)
 
 
@@ -110,6 +158,15 @@ def _import_torchair(use_standin: bool) -> ModuleType:
             raise NpuUnavailable("use_standin=True was requested but torch_npu is installed; "
                                  "use the real torchair instead of the CPU stand-in.")
         return importlib.import_module("torchair")
+    import os
+    import warnings
+
+    loaded = sys.modules.get("torch_npu")
+    if loaded is not None and not getattr(loaded, "__graphgen_standin__", False) and MULTI_STREAM_ENV[0] not in os.environ:
+        warnings.warn(f"torch_npu was imported before graphgen set {MULTI_STREAM_ENV[0]}={MULTI_STREAM_ENV[1]}: "
+                      f"export it before starting Python, or the prefill graphs may run single-stream "
+                      f"(docs/npu.md, Environment variables)", RuntimeWarning, stacklevel=2)
+    os.environ.setdefault(*MULTI_STREAM_ENV)  # before torch_npu (and CANN) start: audit 3 N6
     try:
         importlib.import_module("torch_npu")  # torchair needs torch_npu's ops and the NPU device
         torchair = importlib.import_module("torchair")
@@ -188,11 +245,7 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
     if tiling_sink is None:
         tiling_sink = bool(getattr(obj, "TILING_SINK", False)) if isinstance(obj, ModuleType) else False
     if buckets is not None:
-        import os
-
         dynamic = True
-        if not tiling_sink:  # a static (tiling-sunk) graph runs on GE's static executor: multi-stream as is
-            os.environ.setdefault(*MULTI_STREAM_ENV)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 1)
     cfg = torchair.CompilerConfig()
     cfg.mode = mode

@@ -43,21 +43,23 @@ class NpuStepInputs:
 
 def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
                     block_size: int, save_block_ids=None, load_block_ids=None, decode: bool = False, device=None,
-                    pad: Optional["StepPadding"] = None, prev_hidden=None) -> NpuStepInputs:
+                    pad: Optional["StepPadding"] = None, prev_hidden=None,
+                    gather: Optional[bool] = None) -> NpuStepInputs:
     """NPU step inputs from the CPU runtime's (design.md) host quantities.
 
     ``pad`` (a :class:`StepPadding`) pads the step to a shape bucket so every tensor has a static
     shape per bucket (graphgen.npu.run.bucketing): padding sequences are appended whose tokens write and
     read only the reserved ``pad.pad_block``; block tables get ``pad.max_blocks`` columns (filled with
     the pad block), saves and loads ``pad.save_rows`` rows each (the pad block repeated: a padding
-    load row scatters a zero block into the pad block)."""
+    load row scatters a zero block into the pad block).  ``gather``: build ``kv_gather_rows`` (S ints per
+    step, audit 3 N9: only a module whose ``STEP_READS`` has it reads them); None: for every non-decode step."""
     if pad is not None:
         (input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
          save_block_ids) = pad.apply(input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens,
                                      logits_indices, save_block_ids, block_size)
         load_block_ids = None if load_block_ids is None else pad.rows(load_block_ids, "load")
     dev = device or torch.device("cpu")
-    gather = None if decode else gather_rows(
+    gather = None if (decode if gather is None else not gather) else gather_rows(
         block_tables, seq_lens, block_size, pad.gather_rows(block_size) if pad is not None else None,
         pad.pad_block if pad is not None else 0)
     slots = torch.as_tensor(slot_mapping, dtype=torch.int64)
@@ -99,19 +101,22 @@ def causal_mask(device=None) -> torch.Tensor:
     return mask
 
 
-def gather_rows(block_tables, seq_lens, block_size: int, rows: Optional[int] = None, pad_block: int = 0) -> list:
-    """The packed history row order on the host, which knows the lengths: for each sequence its first
-    seq_len rows of the paged cache (``table[p // block_size] * block_size + p % block_size``), in
-    sequence order, then ``rows - sum(seq_lens)`` rows of ``pad_block`` (never read: the attention
-    stops at the cumulative KV lengths).  ``rows`` None: exactly sum(seq_lens)."""
-    out = [int(t[p // block_size]) * block_size + p % block_size
-           for t, n in zip(torch.as_tensor(block_tables).tolist(), torch.as_tensor(seq_lens).tolist())
-           for p in range(int(n))]
-    if rows is None:
-        return out
-    if len(out) > rows:
-        raise ValueError(f"{len(out)} KV rows (sum of seq_lens) exceed the bucket's {rows} gather rows")
-    return out + [pad_block * block_size] * (rows - len(out))
+def gather_rows(block_tables, seq_lens, block_size: int, rows: Optional[int] = None, pad_block: int = 0):
+    """The packed history row order on the host, which knows the lengths (an int64 tensor): for each
+    sequence its first seq_len rows of the paged cache (``table[p // block_size] * block_size + p %
+    block_size``), in sequence order, then ``rows - sum(seq_lens)`` rows of ``pad_block`` (never read:
+    the attention stops at the cumulative KV lengths).  ``rows`` None: exactly sum(seq_lens)."""
+    lens = [int(n) for n in torch.as_tensor(seq_lens).tolist()]
+    total = sum(lens)
+    if rows is not None and total > rows:
+        raise ValueError(f"{total} KV rows (sum of seq_lens) exceed the bucket's {rows} gather rows")
+    parts = []
+    for table, n in zip(block_tables, lens):  # vectorised per sequence: no Python loop over the S rows
+        p = torch.arange(n)
+        parts.append(torch.as_tensor(table, dtype=torch.int64)[p // block_size] * block_size + p % block_size)
+    if rows is not None:
+        parts.append(torch.full((rows - total,), pad_block * block_size, dtype=torch.int64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)

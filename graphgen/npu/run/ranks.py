@@ -80,4 +80,5 @@ def launch_npu_ranks(spec, weights, *, standin: bool, **options):
 
         rank_device(0, spec.parallel.tp, visible=os.environ.get("ASCEND_RT_VISIBLE_DEVICES"),
                     device_count=torch.npu.device_count())  # type: ignore[attr-defined]
-    return DistributedEngine(spec, weights, target="npu", standin=standin, **options)
+    # a real device: fresh interpreters (torch_npu must not be loaded before a fork; the stand-in forks warm)
+    return DistributedEngine(spec, weights, target="npu", standin=standin, spawn=not standin, **options)

@@ -2,8 +2,8 @@
 
 `NpuModelRunner` has the CPU runner's interface (``submit(plan)`` / ``collect(future)`` /
 ``settle`` / ``close``), so `LLMEngine` drives it unchanged.  The runtime's `Scheduler` plans the
-steps (per request: tokens, positions, block table, loads, saves), its `KVConnector` looks the pool
-up and loads hits into staging, and commits after the save; this runner owns the connector's worker
+steps (per request: tokens, positions, block table, loads, saves), its `KVLoader` looks the pool
+up and loads hits into staging, its `KVConnector` commits after the save; this runner owns the connector's worker
 side (pin and stage the save, hand it off) and adapts at the runner boundary:
 
 * **bucketing**: a step plan's rows become `NpuStepInputs` padded to the spec's buckets
@@ -39,14 +39,14 @@ from typing import Callable, Optional
 
 import torch
 
-from ...runtime import register_rank_target, register_target
+from ...runtime import current_progress, register_rank_target, register_target
 from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, LoadedBlocks, StepFuture, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
-from .staging import CommitPath, NpuStreams, StagingRing
+from .staging import CommitPath, DeviceBinding, NpuStreams, StagingRing
 from .weights import load_time_weights
 
 __all__ = ["NpuModelRunner", "npu_engine"]
@@ -62,7 +62,7 @@ class NpuModelRunner:
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
                  standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
-                 plan_check: Optional[Callable] = None):
+                 plan_check: Optional[Callable] = None, cache_dir=None, rank: int = 0, world: int = 1):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -89,9 +89,15 @@ class NpuModelRunner:
         else:
             _import_torchair(False)  # NpuUnavailable (one sentence) without torch_npu/torchair
         self.device = torch.device("cpu") if standin else torch.device("npu")
+        # every thread touching NPU objects sets the device first (this one, the connector's commit thread)
+        self.binding = DeviceBinding(0, lambda i: None) if standin else \
+            DeviceBinding(torch.npu.current_device(), torch.npu.set_device)  # type: ignore[attr-defined]
         self.dtype = getattr(torch, npu.dtype)
+        self.cache_dir, self.rank, self.world = cache_dir, rank, world  # the on-disk compile cache (CacheKey)
+        self.source_hashes: dict[str, str] = {}  # variant -> its module source's hash (the cache key's)
         self.modules = self._load(sources or {})
-        self._compiled: dict[str, object] = {}  # the compile cache: variant -> compiled target
+        self.seen: set = set()  # (variant, bucket entry) of every graph compiled (or loaded) so far
+        self._compiled: dict[str, object] = {}  # variant -> compiled target
         self.backends: dict[str, object] = {}  # variant -> its compile backend (the stand-in's counts graphs)
         self.graph_calls: list[tuple[str, int, int]] = []  # (variant, batch, tokens) of every graph call
         rope = next(iter(self.modules.values())).ROPE
@@ -115,19 +121,22 @@ class NpuModelRunner:
                 streams = NpuStreams()
             bufs = [kv_buffers(mod, spec.dims.num_hidden_layers, 0, staging_rows=self.buckets.save_rows,
                                device=self.device)[1] for _ in range(npu.staging_buffers)]
-            self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams)
+            self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams, binding=self.binding)
+            if connector is not None:  # decode-time saves and write-backs through the ring too (audit 3 N8)
+                connector.filled_saver = lambda ids, keys: self.commits.save_filled(connector, ids, keys, self.kv)
 
     def _load(self, sources: dict) -> dict:
         import contextlib
 
         from ...lower.compile import compile_variant, mode_dir
-        from .compile import load_module
+        from .compile import load_module, source_hash
 
         tags = self._standin_mod.fresh_tags() if self.standin else contextlib.nullcontext()
         mods = {}
         with tags:  # reduce-overhead modules create tagged events at import (once per process)
             for v in self.spec.variants:
                 src = sources.get(v) or compile_variant(self.spec, v, "npu", mode=self.mode)
+                self.source_hashes[v] = source_hash(src)
                 mods[v] = load_module(Path(f"<{self.spec.name}>/npu/{mode_dir(self.mode)}/{v}.py"), src)
         return mods
 
@@ -136,59 +145,33 @@ class NpuModelRunner:
         return bool(self.modules[variant].META["saves"])
 
     def compiled(self, variant: str):
-        """The compiled forward of ``variant`` (compiled on first use; one graph per bucket)."""
+        """The compiled forward of ``variant`` (compiled on first use; one graph per bucket; with a
+        ``cache_dir``, each bucket's graph is an entry of the on-disk compile cache under its `CacheKey`)."""
         if variant not in self._compiled:
-            from .compile import compile_module
+            from .compile import CacheKey, compile_module
 
             mod = self.modules[variant]
             cells = self.grid.count() if mod.META.get("history") and mod.META["phase"] == "prefill" else 0
-            target, backend = compile_module(mod, self.mode, use_standin=self.standin,
+            cache = None if self.cache_dir is None else CacheKey(
+                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world
+            ).directory(self.cache_dir)
+            target, backend = compile_module(mod, self.mode, cache, use_standin=self.standin,
                                              buckets=self.buckets.count(mod.META["phase"]) + cells)
             self._compiled[variant], self.backends[variant] = target, backend
         return self._compiled[variant]
 
+    def cache_hits(self, variant: str) -> list[str]:
+        """The bucket entries of ``variant`` loaded from the compile cache (not compiled), in order."""
+        fwd = getattr(self._compiled.get(variant), "forward", None)
+        return list(getattr(getattr(fwd, "compiled", None), "hits", ()))
+
     def warm_up(self, out=None) -> int:
-        """Compile every variant for every bucket now, not on first use mid-serving (a GE compile takes
-        minutes; vllm-ascend warms every graph size at start, audit 2 row 15f): one step per bucket
-        (``bucketing.bucket_steps``), and on a history prefill variant one per mixed-grid cell
-        (``MixedGrid.cell_steps``), whose sequences live only in the reserved pad block, so nothing but
-        the pad block and one staging buffer (never committed) is written and nothing is committed.  One
-        line per bucket on ``out`` (stderr).  Returns the number of warm-up steps."""
-        import sys
+        """Compile (or load from the compile cache) every graph now, not on first use mid-serving:
+        `graphgen.npu.run.warmup.warm_up` (largest first, one line per graph on ``out``, progress
+        reported). Returns the number of graphs."""
+        from .warmup import warm_up
 
-        from .bucketing import bucket_steps
-        from .compile import step_bucket
-
-        out = out or sys.stderr
-        plans = [(v, seqs, None) for v, mod in self.modules.items()
-                 for seqs in bucket_steps(mod.META["phase"], bool(mod.META.get("history")), self.buckets,
-                                          self.block_size)]
-        # and every cell of the mixed grid on each history prefill variant: a mixed batch padded to a
-        # cell nobody compiled would compile mid-serving (minutes of GE on an NPU)
-        plans += [(v, step.seqs, self.grid.padding(step, self.pad_block)) for v, mod in self.modules.items()
-                  if mod.META.get("history") and mod.META["phase"] == "prefill"
-                  for step in self.grid.cell_steps(self.block_size)]
-        for i, (variant, seqs, pad) in enumerate(plans, 1):
-            mod = self.modules[variant]
-            phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
-            chunk = [self._pad_sequence(hist, q) for hist, q in seqs]
-            b, _ = self._step_inputs(phase, chunk, saves, history, pad=pad)
-            target = self.compiled(variant)
-            idx, slot = self.commits.ring.acquire() if saves else (None, None)
-            buf = slot.device if saves else ()
-            try:
-                with torch.no_grad(), self._limits():
-                    if history:
-                        mod.load(b, self.kv, self._chunk_loads(mod, chunk))
-                    target.forward(self.W, b, self.kv, buf)
-            finally:
-                if saves:  # the next graph writing this slot is queued after this one (same stream)
-                    self.commits.ring.release(idx)
-            batch, tokens = step_bucket(b)
-            kind = "bucket" if pad is None else f"mixed cell decode_rows={len(seqs) - self.grid.prefill_seqs}"
-            print(f"warm-up {i}/{len(plans)}: {variant} {kind} batch={batch} tokens={tokens} compiled",
-                  file=out, flush=True)
-        return len(plans)
+        return warm_up(self, out)
 
     def _pad_sequence(self, hist: int, q: int) -> dict:
         """A warm-up sequence of ``hist`` history and ``q`` new tokens stored only in the pad block."""
@@ -201,6 +184,7 @@ class NpuModelRunner:
         """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
         here: the device runs asynchronously anyway), each saving call's copies issued and its save
         handed to the connector (`CommitPath.save_call`)."""
+        self.binding.ensure()
         if self.plan_check is not None:
             self.plan_check(plan)
         fut = StepFuture(plan, None)
@@ -210,6 +194,7 @@ class NpuModelRunner:
     def collect(self, fut: StepFuture) -> list:
         """Each row's logits (``[1, vocab]``: the last position; ``[0, vocab]`` for a chunk that samples
         nothing, as the CPU runner returns); the saves were handed off at submit."""
+        self.binding.ensure()
         return [x[:len(row.logits_positions)] for x, row in zip(fut.handles.split(1), fut.plan.rows)]
 
     def settle(self, fut: StepFuture) -> None:
@@ -234,8 +219,9 @@ class NpuModelRunner:
         target = self.compiled(variant)
         logits, offset = [], 0
         for chunk in chunks:
-            b, n_save = self._step_inputs(phase, chunk, saves, history, pad=cell)
+            b, n_save = self._step_inputs(mod, chunk, pad=cell)
             self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
+            self._first_use(variant, b)
 
             def graph(staging, b=b, chunk=chunk):
                 with torch.no_grad(), self._limits():
@@ -250,14 +236,32 @@ class NpuModelRunner:
             else:
                 out = graph(())
             logits.append(out[:len(chunk)].float())
+        current_progress().stepping()  # a graph compiled on first use is done: the step deadline again
         return torch.cat(logits)
 
     def close(self) -> None:
+        if self.connector is not None:
+            self.connector.filled_saver = None
         if self.commits is not None:
             self.commits.close()
             self.commits = None
 
     # ---- internals --------------------------------------------------------------------------
+    def _first_use(self, variant: str, b) -> None:
+        """A graph compiled on first use (no warm-up, or a shape warm-up did not cover) can take
+        minutes: the process reports the ``warmup`` phase, whose deadline then holds instead of the step
+        deadline (`graphgen.runtime.progress`), until the step's next graph or its end."""
+        from .compile import bucket_entry
+
+        key = (variant, bucket_entry(b))
+        report = current_progress()
+        if key in self.seen:
+            report.stepping()
+            return
+        self.seen.add(key)
+        report.phase("warmup")
+        report.advance(1, note=variant)
+
     def _limits(self):
         import contextlib
 
@@ -321,10 +325,12 @@ class NpuModelRunner:
             out.append(tuple(comps))
         return out
 
-    def _step_inputs(self, phase: str, chunk: list, saves: bool, history: bool = False, pad=None):
-        """The chunk's inputs padded to ``pad`` (a mixed batch's cell) or to its bucket."""
+    def _step_inputs(self, mod, chunk: list, pad=None):
+        """The chunk's inputs for module ``mod``, padded to ``pad`` (a mixed batch's cell) or to its bucket;
+        the gather rows only when the module reads them (``STEP_READS``: audit 3 N9)."""
         from .inputs import npu_step_inputs
 
+        phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
         ids = [t for s in chunk for t in s["ids"]]
         qlens = [len(s["ids"]) for s in chunk]
         save = [b for s in chunk for b in s["save"]] if saves else None
@@ -335,7 +341,8 @@ class NpuModelRunner:
                             query_lens=qlens, logits_indices=[sum(qlens[:i + 1]) - 1 for i in range(len(chunk))],
                             block_size=self.block_size, save_block_ids=save,
                             load_block_ids=[b for s in chunk for b in s["load"]] if history else None,
-                            decode=phase == "decode", device=self.device, pad=pad)
+                            decode=phase == "decode", device=self.device, pad=pad,
+                            gather="kv_gather_rows" in getattr(mod, "STEP_READS", ("kv_gather_rows",)))
         return b, len(save or ())
 
 
@@ -353,7 +360,8 @@ def _sequence(row, block_size: int) -> dict:
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: int = 512,
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               rank_parts=None, warmup: Optional[bool] = None, **options) -> Engine:
+               rank_parts=None, warmup: Optional[bool] = None, cache_dir=None, rank_timeout=None,
+               **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
@@ -362,7 +370,9 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
     ``tp > 1``: the rank processes (`graphgen.npu.run.ranks`), each of which calls this with its
     ``rank_parts`` (`graphgen.runtime.parallel.rank.RankParts`: KV shard, keys, plan check).
     ``warmup``: compile every bucket of every variant before the first request (`NpuModelRunner.warm_up`,
-    progress on stderr); ``None``: on an NPU, off with ``standin``."""
+    progress on stderr); ``None``: on an NPU, off with ``standin``.  ``cache_dir``: the on-disk compile
+    cache (`compile.CacheKey`: a restart with the same cache compiles nothing); None: none.
+    ``rank_timeout``: the rank processes' start deadlines (`graphgen.runtime.Deadlines`; one process: unused)."""
     if spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
     if spec.parallel.ep > 1:
@@ -377,7 +387,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
             raise ValueError("sources= is for one process; NPU ranks compile their own modules")
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                standin=standin, mode=mode, warmup=warmup, **options)
+                                standin=standin, mode=mode, warmup=warmup, cache_dir=cache_dir,
+                                rank_timeout=rank_timeout, **options)
     if not isinstance(weights, dict):
         from ...runtime import load_hf_weights
 
@@ -387,7 +398,9 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: i
 
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
         runner = NpuModelRunner(spec, weights, cache, connector, pad_block=reserved[0], mode=mode,
-                                standin=standin, sources=sources, plan_check=plan_check)
+                                standin=standin, sources=sources, plan_check=plan_check, cache_dir=cache_dir,
+                                rank=rank_parts.rank if rank_parts is not None else 0,
+                                world=spec.parallel.world)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner

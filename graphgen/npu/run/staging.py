@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-__all__ = ["StagingExhausted", "StagingRing", "RingSlot", "NpuStreams", "CopyDone", "CommitPath"]
+__all__ = ["StagingExhausted", "StagingRing", "RingSlot", "NpuStreams", "DeviceBinding", "CopyDone", "CommitPath"]
 
 
 class StagingExhausted(RuntimeError):
@@ -104,21 +104,52 @@ class NpuStreams:
         with self._npu.stream(stream):
             dst.copy_(src, non_blocking=True)  # pinned dst: an async D2H on ``stream``
 
+    def gather(self, stream, dst, src, index) -> None:
+        """``dst[:] = src[index]`` (rows, on the device) issued on ``stream``."""
+        with self._npu.stream(stream):
+            self._torch.index_select(src, 0, index, out=dst)
+
     def host_empty(self, shape, dtype):
         return self._torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
 
-class CopyDone:
-    """A slot's copies as the connector waits on them (its `SaveHandle`): the copy event."""
+class DeviceBinding:
+    """Every thread that touches NPU objects sets its device first (audit 3 N7). torch_npu's current
+    device is per thread, as CUDA's: a thread that never set it works on device 0, so rank r > 0 would
+    open a second context on NPU 0 or find no context for its events (vllm-ascend #12200, #8041). The
+    runner's thread and the connector's commit thread (it synchronizes the copy events) call `ensure`
+    before touching a device object; the first call in a thread sets the device. ``bound``: the
+    threads (idents) that set it."""
 
-    def __init__(self, event):
-        self._event = event
+    def __init__(self, index: int, set_device: Callable[[int], None]):
+        self.index, self._set = index, set_device
+        self._local = threading.local()
+        self.bound: set[int] = set()
+
+    def ensure(self) -> None:
+        if getattr(self._local, "set", False):
+            return
+        self._set(self.index)
+        self._local.set = True
+        self.bound.add(threading.get_ident())
+
+
+class CopyDone:
+    """A slot's copies as the connector waits on them (its `SaveHandle`): the copy event, synchronized
+    by a thread bound to the device (``binding``, `DeviceBinding`)."""
+
+    def __init__(self, event, binding: Optional[DeviceBinding] = None):
+        self._event, self._binding = event, binding
 
     def wait(self, timeout: Optional[float] = None) -> None:
+        if self._binding is not None:
+            self._binding.ensure()
         self._event.synchronize()
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         try:
+            if self._binding is not None:
+                self._binding.ensure()
             self._event.synchronize()
         except BaseException as e:  # the connector counts it (save_failures); nothing is put
             return e
@@ -131,9 +162,11 @@ class CommitPath:
     ``wait_for_save=False`` drops the copy stream's wait on the save event: only for the negative
     control of tests/npu/test_staging.py (the copies may then read a slot the save has not written)."""
 
-    def __init__(self, ring: StagingRing, streams, *, wait_for_save: bool = True):
-        self.ring, self.streams, self.wait_for_save = ring, streams, wait_for_save
+    def __init__(self, ring: StagingRing, streams, *, wait_for_save: bool = True,
+                 binding: Optional[DeviceBinding] = None):
+        self.ring, self.streams, self.wait_for_save, self.binding = ring, streams, wait_for_save, binding
         self.copy_stream = streams.new_stream("kv_copy")
+        self.filled_saves = 0  # blocks saved by save_filled (decode-time saves, write-backs)
 
     @staticmethod
     def slots(device_buffers: Sequence[list], streams) -> list[RingSlot]:
@@ -148,9 +181,7 @@ class CommitPath:
         idx, slot = self._acquire(connector)
         n = len(block_ids)
         try:
-            staging = [tuple(h[:n].view(n, *shape) for h, shape in zip(layer, connector.cache.component_shapes.values()))
-                       for layer in slot.host]
-            pending = connector.prepare_save(block_ids, keys, staging=staging,
+            pending = connector.prepare_save(block_ids, keys, staging=self._host_views(connector, slot, n),
                                              on_committed=lambda: self.ring.release(idx))
         except BaseException:
             self.ring.release(idx)
@@ -166,6 +197,42 @@ class CommitPath:
         connector.handoff(pending, done, done)
         return out
 
+    def save_filled(self, connector, block_ids: Sequence[int], keys: Sequence[str], kv: list) -> None:
+        """Blocks a landed step filled (decode-time saves, write-backs: audit 3 N8), through the same
+        path as a saving graph's, never a synchronous pageable copy per (layer, component, block): per
+        ring slot (at most its rows), the blocks are pinned, the copy stream waits for the current
+        stream's work (the steps that wrote them), gathers them from the device cache ``kv`` (the
+        runner's per-layer views) into the slot's device staging, issues its D2H copies, and the
+        connector puts after the copy event and frees the slot (`KVConnector.handoff`)."""
+        import torch
+
+        rows = self.ring.buffers[0].device[0][0].shape[0]
+        for start in range(0, len(block_ids), rows):
+            ids, ks = list(block_ids[start:start + rows]), list(keys[start:start + rows])
+            idx, slot = self._acquire(connector)
+            try:
+                pending = connector.prepare_save(ids, ks, staging=self._host_views(connector, slot, len(ids)),
+                                                 on_committed=lambda i=idx: self.ring.release(i))
+            except BaseException:
+                self.ring.release(idx)
+                raise
+            try:
+                landed = self.streams.event()
+                landed.record(self.streams.current_stream())
+                index = torch.tensor(ids, dtype=torch.int64, device=kv[0][0].device)
+                done = self._copy(slot, len(ids), landed, gather=(kv, index))
+            except BaseException:
+                connector.cancel(pending)
+                raise
+            connector.handoff(pending, done, done)
+            self.filled_saves += len(ids)
+
+    @staticmethod
+    def _host_views(connector, slot: RingSlot, n: int) -> list:
+        """The slot's host rows as the connector's staging: per layer, per component ``[n, *block shape]``."""
+        return [tuple(h[:n].view(n, *shape) for h, shape in zip(layer, connector.cache.component_shapes.values()))
+                for layer in slot.host]
+
     def _acquire(self, connector):
         while True:
             try:
@@ -175,17 +242,24 @@ class CommitPath:
                 if not connector.wait_oldest():
                     raise
 
-    def _copy(self, slot: RingSlot, n: int, saved) -> CopyDone:
+    def _copy(self, slot: RingSlot, n: int, saved, gather=None) -> CopyDone:
+        """On the copy stream, after ``saved``: (``gather`` = (kv, index): the rows into the slot's device
+        staging first, then) one D2H per (layer, component) of the slot's first ``n`` rows."""
         s = self.copy_stream
         if self.wait_for_save:
             self.streams.wait(s, saved)
+        if gather is not None and n:
+            kv, index = gather
+            for dev_layer, cache_layer in zip(slot.device, kv):
+                for d, c in zip(dev_layer, cache_layer):
+                    self.streams.gather(s, d[:n], c, index)
         for dev_layer, host_layer in zip(slot.device, slot.host):
             for d, h in zip(dev_layer, host_layer):
                 if n:
                     self.streams.copy(s, h[:n], d[:n])  # one D2H per (layer, component), all n rows
         done = self.streams.event()
         done.record(s)
-        return CopyDone(done)
+        return CopyDone(done, self.binding)
 
     def close(self) -> None:
         close = getattr(self.copy_stream, "close", None)  # the modelled stream's thread

@@ -202,7 +202,9 @@ class StandinCachedModel:
     serialisation: only a bound ``nn.Module`` method is accepted (:699-703); the entry lives at
     ``cache_dir/<class>_<dynamic|static>_<md5>/<func.__name__>/compiled_module`` (:203-235); it is written after
     the first graph compiles, and a second graph from the same code object logs "Skip cache as ... recompiled"
-    and removes it (:555-573).  The file written is a marker naming the graph, not a loadable cache."""
+    and removes it (:555-573).  The file written is a marker naming the graph, not a loadable cache; an entry
+    that exists at the first call is "loaded" as ``LazyCompiledModel.compile`` does (:648-657: no guard, no
+    compile), modelled by running the method eagerly: ``loaded`` says so, and no graph is compiled."""
 
     FILE = "compiled_module"
 
@@ -224,8 +226,14 @@ class StandinCachedModel:
         self.compiled = torch.compile(func, backend=self.backend, fullgraph=True, dynamic=dynamic)
         self.graphs = 0  # graphs this code object compiled
         self.skipped = False
+        self.func = func
+        self.loaded = None  # decided at the first call, as LazyCompiledModel does
 
     def __call__(self, *args, **kwargs):
+        if self.loaded is None:
+            self.loaded = self.cache_bin.exists()
+        if self.loaded:
+            return self.func(*args, **kwargs)
         before = len(self.backend.graphs)
         out = self.compiled(*args, **kwargs)
         if len(self.backend.graphs) > before:

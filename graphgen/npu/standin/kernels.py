@@ -203,6 +203,39 @@ def _moe_init_routing_v2_meta(x, expert_idx, *, expert_num=-1, active_expert_ran
             x.new_empty(local, dtype=torch.int64), x.new_empty(0, dtype=torch.float32))
 
 
+def _moe_init_routing(x, row_idx, expert_idx, active_num):
+    # docs.py:11004-11016 and op-plugin's torch_npu-npu_moe_init_routing.md "等价计算逻辑" (its numpy
+    # reference): a stable sort of the flattened expert ids carries row_idx along; expanded_row_idx[src] =
+    # the sorted position of source row src (src = row_idx's value: i + k * NUM_ROWS as callers number it);
+    # expanded_x[j] = x[src_j % NUM_ROWS] for the first min(NUM_ROWS, active_num) * K sorted rows.
+    n, k = expert_idx.shape
+    order = torch.sort(expert_idx.reshape(-1).long(), stable=True).indices
+    dst_to_src = row_idx.reshape(-1).long().index_select(0, order)
+    expanded_row_idx = torch.empty_like(dst_to_src)
+    expanded_row_idx[dst_to_src] = torch.arange(dst_to_src.numel())
+    active = min(int(active_num), n) * k
+    return (x.index_select(0, dst_to_src[:active] % n), expanded_row_idx.to(torch.int32),
+            expert_idx.reshape(-1).index_select(0, order))
+
+
+def _moe_init_routing_meta(x, row_idx, expert_idx, active_num):
+    n, k = expert_idx.shape
+    return (x.new_empty(min(int(active_num), n) * k, x.shape[-1]), x.new_empty(n * k, dtype=torch.int32),
+            x.new_empty(n * k, dtype=torch.int32))
+
+
+def _moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
+    # docs.py:10537-10546: expertTokens_i = BinarySearch(sorted, i): the end (one past the last row) of
+    # expert i's rows in the sorted ids, for i in [0, num_expert): cumulative counts, same dtype as the input
+    ids = sorted_expert_for_source_row.long()
+    ends = torch.searchsorted(ids, torch.arange(num_expert, device=ids.device), right=True)
+    return ends.to(sorted_expert_for_source_row.dtype)
+
+
+def _moe_compute_expert_tokens_meta(sorted_expert_for_source_row, num_expert):
+    return sorted_expert_for_source_row.new_empty(num_expert)
+
+
 def _grouped_matmul(x, weight, *, group_list=None, group_list_type=0, split_item=0, **kw):
     # One x [M, K] split into row groups (group_list: counts if group_list_type 1, else cumulative ends),
     # group g multiplied by weight[0][g] ([E, K, N]); split_item 2/3: a single concatenated output.
@@ -222,9 +255,12 @@ def _grouped_matmul_meta(x, weight, **kw):
 
 def _moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
                           export_for_source_row, drop_pad_mode=0, k=1):
-    # out[t] = skip1[t] + skip2[t] + sum_j scales[t, j] * rows[expanded_src_to_dst_row[t*K + j]]
+    # docs.py:10604-10606: out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src_to_dst[i + k * NUM_ROWS]]
+    # + bias[export_for_source_row[i, k]]): the index is k-major, as npu_moe_init_routing numbers its rows
     t, kk = scales.shape
-    rows = expanded_permuted_rows.index_select(0, expanded_src_to_dst_row.long()).view(t, kk, -1)
+    rows = expanded_permuted_rows.index_select(0, expanded_src_to_dst_row.long()).view(kk, t, -1).transpose(0, 1)
+    if bias is not None:
+        rows = rows + bias.index_select(0, export_for_source_row.reshape(-1).long()).view(t, kk, -1).to(rows.dtype)
     out = (rows * scales.unsqueeze(-1).to(rows.dtype)).sum(1)
     for extra in (skip1, skip2):
         if extra is not None:
@@ -261,6 +297,8 @@ CPU_KERNELS: dict[str, Callable] = {
     "npu_moe_init_routing_v2": _moe_init_routing_v2,
     "npu_grouped_matmul": _grouped_matmul,
     "npu_moe_finalize_routing": _moe_finalize_routing,
+    "npu_moe_init_routing": _moe_init_routing,
+    "npu_moe_compute_expert_tokens": _moe_compute_expert_tokens,
     "npu_scatter_nd_update": _scatter_nd_update,
     "npu_scatter_nd_update_": _scatter_nd_update_,
     "npu_scatter_pa_kv_cache": _scatter_pa_kv_cache,
@@ -288,6 +326,8 @@ META_KERNELS: dict[str, Callable] = {
     "npu_moe_init_routing_v2": _moe_init_routing_v2_meta,
     "npu_grouped_matmul": _grouped_matmul_meta,
     "npu_moe_finalize_routing": _moe_finalize_routing_meta,
+    "npu_moe_init_routing": _moe_init_routing_meta,
+    "npu_moe_compute_expert_tokens": _moe_compute_expert_tokens_meta,
     "npu_moe_token_unpermute": _moe_token_unpermute_meta,
     "npu_rms_norm": _rms_norm_meta,
     "npu_add_rms_norm": _add_rms_norm_meta,

@@ -35,7 +35,9 @@ NPU_OPS = ("npu_scatter_nd_update", "npu_scatter_nd_update_", "npu_scatter_pa_kv
            "npu_fused_infer_attention_score_v2",  # the static decode graph's BSH/BNSD attention
            # DeepSeek-V3 MoE (real schemas from the manifest; CPU kernels are OUR reading of the docs)
            "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing",
-           "npu_moe_token_unpermute")
+           "npu_moe_token_unpermute",
+           # the permute/unpermute pair vllm-ascend ran in GE graphs (audit 3 N4; graphgen.lower.npu_helpers)
+           "npu_moe_init_routing", "npu_moe_compute_expert_tokens")
 
 # Process-wide registration state (torch.library registrations cannot be undone cheaply, so they are
 # made once); also the limits switch and the compile mode the stand-in backend is tracing.
@@ -69,10 +71,6 @@ def tracing_mode(mode: Optional[str], tiling_sink: bool = False):
         yield
     finally:
         _state["mode"], _state["tiling_sink"] = saved
-
-
-def limits_enforced() -> bool:
-    return bool(_state["enforce"])
 
 
 def _checked(op: str, kernel: Callable) -> Callable:

@@ -136,5 +136,9 @@ class ModelledStreams:
         """``dst.copy_(src, non_blocking=True)`` issued on ``stream``: runs when the stream reaches it."""
         stream.run(lambda: dst.copy_(src))
 
+    def gather(self, stream, dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+        """``dst[:] = src[index]`` issued on ``stream`` (the commit path's decode-time saves)."""
+        stream.run(lambda: torch.index_select(src, 0, index, out=dst))
+
     def host_empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype)  # CPU torch refuses pin_memory=True here

@@ -19,6 +19,7 @@ import re
 import torch
 
 from ...families import BY_HF_MODEL_TYPE, FAMILIES
+from .. import progress
 
 Tensor = torch.Tensor
 
@@ -79,6 +80,8 @@ def _read_tensors(hf_dir: str) -> dict[str, Tensor]:
     else:
         raise WeightsError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json found")
     out: dict[str, Tensor] = {}
+    report = progress.current_progress()  # bytes read, for the start's progress lines (graphgen.runtime.progress)
+    report.phase("load", total=sum(os.path.getsize(p) for p in files if os.path.exists(p)))
     for path, keys in files.items():
         if not os.path.exists(path):
             raise WeightsError(f"{hf_dir}: shard {os.path.basename(path)} named in the index is missing")
@@ -87,7 +90,8 @@ def _read_tensors(hf_dir: str) -> dict[str, Tensor]:
             for key in (keys if keys is not None else sorted(present)):
                 if key not in present:
                     raise WeightsError(f"{path}: index lists {key!r} but the shard does not hold it")
-                out[key] = f.get_tensor(key)
+                out[key] = t = f.get_tensor(key)
+                report.advance(t.numel() * t.element_size())
     return out
 
 

@@ -13,12 +13,15 @@
   draw is deterministic: a hash of (seed, key, attempt number of that key), so the outcome does not
   depend on thread interleaving and a retry of the same key gets a fresh draw.
 * ``seed``           -- seeds the ``put_fail`` draw.
-* ``save_gate`` / ``put_gate`` -- an object with ``wait()`` (a ``threading.Event``, or a `FileGate`
+* ``weights_delay_s`` -- ``faults.weights_sleep()`` once, as a rank process starts loading its weights
+  (`graphgen.runtime.parallel.rank`): a slow checkpoint read, against the start phases' deadlines.
+* ``save_gate`` / ``put_gate`` / ``weights_gate`` -- an object with ``wait()`` (a ``threading.Event``, or a `FileGate`
   across processes) that each save op / each pool put waits on before its delay: a test holds the
-  save (or the commit) back for exactly as long as it looks, instead of hoping a sleep outlasts it.
+  save (or the commit, or a rank's load) back for exactly as long as it looks, instead of hoping a sleep
+  outlasts it.
   No text form (`parse`/`format`).
 
-CLI form (`Faults.parse`): ``save_delay=0.05,put_fail=0.5,forward_delay=0.01,put_delay=0.02,load_delay=0.01,seed=1``
+CLI form (`Faults.parse`): ``save_delay=0.05,put_fail=0.5,forward_delay=0.01,put_delay=0.02,load_delay=0.01,weights_delay=5,seed=1``
 (the ``_s`` suffix is optional; ``Faults.format`` writes this form back).
 """
 from __future__ import annotations
@@ -66,13 +69,15 @@ class Faults:
     load_delay_s: float = 0.0
     save_gate: Any = None
     put_gate: Any = None
+    weights_delay_s: float = 0.0
+    weights_gate: Any = None
 
     # short CLI names -> field names
     _ALIASES = {"save_delay": "save_delay_s", "forward_delay": "forward_delay_s",
-                "put_delay": "put_delay_s", "load_delay": "load_delay_s"}
+                "put_delay": "put_delay_s", "load_delay": "load_delay_s", "weights_delay": "weights_delay_s"}
 
     def __post_init__(self) -> None:
-        for f in ("save_delay_s", "forward_delay_s", "put_delay_s", "load_delay_s"):
+        for f in ("save_delay_s", "forward_delay_s", "put_delay_s", "load_delay_s", "weights_delay_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise ValueError(f"Faults.{f} must be a number >= 0, got {v!r}")
@@ -81,7 +86,7 @@ class Faults:
                                  or not 0.0 <= pf <= 1.0):
             raise ValueError(f"Faults.put_fail must be a probability in [0, 1] or a callable "
                              f"key -> bool, got {pf!r}")
-        for f in ("save_gate", "put_gate"):
+        for f in ("save_gate", "put_gate", "weights_gate"):
             g = getattr(self, f)
             if g is not None and not callable(getattr(g, "wait", None)):
                 raise ValueError(f"Faults.{f} must have a wait() method (threading.Event, FileGate), got {g!r}")
@@ -114,12 +119,12 @@ class Faults:
 
     def format(self) -> str:
         """The `parse` form of the non-default knobs (a callable ``put_fail`` or a gate cannot be written)."""
-        if self.save_gate is not None or self.put_gate is not None:
-            raise ValueError("a save/put gate has no text form")
+        if self.save_gate is not None or self.put_gate is not None or self.weights_gate is not None:
+            raise ValueError("a save/put/weights gate has no text form")
         parts = []
         for short, field in (("save_delay", "save_delay_s"), ("forward_delay", "forward_delay_s"),
                              ("put_delay", "put_delay_s"), ("put_fail", "put_fail"),
-                             ("load_delay", "load_delay_s")):
+                             ("load_delay", "load_delay_s"), ("weights_delay", "weights_delay_s")):
             v = getattr(self, field)
             if callable(v):
                 raise ValueError("a callable put_fail has no text form")
@@ -132,8 +137,8 @@ class Faults:
     @property
     def active(self) -> bool:
         return bool(self.save_delay_s or self.forward_delay_s or self.put_delay_s or self.load_delay_s
-                    or callable(self.put_fail) or self.put_fail
-                    or self.save_gate is not None or self.put_gate is not None)
+                    or self.weights_delay_s or callable(self.put_fail) or self.put_fail
+                    or self.save_gate is not None or self.put_gate is not None or self.weights_gate is not None)
 
     # hooks called by the runtime ------------------------------------------------------------
     def save_sleep(self) -> None:
@@ -149,6 +154,12 @@ class Faults:
     def load_sleep(self) -> None:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
+
+    def weights_sleep(self) -> None:
+        if self.weights_gate is not None:
+            self.weights_gate.wait()
+        if self.weights_delay_s:
+            time.sleep(self.weights_delay_s)
 
     def put_sleep(self) -> None:
         if self.put_gate is not None:

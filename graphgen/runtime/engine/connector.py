@@ -98,6 +98,8 @@ class KVConnector:
         self.host_stream = Stream(HOST_STREAM)  # async commits, in step order
         self._pending: deque[Job] = deque()    # async commits in flight, oldest first
         self.observer = None                   # a graphgen.trace.StepObserver: commit spans and latency
+        # a runner's own path for save_filled (the NPU's: its commit path, graphgen.npu.run.staging), or None
+        self.filled_saver: Optional[Callable[[Sequence[int], Sequence[str]], None]] = None
         self.counters = stats if stats is not None else Counters()  # bumped from the host stream too
 
     @property
@@ -181,6 +183,9 @@ class KVConnector:
             return
         if len(block_ids) != len(keys):
             raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
+        if self.filled_saver is not None:  # pins, copies and hands off through this connector's calls
+            self.filled_saver(block_ids, keys)
+            return
         self.alloc.pin(block_ids)
         save = PendingSave(tuple(block_ids), tuple(keys), self.cache, from_cache=True)
         if self.write == "async":

@@ -9,24 +9,30 @@ the same sampled token (every rank samples the same gathered logits), so every r
 the same state at every step.
 
 `guided_sample(logits, requests, sample)` is the engine's one call: for each row whose request has a
-grammar it computes the allowed-token bitmask, sets every other logit to ``-inf`` (on a copy: the
+grammar it computes the allowed-token bitmask (`allowed_tokens`), sets every other logit to ``-inf`` (on a copy: the
 raw logits stay for whoever keeps them), samples all rows with ``sample`` (greedy rows take the
 argmax of the masked row, sampled rows draw from it), then advances each matcher with its token.
-The matcher is made at the request's first sampled token and lives on the request. When the
-grammar is complete only EOS is allowed. A matcher in error (it should not happen: every token is
+The matcher is made at the request's first sampled token and lives on the request: a copy of the
+grammar's compiled prototype (`compiled_matcher`, cached by grammar text, tokenizer and width), so a
+server that compiled the grammar before submitting the request (off its engine loop; llguidance
+drops the GIL while it compiles) leaves only the copy to the step. When the grammar is complete
+only EOS is allowed. A matcher in error (it should not happen: every token is
 drawn from the mask) stops masking that request alone; its error is logged, not raised.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["StructuredOutput", "guided_sample", "tokenizer_for"]
+__all__ = ["StructuredOutput", "guided_sample", "tokenizer_for", "compiled_matcher", "warm_up_grammars",
+           "allowed_tokens"]
 
 log = logging.getLogger("graphgen.runtime.grammar")
 
@@ -53,22 +59,58 @@ def tokenizer_for(tokenizer_dir: str, n_vocab: int):
     return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), n_vocab=n_vocab)
 
 
+_COMPILED: "collections.OrderedDict" = collections.OrderedDict()
+_COMPILED_MAX = 64
+_COMPILED_LOCK = threading.Lock()
+
+
+def compiled_matcher(spec: StructuredOutput, n_vocab: int):
+    """The grammar's matcher in its start state, compiled once per (grammar, tokenizer, width) and
+    kept (least recently used out past 64); callers take ``deep_copy()``. Any thread may call it.
+    A grammar that does not compile is a ``ValueError`` naming llguidance's error."""
+    import llguidance
+
+    key = (spec.grammar, spec.tokenizer_dir, n_vocab)
+    with _COMPILED_LOCK:
+        proto = _COMPILED.get(key)
+        if proto is not None:
+            _COMPILED.move_to_end(key)
+            return proto
+    proto = llguidance.LLMatcher(tokenizer_for(spec.tokenizer_dir, n_vocab), spec.grammar)
+    if proto.is_error():
+        raise ValueError(f"grammar: {proto.get_error()}")
+    with _COMPILED_LOCK:
+        _COMPILED[key] = proto
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+    return proto
+
+
+def warm_up_grammars(tokenizer_dir: str, n_vocab: int) -> None:
+    """Load llguidance and index the tokenizer (the first grammar's fixed cost) now."""
+    tokenizer_for(tokenizer_dir, n_vocab)
+
+
+def allowed_tokens(bitmask: bytes, n_vocab: int) -> torch.Tensor:
+    """llguidance's next-token bitmask (little-endian 32-bit words: token ``32 j + i`` allowed when
+    bit ``i`` of word ``j`` is set, so bit ``k`` of the byte stream, low bit first, is token ``k``) as
+    a ``[n_vocab]`` bool tensor, by numpy's ``unpackbits``. Not ``llguidance.torch``'s helper: it is a
+    ``torch.compile`` kernel, whose first call compiled for seconds inside the engine's step (and
+    whose import loads Dynamo)."""
+    import numpy as np
+
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), count=n_vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
+
+
 class _Guide:
     def __init__(self, spec: StructuredOutput, n_vocab: int):
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(tokenizer_for(spec.tokenizer_dir, n_vocab), spec.grammar)
-        if self.matcher.is_error():
-            raise ValueError(f"grammar: {self.matcher.get_error()}")
+        self.matcher = compiled_matcher(spec, n_vocab).deep_copy()
         self.n_vocab = n_vocab
         self.failed = False
 
     def mask(self, row: torch.Tensor) -> None:
-        import llguidance.torch as lt
-
-        bits = lt.allocate_token_bitmask(1, self.n_vocab)
-        lt.fill_next_token_bitmask(self.matcher, bits, 0)
-        lt.apply_token_bitmask_inplace(row, bits)
+        row.masked_fill_(~allowed_tokens(self.matcher.compute_bitmask(), self.n_vocab), float("-inf"))
 
     def advance(self, token: int) -> None:
         if self.matcher.is_stopped():

@@ -1,8 +1,8 @@
 """Sampling: what a request asks for (`SamplingParams`) and how its next token is chosen.
 
 ``temperature == 0`` is ``argmax``, so a greedy request gives the same tokens whichever path it
-takes. Otherwise: temperature scaling, then top-k, then top-p (nucleus) on the sorted
-probabilities, then one draw from a ``torch.Generator`` owned by the request (`Sampler`). With a
+takes. Otherwise: temperature scaling, then top-k, then min-p (tokens under ``min_p`` times the
+likeliest one's probability dropped), then top-p (nucleus) on the sorted probabilities, then one draw from a ``torch.Generator`` owned by the request (`Sampler`). With a
 ``seed`` the generator is seeded with it, so the same request gives the same tokens (the draws
 depend only on the seed and the logits, not on other requests or thread timing) — and every rank of
 a tensor-parallel engine, which samples the same logits with its own copy of the sampler, draws the
@@ -37,6 +37,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # 0 (or -1) = no limit
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the likeliest one (vLLM's)
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()  # stop strings (matched on detokenized text by the server; cut off)
     stop_token_ids: tuple[int, ...] = ()  # the token is emitted, then the request stops
@@ -62,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
         if not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError("top_p must be in (0, 1]")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be a number in [0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError("top_k must be an integer >= -1 (-1 or 0: no limit)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
@@ -129,7 +132,7 @@ class Sampler:
         return int(torch.multinomial(self._weights(logits), 1, generator=self.generator))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution a draw samples from (temperature, top-k, top-p applied), ``[V]`` float32,
+        """The distribution a draw samples from (temperature, top-k, min-p, top-p applied), ``[V]`` float32,
         summing to 1: speculative decoding's rejection sampling compares the target's with the draft's."""
         w = self._weights(logits)
         return w / w.sum()
@@ -146,6 +149,9 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        if p.min_p > 0.0:  # as vLLM, before top-p: a share of the likeliest token's probability
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of the tokens ranked above each one

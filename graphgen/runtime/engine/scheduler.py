@@ -46,11 +46,11 @@ from dataclasses import replace
 from typing import Callable, Optional, Protocol, Sequence
 
 from ..core.kvcache import BlockAllocator, OutOfBlocks
+from ..pool.keys import successor_keys
 from .block_life import BlockLife
 from .chunking import chunk_tokens, prefill_logits_positions, wants_prompt_logits
 from .forks import Forks
 from .request import PENDING, Request, RowPlan, StepPlan
-from .spec_decode import successor_keys
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 

@@ -51,13 +51,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..pool.keys import BlockKey, KVShard, chain_digests
+from ..pool.keys import successor_keys
 from .request import Request, RowPlan, StepPlan
 from .runner import StepInputs, build_inputs
 from .sampling import SamplingParams, rejection_sample
 
 __all__ = ["MAX_SPECULATIVE_TOKENS", "MtpInputs", "MtpDrafter", "check_speculative", "mtp_variant",
-           "speculative_refusal", "mtp_block_keys", "successor_keys", "run_rows"]
+           "speculative_refusal", "run_rows"]
 
 # K + 1 <= 16: a verify row stays inside absorbed FIA's 1-16-token multi-token decode envelope (docs/npu.md)
 MAX_SPECULATIVE_TOKENS = 15
@@ -112,26 +112,6 @@ def speculative_refusal(params: SamplingParams) -> Optional[tuple[str, str]]:
     if params.repetition_penalty != 1.0:
         return no("repetition_penalty")
     return None
-
-
-def successor_keys(loader, seq: Sequence[int], num_blocks: int) -> list[str]:
-    """`mtp_block_keys` of ``seq``'s first ``num_blocks`` blocks in ``loader``'s naming (model,
-    cache layout, KV shard): what a speculative engine looks up and saves."""
-    return mtp_block_keys(seq, num_blocks, loader.cache.block_size, model=loader.model, layout=loader.cache.layout,
-                          shard=loader.shard)
-
-
-def mtp_block_keys(tokens: Sequence[int], num_blocks: int, block_size: int, *, model: str, layout: str,
-                   shard: KVShard = KVShard()) -> list[str]:
-    """Pool keys of the first ``num_blocks`` full blocks of ``tokens`` for a cache with MTP layers:
-    the hash chain plus the block's successor token (``BlockKey.lookahead``), which the MTP layer's KV
-    at the block's last position depends on. Every such successor must be in ``tokens``."""
-    if num_blocks * block_size >= len(tokens) and num_blocks:
-        raise ValueError(f"block {num_blocks - 1}'s successor (position {num_blocks * block_size}) is not among "
-                         f"the {len(tokens)} tokens")
-    chain = chain_digests(tokens, block_size)[:num_blocks]
-    return [BlockKey(model, layout, shard, d, lookahead=int(tokens[(b + 1) * block_size])).render()
-            for b, d in enumerate(chain)]
 
 
 class MtpDrafter:

@@ -11,7 +11,7 @@ The rank side (runtime, runner, dummy forwards, the per-forward handshake, the t
 `graphgen.runtime.parallel.dp_rank`; this module is the facade the caller holds and the router.
 
 **Which rank serves a request** (`DPRouter`): prefix affinity by rendezvous
-hashing of the prompt's leading full blocks over the DP ranks (`graphgen.route.policy.Pool`, policy
+hashing of the prompt's leading full blocks over the DP ranks (`graphgen.balance.Pool`, policy
 ``prefix``), unless that rank already holds ``max_imbalance`` more requests than the least-loaded one
 (then the least loaded): a shared prefix stays on one rank's device cache while load stays bounded.
 
@@ -38,13 +38,13 @@ def prefix_affinity_key(prompt: Sequence[int], block_size: int, blocks: int = 4)
 
 class DPRouter:
     """Which DP rank a request goes to: prefix affinity (rendezvous hashing of `prefix_affinity_key` over
-    the ranks, `graphgen.route.policy.Pool` with policy ``prefix``: a shared prefix keeps going to one
+    the ranks, `graphgen.balance.Pool` with policy ``prefix``: a shared prefix keeps going to one
     rank, whose device cache holds it), unless that rank has ``max_imbalance`` more requests in flight
     than the least-loaded one (then the least loaded, lowest first). ``load``: requests in flight per
     rank, kept by the caller (`begin`/`end`)."""
 
     def __init__(self, dp: int, block_size: int, *, max_imbalance: int = 2):
-        from ...route.policy import Pool
+        from ...balance import Pool
 
         if max_imbalance < 1:
             raise ValueError(f"max_imbalance must be >= 1, got {max_imbalance}")

@@ -11,9 +11,24 @@ and ``llm``: `DistributedLLM`, the step API of `LLMEngine` (what ``graphgen serv
 every call broadcast to the ranks in the same order, so their schedulers stay in lockstep.
 
 Failure is bounded: every reply is awaited with a deadline while the rank processes are watched; a
-rank that exits, raises or does not answer in ``timeout`` seconds ends every rank and raises
-`RankFailure` naming it (gloo's own timeout is the same, so a rank blocked in a collective with a
-dead peer fails too). Nothing listens on anything but 127.0.0.1 (``GLOO_SOCKET_IFNAME=lo``).
+rank that exits, raises or misses its deadline ends every rank and raises `RankFailure` naming it.
+The deadlines (`graphgen.runtime.progress`): starting, each rank has one per phase (``rank_timeout``,
+a `Deadlines`: process start, weight loading, warm-up; it reports each phase it enters), and prints
+progress lines meanwhile (bytes loaded and GB/s, graphs compiled with an ETA); then every command
+must be answered in ``timeout`` seconds, unless the rank reports a phase again (a graph compiled on
+first use), which then has that phase's deadline. The process group's own timeout is the longest of
+these, so a collective that waits on a peer still compiling does not fail first; a collective whose
+peer hangs or died is ended by the deadline here. Nothing listens on anything but 127.0.0.1
+(``GLOO_SOCKET_IFNAME=lo``).
+
+Process start: the rank and pool processes are forked from a forkserver (`_process_context`) that
+imported torch and the rank modules once, when this process first started ranks: a rank skips the
+fresh interpreter's torch import (about 3 s of CPU each here). The forkserver runs no torch op, so
+no thread pool is forked. Each child first takes the environment of this process at its launch
+(`_child`: as a spawned interpreter would; ``ASCEND_RT_VISIBLE_DEVICES``, ``GLOO_SOCKET_IFNAME`` and
+the rest are read after it); a variable a preloaded module reads at import (`_READ_AT_IMPORT`) that
+changed since the forkserver started makes that launch spawn fresh interpreters instead, and so
+does ``spawn=True`` (the real NPU's ranks: its runtime must not be loaded before a fork).
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from typing import Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
+from ..progress import Board, Deadlines, RankPhases
 from .context import CP_RANK_TARGET
 from .rank import RANK_TARGETS, rank_main
 from ...netutil import free_port
@@ -35,6 +51,31 @@ __all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
 
 class RankFailure(RuntimeError):
     """A rank process died, raised, or did not answer in time."""
+
+
+# what the forkserver imports once (a rank's imports: rank_main's lazy ones included)
+_PRELOAD = ["torch", "torch.distributed", "graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.dp_rank",
+            "graphgen.runtime.checkpoint.hf"]
+# environment read at import by a preloaded module (runtime/core/matmul.py): fixed in the forkserver
+_READ_AT_IMPORT = ("GRAPHGEN_CPU_MATMUL",)
+_forkserver_env: Optional[dict] = None  # those variables when this process's forkserver started
+
+
+def _process_context():
+    """The forkserver context (started with `_PRELOAD` on first use), or spawn when a variable of
+    `_READ_AT_IMPORT` differs from the forkserver's (its modules would hold the old value)."""
+    global _forkserver_env
+    now = {k: os.environ.get(k) for k in _READ_AT_IMPORT}
+    if _forkserver_env is None:
+        _forkserver_env = now
+        mp.set_forkserver_preload(_PRELOAD)
+    return mp.get_context("forkserver" if now == _forkserver_env else "spawn")
+
+
+def _child(env: dict, target, *args) -> None:  # the body of every process the launcher starts
+    os.environ.clear()  # forked from the forkserver: its environment, not this launch's
+    os.environ.update(env)
+    target(*args)
 
 
 def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
@@ -103,10 +144,16 @@ class DistributedEngine:
 
     def __init__(self, spec, weights: Union[str, Path, dict, None], *, spec_file: str = "", pool="host",
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
-                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, target: str = "cpu", **engine_kwargs):
+                 pool_capacity_bytes: int = DEFAULT_POOL_BYTES, target: str = "cpu",
+                 rank_timeout: Optional[Deadlines] = None, clock=time.monotonic, progress_out=None,
+                 spawn: bool = False, **engine_kwargs):
         """``target``: the rank builder by name (`graphgen.runtime.parallel.rank.RANK_TARGETS`: ``"cpu"``,
         or one a target registered, e.g. ``"npu"`` by ``graphgen.npu.run.ranks``); ``engine_kwargs`` go
-        to it in every rank process."""
+        to it in every rank process. ``timeout``: seconds a rank has to answer one command;
+        ``rank_timeout``: the start phases' deadlines (default `Deadlines()`); ``clock`` measures both
+        (tests pass a fast one); ``progress_out``: where the start's progress lines go (stderr).
+        ``spawn``: a fresh interpreter per process instead of the warm forkserver (a device runtime
+        that must not be loaded before a fork: the real NPU's)."""
         from ...families.parallel import layout_rules
 
         cpu_modules = target == "cpu"  # the CPU ranks run the modules compiled here once
@@ -125,15 +172,18 @@ class DistributedEngine:
             raise ValueError("parallel ranks share the embedded host pool (pool='host')")
         if not isinstance(weights, dict):  # (open_engine has checked its config.json)
             weights = str(weights)
-        self.spec, self.tp, self.timeout = spec, spec.parallel.tp, timeout
+        self.spec, self.tp, self._timeout = spec, spec.parallel.tp, timeout
+        self.deadlines = rank_timeout or Deadlines()
+        self._clock = clock
         self.world = spec.parallel.world  # rank processes: dp × cp × tp
         self._closed = False
-        ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no forked torch/thread state
+        ctx = mp.get_context("spawn") if spawn else _process_context()  # module doc: process start
+        env = dict(os.environ)
         authkey = os.urandom(16)
         pool_address = ("127.0.0.1", free_port())
         ready = ctx.Event()
-        self._pool_proc = ctx.Process(target=serve_pool, args=(pool_capacity_bytes, pool_address, authkey, ready),
-                                      daemon=True, name="graphgen-pool")
+        self._pool_proc = ctx.Process(target=_child, args=(env, serve_pool, pool_capacity_bytes, pool_address,
+                                                           authkey, ready), daemon=True, name="graphgen-pool")
         self._pool_proc.start()
         deadline = time.monotonic() + timeout
         while not ready.wait(0.05):
@@ -144,15 +194,18 @@ class DistributedEngine:
         self._pool = connect_pool(pool_address, authkey)
         sources, weight_names = _compile_once(spec, spec_file)  # the weight names are every target's
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
+               "group_timeout": max(timeout, self.deadlines.longest),  # the process group's (module doc)
                "threads": threads or max(1, (os.cpu_count() or 1) // self.world), "pool_address": pool_address,
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
                # another target's ranks compile their own modules (its modes are its business)
                "sources": sources if cpu_modules else None, "weight_names": weight_names,
                "target": target, "target_module": RANK_TARGETS[target].module}
         self._conns, self._procs = [], []
+        self._phases = RankPhases(self.world, self.deadlines, timeout, clock=clock)  # every rank: "start"
+        self._board = Board(self.world, progress_out, clock=clock)
         for r in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
+            p = ctx.Process(target=_child, args=(env, rank_main, r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
@@ -161,13 +214,24 @@ class DistributedEngine:
         except BaseException:
             self._kill()
             raise
+        self._board.finish()
         self.llm = DistributedLLM(self)
         self.max_model_len = self.on_ranks(_max_model_len)[0]
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a rank has to answer one command (settable: the next command has the new deadline)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = self._phases.step_timeout = seconds
+
     # ---- the rank protocol ----------------------------------------------------------------------
     def _collect(self, what: str) -> list:
-        """Every rank's reply to the last command; a rank that fails or is late ends all of them."""
-        deadline = time.monotonic() + self.timeout
+        """Every rank's reply to the last command; a rank that fails or is late ends all of them. A
+        rank's ``("progress", event)`` messages before its reply move it between phases (and their
+        deadlines, `RankPhases`) and feed the progress lines."""
         replies: dict[int, object] = {}
         while len(replies) < self.world:
             for r, (c, p) in enumerate(zip(self._conns, self._procs)):
@@ -180,6 +244,10 @@ class DistributedEngine:
                         p.join(1.0)
                         self._kill()
                         raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}") from None
+                    if status == "progress":
+                        self._phases.report(r, value)
+                        self._board.update(r, value)
+                        continue
                     if status != "ok":
                         dead = self._dead(grace=1.0)  # a peer's death is the cause, its error the symptom
                         self._kill()
@@ -188,10 +256,11 @@ class DistributedEngine:
                 elif not p.is_alive():
                     self._kill()
                     raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}")
-            if time.monotonic() > deadline and len(replies) < self.world:
-                late = [r for r in range(self.world) if r not in replies]
+            late = self._phases.late([r for r in range(self.world) if r not in replies])
+            if late:
                 self._kill()
-                raise RankFailure(f"rank(s) {late} did not answer {what} within {self.timeout:.0f} s")
+                raise RankFailure(self._phases.describe(late, what))
+            self._board.tick()
         return [replies[r] for r in range(self.world)]
 
     def _dead(self, grace: float) -> str:
@@ -206,6 +275,7 @@ class DistributedEngine:
             raise RuntimeError("the distributed engine is closed")
         for c in self._conns:
             c.send((cmd, args))
+        self._phases.command()
         return self._collect(cmd)
 
     def _kill(self) -> None:

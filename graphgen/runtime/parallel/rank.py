@@ -47,6 +47,7 @@ import hashlib
 import importlib
 import os
 import signal
+import threading
 import traceback
 from typing import Callable, Optional, Sequence
 
@@ -62,6 +63,7 @@ from ..engine.request import StepPlan
 from ..engine.runner import CpuModelRunner
 from ..pool.keys import KVShard
 from ..pool.shared import connect_pool
+from ..progress import STEP, Progress, reporting
 from . import ops as ops_parallel
 from .llm_calls import llm_call as _llm_call
 from .ops import rank_weights
@@ -290,9 +292,33 @@ def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable
 register_rank_target("cpu", rank_engine)
 
 
+def _locked_send(conn) -> Callable:
+    """``conn.send`` for the rank's replies and its progress events, one message at a time."""
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+    return send
+
+
+def _weight_bytes(weights) -> Optional[int]:
+    """The bytes a load phase reads, when known up front: a dict's tensors (a folder's loader says its own)."""
+    return sum(t.numel() * t.element_size() for t in weights.values()) if isinstance(weights, dict) else None
+
+
 def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in the rank process
     """The body of rank process ``rank`` (started by `graphgen.runtime.parallel.launcher`): join the group,
-    load this rank's weight slices, build its engine, then serve the facade's commands."""
+    load this rank's weight slices, build its engine, then serve the facade's commands. It reports each
+    start phase it enters (``load``; ``warmup`` from a target that compiles) and its progress in them to
+    the launcher (`graphgen.runtime.progress`), which holds each phase to its deadline."""
+    send = _locked_send(conn)
+    progress = Progress(lambda event: send(("progress", event)))
+    with reporting(progress):
+        _serve_rank(rank, cfg, conn, send, progress)
+
+
+def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: no cover - in the rank process
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # the parent ends the ranks (close, or kill): a terminal's Ctrl-C, sent to the whole process
@@ -309,16 +335,23 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         target = RANK_TARGETS[cfg["target"]]
         # one node: the local rank is the rank (device choice and backend are the target's)
         backend = target.setup(rank, spec.parallel.world, cfg["engine_kwargs"])
-        timeout = datetime.timedelta(seconds=cfg["timeout"])
+        # the process group's timeout outlasts every start phase: a collective in one rank's warm-up
+        # waits for a peer still compiling; the launcher's deadlines end a rank that hangs
+        timeout = datetime.timedelta(seconds=cfg["group_timeout"])
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
                                 world_size=spec.parallel.world, timeout=timeout)
         # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
         group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         weights = cfg["weights"]
+        progress.phase("load", total=_weight_bytes(weights))
+        if cfg["faults"] is not None:
+            cfg["faults"].weights_sleep()  # a test's slow (or hung) load
         if not isinstance(weights, dict):
             from ..checkpoint.hf import load_hf_weights
 
             weights = load_hf_weights(weights)
+        else:
+            progress.advance(progress.total or 0)
         pool = connect_pool(cfg["pool_address"], cfg["authkey"])
         if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (dp_rank.py)
             from .dp_rank import build_dp_rank
@@ -332,9 +365,10 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
             engine = target.build(spec, mine, rank=rank, parts=target.parts(spec, rank, group),
                                   spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
                                   sources=cfg["sources"], **cfg["engine_kwargs"])
-        conn.send(("ok", None))
+        progress.phase(STEP)
+        send(("ok", None))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        send(("error", traceback.format_exc()))
         return
     with engine:
         while True:
@@ -355,8 +389,8 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
                     out = {**engine.stats, "puts": engine.stats["puts"] - skipped, "skipped_puts": skipped}
                 else:
                     raise ValueError(f"unknown rank command {cmd!r}")
-                conn.send(("ok", out if rank == 0 or cmd in ("stats", "call") else None))
+                send(("ok", out if rank == 0 or cmd in ("stats", "call") else None))
             except BaseException as e:
-                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    conn.send(("ok", None))
+                send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    send(("ok", None))
     dist.destroy_process_group()

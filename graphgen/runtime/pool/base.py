@@ -126,11 +126,6 @@ class LeaseBook:
             self._expire()
             return set(self._held)
 
-    def is_held(self, key: str) -> bool:
-        with self._lock:
-            self._expire()
-            return key in self._held
-
     def live(self) -> int:
         with self._lock:
             self._expire()

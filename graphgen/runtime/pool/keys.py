@@ -15,8 +15,9 @@ for one model, one cache layout and one KV shard:
 * ``chain``: sha256 over the parent's digest and this block's token ids (little-endian int64),
   from a versioned root, so two prompts share key i only if they agree on blocks 0..i; stable across
   processes and ``PYTHONHASHSEED`` (never Python ``hash()``);
-* ``lookahead``: room for the token after the block, for a KV that depends on it (an MTP draft
-  layer's KV at position i reads token i+1); absent today.
+* ``lookahead``: the token after the block, for a KV that depends on it (an MTP draft layer's KV at
+  position i reads token i+1: `mtp_block_keys`, the keys of an engine that decodes speculatively);
+  absent otherwise.
 
 Later features add fields here (a KV-head shard, a context-parallel shard, a P/D handoff lease), never a
 second format: `BlockKey.render` is the only place a key string is made.
@@ -26,9 +27,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
-__all__ = ["KEY_SEP", "BlockKey", "KVShard", "block_keys", "chain_digests"]
+__all__ = ["KEY_SEP", "BlockKey", "KVShard", "block_keys", "chain_digests", "mtp_block_keys", "successor_keys"]
 
 KEY_SEP = "@"
 # root of every hash chain; versioned so a change of the hashing scheme never matches old keys
@@ -93,3 +94,24 @@ def block_keys(token_ids: Iterable[int], block_size: int, *, model: str, layout:
     choice: slice the result."""
     BlockKey(model, layout, shard, "0")  # validate model/layout once, even for a prompt without a full block
     return [BlockKey(model, layout, shard, d).render() for d in chain_digests(token_ids, block_size)]
+
+
+def mtp_block_keys(tokens: Sequence[int], num_blocks: int, block_size: int, *, model: str, layout: str,
+                   shard: KVShard = KVShard()) -> list[str]:
+    """Pool keys of the first ``num_blocks`` full blocks of ``tokens`` for a cache with MTP layers:
+    the hash chain plus the block's successor token (``BlockKey.lookahead``), which the MTP layer's KV
+    at the block's last position depends on. Every such successor must be in ``tokens``."""
+    if num_blocks * block_size >= len(tokens) and num_blocks:
+        raise ValueError(f"block {num_blocks - 1}'s successor (position {num_blocks * block_size}) is not among "
+                         f"the {len(tokens)} tokens")
+    chain = chain_digests(tokens, block_size)[:num_blocks]
+    return [BlockKey(model, layout, shard, d, lookahead=int(tokens[(b + 1) * block_size])).render()
+            for b, d in enumerate(chain)]
+
+
+def successor_keys(naming, seq: Sequence[int], num_blocks: int) -> list[str]:
+    """`mtp_block_keys` of ``seq``'s first ``num_blocks`` blocks named as ``naming`` names them (its
+    ``model``, ``shard`` and ``cache.block_size``/``cache.layout``: the engine's `KVLoader`): what a
+    speculative engine looks up and saves (the scheduler and the drafter both)."""
+    return mtp_block_keys(seq, num_blocks, naming.cache.block_size, model=naming.model,
+                          layout=naming.cache.layout, shard=naming.shard)

@@ -232,6 +232,8 @@ LOAD_TIME_WEIGHTS = {
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
                "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
                "kv_gather_rows", "prev_hidden")
+# The fields load() and forward() read: the runner builds only these of the costly ones (kv_gather_rows).
+STEP_READS = ('actual_seq_lengths_kv', 'atten_mask', 'block_tables', 'input_ids', 'kv_index', 'logits_indices', 'positions')
 
 
 def _swiglu_mlp(x, w_gate_up, w_down):
@@ -315,23 +317,25 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
     (gate and up merged, so one GMM yields [gate | up] for npu_swiglu) and w_down_t [E, I, H] -- no
     per-step transpose, which torchair folds into GMM's transpose_weight for fp8/mxfp4 only (audit 2 row 10).
 
-    Unpermute with npu_moe_token_unpermute (torch-npu 2.14.0 _op_plugin_docs.py:16931-16975: sorted_indices
-    = the position in the permuted rows of each (token, k) pair, init_routing_v2's default gather-type row
-    index, :11105,11108; bfloat16 per the earlier docstring :14342), as vllm-ascend does since Sep 2025 -- not npu_moe_finalize_routing(drop_pad_mode=2), outside its documented drop_pad_mode 0
-    (:10618) and reported by vllm-ascend to lose accuracy (audit 2, row 5).
+    Permute and unpermute with the trio vllm-ascend ran inside torchair's GE graphs
+    (0b65ac6c4b:vllm_ascend/torchair/ops/torchair_fused_moe.py, torchair_fused_experts), each op with a
+    real GE converter in the torch-npu 2.14.0 wheel (ge_converter/custom/moe_init_routing.py,
+    npu_moe_compute_expert_tokens.py, npu_moe_finalize_routing.py; audit 3 N4: npu_moe_token_unpermute
+    has none): npu_moe_init_routing sorts the (token, k) pairs by expert (row_idx[i, k] = i + k*T, the
+    k-major source-row numbering, _op_plugin_docs.py:11004-11045), npu_moe_compute_expert_tokens gives each
+    expert's end row (:10534-10560: cumulative, group_list_type 0), and npu_moe_finalize_routing in its
+    one documented drop_pad_mode 0 (:10599-10620) sums scales[i, k] * rows[expanded_row_idx[i + k*T]].
 
     The gating op is asked for unscaled weights (routed_scaling_factor=1.0); normalising and scaling
     happen here so the result does not depend on whether the kernel renormalises internally.
 
     Expert parallel (ep > 1, the all-gather form; the result is this rank's partial sum): the rank holds
-    experts [lo, lo + E/ep), lo = ep_rank * E/ep (its stacked weights are those E/ep). As vllm-ascend's
-    all-gather dispatcher: the weights of (token, k) pairs routed elsewhere are zeroed, init_routing_v2
-    keeps only the pairs in active_expert_range=[lo, lo + E/ep) at the front of its rows (row index -1 for
-    the others, :11107-11108; tokens_per_expert has E/ep counts, :11110), the grouped matmuls run those.
-    The rows past them are undefined (:11107), so they are zeroed after the GMMs (torch.where: a NaN
-    there cannot leak through a zero weight), and each dropped pair is pointed at one of those unused
-    rows in turn, so the unpermute's index stays a permutation of [0, T*K) as documented (:16942:
-    in range, no repeated index; vllm-ascend passes |row index| instead, which repeats row 1).
+    experts [lo, lo + E/ep) (its stacked weights are those E/ep). The weights of (token, k) pairs routed
+    elsewhere are zeroed and their expert ids set to E/ep, one past the local ones, so init_routing sorts
+    them after every local pair; compute_expert_tokens counts E/ep + 1 groups (ids must lie in
+    [0, num_expert), :10545) and the GMMs run the first E/ep.  Their rows past the local pairs are
+    undefined after the GMMs, so they are zeroed (torch.where: a NaN there cannot leak through a zero
+    weight); the finalize index stays a permutation of [0, T*K) as documented.
     """
     t = x.shape[0]
     weights, ids, _ = torch_npu.npu_moe_gating_top_k(
@@ -340,27 +344,27 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = (weights * routed_scaling_factor).to(x.dtype)
-    lo = ep_rank * (num_experts // ep)
-    hi = lo + num_experts // ep
+    local = num_experts // ep
+    ids = ids.int()
     if ep > 1:
-        weights = torch.where((ids >= lo) & (ids < hi), weights, torch.zeros_like(weights))
-    rows, row_idx, tokens_per_expert, _ = torch_npu.npu_moe_init_routing_v2(
-        x, ids.int(), active_num=t * top_k, expert_num=num_experts, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[lo, hi], quant_mode=-1)
-    gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=tokens_per_expert,
-                                           group_list_type=1, group_type=0, split_item=2)[0]
+        mine = (ids >= ep_rank * local) & (ids < (ep_rank + 1) * local)
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        ids = torch.where(mine, ids - ep_rank * local, torch.full_like(ids, local))
+    row_idx = torch.arange(t * top_k, dtype=torch.int32, device=x.device).view(top_k, t).t().contiguous()
+    rows, src_to_dst, sorted_ids = torch_npu.npu_moe_init_routing(x, row_idx, ids, active_num=t)
+    ends = torch_npu.npu_moe_compute_expert_tokens(sorted_ids, local + (1 if ep > 1 else 0))[:local].long()
+    gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=ends,
+                                           group_list_type=0, group_type=0, split_item=2)[0]
     act = torch_npu.npu_swiglu(gate_up, dim=-1)
-    down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=tokens_per_expert,
-                                        group_list_type=1, group_type=0, split_item=2)[0]
+    down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=ends,
+                                        group_list_type=0, group_type=0, split_item=2)[0]
     if ep > 1:
-        dropped = row_idx < 0
-        kept = t * top_k - dropped.sum()
-        row_idx = torch.where(dropped, kept + torch.cumsum(dropped.int(), dim=0) - 1, row_idx).int()
-        valid = torch.arange(t * top_k, device=x.device) < kept
+        valid = torch.arange(t * top_k, device=x.device) < ends[-1]
         down = torch.where(valid.unsqueeze(-1), down, torch.zeros_like(down))
     shared = None if w_shared_gate_up is None else _swiglu_mlp(x, w_shared_gate_up, w_shared_down)
-    # sum_k weight_k * expert_k(x), unpermuted by row_idx; then residual + shared
-    out = residual + torch_npu.npu_moe_token_unpermute(down, row_idx, probs=weights)
+    # sum_k weight_k * expert_k(x), unpermuted; then residual + shared
+    out = residual + torch_npu.npu_moe_finalize_routing(down, None, None, None, weights, src_to_dst, ids,
+                                                        drop_pad_mode=0)
     return out if shared is None else out + shared
 
 

@@ -59,6 +59,8 @@ LOAD_TIME_WEIGHTS = {
 STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq_lengths", "actual_seq_lengths_kv",
                "atten_mask", "logits_indices", "save_block_ids", "save_rows", "load_block_ids", "load_rows",
                "kv_gather_rows", "prev_hidden")
+# The fields load() and forward() read: the runner builds only these of the costly ones (kv_gather_rows).
+STEP_READS = ('actual_seq_lengths_kv', 'block_tables', 'input_ids', 'kv_index', 'logits_indices', 'positions')
 
 
 def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):

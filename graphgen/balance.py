@@ -1,7 +1,8 @@
 """Which backend serves a request: the pool of backends, their health and load, and the policies.
 
-Torch-free and HTTP-free (the router's transport lives in `graphgen.route.app`), so any router —
-the P/D router here, a data-parallel one — picks with the same code:
+A leaf (it imports nothing of graphgen), torch-free and HTTP-free, so every router picks with the
+same code: the P/D router (`graphgen.route.app`, its HTTP transport) and the data-parallel engine's
+rank choice (`graphgen.runtime.parallel.data_parallel.DPRouter`), neither importing the other:
 
 * ``round_robin``: the healthy backends in turn;
 * ``least_loaded``: the healthy backend with the fewest requests in flight (ties: in turn);

@@ -31,7 +31,7 @@ class Traced:
 
     def problems(self) -> list[str]:
         """Post-AOT KV-save structure problems (empty when the graph saves nothing)."""
-        from . import aotcheck
+        from ..check import aotcheck
 
         problems = []
         if self.module.META["saves"]:
@@ -54,8 +54,8 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None, *, check_
     import torch
 
     from ..standin import fakes as standin
-    from ..run.compile import compile_module, load_module
-    from ..run.inputs import kv_buffers, load_buffers, random_weights, tiny_step
+    from .compile import compile_module, load_module
+    from .inputs import kv_buffers, load_buffers, random_weights, tiny_step
 
     if not standin.install():
         raise RuntimeError("torch_npu is installed: use the real torchair, not the CPU stand-in")
@@ -69,7 +69,7 @@ def trace(module_path: str | Path, spec, source: Optional[str] = None, *, check_
                                  staging_rows=NUM_BLOCKS if meta["saves"] else 0)
         loads = load_buffers(mod, spec.dims.num_hidden_layers,
                              0 if b.load_rows is None else b.load_rows.shape[0])
-        from ..run.weights import load_time_weights
+        from .weights import load_time_weights
 
         W = load_time_weights(random_weights(spec, rope=mod.ROPE), [mod])
         torch._dynamo.reset()
