@@ -91,8 +91,9 @@ def _steps(args, spec) -> int:
         raise SpecError(found)
     variants = [args.variant] if args.variant else list(spec.variants)
     modes = [args.mode] if args.mode else list(spec.targets.npu.compile_modes)
-    print(f"{args.spec}: {args.steps} mixed steps per variant and mode through the CPU stand-in "
-          f"(kernel limits enforced)")
+    print(f"{args.spec}: {args.steps} mixed steps per variant and mode through the torchair stand-in on meta tensors "
+          f"(graphs compiled per bucket, and each step's kernel calls checked against the documented limits; "
+          f"no values computed)")
     try:
         results = run_standin_loop(spec, variants, modes, args.steps, every_bucket=bool(args.ops_json),
                                    mixed_batches=args.mixed_batches)

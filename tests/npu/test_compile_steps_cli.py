@@ -4,19 +4,23 @@ variant and mode through the CPU stand-in, padded to the spec's buckets; graphs 
 What this proves: the CLI wiring (buckets from the spec, every variant/mode, the exit status) on top of
 ``run_standin_loop``, whose counting is tested in test_buckets.py.  The count is Dynamo/AOT graphs on
 CPU -- what each GE compile would cost on an NPU; nothing here ran on an NPU.
+
+The commands run in this interpreter (`support.inproc.cli_inproc`): the entry point of ``graphgen compile``
+is proven by a real subprocess in test_compile_cli.py.  The 24-step run is the session's ``hw_steps``
+(tests/npu/conftest.py), whose loop results test_buckets.py checks too.
 """
 from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from graphgen.npu.standin import fakes as standin
-from support.paths import REPO
+from support.inproc import cli_inproc
+from support.standin import STANDIN_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 HW = Path(__file__).parent / "data/hw_tiny_qwen3.yaml"
@@ -25,12 +29,11 @@ LINE = re.compile(r"^(\w+)\s+([\w-]+)\s+steps=(\d+)\s+graphs compiled=(\d+)\s+bu
 
 
 def _compile(*args):
-    return subprocess.run([sys.executable, "-m", "graphgen.cli", "compile", "--target", "npu", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    return cli_inproc("compile", "--target", "npu", *args, timeout=STANDIN_TIMEOUT_S)
 
 
-def test_hardware_shaped_spec_compiles_at_most_one_graph_per_bucket_in_24_steps():
-    res = _compile("--spec", str(HW), "--standin", "--steps", "24")
+def test_hardware_shaped_spec_compiles_at_most_one_graph_per_bucket_in_24_steps(hw_steps):
+    res = hw_steps.res
     assert res.returncode == 0, res.stdout + res.stderr
     rows = LINE.findall(res.stdout)
     # every variant of the spec, in its one declared mode, 24 steps each
@@ -42,12 +45,13 @@ def test_hardware_shaped_spec_compiles_at_most_one_graph_per_bucket_in_24_steps(
 
 
 def test_more_graphs_than_buckets_exits_1(monkeypatch, capsys):
-    """Negative control: claim a single bucket per phase; the decode loop (varying batch) compiles more."""
+    """Negative control: claim a single bucket per phase; the decode loop (varying batch) compiles more.  Its
+    first two steps already visit two batch buckets (1 and 8): two graphs, the smallest run that shows it."""
     from graphgen.cli import main
     from graphgen.npu.run import bucketing
 
     monkeypatch.setattr(bucketing.Buckets, "count", lambda self, phase: 1)
-    rc = main(["compile", "--target", "npu", "--spec", str(HW), "--variant", "decode", "--standin", "--steps", "8"])
+    rc = main(["compile", "--target", "npu", "--spec", str(HW), "--variant", "decode", "--standin", "--steps", "2"])
     out = capsys.readouterr().out
     assert rc == 1, out
     (row,) = LINE.findall(out)
@@ -64,6 +68,8 @@ def test_a_spec_outside_the_kernel_limits_exits_2_naming_the_limit(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
 def test_steps_without_standin_and_without_torch_npu_exits_3_with_one_sentence():
+    standin.uninstall()  # a stand-in left in sys.modules would be imported as torch_npu (and refused otherwise)
+    assert "torch_npu" not in sys.modules and "torchair" not in sys.modules
     res = _compile("--spec", str(HW), "--steps", "4")
     assert res.returncode == 3
     lines = res.stderr.strip().splitlines()

@@ -9,6 +9,7 @@ memory, so the tests follow the templates, not whatever sits in generated/.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -22,9 +23,11 @@ TINY = ("tiny_qwen3_npu", "tiny_deepseek_v3_npu")  # the hardware-shaped specs (
 TAGGED = ("npu_create_tagged_event", "npu_tagged_event_record", "npu_tagged_event_wait")
 
 
+FILES, _ = build_outputs(default_spec_paths(ROOT / "specs"))  # every spec rendered once, in memory
+
+
 def _render_all() -> dict[str, str]:
-    files, _ = build_outputs(default_spec_paths(ROOT / "specs"))
-    return {rel: text for rel, text in files.items() if "/npu/" in rel}
+    return {rel: text for rel, text in FILES.items() if "/npu/" in rel}
 
 
 def _render_reduce_overhead() -> dict[str, str]:
@@ -47,10 +50,16 @@ RO = _render_reduce_overhead()
 ALL = {**NPU, **RO}
 
 
+@functools.lru_cache(maxsize=4)  # a full-size module's tree is ~8 MB: keep the few a test is reading
+def _tree(src: str) -> ast.Module:
+    """The module's AST, parsed once per source while tests read it (they never change it)."""
+    return ast.parse(src)
+
+
 def _calls(src: str) -> list[str]:
     """Dotted names of every call in the module."""
     out = []
-    for node in ast.walk(ast.parse(src)):
+    for node in ast.walk(_tree(src)):
         if isinstance(node, ast.Call):
             parts, f = [], node.func
             while isinstance(f, ast.Attribute):
@@ -85,7 +94,7 @@ def test_conformance(name):
     # the lowering really goes through torchair/torch_npu (an empty module would pass vacuously)
     assert any(c.startswith("torch_npu.npu_fused_infer_attention_score") for c in calls)
     assert sum(c == "torch_npu.npu_scatter_nd_update_" for c in calls) >= 2
-    assert "NEVER RUN ON AN NPU" in ast.get_docstring(ast.parse(src))
+    assert "NEVER RUN ON AN NPU" in ast.get_docstring(_tree(src))
 
 
 # ------------------------------------------------------------------------------------ (b) mode rules
@@ -105,13 +114,12 @@ def test_mode_rules(name):
         if has_events:
             assert "torchair.ops.npu_tagged_event_record" in calls and "torchair.ops.npu_tagged_event_wait" in calls
             # created at module level: outside forward (the compiled region)
-            fwd = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+            fwd = next(n for n in _tree(src).body if isinstance(n, ast.FunctionDef) and n.name == "forward")
             assert "npu_create_tagged_event" not in ast.unparse(fwd)
 
 
 def test_only_npu_modules_import_torchair():
-    files, _ = build_outputs(default_spec_paths(ROOT / "specs"))
-    for rel, text in files.items():
+    for rel, text in FILES.items():
         if rel.endswith(".py") and "/npu/" not in rel:
             assert "torchair" not in text and "torch_npu" not in text, rel
     for rel, text in NPU.items():
@@ -128,7 +136,9 @@ def test_tagged_event_tags_unique_across_all_modules():
     tags: dict[str, str] = {}
     for name, src in {**NPU, **RO}.items():
         model, _, _, variant = name[:-3].split("/")
-        for node in ast.walk(ast.parse(src)):
+        if "npu_create_tagged_event" not in src:  # no such call can be in it: not worth a parse
+            continue
+        for node in ast.walk(_tree(src)):
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("npu_create_tagged_event"):
                 (kw,) = [k for k in node.keywords if k.arg == "tag"]
                 tag = ast.literal_eval(kw.value)
@@ -159,10 +169,9 @@ def _spec(model):
     return load_specs([ROOT / "specs" / f"{model}.yaml"])[0]
 
 
-def _run(name, src=None):
-    """Compile with the stand-in and run one step; returns (module, captured graph, kv, staging, b)."""
-    from graphgen.npu.run.structure import trace
-
+def _run(trace, name, src=None):
+    """Compile with the stand-in and run one step (``trace``: the session's memoized ``standin_trace``, so a
+    module is traced once per run whichever tests check it); returns (module, captured graph, kv, staging, b)."""
     spec = _spec(name.split("/")[0])
     t = trace(ROOT / "generated" / name, spec, ALL[name] if src is None else src)
     assert t.logits.shape == (len(t.inputs.actual_seq_lengths), spec.dims.vocab_size)
@@ -181,8 +190,8 @@ TINY_NAMES = [n for n in NPU_NAMES if n.split("/")[0] in TINY]
 
 @needs_standin
 @pytest.mark.parametrize("name", TINY_NAMES + sorted(RO))
-def test_post_aot_structure(name):
-    mod, cg, kv, staging, b = _run(name)
+def test_post_aot_structure(name, standin_trace):
+    mod, cg, kv, staging, b = _run(standin_trace, name)
     problems, caches = _problems(cg, kv, staging)
     if mod.META["saves"]:
         # write -> record -> (save stream) wait -> gather into staging, all in place and in scope
@@ -237,46 +246,46 @@ def _move_after(src, line_idx, after_idx, indent=None):
 
 @needs_standin
 @pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
-def test_mutation_drop_wait_fails_aotcheck(mode):
+def test_mutation_drop_wait_fails_aotcheck(mode, standin_trace):
     name = MUT.format(mode)
     src = _drop(ALL[name], "L00.kv_save.wait")
     assert src != ALL[name]
-    _, cg, kv, staging, _ = _run(name, src)
+    _, cg, kv, staging, _ = _run(standin_trace, name, src)
     problems, _ = _problems(cg, kv, staging)
     assert any("is not ordered after write" in p for p in problems), problems
 
 
 @needs_standin
 @pytest.mark.parametrize("mode", ["max_autotune", "reduce_overhead"])
-def test_mutation_kv_write_after_record_fails_aotcheck(mode):
+def test_mutation_kv_write_after_record_fails_aotcheck(mode, standin_trace):
     name = MUT.format(mode)
     src = ALL[name]
     w = _lines_tagged(src, "L00.kv_write")[0]
     (rec,) = _lines_tagged(src, "L00.kv_write.record")
     mutated = _move_after(src, w, rec)
-    _, cg, kv, staging, _ = _run(name, mutated)
+    _, cg, kv, staging, _ = _run(standin_trace, name, mutated)
     problems, _ = _problems(cg, kv, staging)
     assert any("is not ordered after write" in p for p in problems), problems
 
 
 @needs_standin
-def test_mutation_kv_write_into_save_scope_fails_aotcheck():
+def test_mutation_kv_write_into_save_scope_fails_aotcheck(standin_trace):
     name = MUT.format("reduce_overhead")
     src = ALL[name]
     w = _lines_tagged(src, "L00.kv_write")[0]
     (wait,) = _lines_tagged(src, "L00.kv_save.wait")
-    _, cg, kv, staging, _ = _run(name, _move_after(src, w, wait, indent=8))
+    _, cg, kv, staging, _ = _run(standin_trace, name, _move_after(src, w, wait, indent=8))
     problems, _ = _problems(cg, kv, staging)
     assert any("inside a stream scope" in p for p in problems), problems
 
 
 @needs_standin
-def test_mutation_save_out_of_scope_fails_aotcheck():
+def test_mutation_save_out_of_scope_fails_aotcheck(standin_trace):
     name = MUT.format("max_autotune")
     src = ALL[name]
     save = _lines_tagged(src, "L00.kv_save")[0]
     attn = _lines_tagged(src, "L00.attn")[0]  # first main-stream line after the with-block
-    _, cg, kv, staging, _ = _run(name, _move_after(src, save, attn - 1, indent=4))
+    _, cg, kv, staging, _ = _run(standin_trace, name, _move_after(src, save, attn - 1, indent=4))
     problems, _ = _problems(cg, kv, staging)
     assert any("is not on stream 'kv_save'" in p for p in problems), problems
 
@@ -313,7 +322,7 @@ FULL_DSV3 = "deepseek_v3_1/npu/max_autotune/{}.py"
 
 
 def _fia_calls(src, api="torch_npu.npu_fused_infer_attention_score"):
-    return [c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Call) and ast.unparse(c.func) == api]
+    return [c for c in ast.walk(_tree(src)) if isinstance(c, ast.Call) and ast.unparse(c.func) == api]
 
 
 @pytest.mark.parametrize("name", [f.format(v) for f in (DSV3, FULL_DSV3)

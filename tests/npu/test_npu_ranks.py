@@ -19,13 +19,23 @@ import pytest
 import torch
 
 from graphgen.npu.standin import fakes as standin
-from support.cli import graphgen, run_args
+from support.cli import run_args
+from support.inproc import cli_inproc
 from support.paths import SPECS
+from support.standin import STANDIN_TIMEOUT_S
 
 TOL = 0.15
 PREFIX = list(range(3, 140))  # > one 128-token block: the repeat below hits it and runs splitfuse
 PROMPTS = [PREFIX, list(range(5, 40)), PREFIX + [7, 8]]
 needs_standin = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
+
+
+def graphgen(*args, timeout=STANDIN_TIMEOUT_S):
+    """``graphgen ARGS`` in this interpreter (`support.inproc.cli_inproc`; ``graphgen run``'s entry point is a
+    subprocess in test_npu_runner.py), with the stand-in's fake torch_npu/torchair out of ``sys.modules`` as
+    in a fresh interpreter (rank processes start fresh anyway)."""
+    standin.uninstall()
+    return cli_inproc(*args, timeout=timeout)
 
 
 # ---- device mapping (cannot run here: no NPU) -------------------------------------------------
@@ -124,7 +134,7 @@ def test_deepseek_npu_ranks_cli_match_the_cpu_ranks(npu_ckpts):
     spec, W = SPECS / "tiny_deepseek_v3_npu.yaml", npu_ckpts["tiny_deepseek_v3_npu"]
     out = {}
     for target, extra in (("cpu", ()), ("npu", ("--target", "npu", "--standin"))):
-        res = graphgen(*run_args(spec, W, [PROMPTS[1]], 2, "--tp", "2", "--logits", *extra), timeout=300)
+        res = graphgen(*run_args(spec, W, [PROMPTS[1]], 2, "--tp", "2", "--logits", *extra))
         assert res.returncode == 0, res.stderr[-3000:]
         out[target] = json.loads(res.stdout.splitlines()[0])
     assert "not an NPU result" in res.stderr  # the one line on what is verified

@@ -26,7 +26,9 @@ import torch
 
 from graphgen.modelspec.loader import load_spec  # noqa: E402
 from graphgen.npu.standin import fakes as standin  # noqa: E402
+from support.inproc import cli_inproc
 from support.paths import REPO
+from support.standin import STANDIN_TIMEOUT_S
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 HW = Path(__file__).parent / "data/hw_tiny_qwen3.yaml"
@@ -87,8 +89,10 @@ def test_a_batched_prefill_wider_than_prefill_seqs_runs_in_chunks(runs):
 
 
 def _run_cli(*args):
+    """``graphgen run`` in a fresh interpreter: the entry point, where torch_npu (or the stand-in's fake of it,
+    which tests in this interpreter install) cannot be imported."""
     return subprocess.run([sys.executable, "-m", "graphgen.cli", "run", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=STANDIN_TIMEOUT_S)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
@@ -111,8 +115,9 @@ def test_run_target_npu_standin_matches_the_cpu_run(tmp_path):
     cpu_spec = tmp_path / "cpu.yaml"  # the same model in float32 on the CPU target
     cpu_spec.write_text(HW.read_text().replace("  dtype: bfloat16", "  dtype: float32"))
     args = ["--weights", ck, "--prompt-ids", "1,2,3,4,5,6,7,8", "--max-new-tokens", "4", "--json", "--logits"]
-    npu = _run_cli("--spec", str(HW), *args, "--target", "npu", "--standin")
-    cpu = _run_cli("--spec", str(cpu_spec), *args)
+    # in this interpreter (support.inproc.cli_inproc): the entry point is the subprocess test above
+    npu = cli_inproc("run", "--spec", HW, *args, "--target", "npu", "--standin", timeout=STANDIN_TIMEOUT_S)
+    cpu = cli_inproc("run", "--spec", cpu_spec, *args, timeout=STANDIN_TIMEOUT_S)
     assert npu.returncode == 0 and cpu.returncode == 0, npu.stderr + cpu.stderr
     import json
 

@@ -382,3 +382,110 @@ def test_standin_kernels_refuse_inputs_the_docs_forbid():
         npu.npu_fused_infer_attention_score(q, cache, cache, atten_mask=mask,
                                             block_table=torch.tensor([[1]], dtype=torch.int32),
                                             **{**kw, "input_layout": "BSH"})
+
+
+# ------------------------------------------------------------------------------------------ meta kernels
+# graphgen.npu.run.bucketing.run_standin_loop runs its steps on meta tensors: the meta kernels must give what
+# the CPU kernels give (shapes, dtypes) and refuse what they refuse, except what needs tensor values.
+MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)
+
+
+def _kernel_calls():
+    """(op name, args, kwargs) inside each kernel's contract; tiny shapes, so run with the limits off."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    cache = r(3, 4, 8)
+    paged = dict(actual_seq_lengths=[3, 5], actual_seq_lengths_kv=[6, 2], num_heads=2, num_key_value_heads=1,
+                 input_layout="TND", sparse_mode=3, block_size=4, scale=0.5, atten_mask=MASK,
+                 block_table=torch.tensor([[1, 2], [0, 0]], dtype=torch.int32))
+    dense = dict(actual_seq_lengths=[2, 5], actual_seq_lengths_kv=[4, 9], num_heads=2, input_layout="TND",
+                 sparse_mode=3, scale=0.5, atten_mask=MASK)
+    v2 = dict(num_query_heads=2, num_key_value_heads=1, input_layout="BSH", block_table=paged["block_table"],
+              block_size=4, actual_seq_kvlen=[6, 2], softmax_scale=0.5)
+    return [("npu_rms_norm", (r(3, 8), r(8), 1e-6), {}),
+            ("npu_add_rms_norm", (r(3, 8), r(3, 8), r(8), 1e-6), {}),
+            ("npu_swiglu", (r(3, 8),), {"dim": -1}),
+            ("npu_apply_rotary_pos_emb", (r(1, 3, 2, 8), r(1, 3, 1, 8), r(1, 3, 1, 8), r(1, 3, 1, 8)),
+             {"layout": "BSND", "rotary_mode": "half"}),
+            ("npu_interleave_rope", (r(1, 2, 3, 8), r(1, 1, 3, 8), r(1, 1, 3, 8)), {}),
+            ("npu_fused_infer_attention_score", (r(5, 2, 8), cache, cache), paged),
+            ("npu_fused_infer_attention_score", (r(5, 2, 8), r(9, 2, 8), r(9, 2, 4)), dense),
+            ("npu_fused_infer_attention_score_v2", (r(2, 1, 16), cache, cache), v2)]
+
+
+def _meta(x):
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, dict):
+        return {k: _meta(v) for k, v in x.items()}
+    return x
+
+
+def _shapes(out):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [(tuple(t.shape), t.dtype) for t in outs]
+
+
+@needs_standin
+@pytest.mark.parametrize("call", range(len(_kernel_calls())))
+def test_meta_kernels_give_the_cpu_kernels_shapes_and_dtypes(call):
+    standin.install()
+    op, args, kw = _kernel_calls()[call]
+    fn = getattr(torch.ops.npu, op)
+    cpu = fn(*args, **kw)
+    meta = fn(*[_meta(a) for a in args], **_meta(kw))
+    assert all(t.device.type == "meta" for t in (meta if isinstance(meta, (tuple, list)) else (meta,)))
+    assert _shapes(meta) == _shapes(cpu), op
+
+
+@needs_standin
+@pytest.mark.parametrize("call, edit, match", [
+    (5, {"actual_seq_lengths_kv": [6, 9]}, "3 blocks needed, block_table has 2 columns"),
+    (5, {"actual_seq_lengths": [3, 6]}, "cumulative lengths <= T"),
+    (5, {"actual_seq_lengths_kv": [2, 2]}, "too short for 3 queries"),
+    (5, {"block_table": torch.tensor([[1, 2], [0, 0]])}, "int32"),
+    (6, {"actual_seq_lengths_kv": [1, 9]}, "a sequence has 2 queries but 1 keys"),
+    (6, {"atten_mask": MASK[:1024]}, "2048x2048 causal atten_mask"),
+    (7, {"actual_seq_kvlen": None}, "page attention needs actual_seq_kvlen"),
+])
+def test_meta_kernels_refuse_what_the_cpu_kernels_refuse(call, edit, match):
+    """The contract (layouts, lengths, block-table width, sparse mode) is checked on meta tensors too; so is
+    a documented limit, with the call's own lengths (the row the meta steps of run_standin_loop rely on)."""
+    from graphgen.npu.check.limits import KernelLimitError
+
+    standin.install()
+    op, args, kw = _kernel_calls()[call]
+    fn = getattr(torch.ops.npu, op)
+    for device in ("cpu", "meta"):
+        a, k = (args, {**kw, **edit}) if device == "cpu" else ([_meta(x) for x in args], _meta({**kw, **edit}))
+        with pytest.raises(ValueError, match=match):
+            fn(*a, **k)
+    # a limit row on meta: absorbed MLA takes at most 16 query tokens per sequence
+    q, ckv, kpe = torch.zeros(17, 32, 512), torch.zeros(2, 128, 512), torch.zeros(2, 128, 64)
+    mla = dict(query_rope=torch.zeros(17, 32, 64), key_rope=kpe, actual_seq_lengths=[17], actual_seq_lengths_kv=[17],
+               block_table=torch.tensor([[0]], dtype=torch.int32), num_heads=32, num_key_value_heads=1, scale=1.0,
+               input_layout="TND", sparse_mode=3, block_size=128, atten_mask=MASK)
+    with standin.enforce_limits(True), pytest.raises(KernelLimitError, match=r"fia\.mla\.query_len"):
+        torch.ops.npu.npu_fused_infer_attention_score(*[_meta(x.bfloat16()) for x in (q, ckv, ckv)], **_meta(mla))
+
+
+@needs_standin
+def test_what_only_the_cpu_kernels_check_reads_tensor_values():
+    """Block ids and the causal mask's content are values: the CPU kernel refuses them, a meta run cannot
+    (what run_standin_loop's shapes-only steps do not check; docs/npu.md).  A causal mask once checked is not
+    compared again until it is written in place: then it is."""
+    standin.install()
+    op, args, kw = _kernel_calls()[5]
+    fn = getattr(torch.ops.npu, op)
+    far = {**kw, "block_table": torch.tensor([[1, 7], [0, 0]], dtype=torch.int32)}
+    with pytest.raises(IndexError, match="block id out of range"):
+        fn(*args, **far)
+    fn(*[_meta(a) for a in args], **_meta(far))  # shapes only: passes
+    mask = MASK.clone()
+    fn(*args, **{**kw, "atten_mask": mask})
+    mask[0, 1] = False  # written after it was found causal
+    with pytest.raises(ValueError, match="causal mask"):
+        fn(*args, **{**kw, "atten_mask": mask})

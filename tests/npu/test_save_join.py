@@ -24,13 +24,14 @@ needs_standin = pytest.mark.skipif(standin.torch_npu_available(), reason="real t
 
 
 def _src(mode):
-    return compile_variant(load_spec(SPEC), VARIANT, "npu", mode=mode)
+    # as generate renders it (spec_file as in generated/): the unmutated module's trace is the session's
+    # (standin_trace, tests/npu/conftest.py), shared with test_npu_generated's post-AOT structure test
+    return compile_variant(load_spec(SPEC), VARIANT, "npu", mode=mode, spec_file="specs/tiny_qwen3_npu.yaml")
 
 
-def _problems(src):
-    from graphgen.npu.run.structure import trace
-
-    t = trace(ROOT / "generated" / "tiny_qwen3_npu" / "npu" / "max_autotune" / f"{VARIANT}.py", load_spec(SPEC), src)
+def _problems(trace, src, mode="max-autotune"):
+    t = trace(ROOT / "generated" / "tiny_qwen3_npu" / "npu" / mode.replace("-", "_") / f"{VARIANT}.py",
+              load_spec(SPEC), src)
     return t.module.GRAPH, aotcheck.check_save_join(t.graph.gm, t.module.GRAPH), t.problems()
 
 
@@ -66,24 +67,24 @@ def test_decode_has_no_join_and_cpu_keeps_the_host_event():
 
 @needs_standin
 @pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
-def test_join_holds_and_dropping_it_fails(mode):
+def test_join_holds_and_dropping_it_fails(mode, standin_trace):
     src = _src(mode)
-    graph, join, _ = _problems(src)
+    graph, join, _ = _problems(standin_trace, src, mode)
     assert join == []
     lines = _lines(src)
     i = _join_index(lines)
     lines[i] = "    pass  # join dropped"
-    graph, join, all_problems = _problems("\n".join(lines) + "\n")
+    graph, join, all_problems = _problems(standin_trace, "\n".join(lines) + "\n", mode)
     assert join and all(p.startswith(f"{graph}: ") and "not joined to the main stream" in p for p in join), join
     assert set(join) <= set(all_problems)  # structure.Traced.problems runs it (graphgen compile --standin)
 
 
 @needs_standin
-def test_join_after_the_logits_fails():
+def test_join_after_the_logits_fails(standin_trace):
     lines = _lines(_src("max-autotune"))
     i = _join_index(lines)
     wait = lines.pop(i)
     ret = next(k for k, line in enumerate(lines) if line.strip() == "return logits")
     lines.insert(ret, wait)
-    graph, join, _ = _problems("\n".join(lines) + "\n")
+    graph, join, _ = _problems(standin_trace, "\n".join(lines) + "\n")
     assert any(p.startswith(f"{graph}: ") and "which the output does not depend on" in p for p in join), join

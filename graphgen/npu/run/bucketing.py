@@ -69,9 +69,10 @@ def max_model_len(spec) -> int:
     return min(4096, getattr(spec.dims, "max_position_embeddings", 4096))
 
 
-def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0, pad=None):
+def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]], seed: int = 0, pad=None,
+                  device=None):
     """Step inputs for sequences ``(history, new_tokens)``, blocks 1.. in order, padded to their bucket
-    (or to ``pad``: a mixed batch's cell, `mixed_grid.MixedGrid.padding`)."""
+    (or to ``pad``: a mixed batch's cell, `mixed_grid.MixedGrid.padding`), on ``device`` (default CPU)."""
     import torch
 
     from .inputs import npu_step_inputs
@@ -100,7 +101,7 @@ def bucketed_step(module, spec, buckets: Buckets, seqs: Sequence[tuple[int, int]
     loads = loads[:buckets.save_rows] if module.META.get("history") else None
     return npu_step_inputs(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                            query_lens=qlens, logits_indices=logit_idx, block_size=bs, save_block_ids=saves,
-                           load_block_ids=loads, decode=phase == "decode",
+                           load_block_ids=loads, decode=phase == "decode", device=device,
                            pad=pad or buckets.padding(phase, len(seqs), len(ids))), next_block
 
 
@@ -176,7 +177,7 @@ class LoopResult:
 def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Optional[Sequence[str]] = None,
                      steps: int = 24, buckets: Optional[Buckets] = None, *, check_limits: bool = True,
                      sources: Optional[dict] = None, every_bucket: bool = False,
-                     mixed_batches: int = 0) -> list[LoopResult]:
+                     mixed_batches: int = 0, device: str = "meta") -> list[LoopResult]:
     """Run ``steps`` mixed steps per (variant, mode) through the CPU stand-in; count compiled graphs.
     ``mixed_batches``: a history prefill variant (the one mixed batches run on) then also runs that many
     mixed batches (decode rows and chunks, `mixed_grid.MixedGrid`); its buckets are then the plain
@@ -186,74 +187,114 @@ def run_standin_loop(spec, variants: Optional[Sequence[str]] = None, modes: Opti
     check's input); ``every_bucket``: also run one deterministic step per bucket (``bucket_steps``)
     after the mix, so every bucket has one.
 
+    ``device``: where the weights, caches and step inputs live.  ``"meta"`` (the default): shapes only --
+    Dynamo, AOT and the captured graphs are those of a CPU run (the same static shapes per bucket, the same
+    SymInt lengths), and every step runs the graph on meta tensors, so the stand-in's meta kernels check each
+    step's actual lengths against the documented limits and their contracts; no value is computed (a CPU run
+    of tiny_deepseek_v3_npu's splitfuse spent 2/3 of its time in a bf16 matmul of the padded history rows,
+    whose values nothing here reads).  ``"cpu"``: the same loop computing values with the CPU kernels.
+
     ``sources``: {(variant, mode): module source} (default: generated in memory from the spec).
     ``buckets``: default ``Buckets.from_spec(spec)``.  Weights and the RoPE table are cast to the KV
     dtype (the NPU kernels take one dtype)."""
     import torch
 
     from ..standin import fakes as standin
-    from .compile import compile_module, load_module
-    from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, random_weights, rope_cache
-    from .mixed_grid import MixedGrid, MixedStep
-    from .weights import load_time_weights
+    from .inputs import random_weights
 
     buckets = buckets or Buckets.from_spec(spec)
-    grid = MixedGrid.from_buckets(buckets)
-    variants = list(variants or spec.variants)
-    modes = list(modes or spec.targets.npu.compile_modes)
     dtype = getattr(torch, spec.kv_cache.dtype)
-    results = []
+    weights = {k: t.to(device=device, dtype=dtype) for k, t in random_weights(spec).items()}  # one draw for all
+    loop = _StandinLoop(spec, buckets, steps, check_limits, every_bucket, mixed_batches, device, weights)
     if not standin.install():
         raise RuntimeError("torch_npu is installed: run on the NPU, not through the CPU stand-in")
     try:
-        for variant in variants:
-            v = spec.variants[variant]
-            mixes = mixed_batches > 0 and v.phase == "prefill" and bool(v.history)
-            n_buckets = buckets.count(v.phase) + (grid.count() if mixes else 0)
-            for mode in modes:
-                src = (sources or {}).get((variant, mode))
-                if src is None:
-                    from graphgen.lower.compile import compile_variant
-
-                    src = compile_variant(spec, variant, "npu", mode=mode)
-                torch._dynamo.reset()
-                with standin.fresh_tags():
-                    mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
-                    target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
-                max_pos = buckets.max_blocks * spec.kv_cache.block_size
-                W = load_time_weights({k: t.to(dtype) for k, t in random_weights(spec).items()}, [mod])
-                W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, max_pos, dtype=dtype)
-                nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
-                kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
-                                         staging_rows=buckets.save_rows if mod.META["saves"] else 0)
-                loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows)
-                plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, steps,
-                                   seed=stable_seed(variant, mode))
-                n_mixed = len(plan)
-                if every_bucket:
-                    plan = plan + bucket_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size)
-                batches = grid.steps(mixed_batches, spec.kv_cache.block_size, seed=stable_seed(variant, mode, "mixed")) \
-                    if mixes else []
-                by_bucket: dict = {}
-                with torch.no_grad(), standin.enforce_limits(check_limits):
-                    for i, step in enumerate(plan + batches):
-                        seqs = getattr(step, "seqs", step)  # a plain step is its rows; a MixedStep has .seqs
-                        pad = grid.padding(step, PAD_BLOCK) if isinstance(step, MixedStep) else \
-                            buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
-                        b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad)
-                        before = len(backend.graphs)
-                        mod.load(b, kv, loads)
-                        target.forward(W, b, kv, staging)
-                        key = (pad.batch, pad.tokens)
-                        if len(backend.graphs) > before:
-                            by_bucket.setdefault(key, backend.graphs[before])
-                results.append(LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
-                                          [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
-                                           for k in sorted(by_bucket)], tiling_sink=bool(getattr(mod, "TILING_SINK", False)),
-                                          mixed=len(batches)))
+        return [loop.run(variant, mode, (sources or {}).get((variant, mode)))
+                for variant in list(variants or spec.variants) for mode in list(modes or spec.targets.npu.compile_modes)]
     finally:
         standin.uninstall()
-    return results
+
+
+@dataclass(frozen=True)
+class _StandinLoop:
+    """`run_standin_loop`'s settings and its one draw of weights (on ``device``, in the KV dtype); ``run`` is
+    one (variant, mode) of it, with the stand-in installed."""
+
+    spec: object
+    buckets: Buckets
+    steps: int
+    check_limits: bool
+    every_bucket: bool
+    mixed_batches: int
+    device: str
+    weights: dict
+
+    def run(self, variant: str, mode: str, src: Optional[str]) -> LoopResult:
+        """Compile the variant's module in ``mode``, run its step plan (the mix, then the bucket steps and the
+        mixed batches asked for) and count the graphs it compiled; each bucket's first graph is kept."""
+        import torch
+
+        from ..standin import fakes as standin
+        from .mixed_grid import MixedGrid, MixedStep
+
+        spec, buckets = self.spec, self.buckets
+        grid = MixedGrid.from_buckets(buckets)
+        v = spec.variants[variant]
+        mixes = self.mixed_batches > 0 and v.phase == "prefill" and bool(v.history)
+        n_buckets = buckets.count(v.phase) + (grid.count() if mixes else 0)
+        mod, target, backend, (W, kv, staging, loads) = self._module(variant, mode, src, n_buckets)
+        plan = mixed_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size, self.steps,
+                           seed=stable_seed(variant, mode))
+        n_mixed = len(plan)
+        if self.every_bucket:
+            plan = plan + bucket_steps(v.phase, bool(v.history), buckets, spec.kv_cache.block_size)
+        batches = grid.steps(self.mixed_batches, spec.kv_cache.block_size, seed=stable_seed(variant, mode, "mixed")) \
+            if mixes else []
+        by_bucket: dict = {}
+        with torch.no_grad(), standin.enforce_limits(self.check_limits):
+            for i, step in enumerate(plan + batches):
+                seqs = getattr(step, "seqs", step)  # a plain step is its rows; a MixedStep has .seqs
+                pad = grid.padding(step, PAD_BLOCK) if isinstance(step, MixedStep) else \
+                    buckets.padding(v.phase, len(seqs), sum(q for _, q in seqs))
+                b, _ = bucketed_step(mod, spec, buckets, seqs, seed=i, pad=pad, device=self.device)
+                before = len(backend.graphs)
+                mod.load(b, kv, loads)
+                target.forward(W, b, kv, staging)
+                if len(backend.graphs) > before:
+                    by_bucket.setdefault((pad.batch, pad.tokens), backend.graphs[before])
+        return LoopResult(variant, mode, n_mixed, len(backend.graphs), n_buckets,
+                          [{"bucket": {"batch": k[0], "tokens": k[1]}, "captured": by_bucket[k]}
+                           for k in sorted(by_bucket)], tiling_sink=bool(getattr(mod, "TILING_SINK", False)),
+                          mixed=len(batches))
+
+    def _module(self, variant: str, mode: str, src: Optional[str], n_buckets: int):
+        """The variant's module compiled through the stand-in for ``n_buckets`` shapes, and its buffers on the
+        loop's device: the load-time weights and the RoPE table, the KV cache, staging and load staging."""
+        import torch
+
+        from ..standin import fakes as standin
+        from .compile import compile_module, load_module
+        from .inputs import ROPE_CACHE_KEY, kv_buffers, load_buffers, rope_cache
+        from .weights import load_time_weights
+
+        spec, buckets, device = self.spec, self.buckets, self.device
+        if src is None:
+            from graphgen.lower.compile import compile_variant
+
+            src = compile_variant(spec, variant, "npu", mode=mode)
+        torch._dynamo.reset()
+        with standin.fresh_tags():
+            mod = load_module(Path(f"<{spec.name}>/npu/{mode}/{variant}.py"), src)
+            target, backend = compile_module(mod, mode, use_standin=True, buckets=n_buckets)
+        dtype = getattr(torch, spec.kv_cache.dtype)
+        W = load_time_weights(dict(self.weights), [mod])
+        W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, buckets.max_blocks * spec.kv_cache.block_size, dtype=dtype,
+                                       device=device)
+        nb = 1 + (buckets.prefill_seqs + buckets.decode_batch[-1]) * buckets.max_blocks
+        kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, nb,
+                                 staging_rows=buckets.save_rows if mod.META["saves"] else 0, device=device)
+        loads = load_buffers(mod, spec.dims.num_hidden_layers, buckets.save_rows, device=device)
+        return mod, target, backend, (W, kv, staging, loads)
 
 
 def report(results: Sequence[LoopResult], out=print) -> int:

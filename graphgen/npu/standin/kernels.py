@@ -72,6 +72,24 @@ def _swiglu(x, dim=-1):
     return torch.nn.functional.silu(a) * b
 
 
+def _rms_norm_meta(x, gamma, epsilon=1e-6):
+    # the shapes and dtypes of _rms_norm without its arithmetic: under Dynamo/AOT's fake tensors every
+    # op of a composite kernel is dispatched again (each trace ran _rms_norm's six ops per call)
+    y = x.new_empty(torch.broadcast_shapes(x.shape, gamma.shape), dtype=torch.promote_types(x.dtype, gamma.dtype))
+    return y, x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+
+
+def _add_rms_norm_meta(x1, x2, gamma, epsilon=1e-6):
+    x = x1.new_empty(torch.broadcast_shapes(x1.shape, x2.shape), dtype=torch.promote_types(x1.dtype, x2.dtype))
+    return (*_rms_norm_meta(x, gamma, epsilon), x)
+
+
+def _swiglu_meta(x, dim=-1):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // 2
+    return x.new_empty(shape)
+
+
 def _rotate_half(x):
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -79,12 +97,26 @@ def _rotate_half(x):
 
 def _apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
     # Documented: rotary_mode "half" is x * cos + rotate_half(x) * sin; BSND: q [B,S,N,D], cos [B,S,1,D].
+    _apply_rotary_pos_emb_check(query, cos, layout, rotary_mode)
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _apply_rotary_pos_emb_check(query, cos, layout, rotary_mode):
     if layout != "BSND" or rotary_mode != "half":
         raise NotImplementedError(f"stand-in npu_apply_rotary_pos_emb models layout BSND, rotary_mode half only "
                                   f"(got {layout!r}, {rotary_mode!r})")
     if query.dim() != 4 or cos.dim() != 4 or cos.shape[2] != 1 or cos.shape[:2] != query.shape[:2]:
         raise ValueError(f"npu_apply_rotary_pos_emb BSND: query {tuple(query.shape)}, cos {tuple(cos.shape)}")
-    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rope_like(x, cos):
+    """An empty tensor shaped and typed as ``x * cos`` (what the RoPE kernels return)."""
+    return x.new_empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=torch.promote_types(x.dtype, cos.dtype))
+
+
+def _apply_rotary_pos_emb_meta(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    _apply_rotary_pos_emb_check(query, cos, layout, rotary_mode)
+    return _rope_like(query, cos), _rope_like(key, cos)
 
 
 def _interleave_rope(x, cos, sin):
@@ -92,12 +124,21 @@ def _interleave_rope(x, cos, sin):
     #   q = reshape(x, [B, N, S, D//2, 2]).transpose(-1, -2).reshape([B, N, S, D])   (de-interleave)
     #   y = q * cos + RotateHalf(q) * sin
     # so the output comes out DE-interleaved, as transformers' DeepSeek RoPE produces and caches.
-    if x.dim() != 4 or cos.dim() != 4 or cos.shape[1] != 1:
-        raise ValueError(f"npu_interleave_rope: x must be [B,N,S,D] and cos [B,1,S,D]; got {tuple(x.shape)}, "
-                         f"{tuple(cos.shape)}")
+    _interleave_rope_check(x, cos)
     b, n, s, d = x.shape
     q = x.reshape(b, n, s, d // 2, 2).transpose(-1, -2).reshape(b, n, s, d)
     return q * cos + _rotate_half(q) * sin
+
+
+def _interleave_rope_check(x, cos):
+    if x.dim() != 4 or cos.dim() != 4 or cos.shape[1] != 1:
+        raise ValueError(f"npu_interleave_rope: x must be [B,N,S,D] and cos [B,1,S,D]; got {tuple(x.shape)}, "
+                         f"{tuple(cos.shape)}")
+
+
+def _interleave_rope_meta(x, cos, sin):
+    _interleave_rope_check(x, cos)
+    return _rope_like(x, cos)
 
 
 # MoE kernels.  Semantics are our reading of the torch_npu docs / vllm-ascend usage, never checked
@@ -270,7 +311,9 @@ CPU_KERNELS: dict[str, Callable] = {
     "npu_fused_infer_attention_score": _fia,
     "npu_fused_infer_attention_score_v2": _fia_v2,
 }
-# Meta kernels: the CPU reference kernels are shape-faithful, so most run on meta tensors as-is.
+# Meta kernels: shapes and dtypes only.  The CPU reference kernels are shape-faithful and would run on meta
+# tensors as they are, but Dynamo and AOT trace every kernel call on fake tensors (and a meta run, see
+# graphgen.npu.run.bucketing, once per step): an op that composes several torch ops pays each of them there.
 META_KERNELS: dict[str, Callable] = {
     "npu_scatter_nd_update": lambda self, indices, updates: torch.empty_like(self),
     "npu_scatter_nd_update_": lambda self, indices, updates: self,
@@ -286,4 +329,9 @@ META_KERNELS: dict[str, Callable] = {
     "npu_moe_init_routing": _moe_init_routing_meta,
     "npu_moe_compute_expert_tokens": _moe_compute_expert_tokens_meta,
     "npu_moe_token_unpermute": _moe_token_unpermute_meta,
+    "npu_rms_norm": _rms_norm_meta,
+    "npu_add_rms_norm": _add_rms_norm_meta,
+    "npu_swiglu": _swiglu_meta,
+    "npu_apply_rotary_pos_emb": _apply_rotary_pos_emb_meta,
+    "npu_interleave_rope": _interleave_rope_meta,
 }
