@@ -97,4 +97,7 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
         from .checkpoint.hf import check_config
 
         check_config(spec, Path(weights))
-    return TARGETS[target](spec, weights, spec_file=spec_file, pool=pool, **options)
+    from .progress import starting
+
+    with starting():  # one process's loads and compiles print progress lines (ranks report to their launcher)
+        return TARGETS[target](spec, weights, spec_file=spec_file, pool=pool, **options)

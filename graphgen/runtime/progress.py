@@ -10,7 +10,8 @@ still reported once its phase's deadline passes.
 
 * `Progress`: what starting code reports, ``phase(name, total)`` and ``advance(n)`` (bytes loaded,
   graphs compiled), and ``stepping()`` when back to answering commands; `current_progress()` is this process's reporter (`reporting` sets it: a rank process reports
-  to its launcher, `graphgen.runtime.parallel.rank`; elsewhere it is a `Board` on stderr).
+  to its launcher, `graphgen.runtime.parallel.rank`; a one-process engine's start, `starting`, to a
+  `Board` on stderr of its own; outside a start, nothing is printed).
 * `Board`: the lines, one every ``interval_s`` while something is starting: per rank its phase, bytes
   loaded / total and GB/s, or graphs compiled i/N with an ETA; a bar redrawn in place when the stream
   is a terminal.
@@ -29,7 +30,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["PHASES", "STEP", "Deadlines", "Progress", "Board", "RankPhases", "current_progress", "reporting"]
+__all__ = ["PHASES", "STEP", "Deadlines", "Progress", "Board", "RankPhases", "current_progress", "reporting", "starting"]
 
 PHASES = ("start", "load", "warmup")
 STEP = "step"  # between phases: a command, bounded by the step deadline
@@ -268,12 +269,27 @@ _current: dict = {"progress": None}
 
 
 def current_progress() -> Progress:
-    """This process's reporter: the one `reporting` set, else a `Board` on stderr (one rank)."""
+    """This process's reporter: the one `reporting` (or `starting`) set; outside any, a fresh one that
+    prints nothing (a load outside an engine's start, e.g. ``load_hf_weights`` called directly: one
+    process-wide board would carry a finished start's phase and bytes into every later load)."""
     p = _current["progress"]
-    if p is None:
-        board = Board(1)
-        p = _current["progress"] = Progress(lambda ev: board.update(0, ev))
-    return p
+    return p if p is not None else Progress(lambda ev: None)
+
+
+@contextlib.contextmanager
+def starting(ranks: int = 1, out=None):
+    """One engine start in this process: its loads and compiles report to a `Board` of its own (lines
+    only when the start takes longer than the board's interval; a last line when any was printed).
+    Inside a start already (a rank process reporting to its launcher), the reporter there is kept."""
+    if _current["progress"] is not None:
+        yield _current["progress"]
+        return
+    board = Board(ranks, out)
+    with reporting(Progress(lambda ev: board.update(0, ev))) as progress:
+        try:
+            yield progress
+        finally:
+            board.finish()
 
 
 @contextlib.contextmanager

@@ -118,3 +118,26 @@ def test_the_default_board_writes_to_stderr_as_it_is_now_and_a_closed_stream_cos
     clock.t += 6
     board.update(0, {"phase": "load", "done": 6, "total": 10, "note": ""})
     assert "rank 0 load" in second.getvalue()
+
+
+def test_each_start_has_a_board_of_its_own_and_nothing_prints_outside_one():
+    """A process that starts engines one after another (a server's tests, a Python user) prints each
+    start's own phase and bytes: a process-wide board carried the first start's 'load' phase and its
+    bytes into every later load, and printed them from loads outside any start."""
+    import io
+
+    from graphgen.runtime.progress import current_progress, starting
+
+    outside = current_progress()
+    outside.phase("load", 10)
+    outside.advance(10)
+    assert current_progress() is not outside  # nothing kept between loads outside a start
+    for _ in range(2):
+        out = io.StringIO()
+        with starting(out=out) as report:
+            assert report is current_progress() and report.done == 0 and report.phase_name is None
+            report.phase("load", 100)
+            report.advance(40)
+            assert report.done == 40
+        assert out.getvalue() == ""  # a quick start prints nothing
+    assert current_progress() is not report
