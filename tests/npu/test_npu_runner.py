@@ -1,7 +1,7 @@
 """The NPU model runner (graphgen/npu/run/runner.py) on the CPU stand-in, through the runtime's engine.
 
 The hardware-shaped tiny Qwen3 (bf16, head_dim 128, block 128) runs through `npu_engine` (scheduler,
-KV connector, `LLMEngine`; steps padded to the spec's buckets, compiled once per bucket, commits via
+KV connector, `EngineCore`; steps padded to the spec's buckets, compiled once per bucket, commits via
 the staging ring) and through the CPU target with the same weights in float32.
 
 Tolerance: logits within TOL = 0.25 absolute (logits here are O(4)).  The NPU side runs in bfloat16
@@ -132,7 +132,7 @@ def test_run_target_npu_standin_matches_the_cpu_run(tmp_path):
 
 def _arrive_while_decoding(eng, short, long, n_short):
     """``short`` decodes; ``long`` arrives after its second step (mixed batches from then on)."""
-    llm, plans, inner = eng.llm, [], eng.runner.submit
+    llm, plans, inner = eng.core, [], eng.runner.submit
     eng.runner.submit = lambda plan, **kw: (plans.append(plan), inner(plan, **kw))[1]
     rs = [llm.add_request("short", short, max_tokens=n_short)]
     llm.step()

@@ -1,14 +1,16 @@
 """Running a spec on several ranks: one process per rank on torch.distributed (gloo, loopback).
 
-`DistributedEngine` is the facade a caller holds (``open_engine(..., tp=2)`` returns one): it
+`DistributedEngine` is the engine a caller holds (``open_engine(..., tp=2)`` returns one): it
 serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
 latent must be visible to rank 1), starts a rank process per rank of the world (``parallel.world``:
-tp, or cp; `graphgen.runtime.parallel.context` for cp), and sends every rank the same
+tp, or cp; `graphgen.runtime.parallel.context_parallel` for cp), and sends every rank the same
 command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.parallel.rank`) and
-the facade returns rank 0's results. It has the `Engine` calls a driver needs (``generate``,
-``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way,
-and ``llm``: `DistributedLLM`, the step API of `LLMEngine` (what ``graphgen serve`` drives) with
-every call broadcast to the ranks in the same order, so their schedulers stay in lockstep.
+it returns rank 0's results. It implements `EngineInterface` (``generate``, ``drain``, ``stats``,
+``close``, context manager, ...: what every `open_engine` result has), so a driver uses it as it
+uses a one-process `Engine`, and ``core``: `DistributedCore`, the step API of `EngineCore` (what
+``graphgen serve`` drives) with every call broadcast to the ranks in the same order, so their
+schedulers stay in lockstep. The ranks hold their caches, runners and connectors in their own
+processes: ``kv_naming()`` is None (no P/D handoff from ranks), ``observe`` reports nothing.
 
 Failure is bounded: every reply is awaited with a deadline while the rank processes are watched; a
 rank that exits, raises or misses its deadline ends every rank and raises `RankFailure` naming it.
@@ -42,11 +44,11 @@ from typing import Optional, Sequence, Union
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
 from ..progress import Board, Deadlines, RankPhases
-from .context import CP_RANK_TARGET
+from .context_parallel import CP_RANK_TARGET
 from .rank import RANK_TARGETS, rank_main
 from ...netutil import free_port
 
-__all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
+__all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
 
 
 class RankFailure(RuntimeError):
@@ -89,9 +91,9 @@ def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
     return sources, graph_weight_names(c.graph for c in compiled)
 
 
-class DistributedLLM:
-    """`LLMEngine`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
-    ``stats``, ``shutdown`` (and setting ``eos_token_ids``) run on every rank's own ``Engine.llm``,
+class DistributedCore:
+    """`EngineCore`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
+    ``stats``, ``shutdown`` (and setting ``eos_token_ids``) run on every rank's own ``Engine.core``,
     in the order the caller makes them, so every rank schedules the same steps and issues the same
     collectives; the results are rank 0's.
 
@@ -105,7 +107,7 @@ class DistributedLLM:
         self._engine = engine
 
     def _call(self, method: str, *args):
-        status, value = self._engine._command("llm", method, *args)[0]
+        status, value = self._engine._command("core", method, *args)[0]
         if status == "invalid":
             raise ValueError(value)
         return value
@@ -157,7 +159,7 @@ class DistributedEngine:
         from ...families.parallel import layout_rules
 
         cpu_modules = target == "cpu"  # the CPU ranks run the modules compiled here once
-        if cpu_modules and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context)
+        if cpu_modules and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context_parallel)
             target = CP_RANK_TARGET
         if target not in RANK_TARGETS:
             raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
@@ -215,7 +217,8 @@ class DistributedEngine:
             self._kill()
             raise
         self._board.finish()
-        self.llm = DistributedLLM(self)
+        self.core = DistributedCore(self)
+        self.speculative = bool(engine_kwargs.get("num_speculative_tokens"))
         self.max_model_len = self.on_ranks(_max_model_len)[0]
 
     @property
@@ -307,6 +310,20 @@ class DistributedEngine:
 
     def pool_stats(self) -> dict:
         return self._pool.stats()
+
+    def observe(self, observer) -> None:
+        """Nothing: the runners and connectors that report spans are in the rank processes."""
+
+    def kv_naming(self):
+        """None: the ranks' blocks are named per shard, in their own processes (no P/D handoff)."""
+        return None
+
+    def kv_pool(self):
+        return None
+
+    def saves_in_flight(self) -> int:
+        """0: each rank waits for its own commits (``drain`` barriers them)."""
+        return 0
 
     def on_ranks(self, fn, *args) -> list:
         """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
