@@ -107,7 +107,7 @@ class Engine:
                 raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new tokens exceeds max_model_len "
                                  f"{self._target_max_len} (the target's limit)")
         groups = [list(prompts)] if batch else [[p] for p in prompts]
-        results = []
+        results: list[RequestResult] = []
         for i, group in enumerate(groups):
             if i and settle:
                 self.drain()
@@ -120,7 +120,7 @@ class Engine:
                     # or the engine stays short of blocks for good (pinned ones come back with
                     # their commit)
                     self.core.abort_all()
-                    raise failed.error
+                    raise failed.error or RuntimeError(f"request {failed.req_id!r} failed")
             results.extend(r.result for r in reqs)
         return results
 

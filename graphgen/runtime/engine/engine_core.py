@@ -68,7 +68,7 @@ class EngineCore:
         self.drafter = drafter  # spec_decode.MtpDrafter: every request decodes speculatively
         self.observer = None  # a graphgen.trace.StepObserver: scheduling spans (Engine.observe sets it)
         self._requests: dict[Any, Request] = {}
-        self._inflight = None  # (future, step_no): the step on the forward thread
+        self._inflight: Optional[tuple[Any, int]] = None  # (future, step_no): the step on the forward thread
         self._sched_no = 0  # ids of scheduled steps, in schedule order (the timeline's step_no)
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_hit_tokens": 0, "steps": 0,
                         "sampling_fallbacks": 0, "mixed_steps": 0, "decode_rows_stalled": 0}

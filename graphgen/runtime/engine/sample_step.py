@@ -46,11 +46,11 @@ def sample_step(plan: StepPlan, output: StepOutput, *, drafter: Any = None, coll
             tokens[i] = int(tok)
         for i, lp in zip(sampling, token_logprobs(last, sampled, [rows[i].sampling.logprobs for i in sampling])):
             lps[i] = lp
-    kept = None
+    kept: Optional[list] = None
     if collect_logits and (last is not None or verify):
         kept = [None] * len(rows)
         for j, i in enumerate(sampling):
-            kept[i] = last[j]  # type: ignore[index]  (sampling is non-empty: last is set)
+            kept[i] = last[j] if last is not None else None  # (sampling is non-empty: last is set)
         for i in verify:
             kept[i] = row_logits[i]
     return replace(output, tokens=tuple(tokens), logprobs=tuple(lps), prompt_logprobs=_prompt_logprobs(plan, row_logits),

@@ -68,7 +68,7 @@ class PrefixSource(Protocol):
 
     def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
     def lookup(self, keys: Sequence[str]) -> int: ...
-    def load(self, keys: Sequence[str]) -> list: ...  # the leading blocks fetched, one staging each
+    def load(self, keys: Sequence[str]) -> Sequence: ...  # the leading blocks fetched, one staging each
 
 
 class Scheduler(Preemption):
