@@ -33,7 +33,7 @@ from typing import Optional, Union
 from ...families import BY_HF_MODEL_TYPE, FAMILIES
 
 __all__ = ["Stored", "CheckpointIndex", "WeightsError", "read_header", "family_of_config", "checkpoint_layout",
-           "ITEMSIZE", "BlockScales", "SCALE_SUFFIX", "fp8_block_of"]
+           "ITEMSIZE", "BlockScales", "SCALE_SUFFIX", "fp8_block_of", "published_fp8"]
 
 EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 STACKED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate|up|down)_proj\.weight$")
@@ -167,6 +167,19 @@ class BlockScales:
     per ``block`` = (b0, b1) block of the weight; a weight element is its fp8 value times its block's scale."""
     src: Stored
     block: tuple[int, int]
+
+
+# 2-D tensors of a decoder layer the published FP8 checkpoints keep in bf16: the MoE router, and the MTP
+# layer's embedding, head and eh_proj (vLLM's DeepSeek MTP layer builds eh_proj as a plain nn.Linear)
+_FP8_KEPT = (".mlp.gate.weight", ".embed_tokens.weight", ".shared_head.head.weight", ".eh_proj.weight")
+
+
+def published_fp8(key: str, shape) -> bool:
+    """Whether the published FP8 layout (DeepSeek-V3 / V3.1) stores ``key`` in float8_e4m3fn with block
+    scales: every 2-D weight of a decoder layer (the MTP layer's decoder block included) but `_FP8_KEPT`;
+    the embedding, the LM head and every norm stay bf16. What `scripts/sparse_checkpoint.py` and the tests'
+    FP8 writer lay out; the loader itself takes whatever has scales."""
+    return len(tuple(shape)) == 2 and _LAYER_KEY.match(key) is not None and not key.endswith(_FP8_KEPT)
 
 
 def fp8_block_of(config: dict) -> Optional[tuple[int, int]]:
