@@ -336,6 +336,11 @@ def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, d
     if fit:
         from ..passes.memory import NPU_MEMORY, fit_layout
 
+        if spec.targets.npu is None:  # no device to fit (an imported MTP layer: no NPU target yet, docs/mtp.md)
+            raise LayoutError(f"{spec.name}: --fit sizes a layout for the NPU target's devices, and this spec has no "
+                              f"npu target (its MTP layer runs on the CPU target only); fix: --tp/--ep/--dp, or "
+                              f"import from config.json without the MTP weights")
+
         gib = device_memory_gib or NPU_MEMORY.device_memory_gib
         chosen = fit_layout(spec, gib)
         if chosen.layout is None or chosen.memory is None:

@@ -169,3 +169,45 @@ def test_a_rank_reads_only_the_scale_blocks_of_its_slice(fp8):
             sdim, first, count = f.scale_narrow()
             assert (sdim, first, first + count) == (dim, start // 32, math.ceil((start + length) / 32))
             assert f.scale_nbytes == count * f.scale.src.shape[1 - dim] * 4 < f.scale.src.nbytes
+
+
+def test_dry_run_of_a_w8a8_spec_over_a_sparse_fp8_checkpoint(tmp_path, capsys):
+    """scripts/sparse_checkpoint.py writes DeepSeek-V3.1's published FP8 layout (F8_E4M3 weights, float32
+    128x128 block scales); `graphgen dry-run` of a W8A8 spec (import-hf --quantization w8a8_dynamic) over it
+    places int8 weights and their scales: the measured device peak is the one `graphgen validate` counts.
+    The full width of DeepSeek-V3.1 with 4 of its 61 layers (3 dense, 1 MoE): the same tensors per layer,
+    fast; the 61-layer run is docs/npu.md's (issue 28)."""
+    import json
+
+    from graphgen.cli import main
+    from graphgen.passes.manager import run_pipeline
+    from graphgen.passes.memory import rank_memory
+    from test_dry_run import DATA, GIB, _sparse
+
+    config = dict(json.loads((DATA / "deepseek_v3_1.fp8.config.json").read_text()), num_hidden_layers=4)
+    ckpt = _sparse(tmp_path / "ckpt", config)
+    header = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    scales = [k for k in header if k.endswith(".weight_scale_inv")]
+    assert "model.layers.3.mlp.experts.255.down_proj.weight_scale_inv" in scales
+    assert not any(k.startswith(("model.embed_tokens", "lm_head")) or ".mlp.gate." in k for k in scales)
+    assert main(["import-hf", str(ckpt), "--out", str(tmp_path / "s.yaml"), "--name", "ds4", "--tp", "16",
+                 "--quantization", "w8a8_dynamic"]) == 2  # the MTP weights make a CPU-only spec: no tp 16
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    assert main(["import-hf", str(tmp_path / "cfg"), "--out", str(tmp_path / "s.yaml"), "--name", "ds4", "--tp", "16",
+                 "--quantization", "w8a8_dynamic"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "r.json"
+    assert main(["dry-run", "--spec", str(tmp_path / "s.yaml"), "--weights", str(ckpt), "--rank", "0",
+                 "--json", str(out)]) == 0, capsys.readouterr().err
+    (row,) = json.loads(out.read_text())["ranks"]
+    spec = load_spec(tmp_path / "s.yaml")
+    mem = rank_memory(spec, [run_pipeline(spec, v, until="shard") for v in spec.variants])
+    # byte for byte: weights (int8 + scales, the rest bf16), RoPE table, rings, communicators, default KV
+    # blocks; the load transient (one slice through a temporary) passes before the KV cache is allocated
+    assert row["device_peak_bytes"] == mem.total_bytes - mem.transient_bytes, (row, mem)
+    assert row["device_peak_bytes"] <= row["budget_bytes"]
+    # int8 linear layers: 1.13 GB of weights where bfloat16 takes 2.01 GB (embedding and LM head stay bf16)
+    bf16 = dataclasses.replace(spec, quantization=dataclasses.replace(spec.quantization, method="none"))
+    assert mem.weight_bytes < 0.6 * rank_memory(bf16, [run_pipeline(bf16, v, until="shard")
+                                                       for v in bf16.variants]).weight_bytes
