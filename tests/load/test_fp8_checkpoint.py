@@ -184,7 +184,7 @@ def test_dry_run_of_a_w8a8_spec_over_a_sparse_fp8_checkpoint(tmp_path, capsys):
     from graphgen.passes.memory import rank_memory
     from test_dry_run import DATA, GIB, _sparse
 
-    config = dict(json.loads((DATA / "deepseek_v3_1.fp8.config.json").read_text()), num_hidden_layers=4)
+    config = dict(json.loads((DATA / "deepseek_v3_1.config.json").read_text()), num_hidden_layers=4)
     ckpt = _sparse(tmp_path / "ckpt", config)
     header = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     scales = [k for k in header if k.endswith(".weight_scale_inv")]

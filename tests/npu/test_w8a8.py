@@ -11,7 +11,7 @@ A spec's ``quantization: {method: w8a8_dynamic}``: linear weights int8 with one 
 * every graph the runner compiled passes the GE converter check (graphgen/npu/check/geops.py, no allow-list)
   and holds the quantized ops; each call passed the limits rows (the stand-in enforces them: quant.*, gmm.*);
 * the kernels' per-call arithmetic equals the CPU emulation (both our reading of the same docs: wiring), and
-  a miswired scale (per input channel) shows.
+  a miswired scale shows. The limits rows' own cases (quant.*, gmm.*): tests/npu/test_limits.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 from graphgen.modelspec import model as m
 from graphgen.modelspec.loader import load_spec
-from graphgen.npu.check import geops, limits
+from graphgen.npu.check import geops
 from graphgen.npu.standin import fakes as standin
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
@@ -127,27 +127,3 @@ def test_grouped_matmul_per_token_equals_the_cpu_emulation_per_expert(kernels):
         want = w8a8_matmul(rows[lo:hi], Int8Weight(q[ex], s[ex]), transposed=False)
         assert torch.equal(got[lo:hi], want), ex
     assert torch.isnan(got[6]).all()  # undefined past the last group
-
-
-@pytest.mark.parametrize("row, call", [
-    ("quant.matmul.dtypes", lambda t: t.npu_quant_matmul(torch.zeros(2, 8, dtype=torch.int8),
-                                                          torch.zeros(8, 4, dtype=torch.bfloat16),
-                                                          torch.ones(4, dtype=torch.bfloat16),
-                                                          pertoken_scale=torch.ones(2), output_dtype=torch.bfloat16)),
-    ("quant.matmul.dtypes", lambda t: t.npu_quant_matmul(torch.zeros(2, 8, dtype=torch.int8),
-                                                          torch.zeros(8, 4, dtype=torch.int8),
-                                                          torch.ones(4, dtype=torch.bfloat16),
-                                                          pertoken_scale=torch.ones(2), output_dtype=torch.float16)),
-    ("quant.dynamic.input", lambda t: t.npu_dynamic_quant(torch.zeros(2, 8))),
-    ("gmm.per_token", lambda t: t.npu_grouped_matmul([torch.zeros(2, 8, dtype=torch.int8)],
-                                                     [torch.zeros(2, 8, 4, dtype=torch.int8)],
-                                                     scale=[torch.ones(4, dtype=torch.bfloat16)],
-                                                     per_token_scale=[torch.ones(2)],
-                                                     group_list=torch.tensor([1, 2]), group_list_type=0, group_type=0,
-                                                     split_item=2, output_dtype=torch.bfloat16)),
-])
-def test_the_limits_rows_refuse_calls_outside_the_docs(kernels, row, call):
-    """Negative controls: a float weight into the int8 matmul, a float16 output over a bfloat16 scale, a
-    float32 activation to quantize, a 1-D scale for a stacked [E, K, N] weight."""
-    with pytest.raises(limits.KernelLimitError, match=row.replace(".", r"\.")):
-        call(kernels)
