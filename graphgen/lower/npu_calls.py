@@ -38,10 +38,9 @@ def moe_call(n: Node, ctx: EmitContext, residual: str, *extra: str) -> str:
     npu_grouped_matmul multiplies by, no per-step transpose; audit 2 row 10), the shared expert's gate/up
     merged as in the dense MLP. The router weight and score bias stay the checkpoint's float32 tensors.
     ``extra``: more keyword arguments (the expert-parallel ``ep=``/``ep_rank=``)."""
-    experts = {"pair": NPU_PAIR, "transpose12": True}
     args = [ctx.ref(n.input("x")), weight(n, "w_router"), weight(n, "w_bias"),
-            linear_weight(n, ctx, ("w_experts_gate", "w_experts_up"), dim=1, **experts),
-            linear_weight(n, ctx, ("w_experts_down",), dim=0, **experts),
+            linear_weight(n, ctx, ("w_experts_gate", "w_experts_up"), pair=NPU_PAIR, dim=1, transpose12=True),
+            linear_weight(n, ctx, ("w_experts_down",), pair=NPU_PAIR, dim=0, transpose12=True),
             dense_weight(n, ctx, "w_shared_gate", "w_shared_up"), dense_weight(n, ctx, "w_shared_down"),
             residual, *moe_kwargs(n.attrs), f"num_experts={n.attrs['num_experts']}", *extra]
     return f"_moe_residual({', '.join(args)})"

@@ -273,7 +273,8 @@ def _mtp_section(config: dict[str, Any], fam: Family, keys: set[str] | None, rep
 
 def _convert(config: Any, name: str, source: str, text: str | None, *, block_size: int = 128,
              compile_modes: Sequence[str] = ("max-autotune",), checkpoint_keys: set[str] | None = None,
-             device_memory_gib: float | None = None, quantization: str = "none") -> tuple[m.ModelSpec, list[str]]:
+             device_memory_gib: float | None = None, quantization: m.QuantMethod = "none"
+             ) -> tuple[m.ModelSpec, list[str]]:
     rep = _Report(source, text)
     if not isinstance(config, dict):
         raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
@@ -364,7 +365,7 @@ def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, d
 def import_hf(hf_dir: str | Path, out_path: str | Path, name: str | None = None, *, block_size: int = 128,
               compile_modes: Sequence[str] = ("max-autotune",), tp: int | None = None, ep: int | None = None,
               dp: int | None = None, device_memory_gib: float | None = None, fit: bool = False,
-              quantization: str = "none") -> m.ModelSpec:
+              quantization: m.QuantMethod = "none") -> m.ModelSpec:
     """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it. ``tp``/``ep``/
     ``dp``: its ``parallel:`` layout; ``device_memory_gib``: ``targets.npu.device_memory_gib``; ``fit``:
     the smallest layout that fits that device (default: the NPU target's 64 GiB die); ``quantization``:
