@@ -211,3 +211,15 @@ def test_dry_run_of_a_w8a8_spec_over_a_sparse_fp8_checkpoint(tmp_path, capsys):
     bf16 = dataclasses.replace(spec, quantization=dataclasses.replace(spec.quantization, method="none"))
     assert mem.weight_bytes < 0.6 * rank_memory(bf16, [run_pipeline(bf16, v, until="shard")
                                                        for v in bf16.variants]).weight_bytes
+
+
+def test_a_spec_that_does_not_declare_the_fp8_checkpoint_is_told_how(fp8):
+    """check_config: the spec's quantization.checkpoint and config.json's quantization_config go together."""
+    ckpt, src = fp8
+    spec = load_spec_for(ckpt)
+    plain = dataclasses.replace(spec, quantization=dataclasses.replace(spec.quantization, checkpoint=None))
+    with pytest.raises(ValueError, match=r"config.json has an fp8 checkpoint with \[32, 32\] blocks but the spec has "
+                                         r"no quantization.checkpoint; add 'quantization: \{checkpoint:"):
+        check_config(plain, ckpt)
+    with pytest.raises(ValueError, match="remove the spec's quantization.checkpoint"):
+        check_config(spec, src)
