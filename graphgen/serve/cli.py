@@ -26,7 +26,9 @@ from ..engine_args import (
     add_speculative_arguments,
     check_engine_arguments,
     engine_options,
+    follow_node,
     layout_refusal,
+    placement_of,
     rank_count,
     target_note,
     thread_options,
@@ -167,6 +169,12 @@ def cmd_serve(args) -> int:
     problem, spec = check_args(args)
     if problem:
         return _err(problem)
+    try:
+        here = placement_of(args, spec)
+        if not here.driver:  # another node's ranks for node 0's driver, which serves HTTP: no port here
+            return follow_node(args, spec, here, "graphgen serve")
+    except (ValueError, FileNotFoundError) as e:
+        return _err(str(e))
     weights = Path(args.weights)
     api_keys = args.api_key if args.api_key is not None else (
         [os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
@@ -174,7 +182,7 @@ def cmd_serve(args) -> int:
     if problem:
         return _err(problem)
     try:
-        return _serve(args, weights, sock, api_keys, spec)
+        return _serve(args, weights, sock, api_keys, spec, here)
     finally:
         sock.close()
 
@@ -195,7 +203,7 @@ def chat_setup(args, spec):
     return ChatSetup(tool, reasoning)
 
 
-def _serve(args, weights: Path, sock, api_keys, spec) -> int:
+def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
     from ..runtime import Faults, RankFailure, open_engine
     from ..trace import NULL, TraceRecorder
     from .adapter import LLMEngineAdapter
@@ -213,7 +221,7 @@ def _serve(args, weights: Path, sock, api_keys, spec) -> int:
 
         unavailable = (NpuUnavailable,)
     try:
-        engine = open_engine(args.spec, weights, **engine_options(args, faults), **ranks)
+        engine = open_engine(args.spec, weights, **engine_options(args, faults, placement=here), **ranks)
     except unavailable as e:  # no torch_npu here: one sentence, exit 3 (as graphgen run)
         print(f"graphgen serve: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -318,6 +318,14 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         _serve_rank(rank, cfg, conn, send, progress)
 
 
+def _rendezvous(store, timeout):
+    """A client of the driver's rendezvous store ``(host, port, torchrun)``; under torchrun, of torchrun's
+    own store, under a prefix of graphgen's (torchrun keeps its keys there too)."""
+    host, port, torchrun = store
+    client = dist.TCPStore(host, port, None, False, timeout=timeout)
+    return dist.PrefixStore("graphgen", client) if torchrun else client
+
+
 def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: no cover - in the rank process
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -333,12 +341,12 @@ def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: 
         spec = cfg["spec"]
         importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
         target = RANK_TARGETS[cfg["target"]]
-        # one node: the local rank is the rank (device choice and backend are the target's)
-        backend = target.setup(rank, spec.parallel.world, cfg["engine_kwargs"])
+        # the device is this node's local rank (device choice and backend are the target's)
+        backend = target.setup(cfg["devices"][rank], cfg["local_world"], cfg["engine_kwargs"])
         # the process group's timeout outlasts every start phase: a collective in one rank's warm-up
         # waits for a peer still compiling; the launcher's deadlines end a rank that hangs
         timeout = datetime.timedelta(seconds=cfg["group_timeout"])
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
+        dist.init_process_group(backend, store=_rendezvous(cfg["store"], timeout), rank=rank,
                                 world_size=spec.parallel.world, timeout=timeout)
         # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
         group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
