@@ -193,16 +193,12 @@ def follow_node(args, spec, here, command: str) -> int:
     """On a node other than node 0 (``here``: `placement_of`, not the driver): run this node's ranks for node
     0's driver until it closes the engine; the exit code. ValueError (one sentence) for a layout the runtime
     refuses or a checkpoint that does not match the spec, before anything starts."""
-    from pathlib import Path
-
-    from .runtime.checkpoint.hf import check_config
-    from .runtime.parallel.follower import follow
+    from .runtime.parallel.follower import follow  # torch-free: the ranks (forked) import it
 
     refusal = layout_refusal(spec, args)
     if refusal is not None:
         raise ValueError(refusal)
-    spec = overridden_spec(args, spec)
-    check_config(spec, Path(args.weights))
+    spec = overridden_spec(args, spec)  # its checkpoint's config.json is checked by its ranks
     deadlines = None
     if getattr(args, "rank_timeout", None) is not None:
         from .runtime.progress import Deadlines

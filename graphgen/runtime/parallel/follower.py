@@ -28,6 +28,7 @@ from typing import Optional
 from ..progress import Deadlines
 from .cluster import KEY_ENV, Placement, cluster_key, interface_towards, spec_digest
 from .links import HEARTBEAT_S, SILENCE_S, LocalRank, connect_channel
+from .procs import _process_context, start_ranks
 
 __all__ = ["follow"]
 
@@ -65,14 +66,13 @@ def follow(placement: Placement, spec, weights, *, threads: Optional[int] = None
         return say(f"node 0 refused this node: {cfg}")
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", interface_towards(here.master_addr)[0])
-    cfg = dict(cfg, weights=str(Path(weights)), devices={r: here.device_index(r) for r in here.ranks},
+    cfg = dict(cfg, weights=str(Path(weights)), check_config=True, devices={r: here.device_index(r) for r in here.ranks},
                local_world=len(here.ranks), threads=threads or max(1, (os.cpu_count() or 1) // len(here.ranks)))
-    from .launcher import _process_context, start_ranks
-
     ends = start_ranks(_process_context(), env, here.ranks, cfg)
     print(f"{command}: {me} joined node 0 at {driver}", file=out or sys.stderr, flush=True)
     try:
-        why = _relay(conn, ends, driver)
+        why = _relay(conn, ends, driver, lambda: print(f"{command}: {me}: ranks up, following node 0", file=out or sys.stderr,
+                                                       flush=True))
     finally:
         for e in ends:
             e.kill()
@@ -80,9 +80,11 @@ def follow(placement: Placement, spec, weights, *, threads: Optional[int] = None
     return EXIT_OK if why is None else say(why)
 
 
-def _relay(conn, ends: list[LocalRank], driver: str) -> Optional[str]:
-    """Relay until the engine closes (None) or fails (the sentence)."""
+def _relay(conn, ends: list[LocalRank], driver: str, on_up) -> Optional[str]:
+    """Relay until the engine closes (None) or fails (the sentence); ``on_up()`` once every rank answered
+    its start."""
     pipes = {e.conn: e for e in ends}
+    starting = {e.rank for e in ends}
     running = {e.proc.sentinel: e for e in ends}
     heard = sent = time.monotonic()
     closing = False
@@ -98,6 +100,10 @@ def _relay(conn, ends: list[LocalRank], driver: str) -> Optional[str]:
                     continue
                 if not _send(conn, (e.rank, msg)) and not closing:
                     return f"node 0 (the driver at {driver}) was lost: its connection closed"
+                if starting and msg[0] == "ok":
+                    starting.discard(e.rank)
+                    if not starting:
+                        on_up()
             elif obj is conn:
                 try:
                     msg = conn.recv()

@@ -47,7 +47,8 @@ from ..progress import Board, Deadlines, RankPhases
 from .cluster import Placement, cluster_key, interface_towards, spec_digest
 from .context import CP_RANK_TARGET
 from .links import Channel, LocalRank, PendingRank, RemoteRank
-from .rank import RANK_TARGETS, rank_main
+from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
+from .rank import RANK_TARGETS
 from ...netutil import free_port
 
 __all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
@@ -55,31 +56,6 @@ __all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
 
 class RankFailure(RuntimeError):
     """A rank process died, raised, or did not answer in time."""
-
-
-# what the forkserver imports once (a rank's imports: rank_main's lazy ones included)
-_PRELOAD = ["torch", "torch.distributed", "graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.dp_rank",
-            "graphgen.runtime.checkpoint.hf"]
-# environment read at import by a preloaded module (runtime/core/matmul.py): fixed in the forkserver
-_READ_AT_IMPORT = ("GRAPHGEN_CPU_MATMUL",)
-_forkserver_env: Optional[dict] = None  # those variables when this process's forkserver started
-
-
-def _process_context():
-    """The forkserver context (started with `_PRELOAD` on first use), or spawn when a variable of
-    `_READ_AT_IMPORT` differs from the forkserver's (its modules would hold the old value)."""
-    global _forkserver_env
-    now = {k: os.environ.get(k) for k in _READ_AT_IMPORT}
-    if _forkserver_env is None:
-        _forkserver_env = now
-        mp.set_forkserver_preload(_PRELOAD)
-    return mp.get_context("forkserver" if now == _forkserver_env else "spawn")
-
-
-def _child(env: dict, target, *args) -> None:  # the body of every process the launcher starts
-    os.environ.clear()  # forked from the forkserver: its environment, not this launch's
-    os.environ.update(env)
-    target(*args)
 
 
 def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
@@ -127,18 +103,6 @@ def _start_pool(ctx, env: dict, capacity: int, address, authkey: bytes, timeout:
             raise RankFailure(f"the shared pool process did not start (exit code {proc.exitcode}); "
                               f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
     return proc
-
-
-def start_ranks(ctx, env: dict, ranks, cfg: dict) -> list[LocalRank]:
-    """A process per rank of ``ranks`` (`rank_main` with ``cfg``), each on a pipe of its own."""
-    ends = []
-    for r in ranks:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(env, rank_main, r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
-        p.start()
-        child.close()  # the rank holds its end: its death closes the pipe here
-        ends.append(LocalRank(r, parent, p))
-    return ends
 
 
 def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[str]:
@@ -339,7 +303,11 @@ class DistributedEngine:
                     self._board.update(r, value)
                     continue
                 if status != "ok":  # a peer's death (or a lost node) is the cause, its error the symptom
-                    self._fail(f"{self._dead(grace=1.0)}rank {r} failed during {what}:\n{value}")
+                    dead = self._dead(grace=1.0)
+                    if any(isinstance(e, RemoteRank) and e.failure(0.0) for e in self._ends):
+                        self._fail(f"{dead.rstrip('; ')} during {what} (rank {r} failed after it: "
+                                   f"{str(value).strip().splitlines()[-1]})")
+                    self._fail(f"{dead}rank {r} failed during {what}:\n{value}")
                 replies[r] = value
             late = self._phases.late([r for r in range(self.world) if r not in replies])
             if late:

@@ -354,6 +354,10 @@ def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: 
         progress.phase("load", total=_weight_bytes(weights))  # a folder's total: its loader says (place_weights)
         if cfg["faults"] is not None:
             cfg["faults"].weights_sleep()  # a test's slow (or hung) load
+        if cfg.get("check_config"):  # another node's folder (node 0 checked its own before starting)
+            from ..checkpoint.hf import check_config
+
+            check_config(spec, weights)
         if not isinstance(weights, dict):  # a checkpoint folder: this rank streams its own slices, nothing else
             from ..checkpoint.plan import RankSlicing
             from ..checkpoint.stream import CheckpointWeights

@@ -1,0 +1,128 @@
+"""Ranks across nodes, as two hosts on one machine (`support.hosts.TwoHosts`: two network namespaces
+joined by a veth pair, 192.0.2.1 and .2): ``graphgen run --nnodes 2 --node-rank R --master-addr A``
+with node 0 in one namespace and node 1 in the other, each running its half of the ranks.
+
+Proved here: a tiny spec at 2 nodes x 2 ranks gives the tokens of its 4 ranks on one node (an engine in
+this process), for Qwen3 at tp 4 and DeepSeek-V3 at dp 4 x ep 4 (tp 1 per DP group: what the CPU DP
+ranks run), and the ranks' traffic crossed the veth pair (its byte counter); a node killed mid-run is reported by the other
+within seconds, in one sentence naming it, both ways (node 1 killed: node 0 names it; node 0 killed:
+node 1 names the driver); a node that never joins, and a driver that never answers, are reported at the
+start deadline.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from support.hosts import TwoHosts
+from support.paths import SPECS, TINY_QWEN3
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 9, 11, 3, 7, 2, 8], [40, 41, 42], [7] * 13]
+N_NEW = 6
+START_S = 180
+DSV3 = SPECS / "tiny_deepseek_v3_dp2ep2.yaml"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    h = TwoHosts(str(tmp_path_factory.mktemp("hosts")))
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _node(host, rank, port, *args, master, log):
+    return host.graphgen("run", *args, "--nnodes", "2", "--node-rank", rank, "--master-addr", master,
+                         "--master-port", port, "--torch-threads", "1", log=log)
+
+
+def _cluster(hosts, port, *args, prompts=PROMPTS, n_new=N_NEW):
+    """Node 1 in the second namespace, node 0 (``--json``) in the first: (node 0, node 1)."""
+    a, b = hosts.hosts
+    n1 = _node(b, 1, port, *args, master=a.addr, log=f"node1-{port}")
+    ids = [x for p in prompts for x in ("--prompt-ids", ",".join(map(str, p)))]
+    n0 = _node(a, 0, port, *args, "--json", "--max-new-tokens", n_new, *ids, master=a.addr, log=f"node0-{port}")
+    return n0, n1
+
+
+def _tokens(n0, count):
+    return [json.loads(n0.wait_line("{", START_S))["tokens"] for _ in range(count)]
+
+
+def _reference(spec, weights, **layout):
+    from graphgen.runtime import open_engine
+
+    with open_engine(spec, weights, **layout) as eng:
+        return [r.tokens for r in eng.generate(PROMPTS, N_NEW)]
+
+
+def _both_exit_0(hosts, n0, n1, port):
+    a, b = hosts.hosts
+    assert n0.p.wait(60) == 0, a.log(f"node0-{port}")
+    assert n1.p.wait(60) == 0, b.log(f"node1-{port}")
+
+
+def test_qwen3_tp4_on_two_nodes_equals_four_ranks_on_one(hosts, ckpt):
+    a, b = hosts.hosts
+    before = b.rx_bytes()
+    n0, n1 = _cluster(hosts, 29610, "--spec", TINY_QWEN3, "--weights", ckpt, "--tp", 4)
+    got = _tokens(n0, len(PROMPTS))
+    _both_exit_0(hosts, n0, n1, 29610)
+    assert "node 1 (ranks 2-3) joined node 0 at 192.0.2.1:29611" in b.log("node1-29610")
+    # the collectives crossed the pair (~650 KB here; the channel's pings alone: ~100 B/s each way)
+    assert b.rx_bytes() - before > 100_000
+    assert got == _reference(TINY_QWEN3, ckpt, tp=4)
+
+
+def test_deepseek_dp4_ep4_on_two_nodes_equals_four_ranks_on_one(hosts, tiny_dsv3):
+    n0, n1 = _cluster(hosts, 29620, "--spec", DSV3, "--weights", tiny_dsv3.dir, "--dp", 4, "--ep", 4)
+    got = _tokens(n0, len(PROMPTS))
+    _both_exit_0(hosts, n0, n1, 29620)
+    assert got == _reference(DSV3, tiny_dsv3.dir, dp=4, ep=4)
+
+
+def _reported(proc, host, log, within_s):
+    """(exit code, the last stderr line) once ``proc`` exits, which must happen within ``within_s``."""
+    t0 = time.monotonic()
+    code = proc.p.wait(within_s)
+    return code, host.log(log).strip().splitlines()[-1], time.monotonic() - t0
+
+
+def test_a_killed_node_is_reported_by_the_other_and_one_that_never_comes_at_its_deadline(hosts, ckpt):
+    a, b = hosts.hosts
+    args = ("--spec", TINY_QWEN3, "--weights", ckpt, "--tp", 2)
+    long = [[3, 1, 4, 1, 5]]
+    # X: node 1 killed mid-run; Y: node 0 killed mid-run; Z: node 0 alone; W: node 1 alone (no driver)
+    x0, x1 = _cluster(hosts, 29630, *args, prompts=long, n_new=400)
+    y0, y1 = _cluster(hosts, 29640, *args, prompts=long, n_new=400)
+    z0 = _node(a, 0, 29650, *args, "--prompt-ids", "1,2", "--rank-timeout", "start=6", master=a.addr, log="z0")
+    w1 = _node(b, 1, 29660, *args, "--rank-timeout", "start=6", master=a.addr, log="w1")
+    for follower in (x1, y1):
+        _wait_log(b, follower, "ranks up, following node 0")
+    x1.kill()
+    y0.kill()
+    code, line, took = _reported(x0, a, "node0-29630", 30)
+    # the driver was answering a command (the start's last, or the generate): that command names it
+    assert code == 2 and "node 1 (rank 1) was lost: its connection to the driver closed during " in line, line
+    assert took < 15, took
+    code, line, took = _reported(y1, b, "node1-29640", 30)
+    assert code == 2 and line.startswith("graphgen run: node 1 (rank 1): node 0 (the driver at 192.0.2.1:29641) "
+                                         "was lost: its connection closed"), line
+    assert took < 15, took
+    code, line, _ = _reported(z0, a, "z0", 60)
+    assert code == 2 and "node 1 (rank 1) never joined: nothing connected to 192.0.2.1:29651 within 6 s" in line, line
+    code, line, _ = _reported(w1, b, "w1", 60)
+    assert code == 2 and "node 0 never answered at 192.0.2.1:29661 within 6 s" in line, line
+
+
+def _wait_log(host, proc, text, timeout=START_S):
+    deadline = time.monotonic() + timeout
+    while text not in host.log(proc.log):
+        assert proc.p.poll() is None, host.log(proc.log)
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout} s"
+        time.sleep(0.1)
