@@ -162,7 +162,7 @@ class Channel:
     def __init__(self, address: tuple[str, int], key: bytes, *, clock: Callable[[], float] = time.monotonic):
         self.address, self._key, self._clock = address, key, clock
         try:
-            self._listener = Listener(address, family="AF_INET", authkey=key)
+            self._listener = Listener(address, family="AF_INET", backlog=64, authkey=key)
         except OSError as e:
             raise ValueError(f"the command channel cannot listen on {address[0]}:{address[1]} ({e}): "
                              f"--master-addr must be this node's address, and --master-port + 1 free") from None
