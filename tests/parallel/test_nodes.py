@@ -7,7 +7,8 @@ this process), for Qwen3 at tp 4 and DeepSeek-V3 at dp 4 x ep 4 (tp 1 per DP gro
 ranks run), and the ranks' traffic crossed the veth pair (its byte counter); a node killed mid-run is reported by the other
 within seconds, in one sentence naming it, both ways (node 1 killed: node 0 names it; node 0 killed:
 node 1 names the driver); a node that never joins, and a driver that never answers, are reported at the
-start deadline.
+start deadline; under torchrun (one process per rank, its environment instead of the flags) ``serve``
+answers HTTP on node 0 with the one-rank engine's tokens.
 """
 from __future__ import annotations
 
@@ -93,31 +94,34 @@ def _reported(proc, host, log, within_s):
     return code, host.log(log).strip().splitlines()[-1], time.monotonic() - t0
 
 
-def test_a_killed_node_is_reported_by_the_other_and_one_that_never_comes_at_its_deadline(hosts, ckpt):
+def test_a_killed_node_is_reported_and_a_driver_that_never_answers_at_its_deadline(hosts, ckpt):
     a, b = hosts.hosts
     args = ("--spec", TINY_QWEN3, "--weights", ckpt, "--tp", 2)
     long = [[3, 1, 4, 1, 5]]
-    # X: node 1 killed mid-run; Y: node 0 killed mid-run; Z: node 0 alone; W: node 1 alone (no driver)
+    # X: node 1 killed mid-run (node 0 killed: the torchrun test below); W: node 1 alone (no driver)
     x0, x1 = _cluster(hosts, 29630, *args, prompts=long, n_new=400)
-    y0, y1 = _cluster(hosts, 29640, *args, prompts=long, n_new=400)
-    z0 = _node(a, 0, 29650, *args, "--prompt-ids", "1,2", "--rank-timeout", "start=6", master=a.addr, log="z0")
     w1 = _node(b, 1, 29660, *args, "--rank-timeout", "start=6", master=a.addr, log="w1")
-    for follower in (x1, y1):
-        _wait_log(b, follower, "ranks up, following node 0")
+    _wait_log(b, x1, "ranks up, following node 0")
     x1.kill()
-    y0.kill()
     code, line, took = _reported(x0, a, "node0-29630", 30)
     # the driver was answering a command (the start's last, or the generate): that command names it
     assert code == 2 and "node 1 (rank 1) was lost: its connection to the driver closed during " in line, line
     assert took < 15, took
-    code, line, took = _reported(y1, b, "node1-29640", 30)
-    assert code == 2 and line.startswith("graphgen run: node 1 (rank 1): node 0 (the driver at 192.0.2.1:29641) "
-                                         "was lost: its connection closed"), line
-    assert took < 15, took
-    code, line, _ = _reported(z0, a, "z0", 60)
-    assert code == 2 and "node 1 (rank 1) never joined: nothing connected to 192.0.2.1:29651 within 6 s" in line, line
     code, line, _ = _reported(w1, b, "w1", 60)
     assert code == 2 and "node 0 never answered at 192.0.2.1:29661 within 6 s" in line, line
+
+
+def test_a_node_that_never_joins_fails_the_driver_at_its_start_deadline(ckpt):
+    """Node 0 alone (in this process, on loopback: its ranks wait in the rendezvous for node 1's)."""
+    from graphgen.runtime import Deadlines, RankFailure, open_engine
+    from graphgen.runtime.parallel.cluster import Placement
+
+    here = Placement.of(2, nnodes=2, master_addr="127.0.0.1", master_port=29680, environ={})
+    t = time.monotonic()
+    with pytest.raises(RankFailure, match=r"^node 1 \(rank 1\) never joined: nothing connected to "
+                                          r"127\.0\.0\.1:29681 within 3 s"):
+        open_engine(TINY_QWEN3, ckpt, tp=2, placement=here, rank_timeout=Deadlines(start=3))
+    assert time.monotonic() - t < 30
 
 
 def _wait_log(host, proc, text, timeout=START_S):
@@ -126,3 +130,38 @@ def _wait_log(host, proc, text, timeout=START_S):
         assert proc.p.poll() is None, host.log(proc.log)
         assert time.monotonic() < deadline, f"no {text!r} in {timeout} s"
         time.sleep(0.1)
+
+
+def test_torchrun_serve_on_two_nodes_serves_http_from_rank_0(hosts, ckpt):
+    """torchrun (``python -m torch.distributed.run``, static rendezvous on node 0's address) starts one
+    ``graphgen serve`` per rank: RANK 0's drives and serves HTTP on node 0, RANK 1's follows on node 1.
+    Greedy completions equal the one-rank engine's (tp 2 equals tp 1: tests/parallel/test_parallel_ranks.py).
+    Then node 0 dies (its torchrun and everything under it, SIGKILL): node 1 names the lost driver within
+    seconds and its torchrun fails."""
+    import sys
+
+    from graphgen.runtime import open_engine
+    from support.paths import TESTS
+
+    a, b = hosts.hosts
+    procs = []
+    for host, rank in ((b, 1), (a, 0)):
+        procs.append(host.start(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--node-rank", str(rank), "--master-addr", a.addr, "--master-port", "29670", "-m",
+                                "graphgen", "serve", "--spec", str(TINY_QWEN3), "--weights", str(ckpt), "--tp", "2",
+                                "--host", a.addr, "--port", "0", "--torch-threads", "1", log=f"torchrun{rank}"))
+    t1, t0 = procs
+    url = t0.wait_line("graphgen serve: listening on", START_S).rsplit(" ", 1)[-1]
+    assert url.startswith(f"http://{a.addr}:"), url
+    jobs = [{"op": "complete", "base": url, "prompt": p, "max_tokens": N_NEW, "stream": False, "model": "tiny_qwen3"}
+            for p in PROMPTS]
+    client = a.start(sys.executable, str(TESTS / "serve" / "pd_client.py"), json.dumps(jobs), log="client")
+    got = [json.loads(client.wait_line("{", 120))["tokens"] for _ in jobs]
+    with open_engine(TINY_QWEN3, ckpt) as eng:
+        assert got == [r.tokens for r in eng.generate(PROMPTS, N_NEW)]
+    assert "rank 1 joined node 0 at 192.0.2.1:29671" in b.log("torchrun1")
+    a.kill_all()  # torchrun's workers are in sessions of their own: everything on node 0
+    t = time.monotonic()
+    assert t1.p.wait(30) != 0 and time.monotonic() - t < 15
+    assert ("graphgen serve: rank 1: node 0 (the driver at 192.0.2.1:29671) was lost: its connection closed"
+            in b.log("torchrun1")), b.log("torchrun1")[-2000:]

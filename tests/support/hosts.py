@@ -49,6 +49,15 @@ class Host:
     def graphgen(self, *args: str, log: str) -> _Proc:
         return self.start(sys.executable, "-m", "graphgen", *map(str, args), log=log)
 
+    def kill_all(self) -> None:
+        """The host dies: SIGKILL to every process in the namespace (a launcher may have put its children
+        in sessions of their own, as torchrun does)."""
+        for pid in _ip("netns", "pids", self.name, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
     def rx_bytes(self) -> int:
         """Bytes received on this end of the veth pair so far."""
         out = _ip("-n", self.name, "-s", "-o", "link", "show", self.name).stdout
@@ -89,10 +98,5 @@ class TwoHosts:
         for h in self.hosts:
             for p in reversed(h.procs):
                 p.kill()
-            pids = _ip("netns", "pids", h.name, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            h.kill_all()
             _ip("netns", "del", h.name, check=False)
