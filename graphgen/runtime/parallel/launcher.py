@@ -1,34 +1,32 @@
-"""Running a spec on several ranks: one process per rank on torch.distributed (gloo, loopback).
+"""Running a spec on several ranks: one process per rank on torch.distributed (gloo; hccl on an NPU).
 
 `DistributedEngine` is the facade a caller holds (``open_engine(..., tp=2)`` returns one): it
-serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
-latent must be visible to rank 1), starts a rank process per rank of the world (``parallel.world``:
-tp, or cp; `graphgen.runtime.parallel.context` for cp), and sends every rank the same
-command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.parallel.rank`) and
-the facade returns rank 0's results. It has the `Engine` calls a driver needs (``generate``,
-``drain``, ``stats``, ``close``, context manager), so a batching engine can drive it the same way,
-and ``llm``: `DistributedLLM`, the step API of `LLMEngine` (what ``graphgen serve`` drives) with
-every call broadcast to the ranks in the same order, so their schedulers stay in lockstep.
+serves the pool every rank shares (the embedded host pool behind a `multiprocessing` manager: rank 0's MLA
+latent must be visible to rank 1) and the rendezvous store, starts a rank process per rank of this node
+(``parallel.world``: dp × cp × tp; `graphgen.runtime.parallel.context` for cp), and sends every rank the
+same command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep
+(`graphgen.runtime.parallel.rank`) and the facade returns rank 0's results. It has the `Engine` calls a
+driver needs (``generate``, ``drain``, ``stats``, ``close``, context manager), so a batching engine can
+drive it the same way, and ``llm``: `DistributedLLM`, the step API of `LLMEngine` (what ``graphgen
+serve`` drives) with every call broadcast to the ranks in the same order, so their schedulers stay in
+lockstep.
 
-Failure is bounded: every reply is awaited with a deadline while the rank processes are watched; a
-rank that exits, raises or misses its deadline ends every rank and raises `RankFailure` naming it.
-The deadlines (`graphgen.runtime.progress`): starting, each rank has one per phase (``rank_timeout``,
-a `Deadlines`: process start, weight loading, warm-up; it reports each phase it enters), and prints
-progress lines meanwhile (bytes loaded and GB/s, graphs compiled with an ETA); then every command
-must be answered in ``timeout`` seconds, unless the rank reports a phase again (a graph compiled on
-first use), which then has that phase's deadline. The process group's own timeout is the longest of
-these, so a collective that waits on a peer still compiling does not fail first; a collective whose
-peer hangs or died is ended by the deadline here. Nothing listens on anything but 127.0.0.1
-(``GLOO_SOCKET_IFNAME=lo``).
+Several nodes (``placement``, `graphgen.runtime.parallel.cluster`): this process is node 0's driver; the
+other nodes' followers (`graphgen.runtime.parallel.follower`) join its command channel
+(`graphgen.runtime.parallel.links.Channel`) and relay each command to their ranks, which answer through
+it. Store, channel and pool listen on the master address only (on one node, 127.0.0.1).
 
-Process start: the rank and pool processes are forked from a forkserver (`_process_context`) that
-imported torch and the rank modules once, when this process first started ranks: a rank skips the
-fresh interpreter's torch import (about 3 s of CPU each here). The forkserver runs no torch op, so
-no thread pool is forked. Each child first takes the environment of this process at its launch
-(`_child`: as a spawned interpreter would; ``ASCEND_RT_VISIBLE_DEVICES``, ``GLOO_SOCKET_IFNAME`` and
-the rest are read after it); a variable a preloaded module reads at import (`_READ_AT_IMPORT`) that
-changed since the forkserver started makes that launch spawn fresh interpreters instead, and so
-does ``spawn=True`` (the real NPU's ranks: its runtime must not be loaded before a fork).
+Failure is bounded: every reply is awaited with a deadline while the rank processes (and the followers'
+links) are watched; a rank that exits, raises or misses its deadline, or a node that is lost, ends every
+rank and raises `RankFailure` naming it (followers are told why). The deadlines
+(`graphgen.runtime.progress`): starting, each rank has one per phase (``rank_timeout``, a `Deadlines`:
+process start — a node's joining included —, weight loading, warm-up; it reports each phase it enters),
+and prints progress lines meanwhile (bytes loaded and GB/s, graphs compiled with an ETA); then every
+command must be answered in ``timeout`` seconds, unless the rank reports a phase again (a graph compiled
+on first use), which then has that phase's deadline. The process group's own timeout is the longest of
+these, so a collective that waits on a peer still compiling does not fail first; a collective whose peer
+hangs or died is ended by the deadline here. Process start: `graphgen.runtime.parallel.procs` (the warm
+forkserver), or ``spawn=True`` (the real NPU's ranks: its runtime must not be loaded before a fork).
 """
 
 from __future__ import annotations
