@@ -62,7 +62,7 @@ class NpuModelRunner:
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
                  standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
-                 plan_check: Optional[Callable] = None, cache_dir=None, rank: int = 0, world: int = 1):
+                 plan_check: Optional[Callable] = None, cache_dir=None, rank: int = 0, world: int = 1, dp=None):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -76,6 +76,7 @@ class NpuModelRunner:
         self.on_forward = None
         self.standin, self.check_limits = standin, check_limits
         self.plan_check = plan_check  # a rank's: every rank planned this step alike (RankParts.check_plan)
+        self.dp, self.dummy_forwards = dp, 0  # a DP rank's place and sync (data_parallel.NpuDP), its dummy calls
         self.buckets = Buckets.from_spec(spec)
         self.grid = MixedGrid.from_buckets(self.buckets)  # mixed batches' cells (history variants)
         self.block_size = spec.kv_cache.block_size
@@ -139,6 +140,15 @@ class NpuModelRunner:
                 self.source_hashes[v] = source_hash(src)
                 mods[v] = load_module(Path(f"<{self.spec.name}>/npu/{mode_dir(self.mode)}/{v}.py"), src)
         return mods
+
+    @property
+    def rt(self):  # what the DP rank's commands read (layout, sync), as a CPU DP rank's runtime
+        return self.dp
+
+    def dummy_forward(self, kind: int, tokens: int) -> None:
+        from .data_parallel import dummy_forward
+
+        dummy_forward(self, kind, tokens)
 
     # ---- the runner interface (as CpuModelRunner) ------------------------------------------------
     def saves(self, variant: str) -> bool:
@@ -214,11 +224,15 @@ class NpuModelRunner:
         phase = mod.META["phase"]
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
         history = bool(mod.META.get("history"))
-        cell = self._mixed_cell(plan, seqs) if history else None
+        cell = self._mixed_cell(plan, seqs) if history and self.dp is None else None
         chunks = [seqs] if cell is not None else self._chunks(phase, seqs)
         target = self.compiled(variant)
         logits, offset = [], 0
         for chunk in chunks:
+            if self.dp is not None:  # every DP rank runs this call at one bucket (data_parallel.py)
+                from .data_parallel import agree_padding
+
+                cell = agree_padding(self, phase, len(chunk), sum(len(s["ids"]) for s in chunk))
             b, n_save = self._step_inputs(mod, chunk, pad=cell)
             self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
             self._first_use(variant, b)
@@ -361,8 +375,7 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
                rank_parts=None, warmup: Optional[bool] = None, device_memory_utilization: Optional[float] = None,
-               cache_dir=None, rank_timeout=None,
-               **options) -> Engine:
+               cache_dir=None, rank_timeout=None, dp=None, **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
@@ -376,14 +389,11 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     ``rank_timeout``: the rank processes' start deadlines (`graphgen.runtime.Deadlines`; one process: unused)."""
     if spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
-    if spec.parallel.ep > 1:
-        raise ValueError(f"spec {spec.name} runs expert-parallel (ep={spec.parallel.ep}): the NPU lowering has no "
-                         f"expert-parallel MoE yet; pass --ep 1 (experts sliced by width)")
     if not standin:  # before anything is put on the device: NpuUnavailable, one sentence
         from .compile import _import_torchair
 
         _import_torchair(False)
-    if spec.parallel.tp > 1 and rank_parts is None:
+    if spec.parallel.world > 1 and rank_parts is None and dp is None:
         if sources is not None:
             raise ValueError("sources= is for one process; NPU ranks compile their own modules")
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
@@ -401,17 +411,17 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, plan_check=plan_check, cache_dir=cache_dir,
-                                rank=rank_parts.rank if rank_parts is not None else 0,
-                                world=spec.parallel.world)
+                                rank=rank_parts.rank if rank_parts is not None else dp.layout.rank if dp else 0,
+                                world=spec.parallel.world, dp=dp)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner
 
+    if rank_parts is not None or dp is not None:  # no async scheduling on a rank: two threads' collectives
+        options["async_scheduling"] = False      # need not pair up across ranks
     if rank_parts is not None:  # this rank's KV shard, keys, agreed hits (see RankParts)
         kv_shapes = rank_parts.kv_shapes
         options.update(make_loader=rank_parts.make_loader, make_connector=rank_parts.make_connector)
-        # no async scheduling on a rank: two threads' collectives need not pair up across ranks
-        options["async_scheduling"] = False
     else:
         shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
         kv_shapes = {k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()}
@@ -424,8 +434,13 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                         max_model_len=max_model_len(spec), **options)
 
 
-def npu_rank_engine(spec, weights: dict, *, rank: int, parts, **options) -> Engine:
-    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its `RankParts`."""
+def npu_rank_engine(spec, weights: dict, *, rank: int, parts, dp_layout=None, dp_group=None, **options) -> Engine:
+    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its `RankParts`, or,
+    a DP rank (``dp_layout``, the sync on ``dp_group``: data_parallel.py), its group's own engine."""
+    if dp_layout is not None:
+        from .data_parallel import NpuDP, NpuDPSync
+
+        options["dp"] = NpuDP(dp_layout, NpuDPSync(dp_group))
     return npu_engine(spec, weights, rank_parts=parts, **options)
 
 

@@ -370,7 +370,7 @@ def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: 
         if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (dp_rank.py)
             from .dp_rank import build_dp_rank
 
-            engine = build_dp_rank(spec, weights, rank, cfg, pool)
+            engine = build_dp_rank(spec, weights, rank, cfg, pool, target, group)
             del weights
         else:
             # this rank's slices by its TP rank (innermost in the rank order), of the names the launcher compiled
