@@ -89,6 +89,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                         "--standin unless given)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="with --target npu: no compile cache (every start compiles every graph)")
+    add_node_arguments(p)
+    p.add_argument("--rank-timeout", default=None, metavar="SECONDS|PHASE=S,...",
+                   help="with several ranks: the deadline of each start phase, one number for all or "
+                        "start=S,load=S,warmup=S (default: start=600,load=3600,warmup=7200); a rank that "
+                        "misses one is reported and every rank ends")
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """Ranks across nodes, torchrun's flags (docs/parallel.md, "Ranks across nodes")."""
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes the layout's ranks span, world / nnodes per node (torchrun's; under torchrun its "
                         "environment instead): node 0 drives the engine, the others run their ranks for it "
@@ -102,10 +111,6 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
     p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="PORT",
                    help="the rendezvous store's port on --master-addr; the command channel and the pool take the "
                         "next two (PORT+1, PORT+2)")
-    p.add_argument("--rank-timeout", default=None, metavar="SECONDS|PHASE=S,...",
-                   help="with several ranks: the deadline of each start phase, one number for all or "
-                        "start=S,load=S,warmup=S (default: start=600,load=3600,warmup=7200); a rank that "
-                        "misses one is reported and every rank ends")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:

@@ -326,30 +326,33 @@ def _rendezvous(store, timeout):
     return dist.PrefixStore("graphgen", client) if torchrun else client
 
 
+def _join(rank: int, cfg: dict):
+    """This rank's target (`RankTarget`) and the host-side gloo group (None: the world's is gloo), after
+    its device is chosen and it joined the process group."""
+    import datetime
+
+    torch.set_num_threads(cfg["threads"])
+    importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
+    target = RANK_TARGETS[cfg["target"]]
+    # the device is this node's local rank (device choice and backend are the target's)
+    backend = target.setup(cfg["devices"][rank], cfg["local_world"], cfg["engine_kwargs"])
+    # the process group's timeout outlasts every start phase: a collective in one rank's warm-up
+    # waits for a peer still compiling; the launcher's deadlines end a rank that hangs
+    timeout = datetime.timedelta(seconds=cfg["group_timeout"])
+    dist.init_process_group(backend, store=_rendezvous(cfg["store"], timeout), rank=rank,
+                            world_size=cfg["spec"].parallel.world, timeout=timeout)
+    # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
+    return target, (None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout))
+
+
 def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: no cover - in the rank process
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # the parent ends the ranks (close, or kill): a terminal's Ctrl-C, sent to the whole process
         # group, must not kill a rank under a parent that is still draining
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(cfg["threads"])
         spec = cfg["spec"]
-        importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
-        target = RANK_TARGETS[cfg["target"]]
-        # the device is this node's local rank (device choice and backend are the target's)
-        backend = target.setup(cfg["devices"][rank], cfg["local_world"], cfg["engine_kwargs"])
-        # the process group's timeout outlasts every start phase: a collective in one rank's warm-up
-        # waits for a peer still compiling; the launcher's deadlines end a rank that hangs
-        timeout = datetime.timedelta(seconds=cfg["group_timeout"])
-        dist.init_process_group(backend, store=_rendezvous(cfg["store"], timeout), rank=rank,
-                                world_size=spec.parallel.world, timeout=timeout)
-        # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
-        group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        target, group = _join(rank, cfg)
         weights = cfg["weights"]
         progress.phase("load", total=_weight_bytes(weights))  # a folder's total: its loader says (place_weights)
         if cfg["faults"] is not None:
