@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -144,14 +143,9 @@ def check_args(args):
 
 def bind_socket(host: str, port: int):
     """The listening socket, bound before the model loads (a busy port fails fast); (sock, error)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        return None, f"cannot listen on {host}:{port}: {e}"
-    return sock, None
+    from ..netutil import bind_socket as bind
+
+    return bind(host, port)
 
 
 def cmd_serve(args) -> int:

@@ -21,9 +21,9 @@ import os
 import sys
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..progress import Deadlines
 from .cluster import KEY_ENV, Placement, cluster_key, interface_towards, spec_digest
@@ -57,16 +57,17 @@ def follow(placement: Placement, spec, weights, *, threads: Optional[int] = None
                    f"same --nnodes/--master-addr/--master-port? --rank-timeout start=S raises it)")
     member = here.ranks[0] if here.torchrun else here.node_rank
     conn.send(("hello", {"member": member, "ranks": here.ranks, "spec": spec_digest(spec), "spec_name": spec.name}))
+    payload: Any
     try:
-        kind, cfg = conn.recv() if conn.poll(start) else ("refused", f"no answer from {driver} in {start:.0f} s")
+        kind, payload = conn.recv() if conn.poll(start) else ("refused", f"no answer from {driver} in {start:.0f} s")
     except (EOFError, OSError):
-        kind, cfg = "refused", f"{driver} closed the connection"
+        kind, payload = "refused", f"{driver} closed the connection"
     if kind != "welcome":
         conn.close()
-        return say(f"node 0 refused this node: {cfg}")
+        return say(f"node 0 refused this node: {payload}")
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", interface_towards(here.master_addr)[0])
-    cfg = dict(cfg, weights=str(Path(weights)), check_config=True, devices={r: here.device_index(r) for r in here.ranks},
+    cfg = dict(payload, weights=str(Path(weights)), check_config=True, devices={r: here.device_index(r) for r in here.ranks},
                local_world=len(here.ranks), threads=threads or max(1, (os.cpu_count() or 1) // len(here.ranks)))
     ends = start_ranks(_process_context(), env, here.ranks, cfg)
     print(f"{command}: {me} joined node 0 at {driver}", file=out or sys.stderr, flush=True)
@@ -80,7 +81,7 @@ def follow(placement: Placement, spec, weights, *, threads: Optional[int] = None
     return EXIT_OK if why is None else say(why)
 
 
-def _relay(conn, ends: list[LocalRank], driver: str, on_up) -> Optional[str]:
+def _relay(conn: Connection, ends: list[LocalRank], driver: str, on_up) -> Optional[str]:
     """Relay until the engine closes (None) or fails (the sentence); ``on_up()`` once every rank answered
     its start."""
     pipes = {e.conn: e for e in ends}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -47,7 +46,7 @@ from .context import CP_RANK_TARGET
 from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
-from ...netutil import free_port
+from ...netutil import bind_socket, free_port
 
 __all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
 
@@ -74,14 +73,10 @@ def _host_store(host: str, port: int, timeout_s: float):
 
     import torch.distributed as dist
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"the rendezvous store cannot listen on {host}:{port} ({e}): --master-addr must be "
-                         f"this node's address and --master-port free") from None
+    sock, problem = bind_socket(host, port)
+    if sock is None:
+        raise ValueError(f"the rendezvous store {problem}: --master-addr must be this node's address and "
+                         f"--master-port free")
     sock.listen(1024)
     bound = sock.getsockname()[1]
     return dist.TCPStore(host, bound, None, True, timeout=datetime.timedelta(seconds=timeout_s),
@@ -106,7 +101,7 @@ def _start_pool(ctx, env: dict, capacity: int, address, authkey: bytes, timeout:
 def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[str]:
     """Why a follower cannot join (one sentence), or None. It must be an expected node, hosting that
     node's ranks, for the same layout and spec (and settings) as this one."""
-    member = hello.get("member")
+    member = hello.get("member", -1)
     if member not in members or tuple(hello.get("ranks", ())) != members[member]:
         return (f"a follower announced itself as node/rank {member} hosting ranks {hello.get('ranks')}, which "
                 f"this cluster of {here.nnodes} node(s) x {here.local_world} rank(s) does not have")

@@ -47,8 +47,9 @@ def _child(env: dict, target: Union[Callable, str], *args) -> None:  # the body 
     os.environ.update(env)
     if isinstance(target, str):  # "module:function": imported here, not in the parent
         module, _, name = target.partition(":")
-        target = getattr(importlib.import_module(module), name)
-    target(*args)
+        getattr(importlib.import_module(module), name)(*args)
+    else:
+        target(*args)
 
 
 def start_ranks(ctx, env: dict, ranks, cfg: dict) -> list[LocalRank]:
