@@ -223,6 +223,8 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
         return _err(str(e))
     if target_note(args):  # once the engine is up
         print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
+    if here is not None and here.multi_node:  # a node lost while idle ends the server (its engine is gone)
+        engine.on_failure = _node_lost
     from ..runtime import eos_token_ids
 
     tokenizer = load_tokenizer(weights)
@@ -235,6 +237,11 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
                      chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs,
                      role=args.role, kv_lease_timeout_s=args.kv_lease_timeout)
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
+
+
+def _node_lost(sentence: str) -> None:  # from the engine's link thread: the engine is gone
+    print(f"graphgen serve: {sentence}", file=sys.stderr, flush=True)
+    os._exit(EXIT_INVALID)
 
 
 def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0,

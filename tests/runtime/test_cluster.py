@@ -75,3 +75,33 @@ def test_serve_refuses_a_placement_in_one_sentence(tmp_path):
     res = cli_inproc("serve", "--spec", TINY_QWEN3, "--weights", tmp_path, "--tp", "4", "--nnodes", "3",
                      "--port", "0", timeout=60)
     assert res.returncode == 2 and "--nnodes 3 does not divide" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_node_lost_between_commands_ends_the_engine_and_tells_on_failure():
+    """`DistributedEngine._node_lost`'s rule, on the state it reads (no processes; the real loss of a node:
+    tests/parallel/test_nodes.py): while a command waits on the ranks its `_collect` reports the loss, so
+    nothing happens here; between commands the engine ends at once and ``on_failure`` hears the sentence,
+    which the next command raises; a follower leaving after ``close`` began is no failure."""
+    import threading
+    from types import SimpleNamespace
+
+    from graphgen.runtime import RankFailure
+    from graphgen.runtime.parallel.launcher import DistributedEngine
+
+    eng = object.__new__(DistributedEngine)
+    killed, told = [], []
+    eng._closing, eng._closed, eng._failure, eng._busy = False, False, None, threading.Lock()
+    eng._kill = lambda why=None: (killed.append(why), setattr(eng, "_closed", True))
+    eng.on_failure = told.append
+    link = SimpleNamespace(lost="node 1 (ranks 2-3) was lost: its connection to the driver closed")
+    with eng._busy:  # a command is waiting
+        eng._node_lost(link)
+    assert killed == told == []
+    eng._closing = True
+    eng._node_lost(link)
+    assert killed == told == []
+    eng._closing = False
+    eng._node_lost(link)
+    assert killed == told == [f"{link.lost} (between commands)"]
+    with pytest.raises(RankFailure, match=r"was lost: its connection to the driver closed \(between commands\)"):
+        eng._command("llm")

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
@@ -205,7 +206,10 @@ class DistributedEngine:
             raise ValueError(f"placement {here} does not drive this layout of {self.world} ranks")
         if here.multi_node and isinstance(weights, dict):
             raise ValueError("ranks on several nodes read a checkpoint folder on each node, not a dict of tensors")
-        self._closed = False
+        self._closed = self._closing = False
+        self._busy = threading.Lock()  # held while a command (or the start) waits on the ranks
+        self._failure: Optional[str] = None  # why the engine ended between commands (a node lost)
+        self.on_failure: Optional[Callable[[str], None]] = None  # told that sentence (from a thread)
         ctx = mp.get_context("spawn") if spawn else _process_context()  # module doc: process start
         env = dict(os.environ)
         host = here.master_addr
@@ -234,10 +238,12 @@ class DistributedEngine:
         self._ends: list = [PendingRank(r, m) for m, ranks in members.items() for r in ranks]
         self._ends = sorted(self._ends + start_ranks(ctx, env, here.ranks, cfg), key=lambda e: e.rank)
         if self._channel is not None:
+            self._channel.on_lost = self._node_lost
             self._channel.start(lambda hello: _check_hello(hello, here, spec, members), lambda hello: cfg,
                                 here.describe)
         try:
-            self._collect("start")
+            with self._busy:
+                self._collect("start")
         except BaseException:
             self._kill()
             raise
@@ -321,6 +327,8 @@ class DistributedEngine:
 
     def _fail(self, sentence: str):
         self._kill(sentence)
+        if self.on_failure is not None:  # told a second later: the caller answers its requests with it first
+            threading.Timer(1.0, self.on_failure, (sentence,)).start()
         raise RankFailure(sentence)
 
     def _dead(self, grace: float) -> str:
@@ -334,14 +342,32 @@ class DistributedEngine:
             time.sleep(0.02)
 
     def _command(self, cmd: str, *args) -> list:
-        if self._closed:
-            raise RuntimeError("the distributed engine is closed")
-        for e in self._ends:
-            e.send((cmd, args))
-        if self._channel is not None:
-            self._channel.broadcast(("cmd", (cmd, args)))
-        self._phases.command()
-        return self._collect(cmd)
+        with self._busy:
+            if self._closed:
+                if self._failure is not None:
+                    raise RankFailure(self._failure)
+                raise RuntimeError("the distributed engine is closed")
+            for e in self._ends:
+                e.send((cmd, args))
+            if self._channel is not None:
+                self._channel.broadcast(("cmd", (cmd, args)))
+            self._phases.command()
+            return self._collect(cmd)
+
+    def _node_lost(self, link) -> None:
+        """A follower's link was lost (its reader thread): between commands, the engine ends now (every rank
+        here, every other follower told) and ``on_failure`` hears why; during one, its `_collect` reports it."""
+        if self._closing or not self._busy.acquire(blocking=False):
+            return
+        try:
+            if self._closed:
+                return
+            self._failure = f"{link.lost} (between commands)"
+            self._kill(self._failure)
+        finally:
+            self._busy.release()
+        if self.on_failure is not None:
+            self.on_failure(self._failure)
 
     def _kill(self, reason: Optional[str] = None) -> None:
         """End every rank here; followers are told ``reason`` (None: a normal close) and let go."""
@@ -390,6 +416,7 @@ class DistributedEngine:
     def close(self) -> None:
         if self._closed:
             return
+        self._closing = True  # the followers' connections close after this: not a failure
         try:
             self._command("close")
         finally:

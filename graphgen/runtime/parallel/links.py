@@ -65,8 +65,11 @@ class NodeLink:
     """The driver's end of one follower's channel: ``ranks`` it hosts; a reader thread files each rank's
     messages in its inbox and notes pings and losses. ``name``: how sentences name it (``node 1 (ranks 2-3)``)."""
 
-    def __init__(self, conn, ranks: tuple[int, ...], name: str, *, clock: Callable[[], float] = time.monotonic):
-        self.conn, self.ranks, self.name, self._clock = conn, ranks, name, clock
+    def __init__(self, conn, ranks: tuple[int, ...], name: str, *, clock: Callable[[], float] = time.monotonic,
+                 on_lost: Optional[Callable[["NodeLink"], None]] = None):
+        """``on_lost(link)``: called from the reader thread once the link is lost (its connection closed, or
+        its follower reported a rank's death)."""
+        self.conn, self.ranks, self.name, self._clock, self._on_lost = conn, ranks, name, clock, on_lost
         self.inbox: dict[int, collections.deque] = {r: collections.deque() for r in ranks}
         self.lost: Optional[str] = None
         self.last = clock()
@@ -79,12 +82,16 @@ class NodeLink:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 self.lost = self.lost or f"{self.name} was lost: its connection to the driver closed"
+                if self._on_lost is not None:
+                    self._on_lost(self)
                 return
             self.last = self._clock()
             if msg[0] == "ping":
                 continue
             if msg[0] == "lost":
                 self.lost = f"{self.name}: {msg[1]}"
+                if self._on_lost is not None:
+                    self._on_lost(self)
                 continue
             rank, reply = msg
             self.inbox[rank].append(reply)
@@ -168,6 +175,7 @@ class Channel:
                              f"--master-addr must be this node's address, and --master-port + 1 free") from None
         self.joined: queue.Queue = queue.Queue()
         self.links: list[NodeLink] = []
+        self.on_lost: Optional[Callable[[NodeLink], None]] = None  # a link lost (from its reader thread)
         self._closed = threading.Event()
 
     def start(self, check: Callable[[dict], Optional[str]], welcome: Callable[[dict], object],
@@ -202,7 +210,8 @@ class Channel:
                 self.joined.put(("refused", member, problem))
                 continue
             conn.send(("welcome", welcome(hello)))
-            link = NodeLink(conn, tuple(hello["ranks"]), name(member), clock=self._clock)
+            link = NodeLink(conn, tuple(hello["ranks"]), name(member), clock=self._clock,
+                            on_lost=lambda lost: self.on_lost(lost) if self.on_lost is not None else None)
             self.links.append(link)
             self.joined.put(("joined", member, link))
 
