@@ -13,9 +13,11 @@ read back as zeros. ``graphgen dry-run`` loads them as it would the real files (
 launch").
 
 What is stored in which dtype is one table, `stored_tensors`: the config's dtype, except what the
-published checkpoints keep in float32 (DeepSeek-V3's ``e_score_correction_bias``). A quantized layout
-(DeepSeek-V3.1's FP8 weights, each with a ``weight_scale_inv`` of 128x128 blocks) is a second entry there:
-not written yet (graphgen loads unquantized checkpoints; a config with ``quantization_config`` is refused).
+published checkpoints keep in float32 (DeepSeek-V3's ``e_score_correction_bias``). A config with the
+published FP8 ``quantization_config`` (DeepSeek-V3.1's: quant_method fp8, e4m3, ``weight_block_size``
+[128, 128]) gets the published FP8 layout: each weight `graphgen.runtime.checkpoint.index.published_fp8`
+names stored ``F8_E4M3``, followed by its float32 ``<name>.weight_scale_inv`` of one scale per block
+(163 shards of 4 GB for DeepSeek-V3.1, as published). Any other quantization is refused in one sentence.
 Torch-free: only the JSON headers are written.
 """
 
@@ -32,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from graphgen.families import BY_HF_MODEL_TYPE  # noqa: E402
+from graphgen.modelspec.import_hf import fp8_checkpoint_of  # noqa: E402
+from graphgen.runtime.checkpoint.index import SCALE_SUFFIX, published_fp8  # noqa: E402
 
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 FLOAT32_KEYS = (".e_score_correction_bias",)  # float32 in the published DeepSeek-V3 / V3.1 checkpoints
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -50,8 +54,9 @@ def stored_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     fam = BY_HF_MODEL_TYPE.get(config.get("model_type"))
     if fam is None:
         raise ConfigError(f"model_type {config.get('model_type')!r} is not one of {sorted(BY_HF_MODEL_TYPE)}")
-    if config.get("quantization_config"):
-        raise ConfigError("quantized layouts (quantization_config) are not written yet: drop it for the bf16 layout")
+    fp8, refused = fp8_checkpoint_of(config.get("quantization_config"))
+    if refused:
+        raise ConfigError(f"quantization_config: {refused[0]}")
     dtype = DTYPES.get(config.get("torch_dtype") or config.get("dtype") or "float32")
     if dtype is None:
         raise ConfigError(f"dtype {config.get('torch_dtype') or config.get('dtype')!r} is not one of {sorted(DTYPES)}")
@@ -65,7 +70,16 @@ def stored_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
         return (1, int(m.group(1))) if m else ((0, 0) if "embed_tokens" in key else (2, 0))
 
     keys = sorted((k for k, s in layout.items() if 0 not in s), key=order)  # stable: the family's order inside
-    return [(k, "F32" if k.endswith(FLOAT32_KEYS) else dtype, tuple(layout[k])) for k in keys]
+    out = []
+    for k in keys:
+        shape = tuple(layout[k])
+        if fp8 is not None and published_fp8(k, shape):  # the FP8 weight, then its block scales
+            b = fp8.weight_block_size
+            out += [(k, "F8_E4M3", shape),
+                    (k[:-len(".weight")] + SCALE_SUFFIX, "F32", tuple(-(-n // bi) for n, bi in zip(shape, b)))]
+        else:
+            out.append((k, "F32" if k.endswith(FLOAT32_KEYS) else dtype, shape))
+    return out
 
 
 def _shards(tensors, shard_bytes: int) -> list[list]:

@@ -202,7 +202,8 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
         return usage_error("import-hf", "--fit picks tp and ep itself: give --fit or --tp/--ep/--dp, not both")
     try:
         spec = import_hf(args.hf_dir, args.out, name=args.name, block_size=args.block_size, tp=args.tp, ep=args.ep,
-                         dp=args.dp, device_memory_gib=args.device_memory_gib, fit=args.fit)
+                         dp=args.dp, device_memory_gib=args.device_memory_gib, fit=args.fit,
+                         quantization=args.quantization)
     except LayoutError as e:
         err(f"graphgen import-hf: {e}")
         return EXIT_INVALID
@@ -263,4 +264,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     i.add_argument("--fit", action="store_true",
                    help="pick the smallest layout (tp, ep) that fits --device-memory-gib (default: the NPU "
                         "target's 64 GiB die), as graphgen validate counts it")
+    i.add_argument("--quantization", choices=("none", "w8a8_dynamic"), default="none",
+                   help="quantization.method of the spec: w8a8_dynamic = int8 linear layers, quantized at load "
+                        "(docs/spec.md, 'Quantization'; default: none)")
     i.set_defaults(handler=cmd_import_hf)

@@ -34,6 +34,9 @@ def build_graph(spec: Any, variant_name: str, spec_file: str = "") -> Graph:
         "block_size": spec.kv_cache.block_size,
         "kv_dtype": spec.kv_cache.dtype,
     })
+    quant = getattr(getattr(spec, "quantization", None), "method", "none")
+    if quant != "none":  # the linear layers multiply in int8 (graphgen.ir.quant); absent: nothing quantized
+        graph.meta["quant"] = quant
     family = FAMILIES[spec.family]
     layout = {"block_size": spec.kv_cache.block_size, "kv_dtype": spec.kv_cache.dtype}
     if v.phase == "mtp":  # the MTP draft layer alone (graphgen.families.mtp; docs/mtp.md)

@@ -35,6 +35,8 @@ class OpDef:
     attrs: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
     doc: str = ""
+    # the weight attributes that are linear layers (``x @ W^T``): what W8A8 quantizes (graphgen.ir.quant)
+    linear: tuple[str, ...] = ()
 
     def bind(self, names: tuple[str, ...], side: str = "inputs") -> dict[str, Union[str, tuple[str, ...]]]:
         """Role -> name (a tuple for a variadic role) for the operands of one side of a node."""
@@ -64,13 +66,17 @@ class SchemaError(ValueError):
 
 
 def _op(name: str, inputs: Sequence[str] = (), outputs: Sequence[str] = (), attrs: Sequence[str] = (),
-        optional: Sequence[str] = (), doc: str = "") -> OpDef:
+        optional: Sequence[str] = (), doc: str = "", linear: Sequence[str] = ()) -> OpDef:
     def operand(spec: str) -> Operand:
         role, _, kind = spec.partition(":")
         variadic = role.endswith("...")
         return Operand(role.rstrip("."), kind or "value", variadic)
 
-    return OpDef(name, tuple(map(operand, inputs)), tuple(map(operand, outputs)), tuple(attrs), tuple(optional), doc)
+    return OpDef(name, tuple(map(operand, inputs)), tuple(map(operand, outputs)), tuple(attrs), tuple(optional), doc,
+                 tuple(linear))
+
+
+_MOE_LINEAR = ("w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gate", "w_shared_up", "w_shared_down")
 
 
 _KV_LAYOUT = ("components", "widths", "block_size", "kv_dtype")
@@ -86,13 +92,13 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
     _op("rms_norm", ("x",), ("y",), ("w_norm", "eps")),
     _op("qwen3_attn_prolog", ("x", "cos", "sin"), ("q", "k", "v"),
         ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm", "num_heads", "num_kv_heads", "head_dim", "eps"),
-        doc="q/k/v projections, per-head RMSNorm of q and k, half-rotation RoPE."),
+        doc="q/k/v projections, per-head RMSNorm of q and k, half-rotation RoPE.", linear=("w_q", "w_k", "w_v")),
     _op("mla_prolog", ("x", "cos", "sin"), ("q_nope", "q_pe", "c_kv", "k_pe"),
         ("w_q_b", "w_kv_a", "w_kv_a_norm", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank",
          "eps", "interleave"),
         optional=("w_q_a", "w_q_a_norm"),
         doc="MLA projections. w_q_a/w_q_a_norm are None for uncompressed queries (q_lora_rank null): then "
-            "w_q_b is the plain query projection."),
+            "w_q_b is the plain query projection.", linear=("w_q_a", "w_q_b", "w_kv_a")),
     _op("kv_write", ("parts...", "slot_mapping:input"), ("cache:kv_cache",), _KV_LAYOUT,
         doc="Write the step's new KV (one part per cache component) at its slots."),
     _op("paged_attention", ("q", "cache:kv_cache", "block_tables:input", "seq_lens:input", "query_lens:input"),
@@ -103,12 +109,13 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
         ("mode", "scale", "w_kv_b", "num_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank",
          "qk_rope_head_dim", *_KV_LAYOUT),
         doc="MLA attention over the compressed latent cache."),
-    _op("o_proj_residual", ("attn", "residual"), ("h",), ("w_o",)),
-    _op("swiglu_mlp_residual", ("x", "residual"), ("h",), ("w_gate", "w_up", "w_down")),
+    _op("o_proj_residual", ("attn", "residual"), ("h",), ("w_o",), linear=("w_o",)),
+    _op("swiglu_mlp_residual", ("x", "residual"), ("h",), ("w_gate", "w_up", "w_down"),
+        linear=("w_gate", "w_up", "w_down")),
     _op("moe_residual", ("x", "residual"), ("h",),
         ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "top_k", "n_group",
          "topk_group", "routed_scaling_factor", "norm_topk_prob", "num_experts"),
-        optional=("w_shared_gate", "w_shared_up", "w_shared_down")),
+        optional=("w_shared_gate", "w_shared_up", "w_shared_down"), linear=_MOE_LINEAR),
     _op("lm_head", ("h", "logits_indices:input"), ("logits",), ("w_norm", "eps", "w_head")),
     _op("mtp_eh_proj", ("embed", "hidden:input"), ("h",), ("w_enorm", "w_hnorm", "w_eh", "eps"),
         doc="An MTP layer's input: eh_proj(cat[enorm(embedding of token t+1), hnorm(previous hidden at t)])."),
@@ -137,15 +144,16 @@ OPS.update({o.name: o for o in (
             "1/`size` chunk along `dim` (the tokens, padded by the runner to a multiple of `size`)."),
     _op("embedding_shard", ("input_ids:input",), ("partial",), ("w_embed", "vocab_size", *_COLLECTIVE),
         doc="Vocab-parallel lookup: rows of this rank's vocabulary slice, zeros elsewhere (a partial sum)."),
-    _op("o_proj", ("attn",), ("partial",), ("w_o",), doc="Row-parallel output projection (a partial sum)."),
+    _op("o_proj", ("attn",), ("partial",), ("w_o",), doc="Row-parallel output projection (a partial sum).",
+        linear=("w_o",)),
     _op("swiglu_mlp", ("x",), ("partial",), ("w_gate", "w_up", "w_down"),
-        doc="SwiGLU MLP, gate/up column- and down row-parallel (a partial sum)."),
+        doc="SwiGLU MLP, gate/up column- and down row-parallel (a partial sum).", linear=("w_gate", "w_up", "w_down")),
     _op("moe", ("x",), ("partial",),
         ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "top_k", "n_group",
          "topk_group", "routed_scaling_factor", "norm_topk_prob", "num_experts", "ep"),
         optional=("w_shared_gate", "w_shared_up", "w_shared_down"),
         doc="MoE over this rank's experts (ep > 1: num_experts/ep whole experts; else a TP slice of "
-            "every expert), routing replicated, for all tokens (a partial sum)."),
+            "every expert), routing replicated, for all tokens (a partial sum).", linear=_MOE_LINEAR),
     _op("residual_add", ("x", "residual"), ("h",), doc="h = x + residual."),
 )})
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")

@@ -17,15 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
-from .cpu_parallel import EMIT_PARALLEL, projection
-from .render import (MOE_WEIGHTS, Emitter, Names, emit_with, layer_list, load_time_weights_literal, moe_kwargs, py,
-                     render_frame, weight)
+from ..ir.quant import NONE, quant_of
+from .cpu_parallel import EMIT_PARALLEL, moe_weights, projection, raw_linear
+from .render import (Emitter, Names, emit_with, layer_list, load_time_weights_literal, moe_kwargs, py, render_frame,
+                     weight)
 
 
 @dataclass(frozen=True)
 class CpuCtx:
     ref: Names
     loaded: dict[str, Any] = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
+    quant: str = NONE  # the graph's quantization (graphgen.ir.quant): W8A8 multiplies the linear layers in int8
 
 
 def _out(n: Node, ctx: CpuCtx) -> str:
@@ -79,8 +81,9 @@ def _paged_attention(n: Node, ctx: CpuCtx) -> list[str]:
 
 def _mla_prolog(n: Node, ctx: CpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
-    return _call(n, ctx, "mla_prolog", r(n.input("x")), *(weight(n, w) for w in
-                 ("w_q_a", "w_q_a_norm", "w_q_b", "w_kv_a", "w_kv_a_norm")), r(n.input("cos")), r(n.input("sin")),
+    return _call(n, ctx, "mla_prolog", r(n.input("x")), raw_linear(n, ctx, "w_q_a"), weight(n, "w_q_a_norm"),
+                 raw_linear(n, ctx, "w_q_b"), raw_linear(n, ctx, "w_kv_a"), weight(n, "w_kv_a_norm"),
+                 r(n.input("cos")), r(n.input("sin")),
                  f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
                  f"qk_rope_head_dim={a['qk_rope_head_dim']}", f"kv_lora_rank={a['kv_lora_rank']}",
                  f"eps={py(a['eps'])}", f"interleave={py(a['interleave'])}")
@@ -105,7 +108,7 @@ def _swiglu_mlp_residual(n: Node, ctx: CpuCtx) -> list[str]:
 
 
 def _moe_residual(n: Node, ctx: CpuCtx) -> list[str]:
-    return _call(n, ctx, "moe_residual", ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS),
+    return _call(n, ctx, "moe_residual", ctx.ref(n.input("x")), *moe_weights(n, ctx),
                  ctx.ref(n.input("residual")), *moe_kwargs(n.attrs))
 
 
@@ -178,7 +181,7 @@ def _frees(graph: Graph, main: list[Node], side_reads: set[str], returned: tuple
 
 
 def render_cpu(graph: Graph) -> str:
-    ctx = CpuCtx(Names(graph))
+    ctx = CpuCtx(Names(graph), quant=quant_of(graph))
     by_stream = {s: graph.on_stream(s) for s in graph.streams}
     side = [s for s in graph.streams if s not in (MAIN_STREAM, HOST_STREAM)]
     run_body: list[str] = []

@@ -9,14 +9,30 @@ from ``rt`` at run time, so the generated module is the same for every rank.
 from __future__ import annotations
 
 from ..ir.graph import Node
-from .render import MOE_WEIGHTS, EmitContext, Emitter, load_time_weight, moe_kwargs, weight
+from .render import MOE_WEIGHTS, EmitContext, Emitter, linear_weight, moe_kwargs, weight
+
+# a W8A8 weight on the CPU target: its int8 values and scales as one `graphgen.runtime.core.quant.Int8Weight`,
+# which `linear`/`matmul_t` multiply as the NPU's kernels do (int8 products, int32 sums, then the scales)
+CPU_PAIR = "rt.w8a8({w}, {scale})"
 
 
 def projection(n: Node, ctx: EmitContext, *attrs: str) -> str:
     """The CPU layout of a dense projection: the load-time weight of ``attrs`` stored ``[in, out]``
     (several: merged along the output dim). Here, not in ``cpu``, because both tables use it; a rank
-    merges and transposes its own slices (``key[d<dim>/<parts>]`` names)."""
-    return load_time_weight(n, ctx.loaded, attrs, dim=0, transpose01=True)
+    merges and transposes its own slices (``key[d<dim>/<parts>]`` names). Under W8A8 the same layout in int8."""
+    return linear_weight(n, ctx, attrs, pair=CPU_PAIR, dim=0, transpose01=True)
+
+
+def raw_linear(n: Node, ctx: EmitContext, attr: str) -> str:
+    """A linear layer's weight in checkpoint layout ``[out, in]`` (MLA's projections, the experts): the
+    checkpoint tensor, or under W8A8 its int8 copy and scales."""
+    return linear_weight(n, ctx, (attr,), pair=CPU_PAIR)
+
+
+def moe_weights(n: Node, ctx: EmitContext) -> list[str]:
+    """The MoE op's weights in argument order (router and bias as stored; the experts' projections in
+    checkpoint layout, int8 under W8A8)."""
+    return [raw_linear(n, ctx, w) if w.startswith(("w_experts", "w_shared")) else weight(n, w) for w in MOE_WEIGHTS]
 
 
 def _call(n: Node, ctx: EmitContext, fn: str, *args: str) -> list[str]:
@@ -57,7 +73,7 @@ def _swiglu_mlp(n: Node, ctx: EmitContext) -> list[str]:
 
 def _moe(n: Node, ctx: EmitContext) -> list[str]:
     a = n.attrs
-    return _call(n, ctx, "moe", ctx.ref(n.input("x")), *(weight(n, w) for w in MOE_WEIGHTS), *moe_kwargs(a),
+    return _call(n, ctx, "moe", ctx.ref(n.input("x")), *moe_weights(n, ctx), *moe_kwargs(a),
                  f"num_experts={a['num_experts']}", f"ep={a['ep']}")
 
 

@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
+from ..ir.quant import NONE, quant_of
 from .npu_parallel import EMIT_PARALLEL, named_groups
-from .npu_calls import moe_call, swiglu_mlp_call
-from .render import (Emitter, LoweringError, Names, emit_with, load_time_weight, load_time_weights_literal, py,
-                     render_frame, weight)
+from .npu_calls import dense_weight, moe_call, o_proj_call, swiglu_mlp_call
+from .render import (Emitter, LoweringError, Names, emit_with, load_time_weights_literal, py, render_frame,
+                     weight)
 
 COMPILE_MODES = ("max-autotune", "reduce-overhead")
 HELPERS_FILE = Path(__file__).with_name("npu_helpers.py")
@@ -55,6 +56,7 @@ class NpuCtx:
     loaded: dict[str, Any] = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
     world: int = 1  # ranks of the layout (dp x cp x tp): a collective over all of them uses the world group
     tp: int = 1
+    quant: str = NONE  # the graph's quantization (graphgen.ir.quant): W8A8 multiplies the linear layers in int8
 
 
 def evname(event: str) -> str:
@@ -127,7 +129,7 @@ def _rms_norm(n: Node, ctx: NpuCtx) -> list[str]:
 
 def _qwen3_attn_prolog(n: Node, ctx: NpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
-    qkv = load_time_weight(n, ctx.loaded, ("w_q", "w_k", "w_v"), dim=0)  # one matmul, split after
+    qkv = dense_weight(n, ctx, "w_q", "w_k", "w_v")  # one matmul, split after
     args = [r(n.input("x")), qkv, *(weight(n, w) for w in ("w_q_norm", "w_k_norm")),
             r(n.input("cos")), r(n.input("sin")), f"num_heads={a['num_heads']}", f"num_kv_heads={a['num_kv_heads']}",
             f"head_dim={a['head_dim']}", f"eps={py(a['eps'])}"]
@@ -170,8 +172,9 @@ def _paged_attention(n: Node, ctx: NpuCtx) -> list[str]:
 
 def _mla_prolog(n: Node, ctx: NpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
-    args = [r(n.input("x")), *(weight(n, w) for w in ("w_q_a", "w_q_a_norm", "w_q_b", "w_kv_a", "w_kv_a_norm")),
-            r(n.input("cos")), r(n.input("sin")), f"num_heads={a['num_heads']}",
+    args = [r(n.input("x")), dense_weight(n, ctx, "w_q_a"), weight(n, "w_q_a_norm"), dense_weight(n, ctx, "w_q_b"),
+            dense_weight(n, ctx, "w_kv_a"), weight(n, "w_kv_a_norm"), r(n.input("cos")), r(n.input("sin")),
+            f"num_heads={a['num_heads']}",
             f"qk_nope_head_dim={a['qk_nope_head_dim']}", f"qk_rope_head_dim={a['qk_rope_head_dim']}",
             f"kv_lora_rank={a['kv_lora_rank']}", f"eps={py(a['eps'])}", f"interleave={py(a['interleave'])}"]
     return [f"{_out(n, ctx)} = _mla_prolog({', '.join(args)})"]
@@ -204,9 +207,7 @@ def _mla_attention(n: Node, ctx: NpuCtx) -> list[str]:
 
 
 def _o_proj_residual(n: Node, ctx: NpuCtx) -> list[str]:
-    x = ctx.ref(n.input("attn"))
-    return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + F.linear({x}.reshape({x}.shape[0], -1), "
-            f"{weight(n, 'w_o')})"]
+    return [f"{_out(n, ctx)} = {ctx.ref(n.input('residual'))} + {o_proj_call(n, ctx)}"]
 
 
 def _swiglu_mlp_residual(n: Node, ctx: NpuCtx) -> list[str]:
@@ -330,7 +331,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     # every cache layer has the one layout; the MTP graph writes only its own layer but saves them all
     ctx = NpuCtx(Names(graph), options.mode, graph.events,
                  {name: layout["kv_components"] for name, kind in graph.names.items() if kind == "kv_cache"},
-                 world=world, tp=tp)
+                 world=world, tp=tp, quant=quant_of(graph))
     tag, prio = py(options.save_stream_tag), py(options.save_stream_priority)
     body: list[str] = []
     prev = None

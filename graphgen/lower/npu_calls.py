@@ -1,18 +1,35 @@
 """NPU calls shared by the single-device and the parallel-rank emitters (`graphgen.lower.npu`,
 `graphgen.lower.npu_parallel`) that read load-time weights (`graphgen.lower.render.load_time_weight`;
-built by `graphgen.npu.run.weights`): the dense/shared SwiGLU MLP and the MoE."""
+built by `graphgen.npu.run.weights`): the dense projections, the dense/shared SwiGLU MLP and the MoE, each
+in int8 under W8A8 (`graphgen.ir.quant`)."""
 
 from __future__ import annotations
 
 from ..ir.graph import Node
-from .render import EmitContext, load_time_weight, moe_kwargs, weight
+from .render import EmitContext, linear_weight, moe_kwargs, weight
+
+# a W8A8 weight in an NPU module: the (int8 weight, scales) pair the helpers' _linear / _grouped_linear take
+NPU_PAIR = "({w}, {scale})"
+
+
+def dense_weight(n: Node, ctx: EmitContext, *attrs: str) -> str:
+    """A dense projection's weight (``attrs`` merged along the output dim): ``[out, in]`` for F.linear, or
+    under W8A8 the int8 ``[in, out]`` npu_quant_matmul takes as x2 (k, n) and its scales."""
+    return linear_weight(n, ctx, attrs, pair=NPU_PAIR, dim=0, quant_transpose01=True)
 
 
 def swiglu_mlp_call(n: Node, ctx: EmitContext) -> str:
     """``_swiglu_mlp(x, W[gate|up], W[down])``: gate and up merged at load into one weight (one matmul,
     whose output is already the ``[gate | up]`` npu_swiglu takes)."""
-    gate_up = load_time_weight(n, ctx.loaded, ("w_gate", "w_up"), dim=0)
-    return f"_swiglu_mlp({ctx.ref(n.input('x'))}, {gate_up}, {weight(n, 'w_down')})"
+    return (f"_swiglu_mlp({ctx.ref(n.input('x'))}, {dense_weight(n, ctx, 'w_gate', 'w_up')}, "
+            f"{dense_weight(n, ctx, 'w_down')})")
+
+
+def o_proj_call(n: Node, ctx: EmitContext) -> str:
+    """The output projection of the attention's heads (flattened): F.linear, or under W8A8 ``_linear``."""
+    x, w = ctx.ref(n.input("attn")), dense_weight(n, ctx, "w_o")
+    fn = "_linear" if w.startswith("(") else "F.linear"
+    return f"{fn}({x}.reshape({x}.shape[0], -1), {w})"
 
 
 def moe_call(n: Node, ctx: EmitContext, residual: str, *extra: str) -> str:
@@ -21,10 +38,9 @@ def moe_call(n: Node, ctx: EmitContext, residual: str, *extra: str) -> str:
     npu_grouped_matmul multiplies by, no per-step transpose; audit 2 row 10), the shared expert's gate/up
     merged as in the dense MLP. The router weight and score bias stay the checkpoint's float32 tensors.
     ``extra``: more keyword arguments (the expert-parallel ``ep=``/``ep_rank=``)."""
-    lw = ctx.loaded
     args = [ctx.ref(n.input("x")), weight(n, "w_router"), weight(n, "w_bias"),
-            load_time_weight(n, lw, ("w_experts_gate", "w_experts_up"), dim=1, transpose12=True),
-            load_time_weight(n, lw, ("w_experts_down",), dim=0, transpose12=True),
-            load_time_weight(n, lw, ("w_shared_gate", "w_shared_up"), dim=0), weight(n, "w_shared_down"),
+            linear_weight(n, ctx, ("w_experts_gate", "w_experts_up"), pair=NPU_PAIR, dim=1, transpose12=True),
+            linear_weight(n, ctx, ("w_experts_down",), pair=NPU_PAIR, dim=0, transpose12=True),
+            dense_weight(n, ctx, "w_shared_gate", "w_shared_up"), dense_weight(n, ctx, "w_shared_down"),
             residual, *moe_kwargs(n.attrs), f"num_experts={n.attrs['num_experts']}", *extra]
     return f"_moe_residual({', '.join(args)})"

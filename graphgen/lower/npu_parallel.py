@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..ir.graph import Node
-from .npu_calls import moe_call, swiglu_mlp_call
+from .npu_calls import moe_call, o_proj_call, swiglu_mlp_call
 from .render import Emitter, LoweringError, RankEmitContext, weight
 
 WORLD_GROUP = "torch.distributed.group.WORLD.group_name"
@@ -102,8 +102,7 @@ def _embedding_shard(n: Node, ctx: RankEmitContext) -> list[str]:
 
 
 def _o_proj(n: Node, ctx: RankEmitContext) -> list[str]:
-    x = ctx.ref(n.input("attn"))
-    return [f"{_out(n, ctx)} = F.linear({x}.reshape({x}.shape[0], -1), {weight(n, 'w_o')})"]
+    return [f"{_out(n, ctx)} = {o_proj_call(n, ctx)}"]
 
 
 def _swiglu_mlp(n: Node, ctx: RankEmitContext) -> list[str]:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import jinja2
 
 from ..ir.graph import Graph, Node
+from ..ir.quant import NONE, W8A8, quantized_attrs, scale_name
 
 # The frames live in the checkout's top-level templates/; a wheel carries them as graphgen/lower/templates/
 # (pyproject.toml maps the package graphgen.lower.templates to templates/). The package's copy comes
@@ -150,6 +151,25 @@ def weight(node: Node, attr: str) -> str:
 LOAD_KEY_PREFIX = "graphgen.load:"
 
 
+def _load_time_key(node: Node, loaded: dict[str, Any], attrs: tuple[str, ...], *, dim: int, transpose12: bool,
+                   transpose01: bool, quant: Optional[str]) -> Optional[str]:
+    present = [node.attrs.get(a) for a in attrs]
+    if all(k is None for k in present):
+        return None
+    keys = [k for k in present if k is not None]
+    if len(keys) != len(present):
+        raise LoweringError(f"node {node.id}: {attrs} must be all present or all absent to merge them")
+    key = (f"{LOAD_KEY_PREFIX}{'+'.join(keys)}:cat{dim}" + (":t12" if transpose12 else "")
+           + (":t01" if transpose01 else "") + (f":{quant}" if quant else ""))
+    recipe: dict[str, Any] = {"cat": tuple(keys), "dim": dim, "transpose12": transpose12}
+    if transpose01:  # only where used, so the NPU modules' recipes read as before
+        recipe["transpose01"] = True
+    if quant:  # int8, plus W[key + ':scale'] (graphgen.ir.quant)
+        recipe["quant"] = quant
+    loaded[key] = recipe
+    return key
+
+
 def load_time_weight(node: Node, loaded: dict[str, Any], attrs: tuple[str, ...], *, dim: int, transpose12: bool = False,
                      transpose01: bool = False) -> str:
     """``W['<key>']`` of a weight built once at load time (`graphgen.runtime.core.weights.load_time_weights`)
@@ -157,18 +177,27 @@ def load_time_weight(node: Node, loaded: dict[str, Any], attrs: tuple[str, ...],
     ``transpose(1, 2)`` when ``transpose12`` (3-d: the NPU's expert stacks), ``t()`` when ``transpose01``
     (2-d: the CPU's ``[in, out]`` projections). The recipe is recorded in ``loaded`` (the module's
     ``LOAD_TIME_WEIGHTS``); ``None`` when every attribute is absent (an optional weight)."""
-    present = [node.attrs.get(a) for a in attrs]
-    if all(k is None for k in present):
-        return "None"
-    keys = [k for k in present if k is not None]
-    if len(keys) != len(present):
-        raise LoweringError(f"node {node.id}: {attrs} must be all present or all absent to merge them")
-    key = f"{LOAD_KEY_PREFIX}{'+'.join(keys)}:cat{dim}" + (":t12" if transpose12 else "") + (":t01" if transpose01 else "")
-    recipe: dict[str, Any] = {"cat": tuple(keys), "dim": dim, "transpose12": transpose12}
-    if transpose01:  # only where used, so the NPU modules' recipes read as before
-        recipe["transpose01"] = True
-    loaded[key] = recipe
-    return f"W[{key!r}]"
+    key = _load_time_key(node, loaded, attrs, dim=dim, transpose12=transpose12, transpose01=transpose01, quant=None)
+    return "None" if key is None else f"W[{key!r}]"
+
+
+def linear_weight(node: Node, ctx: Any, attrs: tuple[str, ...], *, pair: str, dim: int = 0, transpose12: bool = False,
+                  transpose01: bool = False, quant_transpose01: Optional[bool] = None) -> str:
+    """The weight of a linear layer (``attrs``: merged along ``dim``, as `load_time_weight`). Under W8A8
+    (``ctx.quant``, `graphgen.ir.quant`) the int8 load-time weight and its per-output-channel scales,
+    spelled by ``pair`` (a format of ``{w}`` and ``{scale}``: the target's), laid out as the unquantized
+    one unless ``quant_transpose01`` says otherwise; else the load-time weight, or the checkpoint tensor
+    itself where nothing is merged or transposed."""
+    quantized = quantized_attrs(node, getattr(ctx, "quant", NONE))
+    if any(node.attrs.get(a) is not None for a in attrs) and all(a in quantized for a in attrs
+                                                                 if node.attrs.get(a) is not None):
+        t01 = transpose01 if quant_transpose01 is None else quant_transpose01
+        key = _load_time_key(node, ctx.loaded, attrs, dim=dim, transpose12=transpose12, transpose01=t01, quant=W8A8)
+        assert key is not None
+        return pair.format(w=f"W[{key!r}]", scale=f"W[{scale_name(key)!r}]")
+    if len(attrs) == 1 and not (transpose12 or transpose01):
+        return weight(node, attrs[0])
+    return load_time_weight(node, ctx.loaded, attrs, dim=dim, transpose12=transpose12, transpose01=transpose01)
 
 
 def load_time_weights_literal(loaded: dict[str, Any]) -> str:

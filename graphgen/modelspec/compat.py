@@ -111,6 +111,17 @@ def check_compat(spec: Any) -> Iterator[Rule]:
     yield from _target_rules(spec)
     yield from _parallel_rules(spec)
     yield from _mtp_rules(spec)
+    yield from _quant_rules(spec)
+
+
+def _quant_rules(spec: Any) -> Iterator[Rule]:
+    quant = _get(spec, "quantization")
+    if quant is _MISSING or quant.checkpoint is None:
+        return
+    size = quant.checkpoint.weight_block_size
+    if len(size) != 2:
+        yield ("quantization.checkpoint.weight_block_size", f"weight_block_size has {len(size)} item(s); a block "
+               "is [rows, cols]", "write two sizes, e.g. weight_block_size: [128, 128]")
 
 
 def _mtp_rules(spec: Any) -> Iterator[Rule]:

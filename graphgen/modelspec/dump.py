@@ -18,14 +18,16 @@ from .errors import SpecError
 from .yamlpos import load_yaml_data
 
 # Top-level keys in reading order (identity first, then shape, then behaviour).
-_TOP_ORDER = ("name", "family", "description", "dims", "kv_cache", "pool", "features", "variants", "targets")
+_TOP_ORDER = ("name", "family", "description", "dims", "quantization", "kv_cache", "pool", "features", "variants",
+              "targets")
 
 
 def dump_spec(spec: object) -> dict[str, Any]:
     """Plain data (YAML-ready) that parses back to an equal spec (``spec``: a `ModelSpec` or one of its
     parts, a dataclass).
 
-    Optional fields left at their ``None`` default are omitted (absent means the default).
+    Optional fields left at their ``None`` default are omitted (absent means the default), and so is a
+    spec's ``quantization`` when nothing is quantized.
     """
 
     def conv(x: Any) -> Any:
@@ -44,6 +46,8 @@ def dump_spec(spec: object) -> dict[str, Any]:
         return x
 
     data: dict[str, Any] = conv(spec)
+    if isinstance(spec, m.ModelSpec) and spec.quantization == m.Quantization():
+        del data["quantization"]
     return {k: data[k] for k in (*_TOP_ORDER, *data) if k in data} if isinstance(spec, m.ModelSpec) else data
 
 

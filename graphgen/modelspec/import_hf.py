@@ -172,15 +172,34 @@ def _checks(cfg: dict[str, Any], fam: Family, rep: _Report) -> None:
         if key in cfg and cfg[key] is not None and cfg[key] != want:
             rep.error(key, f"{cfg[key]!r} is not implemented (graphgen reproduces {want!r})",
                       f"only configs with \"{key}\": {json.dumps(want)} can be imported")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(
-            cfg["quantization_config"], dict) else "?"
-        rep.error("quantization_config", f"quantized checkpoints ({method}) are not implemented: "
-                  "graphgen's weights are unquantized", "dequantize the checkpoint (e.g. to bfloat16) and "
-                  "drop quantization_config")
     for key, message, fix in fam.hf_checks(cfg):
         rep.error(key, message, fix)
     rep.notes.extend(fam.hf_notes(cfg))
+
+
+_FP8_FIELDS = {"fmt": "e4m3", "activation_scheme": "dynamic"}
+
+
+def fp8_checkpoint_of(qc: Any) -> tuple[Optional[m.Fp8Checkpoint], Optional[tuple[str, str]]]:
+    """(the spec's `Fp8Checkpoint`, None) for config.json's ``quantization_config`` (None: none given), or
+    (None, (message, fix)) for one graphgen does not read: one sentence naming what is supported."""
+    if qc is None:
+        return None, None
+    supported = ("graphgen reads fp8 checkpoints only (quant_method fp8, fmt e4m3, activation_scheme dynamic, "
+                 "a two-number weight_block_size: DeepSeek-V3's published layout)")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        return None, (f"quant_method {method!r} is not supported: {supported}",
+                      "use the fp8 checkpoint or a dequantized (bfloat16) one without quantization_config")
+    wrong = [f"{k} {qc.get(k)!r}" for k, want in _FP8_FIELDS.items() if qc.get(k, want) != want]
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool)
+                                                                 and b > 0 for b in block)):
+        wrong.append(f"weight_block_size {block!r}")
+    if wrong:
+        return None, (f"{', '.join(wrong)} is not supported: {supported}",
+                      "use the fp8 checkpoint as published, or a dequantized (bfloat16) one")
+    return m.Fp8Checkpoint(weight_block_size=tuple(block)), None
 
 
 def _kv_dtype(cfg: dict[str, Any], rep: _Report) -> str | None:
@@ -254,7 +273,8 @@ def _mtp_section(config: dict[str, Any], fam: Family, keys: set[str] | None, rep
 
 def _convert(config: Any, name: str, source: str, text: str | None, *, block_size: int = 128,
              compile_modes: Sequence[str] = ("max-autotune",), checkpoint_keys: set[str] | None = None,
-             device_memory_gib: float | None = None) -> tuple[m.ModelSpec, list[str]]:
+             device_memory_gib: float | None = None, quantization: m.QuantMethod = "none"
+             ) -> tuple[m.ModelSpec, list[str]]:
     rep = _Report(source, text)
     if not isinstance(config, dict):
         raise SpecError([Diagnostic(source, 1, 1, "the config is not a JSON object", "use a model config.json")])
@@ -268,12 +288,23 @@ def _convert(config: Any, name: str, source: str, text: str | None, *, block_siz
         rep.diags.append(Diagnostic(source, 1, 1, f"spec name {name!r} is not a Python identifier",
                                     "pass name= with letters, digits and underscores, e.g. my_model"))
     _checks(config, fam, rep)
+    fp8, refused = fp8_checkpoint_of(config.get("quantization_config"))
+    if refused:
+        rep.error("quantization_config", *refused)
     dims = _dims(config, fam, rep)
     dtype = _kv_dtype(config, rep)
     if rep.diags:
         raise SpecError(rep.diags)
     spec = _standard_spec(name, fam.name, dims, dtype, f"Imported from a Hugging Face {model_type} config.",
                           block_size, compile_modes, device_memory_gib)
+    if fp8 is not None or quantization != "none":
+        spec = dataclasses.replace(spec, quantization=m.Quantization(method=quantization, checkpoint=fp8))
+    if fp8 is not None:
+        rep.notes.append(f"The checkpoint's weights are FP8 (e4m3, one scale per {list(fp8.weight_block_size)} "
+                         "block): the quantization: section records it; the loader dequantizes each rank's slice"
+                         + (" and quantizes the linear layers to int8 (w8a8_dynamic)." if quantization != "none"
+                            else " to the compute dtype (--quantization w8a8_dynamic: int8 weights, half the "
+                                 "memory of bfloat16)."))
     mtp = _mtp_section(config, fam, checkpoint_keys, rep)
     if mtp is not None:
         spec = dataclasses.replace(spec, mtp=mtp, variants={**spec.variants, "mtp_draft": m.Variant(phase="mtp")},
@@ -306,6 +337,11 @@ def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, d
     if fit:
         from ..passes.memory import NPU_MEMORY, fit_layout
 
+        if spec.targets.npu is None:  # no device to fit (an imported MTP layer: no NPU target yet, docs/mtp.md)
+            raise LayoutError(f"{spec.name}: --fit sizes a layout for the NPU target's devices, and this spec has no "
+                              f"npu target (its MTP layer runs on the CPU target only); fix: --tp/--ep/--dp, or "
+                              f"import from config.json without the MTP weights")
+
         gib = device_memory_gib or NPU_MEMORY.device_memory_gib
         chosen = fit_layout(spec, gib)
         if chosen.layout is None or chosen.memory is None:
@@ -328,10 +364,12 @@ def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, d
 
 def import_hf(hf_dir: str | Path, out_path: str | Path, name: str | None = None, *, block_size: int = 128,
               compile_modes: Sequence[str] = ("max-autotune",), tp: int | None = None, ep: int | None = None,
-              dp: int | None = None, device_memory_gib: float | None = None, fit: bool = False) -> m.ModelSpec:
+              dp: int | None = None, device_memory_gib: float | None = None, fit: bool = False,
+              quantization: m.QuantMethod = "none") -> m.ModelSpec:
     """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it. ``tp``/``ep``/
     ``dp``: its ``parallel:`` layout; ``device_memory_gib``: ``targets.npu.device_memory_gib``; ``fit``:
-    the smallest layout that fits that device (default: the NPU target's 64 GiB die)."""
+    the smallest layout that fits that device (default: the NPU target's 64 GiB die); ``quantization``:
+    ``quantization.method`` (``w8a8_dynamic``: int8 linear layers)."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     source = hf_dir / "config.json"
     try:
@@ -346,7 +384,8 @@ def import_hf(hf_dir: str | Path, out_path: str | Path, name: str | None = None,
                                     "fix the JSON syntax")]) from None
     spec, notes = _convert(config, name or _default_name(hf_dir), str(source), text,
                            block_size=block_size, compile_modes=compile_modes,
-                           checkpoint_keys=_checkpoint_keys(hf_dir), device_memory_gib=device_memory_gib)
+                           checkpoint_keys=_checkpoint_keys(hf_dir), device_memory_gib=device_memory_gib,
+                           quantization=quantization)
     spec = _layout(spec, tp, ep, dp, device_memory_gib, fit, notes)
     header = "\n".join([f"Imported from {hf_dir.name}/config.json (model_type {config['model_type']}) "
                         "by graphgen.modelspec.import_hf.", *notes])

@@ -208,6 +208,42 @@ class Mtp:
         "model.layers.{num_hidden_layers + k}. Each is one more KV layer in every pool block.", minimum=1))
 
 
+QuantMethod = Literal["none", "w8a8_dynamic"]
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """The checkpoint's FP8 weights, as its config.json's ``quantization_config`` records them (DeepSeek-V3's
+    published layout): ``float8_e4m3fn`` matrices, each with a float32 ``<name>.weight_scale_inv`` holding
+    one scale per ``weight_block_size`` block (value = fp8 x scale). The loader dequantizes each rank's
+    slice, reading only the scale blocks that cover it."""
+
+    quant_method: Literal["fp8"] = field(default="fp8", metadata=doc("Hugging Face's quant_method (fp8 only)."))
+    fmt: Literal["e4m3"] = field(default="e4m3", metadata=doc("FP8 format of the weights (float8_e4m3fn)."))
+    activation_scheme: Literal["dynamic"] = field(
+        default="dynamic", metadata=doc("How the checkpoint's authors quantize activations (dynamic: no "
+                                        "stored activation scales)."))
+    weight_block_size: tuple[int, ...] = field(
+        default=(128, 128), metadata=doc("[rows, cols] of the weight block one scale covers (DeepSeek-V3: "
+                                         "[128, 128]).", minimum=1, min_items=2))
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the model's linear layers store and multiply their weights (docs/spec.md, "Quantization")."""
+
+    method: QuantMethod = field(
+        default="none",
+        metadata=doc("none: every weight in the compute dtype. w8a8_dynamic: the linear layers' weights int8 "
+                     "with one scale per output channel (quantized at load from the checkpoint), activations "
+                     "quantized per token in the graph, products in int8; norms, router, embedding, lm_head, "
+                     "MLA's kv_b_proj and the MTP eh_proj stay in the compute dtype."))
+    checkpoint: Optional[Fp8Checkpoint] = field(
+        default=None, metadata=doc("The checkpoint's own quantization (omit for a bf16/fp32 checkpoint); "
+                                   "graphgen import-hf writes it from config.json's quantization_config.",
+                                   nullable=False))
+
+
 @dataclass(frozen=True)
 class Targets:
     """Code generation targets; at least one must be enabled. Omit a key to disable that target."""
@@ -237,6 +273,8 @@ class ModelSpec:
     targets: Targets = field(default_factory=lambda: Targets(cpu=CpuTarget()), metadata=doc("Targets to lower to."))
     parallel: Parallel = field(default_factory=Parallel, metadata=doc("Tensor/expert parallel layout."))
     description: str = field(default="", metadata=doc("Free text for humans."))
+    quantization: Quantization = field(default_factory=Quantization, metadata=doc(
+        "Weight quantization: the checkpoint's (FP8) and how the linear layers compute (W8A8)."))
     mtp: Optional[Mtp] = field(default=None, metadata=doc(
         "Multi-token prediction layers (DeepSeek-V3 only; omit for none): their KV is cached, saved and "
         "loaded with the target's layers.", nullable=False))

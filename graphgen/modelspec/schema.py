@@ -148,7 +148,7 @@ DOC_END = "<!-- END GENERATED -->"
 
 # Order in the reference: the document's own nesting, top to bottom.
 _DOC_CLASSES = (m.ModelSpec, *(f.dims_cls for f in FAMILIES.values()), m.RopeScaling, m.KVCacheLayout,
-                m.PoolWrite, m.Variant, m.Targets, m.CpuTarget, m.NpuTarget, m.Mtp)
+                m.PoolWrite, m.Variant, m.Targets, m.CpuTarget, m.NpuTarget, m.Mtp, m.Quantization, m.Fp8Checkpoint)
 
 
 def _md_type(tp: Any, meta: dict[str, Any]) -> str:

@@ -4,9 +4,11 @@
 What one rank holds, in the order a launch allocates it (`graphgen.runtime.engine.facade.build_engine`):
 
 * the **weights**: the sharded graphs' weight names (each rank's chunk, padded chunks whole) in the
-  target's dtype, the family's float32 keys in float32, plus the RoPE table. The load-time weights are
+  target's dtype, the family's float32 keys in float32, plus the RoPE table; under W8A8 (`graphgen.ir.quant`)
+  the linear layers' weights one byte each plus one scale per output channel. The load-time weights are
   placed straight into their final tensors (`graphgen.runtime.checkpoint.plan`), so the only **load
-  transient** is one slice copied into a non-contiguous view (an expert of a transposed expert stack);
+  transient** is one slice copied into a non-contiguous view (an expert of a transposed expert stack, or
+  under W8A8 any transposed int8 weight);
 * the **communicator buffers** of its collectives (HCCL: two buffers per communicator);
 * the **KV cache**: at least the blocks the largest decode batch needs at ``max_model_len``
   (`kv_blocks_needed`); a launch allocates the engine's default (`DEFAULT_NUM_BLOCKS` + the NPU's padding
@@ -18,8 +20,10 @@ It fits when all of it stays within ``utilization`` × the memory the device giv
 ``gpu_memory_utilization`` rule over ``mem_get_info``'s total: the device less what its runtime keeps);
 the rest, the **workspace reserve**, is the runtime's own and the headroom for the graphs' workspace
 and fragmentation (`NPU_MEMORY`, with its sources). The host side while loading is the largest stored
-slice plus one read block (`graphgen.runtime.checkpoint.stream`) and the pinned ring. ``graphgen dry-run``
-measures the same quantities on a ledger device (docs/npu.md, "Full-size launch").
+slice plus one read block (`graphgen.runtime.checkpoint.stream`) and the pinned ring; a slice the loader
+dequantizes (FP8) or quantizes (W8A8) also has its float32 temporaries on the host
+(`HOST_BYTES_PER_CONVERTED_ELEMENT`). ``graphgen dry-run`` measures the same quantities on a ledger device
+(docs/npu.md, "Full-size launch").
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 from ..families import FAMILIES
 from ..families.parallel import PLANS, rank_kv_components
+from ..ir.quant import linear_weight_names, quantized_weight_names, scale_dtype
 from ..ir.weights import graph_weight_names, parse_shard
 
 if TYPE_CHECKING:
@@ -42,6 +47,10 @@ GIB = 1 << 30
 MIB = 1 << 20
 DEFAULT_NUM_BLOCKS = 512          # graphgen run/serve --num-blocks (graphgen.engine_args)
 READ_BLOCK_BYTES = 64 << 20       # graphgen.runtime.checkpoint.stream.READ_BLOCK_BYTES (not imported: torch-side)
+# host bytes per element of a slice the loader converts (FP8 dequantized, or W8A8 quantized): the float32
+# slice, its block scales expanded to it (dequantize_blocks) or the quantization's float32 temporaries
+# (quantize_rows: |w|, then w / scale rounded), two of them alive at once, plus the int8 result
+HOST_BYTES_PER_CONVERTED_ELEMENT = 4 * 3 + 1
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,7 @@ class RankMemory:
     default_blocks: int = DEFAULT_NUM_BLOCKS + 1   # the engine's default (+ the NPU's padding block)
     ring_bytes: int = 0        # device staging ring (the pinned host ring is as large)
     transient_bytes: int = 0   # the load transient (one slice copied into a non-contiguous view)
-    largest_slice: int = 0     # the largest stored slice: the host read buffer
+    largest_slice: int = 0     # the largest stored slice (the host read buffer) and its conversion's temporaries
     comm_bytes: int = 0        # communicator buffers
     runtime_bytes: int = 0     # kept by the device's runtime (torch sees the device less this)
     device_bytes: Optional[int] = None   # the device (None: no budget)
@@ -177,20 +186,31 @@ def rank_memory(spec: ModelSpec, graphs: Iterable[Graph], device_memory_gib: Opt
     mtp = {"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}
     stacked = fam.checkpoint_layout(fam.dims_of(spec.dims), stacked=True, **mtp)
     npu = spec.targets.npu
-    size = ITEMSIZE[npu.dtype if npu is not None else spec.kv_cache.dtype]
+    compute = npu.dtype if npu is not None else spec.kv_cache.dtype
+    size = ITEMSIZE[compute]
     stored = ITEMSIZE[spec.kv_cache.dtype]  # the specs' checkpoints are stored in the KV cache's dtype
+    graphs = list(graphs)
+    int8, linear = quantized_weight_names(graphs), linear_weight_names(graphs)
+    fp8 = spec.quantization.checkpoint is not None  # the linear layers stored one byte each, and MLA's kv_b_proj
     weight_bytes = largest = transient = 0
     for name in sorted(graph_weight_names(graphs)):
         key, dim, parts = parse_shard(name)
         shape = list(stacked[key])
         if dim is not None:
             shape[dim] = math.ceil(shape[dim] / parts)
-        weight_bytes += math.prod(shape) * (4 if fam.fp32_suffixes and key.endswith(fam.fp32_suffixes) else size)
         expert = key.endswith(("experts.gate_proj.weight", "experts.up_proj.weight", "experts.down_proj.weight"))
         piece = math.prod(shape[1:] if expert else shape)  # an expert is stored (and read) one by one
-        largest = max(largest, piece * stored)
-        if expert:  # copied into the transposed stack's view: through a temporary on the device
-            transient = max(transient, piece * size)
+        if name in int8:  # int8 + one scale per output channel (all dims but the input's)
+            weight_bytes += math.prod(shape) + math.prod(shape[:-1]) * ITEMSIZE[scale_dtype(compute)]
+            transient = max(transient, piece)  # copied into a transposed view through a temporary
+        else:
+            weight_bytes += math.prod(shape) * (4 if fam.fp32_suffixes and key.endswith(fam.fp32_suffixes) else size)
+            if expert:  # copied into the transposed stack's view: through a temporary on the device
+                transient = max(transient, piece * size)
+        one_byte = fp8 and (name in linear or key.endswith("kv_b_proj.weight"))
+        converted = one_byte or name in int8
+        largest = max(largest, piece * ((1 if one_byte else stored)
+                                        + (HOST_BYTES_PER_CONVERTED_ELEMENT if converted else 0)))
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), spec.parallel.tp)
     kv = spec.kv_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * stored
     par = spec.parallel

@@ -126,8 +126,9 @@ def test_qwen3_32b_rank0_full_size_under_4_gib_rss_and_3_minutes(qwen32, tmp_pat
 
 @pytest.mark.slow
 def test_deepseek_v3_1_rank0_full_size(tmp_path):
-    """DeepSeek-V3.1 (bf16 layout, 344 shards, 1.37 TB apparent), rank 0 of tp=32: its 256 x 58 experts'
-    slices placed straight into the transposed stacks; device peak within the budget, host peak small."""
+    """DeepSeek-V3.1 as published (FP8 layout: F8_E4M3 weights with their 128x128 block scales, 173 shards of
+    4 GB, 688.6 GB apparent), rank 0 of tp=32: its 256 x 58 experts' slices dequantized and placed straight
+    into the transposed bf16 stacks; device peak within the budget, host peak small."""
     ckpt = _sparse(tmp_path / "ds", json.loads((DATA / "deepseek_v3_1.config.json").read_text()))
     out = tmp_path / "r.json"
     assert main(["dry-run", "--spec", str(SPECS / "deepseek_v3_1.yaml"), "--weights", str(ckpt), "--rank", "0",

@@ -47,9 +47,9 @@ def test_generated_module_inlines_exactly_the_helpers_it_calls_verbatim(name):
               isinstance(c.func, ast.Name) and c.func.id in sources}
     assert defined == called  # nothing unused, nothing missing
     # mempool_prefill: MLA un-absorbed (no _mla_attention_absorbed, no history gather _paged_rows)
-    want = {"tiny_qwen3_npu": {"_qwen3_attn_prolog", "_swiglu_mlp"},
+    want = {"tiny_qwen3_npu": {"_qwen3_attn_prolog", "_swiglu_mlp", "_linear"},
             "tiny_deepseek_v3_npu": {"_swiglu_mlp", "_interleaved_rope", "_mla_prolog", "_mla_prefill",
-                                     "_mla_unabsorbed", "_moe_residual"}}[name]
+                                     "_mla_unabsorbed", "_moe_residual", "_linear", "_grouped_linear"}}[name]
     assert defined == want
 
 

@@ -133,6 +133,27 @@ def expert_tokens(num_expert=4):
     return ("npu_moe_compute_expert_tokens", (torch.tensor([0, 0, 1, 3, 3, 3], dtype=torch.int32), num_expert), {})
 
 
+def dquant(dtype=BF, dims=2):
+    return ("npu_dynamic_quant", (torch.randn(*([3] * (dims - 1)), 8, dtype=dtype),), {})
+
+
+def qmm(x2_dtype=torch.int8, scale_dtype=BF, out=BF, k=8, n=4, tokens=2):
+    """The W8A8 linear's call (graphgen/lower/npu_helpers.py _linear): int8 [m, k] x int8 [k, n], per-token."""
+    return ("npu_quant_matmul", (torch.randint(-8, 8, (2, k), dtype=torch.int8),
+                                 torch.randint(-8, 8, (k, n), dtype=torch.int8).to(x2_dtype),
+                                 torch.rand(n).to(scale_dtype)),
+            dict(pertoken_scale=torch.rand(tokens), output_dtype=out))
+
+
+def gmm(scale_shape=(2, 4), group_list_dtype=torch.int64, k=8, device="cpu"):
+    """The W8A8 experts' call (npu_helpers _grouped_linear): per-token quantized grouped matmul."""
+    return ("npu_grouped_matmul", ([torch.randint(-8, 8, (3, k), dtype=torch.int8, device=device)],
+                                   [torch.randint(-8, 8, (2, k, 4), dtype=torch.int8, device=device)]),
+            dict(scale=[torch.rand(*scale_shape, device=device).to(BF)], per_token_scale=[torch.rand(3, device=device)],
+                 group_list=torch.tensor([1, 3], device=device).to(group_list_dtype), group_list_type=0, group_type=0,
+                 split_item=2, output_dtype=BF))
+
+
 def unpermute(dtype=BF, idx_dtype=torch.int32, padded=False):
     return ("npu_moe_token_unpermute", (torch.randn(6, 8, dtype=dtype), torch.randperm(6).to(idx_dtype)),
             dict(probs=torch.rand(3, 2).to(dtype), padded_mode=padded))
@@ -194,6 +215,12 @@ CASES = {
     "moe_routing.dropless": (routing(), routing(lo=16, hi=40)),  # an expert range past expert_num
     "moe_unpermute.dtype": (unpermute(), unpermute(dtype=torch.float16)),
     "moe_unpermute.shape": (unpermute(), unpermute(padded=True)),
+    "quant.dynamic.input": (dquant(), dquant(dtype=torch.float32)),
+    "quant.matmul.dtypes": (qmm(), qmm(scale_dtype=BF, out=torch.float16)),  # fp16 output takes a float32 scale
+    "quant.matmul.shapes": (qmm(), qmm(tokens=3)),
+    "gmm.per_token": (gmm(), gmm(scale_shape=(4,))),  # a 1-D scale for a stacked [E, K, N] weight
+    "gmm.inner_limit": (gmm(device="meta"), gmm(k=65536, device="meta")),
+    "gmm.group_list": (gmm(), gmm(group_list_dtype=torch.int32)),
 }
 
 

@@ -77,13 +77,13 @@ def _model(model: str):
     from graphgen.generate import spec_outputs
     from graphgen.modelspec.loader import load_spec
 
-    base = "tiny_deepseek_v3_npu" if model == "tiny_deepseek_v3_npu_dense" else model
+    base = "tiny_deepseek_v3_npu" if model.startswith("tiny_deepseek_v3_npu_dense") else model
     spec = load_spec(ROOT / "specs" / f"{base}.yaml")
-    if model == "tiny_deepseek_v3_npu_dense":
+    if model.startswith("tiny_deepseek_v3_npu_dense"):
         # MoE left out of the numeric comparison: every layer dense, MLA unchanged.  Renamed so its
         # reduce-overhead tagged-event tags differ from the real tiny_deepseek_v3 modules'.
         spec = dataclasses.replace(spec, name=model, dims=dataclasses.replace(
-            spec.dims, first_k_dense_replace=spec.dims.num_hidden_layers))
+            spec.dims, first_k_dense_replace=spec.dims.num_hidden_layers, **MLA_HEAD_DIMS.get(model, {})))
     return spec, spec_outputs(spec, f"specs/{base}.yaml")
 
 
@@ -281,6 +281,13 @@ def _assert_not_vacuous(r: Result):
 
 # ------------------------------------------------------------------------------------------ tests
 MODELS = ("tiny_qwen3_npu", "tiny_deepseek_v3_npu_dense")
+# MLA's value head below, equal to and above the query/key head (qk_nope + qk_rope = 128 + 64 here), with
+# and without query compression (issue 28 item 5: v_head_dim > qk_nope + qk_rope crashed the CPU target)
+MLA_HEAD_DIMS = {"tiny_deepseek_v3_npu_dense_v_below": {"v_head_dim": 64},
+                 "tiny_deepseek_v3_npu_dense_v_equal": {"v_head_dim": 192, "q_lora_rank": None},
+                 "tiny_deepseek_v3_npu_dense_v_above": {"v_head_dim": 256},
+                 "tiny_deepseek_v3_npu_dense_v_above_no_q_lora": {"v_head_dim": 256, "q_lora_rank": None}}
+
 VARIANTS = ("mempool_prefill", "splitfuse", "decode", "mempool_prefill_layer", "splitfuse_layer")
 MODES = ("max_autotune",)  # the only mode the hardware-shaped specs declare (docs/npu.md)
 
@@ -291,6 +298,21 @@ MODES = ("max_autotune",)  # the only mode the hardware-shaped specs declare (do
 def test_wiring_check_on_cpu_eager_matches_cpu_target(model, variant):
     """WIRING CHECK (CPU stand-in, not an NPU result): eager NPU forward == CPU target.  Eagerly the
     two compile modes' modules differ only in event calls (no-ops here), so one mode is enough."""
+    r = _wiring_step(model, variant, "max_autotune")
+    _assert_not_vacuous(r)
+    _assert_wiring_matches(r)
+
+
+@needs_standin
+@pytest.mark.parametrize("model,variant", [("tiny_deepseek_v3_npu_dense_v_above", v) for v in
+                                           ("mempool_prefill", "splitfuse", "decode")]
+                         + [("tiny_deepseek_v3_npu_dense_v_above_no_q_lora", "mempool_prefill"),
+                            ("tiny_deepseek_v3_npu_dense_v_below", "decode"),
+                            ("tiny_deepseek_v3_npu_dense_v_equal", "splitfuse")])
+def test_wiring_check_on_cpu_mla_value_head_below_equal_and_above_the_query_head(model, variant):
+    """WIRING CHECK (CPU stand-in, not an NPU result): MLA by phase (un-absorbed prefill/splitfuse,
+    absorbed decode) for v_head_dim below, equal to and above qk_nope + qk_rope, == the CPU target
+    (whose MLA is compared with transformers for the same combinations in tests/runtime/test_mla_head_dims.py)."""
     r = _wiring_step(model, variant, "max_autotune")
     _assert_not_vacuous(r)
     _assert_wiring_matches(r)

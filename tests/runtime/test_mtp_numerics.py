@@ -15,7 +15,7 @@ from graphgen.runtime import open_engine
 from graphgen.runtime.checkpoint.hf import load_hf_weights, write_random_hf_checkpoint
 from graphgen.runtime.engine.request import RowPlan
 from graphgen.runtime.engine.spec_decode import mtp_variant, run_rows
-from support.hf import ATOL, load_hf_model
+from support.hf import ATOL, hf_mtp_reference as _reference
 from support.paths import TINY_DSV3_MTP
 
 BASE = load_spec(TINY_DSV3_MTP)
@@ -25,27 +25,6 @@ CONFIGS = {
     "q_lora_null": {"q_lora_rank": None, "first_k_dense_replace": 0, "n_shared_experts": 2,
                     "rope_interleave": False, "num_hidden_layers": 2, "hidden_size": 48},
 }
-
-
-def _reference(ckpt: str, L: int):
-    """transformers' DeepseekV3ForCausalLM and an ``MtpModel(main, 1)`` holding the checkpoint's MTP
-    layer (``MtpModel.from_pretrained`` finds MTP tensors only in 61-layer checkpoints)."""
-    from safetensors.torch import load_file
-    from transformers.modeling_layers import MtpModel
-
-    main = load_hf_model("deepseek_v3", ckpt).eval()
-    mtp = MtpModel(main, 1).eval()
-    # the MTP decoder layer: load the checkpoint as an (L+1)-layer model, take its layer L (the
-    # checkpoint's expert-per-key tensors go through transformers' own conversion)
-    longer = load_hf_model("deepseek_v3", ckpt, num_hidden_layers=L + 1)
-    mtp.layers[0].mtp_block.load_state_dict(longer.model.layers[L].state_dict())
-    raw = load_file(f"{ckpt}/model.safetensors")
-    p = f"model.layers.{L}"
-    with torch.no_grad():
-        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
-                             ("shared_head.norm", "post_norm")):
-            getattr(mtp.layers[0], theirs).weight.copy_(raw[f"{p}.{ours}.weight"])
-    return main, mtp
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -109,7 +109,29 @@ DEEPSEEK_V3_1 = {
 }
 
 
-@pytest.mark.parametrize("config,shipped", [(QWEN3_32B, "qwen3_32b"), (DEEPSEEK_V3_1, "deepseek_v3_1")])
+# DeepSeek-V3.1's quantization_config as published (its config.json: FP8 weights, 128x128 block scales)
+FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def test_the_published_fp8_config_imports_with_its_quantization_recorded(tmp_path):
+    from graphgen.modelspec.dump import dump_spec_yaml
+
+    spec = spec_from_hf_config(dict(DEEPSEEK_V3_1, quantization_config=FP8), "ds")
+    assert spec.quantization == m.Quantization(method="none", checkpoint=m.Fp8Checkpoint(weight_block_size=(128, 128)))
+    assert spec.dims == spec_from_hf_config(DEEPSEEK_V3_1, "ds").dims
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(dict(DEEPSEEK_V3_1, quantization_config=FP8)))
+    out = import_hf(hf, tmp_path / "ds.yaml", "ds", quantization="w8a8_dynamic")
+    text = (tmp_path / "ds.yaml").read_text()
+    assert "quant_method: fp8" in text and "weight_block_size: [128, 128]" in text and "w8a8_dynamic" in text
+    assert load_spec(tmp_path / "ds.yaml") == out and out.quantization.method == "w8a8_dynamic"
+    # an unquantized import writes no quantization section at all
+    assert "quantization" not in dump_spec_yaml(spec_from_hf_config(DEEPSEEK_V3_1, "d"))
+
+
+@pytest.mark.parametrize("config,shipped", [(QWEN3_32B, "qwen3_32b"), (dict(DEEPSEEK_V3_1, quantization_config=FP8),
+                                                                        "deepseek_v3_1")])
 def test_published_configs_give_shipped_specs(config, shipped):
     spec = spec_from_hf_config(config, shipped)
     want = load_spec(REPO / "specs" / f"{shipped}.yaml")
@@ -119,6 +141,7 @@ def test_published_configs_give_shipped_specs(config, shipped):
     # specs add it by hand
     targets = dataclasses.replace(want.targets, npu=dataclasses.replace(want.targets.npu, device_memory_gib=None))
     assert spec.variants == want.variants and spec.features == want.features and spec.targets == targets
+    assert spec.quantization.checkpoint == want.quantization.checkpoint  # the published FP8 checkpoint
 
 
 def test_q_lora_null_imports_as_uncompressed_queries(tmp_path):
@@ -174,8 +197,13 @@ BAD = [
      '"topk_method": "noaux_tc"'),
     ("scoring_func", dict(DEEPSEEK_V3_1, scoring_func="softmax"), "scoring_func", "'softmax' is not implemented",
      '"scoring_func": "sigmoid"'),
-    ("quantized", dict(DEEPSEEK_V3_1, quantization_config={"quant_method": "fp8"}), "quantization_config",
-     "quantized checkpoints (fp8) are not implemented", "dequantize"),
+    ("quantized_gptq", dict(DEEPSEEK_V3_1, quantization_config={"quant_method": "gptq", "bits": 4}),
+     "quantization_config", "quant_method 'gptq' is not supported: graphgen reads fp8 checkpoints only",
+     "use the fp8 checkpoint"),
+    ("fp8_e5m2", dict(DEEPSEEK_V3_1, quantization_config=dict(FP8, fmt="e5m2")), "quantization_config",
+     "fmt 'e5m2' is not supported: graphgen reads fp8 checkpoints only (quant_method fp8, fmt e4m3", "as published"),
+    ("fp8_no_block", dict(DEEPSEEK_V3_1, quantization_config={"quant_method": "fp8"}), "quantization_config",
+     "weight_block_size None is not supported", "as published"),
     ("wrong_type", dict(QWEN3_32B, num_attention_heads="64"), "num_attention_heads", "expected an integer, got '64'",
      "write an integer (unquoted JSON)"),
     ("kv_heads", dict(QWEN3_32B, num_key_value_heads=7), "num_key_value_heads",

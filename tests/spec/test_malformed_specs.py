@@ -107,6 +107,14 @@ def edit(base: str, *pairs: tuple[str, str]) -> str:
 # (id, spec text, [(tag, message part, fix part), ...]) -- one entry per expected diagnostic, and
 # no other diagnostic may appear.
 CASES = [
+    # quantization (issue 28): the method's names, the checkpoint's block as two sizes
+    ("quant_method_typo", edit(BASE_QWEN, ("features: [prefix_cache]\n",
+                                           "features: [prefix_cache]\nquantization:\n  method: w8a8  # a\n")),
+     [("a", "quantization.method: the string 'w8a8' is not one of none, w8a8_dynamic", "use one of: none, w8a8_dynamic")]),
+    ("quant_block_one_size", edit(BASE_QWEN, ("features: [prefix_cache]\n",
+                                              "features: [prefix_cache]\nquantization:\n  checkpoint:\n"
+                                              "    weight_block_size: [128]  # a\n")),
+     [("a", "weight_block_size has 1 item(s); a block is [rows, cols]", "weight_block_size: [128, 128]")]),
     # the key's old name: one error with the rename as the fix, and its settings still checked
     ("old_mempool_key", edit(BASE_QWEN, ("pool:\n  write: async\n  granularity: forward\n",
                                          "mempool:  # a\n  write: async\n  granularity: forward\n")),

@@ -103,3 +103,25 @@ def test_mtp_specs_count_their_mtp_layer(spec, capsys):
     plain = dataclasses.replace(s, mtp=None, variants={k: v for k, v in s.variants.items() if v.phase != "mtp"})
     without = rank_memory(plain, [run_pipeline(plain, v, until="shard") for v in plain.variants])
     assert with_mtp.weight_bytes > without.weight_bytes
+
+
+def test_import_hf_of_the_published_deepseek_v3_1_fp8_config_fits_two_nodes_in_w8a8(tmp_path, capsys):
+    """Issue 28's acceptance: the published DeepSeek-V3.1 config.json (its FP8 quantization_config included)
+    imports; --fit --device-memory-gib 64 picks tp 32 in bf16 (four nodes of 8) and tp 16 with
+    --quantization w8a8_dynamic (two nodes: the int8 weights and their scales, 40.63 GiB per rank), and
+    validate accepts both."""
+    hf = tmp_path / "DeepSeek-V3.1"
+    hf.mkdir()
+    (hf / "config.json").write_text((PUBLISHED / "deepseek_v3_1.config.json").read_text())
+    bf16, w8 = tmp_path / "bf16.yaml", tmp_path / "w8a8.yaml"
+    assert main(["import-hf", str(hf), "--out", str(bf16), "--fit", "--device-memory-gib", "64"]) == 0
+    assert main(["import-hf", str(hf), "--out", str(w8), "--fit", "--device-memory-gib", "64",
+                 "--quantization", "w8a8_dynamic"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=32, ep=1" in out and "tp=16, ep=1" in out
+    for spec in (bf16, w8):
+        text = spec.read_text()
+        assert "quant_method: fp8" in text and "weight_block_size: [128, 128]" in text
+        rc, o, err = _validate(capsys, spec)
+        assert rc == 0 and f"{spec}: ok" in o and not err, err
+    assert "per rank (tp=16, ep=1): weights 40.63 GiB" in o

@@ -133,3 +133,25 @@ def assert_steps_match_hf(model, result, what: str) -> None:
     for i, row in enumerate(result.step_logits):
         err = (row - ref[i]).abs().max().item()
         assert err <= ATOL, f"{what}: step {i} (position {len(result.prompt) - 1 + i}) max |diff| {err:.3g} > {ATOL}"
+
+
+def hf_mtp_reference(ckpt: str, L: int):
+    """transformers' DeepseekV3ForCausalLM and an ``MtpModel(main, 1)`` holding the checkpoint's MTP
+    layer (``MtpModel.from_pretrained`` finds MTP tensors only in 61-layer checkpoints): its decoder
+    block is layer L of the checkpoint loaded as an (L+1)-layer model (the checkpoint's expert-per-key
+    tensors, and an FP8 checkpoint's block scales, go through transformers' own conversion), its norms
+    and eh_proj the checkpoint's tensors."""
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpModel
+
+    main = load_hf_model("deepseek_v3", ckpt).eval()
+    mtp = MtpModel(main, 1).eval()
+    longer = load_hf_model("deepseek_v3", ckpt, num_hidden_layers=L + 1)
+    mtp.layers[0].mtp_block.load_state_dict(longer.model.layers[L].state_dict())
+    raw = load_file(f"{ckpt}/model.safetensors")
+    p = f"model.layers.{L}"
+    with torch.no_grad():
+        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                             ("shared_head.norm", "post_norm")):
+            getattr(mtp.layers[0], theirs).weight.copy_(raw[f"{p}.{ours}.weight"])
+    return main, mtp

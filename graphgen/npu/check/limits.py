@@ -122,6 +122,39 @@ def _moe_e(c: Call) -> int:
     return c.args["x"].shape[-1]
 
 
+def _first(c: Call, name: str):
+    """The first tensor of a tensor-list argument (npu_grouped_matmul's x, weight, scale, ...), else None."""
+    v = c.get(name)
+    return v[0] if isinstance(v, (list, tuple)) and v and _tensor(v[0]) else None
+
+
+def _out(c: Call) -> Optional[str]:
+    """An ``output_dtype`` argument as a dtype name (a torch dtype, or the ScalarType number an ``int?`` carries)."""
+    v = c.get("output_dtype")
+    if v is None:
+        return None
+    if not isinstance(v, int) and hasattr(v, "is_floating_point"):
+        return str(v).removeprefix("torch.")
+    return {1: "int8", 3: "int32", 5: "float16", 6: "float32", 15: "bfloat16"}.get(value(v), str(v))
+
+
+def _scale_for_output(scale: Optional[str], out: Optional[str]) -> bool:
+    """The per-token int8 rows: a bfloat16 output takes a bfloat16 or float32 scale, a float16 output a
+    float32 one (npu_quant_matmul :5020-5027; npu_grouped_matmul :5960-5969 pairs bfloat16/bfloat16 and
+    float32/float16)."""
+    return (out == "bfloat16" and scale in ("bfloat16", "float32")) or (out == "float16" and scale == "float32")
+
+
+def _gmm_quant_bad(c: Call) -> bool:
+    x, w, scale, tok = (_first(c, n) for n in ("x", "weight", "scale", "per_token_scale"))
+    if tok is None and scale is None:
+        return False  # the unquantized form
+    return (x is None or w is None or scale is None or tok is None or _dtype(x) != "int8" or _dtype(w) != "int8"
+            or _dtype(tok) != "float32" or tok.dim() != 1 or tok.shape[0] != x.shape[0]
+            or not _scale_for_output(_dtype(scale), _out(c))
+            or (w.dim() == 3 and tuple(scale.shape) != (w.shape[0], w.shape[-1])))
+
+
 LIMITS: tuple[Limit, ...] = (
     # ------------------------------------------------------------------ fused_infer_attention_score
     Limit("fia.dtype", FIA, "query/key/value must be float16, bfloat16 or int8 (never float32)",
@@ -315,6 +348,45 @@ LIMITS: tuple[Limit, ...] = (
           or c.args["sorted_expert_for_source_row"].dim() != 1
           or c.args["sorted_expert_for_source_row"].numel() >= 1 << 24
           or not 0 < value(c.args["num_expert"]) <= 2048),
+)
+
+LIMITS += (
+    # ------------------------------------------------------------------ W8A8 (dynamic; graphgen.ir.quant)
+    Limit("quant.dynamic.input", "npu_dynamic_quant", "x float16/bfloat16 with more than one dim; dst_type None "
+          "(int8) or int8; no smooth_scales/group_index (per-token symmetric int8)", f"{DOCS}:4673-4679",
+          lambda c: _dtype(c.args.get("x")) not in HALF or c.args["x"].dim() < 2
+          or value(c.get("dst_type", 1)) != 1 or c.get("smooth_scales") is not None),
+    Limit("quant.matmul.dtypes", "npu_quant_matmul", "A2/A3 int8 per-token form: x1 and x2 int8, pertoken_scale "
+          "float32, a bfloat16 output with a bfloat16 or float32 scale or a float16 output with a float32 one",
+          f"{DOCS}:4962-4979,5020-5027",
+          lambda c: _dtype(c.args.get("x1")) != "int8" or _dtype(c.args.get("x2")) != "int8"
+          or _dtype(c.get("pertoken_scale")) != "float32"
+          or not _scale_for_output(_dtype(c.args.get("scale")), _out(c))),
+    Limit("quant.matmul.shapes", "npu_quant_matmul", "x1 [.., m, k] and x2 [k, n] of 2-6 dims, x1's and x2's last "
+          "dims at most 65535; scale 1-D with 1 or n elements; pertoken_scale 1-D with m elements",
+          f"{DOCS}:4962,4966,4972,4978,5001",
+          lambda c: not 2 <= c.args["x1"].dim() <= 6 or not 2 <= c.args["x2"].dim() <= 6
+          or c.args["x1"].shape[-1] != c.args["x2"].shape[-2]
+          or max(c.args["x1"].shape[-1], c.args["x2"].shape[-1]) > 65535
+          or c.args["scale"].dim() != 1 or c.args["scale"].shape[0] not in (1, c.args["x2"].shape[-1])
+          or (_tensor(c.get("pertoken_scale")) and (c.get("pertoken_scale").dim() != 1
+                                                  or c.get("pertoken_scale").shape[0] != c.args["x1"].shape[-2]))),
+    # vllm-ascend's W8A8_DYNAMIC MoE passes one [E, K, N] weight with scale [E, N] (w8a8_dynamic.py apply_mlp:
+    # w1_scale (num_experts, 2I)); the docs' "1-D per tensor" (:5852) reads as one tensor per weight of a list
+    Limit("gmm.per_token", "npu_grouped_matmul", "per-token quantized form: x and weight int8, per_token_scale "
+          "float32 [M], scale bfloat16 with a bfloat16 output or float32 with a float16 one, [E, N] for one "
+          "[E, K, N] weight", f"{DOCS}:5808-5812,5860-5865,5960-5969",
+          _gmm_quant_bad),
+    Limit("gmm.inner_limit", "npu_grouped_matmul", "every group's x and weight last dim below 65536 (A2/A3 InnerLimit)",
+          f"{DOCS}:5906",
+          lambda c: _first(c, "x") is None or _first(c, "weight") is None
+          or max(_first(c, "x").shape[-1], _first(c, "weight").shape[-1]) >= 65536),
+    Limit("gmm.group_list", "npu_grouped_matmul", "group_list an int64 tensor (group_list_type 0: cumulative, 1: "
+          "counts), group_type 0 (groups along m) or -1, split_item 2 or 3 (one output) for one x",
+          f"{DOCS}:5866-5890",
+          lambda c: not _tensor(c.get("group_list")) or _dtype(c.get("group_list")) != "int64"
+          or value(c.get("group_list_type", 0)) not in (0, 1) or value(c.get("group_type", 0)) not in (0, -1)
+          or value(c.get("split_item", 0)) not in (2, 3)),
 )
 
 BY_OP: dict[str, tuple[Limit, ...]] = {}

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 
 from .attention import _fia, _fia_meta, _fia_v2, _fia_v2_meta  # the attention kernels (their own module)
+from .quant import (_dynamic_quant, _dynamic_quant_meta, _out_dtype, _quant_matmul, _quant_matmul_meta,  # W8A8
+                    grouped_matmul_per_token)
 
 def _nd_index(self, indices):
     # "indices中的索引数据不支持越界": reject what torch indexing would silently wrap (negatives) or
@@ -236,11 +238,18 @@ def _moe_compute_expert_tokens_meta(sorted_expert_for_source_row, num_expert):
     return sorted_expert_for_source_row.new_empty(num_expert)
 
 
-def _grouped_matmul(x, weight, *, group_list=None, group_list_type=0, split_item=0, **kw):
+def _grouped_matmul(x, weight, *, group_list=None, group_list_type=0, split_item=0, scale=None, per_token_scale=None,
+                    output_dtype=None, **kw):
     # One x [M, K] split into row groups (group_list: counts if group_list_type 1, else cumulative ends),
     # group g multiplied by weight[0][g] ([E, K, N]); split_item 2/3: a single concatenated output.
     # Rows past the last group (an expert-parallel rank's pairs routed elsewhere) are not computed:
-    # NaN here (undefined).
+    # NaN here (undefined).  With per_token_scale: the per-token quantized form (graphgen.npu.standin.quant).
+    if per_token_scale is not None:
+        return grouped_matmul_per_token(x, weight, scale=scale, per_token_scale=per_token_scale, group_list=group_list,
+                                        group_list_type=group_list_type, split_item=split_item,
+                                        output_dtype=output_dtype)
+    if scale is not None or output_dtype is not None:
+        raise NotImplementedError("stand-in npu_grouped_matmul models the unquantized and per-token forms only")
     xs, w = x[0], weight[0]
     counts = group_list.long() if group_list_type == 1 else torch.diff(group_list.long(), prepend=group_list.new_zeros(1))
     used = int(counts.sum())
@@ -249,8 +258,9 @@ def _grouped_matmul(x, weight, *, group_list=None, group_list_type=0, split_item
     return [torch.cat([*outs, rest], dim=0)]
 
 
-def _grouped_matmul_meta(x, weight, **kw):
-    return [x[0].new_empty(x[0].shape[0], weight[0].shape[-1])]
+def _grouped_matmul_meta(x, weight, *, output_dtype=None, **kw):
+    dtype = x[0].dtype if output_dtype is None else _out_dtype(output_dtype)
+    return [x[0].new_empty(x[0].shape[0], weight[0].shape[-1], dtype=dtype)]
 
 
 def _moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
@@ -310,6 +320,8 @@ CPU_KERNELS: dict[str, Callable] = {
     "npu_interleave_rope": _interleave_rope,
     "npu_fused_infer_attention_score": _fia,
     "npu_fused_infer_attention_score_v2": _fia_v2,
+    "npu_dynamic_quant": _dynamic_quant,
+    "npu_quant_matmul": _quant_matmul,
 }
 # Meta kernels: shapes and dtypes only.  The CPU reference kernels are shape-faithful and would run on meta
 # tensors as they are, but Dynamo and AOT trace every kernel call on fake tensors (and a meta run, see
@@ -334,4 +346,6 @@ META_KERNELS: dict[str, Callable] = {
     "npu_swiglu": _swiglu_meta,
     "npu_apply_rotary_pos_emb": _apply_rotary_pos_emb_meta,
     "npu_interleave_rope": _interleave_rope_meta,
+    "npu_dynamic_quant": _dynamic_quant_meta,
+    "npu_quant_matmul": _quant_matmul_meta,
 }

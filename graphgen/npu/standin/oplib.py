@@ -37,7 +37,9 @@ NPU_OPS = ("npu_scatter_nd_update", "npu_scatter_nd_update_", "npu_scatter_pa_kv
            "npu_moe_gating_top_k", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_moe_finalize_routing",
            "npu_moe_token_unpermute",
            # the permute/unpermute pair vllm-ascend ran in GE graphs (audit 3 N4; graphgen.lower.npu_helpers)
-           "npu_moe_init_routing", "npu_moe_compute_expert_tokens")
+           "npu_moe_init_routing", "npu_moe_compute_expert_tokens",
+           # W8A8 (dynamic): per-token activation quantization and the int8 products (graphgen.ir.quant)
+           "npu_dynamic_quant", "npu_quant_matmul")
 
 # Process-wide registration state (torch.library registrations cannot be undone cheaply, so they are
 # made once); also the limits switch and the compile mode the stand-in backend is tracing.

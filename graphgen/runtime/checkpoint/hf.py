@@ -20,7 +20,7 @@ import torch
 from .index import EXPERT_KEY as _EXPERT_KEY
 from ...families import FAMILIES
 from .index import CheckpointIndex, WeightsError, _empty, _family, checkpoint_layout, family_of_config
-from .stream import SliceReader
+from .stream import SliceReader, dequantize_blocks
 from ..progress import current_progress
 
 Tensor = torch.Tensor
@@ -35,7 +35,8 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32, mtp_layers:
     graphgen.families.mtp); an MTP layer's ``embed_tokens`` / ``shared_head.head`` the checkpoint
     omits is the target's tensor (shared, not copied). The whole model in one process: the CPU
     reference path and tests; a rank streams its own slices instead
-    (`graphgen.runtime.checkpoint.stream.CheckpointWeights`)."""
+    (`graphgen.runtime.checkpoint.stream.CheckpointWeights`). An FP8 checkpoint's weights come dequantized
+    (fp8 x block scale, `graphgen.runtime.checkpoint.stream.dequantize_blocks`)."""
     index = CheckpointIndex.open(hf_dir, mtp_layers)
     fp32 = _family(index.family).fp32_suffixes
     out: dict[str, Tensor] = {}
@@ -47,7 +48,12 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32, mtp_layers:
         for key, src in index.tensors.items():
             if id(src) not in converted:
                 want = torch.float32 if fp32 and key.endswith(fp32) else dtype
-                converted[id(src)] = reader.read(src).to(want, copy=True)
+                scale = index.scale_of(src)
+                if scale is None:
+                    converted[id(src)] = reader.read(src).to(want, copy=True)
+                else:  # FP8: its block scales first (one read buffer), then the weight, dequantized
+                    blocks = reader.read(scale.src).clone()
+                    converted[id(src)] = dequantize_blocks(reader.read(src), blocks, scale.block).to(want)
                 report.advance(src.nbytes)
             m = _EXPERT_KEY.match(key)
             if m:
@@ -165,8 +171,29 @@ def check_config(spec, hf_dir) -> None:
     if wrong:
         desc = ", ".join(f"{k}: checkpoint {a} vs spec {b}" for k, a, b in wrong)
         raise ValueError(f"{cfg_path} does not match spec {spec.name} ({desc}); {fix}")
+    _check_quantization(spec, cfg, cfg_path, fix)
     declared = FAMILIES[family].mtp_layers_of_config(cfg)
     if spec.mtp_layers > declared:
         raise ValueError(f"{cfg_path} does not match spec {spec.name}: the spec has mtp: {{num_layers: "
                          f"{spec.mtp_layers}}} but the checkpoint declares num_nextn_predict_layers: {declared}; "
                          f"use a checkpoint with MTP layers, or remove the spec's mtp: section")
+
+
+def _check_quantization(spec, cfg: dict, cfg_path, fix: str) -> None:
+    """The spec's ``quantization.checkpoint`` must be what config.json's ``quantization_config`` says (an
+    FP8 block size, or none): the loader reads what the spec declares."""
+    from ...modelspec.import_hf import fp8_checkpoint_of
+
+    fp8, refused = fp8_checkpoint_of(cfg.get("quantization_config"))
+    if refused:
+        raise ValueError(f"{cfg_path}: quantization_config: {refused[0]}")
+    declared = spec.quantization.checkpoint
+    if fp8 == declared:
+        return
+    have = f"an fp8 checkpoint with {list(fp8.weight_block_size)} blocks" if fp8 else "no quantization_config"
+    says = (f"quantization: {{checkpoint: {{weight_block_size: {list(declared.weight_block_size)}}}}}" if declared
+            else "no quantization.checkpoint")
+    want = (f"add 'quantization: {{checkpoint: {{quant_method: fp8, weight_block_size: "
+            f"{list(fp8.weight_block_size)}}}}}' to the spec" if fp8 else "remove the spec's quantization.checkpoint")
+    raise ValueError(f"{cfg_path} does not match spec {spec.name}: config.json has {have} but the spec has "
+                     f"{says}; {want}, or {fix}")

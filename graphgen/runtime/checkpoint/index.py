@@ -9,6 +9,12 @@ shape against the layout ``config.json`` implies (the family's, graphgen/familie
 torch is imported: a loader reads exactly the byte ranges it needs afterwards
 (`graphgen.runtime.checkpoint.stream`), so a rank touches only its own slices.
 
+FP8 checkpoints (config.json's ``quantization_config``: quant_method fp8, DeepSeek-V3's published layout):
+a ``float8_e4m3fn`` weight ``<name>.weight`` comes with ``<name>.weight_scale_inv``, float32, one scale per
+``weight_block_size`` block (the value is fp8 x scale: DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``,
+transformers' ``Fp8Dequantize``). The scales are no layout keys: `CheckpointIndex.scales` pairs them with
+their weights, and a loader dequantizes each slice it reads (`graphgen.runtime.checkpoint.stream`).
+
 Aliases: a tied ``lm_head.weight`` a checkpoint omits is ``model.embed_tokens.weight``'s bytes; an MTP
 layer's omitted ``embed_tokens`` / ``shared_head.head`` the target's (`graphgen.families.mtp`). MoE
 experts stay one stored tensor each; `CheckpointIndex.source` gives a stacked key
@@ -17,6 +23,7 @@ experts stay one stored tensor each; `CheckpointIndex.source` gives a stacked ke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,7 +33,7 @@ from typing import Optional, Union
 from ...families import BY_HF_MODEL_TYPE, FAMILIES
 
 __all__ = ["Stored", "CheckpointIndex", "WeightsError", "read_header", "family_of_config", "checkpoint_layout",
-           "ITEMSIZE"]
+           "ITEMSIZE", "BlockScales", "SCALE_SUFFIX", "fp8_block_of", "published_fp8"]
 
 EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 STACKED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate|up|down)_proj\.weight$")
@@ -151,16 +158,54 @@ def _more(keys: list) -> str:
     return f"{keys[:5]}" + (f" (and {len(keys) - 5} more)" if len(keys) > 5 else "")
 
 
+SCALE_SUFFIX = ".weight_scale_inv"  # an FP8 weight's block scales (DeepSeek-V3's published layout)
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """The block scales of one FP8 weight: ``src`` (float32, ``[ceil(rows / b0), ceil(cols / b1)]``), one
+    per ``block`` = (b0, b1) block of the weight; a weight element is its fp8 value times its block's scale."""
+    src: Stored
+    block: tuple[int, int]
+
+
+# 2-D tensors of a decoder layer the published FP8 checkpoints keep in bf16: the MoE router, and the MTP
+# layer's embedding, head and eh_proj (vLLM's DeepSeek MTP layer builds eh_proj as a plain nn.Linear)
+_FP8_KEPT = (".mlp.gate.weight", ".embed_tokens.weight", ".shared_head.head.weight", ".eh_proj.weight")
+
+
+def published_fp8(key: str, shape) -> bool:
+    """Whether the published FP8 layout (DeepSeek-V3 / V3.1) stores ``key`` in float8_e4m3fn with block
+    scales: every 2-D weight of a decoder layer (the MTP layer's decoder block included) but `_FP8_KEPT`;
+    the embedding, the LM head and every norm stay bf16. What `scripts/sparse_checkpoint.py` and the tests'
+    FP8 writer lay out; the loader itself takes whatever has scales."""
+    return len(tuple(shape)) == 2 and _LAYER_KEY.match(key) is not None and not key.endswith(_FP8_KEPT)
+
+
+def fp8_block_of(config: dict) -> Optional[tuple[int, int]]:
+    """The FP8 block size of config.json's ``quantization_config`` (None: an unquantized checkpoint);
+    `WeightsError` for one graphgen does not read (the sentence of `graphgen import-hf`)."""
+    from ...modelspec.import_hf import fp8_checkpoint_of
+
+    fp8, refused = fp8_checkpoint_of(config.get("quantization_config"))
+    if refused:
+        raise WeightsError(f"config.json quantization_config: {refused[0]}")
+    return None if fp8 is None else (fp8.weight_block_size[0], fp8.weight_block_size[1])
+
+
 @dataclass(frozen=True)
 class CheckpointIndex:
     """A checkpoint folder's tensors by key, checked against its config.json (see the module doc).
-    ``tensors``: every non-empty key of the layout (aliases resolved); ``layout``: key -> shape."""
+    ``tensors``: every non-empty key of the layout (aliases resolved); ``layout``: key -> shape;
+    ``scales``: stored key -> `BlockScales` of each FP8 weight (an FP8 checkpoint: ``fp8_block``)."""
     hf_dir: str
     config: dict
     family: str
     mtp_layers: int
     tensors: dict
     layout: dict
+    scales: dict = dataclasses.field(default_factory=dict)
+    fp8_block: Optional[tuple[int, int]] = None
 
     @classmethod
     def open(cls, hf_dir, mtp_layers: int = 0) -> "CheckpointIndex":
@@ -183,9 +228,16 @@ class CheckpointIndex:
             for key, target in shared_keys(FAMILIES[family].dims_of(config), mtp_layers).items():
                 if key not in raw and target in raw:
                     raw[key] = raw[target]
+        block = fp8_block_of(config)
+        scales = _scales(hf_dir, raw, block)
         _check(hf_dir, family, config, mtp_layers, layout, raw)
         tensors = {k: raw[k] for k, shape in layout.items() if not _empty(shape)}
-        return cls(hf_dir, config, family, mtp_layers, tensors, layout)
+        return cls(hf_dir, config, family, mtp_layers, tensors, layout,
+                   {src.key: scales[src.key] for src in tensors.values() if src.key in scales}, block)
+
+    def scale_of(self, src: Stored) -> Optional[BlockScales]:
+        """The block scales of stored tensor ``src`` (None: it is not FP8)."""
+        return self.scales.get(src.key)
 
     def source(self, key: str) -> Union[Stored, tuple[Stored, ...]]:
         """The stored tensor of ``key``, or for a stacked expert key (``...mlp.experts.gate_proj.weight``)
@@ -204,6 +256,33 @@ class CheckpointIndex:
     def shape(self, key: str) -> tuple[int, ...]:
         src = self.source(key)
         return (len(src), *src[0].shape) if isinstance(src, tuple) else src.shape
+
+
+def _scales(hf_dir: str, raw: dict, block: Optional[tuple[int, int]]) -> dict[str, BlockScales]:
+    """Stored key -> `BlockScales` of every FP8 weight, each scale key removed from ``raw`` (so the layout
+    check sees the weights alone); `WeightsError` for an FP8 weight without its scales (or in a checkpoint
+    whose config.json declares no fp8 quantization), a scale of the wrong shape or dtype, or a scale
+    without its FP8 weight."""
+    out: dict[str, BlockScales] = {}
+    for key in [k for k in raw if k.endswith(SCALE_SUFFIX)]:
+        weight = key[:-len(SCALE_SUFFIX)] + ".weight"
+        src, scale = raw.get(weight), raw.pop(key)
+        if src is None or src.dtype != "F8_E4M3":
+            raise WeightsError(f"{hf_dir}: {key} scales {weight}, which is "
+                               + ("missing" if src is None else f"stored {src.dtype}, not F8_E4M3"))
+        if block is None:
+            raise WeightsError(f"{hf_dir}: {weight} is stored FP8 with block scales but config.json has no "
+                               f"quantization_config (fix: the checkpoint's config.json as published, with "
+                               f"quant_method fp8)")
+        want = tuple(-(-n // b) for n, b in zip(src.shape, block))
+        if scale.dtype != "F32" or len(src.shape) != 2 or scale.shape != want:
+            raise WeightsError(f"{hf_dir}: {key} is {scale.dtype} {list(scale.shape)}; a {list(block)} block scale "
+                               f"of {weight} {list(src.shape)} is F32 {list(want)}")
+        out[src.key] = BlockScales(scale, block)
+    unscaled = [k for k, src in raw.items() if src.dtype.startswith("F8") and src.key not in out]
+    if unscaled:
+        raise WeightsError(f"{hf_dir}: FP8 tensor(s) {_more(unscaled)} have no {SCALE_SUFFIX} block scales")
+    return out
 
 
 def _check(hf_dir: str, family: str, config: dict, mtp_layers: int, layout: dict, raw: dict) -> None:

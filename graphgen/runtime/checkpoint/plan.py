@@ -14,6 +14,12 @@ zero-padded (`Placement.zero`), chunk ``index`` of the rank (`RankSlicing`). A s
 (``[E, ...]``) is its experts' stored tensors: a chunk of dim 0 is whole experts (expert parallel), a
 chunk of another dim the same range of every expert. Pure Python, no torch: `graphgen validate` and
 the dry run read the same numbers from it.
+
+Quantized checkpoints and weights: a fill of an FP8 tensor carries its `BlockScales` (`Fill.scale`), and
+the loader dequantizes the slice it read with the scale blocks covering it (`scale_narrow`); a W8A8
+load-time weight (recipe ``"quant": "w8a8_dynamic"``, `graphgen.ir.quant`) is an int8 placement with a
+second tensor of scales, one per output channel (`Placement.scale_shape`: the concatenation's shape less
+its input dim), which each fill's slice quantizes into row by row.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
+from ...ir.quant import scale_dtype, scale_name
 from ...ir.weights import parse_shard, shard_index
-from .index import ITEMSIZE, CheckpointIndex, Stored
+from .index import ITEMSIZE, BlockScales, CheckpointIndex, Stored
 
 __all__ = ["Fill", "Placement", "RankSlicing", "plan_weights", "TORCH_DTYPE", "dtype_bytes"]
 
@@ -69,6 +76,16 @@ class Fill:
     src: Stored
     narrow: Optional[tuple[int, int, int]]
     view: tuple
+    scale: Optional[BlockScales] = None  # an FP8 tensor's block scales: the slice is dequantized with them
+
+    def scale_narrow(self) -> Optional[tuple[int, int, int]]:
+        """The range of the scale blocks covering this slice (of ``scale.src``; None: all of them)."""
+        if self.scale is None or self.narrow is None:
+            return None
+        dim, start, length = self.narrow
+        b = self.scale.block[dim]
+        first = start // b
+        return dim, first, -(-(start + length) // b) - first
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -81,6 +98,17 @@ class Fill:
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.src.dtype]
 
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of the scale blocks this slice reads (0: not FP8)."""
+        if self.scale is None:
+            return 0
+        shape = list(self.scale.src.shape)
+        narrow = self.scale_narrow()
+        if narrow is not None:
+            shape[narrow[0]] = narrow[2]
+        return math.prod(shape) * ITEMSIZE[self.scale.src.dtype]
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -91,10 +119,26 @@ class Placement:
     dtype: str
     fills: tuple
     zero: bool = False
+    # W8A8: ``dtype`` is int8, ``compute`` the dtype the weight would have had (the slices are rounded to it
+    # before they are quantized, as a dict of weights in that dtype would be), and W[scale_name(name)] holds
+    # the scales, ``scale_shape`` (the output channels), in `graphgen.ir.quant.scale_dtype` of ``compute``
+    quant: Optional[str] = None
+    compute: str = ""
+    scale_shape: tuple[int, ...] = ()
+
+    @property
+    def scale_dtype(self) -> str:
+        return scale_dtype(self.compute)
+
+    @property
+    def scale_key(self) -> str:
+        return scale_name(self.name)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_bytes(self.dtype)
+        """Device bytes of the placement (its scales included)."""
+        scales = math.prod(self.scale_shape) * dtype_bytes(self.scale_dtype) if self.quant else 0
+        return math.prod(self.shape) * dtype_bytes(self.dtype) + scales
 
 
 def _chunk(index: CheckpointIndex, name: str, slicing: RankSlicing):
@@ -147,7 +191,7 @@ def _recipe(index, key: str, r: Mapping, slicing) -> tuple:
         final[1], final[2] = final[2], final[1]
     if r.get("transpose01"):
         final[0], final[1] = final[1], final[0]
-    return tuple(final), fills, any(p[2] for p in parts), parts[0][3]
+    return tuple(final), fills, any(p[2] for p in parts), parts[0][3], tuple(cat)
 
 
 def plan_weights(index: CheckpointIndex, names: Iterable[str], recipes: Mapping[str, Mapping],
@@ -165,10 +209,16 @@ def plan_weights(index: CheckpointIndex, names: Iterable[str], recipes: Mapping[
         missing = [s for s in recipes[key]["cat"] if s not in names]
         if missing:
             raise KeyError(f"load-time weight {key!r} needs {missing}, which the weights do not have")
-        out.append((key, *_recipe(index, key, recipes[key], slicing)))
-    out += [(name, *_chunk(index, name, slicing)) for name in sorted(names - consumed)]
+        out.append((key, recipes[key].get("quant"), *_recipe(index, key, recipes[key], slicing)))
+    out += [(name, None, *_chunk(index, name, slicing), None) for name in sorted(names - consumed)]
     placements = []
-    for name, shape, fills, zero, stored in out:
-        want = dtype_of(name) if dtype_of is not None else None
-        placements.append(Placement(name, tuple(shape), want or TORCH_DTYPE[stored], tuple(fills), zero))
+    for name, quant, shape, fills, zero, stored, cat in out:
+        want = (dtype_of(name) if dtype_of is not None else None) or TORCH_DTYPE[stored]
+        if want.startswith("float8"):  # FP8 is a storage format: dequantized, a weight without a dtype is float32
+            want = "float32"
+        fills = tuple(Fill(f.src, f.narrow, f.view, index.scale_of(f.src)) for f in fills)
+        if quant:
+            placements.append(Placement(name, tuple(shape), "int8", fills, zero, quant, want, tuple(cat[:-1])))
+        else:
+            placements.append(Placement(name, tuple(shape), want, fills, zero))
     return sorted(placements, key=lambda p: (p.fills[0].src.path, p.fills[0].src.begin) if p.fills else ("", 0))

@@ -21,6 +21,13 @@ as the kernel returns them: the reader finds them with ``SEEK_DATA``/``SEEK_HOLE
 there without a read (not at all where it already holds zeros), which keeps sparse checkpoints
 (``scripts/sparse_checkpoint.py``) fast. The copy to the device is synchronous from pageable memory, so
 the buffer is free again when ``copy_`` returns.
+
+FP8 checkpoints: a slice of an FP8 weight is dequantized on the host before its copy (`dequantize_blocks`:
+fp8 x its block's scale, in float32, after DeepSeek-V3's ``inference/kernel.py`` ``weight_dequant``), its
+scale blocks read first (a small tensor, copied out of the buffer). A W8A8 placement's slices are then
+quantized row by row (the ``quantize`` the caller passes: `graphgen.runtime.core.quant.quantize_rows`) into
+the int8 weight and its scales. On a ``meta`` device (the dry run) the arithmetic is skipped: the bytes
+are read and the copies made, with empty host tensors of the right shapes.
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 
 from .index import ITEMSIZE, CheckpointIndex, Stored
-from .plan import TORCH_DTYPE, Placement, RankSlicing, plan_weights
+from .plan import TORCH_DTYPE, Fill, Placement, RankSlicing, plan_weights
 
-__all__ = ["CheckpointWeights", "SliceReader", "stream_weights", "READ_BLOCK_BYTES"]
+__all__ = ["CheckpointWeights", "SliceReader", "stream_weights", "READ_BLOCK_BYTES", "dequantize_blocks"]
+
+# quantize(weight [.., out, in], scale dtype) -> (int8 weight, scales [.., out]): a W8A8 placement's rows
+Quantize = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 READ_BLOCK_BYTES = 64 << 20  # rows of a strided slice are read in blocks of at most this many bytes
 
@@ -69,10 +79,11 @@ class CheckpointWeights:
 
     def place(self, recipes: Mapping, dtype_of: Optional[Callable[[str], Optional[str]]] = None, device=None, *,
               progress: Optional[Callable[[int, int], None]] = None,
-              reader: Optional["SliceReader"] = None) -> dict[str, torch.Tensor]:
+              reader: Optional["SliceReader"] = None, quantize: Optional[Quantize] = None) -> dict[str, torch.Tensor]:
         """Read and place this rank's weights (`stream_weights` of `plan`): what
         `graphgen.runtime.core.weights.place_weights` calls for a checkpoint."""
-        return stream_weights(self.plan(recipes, dtype_of), device, reader=reader, progress=progress)
+        return stream_weights(self.plan(recipes, dtype_of), device, reader=reader, progress=progress,
+                              quantize=quantize)
 
 
 class SliceReader:
@@ -207,11 +218,77 @@ def _view(t: torch.Tensor, ops: tuple) -> torch.Tensor:
     return t
 
 
+def _scale_view(t: torch.Tensor, ops: tuple, ndim: int) -> torch.Tensor:
+    """The view of a W8A8 placement's scales (the output channels: the concatenation less its last dim)
+    that matches ``ops`` (a fill's view of the weight): the transposes and ranges of the input dim left out."""
+    for op in ops:
+        if op[0] == "narrow" and op[1] < ndim - 1:
+            t = t.narrow(op[1], op[2], op[3])
+        elif op[0] == "select":
+            t = t.select(op[1], op[2])
+            ndim -= 1
+    return t
+
+
+def dequantize_blocks(w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                      offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """An FP8 weight slice ``w`` [r, c] in float32: each element times its block's scale. ``scales`` are the
+    blocks covering the slice (``[ceil((o0 + r) / b0), ceil((o1 + c) / b1)]``), ``offset`` = (o0, o1) where
+    the slice starts inside its first block. DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``: block
+    (i, j) of a [M, N] weight, the last ones partial, is x * s[i, j] in float32."""
+    (b0, b1), (o0, o1) = block, offset
+    r, c = w.shape
+    s = scales.float().repeat_interleave(b0, 0)[o0:o0 + r].repeat_interleave(b1, 1)[:, o1:o1 + c]
+    return w.float().mul_(s)
+
+
+def _read_fill(reader: SliceReader, f: Fill, compute: Optional[torch.dtype], meta: bool) -> torch.Tensor:
+    """The slice of ``f`` as the placement takes it: an FP8 one dequantized (in ``compute`` when given)."""
+    if f.scale is None:
+        return reader.read(f.src, f.narrow)
+    scales = reader.read(f.scale.src, f.scale_narrow()).clone()  # before the weight: one buffer
+    w = reader.read(f.src, f.narrow)
+    if meta:
+        return torch.empty(w.shape, dtype=compute or torch.float32)
+    offset = [0, 0]
+    if f.narrow is not None:
+        offset[f.narrow[0]] = f.narrow[1] % f.scale.block[f.narrow[0]]
+    out = dequantize_blocks(w, scales, f.scale.block, (offset[0], offset[1]))
+    return out if compute is None else out.to(compute)
+
+
+def _place(p: Placement, device, reader: SliceReader, quantize: Optional[Quantize]) -> tuple:
+    """The tensor(s) of one placement: (weight,) or, W8A8, (int8 weight, scales)."""
+    make = torch.zeros if p.zero else torch.empty
+    dest = make(p.shape, dtype=getattr(torch, p.dtype), device=device)
+    meta = dest.device.type == "meta"
+    if not p.quant:
+        for f in p.fills:
+            _view(dest, f.view).copy_(_read_fill(reader, f, None, meta))
+        return (dest,)
+    if quantize is None:
+        raise ValueError(f"{p.name}: a {p.quant} placement needs a quantize function")
+    sdtype = getattr(torch, p.scale_dtype)
+    scales = torch.zeros(p.scale_shape, dtype=sdtype, device=device)
+    ndim = len(p.scale_shape) + 1
+    for f in p.fills:
+        w = _read_fill(reader, f, getattr(torch, p.compute), meta)
+        if meta:
+            q, s = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[:-1], dtype=sdtype)
+        else:
+            q, s = quantize(w.to(getattr(torch, p.compute)), sdtype)
+        _view(dest, f.view).copy_(q)
+        _scale_view(scales, f.view, ndim).copy_(s)
+    return dest, scales
+
+
 def stream_weights(plan: Iterable[Placement], device=None, *, reader: Optional[SliceReader] = None,
-                   progress: Optional[Callable[[int, int], None]] = None) -> dict[str, torch.Tensor]:
-    """Execute ``plan`` onto ``device``: ``{name: tensor}``. Placements that read the same bytes into
-    the same shape and dtype (a tied embedding and LM head) share one tensor. ``progress(done, total)``:
-    the placed bytes so far, before the first tensor and after each."""
+                   progress: Optional[Callable[[int, int], None]] = None,
+                   quantize: Optional[Quantize] = None) -> dict[str, torch.Tensor]:
+    """Execute ``plan`` onto ``device``: ``{name: tensor}`` (a W8A8 placement: also its scales, under
+    `Placement.scale_key`). Placements that read the same bytes into the same shape and dtype (a tied
+    embedding and LM head) share one tensor. ``progress(done, total)``: the placed bytes so far, before the
+    first tensor and after each. ``quantize``: how a W8A8 placement's rows are quantized (see the module doc)."""
     plan = list(plan)
     own = reader is None
     reader = reader or SliceReader()
@@ -219,17 +296,15 @@ def stream_weights(plan: Iterable[Placement], device=None, *, reader: Optional[S
     if progress is not None:
         progress(0, total)  # the total up front: the progress lines show it from the first
     out: dict[str, torch.Tensor] = {}
-    same: dict[tuple, torch.Tensor] = {}
+    same: dict[tuple, tuple] = {}
     try:
         for p in plan:
-            sig = (p.shape, p.dtype, p.fills, p.zero)
+            sig = (p.shape, p.dtype, p.fills, p.zero, p.quant, p.compute)
             if sig not in same:
-                make = torch.zeros if p.zero else torch.empty
-                dest = make(p.shape, dtype=getattr(torch, p.dtype), device=device)
-                for f in p.fills:
-                    _view(dest, f.view).copy_(reader.read(f.src, f.narrow))
-                same[sig] = dest
-            out[p.name] = same[sig]
+                same[sig] = _place(p, device, reader, quantize)
+            out[p.name] = same[sig][0]
+            if p.quant:
+                out[p.scale_key] = same[sig][1]
             done += p.nbytes
             if progress is not None:
                 progress(done, total)

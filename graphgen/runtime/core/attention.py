@@ -167,8 +167,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     q_len, S, dv = q.shape[1], k.shape[1], v.shape[-1]
     if q_len == 1:
         return attend_one(q, [k], [v], scale)
-    if v.shape[-1] != q.shape[-1]:  # the flash kernel wants one head size (MLA: v is narrower)
+    # the flash kernel wants one head size; MLA's v may be narrower or wider than q/k (v_head_dim vs
+    # qk_nope + qk_rope): zero columns pad the narrower side, which leaves q.k (scale given) and the
+    # first dv output columns unchanged
+    if dv < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - dv))
+    elif dv > q.shape[-1]:
+        q, k = F.pad(q, (0, dv - q.shape[-1])), F.pad(k, (0, dv - k.shape[-1]))
     h = S - q_len
     if h == 0:
         out, _ = _flash_lse(q, k, v, True, scale)

@@ -15,6 +15,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .quant import Int8Weight, w8a8_matmul
+
 Tensor = torch.Tensor
 
 __all__ = ["linear", "matmul_t"]
@@ -53,19 +55,25 @@ def _onednn_takes(x: Tensor, w: Tensor) -> bool:
             and x.device.type == "cpu" and not (x.requires_grad or w.requires_grad))
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T``, ``w`` in checkpoint layout ``[out, in]`` (MLA, MoE experts, lm_head): as `matmul_t`."""
+def linear(x: Tensor, w) -> Tensor:
+    """``x @ w.T``, ``w`` in checkpoint layout ``[out, in]`` (MLA, MoE experts, lm_head): as `matmul_t`. A W8A8
+    weight (`graphgen.runtime.core.quant.Int8Weight`) multiplies in int8 (`w8a8_matmul`)."""
+    if isinstance(w, Int8Weight):
+        return w8a8_matmul(x, w, transposed=False)
     return _ONEDNN_LINEAR(x, w, None, "none", [], "") if _onednn_takes(x, w) else F.linear(x, w)
 
 
-def matmul_t(x: Tensor, w_t: Tensor) -> Tensor:
+def matmul_t(x: Tensor, w_t) -> Tensor:
     """``x @ w_t`` for a weight stored ``[in, out]`` (a load-time weight). One row (a lone decode
     step): MKL's GEMV streams the ``[in, out]`` rows (``torch.mm``; 1.2-1.4x ``F.linear``'s). Several
     rows of a big enough float32 weight on an AVX-512 CPU (`_onednn_chosen`): oneDNN's matmul on the
     same memory viewed ``[out, in]`` — 6-15 % faster than MKL's for prefill GEMMs there and 1.2-2.5x
     for 2-16 rows (MKL's small-M path), with no second copy of the weight; for one row it is 1.3-1.8x
     slower, hence the split. Elsewhere ``torch.mm``.
-    The two differ in summation order only (float rounding: within 1e-4 of transformers either way)."""
+    The two differ in summation order only (float rounding: within 1e-4 of transformers either way).
+    A W8A8 weight (`Int8Weight`, ``[in, out]`` int8) multiplies in int8 (`w8a8_matmul`)."""
+    if isinstance(w_t, Int8Weight):
+        return w8a8_matmul(x, w_t, transposed=True)
     if _onednn_takes(x, w_t):
         return _ONEDNN_LINEAR(x, w_t.t(), None, "none", [], "")
     return torch.mm(x, w_t)

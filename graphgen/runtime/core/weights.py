@@ -21,6 +21,9 @@ runner, the dry run): a dict of tensors is cast and built recipe by recipe, each
 after its last use (device peak: the final weights + the largest recipe, not + every recipe); a
 checkpoint not yet read (`graphgen.runtime.checkpoint.stream.CheckpointWeights`) is streamed slice by
 slice straight into the final tensors (`graphgen.runtime.checkpoint.plan`): no load-time peak at all.
+
+A recipe with ``"quant": "w8a8_dynamic"`` (a linear layer of a W8A8 spec, `graphgen.ir.quant`) is built int8,
+its scales beside it as ``W[key + ':scale']`` (`build_quantized_weight`; streamed: slice by slice).
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 
 from ...families import FAMILIES
+from ...ir.quant import SCALE_SUFFIX, scale_dtype, scale_name
 from ...ir.weights import parse_shard
 from ..progress import Progress, current_progress
+from .quant import quantize_rows
 
-__all__ = ["keeps_fp32", "cast_weights", "load_time_weights", "build_load_time_weight", "collect_recipes",
+__all__ = ["keeps_fp32", "cast_weights", "load_time_weights", "build_load_time_weight", "build_quantized_weight",
+           "collect_recipes",
            "place_weights", "load_progress", "source_constants"]
 
 
@@ -46,9 +52,22 @@ def keeps_fp32(family: str, name: str) -> bool:
 
 def cast_weights(weights: Mapping[str, torch.Tensor], family: str, dtype: torch.dtype,
                  device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
-    """``weights`` in ``dtype`` (on ``device``), the family's float32 keys in float32."""
-    return {k: v.to(device=device, dtype=torch.float32 if keeps_fp32(family, k) else dtype)
-            for k, v in weights.items()}
+    """``weights`` in ``dtype`` (on ``device``), the family's float32 keys in float32; W8A8's int8 weights and
+    their scales (placed already: `graphgen.ir.quant`) keep their dtypes."""
+    return {k: v.to(device=device) if not v.is_floating_point() or k.endswith(SCALE_SUFFIX) else
+            v.to(device=device, dtype=torch.float32 if keeps_fp32(family, k) else dtype) for k, v in weights.items()}
+
+
+def build_quantized_weight(sources: list, *, dim: int, transpose12: bool, transpose01: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A W8A8 recipe (`graphgen.ir.quant`): the concatenation quantized row by row (its last dim is the
+    input: one scale per output channel, in `scale_dtype` of the sources' dtype), then laid out as the
+    recipe says. Returns (int8 weight, scales)."""
+    cat = build_load_time_weight(sources, dim=dim, transpose12=False)
+    q, scale = quantize_rows(cat, getattr(torch, scale_dtype(str(cat.dtype).removeprefix("torch."))))
+    if transpose12 or transpose01:
+        q = build_load_time_weight([q], dim=0, transpose12=transpose12, transpose01=transpose01)
+    return q, scale
 
 
 def build_load_time_weight(sources: list, *, dim: int, transpose12: bool, transpose01: bool = False) -> torch.Tensor:
@@ -125,8 +144,13 @@ def load_time_weights(W: Mapping[str, torch.Tensor], modules: Iterable, *,
         missing = [s for s in r["cat"] if s not in out]
         if missing:
             raise KeyError(f"load-time weight {key!r} needs {missing}, which the weights do not have")
-        out[key] = build_load_time_weight([out[s] for s in r["cat"]], dim=r["dim"], transpose12=r["transpose12"],
-                                          transpose01=r.get("transpose01", False))
+        build = build_quantized_weight if r.get("quant") else build_load_time_weight
+        built = build([out[s] for s in r["cat"]], dim=r["dim"], transpose12=r["transpose12"],
+                      transpose01=r.get("transpose01", False))
+        if r.get("quant"):  # the int8 weight and its scales (graphgen.ir.quant)
+            out[key], out[scale_name(key)] = built
+        else:
+            out[key] = built
         if consume:
             for s in r["cat"]:
                 if last[s] == key:
@@ -164,5 +188,6 @@ def place_weights(weights, modules: Iterable, *, family: str, dtype: torch.dtype
     if place is not None:
         name = str(dtype).removeprefix("torch.")
         return place(collect_recipes(modules), lambda k: "float32" if keeps_fp32(family, k) else name, device,
-                     progress=progress if progress is not None else load_progress(), reader=reader)
+                     progress=progress if progress is not None else load_progress(), reader=reader,
+                     quantize=quantize_rows)
     return load_time_weights(cast_weights(weights, family, dtype, device), modules, consume=True)

@@ -63,10 +63,37 @@ STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq
 STEP_READS = ('actual_seq_lengths', 'actual_seq_lengths_kv', 'atten_mask', 'input_ids', 'kv_gather_rows', 'kv_index', 'load_rows', 'logits_indices', 'positions', 'save_block_ids', 'save_rows')
 
 
+def _linear(x, w):
+    """x @ W^T of a linear layer: W [out, in] in the compute dtype, or a W8A8 weight as the pair (int8 W^T
+    [in, out], scales [out]; graphgen.ir.quant): x quantized per token (npu_dynamic_quant: int8 and one
+    float32 scale per row, _op_plugin_docs.py:4654-4676), then npu_quant_matmul of int8 x1 [m, k] and x2
+    [k, n] with pertoken_scale [m] float32 and scale [n] (bfloat16 for a bfloat16 output, float32 for
+    float16), output in x's dtype (the A2/A3 rows of :5020-5027; vllm-ascend's W8A8_DYNAMIC linear)."""
+    if not isinstance(w, tuple):
+        return F.linear(x, w)
+    xq, x_scale = torch_npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
+    y = torch_npu.npu_quant_matmul(xq, w[0], w[1], pertoken_scale=x_scale, output_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _grouped_linear(rows, w, ends):
+    """Each expert's rows (rows [M, K] sorted by expert, ends: cumulative row counts) times its weight: w
+    [E, K, N] in the compute dtype, or a W8A8 pair (int8 [E, K, N], scales [E, N]): the rows quantized per
+    token, then npu_grouped_matmul in its per-token mode (int8 x and weight, scale [E, N] bfloat16 or
+    float32, per_token_scale [M] float32; _op_plugin_docs.py:5808-5812, 5960-5969), as vllm-ascend's
+    W8A8_DYNAMIC MoE passes them (scale=[w13_scale] of shape [E, 2I], output_dtype the activations')."""
+    if not isinstance(w, tuple):
+        return torch_npu.npu_grouped_matmul([rows], [w], group_list=ends, group_list_type=0, group_type=0,
+                                            split_item=2)[0]
+    xq, x_scale = torch_npu.npu_dynamic_quant(rows)
+    return torch_npu.npu_grouped_matmul([xq], [w[0]], scale=[w[1]], per_token_scale=[x_scale], group_list=ends,
+                                        group_list_type=0, group_type=0, split_item=2, output_dtype=rows.dtype)[0]
+
+
 def _swiglu_mlp(x, w_gate_up, w_down):
     """down(silu(gate(x)) * up(x)) with gate/up merged at load (w_gate_up = [gate; up]): one matmul whose
     output is the [gate | up] npu_swiglu takes on the last dim."""
-    return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
+    return _linear(torch_npu.npu_swiglu(_linear(x, w_gate_up), dim=-1), w_down)
 
 
 def _interleaved_rope(x, cos, sin):
@@ -82,10 +109,10 @@ def _mla_prolog(x, w_q_a, w_q_a_norm, w_q_b, w_kv_a, w_kv_a_norm, cos, sin, *, n
     """MLA projections -> q_nope [T,H,n], q_pe [T,H,r] (roped), c_kv [T,R] (normed latent), k_pe [T,r] (roped)."""
     t = x.shape[0]
     # w_q_a None: uncompressed queries (q_lora_rank null), w_q_b is then the plain q projection.
-    q = F.linear(x if w_q_a is None else torch_npu.npu_rms_norm(F.linear(x, w_q_a), w_q_a_norm, eps)[0], w_q_b)
+    q = _linear(x if w_q_a is None else torch_npu.npu_rms_norm(_linear(x, w_q_a), w_q_a_norm, eps)[0], w_q_b)
     q_nope, q_pe = q.view(t, num_heads, qk_nope_head_dim + qk_rope_head_dim).split(
         [qk_nope_head_dim, qk_rope_head_dim], dim=-1)
-    c_kv, k_pe = F.linear(x, w_kv_a).split([kv_lora_rank, qk_rope_head_dim], dim=-1)
+    c_kv, k_pe = _linear(x, w_kv_a).split([kv_lora_rank, qk_rope_head_dim], dim=-1)
     c_kv = torch_npu.npu_rms_norm(c_kv, w_kv_a_norm, eps)[0]
     if interleave:
         q_pe = _interleaved_rope(q_pe, cos, sin)
@@ -153,7 +180,8 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
                   top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, num_experts, ep=1, ep_rank=0):
     """DeepSeek-V3 MoE: sigmoid grouped top-k routing, permute, two grouped matmuls, unpermute + residual.
 
-    Expert weights come in npu_grouped_matmul's layout, built once at load: w_gate_up_t [E, H, 2I]
+    Expert weights come in npu_grouped_matmul's layout, built once at load (W8A8: int8 with their scales,
+    _grouped_linear): w_gate_up_t [E, H, 2I]
     (gate and up merged, so one GMM yields [gate | up] for npu_swiglu) and w_down_t [E, I, H] -- no
     per-step transpose, which torchair folds into GMM's transpose_weight for fp8/mxfp4 only (audit 2 row 10).
 
@@ -193,11 +221,8 @@ def _moe_residual(x, w_router, w_bias, w_gate_up_t, w_down_t, w_shared_gate_up, 
     row_idx = torch.arange(t * top_k, dtype=torch.int32, device=x.device).view(top_k, t).t().contiguous()
     rows, src_to_dst, sorted_ids = torch_npu.npu_moe_init_routing(x, row_idx, ids, active_num=t)
     ends = torch_npu.npu_moe_compute_expert_tokens(sorted_ids, local + (1 if ep > 1 else 0))[:local].long()
-    gate_up = torch_npu.npu_grouped_matmul([rows], [w_gate_up_t], group_list=ends,
-                                           group_list_type=0, group_type=0, split_item=2)[0]
-    act = torch_npu.npu_swiglu(gate_up, dim=-1)
-    down = torch_npu.npu_grouped_matmul([act], [w_down_t], group_list=ends,
-                                        group_list_type=0, group_type=0, split_item=2)[0]
+    act = torch_npu.npu_swiglu(_grouped_linear(rows, w_gate_up_t, ends), dim=-1)
+    down = _grouped_linear(act, w_down_t, ends)
     if ep > 1:
         valid = torch.arange(t * top_k, device=x.device) < ends[-1]
         down = torch.where(valid.unsqueeze(-1), down, torch.zeros_like(down))

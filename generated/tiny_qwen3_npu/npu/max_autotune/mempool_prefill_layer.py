@@ -63,11 +63,24 @@ STEP_FIELDS = ("input_ids", "positions", "kv_index", "block_tables", "actual_seq
 STEP_READS = ('actual_seq_lengths', 'actual_seq_lengths_kv', 'atten_mask', 'block_tables', 'input_ids', 'kv_index', 'logits_indices', 'positions', 'save_block_ids', 'save_rows')
 
 
+def _linear(x, w):
+    """x @ W^T of a linear layer: W [out, in] in the compute dtype, or a W8A8 weight as the pair (int8 W^T
+    [in, out], scales [out]; graphgen.ir.quant): x quantized per token (npu_dynamic_quant: int8 and one
+    float32 scale per row, _op_plugin_docs.py:4654-4676), then npu_quant_matmul of int8 x1 [m, k] and x2
+    [k, n] with pertoken_scale [m] float32 and scale [n] (bfloat16 for a bfloat16 output, float32 for
+    float16), output in x's dtype (the A2/A3 rows of :5020-5027; vllm-ascend's W8A8_DYNAMIC linear)."""
+    if not isinstance(w, tuple):
+        return F.linear(x, w)
+    xq, x_scale = torch_npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
+    y = torch_npu.npu_quant_matmul(xq, w[0], w[1], pertoken_scale=x_scale, output_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num_kv_heads, head_dim, eps):
     """q/k/v in one matmul (w_qkv: [q; k; v] merged at load), split; per-head RMSNorm of q and k, then
     half-rotation RoPE (layout BSND, B=1, S=T)."""
     t = x.shape[0]
-    q, k, v = F.linear(x, w_qkv).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = _linear(x, w_qkv).split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = torch_npu.npu_rms_norm(q.reshape(t, num_heads, head_dim), w_q_norm, eps)[0]
     k = torch_npu.npu_rms_norm(k.reshape(t, num_kv_heads, head_dim), w_k_norm, eps)[0]
     v = v.reshape(t, num_kv_heads, head_dim)
@@ -79,7 +92,7 @@ def _qwen3_attn_prolog(x, w_qkv, w_q_norm, w_k_norm, cos, sin, *, num_heads, num
 def _swiglu_mlp(x, w_gate_up, w_down):
     """down(silu(gate(x)) * up(x)) with gate/up merged at load (w_gate_up = [gate; up]): one matmul whose
     output is the [gate | up] npu_swiglu takes on the last dim."""
-    return F.linear(torch_npu.npu_swiglu(F.linear(x, w_gate_up), dim=-1), w_down)
+    return _linear(torch_npu.npu_swiglu(_linear(x, w_gate_up), dim=-1), w_down)
 
 
 def load(b, kv, loads):
