@@ -67,6 +67,26 @@ def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
     return sources, graph_weight_names(c.graph for c in compiled)
 
 
+def _checked(spec, weights, pool, target: str):
+    """(the rank builder's name, the weights as the ranks get them) for a layout the ranks can run;
+    ValueError naming what cannot be."""
+    from ...families.parallel import layout_rules
+
+    if target == "cpu" and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context)
+        target = CP_RANK_TARGET
+    if target not in RANK_TARGETS:
+        raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
+    # a --tp/--ep override is checked here (the loader checked the file's own layout)
+    problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
+    if problems:
+        raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
+    if weights is None:
+        raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
+    if pool != "host":
+        raise ValueError("parallel ranks share the embedded host pool (pool='host')")
+    return target, weights if isinstance(weights, dict) else str(weights)  # (open_engine checked its config.json)
+
+
 def _host_store(host: str, port: int, timeout_s: float):
     """The ranks' rendezvous store (torch.distributed's TCPStore), listening on ``host`` only: given a
     socket bound there (TCPStore's own listener takes every address). ``port`` 0: a free one."""
@@ -179,24 +199,8 @@ class DistributedEngine:
         that must not be loaded before a fork: the real NPU's). ``placement``: the ranks of this node
         and where the others are (`graphgen.runtime.parallel.cluster.Placement`; default: every rank
         here, on loopback); with several nodes this process is node 0's driver."""
-        from ...families.parallel import layout_rules
-
         cpu_modules = target == "cpu"  # the CPU ranks run the modules compiled here once
-        if cpu_modules and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context)
-            target = CP_RANK_TARGET
-        if target not in RANK_TARGETS:
-            raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
-
-        # a --tp/--ep override is checked here (the loader checked the file's own layout)
-        problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
-        if problems:
-            raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
-        if weights is None:
-            raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
-        if pool != "host":
-            raise ValueError("parallel ranks share the embedded host pool (pool='host')")
-        if not isinstance(weights, dict):  # (open_engine has checked its config.json)
-            weights = str(weights)
+        target, weights = _checked(spec, weights, pool, target)
         self.spec, self.tp, self._timeout = spec, spec.parallel.tp, timeout
         self.deadlines = rank_timeout or Deadlines()
         self._clock = clock
