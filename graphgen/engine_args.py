@@ -14,10 +14,12 @@ from typing import Optional, get_args
 from .modelspec.model import WritePolicy
 
 __all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "target_note",
-           "rank_count", "thread_options", "default_compile_cache_dir",
+           "rank_count", "thread_options", "default_compile_cache_dir", "overridden_spec", "placement_of",
+           "follow_node",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
 
 WRITE_POLICIES = get_args(WritePolicy)  # pool.policy's values
+DEFAULT_MASTER_PORT = 29500  # torchrun's (runtime.parallel.cluster)
 
 # every command's exit codes (cli/common.py documents them; the server uses the same ones)
 EXIT_OK, EXIT_STALE, EXIT_INVALID, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -87,10 +89,28 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                         "--standin unless given)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="with --target npu: no compile cache (every start compiles every graph)")
+    add_node_arguments(p)
     p.add_argument("--rank-timeout", default=None, metavar="SECONDS|PHASE=S,...",
                    help="with several ranks: the deadline of each start phase, one number for all or "
                         "start=S,load=S,warmup=S (default: start=600,load=3600,warmup=7200); a rank that "
                         "misses one is reported and every rank ends")
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """Ranks across nodes, torchrun's flags (docs/parallel.md, "Ranks across nodes")."""
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the layout's ranks span, world / nnodes per node (torchrun's; under torchrun its "
+                        "environment instead): node 0 drives the engine, the others run their ranks for it "
+                        "(docs/parallel.md, 'Ranks across nodes')")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node in [0, --nnodes): node 0 drives the engine (and serves HTTP); another node runs "
+                        "its ranks for node 0 until it closes the engine (the same command on every node)")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="IPV4",
+                   help="node 0's address, reachable from every node (torchrun's): the rendezvous store, the "
+                        "command channel and the shared pool listen on it only, never on a wildcard")
+    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="PORT",
+                   help="the rendezvous store's port on --master-addr; the command channel and the pool take the "
+                        "next two (PORT+1, PORT+2)")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,7 +125,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
 def check_engine_arguments(args) -> Optional[str]:
     """The first problem with the engine flags (a sentence naming the flag), or None."""
     # --num-blocks: checked by each command against the spec
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp", "pool_min_uses", "torch_threads"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "cp", "pool_min_uses", "torch_threads",
+                 "nnodes"):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {v}"
@@ -151,6 +172,47 @@ def default_compile_cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "graphgen", "npu")
 
 
+def overridden_spec(args, spec):
+    """The spec as `open_engine` will run it: the flags' overrides applied (what every node must agree on)."""
+    return spec.with_overrides(write=getattr(args, "write", None), granularity=getattr(args, "granularity", None),
+                               **{k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")},
+                               policy=getattr(args, "pool_policy", None), min_uses=getattr(args, "pool_min_uses", None))
+
+
+def placement_of(args, spec):
+    """Where this process's ranks run (`graphgen.runtime.parallel.cluster.Placement`): the --nnodes flags,
+    or torchrun's environment when it launched this process. ValueError: one sentence."""
+    from .runtime.parallel.cluster import Placement
+
+    world = spec.with_overrides(**{k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}).parallel.world
+    here = Placement.of(world, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
+                        master_addr=getattr(args, "master_addr", "127.0.0.1"),
+                        master_port=getattr(args, "master_port", DEFAULT_MASTER_PORT))
+    if here.multi_node and args.pool != "host":
+        raise ValueError(f"ranks on several nodes share the host pool node 0 serves on --master-addr: run them "
+                         f"with --pool host (got --pool {args.pool})")
+    return here
+
+
+def follow_node(args, spec, here, command: str) -> int:
+    """On a node other than node 0 (``here``: `placement_of`, not the driver): run this node's ranks for node
+    0's driver until it closes the engine; the exit code. ValueError (one sentence) for a layout the runtime
+    refuses or a checkpoint that does not match the spec, before anything starts."""
+    from .runtime.parallel.follower import follow  # torch-free: the ranks (forked) import it
+
+    refusal = layout_refusal(spec, args)
+    if refusal is not None:
+        raise ValueError(refusal)
+    spec = overridden_spec(args, spec)  # its checkpoint's config.json is checked by its ranks
+    deadlines = None
+    if getattr(args, "rank_timeout", None) is not None:
+        from .runtime.progress import Deadlines
+
+        deadlines = Deadlines.parse(args.rank_timeout)
+    return follow(here, spec, args.weights, threads=getattr(args, "torch_threads", None), rank_timeout=deadlines,
+                  command=command)
+
+
 def layout_refusal(spec, args) -> Optional[str]:
     """The sentence refusing the spec's parallel layout with the flags' overrides applied, where the runtime
     cannot run it yet (`graphgen.families.parallel.runtime_layout_gap`), or None; torch-free."""
@@ -179,8 +241,9 @@ def thread_options(args, spec) -> dict:
     return {"threads": args.torch_threads} if rank_count(args, spec) > 1 else {}
 
 
-def engine_options(args, faults=None) -> dict:
-    """`open_engine`'s keyword arguments from the engine flags (the spec and weights aside)."""
+def engine_options(args, faults=None, placement=None) -> dict:
+    """`open_engine`'s keyword arguments from the engine flags (the spec and weights aside); ``placement``:
+    this driver's (`placement_of`), passed on when the ranks span nodes."""
     opts = dict(write=args.write, granularity=args.granularity, tp=args.tp, ep=args.ep, pool=args.pool,
                 **{k: getattr(args, k) for k in ("dp", "cp", "sp") if getattr(args, k, None) is not None},
                 pool_policy=args.pool_policy, pool_min_uses=getattr(args, "pool_min_uses", None),
@@ -190,6 +253,8 @@ def engine_options(args, faults=None) -> dict:
                 faults=faults, target=args.target)
     if getattr(args, "speculative", None) is not None:
         opts["num_speculative_tokens"] = args.num_speculative_tokens or 1
+    if placement is not None and placement.multi_node:
+        opts["placement"] = placement
     if getattr(args, "rank_timeout", None) is not None:
         from .runtime.progress import Deadlines
 

@@ -6,7 +6,7 @@ import hmac
 import socket
 from typing import Sequence
 
-__all__ = ["free_port", "port_is_free", "is_api_path", "bearer_authorized"]
+__all__ = ["free_port", "port_is_free", "bind_socket", "is_api_path", "bearer_authorized"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -14,6 +14,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def bind_socket(host: str, port: int):
+    """A TCP socket bound to ``host:port`` (0: a free port), not listening yet: ``(sock, None)``, or
+    ``(None, "cannot listen on HOST:PORT: why")``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        return None, f"cannot listen on {host}:{port}: {e}"
+    return sock, None
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..engine_args import (add_engine_arguments, add_speculative_arguments, check_engine_arguments, engine_options,
-                           target_note, thread_options)
+                           follow_node, placement_of, target_note, thread_options)
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -48,14 +48,31 @@ def _text_prompts(args, weights: Path):
     return out
 
 
+def _placement(args):
+    """(the spec file's spec, where this process's ranks run); SystemExit(2) with one sentence."""
+    from ..modelspec.loader import load_spec
+
+    try:  # a spec error that is no ValueError renders with its file:line (cli/common.py's dispatch)
+        spec = load_spec(args.spec)
+        return spec, placement_of(args, spec)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(_usage(str(e)))
+
+
 def cmd_run(args) -> int:
+    problem = check_engine_arguments(args)
+    if problem:
+        return _usage(problem)
+    spec, here = _placement(args)
+    if not here.driver:  # another node's ranks, for node 0's driver (which runs the prompts)
+        try:
+            return follow_node(args, spec, here, "graphgen run")
+        except (ValueError, FileNotFoundError) as e:
+            return _usage(str(e))
     if not args.prompts:
         return _usage("give at least one --prompt-ids IDS or --prompt TEXT")
     # --prompt-ids before importing torch: fast errors
     args.prompts = [(k, _prompt_ids(v) if k == "ids" else v) for k, v in args.prompts]
-    problem = check_engine_arguments(args)
-    if problem:
-        return _usage(problem)
     # a missing extra is one sentence and exit 2 (cli/common.py's dispatch): the runtime's is checked
     # by importing graphgen.runtime; Mooncake's here too, before the engine loads, not at pool creation
     if args.pool.startswith("mooncake://"):
@@ -78,12 +95,11 @@ def cmd_run(args) -> int:
     if args.target == "npu":  # the NPU model runner registers the target (graphgen/npu/run/runner.py)
         import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
     from ..npu.run.compile import NpuUnavailable
-    from ..modelspec.loader import load_spec
 
-    threads = thread_options(args, load_spec(args.spec)) if args.torch_threads else {}
+    threads = thread_options(args, spec) if args.torch_threads else {}
     try:
-        engine = open_engine(args.spec, weights, collect_logits=args.logits, **engine_options(args, faults),
-                             **threads)
+        engine = open_engine(args.spec, weights, collect_logits=args.logits,
+                             **engine_options(args, faults, placement=here), **threads)
     except NpuUnavailable as e:
         err(f"graphgen run: {e}")
         return EXIT_UNAVAILABLE

@@ -119,9 +119,6 @@ _RUNTIME_GAPS: tuple[_Gap, ...] = (
 )
 # ... and what only the NPU target lacks (the CPU ranks run it)
 _NPU_GAPS: tuple[_Gap, ...] = (
-    ("dp", lambda par: par.dp > 1, "data-parallel attention (dp > 1) does not run on the NPU target yet (its graphs "
-                                   "are lowered and traced on meta tensors, but the NPU runner has no DP ranks and "
-                                   "refuses ep > 1); use --target cpu, or run with --dp 1"),
     ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
                                    "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
                                    "with --cp 1"),

@@ -28,6 +28,7 @@ _EXPORTS = {
     "speculative_refusal": "engine.spec_decode",
     "RequestOutput": "engine.request", "RequestResult": "engine.request", "FINISH_REASONS": "engine.request",
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
+    "DataParallelEngine": "parallel.data_parallel",
     "register_rank_target": "parallel.rank",
     "OutOfBlocks": "core.kvcache",
     "Faults": "core.faults",

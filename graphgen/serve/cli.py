@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -26,7 +25,9 @@ from ..engine_args import (
     add_speculative_arguments,
     check_engine_arguments,
     engine_options,
+    follow_node,
     layout_refusal,
+    placement_of,
     rank_count,
     target_note,
     thread_options,
@@ -142,14 +143,9 @@ def check_args(args):
 
 def bind_socket(host: str, port: int):
     """The listening socket, bound before the model loads (a busy port fails fast); (sock, error)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        return None, f"cannot listen on {host}:{port}: {e}"
-    return sock, None
+    from ..netutil import bind_socket as bind
+
+    return bind(host, port)
 
 
 def cmd_serve(args) -> int:
@@ -167,6 +163,12 @@ def cmd_serve(args) -> int:
     problem, spec = check_args(args)
     if problem:
         return _err(problem)
+    try:
+        here = placement_of(args, spec)
+        if not here.driver:  # another node's ranks for node 0's driver, which serves HTTP: no port here
+            return follow_node(args, spec, here, "graphgen serve")
+    except (ValueError, FileNotFoundError) as e:
+        return _err(str(e))
     weights = Path(args.weights)
     api_keys = args.api_key if args.api_key is not None else (
         [os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
@@ -174,7 +176,7 @@ def cmd_serve(args) -> int:
     if problem:
         return _err(problem)
     try:
-        return _serve(args, weights, sock, api_keys, spec)
+        return _serve(args, weights, sock, api_keys, spec, here)
     finally:
         sock.close()
 
@@ -195,7 +197,7 @@ def chat_setup(args, spec):
     return ChatSetup(tool, reasoning)
 
 
-def _serve(args, weights: Path, sock, api_keys, spec) -> int:
+def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
     from ..runtime import Faults, RankFailure, open_engine
     from ..trace import NULL, TraceRecorder
     from .adapter import EngineAdapter
@@ -214,7 +216,8 @@ def _serve(args, weights: Path, sock, api_keys, spec) -> int:
         unavailable = (NpuUnavailable,)
     try:
         # the spec check_args loaded (once per serve): open_engine applies the run's overrides to it
-        engine = open_engine(spec, weights, spec_file=args.spec, **engine_options(args, faults), **ranks)
+        engine = open_engine(spec, weights, spec_file=args.spec, **engine_options(args, faults, placement=here),
+                             **ranks)
     except unavailable as e:  # no torch_npu here: one sentence, exit 3 (as graphgen run)
         print(f"graphgen serve: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -222,6 +225,8 @@ def _serve(args, weights: Path, sock, api_keys, spec) -> int:
         return _err(str(e))
     if target_note(args):  # once the engine is up
         print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
+    if here is not None and here.multi_node:  # a node lost while idle ends the server (its engine is gone)
+        engine.on_failure = _node_lost
     from ..runtime import eos_token_ids
 
     tokenizer = load_tokenizer(weights)
@@ -234,6 +239,11 @@ def _serve(args, weights: Path, sock, api_keys, spec) -> int:
                      chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs,
                      role=args.role, kv_lease_timeout_s=args.kv_lease_timeout)
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
+
+
+def _node_lost(sentence: str) -> None:  # from the engine's link thread: the engine is gone
+    print(f"graphgen serve: {sentence}", file=sys.stderr, flush=True)
+    os._exit(EXIT_INVALID)
 
 
 def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0,

@@ -50,7 +50,7 @@ def test_rank_device_from_local_rank_and_visible_devices(local, world, visible, 
 
 
 @pytest.mark.parametrize("world, visible, count, message", [
-    (32, None, 8, "tp=32 needs 32 NPUs but this node has 8; a layout wider than one node needs a multi-node launch"),
+    (32, None, 8, "this node's 32 ranks need 32 NPUs but this node has 8; a layout wider than one node runs on several"),
     (4, "0,1", 2, "ASCEND_RT_VISIBLE_DEVICES lists 2"),
     (2, "0,x", 8, "expected comma-separated device ids"),
     (2, "1,1", 8, "must be distinct"),
@@ -130,14 +130,45 @@ def test_qwen3_npu_ranks_match_the_cpu_ranks(npu_ckpts):
 
 @needs_standin
 def test_deepseek_npu_ranks_cli_match_the_cpu_ranks(npu_ckpts):
-    """``graphgen run --target npu --standin --tp 2`` (MLA latent replicated: saved once by rank 0)."""
+    """``graphgen run --target npu --standin --tp 2 --ep 2`` (MLA latent replicated: saved once by rank 0; each
+    rank runs its half of the experts whole, ``npu_moe_init_routing_v2``'s ``active_expert_range``)."""
     spec, W = SPECS / "tiny_deepseek_v3_npu.yaml", npu_ckpts["tiny_deepseek_v3_npu"]
     out = {}
     for target, extra in (("cpu", ()), ("npu", ("--target", "npu", "--standin"))):
-        res = graphgen(*run_args(spec, W, [PROMPTS[1]], 2, "--tp", "2", "--logits", *extra))
+        res = graphgen(*run_args(spec, W, [PROMPTS[1]], 2, "--tp", "2", "--ep", "2", "--logits", *extra))
         assert res.returncode == 0, res.stderr[-3000:]
         out[target] = json.loads(res.stdout.splitlines()[0])
     assert "not an NPU result" in res.stderr  # the one line on what is verified
     _compare(out["cpu"]["tokens"][:1], out["npu"]["tokens"][:1], [out["cpu"]["logits"]], [out["npu"]["logits"]])
     if out["cpu"]["tokens"][0] == out["npu"]["tokens"][0]:
         assert out["cpu"]["tokens"] == out["npu"]["tokens"]
+
+
+def _dummy_forwards(engine) -> int:  # a probe run in every rank process (module-level: pickled by name)
+    return engine.runner.dummy_forwards
+
+
+@needs_standin
+def test_deepseek_npu_dp2_ep2_matches_the_cpu_dp_ranks(npu_ckpts):
+    """DP attention + EP on the NPU runner (graphgen/npu/run/data_parallel.py) against the CPU DP ranks. First
+    rank 0 runs two prompts and rank 1 one: their decode calls (2 rows, 1 row) run at one agreed bucket (rank
+    1's padded to 2); then rank 0 alone: rank 1 runs a dummy call for each of rank 0's (its experts still
+    process rank 0's tokens). Every step's logits within TOL (a flip only at a near-tie), tokens equal up to it."""
+    from graphgen.runtime import open_engine
+    import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
+
+    spec, W = SPECS / "tiny_deepseek_v3_npu.yaml", npu_ckpts["tiny_deepseek_v3_npu"]
+    first = [list(range(3, 60)), list(range(70, 90)), [40, 41, 42]]
+    then = [list(range(100, 140)), list(range(7, 30))]
+    runs, dummies = {}, None
+    for target, opts in (("cpu", {}), ("npu", {"standin": True})):
+        with open_engine(spec, W, target=target, dp=2, ep=2, collect_logits=True, num_blocks=8, threads=1,
+                         **opts) as e:
+            assert type(e).__name__ == "DataParallelEngine"
+            runs[target] = (e.generate(first, 3, batch=True, ranks=[0, 0, 1])
+                            + e.generate(then, 3, batch=True, ranks=[0, 0]))
+            if target == "npu":
+                dummies = e.on_ranks(_dummy_forwards)
+    for c, n in zip(runs["cpu"], runs["npu"]):
+        _compare(c.tokens, n.tokens, c.step_logits, n.step_logits)
+    assert dummies[0] == 0 and dummies[1] == 3, dummies  # then's prefill and two decodes, on rank 1

@@ -43,11 +43,13 @@ class Buckets:
     def count(self, phase: str) -> int:
         return len(self.decode_batch) if phase == "decode" else len(self.prefill_tokens)
 
-    def padding(self, phase: str, n_seqs: int, n_tokens: int, pad_block: int = PAD_BLOCK):
+    def padding(self, phase: str, n_seqs: int, n_tokens: int, pad_block: int = PAD_BLOCK, *, at_least: int = 0):
+        """The smallest bucket of ``phase`` that holds the step (and has at least ``at_least`` tokens: DP ranks
+        run each call at one agreed bucket, `graphgen.npu.run.data_parallel`)."""
         from .inputs import StepPadding
 
         if phase == "decode":
-            b = next((x for x in self.decode_batch if x >= n_seqs), None)
+            b = next((x for x in self.decode_batch if x >= max(n_seqs, at_least)), None)
             if b is None:
                 raise ValueError(f"decode batch {n_seqs} exceeds the largest bucket {self.decode_batch[-1]}")
             return StepPadding(b, b, self.max_blocks, pad_block, self.save_rows)
@@ -55,7 +57,7 @@ class Buckets:
             raise ValueError(f"{n_seqs} prefill sequences > prefill_seqs {self.prefill_seqs}")
         batch = self.prefill_seqs + 1
         need = n_tokens + batch - n_seqs
-        t = next((x for x in self.prefill_tokens if x >= need), None)
+        t = next((x for x in self.prefill_tokens if x >= max(need, at_least)), None)
         if t is None:
             raise ValueError(f"{n_tokens} prefill tokens exceed the largest bucket {self.prefill_tokens[-1]}")
         return StepPadding(batch, t, self.max_blocks, pad_block, self.save_rows)

@@ -14,9 +14,10 @@ process imports it (the runtime never imports NPU code). In each rank process, b
   shard names) and calls ``npu_rank_engine``: `npu_engine` (so `build_engine`) with the rank's KV shard,
   per-shard pool keys, agreed hits, save-once for replicated KV and the plan check (`RankParts`).
 
-One node only: a layout wider than the node's devices (DeepSeek-V3.1 at tp=32 needs 4 nodes of 8) is
-refused with one sentence; there is no multi-node launch (``--nnodes``/``--node-rank``/
-``--master-addr``) yet. The real-device path (hccl, set_device) has never run on an NPU.
+Several nodes: ``--nnodes``/``--node-rank``/``--master-addr`` (or torchrun), each node's ranks on its own
+devices (docs/parallel.md, "Ranks across nodes"); a node's ranks wider than its devices are refused with
+one sentence. DP attention (``dp > 1``, tp 1 per group): `graphgen.npu.run.data_parallel`. The real-device
+path (hccl, set_device) has never run on an NPU.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from typing import Optional
 
 __all__ = ["rank_device", "setup_rank", "launch_npu_ranks"]
 
-MULTI_NODE = ("a layout wider than one node needs a multi-node launch (--nnodes/--node-rank/--master-addr), "
-              "which graphgen does not have yet (docs/npu.md)")
+MULTI_NODE = ("a layout wider than one node runs on several: give every node --nnodes N --node-rank R "
+              "--master-addr A (docs/parallel.md, 'Ranks across nodes')")
 
 
 def rank_device(local_rank: int, world: int, *, visible: Optional[str], device_count: int) -> tuple[int, int]:
@@ -49,7 +50,7 @@ def rank_device(local_rank: int, world: int, *, visible: Optional[str], device_c
         ids = list(range(device_count))
         where = f"this node has {device_count}"
     if world > len(ids):
-        raise ValueError(f"tp={world} needs {world} NPUs but {where}; {MULTI_NODE}")
+        raise ValueError(f"this node's {world} ranks need {world} NPUs but {where}; {MULTI_NODE}")
     if not 0 <= local_rank < world:
         raise ValueError(f"local rank {local_rank} outside a world of {world}")
     return local_rank, ids[local_rank]
@@ -71,14 +72,18 @@ def setup_rank(local_rank: int, world: int, engine_kwargs: dict) -> str:  # prag
 
 
 def launch_npu_ranks(spec, weights, *, standin: bool, **options):
-    """``spec.parallel.tp`` NPU rank processes (the runtime's `DistributedEngine`, ``target="npu"``).
-    On a real NPU the world must fit this node's devices (checked here, before any process starts)."""
-    from ...runtime import DistributedEngine
+    """The layout's NPU rank processes on this node (the runtime's `DistributedEngine`, ``target="npu"``; under
+    DP attention its `DataParallelEngine`). On a real NPU this node's ranks must fit its devices (checked
+    here, before any process starts)."""
+    from ...runtime import DataParallelEngine, DistributedEngine
 
     if not standin:
         import torch
 
-        rank_device(0, spec.parallel.tp, visible=os.environ.get("ASCEND_RT_VISIBLE_DEVICES"),
+        here = options.get("placement")
+        rank_device(0, len(here.ranks) if here is not None else spec.parallel.world,
+                    visible=os.environ.get("ASCEND_RT_VISIBLE_DEVICES"),
                     device_count=torch.npu.device_count())  # type: ignore[attr-defined]
+    engine = DataParallelEngine if spec.parallel.dp > 1 else DistributedEngine
     # a real device: fresh interpreters (torch_npu must not be loaded before a fork; the stand-in forks warm)
-    return DistributedEngine(spec, weights, target="npu", standin=standin, spawn=not standin, **options)
+    return engine(spec, weights, target="npu", standin=standin, spawn=not standin, **options)

@@ -1,11 +1,9 @@
 """The NPU model runner: the step driver for the NPU target, on the runtime's scheduler and KV connector.
 
-`NpuModelRunner` has the CPU runner's interface (``submit(plan)``, ``collect(future)`` -> `StepOutput`,
-``settle``, ``close``, `RunnerSaves`), so `EngineCore` drives it unchanged. The runtime's `Scheduler`
-plans the steps, its `KVLoader` loads pool hits at admission; this runner alone drives the
-`KVConnector`'s worker side — every save of a plan: the graph calls' (`CommitPath.save_call`) and
-those from the cache (decode-time saves, write-backs: `CommitPath.save_filled`) — and adapts at the
-runner boundary:
+`NpuModelRunner` has the CPU runner's interface (``submit``, ``collect`` -> `StepOutput`, ``settle``,
+``close``, `RunnerSaves`): `EngineCore` drives it unchanged. It alone drives the `KVConnector`'s worker
+side — every save of a plan: the graph calls' (`CommitPath.save_call`), those from the cache (decode-time
+saves, write-backs: `CommitPath.save_filled`) — and adapts at the runner boundary:
 
 * **bucketing**: a step plan's rows become `NpuStepInputs` padded to the spec's buckets
   (`Buckets.from_spec`, `StepPadding`); a prefill with more sequences than ``prefill_seqs``
@@ -18,19 +16,19 @@ runner boundary:
 * **the KV cache in the NPU layout**: the connector's `PagedKVCache` (CPU layout ``[NB, BS, Hkv, D]``,
   what the pool (de)serialises) is handed to the NPU module as views in its layout (``KV_SHAPES``,
   ``[NB, BS, Hkv*D]``): the same memory, so pool loads land where the kernels read;
-* **commits off the critical path** (`graphgen.npu.run.staging.CommitPath`): a saving graph call
-  writes into a slot of a `StagingRing` (persistent, never one whose commit is in flight); after the
-  call a save event is recorded, a dedicated copy stream waits on it and issues one non-blocking D2H
-  per (layer, component) into the slot's pinned host rows; the connector puts from those rows after
-  the copy event (inline for sync, host stream for async) and then frees the slot. ``submit``
-  returns once the copies are issued. On the stand-in the copy stream is modelled
-  (`graphgen.npu.standin.streams`) and the host rows are pageable.
+* **commits off the critical path** (`graphgen.npu.run.staging.CommitPath`): a saving graph call writes
+  into a slot of a `StagingRing` (persistent, never one whose commit is in flight); after the call a save
+  event is recorded, a dedicated copy stream waits on it and issues one non-blocking D2H per (layer,
+  component) into the slot's pinned host rows; the connector puts from those rows after the copy event
+  (inline for sync, host stream for async) and then frees the slot. ``submit`` returns once the copies
+  are issued. On the stand-in the copy stream is modelled (`graphgen.npu.standin.streams`), the host
+  rows pageable.
 
-`npu_engine` builds the runtime `Engine` with this runner through the runtime's one assembly
-function (`build_engine`) and registers itself as ``open_engine(..., target="npu")``.
-``standin=True`` runs everything on CPU through graphgen's torchair stand-in (tests; never an NPU
-result); without it, torch_npu must import (`NpuUnavailable` otherwise).  The real-device parts
-(``device="npu"``, the NPU event after the forward) have never run on an NPU.
+`npu_engine` builds the runtime `Engine` with this runner (the runtime's one assembly, `build_engine`) and
+registers itself as ``open_engine(..., target="npu")``. ``standin=True`` runs everything on CPU through
+graphgen's torchair stand-in (tests; never an NPU result); without it, torch_npu must import
+(`NpuUnavailable` otherwise). The real-device parts (``device="npu"``, the NPU event after the forward)
+have never run on an NPU.
 """
 from __future__ import annotations
 
@@ -57,14 +55,13 @@ __all__ = ["NpuModelRunner", "npu_engine"]
 class NpuModelRunner(RunnerSaves):
     """Runs the generated NPU modules of ``spec`` (one compile mode) on the connector's ``cache``.
 
-    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here, the family's
-    ``fp32_suffixes`` keys kept float32).  ``pad_block``: a
-    cache block no sequence owns (`npu_engine` reserves it from the allocator); padding tokens write
-    and read only it.  ``sources``: {variant: module source} (default: generated in memory)."""
+    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here, the family's ``fp32_suffixes``
+    keys kept float32). ``pad_block``: a cache block no sequence owns (`npu_engine` reserves it from the
+    allocator); padding tokens write and read only it. ``sources``: {variant: module source} (default: in memory)."""
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
                  standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
-                 plan_check: Optional[Callable] = None, cache_dir=None, rank: int = 0, world: int = 1):
+                 plan_check: Optional[Callable] = None, cache_dir=None, rank: int = 0, world: int = 1, dp=None):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -77,6 +74,7 @@ class NpuModelRunner(RunnerSaves):
         self.observer = None  # the CPU runner's hook (save copies are not reported from the NPU runner yet)
         self.standin, self.check_limits = standin, check_limits
         self.plan_check = plan_check  # a rank's: every rank planned this step alike (RankParts.check_plan)
+        self.dp, self.dummy_forwards = dp, 0  # a DP rank's place and sync (data_parallel.NpuDP), its dummy calls
         self.buckets = Buckets.from_spec(spec)
         self.grid = MixedGrid.from_buckets(self.buckets)  # mixed batches' cells (history variants)
         self.block_size = spec.kv_cache.block_size
@@ -139,6 +137,15 @@ class NpuModelRunner(RunnerSaves):
                 mods[v] = load_module(Path(f"<{self.spec.name}>/npu/{mode_dir(self.mode)}/{v}.py"), src)
         return mods
 
+    @property
+    def rt(self):  # what the DP rank's commands read (layout, sync), as a CPU DP rank's runtime
+        return self.dp
+
+    def dummy_forward(self, kind: int, tokens: int) -> None:
+        from .data_parallel import dummy_forward
+
+        dummy_forward(self, kind, tokens)
+
     # ---- the runner interface (as CpuModelRunner) ------------------------------------------------
     def saves(self, variant: str) -> bool:
         return bool(self.modules[variant].META["saves"])
@@ -173,9 +180,8 @@ class NpuModelRunner(RunnerSaves):
         return warm_up(self, out)
 
     def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
-        """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
-        here: the device runs asynchronously anyway), each saving call's copies issued and its save
-        handed to the connector (`CommitPath.save_call`). A plan with no rows: nothing runs."""
+        """Run ``plan`` (graph calls queued on the device: ``background`` changes nothing), each saving
+        call's copies issued and its save handed off (`CommitPath.save_call`); no rows: nothing runs."""
         self.binding.ensure()
         fut = StepFuture(plan, None)
         if plan.rows:
@@ -187,10 +193,8 @@ class NpuModelRunner(RunnerSaves):
         return fut
 
     def collect(self, fut: StepFuture) -> StepOutput:
-        """The step's `StepOutput`: each row's logits (``[1, vocab]``: the last position; ``[0, vocab]``
-        for a chunk that samples nothing, as the CPU runner returns); the graph calls' saves were
-        handed off at submit, the plan's saves from the cache (decode-time saves, write-backs) are
-        made now, through the ring (`CommitPath.save_filled`: audit 3 N8)."""
+        """The `StepOutput`: row logits ``[1, vocab]`` (``[0, vocab]``: a chunk that samples nothing); the
+        plan's saves from the cache are made now, through the ring (`save_filled`: audit 3 N8)."""
         self.binding.ensure()
         plan = fut.plan
         pinned = list(plan.save_block_ids) if plan.rows and plan.saves else []
@@ -200,11 +204,7 @@ class NpuModelRunner(RunnerSaves):
         logits = tuple(x[:len(row.logits_positions)] for x, row in zip(fut.handles.split(1), plan.rows))
         return StepOutput(logits, None, saves, spans=(("forward", *fut.span),))
 
-    def settle(self, fut: StepFuture) -> None:
-        self.collect(fut)
-
-    def save_filled(self, block_ids, keys) -> None:
-        """Saves from the cache through the ring, as a graph call's (`CommitPath.save_filled`)."""
+    def save_filled(self, block_ids, keys) -> None:  # through the ring, as a graph call's save
         if self.commits is None:
             return super().save_filled(block_ids, keys)
         self.commits.save_filled(self.connector, block_ids, keys, self.kv)
@@ -223,11 +223,15 @@ class NpuModelRunner(RunnerSaves):
         phase = mod.META["phase"]
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
         history = bool(mod.META.get("history"))
-        cell = self._mixed_cell(plan, seqs) if history else None
+        cell = self._mixed_cell(plan, seqs) if history and self.dp is None else None
         chunks = [seqs] if cell is not None else self._chunks(phase, seqs)
         target = self.compiled(variant)
         logits, offset = [], 0
         for chunk in chunks:
+            if self.dp is not None:  # every DP rank runs this call at one bucket (data_parallel.py)
+                from .data_parallel import agree_padding
+
+                cell = agree_padding(self, phase, len(chunk), sum(len(s["ids"]) for s in chunk))
             b, n_save = self._step_inputs(mod, chunk, pad=cell)
             self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
             self._first_use(variant, b)
@@ -371,8 +375,7 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
                rank_parts=None, warmup: Optional[bool] = None, device_memory_utilization: Optional[float] = None,
-               cache_dir=None, rank_timeout=None,
-               **options) -> Engine:
+               cache_dir=None, rank_timeout=None, dp=None, **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
@@ -386,14 +389,11 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     ``rank_timeout``: the rank processes' start deadlines (`graphgen.runtime.Deadlines`; one process: unused)."""
     if spec.targets.npu is None:
         raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
-    if spec.parallel.ep > 1:
-        raise ValueError(f"spec {spec.name} runs expert-parallel (ep={spec.parallel.ep}): the NPU lowering has no "
-                         f"expert-parallel MoE yet; pass --ep 1 (experts sliced by width)")
     if not standin:  # before anything is put on the device: NpuUnavailable, one sentence
         from .compile import _import_torchair
 
         _import_torchair(False)
-    if spec.parallel.tp > 1 and rank_parts is None:
+    if spec.parallel.world > 1 and rank_parts is None and dp is None:
         if sources is not None:
             raise ValueError("sources= is for one process; NPU ranks compile their own modules")
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
@@ -411,17 +411,17 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (EngineCore.close)
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, plan_check=plan_check, cache_dir=cache_dir,
-                                rank=rank_parts.rank if rank_parts is not None else 0,
-                                world=spec.parallel.world)
+                                rank=rank_parts.rank if rank_parts is not None else dp.layout.rank if dp else 0,
+                                world=spec.parallel.world, dp=dp)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner
 
+    if rank_parts is not None or dp is not None:  # no async scheduling on a rank: two threads' collectives
+        options["async_scheduling"] = False      # need not pair up across ranks
     if rank_parts is not None:  # this rank's KV shard, keys, agreed hits (see RankParts)
         kv_shapes = rank_parts.kv_shapes
         options.update(make_loader=rank_parts.make_loader, make_connector=rank_parts.make_connector)
-        # no async scheduling on a rank: two threads' collectives need not pair up across ranks
-        options["async_scheduling"] = False
     else:
         shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
         kv_shapes = {k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()}
@@ -434,8 +434,13 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                         max_model_len=max_model_len(spec), **options)
 
 
-def npu_rank_engine(spec, weights: dict, *, rank: int, parts, **options) -> Engine:
-    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its `RankParts`."""
+def npu_rank_engine(spec, weights: dict, *, rank: int, parts, dp_layout=None, dp_group=None, **options) -> Engine:
+    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its `RankParts`, or,
+    a DP rank (``dp_layout``, the sync on ``dp_group``: data_parallel.py), its group's own engine."""
+    if dp_layout is not None:
+        from .data_parallel import NpuDP, NpuDPSync
+
+        options["dp"] = NpuDP(dp_layout, NpuDPSync(dp_group))
     return npu_engine(spec, weights, rank_parts=parts, **options)
 
 

@@ -191,6 +191,9 @@ class RunnerSaves:
 
     connector: Any
 
+    def collect(self, fut: StepFuture) -> StepOutput:  # every runner's: the step's output
+        raise NotImplementedError
+
     def save_report(self, pinned: Sequence[int]) -> SaveReport:
         """A step's `SaveReport`: ``pinned`` by it; commits landed since the last report (reaped)."""
         if self.connector is None:
@@ -208,6 +211,14 @@ class RunnerSaves:
     def save_filled(self, block_ids: Sequence[int], keys: Sequence[str]) -> None:
         """Pin, pack from the cache, commit (`KVConnector.save_filled`; the NPU runner: through its ring)."""
         self.connector.save_filled(block_ids, keys)
+
+    def settle(self, fut: StepFuture) -> None:
+        """Let a step go without its output (shutdown, an error elsewhere): its save is handed off if the
+        forward succeeded, cancelled if it failed; its error, if any, is not raised again."""
+        try:
+            self.collect(fut)
+        except BaseException:
+            pass
 
     def save_stats(self) -> dict:
         """The connector's counters (``puts``, ...) and ``saves_pending`` (commits not reaped yet)."""
@@ -312,14 +323,6 @@ class CpuModelRunner(RunnerSaves):
         hidden = None if handles.hidden is None else tuple(torch.split(handles.hidden, [r.num_tokens for r in rows]))
         return StepOutput(tuple(torch.split(handles.logits, [len(r.logits_positions) for r in rows])), hidden, saves,
                           spans=(("forward", *handles.span),))
-
-    def settle(self, fut: StepFuture) -> None:
-        """Let a step go without its logits (shutdown, an error elsewhere): its save is handed off
-        if the forward succeeded, cancelled if it failed."""
-        try:
-            self.collect(fut)
-        except BaseException:
-            pass
 
     def close(self) -> None:
         try:

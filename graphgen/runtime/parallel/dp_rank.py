@@ -228,11 +228,16 @@ def dp_rank_engine(spec, weights: dict, *, layout: DPLayout, pool, faults=None, 
                       event_timeout=event_timeout, **options)
 
 
-def build_dp_rank(spec, weights: dict, rank: int, cfg: dict, pool) -> Engine:
-    """What `rank.rank_main` builds for a DP layout: this rank's slices and engine."""
+def build_dp_rank(spec, weights: dict, rank: int, cfg: dict, pool, target=None, group=None) -> Engine:
+    """What `rank.rank_main` builds for a DP layout: this rank's slices and engine: the CPU one here, or
+    another target's (``target``: its `RankTarget`, built with ``parts=None``, ``dp_layout`` and ``dp_group``:
+    the host-side gloo group its DP ranks agree on, the NPU's: `graphgen.npu.run.data_parallel`)."""
     layout = DPLayout.of(spec.parallel, rank)
     # a dict: every tensor, sliced here; else the rank's `CheckpointWeights` (streamed when the engine loads)
     mine = dp_rank_weights(weights, cfg["weight_names"], layout) if isinstance(weights, dict) else weights
+    if cfg["target"] != "cpu":
+        return target.build(spec, mine, rank=rank, parts=None, dp_layout=layout, dp_group=group, pool=pool,
+                            faults=cfg["faults"], spec_file=cfg["spec_file"], **cfg["engine_kwargs"])
     return dp_rank_engine(spec, mine, layout=layout, pool=pool, faults=cfg["faults"], spec_file=cfg["spec_file"],
                           sources=cfg["sources"], **{"event_timeout": cfg["timeout"], **cfg["engine_kwargs"]})
 

@@ -1,83 +1,59 @@
-"""Running a spec on several ranks: one process per rank on torch.distributed (gloo, loopback).
+"""Running a spec on several ranks: one process per rank on torch.distributed (gloo; hccl on an NPU).
 
 `DistributedEngine` is the engine a caller holds (``open_engine(..., tp=2)`` returns one): it
-serves the pool every rank shares (the embedded host pool behind a loopback manager: rank 0's MLA
-latent must be visible to rank 1), starts a rank process per rank of the world (``parallel.world``:
-tp, or cp; `graphgen.runtime.parallel.context_parallel` for cp), and sends every rank the same
-command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep (`graphgen.runtime.parallel.rank`) and
-it returns rank 0's results. It implements `EngineInterface` (``generate``, ``drain``, ``stats``,
-``close``, context manager, ...: what every `open_engine` result has), so a driver uses it as it
-uses a one-process `Engine`, and ``core``: `DistributedCore`, the step API of `EngineCore` (what
-``graphgen serve`` drives) with every call broadcast to the ranks in the same order, so their
-schedulers stay in lockstep. The ranks hold their caches, runners and connectors in their own
-processes: ``kv_naming()`` is None (no P/D handoff from ranks), ``observe`` reports nothing.
+serves the pool every rank shares (the embedded host pool behind a `multiprocessing` manager: rank 0's MLA
+latent must be visible to rank 1) and the rendezvous store, starts a rank process per rank of this node
+(``parallel.world``: dp × cp × tp; `graphgen.runtime.parallel.context_parallel` for cp), and sends every
+rank the same command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep
+(`graphgen.runtime.parallel.rank`) and it returns rank 0's results. It implements `EngineInterface` (what
+every `open_engine` result has: ``generate``, ``drain``, ``stats``, ``close``, ...), so a driver uses it
+as a one-process `Engine`, and ``core``: `DistributedCore`, the step API of `EngineCore` (what
+``graphgen serve`` drives) with every call broadcast to the ranks in the same order (their schedulers stay
+in lockstep). The ranks' parts are in their processes: no ``kv_naming()`` (P/D), no spans (``observe``).
 
-Failure is bounded: every reply is awaited with a deadline while the rank processes are watched; a
-rank that exits, raises or misses its deadline ends every rank and raises `RankFailure` naming it.
-The deadlines (`graphgen.runtime.progress`): starting, each rank has one per phase (``rank_timeout``,
-a `Deadlines`: process start, weight loading, warm-up; it reports each phase it enters), and prints
-progress lines meanwhile (bytes loaded and GB/s, graphs compiled with an ETA); then every command
-must be answered in ``timeout`` seconds, unless the rank reports a phase again (a graph compiled on
-first use), which then has that phase's deadline. The process group's own timeout is the longest of
-these, so a collective that waits on a peer still compiling does not fail first; a collective whose
-peer hangs or died is ended by the deadline here. Nothing listens on anything but 127.0.0.1
-(``GLOO_SOCKET_IFNAME=lo``).
+Several nodes (``placement``, `graphgen.runtime.parallel.cluster`): this process is node 0's driver; the
+other nodes' followers (`graphgen.runtime.parallel.follower`) join its command channel
+(`graphgen.runtime.parallel.links.Channel`) and relay each command to their ranks, which answer through
+it. Store, channel and pool listen on the master address only (on one node, 127.0.0.1).
 
-Process start: the rank and pool processes are forked from a forkserver (`_process_context`) that
-imported torch and the rank modules once, when this process first started ranks: a rank skips the
-fresh interpreter's torch import (about 3 s of CPU each here). The forkserver runs no torch op, so
-no thread pool is forked. Each child first takes the environment of this process at its launch
-(`_child`: as a spawned interpreter would; ``ASCEND_RT_VISIBLE_DEVICES``, ``GLOO_SOCKET_IFNAME`` and
-the rest are read after it); a variable a preloaded module reads at import (`_READ_AT_IMPORT`) that
-changed since the forkserver started makes that launch spawn fresh interpreters instead, and so
-does ``spawn=True`` (the real NPU's ranks: its runtime must not be loaded before a fork).
+Failure is bounded: every reply is awaited with a deadline while the rank processes (and the followers'
+links) are watched; a rank that exits, raises or misses its deadline, or a node that is lost, ends every
+rank and raises `RankFailure` naming it (followers are told why). The deadlines
+(`graphgen.runtime.progress`): starting, each rank has one per phase (``rank_timeout``, a `Deadlines`:
+process start — a node's joining included —, weight loading, warm-up; it reports each phase it enters),
+and prints progress lines meanwhile (bytes loaded and GB/s, graphs compiled with an ETA); then every
+command must be answered in ``timeout`` seconds, unless the rank reports a phase again (a graph compiled
+on first use), which then has that phase's deadline. The process group's own timeout is the longest of
+these, so a collective that waits on a peer still compiling does not fail first; a collective whose peer
+hangs or died is ended by the deadline here. Process start: `graphgen.runtime.parallel.procs` (the warm
+forkserver), or ``spawn=True`` (the real NPU's ranks: its runtime must not be loaded before a fork).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
+from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
 from ..progress import Board, Deadlines, RankPhases
+from .cluster import Placement, cluster_key, interface_towards, spec_digest
 from .context_parallel import CP_RANK_TARGET
-from .rank import RANK_TARGETS, rank_main
-from ...netutil import free_port
+from .links import Channel, LocalRank, PendingRank, RemoteRank
+from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
+from .rank import RANK_TARGETS
+from ...netutil import bind_socket, free_port
 
 __all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
 
 
 class RankFailure(RuntimeError):
     """A rank process died, raised, or did not answer in time."""
-
-
-# what the forkserver imports once (a rank's imports: rank_main's lazy ones included)
-_PRELOAD = ["torch", "torch.distributed", "graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.dp_rank",
-            "graphgen.runtime.checkpoint.hf"]
-# environment read at import by a preloaded module (runtime/core/matmul.py): fixed in the forkserver
-_READ_AT_IMPORT = ("GRAPHGEN_CPU_MATMUL",)
-_forkserver_env: Optional[dict] = None  # those variables when this process's forkserver started
-
-
-def _process_context():
-    """The forkserver context (started with `_PRELOAD` on first use), or spawn when a variable of
-    `_READ_AT_IMPORT` differs from the forkserver's (its modules would hold the old value)."""
-    global _forkserver_env
-    now = {k: os.environ.get(k) for k in _READ_AT_IMPORT}
-    if _forkserver_env is None:
-        _forkserver_env = now
-        mp.set_forkserver_preload(_PRELOAD)
-    return mp.get_context("forkserver" if now == _forkserver_env else "spawn")
-
-
-def _child(env: dict, target, *args) -> None:  # the body of every process the launcher starts
-    os.environ.clear()  # forked from the forkserver: its environment, not this launch's
-    os.environ.update(env)
-    target(*args)
 
 
 def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
@@ -89,6 +65,71 @@ def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
     compiled = compile_spec(spec, spec_file=spec_file, targets=("cpu",))
     sources = {c.variant: next(iter(c.sources.values())) for c in compiled}
     return sources, graph_weight_names(c.graph for c in compiled)
+
+
+def _checked(spec, weights, pool, target: str):
+    """(the rank builder's name, the weights as the ranks get them) for a layout the ranks can run;
+    ValueError naming what cannot be."""
+    from ...families.parallel import layout_rules
+
+    if target == "cpu" and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context_parallel)
+        target = CP_RANK_TARGET
+    if target not in RANK_TARGETS:
+        raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
+    # a --tp/--ep override is checked here (the loader checked the file's own layout)
+    problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
+    if problems:
+        raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
+    if weights is None:
+        raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
+    if pool != "host":
+        raise ValueError("parallel ranks share the embedded host pool (pool='host')")
+    return target, weights if isinstance(weights, dict) else str(weights)  # (open_engine checked its config.json)
+
+
+def _host_store(host: str, port: int, timeout_s: float):
+    """The ranks' rendezvous store (torch.distributed's TCPStore), listening on ``host`` only: given a
+    socket bound there (TCPStore's own listener takes every address). ``port`` 0: a free one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    sock, problem = bind_socket(host, port)
+    if sock is None:
+        raise ValueError(f"the rendezvous store {problem}: --master-addr must be this node's address and "
+                         f"--master-port free")
+    sock.listen(1024)
+    bound = sock.getsockname()[1]
+    return dist.TCPStore(host, bound, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
+
+
+def _start_pool(ctx, env: dict, capacity: int, address, authkey: bytes, timeout: float):
+    """The shared host pool's process, serving on ``address`` once it returns."""
+    ready = ctx.Event()
+    proc = ctx.Process(target=_child, args=(env, serve_pool, capacity, address, authkey, ready), daemon=True,
+                       name="graphgen-pool")
+    proc.start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.05):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            proc.kill()
+            raise RankFailure(f"the shared pool process did not start (exit code {proc.exitcode}); "
+                              f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
+    return proc
+
+
+def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[str]:
+    """Why a follower cannot join (one sentence), or None. It must be an expected node, hosting that
+    node's ranks, for the same layout and spec (and settings) as this one."""
+    member = hello.get("member", -1)
+    if member not in members or tuple(hello.get("ranks", ())) != members[member]:
+        return (f"a follower announced itself as node/rank {member} hosting ranks {hello.get('ranks')}, which "
+                f"this cluster of {here.nnodes} node(s) x {here.local_world} rank(s) does not have")
+    if hello.get("spec") != spec_digest(spec):
+        return (f"{here.describe(member)} runs {hello.get('spec_name')!r} with another layout or settings than "
+                f"node 0 ({spec.name!r}): every node must be given the same spec and flags")
+    return None
 
 
 class DistributedCore:
@@ -148,71 +189,65 @@ class DistributedEngine:
                  faults=None, timeout: float = 120.0, threads: Optional[int] = None,
                  pool_capacity_bytes: int = DEFAULT_POOL_BYTES, target: str = "cpu",
                  rank_timeout: Optional[Deadlines] = None, clock=time.monotonic, progress_out=None,
-                 spawn: bool = False, **engine_kwargs):
+                 spawn: bool = False, placement: Optional[Placement] = None, **engine_kwargs):
         """``target``: the rank builder by name (`graphgen.runtime.parallel.rank.RANK_TARGETS`: ``"cpu"``,
         or one a target registered, e.g. ``"npu"`` by ``graphgen.npu.run.ranks``); ``engine_kwargs`` go
         to it in every rank process. ``timeout``: seconds a rank has to answer one command;
         ``rank_timeout``: the start phases' deadlines (default `Deadlines()`); ``clock`` measures both
         (tests pass a fast one); ``progress_out``: where the start's progress lines go (stderr).
         ``spawn``: a fresh interpreter per process instead of the warm forkserver (a device runtime
-        that must not be loaded before a fork: the real NPU's)."""
-        from ...families.parallel import layout_rules
-
+        that must not be loaded before a fork: the real NPU's). ``placement``: the ranks of this node
+        and where the others are (`graphgen.runtime.parallel.cluster.Placement`; default: every rank
+        here, on loopback); with several nodes this process is node 0's driver."""
         cpu_modules = target == "cpu"  # the CPU ranks run the modules compiled here once
-        if cpu_modules and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context_parallel)
-            target = CP_RANK_TARGET
-        if target not in RANK_TARGETS:
-            raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
-
-        # a --tp/--ep override is checked here (the loader checked the file's own layout)
-        problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
-        if problems:
-            raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
-        if weights is None:
-            raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
-        if pool != "host":
-            raise ValueError("parallel ranks share the embedded host pool (pool='host')")
-        if not isinstance(weights, dict):  # (open_engine has checked its config.json)
-            weights = str(weights)
+        target, weights = _checked(spec, weights, pool, target)
         self.spec, self.tp, self._timeout = spec, spec.parallel.tp, timeout
         self.deadlines = rank_timeout or Deadlines()
         self._clock = clock
         self.world = spec.parallel.world  # rank processes: dp × cp × tp
-        self._closed = False
+        self.placement = here = placement or Placement.single(self.world)
+        if here.world != self.world or not here.driver:
+            raise ValueError(f"placement {here} does not drive this layout of {self.world} ranks")
+        if here.multi_node and isinstance(weights, dict):
+            raise ValueError("ranks on several nodes read a checkpoint folder on each node, not a dict of tensors")
+        self._closed = self._closing = False
+        self._busy = threading.Lock()  # held while a command (or the start) waits on the ranks
+        self._failure: Optional[str] = None  # why the engine ended between commands (a node lost)
+        self.on_failure: Optional[Callable[[str], None]] = None  # told that sentence (from a thread)
         ctx = mp.get_context("spawn") if spawn else _process_context()  # module doc: process start
         env = dict(os.environ)
+        host = here.master_addr
+        if here.multi_node and "GLOO_SOCKET_IFNAME" not in env:  # gloo binds the interface towards node 0
+            env["GLOO_SOCKET_IFNAME"] = interface_towards(host)[0]
+        self._channel = Channel((host, here.channel_port), cluster_key(here), clock=clock) if here.multi_node else None
+        # the rendezvous store, bound to the given address only (torchrun's when it launched us)
+        self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))
         authkey = os.urandom(16)
-        pool_address = ("127.0.0.1", free_port())
-        ready = ctx.Event()
-        self._pool_proc = ctx.Process(target=_child, args=(env, serve_pool, pool_capacity_bytes, pool_address,
-                                                           authkey, ready), daemon=True, name="graphgen-pool")
-        self._pool_proc.start()
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.05):
-            if not self._pool_proc.is_alive() or time.monotonic() > deadline:
-                self._pool_proc.kill()
-                raise RankFailure(f"the shared pool process did not start (exit code {self._pool_proc.exitcode}); "
-                                  f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
+        pool_address = (host, here.pool_port if here.multi_node else free_port(host))
+        self._pool_proc = _start_pool(ctx, env, pool_capacity_bytes, pool_address, authkey, timeout)
         self._pool = connect_pool(pool_address, authkey)
         sources, weight_names = _compile_once(spec, spec_file)  # the weight names are every target's
-        cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "port": free_port(), "timeout": timeout,
+        cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "timeout": timeout,
+               "store": (host, self._store.port if self._store is not None else here.store_port, here.torchrun),
                "group_timeout": max(timeout, self.deadlines.longest),  # the process group's (module doc)
-               "threads": threads or max(1, (os.cpu_count() or 1) // self.world), "pool_address": pool_address,
+               "threads": threads or max(1, (os.cpu_count() or 1) // len(here.ranks)), "pool_address": pool_address,
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
+               "devices": {r: here.device_index(r) for r in here.ranks}, "local_world": len(here.ranks),
                # another target's ranks compile their own modules (its modes are its business)
                "sources": sources if cpu_modules else None, "weight_names": weight_names,
                "target": target, "target_module": RANK_TARGETS[target].module}
-        self._conns, self._procs = [], []
         self._phases = RankPhases(self.world, self.deadlines, timeout, clock=clock)  # every rank: "start"
         self._board = Board(self.world, progress_out, clock=clock)
-        for r in range(self.world):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_child, args=(env, rank_main, r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
-            p.start()
-            self._conns.append(parent)
-            self._procs.append(p)
+        members = here.members()
+        self._ends: list = [PendingRank(r, m) for m, ranks in members.items() for r in ranks]
+        self._ends = sorted(self._ends + start_ranks(ctx, env, here.ranks, cfg), key=lambda e: e.rank)
+        if self._channel is not None:
+            self._channel.on_lost = self._node_lost
+            self._channel.start(lambda hello: _check_hello(hello, here, spec, members), lambda hello: cfg,
+                                here.describe)
         try:
-            self._collect("start")
+            with self._busy:
+                self._collect("start")
         except BaseException:
             self._kill()
             raise
@@ -231,65 +266,126 @@ class DistributedEngine:
         self._timeout = self._phases.step_timeout = seconds
 
     # ---- the rank protocol ----------------------------------------------------------------------
+    @property
+    def _procs(self) -> list:
+        """This node's rank processes."""
+        return [e.proc for e in self._ends if isinstance(e, LocalRank)]
+
+    def _attach(self) -> None:
+        """Followers that joined since: their ranks now answer through their links."""
+        while self._channel is not None and not self._channel.joined.empty():
+            kind, member, got = self._channel.joined.get()
+            if kind == "refused":
+                self._fail(f"a node was refused: {got}")
+            self._ends = [RemoteRank(e.rank, got) if e.rank in got.ranks else e for e in self._ends]
+
     def _collect(self, what: str) -> list:
-        """Every rank's reply to the last command; a rank that fails or is late ends all of them. A
-        rank's ``("progress", event)`` messages before its reply move it between phases (and their
-        deadlines, `RankPhases`) and feed the progress lines."""
+        """Every rank's reply to the last command; a rank that fails or is late, or a node that is lost,
+        ends all of them. A rank's ``("progress", event)`` messages before its reply move it between
+        phases (and their deadlines, `RankPhases`) and feed the progress lines."""
         replies: dict[int, object] = {}
+        since = self._clock()
         while len(replies) < self.world:
-            for r, (c, p) in enumerate(zip(self._conns, self._procs)):
+            self._attach()
+            idle = True
+            for end in self._ends:
+                r = end.rank
                 if r in replies:
                     continue
-                if c.poll(0.02):
-                    try:
-                        status, value = c.recv()
-                    except (EOFError, OSError):  # the rank's end closed: it died
-                        p.join(1.0)
-                        self._kill()
-                        raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}") from None
-                    if status == "progress":
-                        self._phases.report(r, value)
-                        self._board.update(r, value)
-                        continue
-                    if status != "ok":
-                        dead = self._dead(grace=1.0)  # a peer's death is the cause, its error the symptom
-                        self._kill()
-                        raise RankFailure(f"{dead}rank {r} failed during {what}:\n{value}")
-                    replies[r] = value
-                elif not p.is_alive():
-                    self._kill()
-                    raise RankFailure(f"rank {r} exited (code {p.exitcode}) during {what}")
+                msg = end.recv()
+                if msg is None:
+                    why = end.failure(since)
+                    if why:
+                        self._fail(f"{why} during {what}")
+                    continue
+                idle = False
+                status, value = msg
+                if status == "exited":
+                    self._fail(f"{value} during {what}")
+                if status == "progress":
+                    self._phases.report(r, value)
+                    self._board.update(r, value)
+                    continue
+                if status != "ok":  # a peer's death (or a lost node) is the cause, its error the symptom
+                    dead = self._dead(grace=1.0)
+                    if any(isinstance(e, RemoteRank) and e.failure(0.0) for e in self._ends):
+                        self._fail(f"{dead.rstrip('; ')} during {what} (rank {r} failed after it: "
+                                   f"{str(value).strip().splitlines()[-1]})")
+                    self._fail(f"{dead}rank {r} failed during {what}:\n{value}")
+                replies[r] = value
             late = self._phases.late([r for r in range(self.world) if r not in replies])
             if late:
-                self._kill()
-                raise RankFailure(self._phases.describe(late, what))
+                self._fail(self._late(late, what))
             self._board.tick()
+            if idle:
+                wait([e.conn for e in self._ends if isinstance(e, LocalRank)], 0.02 if self._channel is None else 0.005)
         return [replies[r] for r in range(self.world)]
 
+    def _late(self, late: list[int], what: str) -> str:
+        pending = [e for e in self._ends if isinstance(e, PendingRank) and e.rank in late]
+        if not pending:
+            return self._phases.describe(late, what)
+        here = self.placement
+        return (f"{here.describe(pending[0].member)} never joined: nothing connected to "
+                f"{here.master_addr}:{here.channel_port} within {self.deadlines.start:.0f} s (is its graphgen "
+                f"started with the same --nnodes/--master-addr/--master-port? --rank-timeout start=S raises it)")
+
+    def _fail(self, sentence: str):
+        self._kill(sentence)
+        if self.on_failure is not None:  # told a second later: the caller answers its requests with it first
+            threading.Timer(1.0, self.on_failure, (sentence,)).start()
+        raise RankFailure(sentence)
+
     def _dead(self, grace: float) -> str:
-        """``rank N exited (code C); `` for every rank that has exited (waiting up to ``grace``)."""
+        """``rank N exited (code C); `` for every rank that has exited, and each lost node (waiting up
+        to ``grace`` for one)."""
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and all(p.is_alive() for p in self._procs):
+        while True:
+            down = [why for e in self._ends if (why := e.failure(0.0))]
+            if down or time.monotonic() >= deadline:
+                return "".join(f"{why}; " for why in dict.fromkeys(down))
             time.sleep(0.02)
-        return "".join(f"rank {r} exited (code {p.exitcode}); " for r, p in enumerate(self._procs) if not p.is_alive())
 
     def _command(self, cmd: str, *args) -> list:
-        if self._closed:
-            raise RuntimeError("the distributed engine is closed")
-        for c in self._conns:
-            c.send((cmd, args))
-        self._phases.command()
-        return self._collect(cmd)
+        with self._busy:
+            if self._closed:
+                if self._failure is not None:
+                    raise RankFailure(self._failure)
+                raise RuntimeError("the distributed engine is closed")
+            for e in self._ends:
+                e.send((cmd, args))
+            if self._channel is not None:
+                self._channel.broadcast(("cmd", (cmd, args)))
+            self._phases.command()
+            return self._collect(cmd)
 
-    def _kill(self) -> None:
+    def _node_lost(self, link) -> None:
+        """A follower's link was lost (its reader thread): between commands, the engine ends now (every rank
+        here, every other follower told) and ``on_failure`` hears why; during one, its `_collect` reports it."""
+        if self._closing or not self._busy.acquire(blocking=False):
+            return
+        try:
+            if self._closed:
+                return
+            self._failure = f"{link.lost} (between commands)"
+            self._kill(self._failure)
+        finally:
+            self._busy.release()
+        if self.on_failure is not None:
+            self.on_failure(self._failure)
+
+    def _kill(self, reason: Optional[str] = None) -> None:
+        """End every rank here; followers are told ``reason`` (None: a normal close) and let go."""
         self._closed = True
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
+        for e in self._ends:
+            e.kill()
         for p in self._procs:
             p.join(5)
+        if self._channel is not None:
+            self._channel.close(reason)
         if self._pool_proc.is_alive():
             self._pool_proc.kill()
+        self._store = None  # the rendezvous store stops listening
 
     # ---- the Engine calls -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, **kwargs):
@@ -311,19 +407,18 @@ class DistributedEngine:
     def pool_stats(self) -> dict:
         return self._pool.stats()
 
+    # the EngineInterface's calls whose parts live in the rank processes: no spans, no P/D handoff
     def observe(self, observer) -> None:
-        """Nothing: the runners and connectors that report spans are in the rank processes."""
+        pass
 
     def kv_naming(self):
-        """None: the ranks' blocks are named per shard, in their own processes (no P/D handoff)."""
         return None
 
     def kv_pool(self):
         return None
 
     def saves_in_flight(self) -> int:
-        """0: each rank waits for its own commits (``drain`` barriers them)."""
-        return 0
+        return 0  # each rank waits for its own commits (``drain`` barriers them)
 
     def on_ranks(self, fn, *args) -> list:
         """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
@@ -339,6 +434,7 @@ class DistributedEngine:
     def close(self) -> None:
         if self._closed:
             return
+        self._closing = True  # the followers' connections close after this: not a failure
         try:
             self._command("close")
         finally:

@@ -320,34 +320,49 @@ def rank_main(rank: int, cfg: dict, conn) -> None:  # pragma: no cover - runs in
         _serve_rank(rank, cfg, conn, send, progress)
 
 
+def _rendezvous(store, timeout):
+    """A client of the driver's rendezvous store ``(host, port, torchrun)``; under torchrun, of torchrun's
+    own store, under a prefix of graphgen's (torchrun keeps its keys there too)."""
+    host, port, torchrun = store
+    client = dist.TCPStore(host, port, None, False, timeout=timeout)
+    return dist.PrefixStore("graphgen", client) if torchrun else client
+
+
+def _join(rank: int, cfg: dict):
+    """This rank's target (`RankTarget`) and the host-side gloo group (None: the world's is gloo), after
+    its device is chosen and it joined the process group."""
+    import datetime
+
+    torch.set_num_threads(cfg["threads"])
+    importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
+    target = RANK_TARGETS[cfg["target"]]
+    # the device is this node's local rank (device choice and backend are the target's)
+    backend = target.setup(cfg["devices"][rank], cfg["local_world"], cfg["engine_kwargs"])
+    # the process group's timeout outlasts every start phase: a collective in one rank's warm-up
+    # waits for a peer still compiling; the launcher's deadlines end a rank that hangs
+    timeout = datetime.timedelta(seconds=cfg["group_timeout"])
+    dist.init_process_group(backend, store=_rendezvous(cfg["store"], timeout), rank=rank,
+                            world_size=cfg["spec"].parallel.world, timeout=timeout)
+    # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
+    return target, (None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout))
+
+
 def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: no cover - in the rank process
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # the parent ends the ranks (close, or kill): a terminal's Ctrl-C, sent to the whole process
         # group, must not kill a rank under a parent that is still draining
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(cfg["threads"])
         spec = cfg["spec"]
-        importlib.import_module(cfg["target_module"])  # registers the rank target (the launcher named it)
-        target = RANK_TARGETS[cfg["target"]]
-        # one node: the local rank is the rank (device choice and backend are the target's)
-        backend = target.setup(rank, spec.parallel.world, cfg["engine_kwargs"])
-        # the process group's timeout outlasts every start phase: a collective in one rank's warm-up
-        # waits for a peer still compiling; the launcher's deadlines end a rank that hangs
-        timeout = datetime.timedelta(seconds=cfg["group_timeout"])
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                                world_size=spec.parallel.world, timeout=timeout)
-        # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
-        group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        target, group = _join(rank, cfg)
         weights = cfg["weights"]
         progress.phase("load", total=_weight_bytes(weights))  # a folder's total: its loader says (place_weights)
         if cfg["faults"] is not None:
             cfg["faults"].weights_sleep()  # a test's slow (or hung) load
+        if cfg.get("check_config"):  # another node's folder (node 0 checked its own before starting)
+            from ..checkpoint.hf import check_config
+
+            check_config(spec, weights)
         if not isinstance(weights, dict):  # a checkpoint folder: this rank streams its own slices, nothing else
             from ..checkpoint.plan import RankSlicing
             from ..checkpoint.stream import CheckpointWeights
@@ -360,7 +375,7 @@ def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: 
         if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (dp_rank.py)
             from .dp_rank import build_dp_rank
 
-            engine = build_dp_rank(spec, weights, rank, cfg, pool)
+            engine = build_dp_rank(spec, weights, rank, cfg, pool, target, group)
             del weights
         else:
             # this rank's slices by its TP rank (innermost in the rank order), of the names the launcher compiled

@@ -1,10 +1,11 @@
 """Start a Mooncake Store for the pool on loopback: the master and a process holding the storage.
 
-    python -m graphgen.runtime.pool.mooncake_server serve   [--port 50051] [--segment 1GiB]
-    python -m graphgen.runtime.pool.mooncake_server master  [--port 50051]      # the master alone
-    python -m graphgen.runtime.pool.mooncake_server segment --master 127.0.0.1:50051 [--segment 1GiB]
+    python -m graphgen.runtime.pool.mooncake_server serve   [--port 50051] [--segment 1GiB] [--host 127.0.0.1]
+    python -m graphgen.runtime.pool.mooncake_server master  [--port 50051] [--host 127.0.0.1]  # the master alone
+    python -m graphgen.runtime.pool.mooncake_server segment --master 127.0.0.1:50051 [--segment 1GiB] [--host ...]
 
-``serve`` runs ``mooncake_master`` (RPC and metrics on 127.0.0.1) as a child and contributes a
+``serve`` runs ``mooncake_master`` (RPC and metrics on ``--host``, loopback by default; another host's
+instances reach it at this host's address, docs/pd.md "Across hosts") as a child and contributes a
 global segment from its own process, so blocks saved by an engine outlive that engine (engines
 contribute no segment by default). Each prints one ``ready ...`` line on stdout once usable and
 runs until SIGINT/SIGTERM. The master binary ships inside the ``mooncake`` wheel
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("serve", "master"):
         p = sub.add_parser(name)
         p.add_argument("--port", type=int, default=50051, help="master RPC port (0: a free one)")
+        p.add_argument("--host", default="127.0.0.1",
+                       help="this host's address the master (and the segment) listen on and announce")
         p.add_argument("--metrics-port", type=int, default=0, help="0: a free one")
         p.add_argument("--lease-ttl-ms", type=int, default=None,
                        help="master -default_kv_lease_ttl (a read blocks eviction this long)")
@@ -120,23 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     seg = sub.add_parser("segment")
     seg.add_argument("--master", required=True, help="HOST:PORT of a running master")
     seg.add_argument("--segment", default="1GiB")
+    seg.add_argument("--host", default="127.0.0.1", help="this host's address the segment announces")
     a = ap.parse_args(argv)
 
     if a.cmd == "segment":
-        store = hold_segment(a.master, parse_size(a.segment))
+        store = hold_segment(a.master, parse_size(a.segment), a.host)
         print(f"ready segment={parse_size(a.segment)} master={a.master}", flush=True)
         rc = _wait_for_signal()
         os._exit(rc)        # skip Mooncake's unmount wait on a master that may be gone
         del store
 
-    port = a.port or free_port()
+    port = a.port or free_port(a.host)
     extra = () if a.lease_ttl_ms is None else (f"-default_kv_lease_ttl={a.lease_ttl_ms}",)
-    child = subprocess.Popen(master_argv(port, a.metrics_port or free_port(), extra=extra))
+    child = subprocess.Popen(master_argv(port, a.metrics_port or free_port(a.host), host=a.host, extra=extra))
     try:
-        wait_listening("127.0.0.1", port, 10.0, child)
-        master = f"127.0.0.1:{port}"
+        wait_listening(a.host, port, 10.0, child)
+        master = f"{a.host}:{port}"
         if a.cmd == "serve":
-            store = hold_segment(master, parse_size(a.segment))   # noqa: F841 - keeps it alive
+            store = hold_segment(master, parse_size(a.segment), a.host)   # noqa: F841 - keeps it alive
         print(f"ready master={master} pid={child.pid} url=mooncake://{master}", flush=True)
         rc = _wait_for_signal(child)
     finally:

@@ -1,0 +1,116 @@
+"""DP attention on the NPU runner: every DP rank's MoE collectives pair up, at one token count.
+
+The CPU DP ranks (`graphgen.runtime.parallel.dp_rank`) pair their forwards with a handshake and let each
+group's step keep its own token count (the gather pads at run time). An NPU graph has static shapes (one
+per bucket), and the MoE's DP ``all_gather_into_tensor`` takes the same number of rows from every rank,
+so every DP rank must run each graph call **at the same padded token count**, as vllm-ascend pads every
+DP rank to the largest one's tokens (``num_tokens_across_dp``). Per graph call, `NpuDPSync.round`
+all-gathers each rank's intent ``(kind, tokens)`` (kind 1: a decode bucket, T = its batch; 2: a prefill
+bucket, T = its tokens; ``(0, 0)``: nothing to run) on the host-side gloo group:
+
+* every rank idle: the tick is over (`serve_others` returns);
+* else the kind of the lowest DP rank with an intent goes, at the largest T asked for that kind (a bucket
+  of that kind: each intent is one): a rank whose intent is of that kind runs its call padded to T
+  (`agree_padding`); every other rank runs a **dummy call** of that kind at T (`dummy_forward`: the
+  kind's graph on padding rows only, in the reserved pad block, as a warm-up step — its experts still
+  process the other ranks' gathered tokens) and, if it had an intent, offers it again next round.
+
+So calls of one kind run together (all the DP ranks' decodes in one round), and a prefill on one rank
+costs the decoding ranks one dummy prefill. `NpuDP` is what the DP rank's commands read (``layout``,
+``sync``: as `DPRankRuntime` for the CPU ranks), so the runtime's `dp_tick` / `rank_generate` drive the NPU
+ranks unchanged. Mixed batches run through the prefill buckets (no mixed-grid cell: its shapes are not
+one of the kinds).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...runtime import current_progress
+
+__all__ = ["NpuDPSync", "NpuDP", "agree_padding", "dummy_forward", "DECODE", "PREFILL"]
+
+DECODE, PREFILL = 1, 2
+
+
+class NpuDPSync:
+    """The per-graph-call agreement over the DP ranks (every rank of the world; ``group``: a gloo group, None:
+    the world's when it is gloo). Every rank calls the same rounds in the same order."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def round(self, intent: tuple[int, int] = (0, 0)) -> Optional[tuple[int, int]]:
+        """``(kind, tokens)`` every rank runs in this round, or None: no rank has a call to make."""
+        mine = torch.tensor(list(intent), dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        live = [(int(t[0]), int(t[1])) for t in every if int(t[0])]
+        if not live:
+            return None
+        kind = live[0][0]  # the lowest rank's kind goes first
+        return kind, max(tokens for k, tokens in live if k == kind)
+
+    def serve_others(self, dummy_forward) -> int:
+        """This rank has nothing (more) to run this tick: a dummy call for each round another rank runs."""
+        n = 0
+        while (agreed := self.round()) is not None:
+            dummy_forward(*agreed)
+            n += 1
+        return n
+
+    def any(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+@dataclasses.dataclass
+class NpuDP:
+    """A DP rank's side of the runner: its place (`graphgen.runtime.parallel.dp_rank.DPLayout`) and the sync."""
+    layout: object
+    sync: NpuDPSync
+
+
+def _kind(phase: str) -> int:
+    return DECODE if phase == "decode" else PREFILL
+
+
+def agree_padding(runner, phase: str, n_seqs: int, n_tokens: int):
+    """The padding of a real graph call (``n_seqs`` sequences, ``n_tokens`` tokens) every DP rank agreed on:
+    rounds (running dummy calls for the other kind meanwhile) until this call's kind goes, at the agreed T."""
+    pad = runner.buckets.padding(phase, n_seqs, n_tokens, runner.pad_block)
+    while True:
+        kind, tokens = runner.dp.sync.round((_kind(phase), pad.tokens))
+        if kind == _kind(phase):
+            return runner.buckets.padding(phase, n_seqs, n_tokens, runner.pad_block, at_least=tokens)
+        dummy_forward(runner, kind, tokens)
+
+
+def dummy_forward(runner, kind: int, tokens: int) -> None:
+    """A call of ``kind`` at ``tokens`` on padding only (the pad block; a saving graph writes a staging slot
+    that is never committed, as a warm-up step): the MoE's collectives pair with the other ranks' call."""
+    phase = "decode" if kind == DECODE else "prefill"
+    variant = next(v for v, m in runner.modules.items()
+                   if m.META["phase"] == phase and not m.META.get("history"))
+    mod = runner.modules[variant]
+    chunk = [runner._pad_sequence(1 if phase == "decode" else 0, 1)]
+    b, _ = runner._step_inputs(mod, chunk, pad=runner.buckets.padding(phase, 1, 1, runner.pad_block, at_least=tokens))
+    target = runner.compiled(variant)
+    runner._first_use(variant, b)
+    saves = bool(mod.META["saves"])
+    idx, slot = runner.commits.ring.acquire() if saves else (None, None)
+    try:
+        with torch.no_grad(), runner._limits():
+            target.forward(runner.W, b, runner.kv, slot.device if saves else ())
+    finally:
+        if saves:  # the next graph writing this slot is queued after this one (same stream)
+            runner.commits.ring.release(idx)
+    runner.dummy_forwards += 1
+    current_progress().stepping()  # a graph compiled on first use is done: the step deadline again
