@@ -35,7 +35,7 @@ def itl_run(ckpt, chunked, long_len, budget, n_decode=48):
     long = torch.randint(0, 256, (long_len,), generator=g).tolist()
     with open_engine(SPEC, ckpt, write="async", chunked_prefill=chunked, max_num_batched_tokens=budget,
                      num_blocks=(long_len + 256) // 4 + 64) as eng:
-        llm = eng.llm
+        llm = eng.core
         llm.add_request("run", short, max_tokens=n_decode)
         times, added = [], False
         while llm.has_work():

@@ -66,7 +66,7 @@ class Clock:
 def engine_run(eng, prompt, n_decode, after_prefill=None):
     """(prefill (wall, cpu) ms, [decode (wall, cpu) ms per step], tokens): one request driven step by step;
     ``after_prefill()`` is called once the prefill step is done (the profiler starts there)."""
-    llm = eng.llm
+    llm = eng.core
     llm.add_request("r", prompt, max_tokens=n_decode + 1)
     times, toks = [], []
     while llm.has_work():

@@ -65,7 +65,7 @@ def wave(spec, weights, prompts, args, *, write, chunked, faults=None, warm_halv
         if warm_halves:  # the pool holds each prompt's first half (saved, committed)
             eng.generate([p[:len(p) // 2] for p in prompts], 1, batch=True)
             eng.drain()
-        llm = eng.llm
+        llm = eng.core
         t_add = {}
         for i, p in enumerate(prompts):
             llm.add_request(i, p, max_tokens=args.new)
@@ -137,9 +137,9 @@ def long_ttft(spec, weights, args, device_spec) -> None:
                 dev = engines["device"]
                 dev.generate([q], 1)
                 dev.drain()
-                before = dev.llm.stats()["device_hit_blocks"]
+                before = dev.core.stats()["device_hit_blocks"]
                 ttft(dev, q, "full device hit")
-                hits["full device hit"][-1] = (dev.llm.stats()["device_hit_blocks"] - before) * spec.kv_cache.block_size
+                hits["full device hit"][-1] = (dev.core.stats()["device_hit_blocks"] - before) * spec.kv_cache.block_size
     finally:
         for e in engines.values():
             e.close()

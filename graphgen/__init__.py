@@ -10,7 +10,7 @@ __all__ = ["Engine", "__version__"]
 
 def __getattr__(name):
     if name == "Engine":
-        from .runtime.engine.facade import Engine  # noqa: F401  (also graphgen.runtime.Engine)
+        from .runtime.engine.engine import Engine  # noqa: F401  (also graphgen.runtime.Engine)
 
         return Engine
     raise AttributeError(f"module 'graphgen' has no attribute {name!r}")

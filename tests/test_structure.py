@@ -303,7 +303,7 @@ IMPORT_RULES = {
     "scheduler": Rule(f"{R}.engine.scheduler", "never", ("torch.**",),
                       "the scheduler plans (policy on block ids and token counts): it never imports torch itself"),
     "scheduler-no-runner": Rule(f"{R}.engine.scheduler", "never_reaches",
-                                (f"{R}.engine.runner", f"{R}.engine.spec_decode", f"{R}.engine.step_loop"),
+                                (f"{R}.engine.runner", f"{R}.engine.spec_decode", f"{R}.engine.engine_core"),
                                 "the scheduler plans, the runner executes: nothing the scheduler imports, however "
                                 "indirectly, loads the runner or the MTP drafter that drives it (block keys: pool.keys)"),
     "runtime-no-route": Rule(f"{R}.**", "never", ("graphgen.route.**",),
@@ -410,9 +410,9 @@ SEEDED_BREAKS = [  # (rule, module, the import put back, what the rule must then
     ("npu-check", "graphgen.npu.check.structure", "graphgen.npu.run.compile", "graphgen.npu.run.compile"),
     ("npu-check", "graphgen.npu.check.structure", "graphgen.npu.standin.fakes", "graphgen.npu.standin.fakes"),
     ("npu-standin", "graphgen.npu.standin.fakes", "graphgen.npu.run.compile", "graphgen.npu.run.compile"),
-    # the scheduler took successor_keys from spec_decode, which imports the runner (and torch)
-    ("scheduler-no-runner", f"{R}.engine.scheduler", f"{R}.engine.spec_decode",
-     f"{R}.engine.runner (via {R}.engine.spec_decode)"),
+    # the scheduler took successor_keys from spec_decode, which drives the runner (and imports torch)
+    ("scheduler-no-runner", f"{R}.engine.scheduler", f"{R}.engine.spec_decode", f"{R}.engine.spec_decode"),
+    ("scheduler-no-runner", f"{R}.engine.scheduler", f"{R}.engine.assembly", f"{R}.engine.runner (via {R}.engine.assembly)"),
     ("scheduler", f"{R}.engine.scheduler", "torch", "torch"),
     # the DP engine borrowed the P/D router's policy module
     ("runtime-no-route", f"{R}.parallel.data_parallel", "graphgen.route.policy", "graphgen.route.policy"),
@@ -536,3 +536,107 @@ def test_spec_check_sees_a_spec_parameter_and_keyword(tmp_path):
     path.write_text("def emit(graph, *, spec=None):\n    return 1\n\ndef frame(graph):\n    return render(graph, spec=graph)\n")
     assert spec_uses(path, "emit.py") == ["emit.py:1: emit() takes a spec parameter",
                                           "emit.py:5: frame() passes spec= to a call"]
+
+
+# --- who drives the KV connector's worker side -------------------------------------------------------
+# vLLM's shape (issue 31): the scheduler plans every save into the step plan, the runner executes them,
+# one output object comes back. So the connector's worker-side calls (pin/stage a save, hand it off,
+# cancel it, save from the cache, reap/drain/wait for commits, count them) appear in the runner only,
+# and in the NPU runner's commit path, which makes the same calls for its ring (CommitPath).
+CONNECTOR_WORKER_SIDE = frozenset({"prepare_save", "handoff", "cancel", "save_filled", "reap", "drain",
+                                   "wait_oldest", "in_flight"})
+CONNECTOR_DRIVERS = {
+    "graphgen/runtime/engine/runner.py": "the model runner (RunnerSaves: every save of a plan, commits waited for)",
+    "graphgen/npu/run/staging.py": "the NPU commit path (CommitPath: the ring's saves, graph calls' and from the cache)",
+}
+
+
+def _receiver_name(node: ast.AST) -> str:
+    """The last name of an attribute chain's receiver (``self.connector`` -> ``connector``), else ''."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    return ""
+
+
+def connector_calls(source: str, rel: str) -> list[str]:
+    """Where ``source`` calls (or hands on, as a callback) a worker-side method of a connector: an
+    attribute in `CONNECTOR_WORKER_SIDE` on a receiver whose name says connector."""
+    return sorted(f"{rel}:{node.lineno}: {_receiver_name(node.value)}.{node.attr}"
+                  for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr in CONNECTOR_WORKER_SIDE
+                  and "connector" in _receiver_name(node.value).lower())
+
+
+def test_only_the_runner_drives_the_connectors_worker_side():
+    found = {}
+    for path in SOURCES:
+        rel = _rel(path)
+        calls = connector_calls(path.read_text(encoding="utf-8"), rel)
+        if calls:
+            found[rel] = calls
+    outside = [c for rel, calls in sorted(found.items()) if rel not in CONNECTOR_DRIVERS for c in calls]
+    assert not outside, ("the KV connector's worker side is driven outside the runner (plan the save into the "
+                         "StepPlan instead):\n  " + "\n  ".join(outside))
+    # each driver still drives it: a rename that hid the calls would make the rule vacuous
+    assert set(found) == set(CONNECTOR_DRIVERS), sorted(found)
+
+
+def test_connector_calls_are_found_in_every_form():
+    """Negative control: the step loop's decode-time save, the scheduler's callbacks and a P/D read, as
+    they were written before issue 31, are found; an engine's own ``drain`` or a runner call is not."""
+    source = ("class Loop:\n"
+              "    def land(self, plan):\n"
+              "        self.connector.save_filled(*self.scheduler.blocks.decode_saves(plan))\n"
+              "        self.connector.reap()\n"
+              "def build(connector, engine):\n"
+              "    s = Scheduler(reclaim=connector.wait_oldest, save_blocks=connector.save_filled)\n"
+              "    engine.drain()\n"
+              "    engine.runner.drain_saves()\n"
+              "    return engine.connector.in_flight()\n")
+    assert connector_calls(source, "m.py") == ["m.py:3: connector.save_filled", "m.py:4: connector.reap",
+                                               "m.py:6: connector.save_filled", "m.py:6: connector.wait_oldest",
+                                               "m.py:9: connector.in_flight"]
+
+
+# --- drivers use the declared engine interface -------------------------------------------------------
+# What open_engine returns is an EngineInterface (graphgen/runtime/engine/interface.py): outside the
+# runtime nothing asks which engine class it holds.
+ENGINE_CLASSES = frozenset({"Engine", "EngineCore", "DistributedEngine", "DataParallelEngine", "DistributedCore",
+                            "DataParallelCore"})
+
+
+def engine_class_tests(source: str, rel: str) -> list[str]:
+    """``isinstance``/``issubclass`` against an engine class (alone or in a tuple), and ``type(x) is C``."""
+    def named(node) -> list[str]:
+        nodes = node.elts if isinstance(node, ast.Tuple) else [node]
+        return [n for n in map(_receiver_name, nodes) if n in ENGINE_CLASSES]
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass") \
+                and len(node.args) == 2:
+            found += [f"{rel}:{node.lineno}: {node.func.id}(..., {n})" for n in named(node.args[1])]
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                and isinstance(node.left.func, ast.Name) and node.left.func.id == "type":
+            found += [f"{rel}:{node.lineno}: type(...) is {n}" for c in node.comparators for n in named(c)]
+    return found
+
+
+def test_no_engine_class_is_tested_for_outside_the_runtime():
+    found = [f for path in SOURCES if not _rel(path).startswith("graphgen/runtime/")
+             for f in engine_class_tests(path.read_text(encoding="utf-8"), _rel(path))]
+    assert not found, "use the EngineInterface (kv_naming(), observe(), ...), not the class:\n  " + "\n  ".join(found)
+
+
+def test_engine_class_tests_are_found():
+    """Negative control: the adapter's old branch, a tuple and a ``type`` comparison are found; a test
+    against another class is not."""
+    source = ("def f(engine, x):\n"
+              "    if isinstance(engine, DistributedEngine):\n"
+              "        return isinstance(x, (dict, runtime.Engine))\n"
+              "    return type(engine) is DataParallelEngine or isinstance(x, dict)\n")
+    assert engine_class_tests(source, "m.py") == ["m.py:2: isinstance(..., DistributedEngine)",
+                                                  "m.py:3: isinstance(..., Engine)",
+                                                  "m.py:4: type(...) is DataParallelEngine"]

@@ -114,7 +114,7 @@ def cmd_run(args) -> int:
 
     eos = [] if args.ignore_eos else eos_token_ids(weights)
     if eos:  # generation stops at the checkpoint's EOS ids (the token is kept)
-        engine.llm.eos_token_ids = tuple(eos)
+        engine.core.eos_token_ids = tuple(eos)
     trace = None
     if args.trace:
         from ..trace import StepObserver, TraceRecorder

@@ -10,7 +10,7 @@ but attention, so the graph changes only around the KV:
   step's KV into its cache (the runner's ``slot_mapping`` lists the slots in gathered order);
 - attention then reads this rank's queries against the whole cache; the runner describes the two
   chunks of a sequence as two query ranges over the same block table (causal by position; the CPU
-  ranks' runner: ``graphgen.runtime.parallel.context``).
+  ranks' runner: ``graphgen.runtime.parallel.context_parallel``).
 
 The same holds for every chunk of a chunked prefill (the history variants: history KV is already in
 every rank's cache), so the pass applies to every prefill variant. **Decode** at ``cp > 1`` keeps

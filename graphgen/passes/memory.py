@@ -1,7 +1,7 @@
 """Per-rank device memory of a spec's layout, as a launch lays it out, for ``graphgen validate`` and
 ``graphgen import-hf --fit``. Pure Python, no torch.
 
-What one rank holds, in the order a launch allocates it (`graphgen.runtime.engine.facade.build_engine`):
+What one rank holds, in the order a launch allocates it (`graphgen.runtime.engine.assembly.build_engine`):
 
 * the **weights**: the sharded graphs' weight names (each rank's chunk, padded chunks whole) in the
   target's dtype, the family's float32 keys in float32, plus the RoPE table; under W8A8 (`graphgen.ir.quant`)

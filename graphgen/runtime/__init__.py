@@ -19,8 +19,9 @@ require("runtime", "graphgen.runtime")
 # public name -> the module that defines it
 _EXPORTS = {
     "open_engine": "launch", "register_target": "launch",
-    "Engine": "engine.facade",
-    "LLMEngine": "engine.step_loop",
+    "Engine": "engine.engine", "EngineInterface": "engine.interface", "StepAPI": "engine.interface",
+    "CacheNaming": "engine.interface",
+    "EngineCore": "engine.engine_core",
     "SamplingParams": "engine.sampling", "SEED_RANGE": "engine.sampling", "MIN_TEMPERATURE": "engine.sampling",
     "VALUE_RANGES": "engine.sampling", "StructuredOutput": "engine.grammar",
     "compiled_matcher": "engine.grammar", "warm_up_grammars": "engine.grammar",

@@ -3,21 +3,25 @@
 It loads the spec (once), applies the run's overrides (``write``, ``granularity``, ``tp``, ``ep``),
 checks the checkpoint's config against the spec, and hands the parts to the target:
 
-* ``target="cpu"``, one rank: `graphgen.runtime.engine.facade.cpu_engine` (the weights are loaded here);
+* ``target="cpu"``, one rank: `graphgen.runtime.engine.assembly.cpu_engine` (the weights are loaded here);
 * ``target="cpu"``, several ranks: `graphgen.runtime.parallel.launcher.DistributedEngine`, which
   starts one process per rank; each rank builds its parts with the same `cpu_engine` (its runtime,
   KV shard and pool keys given) — every rank loads its own weight slices;
 * another target (``"npu"``): the builder it registered with `register_target` (the NPU runner
   registers itself when ``graphgen.npu.run`` is imported; the runtime never imports the NPU code).
 
-Every builder gets ``(spec, weights, spec_file=..., pool=..., **options)`` and returns an object with
-the `Engine` calls (``generate``, ``llm``, ``drain``, ``stats``, ``close``).
+Every builder gets ``(spec, weights, spec_file=..., pool=..., **options)`` and returns an
+`EngineInterface` (`graphgen.runtime.engine.interface`: ``generate``, ``core``, ``drain``, ``stats``,
+``close``, ``max_model_len``, the P/D reads, ...): a driver uses that interface, never the class.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from .engine.interface import EngineInterface
 
 __all__ = ["open_engine", "register_target", "TARGETS"]
 
@@ -40,7 +44,7 @@ def _cpu(spec, weights, *, spec_file: str, pool, **options):
 
         return DistributedEngine(spec, weights, spec_file=spec_file, pool=pool, **options)
     from .checkpoint.stream import CheckpointWeights
-    from .engine.facade import cpu_engine
+    from .engine.assembly import cpu_engine
 
     options.pop("rank_timeout", None)  # one process: no rank process to hold to the start deadlines
     if not isinstance(weights, dict):  # streamed into the spec's dtype as the engine loads (no float32 copy)
@@ -55,7 +59,7 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
                 granularity: Optional[str] = None, tp: Optional[int] = None, ep: Optional[int] = None,
                 dp: Optional[int] = None, cp: Optional[int] = None, sp: Optional[bool] = None,
                 pool="host", spec_file: Optional[str] = None, pool_policy: Optional[str] = None,
-                pool_min_uses: Optional[int] = None, **options):
+                pool_min_uses: Optional[int] = None, **options) -> "EngineInterface":
     """An engine for ``spec`` (a spec file, or a loaded `ModelSpec`) on ``weights`` (a Hugging Face
     checkpoint folder, or a dict of tensors by checkpoint name).
 
@@ -63,7 +67,7 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
     ``pool_min_uses`` (``pool.min_uses``) override the spec's settings for this run (the code for the overridden spec is generated on the fly; a
     layout the runtime cannot run yet raises ValueError, `families.parallel.runtime_layout_gap`); ``pool``: ``"host"`` (the embedded pool),
     ``"mooncake://HOST:PORT"`` or a `PoolBackend`. ``options`` go to the target's builder
-    (`graphgen.runtime.engine.facade.build_engine`'s: ``num_blocks``, ``max_num_seqs``,
+    (`graphgen.runtime.engine.assembly.build_engine`'s: ``num_blocks``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``async_scheduling``, ``collect_logits``, ``eos_token_ids``, ``faults``,
     ``num_speculative_tokens`` (speculative decoding with the spec's MTP layer, docs/mtp.md), ...; the
     NPU target's: ``standin``, ``mode``)."""
@@ -71,8 +75,8 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
     from ..modelspec.loader import load_spec
     from ..modelspec.model import ModelSpec
 
-    if isinstance(spec, ModelSpec):
-        spec_file = spec_file or ""
+    if isinstance(spec, ModelSpec):  # loaded already (graphgen serve checked it): spec_file names its file
+        spec_file = display_path(spec_file) if spec_file else ""
     else:
         path = Path(spec)
         spec_file = spec_file or display_path(path)
@@ -100,4 +104,11 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
     from .progress import starting
 
     with starting():  # one process's loads and compiles print progress lines (ranks report to their launcher)
-        return TARGETS[target](spec, weights, spec_file=spec_file, pool=pool, **options)
+        engine = TARGETS[target](spec, weights, spec_file=spec_file, pool=pool, **options)
+    from .engine.interface import interface_gaps
+
+    gaps = interface_gaps(engine)
+    if gaps:  # a target's builder must return the declared interface: drivers never ask for the class
+        engine.close()
+        raise TypeError(f"target {target!r} built a {type(engine).__name__} without EngineInterface's {gaps}")
+    return engine

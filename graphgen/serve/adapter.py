@@ -1,4 +1,5 @@
-"""``LLMEngineAdapter``: the serving interface (`ServingEngine`) on the runtime's step API (`LLMEngine`).
+"""``EngineAdapter``: the serving interface (`ServingEngine`) on the runtime's `EngineInterface` (what
+`graphgen.runtime.open_engine` returns, for every target and layout) and its step API (``engine.core``).
 
 The engine does the serving work — continuous batching (requests join and leave between steps,
 prefills grouped by variant, decodes batched, the newest request preempted and recomputed when
@@ -9,15 +10,16 @@ sampling per request from its `SamplingParams` — and this adapter only transla
   sampled request without a seed gets one chosen here, so every rank of a tensor-parallel engine
   (which samples with its own copy of the request's sampler) draws the same token; greedy requests
   are one ``argmax`` over the batch, exactly ``Engine.generate``'s tokens;
-- P/D: ``kv_naming`` / ``kv_pool`` / ``saves_in_flight`` read the engine's pool, block naming and
-  connector (one rank only: ranks hold their caches in other processes);
-- several ranks (``tp``/``ep``/``cp``/``dp`` > 1): a `DistributedEngine` (``dp``: `DataParallelEngine`); ``engine.llm``
-  runs every call on every rank (``dp``: a request on the rank `DPRouter` picks). No trace spans or timings come back from
-  the rank processes (only the adapter's ``step`` span);
-- stats: ``LLMEngine.stats()`` -> `EngineStats` (the server's gauges and totals);
-- timings and trace spans: a `StepObserver` attached to the engine (``Engine.observe``): the
-  runner, the connector and the step engine report forward, save, commit and scheduling spans
-  themselves; the adapter adds one ``step`` span per engine step on the scheduler track.
+- P/D: ``kv_naming`` / ``kv_pool`` / ``saves_in_flight`` are the engine's own (``kv_naming()`` is None
+  where the engine cannot hand blocks over: several ranks hold their caches in other processes);
+- several ranks (``tp``/``ep``/``cp``/``dp`` > 1): ``engine.core`` runs every call on every rank (``dp``:
+  a request on the rank `DPRouter` picks); the adapter does not ask which engine it holds. No trace
+  spans or timings come back from the rank processes (their ``observe`` does nothing; only the
+  adapter's ``step`` span);
+- stats: ``engine.core.stats()`` -> `EngineStats` (the server's gauges and totals);
+- timings and trace spans: a `StepObserver` attached to the engine (``observe``): the runner, the
+  connector and the engine core report forward, save, commit and scheduling spans themselves; the
+  adapter adds one ``step`` span per engine step on the scheduler track.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import logging
 import secrets
 from typing import Iterable, Optional, Sequence
 
-from ..runtime import DistributedEngine, Engine, RequestOutput, SamplingParams, speculative_refusal
+from ..runtime import CacheNaming, EngineInterface, RequestOutput, SamplingParams, speculative_refusal
 from ..trace import NULL, TRACK_SCHEDULER, StepObserver, TraceRecorder
-from .engine_api import CacheNaming, EngineStats
+from .engine_api import EngineStats
 
 log = logging.getLogger("graphgen.serve")
 
-# LLMEngine.stats() keys the server shows besides EngineStats' own fields
+# EngineCore.stats() keys the server shows besides EngineStats' own fields
 _EXTRA = ("hit_blocks", "loaded_blocks", "prefill_tokens")
 
 
@@ -48,19 +50,18 @@ def seeded(params: SamplingParams, copy: int = 0) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + copy) % (1 << 63)) if copy else params
 
 
-class LLMEngineAdapter:
-    def __init__(self, engine: Engine, *, eos_token_ids: Iterable[int] = (), trace: TraceRecorder = NULL,
+class EngineAdapter:
+    def __init__(self, engine: EngineInterface, *, eos_token_ids: Iterable[int] = (), trace: TraceRecorder = NULL,
                  model_name: Optional[str] = None):
         self.engine = engine
-        self.llm = engine.llm
+        self.core = engine.core
         self.trace = trace
         self.model_name = model_name or engine.spec.name
         self.vocab_size = engine.spec.dims.vocab_size
         self.max_model_len = engine.max_model_len
-        self.llm.eos_token_ids = tuple(eos_token_ids)
+        self.core.eos_token_ids = tuple(eos_token_ids)
         self.observer = StepObserver(trace, keep_timings=True)
-        if not isinstance(engine, DistributedEngine):  # the ranks' runners and connectors live in other processes
-            engine.observe(self.observer)
+        engine.observe(self.observer)  # an engine of several ranks reports nothing (their parts are elsewhere)
 
     # ---- the interface ------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -69,25 +70,25 @@ class LLMEngineAdapter:
         params = seeded(params, copy)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds {self.max_model_len}")
-        self.llm.add_request(req_id, prompt, params, fork_of=fork_of)
+        self.core.add_request(req_id, prompt, params, fork_of=fork_of)
 
     def refusal(self, params: SamplingParams) -> Optional[tuple[str, str]]:
         """``(field, sentence)`` when this engine cannot run ``params`` (speculative decoding's
         limits, `speculative_refusal`), checked by the server before the request is queued."""
-        return speculative_refusal(params) if getattr(self.llm, "drafter", None) is not None else None
+        return speculative_refusal(params) if self.engine.speculative else None
 
     def abort(self, req_id: str, forks: bool = True) -> None:
-        self.llm.abort(req_id, forks)
+        self.core.abort(req_id, forks)
 
     def has_work(self) -> bool:
-        return self.llm.has_work()
+        return self.core.has_work()
 
     def step(self) -> list[RequestOutput]:
         with self.trace.span(TRACK_SCHEDULER, "step"):
-            return self.llm.step()
+            return self.core.step()
 
     def stats(self) -> EngineStats:
-        s = self.llm.stats()
+        s = self.core.stats()
         return EngineStats(running=s["running"], waiting=s["waiting"], saves_pending=s["saves_pending"],
                            free_blocks=s["free_blocks"], prefix_hit_tokens=s["prefix_hit_tokens"],
                            prompt_tokens=s["prompt_tokens"], generation_tokens=s["generation_tokens"],
@@ -104,24 +105,19 @@ class LLMEngineAdapter:
 
     # ---- P/D (serve/pd.py): read-only, any thread ------------------------------------------------
     def kv_naming(self) -> Optional[CacheNaming]:
-        if isinstance(self.engine, DistributedEngine):
-            return None
-        from ..runtime import chain_digests
-
-        e, bs = self.engine, self.engine.block_size
-        return CacheNaming(bs, e.cache.layout, lambda p: chain_digests(p, bs), e.loader.block_keys)
+        return self.engine.kv_naming()
 
     def kv_pool(self):
-        return None if isinstance(self.engine, DistributedEngine) else self.engine.pool
+        return self.engine.kv_pool()
 
     def saves_in_flight(self) -> int:
-        return 0 if isinstance(self.engine, DistributedEngine) else self.engine.connector.in_flight()
+        return self.engine.saves_in_flight()
 
     def take_timings(self) -> list[tuple[str, float]]:
         return self.observer.take_timings()
 
     def shutdown(self) -> None:
         try:
-            self.llm.shutdown()  # the step in flight lands, every request is dropped, saves committed
+            self.core.shutdown()  # the step in flight lands, every request is dropped, saves committed
         finally:
             self.engine.close()

@@ -200,14 +200,14 @@ def chat_setup(args, spec):
 def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
     from ..runtime import Faults, RankFailure, open_engine
     from ..trace import NULL, TraceRecorder
-    from .adapter import LLMEngineAdapter
+    from .adapter import EngineAdapter
     from .app import create_app
 
     try:
         faults = Faults.parse(args.faults) if args.faults else None
     except ValueError as e:
         return _err(f"--faults: {e}")
-    # several ranks: a DistributedEngine (one process per rank, each with torch_threads threads)
+    # several ranks: one process per rank, each with torch_threads threads
     ranks = thread_options(args, spec)
     unavailable: tuple = ()
     if args.target == "npu":  # the NPU model runner registers the target
@@ -215,7 +215,9 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
 
         unavailable = (NpuUnavailable,)
     try:
-        engine = open_engine(args.spec, weights, **engine_options(args, faults, placement=here), **ranks)
+        # the spec check_args loaded (once per serve): open_engine applies the run's overrides to it
+        engine = open_engine(spec, weights, spec_file=args.spec, **engine_options(args, faults, placement=here),
+                             **ranks)
     except unavailable as e:  # no torch_npu here: one sentence, exit 3 (as graphgen run)
         print(f"graphgen serve: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -231,7 +233,7 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
     trace = TraceRecorder(args.trace, process_name="graphgen serve") if args.trace else NULL
     # the checkpoint's EOS ids (generation_config.json over config.json, plus the tokenizer's)
     eos = [] if args.ignore_eos else eos_token_ids(weights)
-    adapter = LLMEngineAdapter(engine, eos_token_ids=eos, trace=trace, model_name=args.served_model_name)
+    adapter = EngineAdapter(engine, eos_token_ids=eos, trace=trace, model_name=args.served_model_name)
     app = create_app(adapter, tokenizer=tokenizer, trace=trace, drain_timeout_s=args.drain_timeout,
                      api_keys=api_keys, max_request_bytes=args.max_request_bytes, tokenizer_dir=weights,
                      chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs,

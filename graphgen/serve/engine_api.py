@@ -1,6 +1,8 @@
 """The one interface between the HTTP server and an engine: requests in, per-step token deltas out.
 
-The server never touches engine internals; it talks to a :class:`ServingEngine`:
+The server never touches engine internals; it talks to a :class:`ServingEngine`, which
+`graphgen.serve.adapter.EngineAdapter` implements on the runtime's declared `EngineInterface` (no
+engine class is ever tested for, no part reached past it):
 
 - ``add_request(req_id, prompt_ids, params, fork_of=None, copy=0)`` — queue a request (prompt
   already validated: ids in ``[0, vocab_size)``, ``len(prompt) + params.max_tokens <=
@@ -26,8 +28,8 @@ called from any thread. Token-level
 stops (stop token ids, EOS, ``max_tokens``) are the engine's; stop *strings* are the server's (it
 has the text) — it aborts the request when one appears.
 
-:class:`graphgen.serve.adapter.LLMEngineAdapter` implements this on the runtime's step API
-(``graphgen.runtime.LLMEngine``: continuous batching, async scheduling).
+The runtime's step API (``EngineInterface.core``: `graphgen.runtime.EngineCore`, continuous batching,
+async scheduling; over ranks `DistributedCore` / `DataParallelCore`) is what the adapter drives.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from ..runtime import FINISH_REASONS, RequestOutput, SamplingParams
+from ..runtime import FINISH_REASONS, CacheNaming, RequestOutput, SamplingParams
 
 __all__ = ["RequestOutput", "EngineStats", "ServingEngine", "SamplingParams", "TIMING_NAMES", "FINISH_REASONS",
            "CacheNaming"]
@@ -72,20 +74,6 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple = ()
     extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CacheNaming:
-    """How an engine names a prompt's blocks: chain digests, pool keys, layout (P/D's handoff)."""
-
-    block_size: int
-    layout: str
-    digests: Callable[[Sequence[int]], list]   # chain digest of every full block
-    keys: Callable[[Sequence[int]], list]      # pool key of every full block
-
-    def handed_off(self, prompt: Sequence[int]) -> int:
-        """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
-        return (len(prompt) - 1) // self.block_size
 
 
 class ServingEngine(Protocol):

@@ -77,7 +77,7 @@ def _abort_mid_prompt(spec, weights, connector_cls):
     make = lambda p, c, a, n: connector_cls(p, c, a, write="async", stats=n)   # noqa: E731
     with open_engine(spec, weights, write="async", pool=pool, max_num_batched_tokens=BUDGET, num_blocks=12,
                      make_connector=make, faults=Faults(save_gate=gate)) as eng:
-        llm, alloc = eng.llm, eng.alloc
+        llm, alloc = eng.core, eng.alloc
         r = llm.add_request("a", prompt, max_tokens=4)
         llm.step()
         llm.step()                                   # chunks [0, 8) and [8, 16): 4 blocks saving, held
@@ -111,7 +111,7 @@ def test_a_later_request_hits_the_first_chunks_of_a_prompt_still_being_prefilled
     a = u.rand_prompt(g, 4 * BUDGET)
     b = a[:BUDGET] + u.rand_prompt(g, 3)
     with open_engine(spec, hf.dir, write="async", max_num_batched_tokens=BUDGET) as eng:
-        llm = eng.llm
+        llm = eng.core
         ra = llm.add_request("a", a, max_tokens=2)
         llm.step()                                   # a's first chunk: blocks 0 and 1 saved
         eng.drain()
@@ -129,8 +129,9 @@ def _preempt_mid_prompt(spec, weights, connector_cls, finish: bool):
     """A short request decodes while a 24-token prompt arrives; they share mixed steps (its decode
     row, then a 7-token chunk) with every chunk's save held back (a closed ``save_gate``), until the
     decode needs a block that only the prompt holds: the prompt is preempted between its chunks.
-    ``reclaim`` is off, so the preemption happens with the saves still held (the engine's own
-    reclaim would first wait for every pending commit: a second line of defence, not tested here).
+    The scheduler's wait for commits is off (``wait_for_commits``), so the preemption happens with the
+    saves still held (the engine's own allocation would first wait for the commits whose pins hold the
+    next free blocks: a second line of defence, not tested here).
     Every block the allocator hands out then is overwritten, the saves go, and (``finish``) both
     requests finish. Returns (saved blocks of the held saves that were in the free list, pool, their keys, prompt,
     tokens per request, the reference tokens of each request alone)."""
@@ -140,8 +141,8 @@ def _preempt_mid_prompt(spec, weights, connector_cls, finish: bool):
     make = lambda p, c, a, n: connector_cls(p, c, a, write="async", stats=n)   # noqa: E731
     with open_engine(spec, weights, write="async", pool=pool, max_num_batched_tokens=BUDGET, num_blocks=8,
                      make_connector=make, faults=Faults(save_gate=gate)) as eng:
-        llm, alloc, s = eng.llm, eng.alloc, eng.scheduler
-        s.reclaim = lambda: False
+        llm, alloc, s = eng.core, eng.alloc, eng.scheduler
+        s.wait_for_commits = False
         r0 = llm.add_request("short", short, max_tokens=20)
         for _ in range(6):
             llm.step()                               # r0: prefill and 5 decodes (8 tokens cached)
@@ -173,7 +174,7 @@ def _preempt_mid_prompt(spec, weights, connector_cls, finish: bool):
             llm.step()                               # the prompt is recomputed (a pool hit if saved right)
         eng.drain()
         assert alloc.num_free == alloc.num_blocks    # every pin went with its commit
-        assert eng.llm.stats()["loaded_blocks"] >= len(saved)   # the recompute loaded what the chunks saved
+        assert eng.core.stats()["loaded_blocks"] >= len(saved)   # the recompute loaded what the chunks saved
         tokens = [r0.tokens, r.tokens]
     with open_engine(spec, weights, write="off") as ref:
         want = [ref.generate([short], 20)[0].tokens, ref.generate([prompt], 4)[0].tokens]

@@ -28,7 +28,7 @@ def _model(request, family):
 
 def _arrive_while_decoding(eng, short, long):
     """Two short requests decode; the long prompt arrives after their first decode step."""
-    llm = eng.llm
+    llm = eng.core
     plans = []
     inner = eng.runner.submit
     eng.runner.submit = lambda plan, **kw: (plans.append(plan), inner(plan, **kw))[1]
@@ -56,7 +56,7 @@ def test_a_mixed_steps_tokens_equal_its_requests_alone_in_every_write_mode(famil
                          collect_logits=True, num_blocks=64) as eng:
             eng.observe(StepObserver(trace))
             rs, plans = _arrive_while_decoding(eng, short, long)
-            stats = eng.llm.stats()
+            stats = eng.core.stats()
         assert [r.tokens for r in rs] == want, what
         mixed = [p for p in plans if p.mixed]
         assert len(mixed) >= 6 and all(p.variant.startswith("splitfuse") for p in mixed), what
@@ -82,7 +82,7 @@ def test_without_chunking_the_prompts_step_stalls_the_decodes_and_says_so(reques
     with open_engine(spec, hf.dir, write="off", max_num_batched_tokens=BUDGET, chunked_prefill=False) as eng:
         eng.observe(observer)
         _, plans = _arrive_while_decoding(eng, short, long)
-        stats = eng.llm.stats()
+        stats = eng.core.stats()
     stalled = [p for p in plans if p.decode_rows_stalled]
     assert [(p.prefill_tokens, p.decode_rows_stalled) for p in stalled] == [(len(long), 2)]
     assert stats["mixed_steps"] == 0 and stats["decode_rows_stalled"] == 2

@@ -79,7 +79,6 @@ def test_load_time_weights_peak_at_the_largest_recipe(consume):
 class _Runner:
     def __init__(self, order, cache):
         order.append(("runner", cache.num_blocks))
-        self.on_forward = None
 
     def close(self):
         pass
@@ -89,7 +88,7 @@ def test_the_engine_loads_weights_then_sizes_the_cache_from_what_they_left():
     import dataclasses
 
     from graphgen.runtime.core.kvcache import token_shapes
-    from graphgen.runtime.engine.facade import build_engine
+    from graphgen.runtime.engine.assembly import build_engine
 
     spec = load_spec(SPECS / "tiny_qwen3.yaml")
     shapes = {k: (spec.kv_cache.block_size, *v) for k, v in token_shapes(spec.family, dataclasses.asdict(spec.dims)).items()}

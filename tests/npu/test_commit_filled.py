@@ -1,9 +1,10 @@
 """Decode-time saves and write-backs through the NPU commit path (audit 3 N8), and every thread touching
 NPU objects bound to the device (N7).
 
-`KVConnector.save_filled` (decode-time saves, write-backs) used to pack each block straight from the
-device cache: a synchronous pageable copy per (layer, component, block) on the connector's thread. The
-NPU runner now routes it through `CommitPath.save_filled`: the blocks pinned, the copy stream gathers
+`KVConnector.save_filled` (decode-time saves, write-backs) packs each block straight from the device
+cache: a synchronous pageable copy per (layer, component, block) on the connector's thread. The NPU
+runner makes a plan's saves from the cache through `CommitPath.save_filled` instead
+(`NpuModelRunner.save_filled`): the blocks pinned, the copy stream gathers
 them into a ring slot's device staging after the current stream's work, one D2H per (layer,
 component), the puts after the copy event. The device streams are MODELLED here
 (`graphgen.npu.standin.streams`: a host thread per stream; pageable host rows), so this proves the
@@ -54,19 +55,19 @@ def _parts(binding=None, *, via_ring: bool = True):
     streams = ModelledStreams()
     path = CommitPath(StagingRing(CommitPath.slots([kv_buffers(mod, L, 0, staging_rows=2)[1] for _ in range(2)],
                                                    streams)), streams, binding=binding)
-    if via_ring:
-        connector.filled_saver = lambda ids, keys: path.save_filled(connector, ids, keys, kv)
-    return cache, alloc, connector, path
+    # how the NPU runner saves from the cache (NpuModelRunner.save_filled), or the connector's own path
+    save = (lambda ids, keys: path.save_filled(connector, ids, keys, kv)) if via_ring else connector.save_filled
+    return cache, alloc, connector, path, save
 
 
 def test_decode_time_saves_go_through_the_copy_stream_and_pool_the_cache_blocks():
     from graphgen.runtime.core.kvcache import pack_block
 
-    cache, alloc, connector, path = _parts()
+    cache, alloc, connector, path, save = _parts()
     gate = threading.Event()
     path.copy_stream.run(gate.wait)  # hold the copy stream
     try:
-        connector.save_filled([1, 2, 3], ["k1", "k2", "k3"])  # three blocks: two ring slots of two rows
+        save([1, 2, 3], ["k1", "k2", "k3"])  # three blocks: two ring slots of two rows
         assert not any(connector.pool.contains(k) for k in ("k1", "k2", "k3"))  # the puts wait on the copies
         assert path.ring.in_flight == 2
     finally:
@@ -83,11 +84,11 @@ def test_decode_time_saves_go_through_the_copy_stream_and_pool_the_cache_blocks(
 
 
 def test_negative_control_the_old_path_puts_at_once_past_a_held_copy_stream():
-    cache, alloc, connector, path = _parts(via_ring=False)
+    cache, alloc, connector, path, save = _parts(via_ring=False)
     gate = threading.Event()
     path.copy_stream.run(gate.wait)
     try:
-        connector.save_filled([1], ["k1"])
+        save([1], ["k1"])
         connector.drain(timeout=60)
         assert connector.pool.contains("k1") and path.filled_saves == 0  # packed from the cache, not the ring
     finally:
@@ -101,9 +102,9 @@ def test_the_commit_thread_binds_the_device_before_waiting_on_a_copy_event():
 
     calls = []
     binding = DeviceBinding(3, lambda i: calls.append((i, threading.get_ident())))
-    cache, alloc, connector, path = _parts(binding)
+    cache, alloc, connector, path, save = _parts(binding)
     host_thread = connector.host_stream.launch(threading.get_ident).result(timeout=60)
-    connector.save_filled([1], ["k1"])
+    save([1], ["k1"])
     connector.drain(timeout=60)
     binding.ensure()  # the runner's thread, as submit/collect do
     binding.ensure()  # once per thread
@@ -113,8 +114,8 @@ def test_the_commit_thread_binds_the_device_before_waiting_on_a_copy_event():
     path.close()
     # negative control: without the binding the commit thread never sets a device
     calls.clear()
-    cache, alloc, connector, path = _parts(None)
-    connector.save_filled([1], ["k1"])
+    cache, alloc, connector, path, save = _parts(None)
+    save([1], ["k1"])
     connector.drain(timeout=60)
     assert calls == []
     connector.close()

@@ -1,7 +1,7 @@
 """The NPU model runner (graphgen/npu/run/runner.py) on the CPU stand-in, through the runtime's engine.
 
 The hardware-shaped tiny Qwen3 (bf16, head_dim 128, block 128) runs through `npu_engine` (scheduler,
-KV connector, `LLMEngine`; steps padded to the spec's buckets, compiled once per bucket, commits via
+KV connector, `EngineCore`; steps padded to the spec's buckets, compiled once per bucket, commits via
 the staging ring) and through the CPU target with the same weights in float32.
 
 Tolerance: logits within TOL = 0.25 absolute (logits here are O(4)).  The NPU side runs in bfloat16
@@ -55,7 +55,24 @@ def runs():
         batched = e.generate([list(range(9, 150)), list(range(11, 60)), list(range(13, 30))], 3, batch=True)
         e.drain()
         ring_free = e.runner.commits.ring.in_flight == 0
-    return cpu, npu, cpu_stats, npu_stats, batched, ring_free
+        cache_save = _save_from_cache(e)
+    return cpu, npu, cpu_stats, npu_stats, batched, ring_free, cache_save
+
+
+def _save_from_cache(e):
+    """A plan's save from the cache (a write-back; decode-time saves take the same path) on the NPU
+    runner: a step with no forward, its one block through the ring (`CommitPath.save_filled`)."""
+    from graphgen.runtime.core.kvcache import pack_block
+    from graphgen.runtime.engine import StepPlan
+
+    (blk,) = e.alloc.alloc(1)
+    plan = dataclasses.replace(StepPlan.no_forward(), write_back_ids=(blk,), write_back_keys=("written-back",))
+    before = e.runner.commits.filled_saves
+    out = e.runner.collect(e.runner.submit(plan))
+    e.drain()
+    pooled = e.pool.get("written-back") == pack_block(e.cache, blk)
+    e.alloc.free([blk])
+    return out, blk, e.runner.commits.filled_saves - before, pooled
 
 
 def test_greedy_tokens_and_logits_match_the_cpu_target(runs):
@@ -75,15 +92,25 @@ def test_greedy_tokens_and_logits_match_the_cpu_target(runs):
 
 
 def test_saves_commit_through_the_ring_and_the_connector(runs):
-    _, _, cpu_stats, npu_stats, _, ring_free = runs
+    _, _, cpu_stats, npu_stats, _, ring_free, _ = runs
     assert npu_stats["puts"] == cpu_stats["puts"] >= 1 and npu_stats["put_failures"] == 0
     assert npu_stats["save_failures"] == 0 and ring_free
+
+
+def test_the_npu_runner_returns_the_step_output_and_saves_from_the_cache_through_the_ring(runs):
+    """The StepOutput contract of the CPU runner: no rows, no logits; the block it pinned reported;
+    the pool holds the cache's bytes of it, copied by the ring's copy stream, not the connector."""
+    from graphgen.runtime.engine import StepOutput
+
+    out, blk, through_ring, pooled = runs[-1]
+    assert isinstance(out, StepOutput) and out.logits == () and out.saves.pinned == (blk,)
+    assert through_ring == 1 and pooled
 
 
 def test_a_batched_prefill_wider_than_prefill_seqs_runs_in_chunks(runs):
     """3 prompts in one scheduled prefill > prefill_seqs (2): split into two graph calls (else the bucket
     padding raises); each request gets its 3 tokens.  Wiring only: the values are not compared here."""
-    *_, batched, _ = runs
+    *_, batched, _, _ = runs
     assert [len(r.tokens) for r in batched] == [3, 3, 3]
     assert all(torch.isfinite(r.step_logits[0]).all() for r in batched)
 
@@ -132,7 +159,7 @@ def test_run_target_npu_standin_matches_the_cpu_run(tmp_path):
 
 def _arrive_while_decoding(eng, short, long, n_short):
     """``short`` decodes; ``long`` arrives after its second step (mixed batches from then on)."""
-    llm, plans, inner = eng.llm, [], eng.runner.submit
+    llm, plans, inner = eng.core, [], eng.runner.submit
     eng.runner.submit = lambda plan, **kw: (plans.append(plan), inner(plan, **kw))[1]
     rs = [llm.add_request("short", short, max_tokens=n_short)]
     llm.step()

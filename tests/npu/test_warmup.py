@@ -103,7 +103,7 @@ def _serve_mixed(spec, capsys, cells: bool):
             mp.setattr(MixedGrid, "cell_steps", lambda self, block_size: [])
         with npu_engine(spec, dict(random_weights(spec, seed=1, scale=0.1)), num_blocks=16, standin=True,
                         warmup=True, max_num_batched_tokens=64) as e:
-            started, llm = graphs["unique_graphs"], e.llm
+            started, llm = graphs["unique_graphs"], e.core
             llm.add_request("short", list(range(3, 20)), max_tokens=6)
             llm.step()
             llm.add_request("long", list(range(30, 130)), max_tokens=2)

@@ -1,5 +1,5 @@
 """Context parallel (cp=2) on the CPU ranks, end to end: every prefill step split head-tail over the
-two CP ranks (`graphgen.runtime.parallel.context`), each layer's KV all-gathered before the cache
+two CP ranks (`graphgen.runtime.parallel.context_parallel`), each layer's KV all-gathered before the cache
 write, decode replicated, KV saved by CP rank 0 only. Numerics against transformers (float32, atol
 1e-4) at every step; tokens equal to the cp=1 run and across write modes (each family at off, sync
 and async: one full test at one mode, a short one at each of the other two); a repeated prompt hits
@@ -36,7 +36,7 @@ def _prompts(family: str) -> dict:
 def _swap_slices(rank_engine) -> None:
     """Probe (in each rank): this rank computes the other CP rank's head-tail pieces, while the gather
     order and slot mapping still say its own: every KV row lands in another position's slot."""
-    from graphgen.runtime.parallel.context import cp_step_inputs
+    from graphgen.runtime.parallel.context_parallel import cp_step_inputs
 
     runner = rank_engine.runner
     rt = runner.rt
@@ -46,7 +46,7 @@ def _swap_slices(rank_engine) -> None:
 
 
 def _mixed_steps(rank_engine) -> int:   # probe, in each rank
-    return rank_engine.llm.stats()["mixed_steps"]
+    return rank_engine.core.stats()["mixed_steps"]
 
 
 def _run_cp2(spec: str, d, p: dict, *, write: str, control: bool = False):

@@ -73,14 +73,14 @@ def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_
         dummies = eng.on_ranks(_dummy_forwards)
         # the step API (what graphgen serve drives): the router picks the rank, a tick steps every rank
         long = a + a  # 20 tokens: its first 4 blocks name its prefix; z shares them, so goes to the same rank
-        eng.llm.add_request("w", long, SamplingParams(max_tokens=1))
-        eng.llm.add_request("z", long[:16] + c, SamplingParams(max_tokens=1))
-        eng.llm.add_request("x", c, SamplingParams(max_tokens=2))
-        eng.llm.add_request("y", d, SamplingParams(max_tokens=2))
-        owners = dict(eng.llm.owner)
+        eng.core.add_request("w", long, SamplingParams(max_tokens=1))
+        eng.core.add_request("z", long[:16] + c, SamplingParams(max_tokens=1))
+        eng.core.add_request("x", c, SamplingParams(max_tokens=2))
+        eng.core.add_request("y", d, SamplingParams(max_tokens=2))
+        owners = dict(eng.core.owner)
         outs = []
-        while eng.llm.has_work():
-            outs += eng.llm.step()
+        while eng.core.has_work():
+            outs += eng.core.step()
         stats = eng.rank_stats
         eng.on_ranks(_swap_experts)
         wrong = eng.generate([c], 2, ranks=[0])[0]
@@ -99,7 +99,7 @@ def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_
     for o in outs:
         got[o.req_id] += list(o.new_token_ids)
     assert {k: got[k] for k in "xy"} == {"x": rc.tokens[:2], "y": rd.tokens[:2]}
-    assert owners["w"] == owners["z"] and not eng.llm.owner  # prefix affinity; finished requests let go
+    assert owners["w"] == owners["z"] and not eng.core.owner  # prefix affinity; finished requests let go
     assert tp1_tokens == [ra0.tokens, rb1.tokens, rc.tokens, rd.tokens]  # async (the spec's mode)
     assert ra0.tokens == ra1.tokens == ra0_again.tokens == ra.tokens[:3]
 

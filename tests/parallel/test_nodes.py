@@ -98,9 +98,9 @@ def test_qwen3_tp4_serve_on_two_nodes_equals_four_ranks_on_one_and_a_lost_node_e
     n1.kill()  # node 1 dies mid-stream: its process group (follower, forkserver, ranks)
     t = time.monotonic()
     stream = json.loads(client.wait_line("{", 30))
-    assert "node 1 (ranks 2-3) was lost: its connection to the driver closed during llm" in stream["error"], stream
+    assert "node 1 (ranks 2-3) was lost: its connection to the driver closed during core" in stream["error"], stream
     assert n0.p.wait(15) == 2 and time.monotonic() - t < 15
-    assert ("graphgen serve: node 1 (ranks 2-3) was lost: its connection to the driver closed during llm"
+    assert ("graphgen serve: node 1 (ranks 2-3) was lost: its connection to the driver closed during core"
             in a.log("qwen-node0")), a.log("qwen-node0")[-2000:]
 
 

@@ -199,7 +199,7 @@ def test_qwen3_tp2_with_a_vocab_tp_does_not_divide_matches_transformers(tmp_path
 
 
 def _mixed_steps(rank_engine) -> int:  # on every rank (module-level: pickled by name)
-    return rank_engine.llm.stats()["mixed_steps"]
+    return rank_engine.core.stats()["mixed_steps"]
 
 
 def test_qwen3_tp2_mixed_batches_match_transformers_on_every_rank(qwen):
@@ -236,7 +236,7 @@ def test_qwen3_tp2_forks_device_cache_write_back_and_decode_saves_agree_with_tp1
 
     def go(**kw):
         with open_engine(spec, qwen.dir, num_blocks=12, spec_file="specs/tiny_qwen3.yaml", **kw) as eng:
-            llm, got = eng.llm, {}
+            llm, got = eng.core, {}
 
             def drive():
                 while llm.has_work():

@@ -12,7 +12,7 @@ import pytest
 from graphgen.runtime.core.kvcache import BlockAllocator
 from graphgen.runtime.engine.scheduler import Scheduler
 
-from test_scheduler import BS, SPEC, FakePrefix, answer, inp, req
+from test_scheduler import BS, SPEC, FakePrefix, answer, inp, out, req
 
 
 def sched(budget, num_blocks=64, hits=None, **kw):
@@ -29,7 +29,7 @@ def run_prefill(s):
         if p.phase == "decode":
             return plans, p
         plans.append(p)
-        s.update(p, [7 if row.samples else None for row in p.rows])
+        s.update(p, out([7 if row.samples else None for row in p.rows]))
 
 
 def expected_chunks(start, n, budget):
@@ -98,13 +98,13 @@ def test_long_prefill_token_threshold_caps_long_prompts_only():
     s.add(short)
     p = s.schedule()                  # the long prompt's first 8, and the short one whole (not long)
     assert [(row.request, row.chunk) for row in p.rows] == [(long, (0, 8)), (short, (0, 7))]
-    s.update(p, [None, 7])
+    s.update(p, out([None, 7]))
     chunks = []
     while long.cached < 30:
         p = s.schedule()
         chunks += [row.chunk for row in p.rows if row.request is long]
         assert p.prefill_tokens <= 8                  # what a running decode waits for, at most
-        s.update(p, [7 if row.samples else None for row in p.rows])
+        s.update(p, out([7 if row.samples else None for row in p.rows]))
     assert chunks == expected_chunks(8, 30, 8)
 
 
@@ -116,14 +116,14 @@ def test_mixed_batches_decode_first_then_a_chunk_in_the_same_step():
     s, _ = sched(budget)
     r0 = req(1, 5, max_new=20)
     s.add(r0)
-    s.update(s.schedule(), [7])       # r0 prefilled: it decodes from now on
+    s.update(s.schedule(), out([7]))       # r0 prefilled: it decodes from now on
     long = req(2, 30)
     s.add(long)
     plans = []
     while long.cached < 30:
         p = s.schedule()
         plans.append(p)
-        s.update(p, [7 if row.samples else None for row in p.rows])
+        s.update(p, out([7 if row.samples else None for row in p.rows]))
     chunks = expected_chunks(0, 30, budget - 1)   # the decode row takes one token of each step
     assert len(plans) == len(chunks)
     for k, (p, (lo, hi)) in enumerate(zip(plans, chunks)):
@@ -147,7 +147,7 @@ def test_without_chunking_a_prompt_step_stalls_the_running_decodes():
     s, _ = sched(8, chunked_prefill=False)
     r0 = req(1, 5, max_new=20)
     s.add(r0)
-    s.update(s.schedule(), [7])
+    s.update(s.schedule(), out([7]))
     s.add(long := req(2, 30))
     p = s.schedule()
     assert p.requests == (long,) and p.num_tokens == 30 and p.decode_rows_stalled == 1 and not p.mixed
@@ -158,7 +158,7 @@ def test_decode_rows_that_fill_the_budget_leave_the_prompt_waiting():
     a, b = req(1, 1, max_new=9), req(2, 1, max_new=9)
     s.add(a)
     s.add(b)
-    s.update(p := s.schedule(), [7] * len(p.rows))   # both prompts in one step
+    s.update(p := s.schedule(), out([7] * len(p.rows)))   # both prompts in one step
     s.add(late := req(3, 6))
     p = s.schedule()
     assert p.variant == "decode" and p.requests == (a, b) and late in s.prefill and late.cached == 0
@@ -179,7 +179,7 @@ def test_abort_mid_prompt_gives_every_block_back():
     a = req(1, 30)
     s.add(a)
     p = s.schedule()
-    s.update(p, [None])
+    s.update(p, out([None]))
     assert alloc.num_free == 16 - 2 and a in s.prefill
     s.abort(a)
     assert a.finish_reason == "abort" and a.table == [] and alloc.num_free == 16
@@ -195,7 +195,7 @@ def test_abort_mid_prompt_while_its_chunk_is_in_flight_frees_after_that_step():
     assert p2.rows[0].chunk == (8, 16) and a.in_steps == 2
     s.abort(a)
     assert alloc.num_free < 16         # both steps may still write its blocks
-    s.update(p1, [None])
+    s.update(p1, out([None]))
     assert alloc.num_free < 16
     assert s.finalize(p2) is None      # the row is dropped; its blocks go back now
     assert alloc.num_free == 16
@@ -204,7 +204,7 @@ def test_abort_mid_prompt_while_its_chunk_is_in_flight_frees_after_that_step():
 def step_all(s):
     p = s.schedule()              # None: nothing could run this time (e.g. a decode preempted itself)
     if p is not None:
-        s.update(p, [7 if row.samples else None for row in p.rows])
+        s.update(p, out([7 if row.samples else None for row in p.rows]))
     return p
 
 

@@ -104,4 +104,4 @@ def test_a_node_lost_between_commands_ends_the_engine_and_tells_on_failure():
     eng._node_lost(link)
     assert killed == told == [f"{link.lost} (between commands)"]
     with pytest.raises(RankFailure, match=r"was lost: its connection to the driver closed \(between commands\)"):
-        eng._command("llm")
+        eng._command("core")

@@ -1,4 +1,4 @@
-"""The context-parallel split of a prefill step (`graphgen.runtime.parallel.context`), in one process:
+"""The context-parallel split of a prefill step (`graphgen.runtime.parallel.context_parallel`), in one process:
 the head-tail pieces, each rank's step inputs, and what every rank must agree on (the gathered slot
 order). The numerics at cp=2 (rank processes) are tests/parallel/test_context_parallel.py's."""
 
@@ -9,7 +9,7 @@ import torch
 
 from graphgen.runtime.core.kvcache import slot_mapping
 from graphgen.runtime.engine.request import Request, RequestResult, RowPlan, StepPlan
-from graphgen.runtime.parallel.context import cp_step_inputs, head_tail_pieces
+from graphgen.runtime.parallel.context_parallel import cp_step_inputs, head_tail_pieces
 
 BS = 4
 

@@ -98,7 +98,7 @@ def test_requests_join_and_leave_between_steps(ckpt):
     want = single(ckpt, [a, b], 6)
     with engine(ckpt) as e:
         seen = record_steps(e)
-        llm = e.llm
+        llm = e.core
         llm.add_request("a", a, max_tokens=3)
         toks = {"a": [], "b": []}
 
@@ -157,7 +157,7 @@ def test_preemption_under_a_tiny_block_pool_completes_every_request_with_the_sam
     need = max(-(-(len(p) + 10) // BS) for p in ps)
     with engine(ckpt, num_blocks=need + 2, async_scheduling=async_scheduling) as e:
         got = e.generate(ps, 10, batch=True)
-        assert e.llm.stats()["preemptions"] > 0 and sum(r.preemptions for r in got) > 0
+        assert e.core.stats()["preemptions"] > 0 and sum(r.preemptions for r in got) > 0
         assert e.alloc.num_free == e.alloc.num_blocks
     assert [r.tokens for r in got] == want
 
@@ -168,7 +168,7 @@ def test_preempted_request_resumes_from_the_pool(ckpt):
     want = single(ckpt, ps, 12)
     with engine(ckpt, write="sync", num_blocks=14) as e:
         got = e.generate(ps, 12, batch=True)
-        assert e.llm.stats()["preemptions"] > 0
+        assert e.core.stats()["preemptions"] > 0
         assert e.stats["loaded_blocks"] > 0          # the resumes hit what the first prefills saved
     assert [r.tokens for r in got] == want
 
@@ -180,12 +180,12 @@ def test_finish_reasons_stop_token_length_and_error(ckpt):
     stop = ref[3]
     cut = ref.index(stop) + 1
     with engine(ckpt, num_blocks=8) as e:
-        e.llm.add_request("s", p, max_tokens=8).stop_token_ids = frozenset({stop})
-        e.llm.add_request("n", p, max_tokens=8)
-        e.llm.eos_token_ids = (ref[0],)
-        e.llm.add_request("eos", p, max_tokens=8)
-        e.llm.add_request("big", [1] * (8 * BS + 1), max_tokens=1)   # more than the whole cache
-        got = drive(e.llm)
+        e.core.add_request("s", p, max_tokens=8).stop_token_ids = frozenset({stop})
+        e.core.add_request("n", p, max_tokens=8)
+        e.core.eos_token_ids = (ref[0],)
+        e.core.add_request("eos", p, max_tokens=8)
+        e.core.add_request("big", [1] * (8 * BS + 1), max_tokens=1)   # more than the whole cache
+        got = drive(e.core)
         assert e.alloc.num_free == 8
     assert got["s"][:2] == (ref[:cut], "stop") and got["n"][:2] == (ref, "length")
     assert got["eos"][:2] == (ref[:1], "stop")
@@ -195,7 +195,7 @@ def test_finish_reasons_stop_token_length_and_error(ckpt):
 def test_abort_frees_blocks_and_a_block_with_a_save_in_flight_only_after_its_commit(ckpt):
     p = prompts(1, seed=6, lo=13, hi=14)[0]        # 13 tokens: 3 full blocks saved
     with engine(ckpt, write="async", faults=Faults(save_delay_s=0.3)) as e:
-        llm, alloc = e.llm, e.alloc
+        llm, alloc = e.core, e.alloc
         r = llm.add_request("x", p, max_tokens=50)
         llm.add_request("y", p[:5], max_tokens=3)
         llm.step()                                  # x's prefill: its save sleeps on the save stream
@@ -220,7 +220,7 @@ def test_abort_of_a_request_in_the_step_in_flight(ckpt):
     lands, not before (the forward still writes them)."""
     a, b = prompts(2, seed=7)
     with engine(ckpt, async_scheduling=True, faults=Faults(forward_delay_s=0.01)) as e:
-        llm = e.llm
+        llm = e.core
         ra = llm.add_request("a", a, max_tokens=6)
         llm.add_request("b", b, max_tokens=6)
         llm.step()
@@ -267,7 +267,7 @@ def test_step_n_plus_1_is_prepared_while_step_n_runs(ckpt, async_scheduling):
     ps = prompts(4, seed=9)
     timeline: list = []
     with engine(ckpt, async_scheduling=async_scheduling, faults=Faults(forward_delay_s=0.005)) as e:
-        e.llm.timeline = timeline
+        e.core.timeline = timeline
         got = [r.tokens for r in e.generate(ps, 5, batch=True)]
     assert got == single(ckpt, ps, 5)
     inside, sch = _prepared_during_previous(timeline)
@@ -284,7 +284,7 @@ def test_a_repeated_prompt_arriving_later_hits_the_pool_while_others_run(ckpt, w
     p, other = prompts(2, seed=10, lo=14, hi=18)
     want = single(ckpt, [p], 6)[0]
     with engine(ckpt, write=write, async_scheduling=True) as e:
-        llm = e.llm
+        llm = e.core
         llm.add_request("first", p, max_tokens=6)
         llm.add_request("other", other, max_tokens=30)
         got = {}
@@ -310,16 +310,16 @@ def test_each_row_samples_with_its_own_params_in_a_batch(ckpt):
     alone = {}
     for i, (p, sp) in enumerate(zip(ps, params)):
         with engine(ckpt) as e:
-            e.llm.add_request(i, p, sp)
-            alone.update(drive(e.llm))
+            e.core.add_request(i, p, sp)
+            alone.update(drive(e.core))
     with engine(ckpt) as e:
         seen = record_steps(e)
         for i, (p, sp) in enumerate(zip(ps, params)):
-            e.llm.add_request(i, p, sp)
-        together = drive(e.llm)
+            e.core.add_request(i, p, sp)
+        together = drive(e.core)
     assert max(rows for _, _, rows, _ in seen) == 3                # they shared steps
     assert {k: len(v[0]) for k, v in together.items()} == {0: 2, 1: 3, 2: 4}
     assert {k: v[0] for k, v in together.items()} == {k: v[0] for k, v in alone.items()}
     with engine(ckpt) as e:                                     # negative control: another seed differs
-        e.llm.add_request(1, ps[1], SamplingParams(max_tokens=3, temperature=1.0, seed=99))
-        assert drive(e.llm)[1][0] != together[1][0]
+        e.core.add_request(1, ps[1], SamplingParams(max_tokens=3, temperature=1.0, seed=99))
+        assert drive(e.core)[1][0] != together[1][0]

@@ -72,7 +72,7 @@ def test_blocks_decode_rows_fill_in_mixed_batches_are_saved_too(ckpt):
     of its decode row and a chunk): the blocks its decode rows fill are saved as in decode steps."""
     long = prompts(1, seed=32, lo=60, hi=61)[0]
     with _engine(ckpt, True, "sync", max_num_batched_tokens=8) as e:
-        llm, plans, inner = e.llm, [], e.runner.submit
+        llm, plans, inner = e.core, [], e.runner.submit
         e.runner.submit = lambda plan, **kw: (plans.append(plan), inner(plan, **kw))[1]
         r = llm.add_request("t1", TURN1, max_tokens=ANSWER)
         llm.step()

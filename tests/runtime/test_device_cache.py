@@ -29,7 +29,7 @@ def test_a_device_hit_shares_the_blocks_and_skips_the_pool_load(ckpt):
         first = e.generate([P], 6)[0]
         cached = len(e.scheduler.device_cache)
         again = e.generate([P], 6)[0]
-        s = e.llm.stats()
+        s = e.core.stats()
     assert first.hit_tokens == 0 and again.hit_tokens == 4 * BS and first.tokens == again.tokens == cold
     # P's prompt + 5 fed-back tokens: (17 + 5) // 4 = 5 landed full blocks kept after the first run
     assert cached == (len(P) + 5) // BS
@@ -40,7 +40,7 @@ def test_refcounts_are_shared_with_the_requests_and_forks_using_a_cached_block(c
     from graphgen.runtime import SamplingParams
 
     with _engine(ckpt) as e:
-        llm, alloc, dc = e.llm, e.alloc, e.scheduler.device_cache
+        llm, alloc, dc = e.core, e.alloc, e.scheduler.device_cache
         e.generate([P], 2)
         first = [dc.block(k) for k in _keys(e, P, 4)]
         assert [alloc.refcount(b) for b in first] == [1] * 4            # the cache's own reference
@@ -69,7 +69,7 @@ def test_eviction_takes_the_least_recently_used_blocks_nobody_holds(ckpt):
         assert set(_keys(e, B, 2)) <= set(dc.lru_keys())
         e.generate([P], 1)                       # 5 blocks: the LRU ones (B, then A) go first
         assert not set(_keys(e, B, 2)) & set(dc.lru_keys())
-        assert e.llm.stats()["device_hit_blocks"] == 2
+        assert e.core.stats()["device_hit_blocks"] == 2
 
 
 def test_write_back_saves_a_cached_block_when_it_is_evicted_and_the_replay_restores_it(ckpt):
@@ -82,5 +82,5 @@ def test_write_back_saves_a_cached_block_when_it_is_evicted_and_the_replay_resto
         assert not set(_keys(e, P, 4)) & set(e.scheduler.device_cache.lru_keys())
         assert e.stats["puts"] >= 4
         again = e.generate([P], 2)[0]
-        s = e.llm.stats()
+        s = e.core.stats()
     assert again.hit_tokens == 4 * BS and s["loaded_blocks"] == 4     # restored from the pool

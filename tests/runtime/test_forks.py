@@ -22,9 +22,9 @@ def _params(j: int, max_tokens: int = 6) -> SamplingParams:
 def _independent(ckpt, n: int, max_tokens: int = 6) -> dict:
     with engine(ckpt) as e:
         for j in range(n):
-            e.llm.add_request(j, PROMPT, _params(j, max_tokens))
-        got = drive(e.llm)
-        assert e.llm.stats()["prefills"] == n and e.llm.stats()["forks"] == 0
+            e.core.add_request(j, PROMPT, _params(j, max_tokens))
+        got = drive(e.core)
+        assert e.core.stats()["prefills"] == n and e.core.stats()["forks"] == 0
     return {k: v[0] for k, v in got.items()}
 
 
@@ -32,7 +32,7 @@ def _independent(ckpt, n: int, max_tokens: int = 6) -> dict:
 def test_n4_runs_one_prefill_shares_the_prompt_blocks_and_gives_the_independent_tokens(ckpt, async_scheduling):
     want = _independent(ckpt, 4)
     with engine(ckpt, async_scheduling=async_scheduling) as e:
-        llm, alloc = e.llm, e.alloc
+        llm, alloc = e.core, e.alloc
         llm.add_request(0, PROMPT, _params(0))
         for j in range(1, 4):
             llm.add_request(j, PROMPT, _params(j), fork_of=0)
@@ -53,7 +53,7 @@ def test_n4_runs_one_prefill_shares_the_prompt_blocks_and_gives_the_independent_
 
 def test_abort_of_the_parent_aborts_every_child_held_or_forked_and_frees_everything(ckpt):
     with engine(ckpt) as e:
-        llm, alloc = e.llm, e.alloc
+        llm, alloc = e.core, e.alloc
         for when in ("held", "forked"):
             llm.add_request("p", PROMPT, _params(0, 20))
             for j in range(1, 4):
@@ -73,7 +73,7 @@ def test_a_parent_cut_alone_before_its_prefill_leaves_its_children_running_alone
     become ordinary requests with their own prefills and the tokens they get independently."""
     want = _independent(ckpt, 3)
     with engine(ckpt) as e:
-        llm = e.llm
+        llm = e.core
         llm.add_request(0, PROMPT, _params(0))
         for j in (1, 2):
             llm.add_request(j, PROMPT, _params(j), fork_of=0)
@@ -87,7 +87,7 @@ def test_a_preempted_child_drops_its_shared_blocks_and_is_recomputed_with_the_sa
     want = _independent(ckpt, 4, max_tokens=3 * BS)
     # together at the end: 3 shared + 4 x 3 own blocks; 9 forces preemptions during decode
     with engine(ckpt, num_blocks=9) as e:
-        llm, alloc = e.llm, e.alloc
+        llm, alloc = e.core, e.alloc
         llm.add_request(0, PROMPT, _params(0, 3 * BS))
         for j in range(1, 4):
             llm.add_request(j, PROMPT, _params(j, 3 * BS), fork_of=0)
@@ -100,6 +100,6 @@ def test_a_preempted_child_drops_its_shared_blocks_and_is_recomputed_with_the_sa
 
 def test_a_fork_whose_prompt_differs_is_refused(ckpt):
     with engine(ckpt) as e:
-        e.llm.add_request(0, PROMPT, _params(0))
+        e.core.add_request(0, PROMPT, _params(0))
         with pytest.raises(ValueError, match="must have its prompt"):
-            e.llm.add_request(1, PROMPT[:-1], _params(1), fork_of=0)
+            e.core.add_request(1, PROMPT[:-1], _params(1), fork_of=0)

@@ -58,7 +58,7 @@ def _check(ckpt, hf_main, prompts, ks, new, what, budget=8, **options):
         with open_engine(TINY_DSV3_MTP, ckpt, num_speculative_tokens=k, max_num_batched_tokens=budget,
                          **options) as eng:
             results = eng.generate(prompts, new, batch=True)
-            stats = eng.llm.stats()
+            stats = eng.core.stats()
         assert stats["mixed_steps"] > 0 or budget < 8, what  # verify rows and prompt chunks shared steps
         assert stats["spec_decode_num_draft_tokens"] == sum(r.num_draft_tokens for r in results) > 0
         for prompt, want, res in zip(prompts, plain, results):
@@ -92,7 +92,7 @@ def test_acceptance_counters_with_perfect_and_useless_drafts(mtp_ckpt):
     with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off") as eng:
         want = eng.generate([prompt], NEW)[0].tokens
     with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off", num_speculative_tokens=2) as eng:
-        drafter = eng.llm.drafter
+        drafter = eng.core.drafter
 
         def perfect(r, logits, drafts, probs):  # the greedy continuation after what is drafted so far
             drafts[id(r)].append(want[len(r.tokens) + len(drafts[id(r)])])
@@ -110,9 +110,9 @@ def test_acceptance_counters_with_perfect_and_useless_drafts(mtp_ckpt):
         del drafter._pick
         sampled = []
         for seed in (5, 5, 6):
-            r = eng.llm.add_request(None, prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=seed))
-            while eng.llm.has_work():
-                eng.llm.step()
+            r = eng.core.add_request(None, prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=seed))
+            while eng.core.has_work():
+                eng.core.step()
             assert r.result.num_draft_tokens > 0 and len(r.tokens) == 6
             sampled.append(r.tokens)
         assert sampled[0] == sampled[1] != sampled[2]

@@ -64,7 +64,7 @@ def test_selective_saves_nothing_before_min_uses(ckpt, cold):
 
 def test_write_back_saves_when_the_blocks_leave_the_device_not_when_filled(ckpt):
     with _engine(ckpt, "write_back") as e:
-        llm = e.llm
+        llm = e.core
         llm.add_request("p", P, max_tokens=6)
         for _ in range(3):
             llm.step()                      # prefill and decodes: its blocks are filled, on the device
@@ -73,8 +73,8 @@ def test_write_back_saves_when_the_blocks_leave_the_device_not_when_filled(ckpt)
             llm.step()
         assert e.stats["puts"] == 4         # freed by its last holder: written back
     with _engine(ckpt, "write_through") as e:   # control: write-through saved them with the prefill
-        e.llm.add_request("p", P, max_tokens=6)
-        e.llm.step()
+        e.core.add_request("p", P, max_tokens=6)
+        e.core.step()
         assert e.stats["puts"] == 4
 
 

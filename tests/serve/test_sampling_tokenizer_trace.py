@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphgen.runtime.engine.sampling import Sampler, SamplingParams
-from graphgen.runtime.engine.step_loop import LLMEngine
+from graphgen.runtime.engine.engine_core import EngineCore
 from graphgen.serve.stops import find_stop, holdback
 from graphgen.trace import TraceRecorder
 
@@ -55,7 +55,7 @@ def _stop_ids(params, eos=()):
     import types
 
     sched = types.SimpleNamespace(max_num_batched_tokens=64, add=lambda r, fork_of=None: None)
-    llm = LLMEngine(sched, None, types.SimpleNamespace(), vocab_size=16, eos_token_ids=eos)
+    llm = EngineCore(sched, types.SimpleNamespace(), vocab_size=16, eos_token_ids=eos)
     return llm.add_request(None, [1, 2], params).stop_token_ids
 
 

@@ -59,7 +59,7 @@ def test_serve_tp2_greedy_equals_run_tp2_and_seeded_sampling_repeats(servers, ck
     params = SamplingParams(max_tokens=40, structured=structured(response_format_grammar(RF), str(ckpt), "rf"))
     with open_engine(ROOT / "specs" / "tiny_qwen3.yaml", ckpt, num_blocks=64,
                      eos_token_ids=eos_token_ids(ckpt)) as e:
-        req = e.llm.add_request("tp1", [9, 8, 7], params)
+        req = e.core.add_request("tp1", [9, 8, 7], params)
         while not req.finished:
-            e.llm.step()
+            e.core.step()
         assert structured_tp2 == req.tokens

@@ -1,10 +1,9 @@
 """The NPU model runner: the step driver for the NPU target, on the runtime's scheduler and KV connector.
 
-`NpuModelRunner` has the CPU runner's interface (``submit(plan)`` / ``collect(future)`` /
-``settle`` / ``close``), so `LLMEngine` drives it unchanged.  The runtime's `Scheduler` plans the
-steps (per request: tokens, positions, block table, loads, saves), its `KVLoader` looks the pool
-up and loads hits into staging, its `KVConnector` commits after the save; this runner owns the connector's worker
-side (pin and stage the save, hand it off) and adapts at the runner boundary:
+`NpuModelRunner` has the CPU runner's interface (``submit``, ``collect`` -> `StepOutput`, ``settle``,
+``close``, `RunnerSaves`): `EngineCore` drives it unchanged. It alone drives the `KVConnector`'s worker
+side — every save of a plan: the graph calls' (`CommitPath.save_call`), those from the cache (decode-time
+saves, write-backs: `CommitPath.save_filled`) — and adapts at the runner boundary:
 
 * **bucketing**: a step plan's rows become `NpuStepInputs` padded to the spec's buckets
   (`Buckets.from_spec`, `StepPadding`); a prefill with more sequences than ``prefill_seqs``
@@ -17,23 +16,24 @@ side (pin and stage the save, hand it off) and adapts at the runner boundary:
 * **the KV cache in the NPU layout**: the connector's `PagedKVCache` (CPU layout ``[NB, BS, Hkv, D]``,
   what the pool (de)serialises) is handed to the NPU module as views in its layout (``KV_SHAPES``,
   ``[NB, BS, Hkv*D]``): the same memory, so pool loads land where the kernels read;
-* **commits off the critical path** (`graphgen.npu.run.staging.CommitPath`): a saving graph call
-  writes into a slot of a `StagingRing` (persistent, never one whose commit is in flight); after the
-  call a save event is recorded, a dedicated copy stream waits on it and issues one non-blocking D2H
-  per (layer, component) into the slot's pinned host rows; the connector puts from those rows after
-  the copy event (inline for sync, host stream for async) and then frees the slot. ``submit``
-  returns once the copies are issued. On the stand-in the copy stream is modelled
-  (`graphgen.npu.standin.streams`) and the host rows are pageable.
+* **commits off the critical path** (`graphgen.npu.run.staging.CommitPath`): a saving graph call writes
+  into a slot of a `StagingRing` (persistent, never one whose commit is in flight); after the call a save
+  event is recorded, a dedicated copy stream waits on it and issues one non-blocking D2H per (layer,
+  component) into the slot's pinned host rows; the connector puts from those rows after the copy event
+  (inline for sync, host stream for async) and then frees the slot. ``submit`` returns once the copies
+  are issued. On the stand-in the copy stream is modelled (`graphgen.npu.standin.streams`), the host
+  rows pageable.
 
-`npu_engine` builds the runtime `Engine` with this runner through the runtime's one assembly
-function (`build_engine`) and registers itself as ``open_engine(..., target="npu")``.
-``standin=True`` runs everything on CPU through graphgen's torchair stand-in (tests; never an NPU
-result); without it, torch_npu must import (`NpuUnavailable` otherwise).  The real-device parts
-(``device="npu"``, the NPU event after the forward) have never run on an NPU.
+`npu_engine` builds the runtime `Engine` with this runner (the runtime's one assembly, `build_engine`) and
+registers itself as ``open_engine(..., target="npu")``. ``standin=True`` runs everything on CPU through
+graphgen's torchair stand-in (tests; never an NPU result); without it, torch_npu must import
+(`NpuUnavailable` otherwise). The real-device parts (``device="npu"``, the NPU event after the forward)
+have never run on an NPU.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,7 +42,7 @@ import torch
 from ...runtime import current_progress, register_rank_target, register_target
 from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.core.weights import cast_weights
-from ...runtime.engine import Engine, LoadedBlocks, StepFuture, StepPlan, build_engine
+from ...runtime.engine import Engine, LoadedBlocks, RunnerSaves, StepFuture, StepOutput, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
@@ -52,13 +52,12 @@ from .weights import load_first, load_time_weights
 __all__ = ["NpuModelRunner", "npu_engine"]
 
 
-class NpuModelRunner:
+class NpuModelRunner(RunnerSaves):
     """Runs the generated NPU modules of ``spec`` (one compile mode) on the connector's ``cache``.
 
-    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here, the family's
-    ``fp32_suffixes`` keys kept float32).  ``pad_block``: a
-    cache block no sequence owns (`npu_engine` reserves it from the allocator); padding tokens write
-    and read only it.  ``sources``: {variant: module source} (default: generated in memory)."""
+    ``weights``: checkpoint-name tensors (cast to ``targets.npu.dtype`` here, the family's ``fp32_suffixes``
+    keys kept float32). ``pad_block``: a cache block no sequence owns (`npu_engine` reserves it from the
+    allocator); padding tokens write and read only it. ``sources``: {variant: module source} (default: in memory)."""
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
                  standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
@@ -72,8 +71,7 @@ class NpuModelRunner:
         if self.mode not in npu.compile_modes:
             raise ValueError(f"compile mode {self.mode} is not generated for {spec.name}: {list(npu.compile_modes)}")
         self.spec, self.cache, self.connector, self.pad_block = spec, cache, connector, pad_block
-        self.observer = None  # the CPU runner's hooks (spans are not reported from the NPU runner yet)
-        self.on_forward = None
+        self.observer = None  # the CPU runner's hook (save copies are not reported from the NPU runner yet)
         self.standin, self.check_limits = standin, check_limits
         self.plan_check = plan_check  # a rank's: every rank planned this step alike (RankParts.check_plan)
         self.dp, self.dummy_forwards = dp, 0  # a DP rank's place and sync (data_parallel.NpuDP), its dummy calls
@@ -123,8 +121,6 @@ class NpuModelRunner:
             bufs = [kv_buffers(mod, spec.dims.num_hidden_layers, 0, staging_rows=self.buckets.save_rows,
                                device=self.device)[1] for _ in range(npu.staging_buffers)]
             self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams, binding=self.binding)
-            if connector is not None:  # decode-time saves and write-backs through the ring too (audit 3 N8)
-                connector.filled_saver = lambda ids, keys: self.commits.save_filled(connector, ids, keys, self.kv)
 
     def _load(self, sources: dict) -> dict:
         import contextlib
@@ -183,32 +179,35 @@ class NpuModelRunner:
 
         return warm_up(self, out)
 
-    def _pad_sequence(self, hist: int, q: int) -> dict:
-        """A warm-up sequence of ``hist`` history and ``q`` new tokens stored only in the pad block."""
-        pos = list(range(hist, hist + q))
-        return {"ids": [0] * q, "pos": pos, "slots": [self.pad_block * self.block_size + p % self.block_size for p in pos],
-                "table": [self.pad_block] * -(-(hist + q) // self.block_size), "seq_len": hist + q, "save": [],
-                "load": [], "loaded": []}
-
     def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
-        """Run ``plan`` (its graph calls are queued on the device; ``background`` changes nothing
-        here: the device runs asynchronously anyway), each saving call's copies issued and its save
-        handed to the connector (`CommitPath.save_call`)."""
+        """Run ``plan`` (graph calls queued on the device: ``background`` changes nothing), each saving
+        call's copies issued and its save handed off (`CommitPath.save_call`); no rows: nothing runs."""
         self.binding.ensure()
-        if self.plan_check is not None:
-            self.plan_check(plan)
         fut = StepFuture(plan, None)
-        fut.handles = self._run(plan)
+        if plan.rows:
+            if self.plan_check is not None:
+                self.plan_check(plan)
+            t0 = time.perf_counter()
+            fut.handles = self._run(plan)
+            fut.span = (t0, time.perf_counter())
         return fut
 
-    def collect(self, fut: StepFuture) -> list:
-        """Each row's logits (``[1, vocab]``: the last position; ``[0, vocab]`` for a chunk that samples
-        nothing, as the CPU runner returns); the saves were handed off at submit."""
+    def collect(self, fut: StepFuture) -> StepOutput:
+        """The `StepOutput`: row logits ``[1, vocab]`` (``[0, vocab]``: a chunk that samples nothing); the
+        plan's saves from the cache are made now, through the ring (`save_filled`: audit 3 N8)."""
         self.binding.ensure()
-        return [x[:len(row.logits_positions)] for x, row in zip(fut.handles.split(1), fut.plan.rows)]
+        plan = fut.plan
+        pinned = list(plan.save_block_ids) if plan.rows and plan.saves else []
+        saves = self.save_report(pinned + self.save_from_cache(*plan.cache_saves()))
+        if not plan.rows:
+            return StepOutput(saves=saves)
+        logits = tuple(x[:len(row.logits_positions)] for x, row in zip(fut.handles.split(1), plan.rows))
+        return StepOutput(logits, None, saves, spans=(("forward", *fut.span),))
 
-    def settle(self, fut: StepFuture) -> None:
-        self.collect(fut)
+    def save_filled(self, block_ids, keys) -> None:  # through the ring, as a graph call's save
+        if self.commits is None:
+            return super().save_filled(block_ids, keys)
+        self.commits.save_filled(self.connector, block_ids, keys, self.kv)
 
     def _run(self, plan: StepPlan):
         variant = plan.variant
@@ -254,11 +253,12 @@ class NpuModelRunner:
         return torch.cat(logits)
 
     def close(self) -> None:
-        if self.connector is not None:
-            self.connector.filled_saver = None
-        if self.commits is not None:
-            self.commits.close()
-            self.commits = None
+        try:
+            if self.commits is not None:
+                self.commits.close()
+                self.commits = None
+        finally:
+            self.close_saves()
 
     # ---- internals --------------------------------------------------------------------------
     def _first_use(self, variant: str, b) -> None:
@@ -408,7 +408,7 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     if size_kv is not None:
         num_blocks = None
 
-    def make_runner(cache, alloc, connector, reserved):  # closed with the engine (LLMEngine.close)
+    def make_runner(cache, alloc, connector, reserved):  # closed with the engine (EngineCore.close)
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, plan_check=plan_check, cache_dir=cache_dir,
                                 rank=rank_parts.rank if rank_parts is not None else dp.layout.rank if dp else 0,

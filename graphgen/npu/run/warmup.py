@@ -26,6 +26,14 @@ from .compile import bucket_entry, step_bucket
 __all__ = ["warm_up", "warmup_plans"]
 
 
+def pad_sequence(runner, hist: int, q: int) -> dict:
+    """A warm-up sequence of ``hist`` history and ``q`` new tokens stored only in the runner's pad block."""
+    pad, bs = runner.pad_block, runner.block_size
+    pos = list(range(hist, hist + q))
+    return {"ids": [0] * q, "pos": pos, "slots": [pad * bs + p % bs for p in pos], "table": [pad] * -(-(hist + q) // bs),
+            "seq_len": hist + q, "save": [], "load": [], "loaded": []}
+
+
 def warmup_plans(runner) -> list[tuple[str, list, object]]:
     """``(variant, seqs, cell padding or None)`` per graph, each variant's largest shapes first."""
     plans = []
@@ -61,7 +69,7 @@ def warm_up(runner, out=None) -> int:
     for i, (variant, seqs, pad) in enumerate(plans, 1):
         mod = runner.modules[variant]
         phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
-        chunk = [runner._pad_sequence(hist, q) for hist, q in seqs]
+        chunk = [pad_sequence(runner, hist, q) for hist, q in seqs]
         b, _ = runner._step_inputs(mod, chunk, pad=pad)
         target = runner.compiled(variant)
         hits = len(runner.cache_hits(variant))

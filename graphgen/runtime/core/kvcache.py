@@ -19,7 +19,7 @@ import os
 import threading
 import weakref
 from collections import Counter, deque
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy
 import torch
@@ -53,8 +53,8 @@ class BlockAllocator:
       block is never reused while its save may still read it — and freeing never waits for the save.
     Freed blocks are reused in FIFO order of their *free* (oldest freed first), pinned or not: a block
     joins the free list when its last reference goes, and ``alloc(n)`` takes the first ``n`` there or
-    raises `OutOfBlocks` when one of them is still pinned (the caller waits for that commit and asks
-    again; the scheduler's ``reclaim``). So which ids a request gets, and whether an allocation must
+    raises `OutOfBlocks` when one of them is still pinned (the caller waits for that commit,
+    `wait_unpinned`, and asks again). So which ids a request gets, and whether an allocation must
     evict or preempt (``num_unheld``), depend only on the order of allocs and frees, never on when an
     asynchronous commit landed: tensor-parallel ranks, whose commits land at different times, plan
     the same block tables (their per-step plan check), and a rerun plans the same steps.
@@ -65,6 +65,7 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._lock = threading.Lock()
+        self._unpinned = threading.Condition(self._lock)  # notified by every unpin
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._pins = [0] * num_blocks
@@ -125,6 +126,19 @@ class BlockAllocator:
                 counts[i] -= 1
                 if counts is self._ref and counts[i] == 0:
                     self._free.append(i)  # in the order of frees; an unpin never reorders the list
+            if counts is self._pins:
+                self._unpinned.notify_all()
+
+    def wait_unpinned(self, n: int, timeout: Optional[float] = None) -> bool:
+        """When ``n`` blocks are free but pins hold some of the first ``n`` (what `alloc` takes), wait
+        until those are unpinned and return True; False at once when fewer than ``n`` are free (or
+        after ``timeout``). A pin on a free block is a commit in flight — a step's save is handed to
+        its commit before the step's blocks can be freed —, released from the commit's thread."""
+        with self._unpinned:
+            if n > len(self._free):
+                return False
+            return self._unpinned.wait_for(
+                lambda: not any(self._pins[i] for i in itertools.islice(self._free, n)), timeout)
 
     def _pinned_released(self) -> int:
         return sum(1 for r, p in zip(self._ref, self._pins) if r == 0 and p > 0)

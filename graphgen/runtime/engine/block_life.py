@@ -9,10 +9,14 @@ device prefix cache, ``pool.device_cache``). The scheduler's block bookkeeping; 
   key in an LRU map of at most ``USES_CAPACITY`` keys: a key pushed out starts again at 0);
   ``write_back`` saves none when filled: the step's blocks are marked dirty when it lands, and a
   dirty block is saved when it leaves the device (its last holder frees it, or the device prefix
-  cache evicts it), pinned by that save (``save_blocks``: the connector's ``save_filled``) before it
-  is freed, so it is never reused before its commit.
-* **Decode-time saves** — a decode row whose positions hold a block's last slot filled it; decode
-  graphs have no save program, so such blocks are saved once the step has landed (`decode_saves`).
+  cache evicts it). The save rides in the next plan (`take_write_backs`: the runner saves it from
+  the cache, pinned until its commit); until that plan has landed the scheduler keeps one reference
+  of its own on the block (vLLM's delayed free), so it is never reused before the runner pinned it.
+  Those blocks come back (`written_back`) once the plan has landed: an allocation that needs them
+  waits for that step (``coming``) instead of preempting or failing a request.
+* **Decode-time saves** — a decode row whose positions hold a block's last slot fills it; decode
+  graphs have no save program, so the plan asks the runner to save such blocks from the cache once
+  the step's forward is done (`decode_saves`, when the row's tokens are final: `Scheduler.finalize`).
 * **Device prefix cache** — a released request's full blocks whose KV has landed
   (``Request.computed``) stay on the device (`DevicePrefixCache`, one reference of its own).
 
@@ -22,7 +26,7 @@ its own shard's keys).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Optional
 
 from ..core.kvcache import BlockAllocator, OutOfBlocks
@@ -35,16 +39,17 @@ USES_CAPACITY = 1 << 16  # write_through_selective: keys whose computations are 
 
 
 class BlockLife:
-    def __init__(self, spec, alloc: BlockAllocator, block_keys: Callable, *, device_cache: bool,
-                 save_blocks: Callable[[list, list], None] = lambda ids, keys: None):
+    def __init__(self, spec, alloc: BlockAllocator, block_keys: Callable, *, device_cache: bool):
         pool = spec.pool
         self.alloc = alloc
         self.block_size = spec.kv_cache.block_size
         self.block_keys = block_keys  # the loader's: pool keys of a sequence's full blocks
-        self.save_decode = pool.save_decode and pool.write != "off"
+        self.writes = pool.write != "off"
+        self.save_decode = pool.save_decode and self.writes
         self.policy = pool.policy
         self.min_uses = pool.min_uses
-        self.save_blocks = save_blocks  # (block ids, keys): pinned now, committed later
+        self._write_backs: list[tuple[int, str]] = []  # left the device dirty, held, not in a plan yet
+        self._in_plans: Counter[int] = Counter()  # held write-back blocks of plans that have not landed
         self._uses: OrderedDict[str, int] = OrderedDict()  # selective: key -> times computed
         self._dirty: dict[int, str] = {}  # write_back: block id -> key, filled and not saved yet
         self.device_cache: Optional[DevicePrefixCache] = \
@@ -75,29 +80,29 @@ class BlockLife:
         if self.policy == "write_back":
             self._dirty.update((row.block_table[j], keys[j]) for j in blocks)
 
-    def decode_saves(self, plan: StepPlan) -> tuple[list[int], list[str]]:
-        """``pool.save_decode``: the blocks the decode rows of ``plan`` (a step that has landed, its
-        tokens final) filled and their keys, to save now — a block ``j`` is filled by the row whose
-        positions hold its last slot. Prefill rows (a mixed batch's too) save through their variant."""
-        if not self.save_decode:
-            return [], []
-        pairs: list[tuple[int, str]] = []
-        for row in plan.rows:
-            r = row.request
-            if not row.decode:
-                continue
-            filled = range(row.start // self.block_size, row.seq_len // self.block_size)
-            if r.finished or not filled:
-                continue
-            seq_keys = self.block_keys(r.seq[:row.seq_len])  # the chain through its last token
-            pairs += [(row.block_table[j], seq_keys[j]) for j in filled]
+    def _filled(self, row: RowPlan) -> list[tuple[int, str]]:
+        """(block, key) of the full blocks decode row ``row`` fills: block ``j`` is filled by the row whose
+        positions hold its last slot (``row``'s tokens final). Prefill rows save through their variant."""
+        filled = range(row.start // self.block_size, row.seq_len // self.block_size)
+        if not self.save_decode or not row.decode or row.request.finished or not filled:
+            return []
+        seq_keys = self.block_keys(row.request.seq[:row.seq_len])  # the chain through its last token
+        return [(row.block_table[j], seq_keys[j]) for j in filled]
+
+    def decode_saves(self, row: RowPlan) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """``pool.save_decode``: the blocks decode row ``row`` fills and their keys, which the runner saves
+        from the cache after the step's forward (write_through; write_through_selective: those
+        `selected`). None under write_back: they become dirty when the step lands (`landed_decode`)."""
         if self.policy == "write_back":
-            self._dirty.update(pairs)  # the step has landed: saved when the block leaves
-            return [], []
-        pairs = self.selected(pairs)
-        for row in plan.rows:
-            row.request.result.saved_blocks += sum(1 for b, _ in pairs if b in row.block_table)
-        return [b for b, _ in pairs], [k for _, k in pairs]
+            return (), ()
+        pairs = self.selected(self._filled(row))
+        return tuple(b for b, _ in pairs), tuple(k for _, k in pairs)
+
+    def landed_decode(self, plan: StepPlan) -> None:
+        """write_back: the blocks the decode rows of ``plan`` (landed) filled are dirty now."""
+        if self.policy == "write_back":
+            for row in plan.rows:
+                self._dirty.update(self._filled(row))
 
     def completed(self, r: Request, start: int, end: int) -> range:
         """The full blocks a prefill row of ``r`` over ``[start, end)`` completes and would save: from
@@ -109,12 +114,13 @@ class BlockLife:
         return range(first, end // self.block_size)
 
     # ---- where a released block goes, and how it comes back ----------------------------------
-    def take_prefix(self, r: Request, keys: list[str], loader, alloc: Callable[[int], list[int]]) -> None:
+    def take_prefix(self, r: Request, keys: list[str], loader, alloc: Callable[[int], list[int]]) -> bool:
         """Admission of ``r`` (table empty) whose leading full blocks have ``keys``: the leading run
         found in the device prefix cache is shared (nothing to load: ``r.device_blocks``), then the
         pool is looked up for the rest and its leading run loaded into fresh blocks after them
         (``r.loaded``; a load cut short leaves the rest to recompute). ``alloc``: the scheduler's
-        (it evicts cached blocks first)."""
+        (it evicts cached blocks first). False (nothing taken): the run needs blocks held for
+        write-backs (``coming``), so the admission waits for the step that frees them."""
         if self.device_cache is not None:
             r.table.extend(self.device_cache.leading(keys))
             r.device_blocks = len(r.table)
@@ -125,24 +131,29 @@ class BlockLife:
             try:
                 r.table.extend(alloc(run))
             except OutOfBlocks:
-                return  # no room to load into: recompute (the prefill may still find blocks later)
+                if self.coming:
+                    self.alloc.free(r.table)
+                    r.table.clear()
+                    r.device_blocks = r.computed = 0
+                    return False
+                return True  # no room to load into: recompute (the prefill may still find blocks later)
             r.loaded = loader.load(keys[dev:dev + run])  # a LoadedBlocks run (sliced, never copied)
             if len(r.loaded) < run:  # the rest of the run is recomputed into fresh blocks
                 self.alloc.free(r.table[dev + len(r.loaded):])
                 del r.table[dev + len(r.loaded):]
+        return True
 
     def release(self, r: Request) -> None:
         """Before ``r``'s table is freed: its landed full blocks go to the device prefix cache, and
-        the dirty blocks it holds last (not kept there) are written back — pinned first."""
+        the dirty blocks it holds last (not kept there) are written back (held until then)."""
         if self.device_cache is not None:
             full = min(r.computed // self.block_size, len(r.table))
             keys = self.block_keys(r.seq[:full * self.block_size]) if full else []
             for j in range(full):
                 self.device_cache.insert(r.table[j], keys[j])
         if self._dirty:
-            out = [(b, self._dirty.pop(b)) for b in r.table if b in self._dirty and self.alloc.refcount(b) == 1]
-            if out:
-                self.save_blocks([b for b, _ in out], [k for _, k in out])
+            for b in [b for b in r.table if b in self._dirty and self.alloc.refcount(b) == 1]:
+                self._hold(b, self._dirty.pop(b))
 
     def evict(self, n: int) -> bool:
         """Free up to ``n`` device-cached blocks nobody uses (LRU); whether any went."""
@@ -154,6 +165,44 @@ class BlockLife:
             self.device_cache.clear()
 
     def _write_back(self, block_id: int, key: str) -> None:
-        """A block leaving the device cache: saved first when it is dirty (write_back)."""
+        """A block leaving the device cache: written back when it is dirty (write_back)."""
         if self._dirty.pop(block_id, None) is not None:
-            self.save_blocks([block_id], [key])
+            self._hold(block_id, key)
+
+    # ---- write-backs: held until the plan that saves them has landed ----------------------------
+    def _hold(self, block_id: int, key: str) -> None:
+        if not self.writes:
+            return  # nothing is saved: the block goes back at once
+        self.alloc.share([block_id])  # the scheduler's own reference: the block's last holder frees it now
+        self._write_backs.append((block_id, key))
+
+    @property
+    def write_backs_pending(self) -> bool:
+        """Write-backs no plan carries yet (a step must run them, with a forward or without)."""
+        return bool(self._write_backs)
+
+    @property
+    def coming(self) -> int:
+        """Held write-back blocks: free once the plan that saves them has landed."""
+        return len(self._write_backs) + sum(self._in_plans.values())
+
+    def take_write_backs(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The write-backs the next plan carries (`Scheduler.finalize`)."""
+        taken, self._write_backs = self._write_backs, []
+        self._in_plans.update(b for b, _ in taken)
+        return tuple(b for b, _ in taken), tuple(k for _, k in taken)
+
+    def written_back(self, block_ids) -> None:
+        """A plan carrying ``block_ids`` landed: the runner pinned them for their commit, the hold goes."""
+        self._in_plans.subtract(block_ids)
+        self._in_plans = +self._in_plans
+        self.alloc.free(block_ids)
+
+    def drop_write_backs(self, pending: bool) -> None:
+        """After an error: the holds of plans that will never land go (their saves ran, pinned, or never
+        will); with ``pending``, also those no plan carries (their KV is not saved: a recompute later)."""
+        held = list(self._in_plans.elements()) + ([b for b, _ in self._write_backs] if pending else [])
+        self._in_plans = Counter()
+        if pending:
+            self._write_backs = []
+        self.alloc.free(held)

@@ -4,12 +4,15 @@ Modelled on the worker side of vLLM's ``KVConnectorBase_V1`` (``save_kv_layer`` 
 ``wait_for_save``), at block granularity; the scheduler side (keys, lookup, load at admission) is
 `graphgen.runtime.engine.kv_load.KVLoader`, which shares this connector's counters:
 
-* **save** — driven by the runner (`prepare_save` before the step, `handoff`
-  after it, `cancel` if it failed): the save's blocks are pinned and a staging area is made for the
-  module's save program to copy into; after the step, the commit — a ``pool.put`` per block — runs
-  once the save's event (the module's ``HOST_EVENT``) is recorded: inline for ``write: sync``, on
-  the ``host`` stream for ``write: async`` (the first token never waits for it). The pins are
-  released when the commit is done, never before. What a commit waits on is a `SaveHandle`.
+* **save** — driven by the model runner alone (`prepare_save` before the step, `handoff` after it,
+  `cancel` if it failed; `save_filled` for the blocks a plan saves from the cache after its
+  forward: decode-time saves, write-backs; the NPU runner's commit path makes the same calls):
+  the save's blocks are pinned and a staging area is made for the module's save program to copy
+  into; after the step, the commit — a ``pool.put`` per block — runs once the save's event (the
+  module's ``HOST_EVENT``) is recorded: inline for ``write: sync``, on the ``host`` stream for
+  ``write: async`` (the first token never waits for it). The pins are released when the commit is
+  done, never before (an allocation that needs those blocks waits for it:
+  `BlockAllocator.wait_unpinned`). What a commit waits on is a `SaveHandle`.
 * **stats**: `stats` (the counters it shares with the loader) and `pool_stats()` (the backend's own).
 
 A pool that is down or full costs a recompute, never a request: a lookup that raises counts as no
@@ -98,8 +101,6 @@ class KVConnector:
         self.host_stream = Stream(HOST_STREAM)  # async commits, in step order
         self._pending: deque[Job] = deque()    # async commits in flight, oldest first
         self.observer = None                   # a graphgen.trace.StepObserver: commit spans and latency
-        # a runner's own path for save_filled (the NPU's: its commit path, graphgen.npu.run.staging), or None
-        self.filled_saver: Optional[Callable[[Sequence[int], Sequence[str]], None]] = None
         self.counters = stats if stats is not None else Counters()  # bumped from the host stream too
 
     @property
@@ -175,17 +176,15 @@ class KVConnector:
                 save.on_committed()
 
     def save_filled(self, block_ids: Sequence[int], keys: Sequence[str]) -> None:
-        """Save blocks a step that has *landed* filled (decode-time saves: decode graphs have no save
-        program). The step's forward is done, so its KV is in the cache: the blocks are pinned now
-        (before the step's requests can free them), packed straight from the cache and put, then
-        unpinned — on the host stream for ``async`` (after every earlier commit), inline otherwise."""
+        """Save blocks whose KV is in the cache already (the runner, once a step's forward is done: the
+        blocks its decode rows filled, decode graphs having no save program; write-backs, held by the
+        scheduler until this step has landed): the blocks are pinned now (before the scheduler can
+        free them), packed straight from the cache and put, then unpinned — on the host stream for
+        ``async`` (after every earlier commit), inline otherwise."""
         if self.write == "off" or not block_ids:
             return
         if len(block_ids) != len(keys):
             raise ValueError(f"{len(block_ids)} save blocks but {len(keys)} keys")
-        if self.filled_saver is not None:  # pins, copies and hands off through this connector's calls
-            self.filled_saver(block_ids, keys)
-            return
         self.alloc.pin(block_ids)
         save = PendingSave(tuple(block_ids), tuple(keys), self.cache, from_cache=True)
         if self.write == "async":
@@ -208,11 +207,15 @@ class KVConnector:
             job.wait(timeout)
         self.reap()
 
-    def reap(self) -> None:
+    def reap(self) -> int:
+        """Drop the finished commits from the front of the queue (logging a failed one); how many."""
+        n = 0
         while self._pending and self._pending[0].done():
             err = self._pending.popleft().exception()
+            n += 1
             if err is not None:
                 log.warning("pool commit failed: %s", err)
+        return n
 
     @property
     def pending(self) -> int:

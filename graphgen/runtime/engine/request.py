@@ -5,8 +5,13 @@ its sampling state); `RequestResult` is the caller's view of a whole request (to
 tokens, TTFT, finish reason); `RequestOutput` is one request's news from one step (what a server
 streams). `StepPlan` is one step as the scheduler decided it: per request, a `RowPlan` saying which
 tokens it feeds, at which positions, in which blocks, which blocks it loads and saves and which
-positions' logits come back. Nothing here is a tensor: each runner (CPU, rank, NPU) builds its own
-inputs from the plan.
+positions' logits come back, and which full blocks the runner saves from the cache after the step
+(decode-time saves, write-backs). Each runner (CPU, rank, NPU) builds its own inputs from the plan.
+
+What is a tensor here: the pool blocks a row loads (``RowPlan.loaded``, fetched at admission into
+host staging), a draft run's ``StepPlan.prev_hidden``, a request's speculative state
+(``Request.spec_hidden``, ``draft_probs``) and the logits a result keeps (``RequestResult.step_logits``,
+``draft_logits``); the rest is plain data (ids, tokens, positions, block ids, keys).
 """
 
 from __future__ import annotations
@@ -202,6 +207,10 @@ class RowPlan:
     logits_positions: tuple[int, ...] = ()
     samples: bool = True
     decode: bool = False
+    # decode-time saves (pool.save_decode; set by Scheduler.finalize): the full blocks this decode row
+    # fills, saved from the cache once the step's forward is done (decode graphs have no save program)
+    cache_save_block_ids: tuple[int, ...] = ()
+    cache_save_keys: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -235,13 +244,28 @@ class StepPlan:
 
     ``saves`` says whether the variant has a save program at all (it may have one with zero
     blocks: a prompt shorter than a block). ``phase`` is the variant's: a mixed batch (decode rows
-    and prefill rows together) runs the prefill-with-history variant, so its phase is "prefill"."""
+    and prefill rows together) runs the prefill-with-history variant, so its phase is "prefill".
+
+    Saves from the cache (no save program: the runner packs the blocks from the cache after the
+    forward, `cache_saves`): the rows' decode-time saves and ``write_back_ids`` under
+    ``write_back_keys`` — dirty blocks that left the device since the last plan (``pool.policy:
+    write_back``), held by the scheduler until this plan has landed. A plan with no rows
+    (`no_forward`) runs no forward, only its write-backs (vLLM's ``no_forward``)."""
 
     variant: str
     phase: str  # "prefill" | "decode"
     rows: tuple[RowPlan, ...]
     saves: bool
     decode_rows_stalled: int = 0  # running requests that could decode but are not in this step
+    write_back_ids: tuple[int, ...] = ()
+    write_back_keys: tuple[str, ...] = ()
+    # a draft run's input (speculative decoding): each row's previous hidden state, [tokens, H] (a tensor)
+    prev_hidden: Any = None
+
+    @classmethod
+    def no_forward(cls) -> "StepPlan":
+        """A step without a forward: it carries only the write-backs `Scheduler.finalize` adds."""
+        return cls("", "", (), False)
 
     @property
     def requests(self) -> tuple[Request, ...]:
@@ -276,6 +300,18 @@ class StepPlan:
     @property
     def load_block_ids(self) -> tuple[int, ...]:
         return tuple(b for r in self.rows for b in r.load_block_ids)
+
+    def cache_saves(self) -> tuple[list[int], list[str]]:
+        """(block ids, keys) the runner saves from the cache once the forward is done: the decode-time
+        saves of rows whose request goes on (an aborted one's are dropped, as its blocks are), then
+        the write-backs."""
+        ids: list[int] = []
+        keys: list[str] = []
+        for row in self.rows:
+            if row.cache_save_block_ids and not row.request.finished:
+                ids += row.cache_save_block_ids
+                keys += row.cache_save_keys
+        return ids + list(self.write_back_ids), keys + list(self.write_back_keys)
 
     def keep(self, rows) -> "StepPlan":
         return replace(self, rows=tuple(rows))

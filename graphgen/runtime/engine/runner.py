@@ -1,12 +1,18 @@
-"""The CPU model runner: a step plan in, the step's logits out; it owns the worker side of the KV
-connector (as vLLM's model runner does).
+"""The CPU model runner: a step plan in, its `StepOutput` out; it owns the worker side of the KV
+connector (as vLLM's model runner does): every save the plan asks for is made here.
 
 ``submit(plan)`` builds the module's inputs from the plan (`build_inputs`: the plan's rows become
 the flat token/position/slot tensors the generated module reads), pins and stages the step's save
 (`KVConnector.prepare_save`), stacks the loaded history blocks the plan carries, and runs the
 step — inline, or on the ``forward`` worker thread when the caller schedules ahead (async
 scheduling). ``collect(future)`` waits for it, hands the save to the connector (commit after the
-save's event: inline for ``sync``, on the host stream for ``async``) and returns each row's logits.
+save's event: inline for ``sync``, on the host stream for ``async``), then makes the plan's saves
+from the cache (`StepPlan.cache_saves`: decode-time saves and write-backs, pinned now, committed
+after the forward's), and returns the `StepOutput`: each row's logits (and hidden states), the
+`SaveReport` and the forward's span. A plan with no rows runs no forward, only its cache saves.
+The MTP drafter's runs come through the same two calls (a plan of the ``mtp`` variant with its
+``prev_hidden``). `RunnerSaves` holds the rest of the connector's worker side a runner owns
+(waiting for commits, closing), for the NPU runner too.
 
 Per step it binds the module's events to a fresh generation (so a wait of this step can never be
 satisfied by an earlier step's record), runs ``mod.run`` on the CPU runtime, and keeps
@@ -24,8 +30,8 @@ from __future__ import annotations
 
 import time
 import types
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -36,8 +42,10 @@ from ..core.streams import BoundEvent, EventSet, Job, Stream
 from ..core.weights import load_time_weights
 from .kv_load import LoadedBlocks
 from .request import StepPlan
+from .step_output import SaveReport, StepOutput
 
-__all__ = ["StepInputs", "StepHandles", "StepRuntime", "StepFuture", "CpuModelRunner", "build_inputs", "stack_loads"]
+__all__ = ["StepInputs", "MtpInputs", "StepHandles", "StepRuntime", "StepFuture", "RunnerSaves", "CpuModelRunner",
+           "build_inputs", "stack_loads"]
 
 
 @dataclass
@@ -54,6 +62,13 @@ class StepInputs:
     save_block_ids: torch.Tensor
     # the cache blocks a history prefill's loaded blocks go to (the graph's kv_load writes them)
     load_block_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+
+@dataclass
+class MtpInputs(StepInputs):
+    """The MTP graph's inputs: the step inputs plus each row's previous hidden state ``[T, H]``."""
+
+    prev_hidden: Optional[torch.Tensor] = None
 
 
 def build_inputs(plan: StepPlan, block_size: int) -> StepInputs:
@@ -108,10 +123,8 @@ class StepFuture:
     plan: StepPlan
     save: Any = None  # the connector's PendingSave, when the variant saves
     job: Optional[Job] = None  # the forward on the worker thread (async scheduling)
-    handles: Optional["StepHandles"] = None  # the forward's result when it ran inline
-    # after collect, for a spec with MTP layers: each row's hidden states ``[num_tokens, H]`` (what
-    # speculative decoding drafts from); None otherwise
-    hidden_rows: Optional[list] = None
+    handles: Any = None  # the forward's result when it ran inline (the CPU runner's StepHandles)
+    span: Optional[tuple[float, float]] = None  # (t_start, t_end) of the forward, when the runner times it there
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,7 @@ class StepHandles:
     # every row's last hidden state, from the modules of a spec with MTP layers (what the MTP
     # layer drafts from; graphgen.runtime.engine.spec_decode); None otherwise
     hidden: Optional[torch.Tensor] = None
+    span: tuple[float, float] = (0.0, 0.0)  # (t_start, t_end) of the forward, as the runner timed it
 
 
 class StepRuntime:
@@ -171,7 +185,64 @@ class StepRuntime:
         return getattr(self._rt, name)
 
 
-class CpuModelRunner:
+class RunnerSaves:
+    """The KV connector's worker side beyond one step, as a model runner (CPU or NPU) owns it:
+    ``connector`` is a `KVConnector` (None: the runner saves nothing)."""
+
+    connector: Any
+
+    def collect(self, fut: StepFuture) -> StepOutput:  # every runner's: the step's output
+        raise NotImplementedError
+
+    def save_report(self, pinned: Sequence[int]) -> SaveReport:
+        """A step's `SaveReport`: ``pinned`` by it; commits landed since the last report (reaped)."""
+        if self.connector is None:
+            return SaveReport(tuple(pinned))
+        landed = self.connector.reap()
+        return SaveReport(tuple(pinned), landed, self.connector.pending)
+
+    def save_from_cache(self, block_ids: Sequence[int], keys: Sequence[str]) -> list[int]:
+        """Save blocks from the cache (a landed step filled them: nothing stages them); the ids pinned."""
+        if not block_ids or self.connector is None or self.connector.write == "off":
+            return []
+        self.save_filled(block_ids, keys)
+        return list(block_ids)
+
+    def save_filled(self, block_ids: Sequence[int], keys: Sequence[str]) -> None:
+        """Pin, pack from the cache, commit (`KVConnector.save_filled`; the NPU runner: through its ring)."""
+        self.connector.save_filled(block_ids, keys)
+
+    def settle(self, fut: StepFuture) -> None:
+        """Let a step go without its output (shutdown, an error elsewhere): its save is handed off if the
+        forward succeeded, cancelled if it failed; its error, if any, is not raised again."""
+        try:
+            self.collect(fut)
+        except BaseException:
+            pass
+
+    def save_stats(self) -> dict:
+        """The connector's counters (``puts``, ...) and ``saves_pending`` (commits not reaped yet)."""
+        if self.connector is None:
+            return {"saves_pending": 0}
+        self.connector.reap()
+        return {"saves_pending": self.connector.pending, **self.connector.stats}
+
+    def drain_saves(self, timeout: Optional[float] = None) -> None:
+        """Wait for every pending commit (failures are logged and counted, never raised)."""
+        if self.connector is not None:
+            self.connector.drain(timeout)
+
+    def saves_in_flight(self) -> int:
+        """Commits not finished yet; safe from any thread (P/D's handoff waits on it)."""
+        return self.connector.in_flight() if self.connector is not None else 0
+
+    def close_saves(self) -> None:
+        """Commit what is pending and stop the connector's host stream."""
+        if self.connector is not None:
+            self.connector.close()
+
+
+class CpuModelRunner(RunnerSaves):
     """Runs the generated CPU modules of one spec (``modules``: variant -> module) on ``cache``,
     committing saves through ``connector`` (the worker side of the KV connector)."""
 
@@ -189,20 +260,26 @@ class CpuModelRunner:
         self._gen = 0  # step counter: the generation every event of a step is bound to
         self._forward: Optional[Stream] = None  # the worker thread of async scheduling
         self.observer = None  # a graphgen.trace.StepObserver: forward spans, save copies, save done
-        self.on_forward: Optional[Callable[[float, float], None]] = None  # (t_start, t_end) of each forward
 
     def saves(self, variant: str) -> bool:
         """Whether the variant's module has a save program (then it takes a staging area)."""
         return self.modules[variant].HOST_EVENT is not None
 
     def step_inputs(self, plan: StepPlan) -> StepInputs:
-        """The module's inputs for ``plan`` (a context-parallel rank builds only its share of a prefill)."""
-        return build_inputs(plan, self.block_size)
+        """The module's inputs for ``plan`` (a context-parallel rank builds only its share of a prefill;
+        a draft run's plan adds its ``prev_hidden``: `MtpInputs`)."""
+        base = build_inputs(plan, self.block_size)
+        if plan.prev_hidden is None:
+            return base
+        return MtpInputs(**{f: getattr(base, f) for f in StepInputs.__dataclass_fields__}, prev_hidden=plan.prev_hidden)
 
     # ---- the runner interface (CPU, rank and NPU runners alike) ----------------------------------
     def submit(self, plan: StepPlan, *, background: bool = False) -> StepFuture:
         """Start ``plan``: pin and stage its save, build its inputs, run it (``background``: on the
-        forward thread, so the caller can schedule the next step meanwhile)."""
+        forward thread, so the caller can schedule the next step meanwhile). A plan with no rows:
+        nothing runs (`collect` makes its cache saves)."""
+        if not plan.rows:
+            return StepFuture(plan)
         save = self.connector.prepare_save(plan.save_block_ids, plan.save_keys) if plan.saves else None
         try:
             inputs = self.step_inputs(plan)
@@ -224,43 +301,42 @@ class CpuModelRunner:
                 self.connector.cancel(save)
             raise
 
-    def collect(self, fut: StepFuture) -> list[torch.Tensor]:
-        """Wait for the step, hand its save to the connector, and return each row's logits
-        (``[len(row.logits_positions), vocab]``)."""
-        try:
-            handles = fut.handles if fut.job is None else fut.job.result()
-        except BaseException:
+    def collect(self, fut: StepFuture) -> StepOutput:
+        """Wait for the step, hand its save to the connector, make the plan's saves from the cache, and
+        return its `StepOutput` (row i's logits ``[len(row.logits_positions), vocab]``)."""
+        rows, pinned = fut.plan.rows, []
+        handles: Optional[StepHandles] = None
+        if rows:
+            try:
+                handles = fut.handles if fut.job is None else fut.job.result()
+            except BaseException:
+                if fut.save is not None:
+                    self.connector.cancel(fut.save)
+                raise
             if fut.save is not None:
-                self.connector.cancel(fut.save)
-            raise
-        if fut.save is not None:
-            self.connector.handoff(fut.save, handles.save_job, handles.save_done)
-        if handles.hidden is not None:
-            fut.hidden_rows = list(torch.split(handles.hidden, [r.num_tokens for r in fut.plan.rows]))
-        counts = [len(r.logits_positions) for r in fut.plan.rows]
-        return list(torch.split(handles.logits, counts))
-
-    def settle(self, fut: StepFuture) -> None:
-        """Let a step go without its logits (shutdown, an error elsewhere): its save is handed off
-        if the forward succeeded, cancelled if it failed."""
-        try:
-            self.collect(fut)
-        except BaseException:
-            pass
+                self.connector.handoff(fut.save, handles.save_job, handles.save_done)
+                pinned += fut.save.block_ids
+        pinned += self.save_from_cache(*fut.plan.cache_saves())  # the forward is done: its KV is in the cache
+        saves = self.save_report(pinned)
+        if handles is None:
+            return StepOutput(saves=saves)
+        hidden = None if handles.hidden is None else tuple(torch.split(handles.hidden, [r.num_tokens for r in rows]))
+        return StepOutput(tuple(torch.split(handles.logits, [len(r.logits_positions) for r in rows])), hidden, saves,
+                          spans=(("forward", *handles.span),))
 
     def close(self) -> None:
-        if self._forward is not None:
-            self._forward.close()
-            self._forward = None
+        try:
+            if self._forward is not None:
+                self._forward.close()
+                self._forward = None
+        finally:
+            self.close_saves()
 
     # ---- one module run ---------------------------------------------------------------------
     def _timed(self, variant: str, inputs, save, loads) -> StepHandles:
         t = time.perf_counter()
-        try:
-            return self.execute(variant, inputs, save.staging if save is not None else None, loads)
-        finally:
-            if self.on_forward is not None:
-                self.on_forward(t, time.perf_counter())
+        handles = self.execute(variant, inputs, save.staging if save is not None else None, loads)
+        return replace(handles, span=(t, time.perf_counter()))
 
     def execute(self, variant: str, inputs, staging=None, loads=()) -> StepHandles:
         """Run one module on built inputs. ``staging``: the save's pool staging (exactly when the

@@ -2,9 +2,12 @@
 
 It is per step: ``add`` queues requests, ``schedule()`` returns the next `StepPlan` (or None when
 nothing can run now: per request, the tokens it feeds, its positions, block table, the blocks it
-loads and saves and the logits it needs; no tensors), ``finalize(plan)`` completes a plan made ahead
-just before it runs, and ``update(plan, tokens)`` takes that step's sampled tokens back. Requests move
-``waiting -> prefill (admitted) -> running -> finished`` and back to ``waiting`` when preempted.
+loads and saves and the logits it needs; plain data but for the loaded pool blocks, see
+`graphgen.runtime.engine.request`), ``finalize(plan)`` completes a plan made ahead just before it runs
+(tokens, the saves the runner makes from the cache), and ``update(plan, output)`` takes that step's
+`StepOutput` back (its sampled tokens). It calls nothing of the runner or the connector: what the
+runner must save rides in the plan. Requests move ``waiting -> prefill (admitted) -> running ->
+finished`` and back to ``waiting`` when preempted.
 
 Policy (continuous batching; see docs/runtime.md):
 
@@ -19,8 +22,9 @@ Policy (continuous batching; see docs/runtime.md):
   variant, whole prompts; the first always goes, oversized or not). Prefills never preempt.
 * **Decode** every running request whose next input is known or pending (at most one step
   ahead) and that still needs a token, oldest first, up to the budget.
-* **Preemption.** When a decode needs a block and none is free (after ``reclaim``: waiting for
-  the oldest pending commit), the newest request not in a step in flight is preempted: its blocks
+* **Preemption.** When a decode needs a block and none is free (after waiting for the commits
+  whose pins hold the next free ones, `BlockAllocator.wait_unpinned`, or for the step that frees
+  blocks held for write-backs), the newest request not in a step in flight is preempted: its blocks
   are freed and it goes back to the head of the waiting queue; its generated tokens are kept and
   its next prefill recomputes prompt + tokens (pool hits included). A request that cannot fit
   even alone finishes with ``"error"`` (`OutOfBlocks` in ``error``).
@@ -39,18 +43,19 @@ flight stay pinned by the connector, so freeing never waits for a save.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
-from ..core.kvcache import BlockAllocator, OutOfBlocks
+from ..core.kvcache import BlockAllocator
 from ..pool.keys import successor_keys
 from .block_life import BlockLife
 from .chunking import chunk_tokens, prefill_logits_positions, wants_prompt_logits
 from .forks import Forks
+from .preemption import Preemption
 from .request import PENDING, Request, RowPlan, StepPlan
+from .step_output import StepOutput
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 
@@ -63,14 +68,11 @@ class PrefixSource(Protocol):
 
     def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
     def lookup(self, keys: Sequence[str]) -> int: ...
-    def load(self, keys: Sequence[str]) -> list: ...  # the leading blocks fetched, one staging each
+    def load(self, keys: Sequence[str]) -> Sequence: ...  # the leading blocks fetched, one staging each
 
 
-class Scheduler:
-    def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *,
-                 reclaim: Callable[[], bool] = lambda: False,
-                 save_blocks: Callable[[list, list], None] = lambda ids, keys: None,
-                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+class Scheduler(Preemption):
+    def __init__(self, spec, alloc: BlockAllocator, loader: PrefixSource, *, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, chunked_prefill: bool = True,
                  long_prefill_token_threshold: int = 0, num_speculative_tokens: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -81,7 +83,6 @@ class Scheduler:
         self.block_size = spec.kv_cache.block_size
         self.alloc = alloc
         self.loader = loader
-        self.reclaim = reclaim  # release pinned blocks (True if it may have); False: nothing to wait for
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # chunks are prefills with history: without such a variant a prompt always runs whole
@@ -89,7 +90,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.prefix_cache = "prefix_cache" in spec.features
         self.num_speculative_tokens = num_speculative_tokens
-        self.blocks = BlockLife(spec, alloc, loader.block_keys, save_blocks=save_blocks, device_cache=(
+        self.blocks = BlockLife(spec, alloc, loader.block_keys, device_cache=(
             spec.pool.device_cache and self.prefix_cache and self.variant_for("prefill", True) is not None
             and not num_speculative_tokens))  # device blocks are keyed without their successor token
         self.blocks.save_decode &= not num_speculative_tokens  # a verify row's KV is final only in part
@@ -124,7 +125,7 @@ class Scheduler:
         self.counts["forks"] += len(children)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefill or self.running or self.held)
+        return bool(self.waiting or self.prefill or self.running or self.held or self.blocks.write_backs_pending)
 
     def requests(self) -> list[Request]:
         return [*self.waiting, *self.prefill, *self.running, *self.held]
@@ -148,7 +149,8 @@ class Scheduler:
             r.in_steps = 0
             self.abort(r)
             self._maybe_release(r)
-        self.blocks.clear()  # the device prefix cache, written back first under write_back
+        self.blocks.drop_write_backs(pending=False)  # plans that never land (settled first, or failed)
+        self.blocks.clear()  # the device prefix cache, written back (by the next step) under write_back
 
     def take_failed(self) -> list[Request]:
         out, self.failed = self.failed, []
@@ -168,13 +170,17 @@ class Scheduler:
     def schedule(self) -> Optional[StepPlan]:
         self._admit_waiting()
         if self.chunked_prefill:  # mixed batches: decode rows first, then chunks, in one forward
-            return self._schedule_mixed()
-        return self._schedule_prefill() or self._schedule_decode()  # one variant per step
+            plan = self._schedule_mixed()
+        else:
+            plan = self._schedule_prefill() or self._schedule_decode()  # one variant per step
+        return plan if plan is not None or not self.blocks.write_backs_pending else StepPlan.no_forward()
 
     def finalize(self, plan: StepPlan) -> Optional[StepPlan]:
         """Just before a plan made ahead runs: drop the rows of requests that finished or were
-        aborted since (their blocks go back), and fill in the decode tokens sampled since. None
-        when no row is left."""
+        aborted since (their blocks go back), fill in the decode tokens sampled since, and add the
+        saves the runner makes from the cache after the forward: the blocks its decode rows fill
+        (`BlockLife.decode_saves`) and the write-backs pending (`BlockLife.take_write_backs`). None
+        when nothing is left to run."""
         rows = []
         for row in plan.rows:
             r = row.request
@@ -185,14 +191,22 @@ class Scheduler:
             if row.pending:  # a decode row: the token at its position was sampled by the last step
                 row = replace(row, token_ids=tuple(r.seq[p] if t == PENDING else t
                                                    for p, t in zip(row.positions, row.token_ids)))
+            if row.decode and self.blocks.save_decode:
+                ids, keys = self.blocks.decode_saves(row)
+                row = replace(row, cache_save_block_ids=ids, cache_save_keys=keys)
             rows.append(row)
-        return plan.keep(rows) if rows else None
+        ids, keys = self.blocks.take_write_backs()
+        return replace(plan, rows=tuple(rows), write_back_ids=ids, write_back_keys=keys) if rows or ids else None
 
-    def update(self, plan: StepPlan, tokens: list, logits=None) -> list[Request]:
-        """Take the step's tokens (per row: a token, a verify row's tuple cut in place to those taken,
-        or None); returns the requests that finished (blocks freed); ``logits``: kept when collected."""
+    def update(self, plan: StepPlan, output: StepOutput) -> list:
+        """Take the step's `StepOutput` back: its tokens (per row: a token, a verify row's tuple, or None)
+        and kept logits (``collect_logits``). Returns the tokens each row's request took (a verify
+        row's tuple cut at the first that finishes it); a finished request's blocks are freed, and
+        the write-back blocks the plan carried (pinned by their commits now) go back."""
         now = time.perf_counter()
-        done = []
+        tokens = list(output.tokens) if output.tokens is not None else [None] * len(plan.rows)
+        logits = output.kept_logits
+        self.blocks.landed_decode(plan)  # write_back: what its decode rows filled is dirty now
         for i, row in enumerate(plan.rows):
             r = row.request
             r.in_steps -= 1
@@ -203,6 +217,7 @@ class Scheduler:
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
+            r.result.saved_blocks += len(row.cache_save_block_ids)  # the runner saved them
             if plan.saves and not row.decode:  # a prefill row (a decode row saves as in decode_saves)
                 self.blocks.landed(row, self.blocks.completed(r, *row.chunk), self._keys(r))
             if kids := self.forks.ready(r, row.seq_len):
@@ -215,8 +230,8 @@ class Scheduler:
                 tokens[i] = taken
             if reason is not None:
                 self.abort(r, reason)
-                done.append(r)
-        return done
+        self.blocks.written_back(plan.write_back_ids)
+        return tokens
 
     # ---- internals: admission and prefill ---------------------------------------------------
     def _admit_waiting(self) -> None:
@@ -225,28 +240,32 @@ class Scheduler:
                and (not self.prefill or pending < self.max_num_batched_tokens)):
             r = self.waiting.popleft()
             self.prefill.append(r)  # before loading: an abort then frees what the load allocated
-            self._admit(r)
+            if not self._admit(r):  # its pool hits need blocks held for write-backs: the next step frees them
+                self.prefill.remove(r)
+                self.waiting.appendleft(r)
+                return
             pending += len(r.seq) - r.cached
 
-    def _admit(self, r: Request) -> None:
+    def _admit(self, r: Request) -> bool:
         """Take the sequence's prefix: device prefix hits, then the leading run of pool hits loaded
         (`BlockLife.take_prefix`). At most ``(len-1)//block_size`` blocks: the last token is always
-        computed (its logits)."""
+        computed (its logits). False: not now (`BlockLife.take_prefix`)."""
         seq = r.seq
         r.keys, r.cached, r.hit_blocks, r.loaded, r.computed, r.device_blocks = None, 0, 0, [], 0, 0
         max_blocks = (len(seq) - 1) // self.block_size
         if wants_prompt_logits(r):
-            return  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
+            return True  # every prompt position's logits are needed: no pool lookup (the prefill still saves)
         if not self.prefix_cache or max_blocks == 0 or self.variant_for("prefill", True) is None:
-            return
-        self.blocks.take_prefix(r, self._keys(r)[:max_blocks], self.loader, self._alloc)
+            return True
+        if not self.blocks.take_prefix(r, self._keys(r)[:max_blocks], self.loader, self._alloc):
+            return False
         self.counts["device_hit_blocks"] += r.device_blocks
         r.hit_blocks = r.device_blocks + len(r.loaded)
-        if r.hit_blocks == 0:
-            return
-        r.cached = r.hit_blocks * self.block_size
-        if not r.result.tokens and not r.result.preemptions:
-            r.result.hit_tokens = r.cached
+        if r.hit_blocks:
+            r.cached = r.hit_blocks * self.block_size
+            if not r.result.tokens and not r.result.preemptions:
+                r.result.hit_tokens = r.cached
+        return True
 
     def _keys(self, r: Request) -> list[str]:
         if r.keys is None:
@@ -283,7 +302,7 @@ class Scheduler:
             if n == 0:
                 break
             if not self.reserve(r, r.cached + n):
-                if (not chosen and not self.running and not self.deferred
+                if (not chosen and not self.running and not self.deferred and not self.blocks.coming
                         and not any(o.in_steps for o in self.prefill)):  # no chunk in flight either
                     self._cannot_fit(r, r.cached + n)  # nothing else holds blocks that will come back
                     return None
@@ -295,22 +314,6 @@ class Scheduler:
                 self.prefill.remove(r)
                 self.running.append(r)  # before building: an abort then frees their blocks
         return chosen
-
-    def _cannot_fit(self, r: Request, num_tokens: int) -> None:
-        """Every other admitted request gives its blocks back; if ``r`` still does not fit it is
-        failed (it can never run in this cache)."""
-        for other in [o for o in self.prefill if o is not r][::-1]:
-            self._preempt(other)
-        if self.reserve(r, num_tokens):
-            return
-        err = None
-        try:
-            self._alloc(math.ceil(num_tokens / self.block_size) - len(r.table))
-        except OutOfBlocks as e:
-            err = e
-        r.error = err
-        self.abort(r, "error")
-        self.failed.append(r)
 
     def _step(self, chosen: list[tuple[Request, int]], decodes: list[Request], history: bool) -> StepPlan:
         """``decodes``' rows, then ``chosen``'s (a prompt or a chunk each): the decode variant for
@@ -377,8 +380,8 @@ class Scheduler:
                     or len(r.tokens) + r.in_steps >= r.max_new_tokens:
                 continue  # preempted meanwhile, its last token on its way, or (speculative) its start unknown
             while not self.reserve(r, r.cached + width):
-                victim = self._victim(exclude=chosen)
-                if victim is None:
+                victim = None if self.blocks.coming else self._victim(exclude=chosen)
+                if victim is None:  # (blocks held for write-backs come back after the next step)
                     break
                 self._preempt(victim)
                 if victim is r:
@@ -387,63 +390,3 @@ class Scheduler:
                 chosen.append(r)
                 r.drafts, used = r.drafts[:width - 1], used + width
         return chosen
-
-    def _victim(self, exclude: list[Request]) -> Optional[Request]:
-        """The newest request holding blocks that no step in flight uses: admitted ones first
-        (they are newer than every running one), then running ones."""
-        for r in [*self.prefill[::-1], *self.running[::-1]]:
-            if r.table and r.in_steps == 0 and r not in exclude:
-                return r
-        return None
-
-    def _preempt(self, r: Request) -> None:
-        if r in self.running:
-            self.running.remove(r)
-            r.result.preemptions += 1
-            self.num_preemptions += 1
-        else:
-            if r.cached > r.hit_blocks * self.block_size:  # mid-prompt: its chunks are recomputed
-                r.result.preemptions += 1
-                self.num_preemptions += 1
-            self.prefill.remove(r)
-        self._release(r)
-        r.cached, r.hit_blocks, r.keys, r.loaded, r.shared_blocks, r.computed, r.device_blocks = 0, 0, None, [], 0, 0, 0
-        self.waiting.appendleft(r)  # preempted newest first: the oldest ends up at the head
-
-    # ---- internals: blocks ------------------------------------------------------------------
-    def _alloc(self, n: int) -> list[int]:
-        while True:
-            try:
-                return self.alloc.alloc(n)
-            except OutOfBlocks:
-                # num_unheld counts pinned free blocks: eviction never depends on when a commit landed
-                if self.blocks.evict(n - self.alloc.num_unheld):
-                    continue  # cached blocks nobody uses went back (or wait, pinned, for a write-back)
-                if not self.reclaim():  # nothing in flight would ever unpin the blocks next in line
-                    raise
-
-    def reserve(self, r: Request, num_tokens: int) -> bool:
-        """Blocks for ``r``'s first ``num_tokens`` positions if they can be had (also the recursive drafts' MTP KV)."""
-        need = math.ceil(num_tokens / self.block_size) - len(r.table)
-        if need > 0:
-            try:
-                r.table.extend(self._alloc(need))
-            except OutOfBlocks:
-                return False
-        return True
-
-    def _release(self, r: Request) -> None:
-        if r.table:
-            r.loaded = []  # loaded blocks its prefill never took (preempted, aborted) are dropped
-            self.blocks.release(r)  # device prefix cache, write-back: before the references go
-            self.alloc.free(r.table)  # a pinned block is handed out again only once committed
-            r.table = []
-
-    def _maybe_release(self, r: Request) -> None:
-        if r.in_steps > 0:
-            if r.table and r not in self.deferred:
-                self.deferred.append(r)
-            return
-        if r in self.deferred:
-            self.deferred.remove(r)
-        self._release(r)

@@ -33,8 +33,9 @@ final — by the first draft run after a prompt's prefill, for every full block 
 loaded (the last one's successor is the first generated token) — and a prompt looks its blocks up
 with its own successors (at most ``(len - 1) // block_size`` blocks, so each successor is a prompt
 token). That draft run's graph saves them (its save program copies every layer of those blocks after
-its own layer's KV write, ordered by record/wait events the race verifier checks; the connector
-commits after its event); the target's graphs save nothing under speculation. A hit loads target
+its own layer's KV write, ordered by record/wait events the race verifier checks; the runner hands
+it to the connector, which commits after its event: a draft run is a plan of the MTP variant
+submitted through the runner, like any step); the target's graphs save nothing under speculation. A hit loads target
 and MTP KV together; the first draft run starts at the first position not loaded, so the draft reads
 the MTP KV from the pool exactly as a cold run computed it. Only final tokens' KV is ever saved.
 
@@ -46,29 +47,19 @@ counted in ``max_num_batched_tokens``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from ..pool.keys import successor_keys
 from .request import Request, RowPlan, StepPlan
-from .runner import StepInputs, build_inputs
 from .sampling import SamplingParams, rejection_sample
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "MtpInputs", "MtpDrafter", "check_speculative", "mtp_variant",
-           "speculative_refusal", "run_rows"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "MtpDrafter", "check_speculative", "mtp_variant", "speculative_refusal",
+           "run_rows"]
 
 # K + 1 <= 16: a verify row stays inside absorbed FIA's 1-16-token multi-token decode envelope (docs/npu.md)
 MAX_SPECULATIVE_TOKENS = 15
-
-
-@dataclass
-class MtpInputs(StepInputs):
-    """The MTP graph's inputs: the step inputs plus each row's previous hidden state ``[T, H]``."""
-
-    prev_hidden: Optional[torch.Tensor] = None
-
 
 def mtp_variant(spec) -> str:
     """The spec's MTP graph (its ``phase: mtp`` variant); ValueError naming the fix when it has none."""
@@ -115,14 +106,16 @@ def speculative_refusal(params: SamplingParams) -> Optional[tuple[str, str]]:
 
 
 class MtpDrafter:
-    """The draft and verify halves of speculative decoding for an `LLMEngine` (module docstring):
+    """The draft and verify halves of speculative decoding for an `EngineCore` (module docstring):
     ``verify`` turns a verify row's logits into the tokens it emits, ``after_step`` keeps each
-    request's hidden states and runs the MTP graph for the requests that got tokens."""
+    request's hidden states and runs the MTP graph for the requests that got tokens: each run a plan
+    of the MTP variant submitted through ``runner`` (which makes its save), blocks reserved and
+    saves selected through ``scheduler``'s policy."""
 
-    def __init__(self, spec, num_speculative_tokens: int, runner, cache, connector, scheduler):
+    def __init__(self, spec, num_speculative_tokens: int, runner, cache, scheduler):
         self.mtp = check_speculative(spec, num_speculative_tokens)
         self.k = num_speculative_tokens
-        self.runner, self.cache, self.connector, self.scheduler = runner, cache, connector, scheduler
+        self.runner, self.cache, self.scheduler = runner, cache, scheduler
         self.block_size = spec.kv_cache.block_size
         self.target_layers = spec.dims.num_hidden_layers  # cache layers from here on are the MTP layers'
         self.saves = spec.pool.write != "off" and runner.saves(self.mtp)
@@ -223,9 +216,7 @@ class MtpDrafter:
             hidden.append(r.spec_hidden)
             plans.append((r, k, m))
             r.spec_hidden = None
-        save = self.connector.prepare_save([b for b, _ in save_pairs], [k for _, k in save_pairs]) \
-            if save_pairs else None
-        logits, g = self._run(rows, torch.cat(hidden), save)
+        logits, g = self._run(rows, torch.cat(hidden))  # the rows carry the prompt blocks' saves
         last = torch.tensor([sum(len(x.token_ids) for x in rows[:i + 1]) - 1 for i in range(len(rows))])
         g = g[last]
         drafts: dict = {id(r): [] for r, _, _ in plans}
@@ -241,7 +232,7 @@ class MtpDrafter:
                 break
             rows = [RowPlan(plans[i][0], (drafts[id(plans[i][0])][-1],), plans[i][2] + j - 1,
                             tuple(plans[i][0].table), logits_positions=(0,)) for i in live]
-            logits, gj = self._run(rows, g[live], None)
+            logits, gj = self._run(rows, g[live])
             g = g.clone()
             g[live] = gj
             for n, i in enumerate(live):
@@ -250,8 +241,8 @@ class MtpDrafter:
             r.drafts = tuple(drafts[id(r)])
             r.draft_probs = torch.stack(probs[id(r)]) if probs[id(r)] else None
 
-    def _run(self, rows: list[RowPlan], prev_hidden: torch.Tensor, save):
-        return run_rows(self.runner, self.mtp, rows, prev_hidden=prev_hidden, save=save, connector=self.connector)
+    def _run(self, rows: list[RowPlan], prev_hidden: torch.Tensor):
+        return run_rows(self.runner, self.mtp, rows, prev_hidden=prev_hidden)
 
     @staticmethod
     def _pick(r: Request, logits: torch.Tensor, drafts: dict, probs: dict) -> None:
@@ -263,27 +254,13 @@ class MtpDrafter:
         probs[id(r)].append(q)
 
 
-def run_rows(runner, variant: str, rows: Sequence[RowPlan], *, prev_hidden: Optional[torch.Tensor] = None,
-             save=None, connector=None):
-    """(logits ``[logits positions, V]``, hidden ``[tokens, H]``) of one forward of ``variant``
-    over ``rows`` outside the step loop (the MTP draft runs; tests of single graphs). ``save``: the
-    connector's `PendingSave` of the blocks the rows save (staged by the graph's save program,
-    committed after its event); without one a saving module stages nothing."""
-    plan = StepPlan(variant, "decode", tuple(rows), save is not None)
-    base = build_inputs(plan, runner.block_size)
-    inputs = MtpInputs(**{f: getattr(base, f) for f in StepInputs.__dataclass_fields__}, prev_hidden=prev_hidden)
-    staging = save.staging if save is not None else (runner.cache.make_staging(0) if runner.saves(variant) else None)
-    loads = runner.cache.make_staging(0) if runner.modules[variant].META.get("history") else ()
-    try:
-        handles = runner.execute(variant, inputs, staging, loads)
-    except BaseException:
-        if save is not None:
-            connector.cancel(save)
-        raise
-    if save is not None:
-        connector.handoff(save, handles.save_job, handles.save_done)
-    elif handles.save_job is not None:
-        handles.save_job.wait()
-    if handles.hidden is None:
+def run_rows(runner, variant: str, rows: Sequence[RowPlan], *, prev_hidden: Optional[torch.Tensor] = None):
+    """(logits ``[logits positions, V]``, hidden ``[tokens, H]``) of one forward of ``variant`` over
+    ``rows`` outside the step loop (the MTP draft runs; tests of single graphs), submitted through
+    the runner as a plan of its own: the blocks the rows save (``save_block_ids``/``save_keys``) are
+    staged by the graph's save program and committed after its event, as a step's."""
+    plan = StepPlan(variant, "decode", tuple(rows), runner.saves(variant), prev_hidden=prev_hidden)
+    out = runner.collect(runner.submit(plan))
+    if out.hidden is None:
         raise RuntimeError(f"{variant}: the module returned no hidden state (regenerate: graphgen generate)")
-    return handles.logits, handles.hidden
+    return torch.cat(out.logits), torch.cat(out.hidden)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .dp_rank import rank_generate, rank_llm
+from .dp_rank import rank_generate, rank_core
 from .launcher import DistributedEngine
 
-__all__ = ["DataParallelEngine", "DataParallelLLM", "DPRouter", "prefix_affinity_key"]
+__all__ = ["DataParallelEngine", "DataParallelCore", "DPRouter", "prefix_affinity_key"]
 
 
 def prefix_affinity_key(prompt: Sequence[int], block_size: int, blocks: int = 4) -> str:
@@ -64,8 +64,8 @@ class DPRouter:
         self.load[r] -= 1
 
 
-class DataParallelLLM:
-    """`LLMEngine`'s step API over the DP ranks (what ``graphgen serve`` drives): ``add_request`` goes
+class DataParallelCore:
+    """The step API (`EngineCore`'s) over the DP ranks (what ``graphgen serve`` drives): ``add_request`` goes
     to the rank `DPRouter` picks; ``step`` is one tick on every rank (each steps
     its own requests; an idle one runs dummy forwards) and returns every rank's outputs; ``has_work``
     is any rank's. Request ids must be unique across ranks (the server's are)."""
@@ -76,7 +76,7 @@ class DataParallelLLM:
         self._last_stats: dict = {}
 
     def _call(self, dp_rank: Optional[int], method: str, *args) -> list:
-        replies = self._engine.every_rank(rank_llm, dp_rank, method, args)
+        replies = self._engine.every_rank(rank_core, dp_rank, method, args)
         for status, value in replies:
             if status == "invalid":
                 raise ValueError(value)
@@ -125,7 +125,7 @@ class DataParallelLLM:
 class DataParallelEngine(DistributedEngine):
     """``dp`` rank processes, each a DP group with its own requests (see the module doc). The `Engine`
     calls: ``generate`` spreads the prompts over the ranks (``ranks=``: the DP rank of each prompt,
-    else `DPRouter.choose`) and returns the results in prompt order; ``llm``: `DataParallelLLM`;
+    else `DPRouter.choose`) and returns the results in prompt order; ``core``: `DataParallelCore`;
     ``stats``: the ranks' connector counters summed."""
 
     def __init__(self, spec, weights, *, max_imbalance: int = 2, **kwargs):
@@ -133,7 +133,7 @@ class DataParallelEngine(DistributedEngine):
         super().__init__(spec, weights, **kwargs)
         self.dp = spec.parallel.dp
         self.last_ranks: list[int] = []  # the DP rank of each prompt of the last generate
-        self.llm = DataParallelLLM(self)
+        self.core = DataParallelCore(self)
 
     def every_rank(self, fn, *args) -> list:
         """``fn(rank_engine, *args)`` in every rank process, each rank's result: as `on_ranks`, but ``fn``

@@ -18,7 +18,7 @@ the DP ranks): a rank about to run a real step says 1; a rank with nothing (more
 tick says 0 and, while some rank says 1, runs a **dummy forward**: the decode module on zero tokens,
 which still runs its experts on the other groups' gathered tokens (they are needed: each rank holds
 a different half of the experts). When every rank says 0 the tick ends. A tick (`dp_tick`) is one
-`LLMEngine.step` where a rank has work, so a rank whose step forwards twice, or not at all, still
+`EngineCore.step` where a rank has work, so a rank whose step forwards twice, or not at all, still
 pairs up. Deadline: gloo's timeout is the engine's ``timeout``, and the facade watches the rank
 processes, so a dead DP rank raises `RankFailure` on the caller, never a hang.
 
@@ -41,14 +41,15 @@ import torch.distributed as dist
 
 from ...ir.weights import parse_shard
 from ..core.cpu_runtime import CpuRuntime
-from ..engine.facade import Engine, cpu_engine
+from ..engine.assembly import cpu_engine
+from ..engine.engine import Engine
 from ..engine.runner import CpuModelRunner, StepInputs
 from . import ops as ops_parallel
-from .llm_calls import llm_call
+from .core_calls import core_call
 from .ops import slice_weight
 
 __all__ = ["DPLayout", "DPRankRuntime", "DPSync", "DPModelRunner", "dp_rank_weights", "dp_rank_engine",
-           "build_dp_rank", "dp_tick", "rank_generate", "rank_llm"]
+           "build_dp_rank", "dp_tick", "rank_generate", "rank_core"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,8 @@ class DPModelRunner(CpuModelRunner):
     def submit(self, plan, *, background: bool = False):
         if background:  # the handshake and the forward's collectives must stay on one thread
             raise RuntimeError("a DP rank runs its forwards inline (async scheduling is off on ranks)")
-        self.rt.sync.forward_begins()
+        if plan.rows:  # a step with no forward (write-backs only) is no forward for the other ranks
+            self.rt.sync.forward_begins()
         return super().submit(plan)
 
     def _dummy_variant(self) -> str:
@@ -248,8 +250,8 @@ def _dp_rank(engine) -> int:
 def dp_tick(engine) -> list:
     """One tick on every DP rank (each calls it): a step where this rank has work, then dummy
     forwards for as long as another rank still runs real ones. This rank's outputs."""
-    llm = engine.llm
-    out = llm.step() if llm.has_work() else []
+    core = engine.core
+    out = core.step() if core.has_work() else []
     engine.runner.rt.sync.serve_others(engine.runner.dummy_forward)
     return out
 
@@ -258,7 +260,7 @@ def _run_until_idle(engine) -> None:
     sync = engine.runner.rt.sync
     while True:
         dp_tick(engine)
-        if not sync.any(engine.llm.has_work()):
+        if not sync.any(engine.core.has_work()):
             return
 
 
@@ -272,21 +274,21 @@ def rank_generate(engine, groups: list, max_new_tokens: int, settle: bool):
         if i and settle:
             engine.drain()
             sync.barrier()  # every rank's commits landed before any rank's next lookup
-        reqs = {j: engine.llm.add_request(None, list(p), max_tokens=max_new_tokens) for j, r, p in group if r == me}
+        reqs = {j: engine.core.add_request(None, list(p), max_tokens=max_new_tokens) for j, r, p in group if r == me}
         _run_until_idle(engine)
         for j, req in reqs.items():
             if req.finish_reason == "error":
-                engine.llm.abort_all()
+                engine.core.abort_all()
                 return {"error": (j, repr(req.error), "".join(traceback.format_exception(req.error)))}
             results[j] = req.result
     return results
 
 
-def rank_llm(engine, dp_rank: Optional[int], method: str, args: tuple):
-    """One `DataParallelLLM` call: on rank ``dp_rank`` only (None: on every rank). ``("ok", result)``
+def rank_core(engine, dp_rank: Optional[int], method: str, args: tuple):
+    """One `DataParallelCore` call: on rank ``dp_rank`` only (None: on every rank). ``("ok", result)``
     or ``("invalid", message)`` (add_request refused the input)."""
     if dp_rank is not None and dp_rank != _dp_rank(engine):
         return "ok", None
     if method == "step":  # a tick: this rank's step, then dummy forwards while another rank runs
         return "ok", dp_tick(engine)
-    return llm_call(engine.llm, method, args)
+    return core_call(engine.core, method, args)

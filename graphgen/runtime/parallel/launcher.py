@@ -1,15 +1,15 @@
 """Running a spec on several ranks: one process per rank on torch.distributed (gloo; hccl on an NPU).
 
-`DistributedEngine` is the facade a caller holds (``open_engine(..., tp=2)`` returns one): it
+`DistributedEngine` is the engine a caller holds (``open_engine(..., tp=2)`` returns one): it
 serves the pool every rank shares (the embedded host pool behind a `multiprocessing` manager: rank 0's MLA
 latent must be visible to rank 1) and the rendezvous store, starts a rank process per rank of this node
-(``parallel.world``: dp × cp × tp; `graphgen.runtime.parallel.context` for cp), and sends every rank the
-same command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep
-(`graphgen.runtime.parallel.rank`) and the facade returns rank 0's results. It has the `Engine` calls a
-driver needs (``generate``, ``drain``, ``stats``, ``close``, context manager), so a batching engine can
-drive it the same way, and ``llm``: `DistributedLLM`, the step API of `LLMEngine` (what ``graphgen
-serve`` drives) with every call broadcast to the ranks in the same order, so their schedulers stay in
-lockstep.
+(``parallel.world``: dp × cp × tp; `graphgen.runtime.parallel.context_parallel` for cp), and sends every
+rank the same command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep
+(`graphgen.runtime.parallel.rank`) and it returns rank 0's results. It implements `EngineInterface` (what
+every `open_engine` result has: ``generate``, ``drain``, ``stats``, ``close``, ...), so a driver uses it
+as a one-process `Engine`, and ``core``: `DistributedCore`, the step API of `EngineCore` (what
+``graphgen serve`` drives) with every call broadcast to the ranks in the same order (their schedulers stay
+in lockstep). The ranks' parts are in their processes: no ``kv_naming()`` (P/D), no spans (``observe``).
 
 Several nodes (``placement``, `graphgen.runtime.parallel.cluster`): this process is node 0's driver; the
 other nodes' followers (`graphgen.runtime.parallel.follower`) join its command channel
@@ -43,13 +43,13 @@ from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
 from ..progress import Board, Deadlines, RankPhases
 from .cluster import Placement, cluster_key, interface_towards, spec_digest
-from .context import CP_RANK_TARGET
+from .context_parallel import CP_RANK_TARGET
 from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
 from ...netutil import bind_socket, free_port
 
-__all__ = ["DistributedEngine", "DistributedLLM", "RankFailure"]
+__all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
 
 
 class RankFailure(RuntimeError):
@@ -72,7 +72,7 @@ def _checked(spec, weights, pool, target: str):
     ValueError naming what cannot be."""
     from ...families.parallel import layout_rules
 
-    if target == "cpu" and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context)
+    if target == "cpu" and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context_parallel)
         target = CP_RANK_TARGET
     if target not in RANK_TARGETS:
         raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
@@ -132,9 +132,9 @@ def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[
     return None
 
 
-class DistributedLLM:
-    """`LLMEngine`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
-    ``stats``, ``shutdown`` (and setting ``eos_token_ids``) run on every rank's own ``Engine.llm``,
+class DistributedCore:
+    """`EngineCore`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
+    ``stats``, ``shutdown`` (and setting ``eos_token_ids``) run on every rank's own ``Engine.core``,
     in the order the caller makes them, so every rank schedules the same steps and issues the same
     collectives; the results are rank 0's.
 
@@ -148,7 +148,7 @@ class DistributedLLM:
         self._engine = engine
 
     def _call(self, method: str, *args):
-        status, value = self._engine._command("llm", method, *args)[0]
+        status, value = self._engine._command("core", method, *args)[0]
         if status == "invalid":
             raise ValueError(value)
         return value
@@ -252,7 +252,8 @@ class DistributedEngine:
             self._kill()
             raise
         self._board.finish()
-        self.llm = DistributedLLM(self)
+        self.core = DistributedCore(self)
+        self.speculative = bool(engine_kwargs.get("num_speculative_tokens"))
         self.max_model_len = self.on_ranks(_max_model_len)[0]
 
     @property
@@ -405,6 +406,19 @@ class DistributedEngine:
 
     def pool_stats(self) -> dict:
         return self._pool.stats()
+
+    # the EngineInterface's calls whose parts live in the rank processes: no spans, no P/D handoff
+    def observe(self, observer) -> None:
+        pass
+
+    def kv_naming(self):
+        return None
+
+    def kv_pool(self):
+        return None
+
+    def saves_in_flight(self) -> int:
+        return 0  # each rank waits for its own commits (``drain`` barriers them)
 
     def on_ranks(self, fn, *args) -> list:
         """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's

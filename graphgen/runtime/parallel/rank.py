@@ -1,7 +1,7 @@
 """One tensor/expert-parallel rank: its runtime (collectives on torch.distributed), its KV connector
 (per-rank pool keys, prefix hits agreed by every rank) and its engine.
 
-A rank is an ordinary CPU engine (`graphgen.runtime.engine.facade.cpu_engine`) given three parts of its own:
+A rank is an ordinary CPU engine (`graphgen.runtime.engine.assembly.cpu_engine`) given three parts of its own:
 
 * `RankRuntime`: ``rt`` of the generated module, plus ``all_reduce``/``all_gather`` (gloo) and the
   rank-aware ops of `graphgen.runtime.parallel.ops` (given this rank);
@@ -17,7 +17,7 @@ A rank is an ordinary CPU engine (`graphgen.runtime.engine.facade.cpu_engine`) g
   hit for all). Each rank commits its own blocks after its own save event (the connector's rule).
 
 Ranks run in lockstep: each has its own scheduler, fed the same calls in the same order by the
-launcher (`DistributedLLM`), with hits agreed by collectives, so every rank plans the same steps.
+launcher (`DistributedCore`), with hits agreed by collectives, so every rank plans the same steps.
 Why not one scheduler on rank 0 broadcasting its plan (as vLLM does)? Each rank's KV shard has its
 own pool keys and its own hits, so a broadcast plan would still need the same per-rank agreement
 (the MIN collectives) and per-rank load staging; the calls the launcher broadcasts carry no more
@@ -58,14 +58,15 @@ from ...families.parallel import kv_shard_owner, rank_kv_components
 from ..core.cpu_runtime import CpuRuntime
 from ..engine.connector import KVConnector
 from ..engine.kv_load import KVLoader
-from ..engine.facade import Engine, cpu_engine
+from ..engine.assembly import cpu_engine
+from ..engine.engine import Engine
 from ..engine.request import StepPlan
 from ..engine.runner import CpuModelRunner
 from ..pool.keys import KVShard
 from ..pool.shared import connect_pool
 from ..progress import STEP, Progress, reporting
 from . import ops as ops_parallel
-from .llm_calls import llm_call as _llm_call
+from .core_calls import core_call
 from .ops import rank_weights
 
 __all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine",
@@ -212,7 +213,8 @@ class RankModelRunner(CpuModelRunner):
     """The CPU runner of one rank: `check_plan` before each step (CPU ranks' world group is gloo)."""
 
     def submit(self, plan: StepPlan, *, background: bool = False):
-        check_plan(plan)
+        if plan.rows:  # a step with no forward (write-backs only) issues no collective to agree on
+            check_plan(plan)
         return super().submit(plan, background=background)
 
 
@@ -398,8 +400,8 @@ def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: 
                     out = engine.generate(*args[0], **args[1])
                 elif cmd == "drain":
                     out = engine.drain(*args)
-                elif cmd == "llm":  # the step API, in the facade's order (DistributedLLM)
-                    out = _llm_call(engine.llm, args[0], args[1:])
+                elif cmd == "core":  # the step API, in the calling engine's order (DistributedCore)
+                    out = core_call(engine.core, args[0], args[1:])
                 elif cmd == "call":  # fn(engine, *args) on every rank: a test's probe of its own rank
                     out = args[0](engine, *args[1:])
                 elif cmd == "stats":

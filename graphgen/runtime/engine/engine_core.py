@@ -1,14 +1,19 @@
-"""The step-level engine API: requests in, per-step token deltas out (what a server drives).
+"""`EngineCore`: the step loop — requests in, per-step token deltas out (what a server drives).
 
-`LLMEngine` runs one step per ``step()`` call over two parts, the `Scheduler` and a model runner
-(CPU, rank or NPU: each owns the worker side of the KV connector):
+The name is vLLM's (``vllm/v1/engine/core.py``): the inner loop over a scheduler and a model
+runner. `graphgen.runtime.engine.engine.Engine` is the outer object a caller holds (``generate``,
+``drain``, ``close``); it reaches this loop as ``Engine.core``. One step:
 
-    plan = scheduler.schedule()  ->  runner.submit(plan) / runner.collect(...)  ->  sample  ->  scheduler.update
+    plan = scheduler.schedule()  ->  output = runner.collect(runner.submit(plan))
+         ->  sample_step(plan, output)  ->  scheduler.update(plan, output)  ->  RequestOutputs
 
-The step flows one way as data: the plan says, per request, what to compute, load and save; the
-runner builds its own inputs from it, pins and commits the step's save, and returns each row's
-logits; the engine samples each request with its own `SamplingParams`; the scheduler takes the
-tokens back.
+The step flows one way as data. The plan says, per request, what to compute, load and save, and
+which blocks the runner saves from the cache after the forward (decode-time saves, write-backs).
+The runner (CPU, rank or NPU) alone drives the KV connector's worker side: it builds its inputs,
+pins and commits every save of the plan, and returns one `StepOutput` (each row's logits, hidden
+rows, the saves it pinned and the commits that landed, its spans). Sampling fills the output's
+tokens, each request with its own `SamplingParams` (`sample_step`); the scheduler takes the
+output back. This loop holds no connector.
 
 With ``async_scheduling`` the forward runs on a ``forward`` worker thread and, while step N runs,
 the caller's thread plans step N+1 (admission and pool loads, block allocation). The only input
@@ -18,9 +23,9 @@ step N are dropped there. Tokens are identical either way: the same steps run in
 on the same inputs; only *when* they are prepared changes.
 
 With a ``drafter`` (speculative decoding, `spec_decode.MtpDrafter`) a verify row's K + 1 logits
-become the tokens it emits (`MtpDrafter.verify`), and once a step has landed the MTP graph drafts
-for every request that got a token (`MtpDrafter.after_step`, on the caller's thread, before the
-next step is launched).
+become the tokens it emits (`MtpDrafter.verify`, in sampling), and once a step has landed the MTP
+graph drafts for every request that got a token (`MtpDrafter.after_step`: draft plans submitted
+through the runner, on the caller's thread, before the next step is launched).
 
 Threading: every method is called from one thread (the caller's); only the forward runs elsewhere.
 """
@@ -28,33 +33,33 @@ Threading: every method is called from one thread (the caller's); only the forwa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Iterable, Optional, Sequence
 
-import torch
-
 from .request import Request, RequestOutput, RequestResult, StepPlan
-from .grammar import guided_sample
-from .logits import process_rows, prompt_logprobs, token_logprobs
-from .sampling import Sampler, SamplingParams, sample_rows
+from .sample_step import sample_step
+from .sampling import Sampler, SamplingParams
 from .spec_decode import speculative_refusal
+from .step_output import StepOutput
 
-__all__ = ["LLMEngine"]
+__all__ = ["EngineCore"]
+
+log = logging.getLogger("graphgen.engine")
 
 
-class LLMEngine:
-    """``scheduler``, ``runner``: an `Engine`'s parts (``Engine.llm`` is one of these); ``connector``
-    is kept for its counters (``stats``) and ``drain`` (the runner drives its worker side).
+class EngineCore:
+    """``scheduler``, ``runner``: an `Engine`'s parts (``Engine.core`` is one of these).
 
     ``eos_token_ids``: stop tokens of every request (the model's EOS), unless its params say
     ``ignore_eos``. ``timeline``: a list to append ``(what, step_no, t_start, t_end)`` spans to
-    (``"schedule"`` on the caller's thread, ``"forward"`` where the forward runs; with async
+    (``"schedule"`` on the caller's thread, ``"forward"`` as the runner timed it; with async
     scheduling ``"launch"``, an instant: the step queued on the forward thread)."""
 
-    def __init__(self, scheduler, connector, runner, *, vocab_size: int, async_scheduling: bool = False,
+    def __init__(self, scheduler, runner, *, vocab_size: int, async_scheduling: bool = False,
                  eos_token_ids: Iterable[int] = (), collect_logits: bool = False,
                  timeline: Optional[list] = None, drafter=None):
-        self.scheduler, self.connector, self.runner = scheduler, connector, runner
+        self.scheduler, self.runner = scheduler, runner
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
         self.eos_token_ids = tuple(eos_token_ids)
@@ -63,11 +68,8 @@ class LLMEngine:
         self.drafter = drafter  # spec_decode.MtpDrafter: every request decodes speculatively
         self.observer = None  # a graphgen.trace.StepObserver: scheduling spans (Engine.observe sets it)
         self._requests: dict[Any, Request] = {}
-        self._inflight = None  # (future, step_no): the step on the forward thread
+        self._inflight: Optional[tuple[Any, int]] = None  # (future, step_no): the step on the forward thread
         self._sched_no = 0  # ids of scheduled steps, in schedule order (the timeline's step_no)
-        self._forward_sid = 0
-        self._forward_plan: Optional[StepPlan] = None  # the plan of the forward running now
-        runner.on_forward = self._forward_span
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_hit_tokens": 0, "steps": 0,
                         "sampling_fallbacks": 0, "mixed_steps": 0, "decode_rows_stalled": 0}
 
@@ -148,11 +150,7 @@ class LLMEngine:
                 if plan is not None:
                     plan = self.scheduler.finalize(plan)
                 if plan is not None:
-                    self._forward_sid, self._forward_plan = sid, plan
-                    fut = self.runner.submit(plan)
-                    row_logits = self.runner.collect(fut)
-                    self._forward_plan = None  # landed: a plan holds its loads (pool memory, lent)
-                    self._land(plan, row_logits, out, fut.hidden_rows)
+                    out += self._land(plan, sid, self.runner.collect(self.runner.submit(plan)))
             else:
                 if self._inflight is None:
                     plan, sid = self._schedule()
@@ -160,11 +158,9 @@ class LLMEngine:
                         self._launch(plan, sid)
                 if self._inflight is not None:
                     nxt, nsid = self._schedule()  # while the step in flight runs on the forward thread
-                    fut, _ = self._inflight
+                    fut, sid = self._inflight
                     self._inflight = None
-                    row_logits = self.runner.collect(fut)
-                    self._forward_plan = None  # landed: a plan holds its loads (pool memory, lent)
-                    self._land(fut.plan, row_logits, out, fut.hidden_rows)
+                    out += self._land(fut.plan, sid, self.runner.collect(fut))
                     if nxt is not None:
                         self._launch(nxt, nsid)
         except BaseException:
@@ -179,7 +175,7 @@ class LLMEngine:
     def _schedule(self) -> tuple[Optional[StepPlan], int]:
         t, sid = time.perf_counter(), self._sched_no
         plan = self.scheduler.schedule()
-        if plan is not None:
+        if plan is not None and plan.rows:  # a step with no forward (write-backs only) has no spans
             self._sched_no += 1
             self._span("schedule", sid, t)
         return plan, sid
@@ -188,48 +184,34 @@ class LLMEngine:
         plan = self.scheduler.finalize(plan)
         if plan is None:
             return
-        self._forward_sid, self._forward_plan = sid, plan
         fut = self.runner.submit(plan, background=True)
-        self._span("launch", sid, time.perf_counter())
+        if plan.rows:
+            self._span("launch", sid, time.perf_counter())
         self._inflight = (fut, sid)
 
-    def _land(self, plan: StepPlan, row_logits: list, out: list, hidden_rows: Optional[list] = None) -> None:
-        tokens: list = [None] * len(plan.rows)
-        # verify rows (a decode row with drafts): the drafter turns their logits into tokens
-        verify = [i for i, row in enumerate(plan.rows) if row.samples and row.decode and row.num_tokens > 1]
-        for i in verify:
-            tokens[i] = self.drafter.verify(plan.rows[i], row_logits[i])
-        sampling = [i for i, row in enumerate(plan.rows) if row.samples and i not in verify]
-        last = torch.stack([row_logits[i][-1] for i in sampling]) if sampling else None
-        lps: list = [None] * len(plan.rows)
-        if last is not None:
-            last = self._process(last, [plan.rows[i].request for i in sampling])
-            # structured output (engine/grammar.py): grammar rows masked, then sampled, then advanced
-            sampled, fallbacks = guided_sample(last, [plan.rows[i].request for i in sampling], sample_rows)
-            self._totals["sampling_fallbacks"] += fallbacks
-            for i, tok in zip(sampling, sampled):
-                tokens[i] = int(tok)
-            for i, lp in zip(sampling, token_logprobs(last, sampled, [plan.rows[i].sampling.logprobs
-                                                                     for i in sampling])):
-                lps[i] = lp
-        plps = self._prompt_logprobs(plan, row_logits)
-        kept = None
-        if self.collect_logits and (last is not None or verify):
-            kept = [None] * len(plan.rows)
-            for j, i in enumerate(sampling):
-                kept[i] = last[j]
-            for i in verify:
-                kept[i] = row_logits[i]
-        # decode-time saves (pool.save_decode): pinned before update can free a finished request's blocks
-        self.connector.save_filled(*self.scheduler.blocks.decode_saves(plan))
-        self.scheduler.update(plan, tokens, kept)  # a verify row's entry becomes the tokens taken
+    def _land(self, plan: StepPlan, sid: int, output: StepOutput) -> list[RequestOutput]:
+        """The step's output back: sampled (unless the runner sampled), taken by the scheduler, the
+        drafts made; one `RequestOutput` per row that got a token."""
+        for what, t0, t1 in output.spans:
+            self._span(what, sid, t0, t1)
+            if self.observer is not None:
+                self.observer.step_rows(plan, sid, t0, t1)
+        if plan.rows and output.tokens is None:
+            output = sample_step(plan, output, drafter=self.drafter, collect_logits=self.collect_logits)
+        taken = self.scheduler.update(plan, output)
+        if not plan.rows:
+            return []
         if self.drafter is not None:
-            self.drafter.after_step(plan, tokens, hidden_rows, self.collect_logits)
-        self.connector.reap()
+            self.drafter.after_step(plan, taken, output.hidden, self.collect_logits)
         self._totals["steps"] += 1
         self._totals["mixed_steps"] += plan.mixed
         self._totals["decode_rows_stalled"] += plan.decode_rows_stalled
-        for j, (row, tok) in enumerate(zip(plan.rows, tokens)):
+        self._totals["sampling_fallbacks"] += output.sampling_fallbacks
+        return self._outputs(plan, taken, output)
+
+    def _outputs(self, plan: StepPlan, taken: list, output: StepOutput) -> list[RequestOutput]:
+        out = []
+        for j, (row, tok) in enumerate(zip(plan.rows, taken)):
             r = row.request
             if tok is None or r.finish_reason == "abort":
                 continue  # a row without a token, or aborted while its step ran (the caller let it go)
@@ -239,52 +221,37 @@ class LLMEngine:
             self._totals["generation_tokens"] += len(new)
             if r.finished:
                 self._requests.pop(r.req_id, None)
+            lp = output.logprobs[j] if output.logprobs else None
             out.append(RequestOutput(r.req_id, new, r.finished, r.finish_reason, r.result.hit_tokens,
-                                     len(r.prompt), logprobs=None if lps[j] is None else (lps[j],),
-                                     prompt_logprobs=plps[j] if len(r.tokens) == 1 else None))
-
-    def _process(self, last: torch.Tensor, requests: list) -> torch.Tensor:
-        """Each request's logits processors (penalties, bias, masks) on its sampled-position row."""
-        last, fallbacks = process_rows(last, requests)
-        self._totals["sampling_fallbacks"] += fallbacks
-        return last
-
-    @staticmethod
-    def _prompt_logprobs(plan: StepPlan, row_logits: list) -> list:
-        """Per row: the prompt logprobs of a prefill row that returned every prompt position's logits."""
-        out: list = [None] * len(plan.rows)
-        for i, row in enumerate(plan.rows):
-            k = row.sampling.prompt_logprobs
-            if k is not None and plan.phase == "prefill" and row.start == 0 and row.samples \
-                    and len(row.logits_positions) == row.num_tokens == len(row.request.prompt):
-                out[i] = prompt_logprobs(row_logits[i], row.token_ids, k)
+                                     len(r.prompt), logprobs=None if lp is None else (lp,),
+                                     prompt_logprobs=output.prompt_logprobs[j] if len(r.tokens) == 1
+                                     and output.prompt_logprobs else None))
         return out
 
-    def _forward_span(self, t0: float, t1: float) -> None:
-        # called where the forward runs (the forward thread with async scheduling): list.append is safe
+    def _span(self, what: str, sid: int, t0: float, t1: Optional[float] = None) -> None:
+        t1 = time.perf_counter() if t1 is None else t1
         if self.timeline is not None:
-            self.timeline.append(("forward", self._forward_sid, t0, t1))
+            self.timeline.append((what, sid, t0, t1))
         if self.observer is not None:
-            self.observer.step("forward", self._forward_sid, t0, t1)
-            if self._forward_plan is not None:
-                self.observer.step_rows(self._forward_plan, self._forward_sid, t0, t1)
-
-    def _span(self, what: str, sid: int, t0: float) -> None:
-        if self.timeline is not None:
-            self.timeline.append((what, sid, t0, time.perf_counter()))
-        if self.observer is not None:
-            self.observer.step(what, sid, t0, time.perf_counter())
+            self.observer.step(what, sid, t0, t1)
 
     def abort_all(self) -> None:
         """Wait for the forward in flight (its save is handed off, or cancelled if it failed), then
-        drop every request and its blocks (after an error, or at shutdown). Nothing is reported."""
+        drop every request and its blocks (after an error, or at shutdown); the write-backs this
+        leaves (dirty blocks let go) run as a step with no forward. Nothing is reported."""
         if self._inflight is not None:
             fut, _ = self._inflight
             self._inflight = None
             self.runner.settle(fut)
         self.scheduler.abort_all()
         self._requests.clear()
-        self.connector.reap()
+        plan = self.scheduler.finalize(StepPlan.no_forward())  # None: nothing to write back
+        if plan is not None:
+            try:
+                self.scheduler.update(plan, self.runner.collect(self.runner.submit(plan)))
+            except Exception as e:  # a save that did not land only costs a later recompute
+                log.warning("write-backs at abort failed; their blocks are not saved: %s", e)
+                self.scheduler.blocks.drop_write_backs(pending=True)
 
     # ---- the rest ---------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -295,15 +262,14 @@ class LLMEngine:
         scheduler's ``prefills`` — prompt prefills begun —, ``forks`` — children sharing a parent's
         prompt blocks —, ``prefill_tokens`` and ``device_hit_blocks`` — blocks shared from the device
         prefix cache, apart from the pool's ``hit_blocks``; the gauge ``device_cached_blocks``)
-        and the connector's counters (``puts``, ...); with speculative decoding vLLM's
-        ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+        and the connector's counters through the runner (``puts``, ...); with speculative decoding
+        vLLM's ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
         ``spec_decode_num_accepted_tokens_per_pos`` (a list, per draft position)."""
-        self.connector.reap()
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + len(s.prefill) + len(s.held),
-                "saves_pending": self.connector.pending, "free_blocks": s.alloc.num_free,
+                "free_blocks": s.alloc.num_free,
                 "device_cached_blocks": len(s.device_cache) if s.device_cache is not None else 0,
-                **self._totals, "preemptions": s.num_preemptions, **s.counts, **self.connector.stats,
+                **self._totals, "preemptions": s.num_preemptions, **s.counts, **self.runner.save_stats(),
                 **(self.drafter.stats() if self.drafter is not None else {})}
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
@@ -311,7 +277,7 @@ class LLMEngine:
         try:
             self.abort_all()
         finally:
-            self.connector.drain(timeout)
+            self.runner.drain_saves(timeout)
             self.close()
 
     def close(self) -> None:

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.kvcache import slot_mapping
-from ..engine.facade import Engine, cpu_engine
+from ..engine.assembly import cpu_engine
+from ..engine.engine import Engine
 from ..engine.request import StepPlan
 from ..engine.runner import StepInputs, build_inputs
 from .rank import RankModelRunner, RankParts, RankRuntime, SaveOncePool, rank_parts, register_rank_target
