@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 POLICIES = ("round_robin", "least_loaded", "prefix")
+SLOW_CHECKS_DOWN = 3  # timed-out health checks in a row that mark a backend down
 
 __all__ = ["POLICIES", "Backend", "Pool", "prefix_key"]
 
@@ -31,7 +32,20 @@ class Backend:
     healthy: bool = True
     inflight: int = 0
     failures: int = 0          # requests that could not reach it (connection refused, timed out)
+    slow_checks: int = 0       # health checks in a row that timed out (a busy backend, not yet down)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def checked(self, answered: Optional[bool]) -> None:
+        """One health check's outcome: True (200), False (refused, or another status) or None (timed
+        out). A refusal is down at once; a backend only slow to answer (its event loop busy on a loaded
+        host) stays up until ``SLOW_CHECKS_DOWN`` checks in a row timed out."""
+        if answered is None:
+            self.slow_checks += 1
+            if self.slow_checks >= SLOW_CHECKS_DOWN:
+                self.healthy = False
+        else:
+            self.slow_checks = 0
+            self.healthy = answered
 
     def begin(self) -> None:
         with self._lock:

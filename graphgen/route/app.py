@@ -8,8 +8,9 @@ first bytes: D's prefill has loaded the blocks), the router releases the lease o
 a recompute, not the request: the body goes to D as it came (counted). A P's 4xx is the client's
 error and is returned as is, but a backend's 401/403 refuses the router's own ``backend_api_key``:
 a 502 naming the flag (never the key). No decode instance up: a 503 at once. Health: ``GET /health`` of
-every backend each ``health_interval_s``; a backend that fails a request is marked down until its
-next good check. Without prefill instances it only balances the decode ones (each serving as
+every backend each ``health_interval_s``: a refused check marks it down at once, a timed-out one
+only after three in a row (a loaded host's busy backend is not gone); a backend that fails a request
+is marked down until its next good check. Without prefill instances it only balances the decode ones (each serving as
 ``both``): a data-parallel front.
 
 ``create_router`` builds one `RouterState` and an app whose routes are the module-level handlers
@@ -111,6 +112,7 @@ class RouterState:
     keys: list  # the API keys clients must send (bytes), or none
     headers: dict  # what the router sends its backends (their API key)
     health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0  # one check's limit (a timed-out check is "slow", Backend.checked)
     prefill_timeout_s: float = 120.0
     decode_timeout_s: float = 600.0
     http: Any = None  # the aiohttp session (opened by the lifespan)
@@ -123,10 +125,12 @@ def _st(request: Request) -> RouterState:
 
 async def _check(st: RouterState, b: Backend) -> None:
     try:
-        async with st.http.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-            b.healthy = r.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-        b.healthy = False
+        async with st.http.get(b.url + "/health", timeout=aiohttp.ClientTimeout(total=st.health_timeout_s)) as r:
+            b.checked(r.status == 200)
+    except asyncio.TimeoutError:  # slow, not gone: down only after a few in a row (Backend.checked)
+        b.checked(None)
+    except (aiohttp.ClientError, OSError):
+        b.checked(False)
 
 
 async def _check_all(st: RouterState) -> None:

@@ -131,3 +131,46 @@ def test_router_prefill_body_and_which_requests_one_handoff_covers():
     assert one_handoff({"prompt": "text"}) and one_handoff({"messages": []}) and one_handoff({"prompt": [1, 2]})
     assert not one_handoff({"prompt": [[1, 2], [3]]}) and not one_handoff({"prompt": ["a", "b"]})
     assert one_handoff({"prompt": [1], "n": 2}) and one_handoff({"prompt": [1], "best_of": 3})  # D forks
+
+
+def test_health_check_a_refusal_is_down_at_once_a_slow_backend_after_three_timeouts():
+    """The router's own check (route.app._check, aiohttp) against real loopback sockets: one that
+    accepts and never answers (a backend whose event loop is busy on a loaded host), one that refuses
+    (a dead backend), one that answers 200. Before this, one check slower than 2 s took a live P out
+    of rotation and the next handoff fell back to a recompute (a CI flake of test_pd.py)."""
+    import aiohttp
+    from graphgen.balance import SLOW_CHECKS_DOWN
+    from graphgen.route.app import RouterState, _check
+
+    async def main():
+        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+
+        async def ok(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+
+        good = await asyncio.start_server(ok, "127.0.0.1", 0)
+        closed = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        refused_port = closed.sockets[0].getsockname()[1]
+        closed.close()
+        await closed.wait_closed()
+        url = lambda srv: f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"  # noqa: E731
+        pool = Pool([url(silent), f"http://127.0.0.1:{refused_port}", url(good)])
+        slow, dead, up = pool.backends
+        st = RouterState(pool, Pool([]), None, [], {}, health_timeout_s=0.2)
+        async with aiohttp.ClientSession() as st.http:
+            seen = []
+            for _ in range(SLOW_CHECKS_DOWN):
+                await asyncio.gather(*(_check(st, b) for b in pool.backends))
+                seen.append((slow.healthy, dead.healthy, up.healthy))
+            assert seen == [(True, False, True)] * (SLOW_CHECKS_DOWN - 1) + [(False, False, True)], seen
+            assert slow.slow_checks == SLOW_CHECKS_DOWN and up.slow_checks == 0
+            slow.url = up.url  # the busy backend answers again: up, its count reset
+            await _check(st, slow)
+            assert slow.healthy and slow.slow_checks == 0
+        silent.close()
+        good.close()
+
+    asyncio.run(main())
