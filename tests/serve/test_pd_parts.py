@@ -137,7 +137,7 @@ def test_health_check_a_refusal_is_down_at_once_a_slow_backend_after_three_timeo
     """The router's own check (route.app._check, aiohttp) against real loopback sockets: one that
     accepts and never answers (a backend whose event loop is busy on a loaded host), one that refuses
     (a dead backend), one that answers 200. Before this, one check slower than 2 s took a live P out
-    of rotation and the next handoff fell back to a recompute (a CI flake of test_pd.py)."""
+    of rotation and its next handoffs fell back to a recompute."""
     import aiohttp
     from graphgen.balance import SLOW_CHECKS_DOWN
     from graphgen.route.app import RouterState, _check
