@@ -291,3 +291,15 @@ def test_docs_name_the_torch_that_traced_the_op_lists():
     recorded = {json.loads(p.read_text())["key"]["torch"] for p in ge_trace.CACHE.glob("*.json")}
     assert recorded == {said.group(1)}, recorded
     assert "GRAPHGEN_REFRESH_GE_OPS=1" in docs and "extract_ge_converters.py --wheel" in docs
+
+
+@needs_standin
+def test_every_cached_op_list_is_fresh():
+    """A change to what shapes a trace (the stand-in, the NPU inputs, bucketing, the converter table, a
+    generated module) makes the cached op lists stale: the checks above then retrace (correct, but
+    ~10 minutes of CI: the landing that hit it took 26 minutes). This names the stale caches at once,
+    with the command that refreshes them, so the change that staled them refreshes them."""
+    stale = [name for name, variants, full in [*((n, v, False) for n, v in TINY.items()),
+                                               *((n, v, True) for n, v in FULL.items())]
+             if ge_trace.cached(name, ge_trace.cache_key(name, variants, full)) is None]
+    assert not stale, f"tests/npu/data/ge_ops: {', '.join(stale)} stale; refresh with {ge_trace.REFRESH}"
