@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime import current_progress
+from .warmup import pad_sequence
 
 __all__ = ["NpuDPSync", "NpuDP", "agree_padding", "dummy_forward", "DECODE", "PREFILL"]
 
@@ -100,7 +101,7 @@ def dummy_forward(runner, kind: int, tokens: int) -> None:
     variant = next(v for v, m in runner.modules.items()
                    if m.META["phase"] == phase and not m.META.get("history"))
     mod = runner.modules[variant]
-    chunk = [runner._pad_sequence(1 if phase == "decode" else 0, 1)]
+    chunk = [pad_sequence(runner, 1 if phase == "decode" else 0, 1)]
     b, _ = runner._step_inputs(mod, chunk, pad=runner.buckets.padding(phase, 1, 1, runner.pad_block, at_least=tokens))
     target = runner.compiled(variant)
     runner._first_use(variant, b)
