@@ -118,6 +118,7 @@ def runs() -> dict[str, tuple[int, str]]:
     return run_both()
 
 
+@pytest.mark.slow  # two mypy processes (the build path strict, the runtime at default), ~25 s
 def test_build_path_passes_mypy_strict(runs):
     rc, out = runs["strict"]
     errors, files = checked(out)
@@ -125,6 +126,7 @@ def test_build_path_passes_mypy_strict(runs):
     assert files == len(strict_files()) >= 45
 
 
+@pytest.mark.slow  # the same mypy runs (the `runs` fixture)
 def test_runtime_type_errors_match_the_baseline(runs):
     rc, out = runs["runtime"]
     errors, files = checked(out)
@@ -135,6 +137,7 @@ def test_runtime_type_errors_match_the_baseline(runs):
     assert not problems, "graphgen/runtime against tests/mypy_runtime_baseline.txt:\n" + "\n".join(problems)
 
 
+@pytest.mark.slow  # the same mypy runs (the `runs` fixture) and one more
 def test_strict_mode_reports_an_untyped_function(tmp_path, runs):
     """Negative control: the same --strict run (this project's settings) on a module with an
     unannotated function and a wrong return type reports both."""

@@ -38,6 +38,7 @@ def _tree(root: Path) -> dict:
             if p.is_file() and "__pycache__" not in p.parts}
 
 
+@pytest.mark.slow  # graphgen generate in processes under different hash seeds
 def test_generate_is_deterministic_across_hash_seeds(tmp_path):
     trees = []
     for seed in ("0", "12345"):

@@ -101,6 +101,7 @@ def test_kv_sized_from_what_the_weights_leave(qwen8, capsys, tmp_path):
     assert row["budget_bytes"] - row["device_peak_bytes"] < 2 * (2 << 20)  # within one 2 MiB block (+ rounding)
 
 
+@pytest.mark.slow  # a dry-run process under /usr/bin/time
 def test_qwen3_32b_rank0_full_size_under_4_gib_rss_and_3_minutes(qwen32, tmp_path):
     """The acceptance: specs/qwen3_32b.yaml on 64 GiB devices, rank 0 alone in one process, streaming its
     ~41 GiB of slices from the 17 shards: device peak within the budget, peak RSS < 4 GiB, < 3 min."""

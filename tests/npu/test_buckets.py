@@ -80,6 +80,7 @@ def test_prefill_of_varying_lengths_in_one_bucket_compiles_once():
     assert len(backend.graphs) == 1  # all <= 64 tokens with padding: bucket 64
 
 
+@pytest.mark.slow  # the 24-step stand-in compile (`hw_steps`, shared with test_compile_steps_cli)
 def test_mixed_loop_never_compiles_more_graphs_than_buckets(hw_steps):
     """The session's 24-step loop over every variant (tests/npu/conftest.py: the one graphgen compile
     --standin --steps 24 runs); 24 steps of a seeded mix start with the 10 steps this test once ran alone."""

@@ -15,6 +15,7 @@ from support.paths import REPO
 from support.standin import STANDIN_TIMEOUT_S
 
 
+@pytest.mark.slow  # a graphgen process (the real entry point, no torch_npu)
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
 def test_without_torch_npu_compile_fails_with_one_sentence_and_exit_3():
     res = subprocess.run([sys.executable, "-m", "graphgen.cli", "compile", "--target", "npu", "--spec",

@@ -245,6 +245,7 @@ def test_negative_control_old_argsort_paged_rows_fails_naming_sort_stable_varian
     assert "sort.py:36" in problems[0]
 
 
+@pytest.mark.slow  # a stand-in compile with --ops-json
 # --------------------------------------------------------------------------- --ops-json and the seed
 @needs_standin
 def test_ops_json_shape_sorted_and_without_addresses(tmp_path):
@@ -266,6 +267,7 @@ def test_ops_json_shape_sorted_and_without_addresses(tmp_path):
     assert not ADDRESS.search(out.read_text())
 
 
+@pytest.mark.slow  # interpreters started under different hash seeds
 def test_step_mix_seed_is_the_same_in_every_process():
     # the buckets the --steps mix visits, as run_standin_loop seeds it
     code = ("from graphgen.npu.run.bucketing import Buckets, mixed_steps, stable_seed; B = Buckets();"

@@ -122,6 +122,7 @@ def _run_cli(*args):
                           text=True, timeout=STANDIN_TIMEOUT_S)
 
 
+@pytest.mark.slow  # a graphgen process (the real entry point, no torch_npu)
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
 def test_run_target_npu_without_torch_npu_exits_3_with_one_sentence(tmp_path):
     from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint

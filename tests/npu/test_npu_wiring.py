@@ -318,6 +318,7 @@ def test_wiring_check_on_cpu_mla_value_head_below_equal_and_above_the_query_head
     _assert_wiring_matches(r)
 
 
+@pytest.mark.slow  # torch.compile through the stand-in, per case
 @needs_standin
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("variant", VARIANTS)

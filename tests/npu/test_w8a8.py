@@ -59,6 +59,7 @@ def runs(request):
     return request.param, cpu, npu, graphs, unquantized
 
 
+@pytest.mark.slow  # W8A8 compiled through the stand-in for both families (`runs`)
 def test_w8a8_npu_standin_gives_the_cpu_targets_tokens(runs):
     family, cpu, npu, _, unquantized = runs
     for c, n, u in zip(cpu, npu, unquantized):
@@ -70,6 +71,7 @@ def test_w8a8_npu_standin_gives_the_cpu_targets_tokens(runs):
         assert moved > 0.01, (family, moved)
 
 
+@pytest.mark.slow  # the same stand-in compiles (`runs`)
 def test_w8a8_graphs_pass_the_ge_converter_check_with_the_quantized_ops(runs):
     family, _, _, graphs, _ = runs
     assert graphs

@@ -106,6 +106,7 @@ def test_sp_off_leaves_the_tp_graph_unchanged():
     assert [(n.id, n.op, n.reads, n.writes) for n in a.nodes] == [(n.id, n.op, n.reads, n.writes) for n in b.nodes]
 
 
+@pytest.mark.slow  # the full-size DeepSeek-V3.1 layouts through the passes, ~7 s
 def test_dp_ep_layout_fits_64_gib_and_pure_dp_attention_does_not(tmp_path):
     """The shipped DP layout (8 groups of tp 4) fits a 64 GiB die as validate counts a launch (docs/npu.md,
     "Full-size launch"); 16 groups of tp 2 do not (their weights alone are 52.9 GiB) and pure DP attention
