@@ -35,6 +35,7 @@ def _setup(variant, buckets):
     return mod, W, kv, staging, compile_module, load_module
 
 
+@pytest.mark.slow  # a decode loop compiled through the stand-in
 def test_decode_loop_with_growing_lengths_compiles_once_per_bucket():
     """Appendix C of the audit, adapted: 12 decode steps, growing lengths, batch 2 -> one bucket, one graph;
     then batch 3 and 1 -> two more buckets, two more graphs.  No FailOnRecompileLimitHit."""

@@ -75,6 +75,7 @@ def _save_from_cache(e):
     return out, blk, e.runner.commits.filled_saves - before, pooled
 
 
+@pytest.mark.slow  # the NPU runner through the stand-in compile (`runs`)
 def test_greedy_tokens_and_logits_match_the_cpu_target(runs):
     cpu, npu, *_ = runs
     compared = 0
@@ -91,6 +92,7 @@ def test_greedy_tokens_and_logits_match_the_cpu_target(runs):
     assert npu[2].hit_tokens == 128  # the shared first block came back from the NPU engine's commit
 
 
+@pytest.mark.slow  # the same stand-in runs (`runs`)
 def test_saves_commit_through_the_ring_and_the_connector(runs):
     _, _, cpu_stats, npu_stats, _, ring_free, _ = runs
     assert npu_stats["puts"] == cpu_stats["puts"] >= 1 and npu_stats["put_failures"] == 0
@@ -135,6 +137,7 @@ def test_run_target_npu_without_torch_npu_exits_3_with_one_sentence(tmp_path):
     assert len(lines) == 1 and "Ascend machine with CANN installed" in lines[0]
 
 
+@pytest.mark.slow  # graphgen run --target npu --standin: a stand-in compile per graph
 def test_run_target_npu_standin_matches_the_cpu_run(tmp_path):
     from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 

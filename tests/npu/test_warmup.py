@@ -42,6 +42,7 @@ def _generate(spec, capsys, **kw):
     return tokens, started - before, later, lines
 
 
+@pytest.mark.slow  # a warm-up and a restart: a stand-in compile per bucket
 def test_warmup_compiles_every_bucket_largest_first_and_a_restart_with_the_cache_compiles_nothing(capsys, tmp_path):
     """Run 1 warms up (largest bucket first, audit 3 N12) into a compile cache; run 2, a restart with the
     same cache and the stand-in's default (no warm-up), compiles no graph at all: every bucket's entry is

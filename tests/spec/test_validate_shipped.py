@@ -24,6 +24,7 @@ def _validate(capsys, *args):
     return rc, out.out, out.err
 
 
+@pytest.mark.slow  # every shipped spec's memory pass at full size, > 5 s
 def test_every_shipped_spec_validates(capsys):
     assert {"deepseek_v3_1_mtp.yaml", "tiny_deepseek_v3_mtp.yaml", "qwen3_32b.yaml"} <= {p.name for p in SHIPPED}
     rc, out, err = _validate(capsys, *SHIPPED)
