@@ -289,6 +289,10 @@ IMPORT_RULES = {
     "runtime-no-passes": Rule(f"{R}.**", "never", ("graphgen.passes.**", "graphgen.generate"),
                               "the runtime runs generated modules; it never runs passes or writes files "
                               "(it reaches the pipeline only through lower.compile)"),
+    "modelspec-no-passes": Rule("graphgen.modelspec.**", "never", ("graphgen.passes.**",),
+                                "the spec model is the floor the passes stand on: a pass reads a spec, a spec never "
+                                "runs a pass (import-hf --fit is handed its layout picker, passes.memory.choose_layout, "
+                                "by the CLI)"),
     "modelspec-no-npu": Rule("graphgen.modelspec.**", "never", ("graphgen.npu.**",),
                              "the spec knows no target: the NPU limits check a spec from npu/check"),
     "pool": Rule(f"{R}.pool.**", "never",

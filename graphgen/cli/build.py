@@ -200,9 +200,16 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
         return usage_error("import-hf", f"--device-memory-gib must be > 0, got {args.device_memory_gib}")
     if args.fit and any(getattr(args, f) is not None for f in ("tp", "ep", "dp")):
         return usage_error("import-hf", "--fit picks tp and ep itself: give --fit or --tp/--ep/--dp, not both")
+    fit = None
+    if args.fit:  # the picker is the passes' (memory.choose_layout): the spec model sits below them
+        from functools import partial
+
+        from ..passes.memory import choose_layout
+
+        fit = partial(choose_layout, device_memory_gib=args.device_memory_gib)
     try:
         spec = import_hf(args.hf_dir, args.out, name=args.name, block_size=args.block_size, tp=args.tp, ep=args.ep,
-                         dp=args.dp, device_memory_gib=args.device_memory_gib, fit=args.fit,
+                         dp=args.dp, device_memory_gib=args.device_memory_gib, fit=fit,
                          quantization=args.quantization)
     except LayoutError as e:
         err(f"graphgen import-hf: {e}")

@@ -329,26 +329,23 @@ def _default_name(hf_dir: Path) -> str:
     return base if m.is_identifier(base) else f"m_{base}"
 
 
-def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, device_memory_gib: float | None,
-            fit: bool, rep_notes: list[str]) -> m.ModelSpec:
-    """The spec with the layout asked for (``--tp/--ep/--dp``), or with ``fit`` the smallest one that fits
-    the device as ``graphgen validate`` counts it (`graphgen.passes.memory.fit_layout`); `LayoutError`
-    when the layout breaks a rule or nothing fits."""
-    if fit:
-        from ..passes.memory import NPU_MEMORY, fit_layout
+class LayoutChoice(typing.Protocol):
+    """``import-hf --fit``'s layout picker (`graphgen.passes.memory.choose_layout`: the spec model sits
+    below the passes, so the CLI hands the picker in): the spec's layout ``{"tp", "ep"[, "dp"]}`` and a
+    note for the spec's header, or `LayoutError` when nothing fits."""
 
-        if spec.targets.npu is None:  # no device to fit (an imported MTP layer: no NPU target yet, docs/mtp.md)
-            raise LayoutError(f"{spec.name}: --fit sizes a layout for the NPU target's devices, and this spec has no "
-                              f"npu target (its MTP layer runs on the CPU target only); fix: --tp/--ep/--dp, or "
-                              f"import from config.json without the MTP weights")
+    def __call__(self, spec: m.ModelSpec) -> tuple[dict[str, int], str]: ...
 
-        gib = device_memory_gib or NPU_MEMORY.device_memory_gib
-        chosen = fit_layout(spec, gib)
-        if chosen.layout is None or chosen.memory is None:
-            raise LayoutError(f"{spec.name} on {gib:g} GiB devices: {chosen.why}")
-        rep_notes.append(f"Layout chosen by --fit for {gib:g} GiB devices: {chosen.memory.layout()} (graphgen validate "
-                         f"shows its per-rank memory).")
-        tp, ep, dp = chosen.layout["tp"], chosen.layout["ep"], chosen.layout.get("dp")
+
+def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, fit: LayoutChoice | None,
+            rep_notes: list[str]) -> m.ModelSpec:
+    """The spec with the layout asked for (``--tp/--ep/--dp``), or with ``fit`` the one it picks (the
+    smallest that fits the device as ``graphgen validate`` counts it); `LayoutError` when the layout
+    breaks a rule or nothing fits."""
+    if fit is not None:
+        chosen, note = fit(spec)
+        rep_notes.append(note)
+        tp, ep, dp = chosen["tp"], chosen["ep"], chosen.get("dp")
     if tp is None and ep is None and dp is None:
         return spec
     out = spec.with_overrides(tp=tp, ep=ep, dp=dp)
@@ -364,11 +361,12 @@ def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, d
 
 def import_hf(hf_dir: str | Path, out_path: str | Path, name: str | None = None, *, block_size: int = 128,
               compile_modes: Sequence[str] = ("max-autotune",), tp: int | None = None, ep: int | None = None,
-              dp: int | None = None, device_memory_gib: float | None = None, fit: bool = False,
+              dp: int | None = None, device_memory_gib: float | None = None, fit: LayoutChoice | None = None,
               quantization: m.QuantMethod = "none") -> m.ModelSpec:
     """Read ``<hf_dir>/config.json``, write its spec to ``out_path`` (YAML) and return it. ``tp``/``ep``/
     ``dp``: its ``parallel:`` layout; ``device_memory_gib``: ``targets.npu.device_memory_gib``; ``fit``:
-    the smallest layout that fits that device (default: the NPU target's 64 GiB die); ``quantization``:
+    a picker of the layout instead (`LayoutChoice`: the CLI's ``--fit`` gives
+    `graphgen.passes.memory.choose_layout`, the smallest layout that fits the device); ``quantization``:
     ``quantization.method`` (``w8a8_dynamic``: int8 linear layers)."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     source = hf_dir / "config.json"
@@ -386,7 +384,7 @@ def import_hf(hf_dir: str | Path, out_path: str | Path, name: str | None = None,
                            block_size=block_size, compile_modes=compile_modes,
                            checkpoint_keys=_checkpoint_keys(hf_dir), device_memory_gib=device_memory_gib,
                            quantization=quantization)
-    spec = _layout(spec, tp, ep, dp, device_memory_gib, fit, notes)
+    spec = _layout(spec, tp, ep, dp, fit, notes)
     header = "\n".join([f"Imported from {hf_dir.name}/config.json (model_type {config['model_type']}) "
                         "by graphgen.modelspec.import_hf.", *notes])
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -312,3 +312,21 @@ def fit_layout(spec: ModelSpec, device_memory_gib: float) -> LayoutFit:
                              mem)
     return LayoutFit(None, None, f"no layout graphgen can launch fits: {refused}" if refused else
                      "no layout up to tp=128 fits (fix: a larger device)")
+
+
+def choose_layout(spec: ModelSpec, device_memory_gib: Optional[float] = None) -> tuple[dict[str, int], str]:
+    """``graphgen import-hf --fit``'s picker (`graphgen.modelspec.import_hf.LayoutChoice`): the smallest
+    layout that fits ``device_memory_gib`` (default: the NPU target's die) and the note the imported spec's
+    header gets; `LayoutError` when the spec has no device to fit or nothing fits."""
+    from ..modelspec.import_hf import LayoutError
+
+    if spec.targets.npu is None:  # no device to fit (an imported MTP layer: no NPU target yet, docs/mtp.md)
+        raise LayoutError(f"{spec.name}: --fit sizes a layout for the NPU target's devices, and this spec has no "
+                          f"npu target (its MTP layer runs on the CPU target only); fix: --tp/--ep/--dp, or "
+                          f"import from config.json without the MTP weights")
+    gib = device_memory_gib or NPU_MEMORY.device_memory_gib
+    chosen = fit_layout(spec, gib)
+    if chosen.layout is None or chosen.memory is None:
+        raise LayoutError(f"{spec.name} on {gib:g} GiB devices: {chosen.why}")
+    return chosen.layout, (f"Layout chosen by --fit for {gib:g} GiB devices: {chosen.memory.layout()} "
+                           f"(graphgen validate shows its per-rank memory).")
