@@ -70,11 +70,12 @@ def test_the_streaming_load_fits_where_the_old_order_does_not(qwen8, capsys, tmp
     assert rc == 0, err
     row = json.loads((tmp_path / "r.json").read_text())["ranks"][0]
     assert main(["validate", str(spec)]) == 0
-    static = re.search(r"launch peak at the default 513 KV blocks \([\d.]+ GiB\): ([\d.]+) GiB of ([\d.]+) GiB",
-                       capsys.readouterr().out)
-    assert static, "validate printed no launch peak"
+    out = capsys.readouterr().out
+    static = re.search(r"a launch at the default 513 KV blocks peaks at ([\d.]+) GiB", out)
+    budget = re.search(r"per rank \(tp=2, ep=1\): [\d.]+ GiB of ([\d.]+) GiB", out)
+    assert static and budget, f"validate printed no launch peak or share: {out}"
     assert abs(row["device_peak_bytes"] / GIB - float(static[1])) < 0.01  # measured == counted
-    assert row["device_peak_bytes"] <= float(static[2]) * GIB and row["kv_blocks"] == 513 and row["graphs"] == 28
+    assert row["device_peak_bytes"] <= float(budget[1]) * GIB and row["kv_blocks"] == 513 and row["graphs"] == 28
     assert row["device_final_bytes"] == row["device_peak_bytes"]  # nothing was built beside its sources
     rc, out, err = _dry_run(capsys, spec, ckpt, "--old-order")
     assert rc == 2 and "does not fit: ledger device out of memory" in err and "Traceback" not in err, err
@@ -96,9 +97,33 @@ def test_kv_sized_from_what_the_weights_leave(qwen8, capsys, tmp_path):
     assert rc == 0, err
     row = json.loads((tmp_path / "r.json").read_text())["ranks"][0]
     main(["validate", str(spec)])
-    auto = int(re.search(r"KV sized from what is left: (\d+) blocks", capsys.readouterr().out)[1])
+    auto = int(re.search(r"KV sized from what is left \(--device-memory-utilization 0.9\): (\d+) blocks",
+                         capsys.readouterr().out)[1])
     assert row["kv_blocks"] == auto and row["device_peak_bytes"] <= row["budget_bytes"]
     assert row["budget_bytes"] - row["device_peak_bytes"] < 2 * (2 << 20)  # within one 2 MiB block (+ rounding)
+
+
+def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(npu_ckpts, capsys):
+    """Issue 43 item 2: every rank (one process each, here the one rank of the tiny NPU spec) on a device of
+    3.05 GiB (20 MiB for torch): one sentence, from the parent only, and its validate command carries
+    --device-memory-gib, so run as printed it refuses too; without the flag validate says ok (64 GiB). The
+    same for --num-blocks (validate counts the blocks a launch with it allocates)."""
+    spec = SPECS / "tiny_qwen3_npu.yaml"
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(npu_ckpts["tiny_qwen3_npu"]), "--device-memory-gib",
+               "3.05"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    (line,) = [l for l in err.splitlines() if "does not fit" in l]
+    hint = re.search(r"\((graphgen validate .*?) counts it", line)
+    assert hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.05", line
+    assert main(hint[1].split()[1:]) == 2 and ": does not fit" in capsys.readouterr().out
+    assert main(["validate", str(spec)]) == 0
+    # the KV blocks change the answer too: 250000 blocks of 256 KiB are past a 64 GiB die
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(npu_ckpts["tiny_qwen3_npu"]), "--rank", "0",
+               "--num-blocks", "250000"])
+    hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
+    assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --num-blocks 250000", hint
+    assert main(hint[1].split()[1:]) == 2
 
 
 @pytest.mark.slow  # a dry-run process under /usr/bin/time

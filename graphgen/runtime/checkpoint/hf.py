@@ -84,8 +84,9 @@ def load_hf_weights(hf_dir: str, dtype: torch.dtype = torch.float32, mtp_layers:
 DEFAULT_SHARD_BYTES = 5 * 10**9
 WEIGHTS_NAME, INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")  # huggingface_hub's pattern, 1-based
-_SPARSE = ("for a model this size use scripts/sparse_checkpoint.py CONFIG_JSON OUT_DIR: the published layout with its data as file "
-           "holes, a few KiB of disk and no weights in memory (docs/npu.md, 'Checkpoints without the disk')")
+_SPARSE = ("for a model this size use scripts/sparse_checkpoint.py CONFIG_JSON OUT_DIR: the published layout "
+           "with its data as file holes, a few KiB of disk and no weights in memory (docs/npu.md, 'Checkpoints "
+           "without the disk')")
 
 
 @dataclass(frozen=True)
