@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from ..runtime import SamplingParams
 from ..trace import NULL, TRACK_SERVER, TraceRecorder
@@ -21,6 +21,37 @@ from .engine_api import RequestOutput, ServingEngine
 from .metrics import ServerMetrics
 
 log = logging.getLogger("graphgen.serve")
+
+
+# ---- the inbox's messages (typed, one handler each: `EngineLoop._HANDLERS`) ------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    """A request (or one copy of a request's ``n``) to add to the engine."""
+    req_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+    arrived: float                  # perf_counter at the server: TTFT and the phases count from here
+    fork_of: Optional[str] = None   # a copy of this request shares its prompt's blocks
+    copy: int = 0
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End a request early. ``forks=False``: only this request (one choice cut at a stop string), not
+    its forks; ``reason``: the finish the client saw, counted in the metrics (``stop`` for a stop string)."""
+    req_id: str
+    forks: bool = True
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class StopLoop:
+    """Drain until ``deadline`` (perf_counter), then abort the rest and end the thread."""
+    deadline: float
+
+
+InboxMessage = Union[AddRequest, AbortRequest, StopLoop]
 
 
 @dataclass
@@ -57,17 +88,17 @@ class EngineLoop:
 
     def submit(self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], fork_of: Optional[str] = None, copy: int = 0) -> None:
-        self._inbox.put(("add", req_id, list(prompt_ids), params, on_output, time.perf_counter(), fork_of, copy))
+        self._inbox.put(AddRequest(req_id, tuple(prompt_ids), params, on_output, time.perf_counter(), fork_of, copy))
 
     def abort(self, req_id: str, forks: bool = True, reason: str = "abort") -> None:
         """``forks=False``: only this request (one choice cut at a stop string), not its forks.
         ``reason``: the finish the client saw, counted in the metrics (``stop`` for a stop string)."""
-        self._inbox.put(("abort", req_id, forks, reason))
+        self._inbox.put(AbortRequest(req_id, forks, reason))
 
     def stop(self, drain_timeout_s: float = 30.0, join_timeout_s: float = 120.0) -> None:
         """Let running requests finish for up to ``drain_timeout_s``, abort the rest, commit every
         pending save (``engine.shutdown``), and end the thread."""
-        self._inbox.put(("stop", time.perf_counter() + drain_timeout_s))
+        self._inbox.put(StopLoop(time.perf_counter() + drain_timeout_s))
         self._thread.join(join_timeout_s)
 
     @property
@@ -118,23 +149,32 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, cmd) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, rid, ids, params, on_output, arrived, fork_of, copy = cmd
-            if self._stop_deadline is not None:
-                on_output(RequestOutput(rid, (), True, "abort", error="server is shutting down"))
-                return
-            try:
-                self.engine.add_request(rid, ids, params, fork_of=fork_of, copy=copy)
-            except ValueError as e:  # the server validates first; this is the engine's own check
-                on_output(RequestOutput(rid, (), True, "error", num_prompt_tokens=len(ids), error=str(e)))
-                return
-            self._tracks[rid] = _Track(on_output, arrived, prompt_len=len(ids))
-        elif kind == "abort":
-            self._abort(cmd[1], forks=cmd[2], reason=cmd[3])
-        elif kind == "stop":
-            self._stop_deadline = cmd[1]
+    def _apply(self, msg: InboxMessage) -> None:
+        self._HANDLERS[type(msg)](self, msg)
+
+    def _add(self, msg: AddRequest) -> None:
+        rid, ids = msg.req_id, list(msg.prompt_ids)
+        if self._stop_deadline is not None:
+            msg.on_output(RequestOutput(rid, (), True, "abort", error="server is shutting down"))
+            return
+        try:
+            self.engine.add_request(rid, ids, msg.params, fork_of=msg.fork_of, copy=msg.copy)
+        except ValueError as e:  # the server validates first; this is the engine's own check
+            msg.on_output(RequestOutput(rid, (), True, "error", num_prompt_tokens=len(ids), error=str(e)))
+            return
+        self._tracks[rid] = _Track(msg.on_output, msg.arrived, prompt_len=len(ids))
+
+    def _abort_msg(self, msg: AbortRequest) -> None:
+        self._abort(msg.req_id, forks=msg.forks, reason=msg.reason)
+
+    def _stop_msg(self, msg: StopLoop) -> None:
+        self._stop_deadline = msg.deadline
+
+    # message type -> its handler (SGLang's TypeBasedDispatcher, as a table): a new message is a
+    # dataclass above and one row here
+    _HANDLERS: dict[type, Callable[[Any, Any], None]] = {
+        AddRequest: _add, AbortRequest: _abort_msg, StopLoop: _stop_msg,
+    }
 
     def _abort(self, rid: str, error: Optional[str] = None, forks: bool = True, reason: str = "abort") -> None:
         if rid in self._tracks:
