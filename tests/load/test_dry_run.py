@@ -103,14 +103,27 @@ def test_kv_sized_from_what_the_weights_leave(qwen8, capsys, tmp_path):
     assert row["budget_bytes"] - row["device_peak_bytes"] < 2 * (2 << 20)  # within one 2 MiB block (+ rounding)
 
 
-def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(npu_ckpts, capsys):
+@pytest.fixture(scope="module")
+def tiny_npu(tmp_path_factory):
+    """specs/tiny_qwen3_npu.yaml and a sparse checkpoint of its config (the dry run reads it as a launch would)."""
+    import dataclasses
+
+    from graphgen.families import FAMILIES
+    from graphgen.modelspec.loader import load_spec
+
+    spec = load_spec(SPECS / "tiny_qwen3_npu.yaml")
+    fam = FAMILIES[spec.family]
+    config = fam.hf_config(fam.dims_of(dataclasses.asdict(spec.dims)), "bfloat16")
+    return SPECS / "tiny_qwen3_npu.yaml", _sparse(tmp_path_factory.mktemp("tiny_npu"), config)
+
+
+def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(tiny_npu, capsys):
     """Issue 43 item 2: every rank (one process each, here the one rank of the tiny NPU spec) on a device of
     3.05 GiB (20 MiB for torch): one sentence, from the parent only, and its validate command carries
     --device-memory-gib, so run as printed it refuses too; without the flag validate says ok (64 GiB). The
     same for --num-blocks (validate counts the blocks a launch with it allocates)."""
-    spec = SPECS / "tiny_qwen3_npu.yaml"
-    rc = main(["dry-run", "--spec", str(spec), "--weights", str(npu_ckpts["tiny_qwen3_npu"]), "--device-memory-gib",
-               "3.05"])
+    spec, ckpt = tiny_npu
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--device-memory-gib", "3.05"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     (line,) = [l for l in err.splitlines() if "does not fit" in l]
@@ -119,8 +132,7 @@ def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(npu_ckpts, capsys)
     assert main(hint[1].split()[1:]) == 2 and ": does not fit" in capsys.readouterr().out
     assert main(["validate", str(spec)]) == 0
     # the KV blocks change the answer too: 250000 blocks of 256 KiB are past a 64 GiB die
-    rc = main(["dry-run", "--spec", str(spec), "--weights", str(npu_ckpts["tiny_qwen3_npu"]), "--rank", "0",
-               "--num-blocks", "250000"])
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--rank", "0", "--num-blocks", "250000"])
     hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
     assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --num-blocks 250000", hint
     assert main(hint[1].split()[1:]) == 2
