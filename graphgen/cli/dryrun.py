@@ -67,8 +67,16 @@ def _flags(args, names) -> list[str]:
 
 def validate_hint(args) -> str:
     """The validate command that counts what this dry run refused: the spec and every flag that changes
-    the answer (run as printed, it gives the same verdict and names the fix)."""
-    return " ".join(["graphgen", "validate", str(args.spec), *_flags(args, _BUDGET_FLAGS)])
+    the answer (run as printed, it gives the same verdict and names the fix). The KV blocks are the dry
+    run's own: its ``--num-blocks`` or the launch's default 512 (validate's default counts the largest
+    decode batch's need instead, and would call ok a layout whose 513 blocks do not fit); with
+    ``--device-memory-utilization`` the KV cache is what is left, so no block count."""
+    from ..passes.memory import DEFAULT_NUM_BLOCKS
+
+    flags = _flags(args, ("device_memory_gib", "device_memory_utilization"))
+    if args.device_memory_utilization is None:
+        flags += ["--num-blocks", str(args.num_blocks or DEFAULT_NUM_BLOCKS)]
+    return " ".join(["graphgen", "validate", str(args.spec), *flags])
 
 
 def _child(args, rank: int, out: Path) -> list[str]:

@@ -306,6 +306,12 @@ def memory_problems(spec: ModelSpec, mem: RankMemory, device_memory_gib: Optiona
     fix_text = (f"fix: set parallel {', '.join(f'{k}: {v}' for k, v in fit.layout.items())} ({found.layout()}: "
                 f"{_size(found.per_rank_bytes())} per rank)"
                 if fit.layout is not None and found is not None else fit.why)
+    n = mem.auto_blocks()
+    need = kv_blocks_needed(spec)
+    if mem.blocks_asked and n is not None and n >= max(need, 2):  # the layout fits; the blocks asked for do not
+        fewer = (f"fix: launch with --num-blocks {n - 1} (the NPU reserves one more) or --device-memory-utilization "
+                 f"{mem.utilization:g} ({n} blocks; the largest decode batch needs {need})")
+        fix_text = fewer + (f", or {fix_text.removeprefix('fix: ')}" if fit.layout is not None else "")
     if where == "the NPU target's default device":  # the spec states none: say how to state it
         where += ": state yours with targets.npu.device_memory_gib or --device-memory-gib"
     return [f"per rank {_size(mem.per_rank_bytes())} ({mem.parts_text()}) exceeds the engine's {_size(budget)}, "

@@ -120,22 +120,37 @@ def tiny_npu(tmp_path_factory):
 def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(tiny_npu, capsys):
     """Issue 43 item 2: every rank (one process each, here the one rank of the tiny NPU spec) on a device of
     3.05 GiB (20 MiB for torch): one sentence, from the parent only, and its validate command carries
-    --device-memory-gib, so run as printed it refuses too; without the flag validate says ok (64 GiB). The
-    same for --num-blocks (validate counts the blocks a launch with it allocates)."""
+    --device-memory-gib and the dry run's KV blocks, so run as printed it refuses too; without them validate
+    says ok (64 GiB). The blocks change the answer alone: on 3.15 GiB the decode batch's 256 blocks fit and
+    the launch's 513 do not (the old hint's command says ok there, the new one refuses and names fewer
+    blocks); a dry run's --num-blocks is carried as given; with --device-memory-utilization no block count."""
+    import argparse
+
+    from graphgen.cli.dryrun import validate_hint
+
     spec, ckpt = tiny_npu
     rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--device-memory-gib", "3.05"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     (line,) = [l for l in err.splitlines() if "does not fit" in l]
     hint = re.search(r"\((graphgen validate .*?) counts it", line)
-    assert hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.05", line
+    assert hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.05 --num-blocks 512", line
     assert main(hint[1].split()[1:]) == 2 and ": does not fit" in capsys.readouterr().out
     assert main(["validate", str(spec)]) == 0
-    # the KV blocks change the answer too: 250000 blocks of 256 KiB are past a 64 GiB die
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--rank", "0", "--device-memory-gib", "3.15"])
+    hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
+    assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.15 --num-blocks 512", hint
+    assert main(hint[1].split()[1:]) == 2
+    assert "fix: launch with --num-blocks 395 (the NPU reserves one more)" in capsys.readouterr().err
+    assert main(["validate", str(spec), "--device-memory-gib", "3.15"]) == 0  # the decode batch's need fits
+    capsys.readouterr()
+    # the KV blocks asked for: 250000 blocks of 256 KiB are past a 64 GiB die
     rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--rank", "0", "--num-blocks", "250000"])
     hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
     assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --num-blocks 250000", hint
     assert main(hint[1].split()[1:]) == 2
+    sized = argparse.Namespace(spec="s.yaml", device_memory_gib=None, num_blocks=100, device_memory_utilization=0.8)
+    assert validate_hint(sized) == "graphgen validate s.yaml --device-memory-utilization 0.8"
 
 
 @pytest.mark.slow  # a dry-run process under /usr/bin/time
