@@ -52,12 +52,37 @@ def _run_child(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr, env=os.environ)
 
 
+# the flags that change a rank's answer; validate takes the same ones (the hint below carries them)
+_BUDGET_FLAGS = ("device_memory_gib", "num_blocks", "device_memory_utilization")
+
+
+def _flags(args, names) -> list[str]:
+    out = []
+    for flag in names:
+        if getattr(args, flag) is not None:
+            v = getattr(args, flag)
+            out += [f"--{flag.replace('_', '-')}", str(int(v)) if float(v).is_integer() else repr(v)]
+    return out
+
+
+def validate_hint(args) -> str:
+    """The validate command that counts what this dry run refused: the spec and every flag that changes
+    the answer (run as printed, it gives the same verdict and names the fix). The KV blocks are the dry
+    run's own: its ``--num-blocks`` or the launch's default 512 (validate's default counts the largest
+    decode batch's need instead, and would call ok a layout whose 513 blocks do not fit); with
+    ``--device-memory-utilization`` the KV cache is what is left, so no block count."""
+    from ..passes.memory import DEFAULT_NUM_BLOCKS
+
+    flags = _flags(args, ("device_memory_gib", "device_memory_utilization"))
+    if args.device_memory_utilization is None:
+        flags += ["--num-blocks", str(args.num_blocks or DEFAULT_NUM_BLOCKS)]
+    return " ".join(["graphgen", "validate", str(args.spec), *flags])
+
+
 def _child(args, rank: int, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "graphgen", "dry-run", "--spec", args.spec, "--weights", args.weights,
-           "--target", args.target, "--rank", str(rank), "--json", str(out)]
-    for flag in ("device_memory_gib", "num_blocks", "device_memory_utilization", "mode"):
-        if getattr(args, flag) is not None:
-            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+           "--target", args.target, "--rank", str(rank), "--json", str(out), "--quiet-refusal"]
+    cmd += _flags(args, _BUDGET_FLAGS) + (["--mode", args.mode] if args.mode is not None else [])
     return cmd + (["--old-order"] if args.old_order else [])
 
 
@@ -119,9 +144,11 @@ def cmd_dry_run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     bad = [r for r in rows if "error" in r]
-    if bad:
-        err(f"graphgen dry-run: rank {bad[0]['rank']} of {spec.name} does not fit: {bad[0]['error']} "
-            f"(graphgen validate {args.spec} counts it and names a layout that fits, if one does)")
+    if bad:  # one sentence, from the process that ran the ranks (a rank's own process leaves it to its parent)
+        if not args.quiet_refusal:
+            more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+            err(f"graphgen dry-run: rank {bad[0]['rank']}{more} of {spec.name} does not fit: {bad[0]['error']} "
+                f"({validate_hint(args)} counts it and names a layout that fits, if one does)")
         return EXIT_INVALID
     return EXIT_OK
 
@@ -144,4 +171,6 @@ def register(sub) -> None:
     d.add_argument("--json", default=None, metavar="FILE", help="write the per-rank report as JSON")
     # the tests' negative control: the load order before the streaming loader (not for users)
     d.add_argument("--old-order", action="store_true", help=argparse.SUPPRESS)
+    # a rank's process under an all-ranks run: its JSON row only; the parent says the sentence once
+    d.add_argument("--quiet-refusal", action="store_true", help=argparse.SUPPRESS)
     d.set_defaults(handler=cmd_dry_run)

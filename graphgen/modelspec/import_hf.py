@@ -329,23 +329,35 @@ def _default_name(hf_dir: Path) -> str:
     return base if m.is_identifier(base) else f"m_{base}"
 
 
+@dataclasses.dataclass(frozen=True)
+class LayoutPick:
+    """What a `LayoutChoice` picked: the spec's layout ``{"tp", "ep"[, "dp"]}``, the note for the spec's header,
+    and the device it fitted (written as ``targets.npu.device_memory_gib``: validate then holds the spec to
+    the device the layout was chosen for, not to a default)."""
+    layout: dict[str, int]
+    note: str
+    device_memory_gib: float
+
+
 class LayoutChoice(typing.Protocol):
     """``import-hf --fit``'s layout picker (`graphgen.passes.memory.choose_layout`: the spec model sits
-    below the passes, so the CLI hands the picker in): the spec's layout ``{"tp", "ep"[, "dp"]}`` and a
-    note for the spec's header, or `LayoutError` when nothing fits."""
+    below the passes, so the CLI hands the picker in): a `LayoutPick`, or `LayoutError` when nothing fits."""
 
-    def __call__(self, spec: m.ModelSpec) -> tuple[dict[str, int], str]: ...
+    def __call__(self, spec: m.ModelSpec) -> LayoutPick: ...
 
 
 def _layout(spec: m.ModelSpec, tp: int | None, ep: int | None, dp: int | None, fit: LayoutChoice | None,
             rep_notes: list[str]) -> m.ModelSpec:
     """The spec with the layout asked for (``--tp/--ep/--dp``), or with ``fit`` the one it picks (the
-    smallest that fits the device as ``graphgen validate`` counts it); `LayoutError` when the layout
-    breaks a rule or nothing fits."""
+    smallest that fits the device as ``graphgen validate`` counts it, and that device); `LayoutError` when
+    the layout breaks a rule or nothing fits."""
     if fit is not None:
-        chosen, note = fit(spec)
-        rep_notes.append(note)
-        tp, ep, dp = chosen["tp"], chosen["ep"], chosen.get("dp")
+        pick = fit(spec)
+        rep_notes.append(pick.note)
+        tp, ep, dp = pick.layout["tp"], pick.layout["ep"], pick.layout.get("dp")
+        if spec.targets.npu is not None:
+            npu = dataclasses.replace(spec.targets.npu, device_memory_gib=pick.device_memory_gib)
+            spec = dataclasses.replace(spec, targets=dataclasses.replace(spec.targets, npu=npu))
     if tp is None and ep is None and dp is None:
         return spec
     out = spec.with_overrides(tp=tp, ep=ep, dp=dp)

@@ -16,7 +16,8 @@ What one rank holds, in the order a launch allocates it (`graphgen.runtime.engin
   `graphgen.runtime.core.device_memory.kv_blocks_that_fit`);
 * the **staging rings** (``staging_buffers`` × ``save_rows`` blocks, on the device and pinned on the host).
 
-It fits when all of it stays within ``utilization`` × the memory the device gives torch (vLLM's
+Summed (`RankMemory.per_rank_bytes`, the one per-rank figure every message prints: its parts are
+`RankMemory.per_rank_parts`), it fits when it stays within ``utilization`` × the memory the device gives torch (vLLM's
 ``gpu_memory_utilization`` rule over ``mem_get_info``'s total: the device less what its runtime keeps);
 the rest, the **workspace reserve**, is the runtime's own and the headroom for the graphs' workspace
 and fragmentation (`NPU_MEMORY`, with its sources). The host side while loading is the largest stored
@@ -40,6 +41,7 @@ from ..ir.weights import graph_weight_names, parse_shard
 
 if TYPE_CHECKING:
     from ..ir.graph import Graph
+    from ..modelspec.import_hf import LayoutPick
     from ..modelspec.model import ModelSpec, NpuTarget
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -74,20 +76,26 @@ NPU_MEMORY = TargetMemory(
 
 
 def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / MIB:.2f} MiB"
+    if n >= GIB / 10:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / MIB:.2f} MiB" if n >= MIB / 10 or n == 0 else f"{n / 1024:.2f} KiB"
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank of a layout (the largest: padded chunks count whole). Bytes unless named otherwise."""
+    """One rank of a layout (the largest: padded chunks count whole). Bytes unless named otherwise.
+
+    `per_rank_bytes` is the one figure compared with the device's share (`budget_bytes`): the sum of
+    `per_rank_parts`, each part named; a new kind of memory (activations, issue 36) is a part there, and
+    every figure validate, ``--fit`` and the fix sentences print follows."""
     tp: int
     ep: int
     weight_bytes: int          # the device's weights (RoPE table included)
     kv_bytes_per_block: int    # one block, all layers
-    kv_blocks: int = 0         # blocks the largest decode batch needs at max_model_len
+    kv_blocks: int = 0         # blocks counted: what the largest decode batch needs at max_model_len, or --num-blocks
     dp: int = 1
     cp: int = 1
-    default_blocks: int = DEFAULT_NUM_BLOCKS + 1   # the engine's default (+ the NPU's padding block)
+    default_blocks: int = DEFAULT_NUM_BLOCKS + 1   # a launch's (--num-blocks, default 512, + the NPU's padding block)
     ring_bytes: int = 0        # device staging ring (the pinned host ring is as large)
     transient_bytes: int = 0   # the load transient (one slice copied into a non-contiguous view)
     largest_slice: int = 0     # the largest stored slice (the host read buffer) and its conversion's temporaries
@@ -95,16 +103,28 @@ class RankMemory:
     runtime_bytes: int = 0     # kept by the device's runtime (torch sees the device less this)
     device_bytes: Optional[int] = None   # the device (None: no budget)
     utilization: float = 1.0
+    blocks_asked: bool = False  # kv_blocks is --num-blocks (+ padding), not the decode batch's need
+
+    def per_rank_parts(self, blocks: Optional[int] = None) -> tuple[tuple[str, int], ...]:
+        """(name, bytes) of what one rank holds at its peak with ``blocks`` KV blocks (default `kv_blocks`,
+        at least one): the weights, the KV cache, and what a launch adds around them."""
+        n = max(self.kv_blocks if blocks is None else blocks, 1)
+        return (("weights", self.weight_bytes), ("KV", n * self.kv_bytes_per_block), ("staging rings", self.ring_bytes),
+                ("communicators", self.comm_bytes), ("load transient", self.transient_bytes))
+
+    def per_rank_bytes(self, blocks: Optional[int] = None) -> int:
+        """The per-rank figure: `per_rank_parts` summed (what `fits` compares with `budget_bytes`)."""
+        return sum(n for _, n in self.per_rank_parts(blocks))
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything of the engine's but the KV cache, at the launch's peak."""
-        return self.weight_bytes + self.transient_bytes + self.ring_bytes + self.comm_bytes
+        """Everything of `per_rank_bytes` but the KV cache."""
+        return sum(n for name, n in self.per_rank_parts() if name != "KV")
 
     @property
-    def total_bytes(self) -> int:
-        """Device peak of the engine's tensors at the engine's default KV blocks."""
-        return self.fixed_bytes + self.default_blocks * self.kv_bytes_per_block
+    def launch_peak_bytes(self) -> int:
+        """`per_rank_bytes` at a launch's KV blocks (`default_blocks`): the peak ``graphgen dry-run`` measures."""
+        return self.per_rank_bytes(self.default_blocks)
 
     @property
     def host_load_bytes(self) -> int:
@@ -118,6 +138,7 @@ class RankMemory:
 
     @property
     def budget_bytes(self) -> Optional[int]:
+        """The device's share the engine may use (``utilization`` x what torch sees)."""
         visible = self.visible_bytes
         return None if visible is None else int(self.utilization * visible)
 
@@ -129,26 +150,41 @@ class RankMemory:
 
     def fits(self) -> bool:
         b = self.budget_bytes
-        return b is None or self.fixed_bytes + max(self.kv_blocks, 1) * self.kv_bytes_per_block <= b
+        return b is None or self.per_rank_bytes() <= b
 
     def layout(self) -> str:
         return f"tp={self.tp}, ep={self.ep}" + "".join(f", {k}={v}" for k, v in (("dp", self.dp), ("cp", self.cp))
                                                       if v > 1)
 
+    def blocks_what(self) -> str:
+        if self.blocks_asked:
+            return "blocks a launch with --num-blocks allocates"
+        return "blocks for the largest decode batch"
+
+    def parts_text(self) -> str:
+        """``weights X + KV Y (N blocks ..., B each) + ...``: the parts of `per_rank_bytes` (those not zero)."""
+        out = []
+        for name, n in self.per_rank_parts():
+            if name == "KV":
+                out.append(f"KV {_size(n)} ({max(self.kv_blocks, 1)} {self.blocks_what()}, "
+                           f"{_size(self.kv_bytes_per_block)} each)")
+            elif n or name == "weights":
+                out.append(f"{name} {_size(n)}")
+        return " + ".join(out)
+
     def text(self) -> str:
-        kv = self.kv_bytes_per_block
-        out = (f"per rank ({self.layout()}): weights {_size(self.weight_bytes)}, "
-               f"KV {kv / 1024:.1f} KiB per block, {self.kv_blocks} blocks {_size(self.kv_blocks * kv)}, "
-               f"total {_size(self.weight_bytes + self.kv_blocks * kv)}")
-        device, visible, budget = self.device_bytes, self.visible_bytes, self.budget_bytes
+        budget, visible, device = self.budget_bytes, self.visible_bytes, self.device_bytes
+        of = "" if budget is None else f" of {_size(budget)}"
+        out = f"per rank ({self.layout()}): {_size(self.per_rank_bytes())}{of} = {self.parts_text()}"
         if device is None or visible is None or budget is None:
             return out
-        return (out + f"; launch peak at the default {self.default_blocks} KV blocks "
-                f"({_size(self.default_blocks * kv)}): {_size(self.total_bytes)} of {_size(budget)} (load transient "
-                f"{_size(self.transient_bytes)}, staging rings {_size(self.ring_bytes)}, communicators "
-                f"{_size(self.comm_bytes)}; {self.utilization:g} x the {_size(visible)} torch sees of "
-                f"{device / GIB:g} GiB: workspace reserve {_size(device - budget)}); KV sized from what is left: "
-                f"{self.auto_blocks()} blocks; host while loading {_size(self.host_load_bytes)}")
+        launch = "" if self.blocks_asked else (
+            f"; a launch at the default {self.default_blocks} KV blocks peaks at {_size(self.launch_peak_bytes)} "
+            f"(graphgen dry-run's device peak)")
+        return (out + f" ({self.utilization:g} x the {_size(visible)} torch sees of {device / GIB:g} GiB: workspace "
+                f"reserve {_size(device - budget)}){launch}; KV sized from what is left "
+                f"(--device-memory-utilization {self.utilization:g}): {self.auto_blocks()} blocks; host while loading "
+                f"{_size(self.host_load_bytes)}")
 
 
 def kv_blocks_needed(spec: ModelSpec) -> int:
@@ -178,10 +214,14 @@ def communicator_bytes(par: Any) -> int:
     return int(n * NPU_MEMORY.communicator_mib * MIB)
 
 
-def rank_memory(spec: ModelSpec, graphs: Iterable[Graph], device_memory_gib: Optional[float] = None) -> RankMemory:
+def rank_memory(spec: ModelSpec, graphs: Iterable[Graph], device_memory_gib: Optional[float] = None, *,
+                utilization: Optional[float] = None, num_blocks: Optional[int] = None) -> RankMemory:
     """``graphs``: the spec's graphs after ``shard`` (every variant reads the same weights; the union
     is counted once). ``device_memory_gib``: the device (default: ``targets.npu.device_memory_gib``, else
-    the NPU target's documented default for a spec with an NPU target; no budget without one)."""
+    the NPU target's documented default for a spec with an NPU target; no budget without one);
+    ``utilization``: the engine's share of it (default `NPU_MEMORY`'s 0.9); ``num_blocks``: count the KV
+    cache a launch with ``--num-blocks`` allocates (+ the NPU's padding block) instead of the largest decode
+    batch's need."""
     fam = FAMILIES[spec.family]
     mtp = {"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}
     stacked = fam.checkpoint_layout(fam.dims_of(spec.dims), stacked=True, **mtp)
@@ -214,7 +254,8 @@ def rank_memory(spec: ModelSpec, graphs: Iterable[Graph], device_memory_gib: Opt
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), spec.parallel.tp)
     kv = spec.kv_layers * spec.kv_cache.block_size * sum(math.prod(s) for _, s in comps) * stored
     par = spec.parallel
-    mem = RankMemory(par.tp, par.ep, weight_bytes, kv, kv_blocks_needed(spec), par.dp, par.cp)
+    mem = RankMemory(par.tp, par.ep, weight_bytes, kv, kv_blocks_needed(spec) if num_blocks is None else num_blocks,
+                     par.dp, par.cp, blocks_asked=num_blocks is not None)
     if npu is None:
         return mem
     gib = device_memory_gib or npu.device_memory_gib or NPU_MEMORY.device_memory_gib
@@ -227,7 +268,9 @@ def rank_memory(spec: ModelSpec, graphs: Iterable[Graph], device_memory_gib: Opt
         ring_bytes=npu.staging_buffers * save_rows * kv if saves else 0, transient_bytes=transient,
         largest_slice=largest, comm_bytes=communicator_bytes(par),
         runtime_bytes=int(NPU_MEMORY.runtime_gib * GIB), device_bytes=int(gib * GIB),
-        utilization=NPU_MEMORY.utilization)
+        utilization=utilization or NPU_MEMORY.utilization,
+        kv_blocks=mem.kv_blocks if num_blocks is None else num_blocks + 1,  # + the NPU's padding block
+        default_blocks=mem.default_blocks if num_blocks is None else num_blocks + 1)
 
 
 def budget_source(spec: ModelSpec, device_memory_gib: Optional[float] = None) -> str:
@@ -242,31 +285,37 @@ def budget_source(spec: ModelSpec, device_memory_gib: Optional[float] = None) ->
 def default_blocks_note(mem: RankMemory) -> Optional[str]:
     """The sentence for a layout that fits, but not with the engine's default KV blocks, else None."""
     budget, n = mem.budget_bytes, mem.auto_blocks()
-    if budget is None or n is None or not mem.fits() or mem.total_bytes <= budget:
+    if budget is None or n is None or not mem.fits() or mem.launch_peak_bytes <= budget:
         return None
-    return (f"the engine's default {mem.default_blocks} KV blocks do not fit ({_size(mem.total_bytes)} of "
+    return (f"the engine's default {mem.default_blocks} KV blocks do not fit ({_size(mem.launch_peak_bytes)} of "
             f"{_size(budget)}): launch with --device-memory-utilization {mem.utilization:g} ({n} blocks) or "
             f"--num-blocks {n - 1} (the NPU reserves one more)")
 
 
-def memory_problems(spec: ModelSpec, mem: RankMemory, device_memory_gib: Optional[float] = None) -> list[str]:
+def memory_problems(spec: ModelSpec, mem: RankMemory, device_memory_gib: Optional[float] = None, *,
+                    num_blocks: Optional[int] = None) -> list[str]:
     """The sentence(s) of a layout that does not fit ``mem.device_bytes``, naming a layout that does
-    (`fit_layout`); [] when it fits or there is no budget."""
-    device, visible = mem.device_bytes, mem.visible_bytes
-    if mem.fits() or device is None or visible is None:
+    (`fit_layout`, at ``mem``'s utilization and ``num_blocks``); [] when it fits or there is no budget."""
+    device, visible, budget = mem.device_bytes, mem.visible_bytes, mem.budget_bytes
+    if mem.fits() or device is None or visible is None or budget is None:
         return []
     where = budget_source(spec, device_memory_gib)
     gib = device / GIB
-    need = mem.fixed_bytes + max(mem.kv_blocks, 1) * mem.kv_bytes_per_block
-    fit = fit_layout(spec, gib)
+    fit = fit_layout(spec, gib, utilization=mem.utilization, num_blocks=num_blocks)
     found = fit.memory
     fix_text = (f"fix: set parallel {', '.join(f'{k}: {v}' for k, v in fit.layout.items())} ({found.layout()}: "
-                f"{_size(found.fixed_bytes + found.kv_blocks * found.kv_bytes_per_block)} per rank)"
+                f"{_size(found.per_rank_bytes())} per rank)"
                 if fit.layout is not None and found is not None else fit.why)
-    return [f"per-rank weights {mem.weight_bytes / GIB:.2f} GiB + KV {mem.kv_blocks} blocks "
-            f"{mem.kv_blocks * mem.kv_bytes_per_block / GIB:.2f} GiB + staging rings, load transient and "
-            f"communicators = {need / GIB:.2f} GiB exceed {mem.utilization:g} x the {visible / GIB:.2f} GiB "
-            f"torch sees of {where} ({gib:g} GiB); {fix_text}"]
+    n = mem.auto_blocks()
+    need = kv_blocks_needed(spec)
+    if mem.blocks_asked and n is not None and n >= max(need, 2):  # the layout fits; the blocks asked for do not
+        fewer = (f"fix: launch with --num-blocks {n - 1} (the NPU reserves one more) or --device-memory-utilization "
+                 f"{mem.utilization:g} ({n} blocks; the largest decode batch needs {need})")
+        fix_text = fewer + (f", or {fix_text.removeprefix('fix: ')}" if fit.layout is not None else "")
+    if where == "the NPU target's default device":  # the spec states none: say how to state it
+        where += ": state yours with targets.npu.device_memory_gib or --device-memory-gib"
+    return [f"per rank {_size(mem.per_rank_bytes())} ({mem.parts_text()}) exceeds the engine's {_size(budget)}, "
+            f"{mem.utilization:g} x the {_size(visible)} torch sees of a {gib:g} GiB device ({where}); {fix_text}"]
 
 
 def _layout_candidates(spec: ModelSpec) -> Iterator[dict[str, int]]:
@@ -291,9 +340,11 @@ class LayoutFit:
     why: str = ""
 
 
-def fit_layout(spec: ModelSpec, device_memory_gib: float) -> LayoutFit:
-    """The smallest layout the spec's rules accept that fits ``device_memory_gib``, or none, with why (the
-    rule that refused the larger layouts, e.g. MTP layers, which are not sharded yet)."""
+def fit_layout(spec: ModelSpec, device_memory_gib: float, *, utilization: Optional[float] = None,
+               num_blocks: Optional[int] = None) -> LayoutFit:
+    """The smallest layout the spec's rules accept that fits ``device_memory_gib`` (`rank_memory`'s
+    ``utilization`` and ``num_blocks``), or none, with why (the rule that refused the larger layouts, e.g.
+    MTP layers, which are not sharded yet)."""
     from ..modelspec.compat import check_compat
     from .manager import run_pipeline
 
@@ -306,7 +357,7 @@ def fit_layout(spec: ModelSpec, device_memory_gib: float) -> LayoutFit:
             refused = refused or (problems[0][1] if layout["tp"] > 1 else None)
             continue
         graphs = [run_pipeline(cand, v, until="shard") for v in cand.variants]
-        mem = rank_memory(cand, graphs, device_memory_gib)
+        mem = rank_memory(cand, graphs, device_memory_gib, utilization=utilization, num_blocks=num_blocks)
         if mem.fits():
             return LayoutFit({k: v for k, v in layout.items() if k in ("tp", "ep") or getattr(spec.parallel, k) != v},
                              mem)
@@ -314,11 +365,12 @@ def fit_layout(spec: ModelSpec, device_memory_gib: float) -> LayoutFit:
                      "no layout up to tp=128 fits (fix: a larger device)")
 
 
-def choose_layout(spec: ModelSpec, device_memory_gib: Optional[float] = None) -> tuple[dict[str, int], str]:
+def choose_layout(spec: ModelSpec, device_memory_gib: Optional[float] = None) -> LayoutPick:
     """``graphgen import-hf --fit``'s picker (`graphgen.modelspec.import_hf.LayoutChoice`): the smallest
-    layout that fits ``device_memory_gib`` (default: the NPU target's die) and the note the imported spec's
-    header gets; `LayoutError` when the spec has no device to fit or nothing fits."""
-    from ..modelspec.import_hf import LayoutError
+    layout that fits ``device_memory_gib`` (default: the NPU target's die), the note the imported spec's
+    header gets, and that device size (the spec records it); `LayoutError` when the spec has no device to
+    fit or nothing fits."""
+    from ..modelspec.import_hf import LayoutError, LayoutPick
 
     if spec.targets.npu is None:  # no device to fit (an imported MTP layer: no NPU target yet, docs/mtp.md)
         raise LayoutError(f"{spec.name}: --fit sizes a layout for the NPU target's devices, and this spec has no "
@@ -328,5 +380,5 @@ def choose_layout(spec: ModelSpec, device_memory_gib: Optional[float] = None) ->
     chosen = fit_layout(spec, gib)
     if chosen.layout is None or chosen.memory is None:
         raise LayoutError(f"{spec.name} on {gib:g} GiB devices: {chosen.why}")
-    return chosen.layout, (f"Layout chosen by --fit for {gib:g} GiB devices: {chosen.memory.layout()} "
-                           f"(graphgen validate shows its per-rank memory).")
+    return LayoutPick(chosen.layout, f"Layout chosen by --fit for {gib:g} GiB devices: {chosen.memory.layout()} "
+                                     f"(graphgen validate shows its per-rank memory).", gib)

@@ -225,8 +225,6 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
         return _err(str(e))
     if target_note(args):  # once the engine is up
         print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
-    if here is not None and here.multi_node:  # a node lost while idle ends the server (its engine is gone)
-        engine.on_failure = _node_lost
     from ..runtime import eos_token_ids
 
     tokenizer = load_tokenizer(weights)
@@ -238,12 +236,16 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
                      api_keys=api_keys, max_request_bytes=args.max_request_bytes, tokenizer_dir=weights,
                      chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs,
                      role=args.role, kv_lease_timeout_s=args.kv_lease_timeout)
+    if here is not None and here.multi_node:  # a node lost ends the server: its engine is gone
+        app.state.loop.on_engine_end = _engine_ended
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
 
 
-def _node_lost(sentence: str) -> None:  # from the engine's link thread: the engine is gone
+def _engine_ended(sentence: str, in_flight: int) -> None:
+    """From the engine loop, once it answered the requests in flight with the sentence: say it, exit 2
+    (a second later when requests were in flight: their error events reach the clients first)."""
     print(f"graphgen serve: {sentence}", file=sys.stderr, flush=True)
-    os._exit(EXIT_INVALID)
+    threading.Timer(1.0 if in_flight else 0.0, os._exit, (EXIT_INVALID,)).start()
 
 
 def run_server(app, host: str, port: int, log_level: str = "warning", drain_timeout_s: float = 30.0,

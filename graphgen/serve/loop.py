@@ -4,6 +4,11 @@ HTTP handlers (asyncio) hand it requests and aborts through a thread-safe inbox;
 steps while there is work and hands every :class:`RequestOutput` to the request's callback (which
 the server turns into an ``asyncio.Queue`` put on its event loop). It also times TTFT and
 inter-token latency (from the request's arrival at the server) and refreshes the metrics.
+
+An engine that ends (`RankFailure`: a rank or a node lost, in one sentence) is not a crash: the requests
+in flight get the sentence as their error, ``on_engine_end(sentence, in_flight)`` is told it (``graphgen
+serve --nnodes``: print it, exit 2), else it is logged on one line; no traceback, and no shutdown of an
+engine whose ranks are gone.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..runtime import SamplingParams
+from ..runtime import RankFailure, SamplingParams
 from ..trace import NULL, TRACK_SERVER, TraceRecorder
 from .engine_api import RequestOutput, ServingEngine
 from .metrics import ServerMetrics
@@ -78,6 +83,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._ready = threading.Event()
         self.error: Optional[BaseException] = None
+        # told the sentence of an engine that ended (RankFailure) and how many requests it failed
+        self.on_engine_end: Optional[Callable[[str, int], None]] = None
 
     # ---- called from any thread ------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> None:
@@ -107,6 +114,7 @@ class EngineLoop:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
+        ended = False
         try:
             try:
                 stats = self.engine.stats()
@@ -126,16 +134,29 @@ class EngineLoop:
                 if self.engine.has_work():
                     self._step()
                 self._refresh()
+        except RankFailure as e:  # the engine ended and says why in one sentence: answer, tell, no traceback
+            ended = True
+            self._engine_ended(e)
         except BaseException as e:  # never expected: fail what is in flight, keep the reason
             log.exception("engine loop died")
             self.error = e
             for rid in list(self._tracks):
                 self._finish(rid, RequestOutput(rid, (), True, "error", error=f"engine loop died: {e}"))
         finally:
-            try:
-                self.engine.shutdown()
-            finally:
-                self._refresh()
+            if not ended:  # an ended engine has nothing left to commit, and its ranks answer nothing
+                try:
+                    self.engine.shutdown()
+                finally:
+                    self._refresh()
+
+    def _engine_ended(self, e: RankFailure) -> None:
+        self.error, sentence, in_flight = e, str(e), len(self._tracks)
+        for rid in list(self._tracks):
+            self._finish(rid, RequestOutput(rid, (), True, "error", error=sentence))
+        if self.on_engine_end is not None:
+            self.on_engine_end(sentence, in_flight)
+        else:
+            log.error("the engine ended: %s", sentence)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -185,6 +206,8 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             outs = self.engine.step()
+        except RankFailure:  # not this step's failure: the engine ended (`_run`)
+            raise
         except Exception as e:  # a failed step fails its requests, not the server
             log.exception("engine step failed")
             for rid in list(self._tracks):

@@ -70,11 +70,12 @@ def test_the_streaming_load_fits_where_the_old_order_does_not(qwen8, capsys, tmp
     assert rc == 0, err
     row = json.loads((tmp_path / "r.json").read_text())["ranks"][0]
     assert main(["validate", str(spec)]) == 0
-    static = re.search(r"launch peak at the default 513 KV blocks \([\d.]+ GiB\): ([\d.]+) GiB of ([\d.]+) GiB",
-                       capsys.readouterr().out)
-    assert static, "validate printed no launch peak"
+    out = capsys.readouterr().out
+    static = re.search(r"a launch at the default 513 KV blocks peaks at ([\d.]+) GiB", out)
+    budget = re.search(r"per rank \(tp=2, ep=1\): [\d.]+ GiB of ([\d.]+) GiB", out)
+    assert static and budget, f"validate printed no launch peak or share: {out}"
     assert abs(row["device_peak_bytes"] / GIB - float(static[1])) < 0.01  # measured == counted
-    assert row["device_peak_bytes"] <= float(static[2]) * GIB and row["kv_blocks"] == 513 and row["graphs"] == 28
+    assert row["device_peak_bytes"] <= float(budget[1]) * GIB and row["kv_blocks"] == 513 and row["graphs"] == 28
     assert row["device_final_bytes"] == row["device_peak_bytes"]  # nothing was built beside its sources
     rc, out, err = _dry_run(capsys, spec, ckpt, "--old-order")
     assert rc == 2 and "does not fit: ledger device out of memory" in err and "Traceback" not in err, err
@@ -96,9 +97,60 @@ def test_kv_sized_from_what_the_weights_leave(qwen8, capsys, tmp_path):
     assert rc == 0, err
     row = json.loads((tmp_path / "r.json").read_text())["ranks"][0]
     main(["validate", str(spec)])
-    auto = int(re.search(r"KV sized from what is left: (\d+) blocks", capsys.readouterr().out)[1])
+    auto = int(re.search(r"KV sized from what is left \(--device-memory-utilization 0.9\): (\d+) blocks",
+                         capsys.readouterr().out)[1])
     assert row["kv_blocks"] == auto and row["device_peak_bytes"] <= row["budget_bytes"]
     assert row["budget_bytes"] - row["device_peak_bytes"] < 2 * (2 << 20)  # within one 2 MiB block (+ rounding)
+
+
+@pytest.fixture(scope="module")
+def tiny_npu(tmp_path_factory):
+    """specs/tiny_qwen3_npu.yaml and a sparse checkpoint of its config (the dry run reads it as a launch would)."""
+    import dataclasses
+
+    from graphgen.families import FAMILIES
+    from graphgen.modelspec.loader import load_spec
+
+    spec = load_spec(SPECS / "tiny_qwen3_npu.yaml")
+    fam = FAMILIES[spec.family]
+    config = fam.hf_config(fam.dims_of(dataclasses.asdict(spec.dims)), "bfloat16")
+    return SPECS / "tiny_qwen3_npu.yaml", _sparse(tmp_path_factory.mktemp("tiny_npu"), config)
+
+
+def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(tiny_npu, capsys):
+    """Issue 43 item 2: every rank (one process each, here the one rank of the tiny NPU spec) on a device of
+    3.05 GiB (20 MiB for torch): one sentence, from the parent only, and its validate command carries
+    --device-memory-gib and the dry run's KV blocks, so run as printed it refuses too; without them validate
+    says ok (64 GiB). The blocks change the answer alone: on 3.15 GiB the decode batch's 256 blocks fit and
+    the launch's 513 do not (the old hint's command says ok there, the new one refuses and names fewer
+    blocks); a dry run's --num-blocks is carried as given; with --device-memory-utilization no block count."""
+    import argparse
+
+    from graphgen.cli.dryrun import validate_hint
+
+    spec, ckpt = tiny_npu
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--device-memory-gib", "3.05"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    (line,) = [l for l in err.splitlines() if "does not fit" in l]
+    hint = re.search(r"\((graphgen validate .*?) counts it", line)
+    assert hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.05 --num-blocks 512", line
+    assert main(hint[1].split()[1:]) == 2 and ": does not fit" in capsys.readouterr().out
+    assert main(["validate", str(spec)]) == 0
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--rank", "0", "--device-memory-gib", "3.15"])
+    hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
+    assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.15 --num-blocks 512", hint
+    assert main(hint[1].split()[1:]) == 2
+    assert "fix: launch with --num-blocks 395 (the NPU reserves one more)" in capsys.readouterr().err
+    assert main(["validate", str(spec), "--device-memory-gib", "3.15"]) == 0  # the decode batch's need fits
+    capsys.readouterr()
+    # the KV blocks asked for: 250000 blocks of 256 KiB are past a 64 GiB die
+    rc = main(["dry-run", "--spec", str(spec), "--weights", str(ckpt), "--rank", "0", "--num-blocks", "250000"])
+    hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
+    assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --num-blocks 250000", hint
+    assert main(hint[1].split()[1:]) == 2
+    sized = argparse.Namespace(spec="s.yaml", device_memory_gib=None, num_blocks=100, device_memory_utilization=0.8)
+    assert validate_hint(sized) == "graphgen validate s.yaml --device-memory-utilization 0.8"
 
 
 @pytest.mark.slow  # a dry-run process under /usr/bin/time

@@ -105,3 +105,35 @@ def test_a_node_lost_between_commands_ends_the_engine_and_tells_on_failure():
     assert killed == told == [f"{link.lost} (between commands)"]
     with pytest.raises(RankFailure, match=r"was lost: its connection to the driver closed \(between commands\)"):
         eng._command("core")
+
+
+def test_a_node_lost_during_an_idle_poll_is_between_commands_and_during_a_step_is_not():
+    """Issue 43 item 5: ``graphgen serve``'s loop polls ``has_work`` and ``stats`` all the time, so a node lost
+    while the server is idle is mostly noticed inside a poll; its sentence says ``(between commands)``, as
+    `_node_lost`'s does (above), and a loss during a step says ``during step`` (once: ``core`` named nothing).
+    The engine's state as `_collect` reads it, one follower's rank whose link is lost (no processes)."""
+    import io
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from graphgen.runtime import Deadlines, RankFailure
+    from graphgen.runtime.parallel.launcher import DistributedCore, DistributedEngine
+    from graphgen.runtime.progress import Board, RankPhases
+
+    lost = "node 1 (ranks 2-3) was lost: its connection to the driver closed"
+
+    def engine():
+        eng = object.__new__(DistributedEngine)
+        eng._closing, eng._closed, eng._failure, eng._busy = False, False, None, threading.Lock()
+        eng._channel, eng.world, eng._clock, eng.on_failure = None, 1, time.monotonic, None
+        eng._phases, eng._board = RankPhases(1, Deadlines(), 10.0), Board(1, io.StringIO())
+        eng._ends = [SimpleNamespace(rank=0, send=lambda msg: None, recv=lambda: None, failure=lambda since: lost)]
+        eng._kill = lambda why=None: setattr(eng, "_closed", True)
+        return eng
+
+    for call, words in (("has_work", "(between commands)"), ("stats", "(between commands)"), ("step", "during step")):
+        core = DistributedCore(engine())
+        with pytest.raises(RankFailure) as e:
+            getattr(core, call)()
+        assert str(e.value) == f"{lost} {words}", call

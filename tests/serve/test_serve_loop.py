@@ -73,3 +73,69 @@ def test_messages_are_frozen():
     with pytest.raises(Exception):
         msg.req_id = "s"  # type: ignore[misc]
     assert StopLoop(1.0).deadline == 1.0 and AbortRequest("r").forks is True
+
+
+class _Ending:
+    """The real tiny engine's adapter, whose ``has_work`` (idle) or ``step`` (a request running) raises the
+    `RankFailure` a lost node gives (the loss itself: tests/parallel/test_nodes.py, tests/runtime/test_cluster.py);
+    counts ``shutdown`` calls (an ended engine's would raise again)."""
+
+    def __init__(self, adapter, where: str, sentence: str):
+        self._a, self.where, self.sentence, self.shutdowns, self.armed = adapter, where, sentence, 0, False
+
+    def __getattr__(self, name):
+        return getattr(self._a, name)
+
+    def has_work(self):
+        if self.armed and self.where == "has_work":
+            from graphgen.runtime import RankFailure
+
+            raise RankFailure(self.sentence)
+        return self._a.has_work()
+
+    def step(self):
+        if self.armed and self.where == "step":
+            from graphgen.runtime import RankFailure
+
+            raise RankFailure(self.sentence)
+        return self._a.step()
+
+    def shutdown(self):
+        self.shutdowns += 1
+        self._a.shutdown()
+
+
+@pytest.mark.parametrize("where", ["has_work", "step"])
+def test_an_engine_that_ends_is_told_once_without_a_traceback(where, ckpt, caplog):
+    """Issue 43 item 5: a `RankFailure` from the idle poll or from a step ends the loop: the request in flight
+    (if any) gets the sentence as its error, ``on_engine_end`` hears it once with the count, nothing is
+    logged with a traceback, and the ended engine is not shut down (its second failure was the second
+    traceback); without ``on_engine_end`` it is one log line."""
+    import logging
+
+    words = "(between commands)" if where == "has_work" else "during step"
+    sentence = f"node 1 (ranks 2-3) was lost: its connection to the driver closed {words}"
+    with open_engine(SPEC, ckpt, num_blocks=32) as e:
+        for hook in (True, False):
+            eng = _Ending(EngineAdapter(e), where, sentence)
+            loop, told, out = EngineLoop(eng, ServerMetrics()), [], queue.Queue()
+            if hook:
+                loop.on_engine_end = lambda s, n: told.append((s, n))
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="graphgen.serve"):
+                loop.start()
+                if where == "step":
+                    eng.armed = True  # armed before the request: its first step raises
+                    loop.submit(f"end-{hook}", [5, 9, 13], SamplingParams(max_tokens=50, ignore_eos=True), out.put)
+                else:
+                    eng.armed = True
+                loop._thread.join(30)
+            assert not loop.alive and str(loop.error) == sentence and eng.shutdowns == 0
+            assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+            if where == "step":
+                end = out.get(timeout=5)
+                assert end.finished and end.finish_reason == "error" and end.error == sentence, end
+            if hook:
+                assert told == [(sentence, 1 if where == "step" else 0)] and not caplog.records
+            else:
+                assert [r.getMessage() for r in caplog.records] == [f"the engine ended: {sentence}"]

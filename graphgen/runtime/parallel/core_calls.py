@@ -4,7 +4,16 @@ protocol lives."""
 
 from __future__ import annotations
 
-__all__ = ["core_call"]
+__all__ = ["core_call", "failure_words"]
+
+# the step-API calls that are no request's work: ``graphgen serve``'s loop polls them between steps and
+# while idle, so a failure during one is a failure between commands (docs/parallel.md, "Failure")
+POLLS = frozenset({"has_work", "stats"})
+
+
+def failure_words(method: str) -> str:
+    """How the sentence of a failure during ``method`` ends: ``during step``, or ``(between commands)``."""
+    return "(between commands)" if method in POLLS else f"during {method}"
 
 
 def core_call(core, method: str, args: tuple):

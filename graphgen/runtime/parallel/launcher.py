@@ -44,6 +44,7 @@ from ..pool.shared import connect_pool, serve_pool
 from ..progress import Board, Deadlines, RankPhases
 from .cluster import Placement, cluster_key, interface_towards, spec_digest
 from .context_parallel import CP_RANK_TARGET
+from .core_calls import failure_words
 from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
@@ -148,7 +149,7 @@ class DistributedCore:
         self._engine = engine
 
     def _call(self, method: str, *args):
-        status, value = self._engine._command("core", method, *args)[0]
+        status, value = self._engine._command("core", method, *args, what=method, when=failure_words(method))[0]
         if status == "invalid":
             raise ValueError(value)
         return value
@@ -247,7 +248,7 @@ class DistributedEngine:
                                 here.describe)
         try:
             with self._busy:
-                self._collect("start")
+                self._collect("start", "during start")
         except BaseException:
             self._kill()
             raise
@@ -279,10 +280,9 @@ class DistributedEngine:
                 self._fail(f"a node was refused: {got}")
             self._ends = [RemoteRank(e.rank, got) if e.rank in got.ranks else e for e in self._ends]
 
-    def _collect(self, what: str) -> list:
-        """Every rank's reply to the last command; a rank that fails or is late, or a node that is lost,
-        ends all of them. A rank's ``("progress", event)`` messages before its reply move it between
-        phases (and their deadlines, `RankPhases`) and feed the progress lines."""
+    def _collect(self, what: str, when: str) -> list:
+        """Every rank's reply to command ``what``; a rank that fails or is late, or a lost node, ends them all (a
+        sentence ending ``when``). Its ``progress`` messages move it between phases (`RankPhases`) and feed the board."""
         replies: dict[int, object] = {}
         since = self._clock()
         while len(replies) < self.world:
@@ -296,12 +296,12 @@ class DistributedEngine:
                 if msg is None:
                     why = end.failure(since)
                     if why:
-                        self._fail(f"{why} during {what}")
+                        self._fail(f"{why} {when}")
                     continue
                 idle = False
                 status, value = msg
                 if status == "exited":
-                    self._fail(f"{value} during {what}")
+                    self._fail(f"{value} {when}")
                 if status == "progress":
                     self._phases.report(r, value)
                     self._board.update(r, value)
@@ -309,9 +309,9 @@ class DistributedEngine:
                 if status != "ok":  # a peer's death (or a lost node) is the cause, its error the symptom
                     dead = self._dead(grace=1.0)
                     if any(isinstance(e, RemoteRank) and e.failure(0.0) for e in self._ends):
-                        self._fail(f"{dead.rstrip('; ')} during {what} (rank {r} failed after it: "
+                        self._fail(f"{dead.rstrip('; ')} {when} (rank {r} failed after it: "
                                    f"{str(value).strip().splitlines()[-1]})")
-                    self._fail(f"{dead}rank {r} failed during {what}:\n{value}")
+                    self._fail(f"{dead}rank {r} failed {when}:\n{value}")
                 replies[r] = value
             late = self._phases.late([r for r in range(self.world) if r not in replies])
             if late:
@@ -346,7 +346,7 @@ class DistributedEngine:
                 return "".join(f"{why}; " for why in dict.fromkeys(down))
             time.sleep(0.02)
 
-    def _command(self, cmd: str, *args) -> list:
+    def _command(self, cmd: str, *args, what: Optional[str] = None, when: Optional[str] = None) -> list:
         with self._busy:
             if self._closed:
                 if self._failure is not None:
@@ -357,7 +357,7 @@ class DistributedEngine:
             if self._channel is not None:
                 self._channel.broadcast(("cmd", (cmd, args)))
             self._phases.command()
-            return self._collect(cmd)
+            return self._collect(what or cmd, when or f"during {what or cmd}")
 
     def _node_lost(self, link) -> None:
         """A follower's link was lost (its reader thread): between commands, the engine ends now (every rank
