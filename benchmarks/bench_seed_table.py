@@ -35,18 +35,21 @@ side):
   Our real save (a copy into the in-process pool) comes on top of it in sync (printed: the calibration).
 * **Clients**: closed-loop streaming clients through the official ``openai`` client (completions, token-id
   prompts, ``stream=True``; TTFT = request sent -> first chunk with a token). At 32 and 64 clients a round is
-  one wave (every client one request); at 1 client a round is ``--requests-1`` requests.
+  one wave (every client one request); at 1 client a round is ``--requests-1`` requests (default 8);
+  ``--rounds`` (default 1) repeats every group's settings, order rotated.
 * **Ours**: TTFT median and p90 over every request of every round, and the seed's remark's ratios
   (``async / sync - 1``, ``async / no PC - 1``) of the medians (and of the p90s), all measured in this run.
 * **Accuracy rows**: no GPQA here and no real checkpoint of either family (see the row), so what is
   measured is what "no accuracy loss" means for a save: a fixed prompt set (``--acc-prompts`` prompts of
   ``--acc-len`` tokens, 50 % pool hit, greedy, ``--acc-tokens`` tokens, top-5 logprobs) sent at the row's
   concurrency to the sync and the async server of the group; printed: how many greedy sequences are
-  identical and the largest logprob difference over the positions before any divergence.
+  identical and the largest logprob difference over the positions before any divergence — beside the same
+  figures for a second sync server (the control: what two servers of one configuration differ by when 64
+  requests share their steps in a different order).
 
 Usage (repo root; as root: the 2P1D rows run ``scripts/pd_cluster.py`` in a private network namespace):
-    .venv/bin/python benchmarks/bench_seed_table.py --quick          # ~6-10 min: 1 round, clients 1/4/8
-    nice -n 10 .venv/bin/python benchmarks/bench_seed_table.py       # the full table: clients 1/32/64
+    .venv/bin/python benchmarks/bench_seed_table.py --quick          # ~7 min here: clients 1/4/8
+    nice -n 10 .venv/bin/python benchmarks/bench_seed_table.py       # the full table: clients 1/32/64, ~25 min
     .venv/bin/python benchmarks/bench_seed_table.py --quick --rows 1 # one row (the suite's smoke test)
 """
 
@@ -348,6 +351,9 @@ def attempt(g: Group, args, spec, spec_file, ckpt, flags, common, clients, n, ge
     try:
         for s in settings:
             servers[s] = ServerProc(Config(s, s, faults), spec_file, ckpt, [*common, *flags], granularity="forward")
+        if need_acc:  # the accuracy rows' control: a second sync server
+            servers["sync2"] = ServerProc(Config("sync2", "sync", faults), spec_file, ckpt, [*common, *flags],
+                                          granularity="forward")
         if need_perf:
             ttft = {s: [] for s in settings}
             hits = {s: [0.0, 0] for s in settings}
@@ -387,21 +393,11 @@ def _step_means(srv: ServerProc) -> dict:
     return {"forward_ms": mean("graphgen_forward_latency_seconds"), "steps": m.get("graphgen_engine_steps_total", 0)}
 
 
-def accuracy(servers: dict, args, gen: Prompts, log, name: str) -> dict:
-    """The fixed prompt set through the sync and the async server (50 % pool hit): greedy tokens identical?
-    the largest |logprob difference| before the first divergence."""
-    prompts = gen.take(args.acc_prompts, args.acc_len)
-    conc = min(args.clients_map[64], len(prompts))
-    out, hit = {}, {}
-    for s in ("sync", "async"):
-        port = servers[s].port
-        run_load(port, [p[:len(p) // 2] for p in prompts], conc, 1, args.budget, request=openai_request)
-        wait_saves_committed(port, args.budget)  # both servers load the same halves from their pools
-        before = scrape(port).get("graphgen_prefix_cache_hit_tokens_total", 0.0)
-        out[s] = openai_logprobs(port, prompts, conc, args.acc_tokens)
-        hit[s] = (scrape(port).get("graphgen_prefix_cache_hit_tokens_total", 0.0) - before) / (len(prompts) * args.acc_len)
+def _compare(xs: list, ys: list) -> dict:
+    """Greedy sequences identical, and the largest |logprob difference| (chosen tokens and the top-5 both
+    list) over the positions before each pair's first divergence."""
     same, maxdiff, positions, first_div = 0, 0.0, 0, []
-    for (ta, la, topa), (tb, lb, topb) in zip(out["sync"], out["async"]):
+    for (ta, la, topa), (tb, lb, topb) in zip(xs, ys):
         k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
         if ta == tb:
             same += 1
@@ -410,13 +406,34 @@ def accuracy(servers: dict, args, gen: Prompts, log, name: str) -> dict:
         for i in range(k):
             positions += 1
             maxdiff = max(maxdiff, abs(la[i] - lb[i]))
-            for tok in set(topa[i]) & set(topb[i]):
-                maxdiff = max(maxdiff, abs(topa[i][tok] - topb[i][tok]))
-    res = {"prompts": len(prompts), "identical": same, "max_logprob_diff": maxdiff, "positions": positions,
-           "first_divergence": first_div, "prompt_len": args.acc_len, "tokens": args.acc_tokens,
-           "concurrency": conc, "hit": hit}
-    log(f"[{name}] accuracy: {same}/{len(prompts)} greedy sequences identical sync vs async, max |d logprob| "
-        f"{maxdiff:.3g} over {positions} positions")
+            # the top-5 are keyed by token text: without a tokenizer several ids render alike, so a dict of
+            # fewer than 5 keys merged some; compared only where both hold 5 distinct tokens
+            if len(topa[i]) == len(topb[i]) == 5:
+                for tok in set(topa[i]) & set(topb[i]):
+                    maxdiff = max(maxdiff, abs(topa[i][tok] - topb[i][tok]))
+    return {"identical": same, "max_logprob_diff": maxdiff, "positions": positions, "first_divergence": first_div}
+
+
+def accuracy(servers: dict, args, gen: Prompts, log, name: str) -> dict:
+    """The fixed prompt set through the sync and the async server (50 % pool hit): greedy tokens identical?
+    the largest |logprob difference| before the first divergence. The control: the same prompts through a
+    second sync server (``sync2``): what two runs of one configuration differ by under this concurrency."""
+    prompts = gen.take(args.acc_prompts, args.acc_len)
+    conc = min(args.clients_map[64], len(prompts))
+    out, hit = {}, {}
+    for s in ("sync", "async", "sync2"):
+        port = servers[s].port
+        run_load(port, [p[:len(p) // 2] for p in prompts], conc, 1, args.budget, request=openai_request)
+        wait_saves_committed(port, args.budget)  # every server loads the same halves from its pool
+        before = scrape(port).get("graphgen_prefix_cache_hit_tokens_total", 0.0)
+        out[s] = openai_logprobs(port, prompts, conc, args.acc_tokens)
+        hit[s] = (scrape(port).get("graphgen_prefix_cache_hit_tokens_total", 0.0) - before) / (len(prompts) * args.acc_len)
+    res = {"prompts": len(prompts), **_compare(out["sync"], out["async"]), "prompt_len": args.acc_len,
+           "tokens": args.acc_tokens, "concurrency": conc, "hit": hit, "control": _compare(out["sync"], out["sync2"])}
+    c = res["control"]
+    log(f"[{name}] accuracy: {res['identical']}/{len(prompts)} greedy sequences identical sync vs async, max |d logprob| "
+        f"{res['max_logprob_diff']:.3g} over {res['positions']} positions; control sync vs sync: {c['identical']}/"
+        f"{len(prompts)}, {c['max_logprob_diff']:.3g} over {c['positions']}")
     return res
 
 
@@ -520,9 +537,14 @@ def _ours(row: SeedRow, res: dict) -> tuple[str, str]:
                 f"({a['tokens']} tokens each, {a['prompt_len']}-token prompts, pool hit sync {a['hit']['sync']:.0%} / async "
                 f"{a['hit']['async']:.0%}, {a['concurrency']} concurrent), max abs logprob difference **{a['max_logprob_diff']:.2g}** over {a['positions']} "
                 f"positions" + (f" (first divergences at tokens {a['first_divergence']})" if a["first_divergence"]
-                                else "") + "; lm-eval: not run (note a)")
-        return ours, ("tokens and logprobs identical" if a["identical"] == a["prompts"] and not a["max_logprob_diff"]
-                      else f"{a['identical']}/{a['prompts']} identical")
+                                else "") + f"; control, the same prompts through a second sync server: "
+                f"{a['control']['identical']}/{a['prompts']} identical, max abs logprob difference "
+                f"{a['control']['max_logprob_diff']:.2g} over {a['control']['positions']} positions"
+                + (f" (first divergences at tokens {a['control']['first_divergence']})"
+                   if a["control"]["first_divergence"] else "") + "; lm-eval: not run (note a)")
+        c = a["control"]
+        return ours, (f"sync vs async {a['identical']}/{a['prompts']} identical (max diff {a['max_logprob_diff']:.2g}) "
+                      f"beside sync vs sync {c['identical']}/{a['prompts']} ({c['max_logprob_diff']:.2g})")
     t = res["ttft"][row.setting]
     ours = (f"**{_pct(t, 50):.0f}** / {_pct(t, 90):.0f} ({len(t)} requests at {res['clients']} client(s), "
             f"{res['prompt_len']} tokens")
@@ -535,11 +557,11 @@ def _ours(row: SeedRow, res: dict) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 round, clients 1/4/8 instead of 1/32/64, fewer prompts")
+    ap.add_argument("--quick", action="store_true", help="clients 1/4/8 instead of 1/32/64, fewer prompts")
     ap.add_argument("--rows", default="", help="seed rows to run, e.g. 1 or 3-5,11 (default: all; a row runs its "
                                                 "whole group)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per group (default 2; --quick 1)")
-    ap.add_argument("--requests-1", type=int, default=None, help="requests per round at 1 client (default 4; quick 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per group (default 1)")
+    ap.add_argument("--requests-1", type=int, default=None, help="requests per round at 1 client (default 8; quick 2)")
     ap.add_argument("--calib", type=int, default=None, help="calibration requests per write mode (default 3; quick 1)")
     ap.add_argument("--max-tokens", type=int, default=8, help="new tokens per measured request")
     ap.add_argument("--acc-prompts", type=int, default=None, help="accuracy prompts (default 64; quick 8)")
@@ -559,8 +581,8 @@ def main(argv=None) -> int:
     if args.pd_load:
         return pd_load(args)
     q = args.quick
-    args.rounds = args.rounds or (1 if q else 2)
-    args.requests_1 = args.requests_1 or (2 if q else 4)
+    args.rounds = args.rounds or 1
+    args.requests_1 = args.requests_1 or (2 if q else 8)
     args.calib = args.calib or (1 if q else 3)
     args.acc_prompts = args.acc_prompts or (8 if q else 64)
     args.acc_len = args.acc_len or (512 if q else 1024)
@@ -623,7 +645,8 @@ def main(argv=None) -> int:
                   f"C0 {res['c0_ms']:.0f} ms (sync, real save only: {res['c0_sync_ms']:.0f} ms, "
                   f"{res['c0_sync_ms'] / res['c0_ms']:.2f}x), {res['faults']} ({res['save_delay_s'] * 1e3:.2f} ms per "
                   f"layer save, {res['save_ratio'] * res['c0_ms']:.0f} ms per prefill step); "
-                  + ", ".join(f"{s} forward per step {m['forward_ms']:.0f} ms" for s, m in res.get("metrics", {}).items())
+                  + ", ".join(f"{s} forward per step {m['forward_ms']:.0f} ms" for s, m in res.get("metrics", {}).items()
+                              if m["forward_ms"] == m["forward_ms"])  # nan: the ranks' server exports no step times
                   + f"; {res['wall_s']:.0f} s")
     print()
     print("\n".join(table(results, rows)))
