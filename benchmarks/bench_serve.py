@@ -56,23 +56,49 @@ def _configs(save_delay: float) -> list[Config]:
             Config("off+slow", "off", slow), Config("sync+slow", "sync", slow), Config("async+slow", "async", slow)]
 
 
+class ServerRefused(RuntimeError):
+    """The server exited before it listened; ``sentence`` is its ``graphgen serve: error: ...`` line
+    (a layout or flag the server refuses), or the last line of its stderr."""
+
+    def __init__(self, name: str, sentence: str, is_refusal: bool = True):
+        super().__init__(f"server {name} did not start: {sentence}")
+        self.sentence, self.is_refusal = sentence, is_refusal
+
+
+def refusal_sentence(stderr_text: str) -> tuple[str, bool]:
+    """(the ``graphgen serve: error: ...`` sentence of a server's stderr, True), else (its last non-empty
+    line, False): a refusal names what it refuses; anything else is a failure to start."""
+    lines = [ln.strip() for ln in stderr_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ": error: " in ln:
+            return ln.split(": error: ", 1)[1], True
+    return (lines[-1] if lines else "(no output)"), False
+
+
 class ServerProc:
-    def __init__(self, cfg: Config, spec: str, ckpt: str, extra: list[str], startup_s: float = 180):
+    def __init__(self, cfg: Config, spec: str, ckpt: str, extra: list[str], startup_s: float = 180,
+                 granularity: str = "layer"):
         args = [sys.executable, "-m", "graphgen.serve", "--spec", spec, "--weights", ckpt, "--port", "0",
-                "--write", cfg.write, "--granularity", "layer", "--torch-threads", "1", *extra]
+                "--write", cfg.write, "--granularity", granularity, "--torch-threads", "1", *extra]
         if cfg.faults:
             args += ["--faults", cfg.faults]
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         self.cfg = cfg
-        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        self.argv = args
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # read back when it does not start
+        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True)
         deadline, line = time.monotonic() + startup_s, ""
         while time.monotonic() < deadline and "listening on" not in line and self.proc.poll() is None:
             line = self.proc.stdout.readline()
         if "listening on" not in line:
             self.proc.kill()
-            raise RuntimeError(f"server {cfg.name} did not start")
+            self.proc.wait()
+            self._stderr.seek(0)
+            raise ServerRefused(cfg.name, *refusal_sentence(self._stderr.read()))
         self.port = int(line.strip().rsplit(":", 1)[-1])
+        # keep the pipe drained: a server printing more than a pipe holds must never block
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
 
     def scrape(self) -> dict:
         """{sample name: value} of the server's /metrics (label-free samples only)."""
@@ -123,9 +149,11 @@ def one_request(port: int, prompt: list[int], max_tokens: int, timeout: float) -
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
 
 
-def run_load(port: int, prompts: list[list[int]], concurrency: int, max_tokens: int, budget_s: float) -> dict:
+def run_load(port: int, prompts: list[list[int]], concurrency: int, max_tokens: int, budget_s: float,
+             request=one_request) -> dict:
     """Closed loop: ``concurrency`` clients take prompts from a shared list until it is empty or
-    ``budget_s`` passed."""
+    ``budget_s`` passed. ``request(port, prompt, max_tokens, timeout)`` -> (ttft_s, gaps, tokens):
+    `one_request` (stdlib HTTP + SSE) or another client's."""
     lock, results, errors = threading.Lock(), [], []
     todo = list(prompts)
     deadline = time.perf_counter() + budget_s
@@ -137,7 +165,7 @@ def run_load(port: int, prompts: list[list[int]], concurrency: int, max_tokens: 
                     return
                 p = todo.pop()
             try:
-                res = one_request(port, p, max_tokens, timeout=max(5.0, deadline - time.perf_counter() + 30))
+                res = request(port, p, max_tokens, timeout=max(5.0, deadline - time.perf_counter() + 30))
             except Exception as e:  # counted, reported
                 with lock:
                     errors.append(str(e))
