@@ -99,28 +99,123 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:12]
 
 
+def _leaves(tree, path="", out=None) -> list:
+    """``(path, leaf)`` of every leaf of ``tree`` (dicts by sorted key, lists, tuples, dataclasses), in the
+    order Dynamo flattens a call's arguments into graph inputs (dicts: insertion order, kept here)."""
+    import dataclasses
+
+    out = [] if out is None else out
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _leaves(v, f"{path}[{k!r}]", out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _leaves(v, f"{path}[{i}]", out)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for f in dataclasses.fields(tree):
+            _leaves(getattr(tree, f.name), f"{path}.{f.name}", out)
+    else:
+        out.append((path, tree))
+    return out
+
+
+def input_signature(*args) -> str:
+    """The first 12 hex digits of a sha256 over what a compiled graph bakes in of its inputs (M1, audit 4).
+
+    torchair's loaded graph checks, on its first call, ``assert_size_stride(args[i], shape, stride)`` for
+    every tensor input as traced (``air/_ge_concrete_graph/fx2ge_converter.py:1412,2079-2087``) and has no
+    Dynamo guard: an entry traced for 513 KV blocks, loaded for 759, fails there.  So the entry's key is
+    every tensor leaf's (path, dtype, shape, stride, device type) -- the KV cache's block count and layout,
+    the bucket's step inputs, the weights' TP shards and dtypes -- read from the call itself, not from a
+    hand-kept list.  Non-tensor leaves: bools, strings and None by value (a graph specialises on them);
+    Python ints by type only (under ``dynamic=True`` they are the symbolic length lists)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for path, x in _leaves(args):
+        if isinstance(x, torch.Tensor):
+            h.update(f"{path}:{x.dtype}:{tuple(x.shape)}:{x.stride()}:{x.device.type}\n".encode())
+        elif x is None or isinstance(x, (bool, str)):
+            h.update(f"{path}={x!r}\n".encode())
+        else:
+            h.update(f"{path}:{type(x).__name__}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def runtime_versions() -> str:
+    """``torch=<v>,torch_npu=<v>,cann=<v>`` of this process, where readable: a graph serialised by one
+    torchair/GE is not promised to load in another (the cache file records no version: audit 4 §2f).
+    torch_npu and CANN are read only when torch_npu is already imported (never imported here)."""
+    import torch
+
+    parts = [f"torch={torch.__version__}"]
+    tn = sys.modules.get("torch_npu")
+    if tn is not None and not getattr(tn, "__graphgen_standin__", False):
+        parts.append(f"torch_npu={getattr(tn, '__version__', '?')}")
+        try:
+            parts.append(f"cann={tn.npu.utils.get_cann_version()}")
+        except Exception:  # older wheels: no get_cann_version; the torch_npu version still separates them
+            parts.append("cann=?")
+    return ",".join(parts)
+
+
+def layout_name(parallel) -> str:
+    """``tp<t>-ep<e>-dp<d>-cp<c>[-sp]`` of a spec's `Parallel` (``None``: ``single``)."""
+    if parallel is None:
+        return "single"
+    return (f"tp{parallel.tp}-ep{parallel.ep}-dp{parallel.dp}-cp{parallel.cp}" + ("-sp" if parallel.sp else ""))
+
+
 @dataclass(frozen=True)
 class CacheKey:
-    """Where one generated module's compiled graphs live under a cache root (audit 3 N5).
+    """Where one generated module's compiled graphs live under a cache root (audit 3 N5, audit 4 M1).
 
     torchair names an entry by the module's class name, md5(``str(module)`` + the compile options) and
     the function's name (``air/inference/_cache_compiler.py:203-235``): every generated module is a
     ``Model()`` with the same repr, so two variants (``mempool_prefill`` and ``splitfuse``: same options,
     same bucket names) or two specs sharing a root got the same entry, and ``LazyCompiledModel`` loads an
     existing entry unguarded (``:648-657``): one variant's graph ran for the other.  Nor does torchair's key
-    see the module's source, so an edited module would load its stale graph.  graphgen therefore gives
-    every (spec, mode, variant, source, rank) its own directory, which torchair's entries then go under:
-    ``<root>/<spec>/<mode>/<variant>-<source hash>/rank<r>of<world>/<torchair's entry>/forward_bucket_...``."""
+    see the module's source, so an edited module would load its stale graph, nor the input shapes a graph
+    asserts on its first call (M1).  graphgen therefore gives every (spec, mode, variant, source, parallel
+    layout, rank, runtime versions) its own directory, and under it every input signature
+    (:func:`input_signature`, taken at the first call: KV blocks and layout, bucket, dtypes) its own, which
+    torchair's entries then go under:
+    ``<root>/<spec>/<mode>/<variant>-<source hash>/<layout>/rank<r>of<world>/<runtime hash>/inputs-<sig>/<torchair's entry>/forward_bucket_...``."""
     spec: str
     mode: str
     variant: str
     source: str  # source_hash(module source)
     rank: int = 0
     world: int = 1
+    layout: str = "single"  # layout_name(spec.parallel)
+    runtime: str = ""  # runtime_versions(); "" takes this process's
 
     def directory(self, root) -> Path:
+        runtime = self.runtime or runtime_versions()
         return (Path(root) / self.spec / self.mode.replace("-", "_") / f"{self.variant}-{self.source}"
-                / f"rank{self.rank}of{self.world}")
+                / self.layout / f"rank{self.rank}of{self.world}" / f"runtime-{source_hash(runtime)}")
+
+
+def keyed_cache_dir(root, *args) -> Path:
+    """``root/inputs-<input_signature(args)>``: where the graph for these call arguments is cached."""
+    return Path(root) / f"inputs-{input_signature(*args)}"
+
+
+class KeyedCachedForward:
+    """``cache_compile`` of one method whose entry directory is picked at the first call from the
+    arguments' :func:`input_signature` (the non-bucketed path: one graph)."""
+
+    def __init__(self, method, cache_compile, **options):
+        self.method, self.cache_compile, self.options = method, cache_compile, options
+        self.fn = None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            opts = dict(self.options, cache_dir=str(keyed_cache_dir(self.options["cache_dir"], *args)))
+            self.fn = self.cache_compile(self.method, **opts)
+        return self.fn(*args)
 
 
 class BucketCachedForward:
@@ -139,10 +234,13 @@ class BucketCachedForward:
         name = bucket_entry(b)
         fn = self.entries.get(name)
         if fn is None:
-            # torchair's entry: <cache_dir>/<class>_<dynamic|static>_<md5>[/<ranks>]/<name>/compiled_module
-            found = any(Path(self.options["cache_dir"]).glob(f"**/{name}/compiled_module"))
+            # keyed by every input's shape, stride and dtype (M1): another KV block count is another entry
+            cache_dir = keyed_cache_dir(self.options["cache_dir"], W, b, *rest)
+            # torchair's entry: <cache_dir>/<class>_<dynamic|static>[_gecache]_<md5>[/<ranks>]/<name>/compiled_module
+            found = any(cache_dir.glob(f"**/{name}/compiled_module"))
             (self.hits if found else self.misses).append(name)
-            fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name), **self.options)
+            fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name),
+                                                         **dict(self.options, cache_dir=str(cache_dir)))
         return fn(W, b, *rest)
 
 
@@ -262,8 +360,8 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
                                              cache_dir=str(cache_dir))
     elif cache_dir is not None:
         # cache_compile takes the bound method and handles compilation (and its backend) itself.
-        target.forward = torchair.inference.cache_compile(target.forward, config=cfg, dynamic=dynamic,
-                                                          cache_dir=str(cache_dir))
+        target.forward = KeyedCachedForward(target.forward, torchair.inference.cache_compile, config=cfg,
+                                            dynamic=dynamic, cache_dir=str(cache_dir))
     else:
         target.forward = torch.compile(target.forward, backend=backend, fullgraph=True, dynamic=dynamic)
     if buckets is not None:

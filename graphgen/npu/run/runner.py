@@ -154,12 +154,13 @@ class NpuModelRunner(RunnerSaves):
         """The compiled forward of ``variant`` (compiled on first use; one graph per bucket; with a
         ``cache_dir``, each bucket's graph is an entry of the on-disk compile cache under its `CacheKey`)."""
         if variant not in self._compiled:
-            from .compile import CacheKey, compile_module
+            from .compile import CacheKey, compile_module, layout_name
 
             mod = self.modules[variant]
             cells = self.grid.count() if mod.META.get("history") and mod.META["phase"] == "prefill" else 0
             cache = None if self.cache_dir is None else CacheKey(
-                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world
+                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world,
+                layout_name(getattr(self.spec, "parallel", None))
             ).directory(self.cache_dir)
             target, backend = compile_module(mod, self.mode, cache, use_standin=self.standin,
                                              buckets=self.buckets.count(mod.META["phase"]) + cells)

@@ -229,9 +229,29 @@ class StandinCachedModel:
         self.func = func
         self.loaded = None  # decided at the first call, as LazyCompiledModel does
 
+    @staticmethod
+    def _tensor_inputs(args) -> list[tuple[list, list]]:
+        """(shape, stride) of every tensor in ``args``, in the order Dynamo flattens them."""
+        from graphgen.npu.run.compile import _leaves
+
+        return [[list(x.shape), list(x.stride())] for _, x in _leaves(args) if isinstance(x, torch.Tensor)]
+
+    def _assert_size_stride(self, args) -> None:
+        """The loaded kernel's first-call check, modelled: torchair's codegen asserts every tensor input's
+        size and stride as traced (``assert_size_stride(args[i], shape, stride)``,
+        ``air/_ge_concrete_graph/fx2ge_converter.py:1412,2079-2087``) and nothing re-traces on a mismatch."""
+        recorded = json.loads(self.cache_bin.read_text().split("\n", 1)[1] or "[]")
+        for i, (want, got) in enumerate(zip(recorded, self._tensor_inputs(args))):
+            if want != got:
+                raise AssertionError(f"expected size/stride {want[0]}/{want[1]}, got {got[0]}/{got[1]} "
+                                     f"at input {i} of the loaded {self.cache_bin.parent.name} "
+                                     f"({STANDIN_LABEL}: torchair's assert_size_stride)")
+
     def __call__(self, *args, **kwargs):
         if self.loaded is None:
             self.loaded = self.cache_bin.exists()
+            if self.loaded:
+                self._assert_size_stride(args)
         if self.loaded:
             return self.func(*args, **kwargs)
         before = len(self.backend.graphs)
@@ -240,7 +260,8 @@ class StandinCachedModel:
             self.graphs += 1
             if self.graphs == 1:
                 self.cache_bin.parent.mkdir(parents=True, exist_ok=True)
-                self.cache_bin.write_text(f"{STANDIN_LABEL}: cache entry of {self.cache_bin.parent.name}\n")
+                self.cache_bin.write_text(f"{STANDIN_LABEL}: cache entry of {self.cache_bin.parent.name}\n"
+                                          + json.dumps(self._tensor_inputs(args)))
             elif not self.skipped:
                 import shutil
                 import warnings
