@@ -2,7 +2,8 @@
 
 ``compile_module(module_or_path, mode)`` wraps ``forward`` in
 ``torch.compile(backend=torchair.get_npu_backend(compiler_config=cfg), fullgraph=True)`` with
-``cfg.mode = mode``; ``cache_dir`` routes through ``torchair.inference.cache_compile``.
+``cfg.mode = mode``; ``cache_dir`` routes through ``torchair.inference.cache_compile`` (with ``ge_cache=True``
+under max-autotune: GE's compiled models are cached too), one entry per bucket and input signature.
 Without torch_npu/torchair it raises ``NpuUnavailable`` with one sentence.  ``use_standin=True``
 compiles with ``graphgen.npu.standin.fakes`` on CPU instead (graph structure only, never NPU behaviour).
 """
@@ -203,6 +204,44 @@ def keyed_cache_dir(root, *args) -> Path:
     return Path(root) / f"inputs-{input_signature(*args)}"
 
 
+def ge_cache_files(entry_dir) -> list[Path]:
+    """GE's own compiled models in a torchair entry's directory: with ``ge_cache=True`` torchair hands GE that
+    directory as ``ge.graph_compiler_cache_dir`` (``air/inference/_cache_compiler.py:448-457``) and the entry's
+    name as ``ge.graph_key`` (``fx2ge_converter.py:1383-1388``); GE saves ``<graph_key>_<time>.om`` there and
+    loads it on the next start (CANN "图编译缓存" / "Graph Build Cache": the ``cache_file_name`` of its index)."""
+    return sorted(Path(entry_dir).glob("*.om")) if Path(entry_dir).is_dir() else []
+
+
+def ge_cache_option(mode: str) -> dict:
+    """``cache_compile``'s keyword for GE's own cache: ``ge_cache=True`` under max-autotune (GE graphs), none
+    under reduce-overhead, where torchair ignores it with a warning (``_cache_compiler.py:711-713``)."""
+    return {"ge_cache": True} if mode == "max-autotune" else {}
+
+
+@dataclass(frozen=True)
+class EntryUse:
+    """How one graph came to run from the compile cache: ``torchair``: its entry (the Dynamo bytecode and the
+    serialised GE graph) was on disk and loaded, else traced and saved; ``ge``: GE's compiled model (``.om``) was
+    in the entry, so GE loads it instead of compiling (torchair's load always ends in ``ge_graph.compile()``,
+    ``fx2ge_converter.py:1417-1420``, which compiles unless GE finds its cache)."""
+    name: str
+    torchair: bool
+    ge: bool
+
+    def describe(self) -> str:
+        if self.torchair and self.ge:
+            return "loaded from the compile cache (torchair entry and GE model)"
+        if self.torchair:
+            return "torchair entry loaded from the compile cache, GE compiled its graph (no GE model cached)"
+        return "compiled"
+
+
+def _entry_use(cache_dir: Path, name: str) -> EntryUse:
+    # torchair's entry: <cache_dir>/<class>_<dynamic|static>[_gecache]_<md5>[/<ranks>]/<name>/compiled_module
+    found = [p.parent for p in cache_dir.glob(f"**/{name}/compiled_module")]
+    return EntryUse(name, bool(found), any(ge_cache_files(d) for d in found))
+
+
 class KeyedCachedForward:
     """``cache_compile`` of one method whose entry directory is picked at the first call from the
     arguments' :func:`input_signature` (the non-bucketed path: one graph)."""
@@ -210,25 +249,34 @@ class KeyedCachedForward:
     def __init__(self, method, cache_compile, **options):
         self.method, self.cache_compile, self.options = method, cache_compile, options
         self.fn = None
+        self.uses: list[EntryUse] = []
 
     def __call__(self, *args):
         if self.fn is None:
-            opts = dict(self.options, cache_dir=str(keyed_cache_dir(self.options["cache_dir"], *args)))
-            self.fn = self.cache_compile(self.method, **opts)
+            cache_dir = keyed_cache_dir(self.options["cache_dir"], *args)
+            self.uses.append(_entry_use(cache_dir, self.method.__name__))
+            self.fn = self.cache_compile(self.method, **dict(self.options, cache_dir=str(cache_dir)))
         return self.fn(*args)
 
 
 class BucketCachedForward:
     """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`bucket_entry`) picks the
     entry, each built on its own code object (:func:`bucket_method`), so ``--cache-dir`` keeps one graph per
-    bucket instead of one unguarded graph for all of them.  ``hits``/``misses``: entries found on disk
-    (loaded, not compiled) and entries compiled, by bucket name."""
+    bucket instead of one unguarded graph for all of them.  ``uses``: one `EntryUse` per bucket, in order of first
+    call; ``hits``/``misses``: entries found on disk (loaded, not compiled) and entries compiled, by bucket name."""
 
     def __init__(self, target, cache_compile, **options):
         self.target, self.cache_compile, self.options = target, cache_compile, options
         self.entries: dict = {}
-        self.hits: list[str] = []
-        self.misses: list[str] = []
+        self.uses: list[EntryUse] = []
+
+    @property
+    def hits(self) -> list[str]:
+        return [u.name for u in self.uses if u.torchair]
+
+    @property
+    def misses(self) -> list[str]:
+        return [u.name for u in self.uses if not u.torchair]
 
     def __call__(self, W, b, *rest):
         name = bucket_entry(b)
@@ -236,9 +284,7 @@ class BucketCachedForward:
         if fn is None:
             # keyed by every input's shape, stride and dtype (M1): another KV block count is another entry
             cache_dir = keyed_cache_dir(self.options["cache_dir"], W, b, *rest)
-            # torchair's entry: <cache_dir>/<class>_<dynamic|static>[_gecache]_<md5>[/<ranks>]/<name>/compiled_module
-            found = any(cache_dir.glob(f"**/{name}/compiled_module"))
-            (self.hits if found else self.misses).append(name)
+            self.uses.append(_entry_use(cache_dir, name))
             fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name),
                                                          **dict(self.options, cache_dir=str(cache_dir)))
         return fn(W, b, *rest)
@@ -357,11 +403,11 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
     backend = torchair.get_npu_backend(compiler_config=cfg)
     if cache_dir is not None and buckets is not None:
         target.forward = BucketCachedForward(target, torchair.inference.cache_compile, config=cfg, dynamic=dynamic,
-                                             cache_dir=str(cache_dir))
+                                             cache_dir=str(cache_dir), **ge_cache_option(mode))
     elif cache_dir is not None:
         # cache_compile takes the bound method and handles compilation (and its backend) itself.
         target.forward = KeyedCachedForward(target.forward, torchair.inference.cache_compile, config=cfg,
-                                            dynamic=dynamic, cache_dir=str(cache_dir))
+                                            dynamic=dynamic, cache_dir=str(cache_dir), **ge_cache_option(mode))
     else:
         target.forward = torch.compile(target.forward, backend=backend, fullgraph=True, dynamic=dynamic)
     if buckets is not None:
