@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 
 
-def _decode_steps(cache_dir, batches, per_bucket=True, extra_blocks=0, hits=None):
+def _decode_steps(cache_dir, batches, per_bucket=True, extra_blocks=0, hits=None, uses=None, calls=None):
     """Run decode steps of the given batch sizes on a KV cache of ``extra_blocks`` more blocks than the
     least; returns the cache entries written under cache_dir (``hits``: a list given the entries loaded)."""
     import warnings
@@ -58,6 +58,10 @@ def _decode_steps(cache_dir, batches, per_bucket=True, extra_blocks=0, hits=None
                 target.forward(W, b, kv, staging)
             if hits is not None:
                 hits.extend(target.forward.compiled.hits)
+            if uses is not None:
+                uses.extend(target.forward.compiled.uses)
+            if calls is not None:  # the keywords each bucket's cache_compile was called with
+                calls.extend(fn.call for fn in target.forward.compiled.entries.values())
     finally:
         torch._dynamo.reset()
         standin.uninstall()
@@ -104,6 +108,34 @@ def test_the_input_signature_sees_shapes_strides_dtypes_and_flags_but_not_length
                 input_signature({"w": torch.zeros(4, 2, dtype=torch.bfloat16)}, [3, 5], True),
                 input_signature({"v": torch.zeros(4, 2)}, [3, 5], True),
                 input_signature({"w": torch.zeros(4, 2)}, [3, 5], False)}) == 6
+
+
+def test_the_restart_asks_ge_for_its_cache_with_keywords_the_wheels_cache_compile_names(tmp_path):
+    """Audit 4 M6: without ``ge_cache=True`` a restart loads torchair's entry and GE compiles every graph again.
+    The public ``torchair.inference.cache_compile`` takes ``**kwargs`` (a misspelt keyword would vanish), so the
+    keywords are bound against the callable it forwards them to, ``_cache_compiler.cache_compile`` (the manifest,
+    extracted from the pinned wheel): ``ge_cache`` must be one of its named parameters, and True."""
+    from graphgen.npu.check.conformance import _check_params, load_manifest
+    from graphgen.npu.run.compile import ge_cache_option
+
+    api = load_manifest()["python_api"]
+    inner = [p for p in api["torchair.inference._cache_compiler.cache_compile"]["params"] if p["kind"] != "var_keyword"]
+    assert "ge_cache" in [p["name"] for p in inner]
+    calls: list = []
+    _decode_steps(tmp_path, [1], calls=calls)
+    kws = [k for k, v in calls[0].items() if v is not None and v is not False or k == "ge_cache"]
+    assert calls[0]["ge_cache"] is True and _check_params(inner, 1, kws, False, False) == []
+    assert _check_params(inner, 1, kws + ["gecache"], False, False) == ["unknown keyword argument 'gecache'"]
+    assert ge_cache_option("reduce-overhead") == {}  # torchair ignores it there, with a warning (:711-713)
+    uses: list = []
+    _decode_steps(tmp_path, [1], uses=uses)  # the restart: torchair's entry and GE's model both found
+    assert [(u.torchair, u.ge) for u in uses] == [(True, True)]
+    assert uses[0].describe() == "loaded from the compile cache (torchair entry and GE model)"
+    for om in tmp_path.rglob("*.om"):  # negative control: no GE model beside the entry
+        om.unlink()
+    uses.clear()
+    _decode_steps(tmp_path, [1], uses=uses)
+    assert [(u.torchair, u.ge) for u in uses] == [(True, False)] and "GE compiled its graph" in uses[0].describe()
 
 
 def test_one_wrapper_for_every_bucket_loses_its_cache(tmp_path):
@@ -182,3 +214,92 @@ def test_cache_dir_flag_defaults_to_the_user_cache_on_an_npu_and_to_none_with_th
     assert engine_options(p.parse_args(base + ["--standin", "--cache-dir", "/d"]))["cache_dir"] == "/d"
     assert "--target npu only" in check_engine_arguments(
         p.parse_args(["--spec", "s.yaml", "--weights", "w", "--cache-dir", "/d"]))
+
+
+# --------------------------------------------------------------------------- GE's own cache (audit 4 M6)
+def _wheel_signature(name):
+    """``inspect.Signature`` of a torchair callable as recorded from the pinned wheel (manifest.json)."""
+    import inspect
+
+    from graphgen.npu.check.conformance import load_manifest
+
+    kinds = {"positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             "keyword_only": inspect.Parameter.KEYWORD_ONLY, "var_keyword": inspect.Parameter.VAR_KEYWORD,
+             "var_positional": inspect.Parameter.VAR_POSITIONAL, "positional_only": inspect.Parameter.POSITIONAL_ONLY}
+    params = load_manifest()["python_api"][name]["params"]
+    return inspect.Signature([inspect.Parameter(p["name"], kinds[p["kind"]],
+                                                **({"default": p["default"]} if p["has_default"] else {}))
+                              for p in params])
+
+
+def _cache_compile_calls(tmp_path, mode):
+    """The keyword arguments graphgen's compile path gives ``torchair.inference.cache_compile`` (as the stand-in
+    records them) for one decode bucket compiled in ``mode``, and the entry directories it left."""
+    import warnings
+
+    import torch
+
+    from graphgen.npu.run.bucketing import Buckets, bucketed_step
+    from graphgen.npu.run.compile import compile_module, load_module
+    from graphgen.npu.run.inputs import ROPE_CACHE_KEY, kv_buffers, random_weights, rope_cache
+    from graphgen.npu.run.weights import load_time_weights
+
+    spec = load_spec(ROOT / "specs" / "tiny_qwen3_npu.yaml")
+    buckets = Buckets.from_spec(spec)
+    assert standin.install()
+    try:
+        torch._dynamo.reset()
+        with standin.fresh_tags():
+            mod = load_module(Path(f"<tiny_qwen3_npu>/npu/{mode.replace('-', '_')}/decode.py"),
+                              compile_variant(spec, "decode", "npu", mode=mode))
+        target, _ = compile_module(mod, use_standin=True, cache_dir=tmp_path, buckets=len(buckets.decode_batch))
+        W = load_time_weights({k: t.to(torch.bfloat16) for k, t in random_weights(spec).items()}, [mod])
+        W[ROPE_CACHE_KEY] = rope_cache(mod.ROPE, buckets.max_blocks * spec.kv_cache.block_size, dtype=torch.bfloat16)
+        kv, staging = kv_buffers(mod, spec.dims.num_hidden_layers, 1 + 8 * buckets.max_blocks, staging_rows=0)
+        b, _ = bucketed_step(mod, spec, buckets, [(5, 1)], seed=0)
+        with torch.no_grad(), warnings.catch_warnings(), standin.enforce_limits(False):
+            warnings.simplefilter("ignore", UserWarning)
+            target.forward(W, b, kv, staging)
+        fwd = target.forward.compiled
+        return [e.call for e in fwd.entries.values()], fwd.uses
+    finally:
+        torch._dynamo.reset()
+        standin.uninstall()
+
+
+def test_the_restart_path_asks_torchair_for_ges_cache_with_the_wheels_keyword(tmp_path):
+    """``ge_cache=True`` reaches ``cache_compile`` under max-autotune, and every keyword graphgen passes binds to a
+    NAMED parameter of the wheel's callable it ends in (``torchair.inference.cache_compile`` forwards ``**kwargs``
+    to ``_cache_compiler.cache_compile``, which names ``ge_cache``): through ``**kwargs`` a misspelt keyword would
+    be kept silently and do nothing."""
+    import inspect
+
+    calls, uses = _cache_compile_calls(tmp_path / "a", "max-autotune")
+    public = _wheel_signature("torchair.inference.cache_compile")
+    inner = _wheel_signature("torchair.inference._cache_compiler.cache_compile")
+    named = {n for n, p in inner.parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert calls and all(c["ge_cache"] is True for c in calls)
+    for c in calls:
+        given = {k: v for k, v in c.items() if v is not None and not (k == "ge_cache" and v is False)}
+        public.bind(object(), **given)
+        inner.bind(object(), **given)
+        assert set(given) <= named, set(given) - named  # nothing lands in **kwargs
+    assert "ge_cache" in named and "ge_cache" not in public.parameters  # why the inner signature is the check
+    assert uses[0].torchair is False and "compiled" == uses[0].describe()
+    assert [p.name for p in (tmp_path / "a").rglob("*.om")]  # the stand-in's GE marker beside the entry
+    assert any("_gecache_" in str(p) for p in (tmp_path / "a").rglob("compiled_module"))
+
+
+def test_reduce_overhead_asks_for_no_ge_cache(tmp_path):
+    """Negative control: torchair ignores ge_cache outside max-autotune (a warning), so it is not passed."""
+    calls, _ = _cache_compile_calls(tmp_path, "reduce-overhead")
+    assert calls and all(c["ge_cache"] is False for c in calls)
+    assert not list(tmp_path.rglob("*.om"))
+
+
+def test_a_warm_restart_says_torchair_and_ge_both_loaded():
+    from graphgen.npu.run.compile import EntryUse
+
+    assert EntryUse("b", True, True).describe() == "loaded from the compile cache (torchair entry and GE model)"
+    assert "GE compiled its graph" in EntryUse("b", True, False).describe()
+    assert EntryUse("b", False, False).describe() == "compiled"

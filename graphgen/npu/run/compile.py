@@ -227,19 +227,22 @@ class EntryUse:
     name: str
     torchair: bool
     ge: bool
+    ge_asked: bool = True  # ge_cache=True was passed (max-autotune); reduce-overhead graphs are not GE's
 
     def describe(self) -> str:
         if self.torchair and self.ge:
             return "loaded from the compile cache (torchair entry and GE model)"
-        if self.torchair:
+        if self.torchair and self.ge_asked:
             return "torchair entry loaded from the compile cache, GE compiled its graph (no GE model cached)"
+        if self.torchair:
+            return "torchair entry loaded from the compile cache (no GE cache in this mode)"
         return "compiled"
 
 
-def _entry_use(cache_dir: Path, name: str) -> EntryUse:
+def _entry_use(cache_dir: Path, name: str, ge_asked: bool) -> EntryUse:
     # torchair's entry: <cache_dir>/<class>_<dynamic|static>[_gecache]_<md5>[/<ranks>]/<name>/compiled_module
     found = [p.parent for p in cache_dir.glob(f"**/{name}/compiled_module")]
-    return EntryUse(name, bool(found), any(ge_cache_files(d) for d in found))
+    return EntryUse(name, bool(found), any(ge_cache_files(d) for d in found), ge_asked)
 
 
 class KeyedCachedForward:
@@ -254,7 +257,7 @@ class KeyedCachedForward:
     def __call__(self, *args):
         if self.fn is None:
             cache_dir = keyed_cache_dir(self.options["cache_dir"], *args)
-            self.uses.append(_entry_use(cache_dir, self.method.__name__))
+            self.uses.append(_entry_use(cache_dir, self.method.__name__, bool(self.options.get("ge_cache"))))
             self.fn = self.cache_compile(self.method, **dict(self.options, cache_dir=str(cache_dir)))
         return self.fn(*args)
 
@@ -284,7 +287,7 @@ class BucketCachedForward:
         if fn is None:
             # keyed by every input's shape, stride and dtype (M1): another KV block count is another entry
             cache_dir = keyed_cache_dir(self.options["cache_dir"], W, b, *rest)
-            self.uses.append(_entry_use(cache_dir, name))
+            self.uses.append(_entry_use(cache_dir, name, bool(self.options.get("ge_cache"))))
             fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name),
                                                          **dict(self.options, cache_dir=str(cache_dir)))
         return fn(W, b, *rest)

@@ -169,8 +169,13 @@ class NpuModelRunner(RunnerSaves):
 
     def cache_hits(self, variant: str) -> list[str]:
         """The bucket entries of ``variant`` loaded from the compile cache (not compiled), in order."""
+        return [u.name for u in self.cache_uses(variant) if u.torchair]
+
+    def cache_uses(self, variant: str) -> list:
+        """One `compile.EntryUse` per bucket of ``variant`` called so far (torchair entry and GE model found
+        or not), in order; none without a compile cache."""
         fwd = getattr(self._compiled.get(variant), "forward", None)
-        return list(getattr(getattr(fwd, "compiled", None), "hits", ()))
+        return list(getattr(getattr(fwd, "compiled", None), "uses", ()))
 
     def warm_up(self, out=None) -> int:
         """Compile (or load from the compile cache) every graph now, not on first use mid-serving:

@@ -72,7 +72,7 @@ def warm_up(runner, out=None) -> int:
         chunk = [pad_sequence(runner, hist, q) for hist, q in seqs]
         b, _ = runner._step_inputs(mod, chunk, pad=pad)
         target = runner.compiled(variant)
-        hits = len(runner.cache_hits(variant))
+        seen = len(runner.cache_uses(variant))
         idx, slot = runner.commits.ring.acquire() if saves else (None, None)
         try:
             with torch.no_grad(), runner._limits():
@@ -85,7 +85,8 @@ def warm_up(runner, out=None) -> int:
         runner.seen.add((variant, bucket_entry(b)))
         batch, tokens = step_bucket(b)
         kind = "bucket" if pad is None else f"mixed cell decode_rows={len(seqs) - runner.grid.prefill_seqs}"
-        how = "loaded from the compile cache" if len(runner.cache_hits(variant)) > hits else "compiled"
+        uses = runner.cache_uses(variant)[seen:]  # this graph's first call, with a compile cache
+        how = uses[0].describe() if uses else "compiled"
         left = (time.monotonic() - t0) / i * (len(plans) - i)
         print(f"warm-up {i}/{len(plans)}: {variant} {kind} batch={batch} tokens={tokens} {how}"
               f"{f' (eta {left:.0f} s)' if i < len(plans) else ''}", file=out, flush=True)
