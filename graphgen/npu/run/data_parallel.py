@@ -78,6 +78,10 @@ class NpuDP:
     layout: object
     sync: NpuDPSync
 
+    @property
+    def coords(self):  # the DP rank's place, as the CPU DP rank's runtime has it
+        return self.layout
+
 
 def _kind(phase: str) -> int:
     return DECODE if phase == "decode" else PREFILL

@@ -45,10 +45,10 @@ from ..engine.assembly import cpu_engine
 from ..engine.engine import Engine
 from ..engine.request import StepPlan
 from ..engine.runner import StepInputs, build_inputs
-from .rank import RankModelRunner, RankParts, RankRuntime, SaveOncePool, rank_parts, register_rank_target
+from .collectives import CollectiveRuntime
+from .rank import RankModelRunner, RankParts, SaveOncePool, rank_parts, register_rank_target
 
-__all__ = ["CP_RANK_TARGET", "head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextRankRuntime",
-           "ContextRankRunner", "CpRankParts", "cp_rank_parts", "cp_rank_engine"]
+__all__ = ["CP_RANK_TARGET", "head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextRankRunner", "cp_rank_parts", "cp_rank_engine"]
 
 CP_GROUP = "cp"  # the IR's group name (graphgen.passes.context_parallel.CP_GROUP)
 CP_RANK_TARGET = "cpu_cp"  # the rank builder the launcher uses for target "cpu" at cp > 1
@@ -116,33 +116,6 @@ def cp_step_inputs(plan: StepPlan, block_size: int, cp_rank: int, cp: int) -> Cp
         logits_rows=torch.tensor(logit_rows, dtype=long), num_logits=first_logit)
 
 
-class ContextRankRuntime(RankRuntime):
-    """``rt`` of a CP rank: a TP rank's runtime (`RankRuntime`: ``rank``/``size``/``group`` are its TP
-    group's) plus the CP all-gather over ``cp_group`` (CP rank ``cp_rank`` of ``cp_size``).
-    ``cp_counts`` is set by the runner before each prefill step (every CP rank's token count)."""
-
-    def __init__(self, *args, cp_rank: int, cp_size: int, cp_group=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
-        self.cp_counts: tuple[int, ...] = ()
-
-    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
-        if group != CP_GROUP:
-            return super().all_gather(x, group=group, size=size, dim=dim, length=length)
-        if size != self.cp_size or dim != 0 or length is not None:
-            raise RuntimeError(f"all_gather(group='cp', size={size}, dim={dim}, length={length}) on a "
-                               f"{self.cp_size}-rank CP group: only the KV gather over the tokens (dim 0) runs here")
-        counts = self.cp_counts
-        if len(counts) != self.cp_size or x.shape[0] != counts[self.cp_rank]:
-            raise RuntimeError(f"CP gather of {x.shape[0]} rows, but the step's split gives this rank "
-                               f"{counts[self.cp_rank] if len(counts) == self.cp_size else '?'} (counts {counts})")
-        padded = x.new_zeros((max(counts), *x.shape[1:]))
-        padded[:x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(self.cp_size)]
-        dist.all_gather(parts, padded, group=self.cp_group)
-        return torch.cat([p[:n] for p, n in zip(parts, counts)], dim=0)
-
-
 class ContextRankRunner(RankModelRunner):
     """The runner of a CP rank: the plan check (`RankModelRunner`), this rank's share of each prefill
     step (`cp_step_inputs`), and the step's full logits from every CP rank's rows (an all_reduce)."""
@@ -150,56 +123,39 @@ class ContextRankRunner(RankModelRunner):
     def step_inputs(self, plan: StepPlan) -> StepInputs:
         if plan.phase == "decode":   # replicated: every CP rank the whole step
             return build_inputs(plan, self.block_size)
-        return cp_step_inputs(plan, self.block_size, self.rt.cp_rank, self.rt.cp_size)
+        return cp_step_inputs(plan, self.block_size, self.rt.coords.cp_rank, self.rt.layout.cp)
 
     def execute(self, variant: str, inputs, staging=None, loads=()):
         if not isinstance(inputs, CpStepInputs):
             return super().execute(variant, inputs, staging, loads)
-        self.rt.cp_counts = inputs.cp_counts
+        self.rt.set_rows(CP_GROUP, inputs.cp_counts)  # the CP gather's rows per rank (CollectiveRuntime)
         handles = super().execute(variant, inputs, staging, loads)
         local = handles.logits   # whole-vocabulary rows (at tp > 1 the LM head gathered them)
         full = local.new_zeros((inputs.num_logits, local.shape[-1]))
         full[inputs.logits_rows] = local
-        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.rt.cp_group)  # the others add zeros: exact
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.rt.groups[CP_GROUP])  # the others add zeros: exact
         return dataclasses.replace(handles, logits=full)
 
 
-@dataclass
-class CpRankParts(RankParts):
-    """`RankParts` of a CP rank, with its place in the layout and the process groups of its TP group
-    and its CP group (every rank makes every group, in the same order: `cp_rank_parts`)."""
-
-    tp_rank: int = 0
-    cp_rank: int = 0
-    tp_group: object = None
-    cp_group: object = None
-
-
-def cp_rank_parts(spec, rank: int, group=None) -> CpRankParts:
+def cp_rank_parts(spec, rank: int, group=None, groups=None) -> RankParts:
     """World rank ``rank`` = ``cp_rank × tp + tp_rank``: its TP rank's KV shard and keys (`rank_parts`:
     the same keys as the cp = 1 layout), and puts only on CP rank 0 (``writers=cp0``: the other CP ranks
     hold the same KV)."""
-    tp, cp = spec.parallel.tp, spec.parallel.cp
-    cp_rank, tp_rank = divmod(rank, tp)
-    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) if tp > 1 else None for c in range(cp)]
-    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) if tp > 1 else None for t in range(tp)]
-    base = rank_parts(spec, tp_rank, group)
+    coords = groups.coords
+    base = rank_parts(spec, coords.tp_rank, group, groups)
 
     def make_connector(pool, cache, alloc, counters):
-        if cp_rank != 0:
+        if coords.cp_rank != 0:
             pool = SaveOncePool(pool)
         return base.make_connector(pool, cache, alloc, counters)
 
-    return CpRankParts(rank, spec.parallel.world, base.kv_shapes, base.make_loader, make_connector, group,
-                       tp_rank=tp_rank, cp_rank=cp_rank, tp_group=tp_groups[cp_rank], cp_group=cp_groups[tp_rank])
+    return RankParts(rank, spec.parallel.world, base.kv_shapes, base.make_loader, make_connector, group, groups)
 
 
-def cp_rank_engine(spec, weights: dict, *, rank: int, parts: CpRankParts, faults=None,
+def cp_rank_engine(spec, weights: dict, *, rank: int, parts: RankParts, faults=None,
                    event_timeout: float = 120.0, **options) -> Engine:
     """The CPU engine of world rank ``rank`` at cp > 1 (``weights``: its TP rank's slices)."""
-    runtime = ContextRankRuntime(faults, event_timeout=event_timeout, rank=parts.tp_rank, size=spec.parallel.tp,
-                                 group=parts.tp_group, cp_rank=parts.cp_rank, cp_size=spec.parallel.cp,
-                                 cp_group=parts.cp_group)
+    runtime = CollectiveRuntime(faults, event_timeout=event_timeout, groups=parts.groups)
     options["async_scheduling"] = False  # as `rank_engine`: collectives on one thread only
     return cpu_engine(spec, weights, runtime=runtime, kv_shapes=parts.kv_shapes, make_loader=parts.make_loader,
                       make_connector=parts.make_connector, runner_cls=ContextRankRunner, faults=faults,

@@ -40,15 +40,14 @@ import torch
 import torch.distributed as dist
 
 from ...ir.weights import parse_shard
-from ..core.cpu_runtime import CpuRuntime
 from ..engine.assembly import cpu_engine
 from ..engine.engine import Engine
 from ..engine.runner import CpuModelRunner, StepInputs
-from . import ops as ops_parallel
+from .collectives import CollectiveRuntime
 from .core_calls import core_call
 from .ops import slice_weight
 
-__all__ = ["DPLayout", "DPRankRuntime", "DPSync", "DPModelRunner", "dp_rank_weights", "dp_rank_engine",
+__all__ = ["DPLayout", "DPSync", "DPModelRunner", "dp_rank_weights", "dp_rank_engine",
            "build_dp_rank", "dp_tick", "rank_generate", "rank_core"]
 
 
@@ -128,60 +127,6 @@ class DPSync:
         dist.barrier()
 
 
-class DPRankRuntime(CpuRuntime):
-    """``rt`` of a DP rank: the MoE's token all-gather over the DP ranks (counts first: the groups'
-    steps differ in length), the reduce-scatter back to this group's rows, and ``moe`` with this
-    rank's EP index. ``expert_owner``: whose experts ``moe`` takes its weight slices for (the EP
-    index; a test swaps it to prove the layout is observable)."""
-
-    def __init__(self, *args, layout: DPLayout, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.layout = layout
-        self.rank, self.size = layout.rank, layout.world
-        self.expert_owner = layout.ep_rank
-        self.sync = DPSync()
-        self._dp_counts: Optional[list[int]] = None  # the last gather's rows per DP rank
-
-    def _group_size(self, group: str, size: int) -> None:
-        expect = {"dp": self.layout.dp, "ep": self.layout.ep}.get(group)
-        if expect is None or size != expect:
-            raise RuntimeError(f"collective of group {group!r} size {size} on a dp={self.layout.dp} "
-                               f"ep={self.layout.ep} tp={self.layout.tp} layout (a module of another layout?)")
-
-    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
-        self._group_size(group, size)  # tp = 1: the DP token gather is the only all-gather
-        if dim != 0 or length is not None:
-            raise ValueError(f"the DP token all-gather is over the tokens (dim 0, length None), got {dim}, {length}")
-        n = torch.tensor([x.shape[0]], dtype=torch.int64)
-        counts = [torch.empty_like(n) for _ in range(size)]
-        dist.all_gather(counts, n)
-        self._dp_counts = [int(c) for c in counts]
-        padded = x.new_zeros((max(self._dp_counts), *x.shape[1:]))
-        padded[:x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous())
-        return torch.cat([p[:c] for p, c in zip(parts, self._dp_counts)], dim=0)
-
-    def reduce_scatter(self, x: torch.Tensor, *, group: str, size: int, reduce: str, dim: int) -> torch.Tensor:
-        self._group_size(group, size)
-        if dim != 0 or reduce != "sum" or self._dp_counts is None:
-            raise ValueError("the MoE reduce-scatter sums over the tokens (dim 0) of the DP gather before it")
-        # gloo has no reduce_scatter: all_reduce, then this group's rows (the wire cost is not a
-        # reduce-scatter's; the sums are)
-        total = x.contiguous().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        first = sum(self._dp_counts[:self.layout.dp_rank])
-        return total[first:first + self._dp_counts[self.layout.dp_rank]]
-
-    def moe(self, *args, **kwargs):
-        return ops_parallel.moe(*args, rank=self.expert_owner, size=self.layout.ep, **kwargs)
-
-    def __getattr__(self, name: str):  # the shard pass's ops (residual_add, ...) are the parallel ones
-        if name in ops_parallel.__all__:
-            return getattr(ops_parallel, name)
-        return super().__getattr__(name)
-
-
 class DPModelRunner(CpuModelRunner):
     """The CPU runner of a DP rank: every real forward begins with the handshake (`DPSync`);
     `dummy_forward` is what an idle rank runs meanwhile."""
@@ -216,19 +161,20 @@ class DPModelRunner(CpuModelRunner):
             handles.save_job.wait()
 
 
-def dp_rank_engine(spec, weights: dict, *, layout: DPLayout, pool, faults=None, event_timeout: float = 120.0,
+def dp_rank_engine(spec, weights: dict, *, layout: DPLayout, groups, pool, faults=None, event_timeout: float = 120.0,
                    **options) -> Engine:
     """The engine of one DP rank (tp = 1): the single-rank KV parts (keys without the DP rank), the
     DP runtime and runner."""
     if layout.tp != 1:
         raise ValueError("DP attention with tp > 1 inside a group does not run yet (docs/parallel.md)")
-    runtime = DPRankRuntime(faults, event_timeout=event_timeout, layout=layout)
+    runtime = CollectiveRuntime(faults, event_timeout=event_timeout, groups=groups)
+    runtime.sync = DPSync()
     options["async_scheduling"] = False  # the handshake and the forward on the caller's thread
     return cpu_engine(spec, weights, runtime=runtime, runner_cls=DPModelRunner, faults=faults, pool=pool,
                       event_timeout=event_timeout, **options)
 
 
-def build_dp_rank(spec, weights: dict, rank: int, cfg: dict, pool, target=None, group=None) -> Engine:
+def build_dp_rank(spec, weights: dict, rank: int, cfg: dict, pool, target=None, group=None, groups=None) -> Engine:
     """What `rank.rank_main` builds for a DP layout: this rank's slices and engine: the CPU one here, or
     another target's (``target``: its `RankTarget`, built with ``parts=None``, ``dp_layout`` and ``dp_group``:
     the host-side gloo group its DP ranks agree on, the NPU's: `graphgen.npu.run.data_parallel`)."""
@@ -238,13 +184,13 @@ def build_dp_rank(spec, weights: dict, rank: int, cfg: dict, pool, target=None, 
     if cfg["target"] != "cpu":
         return target.build(spec, mine, rank=rank, parts=None, dp_layout=layout, dp_group=group, pool=pool,
                             faults=cfg["faults"], spec_file=cfg["spec_file"], **cfg["engine_kwargs"])
-    return dp_rank_engine(spec, mine, layout=layout, pool=pool, faults=cfg["faults"], spec_file=cfg["spec_file"],
+    return dp_rank_engine(spec, mine, layout=layout, groups=groups, pool=pool, faults=cfg["faults"], spec_file=cfg["spec_file"],
                           sources=cfg["sources"], **{"event_timeout": cfg["timeout"], **cfg["engine_kwargs"]})
 
 
 # ---- the rank side of the facade's commands (run by `rank_main`'s "call": fn(engine, *args)) --------
 def _dp_rank(engine) -> int:
-    return engine.runner.rt.layout.dp_rank
+    return engine.runner.rt.coords.dp_rank
 
 
 def dp_tick(engine) -> list:

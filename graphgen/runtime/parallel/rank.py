@@ -55,7 +55,6 @@ import torch
 import torch.distributed as dist
 
 from ...families.parallel import kv_shard_owner, rank_kv_components
-from ..core.cpu_runtime import CpuRuntime
 from ..engine.connector import KVConnector
 from ..engine.kv_load import KVLoader
 from ..engine.assembly import cpu_engine
@@ -65,78 +64,14 @@ from ..engine.runner import CpuModelRunner
 from ..pool.keys import KVShard
 from ..pool.shared import connect_pool
 from ..progress import STEP, Progress, reporting
-from . import ops as ops_parallel
+from .collectives import CollectiveRuntime
 from .core_calls import core_call
+from .layout import RankGroups, RankLayout
 from .ops import rank_weights
 
-__all__ = ["RankRuntime", "RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine",
+__all__ = ["RankLoader", "RankConnector", "RankModelRunner", "SaveOncePool", "rank_engine",
            "plan_fingerprint", "check_plan", "RankParts", "rank_parts", "RankTarget", "RANK_TARGETS",
            "register_rank_target", "rank_main"]
-
-
-class RankRuntime(CpuRuntime):
-    def __init__(self, *args, rank: int, size: int, group=None, **kwargs):
-        """``rank`` of ``size``: this rank in its TP group; ``group``: that group's process group
-        (None: the world, which is the TP group unless cp > 1)."""
-        super().__init__(*args, **kwargs)
-        self.rank, self.size, self.group = rank, size, group
-        self._sp_tokens = 0  # the step's token count (sequence parallel, see reduce_scatter)
-
-    def _check(self, size: int) -> None:
-        if size != self.size:  # a module generated for another layout
-            raise RuntimeError(f"collective of a {size}-rank graph on a {self.size}-rank group")
-
-    def all_reduce(self, x: torch.Tensor, *, group: str, size: int, reduce: str) -> torch.Tensor:
-        self._check(size)
-        if reduce != "sum":
-            raise ValueError(f"all_reduce: unsupported reduce {reduce!r}")
-        y = x.contiguous().clone()
-        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
-        return y
-
-    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
-        self._check(size)
-        if length is None:  # the step's tokens (sequence parallel): the shards reduce_scatter cut
-            return self._gather_tokens(x, size, dim)
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=dim).narrow(dim, 0, length)
-
-    # Sequence parallel. The step's T tokens are cut in ceil(T/size)-row chunks, rank r taking chunk r
-    # (the last ones short or empty when size does not divide T: no padding of the step's inputs).
-    # gloo has no reduce_scatter: an all_reduce and this rank's rows give the same sums (the wire cost
-    # of a reduce-scatter is not what the CPU ranks show). T is the same on every rank (replicated
-    # inputs) and is kept from the step's first reduce_scatter for the all-gathers that follow it.
-    def reduce_scatter(self, x: torch.Tensor, *, group: str, size: int, reduce: str, dim: int) -> torch.Tensor:
-        if dim != 0:
-            raise ValueError(f"reduce_scatter: only the tokens (dim 0) are scattered, got dim {dim}")
-        total = self.all_reduce(x, group=group, size=size, reduce=reduce)
-        self._sp_tokens = t = total.shape[0]
-        chunk = -(-t // size)
-        return total[min(self.rank * chunk, t):min((self.rank + 1) * chunk, t)]
-
-    def _gather_tokens(self, x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
-        if dim != 0:
-            raise ValueError(f"all_gather of tokens: dim must be 0, got {dim}")
-        t = self._sp_tokens
-        chunk = -(-t // size)
-        padded = x.new_zeros((chunk, *x.shape[1:]))
-        padded[:x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous(), group=self.group)
-        return torch.cat(parts, dim=0)[:t]
-
-    def embedding_shard(self, weight, input_ids, *, vocab_size: int):
-        return ops_parallel.embedding_shard(weight, input_ids, vocab_size=vocab_size, rank=self.rank, size=self.size)
-
-    def moe(self, *args, **kwargs):
-        return ops_parallel.moe(*args, rank=self.rank, size=self.size, **kwargs)
-
-    def __getattr__(self, name: str):
-        if name in ops_parallel.__all__:
-            return getattr(ops_parallel, name)
-        return super().__getattr__(name)
 
 
 def agree_min(n: int, group=None) -> int:
@@ -230,12 +165,13 @@ class RankParts:
     make_loader: Callable
     make_connector: Callable
     group: object = None
+    groups: Optional[RankGroups] = None  # this rank's process groups by name (the layout's table)
 
     def check_plan(self, plan: StepPlan) -> None:
         check_plan(plan, self.group)
 
 
-def rank_parts(spec, rank: int, group=None) -> RankParts:
+def rank_parts(spec, rank: int, group=None, groups: Optional[RankGroups] = None) -> RankParts:
     tp = spec.parallel.tp
     comps = rank_kv_components(spec.family, dataclasses.asdict(spec.dims), tp)
     owner = kv_shard_owner(spec.family, dataclasses.asdict(spec.dims), tp, rank)
@@ -249,13 +185,13 @@ def rank_parts(spec, rank: int, group=None) -> RankParts:
         return RankConnector(pool, cache, alloc, write=spec.pool.write, stats=counters, group=group)
 
     return RankParts(rank, tp, {name: (spec.kv_cache.block_size, *shape) for name, shape in comps},
-                     make_loader, make_connector, group)
+                     make_loader, make_connector, group, groups)
 
 
 def rank_engine(spec, weights: dict, *, rank: int, parts: RankParts, faults=None, event_timeout: float = 120.0,
                 **options) -> Engine:
     """The CPU engine of one rank (``spec.parallel`` gives the layout; ``rank`` is this process's)."""
-    runtime = RankRuntime(faults, event_timeout=event_timeout, rank=rank, size=spec.parallel.tp)
+    runtime = CollectiveRuntime(faults, event_timeout=event_timeout, groups=parts.groups)
     # No async scheduling on a rank: it would plan step N+1 (whose pool lookup agrees hits with an
     # all_reduce) while step N's forward issues its own collectives on the forward thread, and two
     # threads' collectives on one group need not pair up across ranks.
@@ -343,8 +279,10 @@ def _join(rank: int, cfg: dict):
     timeout = datetime.timedelta(seconds=cfg["group_timeout"])
     dist.init_process_group(backend, store=_rendezvous(cfg["store"], timeout), rank=rank,
                             world_size=cfg["spec"].parallel.world, timeout=timeout)
+    # every named group of the layout, made once in one order on every rank (the modules' collectives)
+    groups = RankLayout.of(cfg["spec"].parallel).process_groups(rank)
     # the host-side agreement (plan check, hit MINs, drain barrier) on CPU tensors: a gloo group
-    return target, (None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout))
+    return target, (None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)), groups
 
 
 def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: no cover - in the rank process
@@ -354,7 +292,7 @@ def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: 
         # group, must not kill a rank under a parent that is still draining
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         spec = cfg["spec"]
-        target, group = _join(rank, cfg)
+        target, group, groups = _join(rank, cfg)
         weights = cfg["weights"]
         progress.phase("load", total=_weight_bytes(weights))  # a folder's total: its loader says (place_weights)
         if cfg["faults"] is not None:
@@ -375,14 +313,14 @@ def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: 
         if spec.parallel.dp > 1:  # DP attention: its own slices, runtime and runner (dp_rank.py)
             from .dp_rank import build_dp_rank
 
-            engine = build_dp_rank(spec, weights, rank, cfg, pool, target, group)
+            engine = build_dp_rank(spec, weights, rank, cfg, pool, target, group, groups)
             del weights
         else:
             # this rank's slices by its TP rank (innermost in the rank order), of the names the launcher compiled
             mine = (rank_weights(weights, cfg["weight_names"], rank % spec.parallel.tp, spec.parallel.tp)
                     if isinstance(weights, dict) else weights)
             del weights
-            engine = target.build(spec, mine, rank=rank, parts=target.parts(spec, rank, group),
+            engine = target.build(spec, mine, rank=rank, parts=target.parts(spec, rank, group, groups),
                                   spec_file=cfg["spec_file"], pool=pool, faults=cfg["faults"],
                                   sources=cfg["sources"], **cfg["engine_kwargs"])
         progress.phase(STEP)
