@@ -5,13 +5,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import commands as C
 from .commands import failure_words
-
-if TYPE_CHECKING:
-    from .launcher import DistributedEngine
 
 __all__ = ["DistributedCore"]
 
@@ -28,7 +25,7 @@ class DistributedCore:
     does). The logits every rank samples from are the same (the LM head's all_gather), so greedy rows
     agree. A ``ValueError`` of ``add_request`` (bad input) is raised here, every rank having refused it."""
 
-    def __init__(self, engine: "DistributedEngine"):
+    def __init__(self, engine: Any):  # the DistributedEngine whose ranks it drives (launcher.py imports this)
         self._engine = engine
 
     def _call(self, call: C.StepCall):
