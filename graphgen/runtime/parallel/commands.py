@@ -33,6 +33,7 @@ class Rank:
     coords: Any
     dp: Any = None
     shard: tuple = (0, 1)  # the pool-key shard its KV is saved under (owner, tp)
+    writes: bool = True    # whether it puts that shard (else its owner does)
 
 
 # ---- the Engine calls -----------------------------------------------------------------------------
@@ -58,7 +59,8 @@ class Stats:
 
 @dataclass(frozen=True)
 class SaveLedgers:
-    """The rank's `SaveLedger` (what its scheduler took from every step's `SaveReport`) and its pool-key shard."""
+    """The rank's `SaveLedger` (what its scheduler took from every step's `SaveReport`), its pool-key shard
+    and whether it puts it: what `RanksSaveReport.aggregate` takes."""
     EVERY_RANK: ClassVar[bool] = True
 
 
@@ -208,7 +210,7 @@ def _dp_generate(rank: Rank, cmd: DPGenerate):
 
 
 def _save_ledgers(rank: Rank, cmd: SaveLedgers):
-    return rank.engine.scheduler.saves, rank.shard
+    return rank.engine.scheduler.saves, rank.shard, rank.writes
 
 
 HANDLERS: dict[type, Callable] = {

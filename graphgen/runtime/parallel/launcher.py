@@ -362,6 +362,13 @@ class DistributedEngine:
         """Rank 0's connector counters (what `Engine.stats` gives for one rank)."""
         return self.rank_stats[0]
 
+    def save_report(self):
+        """Every rank's saves, aggregated per pool-key shard (`RanksSaveReport`: each rank's scheduler took
+        its steps' `SaveReport`s; a rank > 0's is no longer dropped)."""
+        from ..engine.step_output import RanksSaveReport
+
+        return RanksSaveReport.aggregate(self._command(C.SaveLedgers(), "save_report"))
+
     def pool_stats(self) -> dict:
         return self._pool.stats()
 

@@ -132,7 +132,8 @@ def _start(rank: int, cfg: dict, progress) -> Rank:
                                names=cfg["weight_names"], host=host, spec_file=cfg["spec_file"],
                                pool=open_rank_pool(cfg["pool"], cfg["authkey"]), faults=cfg["faults"],
                                sources=cfg["sources"], **kwargs)
-    return Rank(engine, setup.coords, setup.runner.dp if setup.runner is not None else None, setup.parts.shard)
+    return Rank(engine, setup.coords, setup.runner.dp if setup.runner is not None else None, setup.parts.shard,
+                setup.parts.writes)
 
 
 def _serve_rank(rank: int, cfg: dict, conn, send, progress) -> None:  # pragma: no cover - in the rank process
