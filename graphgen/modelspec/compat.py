@@ -303,3 +303,7 @@ def _parallel_rules(spec: Any) -> Iterator[Rule]:
         if n > 1 and has_mtp:
             yield (f"parallel.{field_name}", f"{field_name} ({n}) with MTP is not implemented (the MTP layer's "
                    f"draft tokens would need the same split)", f"set {field_name}: 1, or turn MTP off")
+    if par.sp and has_mtp:
+        yield ("parallel.sp", "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
+               "layer: its eh_proj would read the embedding's token shard before the all-gather)",
+               "set sp: false, or turn MTP off")
