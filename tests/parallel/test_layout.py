@@ -49,19 +49,6 @@ def test_bad_layouts_and_kinds_are_refused_in_one_sentence():
         RankLayout(tp=2).size("pp")
 
 
-@pytest.fixture
-def fake_world():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(size: int):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_process_groups_make_each_group_once_world_for_the_world_none_for_one_rank(fake_world):
     import torch.distributed as dist
 

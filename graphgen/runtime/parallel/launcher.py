@@ -72,7 +72,7 @@ def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
 def _checked(spec, weights, pool, target: str):
     """(the rank builder's name, the weights as the ranks get them) for a layout the ranks can run;
     ValueError naming what cannot be."""
-    from ...families.parallel import layout_rules
+    from ...families.parallel import layout_rules, runtime_layout_gap
 
     if target not in RANK_TARGETS:
         raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
@@ -80,6 +80,9 @@ def _checked(spec, weights, pool, target: str):
     problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
     if problems:
         raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
+    gap = runtime_layout_gap(spec.parallel, target)  # the one table of what the ranks cannot run yet
+    if gap is not None:
+        raise ValueError(gap)
     if weights is None:
         raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
     if pool != "host":  # each rank opens its own client from the URL (rank_process.open_rank_pool): this refusal
