@@ -8,7 +8,7 @@ A spec's ``quantization: {method: w8a8_dynamic}``: linear weights int8 with one 
   from the torch-npu docs, `graphgen.npu.standin.quant`) and through the CPU target (its own int8 emulation,
   `graphgen.runtime.core.quant`) at the NPU's dtype (bfloat16: the same weights quantize to the same int8
   values and bf16 scales on both), with logits within TOL and equal greedy tokens up to a near tie at TOL
-  (`tests.support.tokens.assert_agree`: which side of a bf16 tie wins is the CPU's bf16 kernels' choice);
+  (`support.tokens.assert_agree`: which side of a bf16 tie wins is the CPU's bf16 kernels' choice);
 * every graph the runner compiled passes the GE converter check (graphgen/npu/check/geops.py, no allow-list)
   and holds the quantized ops; each call passed the limits rows (the stand-in enforces them: quant.*, gmm.*);
 * the kernels' per-call arithmetic equals the CPU emulation (both our reading of the same docs: wiring), and
@@ -67,7 +67,8 @@ def test_w8a8_npu_standin_gives_the_cpu_targets_tokens(runs):
     compared = 0
     for i, (c, n, u) in enumerate(zip(cpu, npu, unquantized)):
         # tokens up to a near tie at TOL, logits within TOL (tests/support/tokens.py: random weights tie)
-        compared += assert_agree(c.tokens, c.step_logits, n.tokens, n.step_logits, TOL, what=f"{family} prompt {i}")
+        compared += assert_agree(c.tokens, c.step_logits, n.tokens, n.step_logits, TOL,
+                                 where=f"{family} prompt {i}").steps
         # not vacuous: the int8 products move the logits (against the same weights unquantized)
         moved = max((a.float() - b.float()).abs().max().item() for a, b in zip(c.step_logits, u.step_logits))
         assert moved > 0.01, (family, moved)

@@ -17,6 +17,7 @@ lists of results with ``.tokens`` / ``.step_logits`` (``RequestResult``, ``colle
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -64,7 +65,7 @@ def agree(ref_tokens: Sequence[int], ref_logits, got_tokens: Sequence[int], got_
             raise AssertionError(f"{at}step {i}: logits of shape {tuple(r.shape)} vs {tuple(g.shape)}")
         diff = float((r - g).abs().max())
         worst = max(worst, diff)
-        if diff > tol:
+        if math.isnan(diff) or diff > tol:
             raise AssertionError(
                 f"{at}step {i} (tokens equal before it): logits differ by {diff:.4g} > tol {tol} "
                 f"(ref top-2 {_top2(r)}, got top-2 {_top2(g)}) -- not a near tie, the implementations disagree")
@@ -72,7 +73,7 @@ def agree(ref_tokens: Sequence[int], ref_logits, got_tokens: Sequence[int], got_
             margin = top2_margin(r)
             if margin > tol:
                 raise AssertionError(
-                    f"{at}step {i}: tokens {ref_tokens[i]} vs {got_tokens[i]} although the reference's top-2 "
+                    f"{at}step {i}: token {got_tokens[i]} is not the argmax {ref_tokens[i]} although the reference's top-2 "
                     f"margin {margin:.4g} is wider than tol {tol} (ref top-2 {_top2(r)}, got top-2 {_top2(g)}); "
                     f"tokens so far {ref_tokens[:i]}")
             return Agreement(i + 1, worst, i)
