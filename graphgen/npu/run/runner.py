@@ -48,6 +48,7 @@ from .data_parallel import NpuDPForward
 from .groups import bind_process_groups, process_group_names
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
+from .startup import barrier_after_load, npu_rank_env
 from .staging import CommitPath, DeviceBinding, NpuStreams, StagingRing
 from .weights import load_first, load_time_weights
 
@@ -411,6 +412,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (EngineCore.close)
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, cache_dir=cache_dir, groups=groups)
+        # every rank loaded before any compiles: HCCL connects inside the first conversion (startup.py, M2)
+        barrier_after_load(groups, rank_timeout)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner
@@ -434,4 +437,4 @@ def npu_rank_engine(spec, weights: dict, *, rank, **options) -> Engine:
 
 
 register_target("npu", npu_engine)
-register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward)  # graphgen.npu.run.ranks
+register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward, env=npu_rank_env)  # graphgen.npu.run.ranks
