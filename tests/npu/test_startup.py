@@ -107,15 +107,12 @@ def test_a_spawned_rank_starts_in_the_launchers_environment(tmp_path):
     import sys
 
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    p = ctx.Process(target=_probe, args=(q,))
+    from support.env_probe import probe  # torch-free: the child imports nothing heavy to unpickle it
+
+    p = ctx.Process(target=probe, args=(q, "GRAPHGEN_I36_PROBE"))
     with procs._started_in(ctx, env):
         p.start()
     assert "GRAPHGEN_I36_PROBE" not in os.environ  # the launcher's own environment is restored
     p.join(60)
     assert q.get(timeout=5) == "before-import"
 
-
-def _probe(q):
-    import os
-
-    q.put(os.environ.get("GRAPHGEN_I36_PROBE"))
