@@ -3,12 +3,14 @@
 
 Random weights give near ties: two top logits a few hundredths apart. Two implementations that round
 differently (two targets, bf16 vs float32, W8A8 vs its CPU emulation, ranks vs one rank where a reduction
-reorders) may pick either side of such a tie, and which side wins depends on the machine's kernels. So equal
-greedy tokens is asserted only while the reference's top-2 margin is wider than the comparison's logit
-tolerance; at every step whose prefix both sides share, the logits must agree within that tolerance (that is
-what catches a real break: a miswired scale, a wrong layer, moves them by far more). At the first step where
-the tokens differ the reference must be at a near tie (margin <= ``tol``) and the logits must still agree;
-the sequences then go different ways and nothing after that step is comparable.
+reorders) may pick either side of such a tie, and which side wins depends on the machine's kernels. So: at every
+step whose prefix both sides share, the logits must agree within ``tol`` (max abs difference; NaN fails): that
+is what catches a real break (a miswired scale, a wrong layer moves them by far more). Equal greedy tokens are
+asserted wherever the reference's top-2 margin is wider than ``2 * tol`` (logits each within ``tol`` of the
+reference's move its top-2 gap by up to ``2 * tol``, so a flip there is a bug, not rounding; the repository's
+older hand-written checks, tests/npu/test_npu_runner.py and test_npu_ranks.py, used the same bound). At the
+first step where the tokens differ at a near tie, the comparison stops: the sequences go different ways and
+nothing after that step is comparable.
 
 `assert_agree` takes one sequence's tokens and per-step logits on each side; `assert_results_agree` takes two
 lists of results with ``.tokens`` / ``.step_logits`` (``RequestResult``, ``collect_logits=True``).
@@ -42,7 +44,8 @@ def greedy_margins(step_logits) -> list[float]:
 class Agreement:
     """What `agree` compared: ``steps`` steps with a shared prefix (tokens equal before each), the largest
     logit difference over them, and ``tie_at``: the step where the tokens parted at a near tie (None: equal
-    throughout)."""
+    throughout). A test asserts ``steps`` is more than the first step of each sequence where it matters: a
+    comparison that always ends at step 0 proves little."""
     steps: int
     max_diff: float
     tie_at: int | None
@@ -71,10 +74,10 @@ def agree(ref_tokens: Sequence[int], ref_logits, got_tokens: Sequence[int], got_
                 f"(ref top-2 {_top2(r)}, got top-2 {_top2(g)}) -- not a near tie, the implementations disagree")
         if ref_tokens[i] != got_tokens[i]:
             margin = top2_margin(r)
-            if margin > tol:
+            if margin > 2 * tol:
                 raise AssertionError(
                     f"{at}step {i}: token {got_tokens[i]} is not the argmax {ref_tokens[i]} although the reference's top-2 "
-                    f"margin {margin:.4g} is wider than tol {tol} (ref top-2 {_top2(r)}, got top-2 {_top2(g)}); "
+                    f"margin {margin:.4g} is wider than 2 x tol {tol} (ref top-2 {_top2(r)}, got top-2 {_top2(g)}); "
                     f"tokens so far {ref_tokens[:i]}")
             return Agreement(i + 1, worst, i)
     if len(ref_tokens) != len(got_tokens):
