@@ -25,7 +25,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Agreement", "agree", "assert_agree", "assert_results_agree", "top2_margin", "greedy_margins"]
+__all__ = ["Agreement", "agree", "assert_agree", "assert_results_agree", "assert_tokens_agree", "top2_margin",
+           "greedy_margins"]
 
 
 def top2_margin(logits) -> float:
@@ -97,6 +98,28 @@ def assert_results_agree(refs, gots, tol: float, *, where: str = "") -> list[Agr
     assert len(refs) == len(gots), f"{where}: {len(refs)} reference results vs {len(gots)}"
     return [agree(r.tokens, r.step_logits, g.tokens, g.step_logits, tol, where=f"{where} [{k}]")
             for k, (r, g) in enumerate(zip(refs, gots))]
+
+
+def assert_tokens_agree(ref_tokens, ref_logits, got_tokens, margin: float, *, where: str = "") -> int:
+    """The tokens-only form, for a side that keeps no per-token logits (speculative decoding's verify rows):
+    ``got_tokens`` equal the reference's up to the first step whose reference top-2 margin is <= ``margin``
+    (the rounding difference the caller allows; a different token there is allowed and ends the comparison).
+    Returns the steps compared."""
+    ref_tokens, got_tokens = [int(t) for t in ref_tokens], [int(t) for t in got_tokens]
+    at = f"{where}: " if where else ""
+    if len(ref_logits) != len(ref_tokens):
+        raise AssertionError(f"{at}{len(ref_logits)} reference step logits for {len(ref_tokens)} tokens "
+                             f"(generate with collect_logits=True)")
+    if len(got_tokens) != len(ref_tokens):
+        raise AssertionError(f"{at}{len(ref_tokens)} reference tokens vs {len(got_tokens)} ({ref_tokens} vs {got_tokens})")
+    for i, (r, g) in enumerate(zip(ref_tokens, got_tokens)):
+        m = top2_margin(ref_logits[i])
+        if m <= margin:
+            return i + 1  # a near tie: either token may win, and the sequences may part from here
+        if r != g:
+            raise AssertionError(f"{at}step {i}: token {g} is not the reference's {r} although its top-2 margin "
+                                 f"{m:.4g} is wider than {margin} (tokens before: {ref_tokens[:i]})")
+    return len(ref_tokens)
 
 
 def _top2(v: torch.Tensor) -> str:
