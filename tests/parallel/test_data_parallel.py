@@ -19,6 +19,7 @@ from graphgen.runtime.parallel.launcher import RankFailure
 from graphgen.runtime.engine.sampling import SamplingParams
 from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
 from support.paths import REPO
+from support.tokens import assert_agree, assert_results_agree
 
 SPEC = REPO / "specs/tiny_deepseek_v3_dp2ep2.yaml"
 TIMEOUT = 60  # seconds a rank may take to answer one command
@@ -33,12 +34,12 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens(tiny_dsv3):
-    """A tp = dp = 1 engine's greedy tokens: a and b (3 new), c and d (5 new); every dp=2 run, at each
-    write mode, is compared with them."""
+def tp1_results(tiny_dsv3):
+    """A tp = dp = 1 engine's greedy results (tokens, step logits): a and b (3 new), c and d (5 new); every
+    dp=2 run, at each write mode, is compared with them (EP reorders the experts' sums: support.tokens)."""
     a, b, c, d = _prompts()
-    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", tiny_dsv3.dir, num_blocks=32) as one:
-        return [r.tokens for r in one.generate([a, b], 3)] + [r.tokens for r in one.generate([c, d], 5)]
+    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", tiny_dsv3.dir, num_blocks=32, collect_logits=True) as one:
+        return one.generate([a, b], 3) + one.generate([c, d], 5)
 
 
 def _open(weights, **kw):
@@ -63,7 +64,7 @@ def _dummy_forwards(rank_engine):
     return rank_engine.runner.dummy_forwards
 
 
-def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3, tp1_tokens):
+def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3, tp1_results):
     model, w = tiny_dsv3.model, tiny_dsv3.dir
     a, b, c, d = _prompts()
     with _open(w) as eng:
@@ -100,8 +101,10 @@ def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_
         got[o.req_id] += list(o.new_token_ids)
     assert {k: got[k] for k in "xy"} == {"x": rc.tokens[:2], "y": rd.tokens[:2]}
     assert owners["w"] == owners["z"] and not eng.core.owner  # prefix affinity; finished requests let go
-    assert tp1_tokens == [ra0.tokens, rb1.tokens, rc.tokens, rd.tokens]  # async (the spec's mode)
-    assert ra0.tokens == ra1.tokens == ra0_again.tokens == ra.tokens[:3]
+    assert_results_agree(tp1_results, [ra0, rb1, rc, rd], ATOL, where="dp=2 ep=2 async vs tp=1")  # the spec's mode
+    for what, r in (("on rank 1", ra1), ("again", ra0_again)):
+        assert_agree(ra0.tokens, ra0.step_logits, r.tokens, r.step_logits, ATOL, where=f"prompt a {what}")
+    assert_agree(ra0.tokens, ra0.step_logits, ra.tokens[:3], ra.step_logits[:3], ATOL, where="prompt a batched")
 
 
 def _die_in_dummy(variant: str, source: str) -> str:
@@ -115,8 +118,8 @@ def _arm(rank_engine):  # on every rank: only DP rank 1 will die
     rank_engine.runner.rt.die_in_dummy = rank_engine.runner.rt.coords.dp_rank == 1
 
 
-def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3, tp1_tokens):
-    """off and sync (the test above: async), one engine each: tokens equal tp=1's (so across all three modes)."""
+def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3, tp1_results):
+    """off and sync (the test above: async), one engine each: they agree with tp=1 (support.tokens; so across all three modes)."""
     w = tiny_dsv3.dir
     a, b, _, _ = _prompts()
     runs = {}
@@ -131,5 +134,6 @@ def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(ti
                 assert time.monotonic() - t0 < 30
     assert [r.hit_tokens for r in runs["off"]] == [0, 0, 0, 0]
     assert [r.hit_tokens for r in runs["sync"]] == [0, 8, 8, 4]  # a repeated prompt hits on every rank
-    want = [tp1_tokens[0]] * 3 + [tp1_tokens[1]]   # a on rank 0, a on rank 1, a on rank 0, b on rank 1
-    assert [r.tokens for r in runs["off"]] == [r.tokens for r in runs["sync"]] == want
+    want = [tp1_results[0]] * 3 + [tp1_results[1]]   # a on rank 0, a on rank 1, a on rank 0, b on rank 1
+    for write in ("off", "sync"):
+        assert_results_agree(want, runs[write], ATOL, where=f"dp=2 ep=2 {write} vs tp=1")
