@@ -107,7 +107,7 @@ class RankParts:
 def rank_parts(spec, layout: RankLayout, coords: RankCoords, group=None) -> RankParts:
     """Rank ``coords``'s KV side; ``group``: the host-side gloo group of its lockstep ranks (None: the world's,
     at dp = 1)."""
-    if layout.world == layout.dp:  # DP ranks of one rank each: the single-rank KV side (keys r0of1, no agreement)
+    if layout.dp > 1 and layout.world == layout.dp:  # DP ranks of one rank each: the single-rank KV side (keys r0of1, no agreement)
         return RankParts(None, None, None, (0, 1), True)
     if layout.dp > 1 and group is None:
         raise ValueError("a DP group of several ranks agrees its hits on its lockstep group: none given")
