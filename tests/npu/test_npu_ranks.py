@@ -167,3 +167,25 @@ def test_deepseek_npu_dp2_ep2_matches_the_cpu_dp_ranks(npu_ckpts):
     for c, n in zip(runs["cpu"], runs["npu"]):
         _compare(c.tokens, n.tokens, c.step_logits, n.step_logits)
     assert dummies[0] == 0 and dummies[1] == 3, dummies  # then's prefill and two decodes, on rank 1
+
+
+@needs_standin
+def test_deepseek_npu_dp2_tp2_ep4_cli_matches_one_rank(npu_ckpts):
+    """``graphgen run --target npu --standin --dp 2 --tp 2 --ep 4``: tp 2 inside each DP group on the NPU runner
+    (every call at a bucket that is a multiple of tp, so the ep ``reduce_scatter_tensor`` cuts each group's rows
+    into equal shards, the TP ``all_gather_into_tensor`` after it) against the CPU target's one rank on the same
+    bf16 checkpoint: logits within TOL at every step, tokens equal up to a near tie (support.tokens)."""
+    from graphgen.runtime import open_engine
+    from support.tokens import assert_agree
+
+    spec, W = SPECS / "tiny_deepseek_v3_npu.yaml", npu_ckpts["tiny_deepseek_v3_npu"]
+    prompt = PROMPTS[1]
+    res = graphgen(*run_args(spec, W, [prompt], 3, "--dp", "2", "--tp", "2", "--ep", "4", "--logits",
+                             "--target", "npu", "--standin"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[0])
+    with open_engine(spec, W, collect_logits=True, num_blocks=8) as one:
+        ref = one.generate([prompt], 3)[0]
+    assert_agree(ref.tokens[:1], ref.step_logits[:1], got["tokens"][:1], [got["logits"]], TOL, where="npu dp2 tp2")
+    if got["tokens"][0] == ref.tokens[0]:
+        assert len(got["tokens"]) == 3 and got["finish_reason"] == "length"
