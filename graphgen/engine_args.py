@@ -84,7 +84,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                    help="with --target npu: compile every bucket of every variant at engine start, one line per "
                         "bucket on stderr (default: on, off with --standin)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="with --target npu: the compile cache; a restart with the same DIR compiles no graph "
+                   help="with --target npu: the compile cache (torchair entries and, under max-autotune, GE's "
+                        "models, keyed by every input's shape); a restart with the same DIR and KV size "
+                        "compiles no graph "
                         "(default: $XDG_CACHE_HOME/graphgen/npu, ~/.cache/graphgen/npu without it; none with "
                         "--standin unless given)")
     p.add_argument("--no-compile-cache", action="store_true",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import os
+
 import pytest
 
 import torch
@@ -100,6 +102,10 @@ def test_cpu_target_runs_a_bf16_checkpoint_in_bf16(name, npu_ckpts):
     assert 0 < diff <= TOL, diff
 
 
+def _startup_env(engine):  # run in each rank (pickled by name), given its engine
+    return os.environ.get("HCCL_CONNECT_TIMEOUT"), os.environ.get("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM")
+
+
 # ---- ranks ------------------------------------------------------------------------------------
 def _compare(cpu_tokens, npu_tokens, cpu_logits, npu_logits):
     """Logits within TOL, tokens equal up to a near tie (support.tokens); True when equal to the end."""
@@ -112,11 +118,16 @@ def test_qwen3_npu_ranks_match_the_cpu_ranks(npu_ckpts):
     import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
 
     spec, W = SPECS / "tiny_qwen3_npu.yaml", npu_ckpts["tiny_qwen3_npu"]
-    runs = {}
+    runs, envs = {}, {}
+    assert not {"HCCL_CONNECT_TIMEOUT", "ENABLE_DYNAMIC_SHAPE_MULTI_STREAM"} & set(os.environ)  # else: proves nothing
     for target, opts in (("cpu", {}), ("npu", {"standin": True})):
         with open_engine(spec, W, target=target, tp=2, collect_logits=True, num_blocks=8, threads=1, **opts) as e:
             runs[target] = e.generate(PROMPTS, 3)
             assert e.tp == 2 and type(e).__name__ == "DistributedEngine"
+            envs[target] = e.on_ranks(_startup_env)
+    # the NPU ranks start with HCCL's connect timeout (the warm-up deadline, clamped to CANN's 120-7200 s) and the
+    # multi-stream variable (audit 4 M2/M9: the launcher's child environment); the CPU ranks (no env hook) without
+    assert envs["npu"] == [("7200", "1")] * 2 and envs["cpu"] == [(None, None)] * 2
     for c, n in zip(runs["cpu"], runs["npu"]):
         assert c.hit_tokens == n.hit_tokens and c.variant == n.variant
         _compare(c.tokens, n.tokens, c.step_logits, n.step_logits)

@@ -177,6 +177,8 @@ class DistributedEngine:
         host = here.master_addr
         if here.multi_node and "GLOO_SOCKET_IFNAME" not in env:  # gloo binds the interface towards node 0
             env["GLOO_SOCKET_IFNAME"] = interface_towards(host)[0]
+        if RANK_TARGETS[target].env is not None:  # the target's own (NPU: HCCL/CANN), before torch imports
+            env.update(RANK_TARGETS[target].env(env, here, self.deadlines))
         self._channel = Channel((host, here.channel_port), cluster_key(here), clock=clock) if here.multi_node else None
         # the rendezvous store, bound to the given address only (torchrun's when it launched us)
         self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))

@@ -154,11 +154,14 @@ class RankTarget:
     """A target's rank builder (module doc); ``setup(local_rank, world, engine_kwargs) -> backend`` runs in the
     rank process before the process group exists (selects the device, names the backend); ``module``: what
     the rank process imports to find it (the builder's own module, which registers it); ``dp_forward(dp_rank,
-    host_group) -> DPForward``: its DP attention feature (`graphgen.runtime.parallel.features.DPForward`)."""
+    host_group) -> DPForward``: its DP attention feature (`graphgen.runtime.parallel.features.DPForward`);
+    ``env(env, placement, deadlines) -> dict``: variables the launcher adds to its children's environment
+    before they start (so before they import torch; an NPU rank's CANN/HCCL variables), None: none."""
     build: Callable
     setup: Callable
     module: str
     dp_forward: Callable
+    env: Optional[Callable] = None
 
 
 def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
@@ -169,9 +172,9 @@ RANK_TARGETS: dict[str, RankTarget] = {}
 
 
 def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable] = None,
-                         dp_forward: Optional[Callable] = None) -> None:
+                         dp_forward: Optional[Callable] = None, env: Optional[Callable] = None) -> None:
     """Make ``DistributedEngine(..., target=name)`` build each rank with ``build`` (see `RankTarget`)."""
-    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__, dp_forward or CpuDPForward)
+    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__, dp_forward or CpuDPForward, env)
 
 
 register_rank_target("cpu", cpu_rank_engine)
