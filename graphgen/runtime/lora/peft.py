@@ -89,7 +89,9 @@ def _check_config(path: Path, cfg: dict[str, Any]) -> tuple[int, float, bool]:
         raise _fail(path, f"r is {r!r}, not a positive integer", "fix adapter_config.json's r")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise _fail(path, f"lora_alpha is {alpha!r}, not a number", "fix adapter_config.json's lora_alpha")
-    refusals = (("use_dora", "DoRA (use_dora: true)"), ("bias", "LoRA biases (bias other than none)"),
+    refusals = (("target_parameters", "LoRA on parameters (target_parameters: MoE experts' weights, which peft "
+                 "targets for gate/up/down_proj names on a MoE model)"),
+                ("use_dora", "DoRA (use_dora: true)"), ("bias", "LoRA biases (bias other than none)"),
                 ("modules_to_save", "modules_to_save (fully trained modules)"),
                 ("rank_pattern", "per-module ranks (rank_pattern)"), ("alpha_pattern", "per-module alphas (alpha_pattern)"))
     for key, what in refusals:

@@ -1,7 +1,8 @@
 """Device slots for LoRA adapters: loaded on demand, evicted least recently used, never while a step reads them.
 
-One ``[max_loras + 1, max_lora_rank, in]`` A stack and ``[max_loras + 1, out, max_lora_rank]`` B stack per adapted
-projection (`graphgen.lora.lora_weight_keys`); slot 0 stays zero (base-model tokens), an adapter of rank
+One ``[S + 1, max_lora_rank, in]`` A stack and ``[S + 1, out, max_lora_rank]`` B stack per adapted projection, with
+S = max_loras x the steps in flight (2: async scheduling plans one step while the previous one runs; the scheduler
+keeps each step within max_loras adapters, so a step's adapters always find slots) (`graphgen.lora.lora_weight_keys`); slot 0 stays zero (base-model tokens), an adapter of rank
 r < max_lora_rank is zero-padded (the padded products add exact zeros). A step ``acquire``s its adapters --
 each already in a slot, else loaded into a free slot or into the least recently used one no step holds -- and
 ``release``s them when its outputs are read: that is the run-time half of the race proof (the graphs only read
@@ -31,9 +32,10 @@ class SlotBusyError(RuntimeError):
 
 
 class LoraSlots:
-    def __init__(self, spec: "ModelSpec", dtype: torch.dtype = torch.float32):
+    def __init__(self, spec: "ModelSpec", dtype: torch.dtype = torch.float32, steps_in_flight: int = 2):
         assert spec.lora is not None
-        self.max_loras, self.rank = spec.lora.max_loras, spec.lora.max_lora_rank
+        self.per_step, self.rank = spec.lora.max_loras, spec.lora.max_lora_rank
+        self.max_loras = self.per_step * steps_in_flight  # slots
         S, R = self.max_loras + 1, self.rank
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
             key: (torch.zeros(S, R, i, dtype=dtype), torch.zeros(S, o, R, dtype=dtype))
@@ -76,8 +78,8 @@ class LoraSlots:
         for a in adapters:
             if a is not None:
                 want.setdefault(a.digest, a)
-        if len(want) > self.max_loras:
-            raise SlotBusyError(f"{len(want)} adapters in one step, max_loras is {self.max_loras}")
+        if len(want) > self.per_step:
+            raise SlotBusyError(f"{len(want)} adapters in one step, max_loras is {self.per_step}")
         got: dict[str, int] = {}
         try:
             for digest in want:  # pin the resident ones first: loading the others must not evict them
