@@ -140,8 +140,7 @@ def check_engine_arguments(args) -> Optional[str]:
     if getattr(args, "speculative", None) is not None:
         if spec_k is not None and not 1 <= spec_k <= 15:
             return f"--num-speculative-tokens must be in [1, 15] (K + 1 tokens per verify row, at most 16), got {spec_k}"
-        if args.target != "cpu" or any((getattr(args, f, None) or 1) > 1 for f in ("tp", "ep", "dp", "cp")):
-            return "--speculative runs on the CPU target with one rank only so far (docs/mtp.md)"
+        # the target and the layout: the one refusal table (families.parallel.runtime_layout_gap, layout_refusal)
     util = getattr(args, "device_memory_utilization", None)
     if util is not None and (args.target != "npu" or args.standin or not 0 < util <= 1):
         return (f"--device-memory-utilization applies to --target npu on an NPU (not --standin: no device memory "
@@ -219,7 +218,8 @@ def layout_refusal(spec, args) -> Optional[str]:
     from .families.parallel import runtime_layout_gap
 
     overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
-    return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"))
+    return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"),
+                              mtp=spec.mtp is not None, speculative=getattr(args, "speculative", None) is not None)
 
 
 def rank_count(args, spec) -> int:

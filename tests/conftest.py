@@ -9,6 +9,7 @@ the fixtures, so the torch-free folders (``ir``, ``spec``, ``passes``) stay torc
 - ``ckpt``: a checkpoint of ``specs/tiny_qwen3.yaml`` written by graphgen's own writer, with its
   tokenizer (what ``graphgen serve`` loads);
 - ``rank_engines``: multi-rank engines shared by the session's tests (`support.engines`).
+- ``fake_world``: ``init(size)`` joins torch's fake process group as rank 0 (process groups without peers).
 
 Under CI (or ``GRAPHGEN_NO_SKIPS=1``) an unexpected skip fails the run (`support.skips`).
 
@@ -111,6 +112,21 @@ def imported(tmp_path_factory, qwen, dsv3):
         assert path.exists() and load_spec(path).family == hf.family
         specs[hf.family] = SimpleNamespace(spec=path, hf=hf)
     return specs
+
+
+@pytest.fixture
+def fake_world():
+    """``init(size)``: this process as rank 0 of torch's fake process group of ``size`` ranks (collectives
+    do nothing; groups are made as on a real world), destroyed after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(size: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -120,7 +120,7 @@ def cmd_dry_run(args) -> int:
     problem = _check(args, spec)
     if problem:
         return usage_error("dry-run", problem)
-    gap = runtime_layout_gap(spec.parallel, args.target)
+    gap = runtime_layout_gap(spec.parallel, args.target, mtp=spec.mtp is not None)
     if gap is not None and args.rank is None:
         err(f"graphgen dry-run: note: a launch of this layout is refused today ({gap}); its memory is checked anyway")
     ranks = [args.rank] if args.rank is not None else list(range(spec.parallel.world))

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..engine_args import (add_engine_arguments, add_speculative_arguments, check_engine_arguments, engine_options,
-                           follow_node, placement_of, target_note, thread_options)
+                           follow_node, layout_refusal, placement_of, target_note, thread_options)
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -64,6 +64,9 @@ def cmd_run(args) -> int:
     if problem:
         return _usage(problem)
     spec, here = _placement(args)
+    refusal = layout_refusal(spec, args)  # the one refusal table, before the weights load (open_engine checks too)
+    if refusal is not None:
+        return _usage(refusal)
     if not here.driver:  # another node's ranks, for node 0's driver (which runs the prompts)
         try:
             return follow_node(args, spec, here, "graphgen run")

@@ -110,29 +110,55 @@ def layout_rules(family: str, d: Any, par: Any) -> Iterator[Rule]:
     return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp)
 
 
-# What the runtimes cannot run yet, per layout field (graphgen run/serve refuse it with this sentence).
-_Gap = tuple[str, Callable[[Any], bool], str]  # (field, is it set in this Parallel, the sentence)
+@dataclass(frozen=True)
+class Launch:
+    """What the runtime refusals read of a launch: the layout (a `graphgen.modelspec.model.Parallel`), whether
+    the spec has MTP layers (an ``mtp:`` section) and whether it decodes speculatively (``--speculative mtp``)."""
+    par: Any
+    mtp: bool = False
+    speculative: bool = False
+
+
+# What the runtimes cannot run yet (graphgen run/serve refuse it with this sentence): the one refusal table of a
+# launch, rows (what is set, is it set in this Launch, the sentence). The build path (generate, validate, dry-run)
+# takes every layout the spec rules accept; lifting a row is a change here plus the runtime's code.
+_Gap = tuple[str, Callable[[Launch], bool], str]
 _RUNTIME_GAPS: tuple[_Gap, ...] = (
-    ("dp", lambda par: par.dp > 1 and par.tp > 1, "data-parallel attention runs with tp 1 inside each DP group "
-                                                  "only so far (no TP gather after the MoE's reduce-scatter, no "
-                                                  "per-group plan check); run with --tp 1"),
+    ("speculative", lambda x: x.speculative and x.par.world > 1,
+     "--speculative mtp runs with one rank only so far: the rank runners do not run the drafter's steps "
+     "(docs/mtp.md); run with --tp 1 --ep 1"),
+    ("mtp", lambda x: x.mtp and (x.par.tp > 1 or x.par.ep > 1),
+     "a spec with MTP layers runs on one rank only so far: its graphs shard the MTP layer like a decoder layer "
+     "(graphgen generate, validate and dry-run take the layout), but the rank runners do not load or run it yet "
+     "(docs/mtp.md); run with --tp 1 --ep 1"),
+    ("dp", lambda x: x.par.dp > 1 and x.par.tp > 1, "data-parallel attention runs with tp 1 inside each DP group "
+                                                    "only so far (no TP gather after the MoE's reduce-scatter, no "
+                                                    "per-group plan check); run with --tp 1"),
 )
-# ... and what only the NPU target lacks (the CPU ranks run it)
+# ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = (
-    ("cp", lambda par: par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
+    ("speculative", lambda x: x.speculative,
+     "--speculative mtp does not run on the NPU target yet: the MTP graphs are lowered and traced for the NPU, "
+     "but the NPU runner does not run the drafter's steps, keep the draft KV or verify the drafts on the device "
+     "(MTP on the NPU runner, docs/mtp.md); use --target cpu"),
+    ("cp", lambda x: x.par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
                                    "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
                                    "with --cp 1"),
-    ("sp", lambda par: par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
+    ("sp", lambda x: x.par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
                                "but the NPU runner does not pad a step's tokens to a multiple of tp); use --target "
                                "cpu, or run with --no-sp"),
 )
 
 
-def runtime_layout_gap(par: Any, target: str = "cpu") -> Optional[str]:
-    """The sentence refusing a layout the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
-    or None. The build path (generate, validate, verify) takes every layout the spec rules accept."""
-    for _, is_set, sentence in _RUNTIME_GAPS + (_NPU_GAPS if target == "npu" else ()):
-        if is_set(par):
+def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False
+                       ) -> Optional[str]:
+    """The sentence refusing a launch the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
+    or None: ``par`` the layout, ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes
+    with them (``--speculative mtp``). The build path (generate, validate, dry-run) takes every layout the spec
+    rules accept."""
+    launch = Launch(par, mtp=mtp, speculative=speculative)
+    for _, is_set, sentence in (_NPU_GAPS if target == "npu" else ()) + _RUNTIME_GAPS:
+        if is_set(launch):
             return sentence
     return None
 

@@ -1,7 +1,7 @@
 """CPU emitters of the parallel-rank ops (``graphgen.passes.shard``), merged into ``cpu.EMIT``.
 
 Collectives call ``rt.all_reduce`` / ``rt.all_gather``: the rank runtime
-(``graphgen.runtime.parallel.rank.RankRuntime``) runs them on torch.distributed (gloo). Ops whose
+(``graphgen.runtime.parallel.collectives.CollectiveRuntime``) runs them on torch.distributed (gloo). Ops whose
 slice depends on the rank (the vocabulary slice of the embedding, a rank's experts) take the rank
 from ``rt`` at run time, so the generated module is the same for every rank.
 """

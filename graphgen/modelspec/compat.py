@@ -169,10 +169,8 @@ def _mtp_rules(spec: Any) -> Iterator[Rule]:
     if family not in row.families:
         yield ("mtp", f"mtp: multi-token prediction layers exist for family {' or '.join(row.families)} "
                f"only, not {family}", "remove the mtp: section")
-    par = _get(spec, "parallel")
-    if family in row.families and par is not _MISSING and (par.tp > 1 or par.ep > 1):
-        yield ("parallel", "the MTP layers are not sharded over ranks yet (docs/mtp.md)",
-               "remove the mtp: section, or use parallel tp: 1 and ep: 1")
+    # tp/ep: the shard pass splits the MTP layer like a decoder layer; the rank runners do not run it yet
+    # (a launch refusal: families.parallel.runtime_layout_gap's table, not a spec rule)
     if variants is not _MISSING:
         for name, v in variants.items():
             if v.phase == "mtp" and (v.history or v.save is not None or v.granularity is not None):
@@ -338,3 +336,7 @@ def _parallel_rules(spec: Any) -> Iterator[Rule]:
         if n > 1 and has_mtp:
             yield (f"parallel.{field_name}", f"{field_name} ({n}) with MTP is not implemented (the MTP layer's "
                    f"draft tokens would need the same split)", f"set {field_name}: 1, or turn MTP off")
+    if par.sp and has_mtp:
+        yield ("parallel.sp", "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
+               "layer: its eh_proj would read the embedding's token shard before the all-gather)",
+               "set sp: false, or turn MTP off")

@@ -11,7 +11,7 @@ Supported: ``model_type`` ``qwen3`` and ``deepseek_v3``, in both the transformer
 type, a missing field, Qwen3 with RoPE scaling, DeepSeek routing other than ``noaux_tc`` +
 ``sigmoid``, quantized checkpoints, ...) is a :class:`SpecError` naming the config file, the field
 and why -- never silently dropped. DeepSeek-V3's MTP layers (``num_nextn_predict_layers``) become
-the ``mtp:`` section (plus an ``mtp_draft`` variant, cpu target only) when the checkpoint holds their
+the ``mtp:`` section (plus an ``mtp_draft`` variant; the targets as any import) when the checkpoint holds their
 tensors.
 Torch-free: the config is read with ``json`` (and a safetensors header as JSON).
 """
@@ -266,8 +266,9 @@ def _mtp_section(config: dict[str, Any], fam: Family, keys: set[str] | None, rep
                          f"(add 'mtp: {{num_layers: {declared}}}' and a 'phase: mtp' variant by hand; docs/mtp.md).")
         return None
     rep.notes.append(f"The checkpoint's MTP layer(s) (num_nextn_predict_layers: {declared}) are the mtp: section "
-                     "and the mtp_draft variant (speculative decoding: graphgen run --speculative mtp; docs/mtp.md); "
-                     "no npu target: speculative decoding does not run on the NPU target yet.")
+                     "and the mtp_draft variant (speculative decoding: graphgen run --speculative mtp; docs/mtp.md), "
+                     "counted in the layout's memory; --speculative mtp runs on the CPU target at one rank so far "
+                     "(not yet on the NPU runner).")
     return m.Mtp(num_layers=declared)
 
 
@@ -307,8 +308,7 @@ def _convert(config: Any, name: str, source: str, text: str | None, *, block_siz
                                  "memory of bfloat16)."))
     mtp = _mtp_section(config, fam, checkpoint_keys, rep)
     if mtp is not None:
-        spec = dataclasses.replace(spec, mtp=mtp, variants={**spec.variants, "mtp_draft": m.Variant(phase="mtp")},
-                                   targets=m.Targets(cpu=m.CpuTarget()))
+        spec = dataclasses.replace(spec, mtp=mtp, variants={**spec.variants, "mtp_draft": m.Variant(phase="mtp")})
     # Shape rules (heads divide, even RoPE dims, expert groups, ...): dims keep HF's names, so
     # each problem names the config field.
     for where, message, fix in check_compat(spec):

@@ -343,8 +343,7 @@ class LayoutFit:
 def fit_layout(spec: ModelSpec, device_memory_gib: float, *, utilization: Optional[float] = None,
                num_blocks: Optional[int] = None) -> LayoutFit:
     """The smallest layout the spec's rules accept that fits ``device_memory_gib`` (`rank_memory`'s
-    ``utilization`` and ``num_blocks``), or none, with why (the rule that refused the larger layouts, e.g.
-    MTP layers, which are not sharded yet)."""
+    ``utilization`` and ``num_blocks``), or none, with why (the spec rule that refused the larger layouts)."""
     from ..modelspec.compat import check_compat
     from .manager import run_pipeline
 
@@ -372,10 +371,9 @@ def choose_layout(spec: ModelSpec, device_memory_gib: Optional[float] = None) ->
     fit or nothing fits."""
     from ..modelspec.import_hf import LayoutError, LayoutPick
 
-    if spec.targets.npu is None:  # no device to fit (an imported MTP layer: no NPU target yet, docs/mtp.md)
+    if spec.targets.npu is None:  # no device to fit
         raise LayoutError(f"{spec.name}: --fit sizes a layout for the NPU target's devices, and this spec has no "
-                          f"npu target (its MTP layer runs on the CPU target only); fix: --tp/--ep/--dp, or "
-                          f"import from config.json without the MTP weights")
+                          f"npu target; fix: --tp/--ep/--dp, or add an npu target")
     gib = device_memory_gib or NPU_MEMORY.device_memory_gib
     chosen = fit_layout(spec, gib)
     if chosen.layout is None or chosen.memory is None:

@@ -30,6 +30,7 @@ _EXPORTS = {
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
     "DataParallelEngine": "parallel.data_parallel",
     "register_rank_target": "parallel.rank",
+    "RankLayout": "parallel.layout", "RankGroups": "parallel.layout",
     "OutOfBlocks": "core.kvcache",
     "Faults": "core.faults",
     "Deadlines": "progress", "current_progress": "progress",

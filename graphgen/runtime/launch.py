@@ -84,12 +84,10 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
     if any(x is not None for x in (write, granularity, tp, ep, dp, cp, sp, pool_policy, pool_min_uses)):
         spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep, dp=dp, cp=cp, sp=sp,
                                    policy=pool_policy, min_uses=pool_min_uses)
-    if spec.mtp is not None and (spec.parallel.tp > 1 or spec.parallel.ep > 1):
-        raise ValueError(f"spec {spec.name} has MTP layers, which are not sharded over ranks yet: run it with "
-                         f"--tp 1 --ep 1 (docs/mtp.md)")
     from ..families.parallel import runtime_layout_gap
 
-    gap = runtime_layout_gap(spec.parallel, target)
+    gap = runtime_layout_gap(spec.parallel, target, mtp=spec.mtp is not None,
+                             speculative=bool(options.get("num_speculative_tokens")))
     if gap is not None:
         raise ValueError(gap)
     if weights is None:

@@ -178,15 +178,38 @@ def test_qwen3_32b_rank0_full_size_under_4_gib_rss_and_3_minutes(qwen32, tmp_pat
 
 
 @pytest.mark.slow
-def test_deepseek_v3_1_rank0_full_size(tmp_path):
+def test_deepseek_v3_1_rank0_full_size(tmp_path, capsys):
     """DeepSeek-V3.1 as published (FP8 layout: F8_E4M3 weights with their 128x128 block scales, 173 shards of
-    4 GB, 688.6 GB apparent), rank 0 of tp=32: its 256 x 58 experts' slices dequantized and placed straight
-    into the transposed bf16 stacks; device peak within the budget, host peak small."""
+    4 GB, 688.6 GB apparent, its MTP layer as model.layers.61), imported as a new user would (issue 38 item 2):
+    ``import-hf CKPT --out ds.yaml --fit --device-memory-gib 64`` keeps the MTP layer and the npu target and picks
+    tp 32 with the MTP layer counted -- specs/deepseek_v3_1.yaml's layout, which is that spec plus the mtp:
+    section; validate accepts it. Rank 0 of tp=32: its 256 x 59 experts' slices (the MTP layer's too)
+    dequantized and placed straight into the transposed bf16 stacks; device peak within the budget and equal to
+    validate's count, host peak small."""
+    import dataclasses
+
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.passes.manager import run_pipeline
+    from graphgen.passes.memory import rank_memory
+
     ckpt = _sparse(tmp_path / "ds", json.loads((DATA / "deepseek_v3_1.config.json").read_text()))
+    assert "model.layers.61.eh_proj.weight" in json.loads((ckpt / "model.safetensors.index.json").read_text())[
+        "weight_map"]
+    spec_file = tmp_path / "ds.yaml"
+    assert main(["import-hf", str(ckpt), "--out", str(spec_file), "--fit", "--device-memory-gib", "64"]) == 0
+    assert "tp=32, ep=1" in capsys.readouterr().out
+    spec, shipped = load_spec(spec_file), load_spec(SPECS / "deepseek_v3_1.yaml")
+    assert spec.mtp is not None and spec.targets.npu is not None and spec.kv_layers == 62
+    assert dataclasses.replace(spec, name=shipped.name, description=shipped.description, mtp=None,
+                               variants={k: v for k, v in spec.variants.items() if k != "mtp_draft"}) == shipped
+    assert main(["validate", str(spec_file)]) == 0
+    assert ": ok (" in capsys.readouterr().out
     out = tmp_path / "r.json"
-    assert main(["dry-run", "--spec", str(SPECS / "deepseek_v3_1.yaml"), "--weights", str(ckpt), "--rank", "0",
-                 "--json", str(out)]) == 0
+    assert main(["dry-run", "--spec", str(spec_file), "--weights", str(ckpt), "--rank", "0",
+                 "--json", str(out)]) == 0, capsys.readouterr().err
     (row,) = json.loads(out.read_text())["ranks"]
+    mem = rank_memory(spec, [run_pipeline(spec, v, until="shard") for v in spec.variants])
+    assert row["device_peak_bytes"] == mem.launch_peak_bytes - mem.transient_bytes, (row, mem)
     assert 40 * GIB < row["device_peak_bytes"] <= row["budget_bytes"] and row["host_peak_bytes"] < 4 * GIB
 
 

@@ -173,44 +173,69 @@ def test_a_rank_reads_only_the_scale_blocks_of_its_slice(fp8):
 
 def test_dry_run_of_a_w8a8_spec_over_a_sparse_fp8_checkpoint(tmp_path, capsys):
     """scripts/sparse_checkpoint.py writes DeepSeek-V3.1's published FP8 layout (F8_E4M3 weights, float32
-    128x128 block scales); `graphgen dry-run` of a W8A8 spec (import-hf --quantization w8a8_dynamic) over it
-    places int8 weights and their scales: the measured device peak is the one `graphgen validate` counts.
-    The full width of DeepSeek-V3.1 with 4 of its 61 layers (3 dense, 1 MoE): the same tensors per layer,
-    fast; the 61-layer run is docs/npu.md's (issue 28)."""
+    128x128 block scales, its MTP layer); `graphgen dry-run` of a W8A8 spec (import-hf --quantization
+    w8a8_dynamic) over it places int8 weights and their scales: the measured device peak is the one `graphgen
+    validate` counts. The full width of DeepSeek-V3.1 with 4 of its 61 layers (3 dense, 1 MoE) and its MTP
+    layer (model.layers.4): the same tensors per layer, fast; the 61-layer run is docs/npu.md's (issue 28).
+
+    Issue 38 item 2: the checkpoint's MTP layer keeps tp 16 and the npu target, and its term is counted: the
+    dry run of the spec with it minus that of the same import without it (config.json alone) is validate's
+    difference byte for byte, one more KV layer of the launch's blocks (5 of 4 layers' cache per block) and
+    the MTP layer's weights (at least its replicated eh_proj, int8) -- dropping either term from validate
+    fails here."""
     import json
 
     from graphgen.cli import main
     from graphgen.passes.manager import run_pipeline
     from graphgen.passes.memory import rank_memory
-    from test_dry_run import DATA, GIB, _sparse
+    from test_dry_run import DATA, _sparse
 
     config = dict(json.loads((DATA / "deepseek_v3_1.config.json").read_text()), num_hidden_layers=4)
     ckpt = _sparse(tmp_path / "ckpt", config)
     header = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     scales = [k for k in header if k.endswith(".weight_scale_inv")]
     assert "model.layers.3.mlp.experts.255.down_proj.weight_scale_inv" in scales
+    assert "model.layers.4.mlp.experts.255.down_proj.weight_scale_inv" in scales  # the MTP layer, FP8 too
     assert not any(k.startswith(("model.embed_tokens", "lm_head")) or ".mlp.gate." in k for k in scales)
-    assert main(["import-hf", str(ckpt), "--out", str(tmp_path / "s.yaml"), "--name", "ds4", "--tp", "16",
-                 "--quantization", "w8a8_dynamic"]) == 2  # the MTP weights make a CPU-only spec: no tp 16
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
-    assert main(["import-hf", str(tmp_path / "cfg"), "--out", str(tmp_path / "s.yaml"), "--name", "ds4", "--tp", "16",
-                 "--quantization", "w8a8_dynamic"]) == 0
-    capsys.readouterr()
-    out = tmp_path / "r.json"
-    assert main(["dry-run", "--spec", str(tmp_path / "s.yaml"), "--weights", str(ckpt), "--rank", "0",
-                 "--json", str(out)]) == 0, capsys.readouterr().err
-    (row,) = json.loads(out.read_text())["ranks"]
-    spec = load_spec(tmp_path / "s.yaml")
-    mem = rank_memory(spec, [run_pipeline(spec, v, until="shard") for v in spec.variants])
-    # byte for byte: weights (int8 + scales, the rest bf16), RoPE table, rings, communicators, default KV
-    # blocks; the load transient (one slice through a temporary) passes before the KV cache is allocated
-    assert row["device_peak_bytes"] == mem.launch_peak_bytes - mem.transient_bytes, (row, mem)
-    assert row["device_peak_bytes"] <= row["budget_bytes"]
-    # int8 linear layers: 1.13 GB of weights where bfloat16 takes 2.01 GB (embedding and LM head stay bf16)
-    bf16 = dataclasses.replace(spec, quantization=dataclasses.replace(spec.quantization, method="none"))
-    assert mem.weight_bytes < 0.6 * rank_memory(bf16, [run_pipeline(bf16, v, until="shard")
-                                                       for v in bf16.variants]).weight_bytes
+    rows, mems = {}, {}
+    for name, src in (("mtp", ckpt), ("plain", tmp_path / "cfg")):
+        spec_file = tmp_path / f"{name}.yaml"
+        assert main(["import-hf", str(src), "--out", str(spec_file), "--name", "ds4", "--tp", "16",
+                     "--quantization", "w8a8_dynamic"]) == 0
+        capsys.readouterr()
+        out = tmp_path / f"{name}.json"
+        assert main(["dry-run", "--spec", str(spec_file), "--weights", str(ckpt), "--rank", "0",
+                     "--json", str(out)]) == 0, capsys.readouterr().err
+        (rows[name],) = json.loads(out.read_text())["ranks"]
+        spec = load_spec(spec_file)
+        assert spec.targets.npu is not None and spec.parallel.tp == 16
+        mem = mems[name] = rank_memory(spec, [run_pipeline(spec, v, until="shard") for v in spec.variants])
+        # byte for byte: weights (int8 + scales, the rest bf16), RoPE table, rings, communicators, default KV
+        # blocks; the load transient (one slice through a temporary) passes before the KV cache is allocated
+        assert rows[name]["device_peak_bytes"] == mem.launch_peak_bytes - mem.transient_bytes, (name, rows, mem)
+        assert rows[name]["device_peak_bytes"] <= rows[name]["budget_bytes"]
+        if name == "mtp":
+            assert spec.mtp is not None and "mtp_draft" in spec.variants
+            # int8 linear layers: 1.2 GB of weights where bfloat16 takes 2.1 GB (embedding and LM head stay bf16)
+            bf16 = dataclasses.replace(spec, quantization=dataclasses.replace(spec.quantization, method="none"))
+            assert mem.weight_bytes < 0.6 * rank_memory(bf16, [run_pipeline(bf16, v, until="shard")
+                                                               for v in bf16.variants]).weight_bytes
+        else:
+            assert spec.mtp is None
+    mtp, plain = mems["mtp"], mems["plain"]
+    assert 4 * mtp.kv_bytes_per_block == 5 * plain.kv_bytes_per_block  # the MTP layer's KV: one layer more
+    measured = rows["mtp"]["device_peak_bytes"] - rows["plain"]["device_peak_bytes"]
+    assert measured == (mtp.launch_peak_bytes - mtp.transient_bytes) - (plain.launch_peak_bytes - plain.transient_bytes)
+    assert rows["mtp"]["kv_blocks"] == rows["plain"]["kv_blocks"] == 513
+    parts = {n: dict(m.per_rank_parts(m.default_blocks)) for n, m in mems.items()}
+    diff = {k: parts["mtp"][k] - parts["plain"][k] for k in parts["mtp"]}
+    assert measured == sum(diff.values()) - diff["load transient"]  # the MTP term, part by part
+    assert diff["KV"] == 513 * (mtp.kv_bytes_per_block - plain.kv_bytes_per_block) > 0
+    assert diff["staging rings"] > 0  # the rings stage every cache layer of a saved block, the MTP layer's too
+    assert diff["weights"] > 7168 * 2 * 7168  # at least the MTP layer's eh_proj, one byte each
+    assert rows["mtp"]["bytes_read"] > rows["plain"]["bytes_read"]  # the MTP layer's slices were read
 
 
 def test_a_spec_that_does_not_declare_the_fp8_checkpoint_is_told_how(fp8):

@@ -26,6 +26,9 @@ MODELS = ["qwen3_32b", "deepseek_v3_1", "deepseek_v3_1_dp_ep", "deepseek_v3_1_mt
 # ... and layouts rendered here, not shipped: Qwen3-32B at tp=2 with sequence parallel (reduce-scatter +
 # norms on 1/tp of the tokens + all-gather)
 LAYOUTS = {"qwen3_32b_sp": ("qwen3_32b", {"sp": True})}
+# ... and the MTP layer sharded like a decoder layer (import-hf --fit's layout of the published checkpoint:
+# tp 32; issue 38 item 2): its draft graph only (the target's modules are deepseek_v3_1's at tp 32)
+MTP_LAYOUTS = {"deepseek_v3_1_mtp_tp32": ("deepseek_v3_1_mtp", {"tp": 32})}
 
 
 def _meta_weights(spec, mod):
@@ -91,7 +94,7 @@ def _trace(model, variant, fake_group, tmp_path, seqs=None, every_row=False):
     from graphgen.npu.run.inputs import npu_step_inputs
 
     standin.install()
-    name, parallel = LAYOUTS.get(model, (model, None))
+    name, parallel = {**LAYOUTS, **MTP_LAYOUTS}.get(model, (model, None))
     spec = load_spec(ROOT / "specs" / f"{name}.yaml")
     path = ROOT / "generated" / model / "npu" / "max_autotune" / f"{variant}.py"
     if parallel:  # render the layout's module in memory
@@ -149,16 +152,19 @@ def test_full_size_module_traces_on_meta(model, variant, fake_group, tmp_path):
 
 
 @pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
-@pytest.mark.parametrize("step", ["mtp_draft", "verify_k3", pytest.param("verify_k15", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("step", ["mtp_draft", "mtp_draft_tp32", "verify_k3",
+                                  pytest.param("verify_k15", marks=pytest.mark.slow)])
 def test_full_size_mtp_graphs_trace_on_meta(step, fake_group, tmp_path):
     """DeepSeek-V3.1 with its MTP layer: the draft graph (MTP layer 61 over the history, prev_hidden in,
     logits and hidden out) and the speculative verify step = the decode module with K + 1 query tokens per
-    row (absorbed FIA v2 BNSD, sparse_mode 3 + mask), logits at every row, K + 1 <= 16."""
-    variant = "mtp_draft" if step == "mtp_draft" else "decode"
+    row (absorbed FIA v2 BNSD, sparse_mode 3 + mask), logits at every row, K + 1 <= 16. ``mtp_draft_tp32``:
+    rank 0 of the draft graph at tp 32 (rendered here), the MTP layer's weights sliced as a decoder layer's, the
+    vocabulary-parallel embedding and LM head gathered to the whole vocabulary."""
+    variant = "mtp_draft" if step.startswith("mtp_draft") else "decode"
+    model = "deepseek_v3_1_mtp_tp32" if step == "mtp_draft_tp32" else "deepseek_v3_1_mtp"
     k = {"verify_k3": 3, "verify_k15": 15}.get(step)
     seqs = None if k is None else [(260, k + 1), (3, k + 1)]
-    spec, (logits, hidden), tokens = _trace("deepseek_v3_1_mtp", variant, fake_group, tmp_path, seqs=seqs,
-                                            every_row=k is not None)
+    spec, (logits, hidden), tokens = _trace(model, variant, fake_group, tmp_path, seqs=seqs, every_row=k is not None)
     rows = 4 if k is None else tokens  # one row per sequence (4), or every token of a verify step
     assert tuple(logits.shape) == (rows, spec.dims.vocab_size) and logits.device.type == "meta"
     assert tuple(hidden.shape) == (tokens, spec.dims.hidden_size) and hidden.dtype == torch.bfloat16

@@ -54,19 +54,6 @@ def test_moe_collectives_over_the_groups_return_each_dp_groups_own_tokens():
     assert not torch.allclose(wrong[0], weight * tokens[0])
 
 
-@pytest.fixture
-def fake_world():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(size: int):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_build_and_bind_the_dp_ep_modules_groups(fake_world):
     import torch.distributed as dist
 

@@ -7,7 +7,8 @@ A spec's ``quantization: {method: w8a8_dynamic}``: linear weights int8 with one 
 * the hardware-shaped tiny Qwen3 and DeepSeek-V3 run through the NPU runner (the stand-in's kernels, written
   from the torch-npu docs, `graphgen.npu.standin.quant`) and through the CPU target (its own int8 emulation,
   `graphgen.runtime.core.quant`) at the NPU's dtype (bfloat16: the same weights quantize to the same int8
-  values and bf16 scales on both), with equal greedy tokens, logits within TOL;
+  values and bf16 scales on both), with logits within TOL and equal greedy tokens up to a near tie at TOL
+  (`support.tokens.assert_agree`: which side of a bf16 tie wins is the CPU's bf16 kernels' choice);
 * every graph the runner compiled passes the GE converter check (graphgen/npu/check/geops.py, no allow-list)
   and holds the quantized ops; each call passed the limits rows (the stand-in enforces them: quant.*, gmm.*);
 * the kernels' per-call arithmetic equals the CPU emulation (both our reading of the same docs: wiring), and
@@ -25,6 +26,7 @@ from graphgen.modelspec import model as m
 from graphgen.modelspec.loader import load_spec
 from graphgen.npu.check import geops
 from graphgen.npu.standin import fakes as standin
+from support.tokens import assert_agree
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
 SPECS = {"qwen3": Path(__file__).parent / "data/hw_tiny_qwen3.yaml",
@@ -62,13 +64,15 @@ def runs(request):
 @pytest.mark.slow  # W8A8 compiled through the stand-in for both families (`runs`)
 def test_w8a8_npu_standin_gives_the_cpu_targets_tokens(runs):
     family, cpu, npu, _, unquantized = runs
-    for c, n, u in zip(cpu, npu, unquantized):
-        assert n.tokens == c.tokens, family
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(c.step_logits, n.step_logits))
-        assert diff <= TOL, (family, diff)
+    compared = 0
+    for i, (c, n, u) in enumerate(zip(cpu, npu, unquantized)):
+        # tokens up to a near tie at TOL, logits within TOL (tests/support/tokens.py: random weights tie)
+        compared += assert_agree(c.tokens, c.step_logits, n.tokens, n.step_logits, TOL,
+                                 where=f"{family} prompt {i}").steps
         # not vacuous: the int8 products move the logits (against the same weights unquantized)
         moved = max((a.float() - b.float()).abs().max().item() for a, b in zip(c.step_logits, u.step_logits))
         assert moved > 0.01, (family, moved)
+    assert compared >= len(PROMPTS) + 2, (family, compared)  # most steps compared, not only each first one
 
 
 @pytest.mark.slow  # the same stand-in compiles (`runs`)

@@ -42,7 +42,8 @@ def _swap_slices(rank_engine) -> None:
     rt = runner.rt
     real = runner.step_inputs
     runner.step_inputs = lambda plan: (real(plan) if plan.phase == "decode" else
-                                       cp_step_inputs(plan, runner.block_size, rt.cp_size - 1 - rt.cp_rank, rt.cp_size))
+                                       cp_step_inputs(plan, runner.block_size, rt.layout.cp - 1 - rt.coords.cp_rank,
+                                                                     rt.layout.cp))
 
 
 def _mixed_steps(rank_engine) -> int:   # probe, in each rank

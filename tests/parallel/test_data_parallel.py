@@ -112,7 +112,7 @@ def _die_in_dummy(variant: str, source: str) -> str:
 
 
 def _arm(rank_engine):  # on every rank: only DP rank 1 will die
-    rank_engine.runner.rt.die_in_dummy = rank_engine.runner.rt.layout.dp_rank == 1
+    rank_engine.runner.rt.die_in_dummy = rank_engine.runner.rt.coords.dp_rank == 1
 
 
 def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3, tp1_tokens):

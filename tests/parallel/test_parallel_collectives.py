@@ -1,7 +1,7 @@
 """Every rank issues the same collectives in the same order: recorded, not assumed.
 
 Each rank process wraps its ``torch.distributed`` collectives (``all_reduce``, ``all_gather``,
-``barrier``: the forward's through `RankRuntime`, the connector's hit agreement and drain barrier)
+``barrier``: the forward's through `CollectiveRuntime`, the connector's hit agreement and drain barrier)
 to log ``(op, shape, dtype)`` as it issues them, through a probe run in every rank
 (`DistributedEngine.on_ranks`); after a tp=2 run covering prefill, a pool hit (splitfuse) and
 decode, the logs must be equal across ranks and non-empty.
@@ -44,7 +44,7 @@ def _install_collective_log(eng) -> None:
             return orig(*args, **kwargs)
         return issued
 
-    for name in ("all_reduce", "all_gather", "barrier"):   # rank.py and RankRuntime call dist.<name>
+    for name in ("all_reduce", "all_gather", "barrier"):   # rank_kv.py, features.py and CollectiveRuntime call dist.<name>
         setattr(dist, name, wrap(name, getattr(dist, name)))
 
 

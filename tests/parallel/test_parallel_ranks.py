@@ -46,10 +46,12 @@ def _steps(eng, a, b):
     return (ra, again, rb), counters_since(before, eng.rank_stats)
 
 
-def _run(spec, weights, a, b, **kw):
-    """`_steps` on an engine of its own (its pool too)."""
+def _run(spec, weights, a, b, saves=None, **kw):
+    """`_steps` on an engine of its own (its pool too); ``saves``: a list the ranks' `save_report` is put in."""
     with open_engine(REPO / spec, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw) as eng:
         out, stats = _steps(eng, a, b)
+        if saves is not None:
+            saves.append(eng.save_report())
         return out, stats, eng.pool_stats()
 
 
@@ -65,6 +67,22 @@ def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen, qwen_tp
     assert all(s["puts"] > 0 and s["skipped_puts"] == 0 for s in stats)  # each rank saves its own heads
     with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
         assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
+
+
+def test_the_ranks_save_reports_aggregate_per_shard(qwen_tp2):
+    """Issue 42 item 6: every rank's scheduler takes its steps' `SaveReport`s (rank > 0's were dropped as
+    None), and the driver aggregates them per pool-key shard: Qwen3's KV heads differ per rank, so two
+    shards, each put by its own rank, each pinning the blocks the request saved (the shared engine: deltas)."""
+    eng = qwen_tp2("specs/tiny_qwen3_tp2.yaml")
+    before = eng.save_report()
+    r = eng.generate([rand_prompt(torch.Generator().manual_seed(4242), 13)], 2)[0]
+    eng.drain()
+    after = eng.save_report()
+    assert set(after.shards) == {(0, 2), (1, 2)} and len(after.ranks) == 2
+    for shard, ledger in after.shards.items():
+        got = before.shards.get(shard)
+        assert ledger.pinned - (got.pinned if got else 0) == r.saved_blocks == 3, shard  # 13 tokens: 3 full blocks
+    assert after.ranks[1].steps > before.ranks[1].steps  # rank 1 reports, step by step, as rank 0 does
 
 
 def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen, qwen_tp2):
@@ -103,7 +121,8 @@ def test_deepseek_tp2_matches_transformers_and_saves_the_latent_once(tiny_dsv3, 
     ranks (the layout deepseek_v3_1 ships with, at tp=32)."""
     model, d = tiny_dsv3.model, tiny_dsv3.dir
     a, b = _prompts(3)
-    (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b, tp=2, ep=ep)
+    saves: list = []
+    (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b, saves, tp=2, ep=ep)
     assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
@@ -111,6 +130,12 @@ def test_deepseek_tp2_matches_transformers_and_saves_the_latent_once(tiny_dsv3, 
     # rank 0 puts each latent block once; rank 1 computes the same bytes and leaves them to rank 0
     assert stats[0]["puts"] == stats[1]["skipped_puts"] > 0 and stats[1]["puts"] == 0
     assert pool["num_keys"] == stats[0]["puts"]  # not tp times as many
+    # the ranks' SaveReports aggregated (issue 42 item 6): one latent shard, put by rank 0; rank 1 pinned the
+    # same blocks in lockstep (its report is no longer dropped) but puts nothing of its own
+    (rep,) = saves
+    assert set(rep.shards) == {(0, 2)} and rep.shards[(0, 2)].pinned == ra.saved_blocks + again.saved_blocks \
+        + rb.saved_blocks > 0
+    assert rep.ranks[0].pinned == rep.ranks[1].pinned and rep.ranks[1].steps == rep.ranks[0].steps > 0
     assert [s["hit_blocks"] for s in stats] == [3, 3]  # both ranks load rank 0's blocks
 
 

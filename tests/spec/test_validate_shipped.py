@@ -33,10 +33,11 @@ def test_every_shipped_spec_validates(capsys):
         line = next(l for l in out.splitlines() if l.startswith(f"{p}: "))
         assert ": ok (" in line or p.name == "deepseek_v3_1_mtp.yaml", line
     # the MTP trace subject (it declares no device) holds 1.25 TiB on one rank: it does not fit the NPU target's
-    # default die, the line says so and so does the exit code (issue 43 item 3); no layout fits (the MTP rule)
+    # default die, the line says so and so does the exit code (issue 43 item 3); the fix names the layout that
+    # fits with the MTP layer sharded like a decoder layer (issue 38 item 2: tp 32, as deepseek_v3_1 without it)
     assert f"{SPECS / 'deepseek_v3_1_mtp.yaml'}: does not fit" in out and rc == 2, err
     assert [l.split(":")[0] for l in err.splitlines() if ": error: " in l] == [str(SPECS / "deepseek_v3_1_mtp.yaml")]
-    assert "the MTP layers are not sharded over ranks yet" in err
+    assert "fix: set parallel tp: 32, ep: 1 (tp=32, ep=1: 44.90 GiB per rank)" in err, err
     assert "per rank (tp=2, ep=1): 35.28 GiB of 54.87 GiB = weights 30.51 GiB" in out  # audit 3 §3
 
 

@@ -16,14 +16,13 @@ bucket, T = its tokens; ``(0, 0)``: nothing to run) on the host-side gloo group:
   process the other ranks' gathered tokens) and, if it had an intent, offers it again next round.
 
 So calls of one kind run together (all the DP ranks' decodes in one round), and a prefill on one rank
-costs the decoding ranks one dummy prefill. `NpuDP` is what the DP rank's commands read (``layout``,
-``sync``: as `DPRankRuntime` for the CPU ranks), so the runtime's `dp_tick` / `rank_generate` drive the NPU
-ranks unchanged. Mixed batches run through the prefill buckets (no mixed-grid cell: its shapes are not
+costs the decoding ranks one dummy prefill. `NpuDPForward` is the runtime's `DPForward` protocol (as the
+CPU's `CpuDPForward`), so the runtime's DP commands (`dp_tick`, `dp_generate`) drive the NPU ranks unchanged;
+`graphgen.runtime.parallel.rank.build_rank` picks it (`register_rank_target(..., dp_forward=NpuDPForward)`). Mixed batches run through the prefill buckets (no mixed-grid cell: its shapes are not
 one of the kinds).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from ...runtime import current_progress
 from .warmup import pad_sequence
 
-__all__ = ["NpuDPSync", "NpuDP", "agree_padding", "dummy_forward", "DECODE", "PREFILL"]
+__all__ = ["NpuDPSync", "NpuDPForward", "agree_padding", "dummy_forward", "DECODE", "PREFILL"]
 
 DECODE, PREFILL = 1, 2
 
@@ -72,31 +71,54 @@ class NpuDPSync:
         dist.barrier(group=self.group)
 
 
-@dataclasses.dataclass
-class NpuDP:
-    """A DP rank's side of the runner: its place (`graphgen.runtime.parallel.dp_rank.DPLayout`) and the sync."""
-    layout: object
-    sync: NpuDPSync
+class NpuDPForward:
+    """The NPU runner's DP attention feature (`graphgen.runtime.parallel.features.DPForward`): it plugs
+    `agree_padding` into the runner's ``call_padding`` seam (every graph call at one agreed bucket), and an
+    idle rank runs a dummy call of the agreed kind for each round another rank runs (`serve_others`)."""
+    name = "dp"
+
+    def __init__(self, dp_rank: int, group=None):
+        self.dp_rank, self.sync = dp_rank, NpuDPSync(group)
+        self.runner = None
+        self.dummy_forwards = 0
+
+    def attach(self, runner) -> None:
+        self.runner = runner
+        runner.call_padding = lambda phase, n_seqs, n_tokens: agree_padding(self, phase, n_seqs, n_tokens)
+
+    def before_forward(self, plan) -> None:
+        pass  # the agreement is per graph call (call_padding), at its bucket
+
+    def serve_others(self) -> int:
+        return self.sync.serve_others(lambda kind, tokens: dummy_forward(self, kind, tokens))
+
+    def any(self, flag: bool) -> bool:
+        return self.sync.any(flag)
+
+    def barrier(self) -> None:
+        self.sync.barrier()
 
 
 def _kind(phase: str) -> int:
     return DECODE if phase == "decode" else PREFILL
 
 
-def agree_padding(runner, phase: str, n_seqs: int, n_tokens: int):
+def agree_padding(dp: NpuDPForward, phase: str, n_seqs: int, n_tokens: int):
     """The padding of a real graph call (``n_seqs`` sequences, ``n_tokens`` tokens) every DP rank agreed on:
     rounds (running dummy calls for the other kind meanwhile) until this call's kind goes, at the agreed T."""
+    runner = dp.runner
     pad = runner.buckets.padding(phase, n_seqs, n_tokens, runner.pad_block)
     while True:
-        kind, tokens = runner.dp.sync.round((_kind(phase), pad.tokens))
+        kind, tokens = dp.sync.round((_kind(phase), pad.tokens))
         if kind == _kind(phase):
             return runner.buckets.padding(phase, n_seqs, n_tokens, runner.pad_block, at_least=tokens)
-        dummy_forward(runner, kind, tokens)
+        dummy_forward(dp, kind, tokens)
 
 
-def dummy_forward(runner, kind: int, tokens: int) -> None:
+def dummy_forward(dp: NpuDPForward, kind: int, tokens: int) -> None:
     """A call of ``kind`` at ``tokens`` on padding only (the pad block; a saving graph writes a staging slot
     that is never committed, as a warm-up step): the MoE's collectives pair with the other ranks' call."""
+    runner = dp.runner
     phase = "decode" if kind == DECODE else "prefill"
     variant = next(v for v, m in runner.modules.items()
                    if m.META["phase"] == phase and not m.META.get("history"))
@@ -113,5 +135,5 @@ def dummy_forward(runner, kind: int, tokens: int) -> None:
     finally:
         if saves:  # the next graph writing this slot is queued after this one (same stream)
             runner.commits.ring.release(idx)
-    runner.dummy_forwards += 1
+    dp.dummy_forwards += 1
     current_progress().stepping()  # a graph compiled on first use is done: the step deadline again

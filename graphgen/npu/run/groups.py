@@ -1,5 +1,6 @@
 """HCCL process groups of a parallel layout, built the same way on every rank (docs/npu.md,
-"Process groups under DP attention").
+"Process groups under DP attention"): the NPU's view of `graphgen.runtime.parallel.layout.RankLayout`,
+which holds the formula and builds the groups for every target.
 
 Rank order (docs/parallel.md): TP innermost, then CP, then DP: ``rank = (dp_rank * cp + cp_rank) * tp +
 tp_rank``. The groups a generated module's collectives name (``PROCESS_GROUPS`` in the module):
@@ -11,53 +12,39 @@ tp_rank``. The groups a generated module's collectives name (``PROCESS_GROUPS`` 
   -- the MoE's reduce-scatter. Without DP attention EP reuses the TP ranks (``ep`` = the ``tp`` group).
 
 ``torch.distributed.new_group`` is collective: every rank must create every group, in the same order,
-even the groups it is not in. `build_process_groups` does so (kinds in ``GROUP_KINDS`` order, groups in
-`layout_groups` order) and keeps the ones holding this rank; a group spanning the whole world is the
-world group itself. `bind_process_groups` writes their names into a loaded module before its first call.
+even the groups it is not in. `RankLayout.process_groups` does so (kinds in its order, groups in
+`RankLayout.groups` order) and keeps the ones holding this rank; a group spanning the whole world is the
+world group itself, a group of one rank none. `bind_process_groups` writes their names into a loaded module before its first call.
 """
 from __future__ import annotations
 
-GROUP_KINDS = ("tp", "dp", "ep")
+from ...runtime import RankLayout
+
+GROUP_KINDS = ("tp", "dp", "ep")  # the kinds an NPU module may name (no CP lowering: docs/npu.md)
 
 
 def layout_groups(tp: int, dp: int = 1, cp: int = 1) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Every group of each kind as ascending rank tuples (so a collective's shards are in rank order)."""
-    def rank(d, c, t):
-        return (d * cp + c) * tp + t
-
-    groups = {
-        "tp": tuple(tuple(rank(d, c, t) for t in range(tp)) for d in range(dp) for c in range(cp)),
-        "dp": tuple(tuple(rank(d, c, t) for d in range(dp)) for c in range(cp) for t in range(tp)),
-    }
-    groups["ep"] = (tuple(tuple(sorted(rank(d, c, t) for d in range(dp) for t in range(tp))) for c in range(cp))
-                    if dp > 1 else groups["tp"])
-    return groups
+    """Every group of each NPU kind as ascending rank tuples (`RankLayout.groups`, the one formula)."""
+    groups = RankLayout(dp=dp, cp=cp, tp=tp).groups()
+    return {kind: groups[kind] for kind in GROUP_KINDS}
 
 
 def rank_groups(rank: int, tp: int, dp: int = 1, cp: int = 1) -> dict[str, tuple[int, ...]]:
-    """The group of each kind that holds ``rank``."""
-    if not 0 <= rank < tp * dp * cp:
-        raise ValueError(f"rank {rank} outside a world of dp={dp} x cp={cp} x tp={tp}")
-    return {kind: next(g for g in groups if rank in g) for kind, groups in layout_groups(tp, dp, cp).items()}
+    """The group of each NPU kind that holds ``rank``."""
+    groups = RankLayout(dp=dp, cp=cp, tp=tp).rank_groups(rank)
+    return {kind: groups[kind] for kind in GROUP_KINDS}
 
 
 def build_process_groups(rank: int, tp: int, dp: int = 1, cp: int = 1) -> dict:
-    """This rank's ``torch.distributed`` group of each kind, creating every group of the layout on every
-    rank in one order (call it on every rank, after ``init_process_group``, before compiling)."""
-    import torch.distributed as dist
+    """This rank's ``torch.distributed`` group of each NPU kind with peers (`RankLayout.process_groups`:
+    every group created on every rank in one order; call it on every rank, after ``init_process_group``)."""
+    return process_group_names(RankLayout(dp=dp, cp=cp, tp=tp).process_groups(rank))
 
-    world = tp * dp * cp
-    if dist.get_world_size() != world:
-        raise ValueError(f"the process group has {dist.get_world_size()} ranks; the layout dp={dp} x cp={cp} "
-                         f"x tp={tp} needs {world}")
-    mine, made = {}, {}
-    for kind, groups in layout_groups(tp, dp, cp).items():
-        for ranks in groups:
-            if ranks not in made:
-                made[ranks] = dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
-            if rank in ranks:
-                mine[kind] = made[ranks]
-    return mine
+
+def process_group_names(groups) -> dict:
+    """The groups of a `RankGroups` that an NPU module can name: its kinds with peers (a group of one rank
+    carries no collective)."""
+    return {kind: groups.handles[kind] for kind in GROUP_KINDS if groups.handles[kind] is not None}
 
 
 def bind_process_groups(module, groups: dict) -> None:

@@ -44,6 +44,8 @@ from ...runtime.core.kvcache import slot_mapping, token_shapes
 from ...runtime.core.weights import cast_weights
 from ...runtime.engine import Engine, LoadedBlocks, RunnerSaves, StepFuture, StepOutput, StepPlan, build_engine
 from .bucketing import Buckets, max_model_len
+from .data_parallel import NpuDPForward
+from .groups import bind_process_groups, process_group_names
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
 from .staging import CommitPath, DeviceBinding, NpuStreams, StagingRing
@@ -61,7 +63,7 @@ class NpuModelRunner(RunnerSaves):
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
                  standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
-                 plan_check: Optional[Callable] = None, cache_dir=None, rank: int = 0, world: int = 1, dp=None):
+                 cache_dir=None, groups=None):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -73,8 +75,8 @@ class NpuModelRunner(RunnerSaves):
         self.spec, self.cache, self.connector, self.pad_block = spec, cache, connector, pad_block
         self.observer = None  # the CPU runner's hook (save copies are not reported from the NPU runner yet)
         self.standin, self.check_limits = standin, check_limits
-        self.plan_check = plan_check  # a rank's: every rank planned this step alike (RankParts.check_plan)
-        self.dp, self.dummy_forwards = dp, 0  # a DP rank's place and sync (data_parallel.NpuDP), its dummy calls
+        # a DP rank's agreed padding of each graph call (data_parallel.NpuDPForward plugs it in), or None
+        self.call_padding: Optional[Callable] = None
         self.buckets = Buckets.from_spec(spec)
         self.grid = MixedGrid.from_buckets(self.buckets)  # mixed batches' cells (history variants)
         self.block_size = spec.kv_cache.block_size
@@ -92,7 +94,10 @@ class NpuModelRunner(RunnerSaves):
         self.binding = DeviceBinding(0, lambda i: None) if standin else \
             DeviceBinding(torch.npu.current_device(), torch.npu.set_device)  # type: ignore[attr-defined]
         self.dtype = getattr(torch, npu.dtype)
-        self.cache_dir, self.rank, self.world = cache_dir, rank, world  # the on-disk compile cache (CacheKey)
+        # a rank's process groups (graphgen.runtime RankGroups: its modules' HCCL names, the compile cache's rank)
+        self.groups = groups
+        self.cache_dir = cache_dir  # the on-disk compile cache (CacheKey)
+        self.rank, self.world = (groups.coords.rank, groups.layout.world) if groups is not None else (0, 1)
         self.source_hashes: dict[str, str] = {}  # variant -> its module source's hash (the cache key's)
         self.modules = self._load(sources or {})
         self.seen: set = set()  # (variant, bucket entry) of every graph compiled (or loaded) so far
@@ -135,16 +140,9 @@ class NpuModelRunner(RunnerSaves):
                 src = sources.get(v) or compile_variant(self.spec, v, "npu", mode=self.mode)
                 self.source_hashes[v] = source_hash(src)
                 mods[v] = load_module(Path(f"<{self.spec.name}>/npu/{mode_dir(self.mode)}/{v}.py"), src)
+                if self.groups is not None:  # the HCCL groups its collectives name, from the layout's table
+                    bind_process_groups(mods[v], process_group_names(self.groups))
         return mods
-
-    @property
-    def rt(self):  # what the DP rank's commands read (layout, sync), as a CPU DP rank's runtime
-        return self.dp
-
-    def dummy_forward(self, kind: int, tokens: int) -> None:
-        from .data_parallel import dummy_forward
-
-        dummy_forward(self, kind, tokens)
 
     # ---- the runner interface (as CpuModelRunner) ------------------------------------------------
     def saves(self, variant: str) -> bool:
@@ -185,8 +183,6 @@ class NpuModelRunner(RunnerSaves):
         self.binding.ensure()
         fut = StepFuture(plan, None)
         if plan.rows:
-            if self.plan_check is not None:
-                self.plan_check(plan)
             t0 = time.perf_counter()
             fut.handles = self._run(plan)
             fut.span = (t0, time.perf_counter())
@@ -223,15 +219,13 @@ class NpuModelRunner(RunnerSaves):
         phase = mod.META["phase"]
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
         history = bool(mod.META.get("history"))
-        cell = self._mixed_cell(plan, seqs) if history and self.dp is None else None
+        cell = self._mixed_cell(plan, seqs) if history and self.call_padding is None else None
         chunks = [seqs] if cell is not None else self._chunks(phase, seqs)
         target = self.compiled(variant)
         logits, offset = [], 0
         for chunk in chunks:
-            if self.dp is not None:  # every DP rank runs this call at one bucket (data_parallel.py)
-                from .data_parallel import agree_padding
-
-                cell = agree_padding(self, phase, len(chunk), sum(len(s["ids"]) for s in chunk))
+            if self.call_padding is not None:  # every DP rank runs this call at one bucket (data_parallel.py)
+                cell = self.call_padding(phase, len(chunk), sum(len(s["ids"]) for s in chunk))
             b, n_save = self._step_inputs(mod, chunk, pad=cell)
             self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
             self._first_use(variant, b)
@@ -374,15 +368,16 @@ def _sequence(row, block_size: int) -> dict:
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: Optional[int] = 512,
                max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               rank_parts=None, warmup: Optional[bool] = None, device_memory_utilization: Optional[float] = None,
-               cache_dir=None, rank_timeout=None, dp=None, **options) -> Engine:
+               groups=None, warmup: Optional[bool] = None, device_memory_utilization: Optional[float] = None,
+               cache_dir=None, rank_timeout=None, kv_shapes: Optional[dict] = None, **options) -> Engine:
     """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
 
     Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
     block is reserved for padding; the scheduler's limits come from the buckets (``max_num_seqs`` <= the
     largest decode bucket, ``max_num_batched_tokens`` <= the largest prefill bucket - prefill_seqs).
-    ``tp > 1``: the rank processes (`graphgen.npu.run.ranks`), each of which calls this with its
-    ``rank_parts`` (`graphgen.runtime.parallel.rank.RankParts`: KV shard, keys, plan check).
+    ``world > 1``: the rank processes (`graphgen.npu.run.ranks`), each of which calls this with its
+    ``groups`` (the layout's process groups) and its rank's options (`npu_rank_engine`: KV shard, keys,
+    the `RankRunner` wrap with the plan check or the DP agreement).
     ``warmup``: compile every bucket of every variant before the first request (`NpuModelRunner.warm_up`,
     progress on stderr); ``None``: on an NPU, off with ``standin``.  ``cache_dir``: the on-disk compile
     cache (`compile.CacheKey`: a restart with the same cache compiles nothing); None: none.
@@ -393,7 +388,7 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
         from .compile import _import_torchair
 
         _import_torchair(False)
-    if spec.parallel.world > 1 and rank_parts is None and dp is None:
+    if spec.parallel.world > 1 and groups is None:
         if sources is not None:
             raise ValueError("sources= is for one process; NPU ranks compile their own modules")
         return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
@@ -401,7 +396,6 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                                 standin=standin, mode=mode, warmup=warmup, cache_dir=cache_dir,
                                 rank_timeout=rank_timeout, **options)
     buckets = Buckets.from_spec(spec)
-    plan_check = rank_parts.check_plan if rank_parts is not None else None
     # the weights go on the device first, streamed (each load-time weight built in place), then the KV cache
     load_weights, placed, size_kv, sources = load_first(spec, weights, mode, sources, standin,
                                                         device_memory_utilization, buckets.save_rows)
@@ -410,19 +404,12 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
 
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (EngineCore.close)
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
-                                standin=standin, sources=sources, plan_check=plan_check, cache_dir=cache_dir,
-                                rank=rank_parts.rank if rank_parts is not None else dp.layout.rank if dp else 0,
-                                world=spec.parallel.world, dp=dp)
+                                standin=standin, sources=sources, cache_dir=cache_dir, groups=groups)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner
 
-    if rank_parts is not None or dp is not None:  # no async scheduling on a rank: two threads' collectives
-        options["async_scheduling"] = False      # need not pair up across ranks
-    if rank_parts is not None:  # this rank's KV shard, keys, agreed hits (see RankParts)
-        kv_shapes = rank_parts.kv_shapes
-        options.update(make_loader=rank_parts.make_loader, make_connector=rank_parts.make_connector)
-    else:
+    if kv_shapes is None:  # a rank's is its KV shard's
         shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
         kv_shapes = {k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()}
     return build_engine(spec, kv_shapes=kv_shapes, make_runner=make_runner, pool=pool, num_blocks=num_blocks,
@@ -434,15 +421,11 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                         max_model_len=max_model_len(spec), **options)
 
 
-def npu_rank_engine(spec, weights: dict, *, rank: int, parts, dp_layout=None, dp_group=None, **options) -> Engine:
-    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its `RankParts`, or,
-    a DP rank (``dp_layout``, the sync on ``dp_group``: data_parallel.py), its group's own engine."""
-    if dp_layout is not None:
-        from .data_parallel import NpuDP, NpuDPSync
-
-        options["dp"] = NpuDP(dp_layout, NpuDPSync(dp_group))
-    return npu_engine(spec, weights, rank_parts=parts, **options)
+def npu_rank_engine(spec, weights: dict, *, rank, **options) -> Engine:
+    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its rank's groups
+    and options (``rank``: the runtime's `RankSetup`, from `build_rank`)."""
+    return npu_engine(spec, weights, groups=rank.groups, **{**options, **rank.engine_options()})
 
 
 register_target("npu", npu_engine)
-register_rank_target("npu", npu_rank_engine, setup=setup_rank)  # graphgen.npu.run.ranks
+register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward)  # graphgen.npu.run.ranks

@@ -48,13 +48,15 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
                  collect_logits: bool = False, eos_token_ids: Iterable[int] = (), closers: Sequence = (),
                  max_model_len: Optional[int] = None, num_speculative_tokens: int = 0,
                  load_weights: Optional[Callable[[], None]] = None,
-                 size_kv: Optional[Callable[[int], int]] = None, lora_modules: Optional[dict] = None) -> Engine:
+                 size_kv: Optional[Callable[[int], int]] = None, wrap_runner: Optional[Callable] = None,
+                 lora_modules: Optional[dict] = None) -> Engine:
     """Wire an engine. ``kv_shapes``: cache component -> per-block shape (``[BS, ...]``);
     ``make_runner(cache, alloc, connector, reserved)`` -> the model runner (``reserved``: blocks
     taken from the allocator for the target's own use, e.g. the NPU's padding block);
     ``make_loader(pool, cache, counters)`` -> the connector's scheduler side (default: a `KVLoader`
     keyed by the spec's name); ``make_connector(pool, cache, alloc, counters)`` -> its worker side
-    (default: a `KVConnector` writing as ``pool.write``). ``num_speculative_tokens`` K > 0: every
+    (default: a `KVConnector` writing as ``pool.write``); ``wrap_runner(runner)`` -> the runner the engine
+    drives (a rank's: `graphgen.runtime.parallel.features.RankRunner` around it). ``num_speculative_tokens`` K > 0: every
     request decodes speculatively with the spec's MTP layer, K drafts per verify row
     (`spec_decode.MtpDrafter`; ValueError in one sentence for a spec without MTP layers).
 
@@ -96,6 +98,8 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     connector = (make_connector or (lambda p, c, a, n: KVConnector(p, c, a, write=spec.pool.write, stats=n)))(
         pool, cache, alloc, counters)
     runner = make_runner(cache, alloc, connector, reserved)  # it owns the connector's worker side
+    if wrap_runner is not None:
+        runner = wrap_runner(runner)
     scheduler = Scheduler(spec, alloc, loader, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked_prefill,
                           long_prefill_token_threshold=long_prefill_token_threshold,
                           num_speculative_tokens=num_speculative_tokens)
@@ -115,10 +119,10 @@ def cpu_engine(spec: ModelSpec, weights: dict, *, spec_file: str = "", generated
                source_hook: Optional[Callable[[str, str], str]] = None, sources: Optional[dict] = None,
                event_timeout: float = 120.0, runtime: Optional[CpuRuntime] = None,
                kv_shapes: Optional[dict] = None, faults: Optional[Faults] = None,
-               runner_cls: type = CpuModelRunner, **options) -> Engine:
+               **options) -> Engine:
     """The CPU target's engine (one process). A CPU rank passes its own ``runtime`` (collectives),
     ``kv_shapes`` (its KV shard), ``make_loader``/``make_connector`` (its keys, agreed hits, save-once)
-    and ``runner_cls`` (its plan check); ``sources``: {variant: module
+    and ``wrap_runner`` (its rank features: `graphgen.runtime.parallel.rank.RankSetup`); ``sources``: {variant: module
     source} compiled by a parent process (default: compiled here). ``options``: `build_engine`'s."""
     faults = faults or Faults()
     if runtime is None:
@@ -137,7 +141,7 @@ def cpu_engine(spec: ModelSpec, weights: dict, *, spec_file: str = "", generated
     weights = place_weights(weights, modules.values(), family=spec.family, dtype=dtype)
 
     def make_runner(cache, alloc, connector, reserved):
-        return runner_cls(modules, weights, cache, runtime, connector, event_timeout=event_timeout)
+        return CpuModelRunner(modules, weights, cache, runtime, connector, event_timeout=event_timeout)
 
     return build_engine(spec, kv_shapes=kv_shapes, make_runner=make_runner, faults=faults, closers=[runtime],
                         dtype=dtype, **options)

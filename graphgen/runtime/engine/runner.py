@@ -278,7 +278,10 @@ class CpuModelRunner(RunnerSaves):
         self._gen = 0  # step counter: the generation every event of a step is bound to
         self._forward: Optional[Stream] = None  # the worker thread of async scheduling
         self.observer = None  # a graphgen.trace.StepObserver: forward spans, save copies, save done
-        self.lora_slots = None  # a graphgen.runtime.lora.LoraSlots, for a spec with a lora: section (assembly)
+        self.lora_slots: Any = None  # a graphgen.runtime.lora.LoraSlots, for a spec with a lora: section (assembly)
+        # a rank feature's share of each step (context parallel's head-tail split: its `step_inputs` and
+        # `execute` around this runner's; graphgen.runtime.parallel.context_parallel.ContextSplit), or None
+        self.split = None
 
     def saves(self, variant: str) -> bool:
         """Whether the variant's module has a save program (then it takes a staging area)."""
@@ -287,6 +290,10 @@ class CpuModelRunner(RunnerSaves):
     def step_inputs(self, plan: StepPlan) -> StepInputs:
         """The module's inputs for ``plan`` (a context-parallel rank builds only its share of a prefill;
         a draft run's plan adds its ``prev_hidden``: `MtpInputs`)."""
+        if self.split is not None:
+            share = self.split.step_inputs(plan, self.block_size)
+            if share is not None:
+                return share
         base = build_inputs(plan, self.block_size)
         if plan.prev_hidden is None:
             return base
@@ -368,6 +375,12 @@ class CpuModelRunner(RunnerSaves):
         return replace(handles, span=(t, time.perf_counter()))
 
     def execute(self, variant: str, inputs, staging=None, loads=()) -> StepHandles:
+        """Run one module on built inputs (through the rank's ``split``, when it has one)."""
+        if self.split is not None:
+            return self.split.execute(self._execute, variant, inputs, staging, loads)
+        return self._execute(variant, inputs, staging, loads)
+
+    def _execute(self, variant: str, inputs, staging=None, loads=()) -> StepHandles:
         """Run one module on built inputs. ``staging``: the save's pool staging (exactly when the
         module saves); ``loads``: the loaded history blocks per layer (empty when the variant loads
         nothing), copied into the cache by the module's kv_load stream."""

@@ -5,8 +5,9 @@ nothing can run now: per request, the tokens it feeds, its positions, block tabl
 loads and saves and the logits it needs; plain data but for the loaded pool blocks, see
 `graphgen.runtime.engine.request`), ``finalize(plan)`` completes a plan made ahead just before it runs
 (tokens, the saves the runner makes from the cache), and ``update(plan, output)`` takes that step's
-`StepOutput` back (its sampled tokens). It calls nothing of the runner or the connector: what the
-runner must save rides in the plan. Requests move ``waiting -> prefill (admitted) -> running ->
+`StepOutput` back (its sampled tokens, and its `SaveReport`: the ledger ``saves``, and a row's blocks
+count as saved only where the runner says it pinned them). It calls nothing of the runner or of the
+connector's worker side (its scheduler side, `PrefixSource`, it does): what the runner must save rides in the plan. Requests move ``waiting -> prefill (admitted) -> running ->
 finished`` and back to ``waiting`` when preempted.
 
 Policy (continuous batching; see docs/runtime.md):
@@ -55,7 +56,7 @@ from .chunking import chunk_tokens, prefill_logits_positions, wants_prompt_logit
 from .forks import Forks
 from .preemption import Preemption
 from .request import PENDING, Request, RowPlan, StepPlan
-from .step_output import StepOutput
+from .step_output import SaveLedger, StepOutput
 
 __all__ = ["Scheduler", "PrefixSource", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 
@@ -80,6 +81,7 @@ class Scheduler(Preemption):
         if long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0: off)")
         self.spec = spec
+        self._step_adapters: set = set()  # the LoRA adapters (digests) of the step being planned's decode rows
         self.block_size = spec.kv_cache.block_size
         self.alloc = alloc
         self.loader = loader
@@ -103,6 +105,7 @@ class Scheduler(Preemption):
         self.forks = Forks(alloc, self.block_size)
         self.held = self.forks.held             # forks waiting for their parent's prompt blocks
         self.num_preemptions = 0
+        self.saves = SaveLedger()  # every step's SaveReport, taken in `update`
         self.counts = {"prefills": 0, "forks": 0, "prefill_tokens": 0, "device_hit_blocks": 0}
 
     # ---- queues -----------------------------------------------------------------------------
@@ -168,7 +171,7 @@ class Scheduler(Preemption):
 
     # ---- the step loop ----------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
-        self._step_adapters: set = set()  # the LoRA adapters of the step's decode rows (_lora_fits)
+        self._step_adapters = set()
         self._admit_waiting()
         if self.chunked_prefill:  # mixed batches: decode rows first, then chunks, in one forward
             plan = self._schedule_mixed()
@@ -205,6 +208,7 @@ class Scheduler(Preemption):
         row's tuple cut at the first that finishes it); a finished request's blocks are freed, and
         the write-back blocks the plan carried (pinned by their commits now) go back."""
         now = time.perf_counter()
+        pinned = self.saves.take(output.saves)  # what the runner did with the plan's saves
         tokens = list(output.tokens) if output.tokens is not None else [None] * len(plan.rows)
         logits = output.kept_logits
         self.blocks.landed_decode(plan)  # write_back: what its decode rows filled is dirty now
@@ -218,7 +222,7 @@ class Scheduler(Preemption):
             if r.finished:  # aborted while the step ran: its row is dropped
                 self._maybe_release(r)
                 continue
-            r.result.saved_blocks += len(row.cache_save_block_ids)  # the runner saved them
+            r.result.saved_blocks += sum(b in pinned for b in row.cache_save_block_ids)  # as the runner reported
             if plan.saves and not row.decode:  # a prefill row (a decode row saves as in decode_saves)
                 self.blocks.landed(row, self.blocks.completed(r, *row.chunk), self._keys(r))
             if kids := self.forks.ready(r, row.seq_len):

@@ -1,5 +1,6 @@
-"""Context-parallel (``parallel.cp``) CPU ranks: the head-tail split of a prefill step over the CP
-ranks, the per-layer KV all-gather, and replicated KV saved by CP rank 0 only.
+"""Context parallel (``parallel.cp``): the head-tail split of a prefill step over the CP ranks, as a
+rank feature (`ContextSplit`, applied by `graphgen.runtime.parallel.features.RankRunner`), the per-layer
+KV all-gather, and replicated KV saved by CP rank 0 only.
 
 The graphs are `graphgen.passes.context_parallel`'s: every prefill variant (each chunk of a chunked
 prefill too) all-gathers each layer's KV parts over group ``cp`` before its ``kv_write``; the decode
@@ -11,47 +12,45 @@ graph is the single-group one. What this module adds is the runner side of that 
   and positions; each of its pieces is one attention row over the request's block table whose
   ``seq_len`` is the piece's end (so ``attend``'s "queries sit at the last positions" is the causal
   mask of the split: a piece sees the history, the earlier pieces of every rank and itself, causally);
-* **the gather** (`ContextRankRuntime.all_gather`): ranks may hold different token counts (a prompt
+* **the gather** (`CollectiveRuntime.all_gather` on group ``cp``, its counts given by `ContextSplit`): ranks may hold different token counts (a prompt
   that ``2 × cp`` does not divide, a decode row of a mixed batch: one token, on rank 0), so each
   rank pads its part to the step's largest, gathers, and keeps every rank's real rows, in rank order.
   The ``slot_mapping`` lists every rank's slots in that order, the same tensor on every rank, so
   every CP rank writes the whole step's KV into its own cache;
 * **the logits**: a rank has the LM-head rows of the sampled positions it computed (the last token
-  of a prompt is in chunk ``2cp - 1``: rank 0's); `ContextRankRunner` scatters them into the step's
+  of a prompt is in chunk ``2cp - 1``: rank 0's); `ContextSplit` scatters them into the step's
   full ``[rows, vocab]`` logits, zero elsewhere, and all-reduces (a sum with zeros: exact), so every
   rank samples from the same logits and the schedulers stay in lockstep;
 * **decode** runs unsplit and replicated (every rank the same inputs), as the graph is;
 * **pool**: KV is the same on every CP rank, so keys are those of one group (no CP rank in them:
   ``r0of1`` at tp = 1) and only CP rank 0 puts (the graph's ``writers=cp0``; `SaveOncePool` on the others);
   every rank looks up and loads, hits agreed by MIN (`RankLoader`), commits made visible to all
-  before the next lookup (`RankConnector`'s drain barrier).
+  before the next lookup (`RankConnector`'s drain barrier): `graphgen.runtime.parallel.rank_kv`.
 
-**cp × tp**: world rank ``cp_rank × tp + tp_rank`` (TP innermost); every rank makes the ``cp`` TP
-groups and the ``tp`` CP groups (`cp_rank_parts`); its runtime is its TP rank's (`RankRuntime` on its
-TP group: weights, KV heads, keys ``r{owner}of{tp}`` as at cp = 1) plus the CP gather on its CP group,
-and only CP rank 0 of each TP rank's column puts.
+**cp × tp**: world rank ``cp_rank × tp + tp_rank`` (TP innermost); the layout's table gives each rank its
+TP group and its CP group (`graphgen.runtime.parallel.layout`); its weights, KV heads and keys
+``r{owner}of{tp}`` are its TP rank's (as at cp = 1), and only CP rank 0 of each TP rank's column puts.
+
+The split is a function of the plan alone (`cp_step_inputs`), so another target's runner could take it
+too; the NPU runner has no ``split`` seam yet (CP on the NPU is refused: `graphgen.families.parallel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..core.kvcache import slot_mapping
-from ..engine.assembly import cpu_engine
-from ..engine.engine import Engine
 from ..engine.request import StepPlan
-from ..engine.runner import StepInputs, build_inputs
-from .rank import RankModelRunner, RankParts, RankRuntime, SaveOncePool, rank_parts, register_rank_target
+from ..engine.runner import StepInputs
 
-__all__ = ["CP_RANK_TARGET", "head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextRankRuntime",
-           "ContextRankRunner", "CpRankParts", "cp_rank_parts", "cp_rank_engine"]
+__all__ = ["head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextSplit"]
 
 CP_GROUP = "cp"  # the IR's group name (graphgen.passes.context_parallel.CP_GROUP)
-CP_RANK_TARGET = "cpu_cp"  # the rank builder the launcher uses for target "cpu" at cp > 1
 
 
 def head_tail_pieces(n: int, cp: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -116,94 +115,41 @@ def cp_step_inputs(plan: StepPlan, block_size: int, cp_rank: int, cp: int) -> Cp
         logits_rows=torch.tensor(logit_rows, dtype=long), num_logits=first_logit)
 
 
-class ContextRankRuntime(RankRuntime):
-    """``rt`` of a CP rank: a TP rank's runtime (`RankRuntime`: ``rank``/``size``/``group`` are its TP
-    group's) plus the CP all-gather over ``cp_group`` (CP rank ``cp_rank`` of ``cp_size``).
-    ``cp_counts`` is set by the runner before each prefill step (every CP rank's token count)."""
+class ContextSplit:
+    """The CP rank feature (`graphgen.runtime.parallel.features`): CP rank ``cp_rank`` of ``cp`` builds only
+    its share of each prefill step (`cp_step_inputs`; decode runs unsplit and replicated), tells the
+    runtime the step's rows per CP rank (the KV gather's counts), and after the forward scatters its
+    logits rows into the step's full logits and all-reduces them over the CP group (the others add
+    zeros: exact), so every rank samples from the same logits. It plugs into the runner's ``split``
+    seam (`graphgen.runtime.engine.runner.CpuModelRunner`); a runner without one has no CP."""
+    name = "cp"
 
-    def __init__(self, *args, cp_rank: int, cp_size: int, cp_group=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
-        self.cp_counts: tuple[int, ...] = ()
+    def __init__(self, cp_rank: int, cp: int):
+        self.cp_rank, self.cp = cp_rank, cp
+        self.rt: Any = None  # the runner's CollectiveRuntime, once attached
 
-    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
-        if group != CP_GROUP:
-            return super().all_gather(x, group=group, size=size, dim=dim, length=length)
-        if size != self.cp_size or dim != 0 or length is not None:
-            raise RuntimeError(f"all_gather(group='cp', size={size}, dim={dim}, length={length}) on a "
-                               f"{self.cp_size}-rank CP group: only the KV gather over the tokens (dim 0) runs here")
-        counts = self.cp_counts
-        if len(counts) != self.cp_size or x.shape[0] != counts[self.cp_rank]:
-            raise RuntimeError(f"CP gather of {x.shape[0]} rows, but the step's split gives this rank "
-                               f"{counts[self.cp_rank] if len(counts) == self.cp_size else '?'} (counts {counts})")
-        padded = x.new_zeros((max(counts), *x.shape[1:]))
-        padded[:x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(self.cp_size)]
-        dist.all_gather(parts, padded, group=self.cp_group)
-        return torch.cat([p[:n] for p, n in zip(parts, counts)], dim=0)
+    def attach(self, runner) -> None:
+        if not hasattr(runner, "split"):
+            raise ValueError(f"{type(runner).__name__} has no step split: context parallel does not run on it")
+        runner.split, self.rt = self, runner.rt
 
+    def before_forward(self, plan: StepPlan) -> None:
+        pass
 
-class ContextRankRunner(RankModelRunner):
-    """The runner of a CP rank: the plan check (`RankModelRunner`), this rank's share of each prefill
-    step (`cp_step_inputs`), and the step's full logits from every CP rank's rows (an all_reduce)."""
+    def step_inputs(self, plan: StepPlan, block_size: int) -> Optional[StepInputs]:
+        """This rank's inputs of ``plan`` (None: a decode step, whole on every rank)."""
+        if plan.phase == "decode":
+            return None
+        return cp_step_inputs(plan, block_size, self.cp_rank, self.cp)
 
-    def step_inputs(self, plan: StepPlan) -> StepInputs:
-        if plan.phase == "decode":   # replicated: every CP rank the whole step
-            return build_inputs(plan, self.block_size)
-        return cp_step_inputs(plan, self.block_size, self.rt.cp_rank, self.rt.cp_size)
-
-    def execute(self, variant: str, inputs, staging=None, loads=()):
+    def execute(self, run: Callable, variant: str, inputs, staging=None, loads=()):
+        """``run(variant, inputs, staging, loads)`` (the runner's own forward) around the CP share."""
         if not isinstance(inputs, CpStepInputs):
-            return super().execute(variant, inputs, staging, loads)
-        self.rt.cp_counts = inputs.cp_counts
-        handles = super().execute(variant, inputs, staging, loads)
+            return run(variant, inputs, staging, loads)
+        self.rt.set_rows(CP_GROUP, inputs.cp_counts)  # the CP gather's rows per rank (CollectiveRuntime)
+        handles = run(variant, inputs, staging, loads)
         local = handles.logits   # whole-vocabulary rows (at tp > 1 the LM head gathered them)
         full = local.new_zeros((inputs.num_logits, local.shape[-1]))
         full[inputs.logits_rows] = local
-        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.rt.cp_group)  # the others add zeros: exact
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.rt.groups[CP_GROUP])
         return dataclasses.replace(handles, logits=full)
-
-
-@dataclass
-class CpRankParts(RankParts):
-    """`RankParts` of a CP rank, with its place in the layout and the process groups of its TP group
-    and its CP group (every rank makes every group, in the same order: `cp_rank_parts`)."""
-
-    tp_rank: int = 0
-    cp_rank: int = 0
-    tp_group: object = None
-    cp_group: object = None
-
-
-def cp_rank_parts(spec, rank: int, group=None) -> CpRankParts:
-    """World rank ``rank`` = ``cp_rank × tp + tp_rank``: its TP rank's KV shard and keys (`rank_parts`:
-    the same keys as the cp = 1 layout), and puts only on CP rank 0 (``writers=cp0``: the other CP ranks
-    hold the same KV)."""
-    tp, cp = spec.parallel.tp, spec.parallel.cp
-    cp_rank, tp_rank = divmod(rank, tp)
-    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) if tp > 1 else None for c in range(cp)]
-    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) if tp > 1 else None for t in range(tp)]
-    base = rank_parts(spec, tp_rank, group)
-
-    def make_connector(pool, cache, alloc, counters):
-        if cp_rank != 0:
-            pool = SaveOncePool(pool)
-        return base.make_connector(pool, cache, alloc, counters)
-
-    return CpRankParts(rank, spec.parallel.world, base.kv_shapes, base.make_loader, make_connector, group,
-                       tp_rank=tp_rank, cp_rank=cp_rank, tp_group=tp_groups[cp_rank], cp_group=cp_groups[tp_rank])
-
-
-def cp_rank_engine(spec, weights: dict, *, rank: int, parts: CpRankParts, faults=None,
-                   event_timeout: float = 120.0, **options) -> Engine:
-    """The CPU engine of world rank ``rank`` at cp > 1 (``weights``: its TP rank's slices)."""
-    runtime = ContextRankRuntime(faults, event_timeout=event_timeout, rank=parts.tp_rank, size=spec.parallel.tp,
-                                 group=parts.tp_group, cp_rank=parts.cp_rank, cp_size=spec.parallel.cp,
-                                 cp_group=parts.cp_group)
-    options["async_scheduling"] = False  # as `rank_engine`: collectives on one thread only
-    return cpu_engine(spec, weights, runtime=runtime, kv_shapes=parts.kv_shapes, make_loader=parts.make_loader,
-                      make_connector=parts.make_connector, runner_cls=ContextRankRunner, faults=faults,
-                      event_timeout=event_timeout, **options)
-
-
-register_rank_target(CP_RANK_TARGET, cp_rank_engine, parts=cp_rank_parts)

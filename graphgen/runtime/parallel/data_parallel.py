@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .dp_rank import rank_generate, rank_core
+from . import commands as C
+from .commands import failure_words
 from .launcher import DistributedEngine
 
 __all__ = ["DataParallelEngine", "DataParallelCore", "DPRouter", "prefix_affinity_key"]
@@ -75,21 +76,22 @@ class DataParallelCore:
         self.owner: dict[Any, int] = {}  # request id -> its DP rank (while it runs)
         self._last_stats: dict = {}
 
-    def _call(self, dp_rank: Optional[int], method: str, *args) -> list:
-        replies = self._engine.every_rank(rank_core, dp_rank, method, args)
+    def _call(self, dp_rank: Optional[int], call: C.StepCall) -> list:
+        cmd = C.OnDPRank(dp_rank, call)
+        replies = self._engine._command(cmd, what=call.METHOD, when=failure_words(call))
         for status, value in replies:
             if status == "invalid":
                 raise ValueError(value)
         return [value for _, value in replies]
 
-    eos_token_ids = property(None, lambda self, ids: self._call(None, "set", "eos_token_ids", tuple(ids)))
+    eos_token_ids = property(None, lambda self, ids: self._call(None, C.SetAttr("eos_token_ids", tuple(ids))))
 
     def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None,
                     fork_of=None) -> None:
         prompt = [int(t) for t in prompt_ids]
         r = self.owner.get(fork_of) if fork_of is not None else None  # a fork shares its parent's blocks
         r = self._engine.router.choose(prompt) if r is None else r
-        self._call(r, "add_request", req_id, prompt, params, max_tokens, fork_of)
+        self._call(r, C.AddRequest(req_id, prompt, params, max_tokens, fork_of))
         self.owner[req_id] = r
         self._engine.router.begin(r)
 
@@ -97,29 +99,29 @@ class DataParallelCore:
         r = self.owner.pop(req_id, None)
         if r is not None:
             self._engine.router.end(r)
-            self._call(r, "abort", req_id, forks)
+            self._call(r, C.Abort(req_id, forks))
 
     def step(self) -> list:
-        outs = [o for rank_out in self._call(None, "step") for o in rank_out]
+        outs = [o for rank_out in self._call(None, C.Step()) for o in rank_out]
         for o in outs:
             if o.finished and o.req_id in self.owner:
                 self._engine.router.end(self.owner.pop(o.req_id))
         return outs
 
     def has_work(self) -> bool:
-        return any(self._call(None, "has_work"))
+        return any(self._call(None, C.HasWork()))
 
     def stats(self) -> dict:
         """Every rank's stats summed (gauges and totals alike), ``per_rank``: each rank's."""
         if self._engine._closed:  # a server's last refresh after shutdown: the ranks are gone
             return self._last_stats
-        per = self._call(None, "stats")
+        per = self._call(None, C.CoreStats())
         total = {k: sum(s[k] for s in per) for k in per[0] if isinstance(per[0][k], (int, float))}
         self._last_stats = {**total, "per_rank": per}
         return self._last_stats
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
-        self._call(None, "shutdown", timeout)
+        self._call(None, C.Shutdown(timeout))
 
 
 class DataParallelEngine(DistributedEngine):
@@ -134,12 +136,6 @@ class DataParallelEngine(DistributedEngine):
         self.dp = spec.parallel.dp
         self.last_ranks: list[int] = []  # the DP rank of each prompt of the last generate
         self.core = DataParallelCore(self)
-
-    def every_rank(self, fn, *args) -> list:
-        """``fn(rank_engine, *args)`` in every rank process, each rank's result: as `on_ranks`, but ``fn``
-        may call collectives (the ticks' handshakes, the MoE's), every rank running the same ``fn`` on
-        the same arguments (each picks its own share by its DP rank), so they pair up."""
-        return self._command("call", fn, *args)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, *, batch: bool = False,
                  settle: bool = True, ranks: Optional[Sequence[int]] = None):
@@ -166,7 +162,7 @@ class DataParallelEngine(DistributedEngine):
         tagged = [(i, r, p) for i, (r, p) in enumerate(zip(ranks, prompts))]
         groups = [tagged] if batch else [[t] for t in tagged]
         merged: dict = {}
-        for res in self.every_rank(rank_generate, groups, max_new_tokens, settle):
+        for res in self._command(C.DPGenerate(groups, max_new_tokens, settle), "generate"):
             if "error" in res:
                 j, err, tb = res["error"]
                 raise RuntimeError(f"prompt {j}: {err}\n{tb}")

@@ -1,5 +1,6 @@
-"""A DP-attention rank (``parallel: {dp: N, ep: N}``, tp = 1 per group): its runtime, runner and engine,
-and the rank side of the facade's commands (`graphgen.runtime.parallel.data_parallel` drives them).
+"""A DP-attention rank (``parallel: {dp: N, ep: N}``, tp = 1 per group): its weight slices, the CPU
+runner's DP feature (`CpuDPForward`) and the rank side of the DP commands
+(`graphgen.runtime.parallel.data_parallel` drives them, `graphgen.runtime.parallel.commands` dispatches).
 
 Each of the ``dp`` rank processes is a DP group of one rank with its **own** requests, scheduler, KV
 cache and connector (an ordinary single-rank engine in everything but the MoE); the graph
@@ -8,13 +9,14 @@ cache and connector (an ordinary single-rank engine in everything but the MoE); 
     all_gather (group dp)  ->  this rank's E/ep experts and 1/ep of the shared experts on every
     group's tokens (a partial sum)  ->  reduce_scatter (group ep): back to this group's tokens.
 
-`DPRankRuntime` is those collectives on gloo. The groups' steps hold different token counts (their
-own batches): the gather first all-gathers the counts, pads to the largest, and keeps the counts for
-the reduce-scatter that follows (this rank's rows of the summed tensor), so no step input is padded.
+`graphgen.runtime.parallel.collectives.CollectiveRuntime` runs those collectives on gloo. The groups' steps
+hold different token counts (their own batches): the gather first all-gathers the counts, pads to the
+largest, and keeps the counts for the reduce-scatter that follows (this rank's rows of the summed
+tensor), so no step input is padded.
 
 **Lockstep of forwards, not of plans.** The MoE collectives pair up only if every DP rank runs a
-forward whenever one does. Every forward begins with a handshake (`DPSync`: an all_reduce MAX over
-the DP ranks): a rank about to run a real step says 1; a rank with nothing (more) to run in this
+forward whenever one does. Every forward begins with a handshake (`CpuDPForward`, a rank feature:
+an all_reduce MAX over the DP ranks): a rank about to run a real step says 1; a rank with nothing (more) to run in this
 tick says 0 and, while some rank says 1, runs a **dummy forward**: the decode module on zero tokens,
 which still runs its experts on the other groups' gathered tokens (they are needed: each rank holds
 a different half of the experts). When every rank says 0 the tick ends. A tick (`dp_tick`) is one
@@ -26,30 +28,25 @@ processes, so a dead DP rank raises `RankFailure` on the caller, never a hang.
 through one DP rank hits on every other; the facade drains every rank and then barriers before the
 next prompt looks the pool up (`generate` without ``batch``).
 
-Not built: ``tp > 1`` inside a DP group (the TP gather after the reduce-scatter, steps padded to a
-multiple of tp, the per-group plan check and hit agreement), an all-to-all dispatch, the NPU lowering.
+Not built: ``tp > 1`` inside a DP group (a lockstep group per DP group in the layout's table for the plan
+check and hit agreement, steps padded to a multiple of tp; the refusal is
+`graphgen.families.parallel.runtime_layout_gap`), an all-to-all dispatch. The NPU's DP feature is
+`graphgen.npu.run.data_parallel.NpuDPForward`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Optional
-
+from typing import Any
 import torch
 import torch.distributed as dist
 
 from ...ir.weights import parse_shard
-from ..core.cpu_runtime import CpuRuntime
-from ..engine.assembly import cpu_engine
-from ..engine.engine import Engine
-from ..engine.runner import CpuModelRunner, StepInputs
-from . import ops as ops_parallel
-from .core_calls import core_call
+from ..engine.runner import StepInputs
 from .ops import slice_weight
 
-__all__ = ["DPLayout", "DPRankRuntime", "DPSync", "DPModelRunner", "dp_rank_weights", "dp_rank_engine",
-           "build_dp_rank", "dp_tick", "rank_generate", "rank_core"]
+__all__ = ["DPLayout", "DPSync", "CpuDPForward", "dp_rank_weights", "dp_tick", "dp_generate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,196 +96,100 @@ def dp_rank_weights(full, names, layout: DPLayout) -> dict:
 
 
 class DPSync:
-    """The DP ranks' per-forward handshake and tick agreement (all_reduce MAX on the world group;
-    every DP rank calls the same ones in the same order, see the module doc)."""
+    """The DP ranks' per-forward handshake and tick agreement (all_reduce MAX on ``group``, the host-side
+    gloo group; None: the world's; every DP rank calls the same ones in the same order, see the module doc)."""
 
-    @staticmethod
-    def _max(v: int) -> int:
+    def __init__(self, group=None):
+        self.group = group
+
+    def max(self, v: int) -> int:
         t = torch.tensor([int(v)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
-    def forward_begins(self) -> None:
-        """Before a real forward: tell the other ranks to run theirs (real or dummy)."""
-        self._max(1)
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
 
-    def serve_others(self, dummy_forward) -> int:
-        """This rank has nothing (more) to run this tick: run a dummy forward for every real one
-        another rank begins; returns when no rank does. How many dummies ran."""
+
+class CpuDPForward:
+    """The CPU runner's `graphgen.runtime.parallel.features.DPForward`: every real forward begins with a
+    MAX of 1 (`DPSync`); an idle rank answers each with a dummy forward on zero tokens."""
+    name = "dp"
+
+    def __init__(self, dp_rank: int, group=None):
+        self.dp_rank, self.sync = dp_rank, DPSync(group)
+        self.runner: Any = None  # the CPU runner, once attached
+        self.dummy_forwards = 0
+
+    def attach(self, runner) -> None:
+        self.runner = runner
+
+    def before_forward(self, plan) -> None:
+        self.sync.max(1)  # tell the other ranks to run theirs (real or dummy)
+
+    def serve_others(self) -> int:
         n = 0
-        while self._max(0):
-            dummy_forward()
+        while self.sync.max(0):
+            self.dummy_forward()
             n += 1
         return n
 
     def any(self, flag: bool) -> bool:
-        return bool(self._max(int(flag)))
+        return bool(self.sync.max(int(flag)))
 
     def barrier(self) -> None:
-        dist.barrier()
-
-
-class DPRankRuntime(CpuRuntime):
-    """``rt`` of a DP rank: the MoE's token all-gather over the DP ranks (counts first: the groups'
-    steps differ in length), the reduce-scatter back to this group's rows, and ``moe`` with this
-    rank's EP index. ``expert_owner``: whose experts ``moe`` takes its weight slices for (the EP
-    index; a test swaps it to prove the layout is observable)."""
-
-    def __init__(self, *args, layout: DPLayout, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.layout = layout
-        self.rank, self.size = layout.rank, layout.world
-        self.expert_owner = layout.ep_rank
-        self.sync = DPSync()
-        self._dp_counts: Optional[list[int]] = None  # the last gather's rows per DP rank
-
-    def _group_size(self, group: str, size: int) -> None:
-        expect = {"dp": self.layout.dp, "ep": self.layout.ep}.get(group)
-        if expect is None or size != expect:
-            raise RuntimeError(f"collective of group {group!r} size {size} on a dp={self.layout.dp} "
-                               f"ep={self.layout.ep} tp={self.layout.tp} layout (a module of another layout?)")
-
-    def all_gather(self, x: torch.Tensor, *, group: str, size: int, dim: int, length) -> torch.Tensor:
-        self._group_size(group, size)  # tp = 1: the DP token gather is the only all-gather
-        if dim != 0 or length is not None:
-            raise ValueError(f"the DP token all-gather is over the tokens (dim 0, length None), got {dim}, {length}")
-        n = torch.tensor([x.shape[0]], dtype=torch.int64)
-        counts = [torch.empty_like(n) for _ in range(size)]
-        dist.all_gather(counts, n)
-        self._dp_counts = [int(c) for c in counts]
-        padded = x.new_zeros((max(self._dp_counts), *x.shape[1:]))
-        padded[:x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded.contiguous())
-        return torch.cat([p[:c] for p, c in zip(parts, self._dp_counts)], dim=0)
-
-    def reduce_scatter(self, x: torch.Tensor, *, group: str, size: int, reduce: str, dim: int) -> torch.Tensor:
-        self._group_size(group, size)
-        if dim != 0 or reduce != "sum" or self._dp_counts is None:
-            raise ValueError("the MoE reduce-scatter sums over the tokens (dim 0) of the DP gather before it")
-        # gloo has no reduce_scatter: all_reduce, then this group's rows (the wire cost is not a
-        # reduce-scatter's; the sums are)
-        total = x.contiguous().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        first = sum(self._dp_counts[:self.layout.dp_rank])
-        return total[first:first + self._dp_counts[self.layout.dp_rank]]
-
-    def moe(self, *args, **kwargs):
-        return ops_parallel.moe(*args, rank=self.expert_owner, size=self.layout.ep, **kwargs)
-
-    def __getattr__(self, name: str):  # the shard pass's ops (residual_add, ...) are the parallel ones
-        if name in ops_parallel.__all__:
-            return getattr(ops_parallel, name)
-        return super().__getattr__(name)
-
-
-class DPModelRunner(CpuModelRunner):
-    """The CPU runner of a DP rank: every real forward begins with the handshake (`DPSync`);
-    `dummy_forward` is what an idle rank runs meanwhile."""
-
-    dummy_forwards = 0  # how many this rank ran (a probe for tests)
-
-    def submit(self, plan, *, background: bool = False):
-        if background:  # the handshake and the forward's collectives must stay on one thread
-            raise RuntimeError("a DP rank runs its forwards inline (async scheduling is off on ranks)")
-        if plan.rows:  # a step with no forward (write-backs only) is no forward for the other ranks
-            self.rt.sync.forward_begins()
-        return super().submit(plan)
-
-    def _dummy_variant(self) -> str:
-        for v, m in self.modules.items():  # a module without history (nothing to load)
-            if not m.META.get("history"):
-                return v
-        raise RuntimeError("no variant without history for the dummy forward")
+        self.sync.barrier()
 
     def dummy_forward(self) -> None:
         """A forward on zero tokens: attention on nothing, the MoE's experts on the other groups'
         gathered tokens (this rank's share of their sums), logits of nothing; no cache row written."""
-        v = self._dummy_variant()
+        runner = self.runner
+        v = next((v for v, m in runner.modules.items() if not m.META.get("history")), None)  # nothing to load
+        if v is None:
+            raise RuntimeError("no variant without history for the dummy forward")
         none = torch.zeros(0, dtype=torch.long)
         inputs = StepInputs(input_ids=none, positions=none, slot_mapping=none,
                             block_tables=torch.zeros((0, 1), dtype=torch.long), seq_lens=none,
                             query_lens=none, logits_indices=none, save_block_ids=none)
-        staging = self.cache.make_staging(0) if self.saves(v) else None
-        handles = self.execute(v, inputs, staging)
+        staging = runner.cache.make_staging(0) if runner.saves(v) else None
+        handles = runner.execute(v, inputs, staging)
         self.dummy_forwards += 1
         if handles.save_job is not None:  # a save program of zero blocks: let it finish
             handles.save_job.wait()
 
 
-def dp_rank_engine(spec, weights: dict, *, layout: DPLayout, pool, faults=None, event_timeout: float = 120.0,
-                   **options) -> Engine:
-    """The engine of one DP rank (tp = 1): the single-rank KV parts (keys without the DP rank), the
-    DP runtime and runner."""
-    if layout.tp != 1:
-        raise ValueError("DP attention with tp > 1 inside a group does not run yet (docs/parallel.md)")
-    runtime = DPRankRuntime(faults, event_timeout=event_timeout, layout=layout)
-    options["async_scheduling"] = False  # the handshake and the forward on the caller's thread
-    return cpu_engine(spec, weights, runtime=runtime, runner_cls=DPModelRunner, faults=faults, pool=pool,
-                      event_timeout=event_timeout, **options)
-
-
-def build_dp_rank(spec, weights: dict, rank: int, cfg: dict, pool, target=None, group=None) -> Engine:
-    """What `rank.rank_main` builds for a DP layout: this rank's slices and engine: the CPU one here, or
-    another target's (``target``: its `RankTarget`, built with ``parts=None``, ``dp_layout`` and ``dp_group``:
-    the host-side gloo group its DP ranks agree on, the NPU's: `graphgen.npu.run.data_parallel`)."""
-    layout = DPLayout.of(spec.parallel, rank)
-    # a dict: every tensor, sliced here; else the rank's `CheckpointWeights` (streamed when the engine loads)
-    mine = dp_rank_weights(weights, cfg["weight_names"], layout) if isinstance(weights, dict) else weights
-    if cfg["target"] != "cpu":
-        return target.build(spec, mine, rank=rank, parts=None, dp_layout=layout, dp_group=group, pool=pool,
-                            faults=cfg["faults"], spec_file=cfg["spec_file"], **cfg["engine_kwargs"])
-    return dp_rank_engine(spec, mine, layout=layout, pool=pool, faults=cfg["faults"], spec_file=cfg["spec_file"],
-                          sources=cfg["sources"], **{"event_timeout": cfg["timeout"], **cfg["engine_kwargs"]})
-
-
-# ---- the rank side of the facade's commands (run by `rank_main`'s "call": fn(engine, *args)) --------
-def _dp_rank(engine) -> int:
-    return engine.runner.rt.layout.dp_rank
-
-
-def dp_tick(engine) -> list:
+# ---- the rank side of the DP commands (`graphgen.runtime.parallel.commands`) --------------------------
+def dp_tick(engine, dp) -> list:
     """One tick on every DP rank (each calls it): a step where this rank has work, then dummy
     forwards for as long as another rank still runs real ones. This rank's outputs."""
     core = engine.core
     out = core.step() if core.has_work() else []
-    engine.runner.rt.sync.serve_others(engine.runner.dummy_forward)
+    dp.serve_others()
     return out
 
 
-def _run_until_idle(engine) -> None:
-    sync = engine.runner.rt.sync
+def _run_until_idle(engine, dp) -> None:
     while True:
-        dp_tick(engine)
-        if not sync.any(engine.core.has_work()):
+        dp_tick(engine, dp)
+        if not dp.any(engine.core.has_work()):
             return
 
 
-def rank_generate(engine, groups: list, max_new_tokens: int, settle: bool):
+def dp_generate(engine, dp, groups: list, max_new_tokens: int, settle: bool):
     """`Engine.generate` over the DP ranks: ``groups`` are lists of (index, dp rank, prompt) run one
     group after another (each rank adds its own); ``settle``: every rank drains, then all barrier,
     before the next group looks the pool up. ``{index: RequestResult}`` of this rank's prompts."""
-    me, sync = _dp_rank(engine), engine.runner.rt.sync
     results = {}
     for i, group in enumerate(groups):
         if i and settle:
             engine.drain()
-            sync.barrier()  # every rank's commits landed before any rank's next lookup
-        reqs = {j: engine.core.add_request(None, list(p), max_tokens=max_new_tokens) for j, r, p in group if r == me}
-        _run_until_idle(engine)
+            dp.barrier()  # every rank's commits landed before any rank's next lookup
+        reqs = {j: engine.core.add_request(None, list(p), max_tokens=max_new_tokens)
+                for j, r, p in group if r == dp.dp_rank}
+        _run_until_idle(engine, dp)
         for j, req in reqs.items():
             if req.finish_reason == "error":
                 engine.core.abort_all()
                 return {"error": (j, repr(req.error), "".join(traceback.format_exception(req.error)))}
             results[j] = req.result
     return results
-
-
-def rank_core(engine, dp_rank: Optional[int], method: str, args: tuple):
-    """One `DataParallelCore` call: on rank ``dp_rank`` only (None: on every rank). ``("ok", result)``
-    or ``("invalid", message)`` (add_request refused the input)."""
-    if dp_rank is not None and dp_rank != _dp_rank(engine):
-        return "ok", None
-    if method == "step":  # a tick: this rank's step, then dummy forwards while another rank runs
-        return "ok", dp_tick(engine)
-    return core_call(engine.core, method, args)

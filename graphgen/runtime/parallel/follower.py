@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..progress import Deadlines
+from .commands import Close
 from .cluster import KEY_ENV, Placement, cluster_key, interface_towards, spec_digest
 from .links import HEARTBEAT_S, SILENCE_S, LocalRank, connect_channel
 from .procs import _process_context, start_ranks
@@ -114,7 +115,7 @@ def _relay(conn: Connection, ends: list[LocalRank], driver: str, on_up) -> Optio
                     return f"node 0 (the driver at {driver}) was lost: its connection closed"
                 heard = time.monotonic()
                 if msg[0] == "cmd":
-                    closing = closing or msg[1][0] == "close"
+                    closing = closing or isinstance(msg[1], Close)
                     for e in ends:
                         e.send(msg[1])
                 elif msg[0] == "abort":

@@ -43,11 +43,12 @@ from ..pool import DEFAULT_POOL_BYTES
 from ..pool.shared import connect_pool, serve_pool
 from ..progress import Board, Deadlines, RankPhases
 from .cluster import Placement, cluster_key, interface_towards, spec_digest
-from .context_parallel import CP_RANK_TARGET
-from .core_calls import failure_words
+from . import commands as C
+from .step_api import DistributedCore
 from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
+from .rank_process import SHARED_SCHEME
 from ...netutil import bind_socket, free_port
 
 __all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
@@ -71,19 +72,21 @@ def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
 def _checked(spec, weights, pool, target: str):
     """(the rank builder's name, the weights as the ranks get them) for a layout the ranks can run;
     ValueError naming what cannot be."""
-    from ...families.parallel import layout_rules
+    from ...families.parallel import layout_rules, runtime_layout_gap
 
-    if target == "cpu" and spec.parallel.cp > 1:  # context parallel's rank builder (runtime.parallel.context_parallel)
-        target = CP_RANK_TARGET
     if target not in RANK_TARGETS:
         raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
     # a --tp/--ep override is checked here (the loader checked the file's own layout)
     problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
     if problems:
         raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
+    gap = runtime_layout_gap(spec.parallel, target)  # the one table of what the ranks cannot run yet
+    if gap is not None:
+        raise ValueError(gap)
     if weights is None:
         raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
-    if pool != "host":
+    if pool != "host":  # each rank opens its own client from the URL (rank_process.open_rank_pool): this refusal
+        # is what the ranks-on-Mooncake work lifts, with a test
         raise ValueError("parallel ranks share the embedded host pool (pool='host')")
     return target, weights if isinstance(weights, dict) else str(weights)  # (open_engine checked its config.json)
 
@@ -131,52 +134,6 @@ def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[
         return (f"{here.describe(member)} runs {hello.get('spec_name')!r} with another layout or settings than "
                 f"node 0 ({spec.name!r}): every node must be given the same spec and flags")
     return None
-
-
-class DistributedCore:
-    """`EngineCore`'s step API over the ranks: ``add_request``, ``abort``, ``step``, ``has_work``,
-    ``stats``, ``shutdown`` (and setting ``eos_token_ids``) run on every rank's own ``Engine.core``,
-    in the order the caller makes them, so every rank schedules the same steps and issues the same
-    collectives; the results are rank 0's.
-
-    What crosses to the ranks is pickled: the `SamplingParams`, from which each rank builds the
-    request's sampler (a seeded one draws the same token on every rank; a sampled request without a
-    seed would not agree, and the ranks' plan check stops the engine: give it a seed, as the server
-    does). The logits every rank samples from are the same (the LM head's all_gather), so greedy rows
-    agree. A ``ValueError`` of ``add_request`` (bad input) is raised here, every rank having refused it."""
-
-    def __init__(self, engine: "DistributedEngine"):
-        self._engine = engine
-
-    def _call(self, method: str, *args):
-        status, value = self._engine._command("core", method, *args, what=method, when=failure_words(method))[0]
-        if status == "invalid":
-            raise ValueError(value)
-        return value
-
-    def _set(self, name: str, value) -> None:
-        self._call("set", name, value)
-
-    eos_token_ids = property(None, lambda self, ids: self._set("eos_token_ids", tuple(ids)))
-
-    def add_request(self, req_id, prompt_ids: Sequence[int], params=None, *, max_tokens: Optional[int] = None,
-                    fork_of=None) -> None:
-        self._call("add_request", req_id, [int(t) for t in prompt_ids], params, max_tokens, fork_of)
-
-    def abort(self, req_id, forks: bool = True) -> None:
-        self._call("abort", req_id, forks)
-
-    def step(self) -> list:
-        return self._call("step")
-
-    def has_work(self) -> bool:
-        return self._call("has_work")
-
-    def stats(self) -> dict:
-        return self._call("stats")
-
-    def shutdown(self, timeout: Optional[float] = None) -> None:
-        self._call("shutdown", timeout)
 
 
 def _max_model_len(engine) -> int:  # a probe run in every rank process (module-level: pickled by name)
@@ -231,7 +188,8 @@ class DistributedEngine:
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "timeout": timeout,
                "store": (host, self._store.port if self._store is not None else here.store_port, here.torchrun),
                "group_timeout": max(timeout, self.deadlines.longest),  # the process group's (module doc)
-               "threads": threads or max(1, (os.cpu_count() or 1) // len(here.ranks)), "pool_address": pool_address,
+               "threads": threads or max(1, (os.cpu_count() or 1) // len(here.ranks)),
+               "pool": f"{SHARED_SCHEME}{pool_address[0]}:{pool_address[1]}",  # each rank its own client
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
                "devices": {r: here.device_index(r) for r in here.ranks}, "local_world": len(here.ranks),
                # another target's ranks compile their own modules (its modes are its business)
@@ -346,18 +304,21 @@ class DistributedEngine:
                 return "".join(f"{why}; " for why in dict.fromkeys(down))
             time.sleep(0.02)
 
-    def _command(self, cmd: str, *args, what: Optional[str] = None, when: Optional[str] = None) -> list:
+    def _command(self, cmd, what: Optional[str] = None, when: Optional[str] = None) -> list:
+        """Every rank's reply to ``cmd`` (a `graphgen.runtime.parallel.commands` command; ranks > 0 send None
+        unless the command's ``EVERY_RANK``)."""
+        what = what or type(cmd).__name__.lower()
         with self._busy:
             if self._closed:
                 if self._failure is not None:
                     raise RankFailure(self._failure)
                 raise RuntimeError("the distributed engine is closed")
             for e in self._ends:
-                e.send((cmd, args))
+                e.send(cmd)
             if self._channel is not None:
-                self._channel.broadcast(("cmd", (cmd, args)))
+                self._channel.broadcast(("cmd", cmd))
             self._phases.command()
-            return self._collect(what or cmd, when or f"during {what or cmd}")
+            return self._collect(what, when or f"during {what}")
 
     def _node_lost(self, link) -> None:
         """A follower's link was lost (its reader thread): between commands, the engine ends now (every rank
@@ -389,20 +350,27 @@ class DistributedEngine:
 
     # ---- the Engine calls -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, **kwargs):
-        return self._command("generate", ([list(p) for p in prompts], max_new_tokens), kwargs)[0]
+        return self._command(C.Generate([list(p) for p in prompts], max_new_tokens, kwargs), "generate")[0]
 
     def drain(self, timeout: Optional[float] = None) -> None:
-        self._command("drain", timeout)
+        self._command(C.Drain(timeout), "drain")
 
     @property
     def rank_stats(self) -> list[dict]:
         """Each rank's connector counters (``skipped_puts``: puts a rank left to rank 0)."""
-        return self._command("stats")
+        return self._command(C.Stats(), "stats")
 
     @property
     def stats(self) -> dict:
         """Rank 0's connector counters (what `Engine.stats` gives for one rank)."""
         return self.rank_stats[0]
+
+    def save_report(self):
+        """Every rank's saves, aggregated per pool-key shard (`RanksSaveReport`: each rank's scheduler took
+        its steps' `SaveReport`s; a rank > 0's is no longer dropped)."""
+        from ..engine.step_output import RanksSaveReport
+
+        return RanksSaveReport.aggregate(self._command(C.SaveLedgers(), "save_report"))
 
     def pool_stats(self) -> dict:
         return self._pool.stats()
@@ -424,7 +392,7 @@ class DistributedEngine:
         """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
         result. ``fn`` must be picklable by reference (a module-level function) and must not call a
         collective. For tests and probes: what a rank's cache, pool view or counters hold."""
-        return self._command("call", fn, *args)
+        return self._command(C.Probe(fn, args), "call")
 
     @property
     def pool(self):
@@ -436,7 +404,7 @@ class DistributedEngine:
             return
         self._closing = True  # the followers' connections close after this: not a failure
         try:
-            self._command("close")
+            self._command(C.Close(), "close")
         finally:
             self._closed = True
             for p in self._procs:

@@ -1,6 +1,6 @@
 """CPU reference ops of the parallel-rank graphs (``graphgen.passes.shard``): rank-local partial
 sums and the weight slicing. The collectives themselves are methods of the rank runtime
-(``graphgen.runtime.parallel.rank.RankRuntime``); the ops here that need the rank take it as an
+(``graphgen.runtime.parallel.collectives.CollectiveRuntime``); the ops here that need the rank take it as an
 argument (``rank``, ``size``), which the rank runtime supplies, so they are testable without a
 process group.
 """

@@ -23,12 +23,12 @@ from .links import LocalRank
 __all__ = ["start_ranks", "RANK_MAIN"]
 
 # what the forkserver imports once (a rank's imports: rank_main's lazy ones included)
-_PRELOAD = ["torch", "torch.distributed", "graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.dp_rank",
+_PRELOAD = ["torch", "torch.distributed", "graphgen.runtime.parallel.launcher", "graphgen.runtime.parallel.rank_process",
             "graphgen.runtime.checkpoint.hf"]
 # environment read at import by a preloaded module (runtime/core/matmul.py): fixed in the forkserver
 _READ_AT_IMPORT = ("GRAPHGEN_CPU_MATMUL",)
 _forkserver_env: Optional[dict] = None  # those variables when this process's forkserver started
-RANK_MAIN = "graphgen.runtime.parallel.rank:rank_main"  # a rank process's body, by name (imported in the child)
+RANK_MAIN = "graphgen.runtime.parallel.rank_process:rank_main"  # a rank process's body, by name (imported in the child)
 
 
 def _process_context():
@@ -53,7 +53,7 @@ def _child(env: dict, target: Union[Callable, str], *args) -> None:  # the body 
 
 
 def start_ranks(ctx, env: dict, ranks, cfg: dict) -> list[LocalRank]:
-    """A process per rank of ``ranks`` (`graphgen.runtime.parallel.rank.rank_main` with ``cfg``), each on a
+    """A process per rank of ``ranks`` (`graphgen.runtime.parallel.rank_process.rank_main` with ``cfg``), each on a
     pipe of its own."""
     ends = []
     for r in ranks:
