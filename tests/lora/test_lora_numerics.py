@@ -4,21 +4,15 @@ model on the full sequence; async write on and off give the same tokens; pool ke
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from pathlib import Path
-
 import pytest
 import torch
 
 from graphgen.modelspec.loader import load_spec
 from graphgen.runtime import open_engine
 from support.hf import ATOL, build_hf_model, hf_step_logits
+from support.lora import SPECS, hf_dims, write_adapter
 
-peft = pytest.importorskip("peft")  # the test extra pins it (constraints.txt)
 
-ROOT = Path(__file__).resolve().parents[2]
-SPECS = {"qwen3_dense": ROOT / "specs/tiny_qwen3_lora.yaml", "deepseek_v3": ROOT / "specs/tiny_deepseek_v3_lora.yaml"}
 # per family: (targets, r, alpha, use_rslora) of adapter a and b (b: another rank, rank-stabilized, fewer targets)
 ADAPTERS = {
     "qwen3_dense": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 4, 8, False,
@@ -31,34 +25,12 @@ ADAPTERS = {
 }
 
 
-def _hf_dims(spec) -> dict:
-    d = dataclasses.asdict(spec.dims)
-    d.setdefault("max_position_embeddings", 512)
-    return d
-
-
-def write_adapter(base, out: Path, targets, r: int, alpha: float, rslora: bool, seed: int):
-    """A random PEFT LoRA adapter over ``base`` (B non-zero: init_lora_weights=False), saved as published;
-    returns peft's model with it (the reference)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
-                                                           use_rslora=rslora, init_lora_weights=False))
-    with torch.no_grad():  # O(1) deltas at these scales, so a missing or misplaced delta shows in the logits
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.mul_(0.5 / p.std().clamp_min(1e-6) * p.shape[-1] ** -0.5)
-    model.save_pretrained(str(out))
-    return model.eval()
-
-
 @pytest.fixture(scope="module", params=["qwen3_dense", "deepseek_v3"])
 def setup(request, tmp_path_factory):
     family = request.param
     spec = load_spec(SPECS[family])
     tmp = tmp_path_factory.mktemp(f"lora_{family}")
-    base, ckpt = build_hf_model(family, _hf_dims(spec), str(tmp / "base"), seed=3)
+    base, ckpt = build_hf_model(family, hf_dims(spec), str(tmp / "base"), seed=3)
     ta, ra, aa, sa, tb, rb, ab, sb = ADAPTERS[family]
     ref_a = write_adapter(base, tmp / "a", ta, ra, aa, sa, seed=1)
     ref_b = write_adapter(base, tmp / "b", tb, rb, ab, sb, seed=2)

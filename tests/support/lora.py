@@ -1,0 +1,34 @@
+"""LoRA test helpers: the tiny LoRA specs, HF dims from a spec, and random PEFT adapters written with peft."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = {"qwen3_dense": ROOT / "specs/tiny_qwen3_lora.yaml", "deepseek_v3": ROOT / "specs/tiny_deepseek_v3_lora.yaml"}
+def hf_dims(spec) -> dict:
+    d = dataclasses.asdict(spec.dims)
+    d.setdefault("max_position_embeddings", 512)
+    return d
+
+
+def write_adapter(base, out: Path, targets, r: int, alpha: float, rslora: bool, seed: int):
+    """A random PEFT LoRA adapter over ``base`` (B non-zero: init_lora_weights=False), saved as published;
+    returns peft's model with it (the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                                                           use_rslora=rslora, init_lora_weights=False))
+    with torch.no_grad():  # O(1) deltas at these scales, so a missing or misplaced delta shows in the logits
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.5 / p.std().clamp_min(1e-6) * p.shape[-1] ** -0.5)
+    model.save_pretrained(str(out))
+    return model.eval()
+
+
