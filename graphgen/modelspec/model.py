@@ -327,11 +327,18 @@ class ModelSpec:
     def with_overrides(self, write: Optional[WriteMode] = None, granularity: Optional[Granularity] = None,
                        tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
                        cp: Optional[int] = None, sp: Optional[bool] = None,
-                       policy: Optional[WritePolicy] = None, min_uses: Optional[int] = None) -> "ModelSpec":
+                       policy: Optional[WritePolicy] = None, min_uses: Optional[int] = None,
+                       max_loras: Optional[int] = None, max_lora_rank: Optional[int] = None,
+                       enable_lora: bool = False) -> "ModelSpec":
         """The same model with the pool write mode, granularity, write policy (and ``min_uses``) and/or parallel layout
         forced (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``,
         which the distributed launcher calls)."""
         spec = self
+        if enable_lora or max_loras is not None or max_lora_rank is not None:  # vLLM's --max-loras/--max-lora-rank
+            lora = spec.lora or Lora()  # a spec without a lora: section gets vLLM's defaults (1 slot, rank 16)
+            lora = dataclasses.replace(lora, **{k: v for k, v in (("max_loras", max_loras),
+                                                                  ("max_lora_rank", max_lora_rank)) if v is not None})
+            spec = dataclasses.replace(spec, lora=lora)
         if policy is not None:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
         if min_uses is not None:

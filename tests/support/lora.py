@@ -32,3 +32,15 @@ def write_adapter(base, out: Path, targets, r: int, alpha: float, rslora: bool, 
     return model.eval()
 
 
+
+
+def assert_greedy_within(model, prompt: list[int], tokens: list[int], tol: float = 1e-3, what: str = "") -> None:
+    """``tokens`` is a greedy continuation of ``prompt`` under ``model`` (teacher forcing, one forward): each
+    token's reference logit is within ``tol`` of the position's max -- the argmax, or a tie the float rounding
+    of another implementation may break either way (no exact-token assert at a near tie)."""
+    from .hf import hf_step_logits
+
+    ref = hf_step_logits(model, prompt, tokens)
+    for i, t in enumerate(tokens):
+        gap = (ref[i].max() - ref[i, t]).item()
+        assert gap <= tol, f"{what}: token {i} ({t}) is {gap:.3g} below the reference's best ({ref[i].argmax().item()})"

@@ -99,7 +99,7 @@ class EngineCore:
         parent (`abort`). A parent that is unknown or finished: it runs as an ordinary request."""
         if req_id is not None and req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
-        adapter = self.resolve_lora(lora)
+        adapter = self.resolve_lora(lora if lora is not None else (params.lora if params is not None else None))
         parent = self._requests.get(fork_of) if fork_of is not None else None
         if parent is not None and list(prompt_ids) != parent.prompt:
             raise ValueError(f"a fork of request {fork_of!r} must have its prompt")
