@@ -71,7 +71,11 @@ class Engine:
     def kv_naming(self) -> Optional[CacheNaming]:
         """How this engine names a prompt's blocks in its pool (what a P/D handoff sends)."""
         bs = self.block_size
-        return CacheNaming(bs, self.cache.layout, lambda p: chain_digests(p, bs), self.loader.block_keys)
+        def salt_of(name: Optional[str]) -> str:  # a request's adapter -> its weight digest (its blocks' salt)
+            return self.core.resolve_lora(name).digest if name else ""
+
+        return CacheNaming(bs, self.cache.layout, lambda p, salt="": chain_digests(p, bs, salt), self.loader.block_keys,
+                           salt_of)
 
     def kv_pool(self) -> PoolBackend:
         return self.pool
