@@ -336,8 +336,10 @@ class ModelSpec:
         spec = self
         if enable_lora or max_loras is not None or max_lora_rank is not None:  # vLLM's --max-loras/--max-lora-rank
             lora = spec.lora or Lora()  # a spec without a lora: section gets vLLM's defaults (1 slot, rank 16)
-            lora = dataclasses.replace(lora, **{k: v for k, v in (("max_loras", max_loras),
-                                                                  ("max_lora_rank", max_lora_rank)) if v is not None})
+            if max_loras is not None:
+                lora = dataclasses.replace(lora, max_loras=max_loras)
+            if max_lora_rank is not None:
+                lora = dataclasses.replace(lora, max_lora_rank=max_lora_rank)
             spec = dataclasses.replace(spec, lora=lora)
         if policy is not None:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
