@@ -1,7 +1,7 @@
 """The batched LoRA delta of the CPU target: a projection's weight wrapped with its adapter slots and each
 token's slot (``rt.lora(W, b.lora_index, b.lora[key], ...)`` in a generated module), so that the runtime ops'
-products (`graphgen.runtime.core.matmul`) add ``delta = (x A_s^T) B_s^T`` per token -- a gather of each row's
-slot, then the shrink and expand products (vLLM's and vllm-ascend's bgmv). Slot 0 is all zeros (a base-model
+products (`graphgen.runtime.core.matmul`) add ``delta = (x A_s^T) B_s^T`` per token -- each row's slot gathered,
+then the shrink and expand products (vLLM's and vllm-ascend's sgmv: per slot, over its rows). Slot 0 is all zeros (a base-model
 token), so one batch mixes base requests and several adapters. PEFT's order of operations: the base product,
 then ``lora_B(lora_A(x)) * scaling`` added (the scaling is folded into B when the adapter is read)."""
 
@@ -37,16 +37,27 @@ class LoraWeight:
 
 
 def lora_delta(x: Tensor, index: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``[T, out]``: token t's ``x[t] A[index[t]]^T B[index[t]]^T`` (shrink to the rank, then expand)."""
+    """``[T, out]``: token t's ``x[t] A[index[t]]^T B[index[t]]^T`` (shrink to the rank, then expand), zero for
+    slot 0. Computed per slot over its tokens (the rows of one adapter are gathered, shrunk and expanded as two
+    plain matmuls: vLLM's sgmv; on the CPU the host knows the slots, so no [T, R, in] gather of the stacks is
+    made, which per token -- bgmv -- costs more than the products here)."""
     if index.shape[0] != x.shape[0]:
         raise ValueError(f"lora: {index.shape[0]} token slots for {x.shape[0]} rows")
-    xa = torch.einsum("ti,tri->tr", x.float(), a.index_select(0, index))   # shrink: [T, R]
-    return torch.einsum("tr,tor->to", xa, b.index_select(0, index)).to(x.dtype)  # expand: [T, out]
+    out = x.new_zeros(x.shape[0], b.shape[1])
+    for s in _slots(index):
+        rows = (index == s).nonzero().squeeze(1)
+        xs = x.index_select(0, rows)
+        out.index_copy_(0, rows, (xs @ a[s].t().to(x.dtype)) @ b[s].t().to(x.dtype))  # shrink, then expand
+    return out
+
+
+def _slots(index: Tensor) -> list[int]:
+    return [s for s in torch.unique(index).tolist() if s != 0]
 
 
 def apply(x: Tensor, w: LoraWeight, product) -> Tensor:
     y = product(x, w.base)
-    if not bool((w.index != 0).any()):  # a batch of base-model tokens only: the base product as it is
+    if not _slots(w.index):  # a batch of base-model tokens only: the base product as it is
         return y
     for offset, a, b in w.segments:
         y[:, offset:offset + b.shape[1]] += lora_delta(x, w.index, a, b)
