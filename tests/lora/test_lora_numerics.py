@@ -76,3 +76,21 @@ def test_pool_keys_never_cross_adapters(setup):
     with _engine(family, ckpt, tmp) as eng:
         hits = [eng.generate([prompt], 2, lora=name)[0].hit_tokens for name in ("a", "b", "a", None, "b")]
     assert hits == [0, 0, 12, 0, 12], hits
+
+
+def test_a_step_batches_at_most_max_loras_adapters(setup):
+    """--max-loras 1: the two adapters' rows go to different steps (the base rows join either), and the logits
+    still match peft's."""
+    family, ckpt, tmp, refs = setup
+    prompts = [[3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 2, 8], [1, 6, 1, 8, 0, 3]]
+    loras = ["a", "b", None]
+    with _engine(family, ckpt, tmp, max_loras=1) as eng:
+        steps = []
+        acquire = eng.runner.lora_slots.acquire
+        eng.runner.lora_slots.acquire = lambda adapters: steps.append(list(adapters)) or acquire(adapters)
+        results = eng.generate(prompts, 3, batch=True, lora=loras)
+    assert steps and all(len({a.name for a in s if a is not None}) <= 1 for s in steps), steps
+    assert {a.name for s in steps for a in s if a is not None} == {"a", "b"}
+    for r, name in zip(results, loras):
+        got = torch.stack([row.reshape(-1) for row in r.step_logits])
+        assert (got - hf_step_logits(refs[name], r.prompt, r.tokens)).abs().max().item() <= ATOL
