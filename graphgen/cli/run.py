@@ -136,8 +136,9 @@ def _generate(engine, prompts, args) -> int:
 
     with engine:
         try:
-            lora = next(iter(engine.core.adapters), None) if args.lora else None  # --lora: its one adapter
-            results = engine.generate(prompts, args.max_new_tokens, batch=args.batch, lora=lora)
+            # --lora: its one adapter (an engine of ranks takes none: the spec rule refuses LoRA with ranks)
+            lora = {"lora": next(iter(engine.core.adapters))} if args.lora else {}
+            results = engine.generate(prompts, args.max_new_tokens, batch=args.batch, **lora)
         except (ValueError, OutOfBlocks) as e:
             hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
             return _usage(f"{e}{hint}")
