@@ -96,3 +96,21 @@ def test_the_race_check_covers_the_adapter_slots():
     ctx = PassContext(spec, "mempool_prefill")
     assert any("writes LoRA slots" in p for p in InsertLora().ensures(bad, ctx))
     assert InsertLora().ensures(g, ctx) == []
+
+
+def test_the_npu_lowering_refuses_lora_operands_instead_of_dropping_them():
+    """The spec rule refuses lora: with the npu target; a graph that reaches the NPU emitters anyway (built
+    from a spec edited past the rule) is a LoweringError, never a module without the adapters' delta."""
+    import dataclasses
+
+    from graphgen.lower.npu import NpuCtx, emit
+    from graphgen.lower.render import LoweringError, Names
+    from graphgen.modelspec.model import NpuTarget, Targets
+
+    spec = load_spec(ROOT / "specs/tiny_qwen3_lora.yaml")
+    text = QWEN.replace("targets:\n  cpu: {}\n", "targets:\n  cpu: {}\n  npu: {}\n")
+    assert any("NPU lowering of the LoRA delta is not built" in m for _, m, _ in _errors(text))
+    g = run_pipeline(dataclasses.replace(spec, targets=Targets(npu=NpuTarget())), "decode")
+    node = g.node("L00.o_proj")
+    with pytest.raises(LoweringError, match="NPU lowering of LoRA operands is not built"):
+        emit(node, NpuCtx(Names(g), "max-autotune", dict(g.events), {}))
