@@ -44,7 +44,8 @@ def test_prefix_policy_keeps_a_prefix_on_one_backend_and_moves_only_the_dead_one
 
 
 def _pd(role="decode", bs=4):
-    naming = CacheNaming(bs, "L1", lambda p: chain_digests(p, bs), lambda p: [f"k{d}" for d in chain_digests(p, bs)])
+    naming = CacheNaming(bs, "L1", lambda p, salt="": chain_digests(p, bs, salt),
+                         lambda p, salt="": [f"k{d}" for d in chain_digests(p, bs, salt)])
     return PD(role, HostPool(1 << 20), naming, CollectorRegistry(), lease_timeout_s=5)
 
 

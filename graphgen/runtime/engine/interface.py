@@ -28,8 +28,10 @@ class CacheNaming:
 
     block_size: int
     layout: str
-    digests: Callable[[Sequence[int]], list]   # chain digest of every full block
-    keys: Callable[[Sequence[int]], list]      # pool key of every full block
+    digests: Callable[..., list]   # (prompt, salt="") -> chain digest of every full block
+    keys: Callable[..., list]      # (prompt, salt="") -> pool key of every full block
+    # a request's LoRA adapter name (None: the base model) -> the salt of its blocks (docs/lora.md)
+    salt_of: Callable[[Optional[str]], str] = lambda name: ""
 
     def handed_off(self, prompt: Sequence[int]) -> int:
         """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
