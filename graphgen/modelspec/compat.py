@@ -137,10 +137,6 @@ def _lora_rules(spec: Any) -> Iterator[Rule]:
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 yield (f"lora.targets[{i}]", f"lora target '{t}' is no projection a {family} adapter can target",
                        f"{hint}use some of: {', '.join(known)}")
-    targets = _get(spec, "targets")
-    if targets is not _MISSING and targets.npu is not None:
-        yield ("targets.npu", "the NPU lowering of the LoRA delta is not built yet (docs/lora.md)",
-               "remove the npu: target from a spec with a lora: section")
     if par is not _MISSING and par.world > 1:
         yield ("lora", "LoRA adapters are not split over parallel ranks yet (docs/lora.md)",
                "remove the lora: section, or use a parallel layout of one rank")

@@ -94,8 +94,6 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
         refused = [f"{m} ({fix})" for where, m, fix in check_compat(spec) if where.startswith(("lora", "targets.npu"))]
         if refused:
             raise ValueError(f"spec {spec.name} with LoRA: {refused[0]}")
-        if target != "cpu":
-            raise ValueError(f"LoRA adapters run on --target cpu only for now (docs/lora.md), not {target}")
     if lora_modules:
         options["lora_modules"] = dict(lora_modules)
     from ..families.parallel import runtime_layout_gap

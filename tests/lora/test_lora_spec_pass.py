@@ -98,19 +98,32 @@ def test_the_race_check_covers_the_adapter_slots():
     assert InsertLora().ensures(g, ctx) == []
 
 
-def test_the_npu_lowering_refuses_lora_operands_instead_of_dropping_them():
-    """The spec rule refuses lora: with the npu target; a graph that reaches the NPU emitters anyway (built
-    from a spec edited past the rule) is a LoweringError, never a module without the adapters' delta."""
+def test_the_npu_lowering_passes_every_adapted_projection_its_slots(tmp_path):
+    """A spec with lora: and the npu target is accepted, and every NPU emitter of a node with LoRA operands
+    hands its helper the LoRA-adapted weight (npu_calls.lora_weight: each adapted projection's slots at its
+    output offset), never the bare weight that would drop the delta; a node without them, the bare weight."""
     import dataclasses
+    import re
 
+    from graphgen.lower import cpu
     from graphgen.lower.npu import NpuCtx, emit
-    from graphgen.lower.render import LoweringError, Names
+    from graphgen.lower.render import Names
     from graphgen.modelspec.model import NpuTarget, Targets
 
+    (tmp_path / "tiny_qwen3_lora.yaml").write_text(QWEN.replace("targets:\n  cpu: {}\n", "targets:\n  cpu: {}\n  npu: {}\n"))
+    assert load_spec(tmp_path / "tiny_qwen3_lora.yaml").targets.npu is not None  # the spec rule accepts it
     spec = load_spec(ROOT / "specs/tiny_qwen3_lora.yaml")
-    text = QWEN.replace("targets:\n  cpu: {}\n", "targets:\n  cpu: {}\n  npu: {}\n")
-    assert any("NPU lowering of the LoRA delta is not built" in m for _, m, _ in _errors(text))
     g = run_pipeline(dataclasses.replace(spec, targets=Targets(npu=NpuTarget())), "decode")
-    node = g.node("L00.o_proj")
-    with pytest.raises(LoweringError, match="NPU lowering of LoRA operands is not built"):
-        emit(node, NpuCtx(Names(g), "max-autotune", dict(g.events), {}))
+    ctx = NpuCtx(Names(g), "max-autotune", dict(g.events), {})
+    adapted = [n for n in g.nodes if n.attrs.get("lora")]
+    assert adapted
+    for n in adapted:
+        code = "\n".join(emit(n, ctx))
+        segs = re.findall(r"\((\d+), b\.lora\['([^']+)'\]\)", code)
+        assert '"sel": b.lora_sel' in code and len(segs) == len(n.attrs["lora"]), code
+        # each adapted projection's slots at the offset the CPU lowering (written apart) gives them
+        cpu_code = "\n".join(cpu.emit(n, cpu.CpuCtx(Names(g))))
+        assert segs == re.findall(r"\((\d+), b\.lora\['([^']+)'\]\)", cpu_code), (code, cpu_code)
+    assert any(int(o) > 0 for n in adapted for o in re.findall(r"\((\d+), b\.lora", "\n".join(emit(n, ctx))))  # a merged one
+    bare = next(n for n in g.nodes if n.op == "lm_head")
+    assert "b.lora" not in "\n".join(emit(bare, ctx))

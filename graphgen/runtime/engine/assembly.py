@@ -109,7 +109,8 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     if spec.lora is not None:  # the device slots adapters are loaded into on demand (LRU)
         from ..lora import LoraSlots
 
-        runner.lora_slots = LoraSlots(spec, dtype=dtype)
+        # in the runner's compute dtype where it has one (the NPU's), on the cache's device
+        runner.lora_slots = LoraSlots(spec, dtype=getattr(runner, "dtype", None) or dtype, device=torch.device(device))
         core.adapters = adapters
     return Engine(spec=spec, pool=pool, faults=faults, cache=cache, alloc=alloc, loader=loader, connector=connector,
                   runner=runner, scheduler=scheduler, core=core, closers=closers, max_model_len=max_model_len)

@@ -32,13 +32,14 @@ class SlotBusyError(RuntimeError):
 
 
 class LoraSlots:
-    def __init__(self, spec: "ModelSpec", dtype: torch.dtype = torch.float32, steps_in_flight: int = 2):
+    def __init__(self, spec: "ModelSpec", dtype: torch.dtype = torch.float32, steps_in_flight: int = 2,
+                 device: Optional[torch.device] = None):
         assert spec.lora is not None
         self.per_step, self.rank = spec.lora.max_loras, spec.lora.max_lora_rank
         self.max_loras = self.per_step * steps_in_flight  # slots
         S, R = self.max_loras + 1, self.rank
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            key: (torch.zeros(S, R, i, dtype=dtype), torch.zeros(S, o, R, dtype=dtype))
+            key: (torch.zeros(S, R, i, dtype=dtype, device=device), torch.zeros(S, o, R, dtype=dtype, device=device))
             for key, (o, i) in lora_weight_keys(spec).items()}
         self._slot_of: "OrderedDict[str, int]" = OrderedDict()  # digest -> slot, least recently used first
         self._pins: dict[int, int] = {}  # slot -> steps holding it
