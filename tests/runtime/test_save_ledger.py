@@ -25,6 +25,7 @@ def _run(ckpt, drop: bool):
             runner, collect = e.runner, e.runner.collect
             runner.collect = lambda fut: dataclasses.replace(collect(fut), saves=SaveReport())
         r = e.generate([rand_prompt(torch.Generator().manual_seed(5), 9)], 6)[0]
+        assert e.save_report().shards == {(0, 1): e.scheduler.saves}  # one rank: the interface's shape
         return r, e.scheduler.saves, e.stats["puts"]
 
 

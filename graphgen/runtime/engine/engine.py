@@ -80,6 +80,13 @@ class Engine:
         """Commits not landed yet (the runner's connector), safe from any thread."""
         return self.runner.saves_in_flight()
 
+    def save_report(self):
+        """The steps' saves as the scheduler took them (`RanksSaveReport` of one rank: shard ``(0, 1)``), the
+        same shape as a multi-rank engine's (`DistributedEngine.save_report`)."""
+        from .step_output import RanksSaveReport
+
+        return RanksSaveReport.aggregate([(self.scheduler.saves, (0, 1), True)])
+
     @property
     def modules(self) -> dict:
         return self.runner.modules

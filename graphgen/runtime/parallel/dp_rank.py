@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ...ir.weights import parse_shard
 from ..engine.runner import StepInputs
+from .layout import RankCoords, RankLayout
 from .ops import slice_weight
 
 __all__ = ["DPLayout", "DPSync", "CpuDPForward", "dp_rank_weights", "dp_tick", "dp_generate"]
@@ -51,34 +52,26 @@ __all__ = ["DPLayout", "DPSync", "CpuDPForward", "dp_rank_weights", "dp_tick", "
 
 @dataclasses.dataclass(frozen=True)
 class DPLayout:
-    """Where world rank ``rank`` sits: ``rank = dp_rank × tp + tp_rank`` (cp = 1 under DP attention),
-    and its index in the EP group (``dp_rank × tp + tp_rank``: the world rank)."""
-    dp: int
-    tp: int
-    ep: int
-    rank: int
+    """A DP rank's place as its weight slicing reads it: a view of `RankLayout.coords` (``rank = dp_rank × tp +
+    tp_rank`` at cp = 1 under DP attention; its EP index ``dp_rank × tp + tp_rank``: the world rank)."""
+    layout: RankLayout
+    coords: RankCoords
 
     @classmethod
     def of(cls, par, rank: int) -> "DPLayout":
         if par.cp != 1:
             raise ValueError("DP attention with cp > 1 has no rank order (spec rule)")
-        return cls(par.dp, par.tp, par.ep, rank)
+        lay = RankLayout.of(par)
+        return cls(lay, lay.coords(rank))
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def ep_rank(self) -> int:
-        return self.dp_rank * self.tp + self.tp_rank
+    dp = property(lambda self: self.layout.dp)
+    tp = property(lambda self: self.layout.tp)
+    ep = property(lambda self: self.layout.ep)
+    world = property(lambda self: self.layout.world)
+    rank = property(lambda self: self.coords.rank)
+    dp_rank = property(lambda self: self.coords.dp_rank)
+    tp_rank = property(lambda self: self.coords.tp_rank)
+    ep_rank = property(lambda self: self.coords.ep_rank)
 
 
 def dp_rank_weights(full, names, layout: DPLayout) -> dict:

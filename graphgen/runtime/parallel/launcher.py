@@ -80,7 +80,7 @@ def _checked(spec, weights, pool, target: str):
     problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
     if problems:
         raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
-    gap = runtime_layout_gap(spec.parallel, target)  # the one table of what the ranks cannot run yet
+    gap = runtime_layout_gap(spec.parallel, target, mtp=spec.mtp is not None)  # the one table of what ranks cannot run
     if gap is not None:
         raise ValueError(gap)
     if weights is None:
