@@ -29,11 +29,20 @@ class CacheNaming:
     block_size: int
     layout: str
     digests: Callable[[Sequence[int]], list]   # chain digest of every full block
-    keys: Callable[[Sequence[int]], list]      # pool key of every full block
+    keys: Callable[[Sequence[int]], list]      # pool key of every full block (one rank: its one shard)
+    # several ranks: every distinct KV shard's key function (a shard several ranks hold, as MLA's latent, once)
+    # and its name as the keys carry it ("r0of2"); (): ``keys`` is the only shard
+    shard_keys: tuple = ()
+    shards: tuple = ()
 
     def handed_off(self, prompt: Sequence[int]) -> int:
         """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
         return (len(prompt) - 1) // self.block_size
+
+    def handoff_keys(self, prompt: Sequence[int]) -> list[list[str]]:
+        """The handed-off blocks' pool keys, one list per KV shard (every rank's part of each block)."""
+        n = self.handed_off(prompt)
+        return [f(prompt)[:n] for f in (self.shard_keys or (self.keys,))]
 
 
 class StepAPI(Protocol):
