@@ -153,6 +153,11 @@ def _pool_stats(engine) -> dict:  # a probe (module-level: pickled by name)
     return engine.pool_stats()
 
 
+def _key_parts(engine) -> tuple:  # a probe: how this rank names its blocks (model, cache layout, shard, block size)
+    loader = engine.loader
+    return loader.model, engine.cache.layout, loader.shard.index, loader.shard.count, engine.cache.block_size
+
+
 def _max_model_len(engine) -> int:  # a probe run in every rank process (module-level: pickled by name)
     return engine.max_model_len
 
@@ -199,6 +204,7 @@ class DistributedEngine:
         self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))
         authkey = os.urandom(16)
         self.pool_url = pool  # "host" or the Mooncake master's URL every rank (on every node) opens
+        self._driver_pool = None  # on Mooncake: this process's own client, for P/D (kv_pool)
         if pool == "host":  # the embedded pool, one process every rank of every node reaches
             pool_address = (host, here.pool_port if here.multi_node else free_port(host))
             self._pool_proc = _start_pool(ctx, env, pool_capacity_bytes, pool_address, authkey, timeout)
@@ -369,6 +375,9 @@ class DistributedEngine:
             self._channel.close(reason)
         if self._pool_proc is not None and self._pool_proc.is_alive():
             self._pool_proc.kill()
+        if self._driver_pool is not None:
+            self._driver_pool.close()
+            self._driver_pool = None
         self._store = None  # the rendezvous store stops listening
 
     # ---- the Engine calls -----------------------------------------------------------------------
@@ -405,18 +414,41 @@ class DistributedEngine:
         """Each rank's own pool client's counters (on the host pool: the one shared pool's, per rank)."""
         return self.on_ranks(_pool_stats)
 
-    # the EngineInterface's calls whose parts live in the rank processes: no spans, no P/D handoff
+    # the EngineInterface's calls whose parts live in the rank processes: no spans
     def observe(self, observer) -> None:
         pass
 
     def kv_naming(self):
-        return None
+        """How the ranks name a prompt's blocks: every distinct KV shard's keys (a shard several ranks hold,
+        as MLA's latent, once), named here as each rank's loader names them (P/D's handoff over ranks). None
+        on the host pool: it lives in this instance only, nothing outside could read a handoff."""
+        if self._pool is not None:
+            return None
+        from ...runtime.engine.interface import CacheNaming
+        from ..pool.keys import KVShard, block_keys, chain_digests
+
+        parts = list(dict.fromkeys(self.on_ranks(_key_parts)))  # one per distinct shard, in rank order
+        model, layout, _, _, bs = parts[0]
+        fns = tuple((lambda m, lay, shard: lambda p: block_keys(p, bs, model=m, layout=lay, shard=shard))(
+            m, lay, KVShard(i, n)) for m, lay, i, n, _ in parts)
+        return CacheNaming(bs, layout, lambda p: chain_digests(p, bs), fns[0], shard_keys=fns,
+                           shards=tuple(KVShard(i, n).render() for _, _, i, n, _ in parts))
 
     def kv_pool(self):
-        return None
+        """This process's own Mooncake client (opened on first use, contributing no segment): P's leases and
+        visibility checks; the ranks' blocks are in the master's segments, whichever client put them."""
+        if self._pool is not None:
+            return self._pool
+        if self._driver_pool is None:
+            from ..pool import make_pool
+
+            self._driver_pool = make_pool(self.pool_url)
+        return self._driver_pool
 
     def saves_in_flight(self) -> int:
-        return 0  # each rank waits for its own commits (``drain`` barriers them)
+        """Unknown here (each rank waits for its own commits; ``drain`` barriers them): on Mooncake 1, so P's
+        visibility wait runs to its deadline rather than handing off a short run while a rank still saves."""
+        return 0 if self._pool is not None else 1
 
     def on_ranks(self, fn, *args) -> list:
         """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
