@@ -270,6 +270,9 @@ LOAD_EMIT: dict[str, Emitter] = {
 }
 
 def emit(node: Node, ctx: NpuCtx) -> list[str]:
+    if node.attrs.get("lora"):  # never a module that drops an adapter's delta silently (docs/lora.md)
+        raise LoweringError(f"node {node.id}: the NPU lowering of LoRA operands is not built yet (docs/lora.md); "
+                            f"the spec rule refuses a lora: section with the npu target")
     return emit_with(EMIT, "NPU", node, ctx)
 
 

@@ -24,6 +24,19 @@ def _linear(x, w):
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _lora_delta(x, sel, a, b):
+    """The batched LoRA delta of one projection (docs/lora.md, "NPU"), static-shaped and in ops with a real
+    GE converter: x [T, in]; sel [T, S] each token's one-hot adapter slot in x's dtype (a base-model or
+    padding token: its slot 0, all zeros in a and b, or an all-zero row); a [S, R, in], b [S, out, R] the
+    slot stacks (graphgen.runtime.lora.slots). Every slot's shrink at once (x against the S*R stacked rows
+    of a: S*R is small next to in), masked to each token's slot, then one expand against b laid out
+    [out, S*R]: token t gets x[t] a[s]^T b[s]^T, the masked slots adding exact zeros. No per-slot loop, no
+    nonzero/unique (the CPU target's sgmv): GE converts neither (nonzero only raises)."""
+    s, r, k = a.shape
+    h = F.linear(x, a.reshape(s * r, k)).view(x.shape[0], s, r) * sel.unsqueeze(-1)
+    return F.linear(h.view(x.shape[0], s * r), b.permute(1, 0, 2).reshape(b.shape[1], s * r))
+
+
 def _grouped_linear(rows, w, ends):
     """Each expert's rows (rows [M, K] sorted by expert, ends: cumulative row counts) times its weight: w
     [E, K, N] in the compute dtype, or a W8A8 pair (int8 [E, K, N], scales [E, N]): the rows quantized per

@@ -59,6 +59,8 @@ class EngineAdapter:
         self.model_name = model_name or engine.spec.name
         self.vocab_size = engine.spec.dims.vocab_size
         self.max_model_len = engine.max_model_len
+        # the LoRA adapters the engine loaded (name -> folder): /v1/models lists them, "model" picks one
+        self.lora_paths = {n: a.path for n, a in getattr(engine.core, "adapters", {}).items()}
         self.core.eos_token_ids = tuple(eos_token_ids)
         self.observer = StepObserver(trace, keep_timings=True)
         engine.observe(self.observer)  # an engine of several ranks reports nothing (their parts are elsewhere)

@@ -22,6 +22,7 @@ from ..engine_args import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     add_engine_arguments,
+    add_lora_arguments,
     add_speculative_arguments,
     check_engine_arguments,
     engine_options,
@@ -40,6 +41,7 @@ API_KEY_ENV = "GRAPHGEN_API_KEY"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, max_num_seqs=64, async_scheduling=True)
     add_speculative_arguments(p)
+    add_lora_arguments(p, serve=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on stdout)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the spec's name)")

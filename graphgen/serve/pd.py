@@ -128,10 +128,11 @@ class PD:
             kw["min_tokens"] = 0
         return dataclasses.replace(params, **kw)
 
-    def lease(self, prompt: Sequence[int]):
+    def lease(self, prompt: Sequence[int], salt: str = ""):
         """Lease the prompt's handed-off blocks, every KV shard's (one list of keys per shard; before its
-        prefill: none is evicted once visible). One lease covers every rank's part of the blocks."""
-        keys = self.naming.handoff_keys(prompt)
+        prefill: none is evicted once visible); ``salt``: its LoRA adapter's (`CacheNaming.salt_of`), so the
+        keys are the ones its prefill saves. One lease covers every rank's part of the blocks."""
+        keys = self.naming.handoff_keys(prompt, salt)
         return keys, self.pool.pin([k for shard in keys for k in shard], self.lease_timeout_s)
 
     async def wait_visible(self, keys: Sequence[Sequence[str]]) -> int:
@@ -158,14 +159,14 @@ class PD:
         except Exception:  # noqa: BLE001 - a pool that cannot answer hands off nothing
             return 0
 
-    async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict, n: int = 1) -> dict:
+    async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict, n: int = 1, salt: str = "") -> dict:
         """P's answer: the generated token dropped, ``kv_transfer_params`` added; ``n`` (empty)
         choices for a request of ``n`` choices, all from its one prefill."""
         run = await self.wait_visible(keys)
         self.handoffs.labels(result="made").inc()
         self.blocks.labels(result="handed_off").inc(run)
         self.blocks.labels(result="not_visible").inc(len(keys[0]) - run)
-        digests = self.naming.digests(prompt)[:run]
+        digests = self.naming.digests(prompt, salt)[:run]
         for c in body["choices"]:  # the token D recomputes: nothing of it is returned
             c["token_ids"], c["finish_reason"], c["logprobs"] = [], "length", None
             if "message" in c:
@@ -185,11 +186,12 @@ class PD:
         return ok
 
     # ---- D ------------------------------------------------------------------------------------
-    def accept(self, prompt: Sequence[int], h: Handoff) -> bool:
-        """Does the handoff name this prompt's blocks in this cache's layout? (Counted.)"""
+    def accept(self, prompt: Sequence[int], h: Handoff, salt: str = "") -> bool:
+        """Does the handoff name this prompt's blocks in this cache's layout and KV shards, under the request's
+        adapter (``salt``)? (Counted.)"""
         ok = (h.layout == self.naming.layout and tuple(h.shards) == tuple(self.naming.shards)
               and h.num_blocks <= self.naming.handed_off(prompt)
-              and list(h.block_hashes) == self.naming.digests(prompt)[:h.num_blocks])
+              and list(h.block_hashes) == self.naming.digests(prompt, salt)[:h.num_blocks])
         self.handoffs.labels(result="accepted" if ok else "mismatch").inc()
         if not ok:
             self.blocks.labels(result="recomputed").inc(h.num_blocks)
@@ -211,8 +213,9 @@ async def serve_with_role(pd: Optional[PD], serve, request, parsed, chat: bool, 
         raise ApiError("a P/D handoff covers one prompt (send a list of prompts to a decode or both instance)",
                        param=FIELD if handoff is not None else "prompt", code="unsupported_value")
     prompt = parsed.prompts[0]
+    salt = pd.naming.salt_of(getattr(parsed.params, "lora", None))  # the adapter's blocks (docs/lora.md)
     if pd.role != "prefill":  # D: a handoff that names other blocks is not admitted (recomputed)
-        if not await asyncio.to_thread(pd.accept, prompt, handoff):
+        if not await asyncio.to_thread(pd.accept, prompt, handoff, salt):
             return await serve(request, parsed, chat)
         out = await serve(request, parsed, chat)
         if isinstance(out, StreamingResponse):
@@ -224,11 +227,11 @@ async def serve_with_role(pd: Optional[PD], serve, request, parsed, chat: bool, 
     n = parsed.fan.n
     parsed = dataclasses.replace(parsed, params=pd.prefill_params(parsed.params), stream=False,
                                  fan=dataclasses.replace(parsed.fan, n=1, best_of=1))
-    keys, lease = await asyncio.to_thread(pd.lease, prompt)
+    keys, lease = await asyncio.to_thread(pd.lease, prompt, salt)
     try:
         out = await serve(request, parsed, chat)
         if isinstance(out, dict):
-            return await pd.finish_prefill(prompt, keys, lease, out, n)
+            return await pd.finish_prefill(prompt, keys, lease, out, n, salt)
     except BaseException:
         pd.release(lease.lease_id)  # nothing handed off: nobody else will release it
         raise

@@ -141,7 +141,7 @@ def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(tiny_npu, capsys):
     hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
     assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.15 --num-blocks 512", hint
     assert main(hint[1].split()[1:]) == 2
-    assert "fix: launch with --num-blocks 395 (the NPU reserves one more)" in capsys.readouterr().err
+    assert "fix: launch with --num-blocks 369 (the NPU reserves one more)" in capsys.readouterr().err
     assert main(["validate", str(spec), "--device-memory-gib", "3.15"]) == 0  # the decode batch's need fits
     capsys.readouterr()
     # the KV blocks asked for: 250000 blocks of 256 KiB are past a 64 GiB die

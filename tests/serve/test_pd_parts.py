@@ -44,7 +44,8 @@ def test_prefix_policy_keeps_a_prefix_on_one_backend_and_moves_only_the_dead_one
 
 
 def _pd(role="decode", bs=4):
-    naming = CacheNaming(bs, "L1", lambda p: chain_digests(p, bs), lambda p: [f"k{d}" for d in chain_digests(p, bs)])
+    naming = CacheNaming(bs, "L1", lambda p, salt="": chain_digests(p, bs, salt),
+                         lambda p, salt="": [f"k{d}" for d in chain_digests(p, bs, salt)])
     return PD(role, HostPool(1 << 20), naming, CollectorRegistry(), lease_timeout_s=5)
 
 
@@ -89,8 +90,9 @@ def test_prefill_leases_the_handed_off_blocks_and_waits_for_them():
 
 def _pd_ranks(role="prefill", bs=4, shards=("r0of2", "r1of2")):
     """A P/D over the keys of two KV shards (a tp-2 instance whose ranks hold different KV heads)."""
-    fns = tuple((lambda s: lambda p: [f"{s}:{d}" for d in chain_digests(p, bs)])(s) for s in shards)
-    naming = CacheNaming(bs, "L1", lambda p: chain_digests(p, bs), fns[0], shard_keys=fns, shards=shards)
+    fns = tuple((lambda s: lambda p, salt="": [f"{s}:{d}" for d in chain_digests(p, bs, salt)])(s) for s in shards)
+    naming = CacheNaming(bs, "L1", lambda p, salt="": chain_digests(p, bs, salt), fns[0], shard_keys=fns,
+                         shards=shards)
     return PD(role, HostPool(1 << 20), naming, CollectorRegistry(), lease_timeout_s=5)
 
 

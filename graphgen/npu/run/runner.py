@@ -48,6 +48,7 @@ from .data_parallel import NpuDPForward
 from .groups import bind_process_groups, process_group_names
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
+from .startup import barrier_after_load, npu_rank_env
 from .staging import CommitPath, DeviceBinding, NpuStreams, StagingRing
 from .weights import load_first, load_time_weights
 
@@ -152,12 +153,13 @@ class NpuModelRunner(RunnerSaves):
         """The compiled forward of ``variant`` (compiled on first use; one graph per bucket; with a
         ``cache_dir``, each bucket's graph is an entry of the on-disk compile cache under its `CacheKey`)."""
         if variant not in self._compiled:
-            from .compile import CacheKey, compile_module
+            from .compile import CacheKey, compile_module, layout_name
 
             mod = self.modules[variant]
             cells = self.grid.count() if mod.META.get("history") and mod.META["phase"] == "prefill" else 0
             cache = None if self.cache_dir is None else CacheKey(
-                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world
+                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world,
+                layout_name(getattr(self.spec, "parallel", None))
             ).directory(self.cache_dir)
             target, backend = compile_module(mod, self.mode, cache, use_standin=self.standin,
                                              buckets=self.buckets.count(mod.META["phase"]) + cells)
@@ -166,8 +168,13 @@ class NpuModelRunner(RunnerSaves):
 
     def cache_hits(self, variant: str) -> list[str]:
         """The bucket entries of ``variant`` loaded from the compile cache (not compiled), in order."""
+        return [u.name for u in self.cache_uses(variant) if u.torchair]
+
+    def cache_uses(self, variant: str) -> list:
+        """One `compile.EntryUse` per bucket of ``variant`` called so far (torchair entry and GE model found
+        or not), in order; none without a compile cache."""
         fwd = getattr(self._compiled.get(variant), "forward", None)
-        return list(getattr(getattr(fwd, "compiled", None), "hits", ()))
+        return list(getattr(getattr(fwd, "compiled", None), "uses", ()))
 
     def warm_up(self, out=None) -> int:
         """Compile (or load from the compile cache) every graph now, not on first use mid-serving:
@@ -405,6 +412,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (EngineCore.close)
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, cache_dir=cache_dir, groups=groups)
+        # every rank loaded before any compiles: HCCL connects inside the first conversion (startup.py, M2)
+        barrier_after_load(groups, rank_timeout)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner
@@ -428,4 +437,4 @@ def npu_rank_engine(spec, weights: dict, *, rank, **options) -> Engine:
 
 
 register_target("npu", npu_engine)
-register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward)  # graphgen.npu.run.ranks
+register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward, env=npu_rank_env)  # graphgen.npu.run.ranks

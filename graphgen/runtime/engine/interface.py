@@ -28,10 +28,12 @@ class CacheNaming:
 
     block_size: int
     layout: str
-    digests: Callable[[Sequence[int]], list]   # chain digest of every full block
-    keys: Callable[[Sequence[int]], list]      # pool key of every full block (one rank: its one shard)
-    # several ranks: every distinct KV shard's key function (a shard several ranks hold, as MLA's latent, once)
-    # and its name as the keys carry it ("r0of2"); (): ``keys`` is the only shard
+    digests: Callable[..., list]   # (prompt, salt="") -> chain digest of every full block
+    keys: Callable[..., list]      # (prompt, salt="") -> pool key of every full block (one rank: its one shard)
+    # a request's LoRA adapter name (None: the base model) -> the salt of its blocks (docs/lora.md)
+    salt_of: Callable[[Optional[str]], str] = lambda name: ""
+    # several ranks: every distinct KV shard's key function, (prompt, salt="") -> keys (a shard several ranks
+    # hold, as MLA's latent, once) and its name as the keys carry it ("r0of2"); (): ``keys`` is the only shard
     shard_keys: tuple = ()
     shards: tuple = ()
 
@@ -39,10 +41,11 @@ class CacheNaming:
         """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
         return (len(prompt) - 1) // self.block_size
 
-    def handoff_keys(self, prompt: Sequence[int]) -> list[list[str]]:
-        """The handed-off blocks' pool keys, one list per KV shard (every rank's part of each block)."""
+    def handoff_keys(self, prompt: Sequence[int], salt: str = "") -> list[list[str]]:
+        """The handed-off blocks' pool keys, one list per KV shard (every rank's part of each block); ``salt``:
+        the request's LoRA adapter's (`salt_of`)."""
         n = self.handed_off(prompt)
-        return [f(prompt)[:n] for f in (self.shard_keys or (self.keys,))]
+        return [f(prompt, salt)[:n] for f in (self.shard_keys or (self.keys,))]
 
 
 class StepAPI(Protocol):

@@ -199,6 +199,8 @@ class DistributedEngine:
         host = here.master_addr
         if here.multi_node and "GLOO_SOCKET_IFNAME" not in env:  # gloo binds the interface towards node 0
             env["GLOO_SOCKET_IFNAME"] = interface_towards(host)[0]
+        if RANK_TARGETS[target].env is not None:  # the target's own (NPU: HCCL/CANN), before torch imports
+            env.update(RANK_TARGETS[target].env(env, here, self.deadlines))
         self._channel = Channel((host, here.channel_port), cluster_key(here), clock=clock) if here.multi_node else None
         # the rendezvous store, bound to the given address only (torchrun's when it launched us)
         self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))
@@ -429,9 +431,10 @@ class DistributedEngine:
 
         parts = list(dict.fromkeys(self.on_ranks(_key_parts)))  # one per distinct shard, in rank order
         model, layout, _, _, bs = parts[0]
-        fns = tuple((lambda m, lay, shard: lambda p: block_keys(p, bs, model=m, layout=lay, shard=shard))(
+        fns = tuple((lambda m, lay, shard: lambda p, salt="": block_keys(p, bs, model=m, layout=lay, shard=shard,
+                                                                          salt=salt))(
             m, lay, KVShard(i, n)) for m, lay, i, n, _ in parts)
-        return CacheNaming(bs, layout, lambda p: chain_digests(p, bs), fns[0], shard_keys=fns,
+        return CacheNaming(bs, layout, lambda p, salt="": chain_digests(p, bs, salt), fns[0], shard_keys=fns,
                            shards=tuple(KVShard(i, n).render() for _, _, i, n, _ in parts))
 
     def kv_pool(self):

@@ -98,7 +98,9 @@ def _join(rank: int, cfg: dict):
     # every named group of the layout, made once in one order on every rank (the modules' collectives)
     groups = RankLayout.of(cfg["spec"].parallel).process_groups(rank)
     # the host-side agreement (plan check, hit MINs, drain barrier, DP handshake) on CPU tensors: gloo
-    return target, groups, (None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout))
+    host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    # under DP attention with several ranks per DP group, the plan check and hit MINs run on that group
+    return target, groups, host, groups.layout.lockstep_group(rank, timeout=timeout)
 
 
 def _weights(rank: int, cfg: dict, progress):
@@ -124,12 +126,12 @@ def _weights(rank: int, cfg: dict, progress):
 
 def _start(rank: int, cfg: dict, progress) -> Rank:
     spec = cfg["spec"]
-    target, groups, host = _join(rank, cfg)
+    target, groups, host, lockstep = _join(rank, cfg)
     kwargs = dict(cfg["engine_kwargs"])
     if spec.parallel.dp > 1 and cfg["target"] == "cpu":  # a DP rank's forward events wait as long as a command
         kwargs.setdefault("event_timeout", cfg["timeout"])
     engine, setup = build_rank(spec, groups.layout, target, groups=groups, weights=_weights(rank, cfg, progress),
-                               names=cfg["weight_names"], host=host, spec_file=cfg["spec_file"],
+                               names=cfg["weight_names"], host=host, lockstep=lockstep, spec_file=cfg["spec_file"],
                                pool=open_rank_pool(cfg["pool"], cfg["authkey"]), faults=cfg["faults"],
                                sources=cfg["sources"], **kwargs)
     return Rank(engine, setup.coords, setup.runner.dp if setup.runner is not None else None, setup.parts.shard,
