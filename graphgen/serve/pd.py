@@ -104,7 +104,7 @@ class PD:
     @classmethod
     def for_engine(cls, engine, role: str, registry, lease_timeout_s: float = 30.0) -> Optional["PD"]:
         """The role over a `ServingEngine`'s pool and block naming, through its P/D methods; None
-        when the engine cannot hand blocks over (several ranks)."""
+        when the engine cannot hand blocks over (ranks on the host pool, DP groups)."""
         naming = engine.kv_naming()
         if naming is None:
             return None

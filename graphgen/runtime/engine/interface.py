@@ -5,7 +5,7 @@ ranks of a tensor/context-parallel layout (`graphgen.runtime.parallel.launcher.D
 and the DP ranks (`DataParallelEngine`) — so a driver (``graphgen run``, ``graphgen serve``, P/D,
 the demo, the benchmarks) uses the interface and never asks which class it holds. What differs
 between them is answered by the interface itself: ``kv_naming()`` is None where the engine cannot
-hand its blocks over (the ranks hold their caches in other processes), ``observe`` does nothing
+hand its blocks over (ranks on the embedded host pool, DP groups; tp/cp ranks on Mooncake name every shard), ``observe`` does nothing
 where the spans would be in other processes.
 
 `CacheNaming` is how an engine names a prompt's blocks in its pool (the P/D handoff's contract).
