@@ -148,6 +148,7 @@ def _cli(*args):
 @pytest.mark.parametrize("args,msg", [
     (["--role", "prefill"], "--role prefill hands the KV over through a shared pool"),
     (["--role", "decode", "--pool", "mooncake://127.0.0.1:1", "--write", "off"], "write off"),
+    (["--role", "prefill", "--pool", "mooncake://127.0.0.1:1", "--dp", "2"], "DP groups do not yet"),
     (["--kv-lease-timeout", "0"], "--kv-lease-timeout must be > 0"),
 ])
 def test_bad_role_flags_exit_2_before_the_model_loads(ckpt, args, msg):
