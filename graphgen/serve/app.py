@@ -118,7 +118,7 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
     ``app.state.drain()`` (called by ``run_server`` on SIGTERM, from a thread) stops accepting —
     ``/health`` answers 503 from then on — and drains the engine loop while the socket still
     answers; the lifespan's shutdown is then only the rest (the trace). ``role``: P/D (serve/pd.py),
-    through the engine's P/D methods (none with several ranks)."""
+    through the engine's P/D methods (none for ranks on the host pool or DP groups)."""
     metrics = ServerMetrics(engine.model_name)
     ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer, max_logprobs=max_logprobs)
     ctx.tokenizer_dir = str(tokenizer_dir) if tokenizer_dir is not None and tokenizer is not None else None

@@ -173,6 +173,14 @@ class DataParallelEngine(DistributedEngine):
         self.last_ranks = list(ranks)
         return [merged[i] for i in range(len(prompts))]
 
+    def kv_naming(self):
+        """None: a DP group's requests are its own (a handoff would name one group's blocks; P/D with DP groups
+        is refused by `graphgen serve`)."""
+        return None
+
+    def saves_in_flight(self) -> int:
+        return 0  # each rank waits for its own commits (``drain`` barriers them)
+
     def per_group(self, replies: list) -> list:
         """Of every rank's replies (world order), each DP group's once: its TP rank 0's."""
         return list(replies[::self.world // self.dp])

@@ -6,10 +6,10 @@ serve the driver's typed commands (`graphgen.runtime.parallel.commands`) until `
 It reports each start phase it enters (``load``; ``warmup`` from a target that compiles) and its progress
 in them to the launcher (`graphgen.runtime.progress`), which holds each phase to its deadline.
 
-**The pool, by URL.** A rank opens its own pool client from ``cfg["pool"]`` (`open_rank_pool`): today the
-launcher's shared host pool (``shared://HOST:PORT``, with the launcher's authkey); a ``mooncake://`` URL
-would give each rank its own Mooncake client (`graphgen.runtime.pool.make_pool`) — what the launcher still
-refuses for ranks (`graphgen.runtime.parallel.launcher._checked`), the one line the ranks-on-Mooncake work lifts.
+**The pool, by URL.** A rank opens its own pool client from ``cfg["pool"]`` (`open_rank_pool`): the
+launcher's shared host pool (``shared://HOST:PORT``, with the launcher's authkey) for ``pool="host"``; a
+``mooncake://`` URL gives each rank its own Mooncake client (`graphgen.runtime.pool.make_pool`: its own segment
+and registered buffers; keys per shard, replicated shards put once by `rank_kv.SaveOncePool`).
 """
 
 from __future__ import annotations
