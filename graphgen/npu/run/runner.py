@@ -46,6 +46,7 @@ from ...runtime.engine import Engine, LoadedBlocks, RunnerSaves, StepFuture, Ste
 from .bucketing import Buckets, max_model_len
 from .data_parallel import NpuDPForward
 from .groups import bind_process_groups, process_group_names
+from .lora import acquire_lora, add_lora_inputs, release_lora
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
 from .startup import barrier_after_load, npu_rank_env
@@ -95,6 +96,7 @@ class NpuModelRunner(RunnerSaves):
         self.binding = DeviceBinding(0, lambda i: None) if standin else \
             DeviceBinding(torch.npu.current_device(), torch.npu.set_device)  # type: ignore[attr-defined]
         self.dtype = getattr(torch, npu.dtype)
+        self.lora_slots = None  # Multi-LoRA: a LoraSlots in this dtype on the device (build_engine makes it)
         # a rank's process groups (graphgen.runtime RankGroups: its modules' HCCL names, the compile cache's rank)
         self.groups = groups
         self.cache_dir = cache_dir  # the on-disk compile cache (CacheKey)
@@ -190,9 +192,15 @@ class NpuModelRunner(RunnerSaves):
         self.binding.ensure()
         fut = StepFuture(plan, None)
         if plan.rows:
-            t0 = time.perf_counter()
-            fut.handles = self._run(plan)
-            fut.span = (t0, time.perf_counter())
+            slot_of, held = acquire_lora(self.lora_slots, plan)
+            fut.lora_slots = held
+            try:
+                t0 = time.perf_counter()
+                fut.handles = self._run(plan, slot_of)
+                fut.span = (t0, time.perf_counter())
+            except BaseException:
+                release_lora(self.lora_slots, fut)
+                raise
         return fut
 
     def collect(self, fut: StepFuture) -> StepOutput:
@@ -200,6 +208,7 @@ class NpuModelRunner(RunnerSaves):
         plan's saves from the cache are made now, through the ring (`save_filled`: audit 3 N8)."""
         self.binding.ensure()
         plan = fut.plan
+        release_lora(self.lora_slots, fut)  # its graph calls are queued before a slot can be reloaded (one queue)
         pinned = list(plan.save_block_ids) if plan.rows and plan.saves else []
         saves = self.save_report(pinned + self.save_from_cache(*plan.cache_saves()))
         if not plan.rows:
@@ -212,7 +221,7 @@ class NpuModelRunner(RunnerSaves):
             return super().save_filled(block_ids, keys)
         self.commits.save_filled(self.connector, block_ids, keys, self.kv)
 
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan, lora_slot_of: Optional[dict] = None):
         variant = plan.variant
         mod = self.modules[variant]
         saves = bool(mod.META["saves"])
@@ -225,6 +234,8 @@ class NpuModelRunner(RunnerSaves):
                                  f"a row asked for positions {row.logits_positions}")
         phase = mod.META["phase"]
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
+        for i, sq in enumerate(seqs):
+            sq["lora"] = (lora_slot_of or {}).get(i, 0)
         history = bool(mod.META.get("history"))
         cell = self._mixed_cell(plan, seqs) if history and self.call_padding is None else None
         chunks = [seqs] if cell is not None else self._chunks(phase, seqs)
@@ -358,6 +369,8 @@ class NpuModelRunner(RunnerSaves):
                             load_block_ids=[b for s in chunk for b in s["load"]] if history else None,
                             decode=phase == "decode", device=self.device, pad=pad,
                             gather="kv_gather_rows" in getattr(mod, "STEP_READS", ("kv_gather_rows",)))
+        if "lora_sel" in getattr(mod, "STEP_READS", ()):
+            add_lora_inputs(b, [s.get("lora", 0) for s in chunk for _ in s["ids"]], self.lora_slots.views())
         return b, len(save or ())
 
 
