@@ -67,7 +67,7 @@ def graph_list(spec, mode: str) -> list[str]:
             out += [f"{name} [{mode}] batch={n}" for n in b.decode_batch]
             continue
         out += [f"{name} [{mode}] batch={b.prefill_seqs + 1} tokens={t}" for t in b.prefill_tokens]
-        if v.history and v.phase == "prefill":
+        if v.history and v.phase == "prefill" and spec.parallel.dp == 1:  # DP runs no mixed cell (warmup.py)
             out += [f"{name} [{mode}] mixed tokens={c.tokens} decode_rows={c.decode_rows}"
                     for c in MixedGrid.from_buckets(b).cells()]
     return out

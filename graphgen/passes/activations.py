@@ -7,8 +7,8 @@ Every warm-up graph runs once (`graphgen.npu.run.warmup`), so the rank's peak is
 top of the weights and the KV cache. One decoder layer's intermediates are alive at a time (each layer's are
 freed before the next; GE's feature memory is sized by its largest graph and reused, largest first:
 audit 3 N12), so a graph's peak is modelled as the hidden-sized tensors every layer keeps (residual, normed
-input, attention output: 3 x [T, H]) plus the larger of its attention and its FFN intermediates, each counted
-whole (an upper bound: all of them alive at once). The sizes, for T tokens on this rank:
+input, attention output: 3 x [T, H]) plus the larger of its attention and its FFN intermediates (attention's
+counted whole; the MoE's by liveness, below). The sizes, for T tokens on this rank:
 
 * **attention**, GQA: q/k/v [T, (Nq + 2 Nkv) D / tp] and the output [T, Nq D / tp]. MLA: q [T, Nh/tp (nope +
   rope)] twice (projected, absorbed), and on a prefill graph the up-projection of every KV row it attends to,
@@ -17,9 +17,10 @@ whole (an upper bound: all of them alive at once). The sizes, for T tokens on th
   rope)] and V [S, Nh/tp v]. Decode attends to the latent cache: no up-projection.
 * **dense MLP**: gate_up [T, 2 I / tp] and its activation [T, I / tp].
 * **MoE**: the routed rows ``R = G x top_k``, ``G`` = T x dp under DP attention (the tokens every DP group
-  gathers), else T: expanded_x [R, H], its int8 copy under W8A8 [R, H] bytes, GMM1 [R, 2 I_moe], the
+  gathers), else T, through expanded_x [R, H], its int8 copy under W8A8 [R, H] bytes, GMM1 [R, 2 I_moe], the
   activation [R, I_moe], GMM2 [R, H], and finalize's ``zeros_like`` + ``where`` 2 x [R, H] (audit 4 §2d: 65,536
-  rows on the 2-node spec).
+  rows on the 2-node spec): here by liveness, the largest set alive at one step (an op's inputs freed after
+  their last use), not their sum: GMM2's output with the zeros and the where, 3 x [R, H], on DeepSeek.
 
 The graphs are the warm-up's (`graphgen.dryrun.rank.graph_list`): decode buckets, prefill buckets (batch
 ``prefill_seqs + 1``) and, on a history prefill variant of a layout that runs them (not under DP), the mixed
@@ -64,10 +65,12 @@ def gather_rows(batch: int, tokens: int, max_blocks: int, block_size: int) -> in
     return (batch - 1) * max_blocks * block_size + tokens
 
 
-def _max_len(spec) -> int:
-    from .memory import _max_len as m
-
-    return m(spec)
+def max_model_len(spec) -> int:
+    """The NPU target's ``max_model_len``, or its default: the default of
+    `graphgen.npu.run.bucketing.max_model_len` (not imported: it is torch-side)."""
+    npu = spec.targets.npu
+    declared: Optional[int] = npu.max_model_len if npu is not None else None
+    return declared or min(4096, int(getattr(spec.dims, "max_position_embeddings", 4096)))
 
 
 def _one(spec: "ModelSpec", phase: str, history: bool, tokens: int, batch: int) -> tuple[int, str]:
@@ -84,7 +87,7 @@ def _one(spec: "ModelSpec", phase: str, history: bool, tokens: int, batch: int) 
         attn = 2 * T * nh * (nope + rope) * size
         if phase == "prefill":
             bs = spec.kv_cache.block_size
-            S = gather_rows(batch, T, -(-_max_len(spec) // bs), bs) if history else T
+            S = gather_rows(batch, T, -(-max_model_len(spec) // bs), bs) if history else T
             attn += S * nh * ((nope + v) + (nope + rope) + v) * size
     else:
         nq, nkv = -(-d.num_attention_heads // tp), -(-d.num_key_value_heads // tp)
@@ -93,8 +96,14 @@ def _one(spec: "ModelSpec", phase: str, history: bool, tokens: int, batch: int) 
     ffn, ffn_what = 3 * T * inter * size, "dense MLP"
     if getattr(d, "n_routed_experts", 0):
         rows = T * (dp if dp > 1 else 1) * d.num_experts_per_tok
-        w8a8 = spec.quantization.method == "w8a8_dynamic"
-        moe = rows * (H * size * 4 + (H if w8a8 else 0) + 3 * d.moe_intermediate_size * size)
+        q = 1 if spec.quantization.method == "w8a8_dynamic" else 0  # the int8 copies (bytes per element)
+        I = d.moe_intermediate_size
+        # what is alive at each step of the routed path, an op's inputs freed after their last use (eager;
+        # GE plans its feature memory by the same liveness): init_routing's expanded_x and its int8 copy; the
+        # int8 copy and GMM1's gate_up; gate_up and the activation (and its int8 copy); that and GMM2's output;
+        # GMM2's output, finalize's zeros_like and the where over them
+        moe = rows * max(H * (size + q), H * q + 2 * I * size, 2 * I * size + I * (size + q), I * (size + q) + H * size,
+                         3 * H * size)
         if moe > ffn:
             ffn, ffn_what = moe, f"MoE over {rows} routed rows"
     if attn >= ffn:

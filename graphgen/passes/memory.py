@@ -38,6 +38,7 @@ from ..families import FAMILIES
 from ..families.parallel import PLANS, rank_kv_components
 from ..ir.quant import linear_weight_names, quantized_weight_names, scale_dtype
 from ..ir.weights import graph_weight_names, parse_shard
+from .activations import max_model_len as _max_len
 
 if TYPE_CHECKING:
     from ..ir.graph import Graph
@@ -204,10 +205,6 @@ def _npu(spec: ModelSpec) -> NpuTarget:
     return spec.targets.npu or NpuTarget()
 
 
-def _max_len(spec: ModelSpec) -> int:
-    # the max_model_len default of graphgen.npu.run.bucketing.max_model_len (not imported: it is torch-side)
-    declared: Optional[int] = _npu(spec).max_model_len
-    return declared or min(4096, int(getattr(spec.dims, "max_position_embeddings", 4096)))
 
 
 def communicator_bytes(par: Any) -> int:

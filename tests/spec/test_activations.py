@@ -16,9 +16,10 @@ def test_the_2node_deepseek_peak_is_its_prefill_moe_over_65536_routed_rows_and_d
     acts = graph_activations(spec)
     peak = peak_activation(spec)
     assert peak.graph == "mempool_prefill tokens=1024" and peak.largest == "MoE over 65536 routed rows"  # 8 x 1024 x 8
-    # expanded_x, GMM2, zeros_like, where: 4 x [R, H] bf16; the int8 copy [R, H]; GMM1 + activation 3 x [R, I_moe]
+    # by liveness: GMM2's output, finalize's zeros_like and the where, 3 x [R, H] bf16, outgrow every other step
+    # (expanded_x + its int8 copy 3 bytes per element of [R, H]; GMM1's [R, 2 I] with the activation [R, I] ...)
     R, H, I = 65536, 7168, 2048
-    assert peak.bytes - 3 * 1024 * H * 2 == R * (4 * H * 2 + H + 3 * I * 2)
+    assert peak.bytes - 3 * 1024 * H * 2 == R * 3 * H * 2 > R * (2 * I * 2 + I * 3)
     assert not any("mixed" in a.graph for a in acts)  # DP runs no mixed cell (warmup.runs_mixed_cells)
     single = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, dp=1, ep=2))
     cells = [a for a in graph_activations(single) if "mixed" in a.graph]

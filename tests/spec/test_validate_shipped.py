@@ -37,7 +37,7 @@ def test_every_shipped_spec_validates(capsys):
     # fits with the MTP layer sharded like a decoder layer (issue 38 item 2: tp 32, as deepseek_v3_1 without it)
     assert f"{SPECS / 'deepseek_v3_1_mtp.yaml'}: does not fit" in out and rc == 2, err
     assert [l.split(":")[0] for l in err.splitlines() if ": error: " in l] == [str(SPECS / "deepseek_v3_1_mtp.yaml")]
-    assert "fix: set parallel tp: 32, ep: 1 (tp=32, ep=1: 44.90 GiB per rank)" in err, err
+    assert "fix: set parallel tp: 32, ep: 1 (tp=32, ep=1: 46.18 GiB per rank)" in err, err
     assert "per rank (tp=2, ep=1): 36.30 GiB of 54.87 GiB = weights 30.51 GiB" in out  # audit 3 §3
 
 

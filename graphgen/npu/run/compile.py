@@ -17,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..trees import leaves
+
 MODES = ("max-autotune", "reduce-overhead")
 # GE runs a graph with dynamic shapes single-stream unless this is set (torchair docs,
 # docs/zh/ascend_ir/features/advanced/multi_stream.md:22-26, "CANN环境变量"): with dynamic=True and host
@@ -100,26 +102,6 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:12]
 
 
-def _leaves(tree, path="", out=None) -> list:
-    """``(path, leaf)`` of every leaf of ``tree`` (dicts by sorted key, lists, tuples, dataclasses), in the
-    order Dynamo flattens a call's arguments into graph inputs (dicts: insertion order, kept here)."""
-    import dataclasses
-
-    out = [] if out is None else out
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _leaves(v, f"{path}[{k!r}]", out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _leaves(v, f"{path}[{i}]", out)
-    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        for f in dataclasses.fields(tree):
-            _leaves(getattr(tree, f.name), f"{path}.{f.name}", out)
-    else:
-        out.append((path, tree))
-    return out
-
-
 def input_signature(*args) -> str:
     """The first 12 hex digits of a sha256 over what a compiled graph bakes in of its inputs (M1, audit 4).
 
@@ -135,7 +117,7 @@ def input_signature(*args) -> str:
     import torch
 
     h = hashlib.sha256()
-    for path, x in _leaves(args):
+    for path, x in leaves(args):
         if isinstance(x, torch.Tensor):
             h.update(f"{path}:{x.dtype}:{tuple(x.shape)}:{x.stride()}:{x.device.type}\n".encode())
         elif x is None or isinstance(x, (bool, str)):

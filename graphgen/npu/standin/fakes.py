@@ -238,9 +238,9 @@ class StandinCachedModel:
     @staticmethod
     def _tensor_inputs(args) -> list[tuple[list, list]]:
         """(shape, stride) of every tensor in ``args``, in the order Dynamo flattens them."""
-        from graphgen.npu.run.compile import _leaves
+        from graphgen.npu.trees import leaves
 
-        return [[list(x.shape), list(x.stride())] for _, x in _leaves(args) if isinstance(x, torch.Tensor)]
+        return [[list(x.shape), list(x.stride())] for _, x in leaves(args) if isinstance(x, torch.Tensor)]
 
     def _assert_size_stride(self, args) -> None:
         """The loaded kernel's first-call check, modelled: torchair's codegen asserts every tensor input's
