@@ -103,6 +103,6 @@ def barrier_after_load(groups, rank_timeout=None) -> Optional[float]:  # pragma:
     store = default_store()
     if store is None:
         return None
-    from ...runtime.progress import Deadlines
+    from ...runtime import Deadlines   # the runtime's public face (the NPU's import rule)
 
     return loaded_barrier(store, groups.layout.world, deadline=(rank_timeout or Deadlines()).load)
