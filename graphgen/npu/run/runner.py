@@ -168,10 +168,6 @@ class NpuModelRunner(RunnerSaves):
             self._compiled[variant], self.backends[variant] = target, backend
         return self._compiled[variant]
 
-    def cache_hits(self, variant: str) -> list[str]:
-        """The bucket entries of ``variant`` loaded from the compile cache (not compiled), in order."""
-        return [u.name for u in self.cache_uses(variant) if u.torchair]
-
     def cache_uses(self, variant: str) -> list:
         """One `compile.EntryUse` per bucket of ``variant`` called so far (torchair entry and GE model found
         or not), in order; none without a compile cache."""
