@@ -25,7 +25,8 @@ and prints progress lines meanwhile (bytes loaded and GB/s, graphs compiled with
 command must be answered in ``timeout`` seconds, unless the rank reports a phase again (a graph compiled
 on first use), which then has that phase's deadline. The process group's own timeout is the longest of
 these, so a collective that waits on a peer still compiling does not fail first; a collective whose peer
-hangs or died is ended by the deadline here. Process start: `graphgen.runtime.parallel.procs` (the warm
+hangs or died is ended by the deadline here. What is checked and started before the ranks (layout, pool URL, store,
+shared pool process): `graphgen.runtime.parallel.bringup`. Process start: `graphgen.runtime.parallel.procs` (the warm
 forkserver), or ``spawn=True`` (the real NPU's ranks: its runtime must not be loaded before a fork).
 """
 
@@ -40,113 +41,21 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
-from ..pool.shared import connect_pool, serve_pool
+from ..pool.shared import connect_pool
 from ..progress import Board, Deadlines, RankPhases
-from .cluster import Placement, cluster_key, interface_towards, spec_digest
+from .cluster import Placement, cluster_key, interface_towards
 from . import commands as C
 from .step_api import DistributedCore
 from .links import Channel, LocalRank, PendingRank, RemoteRank
-from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
+from .procs import _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
 from .rank_process import SHARED_SCHEME
+from ...netutil import free_port
 
-MOONCAKE_SCHEME = "mooncake://"  # every rank its own Mooncake client (its own segment and registered buffers)
-from ...netutil import bind_socket, free_port
+from .bringup import (RankFailure, _check_hello, _checked, _compile_once,  # noqa: F401  (tests import _checked here)
+                      _host_store, _start_pool)
 
 __all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
-
-
-class RankFailure(RuntimeError):
-    """A rank process died, raised, or did not answer in time."""
-
-
-def _compile_once(spec, spec_file: str) -> tuple[dict[str, str], set[str]]:
-    """(variant -> CPU source, the weight names those graphs read), compiled here once for every rank
-    (the rank module differs per rank only in the ``rt.rank`` its runtime holds, not in its code)."""
-    from ...ir.weights import graph_weight_names
-    from ...lower.compile import compile_spec
-
-    compiled = compile_spec(spec, spec_file=spec_file, targets=("cpu",))
-    sources = {c.variant: next(iter(c.sources.values())) for c in compiled}
-    return sources, graph_weight_names(c.graph for c in compiled)
-
-
-def _checked(spec, weights, pool, target: str):
-    """(the rank builder's name, the weights as the ranks get them) for a layout the ranks can run;
-    ValueError naming what cannot be."""
-    from ...families.parallel import layout_rules, runtime_layout_gap
-
-    if target not in RANK_TARGETS:
-        raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
-    # a --tp/--ep override is checked here (the loader checked the file's own layout)
-    problems = list(layout_rules(spec.family, spec.dims, spec.parallel))
-    if problems:
-        raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
-    gap = runtime_layout_gap(spec.parallel, target, mtp=spec.mtp is not None)  # the one table of what ranks cannot run
-    if gap is not None:
-        raise ValueError(gap)
-    if weights is None:
-        raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
-    if pool != "host" and not (isinstance(pool, str) and pool.startswith(MOONCAKE_SCHEME)):
-        # a pool object lives in this process: a rank process cannot use it (it opens its own from a URL)
-        raise ValueError(f"parallel ranks take pool='host' (the embedded pool, shared by the ranks) or a "
-                         f"'mooncake://HOST:PORT' URL (each rank its own Mooncake client), got {pool!r}")
-    if pool != "host":  # the URL is checked here (one sentence), not in every rank process
-        from ...install import require
-        from ..pool.mooncake_options import MooncakeOptions
-        from urllib.parse import urlsplit
-
-        parts = urlsplit(pool)
-        if not parts.hostname or parts.port is None or parts.path not in ("", "/"):
-            raise ValueError(f"bad pool URL {pool!r}: expected mooncake://HOST:PORT[?option=value]")
-        MooncakeOptions.from_query(parts.query)
-        require("mooncake", "--pool mooncake:// with ranks")
-    return target, weights if isinstance(weights, dict) else str(weights)  # (open_engine checked its config.json)
-
-
-def _host_store(host: str, port: int, timeout_s: float):
-    """The ranks' rendezvous store (torch.distributed's TCPStore), listening on ``host`` only: given a
-    socket bound there (TCPStore's own listener takes every address). ``port`` 0: a free one."""
-    import datetime
-
-    import torch.distributed as dist
-
-    sock, problem = bind_socket(host, port)
-    if sock is None:
-        raise ValueError(f"the rendezvous store {problem}: --master-addr must be this node's address and "
-                         f"--master-port free")
-    sock.listen(1024)
-    bound = sock.getsockname()[1]
-    return dist.TCPStore(host, bound, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=sock.detach())  # the store owns it now
-
-
-def _start_pool(ctx, env: dict, capacity: int, address, authkey: bytes, timeout: float):
-    """The shared host pool's process, serving on ``address`` once it returns."""
-    ready = ctx.Event()
-    proc = ctx.Process(target=_child, args=(env, serve_pool, capacity, address, authkey, ready), daemon=True,
-                       name="graphgen-pool")
-    proc.start()
-    deadline = time.monotonic() + timeout
-    while not ready.wait(0.05):
-        if not proc.is_alive() or time.monotonic() > deadline:
-            proc.kill()
-            raise RankFailure(f"the shared pool process did not start (exit code {proc.exitcode}); "
-                              f"a script that starts ranks needs an `if __name__ == '__main__':` guard")
-    return proc
-
-
-def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[str]:
-    """Why a follower cannot join (one sentence), or None. It must be an expected node, hosting that
-    node's ranks, for the same layout and spec (and settings) as this one."""
-    member = hello.get("member", -1)
-    if member not in members or tuple(hello.get("ranks", ())) != members[member]:
-        return (f"a follower announced itself as node/rank {member} hosting ranks {hello.get('ranks')}, which "
-                f"this cluster of {here.nnodes} node(s) x {here.local_world} rank(s) does not have")
-    if hello.get("spec") != spec_digest(spec):
-        return (f"{here.describe(member)} runs {hello.get('spec_name')!r} with another layout or settings than "
-                f"node 0 ({spec.name!r}): every node must be given the same spec and flags")
-    return None
 
 
 def _pool_stats(engine) -> dict:  # a probe (module-level: pickled by name)
