@@ -61,13 +61,21 @@ def teacher_forced(eng, seq: list[int], first: int) -> torch.Tensor:
         eng.alloc.free(table)
 
 
-def measure(name: str, prompts, new: int, tmp: Path) -> dict:
+def measure(name: str, prompts, new: int, tmp: Path, fp8_block=None) -> dict:
     base = load_spec(ROOT / "specs" / f"{name}.yaml")
     spec = dataclasses.replace(base, kv_cache=dataclasses.replace(base.kv_cache, dtype="bfloat16"),
                                pool=dataclasses.replace(base.pool, write="off"), features=())
     ckpt = write_random_hf_checkpoint(str(tmp / name), spec.family, dataclasses.asdict(spec.dims), seed=0,
                                       dtype=torch.bfloat16, tokenizer=False)
-    w8 = dataclasses.replace(spec, quantization=m.Quantization(method="w8a8_dynamic"))
+    if fp8_block is not None:  # issue 36 item 4: the published FP8 layout, re-quantized to W8A8 without calibration
+        sys.path.insert(0, str(ROOT / "tests"))
+        from support.fp8 import to_fp8_checkpoint  # the tests' writer of DeepSeek-V3's published FP8 layout
+
+        ckpt = str(to_fp8_checkpoint(ckpt, tmp / f"{name}_fp8", fp8_block))
+        # the reference: the FP8 weights dequantized (value = fp8 x scale) and run in bf16
+        spec = dataclasses.replace(spec, quantization=m.Quantization(
+            checkpoint=m.Fp8Checkpoint(weight_block_size=tuple(fp8_block))))
+    w8 = dataclasses.replace(spec, quantization=dataclasses.replace(spec.quantization, method="w8a8_dynamic"))
     out: dict = {"model": name}
     with open_engine(spec, ckpt, num_blocks=256) as eng:
         t0 = time.process_time()
@@ -101,6 +109,9 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", default="tiny_qwen3,tiny_deepseek_v3")
+    p.add_argument("--from-fp8", type=int, nargs=2, metavar=("B0", "B1"), default=None,
+                   help="store the checkpoint in DeepSeek-V3's published FP8 layout with BxB blocks first: the reference "
+                        "is its dequantized bf16, W8A8 re-quantizes the dequantized weights per channel (no calibration)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(args.seed)
@@ -111,8 +122,9 @@ def main(argv=None) -> int:
             vocab = load_spec(ROOT / "specs" / f"{name}.yaml").dims.vocab_size
             prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(args.seed * 1000 + i))
                        .tolist() for i, n in enumerate(lens)]
-            rows.append(measure(name, prompts, args.new, Path(tmp)))
-    print(f"W8A8 vs bf16, {args.prompts} prompts x {args.new} greedy tokens (seed {args.seed}), CPU target, "
+            rows.append(measure(name, prompts, args.new, Path(tmp), args.from_fp8))
+    ref = f"the FP8 ({args.from_fp8[0]}x{args.from_fp8[1]} blocks) checkpoint dequantized to bf16" if args.from_fp8 else "bf16"
+    print(f"W8A8 vs {ref}, {args.prompts} prompts x {args.new} greedy tokens (seed {args.seed}), CPU target, "
           f"torch {torch.__version__}")
     print("| model | compared with bf16 | positions | logits cosine mean | p5 | min | argmax agreement | "
           "whole continuation identical | CPU s |")

@@ -84,7 +84,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_num_seqs: int, async
                    help="with --target npu: compile every bucket of every variant at engine start, one line per "
                         "bucket on stderr (default: on, off with --standin)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="with --target npu: the compile cache; a restart with the same DIR compiles no graph "
+                   help="with --target npu: the compile cache (torchair entries and, under max-autotune, GE's "
+                        "models, keyed by every input's shape); a restart with the same DIR and KV size "
+                        "compiles no graph "
                         "(default: $XDG_CACHE_HOME/graphgen/npu, ~/.cache/graphgen/npu without it; none with "
                         "--standin unless given)")
     p.add_argument("--no-compile-cache", action="store_true",
@@ -111,6 +113,41 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT, metavar="PORT",
                    help="the rendezvous store's port on --master-addr; the command channel and the pool take the "
                         "next two (PORT+1, PORT+2)")
+
+
+def add_lora_arguments(p: argparse.ArgumentParser, *, serve: bool) -> None:
+    """Multi-LoRA (docs/lora.md), as vLLM names the flags: ``serve --lora-modules NAME=PATH ...``, ``run --lora PATH``."""
+    if serve:
+        p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="PEFT LoRA adapters (folders with adapter_config.json + adapter_model.safetensors) served "
+                            "as models of their own: a request picks one by \"model\": NAME; /v1/models lists them")
+    else:
+        p.add_argument("--lora", default=None, metavar="PATH", help="run every prompt under this PEFT LoRA adapter")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="adapters one step batches (device slots); default: the spec's lora.max_loras, else 1")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="largest adapter rank a slot holds; default: the spec's lora.max_lora_rank, else 16")
+
+
+def lora_modules_of(args) -> tuple[Optional[str], dict]:
+    """(a sentence naming the flag, or None; {name: folder}) from ``--lora-modules`` / ``--lora``."""
+    out: dict = {}
+    for item in getattr(args, "lora_modules", None) or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            return f"--lora-modules {item!r}: expected NAME=PATH", {}
+        if name in out:
+            return f"--lora-modules: the name {name!r} is given twice", {}
+        out[name] = path
+    if getattr(args, "lora", None):
+        from pathlib import Path
+
+        out[Path(args.lora).name or "lora"] = args.lora
+    for flag in ("max_loras", "max_lora_rank"):
+        v = getattr(args, flag, None)
+        if v is not None and v < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1, got {v}", {}
+    return None, out
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,7 +196,8 @@ def check_engine_arguments(args) -> Optional[str]:
             Deadlines.parse(args.rank_timeout)
         except ValueError as e:
             return str(e)
-    return None
+    problem, _ = lora_modules_of(args)
+    return problem
 
 
 def default_compile_cache_dir() -> str:
@@ -253,6 +291,12 @@ def engine_options(args, faults=None, placement=None) -> dict:
                 faults=faults, target=args.target)
     if getattr(args, "speculative", None) is not None:
         opts["num_speculative_tokens"] = args.num_speculative_tokens or 1
+    _, loras = lora_modules_of(args)
+    if loras:
+        opts["lora_modules"] = loras
+    for flag in ("max_loras", "max_lora_rank"):
+        if getattr(args, flag, None) is not None:
+            opts[flag] = getattr(args, flag)
     if placement is not None and placement.multi_node:
         opts["placement"] = placement
     if getattr(args, "rank_timeout", None) is not None:

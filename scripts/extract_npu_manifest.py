@@ -47,6 +47,13 @@ API_MODULES = {
     "torchair.ops": f"{TORCHAIR_ROOT}/ops/__init__.py",
     "torchair.inference": f"{TORCHAIR_ROOT}/inference/__init__.py",
 }
+# Internal callables a public one forwards its ``**kwargs`` to, recorded too: ``torchair.inference.cache_compile``
+# takes ``**kwargs`` and passes them on to ``_cache_compiler.cache_compile``, whose named parameters (``ge_cache``,
+# ``custom_decompositions``) are what a keyword must match -- through ``**kwargs`` a misspelt one is silently kept.
+FORWARDED_API = {
+    "torchair.inference._cache_compiler.cache_compile": (f"{TORCHAIR_ROOT}/inference/_cache_compiler.py",
+                                                         "cache_compile"),
+}
 NATIVE_YAMLS = (
     "torch_npu/csrc/aten/npu_native_functions.yaml",
     "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml",
@@ -220,6 +227,12 @@ class ApiExtractor:
                     continue
                 entry["module"] = modname
                 api[f"{modname}.{name}"] = entry
+        for public, (path, name) in sorted(FORWARDED_API.items()):
+            found = self.resolve(path, name)
+            if found is not None:
+                entry = self.describe(public, *found)
+                entry["module"] = public.rsplit(".", 1)[0]
+                api[public] = entry
         # the scope/ops/inference submodules are modules of the package, record them as such
         for modname in sorted(API_MODULES):
             api.setdefault(modname, {"kind": "module", "module": modname, "params": [],

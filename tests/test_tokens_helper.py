@@ -52,3 +52,22 @@ def test_results_are_compared_pairwise():
     assert [a.steps for a in ok] == [1]
     with pytest.raises(AssertionError, match=r"x \[0\]: step 0"):
         assert_results_agree([R([0], [_l(5.0, 1.0)])], [R([0], [_l(1.0, 5.0)])], tol=0.1, where="x")
+
+
+def test_a_flip_is_allowed_up_to_a_margin_of_twice_the_tolerance():
+    # margin 0.18 <= 2 x 0.1: the two logits moved 0.09 each, within tol, and crossed
+    a = assert_agree([0], [_l(5.09, 4.91)], [1], [_l(5.0, 5.0)], tol=0.1)
+    assert (a.steps, a.tie_at) == (1, 0)
+    # margin 0.3 > 2 x 0.1: logits within tol cannot cross there, so a different token is not rounding
+    with pytest.raises(AssertionError, match="not the argmax"):
+        assert_agree([0], [_l(5.15, 4.85)], [1], [_l(5.1, 4.9)], tol=0.1)
+
+
+def test_tokens_only_agree_up_to_a_near_tie_of_the_reference():
+    from support.tokens import assert_tokens_agree
+
+    ref = [_l(5.0, 1.0), _l(2.0, 2.00001), _l(1.0, 3.0)]
+    assert assert_tokens_agree([0, 1, 1], ref, [0, 0, 3], margin=1e-4) == 2  # step 1 is a tie: stop there
+    assert assert_tokens_agree([0], ref[:1], [0], margin=1e-4) == 1
+    with pytest.raises(AssertionError, match="not the reference's 0"):
+        assert_tokens_agree([0, 1], ref[:2], [2, 1], margin=1e-4)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..engine_args import (add_engine_arguments, add_speculative_arguments, check_engine_arguments, engine_options,
+from ..engine_args import (add_engine_arguments, add_lora_arguments, add_speculative_arguments, check_engine_arguments, engine_options,
                            follow_node, layout_refusal, placement_of, target_note, thread_options)
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
@@ -136,7 +136,9 @@ def _generate(engine, prompts, args) -> int:
 
     with engine:
         try:
-            results = engine.generate(prompts, args.max_new_tokens, batch=args.batch)
+            # --lora: its one adapter (an engine of ranks takes none: the spec rule refuses LoRA with ranks)
+            lora = {"lora": next(iter(engine.core.adapters))} if args.lora else {}
+            results = engine.generate(prompts, args.max_new_tokens, batch=args.batch, **lora)
         except (ValueError, OutOfBlocks) as e:
             hint = "; raise --num-blocks" if isinstance(e, OutOfBlocks) else ""
             return _usage(f"{e}{hint}")
@@ -184,6 +186,7 @@ def register(sub) -> None:
     r = sub.add_parser("run", help="run prompts through the generated CPU graphs, an engine and a pool")
     add_engine_arguments(r, max_num_seqs=256, async_scheduling=False)
     add_speculative_arguments(r)
+    add_lora_arguments(r, serve=False)
     r.add_argument("--prompt-ids", action="append", dest="prompts", type=lambda v: ("ids", v), metavar="IDS",
                    help="comma-separated token ids; repeat for several prompts (run in order, one pool)")
     r.add_argument("--prompt", action="append", dest="prompts", type=lambda v: ("text", v), metavar="TEXT",

@@ -67,7 +67,7 @@ def graph_list(spec, mode: str) -> list[str]:
             out += [f"{name} [{mode}] batch={n}" for n in b.decode_batch]
             continue
         out += [f"{name} [{mode}] batch={b.prefill_seqs + 1} tokens={t}" for t in b.prefill_tokens]
-        if v.history and v.phase == "prefill":
+        if v.history and v.phase == "prefill" and spec.parallel.dp == 1:  # DP runs no mixed cell (warmup.py)
             out += [f"{name} [{mode}] mixed tokens={c.tokens} decode_rows={c.decode_rows}"
                     for c in MixedGrid.from_buckets(b).cells()]
     return out
@@ -116,6 +116,12 @@ def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_me
     saves = npu and any(m.META["saves"] for m in sources)
     rows, n_rings = _rings(spec) if saves else (0, 0)
     pad = 1 if npu else 0
+    # the warm-up graphs' activations and the allocator's reserve: not tensors the dry run builds (it runs no
+    # graph), held on the ledger as the same figures validate counts (graphgen.passes.activations)
+    from ..passes.activations import allocator_reserve_bytes, peak_activation
+
+    act = peak_activation(spec) if npu else None
+    act_bytes = (0 if act is None else act.bytes) + (allocator_reserve_bytes(device) if npu else 0)
     meta = torch.device("meta")
     reader = SliceReader()
     with ledger:
@@ -139,7 +145,7 @@ def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_me
         if not old_order:
             if utilization is not None:  # what the weights left (the launch's size_kv: the rings and buffers to come)
                 blocks = kv_blocks_that_fit(ledger.live - comm, device, block_bytes, utilization=util,
-                                            after_bytes=n_rings * rows * block_bytes + comm)
+                                            after_bytes=n_rings * rows * block_bytes + comm + act_bytes)
             else:
                 blocks = num_blocks + pad
             keep.append(PagedKVCache(spec.kv_layers, shapes, blocks, kv_dtype, device=meta))
@@ -147,6 +153,8 @@ def dry_run_rank(spec, weights_dir, rank: int, *, target: str = "npu", device_me
             from ..npu.run.inputs import kv_buffers
 
             keep += [kv_buffers(module, spec.kv_layers, 0, staging_rows=rows, device=meta)[1] for _ in range(n_rings)]
+        if act_bytes:
+            ledger.hold(act_bytes, f"activations of {act.graph} ({act.largest}) and the allocator reserve")
         final = ledger.live
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return RankReport(rank, ledger.peak, final, host, reader.bytes_read, round(load_s, 2),

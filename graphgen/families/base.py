@@ -84,6 +84,8 @@ class Family:
     # layer is MoE: what target checks (e.g. the NPU kernels' documented limits) key on.
     attention: str = "gqa"
     has_moe: Callable[[Any], bool] = lambda dims: False
+    # The projections (checkpoint module names) a LoRA adapter may target (docs/lora.md); () : none.
+    lora_modules: tuple[str, ...] = ()
 
     def kv_widths(self, dims: Any) -> tuple[int, ...]:
         """Elements per token of each KV component (what the IR's kv_write/attention nodes carry)."""

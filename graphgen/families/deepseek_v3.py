@@ -302,4 +302,8 @@ FAMILY = Family(
     fp32_suffixes=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
     attention="mla",
     has_moe=lambda d: d.first_k_dense_replace < d.num_hidden_layers,
+    # MLA's projections (kv_b_proj is absorbed into the attention's einsums: not a linear layer here) and
+    # the dense layers' MLP; the MoE layers' experts take no adapter (docs/lora.md)
+    lora_modules=("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj",
+                  "down_proj"),
 )

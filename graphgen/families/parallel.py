@@ -131,9 +131,6 @@ _RUNTIME_GAPS: tuple[_Gap, ...] = (
      "a spec with MTP layers runs on one rank only so far: its graphs shard the MTP layer like a decoder layer "
      "(graphgen generate, validate and dry-run take the layout), but the rank runners do not load or run it yet "
      "(docs/mtp.md); run with --tp 1 --ep 1"),
-    ("dp", lambda x: x.par.dp > 1 and x.par.tp > 1, "data-parallel attention runs with tp 1 inside each DP group "
-                                                    "only so far (no TP gather after the MoE's reduce-scatter, no "
-                                                    "per-group plan check); run with --tp 1"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = (

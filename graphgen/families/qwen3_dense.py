@@ -117,4 +117,5 @@ FAMILY = Family(
     dims_rules=dims_rules,
     hf_config=hf_config,
     hf_checks=hf_checks,
+    lora_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 )

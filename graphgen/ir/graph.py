@@ -42,8 +42,10 @@ HIDDEN = "hidden"
 PREV_HIDDEN = "prev_hidden"
 LOAD_INPUTS = ("load_block_ids",)
 
-NAME_KINDS = ("input", "value", "kv_cache", "pool_staging", "pool_load")
-BUFFER_KINDS = ("kv_cache", "pool_staging", "pool_load")
+# lora_slots.<weight>: one projection's LoRA adapter slots, filled by the host between steps (the
+# ``insert_lora`` pass; graphgen.lora): only read in a graph, and covered by the race check like every buffer
+NAME_KINDS = ("input", "value", "kv_cache", "pool_staging", "pool_load", "lora_slots")
+BUFFER_KINDS = ("kv_cache", "pool_staging", "pool_load", "lora_slots")
 SYNC_OPS = ("record", "wait")
 
 

@@ -4,7 +4,9 @@ A node stores its operands as ordered ``reads``/``writes`` tuples (that is what 
 shows); the schema gives each position a *role*, so lowering asks ``node.input("cache")`` and never
 ``reads[2]``. A role may be *variadic* (``parts`` of a KV write: K and V, or the MLA latent and its
 RoPE part): it takes every position not taken by the fixed roles, in order, and reads back as a tuple.
-At most one role per side is variadic.
+At most one role per side is variadic. A variadic role written ``name*`` may be empty: the ``lora`` operands
+of the projections an adapter can target (``lora_index`` then one ``lora_slots`` buffer per adapted weight
+of the ``lora`` attribute, in its order; added by the ``insert_lora`` pass, absent without a ``lora:`` section).
 
 ``attrs`` are required attributes, ``optional`` may be absent or None. The verifier checks every node
 against its schema (:func:`check_node`), so a target can rely on them without looking at the spec.
@@ -25,6 +27,7 @@ class Operand:
     role: str
     kind: str = "value"
     variadic: bool = False
+    may_be_empty: bool = False  # a variadic role that may take no operand
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ class OpDef:
         roles = self.inputs if side == "inputs" else self.outputs
         var = [i for i, r in enumerate(roles) if r.variadic]
         fixed = len(roles) - len(var)
-        if (not var and len(names) != fixed) or (var and len(names) < fixed + 1):
-            want = f"{fixed}" if not var else f"at least {fixed + 1}"
+        least = fixed + (0 if not var or roles[var[0]].may_be_empty else 1)
+        if (not var and len(names) != fixed) or (var and len(names) < least):
+            want = f"{fixed}" if not var else f"at least {least}"
             raise SchemaError(f"op {self.name} takes {want} {side} "
                               f"({', '.join(r.role + ('...' if r.variadic else '') for r in roles) or 'none'}), "
                               f"got {len(names)}")
@@ -69,8 +73,9 @@ def _op(name: str, inputs: Sequence[str] = (), outputs: Sequence[str] = (), attr
         optional: Sequence[str] = (), doc: str = "", linear: Sequence[str] = ()) -> OpDef:
     def operand(spec: str) -> Operand:
         role, _, kind = spec.partition(":")
-        variadic = role.endswith("...")
-        return Operand(role.rstrip("."), kind or "value", variadic)
+        empty = role.endswith("*")
+        variadic = role.endswith("...") or empty
+        return Operand(role.rstrip(".*"), kind or "value", variadic, empty)
 
     return OpDef(name, tuple(map(operand, inputs)), tuple(map(operand, outputs)), tuple(attrs), tuple(optional), doc,
                  tuple(linear))
@@ -80,6 +85,8 @@ _MOE_LINEAR = ("w_experts_gate", "w_experts_up", "w_experts_down", "w_shared_gat
 
 
 _KV_LAYOUT = ("components", "widths", "block_size", "kv_dtype")
+# the LoRA operands of an op with projections an adapter can target (the module docstring; graphgen.lora)
+_LORA = "lora*:any"
 
 OPS: dict[str, OpDef] = {o.name: o for o in (
     _op("record", attrs=("event",), doc="Record `event` on this node's stream after the work before it."),
@@ -90,13 +97,13 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
             "model/KV dtype the tables are consumed in (the NPU RoPE kernels require cos/sin in q/k's dtype; "
             "the CPU target computes them in float32 and casts like transformers)."),
     _op("rms_norm", ("x",), ("y",), ("w_norm", "eps")),
-    _op("qwen3_attn_prolog", ("x", "cos", "sin"), ("q", "k", "v"),
-        ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm", "num_heads", "num_kv_heads", "head_dim", "eps"),
+    _op("qwen3_attn_prolog", ("x", "cos", "sin", _LORA), ("q", "k", "v"),
+        ("w_q", "w_k", "w_v", "w_q_norm", "w_k_norm", "num_heads", "num_kv_heads", "head_dim", "eps"), optional=("lora", "lora_widths"),
         doc="q/k/v projections, per-head RMSNorm of q and k, half-rotation RoPE.", linear=("w_q", "w_k", "w_v")),
-    _op("mla_prolog", ("x", "cos", "sin"), ("q_nope", "q_pe", "c_kv", "k_pe"),
+    _op("mla_prolog", ("x", "cos", "sin", _LORA), ("q_nope", "q_pe", "c_kv", "k_pe"),
         ("w_q_b", "w_kv_a", "w_kv_a_norm", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank",
          "eps", "interleave"),
-        optional=("w_q_a", "w_q_a_norm"),
+        optional=("w_q_a", "w_q_a_norm", "lora", "lora_widths"),
         doc="MLA projections. w_q_a/w_q_a_norm are None for uncompressed queries (q_lora_rank null): then "
             "w_q_b is the plain query projection.", linear=("w_q_a", "w_q_b", "w_kv_a")),
     _op("kv_write", ("parts...", "slot_mapping:input"), ("cache:kv_cache",), _KV_LAYOUT,
@@ -109,8 +116,8 @@ OPS: dict[str, OpDef] = {o.name: o for o in (
         ("mode", "scale", "w_kv_b", "num_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank",
          "qk_rope_head_dim", *_KV_LAYOUT),
         doc="MLA attention over the compressed latent cache."),
-    _op("o_proj_residual", ("attn", "residual"), ("h",), ("w_o",), linear=("w_o",)),
-    _op("swiglu_mlp_residual", ("x", "residual"), ("h",), ("w_gate", "w_up", "w_down"),
+    _op("o_proj_residual", ("attn", "residual", _LORA), ("h",), ("w_o",), optional=("lora", "lora_widths"), linear=("w_o",)),
+    _op("swiglu_mlp_residual", ("x", "residual", _LORA), ("h",), ("w_gate", "w_up", "w_down"), optional=("lora", "lora_widths"),
         linear=("w_gate", "w_up", "w_down")),
     _op("moe_residual", ("x", "residual"), ("h",),
         ("w_router", "w_bias", "w_experts_gate", "w_experts_up", "w_experts_down", "top_k", "n_group",

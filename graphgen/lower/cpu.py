@@ -60,9 +60,27 @@ def _rms_norm(n: Node, ctx: CpuCtx) -> list[str]:
     return _call(n, ctx, "rms_norm", ctx.ref(n.input("x")), weight(n, "w_norm"), py(n.attrs["eps"]))
 
 
+def _lora(n: Node, ctx: CpuCtx, expr: str, *merged: str) -> str:
+    """``expr`` (the weight of the projections ``merged``, concatenated along the output) wrapped with the
+    adapter slots of those of them the node adapts (``rt.lora``: graphgen.runtime.lora.delta), each at the
+    offset of its output columns; ``expr`` itself for a node without LoRA operands."""
+    adapted = tuple(n.attrs.get("lora") or ())
+    if not any(w in adapted for w in merged):
+        return expr
+    slots = dict(zip(adapted, n.input("lora")[1:]))
+    widths = dict(n.attrs["lora_widths"])
+    segs, off = [], 0
+    for w in merged:
+        if w in slots:
+            segs.append(f"({off}, {ctx.ref(slots[w])})")
+        off += widths[w]
+    return f"rt.lora({expr}, {ctx.ref(n.input('lora')[0])}, ({', '.join(segs)},))"
+
+
 def _qwen3_attn_prolog(n: Node, ctx: CpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
-    return _call(n, ctx, "qwen3_attn_prolog", r(n.input("x")), projection(n, ctx, "w_q", "w_k", "w_v"),
+    return _call(n, ctx, "qwen3_attn_prolog", r(n.input("x")),
+                 _lora(n, ctx, projection(n, ctx, "w_q", "w_k", "w_v"), "w_q", "w_k", "w_v"),
                  *(weight(n, w) for w in ("w_q_norm", "w_k_norm")), r(n.input("cos")), r(n.input("sin")),
                  f"num_heads={a['num_heads']}", f"num_kv_heads={a['num_kv_heads']}", f"head_dim={a['head_dim']}",
                  f"eps={py(a['eps'])}")
@@ -81,8 +99,9 @@ def _paged_attention(n: Node, ctx: CpuCtx) -> list[str]:
 
 def _mla_prolog(n: Node, ctx: CpuCtx) -> list[str]:
     a, r = n.attrs, ctx.ref
-    return _call(n, ctx, "mla_prolog", r(n.input("x")), raw_linear(n, ctx, "w_q_a"), weight(n, "w_q_a_norm"),
-                 raw_linear(n, ctx, "w_q_b"), raw_linear(n, ctx, "w_kv_a"), weight(n, "w_kv_a_norm"),
+    return _call(n, ctx, "mla_prolog", r(n.input("x")), _lora(n, ctx, raw_linear(n, ctx, "w_q_a"), "w_q_a"),
+                 weight(n, "w_q_a_norm"), _lora(n, ctx, raw_linear(n, ctx, "w_q_b"), "w_q_b"),
+                 _lora(n, ctx, raw_linear(n, ctx, "w_kv_a"), "w_kv_a"), weight(n, "w_kv_a_norm"),
                  r(n.input("cos")), r(n.input("sin")),
                  f"num_heads={a['num_heads']}", f"qk_nope_head_dim={a['qk_nope_head_dim']}",
                  f"qk_rope_head_dim={a['qk_rope_head_dim']}", f"kv_lora_rank={a['kv_lora_rank']}",
@@ -98,13 +117,14 @@ def _mla_attention(n: Node, ctx: CpuCtx) -> list[str]:
 
 
 def _o_proj_residual(n: Node, ctx: CpuCtx) -> list[str]:
-    return _call(n, ctx, "o_proj_residual", ctx.ref(n.input("attn")), projection(n, ctx, "w_o"),
+    return _call(n, ctx, "o_proj_residual", ctx.ref(n.input("attn")), _lora(n, ctx, projection(n, ctx, "w_o"), "w_o"),
                  ctx.ref(n.input("residual")))
 
 
 def _swiglu_mlp_residual(n: Node, ctx: CpuCtx) -> list[str]:
-    return _call(n, ctx, "swiglu_mlp_residual", ctx.ref(n.input("x")), projection(n, ctx, "w_gate", "w_up"),
-                 projection(n, ctx, "w_down"), ctx.ref(n.input("residual")))
+    return _call(n, ctx, "swiglu_mlp_residual", ctx.ref(n.input("x")),
+                 _lora(n, ctx, projection(n, ctx, "w_gate", "w_up"), "w_gate", "w_up"),
+                 _lora(n, ctx, projection(n, ctx, "w_down"), "w_down"), ctx.ref(n.input("residual")))
 
 
 def _moe_residual(n: Node, ctx: CpuCtx) -> list[str]:

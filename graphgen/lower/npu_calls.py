@@ -14,8 +14,29 @@ NPU_PAIR = "({w}, {scale})"
 
 def dense_weight(n: Node, ctx: EmitContext, *attrs: str) -> str:
     """A dense projection's weight (``attrs`` merged along the output dim): ``[out, in]`` for F.linear, or
-    under W8A8 the int8 ``[in, out]`` npu_quant_matmul takes as x2 (k, n) and its scales."""
-    return linear_weight(n, ctx, attrs, pair=NPU_PAIR, dim=0, quant_transpose01=True)
+    under W8A8 the int8 ``[in, out]`` npu_quant_matmul takes as x2 (k, n) and its scales; for a node the
+    ``insert_lora`` pass gave LoRA operands, that weight wrapped with the slots of the projections it adapts
+    (`lora_weight`)."""
+    return lora_weight(n, ctx, linear_weight(n, ctx, attrs, pair=NPU_PAIR, dim=0, quant_transpose01=True), attrs)
+
+
+def lora_weight(n: Node, ctx: EmitContext, expr: str, merged: tuple[str, ...]) -> str:
+    """``expr`` (the weight of the projections ``merged``, concatenated along the output) as the helpers'
+    ``_linear`` takes a LoRA-adapted one: ``{"base": W, "sel": b.lora_sel, "segs": ((offset, b.lora[key]),
+    ...)}``, each adapted projection at the offset of its output columns (``b.lora_sel``: each token's one-hot
+    slot, `graphgen.npu.run.inputs`); ``expr`` itself when the node adapts none of them (the CPU target's
+    twin: `graphgen.lower.cpu._lora`)."""
+    adapted = tuple(n.attrs.get("lora") or ())
+    if not any(w in adapted for w in merged):
+        return expr
+    slots = dict(zip(adapted, n.input("lora")[1:]))
+    widths = dict(n.attrs["lora_widths"])
+    segs, off = [], 0
+    for w in merged:
+        if w in slots:
+            segs.append(f"({off}, {ctx.ref(slots[w])})")
+        off += widths[w]
+    return f'{{"base": {expr}, "sel": b.lora_sel, "segs": ({", ".join(segs)},)}}'
 
 
 def swiglu_mlp_call(n: Node, ctx: EmitContext) -> str:
@@ -28,7 +49,7 @@ def swiglu_mlp_call(n: Node, ctx: EmitContext) -> str:
 def o_proj_call(n: Node, ctx: EmitContext) -> str:
     """The output projection of the attention's heads (flattened): F.linear, or under W8A8 ``_linear``."""
     x, w = ctx.ref(n.input("attn")), dense_weight(n, ctx, "w_o")
-    fn = "_linear" if w.startswith("(") else "F.linear"
+    fn = "_linear" if w.startswith(("(", "{")) else "F.linear"  # a W8A8 pair or a LoRA-adapted weight
     return f"{fn}({x}.reshape({x}.shape[0], -1), {w})"
 
 

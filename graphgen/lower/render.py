@@ -110,7 +110,8 @@ def layer_list(names: Iterable[str]) -> str:
 
 class Names:
     """IR name -> expression in generated Python: inputs are fields of the step inputs ``b``, KV
-    caches ``kv[L]``, pool staging ``staging[L]``, load staging ``loads[L]``, values local variables."""
+    caches ``kv[L]``, pool staging ``staging[L]``, load staging ``loads[L]``, LoRA slots ``b.lora[weight]``,
+    values local variables."""
 
     def __init__(self, graph: Graph, inputs_obj: str = "b"):
         self.kinds, self.inputs_obj = graph.names, inputs_obj
@@ -125,6 +126,8 @@ class Names:
             return f"staging[{layer_of(name)}]"
         if kind == "pool_load":
             return f"loads[{layer_of(name)}]"
+        if kind == "lora_slots":  # one projection's adapter slots (graphgen.lora), by checkpoint weight
+            return f"{self.inputs_obj}.lora[{name.split('.', 1)[1] + '.weight'!r}]"
         return name.replace(".", "_")
 
     def all(self, names: Iterable[str]) -> str:

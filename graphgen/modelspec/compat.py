@@ -75,7 +75,9 @@ MATRIX: tuple[Row, ...] = (
         "chunked prefill: chunk k > 0 runs the history variant; each chunk saves the blocks it completes"),
     Row("micro_batch", "not_implemented", FAMILIES, _NO_ASYNC, (),
         "two micro-batches overlapping compute and communication"),
-    Row("multi_lora", "not_implemented", FAMILIES, _NO_ASYNC, (), "LoRA adapters"),
+    Row("multi_lora", "implemented", FAMILIES, WRITE_MODES, (),
+        "per-request LoRA adapters, enabled by the `lora:` section (not listed under features); pool keys "
+        "salted by the adapter's weights (docs/lora.md); not yet with parallel ranks (tp/dp/cp/ep > 1)"),
 )
 
 ROWS: dict[str, Row] = {r.subject: r for r in MATRIX}
@@ -84,7 +86,7 @@ DERIVED = {"context_parallel": ("parallel.cp", "cp: 2"), "sequence_parallel": ("
 # feature -> (status, note): the feature rows of the matrix (kept for callers of the old table).
 FEATURES: dict[str, tuple[str, str]] = {r.subject: (r.status, r.note) for r in MATRIX if r.is_feature}
 # Rows a spec enables by a section of its own rather than under ``features:`` (the section's key).
-SECTION_ROWS: tuple[str, ...] = ("mtp",)
+SECTION_ROWS: dict[str, str] = {"mtp": "mtp: {num_layers: 1}", "multi_lora": "lora: {max_loras: 4}"}
 # Features a spec may list (the JSON Schema's enum): everything not rejected outright, derived or a section's.
 ACCEPTED_FEATURES: tuple[str, ...] = tuple(f for f, (st, _) in FEATURES.items()
                                          if st not in ("not_implemented", "derived") and f not in SECTION_ROWS)
@@ -112,6 +114,32 @@ def check_compat(spec: Any) -> Iterator[Rule]:
     yield from _parallel_rules(spec)
     yield from _mtp_rules(spec)
     yield from _quant_rules(spec)
+    yield from _lora_rules(spec)
+
+
+def _lora_rules(spec: Any) -> Iterator[Rule]:
+    from .model import LORA_RANKS
+
+    family, lora, par = (_get(spec, k) for k in ("family", "lora", "parallel"))
+    if lora is _MISSING or lora is None:
+        return
+    if lora.max_lora_rank not in LORA_RANKS:
+        bigger = [r for r in LORA_RANKS if r >= lora.max_lora_rank]
+        yield ("lora.max_lora_rank", f"max_lora_rank {lora.max_lora_rank} is not one of vLLM's "
+               f"{', '.join(map(str, LORA_RANKS))}", f"use max_lora_rank: {bigger[0] if bigger else LORA_RANKS[-1]}")
+    if family is not _MISSING and family in _FAMILY_REGISTRY:
+        known = _FAMILY_REGISTRY[family].lora_modules
+        for i, t in enumerate(lora.targets):
+            if t in lora.targets[:i]:
+                yield f"lora.targets[{i}]", f"lora target '{t}' is listed twice", "remove the duplicate"
+            elif t not in known:
+                close = difflib.get_close_matches(t, known, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                yield (f"lora.targets[{i}]", f"lora target '{t}' is no projection a {family} adapter can target",
+                       f"{hint}use some of: {', '.join(known)}")
+    if par is not _MISSING and par.world > 1:
+        yield ("lora", "LoRA adapters are not split over parallel ranks yet (docs/lora.md)",
+               "remove the lora: section, or use a parallel layout of one rank")
 
 
 def _quant_rules(spec: Any) -> Iterator[Rule]:
@@ -178,8 +206,9 @@ def _matrix_rules(spec: Any) -> Iterator[Rule]:
         elif row.status == "not_implemented":
             yield where, f"feature '{f}' is not implemented yet ({row.note})", f"remove '{f}' from features"
         elif f in SECTION_ROWS:
-            yield (where, f"'{f}' is not a feature: it is enabled by the {f}: section",
-                   f"remove '{f}' from features and add '{f}: {{num_layers: 1}}' at the top level")
+            section = SECTION_ROWS[f]
+            yield (where, f"'{f}' is not a feature: it is enabled by the {section.split(':')[0]}: section",
+                   f"remove '{f}' from features and add '{section}' at the top level")
     if write is None:
         return
     mode = ROWS[f"write:{write}"]

@@ -208,6 +208,27 @@ class Mtp:
         "model.layers.{num_hidden_layers + k}. Each is one more KV layer in every pool block.", minimum=1))
 
 
+# vLLM's allowed max_lora_rank values (vllm/config/lora.py; prior-art-4.md 1.2)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """Multi-LoRA (docs/lora.md): PEFT adapters applied per request over the base model, several in one step.
+    The graphs take every targeted projection's adapter slots and each token's slot; the runtime loads an
+    adapter into a free slot on demand and evicts the least recently used one (never one a running step reads)."""
+
+    max_loras: int = field(default=1, metadata=doc(
+        "Adapter slots on the device: distinct adapters one step can batch (vLLM's --max-loras).", minimum=1))
+    max_lora_rank: int = field(default=16, metadata=doc(
+        "Largest adapter rank r a slot holds (vLLM's --max-lora-rank; one of 1, 8, 16, 32, 64, 128, 256, 320, "
+        "512); a bigger adapter is refused.", minimum=1))
+    targets: tuple[str, ...] = field(default=(), metadata=doc(
+        "Projections (module names as in the checkpoint, e.g. q_proj, v_proj) that adapters may target; "
+        "empty: every projection the family can adapt (docs/lora.md). An adapter targeting another is refused.",
+        unique=True))
+
+
 QuantMethod = Literal["none", "w8a8_dynamic"]
 
 
@@ -278,6 +299,9 @@ class ModelSpec:
     mtp: Optional[Mtp] = field(default=None, metadata=doc(
         "Multi-token prediction layers (DeepSeek-V3 only; omit for none): their KV is cached, saved and "
         "loaded with the target's layers.", nullable=False))
+    lora: Optional[Lora] = field(default=None, metadata=doc(
+        "Multi-LoRA adapter slots (omit for none; docs/lora.md): every graph takes per-token adapters on the "
+        "targeted projections.", nullable=False))
 
     @property
     def mtp_layers(self) -> int:
@@ -303,11 +327,20 @@ class ModelSpec:
     def with_overrides(self, write: Optional[WriteMode] = None, granularity: Optional[Granularity] = None,
                        tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
                        cp: Optional[int] = None, sp: Optional[bool] = None,
-                       policy: Optional[WritePolicy] = None, min_uses: Optional[int] = None) -> "ModelSpec":
+                       policy: Optional[WritePolicy] = None, min_uses: Optional[int] = None,
+                       max_loras: Optional[int] = None, max_lora_rank: Optional[int] = None,
+                       enable_lora: bool = False) -> "ModelSpec":
         """The same model with the pool write mode, granularity, write policy (and ``min_uses``) and/or parallel layout
         forced (run-time override; a changed layout is re-checked by ``families.parallel.parallel_rules``,
         which the distributed launcher calls)."""
         spec = self
+        if enable_lora or max_loras is not None or max_lora_rank is not None:  # vLLM's --max-loras/--max-lora-rank
+            lora = spec.lora or Lora()  # a spec without a lora: section gets vLLM's defaults (1 slot, rank 16)
+            if max_loras is not None:
+                lora = dataclasses.replace(lora, max_loras=max_loras)
+            if max_lora_rank is not None:
+                lora = dataclasses.replace(lora, max_lora_rank=max_lora_rank)
+            spec = dataclasses.replace(spec, lora=lora)
         if policy is not None:
             spec = dataclasses.replace(spec, pool=dataclasses.replace(spec.pool, policy=policy))
         if min_uses is not None:

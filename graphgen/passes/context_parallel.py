@@ -1,4 +1,4 @@
-"""Pass 3 of 7, ``context_parallel``: a prefill split over the CP ranks (``parallel.cp``), PCP-style.
+"""Pass 4 of 8, ``context_parallel``: a prefill split over the CP ranks (``parallel.cp``), PCP-style.
 
 What vLLM and vllm-ascend do for long prefill (not ring attention): the runner cuts each sequence's
 new tokens into ``2 × cp`` chunks (sizes within one; the gather pads) and gives CP rank ``i`` chunks

@@ -1,4 +1,4 @@
-"""Pass 6 of 7, `insert_events` — insert record/wait events where streams share a buffer.
+"""Pass 7 of 8, `insert_events` — insert record/wait events where streams share a buffer.
 
 requires: every node placed on its stream; no record/wait node and no event yet.
 ensures:  for every access ``c`` to a buffer that conflicts (one of the two writes) with earlier

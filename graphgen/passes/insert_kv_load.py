@@ -1,4 +1,4 @@
-"""Pass 4 of 7, `insert_kv_load` — insert the KV load (history blocks from the pool into the cache,
+"""Pass 5 of 8, `insert_kv_load` — insert the KV load (history blocks from the pool into the cache,
 on the ``kv_load`` stream).
 
 requires: the forward as the builder makes it: every node on ``main``, one ``Lxx.kv_write`` per layer

@@ -1,4 +1,4 @@
-"""Pass 5 of 7, `insert_kv_save` — insert the KV save.
+"""Pass 6 of 8, `insert_kv_save` — insert the KV save.
 
 requires: the forward as the builder makes it (:mod:`graphgen.families.build`): every node on ``main``
           (but the loads ``insert_kv_load`` put on ``kv_load``), one ``Lxx.kv_write`` per layer

@@ -1,9 +1,9 @@
 """The pass pipeline: the builder, then one explicit list of passes, the same for every variant.
 
-    build -> shard -> sequence_parallel -> context_parallel -> insert_kv_load -> insert_kv_save
+    build -> insert_lora -> shard -> sequence_parallel -> context_parallel -> insert_kv_load -> insert_kv_save
           -> insert_events -> verify
 
-(``shard`` changes nothing unless the spec's ``parallel`` has tp, ep or dp > 1; ``sequence_parallel``
+(``insert_lora`` changes nothing without a ``lora:`` section; ``shard`` changes nothing unless the spec's ``parallel`` has tp, ep or dp > 1; ``sequence_parallel``
 nothing unless it has ``sp``, ``context_parallel`` nothing unless ``cp`` > 1; ``insert_kv_load``
 nothing unless the variant has ``history``.)
 
@@ -24,6 +24,7 @@ from .base import ContractError, PassContext, PassError
 from .insert_events import InsertEvents
 from .insert_kv_load import InsertKvLoad
 from .insert_kv_save import InsertKvSave
+from .insert_lora import InsertLora
 from .context_parallel import ContextParallel
 from .sequence_parallel import SequenceParallel
 from .shard import Shard
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from ..modelspec.model import ModelSpec
 
 BUILD = "build"
-PIPELINE = (Shard(), SequenceParallel(), ContextParallel(), InsertKvLoad(), InsertKvSave(), InsertEvents(), Verify())
+PIPELINE = (InsertLora(), Shard(), SequenceParallel(), ContextParallel(), InsertKvLoad(), InsertKvSave(), InsertEvents(), Verify())
 PASS_NAMES = (BUILD, *(p.name for p in PIPELINE))  # the stages on_pass reports, in order
 ALIASES = {"build_layers": BUILD}  # the builder's name when it was a pass
 AFTER_CHOICES = (*PASS_NAMES, *ALIASES)  # what ``until`` (``graphgen dump --after``) accepts

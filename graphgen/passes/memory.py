@@ -38,6 +38,7 @@ from ..families import FAMILIES
 from ..families.parallel import PLANS, rank_kv_components
 from ..ir.quant import linear_weight_names, quantized_weight_names, scale_dtype
 from ..ir.weights import graph_weight_names, parse_shard
+from .activations import max_model_len as _max_len
 
 if TYPE_CHECKING:
     from ..ir.graph import Graph
@@ -104,13 +105,16 @@ class RankMemory:
     device_bytes: Optional[int] = None   # the device (None: no budget)
     utilization: float = 1.0
     blocks_asked: bool = False  # kv_blocks is --num-blocks (+ padding), not the decode batch's need
+    activation_bytes: int = 0  # the largest warm-up graph's activations and workspace (graphgen.passes.activations)
+    reserve_bytes: int = 0     # the caching allocator's rounding and fragmentation (allocator_reserve_bytes)
 
     def per_rank_parts(self, blocks: Optional[int] = None) -> tuple[tuple[str, int], ...]:
         """(name, bytes) of what one rank holds at its peak with ``blocks`` KV blocks (default `kv_blocks`,
         at least one): the weights, the KV cache, and what a launch adds around them."""
         n = max(self.kv_blocks if blocks is None else blocks, 1)
         return (("weights", self.weight_bytes), ("KV", n * self.kv_bytes_per_block), ("staging rings", self.ring_bytes),
-                ("communicators", self.comm_bytes), ("load transient", self.transient_bytes))
+                ("communicators", self.comm_bytes), ("load transient", self.transient_bytes),
+                ("activations", self.activation_bytes), ("allocator reserve", self.reserve_bytes))
 
     def per_rank_bytes(self, blocks: Optional[int] = None) -> int:
         """The per-rank figure: `per_rank_parts` summed (what `fits` compares with `budget_bytes`)."""
@@ -201,10 +205,6 @@ def _npu(spec: ModelSpec) -> NpuTarget:
     return spec.targets.npu or NpuTarget()
 
 
-def _max_len(spec: ModelSpec) -> int:
-    # the max_model_len default of graphgen.npu.run.bucketing.max_model_len (not imported: it is torch-side)
-    declared: Optional[int] = _npu(spec).max_model_len
-    return declared or min(4096, int(getattr(spec.dims, "max_position_embeddings", 4096)))
 
 
 def communicator_bytes(par: Any) -> int:
@@ -263,8 +263,13 @@ def rank_memory(spec: ModelSpec, graphs: Iterable[Graph], device_memory_gib: Opt
     rot: int = getattr(spec.dims, "qk_rope_head_dim", None) or getattr(spec.dims, "head_dim")
     save_rows = npu.save_rows or max(1, npu.prefill_token_buckets[-1] // spec.kv_cache.block_size)
     saves = any(spec.variant_saves(v) for v in spec.variants.values())
+    from .activations import allocator_reserve_bytes, peak_activation
+
+    act = peak_activation(spec)
     return dataclasses.replace(
-        mem, weight_bytes=weight_bytes + _max_len(spec) * 2 * rot * size,
+        mem, activation_bytes=0 if act is None else act.bytes,
+        reserve_bytes=allocator_reserve_bytes(int(gib * GIB) - int(NPU_MEMORY.runtime_gib * GIB)),
+        weight_bytes=weight_bytes + _max_len(spec) * 2 * rot * size,
         ring_bytes=npu.staging_buffers * save_rows * kv if saves else 0, transient_bytes=transient,
         largest_slice=largest, comm_bytes=communicator_bytes(par),
         runtime_bytes=int(NPU_MEMORY.runtime_gib * GIB), device_bytes=int(gib * GIB),

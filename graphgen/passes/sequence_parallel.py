@@ -1,4 +1,4 @@
-"""Pass 2 of 7, ``sequence_parallel``: the TP graph -> its sequence-parallel form (``parallel.sp``).
+"""Pass 3 of 8, ``sequence_parallel``: the TP graph -> its sequence-parallel form (``parallel.sp``).
 
 vLLM's ``SequenceParallelismPass``, on graphgen's IR: between two row-parallel reductions the
 residual stream and the norms are row-wise, so they need only 1/tp of the step's tokens per rank.

@@ -1,4 +1,4 @@
-"""Pass 1 of 7, ``shard``: the single-device forward -> the graph every tensor/expert-parallel rank runs.
+"""Pass 2 of 8, ``shard``: the single-device forward -> the graph every tensor/expert-parallel rank runs.
 
 Megatron-style and op-level (no family names: what a family splits is ``graphgen.families.parallel``):
 

@@ -1,4 +1,4 @@
-"""Pass 7 of 7, `verify` — prove the schedule has no race, and that every event is used correctly.
+"""Pass 8 of 8, `verify` — prove the schedule has no race, and that every event is used correctly.
 
 requires: any graph (also one parsed from a hand-edited golden file).
 ensures:  raises :class:`VerificationError` listing *every* problem found:

@@ -59,7 +59,8 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
                 granularity: Optional[str] = None, tp: Optional[int] = None, ep: Optional[int] = None,
                 dp: Optional[int] = None, cp: Optional[int] = None, sp: Optional[bool] = None,
                 pool="host", spec_file: Optional[str] = None, pool_policy: Optional[str] = None,
-                pool_min_uses: Optional[int] = None, **options) -> "EngineInterface":
+                pool_min_uses: Optional[int] = None, lora_modules: Optional[dict] = None,
+                max_loras: Optional[int] = None, max_lora_rank: Optional[int] = None, **options) -> "EngineInterface":
     """An engine for ``spec`` (a spec file, or a loaded `ModelSpec`) on ``weights`` (a Hugging Face
     checkpoint folder, or a dict of tensors by checkpoint name).
 
@@ -70,7 +71,8 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
     (`graphgen.runtime.engine.assembly.build_engine`'s: ``num_blocks``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``async_scheduling``, ``collect_logits``, ``eos_token_ids``, ``faults``,
     ``num_speculative_tokens`` (speculative decoding with the spec's MTP layer, docs/mtp.md), ...; the
-    NPU target's: ``standin``, ``mode``)."""
+    NPU target's: ``standin``, ``mode``). ``lora_modules``: {name: PEFT adapter folder} requests may run under
+    (docs/lora.md; a spec without a ``lora:`` section gets one), ``max_loras`` / ``max_lora_rank`` override it."""
     from ..lower.compile import display_path
     from ..modelspec.loader import load_spec
     from ..modelspec.model import ModelSpec
@@ -81,9 +83,19 @@ def open_engine(spec, weights, *, target: str = "cpu", write: Optional[str] = No
         path = Path(spec)
         spec_file = spec_file or display_path(path)
         spec = load_spec(path)
-    if any(x is not None for x in (write, granularity, tp, ep, dp, cp, sp, pool_policy, pool_min_uses)):
+    if any(x is not None for x in (write, granularity, tp, ep, dp, cp, sp, pool_policy, pool_min_uses, max_loras,
+                                   max_lora_rank)) or (lora_modules and spec.lora is None):
         spec = spec.with_overrides(write=write, granularity=granularity, tp=tp, ep=ep, dp=dp, cp=cp, sp=sp,
-                                   policy=pool_policy, min_uses=pool_min_uses)
+                                   policy=pool_policy, min_uses=pool_min_uses, max_loras=max_loras,
+                                   max_lora_rank=max_lora_rank, enable_lora=bool(lora_modules))
+    if spec.lora is not None:
+        from ..modelspec.compat import check_compat
+
+        refused = [f"{m} ({fix})" for where, m, fix in check_compat(spec) if where.startswith(("lora", "targets.npu"))]
+        if refused:
+            raise ValueError(f"spec {spec.name} with LoRA: {refused[0]}")
+    if lora_modules:
+        options["lora_modules"] = dict(lora_modules)
     from ..families.parallel import runtime_layout_gap
 
     gap = runtime_layout_gap(spec.parallel, target, mtp=spec.mtp is not None,

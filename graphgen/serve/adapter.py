@@ -11,7 +11,7 @@ sampling per request from its `SamplingParams` — and this adapter only transla
   (which samples with its own copy of the request's sampler) draws the same token; greedy requests
   are one ``argmax`` over the batch, exactly ``Engine.generate``'s tokens;
 - P/D: ``kv_naming`` / ``kv_pool`` / ``saves_in_flight`` are the engine's own (``kv_naming()`` is None
-  where the engine cannot hand blocks over: several ranks hold their caches in other processes);
+  where the engine cannot hand blocks over: ranks on the host pool, DP groups);
 - several ranks (``tp``/``ep``/``cp``/``dp`` > 1): ``engine.core`` runs every call on every rank (``dp``:
   a request on the rank `DPRouter` picks); the adapter does not ask which engine it holds. No trace
   spans or timings come back from the rank processes (their ``observe`` does nothing; only the
@@ -59,6 +59,8 @@ class EngineAdapter:
         self.model_name = model_name or engine.spec.name
         self.vocab_size = engine.spec.dims.vocab_size
         self.max_model_len = engine.max_model_len
+        # the LoRA adapters the engine loaded (name -> folder): /v1/models lists them, "model" picks one
+        self.lora_paths = {n: a.path for n, a in getattr(engine.core, "adapters", {}).items()}
         self.core.eos_token_ids = tuple(eos_token_ids)
         self.observer = StepObserver(trace, keep_timings=True)
         engine.observe(self.observer)  # an engine of several ranks reports nothing (their parts are elsewhere)

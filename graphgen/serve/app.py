@@ -65,9 +65,13 @@ async def health(request: Request):
 
 
 async def models(request: Request):
-    e = _st(request).engine
-    return {"object": "list", "data": [{"id": e.model_name, "object": "model", "created": 0,
-                                        "owned_by": "graphgen", "max_model_len": e.max_model_len}]}
+    st = _st(request)
+    e = st.engine
+    base = {"id": e.model_name, "object": "model", "created": 0, "owned_by": "graphgen", "root": e.model_name,
+            "parent": None, "max_model_len": e.max_model_len}
+    # each LoRA adapter is a model of its own, its parent the base (vLLM's /v1/models)
+    loras = [dict(base, id=name, root=path, parent=e.model_name) for name, path in st.ctx.lora_paths.items()]
+    return {"object": "list", "data": [base, *loras]}
 
 
 async def prom(request: Request):
@@ -114,12 +118,14 @@ def create_app(engine: ServingEngine, *, tokenizer=None, trace: TraceRecorder = 
     ``app.state.drain()`` (called by ``run_server`` on SIGTERM, from a thread) stops accepting —
     ``/health`` answers 503 from then on — and drains the engine loop while the socket still
     answers; the lifespan's shutdown is then only the rest (the trace). ``role``: P/D (serve/pd.py),
-    through the engine's P/D methods (none with several ranks)."""
+    through the engine's P/D methods (none for ranks on the host pool or DP groups)."""
     metrics = ServerMetrics(engine.model_name)
     ctx = Context(engine.model_name, engine.vocab_size, engine.max_model_len, tokenizer, max_logprobs=max_logprobs)
     ctx.tokenizer_dir = str(tokenizer_dir) if tokenizer_dir is not None and tokenizer is not None else None
     ctx.chat_setup = chat_setup  # serve/tools.py ChatSetup (tool-call / reasoning parsers), or None
     ctx.refusal = getattr(engine, "refusal", None)  # the engine's own limits (speculative decoding)
+    ctx.lora_paths = dict(getattr(engine, "lora_paths", {}) or {})  # served adapter name -> its folder
+    ctx.lora_names = tuple(ctx.lora_paths)
     st = AppState(engine=engine, loop=EngineLoop(engine, metrics, trace), metrics=metrics, ctx=ctx,
                   grammars=GrammarWorker(ctx.tokenizer_dir, engine.vocab_size), tokenizer=tokenizer, trace=trace,
                   drain_timeout_s=drain_timeout_s, max_request_bytes=max_request_bytes,

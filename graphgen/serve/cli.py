@@ -22,6 +22,7 @@ from ..engine_args import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     add_engine_arguments,
+    add_lora_arguments,
     add_speculative_arguments,
     check_engine_arguments,
     engine_options,
@@ -40,6 +41,7 @@ API_KEY_ENV = "GRAPHGEN_API_KEY"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, max_num_seqs=64, async_scheduling=True)
     add_speculative_arguments(p)
+    add_lora_arguments(p, serve=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 = a free port (printed on stdout)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the spec's name)")
@@ -129,10 +131,12 @@ def check_args(args):
         return f"--speculative mtp does not combine with --role {args.role} yet (docs/mtp.md)", None
     if args.role != "both":  # the handoff goes through a pool both instances see
         write = args.write or spec.pool.write
-        if write == "off" or args.pool == "host" or rank_count(args, spec) > 1:
+        dp = args.dp if getattr(args, "dp", None) is not None else spec.parallel.dp
+        if write == "off" or args.pool == "host" or dp > 1:
             return (f"--role {args.role} hands the KV over through a shared pool: it needs --pool "
-                    f"mooncake://HOST:PORT (not host), a --write other than off, and one rank "
-                    f"(got --pool {args.pool}, write {write}, {rank_count(args, spec)} rank(s))"), None
+                    f"mooncake://HOST:PORT (not host), a --write other than off, and dp 1 (tp/cp ranks "
+                    f"hand off every rank's shard; DP groups do not yet) (got --pool {args.pool}, write "
+                    f"{write}, {rank_count(args, spec)} rank(s), dp {dp})"), None
     bs = spec.kv_cache.block_size
     need = -(-2 // bs)  # one prompt token and one generated token
     if args.num_blocks < need:
@@ -236,7 +240,9 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
                      api_keys=api_keys, max_request_bytes=args.max_request_bytes, tokenizer_dir=weights,
                      chat_setup=chat_setup(args, spec), max_logprobs=args.max_logprobs,
                      role=args.role, kv_lease_timeout_s=args.kv_lease_timeout)
-    if here is not None and here.multi_node:  # a node lost ends the server: its engine is gone
+    # a node lost, or a P/D instance's rank lost, ends the server: its engine is gone, and a P or D that
+    # stayed up with no engine would hold the router's requests; exited, the router falls back (recompute)
+    if (here is not None and here.multi_node) or args.role != "both":
         app.state.loop.on_engine_end = _engine_ended
     return run_server(app, args.host, args.port, args.log_level, args.drain_timeout, sock=sock)
 

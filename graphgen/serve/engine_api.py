@@ -19,7 +19,7 @@ engine class is ever tested for, no part reached past it):
   ``prefill_tokens`` and ``decode_rows_stalled``) with ``name`` in ``TIMING_NAMES``, for the histograms of ``/metrics``.
 - ``shutdown()`` — abort what is left, commit every pending save, release the engine.
 - P/D (serve/pd.py): ``kv_naming()`` — how the engine names a prompt's blocks in its pool (a
-  `CacheNaming`), or None when it cannot hand blocks over (several ranks); ``kv_pool()`` — that
+  `CacheNaming`), or None when it cannot hand blocks over (ranks on the host pool, DP groups); ``kv_pool()`` — that
   pool; ``saves_in_flight()`` — host commits not landed yet.
 
 Threading: every method is called from ONE thread, the server's engine-loop thread, except the

@@ -45,10 +45,14 @@ class Handoff:
     layout: str
     lease_id: str
     lease_expires_ms: int
+    shards: tuple[str, ...] = ()  # several ranks: every KV shard the lease covers ("r0of2", ...); (): one
 
     def body(self) -> dict:
-        return {"block_hashes": list(self.block_hashes), "num_blocks": self.num_blocks, "layout": self.layout,
-                "lease_id": self.lease_id, "lease_expires_ms": self.lease_expires_ms}
+        out = {"block_hashes": list(self.block_hashes), "num_blocks": self.num_blocks, "layout": self.layout,
+               "lease_id": self.lease_id, "lease_expires_ms": self.lease_expires_ms}
+        if self.shards:  # vLLM's shape, extended only where P has several ranks (docs/pd.md)
+            out["shards"] = list(self.shards)
+        return out
 
     @classmethod
     def parse(cls, value) -> Optional["Handoff"]:
@@ -70,9 +74,13 @@ class Handoff:
         hashes = want("block_hashes", lambda v: isinstance(v, list) and all(isinstance(h, str) for h in v),
                       "a list of strings")
         n = want("num_blocks", lambda v: is_int(v) and v == len(hashes), "an integer equal to len(block_hashes)")
+        shards = value.get("shards", [])
+        if not (isinstance(shards, list) and all(isinstance(s, str) for s in shards)):
+            raise ApiError(f"'{FIELD}.shards' must be a list of strings", param=f"{FIELD}.shards",
+                           code="invalid_type")
         return cls(tuple(hashes), n, want("layout", lambda v: isinstance(v, str), "a string"),
                    want("lease_id", lambda v: isinstance(v, str), "a string"),
-                   want("lease_expires_ms", is_int, "an integer >= 0"))
+                   want("lease_expires_ms", is_int, "an integer >= 0"), tuple(shards))
 
 
 class PD:
@@ -96,7 +104,7 @@ class PD:
     @classmethod
     def for_engine(cls, engine, role: str, registry, lease_timeout_s: float = 30.0) -> Optional["PD"]:
         """The role over a `ServingEngine`'s pool and block naming, through its P/D methods; None
-        when the engine cannot hand blocks over (several ranks)."""
+        when the engine cannot hand blocks over (ranks on the host pool, DP groups)."""
         naming = engine.kv_naming()
         if naming is None:
             return None
@@ -120,13 +128,14 @@ class PD:
             kw["min_tokens"] = 0
         return dataclasses.replace(params, **kw)
 
-    def lease(self, prompt: Sequence[int]):
-        """Lease the prompt's handed-off blocks (before its prefill: none is evicted once visible)."""
-        n = self.naming.handed_off(prompt)
-        keys = self.naming.keys(prompt)[:n]
-        return keys, self.pool.pin(keys, self.lease_timeout_s)
+    def lease(self, prompt: Sequence[int], salt: str = ""):
+        """Lease the prompt's handed-off blocks, every KV shard's (one list of keys per shard; before its
+        prefill: none is evicted once visible); ``salt``: its LoRA adapter's (`CacheNaming.salt_of`), so the
+        keys are the ones its prefill saves. One lease covers every rank's part of the blocks."""
+        keys = self.naming.handoff_keys(prompt, salt)
+        return keys, self.pool.pin([k for shard in keys for k in shard], self.lease_timeout_s)
 
-    async def wait_visible(self, keys: Sequence[str]) -> int:
+    async def wait_visible(self, keys: Sequence[Sequence[str]]) -> int:
         """Until every key is visible in the pool; the leading run visible when the saves are over
         (no commit pending) or ``visible_timeout_s`` passed first. Each poll runs off the event loop,
         but the pauses do not hold a thread: many prefills waiting at once would otherwise take
@@ -135,7 +144,7 @@ class PD:
         idle, pause = 0, VISIBLE_POLL_S
         while True:
             run = await asyncio.to_thread(self._visible_run, keys)
-            if run == len(keys) or time.monotonic() > deadline:
+            if run == len(keys[0]) or time.monotonic() > deadline:
                 return run
             idle = idle + 1 if self.saves_pending() == 0 else 0
             if idle > 3:  # no commit in flight for several polls: the missing blocks never come
@@ -143,20 +152,21 @@ class PD:
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, VISIBLE_POLL_MAX_S)
 
-    def _visible_run(self, keys: Sequence[str]) -> int:
+    def _visible_run(self, keys: Sequence[Sequence[str]]) -> int:
+        """The leading run of blocks visible in every shard (a block is handed off once all its parts are)."""
         try:
-            return self.pool.leading_run(list(keys)) if keys else 0
+            return min(self.pool.leading_run(list(shard)) if shard else 0 for shard in keys)
         except Exception:  # noqa: BLE001 - a pool that cannot answer hands off nothing
             return 0
 
-    async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict, n: int = 1) -> dict:
+    async def finish_prefill(self, prompt: Sequence[int], keys, lease, body: dict, n: int = 1, salt: str = "") -> dict:
         """P's answer: the generated token dropped, ``kv_transfer_params`` added; ``n`` (empty)
         choices for a request of ``n`` choices, all from its one prefill."""
         run = await self.wait_visible(keys)
         self.handoffs.labels(result="made").inc()
         self.blocks.labels(result="handed_off").inc(run)
-        self.blocks.labels(result="not_visible").inc(len(keys) - run)
-        digests = self.naming.digests(prompt)[:run]
+        self.blocks.labels(result="not_visible").inc(len(keys[0]) - run)
+        digests = self.naming.digests(prompt, salt)[:run]
         for c in body["choices"]:  # the token D recomputes: nothing of it is returned
             c["token_ids"], c["finish_reason"], c["logprobs"] = [], "length", None
             if "message" in c:
@@ -166,7 +176,8 @@ class PD:
         body["choices"] = [dict(body["choices"][0], index=i) for i in range(n)]
         u = body["usage"]
         u["completion_tokens"], u["total_tokens"] = 0, u["prompt_tokens"]
-        body[FIELD] = Handoff(tuple(digests), run, self.naming.layout, lease.lease_id, lease.expires_ms).body()
+        body[FIELD] = Handoff(tuple(digests), run, self.naming.layout, lease.lease_id, lease.expires_ms,
+                              tuple(self.naming.shards)).body()
         return body
 
     def release(self, lease_id: str) -> bool:
@@ -175,10 +186,12 @@ class PD:
         return ok
 
     # ---- D ------------------------------------------------------------------------------------
-    def accept(self, prompt: Sequence[int], h: Handoff) -> bool:
-        """Does the handoff name this prompt's blocks in this cache's layout? (Counted.)"""
-        ok = (h.layout == self.naming.layout and h.num_blocks <= self.naming.handed_off(prompt)
-              and list(h.block_hashes) == self.naming.digests(prompt)[:h.num_blocks])
+    def accept(self, prompt: Sequence[int], h: Handoff, salt: str = "") -> bool:
+        """Does the handoff name this prompt's blocks in this cache's layout and KV shards, under the request's
+        adapter (``salt``)? (Counted.)"""
+        ok = (h.layout == self.naming.layout and tuple(h.shards) == tuple(self.naming.shards)
+              and h.num_blocks <= self.naming.handed_off(prompt)
+              and list(h.block_hashes) == self.naming.digests(prompt, salt)[:h.num_blocks])
         self.handoffs.labels(result="accepted" if ok else "mismatch").inc()
         if not ok:
             self.blocks.labels(result="recomputed").inc(h.num_blocks)
@@ -200,8 +213,9 @@ async def serve_with_role(pd: Optional[PD], serve, request, parsed, chat: bool, 
         raise ApiError("a P/D handoff covers one prompt (send a list of prompts to a decode or both instance)",
                        param=FIELD if handoff is not None else "prompt", code="unsupported_value")
     prompt = parsed.prompts[0]
+    salt = pd.naming.salt_of(getattr(parsed.params, "lora", None))  # the adapter's blocks (docs/lora.md)
     if pd.role != "prefill":  # D: a handoff that names other blocks is not admitted (recomputed)
-        if not await asyncio.to_thread(pd.accept, prompt, handoff):
+        if not await asyncio.to_thread(pd.accept, prompt, handoff, salt):
             return await serve(request, parsed, chat)
         out = await serve(request, parsed, chat)
         if isinstance(out, StreamingResponse):
@@ -213,11 +227,11 @@ async def serve_with_role(pd: Optional[PD], serve, request, parsed, chat: bool, 
     n = parsed.fan.n
     parsed = dataclasses.replace(parsed, params=pd.prefill_params(parsed.params), stream=False,
                                  fan=dataclasses.replace(parsed.fan, n=1, best_of=1))
-    keys, lease = await asyncio.to_thread(pd.lease, prompt)
+    keys, lease = await asyncio.to_thread(pd.lease, prompt, salt)
     try:
         out = await serve(request, parsed, chat)
         if isinstance(out, dict):
-            return await pd.finish_prefill(prompt, keys, lease, out, n)
+            return await pd.finish_prefill(prompt, keys, lease, out, n, salt)
     except BaseException:
         pd.release(lease.lease_id)  # nothing handed off: nobody else will release it
         raise

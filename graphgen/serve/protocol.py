@@ -138,6 +138,8 @@ class Context:
         self.max_logprobs = max_logprobs  # --max-logprobs: logprobs / top_logprobs at most (prompt ones too)
         # params -> (field, sentence) when the engine cannot run them (speculative decoding), or None
         self.refusal = None
+        self.lora_paths: dict[str, str] = {}
+        self.lora_names: tuple[str, ...] = ()  # the LoRA adapters served (--lora-modules): each is a "model"
 
     def encode(self, text: str, param: str, add_special: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -182,8 +184,9 @@ def _common(body: dict, ctx: Context, chat: bool = False) -> Common:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("'model' must be a string", param="model", code="invalid_type")
-    if model not in (None, ctx.model_name):
-        raise ApiError(f"the model '{model}' does not exist; this server serves '{ctx.model_name}'",
+    if model not in (None, ctx.model_name, *ctx.lora_names):
+        served = ", ".join(f"'{m}'" for m in (ctx.model_name, *ctx.lora_names))
+        raise ApiError(f"the model '{model}' does not exist; this server serves {served}",
                        param="model", code="model_not_found", status=404)
     check_refused(body, "chat" if chat else "completions")
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
@@ -246,8 +249,11 @@ def _common(body: dict, ctx: Context, chat: bool = False) -> Common:
     kw["structured"] = structured(response_format_grammar(body.get("response_format")), ctx.tokenizer_dir,
                                   "response_format")
     # ----
+    lora = model if model in ctx.lora_names and model != ctx.model_name else None
+    if lora is not None:
+        kw["lora"] = lora  # the request runs under that adapter (docs/lora.md)
     check_engine(kw, ctx, fields.fan)
-    return Common(kw, stream, include_usage, ctx.model_name, fields.fan, text, add_special)
+    return Common(kw, stream, include_usage, lora or ctx.model_name, fields.fan, text, add_special)
 
 
 def check_engine(kw: dict, ctx: Context, fan: FanOut) -> None:

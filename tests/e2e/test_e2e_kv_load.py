@@ -93,11 +93,11 @@ def test_load_overlaps_the_forward_layer_by_layer(qwen, pooled):
     assert warm.variant == "splitfuse" and warm.hit_tokens == 8  # 2 blocks came from the pool
     loads = {e[1]: e for e in log if e[0] == "load"}
     attns = {e[1]: e for e in log if e[0] == "attn"}
-    last = max(loads)
     assert sorted(loads) == sorted(attns) == [0, 1]
-    # layer 0 computes while the last layer's (slowed) load is still running ...
-    assert attns[0][2] < loads[last][3], log
-    # ... and every layer's attention starts after its own load finished, on the loaded blocks
+    # that layer 0 computes while a later layer's load is still running is proven by order, not by these
+    # clocks (a busy scheduler need not interleave them): the gated test below holds the last load closed
+    # and sees layer 0's attention finish. Here: every layer's attention starts after its own load
+    # finished (its event: an order the events enforce), on the loaded blocks
     assert all(attns[i][2] >= loads[i][3] and attns[i][4] for i in loads), log
     # the history is the pool's: the same tokens and logits as the cold prefill computed
     assert warm.tokens == cold.tokens

@@ -25,7 +25,7 @@ def test_contracts_hold_for_every_variant_write_and_granularity(name):
             for variant in spec.variants:
                 seen = []
                 run_pipeline(spec, variant, check=True, on_pass=lambda n, g: seen.append(n))
-                assert seen == list(PASS_NAMES) == ["build", "shard", "sequence_parallel", "context_parallel",
+                assert seen == list(PASS_NAMES) == ["build", "insert_lora", "shard", "sequence_parallel", "context_parallel",
                                                     "insert_kv_load", "insert_kv_save", "insert_events", "verify"]
 
 
@@ -88,11 +88,11 @@ def test_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
     def boom(self, graph, ctx):
         raise ValueError("synthetic failure")
 
-    monkeypatch.setattr(type(PIPELINE[5]), "run", boom)  # insert_events (after shard ... insert_kv_save)
+    monkeypatch.setattr(type(PIPELINE[6]), "run", boom)  # insert_events (after insert_lora ... insert_kv_save)
     with pytest.raises(PassError) as info:
         run_pipeline(spec, "mempool_prefill")
     msg = str(info.value)
-    assert ("pass 'insert_events' failed (passes run before it: build, shard, sequence_parallel, context_parallel, "
+    assert ("pass 'insert_events' failed (passes run before it: build, insert_lora, shard, sequence_parallel, context_parallel, "
             "insert_kv_load, insert_kv_save)") in msg
     assert "synthetic failure" in msg
 

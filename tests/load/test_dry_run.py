@@ -141,7 +141,7 @@ def test_a_refusal_is_one_sentence_whose_validate_hint_agrees(tiny_npu, capsys):
     hint = re.search(r"\((graphgen validate .*?) counts it", capsys.readouterr().err)
     assert rc == 2 and hint and hint[1] == f"graphgen validate {spec} --device-memory-gib 3.15 --num-blocks 512", hint
     assert main(hint[1].split()[1:]) == 2
-    assert "fix: launch with --num-blocks 395 (the NPU reserves one more)" in capsys.readouterr().err
+    assert "fix: launch with --num-blocks 369 (the NPU reserves one more)" in capsys.readouterr().err
     assert main(["validate", str(spec), "--device-memory-gib", "3.15"]) == 0  # the decode batch's need fits
     capsys.readouterr()
     # the KV blocks asked for: 250000 blocks of 256 KiB are past a 64 GiB die
@@ -171,7 +171,7 @@ def test_qwen3_32b_rank0_full_size_under_4_gib_rss_and_3_minutes(qwen32, tmp_pat
                                                        "host_peak_bytes", "bytes_read", "load_s", "graphs",
                                                        "kv_blocks"}
     assert row["device_peak_bytes"] <= row["budget_bytes"] and abs(row["budget_bytes"] - 0.9 * 60.97 * GIB) < 1e3
-    assert 30 * GIB < row["device_peak_bytes"] < 40 * GIB and row["graphs"] == 28
+    assert 30 * GIB < row["device_peak_bytes"] < 41 * GIB and row["graphs"] == 28  # 40.31 with activations (M5)
     assert row["bytes_read"] > 30 * GIB  # its slices were read (the row-parallel ones by whole rows)
     assert rss < 4 * GIB and row["host_peak_bytes"] < 4 * GIB, (rss, row)
     assert wall < 180, wall

@@ -25,11 +25,16 @@ def test_deepseek_v3_1_2node_last_rank_full_size_in_w8a8(tmp_path, capsys):
     ckpt = _sparse(tmp_path / "ds", json.loads((DATA / "deepseek_v3_1.config.json").read_text()))
     out = tmp_path / "r.json"
     spec_file = SPECS / "deepseek_v3_1_2node.yaml"
-    assert main(["dry-run", "--spec", str(spec_file), "--weights", str(ckpt), "--rank", "15",
+    # with the warm-up's activations counted (audit 4 M5) the default 512 blocks no longer fit: validate's note
+    # names 324 (--device-memory-utilization 0.9: 325); the control below shows the default refused
+    assert main(["dry-run", "--spec", str(spec_file), "--weights", str(ckpt), "--rank", "15", "--num-blocks", "320",
                  "--json", str(out)]) == 0, capsys.readouterr().err
     (row,) = json.loads(out.read_text())["ranks"]
     spec = load_spec(spec_file)
-    mem = rank_memory(spec, [run_pipeline(spec, v, until="shard") for v in spec.variants])
+    mem = rank_memory(spec, [run_pipeline(spec, v, until="shard") for v in spec.variants], num_blocks=320)
     assert row["device_peak_bytes"] == mem.launch_peak_bytes - mem.transient_bytes <= row["budget_bytes"], (row, mem)
-    assert 45 * GIB < row["device_peak_bytes"] and row["kv_blocks"] == 513
+    assert 45 * GIB < row["device_peak_bytes"] and row["kv_blocks"] == 321
+    assert row["graphs"] == 11  # DP warms no mixed cell (12 of the 23 before)
+    default = rank_memory(spec, [run_pipeline(spec, v, until="shard") for v in spec.variants], num_blocks=512)
+    assert default.launch_peak_bytes > default.budget_bytes
     assert row["bytes_read"] < 60 * GIB and row["host_peak_bytes"] < 4 * GIB, row

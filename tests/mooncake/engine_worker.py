@@ -40,19 +40,23 @@ def main():
         if op == "open":
             faults = Faults.parse(cmd["faults"]) if cmd.get("faults") else None
             eng = open_engine(cmd["spec"], cmd["weights"], pool=cmd["pool"], write=cmd.get("write"),
-                                   granularity=cmd.get("granularity"), faults=faults, num_blocks=64)
+                                   granularity=cmd.get("granularity"), faults=faults, num_blocks=64,
+                                   collect_logits=cmd.get("collect_logits", False))
             reply(ok=True)
         elif op == "gen":
             res = eng.generate(cmd["prompts"], cmd.get("n", 4), settle=cmd.get("settle", True))
             if cmd.get("drain", True):
                 eng.drain()
             reply(tokens=[r.tokens for r in res], hit=[r.hit_tokens for r in res],
-                  variant=[r.variant for r in res])
+                  variant=[r.variant for r in res],
+                  logits=[[s.tolist() for s in r.step_logits] for r in res] if cmd.get("logits") else None)
         elif op == "drain":
             eng.drain()
             reply(ok=True)
         elif op == "stats":
-            reply(engine=eng.stats, pool=eng.connector.pool_stats(), warnings=warnings.by_logger)
+            ranks = getattr(eng, "rank_pool_stats", None)  # ranks: each rank's own pool client
+            reply(engine=eng.stats, pool=eng.pool_stats(), warnings=warnings.by_logger,
+                  rank_pools=ranks() if ranks else None, rank_engines=getattr(eng, "rank_stats", None))
         else:
             reply(error=f"unknown op {op}")
 

@@ -119,3 +119,21 @@ def test_value_larger_than_the_buffer_is_refused():
 def test_master_binary_ships_with_the_wheel():
     path = find_master_binary()
     assert os.access(path, os.X_OK), path
+
+
+def test_the_rank_launcher_takes_a_mooncake_url_and_refuses_a_pool_object():
+    """Ranks on Mooncake (issue 37 item 2): a URL passes the launcher's check (each rank opens its own
+    client), a malformed one is one sentence before any rank starts, a pool object cannot cross into a rank."""
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime.parallel.launcher import _checked
+    from support.paths import REPO
+
+    spec = load_spec(os.path.join(str(REPO), "specs", "tiny_deepseek_v3_tp2ep2.yaml"))
+    assert _checked(spec, "/w", "mooncake://127.0.0.1:50051?max_backoff=1", "cpu") == ("cpu", "/w")
+    assert _checked(spec, "/w", "host", "cpu") == ("cpu", "/w")
+    with pytest.raises(ValueError, match="bad pool URL"):
+        _checked(spec, "/w", "mooncake://127.0.0.1", "cpu")
+    with pytest.raises(ValueError, match="unknown mooncake pool option 'segmnet'"):
+        _checked(spec, "/w", "mooncake://127.0.0.1:50051?segmnet=1", "cpu")
+    with pytest.raises(ValueError, match="parallel ranks take pool='host'"):
+        _checked(spec, "/w", HostPool(1 << 20), "cpu")

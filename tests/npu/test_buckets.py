@@ -133,3 +133,22 @@ def test_the_causal_mask_is_built_once_per_device_and_shared_by_steps_and_bucket
     assert step(5, 16).atten_mask is not None and npu_step_inputs(
         input_ids=[1], positions=[3], slot_mapping=[3], block_tables=[[0]], seq_lens=[4], query_lens=[1],
         logits_indices=[0], block_size=128, decode=True).atten_mask is None  # decode reads no mask
+
+
+def test_dp_attention_at_tp_runs_only_buckets_that_are_multiples_of_tp():
+    """Under dp > 1, tp > 1 the ep reduce_scatter_tensor cuts each call's rows into tp equal shards: the buckets
+    kept are the multiples of tp (negative control: at tp 1, or dp 1, every bucket stays); none of a kind left is
+    a sentence naming the fix."""
+    import dataclasses
+
+    spec = load_spec(Path(__file__).parents[2] / "specs/tiny_deepseek_v3_npu.yaml")
+    npu = dataclasses.replace(spec.targets.npu, decode_batch_buckets=(1, 2, 3, 4), prefill_token_buckets=(63, 64, 128))
+    at = lambda **p: dataclasses.replace(spec, targets=dataclasses.replace(spec.targets, npu=npu),  # noqa: E731
+                                         parallel=dataclasses.replace(spec.parallel, **p))
+    b = Buckets.from_spec(at(dp=2, tp=2, ep=4))
+    assert (b.decode_batch, b.prefill_tokens) == ((2, 4), (64, 128))
+    for p in ({"dp": 2, "tp": 1, "ep": 2}, {"dp": 1, "tp": 2, "ep": 2}):
+        assert Buckets.from_spec(at(**p)).decode_batch == (1, 2, 3, 4)
+    npu = dataclasses.replace(npu, decode_batch_buckets=(1, 3))
+    with pytest.raises(ValueError, match="leave none of one kind.*add a multiple of 2"):
+        Buckets.from_spec(at(dp=2, tp=2, ep=4))

@@ -41,3 +41,23 @@ def test_spec_without_the_npu_target_is_not_checked():
     text = QWEN.replace("  npu:\n    compile_modes: [max-autotune]\n    device_memory_gib: 64\n", "")
     assert "npu:" not in text.split("targets:")[1]
     assert check_spec_limits(parse_spec_text(_edit(text, "dtype", "float32"), "q.yaml")) == []
+
+
+def test_the_doc_conflicts_the_first_hardware_run_must_measure_match_the_checklist():
+    """Audit 4 M4/M7/M8: doc_conflicts computes, per shipped spec, the calls one reading of the docs refuses;
+    docs/npu.md's H8 states the same numbers (a changed bucket or layout that moves them fails here)."""
+    from pathlib import Path
+
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.npu.check.speclimits import doc_conflicts
+
+    ROOT = Path(__file__).resolve().parents[2]
+
+    docs = (ROOT / "docs" / "npu.md").read_text()
+    two = dict(doc_conflicts(load_spec(ROOT / "specs" / "deepseek_v3_1_2node.yaml")))
+    assert set(two) == {"M4", "M7"} and "[8192, 7168] = 58720256 elements" in two["M4"]
+    assert "x `[8192, 7168]`" in docs and "58,720,256 elements" in docs
+    assert set(dict(doc_conflicts(load_spec(ROOT / "specs" / "qwen3_32b.yaml")))) == {"M8"}
+    assert doc_conflicts(load_spec(ROOT / "specs" / "deepseek_v3_1.yaml")) == []  # dp 1, bf16: 7.3M elements
+    for sid in ("M4", "M7", "M8"):
+        assert f"**{sid}**" in docs

@@ -127,3 +127,30 @@ def test_warmup_compiles_every_mixed_cell_so_mixed_batches_compile_nothing_while
     assert mixed >= 1 and later == 0, (mixed, later)
     later, mixed, lines, _ = _serve_mixed(spec, capsys, cells=False)
     assert not any("mixed cell" in line for line in lines) and mixed >= 1 and later > 0
+
+
+def test_warmup_skips_the_mixed_cells_a_dp_runner_never_runs():
+    """Audit 4 M5: under DP attention every call is padded to an agreed bucket (``runner.call_padding``), never
+    to a mixed cell, so warming the cells compiled graphs (12 of 23 on the 2-node spec) nothing runs."""
+    from types import SimpleNamespace
+
+    from graphgen.npu.run.bucketing import Buckets
+    from graphgen.npu.run.mixed_grid import MixedGrid
+    from graphgen.npu.run.warmup import warmup_plans
+
+    spec = _few_buckets_with_history()
+    buckets = Buckets.from_spec(spec)
+    mods = {v: SimpleNamespace(META={"phase": getattr(var.phase, "value", var.phase), "history": var.history})
+            for v, var in spec.variants.items()}
+    runner = SimpleNamespace(modules=mods, buckets=buckets, grid=MixedGrid.from_buckets(buckets), pad_block=0,
+                             block_size=spec.kv_cache.block_size, call_padding=None)
+    alone = warmup_plans(runner)
+    cells = [p for p in alone if p[2] is not None]
+    buckets_only = [p for p in alone if p[2] is None]
+    assert len(cells) == runner.grid.count() >= 1  # the control: a single runner warms every cell
+    runner.groups = SimpleNamespace(layout=SimpleNamespace(dp=1))  # a TP rank: runs cells
+    assert warmup_plans(runner) == alone
+    runner.groups = SimpleNamespace(layout=SimpleNamespace(dp=2))  # a DP rank before its seam is plugged in
+    assert warmup_plans(runner) == buckets_only
+    runner.groups, runner.call_padding = None, lambda phase, n_seqs, n_tokens: None  # the seam itself
+    assert warmup_plans(runner) == buckets_only

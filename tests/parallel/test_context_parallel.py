@@ -19,6 +19,7 @@ import torch
 from graphgen.runtime import open_engine
 from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
 from support.paths import REPO
+from support.tokens import assert_agree
 
 TIMEOUT = 60   # seconds a rank may take to answer one command
 CHUNK = 8      # max_num_batched_tokens: longer prompts are chunked
@@ -70,19 +71,27 @@ def _run_cp2(spec: str, d, p: dict, *, write: str, control: bool = False):
 
 
 @pytest.fixture(scope="module")
-def cp1_tokens(request):
-    """``cp1_tokens(family)``: the cp=1 engine's greedy tokens of the family's prompts, one engine per
-    family for the whole module (every cp=2 test compares against it)."""
+def cp1_results(request):
+    """``cp1_results(family)``: the cp=1 engine's greedy results (tokens, step logits) of the family's prompts,
+    one engine per family for the whole module (every cp=2 test compares against it: `_agree_cp1`)."""
     done = {}
 
-    def tokens(family: str) -> dict:
+    def results(family: str) -> dict:
         if family not in done:
             d, p = request.getfixturevalue(CHECKPOINTS[family]).dir, _prompts(family)
-            with open_engine(REPO / SPECS[family], d, num_blocks=48, max_num_batched_tokens=CHUNK) as one:
+            with open_engine(REPO / SPECS[family], d, num_blocks=48, max_num_batched_tokens=CHUNK,
+                             collect_logits=True) as one:
                 rs = one.generate([p[k] for k in ("shorter", "equal", "longer", "fresh")], 3)
-            done[family] = dict(zip(("shorter", "equal", "longer", "fresh"), (r.tokens for r in rs)))
+            done[family] = dict(zip(("shorter", "equal", "longer", "fresh"), rs))
         return done[family]
-    return tokens
+    return results
+
+
+def _agree_cp1(cp1: dict, pairs, what: str) -> None:
+    """cp=2's results vs cp=1's (``pairs``: (cp=1 prompt key, cp=2 result)): splitting the tokens reorders
+    the attention's reductions, so tokens equal up to a near tie at ATOL, logits within it (support.tokens)."""
+    for key, r in pairs:
+        assert_agree(cp1[key].tokens, cp1[key].step_logits, r.tokens, r.step_logits, ATOL, where=f"{what} {key}")
 
 
 def _check(model, family: str, out: dict, stats: list, pool: dict, cp1: dict, write: str) -> None:
@@ -93,46 +102,45 @@ def _check(model, family: str, out: dict, stats: list, pool: dict, cp1: dict, wr
             assert_steps_match_hf(model, out[what], f"{family} cp=2 {write} {what}")   # decode steps included
         for what, r in zip(("shorter", "fresh"), out["batched"]):
             assert_steps_match_hf(model, r, f"{family} cp=2 {write} batched {what}")
-    got = {k: out[k].tokens for k in ("shorter", "equal", "longer")}
-    got["fresh"] = out["batched"][1].tokens
-    assert got == cp1 and out["repeated"].tokens == cp1["longer"] and out["batched"][0].tokens == cp1["shorter"]
+    _agree_cp1(cp1, [(k, out[k]) for k in ("shorter", "equal", "longer")] + [("fresh", out["batched"][1]),
+               ("longer", out["repeated"]), ("shorter", out["batched"][0])], f"{family} cp=2 {write}")
     # 1 + 2 + 3 + 3 full blocks saved once, by CP rank 0; rank 1 computed the same bytes and left them
     assert stats[0]["puts"] == stats[1]["skipped_puts"] == pool["num_keys"] == 9 and stats[1]["puts"] == 0
     # the repeated prompt (3 blocks) and the batched short one (1) hit on every rank, every rank loads
     assert [s["hit_blocks"] for s in stats] == [4, 4] and [s["loaded_blocks"] for s in stats] == [4, 4]
 
 
-def test_qwen3_cp2_matches_transformers_and_cp1_and_a_swapped_split_does_not(qwen, cp1_tokens):
+def test_qwen3_cp2_matches_transformers_and_cp1_and_a_swapped_split_does_not(qwen, cp1_results):
     p = _prompts("qwen3")
     out, stats, pool = _run_cp2(SPECS["qwen3"], qwen.dir, p, write="async", control=True)
-    _check(qwen.model, "qwen3", out, stats, pool, cp1_tokens("qwen3"), "async")
+    _check(qwen.model, "qwen3", out, stats, pool, cp1_results("qwen3"), "async")
     with torch.no_grad():
         ref = hf_step_logits(qwen.model, p["control"], out["control"].tokens)
     err = (out["control"].step_logits[0] - ref[0]).abs().max().item()
     assert err > 100 * ATOL, f"swapped head-tail slices must give wrong logits (max |diff| {err:.3g})"
 
 
-def test_deepseek_cp2_matches_transformers_and_cp1(tiny_dsv3, cp1_tokens):
+def test_deepseek_cp2_matches_transformers_and_cp1(tiny_dsv3, cp1_results):
     p = _prompts("deepseek")
     out, stats, pool = _run_cp2(SPECS["deepseek"], tiny_dsv3.dir, p, write="sync")
-    _check(tiny_dsv3.model, "deepseek", out, stats, pool, cp1_tokens("deepseek"), "sync")
+    _check(tiny_dsv3.model, "deepseek", out, stats, pool, cp1_results("deepseek"), "sync")
 
 
 @pytest.mark.parametrize("family,write", [("qwen3", "off"), ("qwen3", "sync"),
                                           ("deepseek", "off"), ("deepseek", "async")])
-def test_cp2_gives_the_tokens_of_cp1_at_the_other_write_modes(family, write, request, cp1_tokens):
+def test_cp2_gives_the_tokens_of_cp1_at_the_other_write_modes(family, write, request, cp1_results):
     """The write modes the tests above do not run (they: async for Qwen3, sync for DeepSeek), one short
     engine each: prefill, a chunked prompt and its repeat (a 12-token hit unless writes are off), decode.
-    Every mode's tokens equal cp=1's, so they are equal across off/sync/async."""
+    Every mode agrees with cp=1 (`_agree_cp1`), so the modes agree with each other."""
     p = _prompts(family)
     with open_engine(REPO / SPECS[family], request.getfixturevalue(CHECKPOINTS[family]).dir, cp=2, write=write,
-                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK, collect_logits=True) as eng:
         rs = eng.generate([p["shorter"], p["equal"], p["longer"]], 3)
         eng.drain()
         rs.append(eng.generate([p["longer"]], 3)[0])
         stats, pool = eng.rank_stats, eng.pool_stats()
-    cp1 = cp1_tokens(family)
-    assert [r.tokens for r in rs] == [cp1["shorter"], cp1["equal"], cp1["longer"], cp1["longer"]], write
+    cp1 = cp1_results(family)
+    _agree_cp1(cp1, zip(("shorter", "equal", "longer", "longer"), rs), f"{family} cp=2 {write}")
     if write == "off":
         assert rs[3].hit_tokens == 0 and pool["num_keys"] == 0 and all(s["puts"] == 0 for s in stats)
     else:   # 1 + 2 + 3 full blocks, put once by CP rank 0; the repeat hits on both ranks
@@ -141,7 +149,7 @@ def test_cp2_gives_the_tokens_of_cp1_at_the_other_write_modes(family, write, req
         assert [s["hit_blocks"] for s in stats] == [3, 3]
 
 
-def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen, cp1_tokens):
+def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen, cp1_results):
     """cp=2 × tp=2, four ranks (rank = cp_rank × 2 + tp_rank): each TP group splits the heads, each CP
     group the tokens; each TP rank's KV heads are saved by CP rank 0's rank of that TP rank only."""
     p = _prompts("qwen3")
@@ -155,8 +163,9 @@ def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen, cp1_tokens):
     with torch.no_grad():
         for what, r in out.items():
             assert_steps_match_hf(qwen.model, r, f"qwen3 cp=2 tp=2 {what}")
-    cp1 = cp1_tokens("qwen3")
-    assert [out[k].tokens for k in ("shorter", "longer", "repeated")] == [cp1["shorter"], cp1["longer"], cp1["longer"]]
+    cp1 = cp1_results("qwen3")
+    _agree_cp1(cp1, [("shorter", out["shorter"]), ("longer", out["longer"]), ("longer", out["repeated"])],
+               "qwen3 cp=2 tp=2")
     # 1 + 3 blocks per TP rank's heads, put by ranks 0 and 1 (CP rank 0), left by ranks 2 and 3
     assert [s["puts"] for s in stats] == [4, 4, 0, 0] and [s["skipped_puts"] for s in stats] == [0, 0, 4, 4]
     assert pool["num_keys"] == 8 and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]

@@ -19,6 +19,7 @@ from graphgen.runtime.parallel.launcher import RankFailure
 from graphgen.runtime.engine.sampling import SamplingParams
 from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
 from support.paths import REPO
+from support.tokens import assert_agree, assert_results_agree
 
 SPEC = REPO / "specs/tiny_deepseek_v3_dp2ep2.yaml"
 TIMEOUT = 60  # seconds a rank may take to answer one command
@@ -33,12 +34,12 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens(tiny_dsv3):
-    """A tp = dp = 1 engine's greedy tokens: a and b (3 new), c and d (5 new); every dp=2 run, at each
-    write mode, is compared with them."""
+def tp1_results(tiny_dsv3):
+    """A tp = dp = 1 engine's greedy results (tokens, step logits): a and b (3 new), c and d (5 new); every
+    dp=2 run, at each write mode, is compared with them (EP reorders the experts' sums: support.tokens)."""
     a, b, c, d = _prompts()
-    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", tiny_dsv3.dir, num_blocks=32) as one:
-        return [r.tokens for r in one.generate([a, b], 3)] + [r.tokens for r in one.generate([c, d], 5)]
+    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", tiny_dsv3.dir, num_blocks=32, collect_logits=True) as one:
+        return one.generate([a, b], 3) + one.generate([c, d], 5)
 
 
 def _open(weights, **kw):
@@ -63,7 +64,7 @@ def _dummy_forwards(rank_engine):
     return rank_engine.runner.dummy_forwards
 
 
-def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3, tp1_tokens):
+def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_dsv3, tp1_results):
     model, w = tiny_dsv3.model, tiny_dsv3.dir
     a, b, c, d = _prompts()
     with _open(w) as eng:
@@ -100,8 +101,10 @@ def test_dp2_ep2_matches_transformers_tp1_and_shares_prefixes_across_ranks(tiny_
         got[o.req_id] += list(o.new_token_ids)
     assert {k: got[k] for k in "xy"} == {"x": rc.tokens[:2], "y": rd.tokens[:2]}
     assert owners["w"] == owners["z"] and not eng.core.owner  # prefix affinity; finished requests let go
-    assert tp1_tokens == [ra0.tokens, rb1.tokens, rc.tokens, rd.tokens]  # async (the spec's mode)
-    assert ra0.tokens == ra1.tokens == ra0_again.tokens == ra.tokens[:3]
+    assert_results_agree(tp1_results, [ra0, rb1, rc, rd], ATOL, where="dp=2 ep=2 async vs tp=1")  # the spec's mode
+    for what, r in (("on rank 1", ra1), ("again", ra0_again)):
+        assert_agree(ra0.tokens, ra0.step_logits, r.tokens, r.step_logits, ATOL, where=f"prompt a {what}")
+    assert_agree(ra0.tokens, ra0.step_logits, ra.tokens[:3], ra.step_logits[:3], ATOL, where="prompt a batched")
 
 
 def _die_in_dummy(variant: str, source: str) -> str:
@@ -115,8 +118,8 @@ def _arm(rank_engine):  # on every rank: only DP rank 1 will die
     rank_engine.runner.rt.die_in_dummy = rank_engine.runner.rt.coords.dp_rank == 1
 
 
-def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3, tp1_tokens):
-    """off and sync (the test above: async), one engine each: tokens equal tp=1's (so across all three modes)."""
+def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(tiny_dsv3, tp1_results):
+    """off and sync (the test above: async), one engine each: they agree with tp=1 (support.tokens; so across all three modes)."""
     w = tiny_dsv3.dir
     a, b, _, _ = _prompts()
     runs = {}
@@ -131,5 +134,64 @@ def test_dp2_ep2_write_modes_give_the_same_tokens_and_a_dead_rank_is_reported(ti
                 assert time.monotonic() - t0 < 30
     assert [r.hit_tokens for r in runs["off"]] == [0, 0, 0, 0]
     assert [r.hit_tokens for r in runs["sync"]] == [0, 8, 8, 4]  # a repeated prompt hits on every rank
-    want = [tp1_tokens[0]] * 3 + [tp1_tokens[1]]   # a on rank 0, a on rank 1, a on rank 0, b on rank 1
-    assert [r.tokens for r in runs["off"]] == [r.tokens for r in runs["sync"]] == want
+    want = [tp1_results[0]] * 3 + [tp1_results[1]]   # a on rank 0, a on rank 1, a on rank 0, b on rank 1
+    for write in ("off", "sync"):
+        assert_results_agree(want, runs[write], ATOL, where=f"dp=2 ep=2 {write} vs tp=1")
+
+
+# ---- tp inside each DP group (dp 2 × tp 2, ep 4) -----------------------------------------------------------
+def _lockstep_probe(rank_engine):  # on every rank: (dp rank, tp rank, skipped puts, its plan check's group size)
+    import torch.distributed as dist
+
+    rt, runner = rank_engine.runner.rt, rank_engine.runner
+    check = runner.feature("plan_check")
+    return (rt.coords.dp_rank, rt.coords.tp_rank, getattr(rank_engine.connector.pool, "skipped_puts", 0),
+            dist.get_world_size(check.group) if check is not None else None)
+
+
+def test_dp2_tp2_ep4_matches_transformers_and_one_rank(tiny_dsv3, tp1_results):
+    """tiny DeepSeek at dp 2 × tp 2 (ep 4, the spec's dp2ep2 layout overridden as --dp/--tp/--ep do): attention
+    at tp 2 inside each DP group, the MoE over all 4 ranks, the ep reduce-scatter cutting each DP group's rows
+    over its 2 TP ranks (a 1-token decode: one rank 1 row, the other 0) and the TP gather after it. Every step
+    of prefill, splitfuse and decode against transformers (fp32, atol 1e-4), with both groups busy at once and
+    one idle (both its TP ranks in dummy forwards); a prefix saved through one DP group hits on the other (keys
+    per TP shard, the MLA latent put by TP rank 0 only); the plan check runs on each DP group's 2 ranks; the
+    step API gives each DP group's outputs once. Negative control: swapped expert ownership breaks the logits."""
+    model, w = tiny_dsv3.model, tiny_dsv3.dir
+    a, b, c, d = _prompts()
+    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", w, dp=2, tp=2, ep=4, collect_logits=True,
+                     num_blocks=32, timeout=TIMEOUT) as eng:
+        assert type(eng).__name__ == "DataParallelEngine" and eng.world == 4
+        ra0, ra1, ra0_again, rb1 = _run(eng, a, b)
+        rc, rd, ra = eng.generate([c, d, a], 5, batch=True, ranks=[0, 1, 1])
+        dummies = eng.on_ranks(_dummy_forwards)
+        eng.core.add_request("x", c, SamplingParams(max_tokens=2))
+        eng.core.add_request("y", d, SamplingParams(max_tokens=2))
+        outs = []
+        while eng.core.has_work():
+            outs += eng.core.step()
+        per_group = eng.core.stats()["per_rank"]
+        probes = eng.on_ranks(_lockstep_probe)
+        eng.on_ranks(_swap_experts)
+        wrong = eng.generate([c], 2, ranks=[0])[0]
+    assert [r.variant for r in (ra0, ra1, ra0_again, rb1)] == ["mempool_prefill", "splitfuse", "splitfuse",
+                                                               "splitfuse"]
+    assert (ra1.hit_tokens, ra0_again.hit_tokens, rb1.hit_tokens) == (8, 8, 4)  # group 0's blocks hit on group 1
+    with torch.no_grad():
+        for what, r in (("prefill", ra0), ("splitfuse on the other group", ra1), ("splitfuse", ra0_again),
+                        ("shared prefix", rb1), ("batch group 0", rc), ("batch group 1", rd),
+                        ("batch group 1 hit", ra)):
+            assert_steps_match_hf(model, r, f"dp=2 tp=2 ep=4 {what}")
+        ref = hf_step_logits(model, c, wrong.tokens)
+    assert (wrong.step_logits[0] - ref[0]).abs().max().item() > 100 * ATOL  # negative control: swapped experts
+    assert_results_agree(tp1_results, [ra0, rb1, rc, rd], ATOL, where="dp=2 tp=2 ep=4 vs tp=1")  # one rank's tokens, margin-aware
+    assert all(n > 0 for n in dummies), dummies  # each group's two ranks idled while the other group ran
+    assert dummies[0] == dummies[1] and dummies[2] == dummies[3]  # a group's TP ranks in lockstep
+    got = {}
+    for o in outs:
+        got.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert got == {"x": rc.tokens[:2], "y": rd.tokens[:2]}  # each group's outputs once, not once per TP rank
+    assert len(per_group) == 2
+    assert [p[:2] for p in probes] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert probes[0][2] == probes[2][2] == 0 and probes[1][2] > 0 and probes[3][2] > 0  # latent put by TP rank 0
+    assert {p[3] for p in probes} == {2}  # the plan check on each DP group's ranks, not the world

@@ -17,8 +17,9 @@ from graphgen.runtime.parallel.launcher import RankFailure
 from graphgen.runtime import open_engine
 from support.cli import cli_inproc
 from support.engines import counters_since
-from support.hf import assert_steps_match_hf, hf_logits, rand_prompt
+from support.hf import ATOL, assert_steps_match_hf, hf_logits, rand_prompt
 from support.paths import REPO
+from support.tokens import assert_results_agree
 
 TIMEOUT = 60  # seconds a rank may take to answer one command
 
@@ -65,8 +66,9 @@ def test_qwen3_tp2_matches_transformers_tp1_and_hits_on_every_rank(qwen, qwen_tp
             assert_steps_match_hf(model, r, f"qwen3 tp=2 {what}")   # decode steps included
     assert [s["hit_blocks"] for s in stats] == [3, 3]  # 2 blocks of a, 1 of b, on each rank
     assert all(s["puts"] > 0 and s["skipped_puts"] == 0 for s in stats)  # each rank saves its own heads
-    with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
-        assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
+    with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32, collect_logits=True) as one:
+        # one rank vs two reorders the reductions: tokens equal up to a near tie at ATOL (support.tokens)
+        assert_results_agree(one.generate([a, b], 3), [ra, rb], ATOL, where="tp=1 vs tp=2")
 
 
 def test_the_ranks_save_reports_aggregate_per_shard(qwen_tp2):
@@ -96,8 +98,9 @@ def test_qwen3_tp2_sequence_parallel_matches_transformers_and_tp1(qwen, qwen_tp2
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):
             assert_steps_match_hf(model, r, f"qwen3 tp=2 sp {what}")   # decode steps included
     assert [s["hit_blocks"] for s in stats] == [3, 3]
-    with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32) as one:
-        assert [r.tokens for r in one.generate([a, b], 3)] == [ra.tokens, rb.tokens]
+    with open_engine(REPO / "specs/tiny_qwen3.yaml", d, num_blocks=32, collect_logits=True) as one:
+        # one rank vs two reorders the reductions: tokens equal up to a near tie at ATOL (support.tokens)
+        assert_results_agree(one.generate([a, b], 3), [ra, rb], ATOL, where="tp=1 vs tp=2")
 
 
 @pytest.mark.parametrize("spec", ["specs/tiny_qwen3_tp2.yaml", "specs/tiny_qwen3_tp2_sp.yaml"], ids=["tp2", "tp2_sp"])

@@ -32,8 +32,8 @@ class FakePrefix:
         self.hits = hits or {}
         self.loaded: list[list[str]] = []
 
-    def block_keys(self, prompt):
-        return [f"p{prompt[0]}.b{i}" for i in range(len(prompt) // BS)]
+    def block_keys(self, prompt, salt=""):
+        return [f"p{prompt[0]}.b{i}{salt}" for i in range(len(prompt) // BS)]
 
     def lookup(self, keys):
         return min(self.hits.get(int(keys[0].split(".")[0][1:]), 0), len(keys)) if keys else 0

@@ -23,6 +23,7 @@ block free) and no request in flight on a router.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ import pytest
 
 from serve_util import SPEC
 from support.netns import Namespace, Worker, _env, _Proc
-from support.paths import TINY_DSV3
+from support.paths import REPO as ROOT, TINY_DSV3
 
 pytestmark = pytest.mark.slow
 
@@ -312,6 +313,59 @@ def test_deepseek_through_the_router_equals_a_single_instance_and_keys_stay_apar
         p.kill(signal.SIGTERM)
     cluster.routers.remove(router)  # their backends are gone
     cluster.routers.remove(misconfigured)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (its rank processes, through the forkserver), from /proc."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def test_ranks_pd_through_the_router_equals_a_single_instance_and_a_killed_p_rank_falls_back(cluster, ckpt):
+    """Issue 37 item 3: a tp-2 P and a tp-2 D (Qwen3: each rank its own KV heads, two shards ``r0of2``/``r1of2``)
+    on the cluster's master. P's ranks save their shards, P hands off both (``kv_transfer_params.shards``), D's
+    ranks load their own: through the router the tokens equal D's own cold answer (no handoff), D loads every
+    handed-off block, the leases go back to zero. A P rank SIGKILLed fails P within its deadline; the router
+    falls back to a recompute on D: every request answered with the same tokens."""
+    tp2 = ROOT / "specs" / "tiny_qwen3_tp2.yaml"
+    procs = {k: _start(cluster.ns, f"tp2_{k}", *_serve_args(ckpt, k, spec=tp2))
+             for k in ("prefill", "decode")}
+    url = {k: _url(p, "serve") for k, p in procs.items()}
+    start = cluster.counters(url)
+    router = cluster.route("router_tp2", "--prefill", url["prefill"], decode=url["decode"])
+    prompts = [PROMPTS[16], PROMPTS[29]]
+    cold = cluster.jobs(*(_complete(url["decode"], p, model="tiny_qwen3_tp2") for p in prompts))
+    (pre,) = cluster.jobs(_complete(url["prefill"], PROMPTS[9], model="tiny_qwen3_tp2"))
+    assert pre["kv"]["shards"] == ["r0of2", "r1of2"] and pre["kv"]["num_blocks"] == 2, pre["kv"]
+    cluster.jobs({"op": "post", "url": url["prefill"] + "/v1/kv/release", "json": {"lease_id": pre["kv"]["lease_id"]}})
+    jobs = [_complete(router, p, stream, model="tiny_qwen3_tp2") for stream in (False, True) for p in prompts]
+    out = cluster.jobs(*jobs)
+    for job, got in zip(jobs, out):
+        p = job["prompt"]
+        assert got["tokens"] == cold[prompts.index(p)]["tokens"], (len(p), job["stream"], got)
+        if not job["stream"]:  # the first pass: D's ranks loaded every handed-off block, both shards
+            assert got["cached"] == (len(p) - 1) // BS * BS, (len(p), got)
+    d = cluster.metrics(url["decode"], "graphgen_pd_handoff")
+    assert d['graphgen_pd_handoffs_total{result="accepted"}'] == len(jobs)
+    assert d['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 0
+    cluster.assert_nothing_held(start, url)  # P's leases back to zero, nothing running on either
+
+    ranks = _descendants(procs["prefill"].p.pid)
+    assert ranks, "P's rank processes not found"
+    os.kill(ranks[-1], signal.SIGKILL)
+    t = time.monotonic()
+    out = cluster.jobs(*(_complete(router, p, model="tiny_qwen3_tp2") for p in prompts), timeout=120)
+    assert [o["tokens"] for o in out] == [c["tokens"] for c in cold], out
+    assert time.monotonic() - t < 90
+    r = cluster.metrics(router, "graphgen_route_")
+    assert r["graphgen_route_prefill_fallbacks_total"] >= 1
+    procs["decode"].kill()
+    procs["prefill"].kill()
 
 
 def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):

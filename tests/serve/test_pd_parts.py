@@ -44,7 +44,8 @@ def test_prefix_policy_keeps_a_prefix_on_one_backend_and_moves_only_the_dead_one
 
 
 def _pd(role="decode", bs=4):
-    naming = CacheNaming(bs, "L1", lambda p: chain_digests(p, bs), lambda p: [f"k{d}" for d in chain_digests(p, bs)])
+    naming = CacheNaming(bs, "L1", lambda p, salt="": chain_digests(p, bs, salt),
+                         lambda p, salt="": [f"k{d}" for d in chain_digests(p, bs, salt)])
     return PD(role, HostPool(1 << 20), naming, CollectorRegistry(), lease_timeout_s=5)
 
 
@@ -78,20 +79,56 @@ def test_prefill_leases_the_handed_off_blocks_and_waits_for_them():
     pd.visible_timeout_s = 0.3
     prompt = list(range(1, 14))
     keys, lease = pd.lease(prompt)
-    assert len(keys) == 3 and pd.pool.leases() == 1
-    for k in keys[:2]:
+    assert len(keys) == 1 and len(keys[0]) == 3 and pd.pool.leases() == 1  # one shard (one rank)
+    for k in keys[0][:2]:
         pd.pool.put(k, b"v")
     assert asyncio.run(pd.wait_visible(keys)) == 2  # no commit pending: the visible run, not a hang
-    pd.pool.put(keys[2], b"v")
+    pd.pool.put(keys[0][2], b"v")
     assert asyncio.run(pd.wait_visible(keys)) == 3
     assert pd.release(lease.lease_id) and pd.pool.leases() == 0
+
+
+def _pd_ranks(role="prefill", bs=4, shards=("r0of2", "r1of2")):
+    """A P/D over the keys of two KV shards (a tp-2 instance whose ranks hold different KV heads)."""
+    fns = tuple((lambda s: lambda p, salt="": [f"{s}:{d}" for d in chain_digests(p, bs, salt)])(s) for s in shards)
+    naming = CacheNaming(bs, "L1", lambda p, salt="": chain_digests(p, bs, salt), fns[0], shard_keys=fns,
+                         shards=shards)
+    return PD(role, HostPool(1 << 20), naming, CollectorRegistry(), lease_timeout_s=5)
+
+
+def test_ranks_handoff_leases_every_shard_and_waits_until_every_shard_is_visible():
+    """Issue 37 item 3: P's ranks each save their shard; a block is handed off once every shard's part of it
+    is visible, one lease pins them all, the wire format names the shards and D checks them."""
+    pd = _pd_ranks()
+    pd.visible_timeout_s = 0.3
+    prompt = list(range(1, 14))
+    keys, lease = pd.lease(prompt)
+    assert [len(k) for k in keys] == [3, 3] and keys[0][0].startswith("r0of2") and keys[1][0].startswith("r1of2")
+    assert pd.pool.leases() == 1
+    for k in keys[0]:
+        pd.pool.put(k, b"v")       # rank 0's shard of all 3 blocks, rank 1's of the first only
+    pd.pool.put(keys[1][0], b"v")
+    assert asyncio.run(pd.wait_visible(keys)) == 1   # negative control: one shard alone is not a handoff
+    for k in keys[1][1:]:
+        pd.pool.put(k, b"v")
+    body = {"choices": [{"index": 0, "text": "x", "token_ids": [5], "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 13, "completion_tokens": 1, "total_tokens": 14}}
+    out = asyncio.run(pd.finish_prefill(prompt, keys, lease, body))
+    h = Handoff.parse(out["kv_transfer_params"])
+    assert h.num_blocks == 3 and h.shards == ("r0of2", "r1of2")
+    assert _pd_ranks("decode").accept(prompt, h)
+    assert not _pd_ranks("decode", shards=("r0of1",)).accept(prompt, h)   # another tp: its keys differ
+    assert not _pd("decode").accept(prompt, h)                            # one rank vs a tp-2 handoff
+    assert pd.release(lease.lease_id) and pd.pool.leases() == 0
+    with pytest.raises(ApiError, match="shards"):
+        Handoff.parse({**h.body(), "shards": "r0of2"})
 
 
 def test_prefill_answer_of_n_choices_is_one_handoff_and_n_empty_choices():
     pd = _pd("prefill")
     prompt = list(range(1, 14))
     keys, lease = pd.lease(prompt)
-    for k in keys:
+    for k in keys[0]:
         pd.pool.put(k, b"v")
     body = {"choices": [{"index": 0, "text": "x", "token_ids": [5], "finish_reason": "stop", "logprobs": None}],
             "usage": {"prompt_tokens": 13, "completion_tokens": 1, "total_tokens": 14}}
@@ -111,6 +148,7 @@ def _cli(*args):
 @pytest.mark.parametrize("args,msg", [
     (["--role", "prefill"], "--role prefill hands the KV over through a shared pool"),
     (["--role", "decode", "--pool", "mooncake://127.0.0.1:1", "--write", "off"], "write off"),
+    (["--role", "prefill", "--pool", "mooncake://127.0.0.1:1", "--dp", "2"], "DP groups do not yet"),
     (["--kv-lease-timeout", "0"], "--kv-lease-timeout must be > 0"),
 ])
 def test_bad_role_flags_exit_2_before_the_model_loads(ckpt, args, msg):

@@ -184,3 +184,30 @@ def limit_diagnostics(path, spec=None) -> list[Diagnostic]:
                               f"change {field_path} to a value inside the documented limit, or remove the npu "
                               f"target (targets.npu) if this spec is not meant for Ascend hardware"))
     return out
+
+
+# --------------------------------------------------------------------------- doc conflicts to measure (audit 4)
+def doc_conflicts(spec) -> list[tuple[str, str]]:
+    """``[(id, what the first hardware run must measure)]``: calls the lowering makes that one reading of the
+    kernel docs allows and another forbids (audit 4 M4, M7, M8).  Not refusals (the lowering follows the reading
+    vllm-ascend runs); docs/npu.md's hardware checklist (H8) lists them, with these numbers, for the shipped specs."""
+    npu = getattr(getattr(spec, "targets", None), "npu", None)
+    if npu is None:
+        return []
+    out = []
+    if _moe(spec):
+        rows = _max_prefill_tokens(spec) * spec.parallel.dp  # DP attention gathers every DP rank's tokens
+        elems = rows * spec.dims.hidden_size
+        if elems >= 1 << 24:
+            out.append(("M4", f"npu_moe_init_routing x [{rows}, {spec.dims.hidden_size}] = {elems} elements "
+                              f">= 2^24 ({1 << 24}): allowed per dimension, refused if :11017's 'shape大小' is the "
+                              f"element count; measure the largest prefill bucket at dp={spec.parallel.dp}"))
+        if getattr(getattr(spec, "quantization", None), "method", "none") == "w8a8_dynamic" and spec.parallel.ep > 1:
+            out.append(("M7", f"npu_grouped_matmul per-token W8A8 under ep={spec.parallel.ep}: scale 2-D [E, N] for "
+                              f"one [E, K, N] weight (:5852 says 1-D per tensor) and a group_list ending below M "
+                              f"(other ranks' rows): measure both at the first MoE layer"))
+    if _gqa(spec) and spec.dims.head_dim == 128:
+        out.append(("M8", "npu_fused_infer_attention_score TND + block_table (page attention) at D=128 for "
+                          "prefill/splitfuse: older CANN docs require D=192 under TND; note the CANN version and "
+                          "whether the first prefill warm-up graph compiles"))
+    return out

@@ -36,7 +36,18 @@ class Buckets:
             raise ValueError(f"spec {spec.name} has no NPU target")
         bs = spec.kv_cache.block_size
         max_len = max_model_len(spec)
-        return cls(decode_batch=tuple(npu.decode_batch_buckets), prefill_tokens=tuple(npu.prefill_token_buckets),
+        decode, prefill = tuple(npu.decode_batch_buckets), tuple(npu.prefill_token_buckets)
+        par = getattr(spec, "parallel", None)
+        if par is not None and par.dp > 1 and par.tp > 1:
+            # DP attention at tp > 1: the MoE's ep reduce-scatter cuts every DP group's call into tp equal
+            # shards (reduce_scatter_tensor), so a call's tokens are a multiple of tp: only those buckets run
+            decode, prefill = (tuple(x for x in b if x % par.tp == 0) for b in (decode, prefill))
+            if not decode or not prefill:
+                raise ValueError(f"spec {spec.name}: DP attention at tp {par.tp} runs only buckets that are "
+                                 f"multiples of tp; targets.npu.decode_batch_buckets {npu.decode_batch_buckets} / "
+                                 f"prefill_token_buckets {npu.prefill_token_buckets} leave none of one kind "
+                                 f"(fix: add a multiple of {par.tp})")
+        return cls(decode_batch=decode, prefill_tokens=prefill,
                    prefill_seqs=npu.prefill_seqs, max_blocks=-(-max_len // bs),
                    save_rows=npu.save_rows or max(1, npu.prefill_token_buckets[-1] // bs))
 

@@ -2,7 +2,8 @@
 
 ``compile_module(module_or_path, mode)`` wraps ``forward`` in
 ``torch.compile(backend=torchair.get_npu_backend(compiler_config=cfg), fullgraph=True)`` with
-``cfg.mode = mode``; ``cache_dir`` routes through ``torchair.inference.cache_compile``.
+``cfg.mode = mode``; ``cache_dir`` routes through ``torchair.inference.cache_compile`` (with ``ge_cache=True``
+under max-autotune: GE's compiled models are cached too), one entry per bucket and input signature.
 Without torch_npu/torchair it raises ``NpuUnavailable`` with one sentence.  ``use_standin=True``
 compiles with ``graphgen.npu.standin.fakes`` on CPU instead (graph structure only, never NPU behaviour).
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from ..trees import leaves
 
 MODES = ("max-autotune", "reduce-overhead")
 # GE runs a graph with dynamic shapes single-stream unless this is set (torchair docs,
@@ -99,50 +102,176 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:12]
 
 
+def input_signature(*args) -> str:
+    """The first 12 hex digits of a sha256 over what a compiled graph bakes in of its inputs (M1, audit 4).
+
+    torchair's loaded graph checks, on its first call, ``assert_size_stride(args[i], shape, stride)`` for
+    every tensor input as traced (``air/_ge_concrete_graph/fx2ge_converter.py:1412,2079-2087``) and has no
+    Dynamo guard: an entry traced for 513 KV blocks, loaded for 759, fails there.  So the entry's key is
+    every tensor leaf's (path, dtype, shape, stride, device type) -- the KV cache's block count and layout,
+    the bucket's step inputs, the weights' TP shards and dtypes -- read from the call itself, not from a
+    hand-kept list.  Non-tensor leaves: bools, strings and None by value (a graph specialises on them);
+    Python ints by type only (under ``dynamic=True`` they are the symbolic length lists)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for path, x in leaves(args):
+        if isinstance(x, torch.Tensor):
+            h.update(f"{path}:{x.dtype}:{tuple(x.shape)}:{x.stride()}:{x.device.type}\n".encode())
+        elif x is None or isinstance(x, (bool, str)):
+            h.update(f"{path}={x!r}\n".encode())
+        else:
+            h.update(f"{path}:{type(x).__name__}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def runtime_versions() -> str:
+    """``torch=<v>,torch_npu=<v>,cann=<v>`` of this process, where readable: a graph serialised by one
+    torchair/GE is not promised to load in another (the cache file records no version: audit 4 §2f).
+    torch_npu and CANN are read only when torch_npu is already imported (never imported here)."""
+    import torch
+
+    parts = [f"torch={torch.__version__}"]
+    tn = sys.modules.get("torch_npu")
+    if tn is not None and not getattr(tn, "__graphgen_standin__", False):
+        parts.append(f"torch_npu={getattr(tn, '__version__', '?')}")
+        try:
+            parts.append(f"cann={tn.npu.utils.get_cann_version()}")
+        except Exception:  # older wheels: no get_cann_version; the torch_npu version still separates them
+            parts.append("cann=?")
+    return ",".join(parts)
+
+
+def layout_name(parallel) -> str:
+    """``tp<t>-ep<e>-dp<d>-cp<c>[-sp]`` of a spec's `Parallel` (``None``: ``single``)."""
+    if parallel is None:
+        return "single"
+    return (f"tp{parallel.tp}-ep{parallel.ep}-dp{parallel.dp}-cp{parallel.cp}" + ("-sp" if parallel.sp else ""))
+
+
 @dataclass(frozen=True)
 class CacheKey:
-    """Where one generated module's compiled graphs live under a cache root (audit 3 N5).
+    """Where one generated module's compiled graphs live under a cache root (audit 3 N5, audit 4 M1).
 
     torchair names an entry by the module's class name, md5(``str(module)`` + the compile options) and
     the function's name (``air/inference/_cache_compiler.py:203-235``): every generated module is a
     ``Model()`` with the same repr, so two variants (``mempool_prefill`` and ``splitfuse``: same options,
     same bucket names) or two specs sharing a root got the same entry, and ``LazyCompiledModel`` loads an
     existing entry unguarded (``:648-657``): one variant's graph ran for the other.  Nor does torchair's key
-    see the module's source, so an edited module would load its stale graph.  graphgen therefore gives
-    every (spec, mode, variant, source, rank) its own directory, which torchair's entries then go under:
-    ``<root>/<spec>/<mode>/<variant>-<source hash>/rank<r>of<world>/<torchair's entry>/forward_bucket_...``."""
+    see the module's source, so an edited module would load its stale graph, nor the input shapes a graph
+    asserts on its first call (M1).  graphgen therefore gives every (spec, mode, variant, source, parallel
+    layout, rank, runtime versions) its own directory, and under it every input signature
+    (:func:`input_signature`, taken at the first call: KV blocks and layout, bucket, dtypes) its own, which
+    torchair's entries then go under:
+    ``<root>/<spec>/<mode>/<variant>-<source hash>/<layout>/rank<r>of<world>/<runtime hash>/inputs-<sig>/<torchair's entry>/forward_bucket_...``."""
     spec: str
     mode: str
     variant: str
     source: str  # source_hash(module source)
     rank: int = 0
     world: int = 1
+    layout: str = "single"  # layout_name(spec.parallel)
+    runtime: str = ""  # runtime_versions(); "" takes this process's
 
     def directory(self, root) -> Path:
+        runtime = self.runtime or runtime_versions()
         return (Path(root) / self.spec / self.mode.replace("-", "_") / f"{self.variant}-{self.source}"
-                / f"rank{self.rank}of{self.world}")
+                / self.layout / f"rank{self.rank}of{self.world}" / f"runtime-{source_hash(runtime)}")
+
+
+def keyed_cache_dir(root, *args) -> Path:
+    """``root/inputs-<input_signature(args)>``: where the graph for these call arguments is cached."""
+    return Path(root) / f"inputs-{input_signature(*args)}"
+
+
+def ge_cache_files(entry_dir) -> list[Path]:
+    """GE's own compiled models in a torchair entry's directory: with ``ge_cache=True`` torchair hands GE that
+    directory as ``ge.graph_compiler_cache_dir`` (``air/inference/_cache_compiler.py:448-457``) and the entry's
+    name as ``ge.graph_key`` (``fx2ge_converter.py:1383-1388``); GE saves ``<graph_key>_<time>.om`` there and
+    loads it on the next start (CANN "图编译缓存" / "Graph Build Cache": the ``cache_file_name`` of its index)."""
+    return sorted(Path(entry_dir).glob("*.om")) if Path(entry_dir).is_dir() else []
+
+
+def ge_cache_option(mode: str) -> dict:
+    """``cache_compile``'s keyword for GE's own cache: ``ge_cache=True`` under max-autotune (GE graphs), none
+    under reduce-overhead, where torchair ignores it with a warning (``_cache_compiler.py:711-713``)."""
+    return {"ge_cache": True} if mode == "max-autotune" else {}
+
+
+@dataclass(frozen=True)
+class EntryUse:
+    """How one graph came to run from the compile cache: ``torchair``: its entry (the Dynamo bytecode and the
+    serialised GE graph) was on disk and loaded, else traced and saved; ``ge``: GE's compiled model (``.om``) was
+    in the entry, so GE loads it instead of compiling (torchair's load always ends in ``ge_graph.compile()``,
+    ``fx2ge_converter.py:1417-1420``, which compiles unless GE finds its cache)."""
+    name: str
+    torchair: bool
+    ge: bool
+    ge_asked: bool = True  # ge_cache=True was passed (max-autotune); reduce-overhead graphs are not GE's
+
+    def describe(self) -> str:
+        if self.torchair and self.ge:
+            return "loaded from the compile cache (torchair entry and GE model)"
+        if self.torchair and self.ge_asked:
+            return "torchair entry loaded from the compile cache, GE compiled its graph (no GE model cached)"
+        if self.torchair:
+            return "torchair entry loaded from the compile cache (no GE cache in this mode)"
+        return "compiled"
+
+
+def _entry_use(cache_dir: Path, name: str, ge_asked: bool) -> EntryUse:
+    # torchair's entry: <cache_dir>/<class>_<dynamic|static>[_gecache]_<md5>[/<ranks>]/<name>/compiled_module
+    found = [p.parent for p in cache_dir.glob(f"**/{name}/compiled_module")]
+    return EntryUse(name, bool(found), any(ge_cache_files(d) for d in found), ge_asked)
+
+
+class KeyedCachedForward:
+    """``cache_compile`` of one method whose entry directory is picked at the first call from the
+    arguments' :func:`input_signature` (the non-bucketed path: one graph)."""
+
+    def __init__(self, method, cache_compile, **options):
+        self.method, self.cache_compile, self.options = method, cache_compile, options
+        self.fn = None
+        self.uses: list[EntryUse] = []
+
+    def __call__(self, *args):
+        if self.fn is None:
+            cache_dir = keyed_cache_dir(self.options["cache_dir"], *args)
+            self.uses.append(_entry_use(cache_dir, self.method.__name__, bool(self.options.get("ge_cache"))))
+            self.fn = self.cache_compile(self.method, **dict(self.options, cache_dir=str(cache_dir)))
+        return self.fn(*args)
 
 
 class BucketCachedForward:
     """``cache_compile`` per shape bucket: the step inputs' bucket (:func:`bucket_entry`) picks the
     entry, each built on its own code object (:func:`bucket_method`), so ``--cache-dir`` keeps one graph per
-    bucket instead of one unguarded graph for all of them.  ``hits``/``misses``: entries found on disk
-    (loaded, not compiled) and entries compiled, by bucket name."""
+    bucket instead of one unguarded graph for all of them.  ``uses``: one `EntryUse` per bucket, in order of first
+    call; ``hits``/``misses``: entries found on disk (loaded, not compiled) and entries compiled, by bucket name."""
 
     def __init__(self, target, cache_compile, **options):
         self.target, self.cache_compile, self.options = target, cache_compile, options
         self.entries: dict = {}
-        self.hits: list[str] = []
-        self.misses: list[str] = []
+        self.uses: list[EntryUse] = []
+
+    @property
+    def hits(self) -> list[str]:
+        return [u.name for u in self.uses if u.torchair]
+
+    @property
+    def misses(self) -> list[str]:
+        return [u.name for u in self.uses if not u.torchair]
 
     def __call__(self, W, b, *rest):
         name = bucket_entry(b)
         fn = self.entries.get(name)
         if fn is None:
-            # torchair's entry: <cache_dir>/<class>_<dynamic|static>_<md5>[/<ranks>]/<name>/compiled_module
-            found = any(Path(self.options["cache_dir"]).glob(f"**/{name}/compiled_module"))
-            (self.hits if found else self.misses).append(name)
-            fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name), **self.options)
+            # keyed by every input's shape, stride and dtype (M1): another KV block count is another entry
+            cache_dir = keyed_cache_dir(self.options["cache_dir"], W, b, *rest)
+            self.uses.append(_entry_use(cache_dir, name, bool(self.options.get("ge_cache"))))
+            fn = self.entries[name] = self.cache_compile(bucket_method(self.target, name),
+                                                         **dict(self.options, cache_dir=str(cache_dir)))
         return fn(W, b, *rest)
 
 
@@ -259,11 +388,11 @@ def compile_module(module_path_or_obj: Any, mode: str | None = None, cache_dir: 
     backend = torchair.get_npu_backend(compiler_config=cfg)
     if cache_dir is not None and buckets is not None:
         target.forward = BucketCachedForward(target, torchair.inference.cache_compile, config=cfg, dynamic=dynamic,
-                                             cache_dir=str(cache_dir))
+                                             cache_dir=str(cache_dir), **ge_cache_option(mode))
     elif cache_dir is not None:
         # cache_compile takes the bound method and handles compilation (and its backend) itself.
-        target.forward = torchair.inference.cache_compile(target.forward, config=cfg, dynamic=dynamic,
-                                                          cache_dir=str(cache_dir))
+        target.forward = KeyedCachedForward(target.forward, torchair.inference.cache_compile, config=cfg,
+                                            dynamic=dynamic, cache_dir=str(cache_dir), **ge_cache_option(mode))
     else:
         target.forward = torch.compile(target.forward, backend=backend, fullgraph=True, dynamic=dynamic)
     if buckets is not None:

@@ -39,6 +39,11 @@ class NpuStepInputs:
     # [T, hidden] the hidden state each MTP row drafts from (the target's at t, or the previous draft's):
     # the MTP graph's input (phase mtp, docs/mtp.md); None for the other graphs
     prev_hidden: Optional[torch.Tensor] = None
+    # Multi-LoRA (a module whose STEP_READS has them: docs/lora.md, "NPU"): [T, S] each token's one-hot adapter
+    # slot in the compute dtype (base-model and padding tokens: an all-zero row), and the slot stacks by
+    # checkpoint weight (graphgen.runtime.lora.slots: {key: (A [S, R, in], B [S, out, R])})
+    lora_sel: Optional[torch.Tensor] = None
+    lora: Optional[dict] = None
 
 
 def npu_step_inputs(*, input_ids, positions, slot_mapping, block_tables, seq_lens, query_lens, logits_indices,
@@ -297,4 +302,8 @@ def tiny_step(module, spec, seqs: Sequence[tuple[int, int]], num_blocks: int, se
                         query_lens=qlens, logits_indices=logit_idx, block_size=bs,
                         save_block_ids=list(range(next_block)) if saves else None, load_block_ids=loads,
                         decode=decode)
+    if "lora_sel" in getattr(module, "STEP_READS", ()):  # no token selects an adapter: zero slots
+        from .lora import add_lora_inputs, zero_slots
+
+        add_lora_inputs(b, [], zero_slots(spec))
     return b

@@ -46,9 +46,11 @@ from ...runtime.engine import Engine, LoadedBlocks, RunnerSaves, StepFuture, Ste
 from .bucketing import Buckets, max_model_len
 from .data_parallel import NpuDPForward
 from .groups import bind_process_groups, process_group_names
+from .inputs import UniformPadding
+from .lora import acquire_lora, add_lora_inputs, release_lora
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
-from .inputs import UniformPadding
+from .startup import barrier_after_load, npu_rank_env
 from .staging import CommitPath, DeviceBinding, NpuStreams, StagingRing
 from .weights import load_first, load_time_weights
 
@@ -98,6 +100,7 @@ class NpuModelRunner(RunnerSaves):
         self.binding = DeviceBinding(0, lambda i: None) if standin else \
             DeviceBinding(torch.npu.current_device(), torch.npu.set_device)  # type: ignore[attr-defined]
         self.dtype = getattr(torch, npu.dtype)
+        self.lora_slots = None  # Multi-LoRA: a LoraSlots in this dtype on the device (build_engine makes it)
         # a rank's process groups (graphgen.runtime RankGroups: its modules' HCCL names, the compile cache's rank)
         self.groups = groups
         self.cache_dir = cache_dir  # the on-disk compile cache (CacheKey)
@@ -157,14 +160,15 @@ class NpuModelRunner(RunnerSaves):
         """The compiled forward of ``variant`` (compiled on first use; one graph per bucket; with a
         ``cache_dir``, each bucket's graph is an entry of the on-disk compile cache under its `CacheKey`)."""
         if variant not in self._compiled:
-            from .compile import CacheKey, compile_module
+            from .compile import CacheKey, compile_module, layout_name
 
             mod = self.modules[variant]
             cells = self.grid.count() if mod.META.get("history") and mod.META["phase"] == "prefill" else 0
             if mod.META["phase"] == "decode" and self.k:  # decode rows of 1 and of K + 1 tokens
                 cells = self.buckets.count("decode")
             cache = None if self.cache_dir is None else CacheKey(
-                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world
+                self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world,
+                layout_name(getattr(self.spec, "parallel", None))
             ).directory(self.cache_dir)
             target, backend = compile_module(mod, self.mode, cache, use_standin=self.standin,
                                              buckets=self.buckets.count(mod.META["phase"]) + cells)
@@ -173,8 +177,13 @@ class NpuModelRunner(RunnerSaves):
 
     def cache_hits(self, variant: str) -> list[str]:
         """The bucket entries of ``variant`` loaded from the compile cache (not compiled), in order."""
+        return [u.name for u in self.cache_uses(variant) if u.torchair]
+
+    def cache_uses(self, variant: str) -> list:
+        """One `compile.EntryUse` per bucket of ``variant`` called so far (torchair entry and GE model found
+        or not), in order; none without a compile cache."""
         fwd = getattr(self._compiled.get(variant), "forward", None)
-        return list(getattr(getattr(fwd, "compiled", None), "hits", ()))
+        return list(getattr(getattr(fwd, "compiled", None), "uses", ()))
 
     def warm_up(self, out=None) -> int:
         """Compile (or load from the compile cache) every graph now, not on first use mid-serving:
@@ -190,9 +199,15 @@ class NpuModelRunner(RunnerSaves):
         self.binding.ensure()
         fut = StepFuture(plan, None)
         if plan.rows:
-            t0 = time.perf_counter()
-            fut.handles = self._run(plan)
-            fut.span = (t0, time.perf_counter())
+            slot_of, held = acquire_lora(self.lora_slots, plan)
+            fut.lora_slots = held
+            try:
+                t0 = time.perf_counter()
+                fut.handles = self._run(plan, slot_of)
+                fut.span = (t0, time.perf_counter())
+            except BaseException:
+                release_lora(self.lora_slots, fut)
+                raise
         return fut
 
     def collect(self, fut: StepFuture) -> StepOutput:
@@ -200,6 +215,7 @@ class NpuModelRunner(RunnerSaves):
         plan's saves from the cache are made now, through the ring (`save_filled`: audit 3 N8)."""
         self.binding.ensure()
         plan = fut.plan
+        release_lora(self.lora_slots, fut)  # its graph calls are queued before a slot can be reloaded (one queue)
         pinned = list(plan.save_block_ids) if plan.rows and plan.saves else []
         saves = self.save_report(pinned + self.save_from_cache(*plan.cache_saves()))
         if not plan.rows:
@@ -215,7 +231,7 @@ class NpuModelRunner(RunnerSaves):
             return super().save_filled(block_ids, keys)
         self.commits.save_filled(self.connector, block_ids, keys, self.kv)
 
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan, lora_slot_of: Optional[dict] = None):
         variant = plan.variant
         mod = self.modules[variant]
         saves = bool(mod.META["saves"])
@@ -232,6 +248,8 @@ class NpuModelRunner(RunnerSaves):
         if plan.prev_hidden is not None:  # the MTP graph's input: each row's previous hidden states, in row order
             for s, h in zip(seqs, torch.split(plan.prev_hidden, [row.num_tokens for row in plan.rows])):
                 s["hidden"] = h
+        for i, sq in enumerate(seqs):
+            sq["lora"] = (lora_slot_of or {}).get(i, 0)
         history = bool(mod.META.get("history"))
         cell = self._mixed_cell(plan, seqs) if history and self.call_padding is None else None
         chunks = [seqs] if cell is not None else self._chunks(phase, seqs)
@@ -365,9 +383,7 @@ class NpuModelRunner(RunnerSaves):
         # the logits rows: each row's last token, a verify row's every real token; the decode module's every token
         starts = [sum(qlens[:i]) for i in range(len(chunk))]
         real = [st + j for s, st in zip(chunk, starts) for j in s.get("logits", (len(s["ids"]) - 1,))]
-        idx = list(range(len(ids))) if phase == "decode" and per_row > 1 else \
-            [st + j for s, st in zip(chunk, starts) for j in s.get("logits", (len(s["ids"]) - 1,))] \
-            if any("logits" in s for s in chunk) else [sum(qlens[:i + 1]) - 1 for i in range(len(chunk))]
+        idx = list(range(len(ids))) if phase == "decode" and per_row > 1 else real
         if pad is None:
             pad = self.buckets.padding(phase, len(chunk), len(ids), self.pad_block)
             if phase == "decode" and per_row > 1:
@@ -393,6 +409,8 @@ class NpuModelRunner(RunnerSaves):
         # the module's logits rows that are real rows' (in row order): positions in its logits_indices
         pos_of = {t: i for i, t in enumerate(idx)}
         b.real_logits = torch.tensor([pos_of[t] for t in real], dtype=torch.int64)
+        if "lora_sel" in getattr(mod, "STEP_READS", ()):
+            add_lora_inputs(b, [s.get("lora", 0) for s in chunk for _ in s["ids"]], self.lora_slots.views())
         return b, len(save or ())
 
 
@@ -468,6 +486,9 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, cache_dir=cache_dir, groups=groups,
                                 num_speculative_tokens=options.get("num_speculative_tokens", 0))
+                                standin=standin, sources=sources, cache_dir=cache_dir, groups=groups)
+        # every rank loaded before any compiles: HCCL connects inside the first conversion (startup.py, M2)
+        barrier_after_load(groups, rank_timeout)
         if warmup if warmup is not None else not standin:
             runner.warm_up()
         return runner
@@ -491,4 +512,4 @@ def npu_rank_engine(spec, weights: dict, *, rank, **options) -> Engine:
 
 
 register_target("npu", npu_engine)
-register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward)  # graphgen.npu.run.ranks
+register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward, env=npu_rank_env)  # graphgen.npu.run.ranks

@@ -34,6 +34,14 @@ def pad_sequence(runner, hist: int, q: int) -> dict:
             "seq_len": hist + q, "save": [], "load": [], "loaded": []}
 
 
+def runs_mixed_cells(runner) -> bool:
+    """Whether ``runner`` ever pads a call to a mixed-grid cell: not with a ``call_padding`` seam (DP's
+    agreement), nor as a rank of a layout with dp > 1 (warm-up runs before the rank wraps the runner and plugs
+    that seam in: ``npu_engine``'s ``make_runner``)."""
+    groups = getattr(runner, "groups", None)
+    return getattr(runner, "call_padding", None) is None and not (groups is not None and groups.layout.dp > 1)
+
+
 def warmup_plans(runner) -> list[tuple[str, list, object]]:
     """``(variant, seqs, cell padding or None)`` per graph, each variant's largest shapes first."""
     plans = []
@@ -42,8 +50,10 @@ def warmup_plans(runner) -> list[tuple[str, list, object]]:
         mine = [(v, seqs, None) for seqs in bucket_steps(mod.META["phase"], history, runner.buckets,
                                                           runner.block_size)]
         # and every cell of the mixed grid on each history prefill variant: a mixed batch padded to a
-        # cell nobody compiled would compile mid-serving (minutes of GE on an NPU)
-        if history and mod.META["phase"] == "prefill":
+        # cell nobody compiled would compile mid-serving (minutes of GE on an NPU); not where the runner
+        # never runs one (DP: every call is padded to an agreed bucket instead; audit 4 M5: 12 of the
+        # 2-node spec's 23 graphs, and the largest activations, were cells DP never runs)
+        if history and mod.META["phase"] == "prefill" and runs_mixed_cells(runner):
             mine += [(v, step.seqs, runner.grid.padding(step, runner.pad_block))
                      for step in runner.grid.cell_steps(runner.block_size)]
         plans += sorted(mine, key=lambda p: _size(runner, p), reverse=True)
@@ -72,7 +82,7 @@ def warm_up(runner, out=None) -> int:
         chunk = [pad_sequence(runner, hist, q) for hist, q in seqs]
         b, _ = runner._step_inputs(mod, chunk, pad=pad)
         target = runner.compiled(variant)
-        hits = len(runner.cache_hits(variant))
+        seen = len(runner.cache_uses(variant))
         idx, slot = runner.commits.ring.acquire() if saves else (None, None)
         try:
             with torch.no_grad(), runner._limits():
@@ -85,7 +95,8 @@ def warm_up(runner, out=None) -> int:
         runner.seen.add((variant, bucket_entry(b)))
         batch, tokens = step_bucket(b)
         kind = "bucket" if pad is None else f"mixed cell decode_rows={len(seqs) - runner.grid.prefill_seqs}"
-        how = "loaded from the compile cache" if len(runner.cache_hits(variant)) > hits else "compiled"
+        uses = runner.cache_uses(variant)[seen:]  # this graph's first call, with a compile cache
+        how = uses[0].describe() if uses else "compiled"
         left = (time.monotonic() - t0) / i * (len(plans) - i)
         print(f"warm-up {i}/{len(plans)}: {variant} {kind} batch={batch} tokens={tokens} {how}"
               f"{f' (eta {left:.0f} s)' if i < len(plans) else ''}", file=out, flush=True)

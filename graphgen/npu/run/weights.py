@@ -58,9 +58,13 @@ def load_first(spec, weights, mode, sources, standin: bool, utilization, save_ro
                                     device=device)
 
     def size_kv(block_bytes: int) -> int:
+        from ...passes.activations import allocator_reserve_bytes, peak_activation
+
         free, total = mem()
+        act = peak_activation(spec)  # the warm-up graphs' activations and the allocator's reserve come after
         return kv_blocks_that_fit(start[0] - free, total, block_bytes, utilization=utilization,
                                   after_bytes=npu.staging_buffers * save_rows * block_bytes
-                                  + communicator_bytes(spec.parallel))
+                                  + communicator_bytes(spec.parallel) + (0 if act is None else act.bytes)
+                                  + allocator_reserve_bytes(total))
 
     return load_weights, placed, (size_kv if mem is not None else None), sources

@@ -202,13 +202,15 @@ class StandinCachedModel:
     serialisation: only a bound ``nn.Module`` method is accepted (:699-703); the entry lives at
     ``cache_dir/<class>_<dynamic|static>_<md5>/<func.__name__>/compiled_module`` (:203-235); it is written after
     the first graph compiles, and a second graph from the same code object logs "Skip cache as ... recompiled"
-    and removes it (:555-573).  The file written is a marker naming the graph, not a loadable cache; an entry
-    that exists at the first call is "loaded" as ``LazyCompiledModel.compile`` does (:648-657: no guard, no
-    compile), modelled by running the method eagerly: ``loaded`` says so, and no graph is compiled."""
+    and removes it (:555-573).  The file written is a marker naming the graph and its tensor inputs' sizes and
+    strides, not a loadable cache; an entry that exists at the first call is "loaded" as
+    ``LazyCompiledModel.compile`` does (:648-657: no guard, no compile), modelled by checking the inputs as
+    the loaded kernel's ``assert_size_stride`` does, then running the method eagerly: ``loaded`` says so, and
+    no graph is compiled."""
 
     FILE = "compiled_module"
 
-    def __init__(self, func, config, dynamic: bool, cache_dir: str):
+    def __init__(self, func, config, dynamic: bool, cache_dir: str, ge_cache: bool = False, call=None):
         import hashlib
         import os
         import types as _types
@@ -221,17 +223,41 @@ class StandinCachedModel:
         self.backend = getattr(config, "standin_backend", None) or _get_npu_backend(compiler_config=config)
         md5 = hashlib.md5((str(func.__self__) + config.mode.value).encode()).hexdigest()  # nosec: a name
         cache_dir = cache_dir or os.path.join(os.getcwd(), ".torchair_cache")
-        self.cache_bin = Path(cache_dir) / "_".join([type(func.__self__).__name__, "dynamic" if dynamic else "static",
-                                                     md5]) / func.__name__ / self.FILE
+        # GE's own cache: only under max-autotune (:231-232 names the entry "..._gecache_<md5>"; :711-713 warns
+        # it has no effect otherwise); modelled as one ".om" marker beside the entry (GE's file naming)
+        self.ge_cache = bool(ge_cache) and config.mode.value == "max-autotune"
+        self.call = call or {}  # the keyword arguments cache_compile was called with (tests bind them to the wheel's)
+        parts = [type(func.__self__).__name__, "dynamic" if dynamic else "static"] + (["gecache"] if self.ge_cache else [])
+        self.cache_bin = Path(cache_dir) / "_".join(parts + [md5]) / func.__name__ / self.FILE
         self.compiled = torch.compile(func, backend=self.backend, fullgraph=True, dynamic=dynamic)
         self.graphs = 0  # graphs this code object compiled
         self.skipped = False
         self.func = func
         self.loaded = None  # decided at the first call, as LazyCompiledModel does
 
+    @staticmethod
+    def _tensor_inputs(args) -> list[tuple[list, list]]:
+        """(shape, stride) of every tensor in ``args``, in the order Dynamo flattens them."""
+        from graphgen.npu.trees import leaves
+
+        return [[list(x.shape), list(x.stride())] for _, x in leaves(args) if isinstance(x, torch.Tensor)]
+
+    def _assert_size_stride(self, args) -> None:
+        """The loaded kernel's first-call check, modelled: torchair's codegen asserts every tensor input's
+        size and stride as traced (``assert_size_stride(args[i], shape, stride)``,
+        ``air/_ge_concrete_graph/fx2ge_converter.py:1412,2079-2087``) and nothing re-traces on a mismatch."""
+        recorded = json.loads(self.cache_bin.read_text().split("\n", 1)[1] or "[]")
+        for i, (want, got) in enumerate(zip(recorded, self._tensor_inputs(args))):
+            if want != got:
+                raise AssertionError(f"expected size/stride {want[0]}/{want[1]}, got {got[0]}/{got[1]} "
+                                     f"at input {i} of the loaded {self.cache_bin.parent.name} "
+                                     f"({STANDIN_LABEL}: torchair's assert_size_stride)")
+
     def __call__(self, *args, **kwargs):
         if self.loaded is None:
             self.loaded = self.cache_bin.exists()
+            if self.loaded:
+                self._assert_size_stride(args)
         if self.loaded:
             return self.func(*args, **kwargs)
         before = len(self.backend.graphs)
@@ -240,7 +266,11 @@ class StandinCachedModel:
             self.graphs += 1
             if self.graphs == 1:
                 self.cache_bin.parent.mkdir(parents=True, exist_ok=True)
-                self.cache_bin.write_text(f"{STANDIN_LABEL}: cache entry of {self.cache_bin.parent.name}\n")
+                self.cache_bin.write_text(f"{STANDIN_LABEL}: cache entry of {self.cache_bin.parent.name}\n"
+                                          + json.dumps(self._tensor_inputs(args)))
+                if self.ge_cache:  # GE saves <graph_key>_<time>.om in ge.graph_compiler_cache_dir (CANN 图编译缓存)
+                    (self.cache_bin.parent / f"{self.cache_bin.parent.name}_standin.om").write_text(
+                        f"{STANDIN_LABEL}: GE model cache marker\n")
             elif not self.skipped:
                 import shutil
                 import warnings
@@ -252,8 +282,11 @@ class StandinCachedModel:
 
 
 def _cache_compile(func, *, config=None, backend=None, dynamic=True, cache_dir=None, global_rank=None, tp_rank=None,
-                   pp_rank=None, **kwargs):
-    return StandinCachedModel(func, config, dynamic, cache_dir)
+                   pp_rank=None, custom_decompositions=None, ge_cache=False, **kwargs):
+    call = dict(config=config, backend=backend, dynamic=dynamic, cache_dir=cache_dir, global_rank=global_rank,
+                tp_rank=tp_rank, pp_rank=pp_rank, custom_decompositions=custom_decompositions, ge_cache=ge_cache,
+                **kwargs)
+    return StandinCachedModel(func, config, dynamic, cache_dir, ge_cache, call)
 
 
 def _build_modules() -> dict[str, types.ModuleType]:

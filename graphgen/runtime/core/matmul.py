@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..lora.delta import LoraWeight, apply as _lora_apply
 from .quant import Int8Weight, w8a8_matmul
 
 Tensor = torch.Tensor
@@ -58,6 +59,8 @@ def _onednn_takes(x: Tensor, w: Tensor) -> bool:
 def linear(x: Tensor, w) -> Tensor:
     """``x @ w.T``, ``w`` in checkpoint layout ``[out, in]`` (MLA, MoE experts, lm_head): as `matmul_t`. A W8A8
     weight (`graphgen.runtime.core.quant.Int8Weight`) multiplies in int8 (`w8a8_matmul`)."""
+    if isinstance(w, LoraWeight):  # the base product, then each token's adapter delta (graphgen.runtime.lora)
+        return _lora_apply(x, w, linear)
     if isinstance(w, Int8Weight):
         return w8a8_matmul(x, w, transposed=False)
     return _ONEDNN_LINEAR(x, w, None, "none", [], "") if _onednn_takes(x, w) else F.linear(x, w)
@@ -72,6 +75,8 @@ def matmul_t(x: Tensor, w_t) -> Tensor:
     slower, hence the split. Elsewhere ``torch.mm``.
     The two differ in summation order only (float rounding: within 1e-4 of transformers either way).
     A W8A8 weight (`Int8Weight`, ``[in, out]`` int8) multiplies in int8 (`w8a8_matmul`)."""
+    if isinstance(w_t, LoraWeight):
+        return _lora_apply(x, w_t, matmul_t)
     if isinstance(w_t, Int8Weight):
         return w8a8_matmul(x, w_t, transposed=True)
     if _onednn_takes(x, w_t):

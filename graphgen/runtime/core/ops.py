@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .attention import StepMemo, attend, attend_one, cat_runs, gather_seq, seq_layout, seq_runs, step_plan
 from .block_copy import copy_from_blocks, copy_into_blocks
 from .matmul import linear as _linear, matmul_t
+from ..lora.delta import lora  # noqa: F401 (rt.lora in a module of a spec with a lora: section)
 from .quant import w8a8  # noqa: F401 (rt.w8a8 in a W8A8 module: graphgen.lower.cpu_parallel.CPU_PAIR)
 
 Tensor = torch.Tensor
@@ -29,7 +30,7 @@ Tensor = torch.Tensor
 __all__ = [
     "embedding", "rms_norm", "rope_cos_sin", "qwen3_attn_prolog", "kv_write", "paged_attention",
     "o_proj_residual", "swiglu_mlp_residual", "mla_prolog", "mla_attention", "moe_residual",
-    "lm_head", "kv_save", "mtp_eh_proj", "w8a8",
+    "lm_head", "kv_save", "mtp_eh_proj", "w8a8", "lora",
 ]
 
 

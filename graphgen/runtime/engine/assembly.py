@@ -48,7 +48,8 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
                  collect_logits: bool = False, eos_token_ids: Iterable[int] = (), closers: Sequence = (),
                  max_model_len: Optional[int] = None, num_speculative_tokens: int = 0,
                  load_weights: Optional[Callable[[], None]] = None,
-                 size_kv: Optional[Callable[[int], int]] = None, wrap_runner: Optional[Callable] = None) -> Engine:
+                 size_kv: Optional[Callable[[int], int]] = None, wrap_runner: Optional[Callable] = None,
+                 lora_modules: Optional[dict] = None) -> Engine:
     """Wire an engine. ``kv_shapes``: cache component -> per-block shape (``[BS, ...]``);
     ``make_runner(cache, alloc, connector, reserved)`` -> the model runner (``reserved``: blocks
     taken from the allocator for the target's own use, e.g. the NPU's padding block);
@@ -69,6 +70,11 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     faults = faults or Faults()
     if num_speculative_tokens:
         check_speculative(spec, num_speculative_tokens)  # before anything is started
+    adapters = {}
+    if lora_modules:  # read and checked before anything is started (AdapterError: one sentence)
+        from ..lora import read_adapter
+
+        adapters = {name: read_adapter(path, spec, name=name) for name, path in lora_modules.items()}
     if isinstance(pool, str):  # "host" or "mooncake://HOST:PORT[?opts]" (Mooncake imported lazily)
         pool = make_pool(pool, capacity_bytes=pool_capacity_bytes)
     if faults.active:
@@ -100,6 +106,12 @@ def build_engine(spec: ModelSpec, *, kv_shapes: dict, make_runner: Callable, poo
     drafter = MtpDrafter(spec, num_speculative_tokens, runner, cache, scheduler) if num_speculative_tokens else None
     core = EngineCore(scheduler, runner, vocab_size=spec.dims.vocab_size, async_scheduling=async_scheduling,
                       eos_token_ids=eos_token_ids, collect_logits=collect_logits, drafter=drafter)
+    if spec.lora is not None:  # the device slots adapters are loaded into on demand (LRU)
+        from ..lora import LoraSlots
+
+        # in the runner's compute dtype where it has one (the NPU's), on the cache's device
+        runner.lora_slots = LoraSlots(spec, dtype=getattr(runner, "dtype", None) or dtype, device=torch.device(device))
+        core.adapters = adapters
     return Engine(spec=spec, pool=pool, faults=faults, cache=cache, alloc=alloc, loader=loader, connector=connector,
                   runner=runner, scheduler=scheduler, core=core, closers=closers, max_model_len=max_model_len)
 

@@ -86,7 +86,7 @@ class BlockLife:
         filled = range(row.start // self.block_size, row.seq_len // self.block_size)
         if not self.save_decode or not row.decode or row.request.finished or not filled:
             return []
-        seq_keys = self.block_keys(row.request.seq[:row.seq_len])  # the chain through its last token
+        seq_keys = self.block_keys(row.request.seq[:row.seq_len], row.request.lora_salt)  # the chain through its last token
         return [(row.block_table[j], seq_keys[j]) for j in filled]
 
     def decode_saves(self, row: RowPlan) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -148,7 +148,7 @@ class BlockLife:
         the dirty blocks it holds last (not kept there) are written back (held until then)."""
         if self.device_cache is not None:
             full = min(r.computed // self.block_size, len(r.table))
-            keys = self.block_keys(r.seq[:full * self.block_size]) if full else []
+            keys = self.block_keys(r.seq[:full * self.block_size], r.lora_salt) if full else []
             for j in range(full):
                 self.device_cache.insert(r.table[j], keys[j])
         if self._dirty:

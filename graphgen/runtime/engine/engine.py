@@ -12,7 +12,7 @@ runner. See docs/runtime.md.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ...modelspec.model import ModelSpec
 from ..core.faults import Faults
@@ -71,7 +71,11 @@ class Engine:
     def kv_naming(self) -> Optional[CacheNaming]:
         """How this engine names a prompt's blocks in its pool (what a P/D handoff sends)."""
         bs = self.block_size
-        return CacheNaming(bs, self.cache.layout, lambda p: chain_digests(p, bs), self.loader.block_keys)
+        def salt_of(name: Optional[str]) -> str:  # a request's adapter -> its weight digest (its blocks' salt)
+            return self.core.resolve_lora(name).digest if name else ""
+
+        return CacheNaming(bs, self.cache.layout, lambda p, salt="": chain_digests(p, bs, salt), self.loader.block_keys,
+                           salt_of)
 
     def kv_pool(self) -> PoolBackend:
         return self.pool
@@ -92,7 +96,7 @@ class Engine:
         return self.runner.modules
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, *,
-                 batch: bool = False, settle: bool = True) -> list[RequestResult]:
+                 batch: bool = False, settle: bool = True, lora: Any = None) -> list[RequestResult]:
         """Greedy generation (a loop over ``self.core``'s step API). ``batch=False``: prompts run one
         after another; with ``settle`` (default) each prompt's saves are committed before the next
         prompt looks up the pool, so a repeated prompt deterministically hits (its own TTFT clock
@@ -101,7 +105,8 @@ class Engine:
         by variant, decodes together, within ``max_num_seqs`` / ``max_num_batched_tokens``; when
         blocks run out the newest request is preempted and recomputed later). A prompt that cannot
         fit in the cache even alone raises `OutOfBlocks` (every request's blocks are given back).
-        Not to be mixed with requests added to ``self.core`` directly."""
+        Not to be mixed with requests added to ``self.core`` directly. ``lora``: the LoRA adapter (name or
+        `Adapter`) every prompt runs under, or a list of one per prompt (None: the base model)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         for p in prompts:
@@ -113,12 +118,18 @@ class Engine:
             if self._target_max_len is not None and len(p) + max_new_tokens > self._target_max_len:
                 raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new tokens exceeds max_model_len "
                                  f"{self._target_max_len} (the target's limit)")
-        groups = [list(prompts)] if batch else [[p] for p in prompts]
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} adapters for {len(prompts)} prompts")
+        for a in loras:
+            self.core.resolve_lora(a)  # an unknown name is refused before anything runs
+        pairs = list(zip(prompts, loras))
+        groups = [pairs] if batch else [[p] for p in pairs]
         results: list[RequestResult] = []
         for i, group in enumerate(groups):
             if i and settle:
                 self.drain()
-            reqs = [self.core.add_request(None, list(p), max_tokens=max_new_tokens) for p in group]
+            reqs = [self.core.add_request(None, list(p), max_tokens=max_new_tokens, lora=a) for p, a in group]
             while self.core.has_work():
                 self.core.step()
                 failed = next((r for r in reqs if r.finish_reason == "error"), None)

@@ -61,6 +61,7 @@ class EngineCore:
                  timeline: Optional[list] = None, drafter=None):
         self.scheduler, self.runner = scheduler, runner
         self.vocab_size = vocab_size
+        self.adapters: dict = {}  # LoRA adapters by the name requests use (graphgen.runtime.lora; assembly loads them)
         self.async_scheduling = async_scheduling
         self.eos_token_ids = tuple(eos_token_ids)
         self.collect_logits = collect_logits
@@ -74,8 +75,21 @@ class EngineCore:
                         "sampling_fallbacks": 0, "mixed_steps": 0, "decode_rows_stalled": 0}
 
     # ---- requests ---------------------------------------------------------------------------
+    def resolve_lora(self, lora: Any) -> Any:
+        """The adapter a request names (``lora``: None for the base model, a loaded `Adapter`, or the name of
+        one in ``self.adapters``); ValueError in one sentence for a name that is not loaded."""
+        if lora is None:
+            return None
+        if self.scheduler.spec.lora is None:
+            raise ValueError(f"spec {self.scheduler.spec.name} has no lora: section: it serves no adapter")
+        if isinstance(lora, str):
+            if lora not in self.adapters:
+                raise ValueError(f"no LoRA adapter named {lora!r} is loaded (loaded: {', '.join(self.adapters) or 'none'})")
+            return self.adapters[lora]
+        return lora
+
     def add_request(self, req_id: Any, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *,
-                    max_tokens: Optional[int] = None, fork_of: Any = None) -> Request:
+                    max_tokens: Optional[int] = None, fork_of: Any = None, lora: Any = None) -> Request:
         """Queue a request with its `SamplingParams` (default: greedy, 16 tokens); ``max_tokens=`` wins
         over the params' own. Raises ``ValueError`` (naming the problem) for input it cannot run.
 
@@ -85,6 +99,7 @@ class EngineCore:
         parent (`abort`). A parent that is unknown or finished: it runs as an ordinary request."""
         if req_id is not None and req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
+        adapter = self.resolve_lora(lora if lora is not None else (params.lora if params is not None else None))
         parent = self._requests.get(fork_of) if fork_of is not None else None
         if parent is not None and list(prompt_ids) != parent.prompt:
             raise ValueError(f"a fork of request {fork_of!r} must have its prompt")
@@ -112,6 +127,9 @@ class EngineCore:
             stops.update(self.eos_token_ids)
         r = Request(RequestResult(prompt=prompt), params, req_id=req_id, stop_token_ids=frozenset(stops),
                     sampler=None if params.greedy else Sampler(params))
+        r.lora = adapter
+        if parent is not None and parent.lora is not adapter:
+            parent = None  # another adapter computes another prompt KV: nothing to share
         if self.drafter is not None:
             r.result.accepted_per_pos = [0] * self.drafter.k
         self.scheduler.add(r, fork_of=parent)

@@ -5,7 +5,7 @@ ranks of a tensor/context-parallel layout (`graphgen.runtime.parallel.launcher.D
 and the DP ranks (`DataParallelEngine`) — so a driver (``graphgen run``, ``graphgen serve``, P/D,
 the demo, the benchmarks) uses the interface and never asks which class it holds. What differs
 between them is answered by the interface itself: ``kv_naming()`` is None where the engine cannot
-hand its blocks over (the ranks hold their caches in other processes), ``observe`` does nothing
+hand its blocks over (ranks on the embedded host pool, DP groups; tp/cp ranks on Mooncake name every shard), ``observe`` does nothing
 where the spans would be in other processes.
 
 `CacheNaming` is how an engine names a prompt's blocks in its pool (the P/D handoff's contract).
@@ -28,12 +28,24 @@ class CacheNaming:
 
     block_size: int
     layout: str
-    digests: Callable[[Sequence[int]], list]   # chain digest of every full block
-    keys: Callable[[Sequence[int]], list]      # pool key of every full block
+    digests: Callable[..., list]   # (prompt, salt="") -> chain digest of every full block
+    keys: Callable[..., list]      # (prompt, salt="") -> pool key of every full block (one rank: its one shard)
+    # a request's LoRA adapter name (None: the base model) -> the salt of its blocks (docs/lora.md)
+    salt_of: Callable[[Optional[str]], str] = lambda name: ""
+    # several ranks: every distinct KV shard's key function, (prompt, salt="") -> keys (a shard several ranks
+    # hold, as MLA's latent, once) and its name as the keys carry it ("r0of2"); (): ``keys`` is the only shard
+    shard_keys: tuple = ()
+    shards: tuple = ()
 
     def handed_off(self, prompt: Sequence[int]) -> int:
         """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""
         return (len(prompt) - 1) // self.block_size
+
+    def handoff_keys(self, prompt: Sequence[int], salt: str = "") -> list[list[str]]:
+        """The handed-off blocks' pool keys, one list per KV shard (every rank's part of each block); ``salt``:
+        the request's LoRA adapter's (`salt_of`)."""
+        n = self.handed_off(prompt)
+        return [f(prompt, salt)[:n] for f in (self.shard_keys or (self.keys,))]
 
 
 class StepAPI(Protocol):

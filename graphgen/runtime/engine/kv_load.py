@@ -138,9 +138,11 @@ class KVLoader:
     def _count(self, name: str, n: int = 1) -> None:
         self.counters.add(name, n)
 
-    def block_keys(self, prompt: Sequence[int]) -> list[str]:
-        """Pool keys of the prompt's full blocks (model and cache layout are part of every key)."""
-        return block_keys(prompt, self.cache.block_size, model=self.model, layout=self.cache.layout, shard=self.shard)
+    def block_keys(self, prompt: Sequence[int], salt: str = "") -> list[str]:
+        """Pool keys of the prompt's full blocks (model and cache layout are part of every key; ``salt``: the
+        LoRA adapter's digest the KV is computed under, `graphgen.runtime.pool.keys`)."""
+        return block_keys(prompt, self.cache.block_size, model=self.model, layout=self.cache.layout, shard=self.shard,
+                          salt=salt)
 
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` the pool holds; 0 when the pool cannot be asked."""

@@ -121,6 +121,13 @@ class Request:
     spec_p0: int = 0
     drafts: tuple = ()
     draft_probs: Optional[Any] = None
+    # the LoRA adapter it runs under (a graphgen.runtime.lora.Adapter; None: the base model)
+    lora: Optional[Any] = None
+
+    @property
+    def lora_salt(self) -> str:
+        """What salts its pool keys: its adapter's weight digest ("" : the base model)."""
+        return self.lora.digest if self.lora is not None else ""
 
     def plan_decode(self) -> "RowPlan":
         """Its decode row for the next step: the token after its KV (``PENDING`` when the step in

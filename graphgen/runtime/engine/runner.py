@@ -62,6 +62,10 @@ class StepInputs:
     save_block_ids: torch.Tensor
     # the cache blocks a history prefill's loaded blocks go to (the graph's kv_load writes them)
     load_block_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    # Multi-LoRA (a spec with a lora: section): each token's adapter slot (0: the base model; None: no token
+    # has an adapter) and the slots by checkpoint weight (graphgen.runtime.lora.slots)
+    lora_index: Optional[torch.Tensor] = None
+    lora: Optional[Mapping] = None
 
 
 @dataclass
@@ -116,6 +120,19 @@ def _stack_blocks(blocks) -> list:
             for layer in range(len(blocks[0]))]
 
 
+def lora_inputs(plan: StepPlan, slots) -> tuple[Optional[torch.Tensor], list[int]]:
+    """(each token's adapter slot, or None when no row has an adapter; the slots acquired, which the step
+    holds until it is collected) for a LoRA module's step: `LoraSlots.acquire` loads the rows' adapters on
+    demand (LRU) and never overwrites a slot a running step holds."""
+    adapters = [row.request.lora for row in plan.rows]
+    if all(a is None for a in adapters):
+        return None, []
+    got = slots.acquire(adapters)
+    index = torch.cat([torch.full((row.num_tokens,), got[a.digest] if a is not None else 0, dtype=torch.long)
+                       for row, a in zip(plan.rows, adapters)])
+    return index, list(got.values())
+
+
 @dataclass
 class StepFuture:
     """A submitted step: its plan, its save (pinned, staged) and the forward (a `Job`, or done)."""
@@ -125,6 +142,7 @@ class StepFuture:
     job: Optional[Job] = None  # the forward on the worker thread (async scheduling)
     handles: Any = None  # the forward's result when it ran inline (the CPU runner's StepHandles)
     span: Optional[tuple[float, float]] = None  # (t_start, t_end) of the forward, when the runner times it there
+    lora_slots: list = field(default_factory=list)  # the LoRA slots it holds until collected
 
 
 @dataclass(frozen=True)
@@ -260,6 +278,7 @@ class CpuModelRunner(RunnerSaves):
         self._gen = 0  # step counter: the generation every event of a step is bound to
         self._forward: Optional[Stream] = None  # the worker thread of async scheduling
         self.observer = None  # a graphgen.trace.StepObserver: forward spans, save copies, save done
+        self.lora_slots: Any = None  # a graphgen.runtime.lora.LoraSlots, for a spec with a lora: section (assembly)
         # a rank feature's share of each step (context parallel's head-tail split: its `step_inputs` and
         # `execute` around this runner's; graphgen.runtime.parallel.context_parallel.ContextSplit), or None
         self.split = None
@@ -288,14 +307,18 @@ class CpuModelRunner(RunnerSaves):
         if not plan.rows:
             return StepFuture(plan)
         save = self.connector.prepare_save(plan.save_block_ids, plan.save_keys) if plan.saves else None
+        held: list = []
         try:
             inputs = self.step_inputs(plan)
+            if self.lora_slots is not None and self.modules[plan.variant].META.get("lora"):
+                inputs.lora_index, held = lora_inputs(plan, self.lora_slots)
+                inputs.lora = self.lora_slots.views()
             loads = stack_loads(plan)
             if not loads and self.modules[plan.variant].META.get("history"):
                 # a history variant with nothing to load (a later chunk of a prompt: its history is
                 # in the cache already): its kv_load program copies zero blocks per layer
                 loads = self.cache.make_staging(0)
-            fut = StepFuture(plan, save)
+            fut = StepFuture(plan, save, lora_slots=held)
             if background:
                 if self._forward is None:
                     self._forward = Stream("forward")
@@ -304,6 +327,8 @@ class CpuModelRunner(RunnerSaves):
                 fut.handles = self._timed(plan.variant, inputs, save, loads)
             return fut
         except BaseException:
+            if held:
+                self.lora_slots.release(held)
             if save is not None:
                 self.connector.cancel(save)
             raise
@@ -320,6 +345,10 @@ class CpuModelRunner(RunnerSaves):
                 if fut.save is not None:
                     self.connector.cancel(fut.save)
                 raise
+            finally:  # the forward is over: its adapter slots may be reloaded from now on
+                if fut.lora_slots:
+                    self.lora_slots.release(fut.lora_slots)
+                    fut.lora_slots = []
             if fut.save is not None:
                 self.connector.handoff(fut.save, handles.save_job, handles.save_done)
                 pinned += fut.save.block_ids

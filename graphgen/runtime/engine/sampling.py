@@ -54,6 +54,9 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens (and EOS) are masked until this many tokens were generated
     bad_words: tuple = ()  # token-id sequences: the last token of one is masked when the rest was just generated
     allowed_token_ids: Optional[tuple] = None  # only these may be sampled
+    # the LoRA adapter, by the name it is served under (docs/lora.md; None: the base model). vLLM passes a
+    # LoRARequest beside the params; here it rides with them, so forks, copies and P/D carry it unchanged
+    lora: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:

@@ -67,7 +67,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 class PrefixSource(Protocol):
     """The connector's scheduler side (see `graphgen.runtime.engine.kv_load.KVLoader`)."""
 
-    def block_keys(self, prompt: Sequence[int]) -> list[str]: ...
+    def block_keys(self, prompt: Sequence[int], salt: str = "") -> list[str]: ...
     def lookup(self, keys: Sequence[str]) -> int: ...
     def load(self, keys: Sequence[str]) -> Sequence: ...  # the leading blocks fetched, one staging each
 
@@ -81,6 +81,7 @@ class Scheduler(Preemption):
         if long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0: off)")
         self.spec = spec
+        self._step_adapters: set = set()  # the LoRA adapters (digests) of the step being planned's decode rows
         self.block_size = spec.kv_cache.block_size
         self.alloc = alloc
         self.loader = loader
@@ -170,6 +171,7 @@ class Scheduler(Preemption):
 
     # ---- the step loop ----------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
+        self._step_adapters = set()
         self._admit_waiting()
         if self.chunked_prefill:  # mixed batches: decode rows first, then chunks, in one forward
             plan = self._schedule_mixed()
@@ -274,8 +276,8 @@ class Scheduler(Preemption):
 
     def _keys(self, r: Request) -> list[str]:
         if r.keys is None:
-            r.keys = successor_keys(self.loader, r.seq, (len(r.seq) - 1) // self.block_size) \
-                if self.num_speculative_tokens else self.loader.block_keys(r.seq)
+            r.keys = successor_keys(self.loader, r.seq, (len(r.seq) - 1) // self.block_size, r.lora_salt) \
+                if self.num_speculative_tokens else self.loader.block_keys(r.seq, r.lora_salt)
         return r.keys
 
     def _schedule_prefill(self) -> Optional[StepPlan]:
@@ -286,10 +288,21 @@ class Scheduler(Preemption):
                 return self._step(chosen, [], history) if chosen else None
         return None
 
+    def _lora_fits(self, r: Request, adapters: set) -> bool:
+        """Whether ``r`` joins a step whose rows run under ``adapters`` (digests; added to when it does):
+        at most ``lora.max_loras`` distinct adapters per step (base-model rows: any number)."""
+        if r.lora is None or r.lora.digest in adapters:
+            return True
+        if self.spec.lora is None or len(adapters) >= self.spec.lora.max_loras:
+            return False
+        adapters.add(r.lora.digest)
+        return True
+
     def _schedule_mixed(self) -> Optional[StepPlan]:
         """Decode rows first (a verify row would take k+1 tokens), then chunks in what is left; no
         decode row: a prefill-only step; no room for a chunk: a decode step."""
         decodes = self._choose_decodes(self.max_num_batched_tokens)
+        self._step_adapters = {r.lora.digest for r in decodes if r.lora is not None}
         if not decodes:
             return self._schedule_prefill()
         left = self.max_num_batched_tokens - sum(1 + len(r.drafts) for r in decodes)
@@ -301,7 +314,10 @@ class Scheduler(Preemption):
         computes in this step, in order, within ``budget``; those whose prompt this step finishes
         move to running. None: a request that could never fit was failed, choose again."""
         chosen, tokens = [], 0
+        adapters = set(self._step_adapters)
         for r in [r for r in self.prefill if history is None or (r.cached > 0) == history]:
+            if not self._lora_fits(r, adapters):
+                continue  # a step batches at most lora.max_loras distinct adapters: a later step takes it
             n = chunk_tokens(r, budget - tokens, not chosen, chunked=self.chunked_prefill,
                              threshold=self.long_prefill_token_threshold)
             if n == 0:
@@ -377,6 +393,8 @@ class Scheduler(Preemption):
         ``budget``, each with a block for its token (preempting the newest when none is free)."""
         chosen: list[Request] = []
         used = 0
+        adapters: set = set()
+        self._step_adapters = set()
         for r in list(self.running):
             width = min(1 + len(r.drafts), budget - used)  # a verify row: its last token and the drafts that fit
             if width < 1:
@@ -384,6 +402,8 @@ class Scheduler(Preemption):
             if r not in self.running or r.in_steps > (0 if self.num_speculative_tokens else 1) \
                     or len(r.tokens) + r.in_steps >= r.max_new_tokens:
                 continue  # preempted meanwhile, its last token on its way, or (speculative) its start unknown
+            if not self._lora_fits(r, set(adapters)):
+                continue  # this step has lora.max_loras adapters already: a later one decodes it
             while not self.reserve(r, r.cached + width):
                 victim = None if self.blocks.coming else self._victim(exclude=chosen)
                 if victim is None:  # (blocks held for write-backs come back after the next step)
@@ -393,5 +413,6 @@ class Scheduler(Preemption):
                     break
             else:
                 chosen.append(r)
+                self._lora_fits(r, adapters)
                 r.drafts, used = r.drafts[:width - 1], used + width
         return chosen

@@ -193,7 +193,7 @@ class MtpDrafter:
         first, count = r.hit_blocks, len(r.prompt) // self.block_size
         if not self.saves or count <= first:
             return []
-        keys = successor_keys(self.scheduler.loader, r.seq, count)
+        keys = successor_keys(self.scheduler.loader, r.seq, count, r.lora_salt)
         return self.scheduler.blocks.selected([(r.table[j], keys[j]) for j in range(first, count)])
 
     def _draft(self, todo: list[tuple[Request, bool]], collect_logits: bool) -> None:

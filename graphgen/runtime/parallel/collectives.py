@@ -15,8 +15,11 @@ rows in rank order), so no step input is padded. The counts come from, in order:
 2. the split the last reduce-scatter on the group cut (sequence parallel: the step's ``T`` rows in
    ``ceil(T/size)``-row chunks, rank r taking chunk r, the last ones short or empty);
 3. else an all-gather of the counts first (DP attention: each DP group's step has its own batch); the
-   reduce-scatter after it, on a group of the same ranks (``ep`` under DP attention at tp 1), gives each
-   rank back its own rows of those counts.
+   reduce-scatter after it, on the ``ep`` group, gives each rank back its own rows of those counts: at tp 1
+   (``ep`` = the ``dp`` ranks) its DP group's rows; at tp > 1 (``ep`` = ``dp × tp`` ranks, DP-major) each DP
+   group's rows cut over its ``tp`` ranks as sequence parallel cuts them (``ceil(T/tp)``-row chunks, TP rank
+   t taking chunk t), and that cut is kept for the graph's TP token gather that follows (2.), which gives
+   every TP rank its whole group's rows back.
 
 gloo has no reduce_scatter: an all_reduce and this rank's rows give the same sums (the wire cost of a
 reduce-scatter is not what the CPU ranks show).
@@ -47,6 +50,12 @@ def gather_rows(x: torch.Tensor, counts, rank_in_group: int, group) -> torch.Ten
     parts = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return torch.cat([p[:n] for p, n in zip(parts, counts)], dim=0)
+
+
+def _even_cut(t: int, size: int) -> tuple[int, ...]:
+    """``t`` rows in ``ceil(t/size)``-row chunks over ``size`` ranks (the last ones short or empty)."""
+    chunk = -(-t // size)
+    return tuple(max(0, min(chunk, t - r * chunk)) for r in range(size))
 
 
 class CollectiveRuntime(CpuRuntime):
@@ -111,9 +120,14 @@ class CollectiveRuntime(CpuRuntime):
         ranks, t = self._ranks[group], total.shape[0]
         if self._gathered is not None and self._gathered[0] == ranks:  # back to the rows the gather took
             counts = self._gathered[1]
+        elif self._gathered is not None and group == "ep" and self._gathered[0] == self._ranks["dp"]:
+            # DP attention at tp > 1: each DP group's rows cut over its TP ranks (ep is DP-major), this
+            # rank's group's cut kept for the TP gather after it
+            cuts = [_even_cut(n, self.layout.tp) for n in self._gathered[1]]
+            counts = tuple(c for cut in cuts for c in cut)
+            self._cut["tp"] = cuts[self.coords.dp_rank]
         else:  # sequence parallel: even chunks of the step's rows, kept for the gathers that follow
-            chunk = -(-t // size)
-            counts = tuple(max(0, min(chunk, t - r * chunk)) for r in range(size))
+            counts = _even_cut(t, size)
             self._cut[group] = counts
         if sum(counts) != t:
             raise RuntimeError(f"reduce_scatter of {t} rows over {group!r}, but the split is {counts}")

@@ -1,11 +1,15 @@
-"""DP attention + expert parallelism on the CPU ranks (``parallel: {dp: N, ep: N}``, tp = 1 per group).
+"""DP attention + expert parallelism on the ranks (``parallel: {dp: N, tp: T, ep: N × T}``).
 
-Each of the ``dp`` rank processes is a DP group of one rank with its **own** requests, scheduler, KV
-cache and connector (an ordinary single-rank engine in everything but the MoE); the graph
-(`graphgen.passes.shard`, ``dp > 1``) runs attention on the group's own tokens, and every MoE layer
+Each of the ``dp`` DP groups (``tp`` rank processes each, in lockstep as a tp-only engine's ranks are) has
+its **own** requests, scheduler, KV cache and connector; the graph (`graphgen.passes.shard`, ``dp > 1``)
+runs attention at tp on the group's own tokens, and every MoE layer
 
     all_gather (group dp)  ->  this rank's E/ep experts and 1/ep of the shared experts on every
-    group's tokens (a partial sum)  ->  reduce_scatter (group ep): back to this group's tokens.
+    group's tokens (a partial sum)  ->  reduce_scatter (group ep): this rank's share of its group's
+    tokens  ->  (tp > 1) all_gather (group tp): the group's tokens again.
+
+The facade keeps one reply per DP group (its TP rank 0's: the group's ranks computed the same), so a
+step's outputs, ``has_work`` and the stats are each DP group's once.
 
 The rank side (runtime, runner, dummy forwards, the per-forward handshake, the ticks) is
 `graphgen.runtime.parallel.dp_rank`; this module is the facade the caller holds and the router.
@@ -15,8 +19,7 @@ hashing of the prompt's leading full blocks over the DP ranks (`graphgen.balance
 ``prefix``), unless that rank already holds ``max_imbalance`` more requests than the least-loaded one
 (then the least loaded): a shared prefix stays on one rank's device cache while load stays bounded.
 
-Not built: ``tp > 1`` inside a DP group (the TP gather after the reduce-scatter, steps padded to a
-multiple of tp, the per-group plan check and hit agreement), an all-to-all dispatch, the NPU lowering.
+Not built: an all-to-all dispatch.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class DataParallelCore:
 
     def _call(self, dp_rank: Optional[int], call: C.StepCall) -> list:
         cmd = C.OnDPRank(dp_rank, call)
-        replies = self._engine._command(cmd, what=call.METHOD, when=failure_words(call))
+        replies = self._engine.per_group(self._engine._command(cmd, what=call.METHOD, when=failure_words(call)))
         for status, value in replies:
             if status == "invalid":
                 raise ValueError(value)
@@ -162,7 +165,7 @@ class DataParallelEngine(DistributedEngine):
         tagged = [(i, r, p) for i, (r, p) in enumerate(zip(ranks, prompts))]
         groups = [tagged] if batch else [[t] for t in tagged]
         merged: dict = {}
-        for res in self._command(C.DPGenerate(groups, max_new_tokens, settle), "generate"):
+        for res in self.per_group(self._command(C.DPGenerate(groups, max_new_tokens, settle), "generate")):
             if "error" in res:
                 j, err, tb = res["error"]
                 raise RuntimeError(f"prompt {j}: {err}\n{tb}")
@@ -170,8 +173,21 @@ class DataParallelEngine(DistributedEngine):
         self.last_ranks = list(ranks)
         return [merged[i] for i in range(len(prompts))]
 
+    def kv_naming(self):
+        """None: a DP group's requests are its own (a handoff would name one group's blocks; P/D with DP groups
+        is refused by `graphgen serve`)."""
+        return None
+
+    def saves_in_flight(self) -> int:
+        return 0  # each rank waits for its own commits (``drain`` barriers them)
+
+    def per_group(self, replies: list) -> list:
+        """Of every rank's replies (world order), each DP group's once: its TP rank 0's."""
+        return list(replies[::self.world // self.dp])
+
     @property
     def stats(self) -> dict:
-        """The DP ranks' connector counters summed (each rank saves and loads its own requests' KV)."""
-        per = self.rank_stats
+        """The DP groups' connector counters summed (each group saves and loads its own requests' KV), each
+        group's as its TP rank 0 counts them (puts: the MLA latent is put by TP rank 0 only)."""
+        per = self.per_group(self.rank_stats)
         return {k: sum(s[k] for s in per) for k in per[0]}

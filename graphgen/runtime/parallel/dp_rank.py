@@ -28,9 +28,9 @@ processes, so a dead DP rank raises `RankFailure` on the caller, never a hang.
 through one DP rank hits on every other; the facade drains every rank and then barriers before the
 next prompt looks the pool up (`generate` without ``batch``).
 
-Not built: ``tp > 1`` inside a DP group (a lockstep group per DP group in the layout's table for the plan
-check and hit agreement, steps padded to a multiple of tp; the refusal is
-`graphgen.families.parallel.runtime_layout_gap`), an all-to-all dispatch. The NPU's DP feature is
+``tp > 1`` inside a DP group: its ranks plan in lockstep (plan check and hit MINs on the group's gloo group,
+`graphgen.runtime.parallel.layout.RankLayout.lockstep_group`), every one of them runs the group's real or dummy
+forwards, and the facade keeps TP rank 0's replies. Not built: an all-to-all dispatch. The NPU's DP feature is
 `graphgen.npu.run.data_parallel.NpuDPForward`.
 """
 

@@ -2,7 +2,7 @@
 
 `DistributedEngine` is the engine a caller holds (``open_engine(..., tp=2)`` returns one): it
 serves the pool every rank shares (the embedded host pool behind a `multiprocessing` manager: rank 0's MLA
-latent must be visible to rank 1) and the rendezvous store, starts a rank process per rank of this node
+latent must be visible to rank 1; with a ``mooncake://`` URL no pool here, each rank opens its own client) and the rendezvous store, starts a rank process per rank of this node
 (``parallel.world``: dp × cp × tp; `graphgen.runtime.parallel.context_parallel` for cp), and sends every
 rank the same command (``generate``, ``drain``, ``stats``, ``call`` for a probe); the ranks run in lockstep
 (`graphgen.runtime.parallel.rank`) and it returns rank 0's results. It implements `EngineInterface` (what
@@ -49,6 +49,8 @@ from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _child, _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
 from .rank_process import SHARED_SCHEME
+
+MOONCAKE_SCHEME = "mooncake://"  # every rank its own Mooncake client (its own segment and registered buffers)
 from ...netutil import bind_socket, free_port
 
 __all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
@@ -85,9 +87,20 @@ def _checked(spec, weights, pool, target: str):
         raise ValueError(gap)
     if weights is None:
         raise ValueError("weights are required: a Hugging Face checkpoint folder or a dict of tensors")
-    if pool != "host":  # each rank opens its own client from the URL (rank_process.open_rank_pool): this refusal
-        # is what the ranks-on-Mooncake work lifts, with a test
-        raise ValueError("parallel ranks share the embedded host pool (pool='host')")
+    if pool != "host" and not (isinstance(pool, str) and pool.startswith(MOONCAKE_SCHEME)):
+        # a pool object lives in this process: a rank process cannot use it (it opens its own from a URL)
+        raise ValueError(f"parallel ranks take pool='host' (the embedded pool, shared by the ranks) or a "
+                         f"'mooncake://HOST:PORT' URL (each rank its own Mooncake client), got {pool!r}")
+    if pool != "host":  # the URL is checked here (one sentence), not in every rank process
+        from ...install import require
+        from ..pool.mooncake_options import MooncakeOptions
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(pool)
+        if not parts.hostname or parts.port is None or parts.path not in ("", "/"):
+            raise ValueError(f"bad pool URL {pool!r}: expected mooncake://HOST:PORT[?option=value]")
+        MooncakeOptions.from_query(parts.query)
+        require("mooncake", "--pool mooncake:// with ranks")
     return target, weights if isinstance(weights, dict) else str(weights)  # (open_engine checked its config.json)
 
 
@@ -136,6 +149,15 @@ def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[
     return None
 
 
+def _pool_stats(engine) -> dict:  # a probe (module-level: pickled by name)
+    return engine.pool_stats()
+
+
+def _key_parts(engine) -> tuple:  # a probe: how this rank names its blocks (model, cache layout, shard, block size)
+    loader = engine.loader
+    return loader.model, engine.cache.layout, loader.shard.index, loader.shard.count, engine.cache.block_size
+
+
 def _max_model_len(engine) -> int:  # a probe run in every rank process (module-level: pickled by name)
     return engine.max_model_len
 
@@ -177,19 +199,28 @@ class DistributedEngine:
         host = here.master_addr
         if here.multi_node and "GLOO_SOCKET_IFNAME" not in env:  # gloo binds the interface towards node 0
             env["GLOO_SOCKET_IFNAME"] = interface_towards(host)[0]
+        if RANK_TARGETS[target].env is not None:  # the target's own (NPU: HCCL/CANN), before torch imports
+            env.update(RANK_TARGETS[target].env(env, here, self.deadlines))
         self._channel = Channel((host, here.channel_port), cluster_key(here), clock=clock) if here.multi_node else None
         # the rendezvous store, bound to the given address only (torchrun's when it launched us)
         self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))
         authkey = os.urandom(16)
-        pool_address = (host, here.pool_port if here.multi_node else free_port(host))
-        self._pool_proc = _start_pool(ctx, env, pool_capacity_bytes, pool_address, authkey, timeout)
-        self._pool = connect_pool(pool_address, authkey)
+        self.pool_url = pool  # "host" or the Mooncake master's URL every rank (on every node) opens
+        self._driver_pool = None  # on Mooncake: this process's own client, for P/D (kv_pool)
+        if pool == "host":  # the embedded pool, one process every rank of every node reaches
+            pool_address = (host, here.pool_port if here.multi_node else free_port(host))
+            self._pool_proc = _start_pool(ctx, env, pool_capacity_bytes, pool_address, authkey, timeout)
+            self._pool = connect_pool(pool_address, authkey)
+            rank_pool = f"{SHARED_SCHEME}{pool_address[0]}:{pool_address[1]}"
+        else:  # Mooncake: nothing here holds a client; each rank process opens its own from the URL
+            self._pool_proc = self._pool = None
+            rank_pool = pool
         sources, weight_names = _compile_once(spec, spec_file)  # the weight names are every target's
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "timeout": timeout,
                "store": (host, self._store.port if self._store is not None else here.store_port, here.torchrun),
                "group_timeout": max(timeout, self.deadlines.longest),  # the process group's (module doc)
                "threads": threads or max(1, (os.cpu_count() or 1) // len(here.ranks)),
-               "pool": f"{SHARED_SCHEME}{pool_address[0]}:{pool_address[1]}",  # each rank its own client
+               "pool": rank_pool,  # each rank its own client (rank_process.open_rank_pool)
                "authkey": authkey, "faults": faults, "engine_kwargs": engine_kwargs,
                "devices": {r: here.device_index(r) for r in here.ranks}, "local_world": len(here.ranks),
                # another target's ranks compile their own modules (its modes are its business)
@@ -344,8 +375,11 @@ class DistributedEngine:
             p.join(5)
         if self._channel is not None:
             self._channel.close(reason)
-        if self._pool_proc.is_alive():
+        if self._pool_proc is not None and self._pool_proc.is_alive():
             self._pool_proc.kill()
+        if self._driver_pool is not None:
+            self._driver_pool.close()
+            self._driver_pool = None
         self._store = None  # the rendezvous store stops listening
 
     # ---- the Engine calls -----------------------------------------------------------------------
@@ -373,20 +407,51 @@ class DistributedEngine:
         return RanksSaveReport.aggregate(self._command(C.SaveLedgers(), "save_report"))
 
     def pool_stats(self) -> dict:
-        return self._pool.stats()
+        """The shared host pool's counters; on Mooncake, rank 0's client's (``rank_pool_stats``: every rank's)."""
+        if self._pool is not None:
+            return self._pool.stats()
+        return self.rank_pool_stats()[0]
 
-    # the EngineInterface's calls whose parts live in the rank processes: no spans, no P/D handoff
+    def rank_pool_stats(self) -> list[dict]:
+        """Each rank's own pool client's counters (on the host pool: the one shared pool's, per rank)."""
+        return self.on_ranks(_pool_stats)
+
+    # the EngineInterface's calls whose parts live in the rank processes: no spans
     def observe(self, observer) -> None:
         pass
 
     def kv_naming(self):
-        return None
+        """How the ranks name a prompt's blocks: every distinct KV shard's keys (a shard several ranks hold,
+        as MLA's latent, once), named here as each rank's loader names them (P/D's handoff over ranks). None
+        on the host pool: it lives in this instance only, nothing outside could read a handoff."""
+        if self._pool is not None:
+            return None
+        from ...runtime.engine.interface import CacheNaming
+        from ..pool.keys import KVShard, block_keys, chain_digests
+
+        parts = list(dict.fromkeys(self.on_ranks(_key_parts)))  # one per distinct shard, in rank order
+        model, layout, _, _, bs = parts[0]
+        fns = tuple((lambda m, lay, shard: lambda p, salt="": block_keys(p, bs, model=m, layout=lay, shard=shard,
+                                                                          salt=salt))(
+            m, lay, KVShard(i, n)) for m, lay, i, n, _ in parts)
+        return CacheNaming(bs, layout, lambda p, salt="": chain_digests(p, bs, salt), fns[0], shard_keys=fns,
+                           shards=tuple(KVShard(i, n).render() for _, _, i, n, _ in parts))
 
     def kv_pool(self):
-        return None
+        """This process's own Mooncake client (opened on first use, contributing no segment): P's leases and
+        visibility checks; the ranks' blocks are in the master's segments, whichever client put them."""
+        if self._pool is not None:
+            return self._pool
+        if self._driver_pool is None:
+            from ..pool import make_pool
+
+            self._driver_pool = make_pool(self.pool_url)
+        return self._driver_pool
 
     def saves_in_flight(self) -> int:
-        return 0  # each rank waits for its own commits (``drain`` barriers them)
+        """Unknown here (each rank waits for its own commits; ``drain`` barriers them): on Mooncake 1, so P's
+        visibility wait runs to its deadline rather than handing off a short run while a rank still saves."""
+        return 0 if self._pool is not None else 1
 
     def on_ranks(self, fn, *args) -> list:
         """``fn(rank_engine, *args)`` on every rank (in its process, between commands); each rank's
@@ -396,7 +461,8 @@ class DistributedEngine:
 
     @property
     def pool(self):
-        """The shared pool (a proxy to the pool process; ``get``/``contains``/``keys`` as `HostPool`)."""
+        """The shared pool (a proxy to the pool process; ``get``/``contains``/``keys`` as `HostPool`); None on
+        Mooncake (each rank holds its own client: `on_ranks` reaches them, `rank_pool_stats` their counters)."""
         return self._pool
 
     def close(self) -> None:

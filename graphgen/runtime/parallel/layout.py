@@ -11,6 +11,11 @@ tp_rank``. The groups a generated module's collectives name (``group=`` in the I
   (``dp × tp``) under DP attention, else the TP group (EP reuses the TP ranks). ``ep`` is derived: the
   spec's ``parallel.ep`` is 1 (every expert width-sliced over that group) or this group's size.
 
+and one kind no module names, for the host side (`RankLayout.lockstep_groups`): ``lockstep``, the ``cp × tp`` ranks of one DP group (the
+ranks that run the same plans: the plan check, the hit MINs, the drain barrier run on it; the whole world
+when ``dp = 1``). `RankLayout.lockstep_group` makes it as a gloo group (it agrees on CPU tensors whatever
+the forward's backend).
+
 One table for every target: the CPU ranks' collectives resolve ``group=`` in it (gloo,
 `graphgen.runtime.parallel.collectives.CollectiveRuntime`), the NPU ranks bind their modules' HCCL
 group names from it (`graphgen.npu.run.groups.bind_process_groups`). ``torch.distributed.new_group`` is
@@ -91,6 +96,10 @@ class RankLayout:
                      else out["tp"])
         return out
 
+    def lockstep_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The ``lockstep`` groups (module doc): the ``cp × tp`` ranks of each DP group, ascending."""
+        return tuple(tuple(range(d * self.cp * self.tp, (d + 1) * self.cp * self.tp)) for d in range(self.dp))
+
     def group_of(self, kind: str, rank: int) -> tuple[int, ...]:
         """The ranks of the group of ``kind`` that holds ``rank``."""
         self.coords(rank)  # in range
@@ -117,6 +126,22 @@ class RankLayout:
                 if rank in ranks:
                     mine[kind] = made[ranks]
         return RankGroups(self, self.coords(rank), mine)
+
+    def lockstep_group(self, rank: int, timeout=None):
+        """This rank's ``lockstep`` group as a gloo group (host-side agreement; module doc): None when it is
+        the whole world (the world's host group serves) or this rank alone. Collective: every rank calls
+        it, after ``init_process_group``, in the same order."""
+        import torch.distributed as dist
+
+        if self.dp == 1 or self.world == self.dp:
+            return None
+        mine = None
+        for ranks in self.lockstep_groups():
+            kw = {} if timeout is None else {"timeout": timeout}
+            g = dist.new_group(list(ranks), backend="gloo", **kw)
+            if rank in ranks:
+                mine = g
+        return mine
 
     def _kind(self, kind: str) -> str:
         if kind not in GROUP_KINDS:

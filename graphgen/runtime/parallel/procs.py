@@ -13,6 +13,7 @@ that launch spawn fresh interpreters instead.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -52,6 +53,25 @@ def _child(env: dict, target: Union[Callable, str], *args) -> None:  # the body 
         target(*args)
 
 
+@contextlib.contextmanager
+def _started_in(ctx, env: dict):
+    """A spawned interpreter inherits this process's environment at ``start()`` and imports torch (unpickling
+    `_child` imports graphgen) before `_child` sets ``env``: so it starts in ``env``.  A variable read during
+    ``import torch`` (torch_npu's backend autoload, audit 4 M9) is then there from the first instruction.
+    The forkserver's children need nothing: `_child` sets ``env`` before they import anything new."""
+    if ctx.get_start_method() != "spawn":
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def start_ranks(ctx, env: dict, ranks, cfg: dict) -> list[LocalRank]:
     """A process per rank of ``ranks`` (`graphgen.runtime.parallel.rank_process.rank_main` with ``cfg``), each on a
     pipe of its own."""
@@ -59,7 +79,8 @@ def start_ranks(ctx, env: dict, ranks, cfg: dict) -> list[LocalRank]:
     for r in ranks:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_child, args=(env, RANK_MAIN, r, cfg, child), daemon=True, name=f"graphgen-rank{r}")
-        p.start()
+        with _started_in(ctx, env):
+            p.start()
         child.close()  # the rank holds its end: its death closes the pipe here
         ends.append(LocalRank(r, parent, p))
     return ends

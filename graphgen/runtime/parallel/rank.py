@@ -11,8 +11,9 @@ A rank is an ordinary engine of its target given four parts of its own:
 * its **KV side** (`graphgen.runtime.parallel.rank_kv.RankParts`): its KV shard, per-shard pool keys,
   agreed hits, save-once, the drain barrier;
 * its **weight slices** (`rank_slices`: by TP rank, or by EP index for the experts under DP attention);
-* its **rank features** (`graphgen.runtime.parallel.features`): the plan check (``dp = 1``), the DP
-  forward agreement (``dp > 1``: the target's `RankTarget.dp_forward`), the CP split (``cp > 1``) —
+* its **rank features** (`graphgen.runtime.parallel.features`): the plan check (more than one rank in its
+  lockstep group: ``cp × tp > 1``, on that group), the DP forward agreement (``dp > 1``: the target's
+  `RankTarget.dp_forward`, over the whole world), the CP split (``cp > 1``) —
   applied by one `RankRunner` around the target's own runner (`RankSetup.wrap`).
 
 A target's builder is ``build(spec, weights, *, rank: RankSetup, pool, faults, spec_file, sources, **options)
@@ -66,13 +67,21 @@ __all__ = ["RankSetup", "build_rank", "rank_slices", "cpu_rank_engine", "RankTar
 @dataclasses.dataclass
 class RankSetup:
     """One rank, as its target's builder gets it: ``groups`` (its process groups, layout and coordinates),
-    ``parts`` (its KV side), ``host`` (the host-side gloo group; None: the world's), ``features`` (made
-    when the runner exists: `wrap`) and ``dp_forward`` (the target's DP feature factory, under DP attention)."""
+    ``parts`` (its KV side), ``host`` (the host-side gloo group of the world; None: the world's own),
+    ``lockstep`` (the gloo group of its DP group's ranks, `RankLayout.lockstep_group`; None: ``host``, when
+    dp = 1), ``features`` (made when the runner exists: `wrap`) and ``dp_forward`` (the target's DP feature
+    factory, under DP attention)."""
     groups: RankGroups
     parts: RankParts
     host: object = None
     dp_forward: Optional[Callable] = None
     runner: Optional[RankRunner] = None  # set by `wrap`
+    lockstep: object = None
+
+    @property
+    def lockstep_host(self):
+        """The host-side group of the ranks that run this rank's plans (the plan check, the hit MINs)."""
+        return self.lockstep if self.layout.dp > 1 else self.host
 
     @property
     def layout(self) -> RankLayout:
@@ -85,8 +94,8 @@ class RankSetup:
     def features(self, runner) -> list:
         lay, co = self.layout, self.coords
         out: list = []
-        if lay.dp == 1 and lay.world > 1:
-            out.append(PlanCheck(self.host))
+        if lay.world > lay.dp:  # more than one rank plans each step: keep them honest
+            out.append(PlanCheck(self.lockstep_host))
         if lay.dp > 1:
             assert self.dp_forward is not None  # every RankTarget has one (register_rank_target)
             out.append(self.dp_forward(co.dp_rank, self.host))
@@ -116,12 +125,18 @@ def rank_slices(weights, names, layout: RankLayout, coords, parallel) -> dict:
 
 
 def build_rank(spec, layout: RankLayout, target: "RankTarget", *, groups: RankGroups, weights, names,
-               host=None, **build_kwargs) -> tuple[Engine, RankSetup]:
+               host=None, lockstep=None, **build_kwargs) -> tuple[Engine, RankSetup]:
     """Rank ``groups.coords`` of ``layout``: its slices of ``weights`` (``names``: the graph's weight names)
-    and its engine, built by ``target`` (``build_kwargs``: the builder's own: pool, faults, spec_file, ...)."""
+    and its engine, built by ``target`` (``build_kwargs``: the builder's own: pool, faults, spec_file, ...);
+    ``host``/``lockstep``: its host-side gloo groups (`RankSetup`)."""
     if RankLayout.of(spec.parallel) != layout:
         raise ValueError(f"spec {spec.name}'s layout {RankLayout.of(spec.parallel)} is not the rank's {layout}")
-    setup = RankSetup(groups, rank_parts(spec, layout, groups.coords, host), host, target.dp_forward)
+    if layout.dp > 1 and layout.world > layout.dp and lockstep is None:
+        raise ValueError(f"rank {groups.coords.rank} of {layout}: DP groups of several ranks need their lockstep "
+                         f"group (RankLayout.lockstep_group)")
+    kv_group = lockstep if layout.dp > 1 else host
+    setup = RankSetup(groups, rank_parts(spec, layout, groups.coords, kv_group), host, target.dp_forward,
+                      lockstep=lockstep)
     mine = rank_slices(weights, names, layout, groups.coords, spec.parallel)
     return target.build(spec, mine, rank=setup, **build_kwargs), setup
 
@@ -139,11 +154,14 @@ class RankTarget:
     """A target's rank builder (module doc); ``setup(local_rank, world, engine_kwargs) -> backend`` runs in the
     rank process before the process group exists (selects the device, names the backend); ``module``: what
     the rank process imports to find it (the builder's own module, which registers it); ``dp_forward(dp_rank,
-    host_group) -> DPForward``: its DP attention feature (`graphgen.runtime.parallel.features.DPForward`)."""
+    host_group) -> DPForward``: its DP attention feature (`graphgen.runtime.parallel.features.DPForward`);
+    ``env(env, placement, deadlines) -> dict``: variables the launcher adds to its children's environment
+    before they start (so before they import torch; an NPU rank's CANN/HCCL variables), None: none."""
     build: Callable
     setup: Callable
     module: str
     dp_forward: Callable
+    env: Optional[Callable] = None
 
 
 def _gloo(local_rank: int, world: int, engine_kwargs: dict) -> str:
@@ -154,9 +172,9 @@ RANK_TARGETS: dict[str, RankTarget] = {}
 
 
 def register_rank_target(name: str, build: Callable, *, setup: Optional[Callable] = None,
-                         dp_forward: Optional[Callable] = None) -> None:
+                         dp_forward: Optional[Callable] = None, env: Optional[Callable] = None) -> None:
     """Make ``DistributedEngine(..., target=name)`` build each rank with ``build`` (see `RankTarget`)."""
-    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__, dp_forward or CpuDPForward)
+    RANK_TARGETS[name] = RankTarget(build, setup or _gloo, build.__module__, dp_forward or CpuDPForward, env)
 
 
 register_rank_target("cpu", cpu_rank_engine)

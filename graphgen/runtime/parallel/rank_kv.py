@@ -14,7 +14,10 @@ after its own save event (the connector's rule).
 
 The lockstep group is the ranks that run the same plans: the whole world when ``dp = 1``; under DP
 attention each DP group plans its own requests, so at tp = cp = 1 a DP rank's KV side is the single-rank one
-(keys ``r0of1``: a prefix saved through one DP rank hits on every other).
+(keys ``r0of1``: a prefix saved through one DP rank hits on every other), and at tp > 1 it is the TP side
+above on its DP group's ranks (`RankLayout.lockstep_group`): keys per TP shard (the MLA latent ``r0of{tp}``,
+put by TP rank 0 of each group; a prefix saved through one DP group hits on every other), hits agreed inside
+the group.
 """
 
 from __future__ import annotations
@@ -102,9 +105,12 @@ class RankParts:
 
 
 def rank_parts(spec, layout: RankLayout, coords: RankCoords, group=None) -> RankParts:
-    """Rank ``coords``'s KV side; ``group``: the host-side gloo group of its lockstep ranks (None: the world's)."""
-    if layout.dp > 1:  # its own requests: the single-rank KV side (keys r0of1, no agreement)
+    """Rank ``coords``'s KV side; ``group``: the host-side gloo group of its lockstep ranks (None: the world's,
+    at dp = 1)."""
+    if layout.dp > 1 and layout.world == layout.dp:  # DP ranks of one rank each: the single-rank KV side (keys r0of1, no agreement)
         return RankParts(None, None, None, (0, 1), True)
+    if layout.dp > 1 and group is None:
+        raise ValueError("a DP group of several ranks agrees its hits on its lockstep group: none given")
     tp, dims = layout.tp, dataclasses.asdict(spec.dims)
     comps = rank_kv_components(spec.family, dims, tp)
     owner = kv_shard_owner(spec.family, dims, tp, coords.tp_rank)

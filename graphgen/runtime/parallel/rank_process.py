@@ -6,10 +6,10 @@ serve the driver's typed commands (`graphgen.runtime.parallel.commands`) until `
 It reports each start phase it enters (``load``; ``warmup`` from a target that compiles) and its progress
 in them to the launcher (`graphgen.runtime.progress`), which holds each phase to its deadline.
 
-**The pool, by URL.** A rank opens its own pool client from ``cfg["pool"]`` (`open_rank_pool`): today the
-launcher's shared host pool (``shared://HOST:PORT``, with the launcher's authkey); a ``mooncake://`` URL
-would give each rank its own Mooncake client (`graphgen.runtime.pool.make_pool`) — what the launcher still
-refuses for ranks (`graphgen.runtime.parallel.launcher._checked`), the one line the ranks-on-Mooncake work lifts.
+**The pool, by URL.** A rank opens its own pool client from ``cfg["pool"]`` (`open_rank_pool`): the
+launcher's shared host pool (``shared://HOST:PORT``, with the launcher's authkey) for ``pool="host"``; a
+``mooncake://`` URL gives each rank its own Mooncake client (`graphgen.runtime.pool.make_pool`: its own segment
+and registered buffers; keys per shard, replicated shards put once by `rank_kv.SaveOncePool`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ def _join(rank: int, cfg: dict):
     # every named group of the layout, made once in one order on every rank (the modules' collectives)
     groups = RankLayout.of(cfg["spec"].parallel).process_groups(rank)
     # the host-side agreement (plan check, hit MINs, drain barrier, DP handshake) on CPU tensors: gloo
-    return target, groups, (None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout))
+    host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    # under DP attention with several ranks per DP group, the plan check and hit MINs run on that group
+    return target, groups, host, groups.layout.lockstep_group(rank, timeout=timeout)
 
 
 def _weights(rank: int, cfg: dict, progress):
@@ -124,12 +126,12 @@ def _weights(rank: int, cfg: dict, progress):
 
 def _start(rank: int, cfg: dict, progress) -> Rank:
     spec = cfg["spec"]
-    target, groups, host = _join(rank, cfg)
+    target, groups, host, lockstep = _join(rank, cfg)
     kwargs = dict(cfg["engine_kwargs"])
     if spec.parallel.dp > 1 and cfg["target"] == "cpu":  # a DP rank's forward events wait as long as a command
         kwargs.setdefault("event_timeout", cfg["timeout"])
     engine, setup = build_rank(spec, groups.layout, target, groups=groups, weights=_weights(rank, cfg, progress),
-                               names=cfg["weight_names"], host=host, spec_file=cfg["spec_file"],
+                               names=cfg["weight_names"], host=host, lockstep=lockstep, spec_file=cfg["spec_file"],
                                pool=open_rank_pool(cfg["pool"], cfg["authkey"]), faults=cfg["faults"],
                                sources=cfg["sources"], **kwargs)
     return Rank(engine, setup.coords, setup.runner.dp if setup.runner is not None else None, setup.parts.shard,

@@ -550,7 +550,22 @@ def _linear(x, w):
     [in, out], scales [out]; graphgen.ir.quant): x quantized per token (npu_dynamic_quant: int8 and one
     float32 scale per row, _op_plugin_docs.py:4654-4676), then npu_quant_matmul of int8 x1 [m, k] and x2
     [k, n] with pertoken_scale [m] float32 and scale [n] (bfloat16 for a bfloat16 output, float32 for
-    float16), output in x's dtype (the A2/A3 rows of :5020-5027; vllm-ascend's W8A8_DYNAMIC linear)."""
+    float16), output in x's dtype (the A2/A3 rows of :5020-5027; vllm-ascend's W8A8_DYNAMIC linear).
+    A LoRA-adapted weight (a dict, graphgen.lower.npu_calls.lora_weight; docs/lora.md, "NPU"): the base
+    product, then each adapted projection's batched delta added to its output columns, static-shaped and in
+    ops with a real GE converter: sel [T, S] each token's one-hot adapter slot (base-model and padding
+    tokens: an all-zero row), lora_a [S, R, in] and lora_b [S, out, R] the slot stacks. Every slot's shrink at
+    once (x against the S*R stacked rows of lora_a: S*R is small next to in), masked to each token's slot, then
+    one expand against lora_b laid out [out, S*R]: token t gets x[t] A[s]^T B[s]^T, the masked slots adding exact
+    zeros. No per-slot loop, no nonzero/unique (the CPU target's sgmv): GE converts neither."""
+    if isinstance(w, dict):
+        y, t, sel = _linear(x, w["base"]), x.shape[0], w["sel"]
+        for off, (lora_a, lora_b) in w["segs"]:  # (never "b.": the step inputs' name in a generated module)
+            s, r, k = lora_a.shape
+            n = lora_b.shape[1]
+            h = F.linear(x, lora_a.reshape(s * r, k)).view(t, s, r) * sel.unsqueeze(-1)
+            y[:, off:off + n] += F.linear(h.view(t, s * r), lora_b.permute(1, 0, 2).reshape(n, s * r))
+        return y
     if not isinstance(w, tuple):
         return F.linear(x, w)
     xq, x_scale = torch_npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
