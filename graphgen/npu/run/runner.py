@@ -486,7 +486,6 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
                                 standin=standin, sources=sources, cache_dir=cache_dir, groups=groups,
                                 num_speculative_tokens=options.get("num_speculative_tokens", 0))
-                                standin=standin, sources=sources, cache_dir=cache_dir, groups=groups)
         # every rank loaded before any compiles: HCCL connects inside the first conversion (startup.py, M2)
         barrier_after_load(groups, rank_timeout)
         if warmup if warmup is not None else not standin:
