@@ -134,10 +134,6 @@ _RUNTIME_GAPS: tuple[_Gap, ...] = (
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = (
-    ("speculative", lambda x: x.speculative,
-     "--speculative mtp does not run on the NPU target yet: the MTP graphs are lowered and traced for the NPU, "
-     "but the NPU runner does not run the drafter's steps, keep the draft KV or verify the drafts on the device "
-     "(MTP on the NPU runner, docs/mtp.md); use --target cpu"),
     ("cp", lambda x: x.par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
                                    "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
                                    "with --cp 1"),

@@ -181,6 +181,35 @@ class StepPadding:
         return blocks + [self.pad_block] * (self.save_rows - len(blocks))
 
 
+@dataclass(frozen=True)
+class UniformPadding(StepPadding):
+    """`StepPadding` for the decode module's verify steps (speculative decoding, docs/mtp.md): every sequence
+    ``per_row`` tokens (its attention takes S = T / B query tokens a row), padding sequences included; every
+    token's logits (``tokens`` rows, static per bucket)."""
+    per_row: int = 1
+
+    def apply(self, ids, pos, slots, tables, seq_lens, qlens, logit_idx, save, bs):
+        ids, pos, slots, logit_idx = list(ids), list(pos), list(slots), list(logit_idx)
+        tables = [list(t) + [self.pad_block] * (self.max_blocks - len(t)) for t in tables]
+        seq_lens, qlens = list(seq_lens), [int(q) for q in qlens]
+        if len(qlens) > self.batch or any(q != self.per_row for q in qlens) or any(len(t) > self.max_blocks
+                                                                                 for t in tables):
+            raise ValueError(f"a verify step of {len(qlens)} rows does not fit the bucket (batch {self.batch}, "
+                             f"{self.per_row} tokens a row, {self.max_blocks} blocks)")
+        for _ in range(self.batch - len(qlens)):
+            q = self.per_row
+            ids += [0] * q
+            pos += list(range(q))
+            slots += [self.pad_block * bs + p % bs for p in range(q)]
+            tables.append([self.pad_block] * self.max_blocks)
+            seq_lens.append(q)
+            qlens.append(q)
+        logit_idx = logit_idx + list(range(len(logit_idx), len(ids)))
+        if save is not None:
+            save = self.rows(save, "save")
+        return ids, pos, slots, tables, seq_lens, qlens, logit_idx, save
+
+
 def rope_cache(rope: dict, max_positions: int, device=None, dtype=torch.float32) -> torch.Tensor:
     """``[max_positions, 2 * rot_dim]`` = cat(cos, sin), laid out as the CPU reference (cat(freqs, freqs))."""
     pos = torch.arange(max_positions)
@@ -225,7 +254,9 @@ def random_weights(spec, seed: int = 0, scale: float = 0.05, rope: Optional[dict
     module's ROPE declares when ``rope`` (a generated module's ROPE) is given.  Tiny specs only."""
     g = torch.Generator().manual_seed(seed)
     # the family's checkpoint layout, experts stacked; zero-size weights (n_shared_experts: 0) are absent
-    shapes = {k: s for k, s in FAMILIES[spec.family].checkpoint_layout(spec.dims, stacked=True).items() if 0 not in s}
+    mtp = {"mtp_layers": spec.mtp.num_layers} if getattr(spec, "mtp", None) is not None else {}  # + its MTP layers
+    shapes = {k: s for k, s in FAMILIES[spec.family].checkpoint_layout(spec.dims, stacked=True, **mtp).items()
+              if 0 not in s}
     W = {}
     for k, s in shapes.items():
         if len(s) == 1 and not k.endswith("bias"):  # norm gains around 1

@@ -46,6 +46,7 @@ from ...runtime.engine import Engine, LoadedBlocks, RunnerSaves, StepFuture, Ste
 from .bucketing import Buckets, max_model_len
 from .data_parallel import NpuDPForward
 from .groups import bind_process_groups, process_group_names
+from .inputs import UniformPadding
 from .lora import acquire_lora, add_lora_inputs, release_lora
 from .mixed_grid import MixedGrid, MixedStep
 from .ranks import launch_npu_ranks, setup_rank
@@ -65,7 +66,7 @@ class NpuModelRunner(RunnerSaves):
 
     def __init__(self, spec, weights, cache, connector=None, *, pad_block: int, mode: Optional[str] = None,
                  standin: bool = False, sources: Optional[dict] = None, check_limits: bool = True,
-                 cache_dir=None, groups=None):
+                 cache_dir=None, groups=None, num_speculative_tokens: int = 0):
         from .compile import _import_torchair
 
         npu = spec.targets.npu
@@ -80,7 +81,10 @@ class NpuModelRunner(RunnerSaves):
         # a DP rank's agreed padding of each graph call (data_parallel.NpuDPForward plugs it in), or None
         self.call_padding: Optional[Callable] = None
         self.buckets = Buckets.from_spec(spec)
-        self.grid = MixedGrid.from_buckets(self.buckets)  # mixed batches' cells (history variants)
+        # speculative decoding (docs/mtp.md): verify rows of K + 1 tokens, in the decode module (K + 1 tokens a row)
+        # and in the mixed grid's cells (tokens_per_row 1 and K + 1)
+        self.k = num_speculative_tokens
+        self.grid = MixedGrid.from_buckets(self.buckets, (1, self.k + 1) if self.k else (1,))  # mixed cells
         self.block_size = spec.kv_cache.block_size
         self._standin_mod = None
         if standin:
@@ -126,7 +130,8 @@ class NpuModelRunner(RunnerSaves):
                 streams = ModelledStreams()
             else:
                 streams = NpuStreams()
-            bufs = [kv_buffers(mod, spec.dims.num_hidden_layers, 0, staging_rows=self.buckets.save_rows,
+            # every cache layer: the MTP draft's save copies the MTP layers' too
+            bufs = [kv_buffers(mod, spec.kv_layers, 0, staging_rows=self.buckets.save_rows,
                                device=self.device)[1] for _ in range(npu.staging_buffers)]
             self.commits = CommitPath(StagingRing(CommitPath.slots(bufs, streams)), streams, binding=self.binding)
 
@@ -159,6 +164,8 @@ class NpuModelRunner(RunnerSaves):
 
             mod = self.modules[variant]
             cells = self.grid.count() if mod.META.get("history") and mod.META["phase"] == "prefill" else 0
+            if mod.META["phase"] == "decode" and self.k:  # decode rows of 1 and of K + 1 tokens
+                cells = self.buckets.count("decode")
             cache = None if self.cache_dir is None else CacheKey(
                 self.spec.name, self.mode, variant, self.source_hashes[variant], self.rank, self.world,
                 layout_name(getattr(self.spec, "parallel", None))
@@ -209,8 +216,11 @@ class NpuModelRunner(RunnerSaves):
         saves = self.save_report(pinned + self.save_from_cache(*plan.cache_saves()))
         if not plan.rows:
             return StepOutput(saves=saves)
-        logits = tuple(x[:len(row.logits_positions)] for x, row in zip(fut.handles.split(1), plan.rows))
-        return StepOutput(logits, None, saves, spans=(("forward", *fut.span),))
+        logits, hidden = fut.handles
+        logits = tuple(torch.split(logits, [len(row.logits_positions) for row in plan.rows]))
+        if hidden is not None:
+            hidden = tuple(torch.split(hidden, [row.num_tokens for row in plan.rows]))
+        return StepOutput(logits, hidden, saves, spans=(("forward", *fut.span),))
 
     def save_filled(self, block_ids, keys) -> None:  # through the ring, as a graph call's save
         if self.commits is None:
@@ -224,19 +234,23 @@ class NpuModelRunner(RunnerSaves):
         if plan.saves != saves:
             raise ValueError(f"{variant}: a plan saves exactly when its module saves "
                              f"(module saves={saves}, plan saves={plan.saves})")
-        for row in plan.rows:  # a chunk before a prompt's last asks for none: its row's logits are dropped
-            if tuple(row.logits_positions) not in ((), (row.num_tokens - 1,)):
-                raise ValueError("the NPU modules return the last position's logits of each sequence only; "
-                                 f"a row asked for positions {row.logits_positions}")
+        for row in plan.rows:  # a chunk before a prompt's last asks for none; a verify row (decode) for each token
+            every = row.decode and tuple(row.logits_positions) == tuple(range(row.num_tokens))
+            if tuple(row.logits_positions) not in ((), (row.num_tokens - 1,)) and not every:
+                raise ValueError("the NPU modules return the last position's logits of each sequence (a verify row's: "
+                                 f"each position's) only; a row asked for positions {row.logits_positions}")
         phase = mod.META["phase"]
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
+        if plan.prev_hidden is not None:  # the MTP graph's input: each row's previous hidden states, in row order
+            for s, h in zip(seqs, torch.split(plan.prev_hidden, [row.num_tokens for row in plan.rows])):
+                s["hidden"] = h
         for i, sq in enumerate(seqs):
             sq["lora"] = (lora_slot_of or {}).get(i, 0)
         history = bool(mod.META.get("history"))
         cell = self._mixed_cell(plan, seqs) if history and self.call_padding is None else None
         chunks = [seqs] if cell is not None else self._chunks(phase, seqs)
         target = self.compiled(variant)
-        logits, offset = [], 0
+        logits, hidden, offset = [], [], 0
         for chunk in chunks:
             if self.call_padding is not None:  # every DP rank runs this call at one bucket (data_parallel.py)
                 cell = self.call_padding(phase, len(chunk), sum(len(s["ids"]) for s in chunk))
@@ -256,9 +270,12 @@ class NpuModelRunner(RunnerSaves):
                 offset += n_save
             else:
                 out = graph(())
-            logits.append(out[:len(chunk)].float())
+            lg, h = out if isinstance(out, tuple) else (out, None)  # a spec with MTP: (logits, hidden [T, H])
+            logits.append(lg.index_select(0, b.real_logits).float())
+            if h is not None:
+                hidden.append(h[:sum(len(s["ids"]) for s in chunk)].float())
         current_progress().stepping()  # a graph compiled on first use is done: the step deadline again
-        return torch.cat(logits)
+        return torch.cat(logits), (torch.cat(hidden) if hidden else None)
 
     def close(self) -> None:
         try:
@@ -353,18 +370,41 @@ class NpuModelRunner(RunnerSaves):
         from .inputs import npu_step_inputs
 
         phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
+        per_row = max(len(s["ids"]) for s in chunk)
+        if phase == "decode" and per_row > 1:  # verify rows: every row K + 1 tokens (the decode module's S = T / B)
+            chunk = [_widened(s, per_row, self.pad_block, self.block_size) for s in chunk]
         ids = [t for s in chunk for t in s["ids"]]
         qlens = [len(s["ids"]) for s in chunk]
         save = [b for s in chunk for b in s["save"]] if saves else None
-        pad = pad or self.buckets.padding(phase, len(chunk), len(ids), self.pad_block)
+        # the logits rows: each row's last token, a verify row's every real token; the decode module's every token
+        starts = [sum(qlens[:i]) for i in range(len(chunk))]
+        real = [st + j for s, st in zip(chunk, starts) for j in s.get("logits", (len(s["ids"]) - 1,))]
+        idx = list(range(len(ids))) if phase == "decode" and per_row > 1 else real
+        if pad is None:
+            pad = self.buckets.padding(phase, len(chunk), len(ids), self.pad_block)
+            if phase == "decode" and per_row > 1:
+                pad = UniformPadding(pad.batch, pad.batch * per_row, pad.max_blocks, pad.pad_block, pad.save_rows,
+                                     per_row=per_row)
+            elif len(idx) > len(chunk):
+                raise ValueError(f"{len(idx) - len(chunk)} more logits rows than sequences outside the mixed grid's "
+                                 f"cells (verify rows batched with more chunks than prefill_seqs); lower "
+                                 f"max_num_batched_tokens")
+        prev = None
+        if phase == "mtp":
+            h = torch.cat([s["hidden"] for s in chunk]).to(self.dtype)
+            prev = torch.zeros(pad.tokens, h.shape[-1], dtype=self.dtype)
+            prev[:h.shape[0]] = h
         b = npu_step_inputs(input_ids=ids, positions=[p for s in chunk for p in s["pos"]],
                             slot_mapping=[x for s in chunk for x in s["slots"]],
                             block_tables=[s["table"] for s in chunk], seq_lens=[s["seq_len"] for s in chunk],
-                            query_lens=qlens, logits_indices=[sum(qlens[:i + 1]) - 1 for i in range(len(chunk))],
+                            query_lens=qlens, logits_indices=idx,
                             block_size=self.block_size, save_block_ids=save,
                             load_block_ids=[b for s in chunk for b in s["load"]] if history else None,
-                            decode=phase == "decode", device=self.device, pad=pad,
+                            decode=phase == "decode", device=self.device, pad=pad, prev_hidden=prev,
                             gather="kv_gather_rows" in getattr(mod, "STEP_READS", ("kv_gather_rows",)))
+        # the module's logits rows that are real rows' (in row order): positions in its logits_indices
+        pos_of = {t: i for i, t in enumerate(idx)}
+        b.real_logits = torch.tensor([pos_of[t] for t in real], dtype=torch.int64)
         if "lora_sel" in getattr(mod, "STEP_READS", ()):
             add_lora_inputs(b, [s.get("lora", 0) for s in chunk for _ in s["ids"]], self.lora_slots.views())
         return b, len(save or ())
@@ -372,13 +412,33 @@ class NpuModelRunner(RunnerSaves):
 
 def _sequence(row, block_size: int) -> dict:
     """One plan row as the NPU inputs want it: tokens, positions, slots, its block table (trimmed to
-    its length), the blocks it saves and loads (and the loaded blocks' staging)."""
+    its length), the blocks it saves and loads (and the loaded blocks' staging); a row asking for more
+    than its last position's logits (a verify row) names them (``logits``)."""
     table = list(row.block_table[:-(-row.seq_len // block_size)])
-    return {"ids": list(row.token_ids), "pos": list(row.positions),
+    extra = {} if tuple(row.logits_positions) in ((), (row.num_tokens - 1,)) else \
+        {"logits": tuple(row.logits_positions)}
+    if not row.logits_positions:
+        extra = {"logits": ()}
+    return {**extra, "ids": list(row.token_ids), "pos": list(row.positions),
             "slots": slot_mapping(table, row.start, row.seq_len, block_size).tolist(),
             "table": table, "seq_len": row.seq_len, "save": list(row.save_block_ids),
             "load": list(row.load_block_ids),
             "loaded": row.loaded if isinstance(row.loaded, LoadedBlocks) else list(row.loaded)}
+
+
+def _widened(s: dict, per_row: int, pad_block: int, block_size: int) -> dict:
+    """A decode row of fewer than ``per_row`` tokens (a verify row with fewer drafts, a plain decode row) widened
+    to ``per_row``: the decode module takes S = T / B tokens a row. The extra tokens come after the real ones
+    (the causal mask keeps every real token from reading them), write their KV into the pad block only and
+    ask for no logits; the row's KV length grows with them (its table padded with the pad block)."""
+    n = per_row - len(s["ids"])
+    if n == 0:
+        return s
+    last = s["pos"][-1]
+    pos = list(range(last + 1, last + 1 + n))
+    return {**s, "ids": s["ids"] + [0] * n, "pos": s["pos"] + pos,
+            "slots": s["slots"] + [pad_block * block_size + p % block_size for p in pos],
+            "seq_len": s["seq_len"] + n, "logits": s.get("logits", tuple(range(len(s["ids"]))))}
 
 
 def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: Optional[int] = 512,
@@ -420,7 +480,8 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
 
     def make_runner(cache, alloc, connector, reserved):  # closed with the engine (EngineCore.close)
         runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
-                                standin=standin, sources=sources, cache_dir=cache_dir, groups=groups)
+                                standin=standin, sources=sources, cache_dir=cache_dir, groups=groups,
+                                num_speculative_tokens=options.get("num_speculative_tokens", 0))
         # every rank loaded before any compiles: HCCL connects inside the first conversion (startup.py, M2)
         barrier_after_load(groups, rank_timeout)
         if warmup if warmup is not None else not standin:

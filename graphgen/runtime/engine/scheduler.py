@@ -230,7 +230,9 @@ class Scheduler(Preemption):
             if tokens[i] is None:
                 continue
             toks = verified or (tokens[i],)
-            taken, reason = r.take(toks, None if logits is None else logits[i].reshape(len(toks), -1), now)
+            # a verify row's logits: row j decided emitted token j (the rows past the emitted ones are dropped)
+            kept = None if logits is None else logits[i][:len(toks)] if verified else logits[i].reshape(1, -1)
+            taken, reason = r.take(toks, kept, now)
             if verified:  # a verify row's entry: the tokens taken (tokens may be a tuple otherwise)
                 tokens[i] = taken
             if reason is not None:
