@@ -119,7 +119,7 @@ def test_npu_engine_on_the_standin_matches_the_cpu_engine_with_adapters_batched(
 
     from graphgen.modelspec.loader import load_spec
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
     from graphgen.runtime import open_engine
     from support.paths import REPO
 

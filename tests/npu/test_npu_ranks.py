@@ -70,7 +70,7 @@ def test_rank_device_refuses_what_one_node_cannot_hold(world, visible, count, me
 def test_router_weight_and_bias_stay_fp32_in_the_runners():
     from graphgen.modelspec.loader import load_spec
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
     from graphgen.runtime import open_engine
 
     spec = load_spec(SPECS / "tiny_deepseek_v3_npu.yaml")

@@ -40,7 +40,7 @@ PROMPTS = [list(range(3, 200)), list(range(5, 40)), list(range(3, 200)) + [7, 8]
 @pytest.fixture(scope="module")
 def runs():
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
     from graphgen.runtime import open_engine
 
     torch.set_num_threads(1)
@@ -183,7 +183,7 @@ def test_mixed_batches_with_chunks_run_on_the_npu_runner_and_match_the_cpu_targe
     batch is one graph call on its cell of the static mixed grid, and the graphs compiled are the
     distinct cells/buckets run, fewer than the mixed steps."""
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
     from graphgen.runtime import open_engine
 
     torch.set_num_threads(1)

@@ -32,7 +32,7 @@ PROMPTS = [list(range(3, 135))]  # 132 tokens: one full block (and its successor
 @pytest.fixture(scope="module")
 def runs():
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
     from graphgen.runtime import open_engine
 
     torch.set_num_threads(1)

@@ -44,7 +44,7 @@ def _w8a8(path):
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def runs(request):
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
     from graphgen.runtime import open_engine
 
     torch.set_num_threads(1)

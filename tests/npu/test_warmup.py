@@ -29,7 +29,7 @@ def _generate(spec, capsys, **kw):
     import torch
 
     from graphgen.npu.run.inputs import random_weights
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
 
     torch._dynamo.reset()
     graphs = torch._dynamo.utils.counters["stats"]
@@ -95,7 +95,7 @@ def _serve_mixed(spec, capsys, cells: bool):
 
     from graphgen.npu.run.inputs import random_weights
     from graphgen.npu.run.mixed_grid import MixedGrid
-    from graphgen.npu.run.runner import npu_engine
+    from graphgen.npu.run.engine import npu_engine
 
     torch._dynamo.reset()
     graphs = torch._dynamo.utils.counters["stats"]

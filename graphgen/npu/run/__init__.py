@@ -2,5 +2,5 @@
 
 Importing this package registers the target with the runtime (``open_engine(..., target="npu")``);
 the runtime itself never imports NPU code."""
-from . import runner  # noqa: F401  (registers the "npu" target)
+from . import engine  # noqa: F401  (registers the "npu" target)
 from .compile import NpuUnavailable  # noqa: F401  (what a caller of the NPU target catches)

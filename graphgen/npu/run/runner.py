@@ -24,37 +24,33 @@ saves, write-backs: `CommitPath.save_filled`) — and adapts at the runner bound
   are issued. On the stand-in the copy stream is modelled (`graphgen.npu.standin.streams`), the host
   rows pageable.
 
-`npu_engine` builds the runtime `Engine` with this runner (the runtime's one assembly, `build_engine`) and
-registers itself as ``open_engine(..., target="npu")``. ``standin=True`` runs everything on CPU through
+`graphgen.npu.run.engine.npu_engine` builds the runtime `Engine` with this runner (the runtime's one assembly,
+`build_engine`) and registers itself as ``open_engine(..., target="npu")``. ``standin=True`` runs everything on CPU through
 graphgen's torchair stand-in (tests; never an NPU result); without it, torch_npu must import
 (`NpuUnavailable` otherwise). The real-device parts (``device="npu"``, the NPU event after the forward)
 have never run on an NPU.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ...runtime import current_progress, register_rank_target, register_target
-from ...runtime.core.kvcache import slot_mapping, token_shapes
+from ...runtime import current_progress
+from ...runtime.core.kvcache import slot_mapping
 from ...runtime.core.weights import cast_weights
-from ...runtime.engine import Engine, LoadedBlocks, RunnerSaves, StepFuture, StepOutput, StepPlan, build_engine
+from ...runtime.engine import LoadedBlocks, RunnerSaves, StepFuture, StepOutput, StepPlan
 from .bucketing import Buckets, max_model_len
-from .data_parallel import NpuDPForward
 from .groups import bind_process_groups, process_group_names
 from .inputs import UniformPadding
 from .lora import acquire_lora, add_lora_inputs, release_lora
 from .mixed_grid import MixedGrid, MixedStep
-from .ranks import launch_npu_ranks, setup_rank
-from .startup import barrier_after_load, npu_rank_env
 from .staging import CommitPath, DeviceBinding, NpuStreams, StagingRing
-from .weights import load_first, load_time_weights
+from .weights import load_time_weights
 
-__all__ = ["NpuModelRunner", "npu_engine"]
+__all__ = ["NpuModelRunner"]
 
 
 class NpuModelRunner(RunnerSaves):
@@ -439,72 +435,3 @@ def _widened(s: dict, per_row: int, pad_block: int, block_size: int) -> dict:
     return {**s, "ids": s["ids"] + [0] * n, "pos": s["pos"] + pos,
             "slots": s["slots"] + [pad_block * block_size + p % block_size for p in pos],
             "seq_len": s["seq_len"] + n, "logits": s.get("logits", tuple(range(len(s["ids"]))))}
-
-
-def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: Optional[int] = 512,
-               max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
-               standin: bool = False, mode: Optional[str] = None, sources: Optional[dict] = None,
-               groups=None, warmup: Optional[bool] = None, device_memory_utilization: Optional[float] = None,
-               cache_dir=None, rank_timeout=None, kv_shapes: Optional[dict] = None, **options) -> Engine:
-    """The runtime `Engine` with `NpuModelRunner` (``open_engine(..., target="npu")``).
-
-    Differences from the CPU engine: the cache and the weights are in the NPU dtypes; one extra cache
-    block is reserved for padding; the scheduler's limits come from the buckets (``max_num_seqs`` <= the
-    largest decode bucket, ``max_num_batched_tokens`` <= the largest prefill bucket - prefill_seqs).
-    ``world > 1``: the rank processes (`graphgen.npu.run.ranks`), each of which calls this with its
-    ``groups`` (the layout's process groups) and its rank's options (`npu_rank_engine`: KV shard, keys,
-    the `RankRunner` wrap with the plan check or the DP agreement).
-    ``warmup``: compile every bucket of every variant before the first request (`NpuModelRunner.warm_up`,
-    progress on stderr); ``None``: on an NPU, off with ``standin``.  ``cache_dir``: the on-disk compile
-    cache (`compile.CacheKey`: a restart with the same cache compiles nothing); None: none.
-    ``rank_timeout``: the rank processes' start deadlines (`graphgen.runtime.Deadlines`; one process: unused)."""
-    if spec.targets.npu is None:
-        raise ValueError(f"spec {spec.name} has no NPU target (targets.npu)")
-    if not standin:  # before anything is put on the device: NpuUnavailable, one sentence
-        from .compile import _import_torchair
-
-        _import_torchair(False)
-    if spec.parallel.world > 1 and groups is None:
-        if sources is not None:
-            raise ValueError("sources= is for one process; NPU ranks compile their own modules")
-        return launch_npu_ranks(spec, weights, spec_file=spec_file, pool=pool, num_blocks=num_blocks,
-                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                standin=standin, mode=mode, warmup=warmup, cache_dir=cache_dir,
-                                rank_timeout=rank_timeout, **options)
-    buckets = Buckets.from_spec(spec)
-    # the weights go on the device first, streamed (each load-time weight built in place), then the KV cache
-    load_weights, placed, size_kv, sources = load_first(spec, weights, mode, sources, standin,
-                                                        device_memory_utilization, buckets.save_rows)
-    if size_kv is not None:
-        num_blocks = None
-
-    def make_runner(cache, alloc, connector, reserved):  # closed with the engine (EngineCore.close)
-        runner = NpuModelRunner(spec, placed.pop("W"), cache, connector, pad_block=reserved[0], mode=mode,
-                                standin=standin, sources=sources, cache_dir=cache_dir, groups=groups,
-                                num_speculative_tokens=options.get("num_speculative_tokens", 0))
-        # every rank loaded before any compiles: HCCL connects inside the first conversion (startup.py, M2)
-        barrier_after_load(groups, rank_timeout)
-        if warmup if warmup is not None else not standin:
-            runner.warm_up()
-        return runner
-
-    if kv_shapes is None:  # a rank's is its KV shard's
-        shapes = token_shapes(spec.family, dataclasses.asdict(spec.dims))
-        kv_shapes = {k: (spec.kv_cache.block_size, *v) for k, v in shapes.items()}
-    return build_engine(spec, kv_shapes=kv_shapes, make_runner=make_runner, pool=pool, num_blocks=num_blocks,
-                        load_weights=load_weights, size_kv=size_kv, reserved_blocks=1,
-                        device="cpu" if standin else "npu",
-                        max_num_seqs=min(max_num_seqs or buckets.decode_batch[-1], buckets.decode_batch[-1]),
-                        max_num_batched_tokens=min(max_num_batched_tokens or 1 << 30,
-                                                   buckets.prefill_tokens[-1] - buckets.prefill_seqs),
-                        max_model_len=max_model_len(spec), **options)
-
-
-def npu_rank_engine(spec, weights: dict, *, rank, **options) -> Engine:
-    """One NPU rank's engine (in a rank process): `npu_engine` on its sliced weights with its rank's groups
-    and options (``rank``: the runtime's `RankSetup`, from `build_rank`)."""
-    return npu_engine(spec, weights, groups=rank.groups, **{**options, **rank.engine_options()})
-
-
-register_target("npu", npu_engine)
-register_rank_target("npu", npu_rank_engine, setup=setup_rank, dp_forward=NpuDPForward, env=npu_rank_env)  # graphgen.npu.run.ranks
