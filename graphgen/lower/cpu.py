@@ -19,8 +19,8 @@ from typing import Any, Iterable, Optional
 from ..ir.graph import HIDDEN, HOST_STREAM, LOAD_STREAM, MAIN_STREAM, Graph, Node
 from ..ir.quant import NONE, quant_of
 from .cpu_parallel import EMIT_PARALLEL, moe_weights, projection, raw_linear
-from .render import (Emitter, Names, emit_with, layer_list, load_time_weights_literal, moe_kwargs, py, render_frame,
-                     weight)
+from .render import (Emitter, Names, emit_with, layer_list, load_time_weights_literal, lora_segments, moe_kwargs, py,
+                     render_frame, weight)
 
 
 @dataclass(frozen=True)
@@ -64,17 +64,10 @@ def _lora(n: Node, ctx: CpuCtx, expr: str, *merged: str) -> str:
     """``expr`` (the weight of the projections ``merged``, concatenated along the output) wrapped with the
     adapter slots of those of them the node adapts (``rt.lora``: graphgen.runtime.lora.delta), each at the
     offset of its output columns; ``expr`` itself for a node without LoRA operands."""
-    adapted = tuple(n.attrs.get("lora") or ())
-    if not any(w in adapted for w in merged):
+    segs = lora_segments(n, ctx, merged)
+    if segs is None:
         return expr
-    slots = dict(zip(adapted, n.input("lora")[1:]))
-    widths = dict(n.attrs["lora_widths"])
-    segs, off = [], 0
-    for w in merged:
-        if w in slots:
-            segs.append(f"({off}, {ctx.ref(slots[w])})")
-        off += widths[w]
-    return f"rt.lora({expr}, {ctx.ref(n.input('lora')[0])}, ({', '.join(segs)},))"
+    return f"rt.lora({expr}, {ctx.ref(n.input('lora')[0])}, {segs})"
 
 
 def _qwen3_attn_prolog(n: Node, ctx: CpuCtx) -> list[str]:

@@ -6,7 +6,7 @@ in int8 under W8A8 (`graphgen.ir.quant`)."""
 from __future__ import annotations
 
 from ..ir.graph import Node
-from .render import EmitContext, linear_weight, moe_kwargs, weight
+from .render import EmitContext, linear_weight, lora_segments, moe_kwargs, weight
 
 # a W8A8 weight in an NPU module: the (int8 weight, scales) pair the helpers' _linear / _grouped_linear take
 NPU_PAIR = "({w}, {scale})"
@@ -26,17 +26,10 @@ def lora_weight(n: Node, ctx: EmitContext, expr: str, merged: tuple[str, ...]) -
     ...)}``, each adapted projection at the offset of its output columns (``b.lora_sel``: each token's one-hot
     slot, `graphgen.npu.run.inputs`); ``expr`` itself when the node adapts none of them (the CPU target's
     twin: `graphgen.lower.cpu._lora`)."""
-    adapted = tuple(n.attrs.get("lora") or ())
-    if not any(w in adapted for w in merged):
+    segs = lora_segments(n, ctx, merged)
+    if segs is None:
         return expr
-    slots = dict(zip(adapted, n.input("lora")[1:]))
-    widths = dict(n.attrs["lora_widths"])
-    segs, off = [], 0
-    for w in merged:
-        if w in slots:
-            segs.append(f"({off}, {ctx.ref(slots[w])})")
-        off += widths[w]
-    return f'{{"base": {expr}, "sel": b.lora_sel, "segs": ({", ".join(segs)},)}}'
+    return f'{{"base": {expr}, "sel": b.lora_sel, "segs": {segs}}}'
 
 
 def swiglu_mlp_call(n: Node, ctx: EmitContext) -> str:

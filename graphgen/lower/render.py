@@ -213,3 +213,21 @@ def emit_with(table: dict[str, Emitter], target: str, node: Node, ctx: Any) -> l
     if fn is None:
         raise LoweringError(f"no {target} lowering for op '{node.op}' (node {node.id})")
     return fn(node, ctx)
+
+
+def lora_segments(n, ctx, merged: tuple) -> "str | None":
+    """The adapter slots of those of the projections ``merged`` (concatenated along the output) that node ``n``
+    adapts, as the targets' LoRA wrappers take them: ``"((offset, slot), ...,)"``, each at the offset of its
+    output columns; None when the node adapts none of them (both targets' emitters: `graphgen.lower.cpu._lora`,
+    `graphgen.lower.npu_calls.lora_weight`)."""
+    adapted = tuple(n.attrs.get("lora") or ())
+    if not any(w in adapted for w in merged):
+        return None
+    slots = dict(zip(adapted, n.input("lora")[1:]))
+    widths = dict(n.attrs["lora_widths"])
+    segs, off = [], 0
+    for w in merged:
+        if w in slots:
+            segs.append(f"({off}, {ctx.ref(slots[w])})")
+        off += widths[w]
+    return f"({', '.join(segs)},)"
