@@ -215,7 +215,7 @@ def emit_with(table: dict[str, Emitter], target: str, node: Node, ctx: Any) -> l
     return fn(node, ctx)
 
 
-def lora_segments(n, ctx, merged: tuple) -> "str | None":
+def lora_segments(n: Node, ctx: "EmitContext", merged: tuple[str, ...]) -> Optional[str]:
     """The adapter slots of those of the projections ``merged`` (concatenated along the output) that node ``n``
     adapts, as the targets' LoRA wrappers take them: ``"((offset, slot), ...,)"``, each at the offset of its
     output columns; None when the node adapts none of them (both targets' emitters: `graphgen.lower.cpu._lora`,

@@ -30,7 +30,7 @@ fragmentation (no ``expandable_segments``), kept free on top.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from ..modelspec.model import ModelSpec
@@ -65,7 +65,7 @@ def gather_rows(batch: int, tokens: int, max_blocks: int, block_size: int) -> in
     return (batch - 1) * max_blocks * block_size + tokens
 
 
-def max_model_len(spec) -> int:
+def max_model_len(spec: "ModelSpec") -> int:
     """The NPU target's ``max_model_len``, or its default: the default of
     `graphgen.npu.run.bucketing.max_model_len` (not imported: it is torch-side)."""
     npu = spec.targets.npu
@@ -74,7 +74,8 @@ def max_model_len(spec) -> int:
 
 
 def _one(spec: "ModelSpec", phase: str, history: bool, tokens: int, batch: int) -> tuple[int, str]:
-    d, par = spec.dims, spec.parallel
+    d: Any = spec.dims  # a family's dims (Qwen3 or DeepSeek-V3): the fields are read where the family has them
+    par = spec.parallel
     npu = spec.targets.npu
     size = ITEMSIZE[npu.dtype if npu is not None else spec.kv_cache.dtype]
     tp, dp = par.tp, par.dp

@@ -5,14 +5,16 @@ of a follower node's hello."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from typing import Optional
 
-from ..pool.shared import serve_pool
+from ..pool.shared import RemotePool, connect_pool, serve_pool
 from .cluster import Placement, spec_digest
 from .procs import _child
 from .rank import RANK_TARGETS
-from ...netutil import bind_socket
+from .rank_process import SHARED_SCHEME
+from ...netutil import bind_socket, free_port
 
 MOONCAKE_SCHEME = "mooncake://"  # every rank its own Mooncake client (its own segment and registered buffers)
 
@@ -108,3 +110,16 @@ def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[
         return (f"{here.describe(member)} runs {hello.get('spec_name')!r} with another layout or settings than "
                 f"node 0 ({spec.name!r}): every node must be given the same spec and flags")
     return None
+
+
+def _start_host_pool(ctx, env: dict, pool, host: str, here: Placement, authkey: bytes, capacity: int,
+                     timeout: float) -> tuple[Optional[mp.process.BaseProcess], Optional[RemotePool], str]:
+    """(the pool's process, this process's client, the URL every rank opens): with ``pool="host"`` the embedded
+    pool, one process every rank of every node reaches; with a Mooncake URL nothing here (each rank process
+    opens its own client from the URL)."""
+    if pool != "host":
+        return None, None, pool
+    address = (host, here.pool_port if here.multi_node else free_port(host))
+    proc = _start_pool(ctx, env, capacity, address, authkey, timeout)
+    return proc, connect_pool(address, authkey), f"{SHARED_SCHEME}{address[0]}:{address[1]}"
+

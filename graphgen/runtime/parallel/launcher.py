@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from ..pool import DEFAULT_POOL_BYTES
-from ..pool.shared import connect_pool
 from ..progress import Board, Deadlines, RankPhases
 from .cluster import Placement, cluster_key, interface_towards
 from . import commands as C
@@ -49,11 +48,9 @@ from .step_api import DistributedCore
 from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
-from .rank_process import SHARED_SCHEME
-from ...netutil import free_port
 
 from .bringup import (RankFailure, _check_hello, _checked, _compile_once,  # noqa: F401  (tests import _checked here)
-                      _host_store, _start_pool)
+                      _host_store, _start_host_pool)
 
 __all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
 
@@ -108,22 +105,17 @@ class DistributedEngine:
         host = here.master_addr
         if here.multi_node and "GLOO_SOCKET_IFNAME" not in env:  # gloo binds the interface towards node 0
             env["GLOO_SOCKET_IFNAME"] = interface_towards(host)[0]
-        if RANK_TARGETS[target].env is not None:  # the target's own (NPU: HCCL/CANN), before torch imports
-            env.update(RANK_TARGETS[target].env(env, here, self.deadlines))
+        if (target_env := RANK_TARGETS[target].env) is not None:  # the target's own (NPU: HCCL/CANN), pre-torch
+            env.update(target_env(env, here, self.deadlines))
         self._channel = Channel((host, here.channel_port), cluster_key(here), clock=clock) if here.multi_node else None
         # the rendezvous store, bound to the given address only (torchrun's when it launched us)
         self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))
         authkey = os.urandom(16)
         self.pool_url = pool  # "host" or the Mooncake master's URL every rank (on every node) opens
         self._driver_pool = None  # on Mooncake: this process's own client, for P/D (kv_pool)
-        if pool == "host":  # the embedded pool, one process every rank of every node reaches
-            pool_address = (host, here.pool_port if here.multi_node else free_port(host))
-            self._pool_proc = _start_pool(ctx, env, pool_capacity_bytes, pool_address, authkey, timeout)
-            self._pool = connect_pool(pool_address, authkey)
-            rank_pool = f"{SHARED_SCHEME}{pool_address[0]}:{pool_address[1]}"
-        else:  # Mooncake: nothing here holds a client; each rank process opens its own from the URL
-            self._pool_proc = self._pool = None
-            rank_pool = pool
+        # the embedded pool's process and this process's client of it; none on Mooncake (each rank its own)
+        self._pool_proc, self._pool, rank_pool = _start_host_pool(ctx, env, pool, host, here, authkey,
+                                                                  pool_capacity_bytes, timeout)
         sources, weight_names = _compile_once(spec, spec_file)  # the weight names are every target's
         cfg = {"spec": spec, "spec_file": spec_file, "weights": weights, "timeout": timeout,
                "store": (host, self._store.port if self._store is not None else here.store_port, here.torchrun),
