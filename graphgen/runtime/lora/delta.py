@@ -36,31 +36,34 @@ class LoraWeight:
         return self.base.dtype
 
 
-def lora_delta(x: Tensor, index: Tensor, a: Tensor, b: Tensor) -> Tensor:
+def lora_delta(x: Tensor, index: Tensor, a: Tensor, b: Tensor,
+               slot_rows: Optional[list[tuple[int, Tensor]]] = None) -> Tensor:
     """``[T, out]``: token t's ``x[t] A[index[t]]^T B[index[t]]^T`` (shrink to the rank, then expand), zero for
     slot 0. Computed per slot over its tokens (the rows of one adapter are gathered, shrunk and expanded as two
     plain matmuls: vLLM's sgmv; on the CPU the host knows the slots, so no [T, R, in] gather of the stacks is
-    made, which per token -- bgmv -- costs more than the products here)."""
+    made, which per token -- bgmv -- costs more than the products here). ``slot_rows``: `_slot_rows(index)`,
+    when the caller already has it (one projection's segments share it)."""
     if index.shape[0] != x.shape[0]:
         raise ValueError(f"lora: {index.shape[0]} token slots for {x.shape[0]} rows")
     out = x.new_zeros(x.shape[0], b.shape[1])
-    for s in _slots(index):
-        rows = (index == s).nonzero().squeeze(1)
+    for s, rows in _slot_rows(index) if slot_rows is None else slot_rows:
         xs = x.index_select(0, rows)
         out.index_copy_(0, rows, (xs @ a[s].t().to(x.dtype)) @ b[s].t().to(x.dtype))  # shrink, then expand
     return out
 
 
-def _slots(index: Tensor) -> list[int]:
-    return [s for s in torch.unique(index).tolist() if s != 0]
+def _slot_rows(index: Tensor) -> list[tuple[int, Tensor]]:
+    """Each adapter slot of the step (slot 0, the base model's, left out) with its token rows."""
+    return [(s, (index == s).nonzero().squeeze(1)) for s in torch.unique(index).tolist() if s != 0]
 
 
 def apply(x: Tensor, w: LoraWeight, product) -> Tensor:
     y = product(x, w.base)
-    if not _slots(w.index):  # a batch of base-model tokens only: the base product as it is
+    slot_rows = _slot_rows(w.index)  # once per projection, not once per segment
+    if not slot_rows:  # a batch of base-model tokens only: the base product as it is
         return y
     for offset, a, b in w.segments:
-        y[:, offset:offset + b.shape[1]] += lora_delta(x, w.index, a, b)
+        y[:, offset:offset + b.shape[1]] += lora_delta(x, w.index, a, b, slot_rows)
     return y
 
 
