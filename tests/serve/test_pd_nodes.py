@@ -206,7 +206,8 @@ def test_32_concurrent_clients_through_2p1d_of_two_node_instances_equal_one_rank
 
 
 def test_a_prefill_node_killed_mid_run_loses_no_request(cluster, reference):
-    """P1's node 1 freezes (SIGSTOP to everything in its namespace: P1's steps cannot finish), the 32 requests
+    """P1's node 1 freezes (SIGSTOP to everything in its namespace: nothing P1 takes can be answered, a step needs
+    rank 1), the 32 requests
     start; once the router has requests in flight at P1, the node dies (SIGKILL). P1's driver names the lost
     node and exits; the requests it held fall back (D recomputes), later ones go to P2: none is lost."""
     p1_node1 = cluster.host[NODES["p1"][1]]
