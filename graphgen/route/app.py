@@ -12,8 +12,8 @@ every backend each ``health_interval_s``: a refused check marks it down at once,
 only after three in a row (a loaded host's busy backend is not gone); a backend that fails a request
 is marked down until its next good check. A decode instance that fails before the client got anything (a 503:
 its engine ended, a rank lost; a stream whose first event is an error, or that breaks before it) while another
-is up: the request goes to the next one, with the same handoff (counted). Without prefill instances it only balances the decode ones (each serving as
-``both``): a data-parallel front.
+is up: the request goes to the next one, with the same handoff (counted). Without prefill instances it only
+balances the decode ones (each serving as ``both``): a data-parallel front.
 
 ``create_router`` builds one `RouterState` and an app whose routes are the module-level handlers
 below, each reading that state from ``request.app.state.router``.

@@ -372,7 +372,7 @@ def test_ranks_pd_through_the_router_equals_a_single_instance_and_a_killed_p_ran
 
 # ---- P/D instances of dp x tp ranks (issue 37 item 3): tiny DeepSeek, P and D at dp 2 x tp 2 (ep 4), D2 at tp 2 ----
 DP_TP, TP_ONLY = ("--dp", "2", "--tp", "2", "--ep", "4"), ("--tp", "2", "--ep", "2")
-DS_TOL = 1e-3  # ranks vs one rank (an EP / TP reduction reorders sums): logits within it, tokens where the margin is wider
+DS_TOL = 1e-3  # ranks vs one rank (EP / TP reductions reorder sums): tokens equal where the margin is wider
 REVERSE = [5, *PROMPTS[29][1:]]  # only the tp-2 P prefills it: D loads it from that P's saves, not its own cache
 LONG_NEW = 64  # the request a D rank is killed under: long enough to be caught running
 DS_LEASE_S = 5.0  # P's --kv-lease-timeout: outlives the router's requests (each released once D read), lapses after
