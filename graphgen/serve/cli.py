@@ -127,8 +127,6 @@ def check_args(args):
             return f"--{flag.replace('_', '-')} {v}: not one of {', '.join(known)}", None
     if not args.kv_lease_timeout > 0:
         return f"--kv-lease-timeout must be > 0, got {args.kv_lease_timeout}", None
-    if args.role != "both" and getattr(args, "speculative", None) is not None:
-        return f"--speculative mtp does not combine with --role {args.role} yet (docs/mtp.md)", None
     if args.role != "both":  # the handoff goes through a pool both instances see
         write = args.write or spec.pool.write
         dp = args.dp if getattr(args, "dp", None) is not None else spec.parallel.dp
