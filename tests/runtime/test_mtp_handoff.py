@@ -17,6 +17,7 @@ from graphgen.runtime import HostPool, open_engine
 from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 from support.hf import ATOL
 from support.paths import TINY_DSV3_MTP
+from support.mtp import drop_mtp_kv
 from support.tokens import assert_tokens_agree
 
 SPEC = load_spec(TINY_DSV3_MTP)
@@ -67,16 +68,7 @@ def test_prefill_hands_off_the_mtp_kv_and_the_first_drafts_read_it(mtp_ckpt):
         assert (got.num_draft_tokens, got.num_accepted_tokens, got.accepted_per_pos) == \
             (cold.num_draft_tokens, cold.num_accepted_tokens, cold.accepted_per_pos)
 
-        real_load = d.loader.load
-
-        def target_only(keys):  # negative control: what a handoff of the target's KV alone would give D
-            blocks = real_load(keys)
-            for blk in blocks:
-                for part in blk[L]:
-                    part.zero_()
-            return blocks
-
-        d.loader.load = target_only
+        drop_mtp_kv(d, L)  # negative control: a pool of the target's KV alone
         lost = d.generate([PROMPT], NEW)[0]
         assert lost.hit_tokens == 3 * BS
         worst = max((a - b).abs().max().item() for a, b in zip(cold.draft_logits, lost.draft_logits))

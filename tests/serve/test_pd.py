@@ -16,7 +16,8 @@ decode instance up is a 503 at once; DeepSeek-V3 through the router equals its c
 store's master SIGKILLed costs a recompute; D SIGKILLed mid-stream ends the stream with an error
 event (no hang), and D restarted on its port serves through the router again; ``n = 2`` through
 the router is one prefill on P and a fork on D; the router's own key and the backends' key stay
-apart (401s from the router, a 502 for a wrong backend key, no answer carrying it). After each:
+apart (401s from the router, a 502 for a wrong backend key, no answer carrying it); a speculative
+(MTP) pair hands the MTP layer's KV off with the target's, the acceptance unchanged. After each:
 every instance's counters back at their start (no lease, nothing running or saving, every device
 block free) and no request in flight on a router.
 """
