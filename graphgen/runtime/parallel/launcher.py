@@ -49,7 +49,7 @@ from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
 
-from .bringup import (RankFailure, _check_hello, _checked, _compile_once,  # noqa: F401  (tests import _checked here)
+from .bringup import (RankFailure, _check_hello, _checked, _compile_once, node_pool_url,  # noqa: F401  (tests import _checked here)
                       _host_store, _start_host_pool)
 
 __all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
@@ -112,7 +112,8 @@ class DistributedEngine:
         # the rendezvous store, bound to the given address only (torchrun's when it launched us)
         self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))
         authkey = os.urandom(16)
-        self.pool_url = pool  # "host" or the Mooncake master's URL every rank (on every node) opens
+        # "host" or the Mooncake master's URL this node's ranks open (each node its own address in it)
+        self.pool_url = node_pool_url(pool, here)
         self._driver_pool = None  # on Mooncake: this process's own client, for P/D (kv_pool)
         # the embedded pool's process and this process's client of it; none on Mooncake (each rank its own)
         self._pool_proc, self._pool, rank_pool = _start_host_pool(ctx, env, pool, host, here, authkey,
@@ -135,7 +136,7 @@ class DistributedEngine:
         self._ends = sorted(self._ends + start_ranks(ctx, env, here.ranks, cfg), key=lambda e: e.rank)
         if self._channel is not None:
             self._channel.on_lost = self._node_lost
-            self._channel.start(lambda hello: _check_hello(hello, here, spec, members), lambda hello: cfg,
+            self._channel.start(lambda hello: _check_hello(hello, here, spec, members, pool), lambda hello: cfg,
                                 here.describe)
         try:
             with self._busy:
