@@ -76,9 +76,6 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if cp > 1 and dp > 1:
         yield ("parallel.cp", f"cp ({cp}) with dp ({dp}) is not implemented (both would split the MoE's "
                f"tokens; no rank order for it is defined)", "set cp: 1 or dp: 1")
-    if cp > 1 and sp:
-        yield ("parallel.cp", f"cp ({cp}) with sp: true is not implemented (sequence parallelism would split "
-               f"the head-tail chunks again)", "set sp: false, or cp: 1")
 
 
 def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:

@@ -169,3 +169,57 @@ def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen, cp1_results):
     # 1 + 3 blocks per TP rank's heads, put by ranks 0 and 1 (CP rank 0), left by ranks 2 and 3
     assert [s["puts"] for s in stats] == [4, 4, 0, 0] and [s["skipped_puts"] for s in stats] == [0, 0, 4, 4]
     assert pool["num_keys"] == 8 and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
+
+
+def _swap_sp_rows(rank_engine) -> None:
+    """Probe (in each rank): sequence parallel's reduce-scatter over the TP group hands each TP rank the
+    other TP rank's rows wherever the cut is even (the gathers that follow still put them in rank order):
+    a negative control that the token split inside each CP rank's TP group is live."""
+    rt = rank_engine.runner.rt
+    real = rt.reduce_scatter
+
+    def swapped(x, *, group, size, reduce, dim):
+        mine = real(x, group=group, size=size, reduce=reduce, dim=dim)
+        cut = rt._cut.get(group, ())
+        if group != "tp" or len(set(cut)) != 1:
+            return mine
+        total = rt.all_reduce(x, group=group, size=size, reduce=reduce)
+        other = size - 1 - rt._index(group)
+        return total[other * cut[0]:(other + 1) * cut[0]]
+    rt.reduce_scatter = swapped
+
+
+# each TP rank's KV heads put by CP rank 0's rank of it (Qwen3: ranks 0, 1); the MLA latent, the same on every
+# rank, by rank 0 only; the other ranks computed the same bytes and left them
+SP_PUTS = {"qwen3": ([4, 4, 0, 0], [0, 0, 4, 4], 8), "deepseek": ([4, 0, 0, 0], [0, 4, 4, 4], 4)}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+def test_cp2_tp2_sp_matches_transformers_and_one_rank(family, request, cp1_results):
+    """The seed's CP/SP layout (docs/parallel.md, "CP with SP"): cp=2 × tp=2 with sp, four ranks. Each CP
+    rank's head-tail share of a prefill is split again over its TP group between the reductions (5 tokens:
+    CP shares 3 and 2, TP shards 2+1 and 1+1; the 12-token hit's 1-token step: CP rank 0's, TP rank 0's),
+    each layer's KV all-gathered over cp, KV saved by CP rank 0's TP group. Every step vs transformers,
+    tokens vs one rank; the TP ranks taking each other's rows breaks the logits (negative control)."""
+    fixture = request.getfixturevalue(CHECKPOINTS[family])
+    p = _prompts(family)
+    with open_engine(REPO / SPECS[family], fixture.dir, cp=2, tp=2, sp=True, write="async", collect_logits=True,
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+        out = {k: eng.generate([p[k]], 3)[0] for k in ("shorter", "longer")}
+        eng.drain()
+        out["repeated"] = eng.generate([p["longer"]], 3)[0]
+        stats, pool = eng.rank_stats, eng.pool_stats()
+        eng.on_ranks(_swap_sp_rows)
+        control = eng.generate([p["control"]], 1)[0]   # 8 tokens: 4 per CP rank, 2 per TP rank
+    assert (out["repeated"].variant, out["repeated"].hit_tokens) == ("splitfuse", 12)
+    with torch.no_grad():
+        for what, r in out.items():
+            assert_steps_match_hf(fixture.model, r, f"{family} cp=2 tp=2 sp {what}")   # decode steps included
+        ref = hf_step_logits(fixture.model, p["control"], control.tokens)
+    _agree_cp1(cp1_results(family), [("shorter", out["shorter"]), ("longer", out["longer"]),
+                                     ("longer", out["repeated"])], f"{family} cp=2 tp=2 sp")
+    puts, skipped, keys = SP_PUTS[family]
+    assert [s["puts"] for s in stats] == puts and [s["skipped_puts"] for s in stats] == skipped
+    assert pool["num_keys"] == keys and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
+    err = (control.step_logits[0] - ref[0]).abs().max().item()
+    assert err > 100 * ATOL, f"TP ranks swapping their sequence-parallel rows must give wrong logits ({err:.3g})"
