@@ -19,6 +19,7 @@ import torch
 from graphgen.runtime import open_engine
 from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
 from support.paths import REPO
+from support.probes import swap_sp_rows
 from support.tokens import assert_agree
 
 TIMEOUT = 60   # seconds a rank may take to answer one command
@@ -171,24 +172,6 @@ def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen, cp1_results):
     assert pool["num_keys"] == 8 and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
 
 
-def _swap_sp_rows(rank_engine) -> None:
-    """Probe (in each rank): sequence parallel's reduce-scatter over the TP group hands each TP rank the
-    other TP rank's rows wherever the cut is even (the gathers that follow still put them in rank order):
-    a negative control that the token split inside each CP rank's TP group is live."""
-    rt = rank_engine.runner.rt
-    real = rt.reduce_scatter
-
-    def swapped(x, *, group, size, reduce, dim):
-        mine = real(x, group=group, size=size, reduce=reduce, dim=dim)
-        cut = rt._cut.get(group, ())
-        if group != "tp" or len(set(cut)) != 1:
-            return mine
-        total = rt.all_reduce(x, group=group, size=size, reduce=reduce)
-        other = size - 1 - rt._index(group)
-        return total[other * cut[0]:(other + 1) * cut[0]]
-    rt.reduce_scatter = swapped
-
-
 # each TP rank's KV heads put by CP rank 0's rank of it (Qwen3: ranks 0, 1); the MLA latent, the same on every
 # rank, by rank 0 only; the other ranks computed the same bytes and left them
 SP_PUTS = {"qwen3": ([4, 4, 0, 0], [0, 0, 4, 4], 8), "deepseek": ([4, 0, 0, 0], [0, 4, 4, 4], 4)}
@@ -209,7 +192,7 @@ def test_cp2_tp2_sp_matches_transformers_and_one_rank(family, request, cp1_resul
         eng.drain()
         out["repeated"] = eng.generate([p["longer"]], 3)[0]
         stats, pool = eng.rank_stats, eng.pool_stats()
-        eng.on_ranks(_swap_sp_rows)
+        eng.on_ranks(swap_sp_rows)
         control = eng.generate([p["control"]], 1)[0]   # 8 tokens: 4 per CP rank, 2 per TP rank
     assert (out["repeated"].variant, out["repeated"].hit_tokens) == ("splitfuse", 12)
     with torch.no_grad():

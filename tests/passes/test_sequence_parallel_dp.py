@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from graphgen.ir.text import parse_graph
+from graphgen.ir.text import parse_graph, print_graph
 from graphgen.modelspec.loader import load_spec
 from graphgen.passes.manager import run_pipeline
 from graphgen.passes.verify import check
@@ -180,10 +180,34 @@ def test_cp_with_sp_splits_the_cp_share_over_the_tp_group_and_gathers_the_kv_ove
                for x in check(parse_graph(wrong, "mutant")))
 
 
+def test_sp_under_dp_keeps_the_moe_reduce_scatter_shard():
+    """sp inside DP groups (dp 2 × tp 2, ep 4): the MoE's ep reduce-scatter is the TP shard, so no TP all-gather
+    follows it and the residual add takes it; a TP gather put back there (the tp-without-sp MoE) is caught."""
+    spec = load_spec(REPO / "specs/tiny_deepseek_v3_dp2ep2.yaml").with_overrides(tp=2, ep=4, sp=True)
+    g = run_pipeline(spec, "mempool_prefill")
+    assert check(g) == [] and not [n for n in g.nodes if n.op == "all_reduce"]
+    moe = [(n.op, n.attrs.get("group")) for n in g.nodes if n.layer == 1 and n.op in ("all_gather", "reduce_scatter")]
+    assert moe == [("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_gather", "tp"), ("all_gather", "dp"),
+                   ("reduce_scatter", "ep")]
+    res = next(n for n in g.nodes if n.id == "L01.moe.residual")
+    assert res.reads[0] == "h.L01.tp_tokens"   # the ep reduce-scatter's shard
+    no_sp = run_pipeline(spec.with_overrides(sp=False), "mempool_prefill")
+    assert "L01.moe.tp_gather" in {n.id for n in no_sp.nodes} and "L01.moe.tp_gather" not in {n.id for n in g.nodes}
+    text = print_graph(g)
+    line = next(x for x in text.splitlines(keepends=True) if x.startswith("node L01.moe.residual "))
+    gather = ("node L01.moe.tp_gather main all_gather layer=1 reads=h.L01.tp_tokens writes=h.L01.sum dim=0 group=tp "
+              "length=null size=2\n")
+    mutant = text.replace(line, gather + line.replace("reads=h.L01.tp_tokens,", "reads=h.L01.sum,"))
+    problems = check(parse_graph(mutant, "mutant"))
+    assert any("collectives:" in x and "expected reduce_scatter tp, got all_gather tp" in x for x in problems) and \
+        any("adds the token shard h.L01.attn to the whole h.L01.sum" in x for x in problems), problems
+
+
 @pytest.mark.parametrize("name,overrides", [
     ("tiny_qwen3_tp2_sp", {}), ("tiny_deepseek_v3_tp2ep2", {"sp": True}), ("tiny_deepseek_v3_dp2ep2", {}),
     ("tiny_qwen3_cp2", {}), ("tiny_deepseek_v3_cp2", {}), ("tiny_qwen3", {"tp": 2, "cp": 2}),
     ("tiny_deepseek_v3_cp_sp", {}), ("tiny_qwen3", {"tp": 2, "cp": 2, "sp": True}),
+    ("tiny_deepseek_v3_dp2ep2", {"tp": 2, "ep": 4, "sp": True}),
 ])
 def test_contracts_hold_at_the_new_layouts(name, overrides):
     """Checked mode (every pass's requires/ensures) for every variant under sync and async writes; DeepSeek

@@ -199,8 +199,6 @@ CASES = [
      [("a", "ep (2) needs routed experts; this family has none", "set ep: 1")]),
     ("cp_with_dp", BASE_DS + "parallel:\n  dp: 2\n  ep: 2\n  cp: 2  # a\n",
      [("a", "cp (2) with dp (2) is not implemented", "set cp: 1 or dp: 1")]),
-    ("sp_with_dp", BASE_DS + "parallel:\n  tp: 2\n  dp: 2\n  ep: 4\n  sp: true  # a\n",
-     [("a", "sp: true with dp (2) > 1 is not implemented", "set sp: false, or dp: 1")]),
     ("cp_with_mtp", BASE_DS + "mtp:\n  num_layers: 1\nparallel:\n  cp: 2  # b\n",
      [("b", "cp (2) with MTP is not implemented", "set cp: 1, or turn MTP off")]),
     ("dp_heads_per_group", BASE_DS + "parallel:\n  tp: 8  # a\n  dp: 2\n  ep: 16  # b\n",
