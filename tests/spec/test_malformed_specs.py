@@ -197,8 +197,6 @@ CASES = [
      [("a", "ep (4) must divide the shared experts' width (18)", "divides 18")]),
     ("dp_ep_on_dense", BASE_QWEN + "parallel:\n  dp: 2\n  ep: 2  # a\n",
      [("a", "ep (2) needs routed experts; this family has none", "set ep: 1")]),
-    ("cp_with_dp", BASE_DS + "parallel:\n  dp: 2\n  ep: 2\n  cp: 2  # a\n",
-     [("a", "cp (2) with dp (2) is not implemented", "set cp: 1 or dp: 1")]),
     ("cp_with_mtp", BASE_DS + "mtp:\n  num_layers: 1\nparallel:\n  cp: 2  # b\n",
      [("b", "cp (2) with MTP is not implemented", "set cp: 1, or turn MTP off")]),
     ("dp_heads_per_group", BASE_DS + "parallel:\n  tp: 8  # a\n  dp: 2\n  ep: 16  # b\n",

@@ -58,9 +58,12 @@ class RankSlicing:
     @classmethod
     def of(cls, parallel, rank: int) -> "RankSlicing":
         """World rank ``rank`` of a spec's ``parallel:`` layout: its TP rank is innermost in the rank order;
-        under DP attention its EP index is the world rank (``dp_rank × tp + tp_rank``, cp = 1)."""
-        tp_rank = rank % parallel.tp
-        return cls(tp_rank, parallel.tp, rank if parallel.dp > 1 else tp_rank, parallel.ep)
+        under DP attention its EP index is ``dp_rank × tp + tp_rank`` (the world rank at cp = 1; at cp > 1 the
+        CP ranks of one DP and TP rank hold the same experts: `RankLayout.coords`)."""
+        from ..parallel.layout import RankLayout
+
+        c = RankLayout.of(parallel).coords(rank)
+        return cls(c.tp_rank, parallel.tp, c.ep_rank, parallel.ep)
 
     def chunk(self, parts: int) -> int:
         if self.ep > 1 and parts == self.ep:
