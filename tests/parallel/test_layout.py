@@ -76,3 +76,8 @@ def test_a_streamed_rank_holds_its_ep_index_experts_at_cp_inside_dp():
     assert got == [(0, 0), (1, 1), (0, 0), (1, 1), (0, 2), (1, 3), (0, 2), (1, 3)]
     one = SimpleNamespace(dp=2, cp=1, tp=2, ep=4)
     assert [RankSlicing.of(one, r).ep_rank for r in range(4)] == [0, 1, 2, 3]   # cp 1: the world rank
+    for dp, cp, tp in itertools.product((1, 2, 3), (1, 2), (1, 2, 4)):   # the layout's coordinates, one rank order
+        lay, ep = RankLayout(dp, cp, tp), (dp * tp if dp > 1 else tp)
+        for r in range(lay.world):
+            s, c = RankSlicing.of(SimpleNamespace(dp=dp, cp=cp, tp=tp, ep=ep), r), lay.coords(r)
+            assert (s.tp_rank, s.ep_rank) == (c.tp_rank, c.ep_rank), (dp, cp, tp, r)
