@@ -149,6 +149,14 @@ def _lockstep_probe(rank_engine):  # on every rank: (dp rank, tp rank, skipped p
             dist.get_world_size(check.group) if check is not None else None)
 
 
+def _match_hf_per_group(model, results, where: str) -> None:
+    """Every step of a tp-inside-DP run's results (`_run`'s four, then the batch over both groups) vs transformers."""
+    whats = ("prefill", "splitfuse on the other group", "splitfuse", "shared prefix", "batch group 0",
+             "batch group 1", "batch group 1 hit")
+    for what, r in zip(whats, results, strict=True):
+        assert_steps_match_hf(model, r, f"{where} {what}")
+
+
 def test_dp2_tp2_ep4_matches_transformers_and_one_rank(tiny_dsv3, tp1_results):
     """tiny DeepSeek at dp 2 × tp 2 (ep 4, the spec's dp2ep2 layout overridden as --dp/--tp/--ep do): attention
     at tp 2 inside each DP group, the MoE over all 4 ranks, the ep reduce-scatter cutting each DP group's rows
@@ -178,10 +186,7 @@ def test_dp2_tp2_ep4_matches_transformers_and_one_rank(tiny_dsv3, tp1_results):
                                                                "splitfuse"]
     assert (ra1.hit_tokens, ra0_again.hit_tokens, rb1.hit_tokens) == (8, 8, 4)  # group 0's blocks hit on group 1
     with torch.no_grad():
-        for what, r in (("prefill", ra0), ("splitfuse on the other group", ra1), ("splitfuse", ra0_again),
-                        ("shared prefix", rb1), ("batch group 0", rc), ("batch group 1", rd),
-                        ("batch group 1 hit", ra)):
-            assert_steps_match_hf(model, r, f"dp=2 tp=2 ep=4 {what}")
+        _match_hf_per_group(model, (ra0, ra1, ra0_again, rb1, rc, rd, ra), "dp=2 tp=2 ep=4")
         ref = hf_step_logits(model, c, wrong.tokens)
     assert (wrong.step_logits[0] - ref[0]).abs().max().item() > 100 * ATOL  # negative control: swapped experts
     assert_results_agree(tp1_results, [ra0, rb1, rc, rd], ATOL, where="dp=2 tp=2 ep=4 vs tp=1")  # one rank's tokens, margin-aware
@@ -217,10 +222,7 @@ def test_dp2_tp2_ep4_with_sequence_parallel_matches_transformers_and_one_rank(ti
         wrong = eng.generate([even], 1, ranks=[0])[0]
     assert (ra1.hit_tokens, ra0_again.hit_tokens, rb1.hit_tokens) == (8, 8, 4)  # group 0's blocks hit on group 1
     with torch.no_grad():
-        for what, r in (("prefill", ra0), ("splitfuse on the other group", ra1), ("splitfuse", ra0_again),
-                        ("shared prefix", rb1), ("batch group 0", rc), ("batch group 1", rd),
-                        ("batch group 1 hit", ra)):
-            assert_steps_match_hf(model, r, f"dp=2 tp=2 ep=4 sp {what}")
+        _match_hf_per_group(model, (ra0, ra1, ra0_again, rb1, rc, rd, ra), "dp=2 tp=2 ep=4 sp")
         ref = hf_step_logits(model, even, wrong.tokens)
     assert_results_agree(tp1_results, [ra0, rb1, rc, rd], ATOL, where="dp=2 tp=2 ep=4 sp vs tp=1")
     assert all(n > 0 for n in dummies) and dummies[0] == dummies[1] and dummies[2] == dummies[3], dummies
