@@ -148,7 +148,7 @@ class Group:
 
 GROUPS = (
     Group("ds_cpsp", "deepseek", ("--cp", "2", "--tp", "2", "--sp"), 1, 8192, ("off", "sync", "async"),
-          nearest=("--cp", "2"), nearest_why="CP alone (tp 1, no SP): the seed's CP/SP needs cp with sp",
+          nearest=("--cp", "2"), nearest_why="CP alone (tp 1, no SP), run only if the seed's CP/SP is refused",
           accuracy=True),
     Group("ds_dptp", "deepseek", ("--dp", "2", "--tp", "2", "--ep", "4"), 64, 8192, ("sync", "async"),
           nearest=("--dp", "2", "--ep", "2"), nearest_why="DP attention at tp 1 inside each DP group"),

@@ -70,15 +70,6 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if sp and tp == 1:
         yield ("parallel.sp", "sp: true needs tp > 1 (sequence parallelism splits the tokens over the TP group)",
                "set tp: 2 or more, or sp: false")
-    if sp and dp > 1:
-        yield ("parallel.sp", f"sp: true with dp ({dp}) > 1 is not implemented (the MoE's DP all-gather would "
-               f"need the tokens gathered over the TP group first)", "set sp: false, or dp: 1")
-    if cp > 1 and dp > 1:
-        yield ("parallel.cp", f"cp ({cp}) with dp ({dp}) is not implemented (both would split the MoE's "
-               f"tokens; no rank order for it is defined)", "set cp: 1 or dp: 1")
-    if cp > 1 and sp:
-        yield ("parallel.cp", f"cp ({cp}) with sp: true is not implemented (sequence parallelism would split "
-               f"the head-tail chunks again)", "set sp: false, or cp: 1")
 
 
 def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:
