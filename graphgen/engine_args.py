@@ -254,7 +254,8 @@ def layout_refusal(spec, args) -> Optional[str]:
 
     overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
     return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"),
-                              mtp=spec.mtp is not None, speculative=getattr(args, "speculative", None) is not None)
+                              mtp=spec.mtp is not None, speculative=getattr(args, "speculative", None) is not None,
+                              role=getattr(args, "role", "both"))
 
 
 def rank_count(args, spec) -> int:
