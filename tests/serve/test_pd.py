@@ -18,7 +18,8 @@ event (no hang), and D restarted on its port serves through the router again; ``
 the router is one prefill on P and a fork on D; the router's own key and the backends' key stay
 apart (401s from the router, a 502 for a wrong backend key, no answer carrying it); P/D instances of
 ranks (tp 2; dp 2 x tp 2 DeepSeek, with tp-2 instances beside them) through the router equal one rank, a
-killed P rank costs a recompute and a killed D rank sends its request to another D. After each:
+killed P rank costs a recompute and a killed D rank sends its request to another D; a speculative
+(MTP) pair hands the MTP layer's KV off with the target's, the acceptance unchanged. After each:
 every instance's counters back at their start (no lease, nothing running or saving, every device
 block free) and no request in flight on a router.
 """
@@ -487,6 +488,102 @@ def test_a_killed_d_rank_fails_its_instance_and_the_router_sends_its_request_to_
     for p, got in zip([PROMPTS[9], PROMPTS[29]], after):
         _ds_agree(ref[tuple(p)], got, f"after D's failure, {len(p)} tokens")
     cluster.assert_nothing_held(start, {k: url[k] for k in ("p", "d2")})
+
+
+SPEC_DECODE = "graphgen_spec_decode_num_"
+
+
+def _acceptance(cluster, base) -> tuple:
+    """D's speculative-decoding totals: (drafts, accepted, accepted per position)."""
+    m = cluster.metrics(base, SPEC_DECODE)
+    per_pos = tuple(m.get(f'{SPEC_DECODE}accepted_tokens_per_pos_total{{position="{i}"}}', 0) for i in (0, 1))
+    return m.get(f"{SPEC_DECODE}draft_tokens_total", 0), m.get(f"{SPEC_DECODE}accepted_tokens_total", 0), per_pos
+
+
+def _delta(after, before):
+    return after[0] - before[0], after[1] - before[1], tuple(a - b for a, b in zip(after[2], before[2]))
+
+
+def test_mtp_pd_through_the_router_equals_the_single_rank_run_and_keeps_the_acceptance(cluster, tmp_path_factory):
+    """Issue 38 item 1: a speculative P and D (``--speculative mtp``, K = 2; DeepSeek-V3 with its MTP layer) on
+    the cluster's master behind the router. P saves the MTP layer's KV with the target's under successor keys and
+    says so (``kv_transfer_params.lookahead``); D loads every handed-off block. Through the router the tokens
+    equal the CPU single-rank run (within its margin, support.tokens), and D's acceptance after the handoff
+    equals the single-rank run's cold acceptance and D's own after a pool hit (the same prompt sent to D alone:
+    the blocks P saved). A D without ``--speculative`` behind the same P: the handoff is a counted mismatch,
+    the prompt recomputed, the tokens right. (With random weights the acceptance is near 0: the drafts' use of
+    the handed-off MTP KV is proved on their logits in tests/runtime/test_mtp_handoff.py.)"""
+    import dataclasses
+
+    import torch
+
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime import open_engine
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
+    from support.paths import TINY_DSV3_MTP
+    from support.tokens import assert_tokens_agree
+
+    ckpt = write_random_hf_checkpoint(str(tmp_path_factory.mktemp("pd_mtp") / "ckpt"), "deepseek_v3",
+                                      dataclasses.asdict(load_spec(TINY_DSV3_MTP).dims), seed=11, tokenizer=False,
+                                      mtp_layers=1)
+    spec_args = ("--speculative", "mtp", "--num-speculative-tokens", "2")
+    procs = {"prefill": _start(cluster.ns, "mtp_p", *_serve_args(ckpt, "prefill", *spec_args, spec=TINY_DSV3_MTP)),
+             "decode": _start(cluster.ns, "mtp_d", *_serve_args(ckpt, "decode", *spec_args, spec=TINY_DSV3_MTP)),
+             "plain": _start(cluster.ns, "mtp_plain_d", *_serve_args(ckpt, "decode", spec=TINY_DSV3_MTP))}
+    prompts = [PROMPTS[16], PROMPTS[29]]
+    torch.set_num_threads(1)
+    ref, cold = {}, {}
+    with open_engine(TINY_DSV3_MTP, ckpt, write="off", collect_logits=True) as eng:  # while the servers start
+        for p in prompts:
+            ref[tuple(p)] = eng.generate([p], N_NEW)[0]
+    with open_engine(TINY_DSV3_MTP, ckpt, write="off", num_speculative_tokens=2) as eng:
+        for p in prompts:  # the single-rank run's cold acceptance
+            r = eng.generate([p], N_NEW)[0]
+            cold[tuple(p)] = (r.num_draft_tokens, r.num_accepted_tokens, tuple(r.accepted_per_pos))
+    url = {k: _url(p, "serve") for k, p in procs.items()}
+    start = cluster.counters(url)
+    model = "tiny_deepseek_v3_mtp"
+    router = cluster.route("router_mtp", "--prefill", url["prefill"], decode=url["decode"])
+    (pre,) = cluster.jobs(_complete(url["prefill"], PROMPTS[9], model=model))
+    assert pre["tokens"] == [] and pre["kv"]["lookahead"] is True and pre["kv"]["num_blocks"] == 2, pre
+    cluster.jobs({"op": "post", "url": url["prefill"] + "/v1/kv/release", "json": {"lease_id": pre["kv"]["lease_id"]}})
+
+    def check(got, p, where):
+        want = ref[tuple(p)]
+        assert_tokens_agree(want.tokens, want.step_logits, got["tokens"], 1e-4, where=f"{where}, prompt of {len(p)}")
+
+    for stream in (False, True):
+        for p in prompts:
+            before = _acceptance(cluster, url["decode"])
+            (got,) = cluster.jobs(_complete(router, p, stream, model=model, ignore_eos=True))
+            check(got, p, f"through the router (stream={stream})")
+            if not stream:  # the first pass: D loaded every block P handed off (their MTP KV with them)
+                assert got["cached"] == (len(p) - 1) // BS * BS, (len(p), got)
+                assert _delta(_acceptance(cluster, url["decode"]), before) == cold[tuple(p)], len(p)
+    d = cluster.metrics(url["decode"], "graphgen_pd_handoff")
+    assert d['graphgen_pd_handoffs_total{result="accepted"}'] == 4
+    assert d['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 0
+    for p in prompts:  # D alone, no handoff: a pool hit on the blocks P saved
+        before = _acceptance(cluster, url["decode"])
+        (got,) = cluster.jobs(_complete(url["decode"], p, model=model, ignore_eos=True))
+        check(got, p, "D alone after a pool hit")
+        assert got["cached"] == (len(p) - 1) // BS * BS
+        assert _delta(_acceptance(cluster, url["decode"]), before) == cold[tuple(p)], len(p)
+
+    # the mismatched pair: P decodes speculatively, D does not (its keys carry no successor)
+    (pre,) = cluster.jobs(_complete(url["prefill"], PROMPTS[16], model=model))
+    (got,) = cluster.jobs(_complete(url["plain"], PROMPTS[16], model=model, kv_transfer_params=pre["kv"],
+                                    ignore_eos=True))
+    check(got, PROMPTS[16], "a D without --speculative")
+    assert got["cached"] == 0
+    m = cluster.metrics(url["plain"], "graphgen_pd_handoff")
+    assert m['graphgen_pd_handoffs_total{result="mismatch"}'] == 1
+    assert m['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 3
+    cluster.jobs({"op": "post", "url": url["prefill"] + "/v1/kv/release", "json": {"lease_id": pre["kv"]["lease_id"]}})
+    cluster.assert_nothing_held(start, url)  # P's leases back to zero, nothing running, every block free
+    for p in procs.values():
+        p.kill(signal.SIGTERM)
+    cluster.routers.remove(router)
 
 
 def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):

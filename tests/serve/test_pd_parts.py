@@ -4,6 +4,7 @@ test_pd.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -54,10 +55,31 @@ def test_handoff_wire_format_and_its_400s():
     assert Handoff.parse(h.body()) == h and Handoff.parse(None) is None
     for bad, param in (([], "kv_transfer_params"), ({"num_blocks": 1}, "kv_transfer_params.block_hashes"),
                        ({**h.body(), "num_blocks": 3}, "kv_transfer_params.num_blocks"),
-                       ({**h.body(), "lease_expires_ms": -1}, "kv_transfer_params.lease_expires_ms")):
+                       ({**h.body(), "lease_expires_ms": -1}, "kv_transfer_params.lease_expires_ms"),
+                       ({**h.body(), "lookahead": "yes"}, "kv_transfer_params.lookahead")):
         with pytest.raises(ApiError) as e:
             Handoff.parse(bad)
         assert e.value.status == 400 and e.value.param == param
+    assert "lookahead" not in h.body()  # vLLM's shape unless P decodes speculatively
+    spec = Handoff(("aa",), 1, "L1", "id", 5, lookahead=True)
+    assert spec.body()["lookahead"] is True and Handoff.parse(spec.body()) == spec
+
+
+def test_decode_admits_a_handoff_only_keyed_as_it_keys_its_blocks(caplog):
+    """A P decoding speculatively (successor-keyed blocks) and a D that does not, or the other way round: a
+    counted mismatch (recomputed), said once in the log naming the flag."""
+    plain, spec = _pd(), _pd()
+    spec.naming = dataclasses.replace(spec.naming, lookahead=True)
+    prompt = list(range(1, 14))
+    own = tuple(chain_digests(prompt, 4)[:3])
+    with caplog.at_level("WARNING", logger="graphgen.serve.pd"):
+        assert not plain.accept(prompt, Handoff(own, 3, "L1", "x", 0, lookahead=True))
+        assert not plain.accept(prompt, Handoff(own, 3, "L1", "x", 0, lookahead=True))
+        assert not spec.accept(prompt, Handoff(own, 3, "L1", "x", 0))
+    assert spec.accept(prompt, Handoff(own, 3, "L1", "x", 0, lookahead=True))
+    assert plain.handoffs.labels(result="mismatch")._value.get() == 2
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "--speculative mtp" in warned[0] and "with --speculative" in warned[0], warned
 
 
 def test_decode_accepts_only_its_own_hashing_and_layout():
@@ -192,7 +214,7 @@ def test_ranks_naming_of_dp_groups_is_the_tp_ranks_and_one_rank_each_is_one_rank
     from graphgen.runtime.pool.keys import block_keys
 
     def naming(*shards):
-        probe = [("m", "L", i, n, 4) for i, n in shards]
+        probe = [("m", "L", i, n, 4, False) for i, n in shards]  # (not speculative)
         return DistributedEngine.kv_naming(SimpleNamespace(_pool=None, on_ranks=lambda fn: probe))
 
     prompt = list(range(1, 14))
