@@ -65,8 +65,9 @@ def test_process_groups_make_each_group_once_world_for_the_world_none_for_one_ra
 
 
 def test_a_streamed_rank_holds_its_ep_index_experts_at_cp_inside_dp():
-    """dp 2 × cp 2 × tp 2 (ep 4): the CP ranks of one DP and TP rank hold the same experts; a streamed checkpoint's
-    slice index is the EP index ``dp_rank × tp + tp_rank`` (the world rank only at cp = 1), its TP chunk the TP rank."""
+    """dp 2 × cp 2 × tp 2 (ep 4): the CP ranks of one DP and TP rank hold the same experts; a streamed
+    checkpoint's slice index is the EP index ``dp_rank × tp + tp_rank`` (the world rank only at cp = 1), its TP
+    chunk the TP rank."""
     from types import SimpleNamespace
 
     from graphgen.runtime.checkpoint.plan import RankSlicing
