@@ -133,11 +133,7 @@ _RUNTIME_GAPS: tuple[_Gap, ...] = (
      "(docs/mtp.md); run with --tp 1 --ep 1"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
-_NPU_GAPS: tuple[_Gap, ...] = (
-    ("cp", lambda x: x.par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
-                                   "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
-                                   "with --cp 1"),
-)
+_NPU_GAPS: tuple[_Gap, ...] = ()
 
 
 def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False

@@ -10,6 +10,13 @@ magnitude 2..4); greedy tokens equal unless the reference's top-2 margin is unde
   buckets; the stand-in's ``reduce_scatter_tensor`` cuts equal shards and fails otherwise), and the modules the
   ranks run are the SP graphs (their reduce-scatters counted).
 
+* **CP** (`--cp 2`): each CP rank runs its head-tail pieces of a prefill step, every call at one bucket on
+  every rank (the KV ``all_gather_into_tensor`` takes equal shards), the gathered rows' slots in ``kv_index``;
+  a prompt, its decode steps (which read the KV the gathers wrote), and a repeat that hits the first's saved
+  block (so CP rank 0's save reached the pool and every rank loaded it) and runs splitfuse under CP. The call
+  planner itself (`graphgen.npu.run.context_parallel.cp_calls`) is checked without processes, with a negative
+  control (a rank's own slots only, as a kv_index without the gather, misses the other rank's rows).
+
 A stand-in result is a wiring check of our reading of the kernels and of HCCL's collectives, never an NPU result.
 """
 from __future__ import annotations
@@ -40,6 +47,28 @@ def _one_cpu_rank(spec, ckpt, prompts, n_new):
 def _calls(engine):  # run in each rank process (pickled by name): its graph calls, the collectives its modules call
     return engine.runner.graph_calls, {v: set(m.forward.__code__.co_names) & COLLECTIVES
                                        for v, m in engine.runner.modules.items()}
+
+
+def _ge_graphs(engine):  # ... and the post-AOT op targets of every graph the rank compiled (`--ops-json` entries)
+    from graphgen.npu.check.geops import captured_targets
+
+    out = []
+    for v, backend in engine.runner.backends.items():
+        for i, captured in enumerate(backend.graphs):
+            ops, calls = captured_targets(captured)
+            out.append({"variant": v, "mode": engine.runner.mode, "bucket": {"graph": i}, "ops": ops,
+                        "callables": calls})
+    return out
+
+
+def _check_ge(name, per_rank, collective):
+    """Every rank's compiled graphs against the pinned wheel's GE converters (`geops.check_ops_report`, as
+    tests/npu/test_ge_converters.py checks the cached op lists); the layout's collective among their ops."""
+    from graphgen.npu.check import geops
+
+    for rank, graphs in enumerate(per_rank):
+        assert geops.check_ops_report({"spec": f"{name} rank {rank}", "graphs": graphs}) == []
+        assert any(f"_c10d_functional.{collective}.default" in g["ops"] for g in graphs), (rank, collective)
 
 
 COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
@@ -78,7 +107,8 @@ def test_qwen3_npu_tp2_sp_matches_one_cpu_rank(npu_ckpts):
     with open_engine(spec, W, target="npu", standin=True, tp=2, sp=True, collect_logits=True, num_blocks=8,
                      threads=1) as e:
         got = e.generate([prompt], 3)[0]
-        calls = e.on_ranks(_calls)
+        calls, graphs = e.on_ranks(_calls), e.on_ranks(_ge_graphs)
+    _check_ge("tiny_qwen3_npu tp2 sp", graphs, "reduce_scatter_tensor")
     agreed = assert_agree(ref.tokens, ref.step_logits, got.tokens, got.step_logits, TOL, where="npu tp2 sp")
     assert agreed.steps >= 2
     for graph_calls, modules in calls:
@@ -90,15 +120,113 @@ def test_qwen3_npu_tp2_sp_matches_one_cpu_rank(npu_ckpts):
 @needs_standin
 def test_deepseek_npu_tp2_sp_cli_matches_one_cpu_rank(npu_ckpts):
     """``graphgen run --target npu --standin --tp 2 --ep 2 --sp`` (MLA, the experts split over the TP ranks, the
-    MoE's partial sums reduce-scattered): the first step's logits within TOL of one CPU rank, tokens equal up to a
-    near tie."""
+    MoE's partial sums reduce-scattered): the prompt's logits within TOL of one CPU rank, its token equal up to a
+    near tie (one token: the decode graph is Qwen3's test's; one graph less to compile)."""
     spec, W = SPECS / "tiny_deepseek_v3_npu.yaml", npu_ckpts["tiny_deepseek_v3_npu"]
     prompt = list(range(5, 40))
     standin.uninstall()  # as in a fresh interpreter (test_npu_ranks.graphgen)
-    res = cli_inproc(*run_args(spec, W, [prompt], 2, "--tp", "2", "--ep", "2", "--sp", "--logits", "--target", "npu",
+    res = cli_inproc(*run_args(spec, W, [prompt], 1, "--tp", "2", "--ep", "2", "--sp", "--logits", "--target", "npu",
                                "--standin"), timeout=STANDIN_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.splitlines()[0])
-    ref = _one_cpu_rank(spec, W, [prompt], 2)[0]
-    assert_agree(ref.tokens[:1], ref.step_logits[:1], got["tokens"][:1], [got["logits"]], TOL, where="npu tp2 sp")
-    assert len(got["tokens"]) == 2
+    ref = _one_cpu_rank(spec, W, [prompt], 1)[0]
+    assert_agree(ref.tokens, ref.step_logits, got["tokens"], [got["logits"]], TOL, where="npu tp2 sp")
+
+
+# ---- context parallel --------------------------------------------------------------------------------------
+def _plan(lengths, block_size=128, start=0):
+    from graphgen.runtime.engine.request import RowPlan, StepPlan
+
+    rows, nxt = [], 1
+    for n in lengths:
+        nb = -(-(start + n) // block_size)
+        rows.append(RowPlan(None, tuple(range(100, 100 + n)), start, tuple(range(nxt, nxt + nb)),
+                            logits_positions=(n - 1,)))
+        nxt += nb
+    return StepPlan("mempool_prefill", "prefill", tuple(rows), True)
+
+
+def test_cp_calls_cover_every_row_once_at_one_bucket_per_call():
+    """Rows of 1, 3, 17 and 40 tokens (a 1-token row: rank 0's alone; 3: rank 0 one token, rank 1 two) over cp 2: every call
+    holds whole rows, at most prefill_seqs pieces per rank, one bucket for both ranks; the two ranks' pieces
+    tile each row exactly once; the gathered kv_index is rank 0's padded slots then rank 1's, padding rows in
+    the pad block. Negative control: one rank's own slots (a kv_index without the gather) miss the other's rows."""
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.npu.run.bucketing import Buckets
+    from graphgen.npu.run.context_parallel import cp_calls
+    from graphgen.npu.run.runner import _sequence
+    from graphgen.runtime.core.kvcache import slot_mapping
+
+    buckets = Buckets.from_spec(load_spec(SPECS / "tiny_qwen3_npu.yaml"))
+    plan = _plan([1, 3, 17, 40], start=5)
+    calls = cp_calls(plan, 2, buckets, "prefill", 0)
+    assert [c.rows for c in calls] == [(0, 1), (2,), (3,)]  # rows 0 and 1: rank 0 holds 2 pieces, rank 1 one
+    bs = 128
+    for c in calls:
+        assert all(len(p) <= buckets.prefill_seqs for p in c.pieces) and c.pad.batch == buckets.prefill_seqs + 1
+        for i in c.rows:
+            cover = sorted((lo, hi) for mine in c.pieces for j, lo, hi in mine if j == i)
+            assert [x for lo, hi in cover for x in range(lo, hi)] == list(range(plan.rows[i].num_tokens))
+
+        def seqs(pieces):
+            return [_sequence(plan.rows[i], bs, (lo, hi)) for i, lo, hi in pieces]
+
+        got = c.gathered_kv_index(seqs, bs)
+        assert got.shape == (2 * c.pad.tokens, 2)
+        want = set()
+        for i in c.rows:
+            row = plan.rows[i]
+            want |= set(slot_mapping(list(row.block_table), row.start, row.seq_len, bs).tolist())
+        flat = (got[:, 0] * bs + got[:, 1]).tolist()
+        assert want == {x for x in flat if x >= bs}  # every real slot once, the rest in the pad block (0)
+        assert all(x < bs for x in flat[len(flat) // 2:][sum(h - lo for _, lo, h in c.pieces[1]):])
+        own = {x for s in seqs(c.pieces[0]) for x in s["slots"]}
+        assert own != want  # the negative control: rank 0's own slots alone are not the rows' KV
+    assert calls[0].pieces == (((0, 0, 1), (1, 0, 1)), ((1, 1, 2), (1, 2, 3)))  # the 1-token row: rank 0's alone
+    few = Buckets(buckets.decode_batch, buckets.prefill_tokens, 1, buckets.max_blocks, buckets.save_rows)
+    with pytest.raises(ValueError, match="prefill_seqs must be at least 2"):
+        cp_calls(plan, 2, few, "prefill", 0)
+
+
+PREFIX = list(range(3, 140))  # > one 128-token block: the repeat hits it and runs splitfuse
+
+
+@needs_standin
+def test_qwen3_npu_cp2_matches_one_cpu_rank(npu_ckpts):
+    """``open_engine(..., target="npu", standin=True, cp=2)``: a 137-token prompt and its decode steps, then the same
+    prompt + 2 tokens, which hits the 128-token block CP rank 0 saved and runs splitfuse split over both ranks:
+    logits within TOL of one CPU rank at every step; both ranks' graph calls at the same buckets."""
+    from graphgen.runtime import open_engine
+    import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
+
+    spec, W = SPECS / "tiny_qwen3_npu.yaml", npu_ckpts["tiny_qwen3_npu"]
+    prompts = [PREFIX, PREFIX + [7, 8]]
+    refs = [_one_cpu_rank(spec, W, [p], 2)[0] for p in prompts]
+    with open_engine(spec, W, target="npu", standin=True, cp=2, collect_logits=True, num_blocks=8, threads=1) as e:
+        got = [e.generate([p], 2)[0] for p in prompts]
+        calls, graphs = e.on_ranks(_calls), e.on_ranks(_ge_graphs)
+    _check_ge("tiny_qwen3_npu cp2", graphs, "all_gather_into_tensor")
+    for ref, g in zip(refs, got):
+        assert_agree(ref.tokens, ref.step_logits, g.tokens, g.step_logits, TOL, where="npu cp2")
+    assert (got[1].hit_tokens, got[1].variant) == (128, "splitfuse")
+    assert calls[0][0] == calls[1][0] and {v for v, _, _ in calls[0][0]} == {"mempool_prefill", "splitfuse", "decode"}
+    assert all("all_gather_into_tensor" in calls[0][1][v] for v in ("mempool_prefill", "splitfuse"))
+
+
+@needs_standin
+def test_deepseek_npu_cp2_matches_one_cpu_rank(npu_ckpts):
+    """``open_engine(..., target="npu", standin=True, cp=2)`` on tiny DeepSeek (the MLA latent gathered; the prefill
+    attends over the gathered latent through the host-packed rows, as splitfuse does): the prompt's logits within
+    TOL of one CPU rank, its token equal up to a near tie (one token: the decode graph is Qwen3's test's), and
+    every compiled graph through the GE converter check."""
+    from graphgen.runtime import open_engine
+    import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
+
+    spec, W = SPECS / "tiny_deepseek_v3_npu.yaml", npu_ckpts["tiny_deepseek_v3_npu"]
+    prompt = list(range(5, 40))
+    ref = _one_cpu_rank(spec, W, [prompt], 1)[0]
+    with open_engine(spec, W, target="npu", standin=True, cp=2, collect_logits=True, num_blocks=8, threads=1) as e:
+        got = e.generate([prompt], 1)[0]
+        graphs = e.on_ranks(_ge_graphs)
+    assert_agree(ref.tokens, ref.step_logits, got.tokens, got.step_logits, TOL, where="npu cp2")
+    _check_ge("tiny_deepseek_v3_npu cp2", graphs, "all_gather_into_tensor")
