@@ -70,15 +70,6 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if sp and tp == 1:
         yield ("parallel.sp", "sp: true needs tp > 1 (sequence parallelism splits the tokens over the TP group)",
                "set tp: 2 or more, or sp: false")
-    if sp and dp > 1:
-        yield ("parallel.sp", f"sp: true with dp ({dp}) > 1 is not implemented (the MoE's DP all-gather would "
-               f"need the tokens gathered over the TP group first)", "set sp: false, or dp: 1")
-    if cp > 1 and dp > 1:
-        yield ("parallel.cp", f"cp ({cp}) with dp ({dp}) is not implemented (both would split the MoE's "
-               f"tokens; no rank order for it is defined)", "set cp: 1 or dp: 1")
-    if cp > 1 and sp:
-        yield ("parallel.cp", f"cp ({cp}) with sp: true is not implemented (sequence parallelism would split "
-               f"the head-tail chunks again)", "set sp: false, or cp: 1")
 
 
 def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:
@@ -113,10 +104,12 @@ def layout_rules(family: str, d: Any, par: Any) -> Iterator[Rule]:
 @dataclass(frozen=True)
 class Launch:
     """What the runtime refusals read of a launch: the layout (a `graphgen.modelspec.model.Parallel`), whether
-    the spec has MTP layers (an ``mtp:`` section) and whether it decodes speculatively (``--speculative mtp``)."""
+    the spec has MTP layers (an ``mtp:`` section), whether it decodes speculatively (``--speculative mtp``) and
+    its P/D role (``graphgen serve --role``: ``both``, ``prefill`` or ``decode``)."""
     par: Any
     mtp: bool = False
     speculative: bool = False
+    role: str = "both"
 
 
 # What the runtimes cannot run yet (graphgen run/serve refuse it with this sentence): the one refusal table of a
@@ -131,18 +124,22 @@ _RUNTIME_GAPS: tuple[_Gap, ...] = (
      "a spec with MTP layers runs on one rank only so far: its graphs shard the MTP layer like a decoder layer "
      "(graphgen generate, validate and dry-run take the layout), but the rank runners do not load or run it yet "
      "(docs/mtp.md); run with --tp 1 --ep 1"),
+    # P/D with ranks runs at any tp / cp / dp x tp (docs/pd.md "P/D with ranks"): no layout row for --role
+    ("role+speculative", lambda x: x.speculative and x.role != "both",
+     "--speculative mtp does not combine with --role prefill|decode yet: no MTP KV is saved to the pool, so a "
+     "handoff could not cover the drafter's cache (docs/mtp.md); serve with --role both, or without --speculative"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = ()
 
 
-def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False
-                       ) -> Optional[str]:
+def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False,
+                       role: str = "both") -> Optional[str]:
     """The sentence refusing a launch the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
     or None: ``par`` the layout, ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes
-    with them (``--speculative mtp``). The build path (generate, validate, dry-run) takes every layout the spec
-    rules accept."""
-    launch = Launch(par, mtp=mtp, speculative=speculative)
+    with them (``--speculative mtp``), ``role`` its P/D role (``graphgen serve --role``). The build path
+    (generate, validate, dry-run) takes every layout the spec rules accept."""
+    launch = Launch(par, mtp=mtp, speculative=speculative, role=role)
     for _, is_set, sentence in (_NPU_GAPS if target == "npu" else ()) + _RUNTIME_GAPS:
         if is_set(launch):
             return sentence
