@@ -230,3 +230,16 @@ def test_deepseek_npu_cp2_matches_one_cpu_rank(npu_ckpts):
         graphs = e.on_ranks(_ge_graphs)
     assert_agree(ref.tokens, ref.step_logits, got.tokens, got.step_logits, TOL, where="npu cp2")
     _check_ge("tiny_deepseek_v3_npu cp2", graphs, "all_gather_into_tensor")
+
+
+def test_cp_with_dp_is_refused_on_the_npu_only_and_cp_sp_alone_are_not():
+    """The one refusal table (`families.parallel.runtime_layout_gap`): cp with DP attention runs on the CPU ranks,
+    not on the NPU runner (one sentence naming the missing piece); cp and sp alone run on both targets."""
+    from graphgen.families.parallel import runtime_layout_gap
+    from graphgen.modelspec.model import Parallel
+
+    both = Parallel(dp=2, cp=2, ep=2)
+    assert runtime_layout_gap(both, "cpu") is None
+    assert "context parallel with DP attention does not run on the NPU runner yet" in runtime_layout_gap(both, "npu")
+    for par in (Parallel(cp=2), Parallel(tp=2, sp=True), Parallel(cp=2, tp=2, sp=True)):
+        assert runtime_layout_gap(par, "npu") is None, par
