@@ -131,12 +131,10 @@ _RUNTIME_GAPS: tuple[_Gap, ...] = (
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = (
-    ("cp", lambda x: x.par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
-                                   "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
-                                   "with --cp 1"),
-    ("sp", lambda x: x.par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
-                               "but the NPU runner does not pad a step's tokens to a multiple of tp); use --target "
-                               "cpu, or run with --no-sp"),
+    ("cp+dp", lambda x: x.par.cp > 1 and x.par.dp > 1,
+     "context parallel with DP attention does not run on the NPU runner yet (its CP pieces are padded to one bucket "
+     "per CP group, not to the DP ranks' agreed bucket: graphgen/npu/run/context_parallel.py); use --target cpu, or "
+     "run with --cp 1"),
 )
 
 
