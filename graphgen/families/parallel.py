@@ -51,9 +51,10 @@ PLANS: dict[str, ParallelPlan] = {
 
 
 def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: int = 1,
-                   sp: bool = False) -> Iterator[Rule]:
+                   sp: bool = False, mtp: bool = False) -> Iterator[Rule]:
     """Yield ``(path, message, fix)`` for every way the layout does not fit the family's dims, or
-    combines modes graphgen does not implement together (docs/parallel.md, "Layouts")."""
+    combines modes graphgen does not implement together (docs/parallel.md, "Layouts"); ``mtp``: the spec has
+    MTP layers (an ``mtp:`` section)."""
     plan = PLANS[family]
     for name, what in plan.tp_divides:
         n = getattr(d, name)
@@ -79,6 +80,15 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if cp > 1 and sp:
         yield ("parallel.cp", f"cp ({cp}) with sp: true is not implemented (sequence parallelism would split "
                f"the head-tail chunks again)", "set sp: false, or cp: 1")
+    # with MTP layers: tp, ep and dp run (the MTP layer sharded like a decoder layer, its draft runs on every
+    # rank; docs/mtp.md, "With ranks"); cp and sp do not
+    if cp > 1 and mtp:
+        yield ("parallel.cp", f"cp ({cp}) with MTP is not implemented (the MTP layer's draft runs would need the "
+               f"prompt's hidden states split head-tail like its tokens)", "set cp: 1, or turn MTP off")
+    if sp and mtp:
+        yield ("parallel.sp", "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
+               "layer: its eh_proj would read the embedding's token shard before the all-gather)",
+               "set sp: false, or turn MTP off")
 
 
 def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:
@@ -105,9 +115,10 @@ def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator
         yield ("parallel.ep", f"ep ({ep}) must divide {plan.experts} ({e})", f"use an ep that divides {e}")
 
 
-def layout_rules(family: str, d: Any, par: Any) -> Iterator[Rule]:
-    """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`)."""
-    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp)
+def layout_rules(family: str, d: Any, par: Any, *, mtp: bool = False) -> Iterator[Rule]:
+    """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`); ``mtp``: the
+    spec has MTP layers."""
+    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp, mtp=mtp)
 
 
 @dataclass(frozen=True)
@@ -124,13 +135,8 @@ class Launch:
 # takes every layout the spec rules accept; lifting a row is a change here plus the runtime's code.
 _Gap = tuple[str, Callable[[Launch], bool], str]
 _RUNTIME_GAPS: tuple[_Gap, ...] = (
-    ("speculative", lambda x: x.speculative and x.par.world > 1,
-     "--speculative mtp runs with one rank only so far: the rank runners do not run the drafter's steps "
-     "(docs/mtp.md); run with --tp 1 --ep 1"),
-    ("mtp", lambda x: x.mtp and (x.par.tp > 1 or x.par.ep > 1),
-     "a spec with MTP layers runs on one rank only so far: its graphs shard the MTP layer like a decoder layer "
-     "(graphgen generate, validate and dry-run take the layout), but the rank runners do not load or run it yet "
-     "(docs/mtp.md); run with --tp 1 --ep 1"),
+    # (MTP with ranks runs since issue 38 item 1: every rank runs the drafter's steps in lockstep, the DP groups
+    # pad the MTP layer's MoE gather with dummy draft runs; cp and sp with MTP are spec rules, `parallel_rules`)
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = (
@@ -140,6 +146,9 @@ _NPU_GAPS: tuple[_Gap, ...] = (
     ("sp", lambda x: x.par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
                                "but the NPU runner does not pad a step's tokens to a multiple of tp); use --target "
                                "cpu, or run with --no-sp"),
+    ("speculative_dp", lambda x: x.speculative and x.par.dp > 1,
+     "--speculative mtp with dp > 1 does not run on the NPU target yet (the DP ranks' agreed graph calls have no "
+     "kind for the MTP layer's draft runs or for verify rows of K + 1 tokens); use --target cpu, or --dp 1"),
 )
 
 

@@ -128,10 +128,11 @@ def test_negative_control_a_pool_without_the_mtp_kv_changes_the_drafts(runs):
 
 
 def test_the_one_table_has_no_npu_row_for_speculative_decoding():
-    """The refusal lifted in the one table (issue 38 item 1): one rank on the NPU target is no gap; ranks still
-    are (the rank runners' row)."""
+    """The refusal lifted in the one table (issue 38 item 1): one rank on the NPU target is no gap, nor tp
+    (tests/npu/test_npu_ranks.py); DP attention still is (its agreed graph calls have no draft kind)."""
     from graphgen.families.parallel import runtime_layout_gap
 
     spec = load_spec(SPEC)
     assert runtime_layout_gap(spec.parallel, "npu", mtp=True, speculative=True) is None
-    assert "one rank only" in runtime_layout_gap(spec.with_overrides(tp=2).parallel, "npu", mtp=True, speculative=True)
+    assert runtime_layout_gap(spec.with_overrides(tp=2).parallel, "npu", mtp=True, speculative=True) is None
+    assert "dp > 1" in runtime_layout_gap(spec.with_overrides(dp=2, ep=2).parallel, "npu", mtp=True, speculative=True)
