@@ -248,13 +248,19 @@ def follow_node(args, spec, here, command: str) -> int:
 
 
 def layout_refusal(spec, args) -> Optional[str]:
-    """The sentence refusing the spec's parallel layout with the flags' overrides applied, where the runtime
-    cannot run it yet (`graphgen.families.parallel.runtime_layout_gap`), or None; torch-free."""
-    from .families.parallel import runtime_layout_gap
+    """The sentence refusing the spec's parallel layout with the flags' overrides applied: where the spec rules
+    refuse it (`graphgen.families.parallel.layout_rules`: a --cp/--sp/--tp the file did not set is checked here,
+    before the weights load, as the file's own layout was by the loader) or the runtime cannot run it yet
+    (`graphgen.families.parallel.runtime_layout_gap`); None if neither; torch-free."""
+    from .families.parallel import layout_rules, runtime_layout_gap
 
     overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
-    return runtime_layout_gap(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"),
-                              mtp=spec.mtp is not None, speculative=getattr(args, "speculative", None) is not None,
+    par = spec.with_overrides(**overrides).parallel
+    problems = list(layout_rules(spec.family, spec.dims, par, mtp=spec.mtp is not None))
+    if problems:
+        return "; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems)
+    return runtime_layout_gap(par, getattr(args, "target", "cpu"), mtp=spec.mtp is not None,
+                              speculative=getattr(args, "speculative", None) is not None,
                               role=getattr(args, "role", "both"))
 
 

@@ -51,9 +51,10 @@ PLANS: dict[str, ParallelPlan] = {
 
 
 def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: int = 1,
-                   sp: bool = False) -> Iterator[Rule]:
+                   sp: bool = False, mtp: bool = False) -> Iterator[Rule]:
     """Yield ``(path, message, fix)`` for every way the layout does not fit the family's dims, or
-    combines modes graphgen does not implement together (docs/parallel.md, "Layouts")."""
+    combines modes graphgen does not implement together (docs/parallel.md, "Layouts"); ``mtp``: the spec has
+    MTP layers (an ``mtp:`` section)."""
     plan = PLANS[family]
     for name, what in plan.tp_divides:
         n = getattr(d, name)
@@ -70,6 +71,15 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if sp and tp == 1:
         yield ("parallel.sp", "sp: true needs tp > 1 (sequence parallelism splits the tokens over the TP group)",
                "set tp: 2 or more, or sp: false")
+    # with MTP layers: tp, ep and dp run (the MTP layer sharded like a decoder layer, its draft runs on every
+    # rank; docs/mtp.md, "With ranks"); cp and sp do not
+    if cp > 1 and mtp:
+        yield ("parallel.cp", f"cp ({cp}) with MTP is not implemented (the MTP layer's draft runs would need the "
+               f"prompt's hidden states split head-tail like its tokens)", "set cp: 1, or turn MTP off")
+    if sp and mtp:
+        yield ("parallel.sp", "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
+               "layer: its eh_proj would read the embedding's token shard before the all-gather)",
+               "set sp: false, or turn MTP off")
 
 
 def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:
@@ -96,9 +106,10 @@ def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator
         yield ("parallel.ep", f"ep ({ep}) must divide {plan.experts} ({e})", f"use an ep that divides {e}")
 
 
-def layout_rules(family: str, d: Any, par: Any) -> Iterator[Rule]:
-    """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`)."""
-    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp)
+def layout_rules(family: str, d: Any, par: Any, *, mtp: bool = False) -> Iterator[Rule]:
+    """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`); ``mtp``: the
+    spec has MTP layers."""
+    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp, mtp=mtp)
 
 
 @dataclass(frozen=True)
@@ -117,17 +128,13 @@ class Launch:
 # takes every layout the spec rules accept; lifting a row is a change here plus the runtime's code.
 _Gap = tuple[str, Callable[[Launch], bool], str]
 _RUNTIME_GAPS: tuple[_Gap, ...] = (
-    ("speculative", lambda x: x.speculative and x.par.world > 1,
-     "--speculative mtp runs with one rank only so far: the rank runners do not run the drafter's steps "
-     "(docs/mtp.md); run with --tp 1 --ep 1"),
-    ("mtp", lambda x: x.mtp and (x.par.tp > 1 or x.par.ep > 1),
-     "a spec with MTP layers runs on one rank only so far: its graphs shard the MTP layer like a decoder layer "
-     "(graphgen generate, validate and dry-run take the layout), but the rank runners do not load or run it yet "
-     "(docs/mtp.md); run with --tp 1 --ep 1"),
-    # P/D with ranks runs at any tp / cp / dp x tp (docs/pd.md "P/D with ranks"): no layout row for --role
-    ("role+speculative", lambda x: x.speculative and x.role != "both",
-     "--speculative mtp does not combine with --role prefill|decode yet: no MTP KV is saved to the pool, so a "
-     "handoff could not cover the drafter's cache (docs/mtp.md); serve with --role both, or without --speculative"),
+    # (MTP with ranks runs since issue 38 item 1: every rank runs the drafter's steps in lockstep, the DP groups
+    # pad the MTP layer's MoE gather with dummy draft runs; cp and sp with MTP are spec rules, `parallel_rules`)
+    # P/D with ranks runs at any tp / cp / dp x tp (docs/pd.md "P/D with ranks"); MTP through P/D at one rank each
+    ("role+speculative", lambda x: x.speculative and x.role != "both" and x.par.world > 1,
+     "--speculative mtp under --role prefill|decode runs with one rank per instance so far (the handoff of "
+     "speculative ranks' successor-keyed shards is untested: docs/pd.md, \"MTP through P/D\"); serve the role "
+     "with --tp 1 --ep 1 --dp 1, or --role both"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = (
@@ -135,6 +142,9 @@ _NPU_GAPS: tuple[_Gap, ...] = (
      "context parallel with DP attention does not run on the NPU runner yet (its CP pieces are padded to one bucket "
      "per CP group, not to the DP ranks' agreed bucket: graphgen/npu/run/context_parallel.py); use --target cpu, or "
      "run with --cp 1"),
+    ("speculative_dp", lambda x: x.speculative and x.par.dp > 1,
+     "--speculative mtp with dp > 1 does not run on the NPU target yet (the DP ranks' agreed graph calls have no "
+     "kind for the MTP layer's draft runs or for verify rows of K + 1 tokens); use --target cpu, or --dp 1"),
 )
 
 

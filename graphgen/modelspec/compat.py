@@ -324,15 +324,7 @@ def _parallel_rules(spec: Any) -> Iterator[Rule]:
         return
     from ..families.parallel import layout_rules
 
-    yield from layout_rules(family, d, par)
     mtp = _get(spec, "mtp")  # the MTP layer's spec field (absent, null or off: no MTP)
     feats = _get(spec, "features")
     has_mtp = getattr(mtp, "num_layers", 0) > 0 or (feats is not _MISSING and "mtp" in feats)
-    for field_name, n in (("cp", par.cp), ("dp", par.dp)):
-        if n > 1 and has_mtp:
-            yield (f"parallel.{field_name}", f"{field_name} ({n}) with MTP is not implemented (the MTP layer's "
-                   f"draft tokens would need the same split)", f"set {field_name}: 1, or turn MTP off")
-    if par.sp and has_mtp:
-        yield ("parallel.sp", "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
-               "layer: its eh_proj would read the embedding's token shard before the all-gather)",
-               "set sp: false, or turn MTP off")
+    yield from layout_rules(family, d, par, mtp=has_mtp)

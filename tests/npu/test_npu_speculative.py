@@ -120,10 +120,69 @@ def test_negative_control_a_pool_without_the_mtp_kv_changes_the_drafts(runs):
 
 
 def test_the_one_table_has_no_npu_row_for_speculative_decoding():
-    """The refusal lifted in the one table (issue 38 item 1): one rank on the NPU target is no gap; ranks still
-    are (the rank runners' row)."""
+    """The refusal lifted in the one table (issue 38 item 1): one rank on the NPU target is no gap, nor tp
+    (tests/npu/test_npu_ranks.py); DP attention still is (its agreed graph calls have no draft kind)."""
     from graphgen.families.parallel import runtime_layout_gap
 
     spec = load_spec(SPEC)
     assert runtime_layout_gap(spec.parallel, "npu", mtp=True, speculative=True) is None
-    assert "one rank only" in runtime_layout_gap(spec.with_overrides(tp=2).parallel, "npu", mtp=True, speculative=True)
+    assert runtime_layout_gap(spec.with_overrides(tp=2).parallel, "npu", mtp=True, speculative=True) is None
+    assert "dp > 1" in runtime_layout_gap(spec.with_overrides(dp=2, ep=2).parallel, "npu", mtp=True, speculative=True)
+
+
+# ---- tp 2: the NPU rank processes (issue 38 item 1, with ranks) ---------------------------------------------
+def _perfect_on_rank(want: list, r, logits, drafts, probs) -> None:
+    drafts[id(r)].append(want[len(r.tokens) + len(drafts[id(r)])])
+
+
+def _set_perfect(engine, want) -> None:  # a probe run in every rank process (module-level: pickled by name)
+    import functools
+
+    if want is None:
+        engine.core.drafter.__dict__.pop("_pick", None)
+    else:
+        engine.core.drafter._pick = functools.partial(_perfect_on_rank, want)
+
+
+@pytest.fixture(scope="module")
+def ranks(runs):
+    """``--target npu --standin --tp 2`` with ``num_speculative_tokens=K``: cold, after a pool hit, perfect drafts."""
+    from graphgen.npu.run.inputs import random_weights
+    from graphgen.runtime import open_engine
+    import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
+
+    spec = load_spec(SPEC)
+    W = random_weights(spec, seed=1, scale=0.1)
+    out = {}
+    with open_engine(spec, dict(W), target="npu", standin=True, tp=2, num_blocks=64, collect_logits=True,
+                     num_speculative_tokens=K, threads=1, timeout=600) as e:
+        out["cold"] = e.generate(PROMPTS, NEW)
+        e.drain()
+        out["hit"] = e.generate(PROMPTS, NEW)
+        e.on_ranks(_set_perfect, runs["cold"][0].tokens)
+        out["perfect"] = e.generate(PROMPTS, NEW)
+        out["stats"] = e.rank_stats
+    return out
+
+
+def test_tp2_on_the_npu_ranks_equals_one_rank_and_keeps_the_drafts_after_a_hit(runs, ranks):
+    """The MTP layer sharded like a decoder layer on two NPU ranks (gloo, the stand-in's kernels): greedy tokens
+    the CPU run's (margin-aware at TOL), each draft run's logits the one-rank NPU run's (bf16 both; the MTP
+    layer's MoE may flip one token's routing at a near tie, as `test_the_drafts_are_the_cpu_drafters` allows),
+    acceptance equal one rank's and equal after a 128-token pool hit (the latent, MTP layer included, put by
+    rank 0 only), perfect drafts all accepted on both ranks."""
+    cold, hit, perfect = ranks["cold"][0], ranks["hit"][0], ranks["perfect"][0]
+    assert_results_agree(runs["greedy"], ranks["cold"], TOL, where="npu tp=2 speculative vs cpu greedy")
+    one = runs["cold"][0]
+    assert (cold.num_draft_tokens, cold.num_accepted_tokens) == (one.num_draft_tokens, one.num_accepted_tokens)
+    n = min(len(one.draft_logits), len(cold.draft_logits))
+    diffs = [(one.draft_logits[i].float() - cold.draft_logits[i].float()).abs().max().item() for i in range(n)]
+    assert n > 0 and sum(d <= TOL for d in diffs) >= n - 1, diffs
+    assert cold.saved_blocks >= 1 and hit.hit_tokens == 128 and hit.tokens == cold.tokens
+    assert (hit.num_draft_tokens, hit.num_accepted_tokens) == (cold.num_draft_tokens, cold.num_accepted_tokens)
+    assert len(hit.draft_logits) == len(cold.draft_logits)
+    for a, b in zip(cold.draft_logits, hit.draft_logits):
+        assert (a - b).abs().max().item() <= 0.05  # bf16: the hit's draft run has fewer rows (another bucket)
+    stats = ranks["stats"]
+    assert stats[0]["puts"] >= 1 and stats[1]["puts"] == 0 and stats[1]["skipped_puts"] >= 1  # the latent once
+    assert perfect.tokens == one.tokens and perfect.num_draft_tokens == perfect.num_accepted_tokens > 0

@@ -195,10 +195,11 @@ def test_role_refusals_live_in_the_one_table_and_dp_groups_are_not_refused():
     for role in ("prefill", "decode", "both"):
         assert refusal(TINY_DSV3, role, dp=2, tp=2, ep=4) is None
         assert refusal(TINY_DSV3, role, dp=2, ep=2) is None
-    sentence = refusal(TINY_DSV3_MTP, "decode", speculative="mtp")
+    assert refusal(TINY_DSV3_MTP, "decode", speculative="mtp") is None  # MTP through P/D at one rank each
+    sentence = refusal(TINY_DSV3_MTP, "decode", speculative="mtp", tp=2, ep=2)
     assert sentence and "--role prefill|decode" in sentence and "--speculative mtp" in sentence, sentence
-    assert refusal(TINY_DSV3_MTP, "both", speculative="mtp") is None
-    par = load_spec(TINY_DSV3_MTP).parallel
+    assert refusal(TINY_DSV3_MTP, "both", speculative="mtp", tp=2, ep=2) is None
+    par = load_spec(TINY_DSV3_MTP).with_overrides(tp=2, ep=2).parallel
     assert runtime_layout_gap(par, speculative=True, role="prefill") == sentence
     assert runtime_layout_gap(par, speculative=True) is None
 

@@ -86,11 +86,11 @@ def test_mtp_with_the_npu_target_loads():
     assert spec.targets.npu is not None and spec.mtp.num_layers == 1
 
 
-def test_mtp_with_ranks_shards_the_mtp_layer_like_a_decoder_layer_and_the_launch_is_refused():
+def test_mtp_with_ranks_shards_the_mtp_layer_like_a_decoder_layer_and_the_launch_runs():
     """Issue 38 item 2: tp/ep with MTP is a layout the spec rules accept (the build path shards the MTP layer:
     each of its decoder-layer weights split as the last MoE decoder layer's is, the pipeline's verify passes
-    included); the runtimes do not run it yet, so the one refusal table refuses the launch -- at tp/ep 1 it
-    does not (the control)."""
+    included); since item 1 the rank runners run it (tests/parallel/test_mtp_ranks.py), so the one refusal
+    table has no row for it on the CPU target, speculative or not."""
     from graphgen.families.parallel import runtime_layout_gap
     from graphgen.ir.weights import graph_weight_names
     from graphgen.passes.manager import run_pipeline
@@ -105,8 +105,8 @@ def test_mtp_with_ranks_shards_the_mtp_layer_like_a_decoder_layer_and_the_launch
     assert len(shared) >= 10 and set(shared) <= target, sorted(set(shared) - target)  # the same split
     assert any("[d0/2]" in w for w in shared) and any("[d1/2]" in w for w in shared)  # and it is split
     assert not _sharded(run_pipeline(parse_spec_text(MTP_SPEC.read_text(), "s.yaml"), "mtp_draft"))
-    sentence = runtime_layout_gap(spec.parallel, "cpu", mtp=True)
-    assert sentence and "MTP layers runs on one rank only so far" in sentence and "--tp 1 --ep 1" in sentence
+    for speculative in (False, True):
+        assert runtime_layout_gap(spec.parallel, "cpu", mtp=True, speculative=speculative) is None
     assert runtime_layout_gap(spec.parallel, "cpu") is None
     assert runtime_layout_gap(load_spec(MTP_SPEC).parallel, "cpu", mtp=True) is None
 
@@ -119,9 +119,10 @@ def _sharded(graph):
 
 def test_every_layout_the_spec_rules_take_with_mtp_builds():
     """The spec rules and the passes agree for a spec with MTP (issue 38 item 2 lifted tp/ep): each layout of
-    tp, ep, dp, cp and sp the rules accept builds every variant through the verified pipeline, and the rules
-    refuse at least sp, dp and cp with MTP (what the passes or the MTP split do not do: sp's pass fails on
-    the MTP layer's eh_proj -- the control below shows it)."""
+    tp, ep, dp, cp and sp the rules accept builds every variant through the verified pipeline (dp with MTP
+    included since issue 38 item 1: the DP ranks run it), and the rules refuse sp and cp with MTP (what the
+    passes or the MTP split do not do: sp's pass fails on the MTP layer's eh_proj -- the control below shows
+    it)."""
     import dataclasses
     import itertools
 
@@ -141,8 +142,8 @@ def test_every_layout_the_spec_rules_take_with_mtp_builds():
         taken.append((tp, ep, dp, cp, sp))
         for v in spec.variants:
             run_pipeline(spec, v)
-    assert (2, 2, 1, 1, False) in taken and (1, 1, 1, 1, False) in taken
-    assert {"parallel.sp", "parallel.dp", "parallel.cp"} <= refused
+    assert (2, 2, 1, 1, False) in taken and (1, 1, 1, 1, False) in taken and (1, 2, 2, 1, False) in taken
+    assert {"parallel.sp", "parallel.cp"} <= refused
     sp = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tp=2, ep=2, sp=True))
     with pytest.raises(PassError, match="sequence_parallel"):  # the control: why the sp rule stays
         run_pipeline(sp, "mtp_draft")

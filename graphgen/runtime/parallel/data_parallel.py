@@ -125,6 +125,8 @@ class DataParallelCore:
             return self._last_stats
         per = self._call(None, C.CoreStats())
         total = {k: sum(s[k] for s in per) for k in per[0] if isinstance(per[0][k], (int, float))}
+        # per-position counters (speculative decoding's accepted tokens per draft position): summed position-wise
+        total.update({k: [sum(col) for col in zip(*(s[k] for s in per))] for k in per[0] if isinstance(per[0][k], list)})
         self._last_stats = {**total, "per_rank": per}
         return self._last_stats
 

@@ -15,11 +15,16 @@ largest, and keeps the counts for the reduce-scatter that follows (this rank's r
 tensor), so no step input is padded.
 
 **Lockstep of forwards, not of plans.** The MoE collectives pair up only if every DP rank runs a
-forward whenever one does. Every forward begins with a handshake (`CpuDPForward`, a rank feature:
-an all_reduce MAX over the DP ranks): a rank about to run a real step says 1; a rank with nothing (more) to run in this
-tick says 0 and, while some rank says 1, runs a **dummy forward**: the decode module on zero tokens,
-which still runs its experts on the other groups' gathered tokens (they are needed: each rank holds
-a different half of the experts). When every rank says 0 the tick ends. A tick (`dp_tick`) is one
+forward of the same graph *kind* whenever one does: the target's graphs (decode, prefills: one MoE gather
+per MoE decoder layer) or the MTP layer's (speculative decoding's draft runs, docs/mtp.md: one per MTP
+layer). Every forward begins with a handshake (`CpuDPForward`, a rank feature: an all_reduce MAX over the
+DP ranks of the forward's kind, `TARGET` 1 or `DRAFT` 2): a rank about to run a real forward says its
+kind and runs it if the MAX is that kind; otherwise (and a rank with nothing (more) to run in this tick,
+which says 0) it runs a **dummy forward** of the agreed kind — that kind's graph on zero tokens, which still
+runs its experts on the other groups' gathered tokens (they are needed: each rank holds a different half
+of the experts) — and offers its own again. So a group's draft runs, which follow its step, pair with the
+draft runs of the groups that draft after the same tick and with dummy draft runs of the others, and the
+MTP layer's MoE gather is padded like the target's. When every rank says 0 the tick ends. A tick (`dp_tick`) is one
 `EngineCore.step` where a rank has work, so a rank whose step forwards twice, or not at all, still
 pairs up. Deadline: gloo's timeout is the engine's ``timeout``, and the facade watches the rank
 processes, so a dead DP rank raises `RankFailure` on the caller, never a hang.
@@ -46,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ...ir.weights import parse_shard
-from ..engine.runner import StepInputs
+from ..engine.runner import MtpInputs, StepInputs
 from .layout import RankCoords, RankLayout
 from .ops import slice_weight
 
@@ -106,26 +111,39 @@ class DPSync:
         dist.barrier(group=self.group)
 
 
+TARGET, DRAFT = 1, 2  # the kinds of forward (module doc): the target model's graphs, the MTP layer's
+
+
+def forward_kind(runner, variant: str) -> int:
+    """`DRAFT` for the MTP layer's graph (``phase: mtp``), `TARGET` for every other: graphs of one kind issue
+    the same MoE collectives (one gather per MoE layer of the same layers)."""
+    return DRAFT if runner.modules[variant].META.get("phase") == "mtp" else TARGET
+
+
 class CpuDPForward:
     """The CPU runner's `graphgen.runtime.parallel.features.DPForward`: every real forward begins with a
-    MAX of 1 (`DPSync`); an idle rank answers each with a dummy forward on zero tokens."""
+    MAX of its kind (`DPSync`); a rank whose kind does not go, or that has nothing to run, answers with a
+    dummy forward of the agreed kind on zero tokens (module doc)."""
     name = "dp"
 
     def __init__(self, dp_rank: int, group=None):
         self.dp_rank, self.sync = dp_rank, DPSync(group)
         self.runner: Any = None  # the CPU runner, once attached
         self.dummy_forwards = 0
+        self.dummy_kinds = {TARGET: 0, DRAFT: 0}  # dummy forwards per kind (a probe for tests)
 
     def attach(self, runner) -> None:
         self.runner = runner
 
     def before_forward(self, plan) -> None:
-        self.sync.max(1)  # tell the other ranks to run theirs (real or dummy)
+        mine = forward_kind(self.runner, plan.variant)
+        while (agreed := self.sync.max(mine)) != mine:  # another group's kind first: pair with it, offer again
+            self.dummy_forward(agreed)
 
     def serve_others(self) -> int:
         n = 0
-        while self.sync.max(0):
-            self.dummy_forward()
+        while kind := self.sync.max(0):
+            self.dummy_forward(kind)
             n += 1
         return n
 
@@ -135,20 +153,27 @@ class CpuDPForward:
     def barrier(self) -> None:
         self.sync.barrier()
 
-    def dummy_forward(self) -> None:
-        """A forward on zero tokens: attention on nothing, the MoE's experts on the other groups'
+    def dummy_forward(self, kind: int = TARGET) -> None:
+        """A forward of ``kind`` on zero tokens: attention on nothing, the MoE's experts on the other groups'
         gathered tokens (this rank's share of their sums), logits of nothing; no cache row written."""
         runner = self.runner
-        v = next((v for v, m in runner.modules.items() if not m.META.get("history")), None)  # nothing to load
+        v = next((v for v, m in runner.modules.items() if not m.META.get("history")
+                  and forward_kind(runner, v) == kind), None)  # nothing to load
         if v is None:
-            raise RuntimeError("no variant without history for the dummy forward")
+            raise RuntimeError(f"no variant of kind {kind} without history for the dummy forward")
         none = torch.zeros(0, dtype=torch.long)
-        inputs = StepInputs(input_ids=none, positions=none, slot_mapping=none,
-                            block_tables=torch.zeros((0, 1), dtype=torch.long), seq_lens=none,
-                            query_lens=none, logits_indices=none, save_block_ids=none)
+        fields: dict[str, Any] = dict(input_ids=none, positions=none, slot_mapping=none,
+                      block_tables=torch.zeros((0, 1), dtype=torch.long), seq_lens=none,
+                      query_lens=none, logits_indices=none, save_block_ids=none)
+        if kind == DRAFT:  # the MTP graph reads each row's previous hidden state: none
+            norm = runner.W[f"model.layers.{runner.modules[v].META['mtp_layer']}.hnorm.weight"]  # [hidden]
+            inputs: StepInputs = MtpInputs(**fields, prev_hidden=norm.new_zeros((0, norm.shape[0])))
+        else:
+            inputs = StepInputs(**fields)
         staging = runner.cache.make_staging(0) if runner.saves(v) else None
         handles = runner.execute(v, inputs, staging)
         self.dummy_forwards += 1
+        self.dummy_kinds[kind] += 1
         if handles.save_job is not None:  # a save program of zero blocks: let it finish
             handles.save_job.wait()
 
