@@ -30,7 +30,7 @@ _EXPORTS = {
     "DistributedEngine": "parallel.launcher", "RankFailure": "parallel.launcher",
     "DataParallelEngine": "parallel.data_parallel",
     "register_rank_target": "parallel.rank",
-    "RankLayout": "parallel.layout", "RankGroups": "parallel.layout",
+    "RankLayout": "parallel.layout", "RankGroups": "parallel.layout", "cp_pieces": "parallel.context_parallel",
     "OutOfBlocks": "core.kvcache",
     "Faults": "core.faults",
     "Deadlines": "progress", "current_progress": "progress",

@@ -154,7 +154,7 @@ def test_cp_calls_cover_every_row_once_at_one_bucket_per_call():
     from graphgen.modelspec.loader import load_spec
     from graphgen.npu.run.bucketing import Buckets
     from graphgen.npu.run.context_parallel import cp_calls
-    from graphgen.npu.run.runner import _sequence
+    from graphgen.npu.run.context_parallel import piece_sequence
     from graphgen.runtime.core.kvcache import slot_mapping
 
     buckets = Buckets.from_spec(load_spec(SPECS / "tiny_qwen3_npu.yaml"))
@@ -169,7 +169,7 @@ def test_cp_calls_cover_every_row_once_at_one_bucket_per_call():
             assert [x for lo, hi in cover for x in range(lo, hi)] == list(range(plan.rows[i].num_tokens))
 
         def seqs(pieces):
-            return [_sequence(plan.rows[i], bs, (lo, hi)) for i, lo, hi in pieces]
+            return [piece_sequence(plan.rows[i], bs, lo, hi) for i, lo, hi in pieces]
 
         got = c.gathered_kv_index(seqs, bs)
         assert got.shape == (2 * c.pad.tokens, 2)

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...runtime.core.kvcache import slot_mapping
 from ...runtime.engine import StepPlan
-from ...runtime.parallel.context_parallel import cp_pieces
+from ...runtime import cp_pieces, current_progress  # the NPU import rule: the runtime's public face, not its rank package
 from .bucketing import Buckets
 from .inputs import StepPadding
 
@@ -95,3 +96,64 @@ def cp_calls(plan: StepPlan, cp: int, buckets: Buckets, phase: str, pad_block: i
         calls.append(CpCall(tuple(rows), tuple(tuple((i, lo, hi) for i in rows for lo, hi in mine[i])
                                                for mine in every), pad))
     return calls
+
+
+def run_cp_step(runner, plan: StepPlan, mod, phase: str, saves: bool, sequence):
+    """A CP rank's prefill step (`graphgen.npu.run.context_parallel`): each call its pieces of whole rows at the
+    bucket every CP rank pads to, the gathered rows' slots in ``kv_index``; then the logits reduced over the
+    CP group (every rank gets the step's rows)."""
+    if plan.prev_hidden is not None or mod.META.get("lora"):
+        raise ValueError("context parallel on the NPU runs no MTP draft and no LoRA adapters")
+    split, bs, variant = runner.split, runner.block_size, plan.variant
+    history, target = bool(mod.META.get("history")), runner.compiled(variant)
+    firsts = [sum(len(r.logits_positions) for r in plan.rows[:i]) for i in range(len(plan.rows))]
+
+    def sequences(pieces):  # one rank's pieces as runner sequences (the row's logits row on the piece with it)
+        out = []
+        for i, lo, hi in pieces:
+            s = piece_sequence(plan.rows[i], bs, lo, hi)
+            if s.get("logits", True) != ():
+                s["logit_row"] = firsts[i]
+            out.append(s)
+        return out
+
+    local, rows, offset = [], [], 0
+    for call in cp_calls(plan, split.cp, runner.buckets, phase, runner.pad_block):
+        whole = [sequence(plan.rows[i], bs) for i in call.rows]  # the call's saves and loads: its rows'
+        chunk = sequences(call.pieces[split.cp_rank])
+        b, n_save = runner._step_inputs(mod, chunk, pad=call.pad, rows=whole)
+        b.kv_index = call.gathered_kv_index(sequences, bs).to(runner.device)  # every rank's padded slots
+        runner.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
+        runner._first_use(variant, b)
+
+        def graph(staging, b=b, whole=whole):
+            with torch.no_grad(), runner._limits():
+                if history:
+                    mod.load(b, runner.kv, runner._chunk_loads(mod, whole))
+                return target.forward(runner.W, b, runner.kv, staging)
+
+        if saves:
+            out = runner.commits.save_call(runner.connector, plan.save_block_ids[offset:offset + n_save],
+                                         plan.save_keys[offset:offset + n_save], graph)
+            offset += n_save
+        else:
+            out = graph(())
+        local.append(out.index_select(0, b.real_logits).float())
+        rows += [s["logit_row"] for s in chunk if "logit_row" in s]
+    current_progress().stepping()
+    logits = torch.cat(local)
+    return split.reduce_logits(logits, torch.tensor(rows, dtype=torch.long, device=logits.device),
+                               sum(len(r.logits_positions) for r in plan.rows)), None
+
+
+def piece_sequence(row, block_size: int, lo: int, hi: int) -> dict:
+    """A CP rank's head-tail piece of a plan row as the runner's sequence (`runner._sequence`'s shape): only its
+    tokens ``[lo, hi)``, its KV length the piece's end (the causal mask of the split), the row's last position's
+    logits if it holds it; no saves or loads (the call's are its whole rows', `run_cp_step`)."""
+    end = row.start + hi
+    table = list(row.block_table[:-(-end // block_size)])
+    last = bool(row.logits_positions) and lo <= row.logits_positions[-1] < hi
+    return {**({} if last else {"logits": ()}), "ids": list(row.token_ids[lo:hi]),
+            "pos": list(range(row.start + lo, end)),
+            "slots": slot_mapping(table, row.start + lo, end, block_size).tolist(), "table": table,
+            "seq_len": end, "save": [], "load": [], "loaded": []}

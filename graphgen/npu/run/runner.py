@@ -239,7 +239,9 @@ class NpuModelRunner(RunnerSaves):
                                  f"each position's) only; a row asked for positions {row.logits_positions}")
         phase = mod.META["phase"]
         if self.split is not None and phase != "decode":  # a CP rank: its head-tail pieces (decode: whole, replicated)
-            return self._run_cp(plan, mod, phase, saves)
+            from .context_parallel import run_cp_step
+
+            return run_cp_step(self, plan, mod, phase, saves, _sequence)
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
         if plan.prev_hidden is not None:  # the MTP graph's input: each row's previous hidden states, in row order
             for s, h in zip(seqs, torch.split(plan.prev_hidden, [row.num_tokens for row in plan.rows])):
@@ -276,55 +278,6 @@ class NpuModelRunner(RunnerSaves):
                 hidden.append(h[:sum(len(s["ids"]) for s in chunk)].float())
         current_progress().stepping()  # a graph compiled on first use is done: the step deadline again
         return torch.cat(logits), (torch.cat(hidden) if hidden else None)
-
-    def _run_cp(self, plan: StepPlan, mod, phase: str, saves: bool):
-        """A CP rank's prefill step (`graphgen.npu.run.context_parallel`): each call its pieces of whole rows at the
-        bucket every CP rank pads to, the gathered rows' slots in ``kv_index``; then the logits reduced over the
-        CP group (every rank gets the step's rows)."""
-        from .context_parallel import cp_calls
-
-        if plan.prev_hidden is not None or mod.META.get("lora"):
-            raise ValueError("context parallel on the NPU runs no MTP draft and no LoRA adapters")
-        split, bs, variant = self.split, self.block_size, plan.variant
-        history, target = bool(mod.META.get("history")), self.compiled(variant)
-        firsts = [sum(len(r.logits_positions) for r in plan.rows[:i]) for i in range(len(plan.rows))]
-
-        def sequences(pieces):  # one rank's pieces as runner sequences (the row's logits row on the piece with it)
-            out = []
-            for i, lo, hi in pieces:
-                s = _sequence(plan.rows[i], bs, (lo, hi))
-                if s.get("logits", True) != ():
-                    s["logit_row"] = firsts[i]
-                out.append(s)
-            return out
-
-        local, rows, offset = [], [], 0
-        for call in cp_calls(plan, split.cp, self.buckets, phase, self.pad_block):
-            whole = [_sequence(plan.rows[i], bs) for i in call.rows]  # the call's saves and loads: its rows'
-            chunk = sequences(call.pieces[split.cp_rank])
-            b, n_save = self._step_inputs(mod, chunk, pad=call.pad, rows=whole)
-            b.kv_index = call.gathered_kv_index(sequences, bs).to(self.device)  # every rank's padded slots
-            self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
-            self._first_use(variant, b)
-
-            def graph(staging, b=b, whole=whole):
-                with torch.no_grad(), self._limits():
-                    if history:
-                        mod.load(b, self.kv, self._chunk_loads(mod, whole))
-                    return target.forward(self.W, b, self.kv, staging)
-
-            if saves:
-                out = self.commits.save_call(self.connector, plan.save_block_ids[offset:offset + n_save],
-                                             plan.save_keys[offset:offset + n_save], graph)
-                offset += n_save
-            else:
-                out = graph(())
-            local.append(out.index_select(0, b.real_logits).float())
-            rows += [s["logit_row"] for s in chunk if "logit_row" in s]
-        current_progress().stepping()
-        logits = torch.cat(local)
-        return split.reduce_logits(logits, torch.tensor(rows, dtype=torch.long, device=logits.device),
-                                   sum(len(r.logits_positions) for r in plan.rows)), None
 
     def close(self) -> None:
         try:
@@ -461,21 +414,11 @@ class NpuModelRunner(RunnerSaves):
         return b, len(save or ())
 
 
-def _sequence(row, block_size: int, piece: Optional[tuple[int, int]] = None) -> dict:
+def _sequence(row, block_size: int) -> dict:
     """One plan row as the NPU inputs want it: tokens, positions, slots, its block table (trimmed to
     its length), the blocks it saves and loads (and the loaded blocks' staging); a row asking for more
-    than its last position's logits (a verify row) names them (``logits``). ``piece``: only its tokens
-    ``[lo, hi)`` (a CP rank's head-tail piece: its KV length the piece's end, the causal mask of the split; the
-    row's last position's logits if it holds it; saves and loads are the whole row's, `NpuModelRunner._run_cp`)."""
-    if piece is not None:
-        lo, hi = piece
-        end = row.start + hi
-        table = list(row.block_table[:-(-end // block_size)])
-        last = bool(row.logits_positions) and lo <= row.logits_positions[-1] < hi
-        return {**({} if last else {"logits": ()}), "ids": list(row.token_ids[lo:hi]),
-                "pos": list(range(row.start + lo, end)),
-                "slots": slot_mapping(table, row.start + lo, end, block_size).tolist(), "table": table,
-                "seq_len": end, "save": [], "load": [], "loaded": []}
+    than its last position's logits (a verify row) names them (``logits``). A CP rank's piece of a row:
+    `context_parallel.piece_sequence`."""
     table = list(row.block_table[:-(-row.seq_len // block_size)])
     extra = {} if tuple(row.logits_positions) in ((), (row.num_tokens - 1,)) else \
         {"logits": tuple(row.logits_positions)}
