@@ -51,9 +51,13 @@ PLANS: dict[str, ParallelPlan] = {
 
 
 def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: int = 1,
-                   sp: bool = False) -> Iterator[Rule]:
+                   sp: bool = False, mtp: bool = False, lora: bool = False) -> Iterator[Rule]:
     """Yield ``(path, message, fix)`` for every way the layout does not fit the family's dims, or
-    combines modes graphgen does not implement together (docs/parallel.md, "Layouts")."""
+    combines modes graphgen does not implement together (``mtp``: the spec has MTP layers, ``lora``: a
+    ``lora:`` section; those combinations are the spec rules of the one refusal table,
+    `graphgen.composition`, docs/composition.md)."""
+    from ..composition import Launch, spec_rules
+
     plan = PLANS[family]
     for name, what in plan.tp_divides:
         n = getattr(d, name)
@@ -70,15 +74,7 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if sp and tp == 1:
         yield ("parallel.sp", "sp: true needs tp > 1 (sequence parallelism splits the tokens over the TP group)",
                "set tp: 2 or more, or sp: false")
-    if sp and dp > 1:
-        yield ("parallel.sp", f"sp: true with dp ({dp}) > 1 is not implemented (the MoE's DP all-gather would "
-               f"need the tokens gathered over the TP group first)", "set sp: false, or dp: 1")
-    if cp > 1 and dp > 1:
-        yield ("parallel.cp", f"cp ({cp}) with dp ({dp}) is not implemented (both would split the MoE's "
-               f"tokens; no rank order for it is defined)", "set cp: 1 or dp: 1")
-    if cp > 1 and sp:
-        yield ("parallel.cp", f"cp ({cp}) with sp: true is not implemented (sequence parallelism would split "
-               f"the head-tail chunks again)", "set sp: false, or cp: 1")
+    yield from spec_rules(Launch(tp=tp, ep=ep, dp=dp, cp=cp, sp=sp, mtp=mtp, lora=lora))
 
 
 def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:
@@ -105,55 +101,21 @@ def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator
         yield ("parallel.ep", f"ep ({ep}) must divide {plan.experts} ({e})", f"use an ep that divides {e}")
 
 
-def layout_rules(family: str, d: Any, par: Any) -> Iterator[Rule]:
+def layout_rules(family: str, d: Any, par: Any, *, mtp: bool = False, lora: bool = False) -> Iterator[Rule]:
     """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`)."""
-    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the runtime refusals read of a launch: the layout (a `graphgen.modelspec.model.Parallel`), whether
-    the spec has MTP layers (an ``mtp:`` section) and whether it decodes speculatively (``--speculative mtp``)."""
-    par: Any
-    mtp: bool = False
-    speculative: bool = False
-
-
-# What the runtimes cannot run yet (graphgen run/serve refuse it with this sentence): the one refusal table of a
-# launch, rows (what is set, is it set in this Launch, the sentence). The build path (generate, validate, dry-run)
-# takes every layout the spec rules accept; lifting a row is a change here plus the runtime's code.
-_Gap = tuple[str, Callable[[Launch], bool], str]
-_RUNTIME_GAPS: tuple[_Gap, ...] = (
-    ("speculative", lambda x: x.speculative and x.par.world > 1,
-     "--speculative mtp runs with one rank only so far: the rank runners do not run the drafter's steps "
-     "(docs/mtp.md); run with --tp 1 --ep 1"),
-    ("mtp", lambda x: x.mtp and (x.par.tp > 1 or x.par.ep > 1),
-     "a spec with MTP layers runs on one rank only so far: its graphs shard the MTP layer like a decoder layer "
-     "(graphgen generate, validate and dry-run take the layout), but the rank runners do not load or run it yet "
-     "(docs/mtp.md); run with --tp 1 --ep 1"),
-)
-# ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
-_NPU_GAPS: tuple[_Gap, ...] = (
-    ("cp", lambda x: x.par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
-                                   "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
-                                   "with --cp 1"),
-    ("sp", lambda x: x.par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
-                               "but the NPU runner does not pad a step's tokens to a multiple of tp); use --target "
-                               "cpu, or run with --no-sp"),
-)
+    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp, mtp=mtp, lora=lora)
 
 
 def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False
                        ) -> Optional[str]:
-    """The sentence refusing a launch the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
-    or None: ``par`` the layout, ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes
-    with them (``--speculative mtp``). The build path (generate, validate, dry-run) takes every layout the spec
-    rules accept."""
-    launch = Launch(par, mtp=mtp, speculative=speculative)
-    for _, is_set, sentence in (_NPU_GAPS if target == "npu" else ()) + _RUNTIME_GAPS:
-        if is_set(launch):
-            return sentence
-    return None
+    """The sentence refusing a launch of the layout ``par`` on ``target`` (``graphgen run``/``serve``: exit 2),
+    or None: ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes with them
+    (``--speculative mtp``). The one refusal table's answer (`graphgen.composition.launch_refusal`: its launch
+    checks, then its spec rules, which a --tp/--cp flag would otherwise bypass); a caller that knows more of
+    the launch (the write mode, the pool, a P/D role) asks it with a fuller `graphgen.composition.Launch`."""
+    from ..composition import Launch, launch_refusal
+
+    return launch_refusal(Launch.of(par, target, mtp=mtp, speculative=speculative))
 
 
 def rank_kv_components(family: str, d: Any, tp: int) -> tuple[tuple[str, tuple[int, ...]], ...]:

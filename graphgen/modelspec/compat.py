@@ -120,7 +120,7 @@ def check_compat(spec: Any) -> Iterator[Rule]:
 def _lora_rules(spec: Any) -> Iterator[Rule]:
     from .model import LORA_RANKS
 
-    family, lora, par = (_get(spec, k) for k in ("family", "lora", "parallel"))
+    family, lora = _get(spec, "family"), _get(spec, "lora")
     if lora is _MISSING or lora is None:
         return
     if lora.max_lora_rank not in LORA_RANKS:
@@ -137,9 +137,7 @@ def _lora_rules(spec: Any) -> Iterator[Rule]:
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 yield (f"lora.targets[{i}]", f"lora target '{t}' is no projection a {family} adapter can target",
                        f"{hint}use some of: {', '.join(known)}")
-    if par is not _MISSING and par.world > 1:
-        yield ("lora", "LoRA adapters are not split over parallel ranks yet (docs/lora.md)",
-               "remove the lora: section, or use a parallel layout of one rank")
+    # with parallel ranks: the one refusal table's spec rules (graphgen.composition; _parallel_rules)
 
 
 def _quant_rules(spec: Any) -> Iterator[Rule]:
@@ -324,15 +322,9 @@ def _parallel_rules(spec: Any) -> Iterator[Rule]:
         return
     from ..families.parallel import layout_rules
 
-    yield from layout_rules(family, d, par)
     mtp = _get(spec, "mtp")  # the MTP layer's spec field (absent, null or off: no MTP)
     feats = _get(spec, "features")
     has_mtp = getattr(mtp, "num_layers", 0) > 0 or (feats is not _MISSING and "mtp" in feats)
-    for field_name, n in (("cp", par.cp), ("dp", par.dp)):
-        if n > 1 and has_mtp:
-            yield (f"parallel.{field_name}", f"{field_name} ({n}) with MTP is not implemented (the MTP layer's "
-                   f"draft tokens would need the same split)", f"set {field_name}: 1, or turn MTP off")
-    if par.sp and has_mtp:
-        yield ("parallel.sp", "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
-               "layer: its eh_proj would read the embedding's token shard before the all-gather)",
-               "set sp: false, or turn MTP off")
+    lora = _get(spec, "lora")
+    # the combinations (cp/dp/sp with MTP, LoRA with ranks...): the spec rules of graphgen.composition's table
+    yield from layout_rules(family, d, par, mtp=has_mtp, lora=lora not in (None, _MISSING))
