@@ -225,9 +225,10 @@ def placement_of(args, spec):
     here = Placement.of(world, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
                         master_addr=getattr(args, "master_addr", "127.0.0.1"),
                         master_port=getattr(args, "master_port", DEFAULT_MASTER_PORT))
-    if here.multi_node and args.pool != "host":
-        raise ValueError(f"ranks on several nodes share the host pool node 0 serves on --master-addr: run them "
-                         f"with --pool host (got --pool {args.pool})")
+    if here.multi_node and args.pool != "host":  # (under torchrun: --nnodes is not set, layout_refusal missed it)
+        from .composition import NODES_HOST_POOL
+
+        raise ValueError(NODES_HOST_POOL.format(pool=args.pool))
     return here
 
 
