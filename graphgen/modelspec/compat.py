@@ -164,7 +164,7 @@ def _mtp_rules(spec: Any) -> Iterator[Rule]:
         yield ("mtp", f"mtp: multi-token prediction layers exist for family {' or '.join(row.families)} "
                f"only, not {family}", "remove the mtp: section")
     # tp/ep: the shard pass splits the MTP layer like a decoder layer; the rank runners do not run it yet
-    # (a launch refusal: families.parallel.runtime_layout_gap's table, not a spec rule)
+    # (a launch refusal: graphgen.composition's table, not a spec rule)
     if variants is not _MISSING:
         for name, v in variants.items():
             if v.phase == "mtp" and (v.history or v.save is not None or v.granularity is not None):
