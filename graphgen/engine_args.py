@@ -13,7 +13,7 @@ from typing import Optional, get_args
 
 from .modelspec.model import WritePolicy
 
-__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "launch_of", "target_note",
+__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "launch_notes", "launch_of", "target_note",
            "rank_count", "thread_options", "default_compile_cache_dir", "overridden_spec", "placement_of",
            "follow_node",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
@@ -258,6 +258,14 @@ def layout_refusal(spec, args) -> Optional[str]:
     from .composition import launch_refusal
 
     return launch_refusal(launch_of(spec, args))
+
+
+def launch_notes(spec, args) -> list[str]:
+    """The notes run/serve print for a launch that starts without one of its features (the table's turned-off
+    rows: async scheduling on parallel ranks), each one sentence."""
+    from .composition import launch_notes as notes
+
+    return notes(launch_of(spec, args))
 
 
 def launch_of(spec, args):

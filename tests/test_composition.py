@@ -30,12 +30,13 @@ from support.paths import REPO
 SPECS = {"plain": "specs/tiny_deepseek_v3.yaml", "mtp": "specs/tiny_deepseek_v3_mtp.yaml",
          "lora": "specs/tiny_deepseek_v3_lora.yaml"}
 REFUSED = [c for c in comp.CELLS if c.is_refused]
-RUNS = [c for c in comp.CELLS if not c.is_refused]
+RUNS = [c for c in comp.CELLS if c.runs]
+OFF = [c for c in comp.CELLS if c.is_off]
 
 
 def _id(c: comp.Cell) -> str:
     return "+".join(c.features) + ("" if c.targets == comp.BOTH else f"@{c.targets[0]}") + \
-        (f"-{comp.CELLS.index(c)}" if c.is_refused else "")
+        (f"-{comp.CELLS.index(c)}" if not c.runs else "")
 
 
 @lru_cache(maxsize=None)
@@ -127,6 +128,24 @@ def test_a_refused_cell_is_refused_with_its_sentence_and_only_by_the_table(cell,
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("cell", OFF, ids=_id)
+def test_a_turned_off_cell_starts_and_says_what_it_runs_without(cell, weights):
+    from graphgen.cli.main import build_parser
+    from graphgen.engine_args import launch_notes
+    from graphgen.modelspec.loader import load_spec
+
+    for target in cell.targets:
+        x = cell.launch(target)
+        if comp.refusals(x):  # refused on this target (cp and sp on the NPU): the refusal is what it says
+            assert serve_check(x, weights) == comp.refusals(x)[0].sentence(x)
+            continue
+        assert serve_check(x, weights) is None, (cell.features, target)
+        args = build_parser().parse_args(serve_argv(x, weights))
+        assert launch_notes(load_spec(args.spec), args) == [cell.sentence(x)]  # what serve prints, once
+        args = build_parser().parse_args(serve_argv(dataclasses.replace(x, async_scheduling=False), weights))
+        assert launch_notes(load_spec(args.spec), args) == []  # the control: without the feature, no note
+
+
 def _request_refused(cell: comp.Cell, x: comp.Launch) -> None:
     from graphgen.runtime.engine.grammar import StructuredOutput
     from graphgen.runtime.engine.sampling import SamplingParams
@@ -171,6 +190,7 @@ def test_a_runs_cell_names_a_test_that_exists_and_its_launch_is_refused_by_nothi
     for target in cell.targets:
         x = cell.launch(target)
         assert comp.refusals(x) == [], (cell.features, target, [c.refused for c in comp.refusals(x)])
+        assert comp.launch_notes(x) == [], (cell.features, target)  # it runs with every feature it names
         if not x.structured:
             assert serve_check(x, weights) is None, (cell.features, target)
 

@@ -151,6 +151,7 @@ class Cell:
     targets: tuple[str, ...]
     runs: str = ""
     refused: str = ""
+    off: str = ""
     check: str = ""
     path: str = ""
     fix: str = ""
@@ -162,9 +163,13 @@ class Cell:
     def is_refused(self) -> bool:
         return bool(self.refused)
 
+    @property
+    def is_off(self) -> bool:
+        return bool(self.off)
+
     def applies(self, launch: Launch) -> bool:
-        """Whether this refusal refuses ``launch``."""
-        if not self.is_refused or launch.target not in self.targets:
+        """Whether this refusal refuses ``launch`` (a turned-off row: whether the launch runs without the feature)."""
+        if not (self.is_refused or self.is_off) or launch.target not in self.targets:
             return False
         if self.when is not None:
             return self.when(launch)
@@ -174,7 +179,7 @@ class Cell:
         """The refusal as the launch prints it (a spec rule: ``path: message (fix: ...)``, as the rank bring-up
         and the loader render it)."""
         v = launch.values()
-        msg = self.refused.format(**v)
+        msg = (self.refused or self.off).format(**v)
         return f"{self.path}: {msg} (fix: {self.fix.format(**v)})" if self.check == "spec" else msg
 
     def rule(self, launch: Launch) -> tuple[str, str, str]:
@@ -200,6 +205,13 @@ def refused(features: tuple[str, ...], targets: tuple[str, ...], sentence: str, 
                 example=example)
 
 
+def turned_off(features: tuple[str, ...], targets: tuple[str, ...], sentence: str, *,
+               when: Optional[Callable[[Launch], bool]] = None) -> Cell:
+    """A combination that starts but runs without one of its features (``sentence`` says which and why; run and
+    serve print it as a note): neither runs as asked nor refused, and never silent."""
+    return Cell(tuple(features), targets, off=sentence, check="launch", when=when)
+
+
 def _key(features: tuple[str, ...]) -> tuple[str, ...]:
     """A combination in `FEATURES` order (two rows of the same features compare equal)."""
     return tuple(sorted(features, key=FEATURE_NAMES.index))
@@ -215,12 +227,13 @@ def _check_cell(c: Cell) -> None:
     assert c.features and all(f in _FEATURE for f in c.features), f"{where}: unknown feature"
     assert len(set(c.features)) == len(c.features), f"{where}: a feature twice"
     assert c.targets and set(c.targets) <= set(TARGETS), f"{where}: unknown target"
-    assert bool(c.runs) != bool(c.refused), f"{where}: a cell either runs (a test) or is refused (a sentence)"
-    if c.is_refused:
+    assert sum(map(bool, (c.runs, c.refused, c.off))) == 1, \
+        f"{where}: a cell either runs (a test), is refused or turned off (a sentence)"
+    if c.is_refused or c.is_off:
         assert c.check in CHECKS, f"{where}: check must be one of {CHECKS}"
         assert (c.check == "spec") == bool(c.path and c.fix), f"{where}: a spec rule (only) has a path and a fix"
         known = set(Launch().values())
-        for text in (c.refused, c.fix):
+        for text in (c.refused or c.off, c.fix):
             bad = set(_template_fields(text)) - known
             assert not bad, f"{where}: the sentence names {sorted(bad)}, not Launch fields"
     else:

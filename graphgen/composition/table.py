@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
-from .launch import BOTH, CPU, NPU, Cell, Launch, _check_cell, _key, refused, runs
+from .launch import BOTH, CPU, NPU, Cell, Launch, _check_cell, _key, refused, runs, turned_off
 
 # ---------------------------------------------------------------------------------------------- the sentences
 # Shared by several cells (one sentence, several pairs): lift them together or split the sentence.
@@ -24,6 +24,15 @@ NODES_HOST_POOL = ("ranks on several nodes share the host pool node 0 serves on 
 LORA_RANKS = "LoRA adapters are not split over parallel ranks yet (docs/lora.md)"
 LORA_RANKS_FIX = "remove the lora: section, or use a parallel layout of one rank"
 MTP_SPLIT = "{0} ({{{0}}}) with MTP is not implemented (the MTP layer's draft tokens would need the same split)"
+
+
+ASYNC_SCHEDULING_RANKS = ("async scheduling is off on parallel ranks: every rank schedules and steps in lockstep on "
+                          "one thread (a second thread's collectives would not pair up across ranks), so step N+1 "
+                          "is planned after step N (docs/serve.md)")
+
+
+def _async_on(dim: str) -> Callable[[Launch], bool]:
+    return lambda x: x.async_scheduling and (getattr(x, dim) > 1 if dim != "sp" else x.sp)
 
 
 def _spec_with_mtp(name: str) -> Callable[[Launch], bool]:
@@ -95,7 +104,7 @@ CELLS: tuple[Cell, ...] = (
          "cp2_matches_transformers_and_cp1_and_a_swapped_split_does_not", "= cp 1 = transformers"),
     runs(("async_write", "prefix_cache", "chunked", "cp", "tp"), CPU, "tests/parallel/test_context_parallel.py::test_"
          "qwen3_cp2_tp2_matches_transformers_and_cp1", "= cp 1 = transformers"),
-    runs(("async_write", "async_scheduling", "chunked", "cp"), CPU, "tests/serve/test_serve_cp.py::test_serve_cp2_"
+    runs(("async_write", "chunked", "cp"), CPU, "tests/serve/test_serve_cp.py::test_serve_cp2_"
          "greedy_equals_cp1", "serve --cp 2 = cp 1"),
     runs(("async_write", "prefix_cache", "sp", "tp"), CPU, "tests/parallel/test_parallel_ranks.py::test_qwen3_tp2_"
          "write_modes_give_the_same_tokens[tp2_sp]", "every write mode, cold and warm, = one rank"),
@@ -113,9 +122,9 @@ CELLS: tuple[Cell, ...] = (
          "engines_share_a_prefix_and_a_killed_master_costs_recomputes", "the hit = the cold run"),
     runs(("async_write", "async_scheduling", "pd", "mooncake"), CPU, "tests/serve/test_pd.py::test_router_tokens_"
          "equal_a_single_instance", "2P1D through the router = one instance"),
-    runs(("async_write", "async_scheduling", "pd", "mooncake", "tp"), CPU, "tests/serve/test_pd.py::test_ranks_pd_"
+    runs(("async_write", "pd", "mooncake", "tp"), CPU, "tests/serve/test_pd.py::test_ranks_pd_"
          "through_the_router_equals_a_single_instance_and_a_killed_p_rank_falls_back", "tp-2 P and D = one instance"),
-    runs(("async_scheduling", "nodes", "tp"), CPU, "tests/parallel/test_nodes.py::test_qwen3_tp4_serve_on_two_nodes_"
+    runs(("nodes", "tp"), CPU, "tests/parallel/test_nodes.py::test_qwen3_tp4_serve_on_two_nodes_"
          "equals_four_ranks_on_one_and_a_lost_node_ends_it", "two nodes = four ranks on one"),
     runs(("dp", "ep", "nodes"), CPU, "tests/parallel/test_nodes.py::test_deepseek_dp4_ep4_on_two_nodes_equals_four_"
          "ranks_on_one", "two nodes = four ranks on one"),
@@ -147,6 +156,10 @@ CELLS: tuple[Cell, ...] = (
          "matches_one_rank", "= one rank"),
     runs(("lora",), NPU, "tests/lora/test_lora_npu_delta.py::test_npu_engine_on_the_standin_matches_the_cpu_engine_"
          "with_adapters_batched", "= the CPU target with the same adapters"),
+    # --- turned off: the launch runs without the feature, and says so (a note on stderr; rank.py's engine_options)
+    *(turned_off(("async_scheduling", dim), BOTH, ASYNC_SCHEDULING_RANKS, when=_async_on(dim))
+      for dim in ("cp", "sp", "dp", "tp", "ep")),
+    turned_off(("async_scheduling", "nodes"), BOTH, ASYNC_SCHEDULING_RANKS, when=_async_on("nnodes")),
     # --- refused per request (a 400 from serve)
     refused(("mtp", "structured"), BOTH, "structured output (response_format) is not supported with --speculative mtp "
                                          "(docs/mtp.md)", "request"),
@@ -159,7 +172,7 @@ def launch_refusal(launch: Launch) -> Optional[str]:
     each rendered as the launch prints it), or None. Request-level cells are the engine's, per request."""
     for check in ("launch", "spec"):
         for cell in CELLS:
-            if cell.check == check and cell.applies(launch):
+            if cell.is_refused and cell.check == check and cell.applies(launch):
                 return cell.sentence(launch)
     return None
 
@@ -185,11 +198,20 @@ def sentence_of(features: tuple[str, ...], target: str = "cpu") -> str:
     raise KeyError(f"no refused cell {features} on {target}")
 
 
+def launch_notes(launch: Launch) -> list[str]:
+    """The sentences of every turned-off feature of ``launch`` (each once): run and serve print them."""
+    out: list[str] = []
+    for cell in CELLS:
+        if cell.is_off and cell.applies(launch) and cell.sentence(launch) not in out:
+            out.append(cell.sentence(launch))
+    return out
+
+
 def refusals(launch: Launch) -> list[Cell]:
     """Every refused cell that applies to ``launch`` (launch checks and spec rules in table order, as
     `launch_refusal` prints the first; then the request-level ones)."""
-    return [c for c in CELLS if c.check != "request" and c.applies(launch)] + \
-        [c for c in CELLS if c.check == "request" and c.applies(launch)]
+    return [c for c in CELLS if c.is_refused and c.check != "request" and c.applies(launch)] + \
+        [c for c in CELLS if c.is_refused and c.check == "request" and c.applies(launch)]
 
 
 @dataclass(frozen=True)
@@ -208,6 +230,8 @@ SEED: tuple[SeedCombo, ...] = (
     SeedCombo("async write + MTP", ("async_write", "mtp")),
     SeedCombo("async write + function call, reasoning parsing", ("async_write", "tools")),
     SeedCombo("table rows 1-5: CP/SP (DeepSeek V3.1)", ("cp", "sp")),
+    SeedCombo("table rows 1-5: CP/SP + async inference", ("async_scheduling", "cp")),
+    SeedCombo("table rows 1-5: CP/SP + async inference", ("async_scheduling", "sp")),
     SeedCombo("table rows 6-7: DP/TP (DeepSeek V3.1)", ("dp", "tp")),
     SeedCombo("table rows 8-9: 2P1D of DP/TP instances", ("pd", "dp")),
     SeedCombo("table rows 8-9: 2P1D of DP/TP instances", ("pd", "tp")),

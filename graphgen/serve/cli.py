@@ -27,6 +27,7 @@ from ..engine_args import (
     check_engine_arguments,
     engine_options,
     follow_node,
+    launch_notes,
     layout_refusal,
     placement_of,
     target_note,
@@ -218,6 +219,8 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
         return _err(str(e))
     if target_note(args):  # once the engine is up
         print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
+    for note in launch_notes(spec, args):  # a feature this launch runs without (graphgen.composition)
+        print(f"graphgen serve: note: {note}", file=sys.stderr, flush=True)
     from ..runtime import eos_token_ids
 
     tokenizer = load_tokenizer(weights)
