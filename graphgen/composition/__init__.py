@@ -30,7 +30,8 @@ from .launch import (BOTH, CHECKS, CPU, FEATURE_NAMES, FEATURES, NPU, TARGETS, C
 from .table import (ASYNC_SCHEDULING_RANKS, CELLS, MTP_LAYERS_ONE_RANK, NODES_HOST_POOL, PD_SHARED_POOL, SEED,
                     SPECULATIVE_ONE_RANK, SeedCombo, launch_notes, launch_refusal, refusals, sentence_of, spec_rules)
 
-__all__ = ["ASYNC_SCHEDULING_RANKS", "BOTH", "CELLS", "CHECKS", "CPU", "FEATURES", "FEATURE_NAMES", "MTP_LAYERS_ONE_RANK", "NODES_HOST_POOL",
-           "NPU", "PD_SHARED_POOL", "SEED", "SPECULATIVE_ONE_RANK", "TARGETS", "Cell", "Feature", "Launch",
-           "SeedCombo", "Verdict", "example_launch", "launch_notes", "launch_refusal", "markdown", "refusals", "refused", "runs", "turned_off",
-           "sentence_of", "spec_rules", "verdict"]
+__all__ = ["ASYNC_SCHEDULING_RANKS", "BOTH", "CELLS", "CHECKS", "CPU", "FEATURES", "FEATURE_NAMES",
+           "MTP_LAYERS_ONE_RANK", "NODES_HOST_POOL", "NPU", "PD_SHARED_POOL", "SEED", "SPECULATIVE_ONE_RANK",
+           "TARGETS", "Cell", "Feature", "Launch", "SeedCombo", "Verdict", "example_launch", "launch_notes",
+           "launch_refusal", "markdown", "refusals", "refused", "runs", "turned_off", "sentence_of", "spec_rules",
+           "verdict"]

@@ -77,8 +77,8 @@ def markdown() -> str:
            "refused, with sentence *n* of [Refused](#refused), before anything loads (a request-level row: that "
            "request gets a 400). Both marks: it runs with what its ✓ row adds and is refused without (a P/D role "
            "needs a shared pool). **○n**: it starts but runs without one of its features, and run/serve say so "
-           "with note *n* of [Turned off](#turned-off). **·**: untested — every check accepts it and no test runs it yet; nothing here "
-           "claims it works. The refused rows are the one refusal table every runtime asks "
+           "with note *n* of [Turned off](#turned-off). **·**: untested — every check accepts it and no test "
+           "runs it yet; nothing here claims it works. The refused rows are the one refusal table every runtime asks "
            "(`graphgen.composition.launch_refusal`, `spec_rules`).", "",
            "The NPU target runs here only through the CPU stand-in (`--target npu --standin`): a ✓ on the NPU "
            "grid is a wiring check on CPU against the CPU target, never an NPU run (docs/npu.md).", "",

@@ -110,13 +110,18 @@ CELLS: tuple[Cell, ...] = (
          "write_modes_give_the_same_tokens[tp2_sp]", "every write mode, cold and warm, = one rank"),
     runs(("async_write", "prefix_cache", "tp"), CPU, "tests/parallel/test_parallel_ranks.py::test_qwen3_tp2_write_"
          "modes_give_the_same_tokens[tp2]", "every write mode, cold and warm, = one rank"),
-    runs(("async_write", "ep", "tp"), CPU, "tests/parallel/test_parallel_ranks.py::test_deepseek_tp2_matches_"
+    runs(("async_write", "chunked", "tp"), CPU, "tests/parallel/test_parallel_ranks.py::test_qwen3_tp2_mixed_batches_"
+         "match_transformers_on_every_rank", "= transformers on every rank, chunks and decodes in one step"),
+    runs(("prefix_cache", "structured", "tp"), CPU, "tests/serve/test_serve_tp.py::test_serve_tp2_greedy_equals_run_"
+         "tp2_and_seeded_sampling_repeats", "serve --tp 2 = run --tp 2; its structured output = one rank's"),
+    runs(("async_write", "ep", "prefix_cache", "tp"), CPU,
+         "tests/parallel/test_parallel_ranks.py::test_deepseek_tp2_matches_"
          "transformers_and_saves_the_latent_once[ep2_local_experts]", "= transformers, the latent saved once"),
     runs(("async_write", "prefix_cache", "dp", "ep"), CPU, "tests/parallel/test_data_parallel.py::test_dp2_ep2_"
          "matches_transformers_tp1_and_shares_prefixes_across_ranks", "= one rank = transformers"),
     runs(("async_write", "dp", "ep", "tp"), CPU, "tests/parallel/test_data_parallel.py::test_dp2_tp2_ep4_matches_"
          "transformers_and_one_rank", "= one rank = transformers"),
-    runs(("async_write", "async_scheduling", "prefix_cache", "mooncake"), CPU, "tests/serve/test_serve_mooncake.py::"
+    runs(("async_scheduling", "prefix_cache", "mooncake"), CPU, "tests/serve/test_serve_mooncake.py::"
          "test_two_servers_share_a_prefix_through_one_master", "the second server's hit = the first's cold answer"),
     runs(("async_write", "prefix_cache", "mooncake", "tp"), CPU, "tests/mooncake/test_ranks_pool.py::test_two_tp2_"
          "engines_share_a_prefix_and_a_killed_master_costs_recomputes", "the hit = the cold run"),
@@ -128,17 +133,21 @@ CELLS: tuple[Cell, ...] = (
          "equals_four_ranks_on_one_and_a_lost_node_ends_it", "two nodes = four ranks on one"),
     runs(("dp", "ep", "nodes"), CPU, "tests/parallel/test_nodes.py::test_deepseek_dp4_ep4_on_two_nodes_equals_four_"
          "ranks_on_one", "two nodes = four ranks on one"),
-    runs(("lora",), CPU, "tests/lora/test_lora_numerics.py::test_adapters_batched_with_base_requests_match_peft"
+    runs(("async_write", "lora"), CPU,
+         "tests/lora/test_lora_numerics.py::test_adapters_batched_with_base_requests_match_peft"
          "[deepseek_v3]", "= PEFT"),
     runs(("async_scheduling", "lora", "mooncake", "prefix_cache"), CPU, "tests/mooncake/test_lora_pool.py::test_the_"
          "same_adapter_on_two_servers_shares_blocks_through_mooncake", "the hit = the cold answer"),
-    runs(("async_write", "async_scheduling", "tools"), CPU, "tests/serve/test_serve_tools.py::test_tool_call_and_reasoning[tiny_"
+    runs(("async_write", "async_scheduling", "tools"), CPU,
+         "tests/serve/test_serve_tools.py::test_tool_call_and_reasoning[tiny_"
          "deepseek_v3_chat]", "the calls and the reasoning the chat checkpoint writes"),
-    runs(("async_write", "async_scheduling", "structured", "tools"), CPU, "tests/serve/test_serve_tools.py::test_named_tool_choice_"
+    runs(("async_write", "async_scheduling", "structured", "tools"), CPU,
+         "tests/serve/test_serve_tools.py::test_named_tool_choice_"
          "is_forced_by_the_grammar[tiny_deepseek_v3_chat]", "the forced call parses"),
     runs(("async_scheduling", "structured"), CPU, "tests/serve/test_serve_structured.py::test_json_schema_validates"
          "[sampling0]", "the output validates against the schema"),
-    runs(("w8a8",), BOTH, "tests/npu/test_w8a8.py::test_w8a8_npu_standin_gives_the_cpu_targets_tokens[deepseek_v3]",
+    runs(("async_write", "w8a8"), BOTH,
+         "tests/npu/test_w8a8.py::test_w8a8_npu_standin_gives_the_cpu_targets_tokens[deepseek_v3]",
          "the stand-in = the CPU target's int8 emulation, and both move off the unquantized logits"),
     runs(("async_write", "prefix_cache"), NPU, "tests/npu/test_npu_runner.py::test_greedy_tokens_and_logits_match_"
          "the_cpu_target", "= the CPU target, a prompt repeating another's blocks"),
