@@ -278,7 +278,7 @@ def launch_of(spec, args):
     return Launch.of(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"),
                      mtp=spec.mtp is not None, speculative=getattr(args, "speculative", None) is not None,
                      write=getattr(args, "write", None) or spec.pool.write, role=getattr(args, "role", "both"),
-                     pool=getattr(args, "pool", "host"), nnodes=getattr(args, "nnodes", 1) or 1,
+                     pool=getattr(args, "pool", None), nnodes=getattr(args, "nnodes", 1) or 1,
                      prefix_cache="prefix_cache" in feats, chunked=bool(getattr(args, "chunked_prefill", False)),
                      async_scheduling=bool(getattr(args, "async_scheduling", False)),
                      w8a8=spec.quantization.method != "none", lora=spec.lora is not None or bool(loras),

@@ -55,7 +55,7 @@ def serve_argv(x: comp.Launch, weights: Path) -> list[str]:
         assert not (x.mtp or x.lora)
         spec = _w8a8_spec(str(weights))
     argv = ["serve", "--spec", spec, "--weights", str(weights), "--port", "0",
-            "--write", x.write or "off", "--pool", x.pool,
+            "--write", x.write or "off", "--pool", x.pool or "host",
             "--async-scheduling" if x.async_scheduling else "--no-async-scheduling",
             "--chunked-prefill" if x.chunked else "--no-chunked-prefill"]
     for k in ("tp", "ep", "dp", "cp", "nnodes"):
@@ -99,7 +99,7 @@ def test_the_launch_flags_say_what_the_example_launch_is(weights):
             got = launch_of(load_spec(args.spec), args)
             # the tiny specs list prefix_cache (a pool hit is up to the prompts); no write mode set: off
             assert dataclasses.replace(got, prefix_cache=x.prefix_cache) == dataclasses.replace(
-                x, write=x.write or "off"), c
+                x, write=x.write or "off", pool=x.pool or "host"), c
 
 
 @pytest.mark.parametrize("cell", REFUSED, ids=_id)

@@ -64,7 +64,7 @@ class Launch:
     speculative: bool = False
     write: Optional[str] = None
     role: str = "both"
-    pool: str = "host"
+    pool: Optional[str] = None  # "host" (the embedded pool), a mooncake:// URL; None: not known here
     nnodes: int = 1
     prefix_cache: bool = False
     chunked: bool = False
@@ -94,14 +94,14 @@ class Launch:
         on = {"async_write": self.write == "async", "async_scheduling": self.async_scheduling,
               "prefix_cache": self.prefix_cache, "chunked": self.chunked, "mtp": self.mtp and self.speculative,
               "cp": self.cp > 1, "sp": self.sp, "dp": self.dp > 1, "tp": self.tp > 1, "ep": self.ep > 1,
-              "pd": self.role != "both", "mooncake": self.pool.startswith("mooncake://"), "nodes": self.nnodes > 1,
+              "pd": self.role != "both", "mooncake": (self.pool or "").startswith("mooncake://"), "nodes": self.nnodes > 1,
               "w8a8": self.w8a8, "lora": self.lora, "tools": self.tools, "structured": self.structured}
         return frozenset(k for k, v in on.items() if v)
 
     def values(self) -> dict[str, Any]:
         """The fields a sentence template may name (``{tp}``, ``{role}``, ``{ranks}``...)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(world=self.world, ranks=self.ranks, write=self.write or "off")
+        out.update(world=self.world, ranks=self.ranks, write=self.write or "off", pool=self.pool or "host")
         return out
 
 

@@ -17,8 +17,7 @@ MTP_LAYERS_ONE_RANK = ("a spec with MTP layers runs on one rank only so far: its
                        "decoder layer (graphgen generate, validate and dry-run take the layout), but the rank runners "
                        "do not load or run it yet (docs/mtp.md); run with --tp 1 --ep 1")
 PD_SHARED_POOL = ("--role {role} hands the KV over through a shared pool: it needs --pool mooncake://HOST:PORT (not "
-                  "host), a --write other than off, and dp 1 (tp/cp ranks hand off every rank's shard; DP groups do "
-                  "not yet) (got --pool {pool}, write {write}, {ranks} rank(s), dp {dp})")
+                  "host) and a --write other than off (got --pool {pool}, write {write})")
 NODES_HOST_POOL = ("ranks on several nodes share the host pool node 0 serves on --master-addr: run them with "
                    "--pool host (got --pool {pool})")
 LORA_RANKS = "LoRA adapters are not split over parallel ranks yet (docs/lora.md)"
@@ -60,13 +59,14 @@ CELLS: tuple[Cell, ...] = (
     refused(("mtp", "ep"), BOTH, MTP_LAYERS_ONE_RANK, when=lambda x: x.mtp and x.ep > 1,
             example=(("speculative", False),)),
     # --- refused at launch: P/D roles (serve --role)
-    refused(("mtp", "pd"), BOTH, "--speculative mtp does not combine with --role {role} yet (docs/mtp.md)",
+    refused(("mtp", "pd"), BOTH, "--speculative mtp does not combine with --role prefill|decode yet: no MTP KV is "
+                                 "saved to the pool, so a handoff could not cover the drafter's cache (docs/mtp.md); "
+                                 "serve with --role both, or without --speculative",
             when=lambda x: x.speculative and x.role != "both"),
     refused(("pd",), BOTH, PD_SHARED_POOL, when=lambda x: x.role != "both" and (
         x.write == "off" or x.pool == "host"), example=(("pool", "host"),)),
-    refused(("pd", "dp"), BOTH, PD_SHARED_POOL, when=lambda x: x.role != "both" and x.dp > 1),
     # --- refused at launch: ranks on several nodes (engine_args.placement_of says it too)
-    refused(("nodes", "mooncake"), BOTH, NODES_HOST_POOL, when=lambda x: x.nnodes > 1 and x.pool != "host"),
+    refused(("nodes", "mooncake"), BOTH, NODES_HOST_POOL, when=lambda x: x.nnodes > 1 and x.pool not in (None, "host")),
     # --- refused by the spec rules (graphgen validate; every launch, whose flags bypass the loader)
     refused(("sp", "dp"), BOTH, "sp: true with dp ({dp}) > 1 is not implemented (the MoE's DP all-gather would need "
                                 "the tokens gathered over the TP group first)", "spec",
@@ -129,6 +129,9 @@ CELLS: tuple[Cell, ...] = (
          "equal_a_single_instance", "2P1D through the router = one instance"),
     runs(("async_write", "pd", "mooncake", "tp"), CPU, "tests/serve/test_pd.py::test_ranks_pd_"
          "through_the_router_equals_a_single_instance_and_a_killed_p_rank_falls_back", "tp-2 P and D = one instance"),
+    runs(("async_write", "dp", "ep", "pd", "mooncake", "tp"), CPU,
+         "tests/serve/test_pd.py::test_dp_tp_pd_through_the_router_equals_one_rank_and_each_lease_ends_when_d_read_"
+         "or_timed_out", "dp 2 x tp 2 P and D through the router = one rank, margin-aware"),
     runs(("nodes", "tp"), CPU, "tests/parallel/test_nodes.py::test_qwen3_tp4_serve_on_two_nodes_"
          "equals_four_ranks_on_one_and_a_lost_node_ends_it", "two nodes = four ranks on one"),
     runs(("dp", "ep", "nodes"), CPU, "tests/parallel/test_nodes.py::test_deepseek_dp4_ep4_on_two_nodes_equals_four_"

@@ -106,16 +106,16 @@ def layout_rules(family: str, d: Any, par: Any, *, mtp: bool = False, lora: bool
     return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp, mtp=mtp, lora=lora)
 
 
-def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False
-                       ) -> Optional[str]:
+def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False,
+                       role: str = "both") -> Optional[str]:
     """The sentence refusing a launch of the layout ``par`` on ``target`` (``graphgen run``/``serve``: exit 2),
     or None: ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes with them
-    (``--speculative mtp``). The one refusal table's answer (`graphgen.composition.launch_refusal`: its launch
+    (``--speculative mtp``), ``role`` its P/D role (``graphgen serve --role``). The one refusal table's answer (`graphgen.composition.launch_refusal`: its launch
     checks, then its spec rules, which a --tp/--cp flag would otherwise bypass); a caller that knows more of
     the launch (the write mode, the pool, a P/D role) asks it with a fuller `graphgen.composition.Launch`."""
     from ..composition import Launch, launch_refusal
 
-    return launch_refusal(Launch.of(par, target, mtp=mtp, speculative=speculative))
+    return launch_refusal(Launch.of(par, target, mtp=mtp, speculative=speculative, role=role))
 
 
 def rank_kv_components(family: str, d: Any, tp: int) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -323,8 +323,10 @@ class DistributedEngine:
 
     def kv_naming(self):
         """How the ranks name a prompt's blocks: every distinct KV shard's keys (a shard several ranks hold,
-        as MLA's latent, once), named here as each rank's loader names them (P/D's handoff over ranks). None
-        on the host pool: it lives in this instance only, nothing outside could read a handoff."""
+        as MLA's latent, once), named here as each rank's loader names them (P/D's handoff over ranks). Keys
+        carry no DP rank (every DP group names a prompt's blocks alike), and DP ranks of one rank each name them
+        as one rank does (no ``shards``): a handoff of dp × tp ranks is one of tp ranks. None on the host pool:
+        it lives in this instance only, nothing outside could read a handoff."""
         if self._pool is not None:
             return None
         from ...runtime.engine.interface import CacheNaming
@@ -335,7 +337,10 @@ class DistributedEngine:
         fns = tuple((lambda m, lay, shard: lambda p, salt="": block_keys(p, bs, model=m, layout=lay, shard=shard,
                                                                           salt=salt))(
             m, lay, KVShard(i, n)) for m, lay, i, n, _ in parts)
-        return CacheNaming(bs, layout, lambda p, salt="": chain_digests(p, bs, salt), fns[0], shard_keys=fns,
+        digests = lambda p, salt="": chain_digests(p, bs, salt)  # noqa: E731
+        if [(i, n) for _, _, i, n, _ in parts] == [(0, 1)]:  # DP ranks of one rank each: one rank's naming (r0of1)
+            return CacheNaming(bs, layout, digests, fns[0])
+        return CacheNaming(bs, layout, digests, fns[0], shard_keys=fns,
                            shards=tuple(KVShard(i, n).render() for _, _, i, n, _ in parts))
 
     def kv_pool(self):
