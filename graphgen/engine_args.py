@@ -13,7 +13,7 @@ from typing import Optional, get_args
 
 from .modelspec.model import WritePolicy
 
-__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "target_note",
+__all__ = ["add_engine_arguments", "check_engine_arguments", "engine_options", "add_speculative_arguments", "layout_refusal", "launch_notes", "launch_of", "target_note",
            "rank_count", "thread_options", "default_compile_cache_dir", "overridden_spec", "placement_of",
            "follow_node",
            "EXIT_OK", "EXIT_STALE", "EXIT_INVALID", "EXIT_UNAVAILABLE"]
@@ -248,20 +248,38 @@ def follow_node(args, spec, here, command: str) -> int:
 
 
 def layout_refusal(spec, args) -> Optional[str]:
-    """The sentence refusing the spec's parallel layout with the flags' overrides applied: where the spec rules
-    refuse it (`graphgen.families.parallel.layout_rules`: a --cp/--sp/--tp the file did not set is checked here,
-    before the weights load, as the file's own layout was by the loader) or the runtime cannot run it yet
-    (`graphgen.families.parallel.runtime_layout_gap`); None if neither; torch-free."""
-    from .families.parallel import layout_rules, runtime_layout_gap
+    """The sentence refusing this launch (the spec with the flags' overrides applied, the target, the write
+    mode, the pool, a serve --role...) where graphgen cannot run the combination yet, or None: the one refusal
+    table's answer (`graphgen.composition.launch_refusal`, docs/composition.md); torch-free."""
+    from .composition import launch_refusal
+
+    return launch_refusal(launch_of(spec, args))
+
+
+def launch_notes(spec, args) -> list[str]:
+    """The notes run/serve print for a launch that starts without one of its features (the table's turned-off
+    rows: async scheduling on parallel ranks), each one sentence."""
+    from .composition import launch_notes as notes
+
+    return notes(launch_of(spec, args))
+
+
+def launch_of(spec, args):
+    """The `graphgen.composition.Launch` of these flags on ``spec`` (what the refusals read of a launch)."""
+    from .composition import Launch
 
     overrides = {k: getattr(args, k, None) for k in ("tp", "ep", "dp", "cp", "sp")}
-    par = spec.with_overrides(**overrides).parallel
-    problems = list(layout_rules(spec.family, spec.dims, par, mtp=spec.mtp is not None))
-    if problems:
-        return "; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems)
-    return runtime_layout_gap(par, getattr(args, "target", "cpu"), mtp=spec.mtp is not None,
-                              speculative=getattr(args, "speculative", None) is not None,
-                              role=getattr(args, "role", "both"))
+    feats = set(getattr(spec, "features", ()) or ())
+    _, loras = lora_modules_of(args)
+    return Launch.of(spec.with_overrides(**overrides).parallel, getattr(args, "target", "cpu"),
+                     mtp=spec.mtp is not None, speculative=getattr(args, "speculative", None) is not None,
+                     write=getattr(args, "write", None) or spec.pool.write, role=getattr(args, "role", "both"),
+                     pool=getattr(args, "pool", None), nnodes=getattr(args, "nnodes", 1) or 1,
+                     prefix_cache="prefix_cache" in feats, chunked=bool(getattr(args, "chunked_prefill", False)),
+                     async_scheduling=bool(getattr(args, "async_scheduling", False)),
+                     w8a8=spec.quantization.method != "none", lora=spec.lora is not None or bool(loras),
+                     tools=bool(getattr(args, "tool_call_parser", None) or getattr(args, "reasoning_parser", None)
+                                or feats & {"function_call", "reasoning_parser"}))
 
 
 def rank_count(args, spec) -> int:

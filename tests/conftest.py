@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from support.collected import COLLECTED
 from support.paths import TINY_DSV3, TINY_QWEN3
 
 pytest_plugins = ["support.skips"]
@@ -51,8 +52,11 @@ SLOW_FILES = ("npu/test_compile_steps_cli.py",         # torch.compile through t
               "npu/test_npu_ranks.py")                 # NPU rank processes through the stand-in
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: every test this run collected
 def pytest_collection_modifyitems(config, items):
     from support.paths import TESTS
+
+    config.stash[COLLECTED] = frozenset(item.nodeid for item in items)  # tests/test_composition.py reads it
 
     registered = {line.split(":")[0].strip() for line in config.getini("markers")}
     for item in items:

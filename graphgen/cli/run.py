@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..engine_args import (add_engine_arguments, add_lora_arguments, add_speculative_arguments, check_engine_arguments, engine_options,
-                           follow_node, layout_refusal, placement_of, target_note, thread_options)
+                           follow_node, launch_notes, layout_refusal, placement_of, target_note, thread_options)
 from .common import EXIT_INVALID, EXIT_OK, EXIT_UNAVAILABLE, err, usage_error
 
 
@@ -113,6 +113,8 @@ def cmd_run(args) -> int:
         return EXIT_INVALID
     if target_note(args):  # once the engine is up (a refusal stays one sentence)
         err(f"graphgen run: {target_note(args)}")
+    for note in launch_notes(spec, args):  # a feature this launch runs without (graphgen.composition)
+        err(f"graphgen run: note: {note}")
     from ..runtime import eos_token_ids
 
     eos = [] if args.ignore_eos else eos_token_ids(weights)

@@ -51,10 +51,13 @@ PLANS: dict[str, ParallelPlan] = {
 
 
 def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: int = 1,
-                   sp: bool = False, mtp: bool = False) -> Iterator[Rule]:
+                   sp: bool = False, mtp: bool = False, lora: bool = False) -> Iterator[Rule]:
     """Yield ``(path, message, fix)`` for every way the layout does not fit the family's dims, or
-    combines modes graphgen does not implement together (docs/parallel.md, "Layouts"); ``mtp``: the spec has
-    MTP layers (an ``mtp:`` section)."""
+    combines modes graphgen does not implement together (``mtp``: the spec has MTP layers, ``lora``: a
+    ``lora:`` section; those combinations are the spec rules of the one refusal table,
+    `graphgen.composition`, docs/composition.md)."""
+    from ..composition import Launch, spec_rules
+
     plan = PLANS[family]
     for name, what in plan.tp_divides:
         n = getattr(d, name)
@@ -71,15 +74,7 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if sp and tp == 1:
         yield ("parallel.sp", "sp: true needs tp > 1 (sequence parallelism splits the tokens over the TP group)",
                "set tp: 2 or more, or sp: false")
-    # with MTP layers: tp, ep and dp run (the MTP layer sharded like a decoder layer, its draft runs on every
-    # rank; docs/mtp.md, "With ranks"); cp and sp do not
-    if cp > 1 and mtp:
-        yield ("parallel.cp", f"cp ({cp}) with MTP is not implemented (the MTP layer's draft runs would need the "
-               f"prompt's hidden states split head-tail like its tokens)", "set cp: 1, or turn MTP off")
-    if sp and mtp:
-        yield ("parallel.sp", "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
-               "layer: its eh_proj would read the embedding's token shard before the all-gather)",
-               "set sp: false, or turn MTP off")
+    yield from spec_rules(Launch(tp=tp, ep=ep, dp=dp, cp=cp, sp=sp, mtp=mtp, lora=lora))
 
 
 def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator[Rule]:
@@ -106,59 +101,21 @@ def _ep_rules(plan: ParallelPlan, d: Any, tp: int, ep: int, dp: int) -> Iterator
         yield ("parallel.ep", f"ep ({ep}) must divide {plan.experts} ({e})", f"use an ep that divides {e}")
 
 
-def layout_rules(family: str, d: Any, par: Any, *, mtp: bool = False) -> Iterator[Rule]:
-    """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`); ``mtp``: the
-    spec has MTP layers."""
-    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp, mtp=mtp)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the runtime refusals read of a launch: the layout (a `graphgen.modelspec.model.Parallel`), whether
-    the spec has MTP layers (an ``mtp:`` section), whether it decodes speculatively (``--speculative mtp``) and
-    its P/D role (``graphgen serve --role``: ``both``, ``prefill`` or ``decode``)."""
-    par: Any
-    mtp: bool = False
-    speculative: bool = False
-    role: str = "both"
-
-
-# What the runtimes cannot run yet (graphgen run/serve refuse it with this sentence): the one refusal table of a
-# launch, rows (what is set, is it set in this Launch, the sentence). The build path (generate, validate, dry-run)
-# takes every layout the spec rules accept; lifting a row is a change here plus the runtime's code.
-_Gap = tuple[str, Callable[[Launch], bool], str]
-_RUNTIME_GAPS: tuple[_Gap, ...] = (
-    # (MTP with ranks runs since issue 38 item 1: every rank runs the drafter's steps in lockstep, the DP groups
-    # pad the MTP layer's MoE gather with dummy draft runs; cp and sp with MTP are spec rules, `parallel_rules`)
-    # P/D with ranks runs at any tp / cp / dp x tp (docs/pd.md "P/D with ranks"); MTP through P/D at one rank each
-    ("role+speculative", lambda x: x.speculative and x.role != "both" and x.par.world > 1,
-     "--speculative mtp under --role prefill|decode runs with one rank per instance so far (the handoff of "
-     "speculative ranks' successor-keyed shards is untested: docs/pd.md, \"MTP through P/D\"); serve the role "
-     "with --tp 1 --ep 1 --dp 1, or --role both"),
-)
-# ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
-_NPU_GAPS: tuple[_Gap, ...] = (
-    ("cp+dp", lambda x: x.par.cp > 1 and x.par.dp > 1,
-     "context parallel with DP attention does not run on the NPU runner yet (its CP pieces are padded to one bucket "
-     "per CP group, not to the DP ranks' agreed bucket: graphgen/npu/run/context_parallel.py); use --target cpu, or "
-     "run with --cp 1"),
-    ("speculative_dp", lambda x: x.speculative and x.par.dp > 1,
-     "--speculative mtp with dp > 1 does not run on the NPU target yet (the DP ranks' agreed graph calls have no "
-     "kind for the MTP layer's draft runs or for verify rows of K + 1 tokens); use --target cpu, or --dp 1"),
-)
+def layout_rules(family: str, d: Any, par: Any, *, mtp: bool = False, lora: bool = False) -> Iterator[Rule]:
+    """``parallel_rules`` for a spec's ``parallel:`` (a :class:`graphgen.modelspec.model.Parallel`)."""
+    return parallel_rules(family, d, par.tp, par.ep, dp=par.dp, cp=par.cp, sp=par.sp, mtp=mtp, lora=lora)
 
 
 def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False,
                        role: str = "both") -> Optional[str]:
-    """The sentence refusing a launch the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
-    or None: ``par`` the layout, ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes
-    with them (``--speculative mtp``), ``role`` its P/D role (``graphgen serve --role``). The build path
-    (generate, validate, dry-run) takes every layout the spec rules accept."""
-    launch = Launch(par, mtp=mtp, speculative=speculative, role=role)
-    for _, is_set, sentence in (_NPU_GAPS if target == "npu" else ()) + _RUNTIME_GAPS:
-        if is_set(launch):
-            return sentence
-    return None
+    """The sentence refusing a launch of the layout ``par`` on ``target`` (``graphgen run``/``serve``: exit 2),
+    or None: ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes with them
+    (``--speculative mtp``), ``role`` its P/D role (``graphgen serve --role``). The one refusal table's answer (`graphgen.composition.launch_refusal`: its launch
+    checks, then its spec rules, which a --tp/--cp flag would otherwise bypass); a caller that knows more of
+    the launch (the write mode, the pool, a P/D role) asks it with a fuller `graphgen.composition.Launch`."""
+    from ..composition import Launch, launch_refusal
+
+    return launch_refusal(Launch.of(par, target, mtp=mtp, speculative=speculative, role=role))
 
 
 def rank_kv_components(family: str, d: Any, tp: int) -> tuple[tuple[str, tuple[int, ...]], ...]:

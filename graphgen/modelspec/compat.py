@@ -120,7 +120,7 @@ def check_compat(spec: Any) -> Iterator[Rule]:
 def _lora_rules(spec: Any) -> Iterator[Rule]:
     from .model import LORA_RANKS
 
-    family, lora, par = (_get(spec, k) for k in ("family", "lora", "parallel"))
+    family, lora = _get(spec, "family"), _get(spec, "lora")
     if lora is _MISSING or lora is None:
         return
     if lora.max_lora_rank not in LORA_RANKS:
@@ -137,9 +137,7 @@ def _lora_rules(spec: Any) -> Iterator[Rule]:
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 yield (f"lora.targets[{i}]", f"lora target '{t}' is no projection a {family} adapter can target",
                        f"{hint}use some of: {', '.join(known)}")
-    if par is not _MISSING and par.world > 1:
-        yield ("lora", "LoRA adapters are not split over parallel ranks yet (docs/lora.md)",
-               "remove the lora: section, or use a parallel layout of one rank")
+    # with parallel ranks: the one refusal table's spec rules (graphgen.composition; _parallel_rules)
 
 
 def _quant_rules(spec: Any) -> Iterator[Rule]:
@@ -166,7 +164,7 @@ def _mtp_rules(spec: Any) -> Iterator[Rule]:
         yield ("mtp", f"mtp: multi-token prediction layers exist for family {' or '.join(row.families)} "
                f"only, not {family}", "remove the mtp: section")
     # tp/ep: the shard pass splits the MTP layer like a decoder layer; the rank runners do not run it yet
-    # (a launch refusal: families.parallel.runtime_layout_gap's table, not a spec rule)
+    # (a launch refusal: graphgen.composition's table, not a spec rule)
     if variants is not _MISSING:
         for name, v in variants.items():
             if v.phase == "mtp" and (v.history or v.save is not None or v.granularity is not None):
@@ -327,4 +325,6 @@ def _parallel_rules(spec: Any) -> Iterator[Rule]:
     mtp = _get(spec, "mtp")  # the MTP layer's spec field (absent, null or off: no MTP)
     feats = _get(spec, "features")
     has_mtp = getattr(mtp, "num_layers", 0) > 0 or (feats is not _MISSING and "mtp" in feats)
-    yield from layout_rules(family, d, par, mtp=has_mtp)
+    lora = _get(spec, "lora")
+    # the combinations (cp/dp/sp with MTP, LoRA with ranks...): the spec rules of graphgen.composition's table
+    yield from layout_rules(family, d, par, mtp=has_mtp, lora=lora not in (None, _MISSING))

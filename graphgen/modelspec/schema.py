@@ -224,14 +224,18 @@ def spec_doc_text(text: str) -> str:
 
 
 def derived_files(repo: str | Path) -> dict[Path, str]:
-    """Files derived from the spec dataclasses (path under ``repo`` -> expected text): the JSON Schema and
-    docs/spec.md with its generated tables. ``graphgen generate`` writes them, ``graphgen check`` compares."""
+    """Files derived from the code (path under ``repo`` -> expected text): the JSON Schema, docs/spec.md with
+    its generated tables and docs/composition.md (`graphgen.composition`). ``graphgen generate`` writes them,
+    ``graphgen check`` compares."""
     from pathlib import Path
+
+    from ..composition import markdown as composition_markdown
 
     doc = Path(repo) / "docs" / "spec.md"
     out = {Path(repo) / "specs" / "schema.json": schema_text()}
     if doc.exists():
         out[doc] = spec_doc_text(doc.read_text(encoding="utf-8"))
+    out[Path(repo) / "docs" / "composition.md"] = composition_markdown()  # the composition matrix, whole
     return out
 
 

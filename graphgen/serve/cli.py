@@ -27,6 +27,7 @@ from ..engine_args import (
     check_engine_arguments,
     engine_options,
     follow_node,
+    launch_notes,
     layout_refusal,
     placement_of,
     target_note,
@@ -114,7 +115,7 @@ def check_args(args):
         spec = load_spec(args.spec)
     except Exception as e:  # a spec error renders with its file:line
         return f"--spec {args.spec}: {e}", None
-    refusal = layout_refusal(spec, args)
+    refusal = layout_refusal(spec, args)  # the one refusal table (graphgen.composition): layouts, roles, pools
     if refusal is not None:  # before the port and the weights: one sentence, exit 2
         return refusal, None
     from .tools import PARSERS
@@ -126,12 +127,6 @@ def check_args(args):
             return f"--{flag.replace('_', '-')} {v}: not one of {', '.join(known)}", None
     if not args.kv_lease_timeout > 0:
         return f"--kv-lease-timeout must be > 0, got {args.kv_lease_timeout}", None
-    if args.role != "both":  # the handoff goes through a pool both instances see (any layout: docs/pd.md)
-        write = args.write or spec.pool.write
-        if write == "off" or args.pool == "host":
-            return (f"--role {args.role} hands the KV over through a shared pool: it needs --pool "
-                    f"mooncake://HOST:PORT (not host) and a --write other than off (got --pool {args.pool}, "
-                    f"write {write})"), None
     bs = spec.kv_cache.block_size
     need = -(-2 // bs)  # one prompt token and one generated token
     if args.num_blocks < need:
@@ -224,6 +219,8 @@ def _serve(args, weights: Path, sock, api_keys, spec, here=None) -> int:
         return _err(str(e))
     if target_note(args):  # once the engine is up
         print(f"graphgen serve: {target_note(args)}", file=sys.stderr, flush=True)
+    for note in launch_notes(spec, args):  # a feature this launch runs without (graphgen.composition)
+        print(f"graphgen serve: note: {note}", file=sys.stderr, flush=True)
     from ..runtime import eos_token_ids
 
     tokenizer = load_tokenizer(weights)

@@ -96,8 +96,10 @@ def speculative_refusal(params: SamplingParams) -> Optional[tuple[str, str]]:
 
     if params.logprobs is not None:
         return no("logprobs")
-    if params.structured is not None:
-        return no("response_format", "structured output (response_format)")
+    if params.structured is not None:  # a combination of features: the one refusal table's sentence
+        from ...composition import sentence_of
+
+        return "response_format", sentence_of(("mtp", "structured"))
     for name in ("presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "bad_words",
                  "allowed_token_ids"):
         if getattr(params, name) not in (0, 0.0, (), None):

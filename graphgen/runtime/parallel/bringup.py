@@ -41,7 +41,8 @@ def _checked(spec, weights, pool, target: str):
     if target not in RANK_TARGETS:
         raise ValueError(f"no rank builder for target {target!r}: expected one of {sorted(RANK_TARGETS)}")
     # a --tp/--ep override is checked here (the loader checked the file's own layout)
-    problems = list(layout_rules(spec.family, spec.dims, spec.parallel, mtp=spec.mtp is not None))
+    problems = list(layout_rules(spec.family, spec.dims, spec.parallel, mtp=spec.mtp is not None,
+                                 lora=spec.lora is not None))
     if problems:
         raise ValueError("; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems))
     gap = runtime_layout_gap(spec.parallel, target, mtp=spec.mtp is not None)  # the one table of what ranks cannot run
