@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from graphgen.modelspec.model import Parallel
@@ -31,8 +30,9 @@ def test_expert_weights_are_sliced_by_the_ep_index_under_dp():
 def test_layout_numbers_ranks_dp_major():
     lay = [DPLayout.of(Parallel(dp=2, tp=2, ep=4), r) for r in range(4)]
     assert [(x.dp_rank, x.tp_rank, x.ep_rank) for x in lay] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
-    with pytest.raises(ValueError, match="cp > 1"):
-        DPLayout.of(Parallel(dp=2, cp=2, ep=2), 0)
+    # cp inside DP groups (issue 38): a group's CP ranks are one DP rank and hold the same experts (ep = dp x tp)
+    cp = [DPLayout.of(Parallel(dp=2, cp=2, ep=2), r) for r in range(4)]
+    assert [(x.dp_rank, x.tp_rank, x.ep_rank) for x in cp] == [(0, 0, 0), (0, 0, 0), (1, 0, 1), (1, 0, 1)]
 
 
 def test_router_keeps_a_prefix_on_one_rank_and_bounds_the_imbalance():
