@@ -1,6 +1,7 @@
 """Round trips of the shared host pool (the pool process ranks share, `graphgen.runtime.pool.shared`):
 per-key ``put``/``get`` (one manager round trip per block, how a commit and a load went before) vs
-``put_many`` in batches of the connector's ``COMMIT_BATCH`` and one ``get_many`` per load.
+``put_many`` in the connector's batches (``COMMIT_BATCH`` blocks, at most ``COMMIT_BATCH_BYTES``) and
+``get_many`` (RemotePool asks for about ``GET_BATCH_BYTES`` a round trip).
 
     python benchmarks/bench_shared_pool.py [--blocks 256] [--sizes 2KiB,64KiB] [--reps 5]
 
@@ -21,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from graphgen.runtime.engine.connector import COMMIT_BATCH                       # noqa: E402
+from graphgen.runtime.engine.connector import COMMIT_BATCH, COMMIT_BATCH_BYTES   # noqa: E402
 from graphgen.runtime.pool.codec import parse_size                              # noqa: E402
 from graphgen.runtime.pool.shared import connect_pool, serve_pool               # noqa: E402
 
@@ -36,9 +37,10 @@ def per_key(pool, keys, vals):
 
 
 def batched(pool, keys, vals):
+    n = max(1, min(COMMIT_BATCH, COMMIT_BATCH_BYTES // len(vals[0])))   # the connector's batch
     t = time.perf_counter()
-    for lo in range(0, len(keys), COMMIT_BATCH):
-        assert all(pool.put_many(list(zip(keys[lo:lo + COMMIT_BATCH], vals[lo:lo + COMMIT_BATCH]))))
+    for lo in range(0, len(keys), n):
+        assert all(pool.put_many(list(zip(keys[lo:lo + n], vals[lo:lo + n]))))
     ts = time.perf_counter() - t
     t = time.perf_counter()
     assert all(v is not None for v in pool.get_many(keys))
