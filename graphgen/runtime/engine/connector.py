@@ -165,10 +165,11 @@ class KVConnector:
             t0 = time.perf_counter() if obs is not None else 0.0
             puts = 0
             batch: list = []   # (key, value) packed, put once COMMIT_BATCH or COMMIT_BATCH_BYTES is reached
+            size = 0
             for j, key in enumerate(save.keys):
                 batch.append((key, save.pack(j)))
-                if j + 1 < len(save.keys) and len(batch) < COMMIT_BATCH and \
-                        sum(len(v) for _, v in batch) < COMMIT_BATCH_BYTES:
+                size += len(batch[-1][1])
+                if j + 1 < len(save.keys) and len(batch) < COMMIT_BATCH and size < COMMIT_BATCH_BYTES:
                     continue
                 try:
                     oks = self.pool.put_many(batch)
@@ -178,7 +179,7 @@ class KVConnector:
                 for ok in oks:
                     puts += bool(ok)
                     self._count("puts" if ok else "put_failures")  # a failed block is recomputed later
-                batch = []
+                batch, size = [], 0
             if obs is not None:
                 obs.commit(t0, time.perf_counter(), blocks=len(save.keys), puts=puts)
         finally:
