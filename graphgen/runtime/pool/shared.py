@@ -1,7 +1,7 @@
 """The embedded host pool shared by rank processes: one pool process behind a loopback
 `multiprocessing` manager (authkey-protected, 127.0.0.1 only), and `RemotePool`, the `PoolBackend`
 a rank process holds (a manager proxy; every call is a round trip, so a commit's puts and a load's gets
-go as one call each: ``put_many`` / ``get_many``)."""
+go in batches of about 256 KiB: ``put_many`` / ``get_many``)."""
 from __future__ import annotations
 
 import socket
@@ -65,8 +65,8 @@ def serve_pool(capacity: int, address, authkey: bytes, ready) -> None:  # pragma
 
 class RemotePool(PoolBackend):
     """The shared host pool as a rank process sees it (a manager proxy; every call is a round trip).
-    ``get_into`` fetches every value in one ``get_many`` and hands them over here: its destinations
-    (buffers, unpack callables) cannot cross processes."""
+    ``get_into`` fetches the values with ``get_many`` (about GET_BATCH_BYTES a round trip) and hands them over
+    here: its destinations (buffers, unpack callables) cannot cross processes."""
 
     def __init__(self, proxy):
         self._proxy = proxy
