@@ -7,6 +7,7 @@ is bounded (``timeout``) and every test too (``TEST_TIMEOUT``)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -156,6 +157,24 @@ def test_a_dying_rank_is_reported_not_a_hang(qwen):
     with pytest.raises(RankFailure, match=r"rank 1 exited \(code 3\)"):
         eng.generate([[1, 2, 3, 4, 5]], 2)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_rank_killed_between_commands_ends_the_engine_with_its_sentence(qwen):
+    """A rank SIGKILLed while the engine is idle: the next command finds its pipe closed and ends the engine with
+    ``rank N exited`` (a RankFailure, which serve answers and exits on), not a BrokenPipeError (before: serve's
+    loop died on it and a P/D instance stayed up with its requests unanswered)."""
+    import signal
+
+    eng = open_engine(REPO / "specs/tiny_qwen3_tp2.yaml", qwen.dir, num_blocks=32, timeout=30)
+    try:
+        assert eng.generate([[1, 2, 3, 4, 5]], 1)[0].tokens
+        victim = eng._procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        with pytest.raises(RankFailure, match=r"rank 1 exited \(code -9\).*\(found sending it\)"):
+            eng.generate([[1, 2, 3, 4, 5]], 1)
+    finally:
+        eng.close()
 
 
 def test_cli_run_tp2_json_logits_match_transformers(qwen):

@@ -247,8 +247,12 @@ class DistributedEngine:
                 if self._failure is not None:
                     raise RankFailure(self._failure)
                 raise RuntimeError("the distributed engine is closed")
-            for e in self._ends:
-                e.send(cmd)
+            try:
+                for e in self._ends:
+                    e.send(cmd)
+            except OSError as err:  # a rank died between commands (its pipe is closed): the engine ends, as in _collect
+                self._fail(f"{self._dead(grace=1.0).rstrip('; ') or f'a rank closed its pipe ({err})'} "
+                           f"{when or f'during {what}'} (found sending it)")
             if self._channel is not None:
                 self._channel.broadcast(("cmd", cmd))
             self._phases.command()
