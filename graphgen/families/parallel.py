@@ -146,9 +146,6 @@ _NPU_GAPS: tuple[_Gap, ...] = (
     ("sp", lambda x: x.par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
                                "but the NPU runner does not pad a step's tokens to a multiple of tp); use --target "
                                "cpu, or run with --no-sp"),
-    ("speculative_dp", lambda x: x.speculative and x.par.dp > 1,
-     "--speculative mtp with dp > 1 does not run on the NPU target yet (the DP ranks' agreed graph calls have no "
-     "kind for the MTP layer's draft runs or for verify rows of K + 1 tokens); use --target cpu, or --dp 1"),
 )
 
 
