@@ -148,12 +148,13 @@ class Group:
 
 GROUPS = (
     Group("ds_cpsp", "deepseek", ("--cp", "2", "--tp", "2", "--sp"), 1, 8192, ("off", "sync", "async"),
-          nearest=("--cp", "2"), nearest_why="CP alone (tp 1, no SP): the seed's CP/SP needs cp with sp",
+          nearest=("--cp", "2"), nearest_why="CP alone (tp 1, no SP), run only if the seed's CP/SP is refused",
           accuracy=True),
     Group("ds_dptp", "deepseek", ("--dp", "2", "--tp", "2", "--ep", "4"), 64, 8192, ("sync", "async"),
           nearest=("--dp", "2", "--ep", "2"), nearest_why="DP attention at tp 1 inside each DP group"),
     Group("ds_2p1d", "deepseek", ("--dp", "2", "--tp", "2", "--ep", "4"), 32, 16384, ("sync", "async"),
-          nearest=(), nearest_why="2P1D of one-rank instances: --role with ranks is refused", pd=True),
+          nearest=(), nearest_why="2P1D of one-rank instances, the cheapest 2P1D beside the seed's dp x tp one",
+          pd=True),
     Group("qwen_acc", "qwen", (), 64, 8192, ("sync", "async"), accuracy=True, perf=False),
     Group("qwen_8k", "qwen", (), 1, 8192, ("off", "sync", "async")),
     Group("qwen_16k", "qwen", (), 64, 16384, ("sync", "async")),

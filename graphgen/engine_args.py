@@ -225,9 +225,6 @@ def placement_of(args, spec):
     here = Placement.of(world, nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
                         master_addr=getattr(args, "master_addr", "127.0.0.1"),
                         master_port=getattr(args, "master_port", DEFAULT_MASTER_PORT))
-    if here.multi_node and args.pool != "host":
-        raise ValueError(f"ranks on several nodes share the host pool node 0 serves on --master-addr: run them "
-                         f"with --pool host (got --pool {args.pool})")
     return here
 
 
@@ -247,7 +244,7 @@ def follow_node(args, spec, here, command: str) -> int:
 
         deadlines = Deadlines.parse(args.rank_timeout)
     return follow(here, spec, args.weights, threads=getattr(args, "torch_threads", None), rank_timeout=deadlines,
-                  command=command)
+                  command=command, pool=args.pool)
 
 
 def layout_refusal(spec, args) -> Optional[str]:
@@ -263,7 +260,8 @@ def layout_refusal(spec, args) -> Optional[str]:
     if problems:
         return "; ".join(f"{where}: {msg} (fix: {fix})" for where, msg, fix in problems)
     return runtime_layout_gap(par, getattr(args, "target", "cpu"), mtp=spec.mtp is not None,
-                              speculative=getattr(args, "speculative", None) is not None)
+                              speculative=getattr(args, "speculative", None) is not None,
+                              role=getattr(args, "role", "both"))
 
 
 def rank_count(args, spec) -> int:

@@ -163,10 +163,15 @@ def _generate(engine, prompts, args) -> int:
             rate = f"{100.0 * accepted / drafts:.1f}%" if drafts else "n/a (no drafts verified)"
             err(f"speculative mtp: acceptance rate {rate} ({accepted}/{drafts} draft tokens accepted)")
         ps = engine.pool_stats()  # after drain: every commit has landed
+        # ranks on Mooncake: each rank its own client (on several nodes, each announcing its node's address)
+        per_rank = engine.rank_pool_stats() if "master" in ps and hasattr(engine, "rank_pool_stats") else []
     if "master" in ps:  # a Mooncake pool (stderr, also with --json): each failure cost a recompute
         err(f"mooncake pool {ps['master']}: {ps['errors']} errors, {ps['put_failures']} put failures, "
             f"{ps['rejected']} rejected values, {ps.get('segment_full', 0)} segment full"
             + (f", down ({ps['last_error']})" if ps.get("down") else ""))
+    for rank, rs in enumerate(per_rank):
+        err(f"mooncake pool: rank {rank}'s client at {rs['local_hostname']}: {rs['puts']} puts "
+            f"({rs['put_failures']} failed), {rs['get_hits']} of {rs['gets']} gets hit, {rs['errors']} errors")
     return EXIT_OK
 
 

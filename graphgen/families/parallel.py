@@ -71,15 +71,6 @@ def parallel_rules(family: str, d: Any, tp: int, ep: int, *, dp: int = 1, cp: in
     if sp and tp == 1:
         yield ("parallel.sp", "sp: true needs tp > 1 (sequence parallelism splits the tokens over the TP group)",
                "set tp: 2 or more, or sp: false")
-    if sp and dp > 1:
-        yield ("parallel.sp", f"sp: true with dp ({dp}) > 1 is not implemented (the MoE's DP all-gather would "
-               f"need the tokens gathered over the TP group first)", "set sp: false, or dp: 1")
-    if cp > 1 and dp > 1:
-        yield ("parallel.cp", f"cp ({cp}) with dp ({dp}) is not implemented (both would split the MoE's "
-               f"tokens; no rank order for it is defined)", "set cp: 1 or dp: 1")
-    if cp > 1 and sp:
-        yield ("parallel.cp", f"cp ({cp}) with sp: true is not implemented (sequence parallelism would split "
-               f"the head-tail chunks again)", "set sp: false, or cp: 1")
     # with MTP layers: tp, ep and dp run (the MTP layer sharded like a decoder layer, its draft runs on every
     # rank; docs/mtp.md, "With ranks"); cp and sp do not
     if cp > 1 and mtp:
@@ -124,10 +115,12 @@ def layout_rules(family: str, d: Any, par: Any, *, mtp: bool = False) -> Iterato
 @dataclass(frozen=True)
 class Launch:
     """What the runtime refusals read of a launch: the layout (a `graphgen.modelspec.model.Parallel`), whether
-    the spec has MTP layers (an ``mtp:`` section) and whether it decodes speculatively (``--speculative mtp``)."""
+    the spec has MTP layers (an ``mtp:`` section), whether it decodes speculatively (``--speculative mtp``) and
+    its P/D role (``graphgen serve --role``: ``both``, ``prefill`` or ``decode``)."""
     par: Any
     mtp: bool = False
     speculative: bool = False
+    role: str = "both"
 
 
 # What the runtimes cannot run yet (graphgen run/serve refuse it with this sentence): the one refusal table of a
@@ -137,25 +130,27 @@ _Gap = tuple[str, Callable[[Launch], bool], str]
 _RUNTIME_GAPS: tuple[_Gap, ...] = (
     # (MTP with ranks runs since issue 38 item 1: every rank runs the drafter's steps in lockstep, the DP groups
     # pad the MTP layer's MoE gather with dummy draft runs; cp and sp with MTP are spec rules, `parallel_rules`)
+    # P/D with ranks runs at any tp / cp / dp x tp (docs/pd.md "P/D with ranks"): no layout row for --role
+    ("role+speculative", lambda x: x.speculative and x.role != "both",
+     "--speculative mtp does not combine with --role prefill|decode yet: no MTP KV is saved to the pool, so a "
+     "handoff could not cover the drafter's cache (docs/mtp.md); serve with --role both, or without --speculative"),
 )
 # ... and what only the NPU target lacks (the CPU ranks run it); checked first for --target npu
 _NPU_GAPS: tuple[_Gap, ...] = (
-    ("cp", lambda x: x.par.cp > 1, "context parallel (cp > 1) has no NPU lowering yet (the head-tail split and the "
-                                   "per-layer KV all-gather run on the CPU ranks only); use --target cpu, or run "
-                                   "with --cp 1"),
-    ("sp", lambda x: x.par.sp, "sequence parallel (sp) does not run on the NPU target yet (its graphs are lowered, "
-                               "but the NPU runner does not pad a step's tokens to a multiple of tp); use --target "
-                               "cpu, or run with --no-sp"),
+    ("cp+dp", lambda x: x.par.cp > 1 and x.par.dp > 1,
+     "context parallel with DP attention does not run on the NPU runner yet (its CP pieces are padded to one bucket "
+     "per CP group, not to the DP ranks' agreed bucket: graphgen/npu/run/context_parallel.py); use --target cpu, or "
+     "run with --cp 1"),
 )
 
 
-def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False
-                       ) -> Optional[str]:
+def runtime_layout_gap(par: Any, target: str = "cpu", *, mtp: bool = False, speculative: bool = False,
+                       role: str = "both") -> Optional[str]:
     """The sentence refusing a launch the ``target``'s runtime cannot run (``graphgen run``/``serve``: exit 2),
     or None: ``par`` the layout, ``mtp`` whether the spec has MTP layers, ``speculative`` whether it decodes
-    with them (``--speculative mtp``). The build path (generate, validate, dry-run) takes every layout the spec
-    rules accept."""
-    launch = Launch(par, mtp=mtp, speculative=speculative)
+    with them (``--speculative mtp``), ``role`` its P/D role (``graphgen serve --role``). The build path
+    (generate, validate, dry-run) takes every layout the spec rules accept."""
+    launch = Launch(par, mtp=mtp, speculative=speculative, role=role)
     for _, is_set, sentence in (_NPU_GAPS if target == "npu" else ()) + _RUNTIME_GAPS:
         if is_set(launch):
             return sentence

@@ -56,6 +56,7 @@ class NpuCtx:
     loaded: dict[str, Any] = field(default_factory=dict)  # load-time weight key -> recipe (the module's LOAD_TIME_WEIGHTS)
     world: int = 1  # ranks of the layout (dp x cp x tp): a collective over all of them uses the world group
     tp: int = 1
+    cp: int = 1  # context-parallel ranks: a prefill's queries are this rank's head-tail pieces (lower/npu_parallel.py)
     quant: str = NONE  # the graph's quantization (graphgen.ir.quant): W8A8 multiplies the linear layers in int8
 
 
@@ -195,12 +196,14 @@ def _mla_attention(n: Node, ctx: NpuCtx) -> list[str]:
                 "b.atten_mask", *heads, f"kv_lora_rank={a['kv_lora_rank']}", f"scale={py(a['scale'])}",
                 f"block_size={a['block_size']}"]
         return [f"{_out(n, ctx)} = _mla_attention_absorbed({', '.join(args)})"]
-    if mode == "prefill":
+    if mode == "prefill" and ctx.cp == 1:
         args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), "b.kv_index", "b.actual_seq_lengths", "b.atten_mask",
                 *heads, f"scale={py(a['scale'])}"]
         return [f"{_out(n, ctx)} = _mla_prefill({', '.join(args)})"]
     # splitfuse: the history rows come packed from the host (b.kv_gather_rows), not from the block
-    # table in the graph: the in-graph order needed aten.sort.stable, which GE cannot convert.
+    # table in the graph: the in-graph order needed aten.sort.stable, which GE cannot convert. A context-parallel
+    # prefill too: a CP rank's pieces attend over every rank's earlier tokens (the gathered KV in its cache), not
+    # over the rows its own KV write filled (docs/npu.md, "Context parallel on the NPU runner").
     args = [q_nope, q_pe, cache, weight(n, "w_kv_b"), "b.kv_gather_rows", "b.actual_seq_lengths",
             "b.actual_seq_lengths_kv", "b.atten_mask", *heads, f"scale={py(a['scale'])}"]
     return [f"{_out(n, ctx)} = _mla_splitfuse({', '.join(args)})"]
@@ -331,7 +334,7 @@ def render_npu(graph: Graph, options: NpuOptions) -> str:
     # every cache layer has the one layout; the MTP graph writes only its own layer but saves them all
     ctx = NpuCtx(Names(graph), options.mode, graph.events,
                  {name: layout["kv_components"] for name, kind in graph.names.items() if kind == "kv_cache"},
-                 world=world, tp=tp, quant=quant_of(graph))
+                 world=world, tp=tp, cp=graph.meta.get("cp", 1), quant=quant_of(graph))
     tag, prio = py(options.save_stream_tag), py(options.save_stream_priority)
     body: list[str] = []
     prev = None

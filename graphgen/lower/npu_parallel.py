@@ -16,9 +16,12 @@ that ``graphgen.npu.run.groups.bind_process_groups`` fills on each rank before t
 
 Token collectives (sequence parallel's reduce-scatter and all-gather around the norms; DP attention's
 MoE gathers) cut dim 0 into equal shards, so every step's token count must be a multiple of the group
-size (``tp``): the spec's NPU buckets are (``graphgen.npu.check.speclimits``), unlike the CPU ranks, which
-take short shards. Context parallel (group ``cp``) has no NPU lowering: its head-tail chunks are not equal
-shards of one tensor.
+size (``tp``): the NPU runner pads every call to a bucket that is (``Buckets.from_spec`` keeps only those under
+sequence parallel and DP attention at tp > 1), unlike the CPU ranks, which take short shards. Context parallel's
+KV gather (group ``cp``, before each prefill layer's KV write) is the same token all-gather: every CP rank runs
+each prefill call padded to one bucket (the runner pads its head-tail pieces to the largest rank's,
+`graphgen.npu.run.context_parallel`), so the gathered rows are every rank's padded tokens, rank-major, and the
+step's ``kv_index`` lists their slots in that order (padding rows: the pad block).
 
 Expert-parallel MoE (``ep > 1``): the rank's ``E/ep`` experts through ``npu_moe_init_routing_v2``'s
 ``active_expert_range`` (``_moe_residual(..., ep=, ep_rank=)``), a partial sum like the TP-sliced MoE
@@ -48,9 +51,6 @@ def named_groups(nodes: Iterable[Node], world: int) -> list[str]:
 
 def _group(n: Node, ctx: RankEmitContext) -> str:
     a = n.attrs
-    if a["group"] == "cp":
-        raise LoweringError(f"node {n.id}: no NPU lowering for {n.op} in group 'cp' (context parallel's "
-                            f"head-tail chunks are not equal shards; docs/npu.md)")
     return WORLD_GROUP if a["size"] == ctx.world else f"{PROCESS_GROUPS}[{a['group']!r}]"
 
 

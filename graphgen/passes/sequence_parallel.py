@@ -9,12 +9,15 @@ residual stream and the norms are row-wise, so they need only 1/tp of the step's
 - after each norm an ``all_gather`` (dim 0) restores every token for the column-parallel op that
   reads it (attention prolog, MLP, MoE), and the LM head's input is all-gathered before it (its
   final norm and the ``logits_indices`` rows need every token);
+- under DP attention (``dp > 1``) the MoE's reduce-scatter over ``ep`` already leaves each rank 1/tp of
+  its DP group's tokens (the same ``ceil(T/tp)`` cut): it stays, and the TP all-gather after it goes (the
+  residual add takes the shard); the MoE's DP all-gather reads the TP-gathered norm, as without ``sp``;
 
 so each layer's two all-reduces become two reduce-scatters and two all-gathers (the same bytes on
 the wire, the norms and residual adds on 1/tp of the tokens, and 1/tp of the residual stream held).
 The runner pads a step's tokens to a multiple of ``tp`` (meta ``sp=true`` says so).
 
-requires: the graph after ``shard`` (meta ``tp`` > 1), no reduce-scatter yet, every all_reduce in group tp.
+requires: the graph after ``shard`` (meta ``tp`` > 1), no reduce-scatter over tp yet, every all_reduce in group tp.
 ensures:  no all_reduce left; the parallel checks (``verify_parallel``: collectives in the order the
           layout asks for, no partial sum or token shard read before its collective) hold.
 With ``sp`` false the pass changes nothing. Pure Python, no torch.
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..ir.graph import MAIN_STREAM, Graph, Node
 from .base import Pass, PassContext
-from .shard import GROUP
+from .shard import EP_GROUP, GROUP
 
 if TYPE_CHECKING:
     from ..modelspec.model import ModelSpec
@@ -43,7 +46,8 @@ class SequenceParallel(Pass):
         if not _sp(ctx.spec):
             return []
         problems = [] if graph.meta.get("tp", 1) > 1 else ["sequence parallel needs the sharded graph (meta tp > 1)"]
-        problems += [f"node {n.id} is already a reduce_scatter" for n in graph.nodes if n.op == "reduce_scatter"]
+        problems += [f"node {n.id} is already a reduce_scatter over tp" for n in graph.nodes
+                     if n.op == "reduce_scatter" and n.attrs.get("group") == GROUP]
         problems += [f"all_reduce {n.id} is in group {n.attrs.get('group')!r}, not {GROUP!r}"
                      for n in graph.nodes if n.op == "all_reduce" and n.attrs.get("group") != GROUP]
         return problems
@@ -66,7 +70,17 @@ class SequenceParallel(Pass):
                 renamed[name] = whole
             return renamed[name]
 
+        alias: dict[str, str] = {}  # a dropped TP gather's output -> the shard it gathered
         for n in graph.nodes:
+            if alias:
+                n = Node(n.id, n.op, n.stream, tuple(alias.get(r, r) for r in n.reads), n.writes, n.attrs, n.layer)
+            if n.op == "reduce_scatter" and n.attrs.get("group") == EP_GROUP:  # DP attention's MoE (tp > 1):
+                out.append(n)               # each rank gets 1/tp of its DP group's tokens, SP's shard already
+                shard.update(n.writes)
+                continue
+            if n.op == "all_gather" and n.attrs.get("group") == GROUP and n.reads[0] in shard:
+                alias[n.writes[0]] = n.reads[0]  # ... so its TP gather goes: the residual add takes the shard
+                continue
             if n.op == "all_reduce":
                 base = n.id[:-len(".all_reduce")] if n.id.endswith(".all_reduce") else n.id
                 out.append(Node(f"{base}.reduce_scatter", "reduce_scatter", n.stream, n.reads, n.writes,

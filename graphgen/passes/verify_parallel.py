@@ -15,7 +15,8 @@ What they prove, on the one graph every rank runs:
   sequence its compute ops ask for under the layout (:func:`expected_collectives`): one reduction
   after every partial sum (all_reduce, or reduce_scatter with ``sp``), an all-gather of the tokens
   after every norm under ``sp`` and before the LM head, the DP all-gather / EP reduce-scatter / TP
-  all-gather around every MoE under ``dp``, the vocabulary all-gather after a sharded LM head. A golden
+  all-gather around every MoE under ``dp`` (no TP all-gather with ``sp``: the residual stays sharded),
+  the vocabulary all-gather after a sharded LM head. A golden
   with a collective line deleted, duplicated or moved fails here;
 - **no partial sum escapes**: the output of a row-parallel op (``PARTIAL_OPS``) is read only by an
   ``all_reduce`` or ``reduce_scatter`` with ``reduce=sum``, and the local logits of a sharded LM head
@@ -62,7 +63,9 @@ def expected_collectives(graph: Graph) -> list[tuple[str, str]]:
         if n.op == "kv_write" and lay["cp"] > 1 and lay["prefill"]:
             out += [("all_gather", "cp")] * len(n.input("parts"))
         elif n.op == "moe" and dp > 1:
-            out += [("all_gather", "dp"), ("reduce_scatter", "ep")] + ([("all_gather", "tp")] if tp > 1 else [])
+            # the TP all-gather back to the group's tokens, unless sp keeps the reduce-scatter's shard
+            out += [("all_gather", "dp"), ("reduce_scatter", "ep")]
+            out += [("all_gather", "tp")] if tp > 1 and not sp else []
         elif n.op in PARTIAL_OPS:
             out.append(reduce)
         elif n.op == "rms_norm" and sp:

@@ -10,8 +10,10 @@ error and is returned as is, but a backend's 401/403 refuses the router's own ``
 a 502 naming the flag (never the key). No decode instance up: a 503 at once. Health: ``GET /health`` of
 every backend each ``health_interval_s``: a refused check marks it down at once, a timed-out one
 only after three in a row (a loaded host's busy backend is not gone); a backend that fails a request
-is marked down until its next good check. Without prefill instances it only balances the decode ones (each serving as
-``both``): a data-parallel front.
+is marked down until its next good check. A decode instance that fails before the client got anything (a 503:
+its engine ended, a rank lost; a stream whose first event is an error, or that breaks before it) while another
+is up: the request goes to the next one, with the same handoff (counted). Without prefill instances it only
+balances the decode ones (each serving as ``both``): a data-parallel front.
 
 ``create_router`` builds one `RouterState` and an app whose routes are the module-level handlers
 below, each reading that state from ``request.app.state.router``.
@@ -284,8 +286,8 @@ async def route(st: RouterState, request: Request, path: str):
 
 
 async def _to_decode(st: RouterState, path: str, body: dict, dbody: dict, done, t0: float):
-    """D's answer, passed through (the next D while none has answered); ``done()`` once D's first
-    bytes came (or it failed)."""
+    """D's answer, passed through (the next D while none has answered, or one failed before sending anything);
+    ``done()`` once D's first bytes came (or every D failed)."""
     tried: list[Backend] = []
     while (d := st.decode.pick(prefix_key(body), tried)) is not None:
         tried.append(d)
@@ -306,17 +308,31 @@ async def _to_decode(st: RouterState, path: str, body: dict, dbody: dict, done, 
             st.metrics.backend_errors.labels(kind="decode_auth").inc()
             st.metrics.requests.labels(outcome="backend_auth").inc()
             return _key_refused("decode", d.url)
-        st.metrics.requests.labels(outcome="ok" if r.status == 200 else f"decode_{r.status}").inc()
         ctype = r.headers.get("content-type", "application/json")
         if ctype.startswith("text/event-stream"):
-            return StreamingResponse(_relay(st, r, d, done, t0), status_code=r.status, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            head, broken = await _first_event(r)  # D's first event (after its prefill), before the client sees any
+            if (broken or _is_error_event(head)) and st.decode.healthy(tried):
+                r.close()
+                d.end()
+                _decode_failed(st, d, "before its first event")
+                continue
+            st.metrics.requests.labels(outcome="ok" if r.status == 200 else f"decode_{r.status}").inc()
+            return StreamingResponse(_relay(st, r, d, done, t0, head, broken), status_code=r.status,
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            data = await r.read()
+            data: Optional[bytes] = await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            data = None  # D died while answering
         finally:
             r.release()
             d.end()
-            done()
+        if (data is None or r.status == D_UNAVAILABLE) and st.decode.healthy(tried):
+            _decode_failed(st, d, f"with {r.status}" if data is not None else "while answering")
+            continue
+        done()
+        st.metrics.requests.labels(outcome="ok" if r.status == 200 else f"decode_{r.status}").inc()
+        if data is None:
+            return _error(502, f"the decode instance {d.url} failed while answering", "backend_failed")
         st.metrics.first_byte_s.observe(time.perf_counter() - t0)
         return Response(data, status_code=r.status, media_type=ctype)
     done()
@@ -324,8 +340,57 @@ async def _to_decode(st: RouterState, path: str, body: dict, dbody: dict, done, 
     return _error(503, "no decode instance is up", "unavailable")
 
 
-async def _relay(st: RouterState, r, d: Backend, first, t0: float):
+# A D answers 503 when it cannot serve the request at all (its engine ended: a rank lost; or it drains): nothing
+# of the answer was produced, so another D serves it (by its own lookup of the handoff, or a recompute)
+D_UNAVAILABLE = 503
+
+
+def _decode_failed(st: RouterState, d: Backend, how: str) -> None:
+    """D failed before the client got anything and another D is up: counted; the request goes to the next D.
+    D is not marked down here (a D that lost its engine exits, and its health check says so)."""
+    log.warning("decode %s failed %s: the request goes to another decode instance", d.url, how)
+    d.failures += 1
+    st.metrics.backend_errors.labels(kind="decode_failed").inc()
+
+
+async def _first_event(r) -> tuple[bytes, bool]:
+    """The bytes of D's stream up to the end of its first SSE event, and whether the stream ended or failed
+    before that event was whole."""
+    buf = b""
     try:
+        while b"\n\n" not in buf:
+            chunk = await r.content.readany()
+            if not chunk:
+                return buf, True
+            buf += chunk
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return buf, True
+    return buf, False
+
+
+def _is_error_event(head: bytes) -> bool:
+    """Is D's first SSE event an error (its engine ended before the first token)?"""
+    line = head.split(b"\n\n", 1)[0]
+    if not line.startswith(b"data: "):
+        return False
+    try:
+        event = json.loads(line[6:])
+    except ValueError:
+        return False
+    return isinstance(event, dict) and "error" in event
+
+
+async def _relay(st: RouterState, r, d: Backend, first, t0: float, head: bytes = b"", broken: bool = False):
+    """D's stream to the client: ``head`` (what `_first_event` read) first; ``broken``: D's stream ended or
+    failed within it (the client gets the error event)."""
+    try:
+        if head:
+            st.metrics.first_byte_s.observe(time.perf_counter() - t0)
+            release, first = first, None
+            release()
+            yield head
+        if broken:
+            raise aiohttp.ClientPayloadError("the stream ended before its first event")
         async for chunk in r.content.iter_any():
             if first is not None:
                 st.metrics.first_byte_s.observe(time.perf_counter() - t0)

@@ -29,7 +29,6 @@ from ..engine_args import (
     follow_node,
     layout_refusal,
     placement_of,
-    rank_count,
     target_note,
     thread_options,
 )
@@ -127,16 +126,12 @@ def check_args(args):
             return f"--{flag.replace('_', '-')} {v}: not one of {', '.join(known)}", None
     if not args.kv_lease_timeout > 0:
         return f"--kv-lease-timeout must be > 0, got {args.kv_lease_timeout}", None
-    if args.role != "both" and getattr(args, "speculative", None) is not None:
-        return f"--speculative mtp does not combine with --role {args.role} yet (docs/mtp.md)", None
-    if args.role != "both":  # the handoff goes through a pool both instances see
+    if args.role != "both":  # the handoff goes through a pool both instances see (any layout: docs/pd.md)
         write = args.write or spec.pool.write
-        dp = args.dp if getattr(args, "dp", None) is not None else spec.parallel.dp
-        if write == "off" or args.pool == "host" or dp > 1:
+        if write == "off" or args.pool == "host":
             return (f"--role {args.role} hands the KV over through a shared pool: it needs --pool "
-                    f"mooncake://HOST:PORT (not host), a --write other than off, and dp 1 (tp/cp ranks "
-                    f"hand off every rank's shard; DP groups do not yet) (got --pool {args.pool}, write "
-                    f"{write}, {rank_count(args, spec)} rank(s), dp {dp})"), None
+                    f"mooncake://HOST:PORT (not host) and a --write other than off (got --pool {args.pool}, "
+                    f"write {write})"), None
     bs = spec.kv_cache.block_size
     need = -(-2 // bs)  # one prompt token and one generated token
     if args.num_blocks < need:

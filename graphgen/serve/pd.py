@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -30,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from .engine_api import CacheNaming
 from .errors import ApiError
 
+log = logging.getLogger("graphgen.serve.pd")
 ROLES = ("prefill", "decode", "both")
 FIELD = "kv_transfer_params"
 VISIBLE_POLL_S = 0.005      # the first pause between visibility polls; each next one 1.5x longer,
@@ -46,12 +48,17 @@ class Handoff:
     lease_id: str
     lease_expires_ms: int
     shards: tuple[str, ...] = ()  # several ranks: every KV shard the lease covers ("r0of2", ...); (): one
+    # P decodes speculatively (--speculative mtp): its blocks hold the MTP layer's KV, under keys naming each
+    # block's successor token (`CacheNaming.lookahead`); only a speculative D looks those up
+    lookahead: bool = False
 
     def body(self) -> dict:
         out = {"block_hashes": list(self.block_hashes), "num_blocks": self.num_blocks, "layout": self.layout,
                "lease_id": self.lease_id, "lease_expires_ms": self.lease_expires_ms}
         if self.shards:  # vLLM's shape, extended only where P has several ranks (docs/pd.md)
             out["shards"] = list(self.shards)
+        if self.lookahead:  # ... or decodes speculatively
+            out["lookahead"] = True
         return out
 
     @classmethod
@@ -78,9 +85,12 @@ class Handoff:
         if not (isinstance(shards, list) and all(isinstance(s, str) for s in shards)):
             raise ApiError(f"'{FIELD}.shards' must be a list of strings", param=f"{FIELD}.shards",
                            code="invalid_type")
+        lookahead = value.get("lookahead", False)
+        if not isinstance(lookahead, bool):
+            raise ApiError(f"'{FIELD}.lookahead' must be a boolean", param=f"{FIELD}.lookahead", code="invalid_type")
         return cls(tuple(hashes), n, want("layout", lambda v: isinstance(v, str), "a string"),
                    want("lease_id", lambda v: isinstance(v, str), "a string"),
-                   want("lease_expires_ms", is_int, "an integer >= 0"), tuple(shards))
+                   want("lease_expires_ms", is_int, "an integer >= 0"), tuple(shards), lookahead)
 
 
 class PD:
@@ -93,6 +103,7 @@ class PD:
         self.role, self.pool, self.naming = role, pool, naming
         self.lease_timeout_s, self.visible_timeout_s = lease_timeout_s, visible_timeout_s
         self.saves_pending = saves_pending
+        self._warned_lookahead = False
         self.handoffs = Counter("graphgen_pd_handoffs", "KV handoffs: made (P), accepted / mismatched (D).",
                                 ["result"], registry=registry)
         self.blocks = Counter("graphgen_pd_handoff_blocks", "Handed-off blocks: loaded or recomputed (D), "
@@ -177,7 +188,7 @@ class PD:
         u = body["usage"]
         u["completion_tokens"], u["total_tokens"] = 0, u["prompt_tokens"]
         body[FIELD] = Handoff(tuple(digests), run, self.naming.layout, lease.lease_id, lease.expires_ms,
-                              tuple(self.naming.shards)).body()
+                              tuple(self.naming.shards), self.naming.lookahead).body()
         return body
 
     def release(self, lease_id: str) -> bool:
@@ -187,14 +198,23 @@ class PD:
 
     # ---- D ------------------------------------------------------------------------------------
     def accept(self, prompt: Sequence[int], h: Handoff, salt: str = "") -> bool:
-        """Does the handoff name this prompt's blocks in this cache's layout and KV shards, under the request's
-        adapter (``salt``)? (Counted.)"""
+        """Does the handoff name this prompt's blocks in this cache's layout and KV shards, keyed as this engine
+        keys them (with or without successors: speculative or not), under the request's adapter (``salt``)?
+        (Counted.)"""
         ok = (h.layout == self.naming.layout and tuple(h.shards) == tuple(self.naming.shards)
+              and h.lookahead == self.naming.lookahead
               and h.num_blocks <= self.naming.handed_off(prompt)
               and list(h.block_hashes) == self.naming.digests(prompt, salt)[:h.num_blocks])
         self.handoffs.labels(result="accepted" if ok else "mismatch").inc()
         if not ok:
             self.blocks.labels(result="recomputed").inc(h.num_blocks)
+            if h.lookahead != self.naming.lookahead and not self._warned_lookahead:
+                self._warned_lookahead = True  # a deployment's mistake, not a request's: said once
+                log.warning("a handoff from a prefill instance %s --speculative mtp reached this decode instance, "
+                            "which runs %s it: its blocks are keyed %s successor tokens and cannot be loaded here, "
+                            "so every such prompt is recomputed (run P and D both with --speculative mtp, or both "
+                            "without; docs/pd.md)", *(("with", "without", "with") if h.lookahead
+                                                      else ("without", "with", "without")))
         return ok
 
     def loaded(self, h: Handoff, cached_tokens: int) -> None:

@@ -143,22 +143,6 @@ def test_build_commands_never_import_torch(project):
     assert (project / "specs" / "imported.yaml").is_file()
 
 
-@pytest.mark.parametrize("cmd,flags,missing", [
-    ("run", ("--tp", "2", "--sp", "--target", "npu", "--standin"), "sequence parallel (sp) does not run on the NPU target yet"),
-    ("run", ("--cp", "2", "--target", "npu", "--standin"), "context parallel (cp > 1) has no NPU lowering yet"),
-    ("serve", ("--cp", "2", "--target", "npu", "--standin"), "context parallel (cp > 1) has no NPU lowering yet"),
-])
-def test_run_and_serve_refuse_a_layout_the_runtime_cannot_run(tmp_path, cmd, flags, missing):
-    """--dp/--cp/--sp override the spec like --tp; a layout the ranks cannot run is one sentence, exit 2
-    (before any weights load: the folder is empty)."""
-    spec = "specs/tiny_deepseek_v3.yaml" if cmd == "serve" else "specs/tiny_qwen3.yaml"
-    extra = ("--prompt-ids", "1,2") if cmd == "run" else ("--port", "0")
-    res = run_cli(cmd, "--spec", str(REPO / spec), "--weights", str(tmp_path), *extra, *flags, cwd=REPO)
-    assert res.returncode == 2, res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and missing in lines[0] and "run with --" in lines[0], res.stderr
-
-
 def test_layout_flags_reach_open_engine_and_override_the_spec():
     import argparse
 
@@ -173,7 +157,7 @@ def test_layout_flags_reach_open_engine_and_override_the_spec():
     assert (opts["tp"], opts["sp"], opts["cp"]) == (2, True, 1) and "dp" not in opts  # absent: the spec's value
     sp = load_spec(REPO / "specs/tiny_qwen3_tp2_sp.yaml")
     assert layout_refusal(sp, args) is None  # sp runs on the CPU ranks
-    assert "does not run on the NPU target yet" in layout_refusal(sp, p.parse_args([*base, "--target", "npu"]))
+    assert layout_refusal(sp, p.parse_args([*base, "--target", "npu"])) is None  # ... and on the NPU runner
     assert layout_refusal(sp, p.parse_args([*base, "--no-sp"])) is None
     assert sp.with_overrides(sp=False).parallel == type(sp.parallel)(tp=2)
     assert check_engine_arguments(p.parse_args([*base, "--dp", "0"])) == "--dp must be >= 1, got 0"

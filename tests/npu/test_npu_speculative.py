@@ -20,6 +20,7 @@ import torch
 
 from graphgen.modelspec.loader import load_spec
 from graphgen.npu.standin import fakes as standin
+from support.mtp import drop_mtp_kv
 from support.tokens import assert_results_agree
 
 pytestmark = pytest.mark.skipif(standin.torch_npu_available(), reason="real torch_npu installed; stand-in not used")
@@ -58,16 +59,7 @@ def runs():
         out["perfect"] = e.generate(PROMPTS, NEW)
         del drafter._pick
         L = spec.dims.num_hidden_layers
-        real_load = e.loader.load
-
-        def target_only(keys):  # what a pool that stores only the target model's KV hands back
-            blocks = real_load(keys)
-            for blk in blocks:
-                for part in blk[L]:
-                    part.zero_()
-            return blocks
-
-        e.loader.load = target_only
+        drop_mtp_kv(e, L)  # negative control: a pool of the target's KV alone
         out["lost"] = e.generate(PROMPTS, NEW)
         out["calls"] = list(e.runner.graph_calls)
     return out

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_dp_ep_layout_groups_partition_the_ranks_in_rank_order():
     groups = layout_groups(tp=2, dp=16)
-    assert rank_groups(5, tp=2, dp=16) == {"tp": (4, 5), "dp": tuple(range(1, 32, 2)), "ep": tuple(range(32))}
+    assert rank_groups(5, tp=2, dp=16) == {"tp": (4, 5), "cp": (5,), "dp": tuple(range(1, 32, 2)),
+                                           "ep": tuple(range(32))}
     for kind, gs in groups.items():
         flat = sorted(r for g in gs for r in g)
         assert flat == list(range(32)), kind  # each rank in exactly one group of each kind

@@ -19,6 +19,7 @@ import torch
 from graphgen.runtime import open_engine
 from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
 from support.paths import REPO
+from support.probes import swap_sp_rows
 from support.tokens import assert_agree
 
 TIMEOUT = 60   # seconds a rank may take to answer one command
@@ -169,3 +170,71 @@ def test_qwen3_cp2_tp2_matches_transformers_and_cp1(qwen, cp1_results):
     # 1 + 3 blocks per TP rank's heads, put by ranks 0 and 1 (CP rank 0), left by ranks 2 and 3
     assert [s["puts"] for s in stats] == [4, 4, 0, 0] and [s["skipped_puts"] for s in stats] == [0, 0, 4, 4]
     assert pool["num_keys"] == 8 and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
+
+
+# each TP rank's KV heads put by CP rank 0's rank of it (Qwen3: ranks 0, 1); the MLA latent, the same on every
+# rank, by rank 0 only; the other ranks computed the same bytes and left them
+SP_PUTS = {"qwen3": ([4, 4, 0, 0], [0, 0, 4, 4], 8), "deepseek": ([4, 0, 0, 0], [0, 4, 4, 4], 4)}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek"])
+def test_cp2_tp2_sp_matches_transformers_and_one_rank(family, request, cp1_results):
+    """The seed's CP/SP layout (docs/parallel.md, "CP with SP"): cp=2 × tp=2 with sp, four ranks. Each CP
+    rank's head-tail share of a prefill is split again over its TP group between the reductions (5 tokens:
+    CP shares 3 and 2, TP shards 2+1 and 1+1; the 12-token hit's 1-token step: CP rank 0's, TP rank 0's),
+    each layer's KV all-gathered over cp, KV saved by CP rank 0's TP group. Every step vs transformers,
+    tokens vs one rank; the TP ranks taking each other's rows breaks the logits (negative control)."""
+    fixture = request.getfixturevalue(CHECKPOINTS[family])
+    p = _prompts(family)
+    with open_engine(REPO / SPECS[family], fixture.dir, cp=2, tp=2, sp=True, write="async", collect_logits=True,
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+        out = {k: eng.generate([p[k]], 3)[0] for k in ("shorter", "longer")}
+        eng.drain()
+        out["repeated"] = eng.generate([p["longer"]], 3)[0]
+        stats, pool = eng.rank_stats, eng.pool_stats()
+        eng.on_ranks(swap_sp_rows)
+        control = eng.generate([p["control"]], 1)[0]   # 8 tokens: 4 per CP rank, 2 per TP rank
+    assert (out["repeated"].variant, out["repeated"].hit_tokens) == ("splitfuse", 12)
+    with torch.no_grad():
+        for what, r in out.items():
+            assert_steps_match_hf(fixture.model, r, f"{family} cp=2 tp=2 sp {what}")   # decode steps included
+        ref = hf_step_logits(fixture.model, p["control"], control.tokens)
+    _agree_cp1(cp1_results(family), [("shorter", out["shorter"]), ("longer", out["longer"]),
+                                     ("longer", out["repeated"])], f"{family} cp=2 tp=2 sp")
+    puts, skipped, keys = SP_PUTS[family]
+    assert [s["puts"] for s in stats] == puts and [s["skipped_puts"] for s in stats] == skipped
+    assert pool["num_keys"] == keys and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]
+    err = (control.step_logits[0] - ref[0]).abs().max().item()
+    assert err > 100 * ATOL, f"TP ranks swapping their sequence-parallel rows must give wrong logits ({err:.3g})"
+
+
+def test_deepseek_cp2_inside_dp2_matches_transformers_and_one_rank(tiny_dsv3, cp1_results):
+    """cp inside DP groups (dp 2 × cp 2, ep 2; rank = dp_rank × 2 + cp_rank): each DP group's prefill split
+    head-tail over its two CP ranks, the MoE's DP all-gather and EP reduce-scatter between the ranks of the same
+    CP rank (each CP rank's share of one group meets the other group's same CP rank), an idle group's CP ranks in
+    dummy forwards, the experts sliced by EP index (dp_rank, not the world rank). Every step vs transformers with
+    one group idle and both busy, a prefix saved through one group hitting on the other, KV put by CP rank 0 of
+    each group only; tokens vs one rank; swapped head-tail slices break the logits (negative control)."""
+    p = _prompts("deepseek")
+    with open_engine(REPO / SPECS["deepseek"], tiny_dsv3.dir, dp=2, cp=2, ep=2, write="async", collect_logits=True,
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+        out = {"shorter": eng.generate([p["shorter"]], 3, ranks=[0])[0],
+               "longer": eng.generate([p["longer"]], 3, ranks=[1])[0]}   # chunked, on group 1, group 0 idle
+        eng.drain()
+        out["repeated"] = eng.generate([p["longer"]], 3, ranks=[0])[0]   # group 1's blocks, from the pool
+        out["fresh"], out["batched"] = eng.generate([p["fresh"], p["shorter"]], 3, batch=True, ranks=[0, 1])
+        stats = eng.rank_stats
+        eng.on_ranks(_swap_slices)
+        control = eng.generate([p["control"]], 1, ranks=[0])[0]
+    assert (out["repeated"].variant, out["repeated"].hit_tokens, out["batched"].hit_tokens) == ("splitfuse", 12, 4)
+    with torch.no_grad():
+        for what, r in out.items():
+            assert_steps_match_hf(tiny_dsv3.model, r, f"deepseek dp=2 cp=2 {what}")   # decode steps included
+        ref = hf_step_logits(tiny_dsv3.model, p["control"], control.tokens)
+    _agree_cp1(cp1_results("deepseek"), [(k, out[k]) for k in ("shorter", "longer", "fresh")] +
+               [("longer", out["repeated"]), ("shorter", out["batched"])], "deepseek dp=2 cp=2")
+    # ranks 0, 2: CP rank 0 of each group puts; ranks 1, 3 computed the same bytes and left them
+    assert stats[1]["puts"] == stats[3]["puts"] == 0 and stats[0]["puts"] > 0 and stats[2]["puts"] > 0, stats
+    assert [s["skipped_puts"] for s in stats] == [0, stats[0]["puts"], 0, stats[2]["puts"]], stats
+    err = (control.step_logits[0] - ref[0]).abs().max().item()
+    assert err > 100 * ATOL, f"swapped head-tail slices must give wrong logits (max |diff| {err:.3g})"

@@ -149,6 +149,14 @@ def _lockstep_probe(rank_engine):  # on every rank: (dp rank, tp rank, skipped p
             dist.get_world_size(check.group) if check is not None else None)
 
 
+def _match_hf_per_group(model, results, where: str) -> None:
+    """Every step of a tp-inside-DP run's results (`_run`'s four, then the batch over both groups) vs transformers."""
+    whats = ("prefill", "splitfuse on the other group", "splitfuse", "shared prefix", "batch group 0",
+             "batch group 1", "batch group 1 hit")
+    for what, r in zip(whats, results, strict=True):
+        assert_steps_match_hf(model, r, f"{where} {what}")
+
+
 def test_dp2_tp2_ep4_matches_transformers_and_one_rank(tiny_dsv3, tp1_results):
     """tiny DeepSeek at dp 2 × tp 2 (ep 4, the spec's dp2ep2 layout overridden as --dp/--tp/--ep do): attention
     at tp 2 inside each DP group, the MoE over all 4 ranks, the ep reduce-scatter cutting each DP group's rows
@@ -178,10 +186,7 @@ def test_dp2_tp2_ep4_matches_transformers_and_one_rank(tiny_dsv3, tp1_results):
                                                                "splitfuse"]
     assert (ra1.hit_tokens, ra0_again.hit_tokens, rb1.hit_tokens) == (8, 8, 4)  # group 0's blocks hit on group 1
     with torch.no_grad():
-        for what, r in (("prefill", ra0), ("splitfuse on the other group", ra1), ("splitfuse", ra0_again),
-                        ("shared prefix", rb1), ("batch group 0", rc), ("batch group 1", rd),
-                        ("batch group 1 hit", ra)):
-            assert_steps_match_hf(model, r, f"dp=2 tp=2 ep=4 {what}")
+        _match_hf_per_group(model, (ra0, ra1, ra0_again, rb1, rc, rd, ra), "dp=2 tp=2 ep=4")
         ref = hf_step_logits(model, c, wrong.tokens)
     assert (wrong.step_logits[0] - ref[0]).abs().max().item() > 100 * ATOL  # negative control: swapped experts
     assert_results_agree(tp1_results, [ra0, rb1, rc, rd], ATOL, where="dp=2 tp=2 ep=4 vs tp=1")  # one rank's tokens, margin-aware
@@ -195,3 +200,31 @@ def test_dp2_tp2_ep4_matches_transformers_and_one_rank(tiny_dsv3, tp1_results):
     assert [p[:2] for p in probes] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert probes[0][2] == probes[2][2] == 0 and probes[1][2] > 0 and probes[3][2] > 0  # latent put by TP rank 0
     assert {p[3] for p in probes} == {2}  # the plan check on each DP group's ranks, not the world
+
+
+def test_dp2_tp2_ep4_with_sequence_parallel_matches_transformers_and_one_rank(tiny_dsv3, tp1_results):
+    """sp inside each DP group (dp 2 × tp 2, ep 4, sp): the reductions over tp are reduce-scatters, the residual
+    stream and norms on 1/tp of the group's tokens, and the MoE's ep reduce-scatter (each DP group's rows cut
+    over its TP ranks) is that same shard, so no TP gather follows it. Every step vs transformers with both
+    groups busy and one idle, a prefix saved through one group hitting on the other; tokens vs one rank; the TP
+    ranks taking each other's rows breaks the logits (negative control: with sp off the probe changes nothing)."""
+    from support.probes import swap_sp_rows
+
+    model, w = tiny_dsv3.model, tiny_dsv3.dir
+    a, b, c, d = _prompts()
+    even = rand_prompt(torch.Generator().manual_seed(12), 8)   # 4 tokens per TP rank: the probe's even cut
+    with open_engine(REPO / "specs/tiny_deepseek_v3.yaml", w, dp=2, tp=2, ep=4, sp=True, collect_logits=True,
+                     num_blocks=32, timeout=TIMEOUT) as eng:
+        ra0, ra1, ra0_again, rb1 = _run(eng, a, b)
+        rc, rd, ra = eng.generate([c, d, a], 5, batch=True, ranks=[0, 1, 1])
+        dummies = eng.on_ranks(_dummy_forwards)
+        eng.on_ranks(swap_sp_rows)
+        wrong = eng.generate([even], 1, ranks=[0])[0]
+    assert (ra1.hit_tokens, ra0_again.hit_tokens, rb1.hit_tokens) == (8, 8, 4)  # group 0's blocks hit on group 1
+    with torch.no_grad():
+        _match_hf_per_group(model, (ra0, ra1, ra0_again, rb1, rc, rd, ra), "dp=2 tp=2 ep=4 sp")
+        ref = hf_step_logits(model, even, wrong.tokens)
+    assert_results_agree(tp1_results, [ra0, rb1, rc, rd], ATOL, where="dp=2 tp=2 ep=4 sp vs tp=1")
+    assert all(n > 0 for n in dummies) and dummies[0] == dummies[1] and dummies[2] == dummies[3], dummies
+    err = (wrong.step_logits[0] - ref[0]).abs().max().item()
+    assert err > 100 * ATOL, f"TP ranks swapping their sequence-parallel rows must give wrong logits ({err:.3g})"

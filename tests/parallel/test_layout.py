@@ -62,3 +62,23 @@ def test_process_groups_make_each_group_once_world_for_the_world_none_for_one_ra
     assert tp2["tp"] is dist.group.WORLD and tp2["ep"] is dist.group.WORLD and tp2["cp"] is None
     with pytest.raises(ValueError, match="needs 4"):
         RankLayout(tp=4).process_groups(0)
+
+
+def test_a_streamed_rank_holds_its_ep_index_experts_at_cp_inside_dp():
+    """dp 2 × cp 2 × tp 2 (ep 4): the CP ranks of one DP and TP rank hold the same experts; a streamed
+    checkpoint's slice index is the EP index ``dp_rank × tp + tp_rank`` (the world rank only at cp = 1), its TP
+    chunk the TP rank."""
+    from types import SimpleNamespace
+
+    from graphgen.runtime.checkpoint.plan import RankSlicing
+
+    par = SimpleNamespace(dp=2, cp=2, tp=2, ep=4)
+    got = [(s.tp_rank, s.ep_rank) for s in (RankSlicing.of(par, r) for r in range(8))]
+    assert got == [(0, 0), (1, 1), (0, 0), (1, 1), (0, 2), (1, 3), (0, 2), (1, 3)]
+    one = SimpleNamespace(dp=2, cp=1, tp=2, ep=4)
+    assert [RankSlicing.of(one, r).ep_rank for r in range(4)] == [0, 1, 2, 3]   # cp 1: the world rank
+    for dp, cp, tp in itertools.product((1, 2, 3), (1, 2), (1, 2, 4)):   # the layout's coordinates, one rank order
+        lay, ep = RankLayout(dp, cp, tp), (dp * tp if dp > 1 else tp)
+        for r in range(lay.world):
+            s, c = RankSlicing.of(SimpleNamespace(dp=dp, cp=cp, tp=tp, ep=ep), r), lay.coords(r)
+            assert (s.tp_rank, s.ep_rank) == (c.tp_rank, c.ep_rank), (dp, cp, tp, r)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 
 import pytest
@@ -44,12 +45,15 @@ def _node(host, rank, port, *args, master, log):
                          "--master-port", port, "--torch-threads", "1", log=log)
 
 
-def _cluster(hosts, port, *args, prompts=PROMPTS, n_new=N_NEW):
-    """Node 1 in the second namespace, node 0 (``--json``) in the first: (node 0, node 1)."""
+def _cluster(hosts, port, *args, prompts=PROMPTS, n_new=N_NEW, pools=()):
+    """Node 1 in the second namespace, node 0 (``--json``) in the first: (node 0, node 1). ``pools``: node 0's
+    and node 1's ``--pool`` (each its own address in a Mooncake URL)."""
     a, b = hosts.hosts
-    n1 = _node(b, 1, port, *args, master=a.addr, log=f"node1-{port}")
+    own = [("--pool", p) for p in pools] or [(), ()]
+    n1 = _node(b, 1, port, *args, *own[1], master=a.addr, log=f"node1-{port}")
     ids = [x for p in prompts for x in ("--prompt-ids", ",".join(map(str, p)))]
-    n0 = _node(a, 0, port, *args, "--json", "--max-new-tokens", n_new, *ids, master=a.addr, log=f"node0-{port}")
+    n0 = _node(a, 0, port, *args, *own[0], "--json", "--max-new-tokens", n_new, *ids, master=a.addr,
+               log=f"node0-{port}")
     return n0, n1
 
 
@@ -195,3 +199,56 @@ def test_torchrun_serve_on_two_nodes_serves_http_from_rank_0(hosts, ckpt):
     assert t1.p.wait(30) != 0 and time.monotonic() - t < 15
     assert ("graphgen serve: rank 1: node 0 (the driver at 192.0.2.1:29671) was lost: its connection closed"
             in b.log("torchrun1")), b.log("torchrun1")[-2000:]
+
+
+MOONCAKE_PORT = 50150
+RANK_LINE = re.compile(r"mooncake pool: rank (\d)'s client at (\S+): (\d+) puts \((\d+) failed\), (\d+) of (\d+) gets "
+                       r"hit, (\d+) errors")
+
+
+def _rank_clients(log: str) -> dict[int, tuple]:
+    """``graphgen run``'s per-rank client lines: rank -> (address, puts, failed puts, errors)."""
+    return {int(m[1]): (m[2], int(m[3]), int(m[4]), int(m[7])) for m in RANK_LINE.finditer(log)}
+
+
+def _store(host, port: int, log: str):
+    store = host.start(sys.executable, "-m", "graphgen.runtime.pool.mooncake_server", "serve", "--host", host.addr,
+                       "--port", str(port), "--segment", "32MiB", log=log)
+    assert f"master={host.addr}:{port}" in store.wait_line("ready", 60)
+    return f"{host.addr}:{port}"
+
+
+def test_ranks_on_mooncake_across_two_nodes_each_announce_their_own_node(hosts, ckpt):
+    """Ranks on Mooncake across nodes (issue 37 item 4, part 1): ``run --tp 2 --nnodes 2 --pool mooncake://...``
+    with one master (and its segment) on node 0's host; every rank opens its own client with a segment of its
+    own (the seed's shape: each rank's memory in the pool), so a block may live on either node and the other
+    node's client writes it to the address its owner announced. Node 1's URL names its own address
+    (``local_hostname``), node 0's none (filled in: node 0's address towards the master). Both ranks' clients
+    put every block of their KV shards, each announcing its own node. The negative control (meanwhile, on a
+    master of its own: a wrong address spoils its master's placements): a client on node 1 announcing node 0's
+    address (what node 1's ranks did before, with the driver's URL) makes the puts of a client on node 0 that
+    land in node 1's segment fail."""
+    from support.netns import WORKER, Worker
+
+    a, b = hosts.hosts
+    master = _store(a, MOONCAKE_PORT, "mc-store")
+    url = f"mooncake://{master}?segment=16MiB"
+    prompts = [[(3 + 7 * i + 3 * j) % 250 + 1 for j in range(17)] for i in range(12)]  # 4 blocks each
+    n0, n1 = _cluster(hosts, 29690, "--spec", TINY_QWEN3, "--weights", ckpt, "--tp", 2, prompts=prompts, n_new=2,
+                      pools=(url, f"{url}&local_hostname={b.addr}"))
+    other = _store(a, MOONCAKE_PORT + 1, "mc-store-control")
+    workers = []
+    for host, opts in ((b, {"segment_bytes": 16 << 20, "local_hostname": a.addr}), (a, {"local_hostname": a.addr})):
+        w = Worker(host.argv(sys.executable, WORKER), stdin=True, log=open(f"{host.logdir}/mc-{host.name}.log", "a"))
+        host.procs.append(w)
+        assert w.call(op="open", master=other, opts=opts, timeout=30)["ok"]
+        workers.append(w)
+    control = workers[1].call(op="put", keys=[f"control@{i}" for i in range(48)], seed=1, size=4096, timeout=60)
+    assert control["ok"].count(False) > 0, control  # those that landed in node 1's segment
+    assert len(_tokens(n0, len(prompts))) == len(prompts)
+    _both_exit_0(hosts, n0, n1, 29690)
+    clients = _rank_clients(a.log("node0-29690"))
+    # every rank's own client, at its own node's address; rank 1's shard put from node 1
+    assert {r: c[0] for r, c in clients.items()} == {0: a.addr, 1: b.addr}, a.log("node0-29690")[-2000:]
+    assert all(puts == len(prompts) * 4 and failed == errors == 0 for _, puts, failed, errors in clients.values()), \
+        clients

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from graphgen.ir.text import parse_graph
+from graphgen.ir.text import parse_graph, print_graph
 from graphgen.modelspec.loader import load_spec
 from graphgen.passes.manager import run_pipeline
 from graphgen.passes.verify import check
@@ -21,19 +21,20 @@ from support.paths import REPO
 SP = sorted((REPO / "generated/tiny_qwen3_tp2_sp").glob("*.graph"))
 DP = sorted((REPO / "generated/tiny_deepseek_v3_dp2ep2").glob("*.graph"))
 CP = sorted((REPO / "generated").glob("tiny_*_cp2/*.graph"))
+CPSP = sorted((REPO / "generated/tiny_deepseek_v3_cp_sp").glob("*.graph"))   # the seed's CP/SP: cp 2 x tp 2, sp
 COLL_LINE = re.compile(r"^node \S+ \S+ (all_reduce|all_gather|reduce_scatter) ")
 
 
 def _collective_mutants():
-    for p in SP + DP + CP:
+    for p in SP + DP + CP + CPSP:
         for i, line in enumerate(p.read_text().splitlines(keepends=True)):
             if COLL_LINE.match(line):
                 yield pytest.param(p, i, id=f"{p.parent.name}/{p.name}:{i + 1}")
 
 
 def test_goldens_verify_and_have_the_layouts_collectives():
-    assert len(SP) == 5 and len(DP) == 5 and len(CP) == 10
-    for p in SP + DP + CP:
+    assert len(SP) == 5 and len(DP) == 5 and len(CP) == 10 and len(CPSP) == 5
+    for p in SP + DP + CP + CPSP:
         g = parse_graph(p.read_text(), str(p))
         assert check(g) == [], p
         ops = [(n.op, n.attrs.get("group")) for n in g.nodes if COLL_LINE.match(f"node x y {n.op} ")]
@@ -151,9 +152,62 @@ def test_context_parallel_gathers_every_prefill_kv_part_and_saves_once():
                for x in check(parse_graph(every, str(p))))
 
 
+def test_cp_with_sp_splits_the_cp_share_over_the_tp_group_and_gathers_the_kv_over_cp():
+    """The seed's CP/SP (tiny_deepseek_v3_cp_sp): every prefill layer is sequence parallel inside the TP group
+    (no all_reduce: reduce-scatters, the norms on the shard, all-gathers over tp) and its KV parts, computed
+    from the TP-gathered norm (the CP rank's whole share), all-gathered over cp before the cache write; the
+    decode graph is the tp-with-sp one (KV replicated over cp); the saves are CP rank 0's."""
+    for p in CPSP:
+        g = parse_graph(p.read_text(), str(p))
+        assert (g.meta["tp"], g.meta["cp"], g.meta["sp"]) == (2, 2, True), p
+        assert not [n for n in g.nodes if n.op == "all_reduce"], p
+        order = [(n.op, n.attrs.get("group")) for n in g.nodes if n.op in ("all_gather", "reduce_scatter", "kv_write")]
+        layer0 = order[:order.index(("kv_write", None)) + 1]
+        if g.meta["phase"] == "decode":
+            assert layer0 == [("reduce_scatter", "tp"), ("all_gather", "tp"), ("kv_write", None)], p
+            continue
+        # embedding reduce-scattered, norm gathered over tp, then the MLA latent and RoPE key over cp
+        assert layer0 == [("reduce_scatter", "tp"), ("all_gather", "tp"), ("all_gather", "cp"), ("all_gather", "cp"),
+                          ("kv_write", None)], p
+        saves = [n for n in g.nodes if n.op in ("kv_save", "pool_put")]
+        assert saves and all(n.attrs.get("writers") == "cp0" for n in saves), p
+    text = (REPO / "generated/tiny_deepseek_v3_cp_sp/mempool_prefill.graph").read_text()
+    # the KV gathered over tp instead of cp: a wrong group for the layout's collective order
+    wrong = text.replace("writes=c_kv.L00.cp dim=0 group=cp length=null size=2",
+                         "writes=c_kv.L00.cp dim=0 group=tp length=null size=2")
+    assert wrong != text
+    assert any("collectives:" in x and "expected all_gather cp, got all_gather tp" in x
+               for x in check(parse_graph(wrong, "mutant")))
+
+
+def test_sp_under_dp_keeps_the_moe_reduce_scatter_shard():
+    """sp inside DP groups (dp 2 × tp 2, ep 4): the MoE's ep reduce-scatter is the TP shard, so no TP all-gather
+    follows it and the residual add takes it; a TP gather put back there (the tp-without-sp MoE) is caught."""
+    spec = load_spec(REPO / "specs/tiny_deepseek_v3_dp2ep2.yaml").with_overrides(tp=2, ep=4, sp=True)
+    g = run_pipeline(spec, "mempool_prefill")
+    assert check(g) == [] and not [n for n in g.nodes if n.op == "all_reduce"]
+    moe = [(n.op, n.attrs.get("group")) for n in g.nodes if n.layer == 1 and n.op in ("all_gather", "reduce_scatter")]
+    assert moe == [("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_gather", "tp"), ("all_gather", "dp"),
+                   ("reduce_scatter", "ep")]
+    res = next(n for n in g.nodes if n.id == "L01.moe.residual")
+    assert res.reads[0] == "h.L01.tp_tokens"   # the ep reduce-scatter's shard
+    no_sp = run_pipeline(spec.with_overrides(sp=False), "mempool_prefill")
+    assert "L01.moe.tp_gather" in {n.id for n in no_sp.nodes} and "L01.moe.tp_gather" not in {n.id for n in g.nodes}
+    text = print_graph(g)
+    line = next(x for x in text.splitlines(keepends=True) if x.startswith("node L01.moe.residual "))
+    gather = ("node L01.moe.tp_gather main all_gather layer=1 reads=h.L01.tp_tokens writes=h.L01.sum dim=0 group=tp "
+              "length=null size=2\n")
+    mutant = text.replace(line, gather + line.replace("reads=h.L01.tp_tokens,", "reads=h.L01.sum,"))
+    problems = check(parse_graph(mutant, "mutant"))
+    assert any("collectives:" in x and "expected reduce_scatter tp, got all_gather tp" in x for x in problems) and \
+        any("adds the token shard h.L01.attn to the whole h.L01.sum" in x for x in problems), problems
+
+
 @pytest.mark.parametrize("name,overrides", [
     ("tiny_qwen3_tp2_sp", {}), ("tiny_deepseek_v3_tp2ep2", {"sp": True}), ("tiny_deepseek_v3_dp2ep2", {}),
     ("tiny_qwen3_cp2", {}), ("tiny_deepseek_v3_cp2", {}), ("tiny_qwen3", {"tp": 2, "cp": 2}),
+    ("tiny_deepseek_v3_cp_sp", {}), ("tiny_qwen3", {"tp": 2, "cp": 2, "sp": True}),
+    ("tiny_deepseek_v3_dp2ep2", {"tp": 2, "ep": 4, "sp": True}),
 ])
 def test_contracts_hold_at_the_new_layouts(name, overrides):
     """Checked mode (every pass's requires/ensures) for every variant under sync and async writes; DeepSeek

@@ -59,9 +59,45 @@ def test_the_interface_towards_loopback_is_lo():
     assert interface_towards("127.0.0.1") == ("lo", "127.0.0.1")
 
 
+def test_every_node_names_the_one_pool_and_announces_its_own_address():
+    """Ranks on Mooncake across nodes (issue 37 item 4): node 0 admits a follower only on its pool (the same
+    master and options; each node's own ``local_hostname``/``device`` may differ), and a URL without a
+    ``local_hostname`` gets the node's own address towards the master (Mooncake's default, 127.0.0.1, is
+    no address another node reaches); a single node's URL is left as given."""
+    from graphgen.runtime.parallel.cluster import node_pool_url, pool_difference
+
+    url = "mooncake://10.0.3.1:50051?protocol=tcp&buffer=32MiB"
+    assert pool_difference(url, url + "&local_hostname=10.0.1.2") is None
+    assert pool_difference("host", "host") is None
+    assert "node 0 has --pool host, this node --pool mooncake://" in pool_difference("host", url)
+    assert "master is 10.0.3.1:50051, this node's 10.0.3.1:50052" in pool_difference(
+        url, "mooncake://10.0.3.1:50052?protocol=tcp&buffer=32MiB")
+    assert "option buffer_bytes is 16777216, node 0's 33554432" in pool_difference(
+        url, "mooncake://10.0.3.1:50051?protocol=tcp&buffer=16MiB")
+    assert "unknown mooncake pool option 'bogus'" in pool_difference(url, url + "&bogus=1")
+    two = Placement.of(4, nnodes=2, master_addr="127.0.0.1", environ={})
+    assert node_pool_url(url, two) == url + "&local_hostname=127.0.0.1"  # the interface towards the master's
+    assert node_pool_url(url + "&local_hostname=10.0.1.2", two) == url + "&local_hostname=10.0.1.2"
+    assert node_pool_url(url, Placement.of(4, environ={})) == url and node_pool_url("host", two) == "host"
+
+
+def test_the_driver_refuses_a_follower_on_another_pool():
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime.parallel.bringup import _check_hello
+    from graphgen.runtime.parallel.cluster import spec_digest
+
+    spec = load_spec(TINY_QWEN3).with_overrides(tp=4)
+    here = Placement.of(4, nnodes=2, master_addr="10.0.0.1", environ={})
+    url = "mooncake://10.0.0.1:50051"
+    hello = {"member": 1, "ranks": (2, 3), "spec": spec_digest(spec), "spec_name": spec.name,
+             "pool": url + "?local_hostname=10.0.0.2"}
+    assert _check_hello(hello, here, spec, here.members(), url) is None
+    why = _check_hello(hello, here, spec, here.members(), "host")
+    assert why.startswith("node 1 (ranks 2-3) is on another pool than node 0: node 0 has --pool host"), why
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nnodes", "3"], "--nnodes 3 does not divide"),
-    (["--nnodes", "2", "--pool", "mooncake://127.0.0.1:1"], "share the host pool node 0 serves"),
     (["--nnodes", "2", "--master-addr", "localhost"], "an IPv4 address of node 0"),
 ])
 def test_run_refuses_a_placement_in_one_sentence(flags, message, tmp_path):

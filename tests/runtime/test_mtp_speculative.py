@@ -18,6 +18,7 @@ from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
 from graphgen.runtime.engine.spec_decode import check_speculative
 from support.hf import hf_logits, load_hf_model, rand_prompt
 from support.paths import TINY_DSV3_MTP, TINY_QWEN3
+from support.mtp import drop_mtp_kv
 from support.tokens import assert_tokens_agree, greedy_margins
 
 SPEC = load_spec(TINY_DSV3_MTP)
@@ -183,16 +184,7 @@ def test_pool_hit_keeps_the_drafts(write, mtp_ckpt):
             assert (a - b).abs().max().item() <= ATOL
         assert (warm.num_draft_tokens, warm.num_accepted_tokens) == (cold.num_draft_tokens, cold.num_accepted_tokens)
 
-        real_load = eng.loader.load
-
-        def target_only(keys):  # what a pool that stores only the target model's KV hands back
-            blocks = real_load(keys)
-            for blk in blocks:
-                for part in blk[L]:
-                    part.zero_()
-            return blocks
-
-        eng.loader.load = target_only
+        drop_mtp_kv(eng, L)  # negative control: a pool of the target's KV alone
         lost = eng.generate([prompt], 6)[0]
         assert lost.hit_tokens == 8 and lost.tokens == cold.tokens  # the target verifies: output unchanged
         worst = max((a - b).abs().max().item() for a, b in zip(cold.draft_logits, lost.draft_logits))

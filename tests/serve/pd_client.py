@@ -8,7 +8,10 @@ fields; prints the token ids, ``cached_tokens`` and any ``kv_transfer_params``; 
 line once the first chunk came), ``chat`` (greedy
 chat, streamed or not: token ids and text), ``post`` / ``get``
 (urllib, ``key``: a bearer key; status, body and headers), ``metrics`` (a server's Prometheus samples whose name starts with one of
-``prefixes``: ``{"name{labels}": value}``)."""
+``prefixes``: ``{"name{labels}": value}``), ``concurrent`` (its ``jobs`` at once, a thread each, started
+``stagger_s`` apart: ``{"results": [...]}`` in the jobs' order; ``gate``: ``{"base", "sample", "at_least"}``,
+a ``{"gate": value}`` line once that server's Prometheus sample reaches ``at_least``, ``{"gate": null}`` if it
+does not within ``within_s``: the caller acts while the jobs run)."""
 from __future__ import annotations
 
 import json
@@ -84,6 +87,36 @@ def metrics(job):
     return out
 
 
+def concurrent(job):
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate = job.get("gate")
+    if gate:
+        def watch():
+            end = time.monotonic() + gate.get("within_s", 60)
+            while time.monotonic() < end:
+                value = metrics({"base": gate["base"], "prefixes": [gate["sample"]]}).get(gate["sample"], 0.0)
+                if value >= gate["at_least"]:
+                    print(json.dumps({"gate": value}), flush=True)
+                    return
+                time.sleep(0.02)
+            print(json.dumps({"gate": None}), flush=True)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+    with ThreadPoolExecutor(len(job["jobs"])) as pool:
+        futures = []
+        for j in job["jobs"]:
+            futures.append(pool.submit(run, j))
+            time.sleep(job.get("stagger_s", 0.0))
+        results = [f.result() for f in futures]
+    if gate:
+        watcher.join()
+    return {"results": results}
+
+
 def run(job) -> dict:
     op = job["op"]
     if op == "complete":
@@ -95,6 +128,8 @@ def run(job) -> dict:
         return {"status": status, "body": body, "headers": headers}
     if op == "metrics":
         return metrics(job)
+    if op == "concurrent":
+        return concurrent(job)
     raise SystemExit(f"unknown op {op}")
 
 

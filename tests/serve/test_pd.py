@@ -16,7 +16,10 @@ decode instance up is a 503 at once; DeepSeek-V3 through the router equals its c
 store's master SIGKILLed costs a recompute; D SIGKILLed mid-stream ends the stream with an error
 event (no hang), and D restarted on its port serves through the router again; ``n = 2`` through
 the router is one prefill on P and a fork on D; the router's own key and the backends' key stay
-apart (401s from the router, a 502 for a wrong backend key, no answer carrying it). After each:
+apart (401s from the router, a 502 for a wrong backend key, no answer carrying it); P/D instances of
+ranks (tp 2; dp 2 x tp 2 DeepSeek, with tp-2 instances beside them) through the router equal one rank, a
+killed P rank costs a recompute and a killed D rank sends its request to another D; a speculative
+(MTP) pair hands the MTP layer's KV off with the target's, the acceptance unchanged. After each:
 every instance's counters back at their start (no lease, nothing running or saving, every device
 block free) and no request in flight on a router.
 """
@@ -366,6 +369,221 @@ def test_ranks_pd_through_the_router_equals_a_single_instance_and_a_killed_p_ran
     assert r["graphgen_route_prefill_fallbacks_total"] >= 1
     procs["decode"].kill()
     procs["prefill"].kill()
+
+
+# ---- P/D instances of dp x tp ranks (issue 37 item 3): tiny DeepSeek, P and D at dp 2 x tp 2 (ep 4), D2 at tp 2 ----
+DP_TP, TP_ONLY = ("--dp", "2", "--tp", "2", "--ep", "4"), ("--tp", "2", "--ep", "2")
+DS_TOL = 1e-3  # ranks vs one rank (EP / TP reductions reorder sums): tokens equal where the margin is wider
+REVERSE = [5, *PROMPTS[29][1:]]  # only the tp-2 P prefills it: D loads it from that P's saves, not its own cache
+LONG_NEW = 64  # the request a D rank is killed under: long enough to be caught running
+DS_LEASE_S = 5.0  # P's --kv-lease-timeout: outlives the router's requests (each released once D read), lapses after
+
+
+@pytest.fixture(scope="module")
+def dp_pd(cluster, tiny_dsv3):
+    """A P and a D of dp 2 x tp 2 ranks each, a D2 and a P2 of tp 2 (the same shards: MLA's latent ``r0of2``) on
+    the cluster's master, and the single-rank reference (tokens and step logits) they are held to."""
+    import torch
+
+    from graphgen.runtime import open_engine
+
+    procs = {"p": _start(cluster.ns, "dptp_p", *_serve_args(tiny_dsv3.dir, "prefill", *DP_TP, "--kv-lease-timeout",
+                                                            str(DS_LEASE_S), spec=TINY_DSV3)),
+             "d": _start(cluster.ns, "dptp_d", *_serve_args(tiny_dsv3.dir, "decode", *DP_TP, spec=TINY_DSV3)),
+             "d2": _start(cluster.ns, "tp_d2", *_serve_args(tiny_dsv3.dir, "decode", *TP_ONLY, spec=TINY_DSV3)),
+             "p2": _start(cluster.ns, "tp_p2", *_serve_args(tiny_dsv3.dir, "prefill", *TP_ONLY, spec=TINY_DSV3))}
+    torch.set_num_threads(1)
+    with open_engine(TINY_DSV3, tiny_dsv3.dir, write="off", collect_logits=True) as eng:  # while they start
+        ref = {tuple(p): eng.generate([p], N_NEW)[0] for p in (PROMPTS[9], PROMPTS[16], PROMPTS[29], REVERSE)}
+        ref["long"] = eng.generate([PROMPTS[16]], LONG_NEW)[0]  # (no EOS set here: never stops early)
+    url = {k: _url(p, "serve") for k, p in procs.items()}
+    yield procs, url, ref
+    for p in procs.values():
+        p.kill()
+
+
+def _ds_agree(ref, got: dict, where: str) -> int:
+    """D's tokens against one rank's, margin-aware (support.tokens): equal wherever the reference's top-2 margin is
+    wider than the ranks' rounding allows."""
+    from support.tokens import assert_tokens_agree
+
+    assert "tokens" in got, (where, got)
+    return assert_tokens_agree(ref.tokens, ref.step_logits, got["tokens"], 2 * DS_TOL, where=where)
+
+
+def test_dp_tp_pd_through_the_router_equals_one_rank_and_each_lease_ends_when_d_read_or_timed_out(cluster, dp_pd):
+    """P's DP group that ran the prompt saves its TP shards (MLA: the latent once per group, ``r0of2``) and hands
+    off the keys (``kv_transfer_params.shards``); D routes the request to one of its DP groups, whose ranks load
+    their own shard: through the router (streamed and not) tokens equal one rank's (margin-aware), D loaded every
+    handed-off block (0 recomputed). A tp-2 D (no DP groups) loads the dp x tp P's handoff alike, and the dp x tp
+    D a tp-2 P's (the same shard naming both ways). Leases: one per
+    handoff, released once D has read (the router's release) and, when nobody releases it, at P's
+    --kv-lease-timeout (not before). Then leases / running / blocks back to their start."""
+    procs, url, ref = dp_pd
+    start = cluster.counters(url)
+    (pre,) = cluster.jobs(_complete(url["p"], PROMPTS[9], model="tiny_deepseek_v3"))
+    kv = pre["kv"]
+    assert kv["shards"] == ["r0of2"] and kv["num_blocks"] == (len(PROMPTS[9]) - 1) // BS, kv
+    assert cluster.metrics(url["p"], "graphgen_pd_leases")["graphgen_pd_leases"] == 1  # nobody releases this one
+
+    router = cluster.route("router_dptp", "--prefill", url["p"], decode=url["d"])
+    router_tp = cluster.route("router_dptp_tp", "--prefill", url["p"], decode=url["d2"])
+    router_rev = cluster.route("router_tp_dptp", "--prefill", url["p2"], decode=url["d"])
+    prompts = [PROMPTS[16], PROMPTS[29]]
+    jobs = [_complete(router, p, stream, model="tiny_deepseek_v3") for stream in (False, True) for p in prompts]
+    jobs += [_complete(router_tp, p, model="tiny_deepseek_v3") for p in (PROMPTS[9], PROMPTS[29])]
+    rev = [_complete(router_rev, REVERSE, model="tiny_deepseek_v3")]
+    out = cluster.jobs(*jobs, *rev)
+    for job, got in zip(jobs + rev, out):
+        p = job["prompt"]
+        _ds_agree(ref[tuple(p)], got, f"{job['base']} {len(p)} tokens, stream {job['stream']}")
+        if not job["stream"]:  # D's ranks (or D2's) loaded every handed-off block
+            assert got["cached"] == (len(p) - 1) // BS * BS, (job["base"], len(p), got)
+    for name, n in (("d", 5), ("d2", 2)):
+        d = cluster.metrics(url[name], "graphgen_pd_handoff")
+        assert d['graphgen_pd_handoffs_total{result="accepted"}'] == n, (name, d)
+        assert d['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 0, (name, d)
+    rel = cluster.metrics(url["p"], "graphgen_pd_lease_releases")
+    assert rel['graphgen_pd_lease_releases_total{result="released"}'] == len(jobs), rel  # by the router, D read
+    rel2 = cluster.metrics(url["p2"], "graphgen_pd_lease_releases")
+    assert rel2['graphgen_pd_lease_releases_total{result="released"}'] == len(rev), rel2
+    deadline = time.monotonic() + DS_LEASE_S + 10  # the direct request's lease: until its timeout
+    while cluster.metrics(url["p"], "graphgen_pd_leases")["graphgen_pd_leases"]:
+        assert time.monotonic() < deadline, "the unreleased lease never lapsed"
+        time.sleep(0.05)
+    assert time.time() * 1000 >= kv["lease_expires_ms"] - 100  # seen gone at its timeout, not before
+    cluster.assert_nothing_held(start, url)  # nothing running or saving, every block free, no lease
+
+
+def test_a_killed_d_rank_fails_its_instance_and_the_router_sends_its_request_to_another_d(cluster, dp_pd):
+    """A rank of D (dp 2 x tp 2) SIGKILLed while D runs a request: D's engine ends within its deadline, the
+    request in flight gets D's 503 (no token reached the client) and the router sends it to D2 with the same
+    handoff: the client's answer is whole and equals one rank's; D exits (2); the next requests go to D2.
+    Never a wrong or hung answer; P's leases back to zero."""
+    procs, url, ref = dp_pd
+    router = cluster.route("router_dfail", "--prefill", url["p"], "--decode", url["d"], decode=url["d2"])
+    start = cluster.counters({k: url[k] for k in ("p", "d2")})
+    job = dict(_complete(router, PROMPTS[16], model="tiny_deepseek_v3", ignore_eos=True), max_tokens=LONG_NEW)
+    client = subprocess.Popen(cluster.ns.argv(sys.executable, str(HERE / "pd_client.py"), json.dumps([job])),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60  # the gate: D runs it (round robin: the router's first request goes to D)
+    while not cluster.metrics(url["d"], "graphgen_num_requests_running").get("graphgen_num_requests_running"):
+        assert time.monotonic() < deadline and client.poll() is None, "D never ran the request"
+        time.sleep(0.02)
+    ranks = _descendants(procs["d"].p.pid)
+    assert ranks, "D's rank processes not found"
+    os.kill(ranks[-1], signal.SIGKILL)
+    t = time.monotonic()
+    assert procs["d"].p.wait(timeout=60) == 2  # D's instance failed: it exits once its request got the sentence
+    assert time.monotonic() - t < 30
+    out, err = client.communicate(timeout=120)
+    assert client.returncode == 0, err[-3000:]
+    got = json.loads(out.splitlines()[-1])
+    assert len(got.get("tokens", ())) == LONG_NEW, got
+    _ds_agree(ref["long"], got, "the request D's rank died under, answered by D2")
+    r = cluster.metrics(router, "graphgen_route_")
+    assert r['graphgen_route_backend_errors_total{kind="decode_failed"}'] == 1, r
+    after = cluster.jobs(*(_complete(router, p, stream, model="tiny_deepseek_v3")
+                           for stream, p in ((False, PROMPTS[9]), (True, PROMPTS[29]))))
+    for p, got in zip([PROMPTS[9], PROMPTS[29]], after):
+        _ds_agree(ref[tuple(p)], got, f"after D's failure, {len(p)} tokens")
+    cluster.assert_nothing_held(start, {k: url[k] for k in ("p", "d2")})
+
+
+SPEC_DECODE = "graphgen_spec_decode_num_"
+
+
+def _acceptance(cluster, base) -> tuple:
+    """D's speculative-decoding totals: (drafts, accepted, accepted per position)."""
+    m = cluster.metrics(base, SPEC_DECODE)
+    per_pos = tuple(m.get(f'{SPEC_DECODE}accepted_tokens_per_pos_total{{position="{i}"}}', 0) for i in (0, 1))
+    return m.get(f"{SPEC_DECODE}draft_tokens_total", 0), m.get(f"{SPEC_DECODE}accepted_tokens_total", 0), per_pos
+
+
+def _delta(after, before):
+    return after[0] - before[0], after[1] - before[1], tuple(a - b for a, b in zip(after[2], before[2]))
+
+
+def test_mtp_pd_through_the_router_equals_the_single_rank_run_and_keeps_the_acceptance(cluster, tmp_path_factory):
+    """Issue 38 item 1: a speculative P and D (``--speculative mtp``, K = 2; DeepSeek-V3 with its MTP layer) on
+    the cluster's master behind the router. P saves the MTP layer's KV with the target's under successor keys and
+    says so (``kv_transfer_params.lookahead``); D loads every handed-off block. Through the router the tokens
+    equal the CPU single-rank run (within its margin, support.tokens), and D's acceptance after the handoff
+    equals the single-rank run's cold acceptance and D's own after a pool hit (the same prompt sent to D alone:
+    the blocks P saved). A D without ``--speculative`` behind the same P: the handoff is a counted mismatch,
+    the prompt recomputed, the tokens right. (With random weights the acceptance is near 0: the drafts' use of
+    the handed-off MTP KV is proved on their logits in tests/runtime/test_mtp_handoff.py.)"""
+    import dataclasses
+
+    import torch
+
+    from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime import open_engine
+    from graphgen.runtime.checkpoint.hf import write_random_hf_checkpoint
+    from support.paths import TINY_DSV3_MTP
+    from support.tokens import assert_tokens_agree
+
+    ckpt = write_random_hf_checkpoint(str(tmp_path_factory.mktemp("pd_mtp") / "ckpt"), "deepseek_v3",
+                                      dataclasses.asdict(load_spec(TINY_DSV3_MTP).dims), seed=11, tokenizer=False,
+                                      mtp_layers=1)
+    spec_args = ("--speculative", "mtp", "--num-speculative-tokens", "2")
+    procs = {"prefill": _start(cluster.ns, "mtp_p", *_serve_args(ckpt, "prefill", *spec_args, spec=TINY_DSV3_MTP)),
+             "decode": _start(cluster.ns, "mtp_d", *_serve_args(ckpt, "decode", *spec_args, spec=TINY_DSV3_MTP)),
+             "plain": _start(cluster.ns, "mtp_plain_d", *_serve_args(ckpt, "decode", spec=TINY_DSV3_MTP))}
+    prompts = [PROMPTS[16], PROMPTS[29]]
+    torch.set_num_threads(1)
+    ref, cold = {}, {}
+    with open_engine(TINY_DSV3_MTP, ckpt, write="off", collect_logits=True) as eng:  # while the servers start
+        for p in prompts:
+            ref[tuple(p)] = eng.generate([p], N_NEW)[0]
+    with open_engine(TINY_DSV3_MTP, ckpt, write="off", num_speculative_tokens=2) as eng:
+        for p in prompts:  # the single-rank run's cold acceptance
+            r = eng.generate([p], N_NEW)[0]
+            cold[tuple(p)] = (r.num_draft_tokens, r.num_accepted_tokens, tuple(r.accepted_per_pos))
+    url = {k: _url(p, "serve") for k, p in procs.items()}
+    start = cluster.counters(url)
+    model = "tiny_deepseek_v3_mtp"
+    router = cluster.route("router_mtp", "--prefill", url["prefill"], decode=url["decode"])
+    (pre,) = cluster.jobs(_complete(url["prefill"], PROMPTS[9], model=model))
+    assert pre["tokens"] == [] and pre["kv"]["lookahead"] is True and pre["kv"]["num_blocks"] == 2, pre
+    cluster.jobs({"op": "post", "url": url["prefill"] + "/v1/kv/release", "json": {"lease_id": pre["kv"]["lease_id"]}})
+
+    def check(got, p, where):
+        want = ref[tuple(p)]
+        assert_tokens_agree(want.tokens, want.step_logits, got["tokens"], 1e-4, where=f"{where}, prompt of {len(p)}")
+
+    for stream in (False, True):
+        for p in prompts:
+            before = _acceptance(cluster, url["decode"])
+            (got,) = cluster.jobs(_complete(router, p, stream, model=model, ignore_eos=True))
+            check(got, p, f"through the router (stream={stream})")
+            if not stream:  # the first pass: D loaded every block P handed off (their MTP KV with them)
+                assert got["cached"] == (len(p) - 1) // BS * BS, (len(p), got)
+                assert _delta(_acceptance(cluster, url["decode"]), before) == cold[tuple(p)], len(p)
+    d = cluster.metrics(url["decode"], "graphgen_pd_handoff")
+    assert d['graphgen_pd_handoffs_total{result="accepted"}'] == 4
+    assert d['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 0
+    for p in prompts:  # D alone, no handoff: a pool hit on the blocks P saved
+        before = _acceptance(cluster, url["decode"])
+        (got,) = cluster.jobs(_complete(url["decode"], p, model=model, ignore_eos=True))
+        check(got, p, "D alone after a pool hit")
+        assert got["cached"] == (len(p) - 1) // BS * BS
+        assert _delta(_acceptance(cluster, url["decode"]), before) == cold[tuple(p)], len(p)
+
+    # the mismatched pair: P decodes speculatively, D does not (its keys carry no successor)
+    (pre,) = cluster.jobs(_complete(url["prefill"], PROMPTS[16], model=model))
+    (got,) = cluster.jobs(_complete(url["plain"], PROMPTS[16], model=model, kv_transfer_params=pre["kv"],
+                                    ignore_eos=True))
+    check(got, PROMPTS[16], "a D without --speculative")
+    assert got["cached"] == 0
+    m = cluster.metrics(url["plain"], "graphgen_pd_handoff")
+    assert m['graphgen_pd_handoffs_total{result="mismatch"}'] == 1
+    assert m['graphgen_pd_handoff_blocks_total{result="recomputed"}'] == 3
+    cluster.jobs({"op": "post", "url": url["prefill"] + "/v1/kv/release", "json": {"lease_id": pre["kv"]["lease_id"]}})
+    cluster.assert_nothing_held(start, url)  # P's leases back to zero, nothing running, every block free
+    for p in procs.values():
+        p.kill(signal.SIGTERM)
+    cluster.routers.remove(router)
 
 
 def test_prefill_killed_mid_save_costs_a_recompute(cluster, reference):

@@ -4,6 +4,7 @@ test_pd.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -54,10 +55,31 @@ def test_handoff_wire_format_and_its_400s():
     assert Handoff.parse(h.body()) == h and Handoff.parse(None) is None
     for bad, param in (([], "kv_transfer_params"), ({"num_blocks": 1}, "kv_transfer_params.block_hashes"),
                        ({**h.body(), "num_blocks": 3}, "kv_transfer_params.num_blocks"),
-                       ({**h.body(), "lease_expires_ms": -1}, "kv_transfer_params.lease_expires_ms")):
+                       ({**h.body(), "lease_expires_ms": -1}, "kv_transfer_params.lease_expires_ms"),
+                       ({**h.body(), "lookahead": "yes"}, "kv_transfer_params.lookahead")):
         with pytest.raises(ApiError) as e:
             Handoff.parse(bad)
         assert e.value.status == 400 and e.value.param == param
+    assert "lookahead" not in h.body()  # vLLM's shape unless P decodes speculatively
+    spec = Handoff(("aa",), 1, "L1", "id", 5, lookahead=True)
+    assert spec.body()["lookahead"] is True and Handoff.parse(spec.body()) == spec
+
+
+def test_decode_admits_a_handoff_only_keyed_as_it_keys_its_blocks(caplog):
+    """A P decoding speculatively (successor-keyed blocks) and a D that does not, or the other way round: a
+    counted mismatch (recomputed), said once in the log naming the flag."""
+    plain, spec = _pd(), _pd()
+    spec.naming = dataclasses.replace(spec.naming, lookahead=True)
+    prompt = list(range(1, 14))
+    own = tuple(chain_digests(prompt, 4)[:3])
+    with caplog.at_level("WARNING", logger="graphgen.serve.pd"):
+        assert not plain.accept(prompt, Handoff(own, 3, "L1", "x", 0, lookahead=True))
+        assert not plain.accept(prompt, Handoff(own, 3, "L1", "x", 0, lookahead=True))
+        assert not spec.accept(prompt, Handoff(own, 3, "L1", "x", 0))
+    assert spec.accept(prompt, Handoff(own, 3, "L1", "x", 0, lookahead=True))
+    assert plain.handoffs.labels(result="mismatch")._value.get() == 2
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "--speculative mtp" in warned[0] and "with --speculative" in warned[0], warned
 
 
 def test_decode_accepts_only_its_own_hashing_and_layout():
@@ -148,12 +170,63 @@ def _cli(*args):
 @pytest.mark.parametrize("args,msg", [
     (["--role", "prefill"], "--role prefill hands the KV over through a shared pool"),
     (["--role", "decode", "--pool", "mooncake://127.0.0.1:1", "--write", "off"], "write off"),
-    (["--role", "prefill", "--pool", "mooncake://127.0.0.1:1", "--dp", "2"], "DP groups do not yet"),
     (["--kv-lease-timeout", "0"], "--kv-lease-timeout must be > 0"),
 ])
 def test_bad_role_flags_exit_2_before_the_model_loads(ckpt, args, msg):
     res = _cli("serve", "--spec", str(SPEC), "--weights", str(ckpt), *args)
     assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_role_refusals_live_in_the_one_table_and_dp_groups_are_not_refused():
+    """--role prefill|decode runs at every layout the ranks run (dp x tp included: issue 37 item 3); what a
+    role still refuses (with --speculative mtp) is a row of families.parallel's one refusal table, which
+    `graphgen serve` reads through layout_refusal (negative control: the same launch as role both)."""
+    from argparse import Namespace
+
+    from graphgen.engine_args import layout_refusal
+    from graphgen.families.parallel import runtime_layout_gap
+    from graphgen.modelspec.loader import load_spec
+    from support.paths import TINY_DSV3, TINY_DSV3_MTP
+
+    def refusal(spec, role, **flags):
+        over = dict(dict.fromkeys(("tp", "ep", "dp", "cp", "sp")), target="cpu", speculative=None, role=role)
+        return layout_refusal(load_spec(spec), Namespace(**{**over, **flags}))
+
+    for role in ("prefill", "decode", "both"):
+        assert refusal(TINY_DSV3, role, dp=2, tp=2, ep=4) is None
+        assert refusal(TINY_DSV3, role, dp=2, ep=2) is None
+    sentence = refusal(TINY_DSV3_MTP, "decode", speculative="mtp")
+    assert sentence and "--role prefill|decode" in sentence and "--speculative mtp" in sentence, sentence
+    assert refusal(TINY_DSV3_MTP, "both", speculative="mtp") is None
+    par = load_spec(TINY_DSV3_MTP).parallel
+    assert runtime_layout_gap(par, speculative=True, role="prefill") == sentence
+    assert runtime_layout_gap(par, speculative=True) is None
+
+
+def test_ranks_naming_of_dp_groups_is_the_tp_ranks_and_one_rank_each_is_one_ranks():
+    """`DistributedEngine.kv_naming` over what its ranks' probes answer (model, layout, shard, block size): the
+    ranks of dp 2 x tp 2 DeepSeek (MLA: every rank the latent r0of2) name the blocks as tp 2 does (one shard,
+    r0of2); dp 2 x tp 1 (every rank r0of1) as one rank (no shards: the vLLM shape), so a dp x tp P and a tp D
+    hand off to each other; Qwen3 at tp 2 (two shards) is not a one-rank naming (negative control)."""
+    from types import SimpleNamespace
+
+    from graphgen.runtime.parallel.launcher import DistributedEngine
+    from graphgen.runtime.pool.keys import block_keys
+
+    def naming(*shards):
+        probe = [("m", "L", i, n, 4, False) for i, n in shards]  # (not speculative)
+        return DistributedEngine.kv_naming(SimpleNamespace(_pool=None, on_ranks=lambda fn: probe))
+
+    prompt = list(range(1, 14))
+    one = CacheNaming(4, "L", lambda p, salt="": chain_digests(p, 4, salt),
+                      lambda p, salt="": block_keys(p, 4, model="m", layout="L", salt=salt))  # Engine's own
+    dp_tp, tp = naming((0, 2), (0, 2), (0, 2), (0, 2)), naming((0, 2), (0, 2))
+    assert dp_tp.shards == tp.shards == ("r0of2",) and dp_tp.handoff_keys(prompt) == tp.handoff_keys(prompt)
+    dp1 = naming((0, 1), (0, 1))
+    assert dp1.shards == () and dp1.handoff_keys(prompt) == one.handoff_keys(prompt)
+    qwen = naming((0, 2), (1, 2))
+    assert qwen.shards == ("r0of2", "r1of2") and len(qwen.handoff_keys(prompt)) == 2
+    assert qwen.handoff_keys(prompt)[0] != one.handoff_keys(prompt)[0]
 
 
 def test_bad_route_flags_exit_2():
@@ -212,3 +285,60 @@ def test_health_check_a_refusal_is_down_at_once_a_slow_backend_after_three_timeo
         good.close()
 
     asyncio.run(main())
+
+
+def test_a_decode_that_fails_before_answering_sends_the_request_to_the_next_one():
+    """The router's D side (route.app._to_decode, aiohttp) against loopback sockets: a D whose engine ended
+    answers 503 (not streamed) or an error as its stream's first event; another D answers. While one is up the
+    request goes to it (counted, nothing of the failed D's reaches the client) and P's lease is released once;
+    with no other D the failed answer is relayed as it is (negative control), and a stream already under way is
+    never switched (its first event was a token)."""
+    import aiohttp
+    from graphgen.route.app import RouterState, _Metrics, _to_decode
+
+    err = b'data: {"error": {"message": "rank 3 exited", "code": "error"}}\n\ndata: [DONE]\n\n'
+    answers = {"dead_json": (b"503 Service Unavailable", b"application/json", b'{"error": {"message": "gone"}}'),
+               "dead_sse": (b"200 OK", b"text/event-stream", err),
+               "ok_json": (b"200 OK", b"application/json", b'{"ok": 1}'),
+               "ok_sse": (b"200 OK", b"text/event-stream", b'data: {"tok": 1}\n\ndata: [DONE]\n\n')}
+
+    def backend(kind):
+        async def serve(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            status, ctype, body = answers[kind]
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+            writer.close()
+        return serve
+
+    async def send(st, stream):
+        released = []
+        out = await _to_decode(st, "/v1/completions", {"prompt": [1]}, {"prompt": [1]},
+                               lambda: released.append(1), 0.0)
+        body = b"".join([c async for c in out.body_iterator]) if stream else out.body
+        return out.status_code, body, len(released)
+
+    async def main():
+        servers = {k: await asyncio.start_server(backend(k), "127.0.0.1", 0) for k in answers}
+        url = {k: f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for k, s in servers.items()}
+        got = {}
+        async with aiohttp.ClientSession() as http:
+            for name, urls, stream in (("json", ["dead_json", "ok_json"], False), ("sse", ["dead_sse", "ok_sse"], True),
+                                       ("json_alone", ["dead_json"], False), ("sse_alone", ["dead_sse"], True),
+                                       ("sse_ok_first", ["ok_sse", "dead_sse"], True)):
+                decode = Pool([url[u] for u in urls], "round_robin")
+                st = RouterState(Pool([]), decode, _Metrics(Pool([]), decode), [], {})
+                st.http = http
+                got[name] = (*await send(st, stream),
+                             st.metrics.backend_errors.labels(kind="decode_failed")._value.get())
+        for s in servers.values():
+            s.close()
+        return got
+
+    got = asyncio.run(main())
+    assert got["json"] == (200, b'{"ok": 1}', 1, 1), got["json"]
+    assert got["sse"] == (200, answers["ok_sse"][2], 1, 1), got["sse"]
+    assert got["json_alone"][:3] == (503, answers["dead_json"][2], 1) and got["json_alone"][3] == 0
+    assert got["sse_alone"] == (200, err, 1, 0), got["sse_alone"]
+    assert got["sse_ok_first"] == (200, answers["ok_sse"][2], 1, 0), got["sse_ok_first"]

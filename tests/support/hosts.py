@@ -1,12 +1,14 @@
-"""Two "hosts" on one machine: two network namespaces joined by a veth pair, for multi-node tests.
+"""Several "hosts" on one machine, for multi-node tests: network namespaces joined by a veth pair
+(`TwoHosts`) or, for more than two, each joined by its own veth pair to a bridge in a namespace of its own
+(`SwitchedHosts`: the "switch").
 
-`TwoHosts` creates ``ip netns`` namespaces with unique names (``gg<tag>a``/``gg<tag>b``: the pid and a
-random tag, so concurrent runs never meet), a veth pair between them and the addresses of
-`ADDRESSES` (192.0.2.0/24, TEST-NET-1: a documentation range nothing routes; each namespace has only
-its loopback and its end of the pair, so nothing else is ever addressed). Every process a test starts
-in one (`Host.start`) is tracked; `TwoHosts.close` kills them and whatever else still runs in the
-namespaces, then deletes both (the veth pair goes with them). Use it as a fixture whose finalizer
-calls `close`, so a failing test leaves nothing behind. Needs root (CAP_SYS_ADMIN) and iproute2.
+Namespaces get unique names (``gg<tag><suffix>``: the pid and a random tag, so concurrent runs never meet)
+and the addresses given (default `ADDRESSES`; all in 192.0.2.0/24, TEST-NET-1: a documentation range nothing
+routes; each namespace has only its loopback and its end of a pair, so nothing else is ever addressed).
+Every process a test starts in one (`Host.start`) is tracked; ``close`` kills them and whatever else still
+runs in the namespaces, then deletes them all (the veth pairs and the bridge go with them). Use it as a
+fixture whose finalizer calls ``close``, so a failing test leaves nothing behind (`leftover_namespaces`
+checks). Needs root (CAP_SYS_ADMIN) and iproute2.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import sys
 
 from .netns import _Proc
 
-__all__ = ["TwoHosts", "Host", "ADDRESSES"]
+__all__ = ["TwoHosts", "SwitchedHosts", "Host", "ADDRESSES", "leftover_namespaces"]
 
 ADDRESSES = ("192.0.2.1", "192.0.2.2")
 
@@ -70,33 +72,92 @@ class Host:
         return open(path).read() if os.path.exists(path) else ""
 
 
-class TwoHosts:
-    def __init__(self, logdir: str):
-        for tool in ("ip",):
-            if shutil.which(tool) is None:
-                raise RuntimeError("the multi-node tests need `ip` (iproute2) and root to make network namespaces")
-        tag = f"{os.getpid() % 0xffff:04x}{secrets.token_hex(2)}"
-        self.hosts = [Host(f"gg{tag}{s}", addr, logdir) for s, addr in zip("ab", ADDRESSES)]
-        a, b = self.hosts
+class _Namespaces:
+    """Namespaces made by this process (``hosts`` plus any other, e.g. the switch): ``close`` removes them."""
+
+    hosts: list[Host]
+    others: list[str]
+
+    def _tag(self) -> str:
+        if shutil.which("ip") is None:
+            raise RuntimeError("the multi-node tests need `ip` (iproute2) and root to make network namespaces")
+        self.hosts, self.others = [], []
+        return f"{os.getpid() % 0xffff:04x}{secrets.token_hex(2)}"
+
+    def _made(self, build, what: str) -> None:
         try:
+            build()
+        except (subprocess.CalledProcessError, OSError) as e:
+            self.close()
+            detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+            raise RuntimeError(f"could not make {what} (needs root): {detail}") from None
+
+    def _address(self, h: Host) -> None:
+        _ip("-n", h.name, "addr", "add", f"{h.addr}/24", "dev", h.name)
+        _ip("-n", h.name, "link", "set", h.name, "up")
+        _ip("-n", h.name, "link", "set", "lo", "up")
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts] + self.others
+
+    def close(self) -> None:
+        """Kill every process started in any namespace (and any other left in them), delete them all."""
+        for h in self.hosts:
+            for p in reversed(h.procs):
+                p.kill()
+            h.kill_all()
+        for name in self.names:
+            _ip("netns", "del", name, check=False)
+
+
+class TwoHosts(_Namespaces):
+    """Two namespaces (suffixes ``a``, ``b``) joined by one veth pair."""
+
+    def __init__(self, logdir: str, addresses: tuple[str, str] = ADDRESSES):
+        tag = self._tag()
+        self.hosts = [Host(f"gg{tag}{s}", addr, logdir) for s, addr in zip("ab", addresses)]
+        a, b = self.hosts
+
+        def build():
             for h in self.hosts:
                 _ip("netns", "add", h.name)
             _ip("link", "add", a.name, "type", "veth", "peer", "name", b.name)
             for h in self.hosts:
                 _ip("link", "set", h.name, "netns", h.name)
-                _ip("-n", h.name, "addr", "add", f"{h.addr}/24", "dev", h.name)
-                _ip("-n", h.name, "link", "set", h.name, "up")
-                _ip("-n", h.name, "link", "set", "lo", "up")
-        except (subprocess.CalledProcessError, OSError) as e:
-            self.close()
-            detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
-            raise RuntimeError(f"could not make two network namespaces joined by a veth pair (needs root): "
-                               f"{detail}") from None
+                self._address(h)
 
-    def close(self) -> None:
-        """Kill every process started in either namespace (and any other left in them), delete both."""
-        for h in self.hosts:
-            for p in reversed(h.procs):
-                p.kill()
-            h.kill_all()
-            _ip("netns", "del", h.name, check=False)
+        self._made(build, "two network namespaces joined by a veth pair")
+
+
+class SwitchedHosts(_Namespaces):
+    """``len(addresses)`` namespaces (suffixes ``a``, ``b``, ...), each its veth pair's one end, the other end
+    in the switch namespace (``gg<tag>sw``) on its bridge: every host reaches every other on one /24."""
+
+    def __init__(self, logdir: str, addresses: tuple[str, ...]):
+        if not 2 <= len(addresses) <= 26:
+            raise ValueError(f"2 to 26 hosts, got {len(addresses)}")
+        tag = self._tag()
+        switch = f"gg{tag}sw"
+        self.hosts = [Host(f"gg{tag}{chr(97 + i)}", addr, logdir) for i, addr in enumerate(addresses)]
+
+        def build():
+            _ip("netns", "add", switch)
+            self.others.append(switch)
+            _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", switch, "link", "set", "br0", "up")
+            for i, h in enumerate(self.hosts):
+                _ip("netns", "add", h.name)
+                _ip("link", "add", h.name, "netns", h.name, "type", "veth", "peer", "name", f"port{i}",
+                    "netns", switch)
+                _ip("-n", switch, "link", "set", f"port{i}", "master", "br0")
+                _ip("-n", switch, "link", "set", f"port{i}", "up")
+                self._address(h)
+
+        self._made(build, f"{len(addresses)} network namespaces on a bridge")
+
+
+def leftover_namespaces(hosts: _Namespaces) -> list[str]:
+    """Which of ``hosts``' namespaces still exist (after ``close``: none)."""
+    listed = {line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()}
+    return [n for n in hosts.names if n in listed]

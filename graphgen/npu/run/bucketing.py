@@ -38,12 +38,14 @@ class Buckets:
         max_len = max_model_len(spec)
         decode, prefill = tuple(npu.decode_batch_buckets), tuple(npu.prefill_token_buckets)
         par = getattr(spec, "parallel", None)
-        if par is not None and par.dp > 1 and par.tp > 1:
-            # DP attention at tp > 1: the MoE's ep reduce-scatter cuts every DP group's call into tp equal
-            # shards (reduce_scatter_tensor), so a call's tokens are a multiple of tp: only those buckets run
+        if par is not None and par.tp > 1 and (par.dp > 1 or par.sp):
+            # the token collectives cut a call's tokens into tp equal shards (reduce_scatter_tensor /
+            # all_gather_into_tensor): sequence parallel's around every norm, DP attention's MoE reduce-scatter
+            # at tp > 1. So a call's tokens are a multiple of tp: only those buckets run (steps pad up to them)
+            why = "sequence parallel" if par.sp else "DP attention"
             decode, prefill = (tuple(x for x in b if x % par.tp == 0) for b in (decode, prefill))
             if not decode or not prefill:
-                raise ValueError(f"spec {spec.name}: DP attention at tp {par.tp} runs only buckets that are "
+                raise ValueError(f"spec {spec.name}: {why} at tp {par.tp} runs only buckets that are "
                                  f"multiples of tp; targets.npu.decode_batch_buckets {npu.decode_batch_buckets} / "
                                  f"prefill_token_buckets {npu.prefill_token_buckets} leave none of one kind "
                                  f"(fix: add a multiple of {par.tp})")

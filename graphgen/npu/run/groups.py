@@ -7,6 +7,7 @@ tp_rank``. The groups a generated module's collectives name (``PROCESS_GROUPS`` 
 
 * ``tp``: the ``tp`` consecutive ranks of one DP (and CP) group -- attention's and the dense MLPs'
   all-reduces, the LM head's vocabulary gather, the MoE's final token gather;
+* ``cp``: the ranks with the same TP (and DP) rank in every CP group -- context parallel's per-layer KV gather;
 * ``dp``: the ranks with the same TP (and CP) rank in every DP group -- the MoE's token all-gather;
 * ``ep``: every rank of the DP groups with the same CP rank (``dp * tp`` ranks; the world when ``cp = 1``)
   -- the MoE's reduce-scatter. Without DP attention EP reuses the TP ranks (``ep`` = the ``tp`` group).
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from ...runtime import RankLayout
 
-GROUP_KINDS = ("tp", "dp", "ep")  # the kinds an NPU module may name (no CP lowering: docs/npu.md)
+GROUP_KINDS = ("tp", "cp", "dp", "ep")  # the kinds an NPU module may name
 
 
 def layout_groups(tp: int, dp: int = 1, cp: int = 1) -> dict[str, tuple[tuple[int, ...], ...]]:

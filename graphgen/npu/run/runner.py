@@ -76,6 +76,8 @@ class NpuModelRunner(RunnerSaves):
         self.standin, self.check_limits = standin, check_limits
         # a DP rank's agreed padding of each graph call (data_parallel.NpuDPForward plugs it in), or None
         self.call_padding: Optional[Callable] = None
+        # a CP rank's share of each prefill step (the runtime's ContextSplit plugs in: context_parallel.py), or None
+        self.split = None
         self.buckets = Buckets.from_spec(spec)
         # speculative decoding (docs/mtp.md): verify rows of K + 1 tokens, in the decode module (K + 1 tokens a row)
         # and in the mixed grid's cells (tokens_per_row 1 and K + 1)
@@ -236,6 +238,8 @@ class NpuModelRunner(RunnerSaves):
                 raise ValueError("the NPU modules return the last position's logits of each sequence (a verify row's: "
                                  f"each position's) only; a row asked for positions {row.logits_positions}")
         phase = mod.META["phase"]
+        if self.split is not None and phase != "decode":  # a CP rank: its head-tail pieces (decode: whole, replicated)
+            return self._run_cp(plan, mod, phase, saves)
         seqs = [_sequence(row, self.block_size) for row in plan.rows]
         if plan.prev_hidden is not None:  # the MTP graph's input: each row's previous hidden states, in row order
             for s, h in zip(seqs, torch.split(plan.prev_hidden, [row.num_tokens for row in plan.rows])):
@@ -273,6 +277,55 @@ class NpuModelRunner(RunnerSaves):
                 hidden.append(h[:sum(len(s["ids"]) for s in chunk)].float())
         current_progress().stepping()  # a graph compiled on first use is done: the step deadline again
         return torch.cat(logits), (torch.cat(hidden) if hidden else None)
+
+    def _run_cp(self, plan: StepPlan, mod, phase: str, saves: bool):
+        """A CP rank's prefill step (`graphgen.npu.run.context_parallel`): each call its pieces of whole rows at the
+        bucket every CP rank pads to, the gathered rows' slots in ``kv_index``; then the logits reduced over the
+        CP group (every rank gets the step's rows)."""
+        from .context_parallel import cp_calls
+
+        if plan.prev_hidden is not None or mod.META.get("lora"):
+            raise ValueError("context parallel on the NPU runs no MTP draft and no LoRA adapters")
+        split, bs, variant = self.split, self.block_size, plan.variant
+        history, target = bool(mod.META.get("history")), self.compiled(variant)
+        firsts = [sum(len(r.logits_positions) for r in plan.rows[:i]) for i in range(len(plan.rows))]
+
+        def sequences(pieces):  # one rank's pieces as runner sequences (the row's logits row on the piece with it)
+            out = []
+            for i, lo, hi in pieces:
+                s = _sequence(plan.rows[i], bs, (lo, hi))
+                if s.get("logits", True) != ():
+                    s["logit_row"] = firsts[i]
+                out.append(s)
+            return out
+
+        local, rows, offset = [], [], 0
+        for call in cp_calls(plan, split.cp, self.buckets, phase, self.pad_block):
+            whole = [_sequence(plan.rows[i], bs) for i in call.rows]  # the call's saves and loads: its rows'
+            chunk = sequences(call.pieces[split.cp_rank])
+            b, n_save = self._step_inputs(mod, chunk, pad=call.pad, rows=whole)
+            b.kv_index = call.gathered_kv_index(sequences, bs).to(self.device)  # every rank's padded slots
+            self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
+            self._first_use(variant, b)
+
+            def graph(staging, b=b, whole=whole):
+                with torch.no_grad(), self._limits():
+                    if history:
+                        mod.load(b, self.kv, self._chunk_loads(mod, whole))
+                    return target.forward(self.W, b, self.kv, staging)
+
+            if saves:
+                out = self.commits.save_call(self.connector, plan.save_block_ids[offset:offset + n_save],
+                                             plan.save_keys[offset:offset + n_save], graph)
+                offset += n_save
+            else:
+                out = graph(())
+            local.append(out.index_select(0, b.real_logits).float())
+            rows += [s["logit_row"] for s in chunk if "logit_row" in s]
+        current_progress().stepping()
+        logits = torch.cat(local)
+        return split.reduce_logits(logits, torch.tensor(rows, dtype=torch.long, device=logits.device),
+                                   sum(len(r.logits_positions) for r in plan.rows)), None
 
     def close(self) -> None:
         try:
@@ -361,18 +414,20 @@ class NpuModelRunner(RunnerSaves):
             out.append(tuple(comps))
         return out
 
-    def _step_inputs(self, mod, chunk: list, pad=None):
+    def _step_inputs(self, mod, chunk: list, pad=None, rows: Optional[list] = None):
         """The chunk's inputs for module ``mod``, padded to ``pad`` (a mixed batch's cell) or to its bucket;
-        the gather rows only when the module reads them (``STEP_READS``: audit 3 N9)."""
+        the gather rows only when the module reads them (``STEP_READS``: audit 3 N9). ``rows``: the sequences
+        whose blocks the call saves and loads (default the chunk's; a CP rank's pieces: their whole rows)."""
         from .inputs import npu_step_inputs
 
         phase, saves, history = mod.META["phase"], bool(mod.META["saves"]), bool(mod.META.get("history"))
+        rows = chunk if rows is None else rows
         per_row = max(len(s["ids"]) for s in chunk)
         if phase == "decode" and per_row > 1:  # verify rows: every row K + 1 tokens (the decode module's S = T / B)
             chunk = [_widened(s, per_row, self.pad_block, self.block_size) for s in chunk]
         ids = [t for s in chunk for t in s["ids"]]
         qlens = [len(s["ids"]) for s in chunk]
-        save = [b for s in chunk for b in s["save"]] if saves else None
+        save = [b for s in rows for b in s["save"]] if saves else None
         # the logits rows: each row's last token, a verify row's every real token; the decode module's every token
         starts = [sum(qlens[:i]) for i in range(len(chunk))]
         real = [st + j for s, st in zip(chunk, starts) for j in s.get("logits", (len(s["ids"]) - 1,))]
@@ -396,7 +451,7 @@ class NpuModelRunner(RunnerSaves):
                             block_tables=[s["table"] for s in chunk], seq_lens=[s["seq_len"] for s in chunk],
                             query_lens=qlens, logits_indices=idx,
                             block_size=self.block_size, save_block_ids=save,
-                            load_block_ids=[b for s in chunk for b in s["load"]] if history else None,
+                            load_block_ids=[b for s in rows for b in s["load"]] if history else None,
                             decode=phase == "decode", device=self.device, pad=pad, prev_hidden=prev,
                             gather="kv_gather_rows" in getattr(mod, "STEP_READS", ("kv_gather_rows",)))
         # the module's logits rows that are real rows' (in row order): positions in its logits_indices
@@ -407,10 +462,21 @@ class NpuModelRunner(RunnerSaves):
         return b, len(save or ())
 
 
-def _sequence(row, block_size: int) -> dict:
+def _sequence(row, block_size: int, piece: Optional[tuple[int, int]] = None) -> dict:
     """One plan row as the NPU inputs want it: tokens, positions, slots, its block table (trimmed to
     its length), the blocks it saves and loads (and the loaded blocks' staging); a row asking for more
-    than its last position's logits (a verify row) names them (``logits``)."""
+    than its last position's logits (a verify row) names them (``logits``). ``piece``: only its tokens
+    ``[lo, hi)`` (a CP rank's head-tail piece: its KV length the piece's end, the causal mask of the split; the
+    row's last position's logits if it holds it; saves and loads are the whole row's, `NpuModelRunner._run_cp`)."""
+    if piece is not None:
+        lo, hi = piece
+        end = row.start + hi
+        table = list(row.block_table[:-(-end // block_size)])
+        last = bool(row.logits_positions) and lo <= row.logits_positions[-1] < hi
+        return {**({} if last else {"logits": ()}), "ids": list(row.token_ids[lo:hi]),
+                "pos": list(range(row.start + lo, end)),
+                "slots": slot_mapping(table, row.start + lo, end, block_size).tolist(), "table": table,
+                "seq_len": end, "save": [], "load": [], "loaded": []}
     table = list(row.block_table[:-(-row.seq_len // block_size)])
     extra = {} if tuple(row.logits_positions) in ((), (row.num_tokens - 1,)) else \
         {"logits": tuple(row.logits_positions)}

@@ -43,6 +43,11 @@ __all__ = ["KVConnector", "PendingSave", "SaveHandle", "WRITE_MODES"]
 log = logging.getLogger("graphgen.connector")
 
 WRITE_MODES = ("off", "sync", "async")
+# a commit's blocks go to the pool in batches of at most this many blocks and about this many bytes (one put_many:
+# one round trip to the shared pool's process or the Mooncake master); small blocks are round-trip bound, big ones
+# bandwidth bound, where bigger messages gain nothing. At most one batch of packed blocks is alive at once.
+COMMIT_BATCH = 32
+COMMIT_BATCH_BYTES = 256 << 10
 
 
 class SaveHandle(Protocol):
@@ -159,14 +164,21 @@ class KVConnector:
             obs = self.observer
             t0 = time.perf_counter() if obs is not None else 0.0
             puts = 0
+            batch: list = []   # (key, value) packed, put once COMMIT_BATCH or COMMIT_BATCH_BYTES is reached
             for j, key in enumerate(save.keys):
+                batch.append((key, save.pack(j)))
+                if j + 1 < len(save.keys) and len(batch) < COMMIT_BATCH and \
+                        sum(len(v) for _, v in batch) < COMMIT_BATCH_BYTES:
+                    continue
                 try:
-                    ok = self.pool.put(key, save.pack(j))
+                    oks = self.pool.put_many(batch)
                 except Exception as e:
                     log.warning("pool put failed: %s", e)
-                    ok = False
-                puts += bool(ok)
-                self._count("puts" if ok else "put_failures")  # a failed block is recomputed later
+                    oks = [False] * len(batch)
+                for ok in oks:
+                    puts += bool(ok)
+                    self._count("puts" if ok else "put_failures")  # a failed block is recomputed later
+                batch = []
             if obs is not None:
                 obs.commit(t0, time.perf_counter(), blocks=len(save.keys), puts=puts)
         finally:

@@ -18,7 +18,7 @@ from ...modelspec.model import ModelSpec
 from ..core.faults import Faults
 from ..core.kvcache import BlockAllocator, PagedKVCache
 from ..pool.base import PoolBackend
-from ..pool.keys import chain_digests
+from ..pool.keys import chain_digests, successor_keys
 from .connector import KVConnector
 from .engine_core import EngineCore
 from .interface import CacheNaming
@@ -74,8 +74,12 @@ class Engine:
         def salt_of(name: Optional[str]) -> str:  # a request's adapter -> its weight digest (its blocks' salt)
             return self.core.resolve_lora(name).digest if name else ""
 
-        return CacheNaming(bs, self.cache.layout, lambda p, salt="": chain_digests(p, bs, salt), self.loader.block_keys,
-                           salt_of)
+        keys = self.loader.block_keys
+        if self.speculative:  # the keys its scheduler looks up and its drafter saves under (successor token in each)
+            def keys(p, salt=""):
+                return successor_keys(self.loader, p, (len(p) - 1) // bs, salt)
+        return CacheNaming(bs, self.cache.layout, lambda p, salt="": chain_digests(p, bs, salt), keys, salt_of,
+                           lookahead=self.speculative)
 
     def kv_pool(self) -> PoolBackend:
         return self.pool

@@ -36,6 +36,10 @@ class CacheNaming:
     # hold, as MLA's latent, once) and its name as the keys carry it ("r0of2"); (): ``keys`` is the only shard
     shard_keys: tuple = ()
     shards: tuple = ()
+    # the keys carry each block's successor token (`pool.keys.mtp_block_keys`): a speculative engine's (--speculative
+    # mtp), whose blocks hold the MTP layer's KV too, computed from that token; an engine without speculation never
+    # reads them (its keys have no successor), so a handoff says which it is
+    lookahead: bool = False
 
     def handed_off(self, prompt: Sequence[int]) -> int:
         """Blocks a handoff covers: every full block but one holding the last token (recomputed by D)."""

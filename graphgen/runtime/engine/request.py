@@ -121,6 +121,10 @@ class Request:
     spec_p0: int = 0
     drafts: tuple = ()
     draft_probs: Optional[Any] = None
+    # finished on the token its prompt's step sampled, its blocks held (one ``in_steps``) for the draft run
+    # that computes the prompt's MTP KV and saves its blocks (`Scheduler.hold_for_draft`): a P/D prefill
+    # (max_tokens 1) hands exactly those blocks off
+    save_hold: bool = False
     # the LoRA adapter it runs under (a graphgen.runtime.lora.Adapter; None: the base model)
     lora: Optional[Any] = None
 

@@ -155,6 +155,20 @@ class Scheduler(Preemption):
         self.blocks.drop_write_backs(pending=False)  # plans that never land (settled first, or failed)
         self.blocks.clear()  # the device prefix cache, written back (by the next step) under write_back
 
+    def hold_for_draft(self, r: Request) -> None:
+        """Speculative: ``r`` finishes on the token its prompt's step sampled (``max_tokens`` 1 — a P/D
+        prefill — or a stop token). Its prompt's blocks are saved, with their MTP KV, only by the draft run
+        after that step (spec_decode.py): its blocks stay until `let_go` (the drafter's, once it ran)."""
+        r.save_hold = True
+        r.in_steps += 1
+
+    def let_go(self, r: Request) -> None:
+        """The draft run `hold_for_draft` waited for has run (or is not needed): the blocks go back."""
+        if r.save_hold:
+            r.save_hold = False
+            r.in_steps -= 1
+            self._maybe_release(r)
+
     def take_failed(self) -> list[Request]:
         out, self.failed = self.failed, []
         return out
@@ -236,6 +250,8 @@ class Scheduler(Preemption):
             if verified:  # a verify row's entry: the tokens taken (tokens may be a tuple otherwise)
                 tokens[i] = taken
             if reason is not None:
+                if self.num_speculative_tokens and not row.decode:
+                    self.hold_for_draft(r)
                 self.abort(r, reason)
         self.blocks.written_back(plan.write_back_ids)
         return tokens

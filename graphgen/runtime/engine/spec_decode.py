@@ -30,7 +30,9 @@ MTP layer included (the connector packs all ``spec.kv_layers`` layers). The MTP 
 depends on token i+1, so a block's key carries its successor token (``BlockKey.lookahead``, as vLLM
 PR #50897): block b is saved under ``(chain of blocks 0..b, token (b+1)*block_size)`` once that token is
 final — by the first draft run after a prompt's prefill, for every full block of the prompt not
-loaded (the last one's successor is the first generated token) — and a prompt looks its blocks up
+loaded (the last one's successor is the first generated token); a request that finished on that very
+token (``max_tokens`` 1: a P/D prefill; a stop token) keeps its blocks for that run, which drafts
+nothing (`Scheduler.hold_for_draft`) — and a prompt looks its blocks up
 with its own successors (at most ``(len - 1) // block_size`` blocks, so each successor is a prompt
 token). That draft run's graph saves them (its save program copies every layer of those blocks after
 its own layer's KV write, ordered by record/wait events the race verifier checks; the runner hands
@@ -157,10 +159,15 @@ class MtpDrafter:
         got a token and goes on."""
         if hidden_rows is None:
             raise RuntimeError(f"{plan.variant}: the module returned no hidden state (regenerate: graphgen generate)")
-        todo = []
+        todo, held = [], []
         for row, tok, h in zip(plan.rows, tokens, hidden_rows):
             r = row.request
-            if r.finished:
+            if r.save_hold:  # finished on its first token: one draft run for its prompt blocks' save, no drafts
+                if self.saves and len(r.prompt) // self.block_size > r.hit_blocks:
+                    held.append(r)
+                else:
+                    self.scheduler.let_go(r)
+            if r.finished and not r.save_hold:
                 r.spec_hidden = None
                 continue
             taken = 0 if tok is None else len(tok) if isinstance(tok, tuple) else 1
@@ -175,8 +182,13 @@ class MtpDrafter:
                 self._load_mtp_layers(row)
             if taken:
                 todo.append((r, not row.decode))
-        if todo:
-            self._draft(todo, collect_logits)
+        try:
+            if todo:
+                self._draft(todo, collect_logits)
+        finally:
+            for r in held:  # their prompt blocks' saves are staged (pinned by the commits): the blocks go back
+                r.spec_hidden = None
+                self.scheduler.let_go(r)
 
     def _load_mtp_layers(self, row: RowPlan) -> None:
         """The MTP layers' part of the pool blocks a prefill row loaded, into the cache: the target's
@@ -204,7 +216,7 @@ class MtpDrafter:
                 raise RuntimeError(f"request {r.req_id!r}: {r.spec_hidden.shape[0]} hidden states for draft positions "
                                    f"{r.spec_p0}..{m - 1}")
             # drafts worth verifying (the last token needs none), as many as the blocks allow
-            k = min(self.k, r.max_new_tokens - len(r.tokens) - 1)
+            k = 0 if r.finished else min(self.k, r.max_new_tokens - len(r.tokens) - 1)  # finished: the save only
             if k > 1 and not self.scheduler.reserve(r, m + k - 1):
                 k = 1  # the recursive runs would write past its blocks: one draft only
             pairs = self._prompt_save(r) if after_prompt else []

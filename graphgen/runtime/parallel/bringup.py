@@ -10,13 +10,12 @@ import time
 from typing import Optional
 
 from ..pool.shared import RemotePool, connect_pool, serve_pool
-from .cluster import Placement, spec_digest
+from .cluster import MOONCAKE_SCHEME, Placement, node_pool_url, pool_difference, spec_digest
 from .procs import _child
 from .rank import RANK_TARGETS
 from .rank_process import SHARED_SCHEME
 from ...netutil import bind_socket, free_port
 
-MOONCAKE_SCHEME = "mooncake://"  # every rank its own Mooncake client (its own segment and registered buffers)
 
 
 class RankFailure(RuntimeError):
@@ -99,9 +98,10 @@ def _start_pool(ctx, env: dict, capacity: int, address, authkey: bytes, timeout:
     return proc
 
 
-def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[str]:
+def _check_hello(hello: dict, here: Placement, spec, members: dict, pool="host") -> Optional[str]:
     """Why a follower cannot join (one sentence), or None. It must be an expected node, hosting that
-    node's ranks, for the same layout and spec (and settings) as this one."""
+    node's ranks, for the same layout and spec (and settings) as this one, on the same pool (``pool``: this
+    node's ``--pool``; a Mooncake URL may differ in the node's own address only)."""
     member = hello.get("member", -1)
     if member not in members or tuple(hello.get("ranks", ())) != members[member]:
         return (f"a follower announced itself as node/rank {member} hosting ranks {hello.get('ranks')}, which "
@@ -109,6 +109,9 @@ def _check_hello(hello: dict, here: Placement, spec, members: dict) -> Optional[
     if hello.get("spec") != spec_digest(spec):
         return (f"{here.describe(member)} runs {hello.get('spec_name')!r} with another layout or settings than "
                 f"node 0 ({spec.name!r}): every node must be given the same spec and flags")
+    different = pool_difference(pool, hello.get("pool", "host"))
+    if different is not None:
+        return f"{here.describe(member)} is on another pool than node 0: {different}"
     return None
 
 
@@ -118,7 +121,7 @@ def _start_host_pool(ctx, env: dict, pool, host: str, here: Placement, authkey: 
     pool, one process every rank of every node reaches; with a Mooncake URL nothing here (each rank process
     opens its own client from the URL)."""
     if pool != "host":
-        return None, None, pool
+        return None, None, node_pool_url(pool, here)
     address = (host, here.pool_port if here.multi_node else free_port(host))
     proc = _start_pool(ctx, env, capacity, address, authkey, timeout)
     return proc, connect_pool(address, authkey), f"{SHARED_SCHEME}{address[0]}:{address[1]}"

@@ -29,7 +29,7 @@ import struct
 from typing import Mapping, Optional
 
 __all__ = ["Placement", "TORCHRUN_VARS", "interface_towards", "cluster_key", "spec_digest", "KEY_ENV",
-           "DEFAULT_MASTER_PORT"]
+           "DEFAULT_MASTER_PORT", "MOONCAKE_SCHEME", "node_pool_url", "pool_difference"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 KEY_ENV = "GRAPHGEN_CLUSTER_KEY"  # the same secret on every node: authenticates the command channel
@@ -192,3 +192,53 @@ def spec_digest(spec) -> str:
     """What every node must run alike: the spec with its overrides (a frozen dataclass of plain values:
     its repr is the same on every node running the same code)."""
     return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+
+
+MOONCAKE_SCHEME = "mooncake://"  # every rank its own Mooncake client (its own segment and registered buffers)
+# a Mooncake URL's options that name the node it runs on: every other part must be the same on every node
+NODE_OWN_OPTIONS = ("local_hostname", "device")
+
+
+def pool_difference(ours, theirs) -> Optional[str]:
+    """Why two nodes' ``--pool`` values are not one pool (a phrase), or None: both ``host``, or Mooncake URLs
+    naming the same master with the same options but for each node's own address and device
+    (`NODE_OWN_OPTIONS`)."""
+    if ours == theirs:
+        return None
+    if not (isinstance(ours, str) and isinstance(theirs, str) and ours.startswith(MOONCAKE_SCHEME)
+            and theirs.startswith(MOONCAKE_SCHEME)):
+        return f"node 0 has --pool {ours}, this node --pool {theirs} (give every node the same pool)"
+    import dataclasses
+    from urllib.parse import urlsplit
+
+    from ..pool.mooncake_options import MooncakeOptions  # torch-free
+
+    a, b = urlsplit(ours), urlsplit(theirs)
+    if (a.hostname, a.port) != (b.hostname, b.port):
+        return (f"node 0's Mooncake master is {a.hostname}:{a.port}, this node's {b.hostname}:{b.port} "
+                f"(every node names the one master)")
+    try:
+        oa, ob = MooncakeOptions.from_query(a.query), MooncakeOptions.from_query(b.query)
+    except ValueError as e:
+        return f"--pool {theirs}: {e}"
+    for f in dataclasses.fields(MooncakeOptions):
+        if f.name not in NODE_OWN_OPTIONS and getattr(oa, f.name) != getattr(ob, f.name):
+            return (f"its Mooncake option {f.name} is {getattr(ob, f.name)!r}, node 0's {getattr(oa, f.name)!r} "
+                    f"(only {' and '.join(NODE_OWN_OPTIONS)} may differ between nodes)")
+    return None
+
+
+def node_pool_url(pool, here: Placement):
+    """The pool URL this node's rank processes (and, on node 0, the driver) open: a Mooncake URL without
+    ``local_hostname`` gets this node's address towards the master when the ranks span nodes (Mooncake's
+    default, 127.0.0.1, is unreachable from the other nodes); anything else as given."""
+    if not (here.multi_node and isinstance(pool, str) and pool.startswith(MOONCAKE_SCHEME)):
+        return pool
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(pool)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "local_hostname" for name, _ in query):
+        return pool
+    query.append(("local_hostname", interface_towards(here.master_addr)[1]))
+    return urlunsplit(parts._replace(query=urlencode(query)))

@@ -31,8 +31,10 @@ graph is the single-group one. What this module adds is the runner side of that 
 TP group and its CP group (`graphgen.runtime.parallel.layout`); its weights, KV heads and keys
 ``r{owner}of{tp}`` are its TP rank's (as at cp = 1), and only CP rank 0 of each TP rank's column puts.
 
-The split is a function of the plan alone (`cp_step_inputs`), so another target's runner could take it
-too; the NPU runner has no ``split`` seam yet (CP on the NPU is refused: `graphgen.families.parallel`).
+The split is a function of the plan alone (`cp_pieces`), so another target's runner takes it too: the NPU
+runner's ``split`` seam pads each CP rank's pieces to one bucket per call (its gather is an equal-shard
+``all_gather_into_tensor``) and reduces the logits with `ContextSplit.reduce_logits`
+(`graphgen.npu.run.context_parallel`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from ..core.kvcache import slot_mapping
 from ..engine.request import StepPlan
 from ..engine.runner import StepInputs
 
-__all__ = ["head_tail_pieces", "CpStepInputs", "cp_step_inputs", "ContextSplit"]
+__all__ = ["head_tail_pieces", "cp_pieces", "CpStepInputs", "cp_step_inputs", "ContextSplit"]
 
 CP_GROUP = "cp"  # the IR's group name (graphgen.passes.context_parallel.CP_GROUP)
 
@@ -77,11 +79,18 @@ class CpStepInputs(StepInputs):
     num_logits: int = 0
 
 
+def cp_pieces(plan: StepPlan, cp: int) -> list[list[list[tuple[int, int]]]]:
+    """``pieces[r][i]``: the non-empty ``[lo, hi)`` token ranges of row ``i`` of ``plan`` that CP rank ``r`` computes
+    (`head_tail_pieces`), for every rank: a pure function of the plan, so every rank knows every rank's share (the
+    gather's order and counts; the NPU runner's one bucket per call, `graphgen.npu.run.context_parallel`)."""
+    return [[[p for p in head_tail_pieces(row.num_tokens, cp, r) if p[1] > p[0]] for row in plan.rows]
+            for r in range(cp)]
+
+
 def cp_step_inputs(plan: StepPlan, block_size: int, cp_rank: int, cp: int) -> CpStepInputs:
     """CP rank ``cp_rank``'s inputs for the prefill step ``plan`` (the same plan on every rank)."""
     long = torch.long
-    pieces = [[[p for p in head_tail_pieces(row.num_tokens, cp, r) if p[1] > p[0]] for row in plan.rows]
-              for r in range(cp)]
+    pieces = cp_pieces(plan, cp)
     # the gathered order: rank 0's tokens, then rank 1's, ...; each rank's row by row, piece by piece
     slots = [slot_mapping(row.block_table, row.start + lo, row.start + hi, block_size)
              for mine in pieces for row, ps in zip(plan.rows, mine) for lo, hi in ps]
@@ -121,17 +130,30 @@ class ContextSplit:
     runtime the step's rows per CP rank (the KV gather's counts), and after the forward scatters its
     logits rows into the step's full logits and all-reduces them over the CP group (the others add
     zeros: exact), so every rank samples from the same logits. It plugs into the runner's ``split``
-    seam (`graphgen.runtime.engine.runner.CpuModelRunner`); a runner without one has no CP."""
+    seam (`graphgen.runtime.engine.runner.CpuModelRunner`, and the NPU runner's, which builds its own padded
+    inputs from `cp_pieces` and calls `reduce_logits`: `graphgen.npu.run.context_parallel`); a runner without one
+    has no CP."""
     name = "cp"
 
     def __init__(self, cp_rank: int, cp: int):
         self.cp_rank, self.cp = cp_rank, cp
-        self.rt: Any = None  # the runner's CollectiveRuntime, once attached
+        self.rt: Any = None  # the CPU runner's CollectiveRuntime, once attached (None on the NPU runner)
+        self.group: Any = None  # the CP process group (the logits reduce)
 
     def attach(self, runner) -> None:
         if not hasattr(runner, "split"):
             raise ValueError(f"{type(runner).__name__} has no step split: context parallel does not run on it")
-        runner.split, self.rt = self, runner.rt
+        runner.split, self.rt = self, getattr(runner, "rt", None)
+        self.group = (self.rt.groups if self.rt is not None else runner.groups)[CP_GROUP]
+
+    def reduce_logits(self, local, rows, num_logits: int):
+        """The step's full ``[num_logits, vocab]`` logits from this rank's ``local`` rows (row ``rows[j]`` of the
+        full logits is ``local[j]``; zeros elsewhere), summed over the CP group: every rank gets every row (the
+        ranks' rows are disjoint, so the sum with zeros is exact)."""
+        full = local.new_zeros((num_logits, local.shape[-1]))
+        full[rows] = local
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+        return full
 
     def before_forward(self, plan: StepPlan) -> None:
         pass
@@ -148,8 +170,6 @@ class ContextSplit:
             return run(variant, inputs, staging, loads)
         self.rt.set_rows(CP_GROUP, inputs.cp_counts)  # the CP gather's rows per rank (CollectiveRuntime)
         handles = run(variant, inputs, staging, loads)
-        local = handles.logits   # whole-vocabulary rows (at tp > 1 the LM head gathered them)
-        full = local.new_zeros((inputs.num_logits, local.shape[-1]))
-        full[inputs.logits_rows] = local
-        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.rt.groups[CP_GROUP])
-        return dataclasses.replace(handles, logits=full)
+        # whole-vocabulary rows (at tp > 1 the LM head gathered them)
+        return dataclasses.replace(handles, logits=self.reduce_logits(handles.logits, inputs.logits_rows,
+                                                                      inputs.num_logits))

@@ -19,6 +19,11 @@ hashing of the prompt's leading full blocks over the DP ranks (`graphgen.balance
 ``prefix``), unless that rank already holds ``max_imbalance`` more requests than the least-loaded one
 (then the least loaded): a shared prefix stays on one rank's device cache while load stays bounded.
 
+**P/D** (``serve --role prefill|decode``, docs/pd.md "P/D with ranks"): the handoff names the ranks' keys
+(`DistributedEngine.kv_naming`). They carry no DP rank, so the DP group of P that ran a prompt saves its TP
+shards under the keys any DP group of D (or a tp-only instance of the same shards) looks up: D's `DPRouter` picks
+the group as for any request, and its ranks load their own shard.
+
 Not built: an all-to-all dispatch.
 """
 
@@ -174,14 +179,6 @@ class DataParallelEngine(DistributedEngine):
             merged.update(res)
         self.last_ranks = list(ranks)
         return [merged[i] for i in range(len(prompts))]
-
-    def kv_naming(self):
-        """None: a DP group's requests are its own (a handoff would name one group's blocks; P/D with DP groups
-        is refused by `graphgen serve`)."""
-        return None
-
-    def saves_in_flight(self) -> int:
-        return 0  # each rank waits for its own commits (``drain`` barriers them)
 
     def per_group(self, replies: list) -> list:
         """Of every rank's replies (world order), each DP group's once: its TP rank 0's."""

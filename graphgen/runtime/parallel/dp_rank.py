@@ -35,7 +35,10 @@ next prompt looks the pool up (`generate` without ``batch``).
 
 ``tp > 1`` inside a DP group: its ranks plan in lockstep (plan check and hit MINs on the group's gloo group,
 `graphgen.runtime.parallel.layout.RankLayout.lockstep_group`), every one of them runs the group's real or dummy
-forwards, and the facade keeps TP rank 0's replies. Not built: an all-to-all dispatch. The NPU's DP feature is
+forwards, and the facade keeps TP rank 0's replies. ``cp > 1`` inside a DP group likewise: its ``cp × tp``
+ranks are the lockstep group, each CP rank's share of a prefill meets the other groups' same CP rank in the
+MoE's collectives (the ``dp`` and ``ep`` groups hold one CP rank), and the facade keeps the group's first rank's
+replies. Not built: an all-to-all dispatch. The NPU's DP feature is
 `graphgen.npu.run.data_parallel.NpuDPForward`.
 """
 
@@ -57,15 +60,14 @@ __all__ = ["DPLayout", "DPSync", "CpuDPForward", "dp_rank_weights", "dp_tick", "
 
 @dataclasses.dataclass(frozen=True)
 class DPLayout:
-    """A DP rank's place as its weight slicing reads it: a view of `RankLayout.coords` (``rank = dp_rank × tp +
-    tp_rank`` at cp = 1 under DP attention; its EP index ``dp_rank × tp + tp_rank``: the world rank)."""
+    """A DP rank's place as its weight slicing reads it: a view of `RankLayout.coords` (``rank = (dp_rank × cp +
+    cp_rank) × tp + tp_rank``; its EP index ``dp_rank × tp + tp_rank``: the world rank at cp = 1, and the same for
+    the CP ranks of one DP and TP rank, which hold the same experts)."""
     layout: RankLayout
     coords: RankCoords
 
     @classmethod
     def of(cls, par, rank: int) -> "DPLayout":
-        if par.cp != 1:
-            raise ValueError("DP attention with cp > 1 has no rank order (spec rule)")
         lay = RankLayout.of(par)
         return cls(lay, lay.coords(rank))
 

@@ -13,7 +13,7 @@
   dummy of the agreed kind). The target names its own (`RankTarget.dp_forward`).
 * `graphgen.runtime.parallel.context_parallel.ContextSplit` (``cp > 1``): the head-tail split of a
   prefill step over the CP ranks (a pure function of the plan) and the logits reduce; it plugs into the
-  runner's ``split`` seam (the CPU runner has one; a runner without it is refused).
+  runner's ``split`` seam (the CPU and NPU runners have one; a runner without it is refused).
 
 A feature has ``name``, ``attach(runner)`` (called once, on the target's own runner) and
 ``before_forward(plan)`` (called by `RankRunner.submit` before a plan with rows runs).

@@ -27,7 +27,8 @@ from typing import Any, Optional
 
 from ..progress import Deadlines
 from .commands import Close
-from .cluster import KEY_ENV, Placement, cluster_key, interface_towards, spec_digest
+from .cluster import (KEY_ENV, MOONCAKE_SCHEME, Placement, cluster_key, interface_towards, node_pool_url,
+                      spec_digest)
 from .links import HEARTBEAT_S, SILENCE_S, LocalRank, connect_channel
 from .procs import _process_context, start_ranks
 
@@ -37,9 +38,10 @@ EXIT_OK, EXIT_FAILED = 0, 2
 
 
 def follow(placement: Placement, spec, weights, *, threads: Optional[int] = None,
-           rank_timeout: Optional[Deadlines] = None, command: str = "graphgen", out=None) -> int:
+           rank_timeout: Optional[Deadlines] = None, command: str = "graphgen", out=None, pool="host") -> int:
     """Host ``placement.ranks`` of ``spec`` for the driver on node 0 until it closes the engine; the
-    exit code (0, or 2 after one sentence on ``out``, stderr by default)."""
+    exit code (0, or 2 after one sentence on ``out``, stderr by default). ``pool``: this node's ``--pool``
+    (node 0 checks it names its pool; a Mooncake URL's ranks here open it with this node's own address)."""
     here = placement
     me = here.describe(here.ranks[0] if here.torchrun else here.node_rank)
     driver = f"{here.master_addr}:{here.channel_port}"
@@ -57,7 +59,8 @@ def follow(placement: Placement, spec, weights, *, threads: Optional[int] = None
         return say(f"node 0 never answered at {driver} within {start:.0f} s (is its {command} started with the "
                    f"same --nnodes/--master-addr/--master-port? --rank-timeout start=S raises it)")
     member = here.ranks[0] if here.torchrun else here.node_rank
-    conn.send(("hello", {"member": member, "ranks": here.ranks, "spec": spec_digest(spec), "spec_name": spec.name}))
+    conn.send(("hello", {"member": member, "ranks": here.ranks, "spec": spec_digest(spec), "spec_name": spec.name,
+                         "pool": pool}))
     payload: Any
     try:
         kind, payload = conn.recv() if conn.poll(start) else ("refused", f"no answer from {driver} in {start:.0f} s")
@@ -70,6 +73,8 @@ def follow(placement: Placement, spec, weights, *, threads: Optional[int] = None
     env.setdefault("GLOO_SOCKET_IFNAME", interface_towards(here.master_addr)[0])
     cfg = dict(payload, weights=str(Path(weights)), check_config=True, devices={r: here.device_index(r) for r in here.ranks},
                local_world=len(here.ranks), threads=threads or max(1, (os.cpu_count() or 1) // len(here.ranks)))
+    if isinstance(cfg["pool"], str) and cfg["pool"].startswith(MOONCAKE_SCHEME):  # node 0 checked it is its pool
+        cfg["pool"] = node_pool_url(pool, here)  # each node's ranks announce their own address, not node 0's
     ends = start_ranks(_process_context(), env, here.ranks, cfg)
     print(f"{command}: {me} joined node 0 at {driver}", file=out or sys.stderr, flush=True)
     try:

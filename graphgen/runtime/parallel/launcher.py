@@ -49,7 +49,7 @@ from .links import Channel, LocalRank, PendingRank, RemoteRank
 from .procs import _process_context, start_ranks  # noqa: F401  (_process_context: tests patch it here)
 from .rank import RANK_TARGETS
 
-from .bringup import (RankFailure, _check_hello, _checked, _compile_once,  # noqa: F401  (tests import _checked here)
+from .bringup import (RankFailure, _check_hello, _checked, _compile_once, node_pool_url,  # noqa: F401  (tests import _checked here)
                       _host_store, _start_host_pool)
 
 __all__ = ["DistributedEngine", "DistributedCore", "RankFailure"]
@@ -59,9 +59,10 @@ def _pool_stats(engine) -> dict:  # a probe (module-level: pickled by name)
     return engine.pool_stats()
 
 
-def _key_parts(engine) -> tuple:  # a probe: how this rank names its blocks (model, cache layout, shard, block size)
-    loader = engine.loader
-    return loader.model, engine.cache.layout, loader.shard.index, loader.shard.count, engine.cache.block_size
+def _key_parts(engine) -> tuple:  # a probe: how this rank names its blocks (model, cache layout, shard, block size,
+    loader = engine.loader          # successor-keyed: speculative decoding's keys, docs/mtp.md)
+    return (loader.model, engine.cache.layout, loader.shard.index, loader.shard.count, engine.cache.block_size,
+            bool(getattr(engine, "speculative", False)))
 
 
 def _max_model_len(engine) -> int:  # a probe run in every rank process (module-level: pickled by name)
@@ -111,7 +112,8 @@ class DistributedEngine:
         # the rendezvous store, bound to the given address only (torchrun's when it launched us)
         self._store = None if here.torchrun else _host_store(host, here.store_port, max(timeout, self.deadlines.longest))
         authkey = os.urandom(16)
-        self.pool_url = pool  # "host" or the Mooncake master's URL every rank (on every node) opens
+        # "host" or the Mooncake master's URL this node's ranks open (each node its own address in it)
+        self.pool_url = node_pool_url(pool, here)
         self._driver_pool = None  # on Mooncake: this process's own client, for P/D (kv_pool)
         # the embedded pool's process and this process's client of it; none on Mooncake (each rank its own)
         self._pool_proc, self._pool, rank_pool = _start_host_pool(ctx, env, pool, host, here, authkey,
@@ -134,7 +136,7 @@ class DistributedEngine:
         self._ends = sorted(self._ends + start_ranks(ctx, env, here.ranks, cfg), key=lambda e: e.rank)
         if self._channel is not None:
             self._channel.on_lost = self._node_lost
-            self._channel.start(lambda hello: _check_hello(hello, here, spec, members), lambda hello: cfg,
+            self._channel.start(lambda hello: _check_hello(hello, here, spec, members, pool), lambda hello: cfg,
                                 here.describe)
         try:
             with self._busy:
@@ -323,20 +325,30 @@ class DistributedEngine:
 
     def kv_naming(self):
         """How the ranks name a prompt's blocks: every distinct KV shard's keys (a shard several ranks hold,
-        as MLA's latent, once), named here as each rank's loader names them (P/D's handoff over ranks). None
-        on the host pool: it lives in this instance only, nothing outside could read a handoff."""
+        as MLA's latent, once), named here as each rank's loader names them (P/D's handoff over ranks). Keys
+        carry no DP rank (every DP group names a prompt's blocks alike), and DP ranks of one rank each name them
+        as one rank does (no ``shards``): a handoff of dp × tp ranks is one of tp ranks. None on the host pool:
+        it lives in this instance only, nothing outside could read a handoff."""
         if self._pool is not None:
             return None
         from ...runtime.engine.interface import CacheNaming
-        from ..pool.keys import KVShard, block_keys, chain_digests
+        from ..pool.keys import KVShard, block_keys, chain_digests, mtp_block_keys
 
         parts = list(dict.fromkeys(self.on_ranks(_key_parts)))  # one per distinct shard, in rank order
-        model, layout, _, _, bs = parts[0]
-        fns = tuple((lambda m, lay, shard: lambda p, salt="": block_keys(p, bs, model=m, layout=lay, shard=shard,
-                                                                          salt=salt))(
-            m, lay, KVShard(i, n)) for m, lay, i, n, _ in parts)
-        return CacheNaming(bs, layout, lambda p, salt="": chain_digests(p, bs, salt), fns[0], shard_keys=fns,
-                           shards=tuple(KVShard(i, n).render() for _, _, i, n, _ in parts))
+        model, layout, _, _, bs, lookahead = parts[0]
+
+        def shard_keys(m, lay, shard):  # a speculative rank's keys carry each block's successor (its scheduler's)
+            if lookahead:
+                return lambda p, salt="": mtp_block_keys(p, (len(p) - 1) // bs, bs, model=m, layout=lay,
+                                                         shard=shard, salt=salt)
+            return lambda p, salt="": block_keys(p, bs, model=m, layout=lay, shard=shard, salt=salt)
+
+        fns = tuple(shard_keys(m, lay, KVShard(i, n)) for m, lay, i, n, _, _ in parts)
+        digests = lambda p, salt="": chain_digests(p, bs, salt)  # noqa: E731
+        if [(i, n) for _, _, i, n, _, _ in parts] == [(0, 1)]:  # DP ranks of one rank each: one rank's naming (r0of1)
+            return CacheNaming(bs, layout, digests, fns[0], lookahead=lookahead)
+        return CacheNaming(bs, layout, digests, fns[0], shard_keys=fns,
+                           shards=tuple(KVShard(i, n).render() for _, _, i, n, _, _ in parts), lookahead=lookahead)
 
     def kv_pool(self):
         """This process's own Mooncake client (opened on first use, contributing no segment): P's leases and

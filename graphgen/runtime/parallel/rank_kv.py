@@ -57,6 +57,9 @@ class SaveOncePool:
         self.skipped_puts += 1
         return True
 
+    def put_many(self, items) -> list[bool]:   # not the inner pool's: every put is dropped
+        return [self.put(k, v) for k, v in items]
+
     def __getattr__(self, name: str):
         return getattr(self._pool, name)
 

@@ -13,6 +13,10 @@ on one rank (see `graphgen.runtime.core.kvcache.pack_block`). The contract every
 * ``leading_run(keys) -> int``: how many of the leading keys are present, stopping at the first miss
   (a prefix hit is only usable as a contiguous run from block 0).
 * ``stats() -> dict``: counters for logs/benchmarks; keys are backend-specific.
+* ``put_many(items) -> list[bool]`` / ``get_many(keys) -> list[bytes | None]``: ``put`` / ``get`` of
+  several keys at once, one bool / value per key, for a backend where each call is a round trip (the
+  shared pool's proxy, Mooncake's RPCs): the defaults loop (a ``put`` that raised is False, logged).
+  The connector puts a commit's blocks with ``put_many``.
 * optional ``get_into(keys, dests) -> list[bool]``: values straight into the caller's memory, for a
   backend whose ``get`` would otherwise materialise a ``bytes`` per value (the default loops over
   ``get`` and copies). ``dests[i]`` is a writable buffer of exactly the value's size, or a callable
@@ -53,11 +57,14 @@ renewed while the lease lives). ``pin`` never raises for a store failure: the le
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Lease", "LeaseBook", "LeaseKeeper", "PoolBackend", "count_leading", "deliver"]
 
@@ -182,6 +189,21 @@ class PoolBackend(abc.ABC):
 
     @abc.abstractmethod
     def contains(self, key: str) -> bool: ...
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> list[bool]:
+        """Default: ``put`` each; one that raised is False (an ordinary failure, logged), the rest go on."""
+        out = []
+        for key, value in items:
+            try:
+                out.append(bool(self.put(key, value)))
+            except Exception as e:   # noqa: BLE001 - the contract: a put that raises is a failed put
+                log.warning("pool put of %r failed: %s", key, e)
+                out.append(False)
+        return out
+
+    def get_many(self, keys: Sequence[str]) -> "list[bytes | None]":
+        """Default: ``get`` each."""
+        return [self.get(k) for k in keys]
 
     def leading_run(self, keys: Sequence[str]) -> int:
         """Default: probe one by one. Backends with a batch existence query should override."""

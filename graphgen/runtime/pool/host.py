@@ -137,8 +137,17 @@ class HostPool(PoolBackend):
     def get(self, key: str) -> bytes | None:
         key = self._check_key(key)
         with self._lock:
-            entry = self._get(key)
-            return bytes(self._arena.view(entry)) if isinstance(entry, int) else entry
+            return self._copy(self._get(key))
+
+    def _copy(self, entry: "bytes | int | None") -> bytes | None:
+        """An entry's value as ``bytes`` (an arena slot copied out; under the lock)."""
+        return bytes(self._arena.view(entry)) if isinstance(entry, int) else entry
+
+    def get_many(self, keys: Sequence[str]) -> "list[bytes | None]":
+        """``get`` of every key under one lock (the shared pool's proxy answers a load in one round trip)."""
+        keys = [self._check_key(k) for k in keys]
+        with self._lock:
+            return [self._copy(self._get(k)) for k in keys]
 
     def _get(self, key: str) -> "bytes | int | None":
         self._c["gets"] += 1

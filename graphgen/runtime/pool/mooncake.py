@@ -383,6 +383,7 @@ class MooncakePool(PoolBackend):
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._c, down=self._down, last_error=self._last_error, master=self.master,
+                        local_hostname=self.options.local_hostname,  # the address this client announces
                         reject_reasons=dict(self._reject_reasons), **self.lease_book.stats())
 
     def close(self) -> None:
