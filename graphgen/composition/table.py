@@ -40,9 +40,6 @@ CELLS: tuple[Cell, ...] = (
                                "are padded to one bucket per CP group, not to the DP ranks' agreed bucket: "
                                "graphgen/npu/run/context_parallel.py); use --target cpu, or run with --cp 1",
             when=lambda x: x.cp > 1 and x.dp > 1),
-    refused(("mtp", "dp"), NPU, "--speculative mtp with dp > 1 does not run on the NPU target yet (the DP ranks' "
-                                "agreed graph calls have no kind for the MTP layer's draft runs or for verify rows of "
-                                "K + 1 tokens); use --target cpu, or --dp 1", when=lambda x: x.speculative and x.dp > 1),
     # --- refused at launch: P/D roles (serve --role)
     refused(("mtp", "pd", "tp"), BOTH, "--speculative mtp under --role prefill|decode runs with one rank per instance "
                                        "so far (the handoff of speculative ranks' successor-keyed shards is untested: "
@@ -75,6 +72,9 @@ CELLS: tuple[Cell, ...] = (
          "speculative_equals_greedy_every_write_mode[async-True-8]", "= greedy without drafts = transformers"),
     runs(("async_write", "prefix_cache", "mtp"), CPU, "tests/runtime/test_mtp_speculative.py::test_pool_hit_keeps_"
          "the_drafts[async]", "tokens and draft logits after a pool hit = cold"),
+    runs(("async_write", "dp", "ep", "mtp"), NPU, "tests/npu/test_npu_speculative.py::test_dp2_ep2_on_the_npu_ranks_"
+         "equals_one_rank_with_dummy_draft_and_verify_calls", "= one NPU rank = the CPU run, dummy draft and verify "
+         "calls seen"),
     runs(("async_write", "prefix_cache", "chunked", "cp"), CPU, "tests/parallel/test_context_parallel.py::test_qwen3_"
          "cp2_matches_transformers_and_cp1_and_a_swapped_split_does_not", "= cp 1 = transformers"),
     runs(("async_write", "prefix_cache", "chunked", "cp", "tp"), CPU, "tests/parallel/test_context_parallel.py::test_"

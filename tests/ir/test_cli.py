@@ -168,14 +168,13 @@ def test_layout_flags_reach_open_engine_and_override_the_spec():
     ("serve", ("--cp", "2"), "cp (2) with MTP is not implemented"),
     ("run", ("--tp", "2", "--sp"), "sp with MTP is not implemented"),
     ("serve", ("--speculative", "mtp", "--tp", "2", "--sp"), "sp with MTP is not implemented"),
-    ("run", ("--speculative", "mtp", "--dp", "2", "--ep", "2", "--target", "npu", "--standin"),
-     "--speculative mtp with dp > 1 does not run on the NPU target yet"),
+    ("run", ("--speculative", "mtp", "--cp", "2", "--target", "npu", "--standin"), "cp (2) with MTP is not implemented"),
 ])
 def test_mtp_launches_the_runtimes_cannot_run_are_refused_in_one_sentence(tmp_path, cmd, flags, missing):
     """Issue 38 item 1: MTP with tp, ep and dp runs on the ranks (tests/parallel/test_mtp_ranks.py); what still
-    does not -- cp and sp with MTP (spec rules, `families.parallel.parallel_rules`, also for a --cp/--sp override),
-    speculative decoding under DP attention on the NPU target (the one refusal table) -- is one sentence naming
-    what is missing, exit 2, before any weights load (the folder is empty). In this interpreter (`support.inproc`)."""
+    does not -- cp and sp with MTP (spec rules, `families.parallel.parallel_rules`, also for a --cp/--sp override;
+    with --target npu the spec rule speaks before the NPU's own cp row) -- is one sentence naming what is missing,
+    exit 2, before any weights load (the folder is empty). In this interpreter (`support.inproc`)."""
     from graphgen.families.parallel import runtime_layout_gap
     from graphgen.modelspec.loader import load_spec
     from support.cli import cli_inproc
@@ -186,7 +185,8 @@ def test_mtp_launches_the_runtimes_cannot_run_are_refused_in_one_sentence(tmp_pa
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and missing in lines[0], res.stderr
-    # the controls: ranks with MTP on the CPU target are no gap, speculative or not
+    # the controls: ranks with MTP on either target are no gap, speculative or not
     spec = load_spec(REPO / "specs/tiny_deepseek_v3_mtp.yaml")
     for layout in ({}, {"tp": 2}, {"tp": 2, "ep": 2}, {"dp": 2, "ep": 2}, {"dp": 2, "tp": 2, "ep": 4}):
-        assert runtime_layout_gap(spec.with_overrides(**layout).parallel, "cpu", mtp=True, speculative=True) is None
+        for target in ("cpu", "npu"):
+            assert runtime_layout_gap(spec.with_overrides(**layout).parallel, target, mtp=True, speculative=True) is None

@@ -120,14 +120,14 @@ def test_negative_control_a_pool_without_the_mtp_kv_changes_the_drafts(runs):
 
 
 def test_the_one_table_has_no_npu_row_for_speculative_decoding():
-    """The refusal lifted in the one table (issue 38 item 1): one rank on the NPU target is no gap, nor tp
-    (tests/npu/test_npu_ranks.py); DP attention still is (its agreed graph calls have no draft kind)."""
+    """The refusal lifted in the one table (issue 38 item 1): one rank on the NPU target is no gap, nor tp or DP
+    attention (the tests below)."""
     from graphgen.families.parallel import runtime_layout_gap
 
     spec = load_spec(SPEC)
     assert runtime_layout_gap(spec.parallel, "npu", mtp=True, speculative=True) is None
     assert runtime_layout_gap(spec.with_overrides(tp=2).parallel, "npu", mtp=True, speculative=True) is None
-    assert "dp > 1" in runtime_layout_gap(spec.with_overrides(dp=2, ep=2).parallel, "npu", mtp=True, speculative=True)
+    assert runtime_layout_gap(spec.with_overrides(dp=2, ep=2).parallel, "npu", mtp=True, speculative=True) is None
 
 
 # ---- tp 2: the NPU rank processes (issue 38 item 1, with ranks) ---------------------------------------------
@@ -186,3 +186,45 @@ def test_tp2_on_the_npu_ranks_equals_one_rank_and_keeps_the_drafts_after_a_hit(r
     stats = ranks["stats"]
     assert stats[0]["puts"] >= 1 and stats[1]["puts"] == 0 and stats[1]["skipped_puts"] >= 1  # the latent once
     assert perfect.tokens == one.tokens and perfect.num_draft_tokens == perfect.num_accepted_tokens > 0
+
+
+def _dummy_kinds(engine) -> dict:  # a probe run in every rank process
+    return dict(engine.runner.dp.dummy_kinds)
+
+
+def test_dp2_ep2_on_the_npu_ranks_equals_one_rank_with_dummy_draft_and_verify_calls(runs):
+    """DP attention + EP on the NPU runner with speculative decoding: both DP groups busy with prompts of
+    different lengths, then the long prompt on the other group (a 128-token hit of what group 0 saved). Every
+    graph call runs at one bucket agreed by both ranks per kind (`data_parallel.py`: the MTP layer's draft runs
+    and the verify calls of K' + 1 tokens a row are kinds of their own), so the idle rank ran dummy draft and
+    verify calls. Tokens the CPU run's (margin-aware), drafts the one-rank NPU run's, acceptance equal cold and
+    after the hit."""
+    from graphgen.npu.run.data_parallel import DRAFT, VERIFY
+    from graphgen.npu.run.inputs import random_weights
+    from graphgen.runtime import open_engine
+    import graphgen.npu.run  # noqa: F401
+
+    spec = load_spec(SPEC)
+    W = random_weights(spec, seed=1, scale=0.1)
+    short = list(range(40, 47))
+    cpu_spec = dataclasses.replace(spec, kv_cache=dataclasses.replace(spec.kv_cache, dtype="float32"))
+    with open_engine(cpu_spec, dict(W), num_blocks=64, collect_logits=True) as e:
+        ref_short = e.generate([short], NEW)
+    with open_engine(spec, dict(W), target="npu", standin=True, dp=2, ep=2, num_blocks=64, collect_logits=True,
+                     num_speculative_tokens=K, threads=1, timeout=600) as e:
+        both = e.generate([PROMPTS[0], short], NEW, batch=True, ranks=[0, 1])
+        e.drain()
+        hit = e.generate(PROMPTS, NEW, ranks=[1])[0]
+        kinds = e.on_ranks(_dummy_kinds)
+    assert_results_agree(runs["greedy"] + ref_short, both, TOL, where="npu dp=2 speculative vs cpu greedy")
+    one, cold = runs["cold"][0], both[0]
+    assert (cold.num_draft_tokens, cold.num_accepted_tokens) == (one.num_draft_tokens, one.num_accepted_tokens)
+    n = min(len(one.draft_logits), len(cold.draft_logits))
+    diffs = [(one.draft_logits[i].float() - cold.draft_logits[i].float()).abs().max().item() for i in range(n)]
+    assert n > 0 and sum(d <= TOL for d in diffs) >= n - 1, diffs
+    assert hit.hit_tokens == 128 and hit.tokens == cold.tokens
+    assert (hit.num_draft_tokens, hit.num_accepted_tokens) == (cold.num_draft_tokens, cold.num_accepted_tokens)
+    for a, b in zip(cold.draft_logits, hit.draft_logits):
+        assert (a - b).abs().max().item() <= 0.05
+    # group 0 idle while group 1 ran the hit: its dummies of the draft and the verify kinds
+    assert kinds[0].get(DRAFT, 0) > 0 and any(k >= VERIFY and c > 0 for k, c in kinds[0].items()), kinds

@@ -49,6 +49,10 @@ def npu_engine(spec, weights, *, spec_file: str = "", pool="host", num_blocks: O
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 standin=standin, mode=mode, warmup=warmup, cache_dir=cache_dir,
                                 rank_timeout=rank_timeout, **options)
+    if groups is not None and groups.layout.dp > 1 and options.get("num_speculative_tokens"):
+        # a DP rank's calls run at agreed buckets of one kind each (data_parallel.py): verify rows need a decode
+        # call of their own, never a prefill call beside prompt chunks, so no mixed steps
+        options["chunked_prefill"] = False
     buckets = Buckets.from_spec(spec)
     # the weights go on the device first, streamed (each load-time weight built in place), then the KV cache
     load_weights, placed, size_kv, sources = load_first(spec, weights, mode, sources, standin,

@@ -255,7 +255,8 @@ class NpuModelRunner(RunnerSaves):
         logits, hidden, offset = [], [], 0
         for chunk in chunks:
             if self.call_padding is not None:  # every DP rank runs this call at one bucket (data_parallel.py)
-                cell = self.call_padding(phase, len(chunk), sum(len(s["ids"]) for s in chunk))
+                per_row = max(len(s["ids"]) for s in chunk) if phase == "decode" else 1  # verify rows: K' + 1
+                cell = self.call_padding(phase, len(chunk), sum(len(s["ids"]) for s in chunk), per_row)
             b, n_save = self._step_inputs(mod, chunk, pad=cell)
             self.graph_calls.append((variant, b.block_tables.shape[0], b.input_ids.shape[0]))
             self._first_use(variant, b)
