@@ -165,6 +165,16 @@ CELLS: tuple[Cell, ...] = (
          "ranks_equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one NPU rank = the CPU greedy run"),
     runs(("lora",), NPU, "tests/lora/test_lora_npu_delta.py::test_npu_engine_on_the_standin_matches_the_cpu_engine_"
          "with_adapters_batched", "= the CPU target with the same adapters"),
+    # the NPU stand-in's server, one launch with serve's defaults and the seed's async-write companions on
+    # (tests/serve/test_serve_npu.py: one rank, tiny_qwen3_npu's shape trained to answer with a thought and a call)
+    runs(("async_write", "async_scheduling"), NPU, "tests/serve/test_serve_npu.py::test_serve_target_npu_standin_"
+         "async_scheduling_gives_the_tokens_of_run_without_it", "serve (async scheduling on) = run --target npu "
+         "--no-async-scheduling"),
+    runs(("async_write", "async_scheduling", "chunked", "prefix_cache", "tools"), NPU, "tests/serve/test_serve_npu.py"
+         "::test_tool_call_and_reasoning_equal_the_trained_answer_chunked_and_after_a_prefix_hit",
+         "= transformers' greedy answer (the trained call and thought), chunked, and after a prefix hit"),
+    runs(("async_write", "async_scheduling", "structured", "tools"), NPU, "tests/serve/test_serve_npu.py::test_named_"
+         "tool_choice_is_forced_by_the_grammar", "the forced call parses, exactly the schema's keys"),
     # --- turned off: the launch runs without the feature, and says so (a note on stderr; rank.py's engine_options)
     *(turned_off(("async_scheduling", dim), BOTH, ASYNC_SCHEDULING_RANKS, when=_async_on(dim))
       for dim in ("cp", "sp", "dp", "tp", "ep")),
