@@ -125,8 +125,9 @@ def test_qwen3_npu_ranks_match_the_cpu_ranks(npu_ckpts):
     runs, envs = {}, {}
     assert not {"HCCL_CONNECT_TIMEOUT", "ENABLE_DYNAMIC_SHAPE_MULTI_STREAM"} & set(os.environ)  # else: proves nothing
     # the NPU ranks with async scheduling (the seed's "async inference" on ranks), the CPU ranks without: one
-    # launch each covers both the target and the scheduling mode (several prompts at once: decode rows feed back
-    # PENDING tokens; the third prompt's pool hit). The rank cores must really run async (else: proves nothing)
+    # launch each covers both the target and the scheduling mode (the prompts one after another, settled: each
+    # decode step's input is fed back PENDING while the step before it is in flight; the third prompt is a pool
+    # hit). The rank cores must really run async (else: proves nothing)
     for target, opts in (("cpu", {}), ("npu", {"standin": True, "async_scheduling": True})):
         with open_engine(spec, W, target=target, tp=2, collect_logits=True, num_blocks=8, threads=1, **opts) as e:
             runs[target] = e.generate(PROMPTS, 3)
