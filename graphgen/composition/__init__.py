@@ -27,10 +27,10 @@ from __future__ import annotations
 from .doc import Verdict, markdown, verdict
 from .launch import (BOTH, CHECKS, CPU, FEATURE_NAMES, FEATURES, NPU, TARGETS, Cell, Feature, Launch, example_launch,
                      refused, runs, turned_off)
-from .table import (ASYNC_SCHEDULING_RANKS, CELLS, PD_SHARED_POOL, SEED,
+from .table import (ASYNC_SCHEDULING_DP, CELLS, PD_SHARED_POOL, SEED,
                     SeedCombo, launch_notes, launch_refusal, refusals, sentence_of, spec_rules)
 
-__all__ = ["ASYNC_SCHEDULING_RANKS", "BOTH", "CELLS", "CHECKS", "CPU", "FEATURES", "FEATURE_NAMES",
+__all__ = ["ASYNC_SCHEDULING_DP", "BOTH", "CELLS", "CHECKS", "CPU", "FEATURES", "FEATURE_NAMES",
            "NPU", "PD_SHARED_POOL", "SEED",
            "TARGETS", "Cell", "Feature", "Launch", "SeedCombo", "Verdict", "example_launch", "launch_notes",
            "launch_refusal", "markdown", "refusals", "refused", "runs", "turned_off", "sentence_of", "spec_rules",

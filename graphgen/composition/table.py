@@ -18,9 +18,10 @@ LORA_RANKS_FIX = "remove the lora: section, or use a parallel layout of one rank
 MTP_SPLIT = "{0} ({{{0}}}) with MTP is not implemented (the MTP layer's draft tokens would need the same split)"
 
 
-ASYNC_SCHEDULING_RANKS = ("async scheduling is off on parallel ranks: every rank schedules and steps in lockstep on "
-                          "one thread (a second thread's collectives would not pair up across ranks), so step N+1 "
-                          "is planned after step N (docs/serve.md)")
+ASYNC_SCHEDULING_DP = ("async scheduling is off under DP attention (--dp > 1): a DP rank with nothing to run serves "
+                          "the other groups' forwards with dummy forwards between the launcher's calls, a protocol of "
+                          "whole steps, so step N+1 is planned after step N (docs/parallel.md, \"Async scheduling on "
+                          "ranks\")")
 
 
 def _async_on(dim: str) -> Callable[[Launch], bool]:
@@ -89,7 +90,7 @@ CELLS: tuple[Cell, ...] = (
          "match_transformers_on_every_rank", "= transformers on every rank, chunks and decodes in one step"),
     runs(("prefix_cache", "structured", "tp"), CPU, "tests/serve/test_serve_tp.py::test_serve_tp2_greedy_equals_run_"
          "tp2_and_seeded_sampling_repeats", "serve --tp 2 = run --tp 2; its structured output = one rank's"),
-    runs(("async_write", "ep", "prefix_cache", "tp"), CPU,
+    runs(("async_write", "async_scheduling", "ep", "prefix_cache", "tp"), CPU,
          "tests/parallel/test_parallel_ranks.py::test_deepseek_tp2_matches_"
          "transformers_and_saves_the_latent_once[ep2_local_experts]", "= transformers, the latent saved once"),
     runs(("async_write", "prefix_cache", "dp", "ep"), CPU, "tests/parallel/test_data_parallel.py::test_dp2_ep2_"
@@ -107,7 +108,7 @@ CELLS: tuple[Cell, ...] = (
     runs(("async_write", "dp", "ep", "pd", "mooncake", "tp"), CPU,
          "tests/serve/test_pd.py::test_dp_tp_pd_through_the_router_equals_one_rank_and_each_lease_ends_when_d_read_"
          "or_timed_out", "dp 2 x tp 2 P and D through the router = one rank, margin-aware"),
-    runs(("nodes", "tp"), CPU, "tests/parallel/test_nodes.py::test_qwen3_tp4_serve_on_two_nodes_"
+    runs(("async_scheduling", "nodes", "tp"), CPU, "tests/parallel/test_nodes.py::test_qwen3_tp4_serve_on_two_nodes_"
          "equals_four_ranks_on_one_and_a_lost_node_ends_it", "two nodes = four ranks on one"),
     runs(("dp", "ep", "nodes"), CPU, "tests/parallel/test_nodes.py::test_deepseek_dp4_ep4_on_two_nodes_equals_four_"
          "ranks_on_one", "two nodes = four ranks on one"),
@@ -133,16 +134,17 @@ CELLS: tuple[Cell, ...] = (
          "npu_runner_and_match_the_cpu_target", "= the CPU target"),
     runs(("async_write", "mtp", "prefix_cache"), NPU, "tests/npu/test_npu_speculative.py::test_tokens_equal_the_cpu_"
          "run", "= the CPU target's speculative run, cold and after a pool hit"),
-    runs(("async_write", "tp"), NPU, "tests/npu/test_npu_ranks.py::test_qwen3_npu_ranks_match_the_cpu_ranks",
-         "= the CPU ranks"),
+    runs(("async_write", "async_scheduling", "tp"), NPU, "tests/npu/test_npu_ranks.py::test_qwen3_npu_ranks_match_"
+         "the_cpu_ranks", "= the CPU ranks (those without async scheduling)"),
     runs(("async_write", "ep", "tp"), NPU, "tests/npu/test_npu_ranks.py::test_deepseek_npu_ranks_cli_match_the_cpu_"
          "ranks", "= the CPU ranks"),
     runs(("async_write", "dp", "ep"), NPU, "tests/npu/test_npu_ranks.py::test_deepseek_npu_dp2_ep2_matches_the_cpu_"
          "dp_ranks", "= the CPU DP ranks"),
     runs(("async_write", "dp", "ep", "tp"), NPU, "tests/npu/test_npu_ranks.py::test_deepseek_npu_dp2_tp2_ep4_cli_"
          "matches_one_rank", "= one rank"),
-    runs(("async_write", "cp", "sp", "tp"), CPU, "tests/parallel/test_context_parallel.py::test_cp2_tp2_sp_matches_"
-         "transformers_and_one_rank[deepseek]", "the seed's CP/SP = one rank = transformers"),
+    runs(("async_write", "async_scheduling", "cp", "prefix_cache", "sp", "tp"), CPU, "tests/parallel/test_context_"
+         "parallel.py::test_cp2_tp2_sp_matches_transformers_and_one_rank[deepseek]", "the seed's CP/SP with async "
+         "scheduling = one rank = transformers, a request admitted while a forward runs"),
     runs(("async_write", "dp", "ep", "sp", "tp"), CPU, "tests/parallel/test_data_parallel.py::test_dp2_tp2_ep4_with_"
          "sequence_parallel_matches_transformers_and_one_rank", "= one rank = transformers"),
     runs(("async_write", "cp", "dp", "ep"), CPU, "tests/parallel/test_context_parallel.py::test_deepseek_cp2_inside_"
@@ -157,8 +159,9 @@ CELLS: tuple[Cell, ...] = (
          "announce_their_own_node", "every rank's puts land through its own node's client"),
     runs(("async_write", "ep", "mooncake", "nodes", "pd", "tp"), CPU, "tests/serve/test_pd_nodes.py::test_32_concurrent_"
          "clients_through_2p1d_of_two_node_instances_equal_one_rank", "2P1D of two-node instances = one rank"),
-    runs(("async_write", "cp", "prefix_cache", "sp", "tp"), NPU, "tests/npu/test_npu_cp_sp.py::test_qwen3_npu_cp2_"
-         "tp2_sp_matches_one_cpu_rank", "the seed's CP/SP = one CPU rank, a pool hit split over the CP ranks"),
+    runs(("async_write", "async_scheduling", "cp", "prefix_cache", "sp", "tp"), NPU, "tests/npu/test_npu_cp_sp.py::"
+         "test_qwen3_npu_cp2_tp2_sp_matches_one_cpu_rank", "the seed's CP/SP with async scheduling = one CPU rank, a "
+         "pool hit split over the CP ranks"),
     runs(("async_write", "sp", "tp", "ep"), NPU, "tests/npu/test_npu_cp_sp.py::test_deepseek_npu_tp2_sp_cli_matches_"
          "one_cpu_rank", "= one CPU rank"),
     runs(("async_write", "mtp", "prefix_cache", "tp"), NPU, "tests/npu/test_npu_speculative.py::test_tp2_on_the_npu_"
@@ -176,9 +179,7 @@ CELLS: tuple[Cell, ...] = (
     runs(("async_write", "async_scheduling", "structured", "tools"), NPU, "tests/serve/test_serve_npu.py::test_named_"
          "tool_choice_is_forced_by_the_grammar", "the forced call parses, exactly the schema's keys"),
     # --- turned off: the launch runs without the feature, and says so (a note on stderr; rank.py's engine_options)
-    *(turned_off(("async_scheduling", dim), BOTH, ASYNC_SCHEDULING_RANKS, when=_async_on(dim))
-      for dim in ("cp", "sp", "dp", "tp", "ep")),
-    turned_off(("async_scheduling", "nodes"), BOTH, ASYNC_SCHEDULING_RANKS, when=_async_on("nnodes")),
+    turned_off(("async_scheduling", "dp"), BOTH, ASYNC_SCHEDULING_DP, when=_async_on("dp")),
     # --- refused per request (a 400 from serve)
     refused(("mtp", "structured"), BOTH, "structured output (response_format) is not supported with --speculative mtp "
                                          "(docs/mtp.md)", "request"),

@@ -30,6 +30,7 @@ from graphgen.npu.standin import fakes as standin
 from support.cli import run_args
 from support.inproc import cli_inproc
 from support.paths import SPECS
+from support.probes import async_on
 from support.standin import STANDIN_TIMEOUT_S
 from support.tokens import assert_agree
 
@@ -174,7 +175,8 @@ def test_qwen3_npu_cp2_tp2_sp_matches_one_cpu_rank(npu_ckpts):
     two CP ranks of a TP group each, sequence parallel inside it): a 137-token prompt and its decode steps, then the
     same prompt + 2 tokens, which hits the 128-token block CP rank 0 saved and runs splitfuse split over the CP ranks:
     logits within TOL of one CPU rank at every step; every rank's graph calls at the same buckets, each a multiple
-    of tp (SP's equal shards), through modules that gather the CP KV and reduce-scatter the TP sums."""
+    of tp (SP's equal shards), through modules that gather the CP KV and reduce-scatter the TP sums. With async
+    scheduling on (the seed's "CP/SP + async inference"), asserted on every rank's core; the CPU reference without."""
     from graphgen.runtime import open_engine
     import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
 
@@ -182,8 +184,9 @@ def test_qwen3_npu_cp2_tp2_sp_matches_one_cpu_rank(npu_ckpts):
     prompts = [PREFIX, PREFIX + [7, 8]]
     refs = [_one_cpu_rank(spec, W, [p], 2)[0] for p in prompts]
     with open_engine(spec, W, target="npu", standin=True, cp=2, tp=2, sp=True, collect_logits=True, num_blocks=8,
-                     threads=1) as e:
+                     threads=1, async_scheduling=True) as e:
         got = [e.generate([p], 2)[0] for p in prompts]
+        assert e.on_ranks(async_on) == [True] * 4   # else the async rows of the matrix would prove nothing
         calls, graphs = e.on_ranks(_calls), e.on_ranks(_ge_graphs)
     assert len(calls) == 4
     _check_ge("tiny_qwen3_npu cp2 tp2 sp", graphs, "all_gather_into_tensor")

@@ -24,6 +24,7 @@ from graphgen.npu.standin import fakes as standin
 from support.cli import run_args
 from support.inproc import cli_inproc
 from support.paths import SPECS
+from support.probes import async_on
 from support.standin import STANDIN_TIMEOUT_S
 from support.tokens import assert_agree
 
@@ -106,10 +107,6 @@ def _startup_env(engine):  # run in each rank (pickled by name), given its engin
     return os.environ.get("HCCL_CONNECT_TIMEOUT"), os.environ.get("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM")
 
 
-def _async_on(engine):  # run in each rank: does its core plan step N+1 while step N runs?
-    return engine.core.async_scheduling
-
-
 # ---- ranks ------------------------------------------------------------------------------------
 def _compare(cpu_tokens, npu_tokens, cpu_logits, npu_logits):
     """Logits within TOL, tokens equal up to a near tie (support.tokens); True when equal to the end."""
@@ -133,7 +130,7 @@ def test_qwen3_npu_ranks_match_the_cpu_ranks(npu_ckpts):
             runs[target] = e.generate(PROMPTS, 3)
             assert e.tp == 2 and type(e).__name__ == "DistributedEngine"
             envs[target] = e.on_ranks(_startup_env)
-            assert e.on_ranks(_async_on) == [target == "npu"] * 2
+            assert e.on_ranks(async_on) == [target == "npu"] * 2
     # the NPU ranks start with HCCL's connect timeout (the warm-up deadline, clamped to CANN's 120-7200 s) and the
     # multi-stream variable (audit 4 M2/M9: the launcher's child environment); the CPU ranks (no env hook) without
     assert envs["npu"] == [("7200", "1")] * 2 and envs["cpu"] == [(None, None)] * 2

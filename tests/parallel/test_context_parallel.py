@@ -19,7 +19,7 @@ import torch
 from graphgen.runtime import open_engine
 from support.hf import ATOL, assert_steps_match_hf, hf_step_logits, rand_prompt
 from support.paths import REPO
-from support.probes import swap_sp_rows
+from support.probes import async_on, swap_sp_rows
 from support.tokens import assert_agree
 
 TIMEOUT = 60   # seconds a rank may take to answer one command
@@ -183,15 +183,24 @@ def test_cp2_tp2_sp_matches_transformers_and_one_rank(family, request, cp1_resul
     rank's head-tail share of a prefill is split again over its TP group between the reductions (5 tokens:
     CP shares 3 and 2, TP shards 2+1 and 1+1; the 12-token hit's 1-token step: CP rank 0's, TP rank 0's),
     each layer's KV all-gathered over cp, KV saved by CP rank 0's TP group. Every step vs transformers,
-    tokens vs one rank; the TP ranks taking each other's rows breaks the logits (negative control)."""
+    tokens vs one rank; the TP ranks taking each other's rows breaks the logits (negative control).
+
+    With async scheduling on every rank (the seed's "CP/SP + async inference"; docs/parallel.md, "Async
+    scheduling on ranks"): step N+1 is planned while step N's forward runs. The staggered pair (13 fresh tokens,
+    then the hit prompt again) makes that plan admit a request -- its pool lookup's hit MIN on the host-side
+    group -- while a prefill chunk's forward issues the TP and CP collectives on the forward thread."""
     fixture = request.getfixturevalue(CHECKPOINTS[family])
     p = _prompts(family)
     with open_engine(REPO / SPECS[family], fixture.dir, cp=2, tp=2, sp=True, write="async", collect_logits=True,
-                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK) as eng:
+                     num_blocks=48, timeout=TIMEOUT, max_num_batched_tokens=CHUNK, async_scheduling=True) as eng:
+        assert eng.on_ranks(async_on) == [True] * 4   # else this proves nothing about async scheduling
         out = {k: eng.generate([p[k]], 3)[0] for k in ("shorter", "longer")}
         eng.drain()
         out["repeated"] = eng.generate([p["longer"]], 3)[0]
         stats, pool = eng.rank_stats, eng.pool_stats()
+        # chunk 1 of "fresh" fills the 8-token budget; the plan made while it runs takes chunk 2 (5) and the
+        # hit prompt's 1-token step, its lookup agreed while that forward's collectives run
+        out["staggered fresh"], out["staggered hit"] = eng.generate([p["fresh"], p["longer"]], 3, batch=True)
         eng.on_ranks(swap_sp_rows)
         control = eng.generate([p["control"]], 1)[0]   # 8 tokens: 4 per CP rank, 2 per TP rank
     assert (out["repeated"].variant, out["repeated"].hit_tokens) == ("splitfuse", 12)
@@ -199,8 +208,10 @@ def test_cp2_tp2_sp_matches_transformers_and_one_rank(family, request, cp1_resul
         for what, r in out.items():
             assert_steps_match_hf(fixture.model, r, f"{family} cp=2 tp=2 sp {what}")   # decode steps included
         ref = hf_step_logits(fixture.model, p["control"], control.tokens)
+    assert (out["staggered hit"].variant, out["staggered hit"].hit_tokens) == ("splitfuse", 12)
     _agree_cp1(cp1_results(family), [("shorter", out["shorter"]), ("longer", out["longer"]),
-                                     ("longer", out["repeated"])], f"{family} cp=2 tp=2 sp")
+                                     ("longer", out["repeated"]), ("fresh", out["staggered fresh"]),
+                                     ("longer", out["staggered hit"])], f"{family} cp=2 tp=2 sp")
     puts, skipped, keys = SP_PUTS[family]
     assert [s["puts"] for s in stats] == puts and [s["skipped_puts"] for s in stats] == skipped
     assert pool["num_keys"] == keys and [s["hit_blocks"] for s in stats] == [3, 3, 3, 3]

@@ -20,6 +20,7 @@ from support.cli import cli_inproc
 from support.engines import counters_since
 from support.hf import ATOL, assert_steps_match_hf, hf_logits, rand_prompt
 from support.paths import REPO
+from support.probes import async_on
 from support.tokens import assert_results_agree
 
 TIMEOUT = 60  # seconds a rank may take to answer one command
@@ -51,6 +52,8 @@ def _steps(eng, a, b):
 def _run(spec, weights, a, b, saves=None, **kw):
     """`_steps` on an engine of its own (its pool too); ``saves``: a list the ranks' `save_report` is put in."""
     with open_engine(REPO / spec, weights, collect_logits=True, num_blocks=32, timeout=TIMEOUT, **kw) as eng:
+        if kw.get("async_scheduling"):   # on every rank, else the test proves nothing about it
+            assert eng.on_ranks(async_on) == [True] * len(eng.rank_stats)
         out, stats = _steps(eng, a, b)
         if saves is not None:
             saves.append(eng.save_report())
@@ -122,11 +125,13 @@ def test_qwen3_tp2_write_modes_give_the_same_tokens(qwen, qwen_tp2, spec):
 @pytest.mark.parametrize("ep", [2, 1], ids=["ep2_local_experts", "ep1_width_sliced_experts"])
 def test_deepseek_tp2_matches_transformers_and_saves_the_latent_once(tiny_dsv3, ep):
     """ep=2: each rank holds half the experts whole; ep=1: every expert is split by width over the two
-    ranks (the layout deepseek_v3_1 ships with, at tp=32)."""
+    ranks (the layout deepseek_v3_1 ships with, at tp=32). ep=2 runs with async scheduling (the step after a
+    forward planned while it runs, its lookup agreed on the host-side group): the same tokens and logits."""
     model, d = tiny_dsv3.model, tiny_dsv3.dir
     a, b = _prompts(3)
     saves: list = []
-    (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b, saves, tp=2, ep=ep)
+    (ra, again, rb), stats, pool = _run("specs/tiny_deepseek_v3_tp2ep2.yaml", d, a, b, saves, tp=2, ep=ep,
+                                        async_scheduling=ep == 2)
     assert (again.variant, again.hit_tokens, rb.hit_tokens) == ("splitfuse", 8, 4)
     with torch.no_grad():
         for what, r in (("prefill", ra), ("splitfuse", again), ("shared prefix", rb)):

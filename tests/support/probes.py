@@ -3,7 +3,7 @@ every rank process, pickled by name, so they live in an importable module)."""
 
 from __future__ import annotations
 
-__all__ = ["swap_sp_rows"]
+__all__ = ["async_on", "swap_sp_rows"]
 
 
 def swap_sp_rows(rank_engine) -> None:
@@ -23,3 +23,10 @@ def swap_sp_rows(rank_engine) -> None:
         other = size - 1 - rt._index(group)
         return total[other * cut[0]:(other + 1) * cut[0]]
     rt.reduce_scatter = swapped
+
+
+def async_on(rank_engine) -> bool:
+    """Does this rank's core plan step N+1 while step N's forward runs (async scheduling)? A test that runs
+    ranks with ``async_scheduling`` asserts it on every rank: the rank setup may turn it off (under DP
+    attention: `graphgen.runtime.parallel.rank`, "Threads"), and then the test would prove nothing about it."""
+    return rank_engine.core.async_scheduling

@@ -92,10 +92,11 @@ class PlanCheck:
 
 
 class RankRunner:
-    """A target's runner as one rank: ``submit`` runs every feature's ``before_forward`` first (a plan
-    with no rows issues no collective: nothing to agree on), inline (``background`` refused: the
-    features' and the forward's collectives must stay on one thread); everything else is the runner's
-    own (attributes read and set go to it)."""
+    """A target's runner as one rank: ``submit`` runs every feature's ``before_forward`` first, on the
+    caller's thread before the forward starts (a plan with no rows issues no collective: nothing to agree
+    on), then the forward (``background``: on the target runner's forward thread, async scheduling:
+    `graphgen.runtime.parallel.rank`, "Threads"); everything else is the runner's own (attributes read and
+    set go to it)."""
 
     _OWN = ("inner", "features")
 
@@ -120,12 +121,10 @@ class RankRunner:
         return dp.dummy_forwards if dp is not None else 0
 
     def submit(self, plan: StepPlan, *, background: bool = False):
-        if background:
-            raise RuntimeError("a rank runs its forwards inline (async scheduling is off on ranks)")
         if plan.rows:
             for f in self.features:
                 f.before_forward(plan)
-        return self.inner.submit(plan)
+        return self.inner.submit(plan, background=background)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

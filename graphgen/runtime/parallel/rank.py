@@ -18,7 +18,7 @@ A rank is an ordinary engine of its target given four parts of its own:
 
 A target's builder is ``build(spec, weights, *, rank: RankSetup, pool, faults, spec_file, sources, **options)
 -> Engine``; it takes `RankSetup.engine_options` (KV shapes, connector factories, the runner wrap, no async
-scheduling) into its ordinary engine. The CPU's is `cpu_rank_engine`.
+scheduling under DP attention) into its ordinary engine. The CPU's is `cpu_rank_engine`.
 
 **Why lockstep.** Ranks of one DP group run in lockstep: each has its own scheduler, fed the same calls
 in the same order by the launcher (`DistributedCore`), with hits agreed by collectives, so every rank
@@ -28,12 +28,18 @@ agreement (the MIN collectives) and per-rank load staging; the calls the launche
 more than the plan would. What lockstep needs — that no rank's plan drifts — is checked every step
 (`graphgen.runtime.parallel.features.PlanCheck`).
 
-Collectives run on the caller's (main) thread only, in the same order on every rank: the plan
-check, the forward's (the graph's), then the connector's (lookup, load, drain), which the scheduler
-issues in the same deterministic order on every rank because every rank sees the same prompts and
-agreed hits. No async scheduling on a rank: it would plan step N+1 (whose pool lookup agrees hits with
-an all_reduce) while step N's forward issues its own collectives on the forward thread, and two
-threads' collectives on one group need not pair up across ranks.
+**Threads.** Without async scheduling every collective runs on the caller's (main) thread, in the same order
+on every rank: the plan check, the forward's (the graph's), then the connector's (lookup, load, drain), which
+the scheduler issues in the same deterministic order on every rank because every rank sees the same prompts
+and agreed hits. With async scheduling (``dp = 1``) the forward runs on the forward thread while the caller's
+thread plans step N+1; what the caller's thread issues meanwhile -- the hit MINs of its pool lookups and loads
+-- runs on the **host-side group** (``host``/``lockstep``), a gloo group of its own that no module's
+collective uses (`graphgen.runtime.parallel.rank_process` makes it even when the world is gloo), and what the
+forward thread issues runs on the modules' groups only. So each group sees one thread at a time, in one
+order on every rank: the plan check and the DP handshake run at launch (the caller's thread, no forward in
+flight), the CP logits reduce inside the forward, the drafter's runs after a step landed and before the next
+is launched. Under DP attention (``dp > 1``) async scheduling stays off: a DP rank with nothing to run
+serves the others' forwards with dummies between the launcher's calls, a protocol of whole steps.
 
 **Targets.** What a rank process builds is looked up by name in `RANK_TARGETS` (``"cpu"``:
 `cpu_rank_engine`); another target registers its builder with `register_rank_target` when its module is
@@ -67,7 +73,8 @@ __all__ = ["RankSetup", "build_rank", "rank_slices", "cpu_rank_engine", "RankTar
 @dataclasses.dataclass
 class RankSetup:
     """One rank, as its target's builder gets it: ``groups`` (its process groups, layout and coordinates),
-    ``parts`` (its KV side), ``host`` (the host-side gloo group of the world; None: the world's own),
+    ``parts`` (its KV side), ``host`` (the host-side gloo group of the world, apart from the world group; None:
+    the world's own, in-process tests without async scheduling),
     ``lockstep`` (the gloo group of its DP group's ranks, `RankLayout.lockstep_group`; None: ``host``, when
     dp = 1), ``features`` (made when the runner exists: `wrap`) and ``dp_forward`` (the target's DP feature
     factory, under DP attention)."""
@@ -109,8 +116,10 @@ class RankSetup:
         return self.runner
 
     def engine_options(self) -> dict:
-        """What a target's ordinary engine builder takes to build this rank (`build_engine`'s options)."""
-        return {**self.parts.engine_options(), "wrap_runner": self.wrap, "async_scheduling": False}
+        """What a target's ordinary engine builder takes to build this rank (`build_engine`'s options; under DP
+        attention no async scheduling: module doc, "Threads")."""
+        off = {"async_scheduling": False} if self.layout.dp > 1 else {}
+        return {**self.parts.engine_options(), "wrap_runner": self.wrap, **off}
 
 
 def rank_slices(weights, names, layout: RankLayout, coords, parallel) -> dict:
@@ -134,6 +143,9 @@ def build_rank(spec, layout: RankLayout, target: "RankTarget", *, groups: RankGr
     if layout.dp > 1 and layout.world > layout.dp and lockstep is None:
         raise ValueError(f"rank {groups.coords.rank} of {layout}: DP groups of several ranks need their lockstep "
                          f"group (RankLayout.lockstep_group)")
+    if build_kwargs.get("async_scheduling") and layout.dp == 1 and host is None and layout.world > 1:
+        raise ValueError(f"rank {groups.coords.rank} of {layout}: async scheduling on ranks needs a host-side gloo "
+                         f"group of its own (the scheduler's collectives must not share the modules' groups)")
     kv_group = lockstep if layout.dp > 1 else host
     setup = RankSetup(groups, rank_parts(spec, layout, groups.coords, kv_group), host, target.dp_forward,
                       lockstep=lockstep)

@@ -97,8 +97,12 @@ def _join(rank: int, cfg: dict):
                             world_size=cfg["spec"].parallel.world, timeout=timeout)
     # every named group of the layout, made once in one order on every rank (the modules' collectives)
     groups = RankLayout.of(cfg["spec"].parallel).process_groups(rank)
-    # the host-side agreement (plan check, hit MINs, drain barrier, DP handshake) on CPU tensors: gloo
-    host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    # the host-side agreement (plan check, hit MINs, drain barrier, DP handshake) on CPU tensors: a gloo group
+    # of its own even when the world is gloo, never one a module's collectives use (a group spanning the world
+    # is the world group itself, `RankLayout.process_groups`): under async scheduling the caller's thread plans
+    # step N+1 -- its hit MINs on this group -- while step N's forward runs its collectives on the forward thread,
+    # and two threads' collectives on one group need not pair up across ranks (docs/parallel.md)
+    host = dist.new_group(backend="gloo", timeout=timeout)
     # under DP attention with several ranks per DP group, the plan check and hit MINs run on that group
     return target, groups, host, groups.layout.lockstep_group(rank, timeout=timeout)
 
