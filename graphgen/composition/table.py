@@ -142,13 +142,14 @@ CELLS: tuple[Cell, ...] = (
          "dp_ranks", "= the CPU DP ranks"),
     runs(("async_write", "dp", "ep", "tp"), NPU, "tests/npu/test_npu_ranks.py::test_deepseek_npu_dp2_tp2_ep4_cli_"
          "matches_one_rank", "= one rank"),
-    runs(("async_write", "async_scheduling", "cp", "prefix_cache", "sp", "tp"), CPU, "tests/parallel/test_context_"
-         "parallel.py::test_cp2_tp2_sp_matches_transformers_and_one_rank[deepseek]", "the seed's CP/SP with async "
-         "scheduling = one rank = transformers, a request admitted while a forward runs"),
+    runs(("async_write", "async_scheduling", "chunked", "cp", "prefix_cache", "sp", "tp"), CPU,
+         "tests/parallel/test_context_parallel.py::test_cp2_tp2_sp_matches_transformers_and_one_rank[deepseek]",
+         "the seed's CP/SP with async scheduling = one rank = transformers, a request admitted while a forward runs"),
     runs(("async_write", "dp", "ep", "sp", "tp"), CPU, "tests/parallel/test_data_parallel.py::test_dp2_tp2_ep4_with_"
          "sequence_parallel_matches_transformers_and_one_rank", "= one rank = transformers"),
-    runs(("async_write", "cp", "dp", "ep"), CPU, "tests/parallel/test_context_parallel.py::test_deepseek_cp2_inside_"
-         "dp2_matches_transformers_and_one_rank", "= one rank = transformers"),
+    runs(("async_write", "chunked", "cp", "dp", "ep", "prefix_cache"), CPU, "tests/parallel/test_context_parallel.py::"
+         "test_deepseek_cp2_inside_dp2_matches_transformers_and_one_rank", "= one rank = transformers (13 tokens "
+         "chunked by 8, a hit on the other group's blocks)"),
     runs(("async_write", "mtp", "prefix_cache", "tp"), CPU, "tests/parallel/test_mtp_ranks.py::test_tp2_speculative_"
          "equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one rank's speculative run, drafts kept after a hit"),
     runs(("async_write", "dp", "ep", "mtp"), CPU, "tests/parallel/test_mtp_ranks.py::test_dp2_ep2_speculative_drafts_"
