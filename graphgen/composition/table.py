@@ -164,14 +164,24 @@ CELLS: tuple[Cell, ...] = (
          "announce_their_own_node", "every rank's puts land through its own node's client"),
     runs(("async_write", "ep", "mooncake", "nodes", "pd", "tp"), CPU, "tests/serve/test_pd_nodes.py::test_32_concurrent_"
          "clients_through_2p1d_of_two_node_instances_equal_one_rank", "2P1D of two-node instances = one rank"),
-    runs(("async_write", "sp", "tp"), NPU, "tests/npu/test_npu_cp_sp.py::test_qwen3_npu_tp2_sp_matches_one_cpu_rank",
-         "= one CPU rank"),
-    runs(("async_write", "cp"), NPU, "tests/npu/test_npu_cp_sp.py::test_qwen3_npu_cp2_matches_one_cpu_rank",
-         "= one CPU rank, a pool hit split over both ranks"),
+    runs(("async_write", "cp", "prefix_cache", "sp", "tp"), NPU, "tests/npu/test_npu_cp_sp.py::test_qwen3_npu_cp2_"
+         "tp2_sp_matches_one_cpu_rank", "the seed's CP/SP = one CPU rank, a pool hit split over the CP ranks"),
+    runs(("async_write", "sp", "tp", "ep"), NPU, "tests/npu/test_npu_cp_sp.py::test_deepseek_npu_tp2_sp_cli_matches_"
+         "one_cpu_rank", "= one CPU rank"),
     runs(("async_write", "mtp", "prefix_cache", "tp"), NPU, "tests/npu/test_npu_speculative.py::test_tp2_on_the_npu_"
          "ranks_equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one NPU rank = the CPU greedy run"),
     runs(("lora",), NPU, "tests/lora/test_lora_npu_delta.py::test_npu_engine_on_the_standin_matches_the_cpu_engine_"
          "with_adapters_batched", "= the CPU target with the same adapters"),
+    # the NPU stand-in's server, one launch with serve's defaults and the seed's async-write companions on
+    # (tests/serve/test_serve_npu.py: one rank, tiny_qwen3_npu's shape trained to answer with a thought and a call)
+    runs(("async_write", "async_scheduling"), NPU, "tests/serve/test_serve_npu.py::test_serve_target_npu_standin_"
+         "async_scheduling_gives_the_tokens_of_run_without_it", "serve (async scheduling on) = run --target npu "
+         "--no-async-scheduling"),
+    runs(("async_write", "async_scheduling", "chunked", "prefix_cache", "tools"), NPU, "tests/serve/test_serve_npu.py"
+         "::test_tool_call_and_reasoning_equal_the_trained_answer_chunked_and_after_a_prefix_hit",
+         "= transformers' greedy answer (the trained call and thought), chunked, and after a prefix hit"),
+    runs(("async_write", "async_scheduling", "structured", "tools"), NPU, "tests/serve/test_serve_npu.py::test_named_"
+         "tool_choice_is_forced_by_the_grammar", "the forced call parses, exactly the schema's keys"),
     # --- turned off: the launch runs without the feature, and says so (a note on stderr; rank.py's engine_options)
     *(turned_off(("async_scheduling", dim), BOTH, ASYNC_SCHEDULING_RANKS, when=_async_on(dim))
       for dim in ("cp", "sp", "dp", "tp", "ep")),

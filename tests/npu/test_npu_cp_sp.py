@@ -6,11 +6,11 @@ the same checkpoint (bf16 too): an implementation nobody here wrote for the layo
 reference. TOL is test_npu_ranks.py's (bf16 on both sides, a different reduction order: 0.15 on logits of
 magnitude 2..4); greedy tokens equal unless the reference's top-2 margin is under 2 * TOL (support.tokens).
 
-* **SP** (`--tp 2 --sp`): every graph call's token count is a multiple of tp (`Buckets.from_spec` keeps only those
+* **SP** (`--tp 2 --sp`: DeepSeek alone through `graphgen run`, Qwen3 under `--cp 2`): every graph call's token count is a multiple of tp (`Buckets.from_spec` keeps only those
   buckets; the stand-in's ``reduce_scatter_tensor`` cuts equal shards and fails otherwise), and the modules the
   ranks run are the SP graphs (their reduce-scatters counted).
 
-* **CP** (`--cp 2`): each CP rank runs its head-tail pieces of a prefill step, every call at one bucket on
+* **CP** (`--cp 2`, with `--tp 2 --sp` as the seed ran it on Qwen3; alone on DeepSeek): each CP rank runs its head-tail pieces of a prefill step, every call at one bucket on
   every rank (the KV ``all_gather_into_tensor`` takes equal shards), the gathered rows' slots in ``kv_index``;
   a prompt, its decode steps (which read the KV the gathers wrote), and a repeat that hits the first's saved
   block (so CP rank 0's save reached the pool and every rank loaded it) and runs splitfuse under CP. The call
@@ -95,29 +95,6 @@ def test_sp_buckets_are_multiples_of_tp_and_a_spec_without_one_is_refused():
 
 
 @needs_standin
-def test_qwen3_npu_tp2_sp_matches_one_cpu_rank(npu_ckpts):
-    """``open_engine(..., target="npu", standin=True, tp=2, sp=True)``: a prompt and its decode steps within TOL of
-    one CPU rank at every step; every rank's graph calls at even token counts, through the SP modules."""
-    from graphgen.runtime import open_engine
-    import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
-
-    spec, W = SPECS / "tiny_qwen3_npu.yaml", npu_ckpts["tiny_qwen3_npu"]
-    prompt = list(range(5, 40))
-    ref = _one_cpu_rank(spec, W, [prompt], 3)[0]
-    with open_engine(spec, W, target="npu", standin=True, tp=2, sp=True, collect_logits=True, num_blocks=8,
-                     threads=1) as e:
-        got = e.generate([prompt], 3)[0]
-        calls, graphs = e.on_ranks(_calls), e.on_ranks(_ge_graphs)
-    _check_ge("tiny_qwen3_npu tp2 sp", graphs, "reduce_scatter_tensor")
-    agreed = assert_agree(ref.tokens, ref.step_logits, got.tokens, got.step_logits, TOL, where="npu tp2 sp")
-    assert agreed.steps >= 2
-    for graph_calls, modules in calls:
-        assert {v for v, _, _ in graph_calls} == {"mempool_prefill", "decode"}
-        assert all(tokens % 2 == 0 for _, _, tokens in graph_calls), graph_calls
-        assert all("reduce_scatter_tensor" in called for called in modules.values()), modules  # the SP graphs
-
-
-@needs_standin
 def test_deepseek_npu_tp2_sp_cli_matches_one_cpu_rank(npu_ckpts):
     """``graphgen run --target npu --standin --tp 2 --ep 2 --sp`` (MLA, the experts split over the TP ranks, the
     MoE's partial sums reduce-scattered): the prompt's logits within TOL of one CPU rank, its token equal up to a
@@ -192,25 +169,34 @@ PREFIX = list(range(3, 140))  # > one 128-token block: the repeat hits it and ru
 
 
 @needs_standin
-def test_qwen3_npu_cp2_matches_one_cpu_rank(npu_ckpts):
-    """``open_engine(..., target="npu", standin=True, cp=2)``: a 137-token prompt and its decode steps, then the same
-    prompt + 2 tokens, which hits the 128-token block CP rank 0 saved and runs splitfuse split over both ranks:
-    logits within TOL of one CPU rank at every step; both ranks' graph calls at the same buckets."""
+def test_qwen3_npu_cp2_tp2_sp_matches_one_cpu_rank(npu_ckpts):
+    """``open_engine(..., target="npu", standin=True, cp=2, tp=2, sp=True)`` (the seed's CP/SP: four rank processes,
+    two CP ranks of a TP group each, sequence parallel inside it): a 137-token prompt and its decode steps, then the
+    same prompt + 2 tokens, which hits the 128-token block CP rank 0 saved and runs splitfuse split over the CP ranks:
+    logits within TOL of one CPU rank at every step; every rank's graph calls at the same buckets, each a multiple
+    of tp (SP's equal shards), through modules that gather the CP KV and reduce-scatter the TP sums."""
     from graphgen.runtime import open_engine
     import graphgen.npu.run  # noqa: F401  (registers the "npu" target)
 
     spec, W = SPECS / "tiny_qwen3_npu.yaml", npu_ckpts["tiny_qwen3_npu"]
     prompts = [PREFIX, PREFIX + [7, 8]]
     refs = [_one_cpu_rank(spec, W, [p], 2)[0] for p in prompts]
-    with open_engine(spec, W, target="npu", standin=True, cp=2, collect_logits=True, num_blocks=8, threads=1) as e:
+    with open_engine(spec, W, target="npu", standin=True, cp=2, tp=2, sp=True, collect_logits=True, num_blocks=8,
+                     threads=1) as e:
         got = [e.generate([p], 2)[0] for p in prompts]
         calls, graphs = e.on_ranks(_calls), e.on_ranks(_ge_graphs)
-    _check_ge("tiny_qwen3_npu cp2", graphs, "all_gather_into_tensor")
+    assert len(calls) == 4
+    _check_ge("tiny_qwen3_npu cp2 tp2 sp", graphs, "all_gather_into_tensor")
+    _check_ge("tiny_qwen3_npu cp2 tp2 sp", graphs, "reduce_scatter_tensor")
     for ref, g in zip(refs, got):
-        assert_agree(ref.tokens, ref.step_logits, g.tokens, g.step_logits, TOL, where="npu cp2")
+        assert_agree(ref.tokens, ref.step_logits, g.tokens, g.step_logits, TOL, where="npu cp2 tp2 sp")
     assert (got[1].hit_tokens, got[1].variant) == (128, "splitfuse")
-    assert calls[0][0] == calls[1][0] and {v for v, _, _ in calls[0][0]} == {"mempool_prefill", "splitfuse", "decode"}
-    assert all("all_gather_into_tensor" in calls[0][1][v] for v in ("mempool_prefill", "splitfuse"))
+    assert all(c[0] == calls[0][0] for c in calls) and \
+        {v for v, _, _ in calls[0][0]} == {"mempool_prefill", "splitfuse", "decode"}
+    assert all(tokens % 2 == 0 for _, _, tokens in calls[0][0]), calls[0][0]
+    for _, modules in calls:
+        assert all("all_gather_into_tensor" in modules[v] for v in ("mempool_prefill", "splitfuse"))
+        assert all("reduce_scatter_tensor" in called for called in modules.values()), modules
 
 
 @needs_standin

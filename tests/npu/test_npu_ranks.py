@@ -106,6 +106,10 @@ def _startup_env(engine):  # run in each rank (pickled by name), given its engin
     return os.environ.get("HCCL_CONNECT_TIMEOUT"), os.environ.get("ENABLE_DYNAMIC_SHAPE_MULTI_STREAM")
 
 
+def _async_on(engine):  # run in each rank: does its core plan step N+1 while step N runs?
+    return engine.core.async_scheduling
+
+
 # ---- ranks ------------------------------------------------------------------------------------
 def _compare(cpu_tokens, npu_tokens, cpu_logits, npu_logits):
     """Logits within TOL, tokens equal up to a near tie (support.tokens); True when equal to the end."""
@@ -120,11 +124,16 @@ def test_qwen3_npu_ranks_match_the_cpu_ranks(npu_ckpts):
     spec, W = SPECS / "tiny_qwen3_npu.yaml", npu_ckpts["tiny_qwen3_npu"]
     runs, envs = {}, {}
     assert not {"HCCL_CONNECT_TIMEOUT", "ENABLE_DYNAMIC_SHAPE_MULTI_STREAM"} & set(os.environ)  # else: proves nothing
-    for target, opts in (("cpu", {}), ("npu", {"standin": True})):
+    # the NPU ranks with async scheduling (the seed's "async inference" on ranks), the CPU ranks without: one
+    # launch each covers both the target and the scheduling mode (the prompts one after another, settled: each
+    # decode step's input is fed back PENDING while the step before it is in flight; the third prompt is a pool
+    # hit). The rank cores must really run async (else: proves nothing)
+    for target, opts in (("cpu", {}), ("npu", {"standin": True, "async_scheduling": True})):
         with open_engine(spec, W, target=target, tp=2, collect_logits=True, num_blocks=8, threads=1, **opts) as e:
             runs[target] = e.generate(PROMPTS, 3)
             assert e.tp == 2 and type(e).__name__ == "DistributedEngine"
             envs[target] = e.on_ranks(_startup_env)
+            assert e.on_ranks(_async_on) == [target == "npu"] * 2
     # the NPU ranks start with HCCL's connect timeout (the warm-up deadline, clamped to CANN's 120-7200 s) and the
     # multi-stream variable (audit 4 M2/M9: the launcher's child environment); the CPU ranks (no env hook) without
     assert envs["npu"] == [("7200", "1")] * 2 and envs["cpu"] == [(None, None)] * 2
