@@ -151,9 +151,9 @@ CELLS: tuple[Cell, ...] = (
          "sequence_parallel_matches_transformers_and_one_rank", "= one rank = transformers"),
     runs(("async_write", "cp", "dp", "ep"), CPU, "tests/parallel/test_context_parallel.py::test_deepseek_cp2_inside_"
          "dp2_matches_transformers_and_one_rank", "= one rank = transformers"),
-    runs(("async_write", "cp", "mtp", "prefix_cache"), CPU, "tests/parallel/test_mtp_ranks.py::test_cp2_speculative_"
-         "equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one rank's speculative run, the MTP layer split "
-         "head-tail, drafts kept after a hit"),
+    runs(("async_write", "cp", "mtp", "prefix_cache", "tp"), CPU, "tests/parallel/test_mtp_ranks.py::test_cp2_tp2_"
+         "speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one rank's speculative run, the MTP "
+         "layer's draft runs split head-tail, drafts kept after a hit"),
     runs(("async_write", "mtp", "prefix_cache", "tp"), CPU, "tests/parallel/test_mtp_ranks.py::test_tp2_speculative_"
          "equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one rank's speculative run, drafts kept after a hit"),
     runs(("async_write", "dp", "ep", "mtp"), CPU, "tests/parallel/test_mtp_ranks.py::test_dp2_ep2_speculative_drafts_"
