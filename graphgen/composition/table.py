@@ -15,7 +15,6 @@ PD_SHARED_POOL = ("--role {role} hands the KV over through a shared pool: it nee
                   "host) and a --write other than off (got --pool {pool}, write {write})")
 LORA_RANKS = "LoRA adapters are not split over parallel ranks yet (docs/lora.md)"
 LORA_RANKS_FIX = "remove the lora: section, or use a parallel layout of one rank"
-MTP_SPLIT = "{0} ({{{0}}}) with MTP is not implemented (the MTP layer's draft tokens would need the same split)"
 
 
 ASYNC_SCHEDULING_DP = ("async scheduling is off under DP attention (--dp > 1): a DP rank with nothing to run serves "
@@ -28,10 +27,6 @@ def _async_on(dim: str) -> Callable[[Launch], bool]:
     return lambda x: x.async_scheduling and (getattr(x, dim) > 1 if dim != "sp" else x.sp)
 
 
-def _spec_with_mtp(name: str) -> Callable[[Launch], bool]:
-    return lambda x: x.mtp and getattr(x, name) > 1
-
-
 # ------------------------------------------------------------------------------------------------- the table
 # Order matters only among refusals: the first that applies is the one a launch prints (launch checks before
 # spec rules, as before the table: the NPU target's gaps, then the rank runners', then the roles').
@@ -41,6 +36,17 @@ CELLS: tuple[Cell, ...] = (
                                "are padded to one bucket per CP group, not to the DP ranks' agreed bucket: "
                                "graphgen/npu/run/context_parallel.py); use --target cpu, or run with --cp 1",
             when=lambda x: x.cp > 1 and x.dp > 1),
+    refused(("cp", "mtp"), NPU, "context parallel with MTP layers does not run on the NPU runner yet (its CP step "
+                                "splits no MTP draft run: the MTP graph's CP gather is not lowered and its draft "
+                                "runs are not bucketed per CP rank, graphgen/npu/run/context_parallel.py "
+                                "run_cp_step); use --target cpu, or run with --cp 1",
+            when=lambda x: x.cp > 1 and x.mtp),
+    # --- refused at launch: what the CPU ranks lack
+    refused(("cp", "dp", "mtp"), CPU, "--speculative mtp with context parallel inside DP attention is not built yet "
+                                      "(a DP group's dummy draft forward runs the MTP graph unsplit, its CP gather "
+                                      "without the step's split: graphgen/runtime/parallel/dp_rank.py); run with "
+                                      "--dp 1 or --cp 1",
+            when=lambda x: x.speculative and x.cp > 1 and x.dp > 1),
     # --- refused at launch: P/D roles (serve --role)
     refused(("mtp", "pd", "tp"), BOTH, "--speculative mtp under --role prefill|decode runs with one rank per instance "
                                        "so far (the handoff of speculative ranks' successor-keyed shards is untested: "
@@ -50,8 +56,6 @@ CELLS: tuple[Cell, ...] = (
     refused(("pd",), BOTH, PD_SHARED_POOL, when=lambda x: x.role != "both" and (
         x.write == "off" or x.pool == "host"), example=(("pool", "host"),)),
     # --- refused by the spec rules (graphgen validate; every launch, whose flags bypass the loader)
-    refused(("cp", "mtp"), BOTH, MTP_SPLIT.format("cp"), "spec", path="parallel.cp", fix="set cp: 1, or turn MTP off",
-            when=_spec_with_mtp("cp")),
     refused(("sp", "mtp"), BOTH, "sp with MTP is not implemented (the sequence-parallel pass does not split the MTP "
                                  "layer: its eh_proj would read the embedding's token shard before the all-gather)",
             "spec", path="parallel.sp", fix="set sp: false, or turn MTP off", when=lambda x: x.mtp and x.sp),
@@ -150,6 +154,9 @@ CELLS: tuple[Cell, ...] = (
     runs(("async_write", "chunked", "cp", "dp", "ep", "prefix_cache"), CPU, "tests/parallel/test_context_parallel.py::"
          "test_deepseek_cp2_inside_dp2_matches_transformers_and_one_rank", "= one rank = transformers (13 tokens "
          "chunked by 8, a hit on the other group's blocks)"),
+    runs(("async_write", "cp", "mtp", "prefix_cache", "tp"), CPU, "tests/parallel/test_mtp_ranks.py::test_cp2_tp2_"
+         "speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one rank's speculative run, the MTP "
+         "layer's draft runs split head-tail, drafts kept after a hit"),
     runs(("async_write", "mtp", "prefix_cache", "tp"), CPU, "tests/parallel/test_mtp_ranks.py::test_tp2_speculative_"
          "equals_one_rank_and_keeps_the_drafts_after_a_hit", "= one rank's speculative run, drafts kept after a hit"),
     runs(("async_write", "dp", "ep", "mtp"), CPU, "tests/parallel/test_mtp_ranks.py::test_dp2_ep2_speculative_drafts_"

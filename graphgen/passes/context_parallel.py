@@ -13,12 +13,15 @@ but attention, so the graph changes only around the KV:
   ranks' runner: ``graphgen.runtime.parallel.context_parallel``).
 
 The same holds for every chunk of a chunked prefill (the history variants: history KV is already in
-every rank's cache), so the pass applies to every prefill variant. **Decode** at ``cp > 1`` keeps
+every rank's cache), so the pass applies to every prefill variant, and to the MTP layer's graph
+(``phase: mtp``): its draft runs are split head-tail like the prefill they follow (row t holds token
+t+1, which every rank knows; the runner: `graphgen.runtime.parallel.context_parallel`), so its one
+``kv_write`` is gathered the same way. **Decode** at ``cp > 1`` keeps
 the KV replicated (every CP rank holds all of it, written by the prefill's gathers) and runs the
 unchanged decode graph; interleaved-block sharding of decode KV (DCP) is not done (docs/parallel.md
 says why). Replicated KV is saved once: ``insert_kv_save`` marks the saves ``writers=cp0``.
 
-requires: no collective in group cp yet; ensures: each prefill kv_write reads only CP all-gathers,
+requires: no collective in group cp yet; ensures: each prefill (and MTP) kv_write reads only CP all-gathers,
 and the parallel checks hold. With ``cp == 1`` the pass changes nothing. Pure Python, no torch.
 """
 
@@ -34,6 +37,9 @@ if TYPE_CHECKING:
     from ..modelspec.model import ModelSpec
 
 CP_GROUP = "cp"
+# the phases whose steps the CP ranks split head-tail (their kv_write gathered over cp): a prompt's
+# prefill and the MTP layer's draft runs (the verify and decode steps run unsplit and replicated)
+SPLIT_PHASES = ("prefill", "mtp")
 
 
 def cp_of(spec: ModelSpec) -> int:
@@ -53,7 +59,7 @@ class ContextParallel(Pass):
         if cp == 1:
             return
         graph.meta["cp"] = cp
-        if ctx.variant.phase != "prefill":
+        if ctx.variant.phase not in SPLIT_PHASES:
             return  # decode: KV replicated, the graph is the one every CP rank runs unchanged
         out: list[Node] = []
         for n in graph.nodes:

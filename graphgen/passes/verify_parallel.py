@@ -21,7 +21,7 @@ What they prove, on the one graph every rank runs:
 - **no partial sum escapes**: the output of a row-parallel op (``PARTIAL_OPS``) is read only by an
   ``all_reduce`` or ``reduce_scatter`` with ``reduce=sum``, and the local logits of a sharded LM head
   only by an ``all_gather``;
-- **context parallel** (``cp``): every part a prefill's ``kv_write`` writes is all-gathered over group
+- **context parallel** (``cp``): every part a prefill's (or an MTP draft run's) ``kv_write`` writes is all-gathered over group
   ``cp`` first (each CP rank computed only its head-tail chunks), and the saves and the pool commit
   carry ``writers=cp0`` (KV is replicated over CP: one writer), never without CP;
 - **no token shard escapes** (``sp``, ``dp``): a value holding 1/size of the step's tokens (a
@@ -37,6 +37,7 @@ from typing import Any
 
 from ..ir.graph import MAIN_STREAM, Graph, Node
 from ..ir.ops import COLLECTIVE_OPS, PARTIAL_OPS
+from .context_parallel import SPLIT_PHASES
 
 _RANK_WORDS = ("rank", "tp_rank", "ep_rank", "dp_rank", "cp_rank")
 # ops that may read a token shard (they work row by row): the rest need every token of the step
@@ -46,7 +47,7 @@ _SHARD_READERS = ("residual_add", "rms_norm", "all_gather")
 def _layout(graph: Graph) -> dict[str, Any]:
     m = graph.meta
     return {"tp": m.get("tp", 1), "ep": m.get("ep", 1), "dp": m.get("dp", 1), "cp": m.get("cp", 1),
-            "sp": m.get("sp", False), "prefill": m.get("phase") == "prefill"}
+            "sp": m.get("sp", False), "prefill": m.get("phase") in SPLIT_PHASES}
 
 
 def _sharded_head(n: Node, tp: int) -> bool:

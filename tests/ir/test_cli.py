@@ -164,17 +164,17 @@ def test_layout_flags_reach_open_engine_and_override_the_spec():
 
 
 @pytest.mark.parametrize("cmd,flags,missing", [
-    ("run", ("--speculative", "mtp", "--cp", "2"), "cp (2) with MTP is not implemented"),
-    ("serve", ("--cp", "2"), "cp (2) with MTP is not implemented"),
+    ("run", ("--speculative", "mtp", "--cp", "2", "--dp", "2", "--ep", "2"), "context parallel inside DP attention"),
     ("run", ("--tp", "2", "--sp"), "sp with MTP is not implemented"),
     ("serve", ("--speculative", "mtp", "--tp", "2", "--sp"), "sp with MTP is not implemented"),
-    ("run", ("--speculative", "mtp", "--cp", "2", "--target", "npu", "--standin"), "cp (2) with MTP is not implemented"),
+    ("run", ("--speculative", "mtp", "--cp", "2", "--target", "npu", "--standin"), "MTP layers does not run on the NPU"),
 ])
 def test_mtp_launches_the_runtimes_cannot_run_are_refused_in_one_sentence(tmp_path, cmd, flags, missing):
-    """Issue 38 item 1: MTP with tp, ep and dp runs on the ranks (tests/parallel/test_mtp_ranks.py); what still
-    does not -- cp and sp with MTP (spec rules, `families.parallel.parallel_rules`, also for a --cp/--sp override;
-    with --target npu the spec rule speaks before the NPU's own cp row) -- is one sentence naming what is missing,
-    exit 2, before any weights load (the folder is empty). In this interpreter (`support.inproc`)."""
+    """Issue 38 item 1: MTP with tp, ep, dp and cp runs on the CPU ranks (tests/parallel/test_mtp_ranks.py); what
+    still does not -- sp with MTP (a spec rule, `families.parallel.parallel_rules`, also for a --sp override), cp
+    with MTP on the NPU runner and speculative cp inside DP attention (launch rows of the one table) -- is one
+    sentence naming what is missing, exit 2, before any weights load (the folder is empty). In this interpreter
+    (`support.inproc`)."""
     from graphgen.families.parallel import runtime_layout_gap
     from graphgen.modelspec.loader import load_spec
     from support.cli import cli_inproc
@@ -190,3 +190,6 @@ def test_mtp_launches_the_runtimes_cannot_run_are_refused_in_one_sentence(tmp_pa
     for layout in ({}, {"tp": 2}, {"tp": 2, "ep": 2}, {"dp": 2, "ep": 2}, {"dp": 2, "tp": 2, "ep": 4}):
         for target in ("cpu", "npu"):
             assert runtime_layout_gap(spec.with_overrides(**layout).parallel, target, mtp=True, speculative=True) is None
+    for layout in ({"cp": 2}, {"cp": 2, "tp": 2}):  # cp with MTP: the CPU ranks run it, the NPU runner not yet
+        assert runtime_layout_gap(spec.with_overrides(**layout).parallel, "cpu", mtp=True, speculative=True) is None
+        assert runtime_layout_gap(spec.with_overrides(**layout).parallel, "npu", mtp=True, speculative=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import pytest
 import torch
@@ -152,6 +153,63 @@ def test_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ck
         assert lost.hit_tokens == 8 and lost.tokens == cold[0].tokens  # the target verifies: output unchanged
         worst = max((a - b).abs().max().item() for a, b in zip(cold[0].draft_logits, lost.draft_logits))
         assert worst > 1e-3, "the ranks' drafts did not read the MTP layer's pooled KV"
+
+
+def _unshifted_piece_ends(engine, on: bool) -> None:
+    """What a CP split that shifts each piece on its own rank's tokens only would feed the MTP layer: every row of a
+    draft run whose successor token lies in another rank's piece gets none (token 0), on this rank; the last row of
+    each request keeps its token (a piece-local shift has it too). ``on=False`` undoes it."""
+    split = engine.runner.split
+    split.__dict__.pop("step_inputs", None)
+    if not on:
+        return
+    real = split.step_inputs
+
+    def unshifted(plan, block_size):
+        share = real(plan, block_size)
+        if plan.prev_hidden is not None and share.input_ids.numel():
+            mine = share.mine(split.cp_rank).tolist()  # this rank's tokens' indices in the plan's order
+            row_ends = {n - 1 for n in itertools.accumulate(r.num_tokens for r in plan.rows)}
+            cut = [j for j, i in enumerate(mine) if i not in row_ends and (j + 1 == len(mine) or mine[j + 1] != i + 1)]
+            share.input_ids = share.input_ids.clone()
+            share.input_ids[cut] = 0
+        return share
+
+    split.step_inputs = unshifted
+
+
+def test_cp2_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ckpt, one_rank):
+    """``--cp 2 --tp 2`` with MTP (four ranks): each prefill split head-tail over the CP ranks, the target's hidden
+    states gathered back into token order, every draft run split the same way (row t holds token t+1: the shift
+    crosses the piece boundaries, every rank knowing the ids), the MTP layer's KV all-gathered over cp, its logits
+    reduced; inside each CP rank the MTP layer sharded over tp as at tp alone; the prompt's successor-keyed blocks
+    (the MLA latent) put by rank 0 only (CP rank 0, TP rank 0). Write async (the spec's mode)."""
+    plain, ref = one_rank
+    prompts = _prompts()
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="async", cp=2, tp=2, timeout=TIMEOUT, **OPTIONS) as eng:
+        cold = eng.generate(prompts, NEW)   # 11 and 5 tokens: pieces of unequal sizes, one empty on a rank
+        eng.drain()
+        stats = eng.rank_stats
+        warm = eng.generate(prompts[:1], NEW)[0]  # a full prefix hit on both CP ranks
+        eng.on_ranks(_unshifted_piece_ends, True)
+        wrong = eng.generate(prompts[:1], NEW)[0]  # the hit again: its first draft run's 3 rows split 1 + 2
+        eng.on_ranks(_unshifted_piece_ends, False)
+    assert_results_agree(plain, cold, ATOL, where="cp=2 tp=2 speculative vs one-rank greedy")
+    assert_results_agree(ref, cold, ATOL, where="cp=2 tp=2 vs one-rank speculative")
+    for a, b in zip(ref, cold):
+        _drafts_close(a, b, "cp=2 tp=2 vs one rank")
+        assert _counts(a) == _counts(b) and b.num_draft_tokens > 0
+    assert cold[0].saved_blocks == 2  # the long prompt's two full blocks, successor-keyed
+    # the latent is the same on every rank: rank 0 (CP rank 0's TP rank 0) alone puts it
+    assert stats[0]["puts"] >= 2 and all(s["puts"] == 0 and s["skipped_puts"] >= 2 for s in stats[1:]), stats
+    assert warm.hit_tokens == 8 and warm.tokens == cold[0].tokens
+    _drafts_close(cold[0], warm, "cp=2 tp=2 after a pool hit")
+    assert _counts(warm) == _counts(cold[0])
+    # negative control: rows whose successor is in the other rank's piece without it draft otherwise (the MTP KV
+    # at those positions, which the last row reads; the target still verifies)
+    assert wrong.hit_tokens == 8 and wrong.tokens == cold[0].tokens
+    worst = max((a - b).abs().max().item() for a, b in zip(cold[0].draft_logits, wrong.draft_logits))
+    assert worst > 1e-3, "the draft logits do not depend on the successor tokens across the piece boundaries"
 
 
 def test_dp2_ep2_speculative_drafts_per_group_with_dummy_draft_runs(mtp_ckpt, one_rank):

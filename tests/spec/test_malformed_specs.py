@@ -197,8 +197,6 @@ CASES = [
      [("a", "ep (4) must divide the shared experts' width (18)", "divides 18")]),
     ("dp_ep_on_dense", BASE_QWEN + "parallel:\n  dp: 2\n  ep: 2  # a\n",
      [("a", "ep (2) needs routed experts; this family has none", "set ep: 1")]),
-    ("cp_with_mtp", BASE_DS + "mtp:\n  num_layers: 1\nparallel:\n  cp: 2  # b\n",
-     [("b", "cp (2) with MTP is not implemented", "set cp: 1, or turn MTP off")]),
     ("dp_heads_per_group", BASE_DS + "parallel:\n  tp: 8  # a\n  dp: 2\n  ep: 16  # b\n",
      [("a", "tp (8) must divide num_attention_heads (4", "use a tp that divides 4"),
       ("b", "ep (16) must divide n_routed_experts (8)", "use an ep that divides 8")]),

@@ -120,9 +120,9 @@ def _sharded(graph):
 def test_every_layout_the_spec_rules_take_with_mtp_builds():
     """The spec rules and the passes agree for a spec with MTP (issue 38 item 2 lifted tp/ep): each layout of
     tp, ep, dp, cp and sp the rules accept builds every variant through the verified pipeline (dp with MTP
-    included since issue 38 item 1: the DP ranks run it), and the rules refuse sp and cp with MTP (what the
-    passes or the MTP split do not do: sp's pass fails on the MTP layer's eh_proj -- the control below shows
-    it)."""
+    included since issue 38 item 1: the DP ranks run it; cp too, whose pass gathers the MTP graph's KV over cp),
+    and the rules refuse sp with MTP (what the passes do not do: sp's pass fails on the MTP layer's eh_proj -- the
+    control below shows it)."""
     import dataclasses
     import itertools
 
@@ -143,7 +143,8 @@ def test_every_layout_the_spec_rules_take_with_mtp_builds():
         for v in spec.variants:
             run_pipeline(spec, v)
     assert (2, 2, 1, 1, False) in taken and (1, 1, 1, 1, False) in taken and (1, 2, 2, 1, False) in taken
-    assert {"parallel.sp", "parallel.cp"} <= refused
+    assert (1, 1, 1, 2, False) in taken and (2, 2, 1, 2, False) in taken  # cp with MTP: the MTP graph split too
+    assert "parallel.sp" in refused and "parallel.cp" not in refused
     sp = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tp=2, ep=2, sp=True))
     with pytest.raises(PassError, match="sequence_parallel"):  # the control: why the sp rule stays
         run_pipeline(sp, "mtp_draft")

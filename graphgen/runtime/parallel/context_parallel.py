@@ -21,7 +21,16 @@ graph is the single-group one. What this module adds is the runner side of that 
   of a prompt is in chunk ``2cp - 1``: rank 0's); `ContextSplit` scatters them into the step's
   full ``[rows, vocab]`` logits, zero elsewhere, and all-reduces (a sum with zeros: exact), so every
   rank samples from the same logits and the schedulers stay in lockstep;
-* **decode** runs unsplit and replicated (every rank the same inputs), as the graph is;
+* **decode** runs unsplit and replicated (every rank the same inputs), as the graph is — the verify rows of
+  speculative decoding too (a verify row in a mixed prefill step is split like the step's other rows);
+* **MTP** (``--speculative mtp``): the target's hidden states are gathered back into the step's token order
+  after each split step (`ContextSplit.gather_hidden`), so every rank's drafter holds a request's hidden states
+  as one rank's would; each draft run (a plan with ``prev_hidden``: the prompt's positions after its prefill,
+  a request's verified positions after a verify, one row per recursive draft) is split head-tail like a
+  prefill — row t holds token t+1, which every rank knows, so the shift crosses piece boundaries with no
+  exchange — each rank taking the previous hidden states of its own tokens; the MTP graph all-gathers its
+  layer's KV over cp before its ``kv_write`` (as the decoder layers'), its logits are reduced and its hidden
+  states gathered as the target's, and its save (the prompt's blocks, successor-keyed) is CP rank 0's;
 * **pool**: KV is the same on every CP rank, so keys are those of one group (no CP rank in them:
   ``r0of1`` at tp = 1) and only CP rank 0 puts (the graph's ``writers=cp0``; `SaveOncePool` on the others);
   every rank looks up and loads, hits agreed by MIN (`RankLoader`), commits made visible to all
@@ -49,8 +58,9 @@ import torch.distributed as dist
 from ..core.kvcache import slot_mapping
 from ..engine.request import StepPlan
 from ..engine.runner import StepInputs
+from .collectives import gather_rows
 
-__all__ = ["head_tail_pieces", "cp_pieces", "CpStepInputs", "cp_step_inputs", "ContextSplit"]
+__all__ = ["head_tail_pieces", "cp_pieces", "CpStepInputs", "CpMtpInputs", "cp_step_inputs", "ContextSplit"]
 
 CP_GROUP = "cp"  # the IR's group name (graphgen.passes.context_parallel.CP_GROUP)
 
@@ -77,6 +87,23 @@ class CpStepInputs(StepInputs):
     cp_counts: tuple[int, ...] = ()
     logits_rows: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     num_logits: int = 0
+    # the plan-order index (over the step's tokens, row by row) of every gathered token, rank 0's first:
+    # where each rank's hidden states go once gathered, and which previous hidden states a draft run reads
+    order: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    def mine(self, cp_rank: int) -> torch.Tensor:
+        """The plan-order indices of this rank's tokens (its slice of ``order``)."""
+        first = sum(self.cp_counts[:cp_rank])
+        return self.order[first:first + self.cp_counts[cp_rank]]
+
+
+@dataclass
+class CpMtpInputs(CpStepInputs):
+    """A CP rank's share of an MTP draft run: `CpStepInputs` plus the previous hidden states of its tokens
+    (row t of a draft run holds token t+1 and the hidden state at t: both known to every rank, so the split
+    is the prefill's, shifted by nothing but the plan's token ids)."""
+
+    prev_hidden: Optional[torch.Tensor] = None
 
 
 def cp_pieces(plan: StepPlan, cp: int) -> list[list[list[tuple[int, int]]]]:
@@ -94,6 +121,8 @@ def cp_step_inputs(plan: StepPlan, block_size: int, cp_rank: int, cp: int) -> Cp
     # the gathered order: rank 0's tokens, then rank 1's, ...; each rank's row by row, piece by piece
     slots = [slot_mapping(row.block_table, row.start + lo, row.start + hi, block_size)
              for mine in pieces for row, ps in zip(plan.rows, mine) for lo, hi in ps]
+    firsts = [sum(r.num_tokens for r in plan.rows[:i]) for i in range(len(plan.rows))]
+    order = [firsts[i] + t for mine in pieces for i, ps in enumerate(mine) for lo, hi in ps for t in range(lo, hi)]
     ids, pos, tables, seq_lens, query_lens, logit_idx, logit_rows = [], [], [], [], [], [], []
     offset, first_logit = 0, 0
     for row, ps in zip(plan.rows, pieces[cp_rank]):
@@ -121,7 +150,8 @@ def cp_step_inputs(plan: StepPlan, block_size: int, cp_rank: int, cp: int) -> Cp
         save_block_ids=torch.tensor(plan.save_block_ids, dtype=long),
         load_block_ids=torch.tensor(plan.load_block_ids, dtype=long),
         cp_counts=tuple(sum(hi - lo for ps in mine for lo, hi in ps) for mine in pieces),
-        logits_rows=torch.tensor(logit_rows, dtype=long), num_logits=first_logit)
+        logits_rows=torch.tensor(logit_rows, dtype=long), num_logits=first_logit,
+        order=torch.tensor(order, dtype=long))
 
 
 class ContextSplit:
@@ -159,10 +189,25 @@ class ContextSplit:
         pass
 
     def step_inputs(self, plan: StepPlan, block_size: int) -> Optional[StepInputs]:
-        """This rank's inputs of ``plan`` (None: a decode step, whole on every rank)."""
+        """This rank's inputs of ``plan`` (None: a decode step, whole on every rank). An MTP draft run (a plan
+        with ``prev_hidden``) is split as a prefill is, each rank taking the previous hidden states of its own
+        tokens: its graph gathers the MTP layer's KV over cp (`graphgen.passes.context_parallel`)."""
+        if plan.prev_hidden is not None:
+            share = cp_step_inputs(plan, block_size, self.cp_rank, self.cp)
+            return CpMtpInputs(**{f.name: getattr(share, f.name) for f in dataclasses.fields(share)},
+                               prev_hidden=plan.prev_hidden[share.mine(self.cp_rank)])
         if plan.phase == "decode":
             return None
         return cp_step_inputs(plan, block_size, self.cp_rank, self.cp)
+
+    def gather_hidden(self, local: torch.Tensor, inputs: CpStepInputs) -> torch.Tensor:
+        """The step's hidden states ``[tokens, H]`` in plan order from this rank's ``local`` rows (its tokens, in
+        its pieces' order): one counts-padded gather over the CP group, then each rank's rows put back where
+        its pieces lie, so the drafter keeps a request's hidden states as one rank would."""
+        gathered = gather_rows(local, inputs.cp_counts, self.cp_rank, self.group)
+        full = gathered.new_empty(gathered.shape)
+        full[inputs.order] = gathered
+        return full
 
     def execute(self, run: Callable, variant: str, inputs, staging=None, loads=()):
         """``run(variant, inputs, staging, loads)`` (the runner's own forward) around the CP share."""
@@ -170,6 +215,8 @@ class ContextSplit:
             return run(variant, inputs, staging, loads)
         self.rt.set_rows(CP_GROUP, inputs.cp_counts)  # the CP gather's rows per rank (CollectiveRuntime)
         handles = run(variant, inputs, staging, loads)
-        # whole-vocabulary rows (at tp > 1 the LM head gathered them)
+        # whole-vocabulary rows (at tp > 1 the LM head gathered them); the hidden states (a spec with MTP
+        # layers: what the draft runs read) gathered back into the step's token order
+        hidden = None if handles.hidden is None else self.gather_hidden(handles.hidden, inputs)
         return dataclasses.replace(handles, logits=self.reduce_logits(handles.logits, inputs.logits_rows,
-                                                                      inputs.num_logits))
+                                                                      inputs.num_logits), hidden=hidden)
