@@ -27,15 +27,19 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def tokenizers(chat_ckpt):
-    """family parser -> (tokenizer folder, vocab) of the chat checkpoints (the family's own tokens;
-    the session's, shared with test_serve_tools.py)."""
+def tokenizers(tmp_path_factory):
+    """family parser -> (tokenizer folder, vocab) of the chat specs: the family's own tokens and template, as
+    graphgen's checkpoint writer makes them (the chat checkpoints' tokenizer is this one, untouched by their
+    training: only the grammar's tokens matter here, so no model is trained for them)."""
     from graphgen.modelspec.loader import load_spec
+    from graphgen.runtime.checkpoint.tokenizer import write_tokenizer
 
     out = {}
     for parser, name in (("hermes", "tiny_qwen3_chat"), ("deepseek_v31", "tiny_deepseek_v3_chat")):
-        folder = chat_ckpt(name)[0]
-        out[parser] = (str(folder), load_spec(SPECS / f"{name}.yaml").dims.vocab_size)
+        spec = load_spec(SPECS / f"{name}.yaml")
+        folder = tmp_path_factory.mktemp(f"tok_{name}")
+        assert write_tokenizer(folder, spec.dims.vocab_size, family=spec.family) is not None
+        out[parser] = (str(folder), spec.dims.vocab_size)
     return out
 
 
