@@ -46,6 +46,10 @@ def _prompts():
     return [rand_prompt(g, 11), rand_prompt(g, 5)]  # 11 tokens: (11 - 1) // 4 = 2 blocks looked up with MTP
 
 
+# a P/D prefill's prompt (serve --role prefill runs it with max_tokens 1): 13 tokens, 3 full blocks, all handed off
+HANDOFF = rand_prompt(torch.Generator().manual_seed(3813), 13)
+
+
 @pytest.fixture(scope="module")
 def one_rank(mtp_ckpt):
     """The references: one rank's plain greedy run and its speculative run (write sync)."""
@@ -55,6 +59,13 @@ def one_rank(mtp_ckpt):
     with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="sync", **OPTIONS) as e:
         spec = e.generate(prompts, NEW)
     return plain, spec
+
+
+@pytest.fixture(scope="module")
+def one_rank_handoff(mtp_ckpt):
+    """One rank's cold speculative run of HANDOFF (write off: nothing in a pool)."""
+    with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="off", **OPTIONS) as e:
+        return e.generate([HANDOFF], NEW)[0]
 
 
 # ---- probes run in every rank process (`DistributedEngine.on_ranks`) --------------------------------------
@@ -103,7 +114,7 @@ def _counts(r) -> tuple:
     return r.num_draft_tokens, r.num_accepted_tokens, tuple(r.accepted_per_pos)
 
 
-def test_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ckpt, one_rank):
+def test_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ckpt, one_rank, one_rank_handoff):
     plain, ref = one_rank
     prompts = _prompts()
     with open_engine(TINY_DSV3_MTP, mtp_ckpt, write="sync", tp=2, timeout=TIMEOUT, **OPTIONS) as eng:
@@ -124,6 +135,23 @@ def test_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ck
         assert warm.hit_tokens == 8 and warm.tokens == cold[0].tokens
         _drafts_close(cold[0], warm, "tp=2 after a pool hit")
         assert _counts(warm) == _counts(cold[0])
+
+        # a P/D prefill on these ranks (serve --role prefill: max_tokens 1). The handoff names the ranks'
+        # successor-keyed blocks (the MLA latent one shard, put by rank 0); the request, finished on its first
+        # token, keeps its blocks for the draft run after its step, which saves every handed-off block on every
+        # rank, the MTP layer's KV included: a later request hits them all and drafts as a cold one rank does
+        naming = eng.block_naming()
+        assert naming.lookahead and naming.shards == ("r0of2",)
+        (keys,) = naming.handoff_keys(HANDOFF)
+        assert len(keys) == 3 and all("@la" in k for k in keys) and eng.pool.leading_run(keys) == 0
+        pre = eng.generate([HANDOFF], 1)[0]
+        eng.drain()
+        assert pre.saved_blocks == 3 and pre.num_draft_tokens == 0 and eng.pool.leading_run(keys) == 3
+        decoded = eng.generate([HANDOFF], NEW)[0]  # what D runs after the handoff (here on the same ranks)
+        assert decoded.hit_tokens == 12
+        assert_results_agree([one_rank_handoff], [decoded], ATOL, where="tp=2 after its own prefill's handoff")
+        _drafts_close(one_rank_handoff, decoded, "tp=2 after the handoff vs a cold one rank")
+        assert _counts(decoded) == _counts(one_rank_handoff)
 
         # perfect drafts: every verify position's logits used, and the ranks agree on every acceptance
         eng.on_ranks(_set_perfect_drafts, {tuple(p): r.tokens for p, r in zip(prompts, cold)})
@@ -146,13 +174,15 @@ def test_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ck
             sampled.append(toks)
         assert sampled[0] == sampled[1] and len(sampled[0]) == NEW
 
-        # negative control: the pool hands back the target's KV only: the drafts after the hit change
+        # negative control: the pool hands back the target's KV only: the drafts after the hit change (also
+        # after the handoff: the MTP KV the held request's draft run saved is what the drafts read)
         eng.on_ranks(_drop_mtp_kv, True)
-        lost = eng.generate(prompts[:1], NEW)[0]
+        lost = eng.generate([prompts[0], HANDOFF], NEW)
         eng.on_ranks(_drop_mtp_kv, False)
-        assert lost.hit_tokens == 8 and lost.tokens == cold[0].tokens  # the target verifies: output unchanged
-        worst = max((a - b).abs().max().item() for a, b in zip(cold[0].draft_logits, lost.draft_logits))
-        assert worst > 1e-3, "the ranks' drafts did not read the MTP layer's pooled KV"
+        for want, got, hit in ((cold[0], lost[0], 8), (decoded, lost[1], 12)):  # the same ranks' runs
+            assert got.hit_tokens == hit and got.tokens == want.tokens  # the target verifies: output unchanged
+            worst = max((a - b).abs().max().item() for a, b in zip(want.draft_logits, got.draft_logits))
+            assert worst > 1e-3, "the ranks' drafts did not read the MTP layer's pooled KV"
 
 
 def _unshifted_piece_ends(engine, on: bool) -> None:

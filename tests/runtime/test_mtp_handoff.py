@@ -94,19 +94,17 @@ def test_a_request_finished_by_its_first_token_saves_its_prompt_blocks(mtp_ckpt)
 def test_a_ranks_instance_names_the_successor_keys_its_speculative_ranks_save(mtp_ckpt):
     """`DistributedEngine.kv_naming` (P/D over ranks) names each shard's keys from a probe of the ranks
     (`launcher._key_parts`): for speculative ranks, the successor keys their schedulers look up and their
-    drafters save, as a one-rank engine names them. (The probe runs here on a one-rank engine; ranks that
-    decode speculatively are refused by the one refusal table today: docs/mtp.md.)"""
+    drafters save, as a one-rank engine names them. (The probe runs here on a one-rank engine; real tp-2
+    speculative ranks' naming and saves: tests/parallel/test_mtp_ranks.py's tp-2 test.)"""
     from graphgen.runtime.parallel.launcher import DistributedEngine, _key_parts
 
     for k in (2, 0):
         kw = {"num_speculative_tokens": k} if k else {}
         with open_engine(TINY_DSV3_MTP, mtp_ckpt, pool=HostPool(1 << 20), write="async", **kw) as eng:
-            class Ranks:  # the launcher's view: no pool of its own (Mooncake), one probe answer per rank
-                _pool = None
-
+            class Ranks:  # the launcher's view: one probe answer per rank
                 def on_ranks(self, fn):
                     return [fn(eng)]
 
-            ranks, own = DistributedEngine.kv_naming(Ranks()), eng.kv_naming()
+            ranks, own = DistributedEngine.block_naming(Ranks()), eng.kv_naming()
             assert ranks.lookahead is own.lookahead is bool(k)
             assert ranks.handoff_keys(PROMPT) == own.handoff_keys(PROMPT) and _key_parts(eng)[-1] is bool(k)

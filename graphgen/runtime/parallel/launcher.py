@@ -328,13 +328,16 @@ class DistributedEngine:
         pass
 
     def kv_naming(self):
-        """How the ranks name a prompt's blocks: every distinct KV shard's keys (a shard several ranks hold,
-        as MLA's latent, once), named here as each rank's loader names them (P/D's handoff over ranks). Keys
-        carry no DP rank (every DP group names a prompt's blocks alike), and DP ranks of one rank each name them
-        as one rank does (no ``shards``): a handoff of dp × tp ranks is one of tp ranks. None on the host pool:
-        it lives in this instance only, nothing outside could read a handoff."""
-        if self._pool is not None:
-            return None
+        """`block_naming` (P/D's handoff over ranks); None on the host pool: it lives in this instance only,
+        nothing outside could read a handoff."""
+        return None if self._pool is not None else self.block_naming()
+
+    def block_naming(self):
+        """How the ranks name a prompt's blocks, whatever the pool: every distinct KV shard's keys (a shard
+        several ranks hold, as MLA's latent, once), named here as each rank's loader names them. Keys carry no
+        DP rank (every DP group names a prompt's blocks alike), and DP ranks of one rank each name them as one
+        rank does (no ``shards``): a handoff of dp × tp ranks is one of tp ranks. Speculative ranks' keys carry
+        each block's successor token (``lookahead``), as their drafters save them."""
         from ...runtime.engine.interface import CacheNaming
         from ..pool.keys import KVShard, block_keys, chain_digests, mtp_block_keys
 
