@@ -216,7 +216,9 @@ def test_ranks_naming_of_dp_groups_is_the_tp_ranks_and_one_rank_each_is_one_rank
 
     def naming(*shards):
         probe = [("m", "L", i, n, 4, False) for i, n in shards]  # (not speculative)
-        return DistributedEngine.kv_naming(SimpleNamespace(_pool=None, on_ranks=lambda fn: probe))
+        eng = SimpleNamespace(_pool=None, on_ranks=lambda fn: probe)
+        eng.block_naming = lambda: DistributedEngine.block_naming(eng)  # kv_naming's body (any pool)
+        return DistributedEngine.kv_naming(eng)
 
     prompt = list(range(1, 14))
     one = CacheNaming(4, "L", lambda p, salt="": chain_digests(p, 4, salt),
