@@ -114,6 +114,17 @@ def _counts(r) -> tuple:
     return r.num_draft_tokens, r.num_accepted_tokens, tuple(r.accepted_per_pos)
 
 
+def _agree_with_one_rank(plain, ref, got, what: str) -> None:
+    """``got`` (the ranks' speculative results) vs the one-rank greedy run ``plain`` and speculative run ``ref``:
+    ranks reorder the reductions, so tokens equal up to a near tie at ATOL; each draft run's logits the one
+    rank's; the acceptance counts the same."""
+    assert_results_agree(plain, got, ATOL, where=f"{what} speculative vs one-rank greedy")
+    assert_results_agree(ref, got, ATOL, where=f"{what} vs one-rank speculative")
+    for a, b in zip(ref, got):
+        _drafts_close(a, b, f"{what} vs one rank")
+        assert _counts(a) == _counts(b) and b.num_draft_tokens > 0
+
+
 def test_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ckpt, one_rank, one_rank_handoff):
     plain, ref = one_rank
     prompts = _prompts()
@@ -122,11 +133,7 @@ def test_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mtp_ck
         eng.drain()
         # tokens: the plain run's and the one-rank speculative run's (two ranks reorder the reductions:
         # equal up to a near tie at ATOL), each draft run's logits the one rank's, acceptance the same
-        assert_results_agree(plain, cold, ATOL, where="tp=2 speculative vs one-rank greedy")
-        assert_results_agree(ref, cold, ATOL, where="tp=2 vs one-rank speculative")
-        for a, b in zip(ref, cold):
-            _drafts_close(a, b, "tp=2 vs one rank")
-            assert _counts(a) == _counts(b) and b.num_draft_tokens > 0
+        _agree_with_one_rank(plain, ref, cold, "tp=2")
         assert cold[0].saved_blocks == 2  # the long prompt's two full blocks, successor-keyed
         stats = eng.rank_stats
         assert stats[0]["puts"] >= 2 and stats[1]["puts"] == 0 and stats[1]["skipped_puts"] >= 2  # latent once
@@ -224,11 +231,7 @@ def test_cp2_tp2_speculative_equals_one_rank_and_keeps_the_drafts_after_a_hit(mt
         eng.on_ranks(_unshifted_piece_ends, True)
         wrong = eng.generate(prompts[:1], NEW)[0]  # the hit again: its first draft run's 3 rows split 1 + 2
         eng.on_ranks(_unshifted_piece_ends, False)
-    assert_results_agree(plain, cold, ATOL, where="cp=2 tp=2 speculative vs one-rank greedy")
-    assert_results_agree(ref, cold, ATOL, where="cp=2 tp=2 vs one-rank speculative")
-    for a, b in zip(ref, cold):
-        _drafts_close(a, b, "cp=2 tp=2 vs one rank")
-        assert _counts(a) == _counts(b) and b.num_draft_tokens > 0
+    _agree_with_one_rank(plain, ref, cold, "cp=2 tp=2")
     assert cold[0].saved_blocks == 2  # the long prompt's two full blocks, successor-keyed
     # the latent is the same on every rank: rank 0 (CP rank 0's TP rank 0) alone puts it
     assert stats[0]["puts"] >= 2 and all(s["puts"] == 0 and s["skipped_puts"] >= 2 for s in stats[1:]), stats
