@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 from ..ir.graph import MAIN_STREAM, Graph, Node
 from ..ir.ops import COLLECTIVE_OPS
 from .base import Pass, PassContext
+# the phases whose steps the CP ranks split head-tail: the checker's constant (it reads them too, and must not
+# import this pass, which calls it)
+from .verify_parallel import SPLIT_PHASES
 
 if TYPE_CHECKING:
     from ..modelspec.model import ModelSpec
 
 CP_GROUP = "cp"
-# the phases whose steps the CP ranks split head-tail (their kv_write gathered over cp): a prompt's
-# prefill and the MTP layer's draft runs (the verify and decode steps run unsplit and replicated)
-SPLIT_PHASES = ("prefill", "mtp")
 
 
 def cp_of(spec: ModelSpec) -> int:

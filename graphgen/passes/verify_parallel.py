@@ -37,7 +37,10 @@ from typing import Any
 
 from ..ir.graph import MAIN_STREAM, Graph, Node
 from ..ir.ops import COLLECTIVE_OPS, PARTIAL_OPS
-from .context_parallel import SPLIT_PHASES
+
+# the phases whose steps the CP ranks split head-tail (their kv_write gathered over cp; passes/context_parallel.py):
+# a prompt's prefill and the MTP layer's draft runs (the verify and decode steps run unsplit and replicated)
+SPLIT_PHASES = ("prefill", "mtp")
 
 _RANK_WORDS = ("rank", "tp_rank", "ep_rank", "dp_rank", "cp_rank")
 # ops that may read a token shard (they work row by row): the rest need every token of the step
